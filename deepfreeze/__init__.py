@@ -1,0 +1,34 @@
+"""DeepFreeze: asynchronous, sharded, multi-level checkpoints for data-parallel training.
+
+The core (this package) is framework-neutral and imports no TensorFlow; the
+Keras/Horovod adapter lives in :mod:`deepfreeze.keras`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .config import Config
+from .errors import (BackendError, CheckpointNotFoundError, CheckpointWriteError, ConfigError,
+                     CorruptCheckpointError, DeepFreezeError, ModelMismatchError)
+from .restore import Checkpoint, list_versions, load
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config", "Checkpoint", "load", "list_versions", "restore",
+    "DeepFreezeError", "ConfigError", "CheckpointNotFoundError", "CorruptCheckpointError",
+    "ModelMismatchError", "BackendError", "CheckpointWriteError",
+]
+
+
+def restore(model: Any, config: "str | Config | None" = None, name: str = "", version: int | None = None,
+            **overrides: Any) -> tuple[int, int]:
+    """Load the newest committed version (or ``version``) of ``name`` into a Keras ``model``.
+
+    Returns ``(version, step)``. Works in a plain process (no MPI) and at any
+    world size. Raises :class:`CheckpointNotFoundError` when nothing is
+    committed and :class:`ModelMismatchError` naming the first tensor that
+    does not match.
+    """
+    from .keras.restore import restore_model  # the only TensorFlow-dependent step
+    return restore_model(model, config=config, name=name, version=version, **overrides)

@@ -1,0 +1,299 @@
+"""The active backend: one process per node that flushes scratch to persistent.
+
+Started automatically by the first rank on a node that finds none listening
+(``flock`` on a lock file elects one starter), shared by every rank whose
+``scratch`` is the same directory, and stopped cleanly: it exits once no client
+is connected and its queue is empty for ``DEEPFREEZE_BACKEND_IDLE`` seconds
+(default 5), or on ``stop``. It imports no TensorFlow, so it starts in well
+under a second and stays small.
+
+IPC: a Unix stream socket, owner-only (``0700`` directory, ``0600`` socket),
+one JSON object per line in each direction. Requests::
+
+    {"op": "hello"}                      -> {"ok": true, "pid": N}
+    {"op": "flush", "job": {...}}        -> {"ok": true, "id": N}        (queued)
+    {"op": "wait", "ids": [...]}         -> {"ok": true, "errors": [...]} (when those jobs are done)
+    {"op": "status"}                     -> {"ok": true, "pending": N, "done": N, "clients": N}
+    {"op": "stop"}                       -> {"ok": true}  (drains the queue, then exits)
+
+Jobs run one at a time, in arrival order, in the thread ``deepfreeze-flusher``
+through :func:`deepfreeze.levels.flush_job`, the same code sync mode runs in
+the client. A failed job's error is reported to whoever waits for it.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from .errors import BackendError
+from .levels import flush_job
+
+__all__ = ["socket_path", "BackendClient", "serve", "main"]
+
+log = logging.getLogger("deepfreeze.backend")
+_MAX_LINE = 256 << 20
+
+
+def runtime_dir() -> str:
+    base = os.environ.get("DEEPFREEZE_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    path = os.path.join(base, f"deepfreeze-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise BackendError(f"{path} must be a directory owned by you with mode 0700 (it holds the backend "
+                           "socket); remove it or set DEEPFREEZE_RUNTIME_DIR to a private directory")
+    return path
+
+
+def socket_path(scratch: str) -> str:
+    """The backend socket serving the node whose scratch directory is ``scratch``."""
+    key = hashlib.sha1(os.path.realpath(scratch).encode()).hexdigest()[:16]
+    return os.path.join(runtime_dir(), f"backend-{key}.sock")
+
+
+def _send(sock: socket.socket, obj: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(obj).encode() + b"\n")
+
+
+class _Lines:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock, self.buf = sock, b""
+
+    def read(self) -> dict[str, Any] | None:
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                return None
+            self.buf += chunk
+            if len(self.buf) > _MAX_LINE:
+                raise ValueError("message too long")
+        line, self.buf = self.buf.split(b"\n", 1)
+        obj = json.loads(line)
+        if not isinstance(obj, dict):
+            raise ValueError("message is not an object")
+        return obj
+
+
+# ----------------------------------------------------------------------------- server
+
+class _Server:
+    def __init__(self, path: str, idle: float) -> None:
+        self.path, self.idle = path, idle
+        self.jobs: "queue.Queue[tuple[int, dict] | None]" = queue.Queue()
+        self.cond = threading.Condition()
+        self.next_id = 0
+        self.results: dict[int, str | None] = {}
+        self.clients = 0
+        self.last_activity = time.monotonic()
+        self.stopping = False
+
+    def flusher(self) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            jid, job = item
+            err = None
+            t0 = time.monotonic()
+            try:
+                res = flush_job(job)
+                log.info("job %d: %s v%d rank %d %s in %.3fs", jid, job["name"], job["version"], job["rank"],
+                         "committed" if res["committed"] else "flushed" if res["flushed"] else "kept on scratch",
+                         time.monotonic() - t0)
+            except Exception as e:  # reported to the waiter; the backend keeps serving
+                err = f"{type(e).__name__}: {e}"
+                log.error("job %d (%s v%s rank %s) failed: %s", jid, job.get("name"), job.get("version"),
+                          job.get("rank"), err)
+            with self.cond:
+                self.results[jid] = err
+                self.last_activity = time.monotonic()
+                self.cond.notify_all()
+
+    def handle(self, conn: socket.socket) -> None:
+        with self.cond:
+            self.clients += 1
+        lines = _Lines(conn)
+        try:
+            while True:
+                req = lines.read()
+                if req is None:
+                    return
+                op = req.get("op")
+                if op == "hello":
+                    _send(conn, {"ok": True, "pid": os.getpid()})
+                elif op == "flush":
+                    with self.cond:
+                        jid = self.next_id
+                        self.next_id += 1
+                        self.results[jid] = "pending"
+                    self.jobs.put((jid, req["job"]))
+                    _send(conn, {"ok": True, "id": jid})
+                elif op == "wait":
+                    ids = [int(i) for i in req.get("ids", [])]
+                    with self.cond:
+                        self.cond.wait_for(lambda: all(self.results.get(i) != "pending" for i in ids))
+                        errors = [self.results.pop(i, None) for i in ids]
+                    _send(conn, {"ok": True, "errors": [e for e in errors if e]})
+                elif op == "status":
+                    with self.cond:
+                        pending = sum(1 for v in self.results.values() if v == "pending")
+                        _send(conn, {"ok": True, "pid": os.getpid(), "pending": pending,
+                                     "clients": self.clients, "jobs": self.next_id})
+                elif op == "stop":
+                    self.stopping = True
+                    _send(conn, {"ok": True})
+                else:
+                    _send(conn, {"ok": False, "error": f"unknown op {op!r}"})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("client connection dropped: %s", e)
+        finally:
+            conn.close()
+            with self.cond:
+                self.clients -= 1
+                self.last_activity = time.monotonic()
+
+    def idle_now(self) -> bool:
+        with self.cond:
+            busy = self.clients > 0 or any(v == "pending" for v in self.results.values())
+            if self.stopping:
+                return not any(v == "pending" for v in self.results.values())
+            return not busy and time.monotonic() - self.last_activity >= self.idle
+
+
+def serve(path: str, idle: float = 5.0) -> None:
+    """Run a backend on ``path`` until idle or stopped."""
+    srv = _Server(path, idle)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        if os.path.exists(path):
+            os.unlink(path)
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    inode = os.stat(path).st_ino
+    sock.listen(64)
+    sock.settimeout(0.2)
+    threading.Thread(target=srv.flusher, name="deepfreeze-flusher", daemon=True).start()
+    log.info("backend %d listening on %s", os.getpid(), path)
+    try:
+        while not srv.idle_now():
+            try:
+                conn, _ = sock.accept()
+            except socket.timeout:
+                continue
+            conn.settimeout(None)
+            threading.Thread(target=srv.handle, args=(conn,), name="deepfreeze-backend-conn",
+                             daemon=True).start()
+    finally:
+        srv.jobs.put(None)
+        try:
+            if os.stat(path).st_ino == inode:  # not a successor's socket
+                os.unlink(path)
+        except OSError:
+            pass
+        sock.close()
+        log.info("backend %d stopped", os.getpid())
+
+
+# ----------------------------------------------------------------------------- client
+
+class BackendClient:
+    """A connection to the node's backend; starts one if none is listening."""
+
+    def __init__(self, scratch: str, *, start: bool = True, timeout: float = 60.0) -> None:
+        self.path = socket_path(scratch)
+        self.scratch = scratch
+        self._lock = threading.Lock()
+        self.sock = self._connect()
+        if self.sock is None and start:
+            self.sock = self._spawn(timeout)
+        if self.sock is None:
+            raise BackendError(f"no DeepFreeze backend listens on {self.path} for scratch {scratch}")
+        self._lines = _Lines(self.sock)
+        self.pid = self.request({"op": "hello"})["pid"]
+
+    def _connect(self) -> socket.socket | None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(self.path)
+            return s
+        except OSError:
+            s.close()
+            return None
+
+    def _spawn(self, timeout: float) -> socket.socket:
+        with open(self.path + ".lock", "a") as lockf:
+            fcntl.flock(lockf, fcntl.LOCK_EX)
+            s = self._connect()
+            if s is not None:
+                return s
+            os.makedirs(self.scratch, mode=0o700, exist_ok=True)
+            logf = open(os.path.join(self.scratch, ".deepfreeze-backend.log"), "ab")
+            proc = subprocess.Popen([sys.executable, "-m", "deepfreeze.backend", "--socket", self.path],
+                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                    start_new_session=True, close_fds=True)
+            logf.close()
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                s = self._connect()
+                if s is not None:
+                    return s
+                if proc.poll() is not None:
+                    raise BackendError(f"the DeepFreeze backend exited with code {proc.returncode} at start; "
+                                       f"see {self.scratch}/.deepfreeze-backend.log")
+                time.sleep(0.02)
+            proc.kill()
+            raise BackendError(f"the DeepFreeze backend did not listen on {self.path} within {timeout}s")
+
+    def request(self, obj: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            try:
+                _send(self.sock, obj)
+                resp = self._lines.read()
+            except (OSError, ValueError) as e:
+                raise BackendError(f"lost the DeepFreeze backend on {self.path} during {obj.get('op')!r}: {e}; "
+                                   f"see {self.scratch}/.deepfreeze-backend.log") from e
+        if resp is None:
+            raise BackendError(f"the DeepFreeze backend on {self.path} closed the connection during "
+                               f"{obj.get('op')!r}; see {self.scratch}/.deepfreeze-backend.log")
+        if not resp.get("ok"):
+            raise BackendError(f"backend refused {obj.get('op')!r}: {resp.get('error')}")
+        return resp
+
+    def flush(self, job: dict[str, Any]) -> int:
+        return self.request({"op": "flush", "job": job})["id"]
+
+    def wait(self, ids: list[int]) -> list[str]:
+        return self.request({"op": "wait", "ids": ids})["errors"] if ids else []
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m deepfreeze.backend", description=__doc__.split("\n")[0])
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--idle", type=float, default=float(os.environ.get("DEEPFREEZE_BACKEND_IDLE", "5")))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s backend[%(process)d] %(levelname)s %(message)s")
+    serve(args.socket, args.idle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

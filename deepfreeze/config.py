@@ -1,0 +1,175 @@
+"""VeloC-compatible configuration: one validated :class:`Config` object.
+
+DeepFreeze reads the same INI file VeloC reads (``key = value`` lines, ``#``
+comments, no sections), so one file drives the built-in engine and a site's
+VeloC alike. Precedence, lowest first: the file, then ``VELOC_<KEY>``
+environment variables (as VeloC does), then keyword overrides given in code
+(``DeepFreezeCheckpoint(scratch=...)``). Unknown keys and bad values raise
+:class:`~deepfreeze.errors.ConfigError` naming the key, the source and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+__all__ = ["Config", "KEYS", "validate_name"]
+
+#: every key DeepFreeze understands, with a one-line meaning (see docs/configuration.md)
+KEYS: dict[str, str] = {
+    "mode": "sync | async (mandatory): flush in the client (blocking) or in a per-node backend process",
+    "scratch": "node-local directory for the first-level checkpoint (mandatory)",
+    "persistent": "shared directory (parallel file system) for assembled checkpoints (mandatory)",
+    "persistent_interval": "seconds between versions flushed to persistent; 0 = every version, -1 = never",
+    "ec_interval": "seconds between versions protected by partner/erasure coding; -1 = off",
+    "max_versions": "versions kept per level; 0 = keep all",
+    "scratch_versions": "versions kept on scratch (overrides max_versions there); 0 = keep all",
+    "chksum": "true | false: CRC32 of every shard piece, verified on restore",
+    "meta": "directory for VeloC's checksum metadata (VeloC engine); the built-in engine keeps checksums in its index",
+    "failure_domain": "name of the failure domain (node) of this process; default: host name",
+    "watchdog_interval": "seconds between backend liveness checks (VeloC); 0 = off",
+    "axl_type": "VeloC AXL transfer type (VeloC engine only)",
+}
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def validate_name(name: str, what: str = "checkpoint name") -> str:
+    """Return ``name`` if it is a safe VeloC name (``[a-zA-Z0-9_.]+``, not ``.``/``..``)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", "..") or len(name) > 200:
+        raise ConfigError(
+            f"invalid {what} {name!r}: it must match [a-zA-Z0-9_.]+ (VeloC's rule, and it "
+            f"becomes a directory name), be at most 200 characters and not be '.' or '..'; "
+            f"pick e.g. 'nt3' or 'resnet50_run2'"
+        )
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Validated engine configuration (VeloC keys). Build with :meth:`load`."""
+
+    mode: str
+    scratch: str
+    persistent: str
+    persistent_interval: float = 0.0
+    ec_interval: float = -1.0
+    max_versions: int = 0
+    scratch_versions: int = 0
+    chksum: bool = True
+    meta: str | None = None
+    failure_domain: str = dataclasses.field(default_factory=socket.gethostname)
+    watchdog_interval: float = 0.0
+    axl_type: str | None = None
+    source: str = "<code>"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"{self.source}: mode = {self.mode!r} is invalid: use 'sync' or 'async'")
+        for key in ("scratch", "persistent"):
+            value = getattr(self, key)
+            if not value:
+                raise ConfigError(f"{self.source}: '{key}' is missing: set it to a directory path")
+            object.__setattr__(self, key, os.path.abspath(os.path.expanduser(value)))
+        if os.path.realpath(self.scratch) == os.path.realpath(self.persistent):
+            raise ConfigError(
+                f"{self.source}: scratch and persistent are the same directory ({self.scratch}); "
+                "they are different levels: point scratch to node-local storage"
+            )
+        for key in ("max_versions", "scratch_versions"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{self.source}: {key} = {getattr(self, key)} must be >= 0 (0 keeps all)")
+        if self.watchdog_interval < 0:
+            raise ConfigError(f"{self.source}: watchdog_interval must be >= 0")
+        validate_name(self.failure_domain.replace("-", "_"), "failure_domain")
+
+    @property
+    def keep_scratch(self) -> int:
+        """Versions kept on scratch (0 = all): ``scratch_versions`` else ``max_versions``."""
+        return self.scratch_versions or self.max_versions
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, *, env: Mapping[str, str] | None = None,
+             **overrides: Any) -> "Config":
+        """Read ``path`` (VeloC INI), apply ``VELOC_<KEY>`` env vars, then ``overrides``."""
+        env = os.environ if env is None else env
+        raw: dict[str, tuple[str, Any]] = {}
+        source = "<code>"
+        if path is not None:
+            source = os.fspath(path)
+            raw.update({k: (f"{source}:{n}", v) for k, (n, v) in _read_ini(source).items()})
+        for key in KEYS:
+            ev = env.get("VELOC_" + key.upper())
+            if ev is not None:
+                raw[key] = (f"env VELOC_{key.upper()}", ev)
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            if key not in KEYS:
+                raise ConfigError(_unknown(key, "keyword override"))
+            raw[key] = ("keyword override", value)
+        if "mode" not in raw:
+            raise ConfigError(f"{source}: 'mode' is mandatory (as in VeloC): add 'mode = async' or 'mode = sync'")
+        kwargs: dict[str, Any] = {"source": source}
+        for key, (where, value) in raw.items():
+            kwargs[key] = _convert(key, value, where)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
+
+
+def _unknown(key: str, where: str) -> str:
+    return (f"{where}: unknown key {key!r}. Known keys: {', '.join(sorted(KEYS))} "
+            "(see docs/configuration.md)")
+
+
+def _read_ini(path: str) -> dict[str, tuple[int, str]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file {path!r} does not exist: pass the path of a VeloC INI file "
+                          "(see veloc_cfg/local.cfg)") from e
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e}") from e
+    out: dict[str, tuple[int, str]] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line or (line.startswith("[") and line.endswith("]")):
+            continue
+        if "=" not in line:
+            raise ConfigError(f"{path}:{n}: expected 'key = value', got {line!r}")
+        key, value = (s.strip() for s in line.split("=", 1))
+        if key not in KEYS:
+            raise ConfigError(_unknown(key, f"{path}:{n}"))
+        out[key] = (n, value)
+    return out
+
+
+def _convert(key: str, value: Any, where: str) -> Any:
+    try:
+        if key in ("persistent_interval", "ec_interval", "watchdog_interval"):
+            return float(value)
+        if key in ("max_versions", "scratch_versions"):
+            if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):
+                raise ValueError("not an integer")
+            return int(value)
+        if key == "chksum":
+            if isinstance(value, bool):
+                return value
+            v = str(value).strip().lower()
+            if v in _TRUE:
+                return True
+            if v in _FALSE:
+                return False
+            raise ValueError("not a boolean (true/false)")
+        return str(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {key} = {value!r} is invalid: {e}") from e

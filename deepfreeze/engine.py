@@ -1,0 +1,133 @@
+"""The built-in engine: what one rank calls to checkpoint its shard.
+
+``Engine.checkpoint`` hands this rank's pieces (numpy views of the shard
+buffers) to the writer thread ``deepfreeze-writer-r<rank>`` and returns. The
+writer commits the shard to scratch (see :mod:`deepfreeze.levels` for the
+commit protocol) and then, in ``async`` mode, notifies the node's backend
+process, which flushes to persistent in the background; in ``sync`` mode the
+same flush runs inline and ``checkpoint`` blocks until it is done.
+
+Backpressure: at most one shard write is in flight per rank. If a checkpoint
+arrives while the previous one is still being written, ``checkpoint`` waits
+for it (bounded memory: no queue of model copies). The backend has its own
+FIFO of small notices; scratch usage is bounded by ``scratch_versions``.
+
+Errors of background work surface once, at the next ``checkpoint`` or ``wait``.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import socket
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from .backend import BackendClient
+from .config import Config, validate_name
+from .errors import BackendError, DeepFreezeError
+from .levels import ScratchLevel, flush_job
+from .shardplan import ShardPlan
+
+__all__ = ["Engine", "build_manifest"]
+
+log = logging.getLogger("deepfreeze")
+
+
+def build_manifest(name: str, version: int, step: int, epoch: int, plan: ShardPlan,
+                   domains: Sequence[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "format": "deepfreeze-manifest", "format_version": 1, "name": name, "version": version,
+        "step": step, "epoch": epoch, "world_size": plan.world_size, "created": time.time(),
+        "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json(),
+        "shards": [{"rank": r, "file": f"r{r:06d}.dfs", "domain": domains[r], "bytes": b}
+                   for r, b in enumerate(plan.rank_bytes())],
+        "total_bytes": plan.total_bytes, **(extra or {}),
+    }
+
+
+class Engine:
+    """Checkpoint engine of one rank. Not thread-safe: call from the training thread."""
+
+    def __init__(self, config: Config, name: str, rank: int, plan: ShardPlan,
+                 domains: Sequence[str] | None = None, *, scratch_cls: type = ScratchLevel) -> None:
+        self.config, self.name, self.rank, self.plan = config, validate_name(name), rank, plan
+        self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
+        self.scratch = scratch_cls(config.scratch)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-writer-r{rank}")
+        self._inflight: concurrent.futures.Future | None = None
+        self._error: BaseException | None = None
+        self._flush_ids: list[int] = []
+        self._backend: BackendClient | None = None
+        self.last_version: int | None = None
+        self.stats: list[dict[str, float]] = []
+        if config.mode == "async":
+            self._backend = BackendClient(config.scratch)
+
+    # -- public
+    def checkpoint(self, version: int, arrays: Sequence[np.ndarray], *, step: int, epoch: int,
+                   extra: dict[str, Any] | None = None) -> None:
+        """Commit this rank's pieces of ``version`` (flat arrays in plan order)."""
+        t0 = time.perf_counter()
+        self._drain()
+        self._raise_pending()
+        manifest = build_manifest(self.name, version, step, epoch, self.plan, self.domains, extra)
+        if self.config.mode == "sync":
+            self._write(version, arrays, manifest)
+        else:
+            self._inflight = self._pool.submit(self._write, version, arrays, manifest)
+        self.last_version = version
+        self.stats.append({"version": version, "blocking_s": time.perf_counter() - t0})
+
+    def wait(self, *, persistent: bool = True) -> None:
+        """Block until every submitted checkpoint is on scratch (and, if ``persistent``, flushed)."""
+        self._drain()
+        if persistent and self._backend is not None and self._flush_ids:
+            ids, self._flush_ids = self._flush_ids, []
+            errors = self._backend.wait(ids)
+            if errors:
+                self._error = self._error or BackendError("background flush failed: " + "; ".join(errors))
+        self._raise_pending()
+
+    def close(self, *, wait: bool = True) -> None:
+        try:
+            if wait:
+                self.wait(persistent=True)
+        finally:
+            self._pool.shutdown(wait=True)
+            if self._backend is not None:
+                self._backend.close()
+                self._backend = None
+
+    # -- internals
+    def _drain(self) -> None:
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight, None
+            try:
+                fut.result()
+            except BaseException as e:  # surfaced once, below
+                self._error = self._error or e
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            if isinstance(err, DeepFreezeError):
+                raise err
+            raise DeepFreezeError(f"background checkpoint work failed: {err}") from err
+
+    def _write(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
+        cfg = self.config
+        self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays, chksum=cfg.chksum)
+        self.scratch.write_manifest(self.name, version, manifest)
+        job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
+               "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
+               "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions, "manifest": manifest}
+        if self._backend is not None:
+            self._flush_ids.append(self._backend.flush(job))
+        else:
+            flush_job(job, scratch_cls=type(self.scratch))
+
+
+def default_domain() -> str:
+    return socket.gethostname()

@@ -1,0 +1,46 @@
+"""The one exception hierarchy of DeepFreeze.
+
+Every error DeepFreeze raises is a :class:`DeepFreezeError`; each subclass also
+subclasses the built-in exception a caller would naturally catch, so
+``except FileNotFoundError`` keeps working around ``restore``.
+Messages say what went wrong, why, and what to do.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "DeepFreezeError",
+    "ConfigError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "ModelMismatchError",
+    "BackendError",
+    "CheckpointWriteError",
+]
+
+
+class DeepFreezeError(Exception):
+    """Base class of every error raised by DeepFreeze."""
+
+
+class ConfigError(DeepFreezeError, ValueError):
+    """A configuration file, key, value or option is invalid."""
+
+
+class CheckpointNotFoundError(DeepFreezeError, FileNotFoundError):
+    """No committed checkpoint matches the request."""
+
+
+class CorruptCheckpointError(DeepFreezeError, ValueError):
+    """A file on disk is not a valid DeepFreeze file (damaged, truncated, hostile)."""
+
+
+class ModelMismatchError(DeepFreezeError, ValueError):
+    """The model's tensors do not match the checkpoint's."""
+
+
+class BackendError(DeepFreezeError, RuntimeError):
+    """The background flush process failed or cannot be reached."""
+
+
+class CheckpointWriteError(DeepFreezeError, OSError):
+    """Writing a checkpoint failed (disk full, permissions, I/O error)."""

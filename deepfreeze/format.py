@@ -1,0 +1,304 @@
+"""On-disk formats: the binary shard file and the JSON manifest.
+
+Shard file (one per rank and version on scratch; the assembled file on
+persistent uses the same layout with ``kind = ASSEMBLED``). Little-endian::
+
+    header (64 bytes)
+      magic        8s   b"DEEPFRZ\\0"
+      version      u16  FORMAT_VERSION
+      kind         u16  1 = shard, 2 = assembled
+      flags        u32  bit 0: piece checksums present
+      rank         u32  writer's rank (0 for assembled)
+      world_size   u32
+      ckpt_version u64  checkpoint version number
+      n_entries    u32
+      index_bytes  u32
+      data_offset  u64  start of the data region (4096-aligned)
+      file_size    u64  exact expected size of the file
+      index_crc    u32  CRC32 of the index bytes
+      header_crc   u32  CRC32 of the 60 bytes before it
+    index: n_entries entries of 48 + 8*ndim bytes
+      tensor_id u32, dtype u8, ndim u8, pad u16,
+      start u64, stop u64        flat element range [start, stop) of the tensor
+      offset u64, length u64     where its bytes are, from the file start
+      crc u32, pad u32           CRC32 of the bytes (0 unless flag bit 0)
+      shape ndim x u64           full shape of the tensor
+    data: raw C-order bytes of each piece (no labels, no pickle)
+
+Names, the shard plan and the step live in the manifest (JSON, never pickle),
+so the data path carries no per-tensor labels. Every size and offset read
+from disk is bounds-checked against the file size before use; any violation
+raises :class:`~deepfreeze.errors.CorruptCheckpointError`. One tensor (or one
+piece) can be read alone: the index gives its offset and length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import struct
+import zlib
+from typing import Any, BinaryIO, Sequence
+
+import numpy as np
+
+from .errors import CorruptCheckpointError
+
+__all__ = [
+    "MAGIC", "FORMAT_VERSION", "KIND_SHARD", "KIND_ASSEMBLED", "Entry", "ShardIndex",
+    "DTYPES", "dtype_itemsize", "numpy_dtype", "dtype_name", "layout", "encode_index",
+    "read_index", "read_entry", "crc32", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
+]
+
+MAGIC = b"DEEPFRZ\0"
+FORMAT_VERSION = 1
+KIND_SHARD = 1
+KIND_ASSEMBLED = 2
+FLAG_CRC = 1
+_HEADER = struct.Struct("<8sHHIIIQIIQQII")
+assert _HEADER.size == 64
+_ENTRY = struct.Struct("<IBBHQQQQII")
+assert _ENTRY.size == 48
+DATA_ALIGN = 4096
+PIECE_ALIGN = 64
+MAX_NDIM = 32
+MAX_ENTRIES = 1 << 22
+MAX_MANIFEST_BYTES = 256 << 20
+
+# dtype code <-> name; names are numpy's (bfloat16 via ml_dtypes, which TF ships)
+DTYPES: dict[int, str] = {
+    1: "float32", 2: "float64", 3: "float16", 4: "bfloat16",
+    5: "int8", 6: "int16", 7: "int32", 8: "int64",
+    9: "uint8", 10: "uint16", 11: "uint32", 12: "uint64",
+    13: "bool", 14: "complex64", 15: "complex128",
+}
+_CODES = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2,
+             "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
+             "bool": 1, "complex64": 8, "complex128": 16}
+
+
+def dtype_itemsize(name: str) -> int:
+    try:
+        return _ITEMSIZE[name]
+    except KeyError:
+        raise CorruptCheckpointError(f"unsupported dtype {name!r}; supported: {sorted(_ITEMSIZE)}") from None
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    dtype_itemsize(name)
+    if name == "bfloat16":
+        import ml_dtypes  # shipped with TensorFlow; only needed for bfloat16 tensors
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def dtype_name(dtype: Any) -> str:
+    name = np.dtype(dtype).name
+    dtype_itemsize(name)
+    return name
+
+
+def crc32(buf: Any, value: int = 0) -> int:
+    """CRC32 of a buffer (zlib releases the GIL on large buffers)."""
+    return zlib.crc32(memoryview(buf).cast("B"), value) & 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    tensor_id: int
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    offset: int = 0
+    length: int = 0
+    crc: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * dtype_itemsize(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardIndex:
+    kind: int
+    rank: int
+    world_size: int
+    version: int
+    has_crc: bool
+    data_offset: int
+    file_size: int
+    entries: tuple[Entry, ...]
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def layout(entries: Sequence[Entry], *, contiguous_tensors: bool = False) -> tuple[list[Entry], int, int]:
+    """Assign offsets to ``entries`` (in order). Returns (entries, data_offset, file_size).
+
+    With ``contiguous_tensors`` (assembled files), consecutive pieces of one tensor
+    are packed back to back so the whole tensor is one contiguous byte range.
+    """
+    index_bytes = sum(_ENTRY.size + 8 * len(e.shape) for e in entries)
+    data_offset = _align(_HEADER.size + index_bytes, DATA_ALIGN)
+    pos = data_offset
+    out = []
+    prev: Entry | None = None
+    for e in entries:
+        if not (contiguous_tensors and prev is not None and prev.tensor_id == e.tensor_id
+                and prev.stop == e.start):
+            pos = _align(pos, PIECE_ALIGN)
+        out.append(dataclasses.replace(e, offset=pos, length=e.nbytes))
+        pos += e.nbytes
+        prev = e
+    return out, data_offset, pos
+
+
+def encode_index(kind: int, rank: int, world_size: int, version: int, entries: Sequence[Entry],
+                 data_offset: int, file_size: int, has_crc: bool) -> bytes:
+    """Header + index bytes (to be written at offset 0, padded up to ``data_offset``)."""
+    parts = []
+    for e in entries:
+        if len(e.shape) > MAX_NDIM:
+            raise ValueError(f"tensor {e.tensor_id} has {len(e.shape)} dims; at most {MAX_NDIM} supported")
+        parts.append(_ENTRY.pack(e.tensor_id, _CODES[e.dtype], len(e.shape), 0, e.start, e.stop,
+                                 e.offset, e.length, e.crc, 0))
+        parts.append(struct.pack(f"<{len(e.shape)}Q", *e.shape))
+    index = b"".join(parts)
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, FLAG_CRC if has_crc else 0, rank, world_size,
+                        version, len(entries), len(index), data_offset, file_size, crc32(index), 0)
+    head = head[:-4] + struct.pack("<I", crc32(head[:-4]))
+    return head + index
+
+
+def read_index(f: BinaryIO, path: str = "<file>") -> ShardIndex:
+    """Read and validate the header and index of an open shard/assembled file."""
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: not a valid DeepFreeze file: {why}. The file is damaged "
+                                      "or not DeepFreeze's; restore falls back to another level or version.")
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    raw = f.read(_HEADER.size)
+    if len(raw) < _HEADER.size:
+        raise bad(f"{size} bytes, shorter than the {_HEADER.size}-byte header")
+    (magic, fver, kind, flags, rank, world, version, n, index_bytes, data_offset, file_size,
+     index_crc, header_crc) = _HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise bad(f"wrong magic {magic!r}")
+    if crc32(raw[:-4]) != header_crc:
+        raise bad("header checksum mismatch")
+    if fver != FORMAT_VERSION:
+        raise bad(f"format version {fver}, this DeepFreeze reads {FORMAT_VERSION}: upgrade DeepFreeze")
+    if kind not in (KIND_SHARD, KIND_ASSEMBLED) or not 1 <= world <= 1 << 20 or rank >= world:
+        raise bad(f"kind {kind}, rank {rank}, world size {world} out of range")
+    if n > MAX_ENTRIES or index_bytes > n * (_ENTRY.size + 8 * MAX_NDIM) or index_bytes < n * _ENTRY.size:
+        raise bad(f"{n} entries in {index_bytes} index bytes is impossible")
+    if file_size != size:
+        raise bad(f"size is {size} bytes, the header says {file_size} (truncated or padded)")
+    if not _HEADER.size + index_bytes <= data_offset <= file_size:
+        raise bad(f"data offset {data_offset} outside the file")
+    index = f.read(index_bytes)
+    if len(index) != index_bytes or crc32(index) != index_crc:
+        raise bad("index checksum mismatch")
+    entries = []
+    pos = 0
+    for i in range(n):
+        if pos + _ENTRY.size > index_bytes:
+            raise bad(f"entry {i} runs past the index")
+        tid, code, ndim, _, start, stop, off, length, crc, _ = _ENTRY.unpack_from(index, pos)
+        pos += _ENTRY.size
+        if code not in DTYPES or ndim > MAX_NDIM or pos + 8 * ndim > index_bytes:
+            raise bad(f"entry {i}: dtype code {code} or ndim {ndim} invalid")
+        shape = struct.unpack_from(f"<{ndim}Q", index, pos)
+        pos += 8 * ndim
+        dtype = DTYPES[code]
+        if any(d > 1 << 48 for d in shape):
+            raise bad(f"entry {i}: absurd shape {shape}")
+        total = math.prod(shape)
+        if not start <= stop <= total or length != (stop - start) * _ITEMSIZE[dtype] \
+                or not data_offset <= off or off + length > file_size:
+            raise bad(f"entry {i} (tensor {tid}): range [{start},{stop}) of {total}, bytes "
+                      f"[{off},{off + length}) do not fit the tensor or the file")
+        entries.append(Entry(tid, dtype, tuple(shape), start, stop, off, length, crc))
+    if pos != index_bytes:
+        raise bad("index has trailing bytes")
+    return ShardIndex(kind, rank, world, version, bool(flags & FLAG_CRC), data_offset, file_size,
+                      tuple(entries))
+
+
+def read_entry(f: BinaryIO, entry: Entry, out: np.ndarray | None = None, *, verify: bool = True,
+               path: str = "<file>") -> np.ndarray:
+    """Read one piece's bytes into ``out`` (a flat array of ``entry`` dtype) or a new array."""
+    dtype = numpy_dtype(entry.dtype)
+    count = entry.stop - entry.start
+    if out is None:
+        out = np.empty(count, dtype=dtype)
+    if out.dtype != dtype or out.size != count or not out.flags.c_contiguous:
+        raise ValueError("output buffer does not match the entry")
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    got = os.preadv(f.fileno(), [view], entry.offset) if entry.length else 0
+    while got < entry.length:  # preadv may return short reads
+        n = os.preadv(f.fileno(), [view[got:]], entry.offset + got)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path}: unexpected end of file in tensor {entry.tensor_id}")
+        got += n
+    if verify and crc32(view) != entry.crc:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in tensor {entry.tensor_id} elements [{entry.start},{entry.stop}): "
+            "the data was damaged after it was written")
+    return out
+
+
+# --------------------------------------------------------------------------- manifest
+
+_FILE_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def encode_manifest(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode("utf-8")
+
+
+def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
+    """Parse and validate a manifest (JSON, size-limited, strict schema)."""
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: invalid DeepFreeze manifest: {why}")
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise bad(f"{len(data)} bytes is larger than the {MAX_MANIFEST_BYTES} limit")
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"not JSON ({e})") from e
+    if not isinstance(obj, dict) or obj.get("format") != "deepfreeze-manifest":
+        raise bad("'format' is not 'deepfreeze-manifest'")
+    if obj.get("format_version") != FORMAT_VERSION:
+        raise bad(f"format_version {obj.get('format_version')!r}, expected {FORMAT_VERSION}")
+    for key, typ in (("name", str), ("version", int), ("step", int), ("epoch", int),
+                     ("world_size", int), ("tensors", list), ("plan", dict), ("shards", list)):
+        if not isinstance(obj.get(key), typ) or isinstance(obj.get(key), bool):
+            raise bad(f"'{key}' missing or not {typ.__name__}")
+    names = set()
+    for i, t in enumerate(obj["tensors"]):
+        if not (isinstance(t, dict) and t.get("id") == i and isinstance(t.get("name"), str)
+                and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+                and all(type(d) is int and 0 <= d <= 1 << 48 for d in t["shape"])
+                and len(t["shape"]) <= MAX_NDIM):
+            raise bad(f"tensor entry {i} malformed")
+        if t["dtype"] not in _ITEMSIZE:
+            raise bad(f"tensor {t['name']!r} has unsupported dtype {t['dtype']!r}")
+        if t["name"] in names:
+            raise bad(f"duplicate tensor name {t['name']!r}")
+        names.add(t["name"])
+    for s in obj["shards"]:
+        if not (isinstance(s, dict) and type(s.get("rank")) is int and isinstance(s.get("file"), str)
+                and _FILE_RE.match(s["file"]) and s["file"] not in (".", "..")):
+            raise bad(f"shard entry {s!r} malformed (file names must be plain names, no paths)")
+    asm = obj.get("assembled")
+    if asm is not None and not (isinstance(asm, dict) and isinstance(asm.get("file"), str)
+                                and _FILE_RE.match(asm["file"]) and asm["file"] not in (".", "..")):
+        raise bad("'assembled' malformed (file names must be plain names, no paths)")
+    return obj

@@ -1,0 +1,396 @@
+"""Storage levels, their directory layout and the commit protocol.
+
+Layout::
+
+    <scratch>/<name>/v<version:012d>/r<rank:06d>.dfs   one shard file per rank (format.py)
+    <scratch>/<name>/v<version:012d>/manifest.json     written by every local rank after its shard
+    <persistent>/<name>/v<version:012d>/model.dfz      the assembled checkpoint (all tensors, whole)
+    <persistent>/<name>/v<version:012d>/manifest.json  the commit marker, written last
+
+Commit protocol (data first, marker last, atomically):
+
+* **Scratch.** A rank writes its shard to ``.r<rank>.dfs.tmp<pid>`` and renames
+  it to ``r<rank>.dfs`` (atomic on POSIX), then writes ``manifest.json`` the same
+  way (same bytes on every rank). A shard is on scratch once its final name
+  exists; a version is *complete on a scratch directory* when its manifest and
+  every rank's shard are there. Scratch is not fsynced by default: node-local
+  storage is lost with its node anyway, and a killed process loses nothing
+  already written (the page cache belongs to the kernel).
+* **Persistent.** Every node copies its ranks' pieces into the shared
+  ``model.dfz.partial`` at offsets computed from the manifest alone (pieces of a
+  tensor are contiguous, so each piece is one positional write), fsyncs it, then
+  publishes ``done.r<rank>.json`` (piece checksums) by atomic rename. The node
+  that sees the last ``done`` marker wins ``commit.lock`` (``O_EXCL``) and
+  finalizes: it writes the header and index, fsyncs, renames ``model.dfz.partial``
+  to ``model.dfz``, writes ``manifest.json`` via temp file + fsync + rename, and
+  fsyncs the directory. **A version is committed on persistent if and only if
+  its ``manifest.json`` exists**; anything else in a version directory is an
+  unfinished flush that readers ignore.
+* **Which versions go to persistent** (``persistent_interval`` seconds) is decided
+  once per version by the first node to flush it, recorded with ``O_EXCL`` in
+  ``decision`` so every node follows the same choice without any collective.
+* **Retention** runs after a commit: ``max_versions`` newest committed versions
+  stay on persistent; ``scratch_versions`` (else ``max_versions``) newest stay on
+  scratch, each rank deleting only its own shards, oldest first.
+
+Levels are classes so faults can be injected by subclassing one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from . import format as fmt
+from .errors import CheckpointWriteError, CorruptCheckpointError
+from .shardplan import ShardPlan, TensorSpec
+
+__all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job"]
+
+log = logging.getLogger("deepfreeze")
+_VDIR = re.compile(r"^v(\d{12})$")
+MANIFEST = "manifest.json"
+ASSEMBLED = "model.dfz"
+
+
+def _uniq() -> str:
+    """Suffix for temporary names, unique across processes and threads."""
+    return f"{os.getpid()}.{threading.get_ident()}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, data: bytes, *, fsync: bool) -> None:
+    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.tmp{_uniq()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, data, 0)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_dir(os.path.dirname(path))
+
+
+def _write_all(fd: int, buf: Any, offset: int) -> None:
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
+
+
+def plan_of(manifest: dict[str, Any]) -> ShardPlan:
+    tensors = [TensorSpec(t["id"], t["name"], t["dtype"], tuple(t["shape"])) for t in manifest["tensors"]]
+    plan = ShardPlan.from_json(tensors, manifest["plan"])
+    if plan.world_size != manifest["world_size"]:
+        raise CorruptCheckpointError("manifest world_size disagrees with its shard plan")
+    return plan
+
+
+def piece_entries(plan: ShardPlan, pieces: Iterable) -> list[fmt.Entry]:
+    return [fmt.Entry(p.tensor_id, plan.tensors[p.tensor_id].dtype, plan.tensors[p.tensor_id].shape,
+                      p.start, p.stop) for p in pieces]
+
+
+class Level:
+    """A directory tree of versions for checkpoint names."""
+
+    kind = "level"
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def name_dir(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def version_dir(self, name: str, version: int) -> str:
+        if not 0 <= version < 10 ** 12:
+            raise ValueError(f"version {version} out of range [0, 1e12)")
+        return os.path.join(self.root, name, f"v{version:012d}")
+
+    def versions(self, name: str) -> list[int]:
+        """Every version directory present (committed or not), ascending."""
+        try:
+            names = os.listdir(self.name_dir(name))
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _VDIR.match(n)))
+
+    def read_manifest(self, name: str, version: int) -> dict[str, Any]:
+        path = os.path.join(self.version_dir(name, version), MANIFEST)
+        with open(path, "rb") as f:
+            data = f.read(fmt.MAX_MANIFEST_BYTES + 1)
+        m = fmt.decode_manifest(data, path)
+        if m["name"] != name or m["version"] != version:
+            raise CorruptCheckpointError(f"{path}: manifest is for {m['name']!r} v{m['version']}, "
+                                         f"found under {name!r} v{version}")
+        return m
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+
+
+class ScratchLevel(Level):
+    """Node-local first level: one shard file per rank and version."""
+
+    kind = "scratch"
+
+    def shard_path(self, name: str, version: int, rank: int) -> str:
+        return os.path.join(self.version_dir(name, version), f"r{rank:06d}.dfs")
+
+    def write_shard(self, name: str, version: int, rank: int, plan: ShardPlan,
+                    arrays: Sequence[np.ndarray], *, chksum: bool, fsync: bool = False) -> str:
+        """Write this rank's pieces (flat arrays, plan order) and commit them by rename."""
+        pieces = plan.for_rank(rank)
+        if len(arrays) != len(pieces):
+            raise ValueError(f"rank {rank} holds {len(pieces)} pieces, got {len(arrays)} arrays")
+        entries = []
+        for p, e, a in zip(pieces, piece_entries(plan, pieces), arrays):
+            if a.size != p.count or fmt.dtype_name(a.dtype) != e.dtype:
+                raise ValueError(f"array for tensor {plan.tensors[p.tensor_id].name!r} piece "
+                                 f"[{p.start},{p.stop}) has {a.size} {a.dtype} elements")
+            entries.append(e)
+        entries, data_offset, size = fmt.layout(entries)
+        if chksum:
+            entries = [dataclasses.replace(e, crc=fmt.crc32(np.ascontiguousarray(a)))
+                       for e, a in zip(entries, arrays)]
+        vdir = self.version_dir(name, version)
+        self.makedirs(vdir)
+        final = self.shard_path(name, version, rank)
+        tmp = os.path.join(vdir, f".r{rank:06d}.dfs.tmp{_uniq()}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
+                                                data_offset, size, chksum), 0)
+                for e, a in zip(entries, arrays):
+                    if e.length:
+                        _write_all(fd, np.ascontiguousarray(a), e.offset)
+                os.ftruncate(fd, size)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise CheckpointWriteError(e.errno, f"writing shard of rank {rank} for {name!r} v{version} to "
+                                       f"scratch {vdir} failed: {e.strerror}; nothing was committed. "
+                                       "Free space or point 'scratch' elsewhere.") from e
+        return final
+
+    def write_manifest(self, name: str, version: int, manifest: dict[str, Any]) -> None:
+        _atomic_write(os.path.join(self.version_dir(name, version), MANIFEST),
+                      fmt.encode_manifest(manifest), fsync=False)
+
+    def complete_versions(self, name: str) -> list[int]:
+        out = []
+        for v in self.versions(name):
+            vdir = self.version_dir(name, v)
+            try:
+                m = self.read_manifest(name, v)
+            except (OSError, CorruptCheckpointError):
+                continue
+            if all(os.path.exists(os.path.join(vdir, s["file"])) for s in m["shards"]):
+                out.append(v)
+        return out
+
+    def retain(self, name: str, rank: int, keep: int) -> list[int]:
+        """Delete this rank's shards of all but the newest ``keep`` versions (0 = keep all)."""
+        if keep <= 0:
+            return []
+        removed = []
+        for v in self.versions(name)[:-keep]:
+            vdir = self.version_dir(name, v)
+            try:
+                os.unlink(self.shard_path(name, v, rank))
+                removed.append(v)
+            except FileNotFoundError:
+                pass
+            if not any(n.endswith(".dfs") or ".dfs.tmp" in n for n in _listdir(vdir)):
+                shutil.rmtree(vdir, ignore_errors=True)
+        return removed
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except FileNotFoundError:
+        return []
+
+
+class PersistentLevel(Level):
+    """Shared last level: one assembled file per version, committed by its manifest."""
+
+    kind = "persistent"
+
+    def committed_versions(self, name: str) -> list[int]:
+        return [v for v in self.versions(name)
+                if os.path.exists(os.path.join(self.version_dir(name, v), MANIFEST))]
+
+    def decide(self, name: str, version: int, interval: float) -> bool:
+        """Flush ``version``? Decided once by the first node (O_EXCL), followed by all."""
+        if interval < 0:
+            return False
+        vdir = self.version_dir(name, version)
+        self.makedirs(vdir)
+        path = os.path.join(vdir, "decision")
+        try:
+            with open(path, "rb") as f:
+                return f.read(8) == b"flush"
+        except FileNotFoundError:
+            pass
+        flush = True
+        if interval > 0:
+            last = [v for v in self.committed_versions(name) if v < version]
+            if last:
+                mtime = os.path.getmtime(os.path.join(self.version_dir(name, last[-1]), MANIFEST))
+                flush = time.time() - mtime >= interval
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            with open(path, "rb") as f:
+                return f.read(8) == b"flush"
+        try:
+            os.write(fd, b"flush" if flush else b"skip")
+        finally:
+            os.close(fd)
+        return flush
+
+    def assembled_layout(self, plan: ShardPlan) -> tuple[list[fmt.Entry], int, int]:
+        return fmt.layout(piece_entries(plan, plan.pieces), contiguous_tensors=True)
+
+    def flush_shard(self, name: str, version: int, rank: int, shard_path: str,
+                    manifest: dict[str, Any], *, fsync: bool = True) -> bool:
+        """Copy one rank's shard into the assembled file; finalize if it was the last one.
+
+        Returns True if this call committed the version.
+        """
+        plan = plan_of(manifest)
+        layout, _, size = self.assembled_layout(plan)
+        where = {(e.tensor_id, e.start): e for e in layout}
+        vdir = self.version_dir(name, version)
+        self.makedirs(vdir)
+        crcs = []
+        with open(shard_path, "rb") as src:
+            idx = fmt.read_index(src, shard_path)
+            expect = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(rank)]
+            if [(e.tensor_id, e.start, e.stop) for e in idx.entries] != expect or idx.version != version:
+                raise CorruptCheckpointError(f"{shard_path}: shard does not match the manifest's plan")
+            dst = os.open(os.path.join(vdir, ASSEMBLED + ".partial"), os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                for e in idx.entries:
+                    _copy_range(src.fileno(), dst, e.length, e.offset, where[(e.tensor_id, e.start)].offset)
+                    crcs.append([e.tensor_id, e.start, e.crc])
+                if fsync:
+                    os.fsync(dst)
+            finally:
+                os.close(dst)
+        marker = {"rank": rank, "has_crc": idx.has_crc, "crcs": crcs}
+        _atomic_write(os.path.join(vdir, f"done.r{rank:06d}.json"), json.dumps(marker).encode(), fsync=fsync)
+        return self._try_finalize(name, version, manifest, plan, layout, size, fsync=fsync)
+
+    def _try_finalize(self, name: str, version: int, manifest: dict[str, Any], plan: ShardPlan,
+                      layout: list[fmt.Entry], size: int, *, fsync: bool) -> bool:
+        vdir = self.version_dir(name, version)
+        done = [n for n in _listdir(vdir) if n.startswith("done.r") and n.endswith(".json")]
+        if len(done) < plan.world_size:
+            return False
+        try:
+            os.close(os.open(os.path.join(vdir, "commit.lock"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            return False
+        crc = {}
+        has_crc = True
+        for n in done:
+            with open(os.path.join(vdir, n), "rb") as f:
+                marker = json.loads(f.read(64 << 20))
+            has_crc &= bool(marker["has_crc"])
+            for tid, start, c in marker["crcs"]:
+                crc[(tid, start)] = c
+        entries = [dataclasses.replace(e, crc=crc.get((e.tensor_id, e.start), 0) if has_crc else 0)
+                   for e in layout]
+        _, data_offset, _ = fmt.layout(entries, contiguous_tensors=True)
+        head = fmt.encode_index(fmt.KIND_ASSEMBLED, 0, 1, version, entries, data_offset, size, has_crc)
+        partial = os.path.join(vdir, ASSEMBLED + ".partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            _write_all(fd, head, 0)
+            os.ftruncate(fd, size)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(partial, os.path.join(vdir, ASSEMBLED))
+        final = dict(manifest, assembled={"file": ASSEMBLED, "bytes": size, "checksums": has_crc},
+                     committed=time.time())
+        _atomic_write(os.path.join(vdir, MANIFEST), fmt.encode_manifest(final), fsync=fsync)
+        for n in done + ["commit.lock", "decision"]:
+            try:
+                os.unlink(os.path.join(vdir, n))
+            except FileNotFoundError:
+                pass
+        return True
+
+    def retain(self, name: str, keep: int) -> list[int]:
+        """Delete all but the newest ``keep`` committed versions (0 = keep all)."""
+        if keep <= 0:
+            return []
+        old = self.committed_versions(name)[:-keep]
+        for v in old:
+            vdir = self.version_dir(name, v)
+            os.unlink(os.path.join(vdir, MANIFEST))  # uncommit first: never a half-deleted "committed" version
+            shutil.rmtree(vdir, ignore_errors=True)
+        return old
+
+
+def _copy_range(src: int, dst: int, length: int, src_off: int, dst_off: int) -> None:
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src, dst, length - done, src_off + done, dst_off + done)
+        except OSError:
+            n = 0
+        if n <= 0:  # other file systems / old kernels: plain positional copy
+            chunk = os.pread(src, min(8 << 20, length - done), src_off + done)
+            if not chunk:
+                raise CorruptCheckpointError("shard file ended before its index said")
+            _write_all(dst, chunk, dst_off + done)
+            n = len(chunk)
+        done += n
+
+
+def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
+              persistent_cls: type = PersistentLevel) -> dict[str, Any]:
+    """Flush one rank's shard of one version (backend or sync mode). Same code in both modes."""
+    name, version, rank = job["name"], job["version"], job["rank"]
+    scratch, persistent = scratch_cls(job["scratch"]), persistent_cls(job["persistent"])
+    result = {"flushed": False, "committed": False}
+    if persistent.decide(name, version, job["persistent_interval"]):
+        result["committed"] = persistent.flush_shard(
+            name, version, rank, scratch.shard_path(name, version, rank), job["manifest"],
+            fsync=job.get("fsync", True))
+        result["flushed"] = True
+        if result["committed"]:
+            persistent.retain(name, job["keep_persistent"])
+    scratch.retain(name, rank, job["keep_scratch"])
+    return result

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Idempotent setup: installs what is missing, fast when everything is already there.
+#   - OpenMPI from Debian packages (when root; else a clear message)
+#   - .venv with tensorflow-cpu 2.15.1, numpy<2, mpi4py, h5py, pytest, matplotlib
+#   - Horovod 0.28.1 built from source against that TensorFlow (MPI only)
+#   - deepfreeze itself, editable
+# TensorFlow is pinned to 2.15: Horovod 0.28.1 does not build against newer TF wheels
+# (TF 2.21's wheel lacks headers Horovod's TF ops include).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3.11}
+STAMP="$VENV/.deepfreeze-setup-v1"
+
+say() { echo "setup: $*"; }
+
+if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
+   && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze" >/dev/null 2>&1; then
+  say "already done (remove $STAMP to redo)"
+  exit 0
+fi
+
+# 1. OpenMPI
+if ! command -v mpirun >/dev/null 2>&1 || ! [ -e /usr/include/x86_64-linux-gnu/openmpi ] && ! command -v mpicc >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    say "installing OpenMPI from Debian packages"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq libopenmpi-dev openmpi-bin >/dev/null
+  else
+    echo "setup: OpenMPI is missing. Install it (e.g. 'sudo apt-get install libopenmpi-dev openmpi-bin'"
+    echo "       or 'module load openmpi') and run this again." >&2
+    exit 1
+  fi
+fi
+
+# 2. venv + Python packages
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+"$VPY" -m pip install -q --upgrade pip wheel setuptools >/dev/null
+if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
+  say "installing tensorflow-cpu==2.15.1 numpy<2 mpi4py h5py pytest matplotlib"
+  "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" mpi4py h5py pytest pytest-timeout matplotlib cmake packaging
+fi
+
+# 3. Horovod from source
+if ! "$VPY" -c "import horovod.tensorflow as h; assert h.mpi_built()" >/dev/null 2>&1; then
+  say "building horovod==0.28.1 against TensorFlow 2.15 with MPI (about 2-5 minutes)"
+  HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_GLOO=1 \
+  HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j2 \
+    "$VPY" -m pip install -q --no-cache-dir --no-build-isolation "horovod==0.28.1"
+fi
+
+# 4. the package itself
+if ! "$VPY" -c "import deepfreeze" >/dev/null 2>&1; then
+  say "installing deepfreeze (editable)"
+  "$VPY" -m pip install -q --no-build-isolation --no-deps -e .
+fi
+
+touch "$STAMP"
+say "done"
