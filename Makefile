@@ -1,0 +1,27 @@
+# DeepFreeze developer entry points. Both targets run the idempotent setup first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+MPIRUN := mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
+DEMO_OUT ?= $(CURDIR)/_work/demo
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-all bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	@rm -rf "$(DEMO_OUT)" && mkdir -p "$(DEMO_OUT)"
+	$(MPIRUN) -np 2 $(PY) examples/demo.py train "$(DEMO_OUT)"
+	$(PY) examples/demo.py restore "$(DEMO_OUT)"
+
+test: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf _work .pytest_cache

@@ -1,0 +1,7 @@
+"""Keras/Horovod adapter of DeepFreeze (imports TensorFlow; the core does not)."""
+from __future__ import annotations
+
+from .callback import CaptureOptions, DeepFreezeCheckpoint
+from .restore import restore_model as restore
+
+__all__ = ["DeepFreezeCheckpoint", "CaptureOptions", "restore"]

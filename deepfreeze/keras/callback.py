@@ -1,0 +1,201 @@
+"""``DeepFreezeCheckpoint``: the Keras callback, thin over the hook and the engine."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from ..config import Config, validate_name
+from ..engine import Engine
+from ..errors import ConfigError, ModelMismatchError
+from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
+from . import hook as _hook
+from ._dist import allgather_bytes, rank_and_size
+from .restore import model_tensors
+
+__all__ = ["DeepFreezeCheckpoint", "CaptureOptions"]
+
+log = logging.getLogger("deepfreeze")
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureOptions:
+    """When to checkpoint and how to shard; validated when built.
+
+    ``every_n_batches``: checkpoint after every N optimizer steps (None: never by count).
+    ``at_epoch_end``: also checkpoint after the last step of each epoch (as
+    Keras' ``ModelCheckpoint(save_freq="epoch")``).
+    ``min_shard_bytes``: tensors smaller than this are written whole by one rank.
+    """
+
+    every_n_batches: int | None = None
+    at_epoch_end: bool = True
+    min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES
+
+    def __post_init__(self) -> None:
+        if self.every_n_batches is not None and (not isinstance(self.every_n_batches, int)
+                                                 or self.every_n_batches < 1):
+            raise ConfigError(f"every_n_batches = {self.every_n_batches!r}: use a positive integer or None")
+        if not isinstance(self.min_shard_bytes, int) or self.min_shard_bytes < 0:
+            raise ConfigError(f"min_shard_bytes = {self.min_shard_bytes!r}: use an integer >= 0")
+        if self.every_n_batches is None and not self.at_epoch_end:
+            raise ConfigError("nothing would ever be checkpointed: set every_n_batches or at_epoch_end=True")
+
+
+class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
+    """Asynchronous sharded checkpoints during ``model.fit``; add it to ``callbacks``.
+
+    Args:
+      config: path of a VeloC INI file (see ``veloc_cfg/``), or a :class:`~deepfreeze.Config`.
+      name: checkpoint name (``[a-zA-Z0-9_.]+``).
+      every_n_batches: checkpoint every N training steps.
+      at_epoch_end: also checkpoint at the end of every epoch.
+      min_shard_bytes: tensors below this size are not split across ranks.
+      verbose: 1 logs each checkpoint on rank 0.
+      **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
+
+    Rank and world size come from Horovod when it is initialized; otherwise one rank.
+    When ``fit`` returns, the newest checkpoint is committed on scratch; call
+    :meth:`wait` to also wait for the background flush to persistent.
+    """
+
+    def __init__(self, config: "str | Config | None" = None, name: str = "model", *,
+                 every_n_batches: int | None = None, at_epoch_end: bool = True,
+                 min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES, verbose: int = 0, **overrides: Any) -> None:
+        super().__init__()
+        self.name = validate_name(name)
+        self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes)
+        if isinstance(config, Config):
+            self.config = dataclasses.replace(config, **overrides) if overrides else config
+        else:
+            self.config = Config.load(config, **overrides)
+        self.verbose = verbose
+        self.rank, self.size = 0, 1
+        self.engine: Engine | None = None
+        self.hook: _hook.ShardHook | None = None
+        self.plan: ShardPlan | None = None
+        self.timings: list[dict[str, float]] = []
+        self._pending = False
+        self._first_batch = True
+        self._epoch = 0
+        self._epoch_base = 0
+        self._spe = 1
+        self._last_version: int | None = None
+
+    # ------------------------------------------------------------------ keras events
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        model = self.model
+        if not model.built or not model.weights:
+            raise ConfigError("DeepFreezeCheckpoint needs a built model: give it an Input layer or call "
+                              "model.build(...) before fit")
+        self.rank, self.size = rank_and_size()
+        weights = list(model.weights)
+        tensors = [TensorSpec(i, n, d, s) for i, (n, d, s) in enumerate(model_tensors(model))]
+        plan = ShardPlan.build(tensors, self.size, min_shard_bytes=self.options.min_shard_bytes,
+                               pinned=[i for i, w in enumerate(weights) if not w.trainable])
+        digest = hashlib.sha256(json.dumps([plan.to_json(), [t.to_json() for t in tensors]]).encode()).digest()[:16]
+        rows = allgather_bytes(digest + self.config.failure_domain.encode()[:200])
+        for r, row in enumerate(rows):
+            if row[:16] != digest:
+                raise ModelMismatchError(f"rank {r} built a different model or shard plan than rank {self.rank}: "
+                                         "every rank must build the same architecture")
+        domains = [row[16:].decode(errors="replace") for row in rows]
+        if self.engine is None or self.plan != plan:
+            if self.engine is not None:
+                self.engine.close()
+            self.engine = Engine(self.config, self.name, self.rank, plan, domains)
+        self.plan = plan
+        self.hook = _hook.install(model.optimizer, plan, self.rank, weights)
+        model.make_train_function(force=True)  # retrace: the copy ops must be in the graph
+        spe = getattr(model, "_steps_per_execution", None)
+        self._spe = int(spe.numpy()) if spe is not None else 1
+        self._first_batch = True
+        if self.verbose and self.rank == 0:
+            log.warning("DeepFreeze: %d tensors, %.1f MB, %d ranks, %.1f MB per rank (max), mode %s",
+                        len(tensors), plan.total_bytes / 1e6, self.size, max(plan.rank_bytes()) / 1e6,
+                        self.config.mode)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+        self._epoch_base = int(self.model.optimizer.iterations.numpy())
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        steps = self.params.get("steps") if self.params else None
+        last = batch + self._spe if not steps else min(batch + self._spe, steps)
+        before, after = self._epoch_base + batch, self._epoch_base + last
+        n = self.options.every_n_batches
+        want = bool(n) and after // n > before // n
+        want |= self.options.at_epoch_end and bool(steps) and last >= steps
+        if want and self._first_batch and self.size > 1:
+            # Horovod's broadcast of rank 0's weights happens at the end of the first batch:
+            # shards captured in it would come from different replicas.
+            log.info("DeepFreeze: skipping a checkpoint in the first batch (before the Horovod broadcast)")
+            want = False
+        self._first_batch = False
+        if want:
+            self.hook.flag.assign(True)
+            self._pending = True
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if not self._pending:
+            return
+        t0 = time.perf_counter()
+        self.hook.flag.assign(False)
+        self._pending = False
+        arrays = self.hook.capture()
+        t1 = time.perf_counter()
+        self._checkpoint(self._epoch_base + batch + 1, arrays, t0, t1)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if not self.options.at_epoch_end:
+            return
+        step = int(self.model.optimizer.iterations.numpy())
+        if self._last_version != step and step > 0:
+            # step count unknown in advance (e.g. a dataset of unknown length): slice now, eagerly
+            t0 = time.perf_counter()
+            arrays = self.hook.capture_eager()
+            self._checkpoint(step, arrays, t0, time.perf_counter())
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._pending:
+            self.hook.flag.assign(False)
+            self._pending = False
+        if self.engine is not None:
+            self.engine.wait(persistent=False)  # committed at least on scratch when fit returns
+        _hook.uninstall(self.model.optimizer)
+        self.model.make_train_function(force=True)
+        self.hook = None
+
+    # ------------------------------------------------------------------ public
+    def wait(self) -> None:
+        """Block until every checkpoint taken so far is committed on persistent (or skipped by
+        ``persistent_interval``); raises the first background error, once."""
+        if self.engine is not None:
+            self.engine.wait(persistent=True)
+
+    def close(self) -> None:
+        """Wait for the flushes, then release the writer thread and the backend connection."""
+        if self.engine is not None:
+            self.engine.close(wait=True)
+            self.engine = None
+
+    @property
+    def last_version(self) -> int | None:
+        """Version number (= optimizer step) of the newest checkpoint taken, or None."""
+        return self._last_version
+
+    # ------------------------------------------------------------------ internals
+    def _checkpoint(self, version: int, arrays: list, t0: float, t1: float) -> None:
+        epoch_complete = bool(self.params.get("steps")) and version - self._epoch_base >= self.params["steps"]
+        self.engine.checkpoint(version, arrays, step=version, epoch=self._epoch,
+                               extra={"epoch_complete": epoch_complete})
+        t2 = time.perf_counter()
+        self._last_version = version
+        self.timings.append({"version": version, "capture_s": t1 - t0, "blocking_s": t2 - t0})
+        if self.verbose and self.rank == 0:
+            log.warning("DeepFreeze: checkpoint %s v%d handed off in %.1f ms", self.name, version, 1e3 * (t2 - t0))

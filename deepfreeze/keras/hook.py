@@ -1,0 +1,122 @@
+"""Optimizer hook: graph augmentation that captures this rank's shard in the train step.
+
+:func:`install` patches one optimizer *instance* (its ``_update_step``), so the
+class, its name and ``get_config()`` stay those of the wrapped optimizer (also
+when it is Horovod's ``DistributedOptimizer``) and a saved model loads without
+DeepFreeze. Right after each variable's update, inside the compiled train
+step, a ``tf.cond`` on a boolean flag copies this rank's contiguous piece of
+the updated variable (``reshape(-1)[start:stop]``, one memcpy) into a
+preallocated per-piece buffer (every rank builds the same ops, zero-length
+where it holds no piece, because Horovod derives collective names from graph
+node ids). With the flag off the step pays only the
+predicate. The copy gets explicit control edges from every op the update created.
+
+Flag and buffers are plain ``tf.Variable`` objects held by a non-trackable
+:class:`ShardHook`, so they are not in ``optimizer.variables()`` (Horovod's
+broadcast would send them) nor in any checkpoint of the model or optimizer.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from ..shardplan import ShardPlan
+
+__all__ = ["ShardHook", "install", "uninstall"]
+
+log = logging.getLogger("deepfreeze")
+_ATTR = "_deepfreeze_hook"
+
+
+class ShardHook:
+    """State of an installed hook: flag, per-piece buffers, what the graph captures."""
+
+    def __init__(self, optimizer: Any, plan: ShardPlan, rank: int, variables: list[Any]) -> None:
+        self.optimizer, self.plan, self.rank, self.variables = optimizer, plan, rank, variables
+        self.flag = tf.Variable(False, trainable=False, name="deepfreeze_capture", dtype=tf.bool)
+        self.trainable_ids = {i for i, v in enumerate(variables) if v.trainable}
+        self.key_to_id = {optimizer._var_key(v): i for i, v in enumerate(variables) if v.trainable}
+        self.pieces = plan.for_rank(rank)
+        owned = {p.tensor_id: (p.start, p.stop) for p in self.pieces}
+        # Every rank builds the *same* graph: a buffer and a copy for every trainable
+        # tensor, zero-length where it holds no piece. Horovod names its collectives
+        # after graph node ids; graphs that differ across ranks deadlock it.
+        self.buffers: dict[int, tf.Variable] = {}
+        self.slices: dict[int, tuple[int, int]] = {}
+        for tid in sorted(self.trainable_ids):
+            start, stop = owned.get(tid, (0, 0))
+            self.buffers[tid] = tf.Variable(tf.zeros([stop - start], dtype=variables[tid].dtype),
+                                            trainable=False, name=f"deepfreeze_shard_{tid}")
+            self.slices[tid] = (start, stop)
+        self.traced: set[int] = set()  # tensor ids whose update got a copy op in a traced graph
+        self.original = optimizer.__dict__.get("_update_step")  # None: the class method
+
+    def update_step(self, gradient: Any, variable: Any) -> Any:
+        """Replacement for ``optimizer._update_step``: update, then maybe copy the piece."""
+        fn = self.original if self.original is not None else type(self.optimizer)._update_step.__get__(
+            self.optimizer)
+        graph = tf.compat.v1.get_default_graph() if not tf.executing_eagerly() else None
+        first = len(graph.get_operations()) if graph is not None else 0
+        result = fn(gradient, variable)
+        tid = self.key_to_id.get(self.optimizer._var_key(variable))
+        if tid is None:
+            return result
+        # Explicit edges from every op of the update to the copy, so the order does not
+        # rest on automatic control dependencies seeing through the optimizer's code.
+        update_ops = graph.get_operations()[first:] if graph is not None else []
+        self.traced.add(tid)
+        buf = self.buffers[tid]
+        start, stop = self.slices[tid]
+
+        def copy() -> Any:
+            with tf.control_dependencies(update_ops):
+                flat = tf.reshape(variable.read_value() if hasattr(variable, "read_value") else variable, [-1])
+                buf.assign(flat[start:stop], read_value=False)
+            return tf.constant(True)
+
+        tf.cond(self.flag, copy, lambda: tf.constant(False))
+        return result
+
+    def capture(self) -> list[np.ndarray]:
+        """This rank's pieces, in plan order, as numpy arrays (zero-copy views where TF allows).
+
+        Pieces of tensors the graph did not copy (non-trainable ones pinned to rank 0,
+        or trainable ones that got no gradient and so were not updated) are read
+        from the variable directly.
+        """
+        out = []
+        for p in self.pieces:
+            if p.tensor_id in self.traced:
+                out.append(np.asarray(self.buffers[p.tensor_id].read_value()))
+            else:
+                value = np.asarray(self.variables[p.tensor_id].read_value())
+                out.append(value.reshape(-1)[p.start:p.stop])
+        return out
+
+    def capture_eager(self) -> list[np.ndarray]:
+        """Like :meth:`capture` but slicing the variables now (no graph copy needed)."""
+        return [np.asarray(self.variables[p.tensor_id].read_value()).reshape(-1)[p.start:p.stop]
+                for p in self.pieces]
+
+
+def install(optimizer: Any, plan: ShardPlan, rank: int, variables: list[Any]) -> ShardHook:
+    """Install (or replace) the hook on ``optimizer``; returns its state."""
+    uninstall(optimizer)
+    hook = ShardHook(optimizer, plan, rank, variables)
+    object.__setattr__(optimizer, "_update_step", hook.update_step)
+    object.__setattr__(optimizer, _ATTR, hook)
+    return hook
+
+
+def uninstall(optimizer: Any) -> None:
+    hook = optimizer.__dict__.get(_ATTR)
+    if hook is None:
+        return
+    if hook.original is None:
+        optimizer.__dict__.pop("_update_step", None)
+    else:
+        object.__setattr__(optimizer, "_update_step", hook.original)
+    optimizer.__dict__.pop(_ATTR, None)
