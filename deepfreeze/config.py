@@ -116,6 +116,9 @@ class Config:
             raw[key] = ("keyword override", value)
         if "mode" not in raw:
             raise ConfigError(f"{source}: 'mode' is mandatory (as in VeloC): add 'mode = async' or 'mode = sync'")
+        for key in ("scratch", "persistent"):
+            if key not in raw:
+                raise ConfigError(f"{source}: '{key}' is missing: set it to a directory path")
         kwargs: dict[str, Any] = {"source": source}
         for key, (where, value) in raw.items():
             kwargs[key] = _convert(key, value, where)

@@ -28,7 +28,9 @@ Commit protocol (data first, marker last, atomically):
   unfinished flush that readers ignore.
 * **Which versions go to persistent** (``persistent_interval`` seconds) is decided
   once per version by the first node to flush it, recorded with ``O_EXCL`` in
-  ``decision`` so every node follows the same choice without any collective.
+  ``decision`` (``flush`` or ``skip``) so every node follows the same choice
+  without any collective; a version is flushed when at least the interval has
+  passed since the newest earlier ``flush`` decision.
 * **Retention** runs after a commit: ``max_versions`` newest committed versions
   stay on persistent; ``scratch_versions`` (else ``max_versions``) newest stay on
   scratch, each rank deleting only its own shards, oldest first.
@@ -214,12 +216,16 @@ class ScratchLevel(Level):
                 out.append(v)
         return out
 
-    def retain(self, name: str, rank: int, keep: int) -> list[int]:
-        """Delete this rank's shards of all but the newest ``keep`` versions (0 = keep all)."""
+    def retain(self, name: str, rank: int, keep: int, upto: int) -> list[int]:
+        """Delete this rank's shards of all but the newest ``keep`` versions up to ``upto``.
+
+        Versions newer than ``upto`` (written by the client while the backend was
+        still flushing ``upto``) are not counted: they have not been flushed yet.
+        """
         if keep <= 0:
             return []
         removed = []
-        for v in self.versions(name)[:-keep]:
+        for v in [v for v in self.versions(name) if v <= upto][:-keep]:
             vdir = self.version_dir(name, v)
             try:
                 os.unlink(self.shard_path(name, v, rank))
@@ -261,10 +267,16 @@ class PersistentLevel(Level):
             pass
         flush = True
         if interval > 0:
-            last = [v for v in self.committed_versions(name) if v < version]
-            if last:
-                mtime = os.path.getmtime(os.path.join(self.version_dir(name, last[-1]), MANIFEST))
-                flush = time.time() - mtime >= interval
+            # time since the newest earlier version decided "flush" (its decision file's mtime)
+            for v in reversed([v for v in self.versions(name) if v < version]):
+                try:
+                    with open(os.path.join(self.version_dir(name, v), "decision"), "rb") as f:
+                        if f.read(8) != b"flush":
+                            continue
+                        flush = time.time() - os.fstat(f.fileno()).st_mtime >= interval
+                        break
+                except FileNotFoundError:
+                    continue
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
@@ -344,7 +356,7 @@ class PersistentLevel(Level):
         final = dict(manifest, assembled={"file": ASSEMBLED, "bytes": size, "checksums": has_crc},
                      committed=time.time())
         _atomic_write(os.path.join(vdir, MANIFEST), fmt.encode_manifest(final), fsync=fsync)
-        for n in done + ["commit.lock", "decision"]:
+        for n in done + ["commit.lock"]:
             try:
                 os.unlink(os.path.join(vdir, n))
             except FileNotFoundError:
@@ -392,5 +404,5 @@ def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
         result["flushed"] = True
         if result["committed"]:
             persistent.retain(name, job["keep_persistent"])
-    scratch.retain(name, rank, job["keep_scratch"])
+    scratch.retain(name, rank, job["keep_scratch"], upto=version)
     return result

@@ -9,19 +9,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-PY=${PYTHON:-python3.11}
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 STAMP="$VENV/.deepfreeze-setup-v1"
 
 say() { echo "setup: $*"; }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze" >/dev/null 2>&1; then
+   && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras" >/dev/null 2>&1; then
   say "already done (remove $STAMP to redo)"
   exit 0
 fi
 
 # 1. OpenMPI
-if ! command -v mpirun >/dev/null 2>&1 || ! [ -e /usr/include/x86_64-linux-gnu/openmpi ] && ! command -v mpicc >/dev/null 2>&1; then
+if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     say "installing OpenMPI from Debian packages"
     export DEBIAN_FRONTEND=noninteractive
@@ -38,9 +38,9 @@ fi
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV"
   "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip wheel setuptools
 fi
 VPY="$VENV/bin/python"
-"$VPY" -m pip install -q --upgrade pip wheel setuptools >/dev/null
 if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
   say "installing tensorflow-cpu==2.15.1 numpy<2 mpi4py h5py pytest matplotlib"
   "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" mpi4py h5py pytest pytest-timeout matplotlib cmake packaging

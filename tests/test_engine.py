@@ -1,0 +1,183 @@
+"""The shared suite: every engine mode (and later every engine) must pass it."""
+import errno
+import os
+import time
+
+import numpy as np
+import pytest
+
+import deepfreeze
+from deepfreeze import Config
+from deepfreeze.backend import BackendClient, socket_path
+from deepfreeze.engine import Engine
+from deepfreeze.errors import (CheckpointNotFoundError, CheckpointWriteError, ConfigError,
+                               CorruptCheckpointError, DeepFreezeError)
+from deepfreeze.levels import PersistentLevel, ScratchLevel
+from deepfreeze.restore import load
+from deepfreeze.shardplan import ShardPlan, TensorSpec
+
+RNG = np.random.default_rng(11)
+
+
+def model_arrays(seed):
+    r = np.random.default_rng(seed)
+    return [r.standard_normal((64, 50)).astype(np.float32), r.standard_normal(50).astype(np.float32),
+            r.integers(0, 100, (3, 3), dtype=np.int32), r.standard_normal((5000,))]
+
+
+def make_plan(world):
+    ts = [TensorSpec(i, f"layer{i}/w", a.dtype.name, a.shape) for i, a in enumerate(model_arrays(0))]
+    return ShardPlan.build(ts, world, min_shard_bytes=1024)
+
+
+def pieces(arrays, plan, rank):
+    return [arrays[p.tensor_id].reshape(-1)[p.start:p.stop].copy() for p in plan.for_rank(rank)]
+
+
+def run_job(tmp_path, mode, world=3, versions=(2, 4, 6), nodes=None, engine_kw=None, **cfg):
+    """``world`` ranks in this process; rank r on node r % nodes (own scratch). Returns configs."""
+    nodes = nodes or world
+    plan = make_plan(world)
+    cfgs = [Config.load(None, mode=mode, scratch=str(tmp_path / f"node{r % nodes}"),
+                        persistent=str(tmp_path / "pfs"), failure_domain=f"node{r % nodes}", **cfg)
+            for r in range(world)]
+    engines = [Engine(cfgs[r], "job", r, plan, **(engine_kw or {})) for r in range(world)]
+    for v in versions:
+        arrays = model_arrays(v)
+        for r, e in enumerate(engines):
+            e.checkpoint(v, pieces(arrays, plan, r), step=v, epoch=0)
+    for e in engines:
+        e.close()
+    return cfgs
+
+
+def assert_version(cfg, version, level=None):
+    ck = load(cfg, "job", version)
+    assert ck.version == version and ck.step == version
+    if level:
+        assert ck.level == level
+    for a, b in zip(ck.arrays.values(), model_arrays(version)):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return ck
+
+
+@pytest.fixture(params=["sync", "async"])
+def mode(request):
+    return request.param
+
+
+def test_every_version_assembled_bit_exact(tmp_path, mode):
+    cfgs = run_job(tmp_path, mode)
+    assert deepfreeze.list_versions(cfgs[0], "job") == {2: ["persistent"], 4: ["persistent"], 6: ["persistent"]}
+    for v in (2, 4, 6):
+        assert_version(cfgs[0], v, "persistent")
+    pv = PersistentLevel(cfgs[0].persistent).version_dir("job", 6)
+    assert sorted(os.listdir(pv)) == ["decision", "manifest.json", "model.dfz"]  # no leftovers
+
+
+def test_single_node_restores_from_scratch(tmp_path, mode):
+    cfgs = run_job(tmp_path, mode, world=2, nodes=1)
+    assert deepfreeze.list_versions(cfgs[0], "job")[6] == ["scratch", "persistent"]
+    assert_version(cfgs[0], 6, "scratch")
+
+
+def test_retention_on_both_levels(tmp_path, mode):
+    cfgs = run_job(tmp_path, mode, world=2, nodes=1, versions=(1, 2, 3, 4, 5), max_versions=3, scratch_versions=2)
+    assert ScratchLevel(cfgs[0].scratch).versions("job") == [4, 5]
+    assert PersistentLevel(cfgs[0].persistent).committed_versions("job") == [3, 4, 5]
+    assert_version(cfgs[0], 3, "persistent")
+
+
+def test_persistent_interval(tmp_path, mode):
+    cfgs = run_job(tmp_path, mode, world=2, nodes=2, versions=(1, 2, 3), persistent_interval=3600)
+    assert PersistentLevel(cfgs[0].persistent).committed_versions("job") == [1]  # first one only
+    cfgs = run_job(tmp_path / "never", mode, world=2, nodes=1, versions=(1, 2), persistent_interval=-1)
+    assert PersistentLevel(cfgs[0].persistent).committed_versions("job") == []
+    assert_version(cfgs[0], 2, "scratch")
+
+
+def test_damaged_scratch_falls_back_to_persistent(tmp_path, mode, caplog):
+    cfgs = run_job(tmp_path, mode, world=2, nodes=1)
+    shard = ScratchLevel(cfgs[0].scratch).shard_path("job", 6, 1)
+    with open(shard, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x00\x01\x02")
+    assert_version(cfgs[0], 6, "persistent")
+    assert "unreadable" in caplog.text
+
+
+def test_newest_readable_version_wins_never_partial(tmp_path, mode):
+    cfgs = run_job(tmp_path, mode, world=2, nodes=1)
+    # v6 damaged on both levels: the newest readable version is v4
+    os.truncate(ScratchLevel(cfgs[0].scratch).shard_path("job", 6, 0), 100)
+    p = os.path.join(PersistentLevel(cfgs[0].persistent).version_dir("job", 6), "model.dfz")
+    os.truncate(p, os.path.getsize(p) - 8)
+    assert load(cfgs[0], "job").version == 4
+    with pytest.raises(CorruptCheckpointError):
+        load(cfgs[0], "job", 6)
+
+
+def test_not_found_and_bad_names(tmp_path, mode):
+    cfg = Config.load(None, mode=mode, scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    with pytest.raises(CheckpointNotFoundError) as e:
+        load(cfg, "nothing")
+    assert isinstance(e.value, FileNotFoundError)
+    for bad in ("../etc", "a/b", "..", "", "x y"):
+        with pytest.raises(ConfigError):
+            load(cfg, bad)
+    cfgs = run_job(tmp_path, mode, world=1)
+    with pytest.raises(CheckpointNotFoundError, match="committed versions: \\[2, 4, 6\\]"):
+        load(cfgs[0], "job", 5)
+
+
+class FullScratch(ScratchLevel):
+    """Fault injection: the node-local disk fills up at the second version."""
+
+    def write_shard(self, name, version, rank, plan, arrays, **kw):
+        if version >= 4:
+            raise CheckpointWriteError(errno.ENOSPC, "No space left on device (injected)")
+        return super().write_shard(name, version, rank, plan, arrays, **kw)
+
+
+def test_write_error_surfaces_once_and_nothing_partial(tmp_path, mode):
+    plan = make_plan(2)
+    cfg = Config.load(None, mode=mode, scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    engines = [Engine(cfg, "job", r, plan, scratch_cls=FullScratch) for r in range(2)]
+    for r, e in enumerate(engines):
+        e.checkpoint(2, pieces(model_arrays(2), plan, r), step=2, epoch=0)
+    for r, e in enumerate(engines):
+        if mode == "sync":  # blocking: the error is the call's own
+            with pytest.raises(CheckpointWriteError, match="No space left"):
+                e.checkpoint(4, pieces(model_arrays(4), plan, r), step=4, epoch=0)
+        else:  # background: it surfaces at the next call (here wait), once
+            e.checkpoint(4, pieces(model_arrays(4), plan, r), step=4, epoch=0)
+            with pytest.raises(CheckpointWriteError, match="No space left"):
+                e.wait()
+        e.wait()
+        e.close()
+    assert deepfreeze.list_versions(cfg, "job") == {2: ["scratch", "persistent"]}
+
+
+def test_backend_shared_per_node_and_stops_when_idle(tmp_path):
+    cfg = Config.load(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    plan = make_plan(2)
+    a, b = Engine(cfg, "job", 0, plan), Engine(cfg, "job", 1, plan)
+    assert a._backend.pid == b._backend.pid != os.getpid()
+    path = socket_path(cfg.scratch)
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+    pid = a._backend.pid
+    a.close()
+    b.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.1)
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert not os.path.exists(path)
+    c = BackendClient(cfg.scratch)  # a new one starts on demand
+    assert c.pid != pid
+    c.close()

@@ -1,0 +1,67 @@
+"""Multi-rank training worker for the tests (run under mpirun).
+
+    python tests/workers/train.py OUT MODE [key=value ...]
+
+Each rank simulates its own node: scratch OUT/node<rank>/scratch, failure domain
+node<rank>; persistent is OUT/persistent. Rank 0 saves the weights the model has
+right after every checkpointed step to OUT/expected/v<version>.npz, the reference
+the tests compare the checkpoints with.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import horovod.tensorflow.keras as hvd  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import build  # noqa: E402
+from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
+
+
+def main() -> None:
+    out, mode = sys.argv[1], sys.argv[2]
+    opts = dict(a.split("=", 1) for a in sys.argv[3:])
+    hvd.init()
+    rank = hvd.rank()
+    model = build(opts.get("model", "small"))
+    rng = np.random.default_rng(100 + rank)
+    x = rng.random((int(opts.get("samples", 256)),) + tuple(model.input_shape[1:]), dtype=np.float32)
+    y = rng.integers(0, 10, len(x))
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01, momentum=0.9))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(
+        name=opts.get("name", "job"), every_n_batches=int(opts.get("every", 3)), mode=mode,
+        scratch=f"{out}/node{rank}/scratch", persistent=f"{out}/persistent", failure_domain=f"node{rank}",
+        max_versions=int(opts.get("max_versions", 0)), scratch_versions=int(opts.get("scratch_versions", 0)),
+        min_shard_bytes=int(opts.get("min_shard_bytes", 4096)))
+
+    class Record(tf.keras.callbacks.Callback):
+        seen = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            v = ckpt.last_version
+            if rank == 0 and v is not None and v != self.seen:
+                self.seen = v
+                os.makedirs(f"{out}/expected", exist_ok=True)
+                np.savez(f"{out}/expected/v{v}.npz", *self.model.get_weights())
+
+        on_epoch_end = on_train_batch_end
+
+    model.fit(x, y, batch_size=16, epochs=int(opts.get("epochs", 2)), verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt, Record()])
+    ckpt.wait()
+    info = {"rank": rank, "versions": [t["version"] for t in ckpt.timings],
+            "blocking_ms": [1e3 * t["blocking_s"] for t in ckpt.timings],
+            "optimizer_class": type(model.optimizer).__name__, "rank_bytes": ckpt.plan.rank_bytes()}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(info, f)
+    ckpt.close()
+
+
+if __name__ == "__main__":
+    main()
