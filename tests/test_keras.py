@@ -1,0 +1,148 @@
+"""The Keras adapter in one process (no Horovod initialized: one rank)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+import deepfreeze  # noqa: E402
+from deepfreeze import ConfigError, ModelMismatchError  # noqa: E402
+from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
+from deepfreeze.levels import PersistentLevel  # noqa: E402
+from deepfreeze.restore import load  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+from models import build  # noqa: E402
+
+
+def data(n=96):
+    r = np.random.default_rng(0)
+    return r.random((n, 12, 12, 1), dtype=np.float32), r.integers(0, 10, n)
+
+
+class Record(tf.keras.callbacks.Callback):
+    def __init__(self, ckpt):
+        super().__init__()
+        self.ckpt, self.weights = ckpt, {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        v = self.ckpt.last_version
+        if v is not None and v not in self.weights:
+            self.weights[v] = [w.copy() for w in self.model.get_weights()]
+
+    on_epoch_end = on_train_batch_end
+
+
+def dirs(tmp_path):
+    return dict(scratch=str(tmp_path / "scratch"), persistent=str(tmp_path / "pfs"))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fit_checkpoints_every_n_and_epoch_end_bit_exact(tmp_path, mode):
+    model = build()
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.01, momentum=0.9), loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=4, mode=mode, min_shard_bytes=0, **dirs(tmp_path))
+    rec = Record(ckpt)
+    x, y = data()
+    model.fit(x, y, batch_size=16, epochs=2, callbacks=[ckpt, rec], verbose=0)  # 6 steps per epoch
+    assert [t["version"] for t in ckpt.timings] == [4, 6, 8, 12]  # every 4 steps + epoch ends (6, 12)
+    ckpt.wait()
+    cfg = ckpt.config
+    assert PersistentLevel(cfg.persistent).committed_versions("k") == [4, 6, 8, 12]
+    for v, expected in rec.weights.items():
+        ck = load(cfg, "k", v)
+        assert [a.tobytes() for a in ck.arrays.values()] == [e.tobytes() for e in expected]
+        assert ck.manifest["epoch_complete"] == (v in (6, 12))
+    # the hook is gone after fit; the optimizer kept its class and config
+    assert type(model.optimizer).__name__ == "SGD" and "_update_step" not in model.optimizer.__dict__
+    assert all("deepfreeze" not in v.name for v in model.optimizer.variables())
+    # restore into a fresh model, in this process
+    fresh = build()
+    version, step = deepfreeze.restore(fresh, name="k", mode=mode, **dirs(tmp_path))
+    assert (version, step) == (12, 12)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(fresh.get_weights(), rec.weights[12]))
+    ckpt.close()
+
+
+def test_flag_off_costs_no_copy_and_buffers_hold_last_capture(tmp_path):
+    model = build()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=3, at_epoch_end=False, mode="sync", **dirs(tmp_path))
+    x, y = data(64)
+    seen = {}
+
+    class Peek(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen[batch] = [np.asarray(b.read_value()).copy() for b in ckpt.hook.buffers.values()]
+
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, Peek()], verbose=0)  # steps 0..3, ckpt at step 3
+    assert [t["version"] for t in ckpt.timings] == [3]
+    for b0, b1 in zip(seen[0], seen[1]):
+        assert not b0.any() and not b1.any()  # flag off: the copies did not run
+    assert any(b.any() for b in seen[2])     # step 3 (batch 2) captured
+    for b2, b3 in zip(seen[2], seen[3]):
+        assert b2.tobytes() == b3.tobytes()  # and nothing changed the buffers after
+    ckpt.close()
+
+
+def test_steps_per_execution(tmp_path):
+    model = build()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", steps_per_execution=2)
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=3, at_epoch_end=False, mode="sync", **dirs(tmp_path))
+    rec = Record(ckpt)
+    x, y = data(128)  # 8 steps, executed 2 at a time: batch hooks at steps 2, 4, 6, 8
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, rec], verbose=0)
+    assert [t["version"] for t in ckpt.timings] == [4, 6]  # groups crossing 3 and 6
+    for v, expected in rec.weights.items():
+        assert [a.tobytes() for a in load(ckpt.config, "k", v).arrays.values()] == [e.tobytes() for e in expected]
+    ckpt.close()
+
+
+def test_saved_model_loads_without_deepfreeze(tmp_path):
+    model = build()
+    model.compile(optimizer=tf.keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=2, mode="sync", **dirs(tmp_path))
+
+    class SaveMidTraining(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:  # hook installed right now
+                assert "_update_step" in self.model.optimizer.__dict__
+                self.model.save(str(tmp_path / "m.keras"))
+                self.model.save(str(tmp_path / "m.h5"))
+
+    x, y = data(64)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, SaveMidTraining()], verbose=0)
+    ckpt.close()
+    code = ("import sys, tensorflow as tf\n"
+            "for p in sys.argv[1:]:\n"
+            "    m = tf.keras.models.load_model(p)\n"
+            "    assert type(m.optimizer).__name__ == 'Adam', type(m.optimizer)\n"
+            "assert not any(k.startswith('deepfreeze') for k in sys.modules)\n"
+            "print('loaded')\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.keras"), str(tmp_path / "m.h5")],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert p.returncode == 0 and "loaded" in p.stdout, p.stderr[-3000:]
+
+
+def test_mismatching_model_is_a_clear_error(tmp_path):
+    model = build()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=2, mode="sync", **dirs(tmp_path))
+    x, y = data(32)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt.close()
+    with pytest.raises(ModelMismatchError, match=r"tensor #6 does not match.*\[800, 38\].*\[800, 37\]"):
+        deepfreeze.restore(build("other"), name="k", mode="sync", **dirs(tmp_path))
+    with pytest.raises(deepfreeze.CheckpointNotFoundError):
+        deepfreeze.restore(build(), name="other_name", mode="sync", **dirs(tmp_path))
+
+
+def test_callback_options_validated():
+    for kw in (dict(every_n_batches=0), dict(every_n_batches=None, at_epoch_end=False), dict(min_shard_bytes=-1)):
+        with pytest.raises(ConfigError):
+            DeepFreezeCheckpoint(name="k", mode="sync", scratch="/tmp/a", persistent="/tmp/b", **kw)
+    with pytest.raises(ConfigError, match="invalid checkpoint name"):
+        DeepFreezeCheckpoint(name="../x", mode="sync", scratch="/tmp/a", persistent="/tmp/b")
