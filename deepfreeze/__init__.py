@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 
-def restore(model: Any, config: "str | Config | None" = None, name: str = "", version: int | None = None,
+def restore(model: Any, config: "str | Config | None" = None, *, name: str, version: int | None = None,
             **overrides: Any) -> tuple[int, int]:
     """Load the newest committed version (or ``version``) of ``name`` into a Keras ``model``.
 
@@ -31,4 +31,4 @@ def restore(model: Any, config: "str | Config | None" = None, name: str = "", ve
     does not match.
     """
     from .keras.restore import restore_model  # the only TensorFlow-dependent step
-    return restore_model(model, config=config, name=name, version=version, **overrides)
+    return restore_model(model, config, name=name, version=version, **overrides)

@@ -13,6 +13,7 @@ one JSON object per line in each direction. Requests::
     {"op": "hello"}                      -> {"ok": true, "pid": N}
     {"op": "flush", "job": {...}}        -> {"ok": true, "id": N}        (queued)
     {"op": "wait", "ids": [...]}         -> {"ok": true, "errors": [...]} (when those jobs are done)
+    {"op": "poll", "ids": [...]}         -> {"ok": true, "done": [...], "errors": [...]} (now)
     {"op": "status"}                     -> {"ok": true, "pending": N, "done": N, "clients": N}
     {"op": "stop"}                       -> {"ok": true}  (drains the queue, then exits)
 
@@ -145,6 +146,12 @@ class _Server:
                         self.cond.wait_for(lambda: all(self.results.get(i) != "pending" for i in ids))
                         errors = [self.results.pop(i, None) for i in ids]
                     _send(conn, {"ok": True, "errors": [e for e in errors if e]})
+                elif op == "poll":  # non-blocking: which of these jobs are done, and their errors
+                    ids = [int(i) for i in req.get("ids", [])]
+                    with self.cond:
+                        done = [i for i in ids if self.results.get(i, None) != "pending"]
+                        errors = [e for e in (self.results.pop(i, None) for i in done) if e]
+                    _send(conn, {"ok": True, "done": done, "errors": errors})
                 elif op == "status":
                     with self.cond:
                         pending = sum(1 for v in self.results.values() if v == "pending")
@@ -277,6 +284,12 @@ class BackendClient:
 
     def wait(self, ids: list[int]) -> list[str]:
         return self.request({"op": "wait", "ids": ids})["errors"] if ids else []
+
+    def poll(self, ids: list[int]) -> tuple[list[int], list[str]]:
+        if not ids:
+            return [], []
+        r = self.request({"op": "poll", "ids": ids})
+        return r["done"], r["errors"]
 
     def close(self) -> None:
         try:

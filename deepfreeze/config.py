@@ -27,7 +27,7 @@ KEYS: dict[str, str] = {
     "persistent_interval": "seconds between versions flushed to persistent; 0 = every version, -1 = never",
     "ec_interval": "seconds between versions protected by partner/erasure coding; -1 = off",
     "max_versions": "versions kept per level; 0 = keep all",
-    "scratch_versions": "versions kept on scratch (overrides max_versions there); 0 = keep all",
+    "scratch_versions": "versions kept on scratch (overrides max_versions there); 0 = use max_versions",
     "chksum": "true | false: CRC32 of every shard piece, verified on restore",
     "meta": "directory for VeloC's checksum metadata (VeloC engine); the built-in engine keeps checksums in its index",
     "failure_domain": "name of the failure domain (node) of this process; default: host name",
@@ -123,6 +123,20 @@ class Config:
         for key, (where, value) in raw.items():
             kwargs[key] = _convert(key, value, where)
         return cls(**kwargs)
+
+    @classmethod
+    def resolve(cls, config: "str | os.PathLike | Config | None", **overrides: Any) -> "Config":
+        """A Config from a path, a Config or None, with keyword ``overrides`` applied (validated)."""
+        if not isinstance(config, Config):
+            return cls.load(config, **overrides)
+        changes = {}
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            if key not in KEYS:
+                raise ConfigError(_unknown(key, "keyword override"))
+            changes[key] = _convert(key, value, "keyword override")
+        return dataclasses.replace(config, **changes) if changes else config
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}

@@ -7,12 +7,18 @@ commit protocol) and then, in ``async`` mode, notifies the node's backend
 process, which flushes to persistent in the background; in ``sync`` mode the
 same flush runs inline and ``checkpoint`` blocks until it is done.
 
-Backpressure: at most one shard write is in flight per rank. If a checkpoint
-arrives while the previous one is still being written, ``checkpoint`` waits
-for it (bounded memory: no queue of model copies). The backend has its own
-FIFO of small notices; scratch usage is bounded by ``scratch_versions``.
+Backpressure (policy: wait, never skip or drop):
 
-Errors of background work surface once, at the next ``checkpoint`` or ``wait``.
+* at most one shard write is in flight per rank; a checkpoint that arrives
+  while the previous one is still being written waits for it (no queue of
+  model copies in memory);
+* at most ``max_pending_flushes`` (default ``max(2, scratch_versions)``)
+  versions of a rank may wait for the backend's flush; beyond that the writer
+  thread waits for the oldest, so scratch holds at most ``scratch_versions +
+  max_pending_flushes`` versions of a rank and the backend's queue stays bounded.
+
+Errors of background work (the scratch write here, the flush in the backend,
+polled after every notice) surface once, at the next ``checkpoint`` or ``wait``.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ def build_manifest(name: str, version: int, step: int, epoch: int, plan: ShardPl
                    domains: Sequence[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "format": "deepfreeze-manifest", "format_version": 1, "name": name, "version": version,
-        "step": step, "epoch": epoch, "world_size": plan.world_size, "created": time.time(),
+        "step": step, "epoch": epoch, "world_size": plan.world_size,
         "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json(),
         "shards": [{"rank": r, "file": f"r{r:06d}.dfs", "domain": domains[r], "bytes": b}
                    for r, b in enumerate(plan.rank_bytes())],
@@ -51,14 +57,17 @@ class Engine:
     """Checkpoint engine of one rank. Not thread-safe: call from the training thread."""
 
     def __init__(self, config: Config, name: str, rank: int, plan: ShardPlan,
-                 domains: Sequence[str] | None = None, *, scratch_cls: type = ScratchLevel) -> None:
+                 domains: Sequence[str] | None = None, *, scratch_cls: type = ScratchLevel,
+                 max_pending_flushes: int | None = None) -> None:
         self.config, self.name, self.rank, self.plan = config, validate_name(name), rank, plan
         self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
         self.scratch = scratch_cls(config.scratch)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-writer-r{rank}")
         self._inflight: concurrent.futures.Future | None = None
         self._error: BaseException | None = None
-        self._flush_ids: list[int] = []
+        self._flush_ids: list[int] = []  # notices sent, flush not known to be done (writer thread)
+        self._backend_errors: list[str] = []
+        self.max_pending_flushes = max_pending_flushes or max(2, config.keep_scratch)
         self._backend: BackendClient | None = None
         self.last_version: int | None = None
         self.stats: list[dict[str, float]] = []
@@ -85,9 +94,7 @@ class Engine:
         self._drain()
         if persistent and self._backend is not None and self._flush_ids:
             ids, self._flush_ids = self._flush_ids, []
-            errors = self._backend.wait(ids)
-            if errors:
-                self._error = self._error or BackendError("background flush failed: " + "; ".join(errors))
+            self._backend_errors += self._backend.wait(ids)
         self._raise_pending()
 
     def close(self, *, wait: bool = True) -> None:
@@ -110,6 +117,9 @@ class Engine:
                 self._error = self._error or e
 
     def _raise_pending(self) -> None:
+        if self._backend_errors and self._error is None:
+            self._error = BackendError("background flush to persistent failed: " + "; ".join(self._backend_errors))
+        self._backend_errors = []
         if self._error is not None:
             err, self._error = self._error, None
             if isinstance(err, DeepFreezeError):
@@ -125,6 +135,13 @@ class Engine:
                "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions, "manifest": manifest}
         if self._backend is not None:
             self._flush_ids.append(self._backend.flush(job))
+            done, errors = self._backend.poll(self._flush_ids)
+            if len(self._flush_ids) - len(done) > self.max_pending_flushes:
+                oldest = [i for i in self._flush_ids if i not in done][:-self.max_pending_flushes]
+                errors += self._backend.wait(oldest)
+                done += oldest
+            self._flush_ids = [i for i in self._flush_ids if i not in done]
+            self._backend_errors += errors
         else:
             flush_job(job, scratch_cls=type(self.scratch))
 

@@ -364,10 +364,21 @@ class PersistentLevel(Level):
         return True
 
     def retain(self, name: str, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` committed versions (0 = keep all)."""
+        """Delete all but the newest ``keep`` committed versions (0 = keep all), and the
+        directories of versions decided ``skip`` that are older than the newest commit."""
+        committed = self.committed_versions(name)
+        for v in self.versions(name):
+            if committed and v < committed[-1] and v not in committed:
+                try:
+                    with open(os.path.join(self.version_dir(name, v), "decision"), "rb") as f:
+                        skipped = f.read(8) == b"skip"
+                except FileNotFoundError:
+                    skipped = False
+                if skipped:
+                    shutil.rmtree(self.version_dir(name, v), ignore_errors=True)
         if keep <= 0:
             return []
-        old = self.committed_versions(name)[:-keep]
+        old = committed[:-keep]
         for v in old:
             vdir = self.version_dir(name, v)
             os.unlink(os.path.join(vdir, MANIFEST))  # uncommit first: never a half-deleted "committed" version
@@ -404,5 +415,7 @@ def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
         result["flushed"] = True
         if result["committed"]:
             persistent.retain(name, job["keep_persistent"])
+    elif job["persistent_interval"] >= 0:
+        persistent.retain(name, job["keep_persistent"])  # sweeps skipped versions
     scratch.retain(name, rank, job["keep_scratch"], upto=version)
     return result

@@ -15,7 +15,7 @@ STAMP="$VENV/.deepfreeze-setup-v1"
 say() { echo "setup: $*"; }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras" >/dev/null 2>&1; then
+   && "$VENV/bin/python" -P -c "import horovod.tensorflow, deepfreeze.keras" >/dev/null 2>&1; then
   say "already done (remove $STAMP to redo)"
   exit 0
 fi
@@ -55,9 +55,9 @@ if ! "$VPY" -c "import horovod.tensorflow as h; assert h.mpi_built()" >/dev/null
 fi
 
 # 4. the package itself
-if ! "$VPY" -c "import deepfreeze" >/dev/null 2>&1; then
+if ! "$VPY" -P -c "import deepfreeze" >/dev/null 2>&1; then
   say "installing deepfreeze (editable)"
-  "$VPY" -m pip install -q --no-build-isolation --no-deps -e .
+  "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
 fi
 
 touch "$STAMP"

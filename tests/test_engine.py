@@ -96,6 +96,48 @@ def test_persistent_interval(tmp_path, mode):
     assert_version(cfgs[0], 2, "scratch")
 
 
+def test_skipped_versions_are_swept_at_the_next_commit(tmp_path, mode):
+    plan = make_plan(2)
+    cfg = Config.load(None, mode=mode, scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"),
+                      persistent_interval=1.0)
+    engines = [Engine(cfg, "job", r, plan) for r in range(2)]
+    for v in (1, 2, 3):
+        if v == 3:
+            time.sleep(1.2)
+        for r, e in enumerate(engines):
+            e.checkpoint(v, pieces(model_arrays(v), plan, r), step=v, epoch=0)
+        for e in engines:
+            e.wait()
+    for e in engines:
+        e.close()
+    pfs = PersistentLevel(cfg.persistent)
+    assert pfs.committed_versions("job") == [1, 3]
+    assert pfs.versions("job") == [1, 3]  # v2 was decided "skip" and swept
+    assert_version(cfg, 2, "scratch")
+
+
+def test_backpressure_bounds_pending_flushes(tmp_path):
+    plan = make_plan(1)
+    cfg = Config.load(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    e = Engine(cfg, "job", 0, plan, max_pending_flushes=1)
+    peak = 0
+    for v in range(1, 30):
+        e.checkpoint(v, pieces(model_arrays(v), plan, 0), step=v, epoch=0)
+        e._drain()
+        peak = max(peak, len(e._flush_ids))
+    e.close()
+    assert peak <= 1
+    assert PersistentLevel(cfg.persistent).committed_versions("job") == list(range(1, 30))
+
+
+def test_config_object_with_overrides():
+    base = Config.load(None, mode="sync", scratch="/tmp/a", persistent="/tmp/b")
+    c = Config.resolve(base, max_versions="4", chksum="false")
+    assert (c.max_versions, c.chksum, c.scratch) == (4, False, "/tmp/a")
+    with pytest.raises(ConfigError, match="unknown key"):
+        Config.resolve(base, scrach="/x")
+
+
 def test_damaged_scratch_falls_back_to_persistent(tmp_path, mode, caplog):
     cfgs = run_job(tmp_path, mode, world=2, nodes=1)
     shard = ScratchLevel(cfgs[0].scratch).shard_path("job", 6, 1)

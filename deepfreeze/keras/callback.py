@@ -70,10 +70,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         super().__init__()
         self.name = validate_name(name)
         self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes)
-        if isinstance(config, Config):
-            self.config = dataclasses.replace(config, **overrides) if overrides else config
-        else:
-            self.config = Config.load(config, **overrides)
+        self.config = Config.resolve(config, **overrides)
         self.verbose = verbose
         self.rank, self.size = 0, 1
         self.engine: Engine | None = None

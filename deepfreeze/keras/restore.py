@@ -22,10 +22,10 @@ def model_tensors(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
     return out
 
 
-def restore_model(model: Any, config: "str | Config | None" = None, name: str = "",
+def restore_model(model: Any, config: "str | Config | None" = None, *, name: str,
                   version: int | None = None, **overrides: Any) -> tuple[int, int]:
     """Load a committed version into ``model`` (bit-exact); returns ``(version, step)``."""
-    cfg = config if isinstance(config, Config) else Config.load(config, **overrides)
+    cfg = Config.resolve(config, **overrides)
     if not getattr(model, "built", True) or not model.weights:
         raise ModelMismatchError("the model has no weights yet: build it (call it on an input or "
                                  "give it an Input layer) before restoring")
