@@ -304,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle", type=float, default=float(os.environ.get("DEEPFREEZE_BACKEND_IDLE", "5")))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s backend[%(process)d] %(levelname)s %(message)s")
+    try:
+        os.nice(10)  # flushes yield the CPU to training on the same node
+    except OSError:
+        pass
     serve(args.socket, args.idle)
     return 0
 

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import socket
+import threading
 import time
 from typing import Any, Sequence
 
@@ -62,7 +64,8 @@ class Engine:
         self.config, self.name, self.rank, self.plan = config, validate_name(name), rank, plan
         self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
         self.scratch = scratch_cls(config.scratch)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-writer-r{rank}")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-writer-r{rank}",
+                                                           initializer=lower_priority)
         self._inflight: concurrent.futures.Future | None = None
         self._error: BaseException | None = None
         self._flush_ids: list[int] = []  # notices sent, flush not known to be done (writer thread)
@@ -71,6 +74,7 @@ class Engine:
         self._backend: BackendClient | None = None
         self.last_version: int | None = None
         self.stats: list[dict[str, float]] = []
+        self.write_times: dict[int, float] = {}  # version -> seconds to commit the shard on scratch
         if config.mode == "async":
             self._backend = BackendClient(config.scratch)
 
@@ -128,8 +132,10 @@ class Engine:
 
     def _write(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
         cfg = self.config
+        t0 = time.perf_counter()
         self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays, chksum=cfg.chksum)
         self.scratch.write_manifest(self.name, version, manifest)
+        self.write_times[version] = time.perf_counter() - t0
         job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
                "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
                "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions, "manifest": manifest}
@@ -148,3 +154,16 @@ class Engine:
 
 def default_domain() -> str:
     return socket.gethostname()
+
+
+BACKGROUND_NICE = 10
+
+
+def lower_priority() -> None:
+    """Run the calling thread at nice +10 (Linux: per thread), so background writes yield
+    the CPU to training (the paper's "background operations run with low priority")."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except (OSError, AttributeError):
+        pass

@@ -8,6 +8,7 @@ approach, checkpointing every ``--every`` steps:
 
 * ``deepfreeze``: the callback (async mode, built-in engine, graph hook);
   blocking = time spent in the callback per checkpoint, per rank.
+* ``none``: no checkpoints (the baseline for ``fit_overhead_ms_per_ckpt``);
 * ``keras-default``: rank 0 calls ``model.save_weights(<persistent>/x.h5)``;
   blocking = that call's time.
 
@@ -60,7 +61,8 @@ def worker(args: argparse.Namespace) -> None:
     ckpt = None
     if args.approach == "deepfreeze":
         ckpt = DeepFreezeCheckpoint(name="bench", every_n_batches=args.every, at_epoch_end=False, mode="async",
-                                    scratch=f"{work}/node{rank}/scratch", persistent=f"{work}/persistent",
+                                    scratch=f"{args.scratch_base or work}/node{rank}/scratch",
+                                    persistent=f"{work}/persistent",
                                     failure_domain=f"node{rank}", max_versions=2, scratch_versions=1)
         callbacks.insert(1, ckpt)
     elif args.approach == "keras-default":
@@ -78,27 +80,31 @@ def worker(args: argparse.Namespace) -> None:
     model.fit(x, y, batch_size=args.batch, epochs=1, callbacks=callbacks, verbose=0)
     fit_s = time.perf_counter() - t0
     flush_s = None
+    scratch_write = []
     if ckpt is not None:
         t = time.perf_counter()
         ckpt.wait()
         flush_s = time.perf_counter() - t
         blocking = [d["blocking_s"] for d in ckpt.timings]
+        scratch_write = [ckpt.engine.write_times.get(d["version"]) for d in ckpt.timings]
         ckpt_steps = [d["version"] - 1 for d in ckpt.timings]
         ckpt.close()
     res = {"rank": rank, "blocking_s": blocking, "ckpt_steps": ckpt_steps, "step_times_s": step_times,
-           "fit_s": fit_s, "wait_after_fit_s": flush_s,
+           "fit_s": fit_s, "wait_after_fit_s": flush_s, "scratch_write_s": scratch_write,
            "model_bytes": int(sum(w.numpy().nbytes for w in model.weights))}
     with open(f"{work}/result{rank}.json", "w") as f:
         json.dump(res, f)
 
 
-def run(model: str, approach: str, ranks: int, steps: int, every: int, batch: int, base: str) -> dict:
+def run(model: str, approach: str, ranks: int, steps: int, every: int, batch: int, base: str,
+        scratch_base: str = "") -> dict:
     work = tempfile.mkdtemp(prefix=f"{model}-{approach}-", dir=base)
     cmd = ["mpirun", "--oversubscribe", "-np", str(ranks)]
     if os.getuid() == 0:
         cmd.append("--allow-run-as-root")
     cmd += [sys.executable, "-m", "experiments.blocking", "--worker", "--model", model, "--approach", approach,
-            "--steps", str(steps), "--every", str(every), "--batch", str(batch), "--work", work]
+            "--steps", str(steps), "--every", str(every), "--batch", str(batch), "--work", work,
+            "--scratch-base", scratch_base]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
@@ -108,10 +114,15 @@ def run(model: str, approach: str, ranks: int, steps: int, every: int, batch: in
     ck = set(per_rank[0]["ckpt_steps"])
     steps_t = per_rank[0]["step_times_s"]
     plain = [t for i, t in enumerate(steps_t[2:], 2) if i not in ck and i - 1 not in ck]
+    around = [t for i, t in enumerate(steps_t) if (i in ck or i - 1 in ck) and i > min(ck, default=0) + 1]
+    writes = [w for r in per_rank for w in r["scratch_write_s"][1:] if w is not None]
     return {"model": model, "approach": approach, "ranks": ranks, "checkpoints": len(per_rank[0]["blocking_s"]),
+            "fit_s": max(r["fit_s"] for r in per_rank),
             "blocking_ms_mean": 1e3 * sum(blocking) / max(len(blocking), 1),
             "blocking_ms_max": 1e3 * max(blocking, default=0.0),
             "step_ms_without_ckpt": 1e3 * sum(plain) / max(len(plain), 1),
+            "runtime_overhead_ms": 1e3 * (sum(around) / max(len(around), 1) - sum(plain) / max(len(plain), 1)),
+            "scratch_write_ms_background": 1e3 * sum(writes) / len(writes) if writes else None,
             "wait_after_fit_s": per_rank[0]["wait_after_fit_s"], "model_MB": per_rank[0]["model_bytes"] / 1e6}
 
 
@@ -141,6 +152,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--batch", type=int, default=20)
     ap.add_argument("--work", default="")
+    ap.add_argument("--scratch-base", default="", help="parent of the simulated nodes' scratch (default: work dir)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer steps, demo model only")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "blocking.json"))
@@ -148,16 +160,27 @@ def main() -> None:
     if args.worker:
         return worker(args)
     base = tempfile.mkdtemp(prefix="dfbench-")
-    plan = [("demo", 60, 5, 32)] if args.quick else [("demo", 120, 5, 32), ("nt3-weights", 46, 5, 20)]
+    plan = [("demo", 60, 5, 32)] if args.quick else [("demo", 120, 5, 32), ("nt3-weights", 31, 5, 20)]
     results = []
     for model, steps, every, batch in plan:
-        for approach in ("keras-default", "deepfreeze"):
+        base_fit = None
+        for approach in ("none", "keras-default", "deepfreeze"):
             r = run(model, approach, args.ranks, steps, every, batch, base)
+            if approach == "none":
+                base_fit = r["fit_s"]
+                continue
+            # robust against step-time noise: whole-run time against a run without checkpoints
+            r["fit_overhead_ms_per_ckpt"] = 1e3 * (r["fit_s"] - base_fit) / max(r["checkpoints"], 1)
+            r["fit_s_without_ckpt"] = base_fit
             print(json.dumps(r), flush=True)
             results.append(r)
     shutil.rmtree(base, ignore_errors=True)
     doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-           "note": "blocking = time a rank spends in the checkpoint callback per checkpoint (first excluded)",
+           "note": ("blocking = time a rank spends in the checkpoint callback per checkpoint (first excluded); "
+             "runtime_overhead = mean step time of checkpoint steps and the steps right after them minus "
+             "the mean of the other steps (rank 0's clock); fit_overhead_per_ckpt = (fit time - fit time "
+             "of the same run without checkpoints) / checkpoints; scratch_write = the writer thread's time to "
+             "commit a shard on scratch, overlapping the next steps"),
            "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -5,8 +5,11 @@
 For each of NT3's weight tensors, time (in a ``tf.function``, as the hook runs
 it) the copy of rank ``r``'s shard into a preallocated buffer, for every rank:
 
-* ``flat``: ``buf.assign(reshape(v, [-1])[start:stop])`` (DeepFreeze's plan);
-* ``largest_dim``: ``buf.assign(v[..., a:b, ...])`` along the largest dimension.
+* ``flat``: ``buf.assign(DeepCopy(reshape(v, [-1])[start:stop]))`` (DeepFreeze's plan);
+* ``largest_dim``: ``buf.assign(DeepCopy(v[..., a:b, ...]))`` along the largest dimension.
+
+``DeepCopy`` as in the hook: without it an aligned slice is a view and the
+copy would be deferred to a copy-on-write of the whole variable.
 
 Reports the per-rank total over all tensors (the copy a rank runs in a
 checkpoint step) and the load imbalance (largest / smallest rank bytes).
@@ -19,6 +22,18 @@ import os
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _copies(tf, v, flat_buf, a, b, dim_buf, sl):
+    @tf.function
+    def flat():
+        flat_buf.assign(tf.raw_ops.DeepCopy(x=tf.reshape(v, [-1])[a:b]), read_value=False)
+
+    @tf.function
+    def dim():
+        dim_buf.assign(tf.raw_ops.DeepCopy(x=v[sl]), read_value=False)
+
+    return flat, dim
 
 
 def main() -> None:
@@ -50,13 +65,7 @@ def main() -> None:
             dim_shape[axis] = hi - lo
             dim_buf = tf.Variable(tf.zeros(dim_shape, v.dtype), trainable=False)
 
-            @tf.function
-            def flat(v=v, buf=flat_buf, a=a, b=b):
-                buf.assign(tf.reshape(v, [-1])[a:b], read_value=False)
-
-            @tf.function
-            def dim(v=v, buf=dim_buf, sl=sl):
-                buf.assign(v[sl], read_value=False)
+            flat, dim = _copies(tf, v, flat_buf, a, b, dim_buf, sl)
 
             for kind, fn, nbytes in (("flat", flat, (b - a) * 4), ("largest_dim", dim, int(np.prod(dim_shape)) * 4)):
                 fn()  # trace + first touch
