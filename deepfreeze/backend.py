@@ -14,7 +14,7 @@ one JSON object per line in each direction. Requests::
     {"op": "flush", "job": {...}}        -> {"ok": true, "id": N}        (queued)
     {"op": "wait", "ids": [...]}         -> {"ok": true, "errors": [...]} (when those jobs are done)
     {"op": "poll", "ids": [...]}         -> {"ok": true, "done": [...], "errors": [...]} (now)
-    {"op": "status"}                     -> {"ok": true, "pending": N, "done": N, "clients": N}
+    {"op": "status"}                     -> {"ok": true, "pid": N, "pending": N, "clients": N, "jobs": N}
     {"op": "stop"}                       -> {"ok": true}  (drains the queue, then exits)
 
 Jobs run one at a time, in arrival order, in the thread ``deepfreeze-flusher``

@@ -12,7 +12,7 @@ Backpressure (policy: wait, never skip or drop):
 * at most one shard write is in flight per rank; a checkpoint that arrives
   while the previous one is still being written waits for it (no queue of
   model copies in memory);
-* at most ``max_pending_flushes`` (default ``max(2, scratch_versions)``)
+* at most ``max_pending_flushes`` (default ``max(2, scratch_versions or max_versions)``)
   versions of a rank may wait for the backend's flush; beyond that the writer
   thread waits for the oldest, so scratch holds at most ``scratch_versions +
   max_pending_flushes`` versions of a rank and the backend's queue stays bounded.

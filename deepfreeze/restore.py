@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -54,8 +54,13 @@ def list_versions(config: Config, name: str) -> dict[int, list[str]]:
     return dict(sorted(out.items()))
 
 
-def load(config: Config, name: str, version: int | None = None, *, verify: bool = True) -> Checkpoint:
-    """Load version ``version`` (default: the newest that can be read whole) of ``name``."""
+def load(config: Config, name: str, version: int | None = None, *, verify: bool = True,
+         tensors: Sequence[str] | None = None) -> Checkpoint:
+    """Load version ``version`` (default: the newest that can be read whole) of ``name``.
+
+    ``tensors`` restricts the read to those tensor names (the index locates each
+    piece, so nothing else is read); by default every tensor is loaded.
+    """
     validate_name(name)
     versions = list_versions(config, name)
     if version is not None:
@@ -76,8 +81,10 @@ def load(config: Config, name: str, version: int | None = None, *, verify: bool 
         for level in versions[v]:
             try:
                 if level == "scratch":
-                    return _load_scratch(scratch, name, v, verify)
-                return _load_persistent(persistent, name, v, verify)
+                    return _load_scratch(scratch, name, v, verify, tensors)
+                return _load_persistent(persistent, name, v, verify, tensors)
+            except CheckpointNotFoundError:
+                raise  # a tensor name the checkpoint does not have: no other level will have it
             except (OSError, DeepFreezeError, ValueError) as e:
                 log.warning("deepfreeze: %s v%d on %s is unreadable (%s); trying the next level/version",
                             name, v, level, e)
@@ -87,9 +94,21 @@ def load(config: Config, name: str, version: int | None = None, *, verify: bool 
     raise CorruptCheckpointError(f"no version of {name!r} could be read whole: " + "; ".join(errors))
 
 
-def _empty_arrays(manifest: dict[str, Any]) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
-    flats, named = [], {}
+def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None
+                  ) -> tuple[list[np.ndarray | None], dict[str, np.ndarray]]:
+    """Output arrays for the wanted tensors (None for the others), flat views and by name."""
+    names = [t["name"] for t in manifest["tensors"]]
+    if wanted is not None:
+        missing = sorted(set(wanted) - set(names))
+        if missing:
+            raise CheckpointNotFoundError(f"{manifest['name']!r} v{manifest['version']} has no tensor named "
+                                          f"{missing[0]!r}; it has {len(names)} tensors, e.g. {names[:3]}")
+    flats: list[np.ndarray | None] = []
+    named = {}
     for t in manifest["tensors"]:
+        if wanted is not None and t["name"] not in wanted:
+            flats.append(None)
+            continue
         a = np.empty(t["shape"], dtype=fmt.numpy_dtype(t["dtype"]))
         flats.append(a.reshape(-1))
         named[t["name"]] = a
@@ -109,23 +128,28 @@ def _fill(path: str, entries_expected: list[tuple[int, int, int]], flats: list[n
             if e.dtype != t["dtype"] or list(e.shape) != t["shape"]:
                 raise CorruptCheckpointError(f"{path}: tensor {t['name']!r} is {e.dtype}{list(e.shape)} in the "
                                              f"file but {t['dtype']}{t['shape']} in the manifest")
-            fmt.read_entry(f, e, flats[e.tensor_id][e.start:e.stop], verify=verify and idx.has_crc, path=path)
+            if flats[e.tensor_id] is not None:
+                fmt.read_entry(f, e, flats[e.tensor_id][e.start:e.stop], verify=verify and idx.has_crc, path=path)
 
 
-def _load_scratch(level: ScratchLevel, name: str, version: int, verify: bool) -> Checkpoint:
+def _load_scratch(level: ScratchLevel, name: str, version: int, verify: bool,
+                  wanted: Sequence[str] | None) -> Checkpoint:
     m = level.read_manifest(name, version)
     plan = plan_of(m)
-    flats, named = _empty_arrays(m)
+    flats, named = _empty_arrays(m, wanted)
     for r in range(plan.world_size):
         expected = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(r)]
+        if all(flats[p.tensor_id] is None for p in plan.for_rank(r)):
+            continue  # this rank's shard holds none of the wanted tensors
         _fill(level.shard_path(name, version, r), expected, flats, m, verify, version)
     return Checkpoint(name, version, m["step"], m["epoch"], "scratch", named, m)
 
 
-def _load_persistent(level: PersistentLevel, name: str, version: int, verify: bool) -> Checkpoint:
+def _load_persistent(level: PersistentLevel, name: str, version: int, verify: bool,
+                     wanted: Sequence[str] | None) -> Checkpoint:
     m = level.read_manifest(name, version)
     plan = plan_of(m)
-    flats, named = _empty_arrays(m)
+    flats, named = _empty_arrays(m, wanted)
     path = os.path.join(level.version_dir(name, version), m.get("assembled", {}).get("file", ASSEMBLED))
     _fill(path, [(p.tensor_id, p.start, p.stop) for p in plan.pieces], flats, m, verify, version)
     return Checkpoint(name, version, m["step"], m["epoch"], "persistent", named, m)

@@ -8,14 +8,14 @@
 # (TF 2.21's wheel lacks headers Horovod's TF ops include).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv}
+VENV=${VENV:-$PWD/.venv}
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 STAMP="$VENV/.deepfreeze-setup-v1"
 
 say() { echo "setup: $*"; }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && "$VENV/bin/python" -P -c "import horovod.tensorflow, deepfreeze.keras" >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras") >/dev/null 2>&1; then
   say "already done (remove $STAMP to redo)"
   exit 0
 fi
@@ -54,8 +54,8 @@ if ! "$VPY" -c "import horovod.tensorflow as h; assert h.mpi_built()" >/dev/null
     "$VPY" -m pip install -q --no-cache-dir --no-build-isolation "horovod==0.28.1"
 fi
 
-# 4. the package itself
-if ! "$VPY" -P -c "import deepfreeze" >/dev/null 2>&1; then
+# 4. the package itself (checked from / so the checkout itself does not satisfy the import)
+if ! (cd / && "$VPY" -c "import deepfreeze") >/dev/null 2>&1; then
   say "installing deepfreeze (editable)"
   "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
 fi

@@ -159,6 +159,16 @@ def test_newest_readable_version_wins_never_partial(tmp_path, mode):
         load(cfgs[0], "job", 6)
 
 
+def test_one_tensor_read_alone(tmp_path, mode):
+    cfgs = run_job(tmp_path, mode, world=2, nodes=1)
+    for level_cfg in (cfgs[0], Config.resolve(cfgs[0], scratch=str(tmp_path / "elsewhere"))):  # scratch, persistent
+        ck = load(level_cfg, "job", 6, tensors=["layer3/w"])
+        assert list(ck.arrays) == ["layer3/w"]
+        assert ck.arrays["layer3/w"].tobytes() == model_arrays(6)[3].tobytes()
+    with pytest.raises(CheckpointNotFoundError, match="no tensor named 'nope'"):
+        load(cfgs[0], "job", 6, tensors=["nope"])
+
+
 def test_not_found_and_bad_names(tmp_path, mode):
     cfg = Config.load(None, mode=mode, scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
     with pytest.raises(CheckpointNotFoundError) as e:
