@@ -17,7 +17,9 @@ os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import deepfreeze  # noqa: E402
+from experiments import models  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 
 NAME = "demo"
@@ -25,16 +27,8 @@ CFG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "veloc_cfg"
 
 
 def build_model() -> tf.keras.Model:
-    tf.keras.utils.set_random_seed(42)
-    return tf.keras.Sequential([
-        tf.keras.Input((28, 28, 1)),
-        tf.keras.layers.Conv2D(16, 3, activation="relu"),
-        tf.keras.layers.BatchNormalization(),
-        tf.keras.layers.MaxPooling2D(),
-        tf.keras.layers.Flatten(),
-        tf.keras.layers.Dense(128, activation="relu"),
-        tf.keras.layers.Dense(10, activation="softmax"),
-    ])
+    """A small CNN (conv, batch norm, dense): the same model experiments/ measures as "demo"."""
+    return models.demo()
 
 
 def dirs(out: str, rank: int) -> dict[str, str]:
