@@ -19,6 +19,9 @@ Backpressure (policy: wait, never skip or drop):
 
 Errors of background work (the scratch write here, the flush in the backend,
 polled after every notice) surface once, at the next ``checkpoint`` or ``wait``.
+If the backend process dies (killed, node OOM), the next exchange with it starts
+a new one and re-sends every flush not known to be done; flushes are idempotent
+(see :func:`deepfreeze.levels.flush_job`), so a half-done flush is finished.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -68,7 +71,7 @@ class Engine:
                                                            initializer=lower_priority)
         self._inflight: concurrent.futures.Future | None = None
         self._error: BaseException | None = None
-        self._flush_ids: list[int] = []  # notices sent, flush not known to be done (writer thread)
+        self._pending: dict[int, dict[str, Any]] = {}  # backend job id -> job not known to be done
         self._backend_errors: list[str] = []
         self.max_pending_flushes = max_pending_flushes or max(2, config.keep_scratch)
         self._backend: BackendClient | None = None
@@ -96,9 +99,9 @@ class Engine:
     def wait(self, *, persistent: bool = True) -> None:
         """Block until every submitted checkpoint is on scratch (and, if ``persistent``, flushed)."""
         self._drain()
-        if persistent and self._backend is not None and self._flush_ids:
-            ids, self._flush_ids = self._flush_ids, []
-            self._backend_errors += self._backend.wait(ids)
+        if persistent and self._backend is not None and self._pending:
+            self._backend_errors += self._call_backend(lambda b: b.wait(list(self._pending)))
+            self._pending.clear()
         self._raise_pending()
 
     def close(self, *, wait: bool = True) -> None:
@@ -120,6 +123,21 @@ class Engine:
             except BaseException as e:  # surfaced once, below
                 self._error = self._error or e
 
+    def _call_backend(self, fn: Callable[[BackendClient], Any]) -> Any:
+        """``fn(backend)``; if the backend died, start a new one, re-send every flush not
+        known to be done (flushes are idempotent), and call ``fn`` once more."""
+        try:
+            return fn(self._backend)
+        except BackendError as e:
+            log.warning("deepfreeze: rank %d lost its backend (%s); starting a new one and re-sending %d "
+                        "pending flush(es)", self.rank, e, len(self._pending))
+            self._backend.close()
+            self._backend = BackendClient(self.config.scratch)
+            jobs, self._pending = list(self._pending.values()), {}
+            for job in jobs:
+                self._pending[self._backend.flush(job)] = job
+            return fn(self._backend)
+
     def _raise_pending(self) -> None:
         if self._backend_errors and self._error is None:
             self._error = BackendError("background flush to persistent failed: " + "; ".join(self._backend_errors))
@@ -140,13 +158,15 @@ class Engine:
                "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
                "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions, "manifest": manifest}
         if self._backend is not None:
-            self._flush_ids.append(self._backend.flush(job))
-            done, errors = self._backend.poll(self._flush_ids)
-            if len(self._flush_ids) - len(done) > self.max_pending_flushes:
-                oldest = [i for i in self._flush_ids if i not in done][:-self.max_pending_flushes]
-                errors += self._backend.wait(oldest)
+            self._call_backend(lambda b: self._pending.__setitem__(b.flush(job), job))
+            done, errors = self._call_backend(lambda b: b.poll(list(self._pending)))
+            waiting = [i for i in self._pending if i not in done]
+            if len(waiting) > self.max_pending_flushes:
+                oldest = waiting[:-self.max_pending_flushes]
+                errors += self._call_backend(lambda b: b.wait(oldest))
                 done += oldest
-            self._flush_ids = [i for i in self._flush_ids if i not in done]
+            for i in done:
+                self._pending.pop(i, None)
             self._backend_errors += errors
         else:
             flush_job(job, scratch_cls=type(self.scratch))

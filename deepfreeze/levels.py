@@ -20,7 +20,8 @@ Commit protocol (data first, marker last, atomically):
   ``model.dfz.partial`` at offsets computed from the manifest alone (pieces of a
   tensor are contiguous, so each piece is one positional write), fsyncs it, then
   publishes ``done.r<rank>.json`` (piece checksums) by atomic rename. The node
-  that sees the last ``done`` marker wins ``commit.lock`` (``O_EXCL``) and
+  that sees the last ``done`` marker wins ``commit.lock`` (``O_EXCL``; a lock
+  left by a dead process on the same host is broken) and
   finalizes: it writes the header and index, fsyncs, renames ``model.dfz.partial``
   to ``model.dfz``, writes ``manifest.json`` via temp file + fsync + rename, and
   fsyncs the directory. **A version is committed on persistent if and only if
@@ -45,6 +46,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 from typing import Any, Iterable, Sequence
@@ -297,10 +299,12 @@ class PersistentLevel(Level):
 
         Returns True if this call committed the version.
         """
+        vdir = self.version_dir(name, version)
+        if os.path.exists(os.path.join(vdir, MANIFEST)):
+            return False  # already committed (a re-sent flush after a backend restart): nothing to do
         plan = plan_of(manifest)
         layout, _, size = self.assembled_layout(plan)
         where = {(e.tensor_id, e.start): e for e in layout}
-        vdir = self.version_dir(name, version)
         self.makedirs(vdir)
         crcs = []
         with open(shard_path, "rb") as src:
@@ -327,9 +331,7 @@ class PersistentLevel(Level):
         done = [n for n in _listdir(vdir) if n.startswith("done.r") and n.endswith(".json")]
         if len(done) < plan.world_size:
             return False
-        try:
-            os.close(os.open(os.path.join(vdir, "commit.lock"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        except FileExistsError:
+        if not self._take_lock(os.path.join(vdir, "commit.lock")):
             return False
         crc = {}
         has_crc = True
@@ -363,6 +365,30 @@ class PersistentLevel(Level):
                 pass
         return True
 
+    @staticmethod
+    def _take_lock(path: str) -> bool:
+        """Create ``path`` exclusively, holding ``host pid``. A lock left by a dead process
+        on this host (a finalizer killed mid-commit) is broken and taken over."""
+        me = f"{socket.gethostname()} {os.getpid()}".encode()
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                try:
+                    with open(path, "rb") as f:
+                        host, _, pid = f.read(300).decode(errors="replace").partition(" ")
+                except FileNotFoundError:
+                    continue
+                if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                    log.warning("deepfreeze: breaking stale lock %s of dead process %s", path, pid)
+                    os.unlink(path)
+                    continue
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(me)
+            return True
+        return False
+
     def retain(self, name: str, keep: int) -> list[int]:
         """Delete all but the newest ``keep`` committed versions (0 = keep all), and the
         directories of versions decided ``skip`` that are older than the newest commit."""
@@ -384,6 +410,16 @@ class PersistentLevel(Level):
             os.unlink(os.path.join(vdir, MANIFEST))  # uncommit first: never a half-deleted "committed" version
             shutil.rmtree(vdir, ignore_errors=True)
         return old
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _copy_range(src: int, dst: int, length: int, src_off: int, dst_off: int) -> None:

@@ -124,7 +124,7 @@ def test_backpressure_bounds_pending_flushes(tmp_path):
     for v in range(1, 30):
         e.checkpoint(v, pieces(model_arrays(v), plan, 0), step=v, epoch=0)
         e._drain()
-        peak = max(peak, len(e._flush_ids))
+        peak = max(peak, len(e._pending))
     e.close()
     assert peak <= 1
     assert PersistentLevel(cfg.persistent).committed_versions("job") == list(range(1, 30))
@@ -233,3 +233,44 @@ def test_backend_shared_per_node_and_stops_when_idle(tmp_path):
     c = BackendClient(cfg.scratch)  # a new one starts on demand
     assert c.pid != pid
     c.close()
+
+
+def test_backend_killed_mid_job_is_restarted_and_flushes_are_resent(tmp_path):
+    """kill -9 of the backend: the next exchange starts a new one and re-sends what was pending;
+    persistent never holds a version that looks committed but is not."""
+    import signal
+    plan = make_plan(2)
+    cfg = Config.load(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    engines = [Engine(cfg, "job", r, plan) for r in range(2)]
+    engines[0].checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)  # only rank 0: v2 cannot commit
+    engines[0]._drain()
+    old = engines[0]._backend.pid
+    os.kill(old, signal.SIGKILL)
+    engines[1].checkpoint(2, pieces(model_arrays(2), plan, 1), step=2, epoch=0)  # hits the dead backend
+    for e in engines:
+        e.checkpoint(4, pieces(model_arrays(4), plan, e.rank), step=4, epoch=0)
+    for e in engines:
+        e.close()
+    assert engines[0]._backend is None
+    pfs = PersistentLevel(cfg.persistent)
+    assert pfs.committed_versions("job") == [2, 4]
+    for v in (2, 4):
+        assert_version(Config.resolve(cfg, scratch=str(tmp_path / "elsewhere")), v, "persistent")
+
+
+def test_stale_commit_lock_of_dead_process_is_broken(tmp_path):
+    import subprocess
+    import sys
+    plan = make_plan(1)
+    cfg = Config.load(None, mode="sync", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    pfs = PersistentLevel(cfg.persistent)
+    vdir = pfs.version_dir("job", 2)
+    os.makedirs(vdir)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with open(os.path.join(vdir, "commit.lock"), "w") as f:
+        f.write(f"{__import__('socket').gethostname()} {int(dead.stdout)}")
+    e = Engine(cfg, "job", 0, plan)
+    e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
+    e.close()
+    assert pfs.committed_versions("job") == [2]
+    assert not os.path.exists(os.path.join(vdir, "commit.lock"))
