@@ -20,7 +20,7 @@ Commit protocol (data first, marker last, atomically):
   ``model.dfz.partial`` at offsets computed from the manifest alone (pieces of a
   tensor are contiguous, so each piece is one positional write), fsyncs it, then
   publishes ``done.r<rank>.json`` (piece checksums) by atomic rename. The node
-  that sees the last ``done`` marker wins ``commit.lock`` (``O_EXCL``; a lock
+  that sees the last ``done`` marker wins ``commit.lock`` (exclusive creation, as ``decision``; a lock
   left by a dead process on the same host is broken) and
   finalizes: it writes the header and index, fsyncs, renames ``model.dfz.partial``
   to ``model.dfz``, writes ``manifest.json`` via temp file + fsync + rename, and
@@ -28,8 +28,9 @@ Commit protocol (data first, marker last, atomically):
   its ``manifest.json`` exists**; anything else in a version directory is an
   unfinished flush that readers ignore.
 * **Which versions go to persistent** (``persistent_interval`` seconds) is decided
-  once per version by the first node to flush it, recorded with ``O_EXCL`` in
-  ``decision`` (``flush`` or ``skip``) so every node follows the same choice
+  once per version by the first node to flush it, recorded in ``decision``
+  (written to a temporary file and hard-linked into place, so it is created
+  exclusively and never seen empty) (``flush`` or ``skip``) so every node follows the same choice
   without any collective; a version is flushed when at least the interval has
   passed since the newest earlier ``flush`` decision.
 * **Retention** runs after a commit: ``max_versions`` newest committed versions
@@ -256,7 +257,7 @@ class PersistentLevel(Level):
                 if os.path.exists(os.path.join(self.version_dir(name, v), MANIFEST))]
 
     def decide(self, name: str, version: int, interval: float) -> bool:
-        """Flush ``version``? Decided once by the first node (O_EXCL), followed by all."""
+        """Flush ``version``? Decided once by the first node (exclusive create), followed by all."""
         if interval < 0:
             return False
         vdir = self.version_dir(name, version)
@@ -279,15 +280,9 @@ class PersistentLevel(Level):
                         break
                 except FileNotFoundError:
                     continue
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            with open(path, "rb") as f:
+        if not _create_exclusive(path, b"flush" if flush else b"skip"):
+            with open(path, "rb") as f:  # another node decided first: follow it
                 return f.read(8) == b"flush"
-        try:
-            os.write(fd, b"flush" if flush else b"skip")
-        finally:
-            os.close(fd)
         return flush
 
     def assembled_layout(self, plan: ShardPlan) -> tuple[list[fmt.Entry], int, int]:
@@ -371,22 +366,18 @@ class PersistentLevel(Level):
         on this host (a finalizer killed mid-commit) is broken and taken over."""
         me = f"{socket.gethostname()} {os.getpid()}".encode()
         for _ in range(2):
+            if _create_exclusive(path, me):
+                return True
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                try:
-                    with open(path, "rb") as f:
-                        host, _, pid = f.read(300).decode(errors="replace").partition(" ")
-                except FileNotFoundError:
-                    continue
-                if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
-                    log.warning("deepfreeze: breaking stale lock %s of dead process %s", path, pid)
-                    os.unlink(path)
-                    continue
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(me)
-            return True
+                with open(path, "rb") as f:
+                    host, _, pid = f.read(300).decode(errors="replace").partition(" ")
+            except FileNotFoundError:
+                continue
+            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                log.warning("deepfreeze: breaking stale lock %s of dead process %s", path, pid)
+                os.unlink(path)
+                continue
+            return False
         return False
 
     def retain(self, name: str, keep: int) -> list[int]:
@@ -410,6 +401,22 @@ class PersistentLevel(Level):
             os.unlink(os.path.join(vdir, MANIFEST))  # uncommit first: never a half-deleted "committed" version
             shutil.rmtree(vdir, ignore_errors=True)
         return old
+
+
+def _create_exclusive(path: str, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` unless it exists; atomic, and never visible empty:
+    the content is written to a temporary file first, then hard-linked into place."""
+    tmp = f"{path}.tmp{_uniq()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o600)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
 
 
 def _alive(pid: int) -> bool:

@@ -10,7 +10,7 @@ from deepfreeze import Config, list_versions
 from deepfreeze.levels import PersistentLevel, ScratchLevel
 from deepfreeze.restore import load
 
-from conftest import WORKERS, mpirun
+from _util import WORKERS, mpirun
 
 pytestmark = pytest.mark.mpi
 

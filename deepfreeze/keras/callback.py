@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from ..config import Config, validate_name
 from ..engine import Engine
-from ..errors import ConfigError, ModelMismatchError
+from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
+from ..levels import ScratchLevel
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
 from . import hook as _hook
 from ._dist import allgather_bytes, rank_and_size
@@ -57,6 +58,11 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
       at_epoch_end: also checkpoint at the end of every epoch.
       min_shard_bytes: tensors below this size are not split across ranks.
       verbose: 1 logs each checkpoint on rank 0.
+      on_error: ``"raise"`` (default) stops training at a failed checkpoint (disk full,
+        I/O error, backend failure); ``"warn"`` logs it, counts it in ``failures`` and
+        training goes on. Either way nothing partial is committed.
+      scratch_cls: advanced: the :class:`~deepfreeze.levels.ScratchLevel` subclass that
+        writes shards (other storage, fault injection).
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Rank and world size come from Horovod when it is initialized; otherwise one rank.
@@ -66,8 +72,15 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
 
     def __init__(self, config: "str | Config | None" = None, name: str = "model", *,
                  every_n_batches: int | None = None, at_epoch_end: bool = True,
-                 min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES, verbose: int = 0, **overrides: Any) -> None:
+                 min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES, verbose: int = 0, on_error: str = "raise",
+                 scratch_cls: type[ScratchLevel] = ScratchLevel, **overrides: Any) -> None:
         super().__init__()
+        if on_error not in ("raise", "warn"):
+            raise ConfigError(f"on_error = {on_error!r}: use 'raise' (stop training) or 'warn' (log and go on)")
+        if not (isinstance(scratch_cls, type) and issubclass(scratch_cls, ScratchLevel)):
+            raise ConfigError("scratch_cls must be a subclass of deepfreeze.levels.ScratchLevel")
+        self.on_error, self.scratch_cls = on_error, scratch_cls
+        self.failures: list[str] = []
         self.name = validate_name(name)
         self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes)
         self.config = Config.resolve(config, **overrides)
@@ -105,7 +118,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if self.engine is None or self.plan != plan:
             if self.engine is not None:
                 self.engine.close()
-            self.engine = Engine(self.config, self.name, self.rank, plan, domains)
+            self.engine = Engine(self.config, self.name, self.rank, plan, domains, scratch_cls=self.scratch_cls)
         self.plan = plan
         self.hook = _hook.install(model.optimizer, plan, self.rank, weights)
         model.make_train_function(force=True)  # retrace: the copy ops must be in the graph
@@ -162,9 +175,11 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if self._pending:
             self.hook.flag.assign(False)
             self._pending = False
-        if self.engine is not None:
-            self.engine.wait(persistent=False)  # committed at least on scratch when fit returns
-        _hook.uninstall(self.model.optimizer)
+        try:
+            if self.engine is not None:
+                self._guard(self.engine.wait, persistent=False)  # committed at least on scratch
+        finally:
+            _hook.uninstall(self.model.optimizer)
         self.model.make_train_function(force=True)
         self.hook = None
 
@@ -173,7 +188,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         """Block until every checkpoint taken so far is committed on persistent (or skipped by
         ``persistent_interval``); raises the first background error, once."""
         if self.engine is not None:
-            self.engine.wait(persistent=True)
+            self._guard(self.engine.wait, persistent=True)
 
     def close(self) -> None:
         """Wait for the flushes, then release the writer thread and the backend connection."""
@@ -187,10 +202,21 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         return self._last_version
 
     # ------------------------------------------------------------------ internals
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Run an engine call under the ``on_error`` policy."""
+        try:
+            fn(*args, **kwargs)
+        except DeepFreezeError as e:
+            if self.on_error == "raise":
+                raise
+            self.failures.append(str(e))
+            log.warning("DeepFreeze (rank %d): checkpointing failed, training goes on (on_error='warn'): %s",
+                        self.rank, e)
+
     def _checkpoint(self, version: int, arrays: list, t0: float, t1: float) -> None:
         epoch_complete = bool(self.params.get("steps")) and version - self._epoch_base >= self.params["steps"]
-        self.engine.checkpoint(version, arrays, step=version, epoch=self._epoch,
-                               extra={"epoch_complete": epoch_complete})
+        self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch,
+                    extra={"epoch_complete": epoch_complete})
         t2 = time.perf_counter()
         self._last_version = version
         self.timings.append({"version": version, "capture_s": t1 - t0, "blocking_s": t2 - t0})

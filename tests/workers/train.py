@@ -21,6 +21,25 @@ import horovod.tensorflow.keras as hvd  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
+from deepfreeze.levels import ScratchLevel  # noqa: E402
+
+
+def killing_level(rank: int, version: int) -> type:
+    """Fault injection: rank ``rank`` dies by SIGKILL halfway through writing ``version``."""
+
+    class KillMidWrite(ScratchLevel):
+        def write_shard(self, name, v, r, plan, arrays, **kw):
+            if (r, v) == (rank, version):
+                import signal
+                vdir = self.version_dir(name, v)
+                os.makedirs(vdir, exist_ok=True)
+                with open(os.path.join(vdir, f".r{r:06d}.dfs.tmp-dying"), "wb") as f:
+                    f.write(b"DEEPFRZ\0" + b"\1" * 1000)  # a partial write
+                    f.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return super().write_shard(name, v, r, plan, arrays, **kw)
+
+    return KillMidWrite
 
 
 def main() -> None:
@@ -38,7 +57,8 @@ def main() -> None:
         name=opts.get("name", "job"), every_n_batches=int(opts.get("every", 3)), mode=mode,
         scratch=f"{out}/node{rank}/scratch", persistent=f"{out}/persistent", failure_domain=f"node{rank}",
         max_versions=int(opts.get("max_versions", 0)), scratch_versions=int(opts.get("scratch_versions", 0)),
-        min_shard_bytes=int(opts.get("min_shard_bytes", 4096)))
+        min_shard_bytes=int(opts.get("min_shard_bytes", 4096)), on_error=opts.get("on_error", "raise"),
+        scratch_cls=killing_level(*map(int, opts["kill"].split(":"))) if "kill" in opts else ScratchLevel)
 
     class Record(tf.keras.callbacks.Callback):
         seen = None
