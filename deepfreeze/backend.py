@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from .errors import BackendError
-from .levels import flush_job
+from .levels import ScratchLevel, flush_job
 
 __all__ = ["socket_path", "BackendClient", "serve", "main"]
 
@@ -246,8 +246,9 @@ class BackendClient:
             s = self._connect()
             if s is not None:
                 return s
-            os.makedirs(self.scratch, mode=0o700, exist_ok=True)
-            logf = open(os.path.join(self.scratch, ".deepfreeze-backend.log"), "ab")
+            ScratchLevel(self.scratch).makedirs(self.scratch)
+            logf = os.fdopen(os.open(os.path.join(self.scratch, ".deepfreeze-backend.log"),
+                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
             proc = subprocess.Popen([sys.executable, "-m", "deepfreeze.backend", "--socket", self.path],
                                     stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                     start_new_session=True, close_fds=True)

@@ -148,7 +148,17 @@ class Level:
         return m
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        """Create ``path`` and every missing parent owner-only (0700); existing ones are left alone."""
+        missing = []
+        p = os.path.abspath(path)
+        while not os.path.isdir(p):
+            missing.append(p)
+            p = os.path.dirname(p)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                pass
 
 
 class ScratchLevel(Level):
@@ -253,8 +263,15 @@ class PersistentLevel(Level):
     kind = "persistent"
 
     def committed_versions(self, name: str) -> list[int]:
-        return [v for v in self.versions(name)
-                if os.path.exists(os.path.join(self.version_dir(name, v), MANIFEST))]
+        """Versions whose manifest exists and is a valid manifest of this name and version."""
+        out = []
+        for v in self.versions(name):
+            try:
+                self.read_manifest(name, v)
+            except (OSError, CorruptCheckpointError):
+                continue
+            out.append(v)
+        return out
 
     def decide(self, name: str, version: int, interval: float) -> bool:
         """Flush ``version``? Decided once by the first node (exclusive create), followed by all."""

@@ -1,0 +1,115 @@
+"""Damaged, foreign and hostile files on the levels; two jobs sharing directories and backend."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from deepfreeze import Config, list_versions
+from deepfreeze.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from deepfreeze.levels import MANIFEST, PersistentLevel, ScratchLevel
+from deepfreeze.restore import load
+
+from test_engine import assert_version, model_arrays, run_job
+
+
+def persistent_only(cfg, tmp_path):
+    return Config.resolve(cfg, scratch=str(tmp_path / "no-scratch"))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_missing_manifest_means_not_committed(tmp_path, mode):
+    cfg = run_job(tmp_path, mode, world=2, nodes=1)[0]
+    os.unlink(os.path.join(PersistentLevel(cfg.persistent).version_dir("job", 6), MANIFEST))
+    os.unlink(os.path.join(ScratchLevel(cfg.scratch).version_dir("job", 6), MANIFEST))
+    assert 6 not in list_versions(cfg, "job")
+    assert_version(cfg, 4)
+    assert load(cfg, "job").version == 4
+
+
+def test_manifest_of_another_model_is_detected(tmp_path):
+    cfg = run_job(tmp_path / "a", "sync", world=2, nodes=1)[0]
+    other = run_job(tmp_path / "b", "sync", world=3, nodes=1)[0]  # another plan (3 ranks)
+    pfs = PersistentLevel(cfg.persistent)
+    foreign = json.load(open(os.path.join(PersistentLevel(other.persistent).version_dir("job", 6), MANIFEST)))
+    foreign["tensors"][0]["shape"] = [32, 100]  # same size, other model
+    with open(os.path.join(pfs.version_dir("job", 6), MANIFEST), "w") as f:
+        json.dump(foreign, f)
+    shutil.rmtree(ScratchLevel(cfg.scratch).version_dir("job", 6))
+    with pytest.raises(CorruptCheckpointError, match="does not match the manifest|in the file but"):
+        load(cfg, "job", 6)
+    assert load(cfg, "job").version == 4  # newest readable, never wrong weights
+    # a manifest naming another checkpoint or version
+    foreign.update(name="elsewhere")
+    with open(os.path.join(pfs.version_dir("job", 6), MANIFEST), "w") as f:
+        json.dump(foreign, f)
+    with pytest.raises(CheckpointNotFoundError, match="committed versions: \\[2, 4\\]"):
+        load(cfg, "job", 6)  # a manifest of another name does not commit this version
+
+
+def test_foreign_files_in_checkpoint_directories_are_ignored(tmp_path):
+    cfg = run_job(tmp_path, "sync", world=2, nodes=1)[0]
+    for root in (cfg.scratch, cfg.persistent):
+        d = os.path.join(root, "job")
+        open(os.path.join(d, "README.txt"), "w").write("not a checkpoint")
+        os.makedirs(os.path.join(d, "v000000000099"))          # empty version dir
+        os.makedirs(os.path.join(d, "vfoo"))                   # not a version
+        os.makedirs(os.path.join(d, "v000000000098"))
+        open(os.path.join(d, "v000000000098", MANIFEST), "w").write("{not json")
+        os.symlink("/etc/passwd", os.path.join(d, "v000000000098", "model.dfz"))
+    assert list_versions(cfg, "job") == {2: ["scratch", "persistent"], 4: ["scratch", "persistent"],
+                                         6: ["scratch", "persistent"]}
+    assert_version(cfg, 6)
+
+
+def test_hostile_manifest_paths_and_names_write_nothing_outside(tmp_path):
+    cfg = run_job(tmp_path, "sync", world=1)[0]
+    mpath = os.path.join(PersistentLevel(cfg.persistent).version_dir("job", 6), MANIFEST)
+    m = json.load(open(mpath))
+    m["assembled"]["file"] = "../../../../etc/passwd"
+    json.dump(m, open(mpath, "w"))
+    with pytest.raises(CheckpointNotFoundError):
+        load(persistent_only(cfg, tmp_path), "job", 6)  # an invalid manifest commits nothing
+    with pytest.raises(CorruptCheckpointError, match="no paths"):
+        PersistentLevel(cfg.persistent).read_manifest("job", 6)
+    for bad in ("../x", "x/../../y", "/abs"):
+        with pytest.raises(ConfigError):
+            load(cfg, bad)
+    before = set(os.listdir(tmp_path))
+    with pytest.raises(ConfigError):
+        Config.load(None, mode="sync", scratch=str(tmp_path / "x"), persistent=str(tmp_path / "y"),
+                    failure_domain="../../evil")
+    assert set(os.listdir(tmp_path)) == before
+
+
+def test_two_jobs_share_directories_and_backend(tmp_path):
+    from deepfreeze.engine import Engine
+    from test_engine import make_plan, pieces
+    plan = make_plan(2)
+    cfg = Config.load(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    a = [Engine(cfg, "alpha", r, plan) for r in range(2)]
+    b = [Engine(cfg, "beta", r, plan) for r in range(2)]
+    assert len({e._backend.pid for e in a + b}) == 1  # one backend serves both jobs
+    for v in (1, 2, 3):
+        for job, engines, seed in (("alpha", a, v), ("beta", b, 100 + v)):
+            for e in engines:
+                e.checkpoint(v, pieces(model_arrays(seed), plan, e.rank), step=v, epoch=0)
+    for e in a + b:
+        e.close()
+    assert list(list_versions(cfg, "alpha")) == [1, 2, 3] == list(list_versions(cfg, "beta"))
+    for v in (1, 2, 3):
+        ca, cb = load(cfg, "alpha", v), load(cfg, "beta", v)
+        assert [x.tobytes() for x in ca.arrays.values()] == [x.tobytes() for x in model_arrays(v)]
+        assert [x.tobytes() for x in cb.arrays.values()] == [x.tobytes() for x in model_arrays(100 + v)]
+    with pytest.raises(CheckpointNotFoundError):
+        load(cfg, "gamma")
+
+
+def test_files_are_owner_only(tmp_path):
+    cfg = run_job(tmp_path / "fresh" / "dirs", "async", world=2, nodes=1)[0]
+    for dirpath, dirs, files in os.walk(tmp_path / "fresh"):
+        if True:
+            assert os.stat(dirpath).st_mode & 0o077 == 0, dirpath
+            for f in files:
+                assert os.stat(os.path.join(dirpath, f)).st_mode & 0o077 == 0, f
