@@ -172,16 +172,11 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             self._checkpoint(step, arrays, t0, time.perf_counter())
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        if self._pending:
-            self.hook.flag.assign(False)
-            self._pending = False
         try:
             if self.engine is not None:
                 self._guard(self.engine.wait, persistent=False)  # committed at least on scratch
         finally:
-            _hook.uninstall(self.model.optimizer)
-        self.model.make_train_function(force=True)
-        self.hook = None
+            self._remove_hook()
 
     # ------------------------------------------------------------------ public
     def wait(self) -> None:
@@ -202,12 +197,22 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         return self._last_version
 
     # ------------------------------------------------------------------ internals
+    def _remove_hook(self) -> None:
+        if self.hook is None:
+            return
+        self.hook.flag.assign(False)
+        self._pending = False
+        _hook.uninstall(self.model.optimizer)
+        self.model.make_train_function(force=True)
+        self.hook = None
+
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run an engine call under the ``on_error`` policy."""
         try:
             fn(*args, **kwargs)
         except DeepFreezeError as e:
             if self.on_error == "raise":
+                self._remove_hook()  # Keras skips on_train_end when a callback raises
                 raise
             self.failures.append(str(e))
             log.warning("DeepFreeze (rank %d): checkpointing failed, training goes on (on_error='warn'): %s",
