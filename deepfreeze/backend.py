@@ -228,17 +228,22 @@ class BackendClient:
             self.sock = self._spawn(timeout)
         if self.sock is None:
             raise BackendError(f"no DeepFreeze backend listens on {self.path} for scratch {scratch}")
-        self._lines = _Lines(self.sock)
-        self.pid = self.request({"op": "hello"})["pid"]
 
     def _connect(self) -> socket.socket | None:
+        """A connection to a live backend that answered ``hello``, or None (none, or a dying one)."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.connect(self.path)
-            return s
-        except OSError:
+            _send(s, {"op": "hello"})
+            lines = _Lines(s)
+            resp = lines.read()
+            if not resp or not resp.get("ok"):
+                raise OSError("no hello")
+        except (OSError, ValueError):
             s.close()
             return None
+        self._lines, self.pid = lines, resp["pid"]
+        return s
 
     def _spawn(self, timeout: float) -> socket.socket:
         with open(self.path + ".lock", "a") as lockf:
