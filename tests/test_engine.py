@@ -99,11 +99,11 @@ def test_persistent_interval(tmp_path, mode):
 def test_skipped_versions_are_swept_at_the_next_commit(tmp_path, mode):
     plan = make_plan(2)
     cfg = Config.load(None, mode=mode, scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"),
-                      persistent_interval=1.0)
+                      persistent_interval=2.0)
     engines = [Engine(cfg, "job", r, plan) for r in range(2)]
     for v in (1, 2, 3):
         if v == 3:
-            time.sleep(1.2)
+            time.sleep(2.2)
         for r, e in enumerate(engines):
             e.checkpoint(v, pieces(model_arrays(v), plan, r), step=v, epoch=0)
         for e in engines:
