@@ -101,9 +101,17 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+def byte_view(buf: Any) -> memoryview:
+    """A flat byte view of a buffer without copying (numpy arrays of any dtype, bfloat16 included,
+    whose dtype the buffer protocol cannot describe)."""
+    if isinstance(buf, np.ndarray):
+        return memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))
+    return memoryview(buf).cast("B")
+
+
 def crc32(buf: Any, value: int = 0) -> int:
     """CRC32 of a buffer (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(memoryview(buf).cast("B"), value) & 0xFFFFFFFF
+    return zlib.crc32(byte_view(buf), value) & 0xFFFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)

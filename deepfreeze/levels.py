@@ -94,7 +94,7 @@ def _atomic_write(path: str, data: bytes, *, fsync: bool) -> None:
 
 
 def _write_all(fd: int, buf: Any, offset: int) -> None:
-    view = memoryview(buf).cast("B")
+    view = fmt.byte_view(buf)
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)

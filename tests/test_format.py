@@ -137,3 +137,16 @@ def test_manifest_validation():
             fmt.decode_manifest(json.dumps(bad).encode())
     with pytest.raises(CorruptCheckpointError, match="not JSON"):
         fmt.decode_manifest(pickle.dumps(good))
+
+
+def test_bfloat16_round_trip(tmp_path):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a = np.arange(1000, dtype=np.float32).astype(ml_dtypes.bfloat16).reshape(10, 100)
+    plan = ShardPlan.build([TensorSpec(0, "bf", "bfloat16", a.shape)], 2, min_shard_bytes=0)
+    level = ScratchLevel(str(tmp_path))
+    for r in range(2):
+        p = plan.for_rank(r)[0]
+        path = level.write_shard("m", 1, r, plan, [a.reshape(-1)[p.start:p.stop]], chksum=True)
+        with open(path, "rb") as f:
+            e = fmt.read_index(f).entries[0]
+            assert fmt.read_entry(f, e).tobytes() == a.reshape(-1)[p.start:p.stop].tobytes()

@@ -1,0 +1,238 @@
+"""Export a restored checkpoint to other formats: NumPy ``.npz``, safetensors, Keras HDF5 weights.
+
+Used by ``deepfreeze export`` (see docs/cli.md). The input is a
+:class:`deepfreeze.Checkpoint` (from :func:`deepfreeze.load`): tensors by name,
+in model order. Every writer writes a temporary file next to the output and
+renames it into place, so an interrupted export never leaves a half-written
+file under the output name. No TensorFlow, no pickle, no new dependency
+(``h5py`` is needed for ``h5`` only, and imported only then).
+
+* ``npz``: what ``np.savez`` writes (a ZIP of ``.npy`` members, stored, not
+  compressed), keyed by tensor name, written with ``allow_pickle=False``.
+* ``safetensors``: written by hand following the format: an 8-byte
+  little-endian header length, a JSON header (per tensor ``dtype``, ``shape``,
+  ``data_offsets`` relative to the data, plus ``__metadata__`` with string
+  values), padded with spaces to a multiple of 8, then the raw little-endian
+  bytes of every tensor, back to back, in checkpoint order.
+* ``h5``: a Keras 2.15 HDF5 *weights* file, laid out as
+  ``model.save_weights("x.h5")`` writes it, so ``model.load_weights(path)``
+  reads it. Layer names come from the tensor names (``<layer>/<weight>``:
+  the part before the last ``/``), layers and weights keep the checkpoint
+  order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zipfile
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .errors import DeepFreezeError
+
+__all__ = ["FORMATS", "SAFETENSORS_DTYPES", "ExportError", "export", "write_npz", "write_safetensors",
+           "write_h5", "h5_layers", "format_from_path"]
+
+FORMATS = ("h5", "npz", "safetensors")
+_SUFFIXES = {".h5": "h5", ".hdf5": "h5", ".npz": "npz", ".safetensors": "safetensors"}
+
+#: numpy dtype name -> safetensors dtype code
+SAFETENSORS_DTYPES = {
+    "float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16",
+    "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
+}
+
+#: what tf.keras 2.15 writes in the root attributes of a weights file
+KERAS_VERSION = "2.15.0"
+KERAS_BACKEND = "tensorflow"
+_HDF5_OBJECT_HEADER_LIMIT = 64512  # keras/src/saving/legacy/hdf5_format.py
+TOP_LEVEL_GROUP = "top_level_model_weights"
+
+
+class ExportError(DeepFreezeError, ValueError):
+    """The checkpoint cannot be represented in the requested format, or the output is refused."""
+
+
+def format_from_path(path: str) -> str | None:
+    """The format a file name's suffix implies (``.h5``, ``.hdf5``, ``.npz``, ``.safetensors``), or None."""
+    low = path.lower()
+    for suffix, name in _SUFFIXES.items():
+        if low.endswith(suffix):
+            return name
+    return None
+
+
+def _dtype_name(a: np.ndarray) -> str:
+    return a.dtype.name  # "bfloat16" for ml_dtypes' bfloat16
+
+
+def _le_bytes(a: np.ndarray) -> np.ndarray:
+    """The array's C-order bytes, little-endian, as a flat uint8 array (works for bfloat16 too)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a.reshape(-1).view(np.uint8)
+
+
+def _atomic(path: str, force: bool, write: Callable[[str], None]) -> int:
+    """Run ``write(tmp)`` then rename ``tmp`` to ``path``; returns the size written."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise ExportError(f"output {path} is a directory: give a file name")
+    if os.path.lexists(path) and not force:
+        raise ExportError(f"output {path} exists: pass --force to overwrite it")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise ExportError(f"the directory of the output, {parent}, does not exist")
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return os.path.getsize(path)
+
+
+# --------------------------------------------------------------------------- npz
+
+def write_npz(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = False) -> int:
+    """``np.savez`` layout keyed by tensor name (any name, also ``file``), no pickle."""
+    for name, a in arrays.items():
+        if _dtype_name(a) == "bfloat16":
+            raise ExportError(f"tensor {name!r} is bfloat16, which .npy cannot describe (it would load back "
+                              "as raw 2-byte void); export to safetensors instead")
+
+    def write(tmp: str) -> None:
+        # exactly what np.savez does: one stored (uncompressed) .npy member per array
+        with zipfile.ZipFile(tmp, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name, a in arrays.items():
+                with zf.open(name + ".npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
+    return _atomic(path, force, write)
+
+
+# --------------------------------------------------------------------------- safetensors
+
+def safetensors_header(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any]) -> bytes:
+    """The JSON header (padded with spaces to a multiple of 8 bytes)."""
+    header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
+    offset = 0
+    for name, a in arrays.items():
+        if name == "__metadata__":
+            raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors")
+        code = SAFETENSORS_DTYPES.get(_dtype_name(a))
+        if code is None:
+            raise ExportError(f"tensor {name!r} has dtype {a.dtype.name}, which safetensors does not define; "
+                              f"it supports {', '.join(sorted(SAFETENSORS_DTYPES))}")
+        header[name] = {"dtype": code, "shape": [int(d) for d in a.shape],
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return raw + b" " * (-len(raw) % 8)
+
+
+def write_safetensors(arrays: Mapping[str, np.ndarray], path: str, metadata: Mapping[str, Any] | None = None,
+                      *, force: bool = False) -> int:
+    """Write the safetensors format by hand (no dependency): length, JSON header, data."""
+    head = safetensors_header(arrays, metadata or {})
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for a in arrays.values():
+                f.write(_le_bytes(a))
+    return _atomic(path, force, write)
+
+
+# --------------------------------------------------------------------------- Keras HDF5 weights
+
+def h5_layers(names: list[str]) -> tuple[list[str], dict[str, list[str]], list[str]]:
+    """Group tensor names by layer (the part before the last ``/``), in first-seen order.
+
+    Returns (layer names, tensor names per layer, top-level tensor names without a ``/``).
+    """
+    order: list[str] = []
+    per: dict[str, list[str]] = {}
+    top: list[str] = []
+    for n in names:
+        if "/" not in n:
+            top.append(n)
+            continue
+        layer = n.rsplit("/", 1)[0]
+        if layer not in per:
+            per[layer] = []
+            order.append(layer)
+        per[layer].append(n)
+    return order, per, top
+
+
+def _save_attributes(group: Any, name: str, data: list[bytes]) -> None:
+    """keras' ``save_attributes_to_hdf5_group``: chunked when over the HDF5 object header limit."""
+    data_npy = np.asarray(data)
+    num_chunks = 1
+    chunked = np.array_split(data_npy, num_chunks)
+    while any(x.nbytes > _HDF5_OBJECT_HEADER_LIMIT for x in chunked):
+        num_chunks += 1
+        chunked = np.array_split(data_npy, num_chunks)
+    if num_chunks > 1:
+        for i, chunk in enumerate(chunked):
+            group.attrs[f"{name}{i}"] = chunk
+    else:
+        group.attrs[name] = data
+
+
+def _save_weights(group: Any, items: list[tuple[str, np.ndarray]]) -> None:
+    """keras' ``save_subset_weights_to_hdf5_group``: ``weight_names`` attr, one dataset each."""
+    weight_names = [f"{n}:0".encode("utf8") for n, _ in items]
+    _save_attributes(group, "weight_names", weight_names)
+    for wname, (_, val) in zip(weight_names, items):
+        ds = group.create_dataset(wname, val.shape, dtype=val.dtype)
+        if not val.shape:
+            ds[()] = val
+        else:
+            ds[:] = val
+
+
+def write_h5(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = False) -> int:
+    """A Keras 2.15 HDF5 weights file (``model.load_weights(path)``), as ``save_weights`` lays it out."""
+    try:
+        import h5py
+    except ImportError as e:
+        raise ExportError("h5 export needs h5py: pip install h5py (or install deepfreeze[keras])") from e
+    for name, a in arrays.items():
+        if _dtype_name(a) == "bfloat16":
+            raise ExportError(f"tensor {name!r} is bfloat16, which HDF5 (h5py) cannot store; export to "
+                              "safetensors instead")
+    layers, per, top = h5_layers(list(arrays))
+
+    def write(tmp: str) -> None:
+        with h5py.File(tmp, "w") as f:
+            _save_attributes(f, "layer_names", [layer.encode("utf8") for layer in layers])
+            f.attrs["backend"] = KERAS_BACKEND.encode("utf8")
+            f.attrs["keras_version"] = KERAS_VERSION.encode("utf8")
+            for layer in sorted(layers):  # as keras: groups created in name order
+                g = f.create_group(layer)
+                _save_weights(g, [(n, arrays[n]) for n in per[layer]])
+            g = f.create_group(TOP_LEVEL_GROUP)
+            _save_weights(g, [(n, arrays[n]) for n in top])
+    return _atomic(path, force, write)
+
+
+def export(arrays: Mapping[str, np.ndarray], fmt: str, path: str, *, metadata: Mapping[str, Any] | None = None,
+           force: bool = False) -> int:
+    """Write ``arrays`` in format ``fmt`` (``h5``, ``npz``, ``safetensors``) to ``path``; returns bytes."""
+    if fmt == "npz":
+        return write_npz(arrays, path, force=force)
+    if fmt == "safetensors":
+        return write_safetensors(arrays, path, metadata, force=force)
+    if fmt == "h5":
+        return write_h5(arrays, path, force=force)
+    raise ExportError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
