@@ -643,10 +643,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         ck = load(cfg, name, args.version, verify=True)
         progress.update(f"writing {args.output}", force=True)
         meta = {"name": ck.name, "version": ck.version, "step": ck.step, "epoch": ck.epoch, "format": "deepfreeze"}
-        size = ex.export(ck.arrays, fmt_name, args.output, metadata=meta, force=args.force)
+        # a Keras weights file holds the model's weights only; npz/safetensors also the optimizer state
+        arrays = ck.model_arrays() if fmt_name == "h5" else ck.arrays
+        size = ex.export(arrays, fmt_name, args.output, metadata=meta, force=args.force)
     finally:
         progress.done()
-    print(f"exported {name!r} v{ck.version} (step {ck.step}, {len(ck.arrays)} tensors, read from {ck.level}) "
+    print(f"exported {name!r} v{ck.version} (step {ck.step}, {len(arrays)} tensors, read from {ck.level}) "
           f"to {os.path.abspath(args.output)} ({fmt_name}, {size} bytes)")
     return EXIT_OK
 

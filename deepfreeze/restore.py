@@ -37,6 +37,22 @@ class Checkpoint:
     arrays: dict[str, np.ndarray]
     manifest: dict[str, Any]
 
+    @property
+    def model_tensors(self) -> int:
+        """How many of the tensors (the first ones) are model weights; the rest is optimizer state."""
+        n = self.manifest.get("model_tensors", len(self.manifest["tensors"]))
+        return n if isinstance(n, int) and 0 <= n <= len(self.manifest["tensors"]) else len(self.manifest["tensors"])
+
+    def model_arrays(self) -> dict[str, np.ndarray]:
+        """The model's weights, by name, in ``model.get_weights()`` order."""
+        names = [t["name"] for t in self.manifest["tensors"][:self.model_tensors]]
+        return {n: self.arrays[n] for n in names if n in self.arrays}
+
+    def optimizer_arrays(self) -> dict[str, np.ndarray]:
+        """The optimizer's variables (iteration counter, slots), by name, in its order."""
+        names = [t["name"] for t in self.manifest["tensors"][self.model_tensors:]]
+        return {n: self.arrays[n] for n in names if n in self.arrays}
+
 
 def _levels(config: Config) -> tuple[ScratchLevel, PersistentLevel]:
     return ScratchLevel(config.scratch), PersistentLevel(config.persistent)

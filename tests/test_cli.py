@@ -393,7 +393,7 @@ def test_export_h5_loads_into_keras_bit_exact(tmp_path):
     fresh.load_weights(str(out))
     assert all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(fresh.get_weights(), trained))
     ck = load(config_of(s), "k")
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(ck.arrays.values(), trained))
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(ck.model_arrays().values(), trained))
 
     # the same layout as model.save_weights writes (groups, attributes, dataset names and values)
     model.save_weights(str(tmp_path / "ref.h5"))
@@ -410,8 +410,9 @@ def test_export_h5_loads_into_keras_bit_exact(tmp_path):
         return items
 
     mine, ref = layout(out), layout(tmp_path / "ref.h5")
-    ref["/"][1]["layer_names"].remove("flatten")  # a layer without weights: not in the checkpoint
-    del ref["flatten"]
+    for flat in [n for n in ref["/"][1]["layer_names"] if n.startswith("flatten")]:
+        ref["/"][1]["layer_names"].remove(flat)  # a layer without weights: not in the checkpoint
+        del ref[flat]
     assert mine == ref
 
 

@@ -54,7 +54,7 @@ def test_fit_checkpoints_every_n_and_epoch_end_bit_exact(tmp_path, mode):
     assert PersistentLevel(cfg.persistent).committed_versions("k") == [4, 6, 8, 12]
     for v, expected in rec.weights.items():
         ck = load(cfg, "k", v)
-        assert [a.tobytes() for a in ck.arrays.values()] == [e.tobytes() for e in expected]
+        assert [a.tobytes() for a in ck.model_arrays().values()] == [e.tobytes() for e in expected]
         assert ck.manifest["epoch_complete"] == (v in (6, 12))
     # the hook is gone after fit; the optimizer kept its class and config
     assert type(model.optimizer).__name__ == "SGD" and "_update_step" not in model.optimizer.__dict__
@@ -97,7 +97,7 @@ def test_steps_per_execution(tmp_path):
     model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, rec], verbose=0)
     assert [t["version"] for t in ckpt.timings] == [4, 6]  # groups crossing 3 and 6
     for v, expected in rec.weights.items():
-        assert [a.tobytes() for a in load(ckpt.config, "k", v).arrays.values()] == [e.tobytes() for e in expected]
+        assert [a.tobytes() for a in load(ckpt.config, "k", v).model_arrays().values()] == [e.tobytes() for e in expected]
     ckpt.close()
 
 

@@ -34,7 +34,7 @@ def check_job(out, world, versions_expected):
     for v in committed:  # every committed version equals what the ranks had after that batch
         ck = load(node_cfg(out, 0), "job", v)
         assert ck.level == "persistent" and ck.manifest["world_size"] == world
-        got = [a.tobytes() for a in ck.arrays.values()]
+        got = [a.tobytes() for a in ck.model_arrays().values()]
         assert got == [e.tobytes() for e in expected(out, v)], f"version {v} differs"
     # each node's scratch holds exactly its own rank's shard of the retained versions
     for r in range(world):

@@ -17,11 +17,40 @@ from ..levels import ScratchLevel
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
 from . import hook as _hook
 from ._dist import allgather_bytes, rank_and_size
-from .restore import model_tensors
+from .restore import apply_checkpoint, model_tensors
+from ..format import dtype_name
 
 __all__ = ["DeepFreezeCheckpoint", "CaptureOptions"]
 
 log = logging.getLogger("deepfreeze")
+
+
+class _ResumePoint:
+    """Keras' hook for where ``fit`` starts (what BackupAndRestore sets as ``_training_state``)."""
+
+    def __init__(self, epoch: int, step: int) -> None:
+        self.epoch, self.step = epoch, step
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch: int, initial_epoch: int,
+                                              mode: Any = None) -> tuple[int, int]:
+        return self.epoch, self.step
+
+
+class _SkipBatches:
+    """Wraps the train function: its first call first draws ``n`` batches from the iterator
+    unused (Keras resumes its step count, not its data position)."""
+
+    def __init__(self, fn: Any, n: int) -> None:
+        self.fn, self.n = fn, n
+
+    def __call__(self, iterator: Any) -> Any:
+        for _ in range(self.n):
+            next(iterator)
+        self.n = 0
+        return self.fn(iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +90,12 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
       on_error: ``"raise"`` (default) stops training at a failed checkpoint (disk full,
         I/O error, backend failure); ``"warn"`` logs it, counts it in ``failures`` and
         training goes on. Either way nothing partial is committed.
+      resume: restore the newest committed version when training begins and continue
+        from its epoch and step (weights, optimizer state, data position): a job relaunched
+        by a batch script just works. Bit-identical continuation needs a deterministic data
+        order (``shuffle=False`` or a pipeline whose order depends only on the epoch).
+      save_optimizer: also checkpoint the optimizer's variables (slots, iteration counter),
+        sharded and captured in the train step like the weights; False: weights only.
       scratch_cls: advanced: the :class:`~deepfreeze.levels.ScratchLevel` subclass that
         writes shards (other storage, fault injection).
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
@@ -73,6 +108,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
     def __init__(self, config: "str | Config | None" = None, name: str = "model", *,
                  every_n_batches: int | None = None, at_epoch_end: bool = True,
                  min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES, verbose: int = 0, on_error: str = "raise",
+                 resume: bool = False, save_optimizer: bool = True,
                  scratch_cls: type[ScratchLevel] = ScratchLevel, **overrides: Any) -> None:
         super().__init__()
         if on_error not in ("raise", "warn"):
@@ -80,6 +116,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if not (isinstance(scratch_cls, type) and issubclass(scratch_cls, ScratchLevel)):
             raise ConfigError("scratch_cls must be a subclass of deepfreeze.levels.ScratchLevel")
         self.on_error, self.scratch_cls = on_error, scratch_cls
+        self.resume, self.save_optimizer = bool(resume), bool(save_optimizer)
+        self.resumed_from: int | None = None  # version restored by resume=True, if any
+        self._skip_steps = 0
         self.failures: list[str] = []
         self.name = validate_name(name)
         self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes)
@@ -104,10 +143,11 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             raise ConfigError("DeepFreezeCheckpoint needs a built model: give it an Input layer or call "
                               "model.build(...) before fit")
         self.rank, self.size = rank_and_size()
-        weights = list(model.weights)
-        tensors = [TensorSpec(i, n, d, s) for i, (n, d, s) in enumerate(model_tensors(model))]
-        plan = ShardPlan.build(tensors, self.size, min_shard_bytes=self.options.min_shard_bytes,
-                               pinned=[i for i, w in enumerate(weights) if not w.trainable])
+        if self.resume:
+            self._resume()
+        variables, tensors, pinned, slots = self._tensors(model)
+        self._model_tensors = len(model.weights)
+        plan = ShardPlan.build(tensors, self.size, min_shard_bytes=self.options.min_shard_bytes, pinned=pinned)
         digest = hashlib.sha256(json.dumps([plan.to_json(), [t.to_json() for t in tensors]]).encode()).digest()[:16]
         rows = allgather_bytes(digest + self.config.failure_domain.encode()[:200])
         for r, row in enumerate(rows):
@@ -120,8 +160,10 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 self.engine.close()
             self.engine = Engine(self.config, self.name, self.rank, plan, domains, scratch_cls=self.scratch_cls)
         self.plan = plan
-        self.hook = _hook.install(model.optimizer, plan, self.rank, weights)
+        self.hook = _hook.install(model.optimizer, plan, self.rank, variables, slots)
         model.make_train_function(force=True)  # retrace: the copy ops must be in the graph
+        if self._skip_steps:
+            model.train_function = _SkipBatches(model.train_function, self._skip_steps)
         spe = getattr(model, "_steps_per_execution", None)
         self._spe = int(spe.numpy()) if spe is not None else 1
         self._first_batch = True
@@ -132,7 +174,11 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
-        self._epoch_base = int(self.model.optimizer.iterations.numpy())
+        # a resumed epoch starts at batch index _skip_steps (Keras numbers its batches from there)
+        self._epoch_base = int(self.model.optimizer.iterations.numpy()) - self._skip_steps
+        self._skip_steps = 0
+        if isinstance(getattr(self.model, "_training_state", None), _ResumePoint):
+            self.model._training_state = None  # consumed by fit
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         steps = self.params.get("steps") if self.params else None
@@ -197,6 +243,64 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         return self._last_version
 
     # ------------------------------------------------------------------ internals
+    def _tensors(self, model: Any) -> tuple[list, list[TensorSpec], list[int], dict[int, list[int]]]:
+        """Variables to checkpoint (model weights, then optimizer variables), their specs, the
+        ids pinned whole to rank 0, and model tensor id -> ids of its optimizer slots."""
+        weights = list(model.weights)
+        named = model_tensors(model)
+        variables = list(weights)
+        pinned = [i for i, w in enumerate(weights) if not w.trainable]
+        slots: dict[int, list[int]] = {}
+        if self.save_optimizer:
+            opt = model.optimizer
+            opt.build(model.trainable_variables)  # slots exist before the graph is built
+            owner_of = {w._shared_name: i for i, w in enumerate(weights) if w.trainable}
+            for v in opt.variables():
+                tid = len(variables)
+                variables.append(v)
+                name = v.name[:-2] if v.name.endswith(":0") else v.name
+                named.append((f"optimizer/{name}", dtype_name(v.dtype.as_numpy_dtype), tuple(v.shape)))
+                owner = owner_of.get(v._shared_name.split("/", 1)[-1])
+                if owner is not None and tuple(v.shape) == tuple(weights[owner].shape) and "/" in v._shared_name:
+                    slots.setdefault(owner, []).append(tid)  # updated with its variable: copied in graph
+                else:
+                    pinned.append(tid)  # e.g. the iteration counter: read whole on rank 0
+        seen: dict[str, int] = {}
+        tensors = []
+        for i, (n, d, shape) in enumerate(named):
+            k = seen.get(n, 0)
+            seen[n] = k + 1
+            tensors.append(TensorSpec(i, n if k == 0 else f"{n}_{k}", d, shape))
+        return variables, tensors, pinned, slots
+
+    def _resume(self) -> None:
+        """Restore the newest committed version (rank 0 picks it for everyone) and tell fit
+        where to continue; the first train call skips the batches already trained on."""
+        from ..restore import list_versions, load
+        from ._dist import broadcast_int
+        versions = list_versions(self.config, self.name) if self.rank == 0 else {}
+        version = broadcast_int(max(versions) if versions else -1)
+        if version < 0:
+            log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)
+            return
+        ck = load(self.config, self.name, version)
+        restored_opt = apply_checkpoint(self.model, ck, optimizer=self.save_optimizer)
+        if self.save_optimizer and not restored_opt:
+            log.warning("DeepFreeze: %r v%d holds weights only: the optimizer state starts fresh", self.name, version)
+        if not restored_opt:
+            self.model.optimizer.iterations.assign(ck.step)
+        m = ck.manifest
+        if m.get("epoch_complete") or "epoch_step" not in m:
+            epoch, step = m["epoch"] + 1, 0
+        else:
+            epoch, step = m["epoch"], int(m["epoch_step"])
+        self.model._training_state = _ResumePoint(epoch, step)
+        self._skip_steps = step
+        self.resumed_from = version
+        if self.rank == 0:
+            log.warning("DeepFreeze: resumed %r from v%d (%s): continuing at epoch %d, step %d",
+                        self.name, version, ck.level, epoch, step)
+
     def _remove_hook(self) -> None:
         if self.hook is None:
             return
@@ -219,9 +323,11 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                         self.rank, e)
 
     def _checkpoint(self, version: int, arrays: list, t0: float, t1: float) -> None:
-        epoch_complete = bool(self.params.get("steps")) and version - self._epoch_base >= self.params["steps"]
+        epoch_step = version - self._epoch_base
+        epoch_complete = bool(self.params.get("steps")) and epoch_step >= self.params["steps"]
         self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch,
-                    extra={"epoch_complete": epoch_complete})
+                    extra={"epoch_complete": epoch_complete, "epoch_step": epoch_step,
+                           "model_tensors": self._model_tensors})
         t2 = time.perf_counter()
         self._last_version = version
         self.timings.append({"version": version, "capture_s": t1 - t0, "blocking_s": t2 - t0})

@@ -34,11 +34,18 @@ _ATTR = "_deepfreeze_hook"
 class ShardHook:
     """State of an installed hook: flag, per-piece buffers, what the graph captures."""
 
-    def __init__(self, optimizer: Any, plan: ShardPlan, rank: int, variables: list[Any]) -> None:
+    def __init__(self, optimizer: Any, plan: ShardPlan, rank: int, variables: list[Any],
+                 slots: dict[int, list[int]] | None = None) -> None:
+        """``variables``: every checkpointed variable, in plan order (model weights, then
+        optimizer variables). ``slots``: model tensor id -> tensor ids of the optimizer slot
+        variables updated with it (copied in the same step, right after the update)."""
         self.optimizer, self.plan, self.rank, self.variables = optimizer, plan, rank, variables
         self.flag = tf.Variable(False, trainable=False, name="deepfreeze_capture", dtype=tf.bool)
-        self.trainable_ids = {i for i, v in enumerate(variables) if v.trainable}
-        self.key_to_id = {optimizer._var_key(v): i for i, v in enumerate(variables) if v.trainable}
+        slots = slots or {}
+        model_ids = [i for i, v in enumerate(variables) if v.trainable]  # optimizer variables are not
+        # tensor ids copied in the graph, grouped by the model variable whose update triggers them
+        self.groups = {optimizer._var_key(variables[i]): [i] + slots.get(i, []) for i in model_ids}
+        self.trainable_ids = {t for g in self.groups.values() for t in g}
         self.pieces = plan.for_rank(rank)
         owned = {p.tensor_id: (p.start, p.stop) for p in self.pieces}
         # Every rank builds the *same* graph: a buffer and a copy for every trainable
@@ -61,23 +68,24 @@ class ShardHook:
         graph = tf.compat.v1.get_default_graph() if not tf.executing_eagerly() else None
         first = len(graph.get_operations()) if graph is not None else 0
         result = fn(gradient, variable)
-        tid = self.key_to_id.get(self.optimizer._var_key(variable))
-        if tid is None:
+        group = self.groups.get(self.optimizer._var_key(variable))
+        if group is None:
             return result
         # Explicit edges from every op of the update to the copy, so the order does not
         # rest on automatic control dependencies seeing through the optimizer's code.
         update_ops = graph.get_operations()[first:] if graph is not None else []
-        self.traced.add(tid)
-        buf = self.buffers[tid]
-        start, stop = self.slices[tid]
+        self.traced.update(group)
+        sources = [variable] + [self.variables[t] for t in group[1:]]
 
         def copy() -> Any:
             with tf.control_dependencies(update_ops):
-                flat = tf.reshape(variable.read_value() if hasattr(variable, "read_value") else variable, [-1])
-                # DeepCopy: a contiguous slice is otherwise a view of the variable's buffer; the
-                # buffer would alias it and the next update would copy-on-write the *whole*
-                # variable (measured: +23 ms per 320 MB update) instead of copying 1/N here.
-                buf.assign(tf.raw_ops.DeepCopy(x=flat[start:stop]), read_value=False)
+                for tid, src in zip(group, sources):
+                    start, stop = self.slices[tid]
+                    flat = tf.reshape(src.read_value() if hasattr(src, "read_value") else src, [-1])
+                    # DeepCopy: a contiguous slice is otherwise a view of the variable's buffer;
+                    # the buffer would alias it and the next update would copy-on-write the
+                    # *whole* variable (+23 ms per 320 MB update) instead of copying 1/N here.
+                    self.buffers[tid].assign(tf.raw_ops.DeepCopy(x=flat[start:stop]), read_value=False)
             return tf.constant(True)
 
         tf.cond(self.flag, copy, lambda: tf.constant(False))
@@ -105,10 +113,11 @@ class ShardHook:
                 for p in self.pieces]
 
 
-def install(optimizer: Any, plan: ShardPlan, rank: int, variables: list[Any]) -> ShardHook:
+def install(optimizer: Any, plan: ShardPlan, rank: int, variables: list[Any],
+            slots: dict[int, list[int]] | None = None) -> ShardHook:
     """Install (or replace) the hook on ``optimizer``; returns its state."""
     uninstall(optimizer)
-    hook = ShardHook(optimizer, plan, rank, variables)
+    hook = ShardHook(optimizer, plan, rank, variables, slots)
     object.__setattr__(optimizer, "_update_step", hook.update_step)
     object.__setattr__(optimizer, _ATTR, hook)
     return hook

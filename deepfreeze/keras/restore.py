@@ -6,9 +6,9 @@ from typing import Any
 from ..config import Config
 from ..errors import ModelMismatchError
 from ..format import dtype_name
-from ..restore import load
+from ..restore import Checkpoint, load
 
-__all__ = ["restore_model", "model_tensors"]
+__all__ = ["restore_model", "apply_checkpoint", "model_tensors"]
 
 
 def model_tensors(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -24,26 +24,48 @@ def model_tensors(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
 
 def restore_model(model: Any, config: "str | Config | None" = None, *, name: str,
                   version: int | None = None, **overrides: Any) -> tuple[int, int]:
-    """Load a committed version into ``model`` (bit-exact); returns ``(version, step)``."""
+    """Load a committed version's weights into ``model`` (bit-exact); returns ``(version, step)``."""
     cfg = Config.resolve(config, **overrides)
+    ck = load(cfg, name, version)
+    apply_checkpoint(model, ck)
+    return ck.version, ck.step
+
+
+def apply_checkpoint(model: Any, ck: Checkpoint, *, optimizer: bool = False) -> bool:
+    """Put ``ck``'s weights into ``model`` (and, with ``optimizer``, its optimizer state).
+
+    Returns True if optimizer state was restored (False: the checkpoint has none).
+    Raises :class:`ModelMismatchError` naming the first tensor that does not match.
+    """
     if not getattr(model, "built", True) or not model.weights:
         raise ModelMismatchError("the model has no weights yet: build it (call it on an input or "
                                  "give it an Input layer) before restoring")
-    ck = load(cfg, name, version)
-    tensors = ck.manifest["tensors"]
-    mine = model_tensors(model)
+    tensors = ck.manifest["tensors"][:ck.model_tensors]
+    _check(model_tensors(model), tensors, ck, "model")
+    model.set_weights(list(ck.model_arrays().values()))
+    saved = ck.optimizer_arrays()
+    if not optimizer or not saved:
+        return False
+    opt = model.optimizer
+    opt.build(model.trainable_variables)
+    mine = [(v.name, dtype_name(v.dtype.as_numpy_dtype), tuple(v.shape)) for v in opt.variables()]
+    _check(mine, ck.manifest["tensors"][ck.model_tensors:], ck, "optimizer")
+    for v, a in zip(opt.variables(), saved.values()):
+        v.assign(a)
+    return True
+
+
+def _check(mine: list[tuple[str, str, tuple[int, ...]]], tensors: list[dict], ck: Checkpoint, what: str) -> None:
     for i in range(max(len(mine), len(tensors))):
         if i >= len(tensors):
-            raise ModelMismatchError(f"model tensor #{i} {mine[i][0]!r} {mine[i][1]}{list(mine[i][2])} is not in "
-                                     f"checkpoint {name!r} v{ck.version}, which holds {len(tensors)} tensors")
+            raise ModelMismatchError(f"{what} tensor #{i} {mine[i][0]!r} {mine[i][1]}{list(mine[i][2])} is not in "
+                                     f"checkpoint {ck.name!r} v{ck.version}, which holds {len(tensors)} {what} tensors")
         t = tensors[i]
         if i >= len(mine):
-            raise ModelMismatchError(f"checkpoint tensor #{i} {t['name']!r} has no counterpart: the model has "
-                                     f"only {len(mine)} weights")
+            raise ModelMismatchError(f"checkpoint {what} tensor #{i} {t['name']!r} has no counterpart: there are "
+                                     f"only {len(mine)}")
         if (t["dtype"], tuple(t["shape"])) != mine[i][1:]:
             raise ModelMismatchError(
-                f"tensor #{i} does not match: the model has {mine[i][0]!r} {mine[i][1]}{list(mine[i][2])}, "
-                f"checkpoint {name!r} v{ck.version} has {t['name']!r} {t['dtype']}{t['shape']}. "
-                "Build the same architecture as the one that was trained.")
-    model.set_weights(list(ck.arrays.values()))
-    return ck.version, ck.step
+                f"{what} tensor #{i} does not match: the model has {mine[i][0]!r} {mine[i][1]}{list(mine[i][2])}, "
+                f"checkpoint {ck.name!r} v{ck.version} has {t['name']!r} {t['dtype']}{t['shape']}. "
+                "Build the same architecture (and optimizer) as the one that was trained.")

@@ -54,7 +54,7 @@ def test_rank_killed_while_writing_its_shard(tmp_path):
     committed = PersistentLevel(f"{out}/persistent").committed_versions("job")
     assert committed == [3, 6]  # v9 was never committed anywhere
     for v in committed:
-        assert [a.tobytes() for a in load(cfg(out), "job", v).arrays.values()] == expected(out, v)
+        assert [a.tobytes() for a in load(cfg(out), "job", v).model_arrays().values()] == expected(out, v)
     ck = load(cfg(out, 1), "job")  # restore gets the previous version
     assert ck.version == 6
     assert not os.path.exists(ScratchLevel(f"{out}/node1/scratch").shard_path("job", 9, 1))
