@@ -140,6 +140,15 @@ def test_mismatching_model_is_a_clear_error(tmp_path):
         deepfreeze.restore(build(), name="other_name", mode="sync", **dirs(tmp_path))
 
 
+def test_legacy_optimizer_is_a_clear_error(tmp_path):
+    model = build()
+    model.compile(optimizer=tf.keras.optimizers.legacy.SGD(), loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=2, mode="sync", **dirs(tmp_path))
+    x, y = data(32)
+    with pytest.raises(ConfigError, match="not a tf.keras.optimizers.legacy optimizer"):
+        model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt], verbose=0)
+
+
 def test_callback_options_validated():
     for kw in (dict(every_n_batches=0), dict(every_n_batches=None, at_epoch_end=False), dict(min_shard_bytes=-1)):
         with pytest.raises(ConfigError):

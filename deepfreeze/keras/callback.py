@@ -142,6 +142,12 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if not model.built or not model.weights:
             raise ConfigError("DeepFreezeCheckpoint needs a built model: give it an Input layer or call "
                               "model.build(...) before fit")
+        opt = getattr(model, "optimizer", None)
+        if opt is None or not callable(getattr(type(opt), "_update_step", None)) or not hasattr(opt, "build"):
+            raise ConfigError(
+                f"DeepFreezeCheckpoint hooks Keras 2.15 optimizers (tf.keras.optimizers.*), got "
+                f"{type(opt).__name__}: compile the model with e.g. tf.keras.optimizers.SGD, not a "
+                "tf.keras.optimizers.legacy optimizer (Horovod's DistributedOptimizer over one is fine)")
         self.rank, self.size = rank_and_size()
         if self.resume:
             self._resume()
