@@ -138,8 +138,6 @@ class Config:
             changes[key] = _convert(key, value, "keyword override")
         return dataclasses.replace(config, **changes) if changes else config
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"}
 
 
 def _unknown(key: str, where: str) -> str:

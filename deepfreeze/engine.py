@@ -28,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -170,10 +169,6 @@ class Engine:
             self._backend_errors += errors
         else:
             flush_job(job, scratch_cls=type(self.scratch))
-
-
-def default_domain() -> str:
-    return socket.gethostname()
 
 
 BACKGROUND_NICE = 10
