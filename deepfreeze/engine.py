@@ -26,6 +26,7 @@ a new one and re-sends every flush not known to be done; flushes are idempotent
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import os
 import threading
@@ -36,7 +37,7 @@ import numpy as np
 
 from .backend import BackendClient
 from .config import Config, validate_name
-from .errors import BackendError, DeepFreezeError
+from .errors import BackendError, CheckpointWriteError, DeepFreezeError
 from .levels import ScratchLevel, flush_job
 from .shardplan import ShardPlan
 
@@ -95,12 +96,32 @@ class Engine:
         self.last_version = version
         self.stats.append({"version": version, "blocking_s": time.perf_counter() - t0})
 
-    def wait(self, *, persistent: bool = True) -> None:
-        """Block until every submitted checkpoint is on scratch (and, if ``persistent``, flushed)."""
-        self._drain()
+    def wait(self, *, persistent: bool = True, timeout: float | None = None) -> None:
+        """Block until every submitted checkpoint is on scratch (and, if ``persistent``, flushed).
+
+        With ``timeout`` (seconds), raise :class:`BackendError` if the flushes are not done by
+        then; they go on in the background and a later ``wait`` picks them up.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._drain(timeout)
         if persistent and self._backend is not None and self._pending:
-            self._backend_errors += self._call_backend(lambda b: b.wait(list(self._pending)))
-            self._pending.clear()
+            if deadline is None:
+                self._backend_errors += self._call_backend(lambda b: b.wait(list(self._pending)))
+                self._pending.clear()
+            else:
+                while self._pending:
+                    done, errors = self._call_backend(lambda b: b.poll(list(self._pending)))
+                    self._backend_errors += errors
+                    for i in done:
+                        self._pending.pop(i, None)
+                    if self._pending and time.monotonic() >= deadline:
+                        self._raise_pending()
+                        raise BackendError(
+                            f"{len(self._pending)} flush(es) to {self.config.persistent} not finished within "
+                            f"{timeout}s (backend pid {self._backend.pid}, log {self.config.scratch}/"
+                            ".deepfreeze-backend.log); they go on in the background: call wait() again")
+                    if self._pending:
+                        time.sleep(0.02)
         self._raise_pending()
 
     def close(self, *, wait: bool = True) -> None:
@@ -114,13 +135,16 @@ class Engine:
                 self._backend = None
 
     # -- internals
-    def _drain(self) -> None:
+    def _drain(self, timeout: float | None = None) -> None:
         if self._inflight is not None:
-            fut, self._inflight = self._inflight, None
             try:
-                fut.result()
+                self._inflight.result(timeout)
+            except concurrent.futures.TimeoutError:
+                raise CheckpointWriteError(errno.ETIMEDOUT, f"the shard write to scratch {self.config.scratch} "
+                                           f"did not finish within {timeout}s; it goes on: call wait() again")
             except BaseException as e:  # surfaced once, below
                 self._error = self._error or e
+            self._inflight = None
 
     def _call_backend(self, fn: Callable[[BackendClient], Any]) -> Any:
         """``fn(backend)``; if the backend died, start a new one, re-send every flush not

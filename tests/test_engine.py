@@ -274,3 +274,23 @@ def test_stale_commit_lock_of_dead_process_is_broken(tmp_path):
     e.close()
     assert pfs.committed_versions("job") == [2]
     assert not os.path.exists(os.path.join(vdir, "commit.lock"))
+
+
+def test_wait_with_timeout_is_bounded_and_resumable(tmp_path):
+    """A flush that takes longer than the timeout: wait(timeout) raises a clear error, the flush
+    goes on, and a later wait() finds it committed."""
+    big = np.random.default_rng(1).standard_normal(30_000_000)  # 240 MB: copy + fsync take a while
+    plan = ShardPlan.build([TensorSpec(0, "big", "float64", big.shape)], 1)
+    cfg = Config.load(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    e = Engine(cfg, "job", 0, plan)
+    e.checkpoint(1, [big], step=1, epoch=0)
+    with pytest.raises(CheckpointWriteError, match="did not finish within 0.0001s"):
+        e.wait(timeout=0.0001)  # still writing the shard to scratch
+    e.wait(persistent=False)
+    t0 = time.monotonic()
+    with pytest.raises(deepfreeze.BackendError, match="not finished within 0.001s"):
+        e.wait(timeout=0.001)
+    assert time.monotonic() - t0 < 30
+    e.wait()
+    e.close()
+    assert PersistentLevel(cfg.persistent).committed_versions("job") == [1]

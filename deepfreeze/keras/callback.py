@@ -231,11 +231,12 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             self._remove_hook()
 
     # ------------------------------------------------------------------ public
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Block until every checkpoint taken so far is committed on persistent (or skipped by
-        ``persistent_interval``); raises the first background error, once."""
+        ``persistent_interval``); raises the first background error, once. With ``timeout``
+        (seconds), raises :class:`~deepfreeze.BackendError` if that is not done by then."""
         if self.engine is not None:
-            self._guard(self.engine.wait, persistent=True)
+            self._guard(self.engine.wait, persistent=True, timeout=timeout)
 
     def close(self) -> None:
         """Wait for the flushes, then release the writer thread and the backend connection."""
