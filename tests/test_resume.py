@@ -55,3 +55,40 @@ def test_two_ranks_killed_and_resumed_bit_identical(tmp_path):
     p = mpirun(2, f"{WORKERS}/resume.py", b, "hvd=1", "resume=1")
     assert "resumed_from=8 iterations=18" in p.stdout
     assert final(a) == final(b)
+
+
+def test_resume_from_epoch_end_of_a_dataset_of_unknown_length(tmp_path):
+    """Epoch-end checkpoints of a dataset Keras cannot count are taken eagerly at epoch end;
+    resuming from one continues with the next epoch."""
+    tf = pytest.importorskip("tensorflow")
+    sys.path.insert(0, WORKERS)
+    from models import build
+    from deepfreeze.keras import DeepFreezeCheckpoint
+
+    def data():
+        r = np.random.default_rng(0)
+        x, y = r.random((48, 12, 12, 1), dtype=np.float32), r.integers(0, 10, 48)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        return ds.filter(keep_all)  # cardinality unknown to Keras
+
+    @tf.autograph.experimental.do_not_convert
+    def keep_all(a, b):
+        return True
+
+    def fit(out, epochs, resume):
+        tf.config.experimental.enable_op_determinism()
+        model = build()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.01, momentum=0.9), loss="sparse_categorical_crossentropy")
+        ck = DeepFreezeCheckpoint(name="u", every_n_batches=100, mode="sync", resume=resume,
+                                  scratch=f"{out}/s", persistent=f"{out}/p")
+        model.fit(data(), epochs=epochs, verbose=0, callbacks=[ck])
+        ck.close()
+        return model, ck
+
+    a, _ = fit(tmp_path / "a", 3, False)
+    fit(tmp_path / "b", 2, False)  # "killed" after 2 epochs: newest checkpoint = end of epoch 2
+    b, ck = fit(tmp_path / "b", 3, True)
+    # 7, not 6: in the first epoch of a dataset of unknown length Keras makes one more train call,
+    # which ends with OutOfRange after the optimizer's iteration counter was incremented
+    assert ck.resumed_from == 7
+    assert [w.tobytes() for w in a.get_weights()] == [w.tobytes() for w in b.get_weights()]

@@ -221,7 +221,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             # step count unknown in advance (e.g. a dataset of unknown length): slice now, eagerly
             t0 = time.perf_counter()
             arrays = self.hook.capture_eager()
-            self._checkpoint(step, arrays, t0, time.perf_counter())
+            self._checkpoint(step, arrays, t0, time.perf_counter(), epoch_end=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         try:
@@ -329,9 +329,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             log.warning("DeepFreeze (rank %d): checkpointing failed, training goes on (on_error='warn'): %s",
                         self.rank, e)
 
-    def _checkpoint(self, version: int, arrays: list, t0: float, t1: float) -> None:
+    def _checkpoint(self, version: int, arrays: list, t0: float, t1: float, epoch_end: bool = False) -> None:
         epoch_step = version - self._epoch_base
-        epoch_complete = bool(self.params.get("steps")) and epoch_step >= self.params["steps"]
+        epoch_complete = epoch_end or (bool(self.params.get("steps")) and epoch_step >= self.params["steps"])
         self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch,
                     extra={"epoch_complete": epoch_complete, "epoch_step": epoch_step,
                            "model_tensors": self._model_tensors})
