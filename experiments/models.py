@@ -28,6 +28,31 @@ def nt3_weights() -> tf.keras.Model:
     return tf.keras.Model([seq, flat], out)
 
 
+def nt3() -> tf.keras.Model:
+    """CANDLE NT3 (input (60483, 1); about 620 MB of weights in 10 tensors)."""
+    tf.keras.utils.set_random_seed(1)
+    return tf.keras.Sequential([
+        tf.keras.Input((60483, 1)),
+        tf.keras.layers.Conv1D(128, 20, activation="relu"),
+        tf.keras.layers.MaxPooling1D(1),
+        tf.keras.layers.Conv1D(128, 10, activation="relu"),
+        tf.keras.layers.MaxPooling1D(10),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(200, activation="relu"),
+        tf.keras.layers.Dropout(0.1),
+        tf.keras.layers.Dense(20, activation="relu"),
+        tf.keras.layers.Dropout(0.1),
+        tf.keras.layers.Dense(2, activation="softmax"),
+    ])
+
+
+def resnet50(image: int = 64) -> tf.keras.Model:
+    """ResNet-50 from tf.keras.applications (weights=None, 1000 classes: the same 25.6 M
+    parameters as at 224x224); smaller images keep a CPU step affordable."""
+    tf.keras.utils.set_random_seed(1)
+    return tf.keras.applications.ResNet50(weights=None, input_shape=(image, image, 3), classes=1000)
+
+
 def demo() -> tf.keras.Model:
     """The model of ``make demo`` (examples/demo.py)."""
     tf.keras.utils.set_random_seed(42)

@@ -337,6 +337,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                            "model_tensors": self._model_tensors})
         t2 = time.perf_counter()
         self._last_version = version
-        self.timings.append({"version": version, "capture_s": t1 - t0, "blocking_s": t2 - t0})
+        self.timings.append({"version": version, "time": time.time() - (t2 - t0), "capture_s": t1 - t0,
+                             "blocking_s": t2 - t0})
         if self.verbose and self.rank == 0:
             log.warning("DeepFreeze: checkpoint %s v%d handed off in %.1f ms", self.name, version, 1e3 * (t2 - t0))
