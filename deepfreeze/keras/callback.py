@@ -135,6 +135,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._epoch_base = 0
         self._spe = 1
         self._last_version: int | None = None
+        self._model_tensors = 0  # how many leading checkpointed tensors are model weights
 
     # ------------------------------------------------------------------ keras events
     def on_train_begin(self, logs: dict | None = None) -> None:
