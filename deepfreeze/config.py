@@ -25,7 +25,8 @@ KEYS: dict[str, str] = {
     "scratch": "node-local directory for the first-level checkpoint (mandatory)",
     "persistent": "shared directory (parallel file system) for assembled checkpoints (mandatory)",
     "persistent_interval": "seconds between versions flushed to persistent; 0 = every version, -1 = never",
-    "ec_interval": "seconds between versions protected by partner/erasure coding; -1 = off",
+    "ec_interval": "seconds between versions protected by partner/erasure coding; 0 = every version, -1 = off",
+    "ec_scheme": "xor | partner: how the built-in engine protects scratch across failure domains (DeepFreeze key)",
     "max_versions": "versions kept per level; 0 = keep all",
     "scratch_versions": "versions kept on scratch (overrides max_versions there); 0 = use max_versions",
     "chksum": "true | false: CRC32 of every shard piece, verified on restore",
@@ -60,6 +61,7 @@ class Config:
     persistent: str
     persistent_interval: float = 0.0
     ec_interval: float = -1.0
+    ec_scheme: str = "xor"
     max_versions: int = 0
     scratch_versions: int = 0
     chksum: bool = True
@@ -85,6 +87,9 @@ class Config:
         for key in ("max_versions", "scratch_versions"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{self.source}: {key} = {getattr(self, key)} must be >= 0 (0 keeps all)")
+        if self.ec_scheme not in ("xor", "partner"):
+            raise ConfigError(f"{self.source}: ec_scheme = {self.ec_scheme!r} is invalid: use 'xor' "
+                              "(parity, 1/(k-1) space) or 'partner' (a full copy on the next node)")
         if self.watchdog_interval < 0:
             raise ConfigError(f"{self.source}: watchdog_interval must be >= 0")
         validate_name(self.failure_domain.replace("-", "_"), "failure_domain")

@@ -39,6 +39,7 @@ from .backend import BackendClient
 from .config import Config, validate_name
 from .errors import BackendError, CheckpointWriteError, DeepFreezeError
 from .levels import ScratchLevel, flush_job
+from .redundancy import Comm, plan_redundancy, protect
 from .shardplan import ShardPlan
 
 __all__ = ["Engine", "build_manifest"]
@@ -63,7 +64,7 @@ class Engine:
 
     def __init__(self, config: Config, name: str, rank: int, plan: ShardPlan,
                  domains: Sequence[str] | None = None, *, scratch_cls: type = ScratchLevel,
-                 max_pending_flushes: int | None = None) -> None:
+                 max_pending_flushes: int | None = None, comm: Comm | None = None) -> None:
         self.config, self.name, self.rank, self.plan = config, validate_name(name), rank, plan
         self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
         self.scratch = scratch_cls(config.scratch)
@@ -80,6 +81,17 @@ class Engine:
         self.write_times: dict[int, float] = {}  # version -> seconds to commit the shard on scratch
         if config.mode == "async":
             self._backend = BackendClient(config.scratch)
+        self.comm, self.redundancy, self._last_ec = comm, None, None
+        if config.ec_interval >= 0 and plan.world_size > 1:
+            if comm is None or comm.size != plan.world_size:
+                log.warning("deepfreeze: ec_interval = %g but no communicator of %d ranks was given: scratch "
+                            "checkpoints are not partner/parity protected", config.ec_interval, plan.world_size)
+            else:
+                self.redundancy = plan_redundancy(self.domains, config.ec_scheme)
+                if self.redundancy["unprotected"] and rank == 0:
+                    log.warning("deepfreeze: ranks %s cannot be protected by %s across failure domains %s "
+                                "(one failure domain, or more ranks in one domain than in the others)",
+                                self.redundancy["unprotected"], config.ec_scheme, sorted(set(self.domains)))
 
     # -- public
     def checkpoint(self, version: int, arrays: Sequence[np.ndarray], *, step: int, epoch: int,
@@ -174,7 +186,20 @@ class Engine:
     def _write(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
         cfg = self.config
         t0 = time.perf_counter()
-        self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays, chksum=cfg.chksum)
+        try:
+            path: str | None = self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays,
+                                                        chksum=cfg.chksum)
+            failure = None
+        except BaseException as e:  # still take part in the exchange below, so nobody waits for us
+            path, failure = None, e
+        if self.redundancy is not None:
+            now = time.monotonic()
+            want = self._last_ec is None or now - self._last_ec >= cfg.ec_interval
+            if protect(self.comm, self.scratch, self.name, version, self.rank, path, self.redundancy, want=want):
+                self._last_ec = now
+                manifest = dict(manifest, redundancy=self.redundancy)
+        if failure is not None:
+            raise failure
         self.scratch.write_manifest(self.name, version, manifest)
         self.write_times[version] = time.perf_counter() - t0
         job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,

@@ -184,14 +184,25 @@ def encode_index(kind: int, rank: int, world_size: int, version: int, entries: S
     return head + index
 
 
-def read_index(f: BinaryIO, path: str = "<file>") -> ShardIndex:
-    """Read and validate the header and index of an open shard/assembled file."""
+def read_index(f: "BinaryIO | bytes | memoryview | np.ndarray", path: str = "<file>") -> ShardIndex:
+    """Read and validate the header and index of an open shard/assembled file, or of its
+    bytes held in memory (a partner copy received over the network)."""
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: not a valid DeepFreeze file: {why}. The file is damaged "
                                       "or not DeepFreeze's; restore falls back to another level or version.")
-    size = os.fstat(f.fileno()).st_size
-    f.seek(0)
-    raw = f.read(_HEADER.size)
+    if isinstance(f, (bytes, bytearray, memoryview, np.ndarray)):
+        mem = byte_view(f)
+        size = len(mem)
+
+        def read(off: int, n: int) -> bytes:
+            return bytes(mem[off:off + n])
+    else:
+        size = os.fstat(f.fileno()).st_size
+
+        def read(off: int, n: int) -> bytes:
+            f.seek(off)
+            return f.read(n)
+    raw = read(0, _HEADER.size)
     if len(raw) < _HEADER.size:
         raise bad(f"{size} bytes, shorter than the {_HEADER.size}-byte header")
     (magic, fver, kind, flags, rank, world, version, n, index_bytes, data_offset, file_size,
@@ -210,7 +221,7 @@ def read_index(f: BinaryIO, path: str = "<file>") -> ShardIndex:
         raise bad(f"size is {size} bytes, the header says {file_size} (truncated or padded)")
     if not _HEADER.size + index_bytes <= data_offset <= file_size:
         raise bad(f"data offset {data_offset} outside the file")
-    index = f.read(index_bytes)
+    index = read(_HEADER.size, index_bytes)
     if len(index) != index_bytes or crc32(index) != index_crc:
         raise bad("index checksum mismatch")
     entries = []
@@ -260,6 +271,18 @@ def read_entry(f: BinaryIO, entry: Entry, out: np.ndarray | None = None, *, veri
             f"{path}: checksum mismatch in tensor {entry.tensor_id} elements [{entry.start},{entry.stop}): "
             "the data was damaged after it was written")
     return out
+
+
+def entry_view(buf: Any, entry: Entry, *, verify: bool = True, path: str = "<memory>") -> np.ndarray:
+    """One piece of an in-memory file (checked by :func:`read_index`) as a flat array view."""
+    mem = byte_view(buf)[entry.offset:entry.offset + entry.length]
+    if len(mem) != entry.length:
+        raise CorruptCheckpointError(f"{path}: tensor {entry.tensor_id} runs past the end of the data")
+    if verify and crc32(mem) != entry.crc:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in tensor {entry.tensor_id} elements [{entry.start},{entry.stop}): "
+            "the data was damaged after it was written")
+    return np.frombuffer(mem, dtype=numpy_dtype(entry.dtype))
 
 
 # --------------------------------------------------------------------------- manifest

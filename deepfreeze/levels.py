@@ -3,6 +3,8 @@
 Layout::
 
     <scratch>/<name>/v<version:012d>/r<rank:06d>.dfs   one shard file per rank (format.py)
+    <scratch>/<name>/v<version:012d>/h<holder>.r<src>.dfs  partner copy of rank src's shard (redundancy.py)
+    <scratch>/<name>/v<version:012d>/x<holder>.dfx     parity block held by rank holder (redundancy.py)
     <scratch>/<name>/v<version:012d>/manifest.json     written by every local rank after its shard
     <persistent>/<name>/v<version:012d>/model.dfz      the assembled checkpoint (all tensors, whole)
     <persistent>/<name>/v<version:012d>/manifest.json  the commit marker, written last
@@ -62,6 +64,7 @@ __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job"]
 
 log = logging.getLogger("deepfreeze")
 _VDIR = re.compile(r"^v(\d{12})$")
+_SCRATCH_FILE = re.compile(r"^(?:r(\d{6})\.dfs|h(\d{6})\.r(\d{6})\.dfs|x(\d{6})\.dfx)$")
 MANIFEST = "manifest.json"
 ASSEMBLED = "model.dfz"
 
@@ -213,6 +216,34 @@ class ScratchLevel(Level):
                                        "Free space or point 'scratch' elsewhere.") from e
         return final
 
+    def partner_path(self, name: str, version: int, holder: int, src: int) -> str:
+        return os.path.join(self.version_dir(name, version), f"h{holder:06d}.r{src:06d}.dfs")
+
+    def parity_path(self, name: str, version: int, holder: int) -> str:
+        return os.path.join(self.version_dir(name, version), f"x{holder:06d}.dfx")
+
+    def inventory(self, name: str, version: int) -> dict[str, dict[int, str]] | None:
+        """What this scratch directory holds of ``version`` (None without a valid manifest):
+        ``{"shard": {rank: path}, "partner": {src: path}, "parity": {holder: path}}``."""
+        try:
+            self.read_manifest(name, version)
+        except (OSError, CorruptCheckpointError):
+            return None
+        vdir = self.version_dir(name, version)
+        inv: dict[str, dict[int, str]] = {"shard": {}, "partner": {}, "parity": {}}
+        for n in _listdir(vdir):
+            m = _SCRATCH_FILE.match(n)
+            if m is None:
+                continue
+            path = os.path.join(vdir, n)
+            if m.group(1) is not None:
+                inv["shard"][int(m.group(1))] = path
+            elif m.group(3) is not None:
+                inv["partner"][int(m.group(3))] = path
+            else:
+                inv["parity"][int(m.group(4))] = path
+        return inv
+
     def write_manifest(self, name: str, version: int, manifest: dict[str, Any]) -> None:
         _atomic_write(os.path.join(self.version_dir(name, version), MANIFEST),
                       fmt.encode_manifest(manifest), fsync=False)
@@ -240,12 +271,16 @@ class ScratchLevel(Level):
         removed = []
         for v in [v for v in self.versions(name) if v <= upto][:-keep]:
             vdir = self.version_dir(name, v)
-            try:
-                os.unlink(self.shard_path(name, v, rank))
+            mine = [n for n in _listdir(vdir) if n == f"r{rank:06d}.dfs" or n == f"x{rank:06d}.dfx"
+                    or (n.startswith(f"h{rank:06d}.r") and n.endswith(".dfs"))]
+            for n in mine:  # own shard, partner copies and parity this rank holds
+                try:
+                    os.unlink(os.path.join(vdir, n))
+                except FileNotFoundError:
+                    pass
+            if f"r{rank:06d}.dfs" in mine:
                 removed.append(v)
-            except FileNotFoundError:
-                pass
-            if not any(n.endswith(".dfs") or ".dfs.tmp" in n for n in _listdir(vdir)):
+            if not any(n.endswith((".dfs", ".dfx")) or ".tmp" in n for n in _listdir(vdir)):
                 shutil.rmtree(vdir, ignore_errors=True)
         return removed
 

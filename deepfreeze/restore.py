@@ -1,16 +1,27 @@
 """Restore: read a committed version back into numpy arrays (no TensorFlow here).
 
-Order for the newest version (or the one asked for): the scratch directory
-when every shard is there and valid, else the assembled file on persistent.
-A version that cannot be read whole from any level is skipped with a log
-line (when no version was asked for), never returned partially. Works in any
+Order for the newest version (or the one asked for), VeloC's: scratch (every
+rank's shard, from its own node or from the partner copy another node holds),
+then reconstruction from XOR parity, then the assembled file on persistent. A
+file that fails its checks (index, checksums) is dropped and the next source is
+tried, with a log line. A version that cannot be read whole from any level is
+skipped (when no version was asked for), never returned partially. Works in any
 process, at any world size: the manifest's plan says where every piece is.
+
+With a communicator (``comm=``, every rank of a restarted job) the scratch
+directories of all participants are pooled: the participants agree, from an
+all-gathered inventory, on which of them supplies which file, read and check
+their files, report failures (all-gathered, so every participant takes the same
+next step), then exchange the files; every participant ends with the whole
+checkpoint. Without one, the process uses its own scratch directory.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import struct
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,6 +30,7 @@ from . import format as fmt
 from .config import Config, validate_name
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, DeepFreezeError
 from .levels import ASSEMBLED, PersistentLevel, ScratchLevel, plan_of
+from .redundancy import Comm, LocalComm, group_of, read_parity, xor_reconstruct
 
 __all__ = ["Checkpoint", "load", "list_versions"]
 
@@ -59,55 +71,239 @@ def _levels(config: Config) -> tuple[ScratchLevel, PersistentLevel]:
 
 
 def list_versions(config: Config, name: str) -> dict[int, list[str]]:
-    """Committed versions -> levels that hold them complete (``scratch``, ``persistent``)."""
+    """Committed versions -> levels this process can read them whole from: ``scratch``
+    (its own scratch directory: shards, partner copies, parity reconstruction) and
+    ``persistent``."""
     validate_name(name)
     scratch, persistent = _levels(config)
     out: dict[int, list[str]] = {}
-    for v in scratch.complete_versions(name):
-        out.setdefault(v, []).append("scratch")
+    for v in scratch.versions(name):
+        inv = scratch.inventory(name, v)
+        if inv is None:
+            continue
+        m = scratch.read_manifest(name, v)
+        have = {(k, key): [0] for k, d in inv.items() for key in d}
+        if _recovery_plan(m, have, range(m["world_size"])) is not None:
+            out.setdefault(v, []).append("scratch")
     for v in persistent.committed_versions(name):
         out.setdefault(v, []).append("persistent")
     return dict(sorted(out.items()))
 
 
 def load(config: Config, name: str, version: int | None = None, *, verify: bool = True,
-         tensors: Sequence[str] | None = None) -> Checkpoint:
+         tensors: Sequence[str] | None = None, comm: Comm | None = None) -> Checkpoint:
     """Load version ``version`` (default: the newest that can be read whole) of ``name``.
 
     ``tensors`` restricts the read to those tensor names (the index locates each
     piece, so nothing else is read); by default every tensor is loaded.
+
+    ``comm`` (collective; e.g. :class:`deepfreeze.redundancy.MPIComm` on every rank of a
+    restarted job) pools the scratch directories of all participants: each reads the
+    shards, partner copies and parity blocks its node holds, they exchange them, and
+    every participant gets the whole checkpoint. Without it, this process's scratch
+    directory and persistent are used. Order per version: scratch shards, partner
+    copies, XOR reconstruction, persistent; the newest version that can be recovered
+    whole wins; a damaged file (checksum) is dropped and the next source is tried,
+    with a log line.
     """
     validate_name(name)
-    versions = list_versions(config, name)
+    comm = comm or LocalComm()
+    scratch, persistent = _levels(config)
+    local: dict[int, dict[str, dict[int, str]]] = {}
+    for v in scratch.versions(name):
+        inv = scratch.inventory(name, v)
+        if inv is not None:
+            local[v] = inv
+    summary = {"scratch": {str(v): {k: sorted(d) for k, d in inv.items()} for v, inv in local.items()},
+               "persistent": persistent.committed_versions(name)}
+    infos = [json.loads(b) for b in comm.allgather(json.dumps(summary).encode())]
+    have: dict[int, dict[tuple[str, int], list[int]]] = {}
+    for p, info in enumerate(infos):
+        for v, inv in info["scratch"].items():
+            d = have.setdefault(int(v), {})
+            for kind, keys in inv.items():
+                for key in keys:
+                    d.setdefault((kind, int(key)), []).append(p)
+    on_persistent = set(infos[0]["persistent"])
+    known = sorted(set(have) | on_persistent, reverse=True)
     if version is not None:
-        if version not in versions:
+        if version not in known:
             raise CheckpointNotFoundError(
                 f"version {version} of checkpoint {name!r} is not committed in scratch {config.scratch} "
-                f"or persistent {config.persistent}; committed versions: {sorted(versions) or 'none'}")
+                f"or persistent {config.persistent}; committed versions: {sorted(known) or 'none'}")
         candidates = [version]
     else:
-        candidates = sorted(versions, reverse=True)
+        candidates = known
         if not candidates:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint named {name!r} in scratch {config.scratch} or persistent "
                 f"{config.persistent}: check 'name' and the config, or train with the callback first")
-    scratch, persistent = _levels(config)
-    errors = []
+    errors: list[str] = []
     for v in candidates:
-        for level in versions[v]:
+        if v in have:
+            ck = _load_scratch(comm, scratch, local.get(v), have[v], name, v, verify, tensors, errors)
+            if ck is not None:
+                return ck
+        if v in on_persistent:
             try:
-                if level == "scratch":
-                    return _load_scratch(scratch, name, v, verify, tensors)
-                return _load_persistent(persistent, name, v, verify, tensors)
+                ck = _load_persistent(persistent, name, v, verify, tensors)
+                err = ""
             except CheckpointNotFoundError:
                 raise  # a tensor name the checkpoint does not have: no other level will have it
             except (OSError, DeepFreezeError, ValueError) as e:
-                log.warning("deepfreeze: %s v%d on %s is unreadable (%s); trying the next level/version",
-                            name, v, level, e)
-                errors.append(f"v{v} {level}: {e}")
+                ck, err = None, str(e) or type(e).__name__
+            errs = [b.decode() for b in comm.allgather(err.encode())]
+            if not any(errs):
+                return ck
+            for e in filter(None, errs):
+                log.warning("deepfreeze: %s v%d on persistent is unreadable (%s); trying the next version",
+                            name, v, e)
+                errors.append(f"v{v} persistent: {e}")
     if version is not None and len(errors) == 1:
         raise CorruptCheckpointError(errors[0])
-    raise CorruptCheckpointError(f"no version of {name!r} could be read whole: " + "; ".join(errors))
+    raise CorruptCheckpointError(f"no version of {name!r} could be read whole: " + ("; ".join(errors) or
+                                 "scratch holds neither every shard nor enough partner copies/parity"))
+
+
+def _recovery_plan(manifest: dict[str, Any], have: dict[tuple[str, int], list[int]], need: Any
+                   ) -> tuple[dict[tuple[str, int], int], list[int]] | None:
+    """Which participant supplies which file so that the shards of ranks ``need`` can be
+    read: (``{(kind, key): participant}``, ranks to rebuild from parity), or None."""
+    fetch: dict[tuple[str, int], int] = {}
+
+    def supply(r: int) -> bool:
+        if ("shard", r) in fetch or ("partner", r) in fetch:
+            return True
+        for kind in ("shard", "partner"):
+            if have.get((kind, r)):
+                fetch[(kind, r)] = have[(kind, r)][0]
+                return True
+        return False
+
+    rebuild = [r for r in need if not supply(r)]
+    red = manifest.get("redundancy") or {}
+    for r in rebuild:
+        group = group_of(red, r) if red.get("scheme") == "xor" else None
+        if group is None:
+            return None
+        for m in group:
+            if m == r:
+                continue
+            if m in rebuild or not supply(m) or not have.get(("parity", m)):
+                return None
+            fetch[("parity", m)] = have[("parity", m)][0]
+    return fetch, rebuild
+
+
+def _needed_ranks(manifest: dict[str, Any], wanted: Sequence[str] | None) -> list[int]:
+    plan = plan_of(manifest)
+    if wanted is None:
+        return list(range(plan.world_size))
+    ids = {t["id"] for t in manifest["tensors"] if t["name"] in set(wanted)}
+    return [r for r in range(plan.world_size) if any(p.tensor_id in ids for p in plan.for_rank(r))]
+
+
+def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int, verify: bool) -> np.ndarray:
+    """Read and check one scratch file of this participant (a shard, partner copy or parity)."""
+    path = inv[kind][key]
+    data = np.fromfile(path, dtype=np.uint8)
+    if kind == "parity":
+        h, _ = read_parity(data.tobytes(), path)
+        if h.get("version") != version:
+            raise CorruptCheckpointError(f"{path}: parity of v{h.get('version')}, expected v{version}")
+        return data
+    idx = fmt.read_index(data, path)
+    if idx.version != version or idx.rank != key:
+        raise CorruptCheckpointError(f"{path}: holds rank {idx.rank} v{idx.version}, expected rank {key} v{version}")
+    if verify and idx.has_crc:
+        for e in idx.entries:
+            fmt.entry_view(data, e, verify=True, path=path)
+    return data
+
+
+def _pack(items: dict[tuple[str, int], Any]) -> bytes:
+    head = json.dumps([[k, key, int(len(fmt.byte_view(a)))] for (k, key), a in items.items()]).encode()
+    return b"".join([struct.pack("<I", len(head)), head] + [bytes(fmt.byte_view(a)) for a in items.values()])
+
+
+def _unpack(blob: bytes) -> dict[tuple[str, int], np.ndarray]:
+    (n,) = struct.unpack_from("<I", blob, 0)
+    pos, out = 4 + n, {}
+    for kind, key, length in json.loads(blob[4:4 + n]):
+        out[(kind, key)] = np.frombuffer(blob, dtype=np.uint8, count=length, offset=pos)
+        pos += length
+    return out
+
+
+def _load_scratch(comm: Comm, level: ScratchLevel, inv: dict[str, dict[int, str]] | None,
+                  have: dict[tuple[str, int], list[int]], name: str, version: int, verify: bool,
+                  wanted: Sequence[str] | None, errors: list[str]) -> Checkpoint | None:
+    """Collective: recover ``version`` from the participants' scratch files, or None."""
+    owners = sorted({p for ps in have.values() for p in ps})
+    mine = json.dumps(level.read_manifest(name, version)).encode() if inv is not None else b""
+    manifest = json.loads(comm.allgather(mine if comm.rank == owners[0] else b"")[owners[0]])
+    need = _needed_ranks(manifest, wanted)
+    while True:
+        planned = _recovery_plan(manifest, have, need)
+        if planned is None:
+            return None
+        fetch, rebuild = planned
+        items, failed = {}, []
+        for (kind, key), p in fetch.items():
+            if p != comm.rank:
+                continue
+            try:
+                items[(kind, key)] = _read_item(inv, kind, key, version, verify)
+            except (OSError, DeepFreezeError, ValueError) as e:
+                failed.append([kind, key, str(e)])
+        reports = [json.loads(b) for b in comm.allgather(json.dumps(failed).encode())]
+        if any(reports):
+            for p, rep in enumerate(reports):
+                for kind, key, why in rep:
+                    if comm.rank == 0 or comm.size == 1:
+                        log.warning("deepfreeze: %s v%d: %s of rank %d on participant %d is unreadable (%s); "
+                                    "trying the next source", name, version, kind, key, p, why)
+                    errors.append(f"v{version} {kind} r{key}: {why}")
+                    have[(kind, key)] = [q for q in have[(kind, key)] if q != p]
+            continue
+        if comm.size > 1:
+            for blob in comm.allgather(_pack(items)):
+                items.update(_unpack(blob))
+        files = {r: items.get(("shard", r), items.get(("partner", r))) for r in need if r not in rebuild}
+        for r in rebuild:
+            group = group_of(manifest["redundancy"], r)
+            parities = {m: read_parity(items[("parity", m)].tobytes())[1] for m in group if m != r}
+            sizes = read_parity(items[("parity", next(iter(parities)))].tobytes())[0]["sizes"]
+            shards = {m: items.get(("shard", m), items.get(("partner", m))) for m in group if m != r}
+            files[r] = xor_reconstruct(group, r, shards, parities, sizes)
+            if comm.rank == 0:
+                log.warning("deepfreeze: %s v%d: rebuilt the shard of rank %d from XOR parity", name, version, r)
+        try:
+            return _assemble(manifest, files, wanted, verify, version, rebuilt=set(rebuild))
+        except CheckpointNotFoundError:
+            raise  # a tensor name the checkpoint does not have
+        except (DeepFreezeError, ValueError) as e:  # e.g. a rebuilt shard that fails its checksums
+            errors.append(f"v{version} scratch: {e}")
+            log.warning("deepfreeze: %s v%d cannot be assembled from scratch (%s)", name, version, e)
+            return None
+
+
+def _assemble(manifest: dict[str, Any], files: dict[int, np.ndarray], wanted: Sequence[str] | None,
+              verify: bool, version: int, rebuilt: set[int]) -> Checkpoint:
+    """Fill the output arrays from whole shard files in memory. Files read from disk were
+    verified by their reader; rebuilt ones are verified here."""
+    plan = plan_of(manifest)
+    flats, named = _empty_arrays(manifest, wanted)
+    for r, data in files.items():
+        path = f"shard of rank {r}"
+        idx = fmt.read_index(data, path)
+        expected = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(r)]
+        _check_index(idx, expected, manifest, version, path)
+        for e in idx.entries:
+            if flats[e.tensor_id] is not None:
+                flats[e.tensor_id][e.start:e.stop] = fmt.entry_view(
+                    data, e, verify=verify and idx.has_crc and r in rebuilt, path=path)
+    return Checkpoint(manifest["name"], version, manifest["step"], manifest["epoch"], "scratch", named, manifest)
 
 
 def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None
@@ -131,34 +327,27 @@ def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None
     return flats, named
 
 
+def _check_index(idx: fmt.ShardIndex, expected: list[tuple[int, int, int]], manifest: dict[str, Any],
+                 version: int, path: str) -> None:
+    got = [(e.tensor_id, e.start, e.stop) for e in idx.entries]
+    if got != expected or idx.version != version:
+        raise CorruptCheckpointError(f"{path}: its index does not match the manifest (another model "
+                                     "or version wrote it)")
+    for e in idx.entries:
+        t = manifest["tensors"][e.tensor_id]
+        if e.dtype != t["dtype"] or list(e.shape) != t["shape"]:
+            raise CorruptCheckpointError(f"{path}: tensor {t['name']!r} is {e.dtype}{list(e.shape)} in the "
+                                         f"file but {t['dtype']}{t['shape']} in the manifest")
+
+
 def _fill(path: str, entries_expected: list[tuple[int, int, int]], flats: list[np.ndarray],
           manifest: dict[str, Any], verify: bool, version: int) -> None:
     with open(path, "rb") as f:
         idx = fmt.read_index(f, path)
-        got = [(e.tensor_id, e.start, e.stop) for e in idx.entries]
-        if got != entries_expected or idx.version != version:
-            raise CorruptCheckpointError(f"{path}: its index does not match the manifest (another model "
-                                         "or version wrote it)")
+        _check_index(idx, entries_expected, manifest, version, path)
         for e in idx.entries:
-            t = manifest["tensors"][e.tensor_id]
-            if e.dtype != t["dtype"] or list(e.shape) != t["shape"]:
-                raise CorruptCheckpointError(f"{path}: tensor {t['name']!r} is {e.dtype}{list(e.shape)} in the "
-                                             f"file but {t['dtype']}{t['shape']} in the manifest")
             if flats[e.tensor_id] is not None:
                 fmt.read_entry(f, e, flats[e.tensor_id][e.start:e.stop], verify=verify and idx.has_crc, path=path)
-
-
-def _load_scratch(level: ScratchLevel, name: str, version: int, verify: bool,
-                  wanted: Sequence[str] | None) -> Checkpoint:
-    m = level.read_manifest(name, version)
-    plan = plan_of(m)
-    flats, named = _empty_arrays(m, wanted)
-    for r in range(plan.world_size):
-        expected = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(r)]
-        if all(flats[p.tensor_id] is None for p in plan.for_rank(r)):
-            continue  # this rank's shard holds none of the wanted tensors
-        _fill(level.shard_path(name, version, r), expected, flats, m, verify, version)
-    return Checkpoint(name, version, m["step"], m["epoch"], "scratch", named, m)
 
 
 def _load_persistent(level: PersistentLevel, name: str, version: int, verify: bool,

@@ -42,3 +42,25 @@ def broadcast_int(value: int) -> int:
         return value
     import tensorflow as tf
     return int(hvd.broadcast(tf.constant(value, dtype=tf.int64), 0, name="deepfreeze_broadcast").numpy())
+
+
+_COMM = None
+
+
+def mpi_comm():
+    """A :class:`deepfreeze.redundancy.MPIComm` over Horovod's MPI world (created once per
+    process, collectively), or None when Horovod is not running over MPI with several ranks."""
+    global _COMM
+    hvd = _hvd()
+    if hvd is None or hvd.size() < 2:
+        return None
+    if not hvd.mpi_enabled():
+        import logging
+        logging.getLogger("deepfreeze").warning(
+            "DeepFreeze: Horovod runs without MPI (Gloo): partner/parity protection and pooled "
+            "scratch restore need MPI and are off")
+        return None
+    if _COMM is None:
+        from ..redundancy import MPIComm
+        _COMM = MPIComm()
+    return _COMM

@@ -16,7 +16,7 @@ from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
 from ..levels import ScratchLevel
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
 from . import hook as _hook
-from ._dist import allgather_bytes, rank_and_size
+from ._dist import allgather_bytes, mpi_comm, rank_and_size
 from .restore import apply_checkpoint, model_tensors
 from ..format import dtype_name
 
@@ -165,7 +165,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if self.engine is None or self.plan != plan:
             if self.engine is not None:
                 self.engine.close()
-            self.engine = Engine(self.config, self.name, self.rank, plan, domains, scratch_cls=self.scratch_cls)
+            comm = mpi_comm() if self.config.ec_interval >= 0 else None
+            self.engine = Engine(self.config, self.name, self.rank, plan, domains, scratch_cls=self.scratch_cls,
+                                 comm=comm)
         self.plan = plan
         self.hook = _hook.install(model.optimizer, plan, self.rank, variables, slots)
         model.make_train_function(force=True)  # retrace: the copy ops must be in the graph
@@ -282,16 +284,17 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         return variables, tensors, pinned, slots
 
     def _resume(self) -> None:
-        """Restore the newest committed version (rank 0 picks it for everyone) and tell fit
-        where to continue; the first train call skips the batches already trained on."""
-        from ..restore import list_versions, load
-        from ._dist import broadcast_int
-        versions = list_versions(self.config, self.name) if self.rank == 0 else {}
-        version = broadcast_int(max(versions) if versions else -1)
-        if version < 0:
+        """Restore the newest version every rank can recover (collectively over the ranks'
+        scratch directories, partner copies and parity, then persistent) and tell fit where to
+        continue; the first train call skips the batches already trained on."""
+        from ..errors import CheckpointNotFoundError
+        from ..restore import load
+        try:
+            ck = load(self.config, self.name, comm=mpi_comm())
+        except CheckpointNotFoundError:
             log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)
             return
-        ck = load(self.config, self.name, version)
+        version = ck.version
         restored_opt = apply_checkpoint(self.model, ck, optimizer=self.save_optimizer)
         if self.save_optimizer and not restored_opt:
             log.warning("DeepFreeze: %r v%d holds weights only: the optimizer state starts fresh", self.name, version)

@@ -25,8 +25,9 @@ def model_tensors(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
 def restore_model(model: Any, config: "str | Config | None" = None, *, name: str,
                   version: int | None = None, **overrides: Any) -> tuple[int, int]:
     """Load a committed version's weights into ``model`` (bit-exact); returns ``(version, step)``."""
+    from ._dist import mpi_comm
     cfg = Config.resolve(config, **overrides)
-    ck = load(cfg, name, version)
+    ck = load(cfg, name, version, comm=mpi_comm())
     apply_checkpoint(model, ck)
     return ck.version, ck.step
 

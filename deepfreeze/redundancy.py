@@ -1,0 +1,318 @@
+"""Partner replication and XOR parity across failure domains (VeloC's ``ec_interval`` level).
+
+A node's scratch is lost with the node. This module protects the shards of a
+version on scratch by copying data to *other* failure domains (nodes), so the
+version stays recoverable from scratch when one domain is lost:
+
+``partner``
+    every rank's shard is copied to a rank of the next failure domain (cyclic
+    over the domains, in order of first appearance). Space: one extra copy of the
+    model on scratch (100 %). Survives the loss of any one failure domain (and of
+    several, as long as no rank and its holder are both lost).
+``xor``
+    ranks form groups with one rank per failure domain (row ``j`` holds the
+    ``j``-th rank of every domain); in a group of ``k`` members each shard is cut
+    in ``k - 1`` chunks and member ``s`` keeps the parity (XOR) of stripe ``s``,
+    RAID-5 style. Space: ``1 / (k - 1)`` of the shard size per rank (e.g. 33 %
+    for ``k = 4``). Survives the loss of one member per group, i.e. of any one
+    failure domain. Groups of one member (more ranks in one domain than in the
+    others) cannot be protected; that is logged once.
+
+Scratch files (all under ``<scratch>/<name>/v<version>/``, next to the shards)::
+
+    h<holder:06d>.r<src:06d>.dfs   the partner copy of rank src's shard, held by rank holder
+    x<holder:06d>.dfx              rank holder's parity block (header below, then the bytes)
+
+Both are written tmp-then-rename before the version's scratch manifest, so a
+manifest that names a redundancy scheme was written after the exchange ended.
+
+Parity file: ``DFXPAR01``, a little-endian uint32 JSON length, the JSON header
+(``name``, ``version``, ``holder``, ``group``, ``sizes`` of the members' shard
+files, ``chunk`` bytes, ``crc`` of the parity bytes), then the ``chunk`` parity
+bytes. Every field is bounds-checked on read.
+
+The exchange runs in each rank's writer thread, collectively, through a
+:class:`Comm` (MPI via mpi4py for real jobs; :class:`LocalComm` for one
+process). Every rank takes part for every version it writes, even when its own
+shard write failed (it then says so and nobody exchanges), so a failure never
+leaves the others waiting.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+import threading
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from . import format as fmt
+from .errors import CorruptCheckpointError
+
+__all__ = ["Comm", "LocalComm", "MPIComm", "plan_redundancy", "protect", "read_parity", "xor_reconstruct",
+           "SCHEMES"]
+
+log = logging.getLogger("deepfreeze")
+SCHEMES = ("partner", "xor")
+PARITY_MAGIC = b"DFXPAR01"
+_SEGMENT = 64 << 20  # XOR stripes are exchanged in segments of this many bytes (bounds memory)
+_MSG = 1 << 30  # point-to-point messages are cut at 1 GiB (MPI counts are int)
+
+
+class Comm(Protocol):
+    """What the engine and restore need from a communicator (all calls collective)."""
+
+    rank: int
+    size: int
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        """Every participant's ``data``, in rank order."""
+
+    def exchange(self, sends: dict[int, Any], recv_sizes: dict[int, int]) -> dict[int, np.ndarray]:
+        """Send ``sends[dest]`` (bytes-like) to each dest and receive ``recv_sizes[src]`` bytes from
+        each src, all at once; returns uint8 arrays by source."""
+
+
+class LocalComm:
+    """A communicator of one process."""
+
+    rank, size = 0, 1
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        return [bytes(data)]
+
+    def exchange(self, sends: dict[int, Any], recv_sizes: dict[int, int]) -> dict[int, np.ndarray]:
+        if set(sends) - {0} or set(recv_sizes) - {0}:
+            raise ValueError("a one-process communicator can only exchange with itself")
+        return {0: np.frombuffer(fmt.byte_view(sends[0]), dtype=np.uint8).copy()} if 0 in recv_sizes else {}
+
+
+class MPIComm:
+    """A private duplicate of ``MPI.COMM_WORLD`` (mpi4py), safe to use from the writer thread
+    (Horovod and mpi4py initialize MPI with ``MPI_THREAD_MULTIPLE``). Create it on every rank."""
+
+    def __init__(self, comm: Any = None) -> None:
+        from mpi4py import MPI  # imported here: single-process use needs no MPI
+        self._MPI = MPI
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("MPI was initialized without MPI_THREAD_MULTIPLE; DeepFreeze's background "
+                               "redundancy exchange needs it (Horovod and mpi4py request it by default)")
+        self.comm = (comm or MPI.COMM_WORLD).Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self._lock = threading.Lock()
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        with self._lock:
+            counts = np.zeros(self.size, dtype=np.int64)
+            self.comm.Allgather(np.array([len(data)], dtype=np.int64), counts)
+            sizes = [int(n) for n in counts]
+            recv = np.empty(sum(sizes), dtype=np.uint8)
+            offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+            send = np.frombuffer(bytes(data), dtype=np.uint8) if data else np.empty(0, np.uint8)
+            if max(sizes) < (1 << 31) and sum(sizes) < (1 << 31):
+                self.comm.Allgatherv(send, [recv, (sizes, offsets.tolist()), self._MPI.BYTE])
+            else:  # beyond MPI's int counts: one broadcast per participant, in 1 GiB pieces
+                for r, n in enumerate(sizes):
+                    for o in range(0, n, _MSG):
+                        buf = recv[offsets[r] + o:offsets[r] + min(n, o + _MSG)]
+                        if r == self.rank:
+                            buf[:] = send[o:o + len(buf)]
+                        self.comm.Bcast(buf, root=r)
+            return [recv[offsets[r]:offsets[r] + sizes[r]].tobytes() for r in range(self.size)]
+
+    def exchange(self, sends: dict[int, Any], recv_sizes: dict[int, int]) -> dict[int, np.ndarray]:
+        with self._lock:
+            out = {src: np.empty(n, dtype=np.uint8) for src, n in recv_sizes.items()}
+            reqs = []
+            for src, buf in out.items():
+                for i, o in enumerate(range(0, len(buf), _MSG)):
+                    reqs.append(self.comm.Irecv(buf[o:o + _MSG], source=src, tag=100 + i))
+            for dest, data in sends.items():
+                view = np.frombuffer(fmt.byte_view(data), dtype=np.uint8)
+                for i, o in enumerate(range(0, len(view), _MSG)):
+                    reqs.append(self.comm.Isend(view[o:o + _MSG], dest=dest, tag=100 + i))
+            self._MPI.Request.Waitall(reqs)
+            return out
+
+    def close(self) -> None:
+        try:
+            self.comm.Free()
+        except Exception:  # MPI already finalized at interpreter exit
+            pass
+
+
+# -- planning (pure functions of the failure domains; every rank computes the same)
+
+def _rows(domains: Sequence[str]) -> tuple[list[str], dict[str, list[int]]]:
+    order: list[str] = []
+    members: dict[str, list[int]] = {}
+    for r, d in enumerate(domains):
+        if d not in members:
+            order.append(d)
+            members[d] = []
+        members[d].append(r)
+    return order, members
+
+
+def plan_redundancy(domains: Sequence[str], scheme: str) -> dict[str, Any]:
+    """Who protects whom: ``{"scheme", "holder": {src: holder}}`` (partner) or
+    ``{"scheme", "groups": [[ranks]]}`` (xor); ``unprotected`` lists ranks left out.
+
+    Raises ValueError for an unknown scheme."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown redundancy scheme {scheme!r}: use one of {SCHEMES}")
+    order, members = _rows(domains)
+    if scheme == "partner":
+        holder: dict[int, int] = {}
+        if len(order) > 1:
+            for i, d in enumerate(order):
+                nxt = members[order[(i + 1) % len(order)]]
+                for j, r in enumerate(members[d]):
+                    holder[r] = nxt[j % len(nxt)]
+        return {"scheme": "partner", "holder": {str(k): v for k, v in sorted(holder.items())},
+                "unprotected": sorted(set(range(len(domains))) - set(holder))}
+    groups, alone = [], []
+    for j in range(max((len(m) for m in members.values()), default=0)):
+        row = [members[d][j] for d in order if j < len(members[d])]
+        (groups if len(row) > 1 else alone).append(row)
+    return {"scheme": "xor", "groups": groups, "unprotected": sorted(r for row in alone for r in row)}
+
+
+def group_of(redundancy: dict[str, Any], rank: int) -> list[int] | None:
+    for g in redundancy.get("groups", []):
+        if rank in g:
+            return g
+    return None
+
+
+def _stripe_of_chunk(pos: int, j: int) -> int:
+    """Stripe (member position) that chunk ``j`` of the member at ``pos`` belongs to."""
+    return j if j < pos else j + 1
+
+
+def _chunk_of_stripe(pos: int, s: int) -> int:
+    return s if s < pos else s - 1
+
+
+def _chunk(data: np.ndarray, j: int, c: int, lo: int, hi: int) -> np.ndarray:
+    """Bytes [lo, hi) of chunk ``j`` (size ``c``) of ``data``, zero-padded."""
+    out = np.zeros(hi - lo, dtype=np.uint8)
+    a, b = j * c + lo, min(j * c + hi, len(data))
+    if b > a:
+        out[:b - a] = data[a:b]
+    return out
+
+
+# -- protecting a version (writer thread, collective)
+
+def protect(comm: Comm, scratch: Any, name: str, version: int, rank: int, shard_path: str | None,
+            redundancy: dict[str, Any], *, want: bool = True) -> bool:
+    """Copy this rank's shard to its partner / compute this rank's parity block, collectively.
+
+    ``want`` is this rank's view of ``ec_interval``; rank 0's view decides for all (one
+    small all-gather, so every rank follows the same choice). ``shard_path`` is None when
+    this rank's shard write failed: it still takes part (so nobody waits for it) and
+    every rank skips the exchange. Returns True when the version got protected.
+    """
+    try:
+        data = np.fromfile(shard_path, dtype=np.uint8) if shard_path is not None else None
+    except OSError as e:
+        log.warning("deepfreeze: cannot read back %s for protection: %s", shard_path, e)
+        data = None
+    info = json.dumps({"ok": data is not None, "want": bool(want),
+                       "size": 0 if data is None else int(data.size)}).encode()
+    infos = [json.loads(b) for b in comm.allgather(info)]
+    if not infos[0]["want"]:
+        return False
+    if not all(i["ok"] for i in infos):
+        log.warning("deepfreeze: %s v%d is not partner/parity protected: a rank's shard write failed", name, version)
+        return False
+    sizes = [i["size"] for i in infos]
+    vdir = scratch.version_dir(name, version)
+    if redundancy["scheme"] == "partner":
+        holder = {int(k): v for k, v in redundancy["holder"].items()}
+        sends = {holder[rank]: data} if rank in holder else {}
+        srcs = {s: sizes[s] for s, h in holder.items() if h == rank}
+        got = comm.exchange(sends, srcs)
+        for s, buf in got.items():
+            _write_file(os.path.join(vdir, f"h{rank:06d}.r{s:06d}.dfs"), buf)
+        return True
+    group = group_of(redundancy, rank)
+    # every rank runs the same number of exchange rounds (groups may differ in chunk size)
+    plans = []
+    for g in redundancy["groups"]:
+        c = math.ceil(max(sizes[m] for m in g) / (len(g) - 1)) if g else 0
+        plans.append(c)
+    rounds = max([math.ceil(c / _SEGMENT) for c in plans] + [0])
+    if group is None:
+        return True  # a rank alone in its row: nothing to exchange (logged by the engine)
+    k, pos = len(group), group.index(rank)
+    c = plans[redundancy["groups"].index(group)]
+    parity = np.zeros(c, dtype=np.uint8)
+    for i in range(rounds):
+        lo, hi = min(c, i * _SEGMENT), min(c, (i + 1) * _SEGMENT)
+        sends = {group[s]: _chunk(data, _chunk_of_stripe(pos, s), c, lo, hi) for s in range(k) if s != pos}
+        got = comm.exchange(sends if hi > lo else {}, {m: hi - lo for m in group if m != rank} if hi > lo else {})
+        for buf in got.values():
+            np.bitwise_xor(parity[lo:hi], buf, out=parity[lo:hi])
+    header = json.dumps({"name": name, "version": version, "holder": rank, "group": group,
+                         "sizes": [sizes[m] for m in group], "chunk": c, "crc": fmt.crc32(parity)}).encode()
+    _write_file(os.path.join(vdir, f"x{rank:06d}.dfx"),
+                PARITY_MAGIC + struct.pack("<I", len(header)) + header + parity.tobytes())
+    return True
+
+
+def _write_file(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(fmt.byte_view(data))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+# -- reading and reconstructing
+
+def read_parity(raw: bytes, path: str = "<parity>") -> tuple[dict[str, Any], np.ndarray]:
+    """Decode and check a parity file: (header, parity bytes)."""
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path}: not a valid DeepFreeze parity file ({why})")
+    if len(raw) < 12 or raw[:8] != PARITY_MAGIC:
+        raise bad("bad magic")
+    (n,) = struct.unpack_from("<I", raw, 8)
+    if n > 1 << 20 or 12 + n > len(raw):
+        raise bad(f"header length {n} out of bounds")
+    try:
+        h = json.loads(raw[12:12 + n])
+        group, sizes, c, crc = h["group"], h["sizes"], h["chunk"], h["crc"]
+        ok = (isinstance(group, list) and isinstance(sizes, list) and len(group) == len(sizes) >= 2
+              and all(isinstance(x, int) and x >= 0 for x in group + sizes + [c, crc]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise bad(f"header: {e}") from e
+    if not ok:
+        raise bad("header fields out of range")
+    body = np.frombuffer(raw, dtype=np.uint8, offset=12 + n)
+    if len(body) != c:
+        raise bad(f"{len(body)} parity bytes, header says {c}")
+    if fmt.crc32(body) != crc:
+        raise bad("checksum mismatch")
+    return h, body
+
+
+def xor_reconstruct(group: Sequence[int], lost: int, shards: dict[int, np.ndarray],
+                    parities: dict[int, np.ndarray], sizes: Sequence[int]) -> np.ndarray:
+    """Rebuild member ``lost``'s shard file from the other members' shards and parities."""
+    k, pos = len(group), list(group).index(lost)
+    c = len(next(iter(parities.values())))
+    out = np.zeros((k - 1) * c, dtype=np.uint8)
+    for j in range(k - 1):
+        s = _stripe_of_chunk(pos, j)
+        acc = parities[group[s]].copy()
+        for mpos, m in enumerate(group):
+            if m in (lost, group[s]):
+                continue
+            np.bitwise_xor(acc, _chunk(shards[m], _chunk_of_stripe(mpos, s), c, 0, c), out=acc)
+        out[j * c:(j + 1) * c] = acc
+    return out[:sizes[pos]]
