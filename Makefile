@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 MPIRUN := mpirun --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root,)
 DEMO_OUT ?= $(CURDIR)/_work/demo
+# ENGINE=veloc runs the demo on a VeloC install pointed to by DEEPFREEZE_VELOC_PREFIX
+ENGINE ?= builtin
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test test-all bench clean
@@ -14,8 +16,10 @@ setup:
 
 demo: setup
 	@rm -rf "$(DEMO_OUT)" && mkdir -p "$(DEMO_OUT)"
-	$(MPIRUN) -np 2 $(PY) examples/demo.py train "$(DEMO_OUT)"
-	$(PY) examples/demo.py restore "$(DEMO_OUT)"
+	DEEPFREEZE_ENGINE=$(ENGINE) $(MPIRUN) -np 2 $(PY) examples/demo.py train "$(DEMO_OUT)"
+	DEEPFREEZE_ENGINE=$(ENGINE) $(PY) examples/demo.py restore "$(DEMO_OUT)"
+	@if [ "$(ENGINE)" = veloc ]; then $(PY) -c "from deepfreeze.veloc_engine import stop_backend as s; \
+	  p = s(); print(f'demo: stopped veloc-backend {p}' if p else '')"; fi
 
 test: setup
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -9,7 +9,7 @@ from typing import Any
 
 from .config import Config
 from .errors import (BackendError, CheckpointNotFoundError, CheckpointWriteError, ConfigError,
-                     CorruptCheckpointError, DeepFreezeError, ModelMismatchError)
+                     CorruptCheckpointError, DeepFreezeError, ModelMismatchError, VelocError, VelocNotFoundError)
 from .restore import Checkpoint, list_versions, load
 
 __version__ = "0.1.0"
@@ -17,18 +17,23 @@ __version__ = "0.1.0"
 __all__ = [
     "Config", "Checkpoint", "load", "list_versions", "restore",
     "DeepFreezeError", "ConfigError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "ModelMismatchError", "BackendError", "CheckpointWriteError",
+    "ModelMismatchError", "BackendError", "CheckpointWriteError", "VelocNotFoundError", "VelocError",
 ]
 
 
 def restore(model: Any, config: "str | Config | None" = None, *, name: str, version: int | None = None,
-            **overrides: Any) -> tuple[int, int]:
-    """Load the newest committed version (or ``version``) of ``name`` into a Keras ``model``.
+            engine: str | None = None, **overrides: Any) -> tuple[int, int]:
+    """Load the newest recoverable version (or ``version``) of ``name`` into a Keras ``model``.
 
     Returns ``(version, step)``. Works in a plain process (no MPI) and at any
-    world size. Raises :class:`CheckpointNotFoundError` when nothing is
-    committed and :class:`ModelMismatchError` naming the first tensor that
-    does not match.
+    world size; under Horovod with several ranks it is collective (every rank
+    calls it): the ranks pool their nodes' scratch files (shards, partner copies,
+    parity) before falling back to persistent. ``engine`` is accepted for symmetry
+    with the callback (both engines write the same files; restore reads them the
+    same way). Raises :class:`CheckpointNotFoundError` when nothing is committed
+    and :class:`ModelMismatchError` naming the first tensor that does not match.
     """
+    from .engine import resolve_engine
     from .keras.restore import restore_model  # the only TensorFlow-dependent step
+    resolve_engine(engine)  # validates the choice (and that VeloC is there if asked for)
     return restore_model(model, config, name=name, version=version, **overrides)

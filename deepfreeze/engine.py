@@ -42,7 +42,7 @@ from .levels import ScratchLevel, flush_job
 from .redundancy import Comm, plan_redundancy, protect
 from .shardplan import ShardPlan
 
-__all__ = ["Engine", "build_manifest"]
+__all__ = ["Engine", "build_manifest", "make_engine", "resolve_engine", "ENGINES"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -62,6 +62,9 @@ def build_manifest(name: str, version: int, step: int, epoch: int, plan: ShardPl
 class Engine:
     """Checkpoint engine of one rank. Not thread-safe: call from the training thread."""
 
+    #: name of the engine (``builtin``; ``veloc`` for :class:`deepfreeze.veloc_engine.VelocEngine`)
+    kind = "builtin"
+
     def __init__(self, config: Config, name: str, rank: int, plan: ShardPlan,
                  domains: Sequence[str] | None = None, *, scratch_cls: type = ScratchLevel,
                  max_pending_flushes: int | None = None, comm: Comm | None = None) -> None:
@@ -79,10 +82,10 @@ class Engine:
         self.last_version: int | None = None
         self.stats: list[dict[str, float]] = []
         self.write_times: dict[int, float] = {}  # version -> seconds to commit the shard on scratch
-        if config.mode == "async":
+        if config.mode == "async" and self.kind == "builtin":
             self._backend = BackendClient(config.scratch)
         self.comm, self.redundancy, self._last_ec = comm, None, None
-        if config.ec_interval >= 0 and plan.world_size > 1:
+        if config.ec_interval >= 0 and plan.world_size > 1 and self.kind == "builtin":
             if comm is None or comm.size != plan.world_size:
                 log.warning("deepfreeze: ec_interval = %g but no communicator of %d ranks was given: scratch "
                             "checkpoints are not partner/parity protected", config.ec_interval, plan.world_size)
@@ -231,3 +234,40 @@ def lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
     except (OSError, AttributeError):
         pass
+
+
+ENGINES = ("builtin", "veloc", "auto")
+
+
+def resolve_engine(engine: str | None) -> str:
+    """``builtin`` or ``veloc`` for ``engine`` (``None``: ``$DEEPFREEZE_ENGINE``, else builtin;
+    ``auto``: VeloC when its library can be loaded, else builtin)."""
+    from .errors import ConfigError
+    engine = engine or os.environ.get("DEEPFREEZE_ENGINE") or "builtin"
+    if engine not in ENGINES:
+        raise ConfigError(f"engine = {engine!r}: use 'builtin' (no dependency), 'veloc' (a VeloC install pointed "
+                          "to by DEEPFREEZE_VELOC_PREFIX) or 'auto' (VeloC when found, else builtin)")
+    if engine == "auto":
+        from deepfreeze.bindings.veloc import available
+        why = available()
+        if why is not None:
+            log.info("deepfreeze: engine='auto' uses the built-in engine: %s", why)
+        return "builtin" if why is not None else "veloc"
+    if engine == "veloc":
+        from deepfreeze.bindings.veloc import available
+        from .errors import VelocNotFoundError
+        why = available()
+        if why is not None:
+            raise VelocNotFoundError(why)
+    return engine
+
+
+def make_engine(engine: str | None, config: Config, name: str, rank: int, plan: ShardPlan,
+                domains: Sequence[str] | None = None, *, comm: Comm | None = None, mpi_comm: Any = None,
+                scratch_cls: type = ScratchLevel) -> Engine:
+    """The engine of one rank: :class:`Engine` or :class:`~deepfreeze.veloc_engine.VelocEngine`.
+    ``comm`` carries the built-in redundancy exchange; ``mpi_comm`` (mpi4py) is VeloC's."""
+    if resolve_engine(engine) == "veloc":
+        from .veloc_engine import VelocEngine
+        return VelocEngine(config, name, rank, plan, domains, mpi_comm=mpi_comm, scratch_cls=scratch_cls)
+    return Engine(config, name, rank, plan, domains, scratch_cls=scratch_cls, comm=comm)

@@ -15,6 +15,8 @@ __all__ = [
     "ModelMismatchError",
     "BackendError",
     "CheckpointWriteError",
+    "VelocNotFoundError",
+    "VelocError",
 ]
 
 
@@ -44,3 +46,11 @@ class BackendError(DeepFreezeError, RuntimeError):
 
 class CheckpointWriteError(DeepFreezeError, OSError):
     """Writing a checkpoint failed (disk full, permissions, I/O error)."""
+
+
+class VelocNotFoundError(DeepFreezeError, ImportError):
+    """``engine="veloc"`` was asked for but no VeloC client library can be loaded."""
+
+
+class VelocError(DeepFreezeError, RuntimeError):
+    """A VeloC C API call returned ``VELOC_FAILURE`` (the message names the call and arguments)."""

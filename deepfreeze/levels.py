@@ -175,42 +175,12 @@ class ScratchLevel(Level):
     def write_shard(self, name: str, version: int, rank: int, plan: ShardPlan,
                     arrays: Sequence[np.ndarray], *, chksum: bool, fsync: bool = False) -> str:
         """Write this rank's pieces (flat arrays, plan order) and commit them by rename."""
-        pieces = plan.for_rank(rank)
-        if len(arrays) != len(pieces):
-            raise ValueError(f"rank {rank} holds {len(pieces)} pieces, got {len(arrays)} arrays")
-        entries = []
-        for p, e, a in zip(pieces, piece_entries(plan, pieces), arrays):
-            if a.size != p.count or fmt.dtype_name(a.dtype) != e.dtype:
-                raise ValueError(f"array for tensor {plan.tensors[p.tensor_id].name!r} piece "
-                                 f"[{p.start},{p.stop}) has {a.size} {a.dtype} elements")
-            entries.append(e)
-        entries, data_offset, size = fmt.layout(entries)
-        if chksum:
-            entries = [dataclasses.replace(e, crc=fmt.crc32(np.ascontiguousarray(a)))
-                       for e, a in zip(entries, arrays)]
         vdir = self.version_dir(name, version)
         self.makedirs(vdir)
         final = self.shard_path(name, version, rank)
-        tmp = os.path.join(vdir, f".r{rank:06d}.dfs.tmp{_uniq()}")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                                data_offset, size, chksum), 0)
-                for e, a in zip(entries, arrays):
-                    if e.length:
-                        _write_all(fd, np.ascontiguousarray(a), e.offset)
-                os.ftruncate(fd, size)
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
+            write_shard_file(final, version, rank, plan, arrays, chksum=chksum, fsync=fsync)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             raise CheckpointWriteError(e.errno, f"writing shard of rank {rank} for {name!r} v{version} to "
                                        f"scratch {vdir} failed: {e.strerror}; nothing was committed. "
                                        "Free space or point 'scratch' elsewhere.") from e
@@ -283,6 +253,45 @@ class ScratchLevel(Level):
             if not any(n.endswith((".dfs", ".dfx")) or ".tmp" in n for n in _listdir(vdir)):
                 shutil.rmtree(vdir, ignore_errors=True)
         return removed
+
+
+def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan, arrays: Sequence[np.ndarray], *,
+                     chksum: bool, fsync: bool = False) -> None:
+    """Write a rank's shard file (format.py) to ``final``: temporary name, then rename.
+    Raises OSError (nothing left behind) or ValueError (arrays do not match the plan)."""
+    pieces = plan.for_rank(rank)
+    if len(arrays) != len(pieces):
+        raise ValueError(f"rank {rank} holds {len(pieces)} pieces, got {len(arrays)} arrays")
+    entries = []
+    for p, e, a in zip(pieces, piece_entries(plan, pieces), arrays):
+        if a.size != p.count or fmt.dtype_name(a.dtype) != e.dtype:
+            raise ValueError(f"array for tensor {plan.tensors[p.tensor_id].name!r} piece "
+                             f"[{p.start},{p.stop}) has {a.size} {a.dtype} elements")
+        entries.append(e)
+    entries, data_offset, size = fmt.layout(entries)
+    if chksum:
+        entries = [dataclasses.replace(e, crc=fmt.crc32(np.ascontiguousarray(a))) for e, a in zip(entries, arrays)]
+    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp{_uniq()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
+                                            data_offset, size, chksum), 0)
+            for e, a in zip(entries, arrays):
+                if e.length:
+                    _write_all(fd, np.ascontiguousarray(a), e.offset)
+            os.ftruncate(fd, size)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _listdir(path: str) -> list[str]:

@@ -31,10 +31,16 @@ def build_model() -> tf.keras.Model:
     return models.demo()
 
 
+ENGINE = os.environ.get("DEEPFREEZE_ENGINE", "builtin")
+
+
 def dirs(out: str, rank: int) -> dict[str, str]:
-    return {"scratch": os.path.join(out, f"node{rank}", "scratch"),
+    """Each rank simulates its own node (scratch directory, failure domain). With VeloC all
+    ranks share one node: VeloC runs one backend per user and machine, with one configuration."""
+    node = 0 if ENGINE == "veloc" else rank
+    return {"scratch": os.path.join(out, f"node{node}", "scratch"),
             "persistent": os.path.join(out, "persistent"),
-            "failure_domain": f"node{rank}"}
+            "failure_domain": f"node{node}"}
 
 
 class RecordWeights(tf.keras.callbacks.Callback):
@@ -63,21 +69,21 @@ def train(out: str) -> None:
     model = build_model()
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01 * hvd.size(), momentum=0.9))
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
-    ckpt = DeepFreezeCheckpoint(config=CFG, name=NAME, every_n_batches=5, **dirs(out, rank))
+    ckpt = DeepFreezeCheckpoint(config=CFG, name=NAME, every_n_batches=5, engine=ENGINE, **dirs(out, rank))
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt]
     if rank == 0:
         callbacks.append(RecordWeights(ckpt, out))
     model.fit(x, y, batch_size=32, epochs=2, callbacks=callbacks, verbose=0)
     ckpt.wait()  # the backend's flush to persistent is done when this returns
     t = [d["blocking_s"] * 1e3 for d in ckpt.timings]
-    print(f"demo: rank {rank}: {len(t)} checkpoints, blocking {np.mean(t):.2f} ms mean, {max(t):.2f} ms max, "
+    print(f"demo: rank {rank} ({ckpt.engine.kind} engine): {len(t)} checkpoints, blocking {np.mean(t):.2f} ms mean, {max(t):.2f} ms max, "
           f"{max(ckpt.plan.rank_bytes()) / 1e6:.2f} MB per rank", flush=True)
     ckpt.close()
 
 
 def restore(out: str) -> int:
     model = build_model()
-    version, step = deepfreeze.restore(model, config=CFG, name=NAME, **dirs(out, 0))
+    version, step = deepfreeze.restore(model, config=CFG, name=NAME, engine=ENGINE, **dirs(out, 0))
     with np.load(os.path.join(out, "expected.npz"), allow_pickle=False) as ref:
         expected_version = int(ref["version"])
         expected = [ref[f"arr_{i}"] for i in range(len(ref.files) - 1)]

@@ -15,7 +15,7 @@ STAMP="$VENV/.deepfreeze-setup-v1"
 say() { echo "setup: $*"; }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras") >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings") >/dev/null 2>&1; then
   say "already done (remove $STAMP to redo)"
   exit 0
 fi
@@ -55,7 +55,7 @@ if ! "$VPY" -c "import horovod.tensorflow as h; assert h.mpi_built()" >/dev/null
 fi
 
 # 4. the package itself (checked from / so the checkout itself does not satisfy the import)
-if ! (cd / && "$VPY" -c "import deepfreeze") >/dev/null 2>&1; then
+if ! (cd / && "$VPY" -c "import deepfreeze.bindings") >/dev/null 2>&1; then
   say "installing deepfreeze (editable)"
   "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
 fi

@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -77,3 +78,20 @@ def test_three_ranks_sync_every_version_bit_exact(tmp_path):
             assert ranks == {0, 1, 2}
     p = mpirun(2, f"{WORKERS}/restore.py", out, "12")
     assert p.stdout.count("bitexact=True") == 2
+
+
+def test_horovod_job_with_partner_protection_survives_a_lost_node(tmp_path):
+    """ec_interval = 0, persistent off: the writer threads exchange over MPI while Horovod trains;
+    node 1's scratch is wiped and the restarted 2-rank job restores the newest version from
+    node 0's shards and node 0's parity block (groups of 2: a copy of rank 1's shard)."""
+    out = str(tmp_path)
+    mpirun(2, f"{WORKERS}/train.py", out, "async", "every=5", "epochs=1", "scratch_versions=2",
+           "ec_interval=0", "persistent_interval=-1")
+    assert PersistentLevel(f"{out}/persistent").committed_versions("job") == []
+    m = ScratchLevel(f"{out}/node0/scratch").read_manifest("job", 16)
+    assert m["redundancy"] == {"scheme": "xor", "groups": [[0, 1]], "unprotected": []}
+    assert sorted(os.listdir(f"{out}/node0/scratch/job/v000000000016")) == [
+        "manifest.json", "r000000.dfs", "x000000.dfx"]
+    shutil.rmtree(f"{out}/node1")
+    p = mpirun(2, f"{WORKERS}/restore.py", out, "newest")
+    assert p.stdout.count("v16 step 16 bitexact=True") == 2, p.stdout

@@ -11,7 +11,7 @@ from typing import Any
 import tensorflow as tf
 
 from ..config import Config, validate_name
-from ..engine import Engine
+from ..engine import Engine, make_engine, resolve_engine
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
 from ..levels import ScratchLevel
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
@@ -96,6 +96,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         order (``shuffle=False`` or a pipeline whose order depends only on the epoch).
       save_optimizer: also checkpoint the optimizer's variables (slots, iteration counter),
         sharded and captured in the train step like the weights; False: weights only.
+      engine: ``"builtin"`` (default; or ``$DEEPFREEZE_ENGINE``), ``"veloc"`` (shards go through a
+        VeloC install found via ``DEEPFREEZE_VELOC_PREFIX``/``VELOC_LIB``) or ``"auto"`` (VeloC
+        when found, else builtin). Same INI file, same files on disk, same restore.
       scratch_cls: advanced: the :class:`~deepfreeze.levels.ScratchLevel` subclass that
         writes shards (other storage, fault injection).
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
@@ -108,7 +111,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
     def __init__(self, config: "str | Config | None" = None, name: str = "model", *,
                  every_n_batches: int | None = None, at_epoch_end: bool = True,
                  min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES, verbose: int = 0, on_error: str = "raise",
-                 resume: bool = False, save_optimizer: bool = True,
+                 resume: bool = False, save_optimizer: bool = True, engine: str | None = None,
                  scratch_cls: type[ScratchLevel] = ScratchLevel, **overrides: Any) -> None:
         super().__init__()
         if on_error not in ("raise", "warn"):
@@ -123,6 +126,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self.name = validate_name(name)
         self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes)
         self.config = Config.resolve(config, **overrides)
+        self.engine_kind = resolve_engine(engine)
         self.verbose = verbose
         self.rank, self.size = 0, 1
         self.engine: Engine | None = None
@@ -165,9 +169,11 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if self.engine is None or self.plan != plan:
             if self.engine is not None:
                 self.engine.close()
-            comm = mpi_comm() if self.config.ec_interval >= 0 else None
-            self.engine = Engine(self.config, self.name, self.rank, plan, domains, scratch_cls=self.scratch_cls,
-                                 comm=comm)
+            veloc = self.engine_kind == "veloc"
+            comm = mpi_comm() if (self.config.ec_interval >= 0 or veloc) and self.size > 1 else None
+            self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, domains,
+                                      scratch_cls=self.scratch_cls, comm=None if veloc else comm,
+                                      mpi_comm=comm.comm if veloc and comm is not None else None)
         self.plan = plan
         self.hook = _hook.install(model.optimizer, plan, self.rank, variables, slots)
         model.make_train_function(force=True)  # retrace: the copy ops must be in the graph

@@ -1,6 +1,8 @@
 """Multi-rank restore worker: every rank restores and compares with the reference.
 
-    python tests/workers/restore.py OUT VERSION
+    python tests/workers/restore.py OUT VERSION|newest
+
+Under several ranks the restore is collective: the ranks pool their nodes' scratch.
 """
 import os
 import sys
@@ -13,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import build  # noqa: E402
 import deepfreeze  # noqa: E402
 
-out, version = sys.argv[1], int(sys.argv[2])
+out, version = sys.argv[1], (None if sys.argv[2] == "newest" else int(sys.argv[2]))
 hvd.init()
 model = build("small")
 v, step = deepfreeze.restore(model, name="job", mode="async", scratch=f"{out}/node{hvd.rank()}/scratch",

@@ -58,6 +58,7 @@ def main() -> None:
         scratch=f"{out}/node{rank}/scratch", persistent=f"{out}/persistent", failure_domain=f"node{rank}",
         max_versions=int(opts.get("max_versions", 0)), scratch_versions=int(opts.get("scratch_versions", 0)),
         min_shard_bytes=int(opts.get("min_shard_bytes", 4096)), on_error=opts.get("on_error", "raise"),
+        ec_interval=float(opts.get("ec_interval", -1)), persistent_interval=float(opts.get("persistent_interval", 0)),
         scratch_cls=killing_level(*map(int, opts["kill"].split(":"))) if "kill" in opts else ScratchLevel)
 
     class Record(tf.keras.callbacks.Callback):

@@ -1,0 +1,255 @@
+"""The VeloC engine: each rank's shard goes through a real VeloC (``engine="veloc"``).
+
+Same interface and guarantees as :class:`deepfreeze.engine.Engine` (writer
+thread, one write in flight, errors surfaced once), with VeloC doing the
+scratch-to-persistent transfer, its checksums, versioning and (in its sync or
+threaded modes) erasure coding. Per version and rank, in the writer thread:
+
+1. ``VELOC_Checkpoint_wait`` for the previous version, then *assemble* it: the
+   rank copies its pieces from the per-rank file VeloC flushed
+   (``<persistent>/<name>/v<version>/r<rank>.dfs``) into the version's
+   ``model.dfz`` with :meth:`deepfreeze.levels.PersistentLevel.flush_shard`
+   (same commit protocol as the built-in engine: the last rank writes the
+   manifest) and deletes the per-rank file;
+2. ``VELOC_Checkpoint_begin``; ``VELOC_Route_file`` with that persistent path as
+   the *original*, which names VeloC's scratch file
+   ``<scratch>/<name>-<rank>-<version>.dat``; the shard is written there in
+   DeepFreeze's format (index, CRC32s) and hard-linked into DeepFreeze's scratch
+   layout (``<scratch>/<name>/v<version>/r<rank>.dfs`` + manifest), so the
+   built-in restore reads VeloC's scratch copies directly; ``VELOC_Checkpoint_end``.
+
+In ``sync`` mode ``VELOC_Checkpoint_end`` returns after the flush and step 1 runs
+at once. VeloC decides by itself, per rank, whether a version goes to persistent
+(``persistent_interval``); a version some rank did not flush is never assembled
+(its directory is swept once a newer version commits).
+
+VeloC 1.8 facts this relies on (``docs/veloc.md``): one ``veloc-backend`` daemon
+per user and machine, found via ``$VELOC_BIN``, keeping the configuration it
+started with (so this engine refuses to run against a backend started with
+another configuration); in ``async`` mode the daemon runs with ``--disable-ec``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from .config import Config
+from .engine import Engine
+from .errors import BackendError, VelocError
+from .levels import PersistentLevel, ScratchLevel, write_shard_file
+from .shardplan import ShardPlan
+
+__all__ = ["VelocEngine", "write_veloc_config", "veloc_backend", "start_backend", "stop_backend"]
+
+log = logging.getLogger("deepfreeze")
+READY_FILE = "/dev/shm/veloc-backend-ready-{uid}"
+
+
+def write_veloc_config(config: Config, path: str) -> str:
+    """Write the effective configuration (file + ``VELOC_<KEY>`` + overrides) as VeloC's INI."""
+    lines = [f"mode = {config.mode}", f"scratch = {config.scratch}", f"persistent = {config.persistent}",
+             f"persistent_interval = {int(config.persistent_interval)}",
+             f"ec_interval = {int(config.ec_interval)}",
+             f"max_versions = {config.max_versions}", f"scratch_versions = {config.keep_scratch}",
+             f"failure_domain = {config.failure_domain}",
+             f"watchdog_interval = {int(config.watchdog_interval)}" if config.watchdog_interval else "",
+             f"chksum = {'true' if config.chksum and config.meta else 'false'}",
+             f"meta = {config.meta}" if config.meta else "",
+             f"axl_type = {config.axl_type}" if config.axl_type else ""]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write("# written by DeepFreeze from its resolved configuration\n" + "\n".join(x for x in lines if x) + "\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path
+
+
+def veloc_backend() -> tuple[int, str | None] | None:
+    """(pid, config file) of this user's running ``veloc-backend``, or None."""
+    try:
+        with open(READY_FILE.format(uid=os.getuid()), "rb") as f:
+            raw = f.read(4)
+    except OSError:
+        return None
+    if len(raw) != 4:
+        return None
+    pid = int.from_bytes(raw, "little")
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read(1 << 16).split(b"\0") if a]
+    except OSError:
+        return None  # stale ready file: VeloC starts a new backend
+    if not argv or not os.path.basename(argv[0]).startswith("veloc-backend"):
+        return None
+    cfg = next((a for a in argv[1:] if not a.startswith("--")), None)
+    return pid, cfg
+
+
+def start_backend(cfg_file: str, timeout: float = 60) -> int:
+    """Start this user's ``veloc-backend`` on ``cfg_file`` unless one runs; return its pid.
+
+    DeepFreeze starts it itself, before ``VELOC_Init`` (whose own start then finds it
+    running), so that the daemon inherits no file descriptor of the caller: started
+    through VeloC's ``system()`` it keeps the caller's pipes open, and whoever reads
+    them (a test harness, ``| tee``) waits for it forever. Raises BackendError if the
+    running backend was started with another configuration (VeloC would ignore ours).
+    """
+    import shutil
+    import subprocess
+    if veloc_backend() is None:
+        bindir = os.environ.get("VELOC_BIN")
+        exe = os.path.join(bindir, "veloc-backend") if bindir else shutil.which("veloc-backend")
+        if not exe or not os.access(exe, os.X_OK):
+            raise BackendError("veloc-backend was not found: set VELOC_BIN to the directory holding it "
+                               "(<VeloC prefix>/bin), or put it on PATH")
+        try:  # the backend forks its daemon and returns once the daemon is ready
+            subprocess.run([exe, cfg_file, "--disable-ec"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True, timeout=timeout,
+                           check=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise BackendError(f"starting {exe} {cfg_file} failed: {e}; see /dev/shm/veloc-backend-*.log") from e
+    running = veloc_backend()
+    if running is None:
+        raise BackendError("veloc-backend did not come up; see /dev/shm/veloc-backend-*.log")
+    if not _same_config(cfg_file, running[1]):
+        raise BackendError(
+            f"a veloc-backend (pid {running[0]}, config {running[1]}) is already running for this user; "
+            "VeloC keeps one backend per user and machine with the configuration it started with, so "
+            f"this job's configuration ({cfg_file}) would be ignored. Stop it (kill {running[0]}) once its "
+            "job is done, or use the same scratch, persistent and other keys")
+    return running[0]
+
+
+def stop_backend(timeout: float = 10) -> int | None:
+    """Stop this user's ``veloc-backend`` (SIGTERM) and wait for it to go; returns its pid."""
+    import signal
+    import time
+    running = veloc_backend()
+    if running is None:
+        return None
+    os.kill(running[0], signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while veloc_backend() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return running[0]
+
+
+def _same_config(a: str, b: str | None) -> bool:
+    if b is None:
+        return False
+    try:
+        with open(a) as fa, open(b) as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False
+
+
+class VelocEngine(Engine):
+    """Checkpoint engine of one rank over a real VeloC (see the module docstring)."""
+
+    kind = "veloc"
+
+    def __init__(self, config: Config, name: str, rank: int, plan: ShardPlan,
+                 domains: Sequence[str] | None = None, *, mpi_comm: Any = None, scratch_cls: type = ScratchLevel,
+                 max_pending_flushes: int | None = None, comm: Any = None) -> None:
+        from deepfreeze.bindings.veloc import Veloc  # raises VelocNotFoundError with what to do
+        super().__init__(config, name, rank, plan, domains, scratch_cls=scratch_cls,
+                         max_pending_flushes=max_pending_flushes)
+        self.persistent = PersistentLevel(config.persistent)
+        for d in (config.scratch, config.persistent) + ((config.meta,) if config.meta else ()):
+            self.scratch.makedirs(d)
+        self.cfg_file = write_veloc_config(config, os.path.join(config.scratch, f".deepfreeze-veloc-{name}.cfg"))
+        self.veloc = Veloc()  # loads the library and sets $VELOC_BIN from its prefix
+        running = veloc_backend()
+        if config.mode == "sync" and running is not None:
+            raise BackendError(
+                f"a veloc-backend (pid {running[0]}, config {running[1]}) is running for this user: VeloC's sync "
+                "mode would take over its socket (/dev/shm/veloc-socket-<host>-<uid>) and break that job. Stop it "
+                f"(kill {running[0]}) once its job is done, or use mode = async with the same configuration")
+        if config.mode == "async":
+            start_backend(self.cfg_file)
+        if plan.world_size > 1:
+            if mpi_comm is None:
+                raise ValueError("VelocEngine at world size > 1 needs mpi_comm (an mpi4py communicator)")
+            self.veloc.init(mpi_comm, self.cfg_file)
+        else:
+            self.veloc.init_single(rank, self.cfg_file)
+        self._unfinished: tuple[int, dict[str, Any]] | None = None
+
+    def _write(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
+        import time
+        t0 = time.perf_counter()
+        self._finish()
+        name, rank = self.name, self.rank
+        original = os.path.join(self.persistent.version_dir(name, version), f"r{rank:06d}.dfs")
+        self.persistent.makedirs(os.path.dirname(original))
+        self.veloc.checkpoint_begin(name, version)
+        ok = False
+        try:
+            routed = self.veloc.route_file(original)
+            write_shard_file(routed, version, rank, self.plan, arrays, chksum=self.config.chksum)
+            vdir = self.scratch.version_dir(name, version)
+            self.scratch.makedirs(vdir)
+            link = self.scratch.shard_path(name, version, rank)
+            try:
+                os.unlink(link)
+            except FileNotFoundError:
+                pass
+            os.link(routed, link)
+            self.scratch.write_manifest(name, version, manifest)
+            ok = True
+        finally:
+            self.veloc.checkpoint_end(ok)  # always closes VeloC's checkpoint phase
+        self.write_times[version] = time.perf_counter() - t0
+        self._unfinished = (version, manifest)
+        if self.config.mode == "sync":
+            self._finish()
+
+    def _finish(self) -> None:
+        """Wait for VeloC's flush of the last version and put this rank's pieces into its
+        assembled file on persistent (committing it if this rank is the last)."""
+        if self._unfinished is None:
+            return
+        version, manifest = self._unfinished
+        self._unfinished = None
+        try:
+            self.veloc.checkpoint_wait()
+        except VelocError as e:
+            raise BackendError(f"VeloC could not flush {self.name!r} v{version} of rank {self.rank}: {e}") from e
+        cfg, name = self.config, self.name
+        flushed = os.path.join(self.persistent.version_dir(name, version), f"r{self.rank:06d}.dfs")
+        if os.path.exists(flushed):
+            committed = self.persistent.flush_shard(name, version, self.rank, flushed, manifest)
+            os.unlink(flushed)  # the assembled file holds it now (VeloC's symlink to it dangles)
+            if committed:
+                self.persistent.retain(name, cfg.max_versions)
+                self._sweep_unassembled(version)
+        self.scratch.retain(name, self.rank, cfg.keep_scratch, upto=version)
+
+    def _sweep_unassembled(self, newest: int) -> None:
+        committed = set(self.persistent.committed_versions(self.name))
+        for v in self.persistent.versions(self.name):
+            vdir = self.persistent.version_dir(self.name, v)
+            if v < newest and v not in committed and not os.path.exists(os.path.join(vdir, "decision")):
+                import shutil
+                shutil.rmtree(vdir, ignore_errors=True)
+
+    def wait(self, *, persistent: bool = True, timeout: float | None = None) -> None:
+        self._drain(timeout)
+        if persistent and self._unfinished is not None:
+            self._inflight = self._pool.submit(self._finish)  # VeloC calls stay on the writer thread
+            self._drain(timeout)
+        self._raise_pending()
+
+    def close(self, *, wait: bool = True) -> None:
+        try:
+            if wait:
+                self.wait(persistent=True)
+        finally:
+            try:
+                self._pool.submit(self.veloc.finalize, True).result()
+            finally:
+                self._pool.shutdown(wait=True)
