@@ -1,6 +1,6 @@
 """Partner replication and XOR parity across simulated nodes (built-in engine, ec_interval).
 
-Real MPI jobs of numpy-only ranks (tests/workers/ec.py): every rank writes its shard
+Real MPI jobs of numpy-only ranks (tests/workers/numpy_job.py): every rank writes its shard
 to its node's scratch, the writer threads exchange partner copies / parity over MPI,
 then a node's scratch is wiped or a shard damaged and a collective restore must give
 the newest version bit-exact from what is left.
@@ -17,15 +17,15 @@ from deepfreeze.redundancy import plan_redundancy, read_parity
 
 from _util import WORKERS, mpirun
 
-EC = os.path.join(WORKERS, "ec.py")
+JOB = os.path.join(WORKERS, "numpy_job.py")
 
 
-def write(root, scheme, nodes, ranks, versions="1,2,3", **env):
-    mpirun(ranks, EC, "write", str(root), scheme, str(nodes), versions, env=env)
+def write(root, scheme, nodes, ranks, versions="1,2,3", *opts):
+    mpirun(ranks, JOB, "write", str(root), str(nodes), versions, f"ec_scheme={scheme}", *opts)
 
 
-def restore(root, nodes, ranks, *extra, check=True, **env):
-    p = mpirun(ranks, EC, "restore", str(root), str(nodes), *extra, env=env, check=check)
+def restore(root, nodes, ranks, *extra, check=True):
+    p = mpirun(ranks, JOB, "restore", str(root), str(nodes), *extra, check=check)
     return p, (json.load(open(root / "restored.json")) if p.returncode == 0 else None)
 
 
@@ -75,20 +75,20 @@ def test_partner_copies_survive_the_loss_of_a_node(tmp_path):
     _, got = restore(tmp_path, 2, 4)
     assert got == {"version": 3, "level": "scratch", "bit_exact": True, "size": 4}
     # node 0 alone holds its own shards and the partner copies of node 1's: a single process restores
-    assert list_versions(node_cfg(tmp_path, 0), "ec") == {2: ["scratch"], 3: ["scratch"]}
-    ck = load(node_cfg(tmp_path, 0), "ec")
+    assert list_versions(node_cfg(tmp_path, 0), "job") == {2: ["scratch"], 3: ["scratch"]}
+    ck = load(node_cfg(tmp_path, 0), "job")
     assert ck.version == 3 and ck.level == "scratch"
     # the retention of scratch_versions = 2 removed the partner copies of v1 with the shards
-    assert not (tmp_path / "node0/scratch/ec/v000000000001").exists()
+    assert not (tmp_path / "node0/scratch/job/v000000000001").exists()
 
 
 @pytest.mark.mpi
 def test_xor_parity_rebuilds_a_lost_node_at_the_same_and_another_world_size(tmp_path):
     write(tmp_path, "xor", 3, 6)
-    shards = sorted(os.listdir(tmp_path / "node0/scratch/ec/v000000000003"))
+    shards = sorted(os.listdir(tmp_path / "node0/scratch/job/v000000000003"))
     assert shards == ["manifest.json", "r000000.dfs", "r000001.dfs", "x000000.dfx", "x000001.dfx"]
-    size = os.path.getsize(tmp_path / "node0/scratch/ec/v000000000003/r000000.dfs")
-    parity = os.path.getsize(tmp_path / "node0/scratch/ec/v000000000003/x000000.dfx")
+    size = os.path.getsize(tmp_path / "node0/scratch/job/v000000000003/r000000.dfs")
+    parity = os.path.getsize(tmp_path / "node0/scratch/job/v000000000003/x000000.dfx")
     assert parity < 0.6 * size  # groups of 3: parity is half a shard, not a copy
     shutil.rmtree(tmp_path / "node1")
     p, got = restore(tmp_path, 3, 6)
@@ -101,7 +101,7 @@ def test_xor_parity_rebuilds_a_lost_node_at_the_same_and_another_world_size(tmp_
 
 @pytest.mark.mpi
 def test_two_lost_nodes_fall_back_to_persistent(tmp_path):
-    write(tmp_path, "xor", 3, 3, "1,2", PERSISTENT_INTERVAL="0", MODE="sync")
+    write(tmp_path, "xor", 3, 3, "1,2", "persistent_interval=0", "mode=sync")
     shutil.rmtree(tmp_path / "node1")
     shutil.rmtree(tmp_path / "node2")  # parity tolerates one lost member per group, not two
     p, got = restore(tmp_path, 3, 3)
@@ -122,7 +122,7 @@ def test_two_lost_nodes_without_persistent_fail_clearly(tmp_path):
 @pytest.mark.parametrize("scheme", ["partner", "xor"])
 def test_a_damaged_shard_falls_back_to_its_redundancy(tmp_path, scheme):
     write(tmp_path, scheme, 2, 4)
-    path = tmp_path / "node1/scratch/ec/v000000000003/r000002.dfs"
+    path = tmp_path / "node1/scratch/job/v000000000003/r000002.dfs"
     raw = bytearray(path.read_bytes())
     raw[-100] ^= 0xFF  # in the data of the last piece: only the checksum can tell
     path.write_bytes(bytes(raw))
@@ -137,17 +137,17 @@ def test_single_process_restore_uses_local_redundancy_and_logs_it(tmp_path, capl
     root = tmp_path
     write(root, "partner", 2, 2, "5")  # rank 0 on node0, rank 1 on node1
     # gather both nodes' files into one directory, as if both ranks had been on one node
-    src, dst = root / "node1/scratch/ec/v000000000005", root / "node0/scratch/ec/v000000000005"
+    src, dst = root / "node1/scratch/job/v000000000005", root / "node0/scratch/job/v000000000005"
     shutil.copy(src / "r000001.dfs", dst / "r000001.dfs")
     raw = bytearray((dst / "r000001.dfs").read_bytes())
     raw[-10] ^= 1
     (dst / "r000001.dfs").write_bytes(bytes(raw))
     caplog.set_level(logging.WARNING, "deepfreeze")
-    ck = load(node_cfg(root, 0), "ec")
+    ck = load(node_cfg(root, 0), "job")
     assert ck.version == 5 and ck.level == "scratch"
     assert "shard of rank 1 on participant 0 is unreadable" in caplog.text
     import importlib.util
-    spec = importlib.util.spec_from_file_location("ecw", EC)
+    spec = importlib.util.spec_from_file_location("ecw", JOB)
     ecw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ecw)
     assert all(ck.arrays[f"t{i}"].tobytes() == a.tobytes() for i, a in enumerate(ecw.arrays(5)))
