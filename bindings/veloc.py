@@ -23,8 +23,11 @@ VeloC 1.8 behaviour the callers must mind (see ``docs/veloc.md``):
   freezes a copy of the default regions for it, so later ``VELOC_Mem_protect``
   calls are ignored for that name: use ``region_protect(..., name=...)``;
 * in ``async`` mode the client starts ``veloc-backend`` from ``$VELOC_BIN``
-  (``<prefix>/bin`` is filled in when the prefix is known); there is one
-  backend per user and node, and it keeps the configuration it was started with;
+  (``<prefix>/bin`` is filled in when the prefix is known) through ``system()``,
+  so the daemon inherits the caller's open pipes: start it first with
+  :func:`deepfreeze.veloc_engine.start_backend`. There is one backend per user and
+  machine, and it keeps the configuration it was started with;
+* a process can call ``VELOC_Init`` once (a second one crashes): enforced here;
 * the file API (:meth:`Veloc.route_file`) always writes
   ``<scratch>/<name>-<id>-<version>.dat``; the backend copies it to the routed
   ``original`` path and leaves a symlink ``<persistent>/<name>-<id>-<version>.dat``.

@@ -53,9 +53,11 @@ def main() -> None:
     y = rng.integers(0, 10, len(x))
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01, momentum=0.9))
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    node = 0 if opts.get("engine") == "veloc" else rank  # VeloC: one backend per machine, one scratch
     ckpt = DeepFreezeCheckpoint(
         name=opts.get("name", "job"), every_n_batches=int(opts.get("every", 3)), mode=mode,
-        scratch=f"{out}/node{rank}/scratch", persistent=f"{out}/persistent", failure_domain=f"node{rank}",
+        engine=opts.get("engine", "builtin"),
+        scratch=f"{out}/node{node}/scratch", persistent=f"{out}/persistent", failure_domain=f"node{node}",
         max_versions=int(opts.get("max_versions", 0)), scratch_versions=int(opts.get("scratch_versions", 0)),
         min_shard_bytes=int(opts.get("min_shard_bytes", 4096)), on_error=opts.get("on_error", "raise"),
         ec_interval=float(opts.get("ec_interval", -1)), persistent_interval=float(opts.get("persistent_interval", 0)),
