@@ -14,7 +14,8 @@ one JSON object per line in each direction. Requests::
     {"op": "flush", "job": {...}}        -> {"ok": true, "id": N}        (queued)
     {"op": "wait", "ids": [...]}         -> {"ok": true, "errors": [...]} (when those jobs are done)
     {"op": "poll", "ids": [...]}         -> {"ok": true, "done": [...], "errors": [...]} (now)
-    {"op": "status"}                     -> {"ok": true, "pid": N, "pending": N, "clients": N, "jobs": N}
+    {"op": "status"}                     -> {"ok": true, "pid": N, "pending": N, "clients": N, "jobs": N,
+                                             "overdue": [watchdog messages]}
     {"op": "stop"}                       -> {"ok": true}  (drains the queue, then exits)
 
 Jobs run one at a time, in arrival order, in the thread ``deepfreeze-flusher``
@@ -98,6 +99,24 @@ class _Server:
         self.clients = 0
         self.last_activity = time.monotonic()
         self.stopping = False
+        # watchdog_interval (VeloC semantics: report clients that stopped checkpointing):
+        # connection -> {"who", "interval", "deadline", "fired"}
+        self.watched: dict[int, dict] = {}
+        self.overdue: list[str] = []
+
+    def watchdog(self) -> None:
+        """Log (once per silence) a client whose last checkpoint is older than its watchdog_interval."""
+        while not self.stopping:
+            time.sleep(0.5)
+            now = time.monotonic()
+            with self.cond:
+                for w in self.watched.values():
+                    if not w["fired"] and now > w["deadline"]:
+                        w["fired"] = True
+                        msg = (f"watchdog: {w['who']} sent no checkpoint for {now - w['last']:.1f}s "
+                               f"(watchdog_interval = {w['interval']:g}s): hung, or checkpointing less often")
+                        log.error("%s", msg)
+                        self.overdue.append(msg)
 
     def flusher(self) -> None:
         while True:
@@ -134,10 +153,17 @@ class _Server:
                 if op == "hello":
                     _send(conn, {"ok": True, "pid": os.getpid()})
                 elif op == "flush":
+                    job = req["job"]
                     with self.cond:
                         jid = self.next_id
                         self.next_id += 1
                         self.results[jid] = "pending"
+                        interval = float(job.get("watchdog_interval") or 0)
+                        if interval > 0:
+                            now = time.monotonic()
+                            self.watched[id(conn)] = {
+                                "who": f"rank {job.get('rank')} of {job.get('name')!r}", "interval": interval,
+                                "deadline": now + interval, "last": now, "fired": False}
                     self.jobs.put((jid, req["job"]))
                     _send(conn, {"ok": True, "id": jid})
                 elif op == "wait":
@@ -156,7 +182,8 @@ class _Server:
                     with self.cond:
                         pending = sum(1 for v in self.results.values() if v == "pending")
                         _send(conn, {"ok": True, "pid": os.getpid(), "pending": pending,
-                                     "clients": self.clients, "jobs": self.next_id})
+                                     "clients": self.clients, "jobs": self.next_id,
+                                     "overdue": list(self.overdue)})
                 elif op == "stop":
                     self.stopping = True
                     _send(conn, {"ok": True})
@@ -167,6 +194,7 @@ class _Server:
         finally:
             conn.close()
             with self.cond:
+                self.watched.pop(id(conn), None)
                 self.clients -= 1
                 self.last_activity = time.monotonic()
 
@@ -193,6 +221,7 @@ def serve(path: str, idle: float = 5.0) -> None:
     sock.listen(64)
     sock.settimeout(0.2)
     threading.Thread(target=srv.flusher, name="deepfreeze-flusher", daemon=True).start()
+    threading.Thread(target=srv.watchdog, name="deepfreeze-watchdog", daemon=True).start()
     log.info("backend %d listening on %s", os.getpid(), path)
     try:
         while not srv.idle_now():

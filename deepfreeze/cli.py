@@ -776,7 +776,8 @@ def cmd_backend(args: argparse.Namespace) -> int:
     try:
         st = client.request({"op": "status"})
         info = {"running": True, "pid": st["pid"], "socket": path, "scratch": cfg.scratch,
-                "pending": st["pending"], "clients": max(0, st["clients"] - 1), "jobs": st["jobs"]}
+                "pending": st["pending"], "clients": max(0, st["clients"] - 1), "jobs": st["jobs"],
+                "overdue": st.get("overdue", [])}
         if args.action == "stop":
             client.request({"op": "stop"})
     finally:
@@ -788,6 +789,8 @@ def cmd_backend(args: argparse.Namespace) -> int:
             print(f"backend for scratch {cfg.scratch}: running, pid {info['pid']}, {info['pending']} flush job(s) "
                   f"pending, {info['jobs']} received, {info['clients']} other client(s) connected "
                   f"(socket {path})")
+            for msg in info["overdue"]:
+                print(f"  {msg}")
         return EXIT_OK
     # stop: the backend drains its queue, then exits and removes its socket
     deadline = time.monotonic() + args.timeout

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["Config", "KEYS", "validate_name"]
+__all__ = ["Config", "KEYS", "VELOC_ONLY", "validate_name"]
 
 #: every key DeepFreeze understands, with a one-line meaning (see docs/configuration.md)
 KEYS: dict[str, str] = {
@@ -35,6 +35,17 @@ KEYS: dict[str, str] = {
     "watchdog_interval": "seconds between backend liveness checks (VeloC); 0 = off",
     "axl_type": "VeloC AXL transfer type (VeloC engine only)",
 }
+
+#: keys only VeloC acts on; accepted so a site's VeloC file parses, passed to VeloC as written
+VELOC_ONLY: dict[str, str] = {
+    "threaded": "true | false: VeloC runs its backend in the client process (needs MPI_THREAD_MULTIPLE)",
+    "aggregated": "true | false: VeloC writes one aggregated file per version on persistent (needs meta)",
+    "log_prefix": "directory for VeloC's client and backend logs (default /dev/shm)",
+    "max_parallelism": "VeloC backend: concurrent transfers",
+    "daos_pool": "VeloC: DAOS pool for persistent (VeloC built with DAOS)",
+    "daos_cont": "VeloC: DAOS container for persistent (VeloC built with DAOS)",
+}
+KEYS.update(VELOC_ONLY)
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -69,6 +80,7 @@ class Config:
     failure_domain: str = dataclasses.field(default_factory=socket.gethostname)
     watchdog_interval: float = 0.0
     axl_type: str | None = None
+    veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
 
     def __post_init__(self) -> None:
@@ -125,22 +137,31 @@ class Config:
             if key not in raw:
                 raise ConfigError(f"{source}: '{key}' is missing: set it to a directory path")
         kwargs: dict[str, Any] = {"source": source}
+        extra = []
         for key, (where, value) in raw.items():
-            kwargs[key] = _convert(key, value, where)
-        return cls(**kwargs)
+            if key in VELOC_ONLY:
+                extra.append((key, str(value)))
+            else:
+                kwargs[key] = _convert(key, value, where)
+        return cls(veloc_only=tuple(sorted(extra)), **kwargs)
 
     @classmethod
     def resolve(cls, config: "str | os.PathLike | Config | None", **overrides: Any) -> "Config":
         """A Config from a path, a Config or None, with keyword ``overrides`` applied (validated)."""
         if not isinstance(config, Config):
             return cls.load(config, **overrides)
-        changes = {}
+        changes: dict[str, Any] = {}
+        extra = dict(config.veloc_only)
         for key, value in overrides.items():
             if value is None:
                 continue
             if key not in KEYS:
                 raise ConfigError(_unknown(key, "keyword override"))
-            changes[key] = _convert(key, value, "keyword override")
+            if key in VELOC_ONLY:
+                extra[key] = str(value)
+                changes["veloc_only"] = tuple(sorted(extra.items()))
+            else:
+                changes[key] = _convert(key, value, "keyword override")
         return dataclasses.replace(config, **changes) if changes else config
 
 

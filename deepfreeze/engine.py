@@ -207,7 +207,8 @@ class Engine:
         self.write_times[version] = time.perf_counter() - t0
         job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
                "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
-               "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions, "manifest": manifest}
+               "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions,
+               "watchdog_interval": cfg.watchdog_interval, "manifest": manifest}
         if self._backend is not None:
             self._call_backend(lambda b: self._pending.__setitem__(b.flush(job), job))
             done, errors = self._call_backend(lambda b: b.poll(list(self._pending)))

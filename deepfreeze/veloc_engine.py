@@ -59,6 +59,7 @@ def write_veloc_config(config: Config, path: str) -> str:
              f"chksum = {'true' if config.chksum and config.meta else 'false'}",
              f"meta = {config.meta}" if config.meta else "",
              f"axl_type = {config.axl_type}" if config.axl_type else ""]
+    lines += [f"{k} = {v}" for k, v in config.veloc_only]
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write("# written by DeepFreeze from its resolved configuration\n" + "\n".join(x for x in lines if x) + "\n")

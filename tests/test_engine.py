@@ -294,3 +294,21 @@ def test_wait_with_timeout_is_bounded_and_resumable(tmp_path):
     e.wait()
     e.close()
     assert PersistentLevel(cfg.persistent).committed_versions("job") == [1]
+
+
+def test_watchdog_reports_a_rank_that_stopped_checkpointing(tmp_path):
+    """watchdog_interval (VeloC semantics): the backend logs, once, a client that has sent no
+    checkpoint for longer than the interval, and `status` lists it; a live one is not reported."""
+    cfg = Config.load(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"),
+                      watchdog_interval=1)
+    plan = make_plan(1)
+    e = Engine(cfg, "job", 0, plan)
+    e.checkpoint(1, pieces(model_arrays(1), plan, 0), step=1, epoch=0)
+    e.wait()
+    assert e._backend.request({"op": "status"})["overdue"] == []
+    time.sleep(2.2)  # the "hung" rank: connected, silent
+    overdue = e._backend.request({"op": "status"})["overdue"]
+    assert len(overdue) == 1 and "rank 0 of 'job' sent no checkpoint" in overdue[0]
+    e.close()
+    with open(os.path.join(cfg.scratch, ".deepfreeze-backend.log")) as f:
+        assert "watchdog: rank 0 of 'job'" in f.read()
