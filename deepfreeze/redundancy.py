@@ -71,6 +71,9 @@ class Comm(Protocol):
     def allgather(self, data: bytes) -> list[bytes]:
         """Every participant's ``data``, in rank order."""
 
+    def allgather_buffers(self, data: np.ndarray) -> list[np.ndarray]:
+        """Like :meth:`allgather` for large uint8 buffers: views into one receive buffer, no copies."""
+
     def exchange(self, sends: dict[int, Any], recv_sizes: dict[int, int]) -> dict[int, np.ndarray]:
         """Send ``sends[dest]`` (bytes-like) to each dest and receive ``recv_sizes[src]`` bytes from
         each src, all at once; returns uint8 arrays by source."""
@@ -83,6 +86,9 @@ class LocalComm:
 
     def allgather(self, data: bytes) -> list[bytes]:
         return [bytes(data)]
+
+    def allgather_buffers(self, data: np.ndarray) -> list[np.ndarray]:
+        return [data]
 
     def exchange(self, sends: dict[int, Any], recv_sizes: dict[int, int]) -> dict[int, np.ndarray]:
         if set(sends) - {0} or set(recv_sizes) - {0}:
@@ -105,13 +111,16 @@ class MPIComm:
         self._lock = threading.Lock()
 
     def allgather(self, data: bytes) -> list[bytes]:
+        return [b.tobytes() for b in self.allgather_buffers(np.frombuffer(data, dtype=np.uint8))]
+
+    def allgather_buffers(self, data: np.ndarray) -> list[np.ndarray]:
         with self._lock:
             counts = np.zeros(self.size, dtype=np.int64)
             self.comm.Allgather(np.array([len(data)], dtype=np.int64), counts)
             sizes = [int(n) for n in counts]
             recv = np.empty(sum(sizes), dtype=np.uint8)
             offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-            send = np.frombuffer(bytes(data), dtype=np.uint8) if data else np.empty(0, np.uint8)
+            send = data if len(data) else np.empty(0, np.uint8)
             if max(sizes) < (1 << 31) and sum(sizes) < (1 << 31):
                 self.comm.Allgatherv(send, [recv, (sizes, offsets.tolist()), self._MPI.BYTE])
             else:  # beyond MPI's int counts: one broadcast per participant, in 1 GiB pieces
@@ -121,7 +130,7 @@ class MPIComm:
                         if r == self.rank:
                             buf[:] = send[o:o + len(buf)]
                         self.comm.Bcast(buf, root=r)
-            return [recv[offsets[r]:offsets[r] + sizes[r]].tobytes() for r in range(self.size)]
+            return [recv[offsets[r]:offsets[r] + sizes[r]] for r in range(self.size)]
 
     def exchange(self, sends: dict[int, Any], recv_sizes: dict[int, int]) -> dict[int, np.ndarray]:
         with self._lock:
@@ -275,17 +284,18 @@ def _write_file(path: str, data: Any) -> None:
 
 # -- reading and reconstructing
 
-def read_parity(raw: bytes, path: str = "<parity>") -> tuple[dict[str, Any], np.ndarray]:
-    """Decode and check a parity file: (header, parity bytes)."""
+def read_parity(raw: Any, path: str = "<parity>") -> tuple[dict[str, Any], np.ndarray]:
+    """Decode and check a parity file (bytes or a uint8 array, not copied): (header, parity bytes)."""
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: not a valid DeepFreeze parity file ({why})")
-    if len(raw) < 12 or raw[:8] != PARITY_MAGIC:
+    raw = fmt.byte_view(raw)
+    if len(raw) < 12 or bytes(raw[:8]) != PARITY_MAGIC:
         raise bad("bad magic")
     (n,) = struct.unpack_from("<I", raw, 8)
     if n > 1 << 20 or 12 + n > len(raw):
         raise bad(f"header length {n} out of bounds")
     try:
-        h = json.loads(raw[12:12 + n])
+        h = json.loads(bytes(raw[12:12 + n]))
         group, sizes, c, crc = h["group"], h["sizes"], h["chunk"], h["crc"]
         ok = (isinstance(group, list) and isinstance(sizes, list) and len(group) == len(sizes) >= 2
               and all(isinstance(x, int) and x >= 0 for x in group + sizes + [c, crc]))

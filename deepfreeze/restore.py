@@ -208,7 +208,7 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
     path = inv[kind][key]
     data = np.fromfile(path, dtype=np.uint8)
     if kind == "parity":
-        h, _ = read_parity(data.tobytes(), path)
+        h, _ = read_parity(data, path)
         if h.get("version") != version:
             raise CorruptCheckpointError(f"{path}: parity of v{h.get('version')}, expected v{version}")
         return data
@@ -221,16 +221,24 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
     return data
 
 
-def _pack(items: dict[tuple[str, int], Any]) -> bytes:
-    head = json.dumps([[k, key, int(len(fmt.byte_view(a)))] for (k, key), a in items.items()]).encode()
-    return b"".join([struct.pack("<I", len(head)), head] + [bytes(fmt.byte_view(a)) for a in items.values()])
+def _pack(items: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
+    """One buffer: uint32 header length, JSON ``[[kind, key, length], ...]``, the files' bytes."""
+    head = json.dumps([[k, key, int(a.nbytes)] for (k, key), a in items.items()]).encode()
+    out = np.empty(4 + len(head) + sum(a.nbytes for a in items.values()), dtype=np.uint8)
+    out[:4] = np.frombuffer(struct.pack("<I", len(head)), dtype=np.uint8)
+    out[4:4 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    pos = 4 + len(head)
+    for a in items.values():
+        out[pos:pos + a.nbytes] = a
+        pos += a.nbytes
+    return out
 
 
-def _unpack(blob: bytes) -> dict[tuple[str, int], np.ndarray]:
-    (n,) = struct.unpack_from("<I", blob, 0)
+def _unpack(blob: np.ndarray) -> dict[tuple[str, int], np.ndarray]:
+    (n,) = struct.unpack_from("<I", blob[:4].tobytes(), 0)
     pos, out = 4 + n, {}
-    for kind, key, length in json.loads(blob[4:4 + n]):
-        out[(kind, key)] = np.frombuffer(blob, dtype=np.uint8, count=length, offset=pos)
+    for kind, key, length in json.loads(blob[4:4 + n].tobytes()):
+        out[(kind, key)] = blob[pos:pos + length]
         pos += length
     return out
 
@@ -267,13 +275,13 @@ def _load_scratch(comm: Comm, level: ScratchLevel, inv: dict[str, dict[int, str]
                     have[(kind, key)] = [q for q in have[(kind, key)] if q != p]
             continue
         if comm.size > 1:
-            for blob in comm.allgather(_pack(items)):
+            for blob in comm.allgather_buffers(_pack(items)):
                 items.update(_unpack(blob))
         files = {r: items.get(("shard", r), items.get(("partner", r))) for r in need if r not in rebuild}
         for r in rebuild:
             group = group_of(manifest["redundancy"], r)
-            parities = {m: read_parity(items[("parity", m)].tobytes())[1] for m in group if m != r}
-            sizes = read_parity(items[("parity", next(iter(parities)))].tobytes())[0]["sizes"]
+            parities = {m: read_parity(items[("parity", m)])[1] for m in group if m != r}
+            sizes = read_parity(items[("parity", next(iter(parities)))])[0]["sizes"]
             shards = {m: items.get(("shard", m), items.get(("partner", m))) for m in group if m != r}
             files[r] = xor_reconstruct(group, r, shards, parities, sizes)
             if comm.rank == 0:
