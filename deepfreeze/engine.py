@@ -17,6 +17,13 @@ Backpressure (policy: wait, never skip or drop):
   thread waits for the oldest, so scratch holds at most ``scratch_versions +
   max_pending_flushes`` versions of a rank and the backend's queue stays bounded.
 
+Redundancy (``ec_interval`` >= 0, several ranks, a communicator): after its
+shard is on scratch, each rank's writer thread takes part in the collective
+exchange of :func:`deepfreeze.redundancy.protect` (partner copy or XOR parity on
+another failure domain) before the version's scratch manifest is written, so a
+manifest naming a redundancy scheme is only written once the exchange is done.
+Rank 0's clock decides which versions are protected.
+
 Errors of background work (the scratch write here, the flush in the backend,
 polled after every notice) surface once, at the next ``checkpoint`` or ``wait``.
 If the backend process dies (killed, node OOM), the next exchange with it starts
@@ -144,10 +151,14 @@ class Engine:
             if wait:
                 self.wait(persistent=True)
         finally:
-            self._pool.shutdown(wait=True)
-            if self._backend is not None:
-                self._backend.close()
-                self._backend = None
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Stop the writer thread and let go of the backend (it exits when idle)."""
+        self._pool.shutdown(wait=True)
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
 
     # -- internals
     def _drain(self, timeout: float | None = None) -> None:

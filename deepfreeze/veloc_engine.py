@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -98,7 +100,6 @@ def start_backend(cfg_file: str, timeout: float = 60) -> int:
     them (a test harness, ``| tee``) waits for it forever. Raises BackendError if the
     running backend was started with another configuration (VeloC would ignore ours).
     """
-    import shutil
     import subprocess
     if veloc_backend() is None:
         bindir = os.environ.get("VELOC_BIN")
@@ -127,7 +128,6 @@ def start_backend(cfg_file: str, timeout: float = 60) -> int:
 def stop_backend(timeout: float = 10) -> int | None:
     """Stop this user's ``veloc-backend`` (SIGTERM) and wait for it to go; returns its pid."""
     import signal
-    import time
     running = veloc_backend()
     if running is None:
         return None
@@ -181,7 +181,6 @@ class VelocEngine(Engine):
         self._unfinished: tuple[int, dict[str, Any]] | None = None
 
     def _write(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
-        import time
         t0 = time.perf_counter()
         self._finish()
         name, rank = self.name, self.rank
@@ -235,7 +234,6 @@ class VelocEngine(Engine):
         for v in self.persistent.versions(self.name):
             vdir = self.persistent.version_dir(self.name, v)
             if v < newest and v not in committed and not os.path.exists(os.path.join(vdir, "decision")):
-                import shutil
                 shutil.rmtree(vdir, ignore_errors=True)
 
     def wait(self, *, persistent: bool = True, timeout: float | None = None) -> None:
@@ -245,12 +243,8 @@ class VelocEngine(Engine):
             self._drain(timeout)
         self._raise_pending()
 
-    def close(self, *, wait: bool = True) -> None:
+    def _shutdown(self) -> None:
         try:
-            if wait:
-                self.wait(persistent=True)
+            self._pool.submit(self.veloc.finalize, True).result()  # on the writer thread, like every call
         finally:
-            try:
-                self._pool.submit(self.veloc.finalize, True).result()
-            finally:
-                self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True)

@@ -1,4 +1,4 @@
-"""Rank, world size and one all-gather, from Horovod when it is initialized, else one rank."""
+"""Rank, world size, one small all-gather (Horovod, else one rank) and the MPI communicator for DeepFreeze's own exchanges."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,15 +33,6 @@ def allgather_bytes(data: bytes, width: int = 256) -> list[bytes]:
     row[0, 2:2 + len(data)] = np.frombuffer(data, dtype=np.uint8)
     rows = hvd.allgather(tf.constant(row), name="deepfreeze_allgather").numpy()
     return [bytes(r[2:2 + int(r[0]) * 256 + int(r[1])]) for r in rows]
-
-
-def broadcast_int(value: int) -> int:
-    """Rank 0's ``value`` on every rank (an int64 broadcast; identity without Horovod)."""
-    hvd = _hvd()
-    if hvd is None:
-        return value
-    import tensorflow as tf
-    return int(hvd.broadcast(tf.constant(value, dtype=tf.int64), 0, name="deepfreeze_broadcast").numpy())
 
 
 _COMM = None
