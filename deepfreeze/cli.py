@@ -32,7 +32,7 @@ from .backend import BackendClient, socket_path
 from .config import KEYS, Config, validate_name
 from .errors import BackendError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError
 from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of
-from .restore import list_versions, load
+from .restore import list_versions, load, scratch_recoverable
 
 __all__ = ["main", "build_parser"]
 
@@ -246,9 +246,12 @@ def scan_scratch(cfg: Config, name: str) -> list[VersionCopy]:
         except (OSError, DeepFreezeError, ValueError) as e:
             c.status, c.detail = "damaged", f"manifest unreadable: {e}"
         else:
-            # the shard files the manifest names (what ScratchLevel.complete_versions checks)
+            # the shard files the manifest names; partner copies and parity can stand in for missing ones
             present = {s["rank"] for s in m["shards"] if os.path.exists(os.path.join(vdir, s["file"]))}
             c.status, c.detail = _scratch_missing(m, present)
+            inv = level.inventory(name, v)
+            if c.status != "complete" and inv is not None and scratch_recoverable(m, inv):
+                c.status, c.detail = "complete", "missing shards recoverable from partner copies / parity here"
             c.step, c.epoch, c.tensor_bytes, c.manifest = m["step"], m["epoch"], m.get("total_bytes"), m
         out.append(c)
     return out

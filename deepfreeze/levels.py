@@ -218,18 +218,6 @@ class ScratchLevel(Level):
         _atomic_write(os.path.join(self.version_dir(name, version), MANIFEST),
                       fmt.encode_manifest(manifest), fsync=False)
 
-    def complete_versions(self, name: str) -> list[int]:
-        out = []
-        for v in self.versions(name):
-            vdir = self.version_dir(name, v)
-            try:
-                m = self.read_manifest(name, v)
-            except (OSError, CorruptCheckpointError):
-                continue
-            if all(os.path.exists(os.path.join(vdir, s["file"])) for s in m["shards"]):
-                out.append(v)
-        return out
-
     def retain(self, name: str, rank: int, keep: int, upto: int) -> list[int]:
         """Delete this rank's shards of all but the newest ``keep`` versions up to ``upto``.
 

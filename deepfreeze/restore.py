@@ -81,9 +81,7 @@ def list_versions(config: Config, name: str) -> dict[int, list[str]]:
         inv = scratch.inventory(name, v)
         if inv is None:
             continue
-        m = scratch.read_manifest(name, v)
-        have = {(k, key): [0] for k, d in inv.items() for key in d}
-        if _recovery_plan(m, have, range(m["world_size"])) is not None:
+        if scratch_recoverable(scratch.read_manifest(name, v), inv):
             out.setdefault(v, []).append("scratch")
     for v in persistent.committed_versions(name):
         out.setdefault(v, []).append("persistent")
@@ -163,6 +161,14 @@ def load(config: Config, name: str, version: int | None = None, *, verify: bool 
         raise CorruptCheckpointError(errors[0])
     raise CorruptCheckpointError(f"no version of {name!r} could be read whole: " + ("; ".join(errors) or
                                  "scratch holds neither every shard nor enough partner copies/parity"))
+
+
+def scratch_recoverable(manifest: dict[str, Any], inventory: dict[str, dict[int, str]]) -> bool:
+    """Can every shard of ``manifest`` be read from these files (one scratch directory's
+    :meth:`~deepfreeze.levels.ScratchLevel.inventory`), directly, from partner copies or
+    by XOR reconstruction? (Files are not opened: checksums are checked on load.)"""
+    have = {(k, key): [0] for k, d in inventory.items() for key in d}
+    return _recovery_plan(manifest, have, range(manifest["world_size"])) is not None
 
 
 def _recovery_plan(manifest: dict[str, Any], have: dict[tuple[str, int], list[int]], need: Any
