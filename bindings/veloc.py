@@ -188,6 +188,10 @@ class Veloc:
                              "and in its logs (/dev/shm/veloc-*.log by default)")
         return rc
 
+    def _require_init(self, call: str) -> None:
+        if not self.initialized:
+            raise VelocError(f"{call} called before VELOC_Init / VELOC_Init_single (or after VELOC_Finalize)")
+
     # -- init / finalize
     def _once(self, call: str) -> None:
         global _INITIALIZED
@@ -219,9 +223,11 @@ class Veloc:
     # VeloC 1.8 returns VELOC_FAILURE from (Mem|Region)_protect when the id existed, although it
     # updated the region (insert_or_assign(...).second): both results mean success here.
     def mem_protect(self, id: int, array: np.ndarray) -> None:
+        self._require_init("VELOC_Mem_protect")
         self._call("VELOC_Mem_protect", id, *_region(array), ok=lambda rc: rc in (VELOC_SUCCESS, VELOC_FAILURE))
 
     def region_protect(self, id: int, array: np.ndarray, name: str) -> None:
+        self._require_init("VELOC_Region_protect")
         self._call("VELOC_Region_protect", id, *_region(array), _b(name),
                    ok=lambda rc: rc in (VELOC_SUCCESS, VELOC_FAILURE))
 
@@ -256,7 +262,9 @@ class Veloc:
 
     def checkpoint_finished(self) -> bool:
         """True when the last asynchronous checkpoint is done. (VeloC 1.8 returns VELOC_SUCCESS
-        when done and VELOC_FAILURE while it runs, despite its header's wording; not an error.)"""
+        when done and VELOC_FAILURE while it runs, despite its header's wording; with its default
+        socket queue it cannot tell in async mode and always answers "not done": use
+        :meth:`checkpoint_wait` there.)"""
         return self.lib.VELOC_Checkpoint_finished() == VELOC_SUCCESS
 
     def checkpoint(self, name: str, version: int) -> None:
@@ -264,8 +272,7 @@ class Veloc:
 
     def route_file(self, original: str) -> str:
         """Scratch path to write this checkpoint's file at (VeloC then flushes it to ``original``)."""
-        if not self.initialized:  # VeloC 1.8 dereferences its client without checking: a crash
-            raise VelocError("VELOC_Route_file called before VELOC_Init")
+        self._require_init("VELOC_Route_file")  # VeloC 1.8 dereferences its client unchecked: a crash
         buf = ctypes.create_string_buffer(VELOC_MAX_NAME)
         if len(_b(original)) >= 4096:
             raise VelocError(f"VELOC_Route_file({original!r}): path longer than PATH_MAX")

@@ -33,7 +33,8 @@ def restore(model: Any, config: "str | Config | None" = None, *, name: str, vers
     same way). Raises :class:`CheckpointNotFoundError` when nothing is committed
     and :class:`ModelMismatchError` naming the first tensor that does not match.
     """
-    from .engine import resolve_engine
+    from .engine import ENGINES
     from .keras.restore import restore_model  # the only TensorFlow-dependent step
-    resolve_engine(engine)  # validates the choice (and that VeloC is there if asked for)
+    if engine is not None and engine not in ENGINES:
+        raise ConfigError(f"engine = {engine!r}: use one of {ENGINES} (restore reads the same files for all)")
     return restore_model(model, config, name=name, version=version, **overrides)

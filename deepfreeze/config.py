@@ -32,7 +32,7 @@ KEYS: dict[str, str] = {
     "chksum": "true | false: CRC32 of every shard piece, verified on restore",
     "meta": "directory for VeloC's checksum metadata (VeloC engine); the built-in engine keeps checksums in its index",
     "failure_domain": "name of the failure domain (node) of this process; default: host name",
-    "watchdog_interval": "seconds between backend liveness checks (VeloC); 0 = off",
+    "watchdog_interval": "seconds: the backend reports a rank that sent no checkpoint for this long; 0 = off",
     "axl_type": "VeloC AXL transfer type (VeloC engine only)",
 }
 

@@ -332,4 +332,25 @@ def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
     if asm is not None and not (isinstance(asm, dict) and isinstance(asm.get("file"), str)
                                 and _FILE_RE.match(asm["file"]) and asm["file"] not in (".", "..")):
         raise bad("'assembled' malformed (file names must be plain names, no paths)")
+    red = obj.get("redundancy")
+    if red is not None and not _valid_redundancy(red, obj["world_size"]):
+        raise bad("'redundancy' malformed (scheme partner with holder ranks, or xor with disjoint groups "
+                  "of at least 2 ranks, all below world_size)")
     return obj
+
+
+def _valid_redundancy(red: Any, world: int) -> bool:
+    def rank(x: Any) -> bool:
+        return type(x) is int and 0 <= x < world
+    if not isinstance(red, dict) or not isinstance(red.get("unprotected", []), list):
+        return False
+    if red.get("scheme") == "partner":
+        h = red.get("holder")
+        return isinstance(h, dict) and all(k.isdigit() and rank(int(k)) and rank(v) for k, v in h.items())
+    if red.get("scheme") == "xor":
+        g = red.get("groups")
+        if not isinstance(g, list) or not all(isinstance(x, list) and len(x) >= 2 and all(map(rank, x)) for x in g):
+            return False
+        flat = [r for x in g for r in x]
+        return len(flat) == len(set(flat))
+    return False

@@ -284,19 +284,25 @@ def _load_scratch(comm: Comm, level: ScratchLevel, inv: dict[str, dict[int, str]
             for blob in comm.allgather_buffers(_pack(items)):
                 items.update(_unpack(blob))
         files = {r: items.get(("shard", r), items.get(("partner", r))) for r in need if r not in rebuild}
-        for r in rebuild:
-            group = group_of(manifest["redundancy"], r)
-            parities = {m: read_parity(items[("parity", m)])[1] for m in group if m != r}
-            sizes = read_parity(items[("parity", next(iter(parities)))])[0]["sizes"]
-            shards = {m: items.get(("shard", m), items.get(("partner", m))) for m in group if m != r}
-            files[r] = xor_reconstruct(group, r, shards, parities, sizes)
-            if comm.rank == 0:
-                log.warning("deepfreeze: %s v%d: rebuilt the shard of rank %d from XOR parity", name, version, r)
         try:
+            for r in rebuild:
+                group = group_of(manifest["redundancy"], r)
+                heads = {m: read_parity(items[("parity", m)]) for m in group if m != r}
+                for m, (h, _) in heads.items():
+                    if h["group"] != group or h["holder"] != m or h.get("version") != version:
+                        raise CorruptCheckpointError(f"parity block of rank {m} is for group {h['group']} "
+                                                     f"v{h.get('version')}, the manifest says {group} v{version}")
+                sizes = next(iter(heads.values()))[0]["sizes"]
+                files[r] = xor_reconstruct(group, r, {m: items.get(("shard", m), items.get(("partner", m)))
+                                                      for m in group if m != r},
+                                           {m: p for m, (_, p) in heads.items()}, sizes)
+                if comm.rank == 0:
+                    log.warning("deepfreeze: %s v%d: rebuilt the shard of rank %d from XOR parity",
+                                name, version, r)
             return _assemble(manifest, files, wanted, verify, version, rebuilt=set(rebuild))
         except CheckpointNotFoundError:
             raise  # a tensor name the checkpoint does not have
-        except (DeepFreezeError, ValueError) as e:  # e.g. a rebuilt shard that fails its checksums
+        except (DeepFreezeError, ValueError, KeyError, IndexError) as e:  # e.g. a rebuilt shard failing its checksums
             errors.append(f"v{version} scratch: {e}")
             log.warning("deepfreeze: %s v%d cannot be assembled from scratch (%s)", name, version, e)
             return None

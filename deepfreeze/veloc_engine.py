@@ -30,7 +30,9 @@ another configuration); in ``async`` mode the daemon runs with ``--disable-ec``.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import os
 import shutil
 import time
@@ -40,31 +42,60 @@ import numpy as np
 
 from .config import Config
 from .engine import Engine
-from .errors import BackendError, VelocError
+from .errors import BackendError, CheckpointWriteError, VelocError
 from .levels import PersistentLevel, ScratchLevel, write_shard_file
 from .shardplan import ShardPlan
 
-__all__ = ["VelocEngine", "write_veloc_config", "veloc_backend", "start_backend", "stop_backend"]
+__all__ = ["VelocEngine", "write_veloc_config", "veloc_settings", "veloc_backend", "start_backend", "stop_backend"]
 
 log = logging.getLogger("deepfreeze")
 READY_FILE = "/dev/shm/veloc-backend-ready-{uid}"
 
 
-def write_veloc_config(config: Config, path: str) -> str:
-    """Write the effective configuration (file + ``VELOC_<KEY>`` + overrides) as VeloC's INI."""
-    lines = [f"mode = {config.mode}", f"scratch = {config.scratch}", f"persistent = {config.persistent}",
-             f"persistent_interval = {int(config.persistent_interval)}",
-             f"ec_interval = {int(config.ec_interval)}",
-             f"max_versions = {config.max_versions}", f"scratch_versions = {config.keep_scratch}",
-             f"failure_domain = {config.failure_domain}",
-             f"watchdog_interval = {int(config.watchdog_interval)}" if config.watchdog_interval else "",
-             f"chksum = {'true' if config.chksum and config.meta else 'false'}",
-             f"meta = {config.meta}" if config.meta else "",
-             f"axl_type = {config.axl_type}" if config.axl_type else ""]
-    lines += [f"{k} = {v}" for k, v in config.veloc_only]
+def _seconds(value: float) -> int:
+    """VeloC reads intervals as whole seconds: negative stays off (-1), positive rounds up."""
+    return -1 if value < 0 else math.ceil(value)
+
+
+def veloc_settings(config: Config) -> dict[str, str]:
+    """The effective configuration (file < ``VELOC_<KEY>`` < overrides) as VeloC's keys.
+    ``failure_domain`` is left out: VeloC 1.8 does not read it (its EC uses one domain per node)."""
+    out = {"mode": config.mode, "scratch": config.scratch, "persistent": config.persistent,
+           "persistent_interval": str(_seconds(config.persistent_interval)),
+           "ec_interval": str(_seconds(config.ec_interval)),
+           "max_versions": str(config.max_versions), "scratch_versions": str(config.keep_scratch),
+           "chksum": "true" if config.chksum and config.meta else "false"}
+    if config.watchdog_interval > 0:
+        out["watchdog_interval"] = str(_seconds(config.watchdog_interval))
+    if config.meta:
+        out["meta"] = config.meta
+    if config.axl_type:
+        out["axl_type"] = config.axl_type
+    out.update(config.veloc_only)
+    return out
+
+
+def write_veloc_config(config: Config, directory: str) -> str:
+    """Write the effective configuration as VeloC's INI file in ``directory``; returns its path.
+
+    The name carries a digest of the content, so two different configurations never share a
+    file (the running backend's file then tells which configuration it was started with).
+    VeloC lets ``VELOC_<KEY>`` environment variables win over its file; DeepFreeze's keyword
+    overrides win over them, so any such variable that disagrees is set to the value used here.
+    """
+    settings = veloc_settings(config)
+    for key, value in settings.items():
+        env = "VELOC_" + key.upper()
+        if env in os.environ and os.environ[env] != value:
+            log.warning("deepfreeze: %s=%s overridden by the configuration in code (%s) for VeloC",
+                        env, os.environ[env], value)
+            os.environ[env] = value
+    text = "# written by DeepFreeze from its resolved configuration\n" + \
+        "".join(f"{k} = {v}\n" for k, v in settings.items())
+    path = os.path.join(directory, f".deepfreeze-veloc-{hashlib.sha256(text.encode()).hexdigest()[:12]}.cfg")
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write("# written by DeepFreeze from its resolved configuration\n" + "\n".join(x for x in lines if x) + "\n")
+        f.write(text)
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return path
@@ -157,24 +188,25 @@ class VelocEngine(Engine):
                  domains: Sequence[str] | None = None, *, mpi_comm: Any = None, scratch_cls: type = ScratchLevel,
                  max_pending_flushes: int | None = None, comm: Any = None) -> None:
         from deepfreeze.bindings.veloc import Veloc  # raises VelocNotFoundError with what to do
+        if plan.world_size > 1 and mpi_comm is None:
+            raise ValueError("VelocEngine at world size > 1 needs mpi_comm (an mpi4py communicator)")
         super().__init__(config, name, rank, plan, domains, scratch_cls=scratch_cls,
                          max_pending_flushes=max_pending_flushes)
         self.persistent = PersistentLevel(config.persistent)
         for d in (config.scratch, config.persistent) + ((config.meta,) if config.meta else ()):
             self.scratch.makedirs(d)
-        self.cfg_file = write_veloc_config(config, os.path.join(config.scratch, f".deepfreeze-veloc-{name}.cfg"))
+        self.cfg_file = write_veloc_config(config, config.scratch)
         self.veloc = Veloc()  # loads the library and sets $VELOC_BIN from its prefix
         running = veloc_backend()
-        if config.mode == "sync" and running is not None:
+        in_process = config.mode == "sync" or dict(config.veloc_only).get("threaded", "").lower() == "true"
+        if in_process and running is not None:
             raise BackendError(
                 f"a veloc-backend (pid {running[0]}, config {running[1]}) is running for this user: VeloC's sync "
                 "mode would take over its socket (/dev/shm/veloc-socket-<host>-<uid>) and break that job. Stop it "
                 f"(kill {running[0]}) once its job is done, or use mode = async with the same configuration")
-        if config.mode == "async":
+        if not in_process:
             start_backend(self.cfg_file)
         if plan.world_size > 1:
-            if mpi_comm is None:
-                raise ValueError("VelocEngine at world size > 1 needs mpi_comm (an mpi4py communicator)")
             self.veloc.init(mpi_comm, self.cfg_file)
         else:
             self.veloc.init_single(rank, self.cfg_file)
@@ -185,20 +217,26 @@ class VelocEngine(Engine):
         self._finish()
         name, rank = self.name, self.rank
         original = os.path.join(self.persistent.version_dir(name, version), f"r{rank:06d}.dfs")
-        self.persistent.makedirs(os.path.dirname(original))
+        if self.config.persistent_interval >= 0:  # else VeloC never flushes: no directory to leave behind
+            self.persistent.makedirs(os.path.dirname(original))
         self.veloc.checkpoint_begin(name, version)
         ok = False
         try:
             routed = self.veloc.route_file(original)
-            write_shard_file(routed, version, rank, self.plan, arrays, chksum=self.config.chksum)
             vdir = self.scratch.version_dir(name, version)
-            self.scratch.makedirs(vdir)
-            link = self.scratch.shard_path(name, version, rank)
             try:
-                os.unlink(link)
-            except FileNotFoundError:
-                pass
-            os.link(routed, link)
+                write_shard_file(routed, version, rank, self.plan, arrays, chksum=self.config.chksum)
+                self.scratch.makedirs(vdir)
+                link = self.scratch.shard_path(name, version, rank)
+                try:
+                    os.unlink(link)
+                except FileNotFoundError:
+                    pass
+                os.link(routed, link)
+            except OSError as e:
+                raise CheckpointWriteError(e.errno, f"writing shard of rank {rank} for {name!r} v{version} to "
+                                           f"VeloC's scratch {routed} failed: {e.strerror}; nothing was committed. "
+                                           "Free space or point 'scratch' elsewhere.") from e
             self.scratch.write_manifest(name, version, manifest)
             ok = True
         finally:

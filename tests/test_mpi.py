@@ -80,7 +80,7 @@ def test_three_ranks_sync_every_version_bit_exact(tmp_path):
     assert p.stdout.count("bitexact=True") == 2
 
 
-def test_horovod_job_with_partner_protection_survives_a_lost_node(tmp_path):
+def test_horovod_job_with_xor_protection_survives_a_lost_node(tmp_path):
     """ec_interval = 0, persistent off: the writer threads exchange over MPI while Horovod trains;
     node 1's scratch is wiped and the restarted 2-rank job restores the newest version from
     node 0's shards and node 0's parity block (groups of 2: a copy of rank 1's shard)."""

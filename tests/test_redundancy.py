@@ -151,3 +151,14 @@ def test_single_process_restore_uses_local_redundancy_and_logs_it(tmp_path, capl
     ecw = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ecw)
     assert all(ck.arrays[f"t{i}"].tobytes() == a.tobytes() for i, a in enumerate(ecw.arrays(5)))
+
+
+@pytest.mark.parametrize("red", [{"scheme": "xor", "groups": [[0, 9]]}, {"scheme": "xor", "groups": [[0, 1], [1, 0]]},
+                                 {"scheme": "partner", "holder": {"0": -1}}, {"scheme": "raid6"}, "xor"])
+def test_hostile_redundancy_in_a_manifest_is_rejected(red):
+    import json
+    from deepfreeze.format import decode_manifest
+    m = {"format": "deepfreeze-manifest", "format_version": 1, "name": "j", "version": 1, "step": 1, "epoch": 0,
+         "world_size": 2, "tensors": [], "plan": {}, "shards": [], "redundancy": red}
+    with pytest.raises(CorruptCheckpointError, match="'redundancy' malformed"):
+        decode_manifest(json.dumps(m).encode())

@@ -35,6 +35,15 @@ def allgather_bytes(data: bytes, width: int = 256) -> list[bytes]:
     return [bytes(r[2:2 + int(r[0]) * 256 + int(r[1])]) for r in rows]
 
 
+def broadcast_int(value: int) -> int:
+    """Rank 0's ``value`` on every rank (an int64 broadcast; identity without Horovod)."""
+    hvd = _hvd()
+    if hvd is None:
+        return value
+    import tensorflow as tf
+    return int(hvd.broadcast(tf.constant(value, dtype=tf.int64), 0, name="deepfreeze_broadcast").numpy())
+
+
 _COMM = None
 
 

@@ -294,9 +294,18 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         scratch directories, partner copies and parity, then persistent) and tell fit where to
         continue; the first train call skips the batches already trained on."""
         from ..errors import CheckpointNotFoundError
-        from ..restore import load
+        from ..restore import list_versions, load
+        from ._dist import broadcast_int
+        comm = mpi_comm()
         try:
-            ck = load(self.config, self.name, comm=mpi_comm())
+            if comm is not None or self.size == 1:
+                ck = load(self.config, self.name, comm=comm)
+            else:  # several ranks without MPI (Horovod over Gloo): rank 0 picks, every rank reads it
+                versions = list_versions(self.config, self.name) if self.rank == 0 else {}
+                picked = broadcast_int(max(versions) if versions else -1)
+                if picked < 0:
+                    raise CheckpointNotFoundError(self.name)
+                ck = load(self.config, self.name, picked)
         except CheckpointNotFoundError:
             log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)
             return
