@@ -63,7 +63,9 @@ def veloc_settings(config: Config) -> dict[str, str]:
     out = {"mode": config.mode, "scratch": config.scratch, "persistent": config.persistent,
            "persistent_interval": str(_seconds(config.persistent_interval)),
            "ec_interval": str(_seconds(config.ec_interval)),
-           "max_versions": str(config.max_versions), "scratch_versions": str(config.keep_scratch),
+           # VeloC's own scratch retention deletes every rank's file of an old version when the first
+           # rank moves on, racing the other ranks' flushes: DeepFreeze retains scratch itself.
+           "max_versions": str(config.max_versions), "scratch_versions": "0",
            "chksum": "true" if config.chksum and config.meta else "false"}
     if config.watchdog_interval > 0:
         out["watchdog_interval"] = str(_seconds(config.watchdog_interval))
@@ -265,7 +267,11 @@ class VelocEngine(Engine):
             if committed:
                 self.persistent.retain(name, cfg.max_versions)
                 self._sweep_unassembled(version)
-        self.scratch.retain(name, self.rank, cfg.keep_scratch, upto=version)
+        for old in self.scratch.retain(name, self.rank, cfg.keep_scratch, upto=version):
+            try:  # VeloC's name for the same file (the other hard link)
+                os.unlink(os.path.join(cfg.scratch, f"{name}-{self.rank}-{old}.dat"))
+            except FileNotFoundError:
+                pass
 
     def _sweep_unassembled(self, newest: int) -> None:
         committed = set(self.persistent.committed_versions(self.name))
