@@ -22,8 +22,8 @@ def fmt(x, digits: int = 3) -> str:
 
 
 def ratio(a, b) -> str:
-    if a is None or b is None or b <= 0:
-        return "–"
+    if a is None or b is None or b <= 0 or a <= 0:
+        return "–"  # a negative overhead is below the noise: no ratio
     return f"{a / b:.1f}x"
 
 
