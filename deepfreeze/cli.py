@@ -249,8 +249,7 @@ def scan_scratch(cfg: Config, name: str) -> list[VersionCopy]:
             # the shard files the manifest names; partner copies and parity can stand in for missing ones
             present = {s["rank"] for s in m["shards"] if os.path.exists(os.path.join(vdir, s["file"]))}
             c.status, c.detail = _scratch_missing(m, present)
-            inv = level.inventory(name, v)
-            if c.status != "complete" and inv is not None and scratch_recoverable(m, inv):
+            if c.status != "complete" and scratch_recoverable(m, level.inventory(name, v)):
                 c.status, c.detail = "complete", "missing shards recoverable from partner copies / parity here"
             c.step, c.epoch, c.tensor_bytes, c.manifest = m["step"], m["epoch"], m.get("total_bytes"), m
         out.append(c)

@@ -43,6 +43,7 @@ Levels are classes so faults can be injected by subclassing one.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -52,7 +53,7 @@ import shutil
 import socket
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -60,7 +61,7 @@ from . import format as fmt
 from .errors import CheckpointWriteError, CorruptCheckpointError
 from .shardplan import ShardPlan, TensorSpec
 
-__all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job"]
+__all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write"]
 
 log = logging.getLogger("deepfreeze")
 _VDIR = re.compile(r"^v(\d{12})$")
@@ -82,16 +83,34 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str, data: bytes, *, fsync: bool) -> None:
-    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.tmp{_uniq()}"
+@contextlib.contextmanager
+def _replacing(final: str, *, fsync: bool) -> Iterator[int]:
+    """Yield the descriptor of an owner-only temporary file beside ``final``; when the block
+    ends, fsync it (if asked), close it and rename it to ``final``. On an error the temporary
+    file is removed and nothing is left under ``final``."""
+    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp{_uniq()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
+        try:
+            yield fd
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def atomic_write(path: str, data: Any, *, fsync: bool) -> None:
+    """Write ``data`` (bytes or an array) to ``path`` by temporary file and rename (and with
+    ``fsync``, the file and its directory are flushed)."""
+    with _replacing(path, fsync=fsync) as fd:
         _write_all(fd, data, 0)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
     if fsync:
         _fsync_dir(os.path.dirname(path))
 
@@ -192,13 +211,9 @@ class ScratchLevel(Level):
     def parity_path(self, name: str, version: int, holder: int) -> str:
         return os.path.join(self.version_dir(name, version), f"x{holder:06d}.dfx")
 
-    def inventory(self, name: str, version: int) -> dict[str, dict[int, str]] | None:
-        """What this scratch directory holds of ``version`` (None without a valid manifest):
-        ``{"shard": {rank: path}, "partner": {src: path}, "parity": {holder: path}}``."""
-        try:
-            self.read_manifest(name, version)
-        except (OSError, CorruptCheckpointError):
-            return None
+    def inventory(self, name: str, version: int) -> dict[str, dict[int, str]]:
+        """The files this scratch directory holds of ``version`` (the manifest is the caller's to
+        read): ``{"shard": {rank: path}, "partner": {src: path}, "parity": {holder: path}}``."""
         vdir = self.version_dir(name, version)
         inv: dict[str, dict[int, str]] = {"shard": {}, "partner": {}, "parity": {}}
         for n in _listdir(vdir):
@@ -214,8 +229,19 @@ class ScratchLevel(Level):
                 inv["parity"][int(m.group(4))] = path
         return inv
 
+    def committed(self, name: str) -> dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]]:
+        """Versions with a valid manifest here -> (manifest, :meth:`inventory`)."""
+        out = {}
+        for v in self.versions(name):
+            try:
+                m = self.read_manifest(name, v)
+            except (OSError, CorruptCheckpointError):
+                continue
+            out[v] = (m, self.inventory(name, v))
+        return out
+
     def write_manifest(self, name: str, version: int, manifest: dict[str, Any]) -> None:
-        _atomic_write(os.path.join(self.version_dir(name, version), MANIFEST),
+        atomic_write(os.path.join(self.version_dir(name, version), MANIFEST),
                       fmt.encode_manifest(manifest), fsync=False)
 
     def retain(self, name: str, rank: int, keep: int, upto: int) -> list[int]:
@@ -259,27 +285,13 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan, array
     entries, data_offset, size = fmt.layout(entries)
     if chksum:
         entries = [dataclasses.replace(e, crc=fmt.crc32(np.ascontiguousarray(a))) for e, a in zip(entries, arrays)]
-    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp{_uniq()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                            data_offset, size, chksum), 0)
-            for e, a in zip(entries, arrays):
-                if e.length:
-                    _write_all(fd, np.ascontiguousarray(a), e.offset)
-            os.ftruncate(fd, size)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with _replacing(final, fsync=fsync) as fd:
+        _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
+                                        data_offset, size, chksum), 0)
+        for e, a in zip(entries, arrays):
+            if e.length:
+                _write_all(fd, np.ascontiguousarray(a), e.offset)
+        os.ftruncate(fd, size)
 
 
 def _listdir(path: str) -> list[str]:
@@ -334,6 +346,13 @@ class PersistentLevel(Level):
                 return f.read(8) == b"flush"
         return flush
 
+    def mark_skipped(self, name: str, version: int) -> None:
+        """Record ``skip`` for a version some node will not flush (unless a decision exists), so
+        :meth:`retain` sweeps its directory once a newer version commits."""
+        vdir = self.version_dir(name, version)
+        if os.path.isdir(vdir):
+            _create_exclusive(os.path.join(vdir, "decision"), b"skip")
+
     def assembled_layout(self, plan: ShardPlan) -> tuple[list[fmt.Entry], int, int]:
         return fmt.layout(piece_entries(plan, plan.pieces), contiguous_tensors=True)
 
@@ -366,7 +385,7 @@ class PersistentLevel(Level):
             finally:
                 os.close(dst)
         marker = {"rank": rank, "has_crc": idx.has_crc, "crcs": crcs}
-        _atomic_write(os.path.join(vdir, f"done.r{rank:06d}.json"), json.dumps(marker).encode(), fsync=fsync)
+        atomic_write(os.path.join(vdir, f"done.r{rank:06d}.json"), json.dumps(marker).encode(), fsync=fsync)
         return self._try_finalize(name, version, manifest, plan, layout, size, fsync=fsync)
 
     def _try_finalize(self, name: str, version: int, manifest: dict[str, Any], plan: ShardPlan,
@@ -401,7 +420,7 @@ class PersistentLevel(Level):
         os.replace(partial, os.path.join(vdir, ASSEMBLED))
         final = dict(manifest, assembled={"file": ASSEMBLED, "bytes": size, "checksums": has_crc},
                      committed=time.time())
-        _atomic_write(os.path.join(vdir, MANIFEST), fmt.encode_manifest(final), fsync=fsync)
+        atomic_write(os.path.join(vdir, MANIFEST), fmt.encode_manifest(final), fsync=fsync)
         for n in done + ["commit.lock"]:
             try:
                 os.unlink(os.path.join(vdir, n))

@@ -51,6 +51,7 @@ import numpy as np
 
 from . import format as fmt
 from .errors import CorruptCheckpointError
+from .levels import atomic_write
 
 __all__ = ["Comm", "LocalComm", "MPIComm", "plan_redundancy", "protect", "read_parity", "xor_reconstruct",
            "SCHEMES"]
@@ -247,39 +248,26 @@ def protect(comm: Comm, scratch: Any, name: str, version: int, rank: int, shard_
         srcs = {s: sizes[s] for s, h in holder.items() if h == rank}
         got = comm.exchange(sends, srcs)
         for s, buf in got.items():
-            _write_file(os.path.join(vdir, f"h{rank:06d}.r{s:06d}.dfs"), buf)
+            atomic_write(os.path.join(vdir, f"h{rank:06d}.r{s:06d}.dfs"), buf, fsync=False)
         return True
     group = group_of(redundancy, rank)
-    # every rank runs the same number of exchange rounds (groups may differ in chunk size)
-    plans = []
-    for g in redundancy["groups"]:
-        c = math.ceil(max(sizes[m] for m in g) / (len(g) - 1)) if g else 0
-        plans.append(c)
-    rounds = max([math.ceil(c / _SEGMENT) for c in plans] + [0])
     if group is None:
         return True  # a rank alone in its row: nothing to exchange (logged by the engine)
+    # every member computes the same chunk size, hence the same rounds (point-to-point within the group)
     k, pos = len(group), group.index(rank)
-    c = plans[redundancy["groups"].index(group)]
+    c = math.ceil(max(sizes[m] for m in group) / (k - 1))
     parity = np.zeros(c, dtype=np.uint8)
-    for i in range(rounds):
-        lo, hi = min(c, i * _SEGMENT), min(c, (i + 1) * _SEGMENT)
+    for lo in range(0, c, _SEGMENT):
+        hi = min(c, lo + _SEGMENT)
         sends = {group[s]: _chunk(data, _chunk_of_stripe(pos, s), c, lo, hi) for s in range(k) if s != pos}
-        got = comm.exchange(sends if hi > lo else {}, {m: hi - lo for m in group if m != rank} if hi > lo else {})
+        got = comm.exchange(sends, {m: hi - lo for m in group if m != rank})
         for buf in got.values():
             np.bitwise_xor(parity[lo:hi], buf, out=parity[lo:hi])
     header = json.dumps({"name": name, "version": version, "holder": rank, "group": group,
                          "sizes": [sizes[m] for m in group], "chunk": c, "crc": fmt.crc32(parity)}).encode()
-    _write_file(os.path.join(vdir, f"x{rank:06d}.dfx"),
-                PARITY_MAGIC + struct.pack("<I", len(header)) + header + parity.tobytes())
+    atomic_write(os.path.join(vdir, f"x{rank:06d}.dfx"),
+                 PARITY_MAGIC + struct.pack("<I", len(header)) + header + parity.tobytes(), fsync=False)
     return True
-
-
-def _write_file(path: str, data: Any) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(fmt.byte_view(data))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
 
 
 # -- reading and reconstructing

@@ -77,11 +77,8 @@ def list_versions(config: Config, name: str) -> dict[int, list[str]]:
     validate_name(name)
     scratch, persistent = _levels(config)
     out: dict[int, list[str]] = {}
-    for v in scratch.versions(name):
-        inv = scratch.inventory(name, v)
-        if inv is None:
-            continue
-        if scratch_recoverable(scratch.read_manifest(name, v), inv):
+    for v, (m, inv) in scratch.committed(name).items():
+        if scratch_recoverable(m, inv):
             out.setdefault(v, []).append("scratch")
     for v in persistent.committed_versions(name):
         out.setdefault(v, []).append("persistent")
@@ -107,12 +104,8 @@ def load(config: Config, name: str, version: int | None = None, *, verify: bool 
     validate_name(name)
     comm = comm or LocalComm()
     scratch, persistent = _levels(config)
-    local: dict[int, dict[str, dict[int, str]]] = {}
-    for v in scratch.versions(name):
-        inv = scratch.inventory(name, v)
-        if inv is not None:
-            local[v] = inv
-    summary = {"scratch": {str(v): {k: sorted(d) for k, d in inv.items()} for v, inv in local.items()},
+    local = scratch.committed(name)  # version -> (manifest, files held here)
+    summary = {"scratch": {str(v): {k: sorted(d) for k, d in inv.items()} for v, (_, inv) in local.items()},
                "persistent": persistent.committed_versions(name)}
     infos = [json.loads(b) for b in comm.allgather(json.dumps(summary).encode())]
     have: dict[int, dict[tuple[str, int], list[int]]] = {}
@@ -139,7 +132,7 @@ def load(config: Config, name: str, version: int | None = None, *, verify: bool 
     errors: list[str] = []
     for v in candidates:
         if v in have:
-            ck = _load_scratch(comm, scratch, local.get(v), have[v], name, v, verify, tensors, errors)
+            ck = _load_scratch(comm, local.get(v), have[v], name, v, verify, tensors, errors)
             if ck is not None:
                 return ck
         if v in on_persistent:
@@ -249,12 +242,14 @@ def _unpack(blob: np.ndarray) -> dict[tuple[str, int], np.ndarray]:
     return out
 
 
-def _load_scratch(comm: Comm, level: ScratchLevel, inv: dict[str, dict[int, str]] | None,
+def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, str]]] | None,
                   have: dict[tuple[str, int], list[int]], name: str, version: int, verify: bool,
                   wanted: Sequence[str] | None, errors: list[str]) -> Checkpoint | None:
-    """Collective: recover ``version`` from the participants' scratch files, or None."""
+    """Collective: recover ``version`` from the participants' scratch files, or None.
+    ``local``: this participant's (manifest, files) of the version, if it holds any."""
     owners = sorted({p for ps in have.values() for p in ps})
-    mine = json.dumps(level.read_manifest(name, version)).encode() if inv is not None else b""
+    inv = local[1] if local is not None else None
+    mine = json.dumps(local[0]).encode() if local is not None else b""
     manifest = json.loads(comm.allgather(mine if comm.rank == owners[0] else b"")[owners[0]])
     need = _needed_ranks(manifest, wanted)
     while True:

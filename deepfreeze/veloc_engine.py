@@ -21,7 +21,8 @@ threaded modes) erasure coding. Per version and rank, in the writer thread:
 In ``sync`` mode ``VELOC_Checkpoint_end`` returns after the flush and step 1 runs
 at once. VeloC decides by itself, per rank, whether a version goes to persistent
 (``persistent_interval``); a version some rank did not flush is never assembled
-(its directory is swept once a newer version commits).
+(the rank marks it ``skip``, as the built-in engine's ``decision`` file does, and
+``PersistentLevel.retain`` sweeps it once a newer version commits).
 
 VeloC 1.8 facts this relies on (``docs/veloc.md``): one ``veloc-backend`` daemon
 per user and machine, found via ``$VELOC_BIN``, keeping the configuration it
@@ -43,7 +44,7 @@ import numpy as np
 from .config import Config
 from .engine import Engine
 from .errors import BackendError, CheckpointWriteError, VelocError
-from .levels import PersistentLevel, ScratchLevel, write_shard_file
+from .levels import PersistentLevel, ScratchLevel, atomic_write, write_shard_file
 from .shardplan import ShardPlan
 
 __all__ = ["VelocEngine", "write_veloc_config", "veloc_settings", "veloc_backend", "start_backend", "stop_backend"]
@@ -95,11 +96,7 @@ def write_veloc_config(config: Config, directory: str) -> str:
     text = "# written by DeepFreeze from its resolved configuration\n" + \
         "".join(f"{k} = {v}\n" for k, v in settings.items())
     path = os.path.join(directory, f".deepfreeze-veloc-{hashlib.sha256(text.encode()).hexdigest()[:12]}.cfg")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    atomic_write(path, text.encode(), fsync=False)
     return path
 
 
@@ -266,19 +263,13 @@ class VelocEngine(Engine):
             os.unlink(flushed)  # the assembled file holds it now (VeloC's symlink to it dangles)
             if committed:
                 self.persistent.retain(name, cfg.max_versions)
-                self._sweep_unassembled(version)
+        else:  # VeloC did not flush this rank's file (persistent_interval): the version cannot commit
+            self.persistent.mark_skipped(name, version)
         for old in self.scratch.retain(name, self.rank, cfg.keep_scratch, upto=version):
             try:  # VeloC's name for the same file (the other hard link)
                 os.unlink(os.path.join(cfg.scratch, f"{name}-{self.rank}-{old}.dat"))
             except FileNotFoundError:
                 pass
-
-    def _sweep_unassembled(self, newest: int) -> None:
-        committed = set(self.persistent.committed_versions(self.name))
-        for v in self.persistent.versions(self.name):
-            vdir = self.persistent.version_dir(self.name, v)
-            if v < newest and v not in committed and not os.path.exists(os.path.join(vdir, "decision")):
-                shutil.rmtree(vdir, ignore_errors=True)
 
     def wait(self, *, persistent: bool = True, timeout: float | None = None) -> None:
         self._drain(timeout)
