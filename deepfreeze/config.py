@@ -33,6 +33,7 @@ KEYS: dict[str, str] = {
     "meta": "directory for VeloC's checksum metadata (VeloC engine); the built-in engine keeps checksums in its index",
     "failure_domain": "name of the failure domain (node) of this process; default: host name",
     "watchdog_interval": "seconds: the backend reports a rank that sent no checkpoint for this long; 0 = off",
+    "max_inflight": "versions of a rank handed to its writer thread and not yet on scratch; one more waits (DeepFreeze key)",
     "axl_type": "VeloC AXL transfer type (VeloC engine only)",
 }
 
@@ -79,6 +80,7 @@ class Config:
     meta: str | None = None
     failure_domain: str = dataclasses.field(default_factory=socket.gethostname)
     watchdog_interval: float = 0.0
+    max_inflight: int = 2
     axl_type: str | None = None
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
@@ -102,6 +104,9 @@ class Config:
         if self.ec_scheme not in ("xor", "partner"):
             raise ConfigError(f"{self.source}: ec_scheme = {self.ec_scheme!r} is invalid: use 'xor' "
                               "(parity, 1/(k-1) space) or 'partner' (a full copy on the next node)")
+        if self.max_inflight < 1:
+            raise ConfigError(f"{self.source}: max_inflight = {self.max_inflight} must be >= 1 (1: a checkpoint "
+                              "waits until the previous shard is on scratch; 2: one more may wait in memory)")
         if self.watchdog_interval < 0:
             raise ConfigError(f"{self.source}: watchdog_interval must be >= 0")
         validate_name(self.failure_domain.replace("-", "_"), "failure_domain")
@@ -198,7 +203,7 @@ def _convert(key: str, value: Any, where: str) -> Any:
     try:
         if key in ("persistent_interval", "ec_interval", "watchdog_interval"):
             return float(value)
-        if key in ("max_versions", "scratch_versions"):
+        if key in ("max_versions", "scratch_versions", "max_inflight"):
             if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):
                 raise ValueError("not an integer")
             return int(value)

@@ -9,9 +9,13 @@ same flush runs inline and ``checkpoint`` blocks until it is done.
 
 Backpressure (policy: wait, never skip or drop):
 
-* at most one shard write is in flight per rank; a checkpoint that arrives
-  while the previous one is still being written waits for it (no queue of
-  model copies in memory);
+* at most ``max_inflight`` (config key, default 2) versions of a rank are handed
+  to the writer thread and not yet on scratch; a checkpoint beyond that waits
+  for the oldest. Each holds its shard in memory (the numpy views keep TF's
+  buffers alive; the next in-graph copy then goes to a new buffer), so a rank
+  holds at most ``max_inflight + 1`` shard copies. With 2, a checkpoint that
+  comes while the previous one is still being written costs memory, not time,
+  unless the writer is slower than the checkpoint interval on average;
 * at most ``max_pending_flushes`` (default ``max(2, scratch_versions or max_versions)``)
   versions of a rank may wait for the backend's flush; beyond that the writer
   thread waits for the oldest, so scratch holds at most ``scratch_versions +
@@ -32,6 +36,7 @@ a new one and re-sends every flush not known to be done; flushes are idempotent
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import errno
 import logging
@@ -80,7 +85,7 @@ class Engine:
         self.scratch = scratch_cls(config.scratch)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-writer-r{rank}",
                                                            initializer=lower_priority)
-        self._inflight: concurrent.futures.Future | None = None
+        self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()  # oldest first
         self._error: BaseException | None = None
         self._pending: dict[int, dict[str, Any]] = {}  # backend job id -> job not known to be done
         self._backend_errors: list[str] = []
@@ -108,13 +113,13 @@ class Engine:
                    extra: dict[str, Any] | None = None) -> None:
         """Commit this rank's pieces of ``version`` (flat arrays in plan order)."""
         t0 = time.perf_counter()
-        self._drain()
+        self._drain(keep=self.config.max_inflight - 1)
         self._raise_pending()
         manifest = build_manifest(self.name, version, step, epoch, self.plan, self.domains, extra)
         if self.config.mode == "sync":
             self._write(version, arrays, manifest)
         else:
-            self._inflight = self._pool.submit(self._write, version, arrays, manifest)
+            self._inflight.append(self._pool.submit(self._write, version, arrays, manifest))
         self.last_version = version
         self.stats.append({"version": version, "blocking_s": time.perf_counter() - t0})
 
@@ -161,16 +166,19 @@ class Engine:
             self._backend = None
 
     # -- internals
-    def _drain(self, timeout: float | None = None) -> None:
-        if self._inflight is not None:
+    def _drain(self, timeout: float | None = None, keep: int = 0) -> None:
+        """Collect finished writes; wait (oldest first) until at most ``keep`` are in flight."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._inflight and (len(self._inflight) > keep or self._inflight[0].done()):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self._inflight.result(timeout)
+                self._inflight[0].result(left)
             except concurrent.futures.TimeoutError:
                 raise CheckpointWriteError(errno.ETIMEDOUT, f"the shard write to scratch {self.config.scratch} "
                                            f"did not finish within {timeout}s; it goes on: call wait() again")
-            except BaseException as e:  # surfaced once, below
+            except BaseException as e:  # surfaced once, by _raise_pending
                 self._error = self._error or e
-            self._inflight = None
+            self._inflight.popleft()
 
     def _call_backend(self, fn: Callable[[BackendClient], Any]) -> Any:
         """``fn(backend)``; if the backend died, start a new one, re-send every flush not

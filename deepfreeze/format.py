@@ -109,9 +109,15 @@ def byte_view(buf: Any) -> memoryview:
     return memoryview(buf).cast("B")
 
 
+try:  # ISA-L's CRC32 (same polynomial and values as zlib's, ~8x faster: 17 vs 2.2 GB/s here)
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal has wheels for the usual platforms; zlib is the fallback
+    _crc32 = zlib.crc32
+
+
 def crc32(buf: Any, value: int = 0) -> int:
-    """CRC32 of a buffer (zlib releases the GIL on large buffers)."""
-    return zlib.crc32(byte_view(buf), value) & 0xFFFFFFFF
+    """CRC32 (zlib's) of a buffer; both implementations release the GIL on large buffers."""
+    return _crc32(byte_view(buf), value) & 0xFFFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)

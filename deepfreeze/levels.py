@@ -20,7 +20,8 @@ Commit protocol (data first, marker last, atomically):
   already written (the page cache belongs to the kernel).
 * **Persistent.** Every node copies its ranks' pieces into the shared
   ``model.dfz.partial`` at offsets computed from the manifest alone (pieces of a
-  tensor are contiguous, so each piece is one positional write), fsyncs it, then
+  tensor are contiguous, so each piece is one positional write), fsyncs it (and
+  drops those durable pages from the node's page cache, which is the training's), then
   publishes ``done.r<rank>.json`` (piece checksums) by atomic rename. The node
   that sees the last ``done`` marker wins ``commit.lock`` (exclusive creation, as ``decision``; a lock
   left by a dead process on the same host is broken) and
@@ -382,6 +383,7 @@ class PersistentLevel(Level):
                     crcs.append([e.tensor_id, e.start, e.crc])
                 if fsync:
                     os.fsync(dst)
+                    _drop_cached(dst, [(where[(e.tensor_id, e.start)].offset, e.length) for e in idx.entries])
             finally:
                 os.close(dst)
         marker = {"rank": rank, "has_crc": idx.has_crc, "crcs": crcs}
@@ -495,6 +497,16 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _drop_cached(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
+    """Drop durable (fsynced) byte ranges from the page cache: the node's memory is the training's
+    (a parallel file system's client does not keep what it wrote either)."""
+    for off, length in ranges:
+        try:
+            os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
+        except (OSError, AttributeError):
+            return
 
 
 def _copy_range(src: int, dst: int, length: int, src_off: int, dst_off: int) -> None:

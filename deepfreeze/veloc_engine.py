@@ -1,7 +1,7 @@
 """The VeloC engine: each rank's shard goes through a real VeloC (``engine="veloc"``).
 
 Same interface and guarantees as :class:`deepfreeze.engine.Engine` (writer
-thread, one write in flight, errors surfaced once), with VeloC doing the
+thread, ``max_inflight`` queue, errors surfaced once), with VeloC doing the
 scratch-to-persistent transfer, its checksums, versioning and (in its sync or
 threaded modes) erasure coding. Per version and rank, in the writer thread:
 
@@ -274,7 +274,7 @@ class VelocEngine(Engine):
     def wait(self, *, persistent: bool = True, timeout: float | None = None) -> None:
         self._drain(timeout)
         if persistent and self._unfinished is not None:
-            self._inflight = self._pool.submit(self._finish)  # VeloC calls stay on the writer thread
+            self._inflight.append(self._pool.submit(self._finish))  # VeloC calls stay on the writer thread
             self._drain(timeout)
         self._raise_pending()
 

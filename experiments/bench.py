@@ -73,7 +73,11 @@ in ``write`` or as a copy-on-write in the next update) and all checkpoint work d
   (iterations away from checkpoints when there is no ``none`` run); extra fields:
   ``runtime_overhead_se_s`` (its standard error), ``runtime_overhead_away_s`` (against the
   iterations of the same fit away from checkpoints), ``extra_per_checkpoint_s`` (the total
-  extra time of the two iterations, 2x the overhead), ``ckpt_iter_s`` and ``after_iter_s``;
+  extra time of the two iterations, 2x the overhead), ``ckpt_iter_s``, ``after_iter_s`` and
+  ``away_iter_s``; ``extra_per_interval_s``: ``every`` x (mean of every iteration from the first
+  to the last measured checkpoint - the baseline), i.e. the whole training time a checkpoint
+  costs, background work spread over the interval included (what the two-iteration window of
+  the paper's metric misses when the background work outlasts it);
 * ``time_to_durable_s``: from the start of the checkpoint callback to the version committed on
   persistent (engine approaches: the manifest's commit time; tf-async: the end of its writer
   thread; keras-default: the end of ``save_weights``, which neither it nor tf-async fsyncs,
@@ -460,6 +464,9 @@ def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, 
             row["runtime_overhead_se_s"] = math.sqrt(va / len(around) + base_var / base_n)
     if around and away:
         row["runtime_overhead_away_s"] = mean(around) - mean(away)
+    whole = [it[b] for b in range(meas[0], meas[-1]) if b in it] if len(meas) > 1 else []
+    if whole and base is not None:  # every iteration of the complete intervals: background work included
+        row["extra_per_interval_s"] = every * (mean(whole) - base)
     warm = cks[0] + 1  # version of the warm-up checkpoint
     samples = [(r, c) for r in ok for c in r["ckpts"] if c["version"] > warm]
     row["checkpoints"] = len({c["version"] for _, c in samples})

@@ -9,7 +9,8 @@ import json
 import sys
 
 METRICS = [("preparation_s", "prep (s)"), ("blocking_s", "blocking (s)"), ("runtime_overhead_s", "overhead (s)"),
-           ("time_to_durable_s", "to durable (s)"), ("flush_GBps", "flush (GB/s)")]
+           ("extra_per_interval_s", "per interval (s)"), ("time_to_durable_s", "to durable (s)"),
+           ("flush_GBps", "flush (GB/s)")]
 #: the paper's ratios (DeepFreeze = "VELOC-Opt", section V): other approach / DeepFreeze
 PAPER = {"nt3": {"blocking_s": {"keras-default": 11.1, "veloc-single": 10.6, "veloc-sharded": 3.8},
                  "runtime_overhead_s": {"keras-default": 6.5, "veloc-single": 6.2, "veloc-sharded": 2.5}},
@@ -55,7 +56,8 @@ def report(doc: dict) -> str:
                 out.append(f"| {name} | " + " | ".join(cells) + f" | {fmt((r.get('bytes_per_rank') or 0) / 1e6, 0)} |")
             df = rows.get("deepfreeze", {})
             lines = []
-            for key, label in (("blocking_s", "blocking"), ("runtime_overhead_s", "runtime overhead")):
+            for key, label in (("blocking_s", "blocking"), ("runtime_overhead_s", "runtime overhead"),
+                               ("extra_per_interval_s", "training time per checkpoint interval")):
                 parts = [f"{other}/deepfreeze {ratio(rows.get(other, {}).get(key), df.get(key))}"
                          for other in ("keras-default", "tf-async", "veloc-single", "veloc-sharded") if other in rows]
                 paper = PAPER.get("nt3" if app.startswith("nt3") else app, {}).get(key)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup: installs what is missing, fast when everything is already there.
 #   - OpenMPI from Debian packages (when root; else a clear message)
-#   - .venv with tensorflow-cpu 2.15.1, numpy<2, mpi4py, h5py, pytest, matplotlib
+#   - .venv with tensorflow-cpu 2.15.1, numpy<2, isal (fast CRC32), mpi4py, h5py, pytest, matplotlib
 #   - Horovod 0.28.1 built from source against that TensorFlow (MPI only)
 #   - deepfreeze itself, editable
 # TensorFlow is pinned to 2.15: Horovod 0.28.1 does not build against newer TF wheels
@@ -15,7 +15,7 @@ STAMP="$VENV/.deepfreeze-setup-v1"
 say() { echo "setup: $*"; }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings") >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal") >/dev/null 2>&1; then
   say "already done (remove $STAMP to redo)"
   exit 0
 fi
@@ -41,9 +41,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip wheel setuptools
 fi
 VPY="$VENV/bin/python"
-if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
-  say "installing tensorflow-cpu==2.15.1 numpy<2 mpi4py h5py pytest matplotlib"
-  "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" mpi4py h5py pytest pytest-timeout matplotlib cmake packaging
+if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib, isal; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
+  say "installing tensorflow-cpu==2.15.1 numpy<2 isal mpi4py h5py pytest matplotlib"
+  "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" isal mpi4py h5py pytest pytest-timeout matplotlib cmake packaging
 fi
 
 # 3. Horovod from source

@@ -130,6 +130,53 @@ def test_backpressure_bounds_pending_flushes(tmp_path):
     assert PersistentLevel(cfg.persistent).committed_versions("job") == list(range(1, 30))
 
 
+class GatedScratch(ScratchLevel):
+    """A scratch level whose shard writes wait until the test opens the gate."""
+    gate = None  # threading.Event, set by the test
+    started = None  # threading.Semaphore, released when a write begins
+
+    def write_shard(self, *args, **kwargs):
+        type(self).started.release()
+        assert type(self).gate.wait(60), "gate never opened"
+        return super().write_shard(*args, **kwargs)
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2, 3])
+def test_write_queue_holds_max_inflight_versions(tmp_path, max_inflight):
+    """A checkpoint only waits once ``max_inflight`` versions are handed off and not on scratch."""
+    import threading
+    GatedScratch.gate, GatedScratch.started = threading.Event(), threading.Semaphore(0)
+    plan = make_plan(1)
+    cfg = Config.load(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"),
+                      max_inflight=max_inflight)
+    e = Engine(cfg, "job", 0, plan, scratch_cls=GatedScratch)
+    try:
+        for v in range(1, max_inflight + 1):  # these return while the writer is stuck in v1
+            e.checkpoint(v, pieces(model_arrays(v), plan, 0), step=v, epoch=0)
+        assert GatedScratch.started.acquire(timeout=30)
+        assert len(e._inflight) == max_inflight
+        blocked = threading.Thread(target=e.checkpoint, args=(max_inflight + 1, pieces(
+            model_arrays(max_inflight + 1), plan, 0)), kwargs={"step": max_inflight + 1, "epoch": 0})
+        blocked.start()
+        blocked.join(0.5)
+        assert blocked.is_alive(), "a checkpoint beyond max_inflight must wait"
+        GatedScratch.gate.set()
+        blocked.join(30)
+        assert not blocked.is_alive()
+    finally:
+        GatedScratch.gate.set()
+        e.close()
+    n = max_inflight + 1
+    assert PersistentLevel(cfg.persistent).committed_versions("job") == list(range(1, n + 1))
+    for v in range(1, n + 1):  # every queued version committed with its own data, none mixed up
+        assert_version(cfg, v)
+
+
+def test_max_inflight_must_be_positive():
+    with pytest.raises(ConfigError, match="max_inflight = 0 must be >= 1"):
+        Config.load(None, mode="async", scratch="/tmp/a", persistent="/tmp/b", max_inflight=0)
+
+
 def test_config_object_with_overrides():
     base = Config.load(None, mode="sync", scratch="/tmp/a", persistent="/tmp/b")
     c = Config.resolve(base, max_versions="4", chksum="false")
