@@ -26,7 +26,9 @@ each approach is one ``model.fit`` of its own (a fresh Horovod broadcast callbac
 iteration counter reset to 0, its own scratch/persistent directories). The engine approaches run
 the built-in engine in async mode, each rank its own simulated node (scratch directory and
 backend process), weights only (``save_optimizer=False``) as in the paper, every version kept
-(``max_versions=0``, deleted after the approach). Ranks are not bound to cores
+on persistent (``max_versions=0``) and the newest two on scratch (``scratch_versions=2``: scratch
+is node-local space used as a cache; a version deleted from it before the kernel's writeback
+never costs disk time there), all deleted after the approach. Ranks are not bound to cores
 (``mpirun --bind-to none``): with the default binding a 2-rank job gets one core per rank for
 its TensorFlow threads, the DeepFreeze writer thread and the backend, and nt3-weights' step is
 twice as long.
@@ -34,7 +36,9 @@ twice as long.
 Schedule of every checkpointing approach: a checkpoint after every ``every``-th iteration
 (iteration indices ``every-1, 2*every-1, ...``); the first is warm-up (buffers, files, the backend,
 TF's CPU copies) and excluded; then ``measured`` checkpoints, each followed by one more iteration;
-``steps = (measured + 1) * every + 1``. ``none`` runs ``none_steps`` iterations. Iterations 0
+``steps = (measured + 1) * every + 1``. ``none`` runs ``none_steps`` iterations first, and again
+after the last approach (``none-end``): the baseline is the mean of both (iteration times drift
+by +-15 % over a run on this VM; ``baseline_start_s``/``baseline_end_s`` show by how much). Iterations 0
 and 1 (trace, Horovod broadcast) are never used. Defaults (full mode), as short as a clean
 measurement allows on this 2-vCPU machine (measured steps: nt3 11 s at 1 rank, ~40 s at 2 ranks, ~50 s at 3 ranks;
 nt3-weights 0.45 / 1.2 / ~2 s; resnet50 0.5 / ~1 / 2 s at 1 / 2 / 4 ranks):
@@ -69,7 +73,7 @@ in ``write`` or as a copy-on-write in the next update) and all checkpoint work d
 * ``preparation_s``: ``get_weights`` + slicing (veloc-single/sharded only);
 * ``blocking_s``: time in the checkpoint callback (ranks that checkpoint);
 * ``runtime_overhead_s``: mean over {each measured checkpoint iteration, the iteration after
-  it} minus ``baseline_iter_s``, the mean iteration of the ``none`` run of the same process
+  it} minus ``baseline_iter_s``, the mean iteration of the ``none`` runs (before and after) of the same process
   (iterations away from checkpoints when there is no ``none`` run); extra fields:
   ``runtime_overhead_se_s`` (its standard error), ``runtime_overhead_away_s`` (against the
   iterations of the same fit away from checkpoints), ``extra_per_checkpoint_s`` (the total
@@ -132,6 +136,7 @@ FULL = {  # app -> schedule; see the module docstring
 }
 QUICK = {"nt3-weights": {"ranks": [2], "every": 3, "measured": 1, "none_steps": 4, "expected_min": 2.3}}
 FIRST_USED = 2  # iterations 0 (trace) and 1 (after Horovod's broadcast) are not used
+SCRATCH_VERSIONS = 2  # engine approaches keep every version on persistent, the newest 2 on scratch
 
 
 def steps_of(every: int, measured: int) -> int:
@@ -228,14 +233,16 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
 
     rank, size = hvd.rank(), hvd.size()
     every, measured = args.every, args.measured
-    steps = args.none_steps if approach == "none" else steps_of(every, measured)
-    due = set() if approach == "none" else set(ckpt_batches(every, measured))
+    baseline_run = approach in ("none", "none-end")
+    steps = args.none_steps if baseline_run else steps_of(every, measured)
+    due = set() if baseline_run else set(ckpt_batches(every, measured))
     work = f"{args.work}/{approach}"
     # each rank its own simulated node; VeloC runs one backend per user and machine with one
     # configuration, so with it every rank shares one node
     node = 0 if approach == "deepfreeze-veloc" else rank
     cfg = Config.load(None, mode="async", scratch=f"{work}/node{node}/scratch", persistent=f"{work}/persistent",
-                      failure_domain=f"node{node}", max_versions=0, ec_interval=-1)
+                      failure_domain=f"node{node}", max_versions=0, scratch_versions=SCRATCH_VERSIONS,
+                      ec_interval=-1)
     os.makedirs(f"{work}/persistent", exist_ok=True)
     model.optimizer.iterations.assign(0)  # versions = batch + 1 in every approach
     begin, end, ckpts, durable = {}, {}, [], {}
@@ -438,6 +445,14 @@ def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, 
     row["iter_s"] = [round(it[b], 4) for b in sorted(it)]  # rank-averaged, iteration 0 first
     if approach == "none":
         base = [t for b, t in it.items() if b >= FIRST_USED]
+        if all("iters_end" in r for r in ok):
+            end_b: dict[int, list[float]] = {}
+            for r in ok:
+                for b, t in r["iters_end"]:
+                    end_b.setdefault(int(b), []).append(t)
+            end = [sum(v) / len(v) for b, v in sorted(end_b.items()) if b >= FIRST_USED]
+            row["baseline_start_s"], row["baseline_end_s"] = mean(base), mean(end)
+            base = base + end
         row["baseline_iter_s"] = mean(base)
         row["baseline_sd_s"] = math.sqrt(var(base)) if var(base) is not None else None
         row["_var"], row["_n"] = var(base), len(base)
@@ -506,7 +521,7 @@ def run_group(app: str, ranks: int, approaches: list[str], sched: dict, base: st
     fresh job, again after a ``none`` run of their own."""
     t0 = time.time()
     rows: dict[str, dict] = {}
-    todo = list(approaches)
+    todo = list(approaches) + (["none-end"] if len(approaches) > 1 else [])
     for attempt in range(2):
         work = tempfile.mkdtemp(prefix=f"{app}-{ranks}-", dir=base)
         cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks)]
@@ -535,7 +550,9 @@ def run_group(app: str, ranks: int, approaches: list[str], sched: dict, base: st
             tail = open(logpath, errors="replace").read()[-4000:]
             print(f"[bench] {app} x{ranks} (attempt {attempt + 1}): {failure}\n{tail}", file=sys.stderr, flush=True)
         sch = dict(sched)
-        for approach in todo:
+        ends = [json.load(open(f"{work}/res/none-end.r{r}.json")) for r in range(ranks)
+                if os.path.exists(f"{work}/res/none-end.r{r}.json")]
+        for approach in [a for a in todo if a != "none-end"]:
             rs = []
             for r in range(ranks):
                 try:
@@ -547,6 +564,10 @@ def run_group(app: str, ranks: int, approaches: list[str], sched: dict, base: st
                 rows.setdefault(approach, dict(summarize(app, ranks, approach, [], sched, None, {}),
                                                error=f"not run: {failure}"))
                 continue
+            if approach == "none" and len(ends) == len(rs) and not any(e.get("error") for e in ends + rs):
+                # the baseline from a 'none' run before and one after all approaches (drift, noise)
+                for r, e in zip(sorted(rs, key=lambda x: x["rank"]), sorted(ends, key=lambda x: x["rank"])):
+                    r["iters_end"] = e["iters"]
             row = summarize(app, ranks, approach, rs, sch, sch.get("baseline"), lim)
             bvar, bn = row.pop("_var", None), row.pop("_n", 0)
             if approach == "none" and row.get("baseline_iter_s") is not None:
@@ -562,7 +583,7 @@ def run_group(app: str, ranks: int, approaches: list[str], sched: dict, base: st
             m in rows.get(a, {}).get("error", "") for m in ("not run", "process died"))]
         if not failure or not missing or attempt == 1:
             break
-        todo = ["none"] + missing
+        todo = ["none"] + missing + ["none-end"]
         for a in missing:
             rows.pop(a, None)
     print(f"[bench] {app} x{ranks}: {time.time() - t0:.0f} s", flush=True)
@@ -634,7 +655,7 @@ def main() -> None:
     settings.setdefault("schedule", {}).update({a: table[a] for a in apps})
     settings.update({"mode": "quick" if args.quick else "full", "approaches": approaches, "skipped": {**settings.get("skipped", {}), **skipped},
                      "first_used_iteration": FIRST_USED, "warmup_checkpoints": 1,
-                     "engine": "built-in, async, one simulated node per rank, max_versions=0, chksum on",
+                     "engine": "built-in, async, one simulated node per rank, max_versions=0, scratch_versions=2, chksum on, max_inflight=2",
                      "mpirun": "--oversubscribe --bind-to none",
                      "images": {"resnet50": "64x64"}, "batch": {a: APPS[a][1] for a in APPS}})
     if "deepfreeze-veloc" in approaches:
