@@ -88,6 +88,33 @@ def test_flag_off_costs_no_copy_and_buffers_hold_last_capture(tmp_path):
     ckpt.close()
 
 
+def test_queued_captures_survive_later_captures(tmp_path):
+    """With max_inflight > 1 the writer queue holds numpy views of the shard buffers while the
+    next steps copy new shards: those copies must go to new buffers, never into held ones."""
+    model = build()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=1, at_epoch_end=False, mode="async", max_inflight=3,
+                                min_shard_bytes=0, **dirs(tmp_path))
+    rec, held = Record(ckpt), []
+
+    class Hold(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if ckpt.timings and ckpt.timings[-1]["version"] == batch + 1:
+                arrays = ckpt.hook.capture()  # what the engine got for this version, held like the queue does
+                held.append((arrays, [a.copy() for a in arrays]))
+
+    x, y = data(96)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, rec, Hold()], verbose=0)  # 6 steps
+    ckpt.wait()
+    assert len(held) == 6
+    for arrays, copies in held:
+        assert [a.tobytes() for a in arrays] == [c.tobytes() for c in copies]
+    assert held[0][1][0].tobytes() != held[-1][1][0].tobytes()  # the weights did change meanwhile
+    for v, expected in rec.weights.items():
+        assert [a.tobytes() for a in load(ckpt.config, "k", v).model_arrays().values()] == [e.tobytes() for e in expected]
+    ckpt.close()
+
+
 def test_steps_per_execution(tmp_path):
     model = build()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", steps_per_execution=2)
