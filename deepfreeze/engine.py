@@ -29,7 +29,8 @@ manifest naming a redundancy scheme is only written once the exchange is done.
 Rank 0's clock decides which versions are protected.
 
 Errors of background work (the scratch write here, the flush in the backend,
-polled after every notice) surface once, at the next ``checkpoint`` or ``wait``.
+polled after every notice) surface once, at the first ``checkpoint`` call after the failed work
+finished (the next call with ``max_inflight = 1``; with a queue it may be a later one) or at ``wait``.
 If the backend process dies (killed, node OOM), the next exchange with it starts
 a new one and re-sends every flush not known to be done; flushes are idempotent
 (see :func:`deepfreeze.levels.flush_job`), so a half-done flush is finished.

@@ -5,7 +5,9 @@
 Each case is a fresh process (one rank, no Horovod) that builds the app's model, trains
 ``--steps`` iterations and reports its peak resident set size (``ru_maxrss``): ``none``
 (plain ``fit``), ``deepfreeze`` (the callback, a checkpoint every 2 iterations, async,
-defaults otherwise) and ``deepfreeze-inflight1`` (the same with ``max_inflight = 1``).
+defaults otherwise), ``deepfreeze-inflight1`` (the same with ``max_inflight = 1``) and
+``none-then-deepfreeze`` (a plain ``fit``, then one with the callback in the same process, as
+the benchmark runs its approaches: the hook makes Keras trace the train step again).
 The difference is what DeepFreeze adds: the hook's buffers (one shard), the queued shards
 (up to ``max_inflight``), the retraced train function.
 """
@@ -20,7 +22,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-CASES = {"none": None, "deepfreeze": {}, "deepfreeze-inflight1": {"max_inflight": 1}}
+CASES = {"none": None, "deepfreeze": {}, "deepfreeze-inflight1": {"max_inflight": 1},
+         "none-then-deepfreeze": {}}  # the benchmark's order: a plain fit first, then the hook (a retrace)
 
 
 def child(app: str, steps: int, case: str, work: str) -> None:
@@ -36,6 +39,8 @@ def child(app: str, steps: int, case: str, work: str) -> None:
     ds = tf.data.Dataset.from_tensor_slices((tuple(x) if isinstance(x, list) else x, y)).batch(batch).repeat()
     model.compile(optimizer=tf.keras.optimizers.SGD(1e-5), loss="sparse_categorical_crossentropy")
     cbs = []
+    if case == "none-then-deepfreeze":
+        model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0)
     if CASES[case] is not None:
         from deepfreeze.keras import DeepFreezeCheckpoint
         ck = DeepFreezeCheckpoint(None, name="mem", every_n_batches=2, at_epoch_end=False, save_optimizer=False,
@@ -54,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--app", default="nt3-weights")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma list of cases (default: all)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "memory.json"))
@@ -61,7 +67,9 @@ def main() -> None:
     if args.child:
         return child(args.app, args.steps, args.child, args.work)
     rows = []
-    for case in CASES:
+    for case in args.cases.split(","):
+        if case not in CASES:
+            raise SystemExit(f"unknown case {case!r}: use {', '.join(CASES)}")
         with tempfile.TemporaryDirectory(prefix="dfmem-") as work:
             out = subprocess.run([sys.executable, "-m", "experiments.memory", "--app", args.app, "--steps",
                                   str(args.steps), "--child", case, "--work", work], cwd=ROOT, check=True,
@@ -73,7 +81,8 @@ def main() -> None:
     if os.path.exists(args.out):
         with open(args.out) as f:
             doc = json.load(f)
-    doc[args.app] = rows
+    kept = [r for r in doc.get(args.app, []) if r["case"] not in {x["case"] for x in rows}]
+    doc[args.app] = kept + rows
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

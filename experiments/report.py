@@ -110,7 +110,7 @@ def report(doc: dict) -> str:
         for n in sorted({r["ranks"] for r in runs if r["app"] == app}):
             rows = {r["approach"]: r for r in runs if r["app"] == app and r["ranks"] == n}
             base = rows.get("none", {}).get("baseline_iter_s")
-            out.append(f"### {app}, {n} rank{'s' if n > 1 else ''} (baseline iteration {fmt(base, 2)} s)\n")
+            out.append(f"#### {app}, {n} rank{'s' if n > 1 else ''} (baseline iteration {fmt(base, 2)} s)\n")
             out.append("| approach | " + " | ".join(h for _, h in METRICS) + " | bytes/rank (MB) |")
             out.append("|---" * (len(METRICS) + 2) + "|")
             for name, r in rows.items():

@@ -31,11 +31,12 @@ class FullAfter4(ScratchLevel):
         return super().write_shard(name, version, rank, plan, arrays, **kw)
 
 
-def fit(tmp_path, on_error, mode):
+def fit(tmp_path, on_error, mode, **kw):
     model = build()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=2, at_epoch_end=False, mode=mode, on_error=on_error,
-                                scratch_cls=FullAfter4, scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+                                scratch_cls=FullAfter4, scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"),
+                                **kw)
     r = np.random.default_rng(0)
     x, y = r.random((160, 12, 12, 1), dtype=np.float32), r.integers(0, 10, 160)
     return model, ckpt, lambda: model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt], verbose=0)
@@ -51,12 +52,20 @@ def test_warn_keeps_training(tmp_path, mode):
     assert list(list_versions(ckpt.config, "k")) == [2, 4]  # nothing partial
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_raise_stops_training(tmp_path, mode):
-    model, ckpt, run = fit(tmp_path, "raise", mode)
+@pytest.mark.parametrize("mode,max_inflight", [("sync", 2), ("async", 1), ("async", 2)])
+def test_raise_stops_training(tmp_path, mode, max_inflight):
+    """The failed write of v6 raises in v6's call (sync), else at the first checkpoint call that
+    finds it finished: with max_inflight = 1 that is v8's (which waits for v6); with a queue, a
+    later one or the end of fit."""
+    model, ckpt, run = fit(tmp_path, "raise", mode, max_inflight=max_inflight)
     with pytest.raises(CheckpointWriteError, match="No space left"):
         run()
-    assert int(model.optimizer.iterations.numpy()) < 10
+    if mode == "sync":
+        assert int(model.optimizer.iterations.numpy()) == 6  # the checkpoint call itself raised
+    elif max_inflight == 1:
+        assert int(model.optimizer.iterations.numpy()) == 8  # stopped at the next checkpoint
+    else:
+        assert int(model.optimizer.iterations.numpy()) <= 10
     assert list(list_versions(ckpt.config, "k")) == [2, 4]
     assert "_update_step" not in model.optimizer.__dict__  # the hook is removed even so
     ckpt.close()
