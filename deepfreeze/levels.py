@@ -196,14 +196,18 @@ class ScratchLevel(Level):
                     arrays: Sequence[np.ndarray], *, chksum: bool, fsync: bool = False) -> str:
         """Write this rank's pieces (flat arrays, plan order) and commit them by rename."""
         vdir = self.version_dir(name, version)
-        self.makedirs(vdir)
         final = self.shard_path(name, version, rank)
-        try:
-            write_shard_file(final, version, rank, plan, arrays, chksum=chksum, fsync=fsync)
-        except OSError as e:
-            raise CheckpointWriteError(e.errno, f"writing shard of rank {rank} for {name!r} v{version} to "
-                                       f"scratch {vdir} failed: {e.strerror}; nothing was committed. "
-                                       "Free space or point 'scratch' elsewhere.") from e
+        for attempt in (1, 2):
+            self.makedirs(vdir)
+            try:
+                write_shard_file(final, version, rank, plan, arrays, chksum=chksum, fsync=fsync)
+                return final
+            except OSError as e:
+                if isinstance(e, FileNotFoundError) and attempt == 1:
+                    continue  # another rank's retention removed the empty directory meanwhile
+                raise CheckpointWriteError(e.errno, f"writing shard of rank {rank} for {name!r} v{version} to "
+                                           f"scratch {vdir} failed: {e.strerror}; nothing was committed. "
+                                           "Free space or point 'scratch' elsewhere.") from e
         return final
 
     def partner_path(self, name: str, version: int, holder: int, src: int) -> str:
@@ -265,8 +269,20 @@ class ScratchLevel(Level):
                     pass
             if f"r{rank:06d}.dfs" in mine:
                 removed.append(v)
-            if not any(n.endswith((".dfs", ".dfx")) or ".tmp" in n for n in _listdir(vdir)):
-                shutil.rmtree(vdir, ignore_errors=True)
+            names = _listdir(vdir)
+            if not any(n.endswith((".dfs", ".dfx")) or ".tmp" in n for n in names):
+                # rmdir, not rmtree: a lagging rank on this node may create its file in the
+                # directory after the listing; rmdir then fails and the directory stays
+                # (that rank's own retention removes it later)
+                if MANIFEST in names:
+                    try:
+                        os.unlink(os.path.join(vdir, MANIFEST))
+                    except FileNotFoundError:
+                        pass
+                try:
+                    os.rmdir(vdir)
+                except OSError:
+                    pass
         return removed
 
 

@@ -214,6 +214,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if not self._pending:
+            if self.hook is not None and self.hook.traced:
+                self.hook.prepare()  # after the first traced step: the capture's reader, traced once
             return
         t0 = time.perf_counter()
         self.hook.flag.assign(False)

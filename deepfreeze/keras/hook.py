@@ -29,6 +29,7 @@ __all__ = ["ShardHook", "install", "uninstall"]
 
 log = logging.getLogger("deepfreeze")
 _ATTR = "_deepfreeze_hook"
+FUNCTION_READ_MIN = 16  # pieces from which capture() reads them with one tf.function call
 
 
 class ShardHook:
@@ -60,6 +61,7 @@ class ShardHook:
             self.slices[tid] = (start, stop)
         self.traced: set[int] = set()  # tensor ids whose update got a copy op in a traced graph
         self._reader: tuple[tuple[bool, ...], Any] | None = None  # (which pieces were copied, read fn)
+        self._reader_n = -1  # len(traced) when the reader was checked
         self.original = optimizer.__dict__.get("_update_step")  # None: the class method
 
     def update_step(self, gradient: Any, variable: Any) -> Any:
@@ -99,19 +101,35 @@ class ShardHook:
         or trainable ones that got no gradient and so were not updated) are read
         from the variable directly.
         """
+        key = self.prepare()
+        out = []
+        for p, copied, value in zip(self.pieces, key, self._reader[1]() if self.pieces else []):
+            value = np.asarray(value)
+            out.append(value if copied else value.reshape(-1)[p.start:p.stop])
+        return out
+
+    def prepare(self) -> tuple[bool, ...]:
+        """Build (and trace) the function :meth:`capture` reads the pieces with, for the current
+        set of copied tensors; returns which pieces the graph copies. Cheap when it exists."""
+        if self._reader is not None and self._reader_n == len(self.traced):  # traced only grows
+            return self._reader[0]
+        self._reader_n = len(self.traced)
         key = tuple(p.tensor_id in self.traced for p in self.pieces)
         if self._reader is None or self._reader[0] != key:
             sources = [self.buffers[p.tensor_id] if copied else self.variables[p.tensor_id]
                        for p, copied in zip(self.pieces, key)]
             # one function call reads every piece: one eager op per piece cost ~0.06 ms each
             # (12 ms for ResNet-50's 180 pieces of a rank, 3 ms this way); the outputs still
-            # share the buffers' memory (no copy), as an eager read_value does
-            self._reader = (key, tf.function(lambda: [v.read_value() for v in sources]))
-        out = []
-        for p, copied, value in zip(self.pieces, key, self._reader[1]() if self.pieces else []):
-            value = np.asarray(value)
-            out.append(value if copied else value.reshape(-1)[p.start:p.stop])
-        return out
+            # share the buffers' memory (no copy), as an eager read_value does. Below
+            # FUNCTION_READ_MIN pieces, eager reads are cheaper than a function call.
+            if len(sources) >= FUNCTION_READ_MIN:
+                fn = tf.function(lambda: [v.read_value() for v in sources])
+                fn()  # trace and instantiate now (tens of ms), not in a checkpoint call (reads copy nothing)
+            else:
+                def fn() -> list:
+                    return [v.read_value() for v in sources]
+            self._reader = (key, fn)
+        return key
 
     def capture_eager(self) -> list[np.ndarray]:
         """Like :meth:`capture` but slicing the variables now (no graph copy needed)."""
