@@ -23,6 +23,8 @@ import json
 import os
 import time
 
+from experiments.bench import write_doc
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = {"nt3-weights": [2, 3], "resnet50": [2, 4]}
 
@@ -80,9 +82,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     doc = {"repeat": args.repeat, "cpus": os.cpu_count(), "runs": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_doc(doc, args.out)
     print(f"wrote {args.out}")
 
 

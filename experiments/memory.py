@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+from experiments.bench import write_doc
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CASES = {"none": None, "deepfreeze": {}, "deepfreeze-inflight1": {"max_inflight": 1},
@@ -83,9 +85,7 @@ def main() -> None:
             doc = json.load(f)
     kept = [r for r in doc.get(args.app, []) if r["case"] not in {x["case"] for x in rows}]
     doc[args.app] = kept + rows
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_doc(doc, args.out)
     print(f"wrote {args.out}")
 
 
