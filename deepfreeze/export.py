@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .errors import DeepFreezeError
+from .levels import replacing_path
 
 __all__ = ["FORMATS", "SAFETENSORS_DTYPES", "ExportError", "export", "write_npz", "write_safetensors",
            "write_h5", "h5_layers", "format_from_path"]
@@ -87,16 +88,8 @@ def _atomic(path: str, force: bool, write: Callable[[str], None]) -> int:
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise ExportError(f"the directory of the output, {parent}, does not exist")
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
+    with replacing_path(path) as tmp:
         write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return os.path.getsize(path)
 
 

@@ -85,19 +85,12 @@ def _fsync_dir(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _replacing(final: str, *, fsync: bool) -> Iterator[int]:
-    """Yield the descriptor of an owner-only temporary file beside ``final``; when the block
-    ends, fsync it (if asked), close it and rename it to ``final``. On an error the temporary
-    file is removed and nothing is left under ``final``."""
+def replacing_path(final: str) -> Iterator[str]:
+    """Yield a temporary path beside ``final``; when the block ends, rename it to ``final``.
+    On an error the temporary file is removed and nothing is left under ``final``."""
     tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp{_uniq()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        try:
-            yield fd
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        yield tmp
         os.replace(tmp, final)
     except BaseException:
         try:
@@ -105,6 +98,20 @@ def _replacing(final: str, *, fsync: bool) -> Iterator[int]:
         except OSError:
             pass
         raise
+
+
+@contextlib.contextmanager
+def _replacing(final: str, *, fsync: bool) -> Iterator[int]:
+    """Yield the descriptor of an owner-only temporary file beside ``final``; when the block
+    ends, fsync it (if asked), close it and rename it to ``final`` (:func:`replacing_path`)."""
+    with replacing_path(final) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            yield fd
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path: str, data: Any, *, fsync: bool) -> None:

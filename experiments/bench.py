@@ -415,6 +415,27 @@ def var(v):
     return sum((x - m) ** 2 for x in v) / (len(v) - 1) if len(v) > 1 else None
 
 
+def rank_means(per_rank: list[list]) -> dict[int, float]:
+    """iteration -> its time averaged over the ranks, from each rank's ``[[iteration, seconds], ...]``."""
+    per_b: dict[int, list[float]] = {}
+    for iters in per_rank:
+        for b, t in iters:
+            per_b.setdefault(int(b), []).append(t)
+    return {b: sum(v) / len(v) for b, v in per_b.items()}
+
+
+def read_results(work: str, approach: str, ranks: int) -> list[dict]:
+    """The per-rank result files of ``approach`` that a job left in ``work`` (missing ones skipped)."""
+    out = []
+    for r in range(ranks):
+        try:
+            with open(f"{work}/res/{approach}.r{r}.json") as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
 def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, baseline: float | None,
               lim: dict) -> dict:
     """One row of ``runs`` from the per-rank records of one approach."""
@@ -430,11 +451,7 @@ def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, 
         row["error"] = "; ".join(errors)
     if not ok:
         return row
-    per_b: dict[int, list[float]] = {}
-    for r in ok:
-        for b, t in r["iters"]:
-            per_b.setdefault(int(b), []).append(t)
-    it = {b: sum(v) / len(v) for b, v in per_b.items()}  # mean over ranks
+    it = rank_means([r["iters"] for r in ok])
     row["iterations"] = len(it)
     nbytes = ok[0]["bytes_total"]
     row["bytes_per_rank"] = max(r["bytes_rank"] for r in ok)
@@ -446,11 +463,7 @@ def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, 
     if approach == "none":
         base = [t for b, t in it.items() if b >= FIRST_USED]
         if all("iters_end" in r for r in ok):
-            end_b: dict[int, list[float]] = {}
-            for r in ok:
-                for b, t in r["iters_end"]:
-                    end_b.setdefault(int(b), []).append(t)
-            end = [sum(v) / len(v) for b, v in sorted(end_b.items()) if b >= FIRST_USED]
+            end = [t for b, t in sorted(rank_means([r["iters_end"] for r in ok]).items()) if b >= FIRST_USED]
             row["baseline_start_s"], row["baseline_end_s"] = mean(base), mean(end)
             base = base + end
         row["baseline_iter_s"] = mean(base)
@@ -550,16 +563,9 @@ def run_group(app: str, ranks: int, approaches: list[str], sched: dict, base: st
             tail = open(logpath, errors="replace").read()[-4000:]
             print(f"[bench] {app} x{ranks} (attempt {attempt + 1}): {failure}\n{tail}", file=sys.stderr, flush=True)
         sch = dict(sched)
-        ends = [json.load(open(f"{work}/res/none-end.r{r}.json")) for r in range(ranks)
-                if os.path.exists(f"{work}/res/none-end.r{r}.json")]
+        ends = read_results(work, "none-end", ranks)
         for approach in [a for a in todo if a != "none-end"]:
-            rs = []
-            for r in range(ranks):
-                try:
-                    with open(f"{work}/res/{approach}.r{r}.json") as f:
-                        rs.append(json.load(f))
-                except (OSError, ValueError):
-                    pass
+            rs = read_results(work, approach, ranks)
             if not rs:
                 rows.setdefault(approach, dict(summarize(app, ranks, approach, [], sched, None, {}),
                                                error=f"not run: {failure}"))

@@ -61,8 +61,8 @@ def targets(doc: dict, write_GBps: float | None) -> str:
         df, kd, ta = (runs.get((app, n, a), {}) for a in ("deepfreeze", "keras-default", "tf-async"))
         b, kb = df.get("blocking_s"), kd.get("blocking_s")
         rows["blocking >= 20x below keras-default"].append(
-            cell(b is not None and kb is not None and kb >= 20 * b, f"{ratio(kb, b)} ({fmt(b)} vs {fmt(kb)} s)")
-            if b is not None and kb is not None else "–")
+            cell(kb >= 20 * b, f"{ratio(kb, b)} ({fmt(b)} vs {fmt(kb)} s)") if b is not None and kb is not None
+            else "–")
         o, se = df.get("runtime_overhead_s"), df.get("runtime_overhead_se_s")
         ko, to, tse = kd.get("runtime_overhead_s"), ta.get("runtime_overhead_s"), ta.get("runtime_overhead_se_s")
         hi = None if o is None else max(o, 0) + (se or 0)  # deepfreeze's overhead, upper end of 1 s.e.

@@ -103,7 +103,7 @@ class ShardHook:
         """
         key = self.prepare()
         out = []
-        for p, copied, value in zip(self.pieces, key, self._reader[1]() if self.pieces else []):
+        for p, copied, value in zip(self.pieces, key, self._reader[1]()):
             value = np.asarray(value)
             out.append(value if copied else value.reshape(-1)[p.start:p.stop])
         return out
