@@ -34,6 +34,7 @@ KEYS: dict[str, str] = {
     "failure_domain": "name of the failure domain (node) of this process; default: host name",
     "watchdog_interval": "seconds: the backend reports a rank that sent no checkpoint for this long; 0 = off",
     "max_inflight": "versions of a rank handed to its writer thread and not yet on scratch; one more waits (DeepFreeze key)",
+    "lease_timeout": "seconds without a heartbeat after which a run's lease on a name is stale (DeepFreeze key)",
     "axl_type": "VeloC AXL transfer type (VeloC engine only)",
 }
 
@@ -81,6 +82,7 @@ class Config:
     failure_domain: str = dataclasses.field(default_factory=socket.gethostname)
     watchdog_interval: float = 0.0
     max_inflight: int = 2
+    lease_timeout: float = 30.0
     axl_type: str | None = None
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
@@ -107,6 +109,9 @@ class Config:
         if self.max_inflight < 1:
             raise ConfigError(f"{self.source}: max_inflight = {self.max_inflight} must be >= 1 (1: a checkpoint "
                               "waits until the previous shard is on scratch; 2: one more may wait in memory)")
+        if not self.lease_timeout > 0:
+            raise ConfigError(f"{self.source}: lease_timeout = {self.lease_timeout} must be > 0 seconds (e.g. 30: a "
+                              "run's heartbeat renews its lease every third of it)")
         if self.watchdog_interval < 0:
             raise ConfigError(f"{self.source}: watchdog_interval must be >= 0")
         validate_name(self.failure_domain.replace("-", "_"), "failure_domain")

@@ -50,9 +50,10 @@ import numpy as np
 
 from .backend import BackendClient
 from .config import Config, validate_name
-from .errors import BackendError, CheckpointWriteError, DeepFreezeError
+from .errors import BackendError, CheckpointWriteError, ConfigError, DeepFreezeError
 from .levels import ScratchLevel, flush_job
 from .redundancy import Comm, plan_redundancy, protect
+from .run import ANONYMOUS_RUN, RunInfo
 from .shardplan import ShardPlan
 
 __all__ = ["Engine", "build_manifest", "make_engine", "resolve_engine", "ENGINES"]
@@ -61,9 +62,11 @@ log = logging.getLogger("deepfreeze")
 
 
 def build_manifest(name: str, version: int, step: int, epoch: int, plan: ShardPlan,
-                   domains: Sequence[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                   domains: Sequence[str], extra: dict[str, Any] | None = None,
+                   run: RunInfo | None = None) -> dict[str, Any]:
+    run = run or RunInfo(ANONYMOUS_RUN)
     return {
-        "format": "deepfreeze-manifest", "format_version": 1, "name": name, "version": version,
+        "format": "deepfreeze-manifest", "format_version": 2, "run": run.to_json(), "name": name, "version": version,
         "step": step, "epoch": epoch, "world_size": plan.world_size,
         "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json(),
         "shards": [{"rank": r, "file": f"r{r:06d}.dfs", "domain": domains[r], "bytes": b}
@@ -80,8 +83,11 @@ class Engine:
 
     def __init__(self, config: Config, name: str, rank: int, plan: ShardPlan,
                  domains: Sequence[str] | None = None, *, scratch_cls: type = ScratchLevel,
-                 max_pending_flushes: int | None = None, comm: Comm | None = None) -> None:
+                 max_pending_flushes: int | None = None, comm: Comm | None = None,
+                 run: RunInfo | None = None) -> None:
         self.config, self.name, self.rank, self.plan = config, validate_name(name), rank, plan
+        #: the run this engine writes for (:mod:`deepfreeze.run`); without one, the anonymous run
+        self.run = run or RunInfo(ANONYMOUS_RUN)
         self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
         self.scratch = scratch_cls(config.scratch)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-writer-r{rank}",
@@ -97,7 +103,7 @@ class Engine:
         self.write_times: dict[int, float] = {}  # version -> seconds to commit the shard on scratch
         if config.mode == "async" and self.kind == "builtin":
             self._backend = BackendClient(config.scratch)
-        self._manifest_base = build_manifest(self.name, 0, 0, 0, plan, self.domains)
+        self._manifest_base = build_manifest(self.name, 0, 0, 0, plan, self.domains, run=self.run)
         self.comm, self.redundancy, self._last_ec = comm, None, None
         if config.ec_interval >= 0 and plan.world_size > 1 and self.kind == "builtin":
             if comm is None or comm.size != plan.world_size:
@@ -113,8 +119,17 @@ class Engine:
     # -- public
     def checkpoint(self, version: int, arrays: Sequence[np.ndarray], *, step: int, epoch: int,
                    extra: dict[str, Any] | None = None) -> None:
-        """Commit this rank's pieces of ``version`` (flat arrays in plan order)."""
+        """Commit this rank's pieces of ``version`` (flat arrays in plan order). Versions of one
+        run strictly increase: a version at or below the last one is a :class:`ConfigError`."""
         t0 = time.perf_counter()
+        if self.last_version is not None and version <= self.last_version:
+            raise ConfigError(f"checkpoint {self.name!r} v{version} requested after v{self.last_version} in the same "
+                              "run: versions (optimizer steps) must grow within a run. A model re-compiled with a "
+                              "fresh optimizer restarts its step count: use a new DeepFreezeCheckpoint with "
+                              "overwrite=True or another name")
+        if self.run.resumed_from is not None and version <= self.run.resumed_from:
+            raise ConfigError(f"checkpoint {self.name!r} v{version} requested, but this run resumed from "
+                              f"v{self.run.resumed_from}: versions must grow")
         self._drain(keep=self.config.max_inflight - 1)
         self._raise_pending()
         # the version-independent part is built once: allocating thousands of small objects here
@@ -215,14 +230,15 @@ class Engine:
         t0 = time.perf_counter()
         try:
             path: str | None = self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays,
-                                                        chksum=cfg.chksum)
+                                                        chksum=cfg.chksum, run=self.run.id)
             failure = None
         except BaseException as e:  # still take part in the exchange below, so nobody waits for us
             path, failure = None, e
         if self.redundancy is not None:
             now = time.monotonic()
             want = self._last_ec is None or now - self._last_ec >= cfg.ec_interval
-            if protect(self.comm, self.scratch, self.name, version, self.rank, path, self.redundancy, want=want):
+            if protect(self.comm, self.scratch, self.name, version, self.rank, path, self.redundancy, want=want,
+                       run=self.run.id):
                 self._last_ec = now
                 manifest = dict(manifest, redundancy=self.redundancy)
         if failure is not None:
@@ -232,7 +248,8 @@ class Engine:
         job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
                "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
                "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions,
-               "watchdog_interval": cfg.watchdog_interval, "manifest": manifest}
+               "watchdog_interval": cfg.watchdog_interval, "manifest": manifest, "run": self.run.id,
+               "lease_timeout": cfg.lease_timeout}
         if self._backend is not None:
             self._call_backend(lambda b: self._pending.__setitem__(b.flush(job), job))
             done, errors = self._call_backend(lambda b: b.poll(list(self._pending)))
@@ -289,10 +306,10 @@ def resolve_engine(engine: str | None) -> str:
 
 def make_engine(engine: str | None, config: Config, name: str, rank: int, plan: ShardPlan,
                 domains: Sequence[str] | None = None, *, comm: Comm | None = None, mpi_comm: Any = None,
-                scratch_cls: type = ScratchLevel) -> Engine:
+                scratch_cls: type = ScratchLevel, run: RunInfo | None = None) -> Engine:
     """The engine of one rank: :class:`Engine` or :class:`~deepfreeze.veloc_engine.VelocEngine`.
     ``comm`` carries the built-in redundancy exchange; ``mpi_comm`` (mpi4py) is VeloC's."""
     if resolve_engine(engine) == "veloc":
         from .veloc_engine import VelocEngine
-        return VelocEngine(config, name, rank, plan, domains, mpi_comm=mpi_comm, scratch_cls=scratch_cls)
-    return Engine(config, name, rank, plan, domains, scratch_cls=scratch_cls, comm=comm)
+        return VelocEngine(config, name, rank, plan, domains, mpi_comm=mpi_comm, scratch_cls=scratch_cls, run=run)
+    return Engine(config, name, rank, plan, domains, scratch_cls=scratch_cls, comm=comm, run=run)

@@ -17,6 +17,8 @@ __all__ = [
     "CheckpointWriteError",
     "VelocNotFoundError",
     "VelocError",
+    "LeaseHeldError",
+    "ExistingCheckpointError",
 ]
 
 
@@ -54,3 +56,11 @@ class VelocNotFoundError(DeepFreezeError, ImportError):
 
 class VelocError(DeepFreezeError, RuntimeError):
     """A VeloC C API call returned ``VELOC_FAILURE`` (the message names the call and arguments)."""
+
+
+class LeaseHeldError(DeepFreezeError, RuntimeError):
+    """Another live run holds the lease on the checkpoint name (the message names it)."""
+
+
+class ExistingCheckpointError(DeepFreezeError, FileExistsError):
+    """A new run (no ``resume``, no ``overwrite``) found committed versions of its name."""

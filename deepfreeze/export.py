@@ -88,7 +88,7 @@ def _atomic(path: str, force: bool, write: Callable[[str], None]) -> int:
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise ExportError(f"the directory of the output, {parent}, does not exist")
-    with replacing_path(path) as tmp:
+    with replacing_path(path, "export.rename") as tmp:
         write(tmp)
     return os.path.getsize(path)
 

@@ -3,9 +3,9 @@
 Shard file (one per rank and version on scratch; the assembled file on
 persistent uses the same layout with ``kind = ASSEMBLED``). Little-endian::
 
-    header (64 bytes)
+    header (72 bytes; 64 in format version 1, which has no run id and stays readable)
       magic        8s   b"DEEPFRZ\\0"
-      version      u16  FORMAT_VERSION
+      version      u16  FORMAT_VERSION (2; 1 is read too)
       kind         u16  1 = shard, 2 = assembled
       flags        u32  bit 0: piece checksums present
       rank         u32  writer's rank (0 for assembled)
@@ -15,8 +15,9 @@ persistent uses the same layout with ``kind = ASSEMBLED``). Little-endian::
       index_bytes  u32
       data_offset  u64  start of the data region (4096-aligned)
       file_size    u64  exact expected size of the file
+      run_id       8s   id of the run that wrote the file (format version 2 only; run.py)
       index_crc    u32  CRC32 of the index bytes
-      header_crc   u32  CRC32 of the 60 bytes before it
+      header_crc   u32  CRC32 of the header bytes before it
     index: n_entries entries of 48 + 8*ndim bytes
       tensor_id u32, dtype u8, ndim u8, pad u16,
       start u64, stop u64        flat element range [start, stop) of the tensor
@@ -50,15 +51,21 @@ __all__ = [
     "MAGIC", "FORMAT_VERSION", "KIND_SHARD", "KIND_ASSEMBLED", "Entry", "ShardIndex",
     "DTYPES", "dtype_itemsize", "numpy_dtype", "dtype_name", "layout", "encode_index",
     "read_index", "read_entry", "crc32", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
+    "manifest_run", "run_id_bytes",
 ]
 
 MAGIC = b"DEEPFRZ\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+MANIFEST_VERSIONS = (1, 2)
 KIND_SHARD = 1
 KIND_ASSEMBLED = 2
 FLAG_CRC = 1
-_HEADER = struct.Struct("<8sHHIIIQIIQQII")
-assert _HEADER.size == 64
+_HEADER_V1 = struct.Struct("<8sHHIIIQIIQQII")
+assert _HEADER_V1.size == 64
+_HEADER = struct.Struct("<8sHHIIIQIIQQ8sII")
+assert _HEADER.size == 72
+RUN_ID_BYTES = 8
 _ENTRY = struct.Struct("<IBBHQQQQII")
 assert _ENTRY.size == 48
 DATA_ALIGN = 4096
@@ -146,6 +153,7 @@ class ShardIndex:
     data_offset: int
     file_size: int
     entries: tuple[Entry, ...]
+    run: str = ""  #: hex id of the run that wrote it ("" for format version 1 files)
 
 
 def _align(n: int, a: int) -> int:
@@ -173,9 +181,21 @@ def layout(entries: Sequence[Entry], *, contiguous_tensors: bool = False) -> tup
     return out, data_offset, pos
 
 
+def run_id_bytes(run: str) -> bytes:
+    """The 8 header bytes of a run id (16 hex digits, :func:`deepfreeze.run.new_run_id`)."""
+    try:
+        raw = bytes.fromhex(run)
+    except (ValueError, TypeError):
+        raw = b""
+    if len(raw) != RUN_ID_BYTES:
+        raise ValueError(f"run id {run!r} is not {2 * RUN_ID_BYTES} hex digits")
+    return raw
+
+
 def encode_index(kind: int, rank: int, world_size: int, version: int, entries: Sequence[Entry],
-                 data_offset: int, file_size: int, has_crc: bool) -> bytes:
-    """Header + index bytes (to be written at offset 0, padded up to ``data_offset``)."""
+                 data_offset: int, file_size: int, has_crc: bool, run: str) -> bytes:
+    """Header + index bytes (to be written at offset 0, padded up to ``data_offset``);
+    ``run`` is the writing run's id."""
     parts = []
     for e in entries:
         if len(e.shape) > MAX_NDIM:
@@ -185,7 +205,8 @@ def encode_index(kind: int, rank: int, world_size: int, version: int, entries: S
         parts.append(struct.pack(f"<{len(e.shape)}Q", *e.shape))
     index = b"".join(parts)
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, FLAG_CRC if has_crc else 0, rank, world_size,
-                        version, len(entries), len(index), data_offset, file_size, crc32(index), 0)
+                        version, len(entries), len(index), data_offset, file_size, run_id_bytes(run),
+                        crc32(index), 0)
     head = head[:-4] + struct.pack("<I", crc32(head[:-4]))
     return head + index
 
@@ -209,25 +230,34 @@ def read_index(f: "BinaryIO | bytes | memoryview | np.ndarray", path: str = "<fi
             f.seek(off)
             return f.read(n)
     raw = read(0, _HEADER.size)
-    if len(raw) < _HEADER.size:
-        raise bad(f"{size} bytes, shorter than the {_HEADER.size}-byte header")
-    (magic, fver, kind, flags, rank, world, version, n, index_bytes, data_offset, file_size,
-     index_crc, header_crc) = _HEADER.unpack(raw)
+    if len(raw) < _HEADER_V1.size:
+        raise bad(f"{size} bytes, shorter than the {_HEADER_V1.size}-byte header")
+    if raw[:8] != MAGIC:
+        raise bad(f"wrong magic {raw[:8]!r}")
+    fver = struct.unpack_from("<H", raw, 8)[0]
+    if fver not in READABLE_VERSIONS:
+        raise bad(f"format version {fver}, this DeepFreeze reads {list(READABLE_VERSIONS)}: upgrade DeepFreeze")
+    header = _HEADER if fver == 2 else _HEADER_V1
+    if len(raw) < header.size:
+        raise bad(f"{size} bytes, shorter than the {header.size}-byte header")
+    raw = raw[:header.size]
+    fields = header.unpack(raw)
+    (magic, fver, kind, flags, rank, world, version, n, index_bytes, data_offset, file_size) = fields[:11]
+    run = fields[11].hex() if fver == 2 else ""
+    index_crc, header_crc = fields[-2:]
     if magic != MAGIC:
         raise bad(f"wrong magic {magic!r}")
     if crc32(raw[:-4]) != header_crc:
         raise bad("header checksum mismatch")
-    if fver != FORMAT_VERSION:
-        raise bad(f"format version {fver}, this DeepFreeze reads {FORMAT_VERSION}: upgrade DeepFreeze")
     if kind not in (KIND_SHARD, KIND_ASSEMBLED) or not 1 <= world <= 1 << 20 or rank >= world:
         raise bad(f"kind {kind}, rank {rank}, world size {world} out of range")
     if n > MAX_ENTRIES or index_bytes > n * (_ENTRY.size + 8 * MAX_NDIM) or index_bytes < n * _ENTRY.size:
         raise bad(f"{n} entries in {index_bytes} index bytes is impossible")
     if file_size != size:
         raise bad(f"size is {size} bytes, the header says {file_size} (truncated or padded)")
-    if not _HEADER.size + index_bytes <= data_offset <= file_size:
+    if not header.size + index_bytes <= data_offset <= file_size:
         raise bad(f"data offset {data_offset} outside the file")
-    index = read(_HEADER.size, index_bytes)
+    index = read(header.size, index_bytes)
     if len(index) != index_bytes or crc32(index) != index_crc:
         raise bad("index checksum mismatch")
     entries = []
@@ -253,7 +283,7 @@ def read_index(f: "BinaryIO | bytes | memoryview | np.ndarray", path: str = "<fi
     if pos != index_bytes:
         raise bad("index has trailing bytes")
     return ShardIndex(kind, rank, world, version, bool(flags & FLAG_CRC), data_offset, file_size,
-                      tuple(entries))
+                      tuple(entries), run)
 
 
 def read_entry(f: BinaryIO, entry: Entry, out: np.ndarray | None = None, *, verify: bool = True,
@@ -294,6 +324,14 @@ def entry_view(buf: Any, entry: Entry, *, verify: bool = True, path: str = "<mem
 # --------------------------------------------------------------------------- manifest
 
 _FILE_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_RUN_RE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def manifest_run(manifest: dict[str, Any]) -> tuple[str, int, int | None]:
+    """(run id, generation, resumed-from step) of a decoded manifest; ("", 0, None) for a
+    format-version-1 manifest, written before runs had ids."""
+    run = manifest.get("run") or {}
+    return run.get("id", ""), run.get("generation", 0), run.get("resumed_from")
 
 
 def encode_manifest(obj: dict[str, Any]) -> bytes:
@@ -312,8 +350,15 @@ def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
         raise bad(f"not JSON ({e})") from e
     if not isinstance(obj, dict) or obj.get("format") != "deepfreeze-manifest":
         raise bad("'format' is not 'deepfreeze-manifest'")
-    if obj.get("format_version") != FORMAT_VERSION:
-        raise bad(f"format_version {obj.get('format_version')!r}, expected {FORMAT_VERSION}")
+    if obj.get("format_version") not in MANIFEST_VERSIONS:
+        raise bad(f"format_version {obj.get('format_version')!r}, this DeepFreeze reads {list(MANIFEST_VERSIONS)}")
+    run = obj.get("run")
+    if obj["format_version"] >= 2 and not (
+            isinstance(run, dict) and isinstance(run.get("id"), str) and _RUN_RE.match(run["id"])
+            and type(run.get("generation", 0)) is int and 0 <= run.get("generation", 0) < 1 << 62
+            and (run.get("resumed_from") is None or (type(run["resumed_from"]) is int
+                                                     and 0 <= run["resumed_from"] < 1 << 62))):
+        raise bad("'run' malformed (an object with a 16-hex-digit 'id', 'generation' and 'resumed_from')")
     for key, typ in (("name", str), ("version", int), ("step", int), ("epoch", int),
                      ("world_size", int), ("tensors", list), ("plan", dict), ("shards", list)):
         if not isinstance(obj.get(key), typ) or isinstance(obj.get(key), bool):

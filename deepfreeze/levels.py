@@ -46,29 +46,42 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
 import re
-import shutil
+import secrets
 import socket
+import stat
 import threading
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from . import crashpoints as cp
 from . import format as fmt
-from .errors import CheckpointWriteError, CorruptCheckpointError
+from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError
+from .run import ANONYMOUS_RUN, describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .shardplan import ShardPlan, TensorSpec
 
-__all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write"]
+__all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
+           "read_decision", "FencedError"]
 
 log = logging.getLogger("deepfreeze")
 _VDIR = re.compile(r"^v(\d{12})$")
 _SCRATCH_FILE = re.compile(r"^(?:r(\d{6})\.dfs|h(\d{6})\.r(\d{6})\.dfs|x(\d{6})\.dfx)$")
+_MARKER = re.compile(r"^done\.r(\d{6})\.([0-9a-f]{16})\.json$")
 MANIFEST = "manifest.json"
 ASSEMBLED = "model.dfz"
+DECISION = "decision"
+LOCK = "commit.lock"
+_MAX_MARKER_BYTES = 64 << 20
+
+
+class FencedError(DeepFreezeError, RuntimeError):
+    """The work belongs to a run that no longer holds the lease on its name: abandoned."""
 
 
 def _uniq() -> str:
@@ -76,51 +89,54 @@ def _uniq() -> str:
     return f"{os.getpid()}.{threading.get_ident()}"
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync_dir(path: str, point: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        cp.fsync(fd, point)
     finally:
         os.close(fd)
 
 
 @contextlib.contextmanager
-def replacing_path(final: str) -> Iterator[str]:
-    """Yield a temporary path beside ``final``; when the block ends, rename it to ``final``.
-    On an error the temporary file is removed and nothing is left under ``final``."""
+def replacing_path(final: str, point: str = "export.rename") -> Iterator[str]:
+    """Yield a temporary path beside ``final``; when the block ends, rename it to ``final``
+    (crash point ``point``). On an error the temporary file is removed and nothing is left
+    under ``final``."""
     tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp{_uniq()}")
     try:
         yield tmp
-        os.replace(tmp, final)
+        cp.replace(tmp, final, point)
     except BaseException:
         try:
-            os.unlink(tmp)
+            cp.unlink(tmp, "tmp.cleanup")
         except OSError:
             pass
         raise
 
 
 @contextlib.contextmanager
-def _replacing(final: str, *, fsync: bool) -> Iterator[int]:
+def _replacing(final: str, *, fsync: bool, point: str) -> Iterator[int]:
     """Yield the descriptor of an owner-only temporary file beside ``final``; when the block
-    ends, fsync it (if asked), close it and rename it to ``final`` (:func:`replacing_path`)."""
-    with replacing_path(final) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    ends, fsync it (if asked; crash point ``<point>.fsync``), close it and rename it to
+    ``final`` (``<point>.rename``, :func:`replacing_path`)."""
+    with replacing_path(final, point + ".rename") as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             yield fd
             if fsync:
-                os.fsync(fd)
+                cp.fsync(fd, point + ".fsync")
         finally:
             os.close(fd)
 
 
-def atomic_write(path: str, data: Any, *, fsync: bool) -> None:
+def atomic_write(path: str, data: Any, *, fsync: bool, point: str) -> None:
     """Write ``data`` (bytes or an array) to ``path`` by temporary file and rename (and with
-    ``fsync``, the file and its directory are flushed)."""
-    with _replacing(path, fsync=fsync) as fd:
+    ``fsync``, the file and its directory are flushed). ``point`` prefixes the crash points
+    (``.fsync``, ``.rename``, ``.dirsync``; :mod:`deepfreeze.crashpoints`)."""
+    with _replacing(path, fsync=fsync, point=point) as fd:
         _write_all(fd, data, 0)
     if fsync:
-        _fsync_dir(os.path.dirname(path))
+        _fsync_dir(os.path.dirname(path), point + ".dirsync")
 
 
 def _write_all(fd: int, buf: Any, offset: int) -> None:
@@ -200,14 +216,16 @@ class ScratchLevel(Level):
         return os.path.join(self.version_dir(name, version), f"r{rank:06d}.dfs")
 
     def write_shard(self, name: str, version: int, rank: int, plan: ShardPlan,
-                    arrays: Sequence[np.ndarray], *, chksum: bool, fsync: bool = False) -> str:
-        """Write this rank's pieces (flat arrays, plan order) and commit them by rename."""
+                    arrays: Sequence[np.ndarray], *, chksum: bool, fsync: bool = False,
+                    run: str = ANONYMOUS_RUN) -> str:
+        """Write this rank's pieces (flat arrays, plan order) and commit them by rename; the
+        header carries ``run``, the id of the run that wrote it."""
         vdir = self.version_dir(name, version)
         final = self.shard_path(name, version, rank)
         for attempt in (1, 2):
-            self.makedirs(vdir)
             try:
-                write_shard_file(final, version, rank, plan, arrays, chksum=chksum, fsync=fsync)
+                self.makedirs(vdir)
+                write_shard_file(final, version, rank, plan, arrays, chksum=chksum, fsync=fsync, run=run)
                 return final
             except OSError as e:
                 if isinstance(e, FileNotFoundError) and attempt == 1:
@@ -241,20 +259,56 @@ class ScratchLevel(Level):
                 inv["parity"][int(m.group(4))] = path
         return inv
 
-    def committed(self, name: str) -> dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]]:
-        """Versions with a valid manifest here -> (manifest, :meth:`inventory`)."""
+    def committed(self, name: str, generation: int | None = None
+                  ) -> dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]]:
+        """Versions with a valid manifest here (of ``generation``, when given) ->
+        (manifest, :meth:`inventory`)."""
         out = {}
         for v in self.versions(name):
             try:
                 m = self.read_manifest(name, v)
-            except (OSError, CorruptCheckpointError):
+            except (OSError, DeepFreezeError, ValueError):
+                continue
+            if generation is not None and fmt.manifest_run(m)[1] != generation:
                 continue
             out[v] = (m, self.inventory(name, v))
         return out
 
     def write_manifest(self, name: str, version: int, manifest: dict[str, Any]) -> None:
         atomic_write(os.path.join(self.version_dir(name, version), MANIFEST),
-                      fmt.encode_manifest(manifest), fsync=False)
+                     fmt.encode_manifest(manifest), fsync=False, point="scratch.manifest")
+
+    @staticmethod
+    def _own_files(names: Iterable[str], rank: int) -> list[str]:
+        return [n for n in names if n == f"r{rank:06d}.dfs" or n == f"x{rank:06d}.dfx"
+                or (n.startswith(f"h{rank:06d}.r") and n.endswith(".dfs"))]
+
+    def _remove_own(self, vdir: str, rank: int, point: str) -> bool:
+        """Remove this rank's files in ``vdir`` (own shard, partner copies and parity it holds),
+        then the manifest and the directory once no rank's file is left. True if the own shard
+        was there."""
+        names = _listdir(vdir)
+        mine = self._own_files(names, rank)
+        for n in mine:
+            try:
+                cp.unlink(os.path.join(vdir, n), point)
+            except FileNotFoundError:
+                pass
+        names = _listdir(vdir)
+        if not any(n.endswith((".dfs", ".dfx")) or ".tmp" in n for n in names):
+            # rmdir, not rmtree: a lagging rank on this node may create its file in the
+            # directory after the listing; rmdir then fails and the directory stays
+            # (that rank's own retention removes it later)
+            if MANIFEST in names:
+                try:
+                    cp.unlink(os.path.join(vdir, MANIFEST), "scratch.retain.manifest")
+                except FileNotFoundError:
+                    pass
+            try:
+                cp.rmdir(vdir, "scratch.retain.rmdir")
+            except OSError:
+                pass
+        return f"r{rank:06d}.dfs" in mine
 
     def retain(self, name: str, rank: int, keep: int, upto: int) -> list[int]:
         """Delete this rank's shards of all but the newest ``keep`` versions up to ``upto``.
@@ -266,35 +320,24 @@ class ScratchLevel(Level):
             return []
         removed = []
         for v in [v for v in self.versions(name) if v <= upto][:-keep]:
-            vdir = self.version_dir(name, v)
-            mine = [n for n in _listdir(vdir) if n == f"r{rank:06d}.dfs" or n == f"x{rank:06d}.dfx"
-                    or (n.startswith(f"h{rank:06d}.r") and n.endswith(".dfs"))]
-            for n in mine:  # own shard, partner copies and parity this rank holds
-                try:
-                    os.unlink(os.path.join(vdir, n))
-                except FileNotFoundError:
-                    pass
-            if f"r{rank:06d}.dfs" in mine:
+            if self._remove_own(self.version_dir(name, v), rank, "scratch.retain.unlink"):
                 removed.append(v)
-            names = _listdir(vdir)
-            if not any(n.endswith((".dfs", ".dfx")) or ".tmp" in n for n in names):
-                # rmdir, not rmtree: a lagging rank on this node may create its file in the
-                # directory after the listing; rmdir then fails and the directory stays
-                # (that rank's own retention removes it later)
-                if MANIFEST in names:
-                    try:
-                        os.unlink(os.path.join(vdir, MANIFEST))
-                    except FileNotFoundError:
-                        pass
-                try:
-                    os.rmdir(vdir)
-                except OSError:
-                    pass
+        return removed
+
+    def clear(self, name: str, rank: int, above: int | None = None) -> list[int]:
+        """Remove this rank's files of every version above ``above`` (all when None): a new run
+        that resumed from ``above`` (or overwrites the name) rewrites those numbers."""
+        removed = []
+        for v in self.versions(name):
+            if above is None or v > above:
+                if self._remove_own(self.version_dir(name, v), rank, "scratch.clear.unlink"):
+                    removed.append(v)
         return removed
 
 
 def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan, arrays: Sequence[np.ndarray], *,
-                     chksum: bool, fsync: bool = False) -> None:
+                     chksum: bool, fsync: bool = False, run: str = ANONYMOUS_RUN,
+                     point: str = "scratch.shard") -> None:
     """Write a rank's shard file (format.py) to ``final``: temporary name, then rename.
     Raises OSError (nothing left behind) or ValueError (arrays do not match the plan)."""
     pieces = plan.for_rank(rank)
@@ -309,9 +352,9 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan, array
     entries, data_offset, size = fmt.layout(entries)
     if chksum:
         entries = [dataclasses.replace(e, crc=fmt.crc32(np.ascontiguousarray(a))) for e, a in zip(entries, arrays)]
-    with _replacing(final, fsync=fsync) as fd:
+    with _replacing(final, fsync=fsync, point=point) as fd:
         _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                        data_offset, size, chksum), 0)
+                                        data_offset, size, chksum, run), 0)
         for e, a in zip(entries, arrays):
             if e.length:
                 _write_all(fd, np.ascontiguousarray(a), e.offset)
@@ -321,195 +364,458 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan, array
 def _listdir(path: str) -> list[str]:
     try:
         return os.listdir(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
 
 
+def _read_regular(path: str, limit: int) -> bytes:
+    """The bytes of a regular file (no symlink followed, no FIFO opened), at most ``limit``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file")
+        chunks, n = [], 0
+        while n <= limit:
+            b = os.read(fd, min(1 << 20, limit + 1 - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+    finally:
+        os.close(fd)
+    if n > limit:
+        raise CorruptCheckpointError(f"{path} is larger than {limit} bytes")
+    return b"".join(chunks)
+
+
+def read_decision(vdir: str) -> dict[str, str] | None:
+    """The version's decision ``{"decision": "flush"|"skip", "nonce", "run"}``, or None.
+    A format-1 decision (the bare word) has no nonce and run ``""``; an unreadable one is
+    reported as decision ``"corrupt"``."""
+    path = os.path.join(vdir, DECISION)
+    try:
+        data = _read_regular(path, 4096)
+    except FileNotFoundError:
+        return None
+    except (OSError, DeepFreezeError):
+        return {"decision": "corrupt", "nonce": "", "run": ""}
+    if data in (b"flush", b"skip"):
+        return {"decision": data.decode(), "nonce": "", "run": ""}
+    try:
+        d = json.loads(data.decode("utf-8"))
+        if (isinstance(d, dict) and d.get("decision") in ("flush", "skip")
+                and isinstance(d.get("nonce"), str) and re.fullmatch(r"[0-9a-f]{16}", d["nonce"])
+                and isinstance(d.get("run"), str)):
+            return {"decision": d["decision"], "nonce": d["nonce"], "run": d["run"]}
+    except (ValueError, UnicodeDecodeError):
+        pass
+    return {"decision": "corrupt", "nonce": "", "run": ""}
+
+
 class PersistentLevel(Level):
-    """Shared last level: one assembled file per version, committed by its manifest."""
+    """Shared last level: one assembled file per version, committed by its manifest.
+
+    See the module docstring for the commit protocol; every method that creates or removes
+    a file of a version does it through :mod:`deepfreeze.crashpoints`."""
 
     kind = "persistent"
 
-    def committed_versions(self, name: str) -> list[int]:
-        """Versions whose manifest exists and is a valid manifest of this name and version."""
+    def generation(self, name: str) -> int:
+        """The name's current generation (:func:`deepfreeze.run.read_generation`)."""
+        return read_generation(self.root, name)
+
+    def committed_versions(self, name: str, generation: int | None = None) -> list[int]:
+        """Versions whose manifest exists, is a valid manifest of this name and version and
+        belongs to the current generation (or ``generation``)."""
+        gen = self.generation(name) if generation is None else generation
         out = []
         for v in self.versions(name):
             try:
-                self.read_manifest(name, v)
-            except (OSError, CorruptCheckpointError):
+                m = self.read_manifest(name, v)
+            except (OSError, DeepFreezeError, ValueError):
                 continue
-            out.append(v)
+            if fmt.manifest_run(m)[1] == gen:
+                out.append(v)
         return out
 
-    def decide(self, name: str, version: int, interval: float) -> bool:
-        """Flush ``version``? Decided once by the first node (exclusive create), followed by all."""
-        if interval < 0:
-            return False
-        vdir = self.version_dir(name, version)
-        self.makedirs(vdir)
-        path = os.path.join(vdir, "decision")
-        try:
-            with open(path, "rb") as f:
-                return f.read(8) == b"flush"
-        except FileNotFoundError:
-            pass
-        flush = True
-        if interval > 0:
-            # time since the newest earlier version decided "flush" (its decision file's mtime)
-            for v in reversed([v for v in self.versions(name) if v < version]):
+    # -- the version lock
+    @contextlib.contextmanager
+    def locked(self, vdir: str, *, wait: float, stale_after: float) -> Iterator[bool]:
+        """Hold ``commit.lock`` of a version directory. Yields False (not taken) when another
+        live holder keeps it longer than ``wait`` seconds. A lock left by a dead process of
+        this host, or older than ``stale_after`` seconds by the file system's clock, is broken."""
+        path = os.path.join(vdir, LOCK)
+        deadline = time.monotonic() + wait
+        taken = False
+        while True:
+            if _create_exclusive(path, f"{socket.gethostname()} {os.getpid()}".encode(), "persistent.lock.link"):
+                taken = True
+                break
+            try:
+                raw = _read_regular(path, 300)
+                mtime = os.lstat(path).st_mtime
+            except FileNotFoundError:
+                continue
+            except (OSError, DeepFreezeError):
+                raw, mtime = b"", 0.0
+            host, _, pid = raw.decode(errors="replace").partition(" ")
+            dead = host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))
+            if dead or fs_now(vdir) - mtime > stale_after:
+                log.warning("deepfreeze: breaking stale lock %s of %s process %s", path,
+                            "dead" if dead else "silent", raw.decode(errors="replace")[:100])
                 try:
-                    with open(os.path.join(self.version_dir(name, v), "decision"), "rb") as f:
-                        if f.read(8) != b"flush":
-                            continue
-                        flush = time.time() - os.fstat(f.fileno()).st_mtime >= interval
-                        break
+                    cp.unlink(path, "persistent.lock.break")
                 except FileNotFoundError:
-                    continue
-        if not _create_exclusive(path, b"flush" if flush else b"skip"):
-            with open(path, "rb") as f:  # another node decided first: follow it
-                return f.read(8) == b"flush"
-        return flush
+                    pass
+                continue
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        try:
+            yield taken
+        finally:
+            if taken:
+                try:
+                    cp.unlink(path, "persistent.lock.unlink")
+                except FileNotFoundError:
+                    pass
 
-    def mark_skipped(self, name: str, version: int) -> None:
+    def _fence(self, name: str, run: str, what: str) -> None:
+        holder = fence_holder(self.root, name, run)
+        if holder is not None:
+            raise FencedError(f"{what} of run {run} abandoned: the lease on {name!r} is held by "
+                              f"{describe_holder(holder)}")
+
+    # -- which versions go to persistent
+    def _due(self, name: str, version: int, interval: float) -> bool:
+        """Has ``interval`` passed (file-system clock) since the newest earlier ``flush`` decision?"""
+        if interval <= 0:
+            return True
+        for v in reversed([v for v in self.versions(name) if v < version]):
+            vdir = self.version_dir(name, v)
+            d = read_decision(vdir)
+            if d is None or d["decision"] != "flush":
+                continue
+            try:
+                mtime = os.lstat(os.path.join(vdir, DECISION)).st_mtime
+            except FileNotFoundError:
+                continue
+            age = fs_now(self.name_dir(name)) - mtime
+            if age < 0:
+                warn_skew(f"the decision of {name!r} v{v}", -age)
+                return True  # a future mtime (another node's clock): due, never "skip forever"
+            return age >= interval
+        return True
+
+    def decide(self, name: str, version: int, interval: float, run: str = ANONYMOUS_RUN, *,
+               stale_after: float = 60.0) -> dict[str, str] | None:
+        """The version's decision (``flush``/``skip`` and its nonce), made once per run by the
+        first node to flush it (exclusive creation, under the version lock), followed by all.
+        A decision of another run (an abandoned attempt, or a version an older run committed
+        above this run's resume point) is retired first, if ``run`` holds the lease; if another
+        run holds it, :class:`FencedError`. None when ``interval < 0`` (no persistent level)."""
+        if interval < 0:
+            return None
+        vdir = self.version_dir(name, version)
+        d = read_decision(vdir)
+        if d is not None and d["run"] == run and d["nonce"]:
+            return d
+        self.makedirs(vdir)
+        with self.locked(vdir, wait=stale_after + 5, stale_after=stale_after) as taken:
+            if not taken:
+                raise CheckpointWriteError(errno.ETIMEDOUT, f"{vdir}/{LOCK} stayed locked for {stale_after + 5:.0f} s "
+                                           "by a live process: cannot decide the version")
+            self._fence(name, run, f"flush of {name!r} v{version}")
+            d = read_decision(vdir)
+            if d is not None and d["run"] == run and d["nonce"]:
+                return d
+            if d is not None or os.path.lexists(os.path.join(vdir, MANIFEST)):
+                log.warning("deepfreeze: %s v%d on persistent holds work of another run (%s): retiring it before "
+                            "this run (%s) writes the version", name, version, (d or {}).get("run") or "unknown",
+                            run)
+                # shard files VeloC flushed here are kept: flush_shard checks their run id
+                self._clear(vdir, keep=(LOCK,), keep_re=_SCRATCH_FILE)
+            flush = self._due(name, version, interval)
+            d = {"decision": "flush" if flush else "skip", "nonce": secrets.token_hex(8), "run": run}
+            if not _create_exclusive(os.path.join(vdir, DECISION), json.dumps(d).encode(),
+                                     "persistent.decision.link"):
+                raise CheckpointWriteError(errno.EEXIST, f"{vdir}/{DECISION} appeared while holding {LOCK}")
+            return d
+
+    def mark_skipped(self, name: str, version: int, run: str = ANONYMOUS_RUN) -> None:
         """Record ``skip`` for a version some node will not flush (unless a decision exists), so
         :meth:`retain` sweeps its directory once a newer version commits."""
         vdir = self.version_dir(name, version)
         if os.path.isdir(vdir):
-            _create_exclusive(os.path.join(vdir, "decision"), b"skip")
+            _create_exclusive(os.path.join(vdir, DECISION),
+                              json.dumps({"decision": "skip", "nonce": secrets.token_hex(8), "run": run}).encode(),
+                              "persistent.decision.link")
 
     def assembled_layout(self, plan: ShardPlan) -> tuple[list[fmt.Entry], int, int]:
         return fmt.layout(piece_entries(plan, plan.pieces), contiguous_tensors=True)
 
     def flush_shard(self, name: str, version: int, rank: int, shard_path: str,
-                    manifest: dict[str, Any], *, fsync: bool = True) -> bool:
-        """Copy one rank's shard into the assembled file; finalize if it was the last one.
+                    manifest: dict[str, Any], *, fsync: bool = True, decision: dict[str, str] | None = None,
+                    stale_after: float = 60.0) -> bool:
+        """Copy one rank's shard into the version's partial file, publish its done marker, and
+        finalize if it was the last one. Returns True if this call committed the version.
 
-        Returns True if this call committed the version.
-        """
+        ``decision`` is the version's (:meth:`decide`); the partial and the marker carry its
+        nonce. Each piece's CRC is computed from the bytes as they are copied and compared with
+        the shard's index (no second read). A ``model.dfz`` already renamed into place (a
+        finalizer killed before the manifest) is finished, never reopened."""
+        run = fmt.manifest_run(manifest)[0] or ANONYMOUS_RUN
+        if decision is None:
+            decision = self.decide(name, version, 0, run, stale_after=stale_after)
+        nonce = decision["nonce"]
         vdir = self.version_dir(name, version)
-        if os.path.exists(os.path.join(vdir, MANIFEST)):
+        if os.path.lexists(os.path.join(vdir, MANIFEST)):
             return False  # already committed (a re-sent flush after a backend restart): nothing to do
         plan = plan_of(manifest)
         layout, _, size = self.assembled_layout(plan)
-        where = {(e.tensor_id, e.start): e for e in layout}
-        self.makedirs(vdir)
-        crcs = []
-        with open(shard_path, "rb") as src:
-            idx = fmt.read_index(src, shard_path)
-            expect = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(rank)]
-            if [(e.tensor_id, e.start, e.stop) for e in idx.entries] != expect or idx.version != version:
-                raise CorruptCheckpointError(f"{shard_path}: shard does not match the manifest's plan")
-            dst = os.open(os.path.join(vdir, ASSEMBLED + ".partial"), os.O_WRONLY | os.O_CREAT, 0o600)
+        if not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
+            where = {(e.tensor_id, e.start): e for e in layout}
+            fd = _open_regular(shard_path)
             try:
-                for e in idx.entries:
-                    _copy_range(src.fileno(), dst, e.length, e.offset, where[(e.tensor_id, e.start)].offset)
-                    crcs.append([e.tensor_id, e.start, e.crc])
-                if fsync:
-                    os.fsync(dst)
-                    _drop_cached(dst, [(where[(e.tensor_id, e.start)].offset, e.length) for e in idx.entries])
+                idx = fmt.read_index(_FdFile(fd), shard_path)
+                expect = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(rank)]
+                if [(e.tensor_id, e.start, e.stop) for e in idx.entries] != expect or idx.version != version:
+                    raise CorruptCheckpointError(f"{shard_path}: shard does not match the manifest's plan")
+                if (idx.run or ANONYMOUS_RUN) != run:
+                    raise CorruptCheckpointError(f"{shard_path}: shard written by run {idx.run or 'unknown'}, the "
+                                                 f"manifest is run {run}'s: not flushing a mixture of two runs")
+                dst = os.open(os.path.join(vdir, f"{ASSEMBLED}.partial.{nonce}"),
+                              os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                crcs = []
+                try:
+                    buf = np.empty(min(8 << 20, max(1, max((e.length for e in idx.entries), default=1))), np.uint8)
+                    for e in idx.entries:
+                        crc = _copy_checked(fd, dst, e, where[(e.tensor_id, e.start)].offset, buf, idx.has_crc,
+                                            shard_path)
+                        crcs.append([e.tensor_id, e.start, crc])
+                    if fsync:
+                        cp.fsync(dst, "persistent.partial.fsync")
+                        _drop_cached(dst, [(where[(e.tensor_id, e.start)].offset, e.length) for e in idx.entries])
+                finally:
+                    os.close(dst)
             finally:
-                os.close(dst)
-        marker = {"rank": rank, "has_crc": idx.has_crc, "crcs": crcs}
-        atomic_write(os.path.join(vdir, f"done.r{rank:06d}.json"), json.dumps(marker).encode(), fsync=fsync)
-        return self._try_finalize(name, version, manifest, plan, layout, size, fsync=fsync)
+                os.close(fd)
+            marker = {"rank": rank, "run": run, "nonce": nonce, "has_crc": idx.has_crc, "crcs": crcs}
+            atomic_write(os.path.join(vdir, f"done.r{rank:06d}.{nonce}.json"), json.dumps(marker).encode(),
+                         fsync=fsync, point="persistent.marker")
+        return self._try_finalize(name, version, manifest, plan, layout, size, nonce, run, fsync=fsync,
+                                  stale_after=stale_after)
+
+    def _markers(self, vdir: str, nonce: str) -> dict[int, str]:
+        out = {}
+        for n in _listdir(vdir):
+            m = _MARKER.match(n)
+            if m and m.group(2) == nonce:
+                out[int(m.group(1))] = n
+        return out
 
     def _try_finalize(self, name: str, version: int, manifest: dict[str, Any], plan: ShardPlan,
-                      layout: list[fmt.Entry], size: int, *, fsync: bool) -> bool:
+                      layout: list[fmt.Entry], size: int, nonce: str, run: str, *, fsync: bool,
+                      stale_after: float) -> bool:
         vdir = self.version_dir(name, version)
-        done = [n for n in _listdir(vdir) if n.startswith("done.r") and n.endswith(".json")]
-        if len(done) < plan.world_size:
+        done = self._markers(vdir, nonce)
+        if set(done) != set(range(plan.world_size)):
             return False
-        if not self._take_lock(os.path.join(vdir, "commit.lock")):
-            return False
-        crc = {}
-        has_crc = True
-        for n in done:
-            with open(os.path.join(vdir, n), "rb") as f:
-                marker = json.loads(f.read(64 << 20))
-            has_crc &= bool(marker["has_crc"])
-            for tid, start, c in marker["crcs"]:
-                crc[(tid, start)] = c
-        entries = [dataclasses.replace(e, crc=crc.get((e.tensor_id, e.start), 0) if has_crc else 0)
-                   for e in layout]
-        _, data_offset, _ = fmt.layout(entries, contiguous_tensors=True)
-        head = fmt.encode_index(fmt.KIND_ASSEMBLED, 0, 1, version, entries, data_offset, size, has_crc)
-        partial = os.path.join(vdir, ASSEMBLED + ".partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            _write_all(fd, head, 0)
-            os.ftruncate(fd, size)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(partial, os.path.join(vdir, ASSEMBLED))
-        final = dict(manifest, assembled={"file": ASSEMBLED, "bytes": size, "checksums": has_crc},
-                     committed=time.time())
-        atomic_write(os.path.join(vdir, MANIFEST), fmt.encode_manifest(final), fsync=fsync)
-        for n in done + ["commit.lock"]:
-            try:
-                os.unlink(os.path.join(vdir, n))
-            except FileNotFoundError:
-                pass
+        with self.locked(vdir, wait=0.0, stale_after=stale_after) as taken:
+            if not taken:
+                return False  # another node finalizes
+            self._fence(name, run, f"commit of {name!r} v{version}")
+            if os.path.lexists(os.path.join(vdir, MANIFEST)):
+                return False
+            d = read_decision(vdir)
+            if d is None or d["nonce"] != nonce:
+                raise FencedError(f"{name!r} v{version}: the version was retired while this run flushed it")
+            crc: dict[tuple[int, int], int] = {}
+            has_crc = True
+            for r, n in done.items():
+                path = os.path.join(vdir, n)
+                try:
+                    marker = json.loads(_read_regular(path, _MAX_MARKER_BYTES))
+                    ok = (isinstance(marker, dict) and marker.get("rank") == r and marker.get("run") == run
+                          and marker.get("nonce") == nonce and isinstance(marker.get("crcs"), list))
+                    if ok:
+                        has_crc &= bool(marker.get("has_crc"))
+                        for tid, start, c in marker["crcs"]:
+                            crc[(int(tid), int(start))] = int(c)
+                except (ValueError, TypeError, UnicodeDecodeError) as e:
+                    raise CorruptCheckpointError(f"{path}: damaged done marker ({e})") from e
+                if not ok:
+                    raise CorruptCheckpointError(f"{path}: done marker of another run, nonce or rank")
+            assembled = os.path.join(vdir, ASSEMBLED)
+            if not os.path.lexists(assembled):
+                entries = [dataclasses.replace(e, crc=crc.get((e.tensor_id, e.start), 0) if has_crc else 0)
+                           for e in layout]
+                _, data_offset, _ = fmt.layout(entries, contiguous_tensors=True)
+                head = fmt.encode_index(fmt.KIND_ASSEMBLED, 0, 1, version, entries, data_offset, size, has_crc,
+                                        run)
+                partial = os.path.join(vdir, f"{ASSEMBLED}.partial.{nonce}")
+                fd = os.open(partial, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never created empty here
+                try:
+                    _write_all(fd, head, 0)
+                    os.ftruncate(fd, size)
+                    if fsync:
+                        cp.fsync(fd, "persistent.final.fsync")
+                finally:
+                    os.close(fd)
+                cp.replace(partial, assembled, "persistent.final.rename")
+            else:  # renamed by a finalizer killed before the manifest: finished, check it is this run's
+                fd = _open_regular(assembled)
+                try:
+                    idx = fmt.read_index(_FdFile(fd), assembled)
+                finally:
+                    os.close(fd)
+                if (idx.run or ANONYMOUS_RUN) != run or idx.version != version or idx.file_size != size:
+                    raise CorruptCheckpointError(f"{assembled}: left by another run or version; not committing it")
+            final = dict(manifest, assembled={"file": ASSEMBLED, "bytes": size, "checksums": has_crc},
+                         committed=time.time())
+            atomic_write(os.path.join(vdir, MANIFEST), fmt.encode_manifest(final), fsync=fsync,
+                         point="persistent.manifest")
+            for n in done.values():
+                try:
+                    cp.unlink(os.path.join(vdir, n), "persistent.cleanup.unlink")
+                except FileNotFoundError:
+                    pass
         return True
 
-    @staticmethod
-    def _take_lock(path: str) -> bool:
-        """Create ``path`` exclusively, holding ``host pid``. A lock left by a dead process
-        on this host (a finalizer killed mid-commit) is broken and taken over."""
-        me = f"{socket.gethostname()} {os.getpid()}".encode()
-        for _ in range(2):
-            if _create_exclusive(path, me):
-                return True
+    # -- removing versions
+    def _clear(self, vdir: str, keep: Sequence[str] = (), keep_re: "re.Pattern[str] | None" = None) -> None:
+        """Remove a version directory's files, the manifest (the commit) first, then the
+        directory unless something is kept. Never follows a symbolic link (a link is removed,
+        not its target); leaves anything that is not a plain entry of the directory."""
+        if os.path.lexists(os.path.join(vdir, MANIFEST)):
+            cp.unlink(os.path.join(vdir, MANIFEST), "persistent.retire.manifest")
+            _fsync_dir(vdir, "persistent.retire.dirsync")
+        for n in _listdir(vdir):
+            if n in keep or (keep_re is not None and keep_re.match(n)):
+                continue
+            p = os.path.join(vdir, n)
             try:
-                with open(path, "rb") as f:
-                    host, _, pid = f.read(300).decode(errors="replace").partition(" ")
+                if stat.S_ISDIR(os.lstat(p).st_mode):
+                    continue
+                cp.unlink(p, "persistent.retire.unlink")
             except FileNotFoundError:
-                continue
-            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
-                log.warning("deepfreeze: breaking stale lock %s of dead process %s", path, pid)
-                os.unlink(path)
-                continue
-            return False
-        return False
+                pass
+        if not keep:
+            try:
+                cp.rmdir(vdir, "persistent.retire.rmdir")
+            except OSError:
+                pass
+
+    def retire(self, name: str, version: int, *, stale_after: float = 60.0) -> None:
+        """Retire one version: uncommit it (manifest first), then remove its files; under its lock
+        so no finalizer is half-way through."""
+        vdir = self.version_dir(name, version)
+        if not os.path.isdir(vdir):
+            return
+        with self.locked(vdir, wait=stale_after + 5, stale_after=stale_after) as taken:
+            if not taken:
+                raise CheckpointWriteError(errno.ETIMEDOUT, f"cannot retire {vdir}: {LOCK} held by a live process")
+            self._clear(vdir, keep=(LOCK,))
+        try:
+            cp.rmdir(vdir, "persistent.retire.rmdir")
+        except OSError:
+            pass
 
     def retain(self, name: str, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` committed versions (0 = keep all), and the
-        directories of versions decided ``skip`` that are older than the newest commit."""
-        committed = self.committed_versions(name)
+        """Delete all but the newest ``keep`` committed versions (0 = keep all) of the current
+        generation, every version of older generations, and the directories of versions
+        decided ``skip`` that are older than the newest commit. A hostile or damaged manifest
+        counts as not committed and is never a reason to stop."""
+        gen = self.generation(name)
+        committed, other_gen = [], []
+        for v in self.versions(name):
+            try:
+                m = self.read_manifest(name, v)
+            except (OSError, DeepFreezeError, ValueError):
+                continue
+            (committed if fmt.manifest_run(m)[1] == gen else other_gen).append(v)
+        for v in other_gen:
+            self._clear(self.version_dir(name, v))
         for v in self.versions(name):
             if committed and v < committed[-1] and v not in committed:
-                try:
-                    with open(os.path.join(self.version_dir(name, v), "decision"), "rb") as f:
-                        skipped = f.read(8) == b"skip"
-                except FileNotFoundError:
-                    skipped = False
-                if skipped:
-                    shutil.rmtree(self.version_dir(name, v), ignore_errors=True)
+                d = read_decision(self.version_dir(name, v))
+                if d is not None and d["decision"] == "skip":
+                    self._clear(self.version_dir(name, v))
         if keep <= 0:
             return []
         old = committed[:-keep]
         for v in old:
-            vdir = self.version_dir(name, v)
-            os.unlink(os.path.join(vdir, MANIFEST))  # uncommit first: never a half-deleted "committed" version
-            shutil.rmtree(vdir, ignore_errors=True)
+            self._clear(self.version_dir(name, v))  # uncommit first: never a half-deleted "committed" version
         return old
 
 
-def _create_exclusive(path: str, data: bytes) -> bool:
+class _FdFile:
+    """The minimal file object :func:`deepfreeze.format.read_index` needs, over a descriptor."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd, self._pos = fd, 0
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def seek(self, pos: int) -> None:
+        self._pos = pos
+
+    def read(self, n: int) -> bytes:
+        data = os.pread(self._fd, n, self._pos)
+        self._pos += len(data)
+        return data
+
+
+def _open_regular(path: str) -> int:
+    """Open a regular file for reading without following a symbolic link or blocking on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path} is not a regular file")
+    return fd
+
+
+def _copy_checked(src: int, dst: int, e: fmt.Entry, dst_off: int, buf: np.ndarray, check: bool,
+                  path: str) -> int:
+    """Copy one piece through ``buf``, computing its CRC32 from the copied bytes; with ``check``,
+    compare it with the index. Returns the CRC (0 when not checked)."""
+    view = memoryview(buf)
+    crc, done = 0, 0
+    while done < e.length:
+        n = os.preadv(src, [view[:min(len(view), e.length - done)]], e.offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path}: shard file ended before its index said")
+        if check:
+            crc = fmt.crc32(view[:n], crc)
+        _write_all(dst, view[:n], dst_off + done)
+        done += n
+    if check and crc != e.crc:
+        raise CorruptCheckpointError(f"{path}: checksum mismatch in tensor {e.tensor_id} elements "
+                                     f"[{e.start},{e.stop}) while flushing: the shard on scratch was damaged; "
+                                     "not committing it")
+    return crc if check else 0
+
+
+def _create_exclusive(path: str, data: bytes, point: str) -> bool:
     """Create ``path`` holding ``data`` unless it exists; atomic, and never visible empty:
-    the content is written to a temporary file first, then hard-linked into place."""
+    the content is written to an owner-only temporary file first, then hard-linked into place."""
     tmp = f"{path}.tmp{_uniq()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.link(tmp, path)
+        try:
+            _write_all(fd, data, 0)
+        finally:
+            os.close(fd)
+        cp.link(tmp, path, point)
         return True
     except FileExistsError:
         return False
     finally:
-        os.unlink(tmp)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def _alive(pid: int) -> bool:
@@ -532,36 +838,30 @@ def _drop_cached(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
             return
 
 
-def _copy_range(src: int, dst: int, length: int, src_off: int, dst_off: int) -> None:
-    done = 0
-    while done < length:
-        try:
-            n = os.copy_file_range(src, dst, length - done, src_off + done, dst_off + done)
-        except OSError:
-            n = 0
-        if n <= 0:  # other file systems / old kernels: plain positional copy
-            chunk = os.pread(src, min(8 << 20, length - done), src_off + done)
-            if not chunk:
-                raise CorruptCheckpointError("shard file ended before its index said")
-            _write_all(dst, chunk, dst_off + done)
-            n = len(chunk)
-        done += n
-
-
 def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
               persistent_cls: type = PersistentLevel) -> dict[str, Any]:
-    """Flush one rank's shard of one version (backend or sync mode). Same code in both modes."""
+    """Flush one rank's shard of one version (backend or sync mode). Same code in both modes.
+
+    Work of a run that lost the lease on its name is abandoned (logged, result
+    ``abandoned``), never an error of the live run."""
     name, version, rank = job["name"], job["version"], job["rank"]
+    run = job.get("run") or ANONYMOUS_RUN
+    stale = float(job.get("lease_timeout") or 60.0)
     scratch, persistent = scratch_cls(job["scratch"]), persistent_cls(job["persistent"])
-    result = {"flushed": False, "committed": False}
-    if persistent.decide(name, version, job["persistent_interval"]):
-        result["committed"] = persistent.flush_shard(
-            name, version, rank, scratch.shard_path(name, version, rank), job["manifest"],
-            fsync=job.get("fsync", True))
-        result["flushed"] = True
-        if result["committed"]:
-            persistent.retain(name, job["keep_persistent"])
-    elif job["persistent_interval"] >= 0:
-        persistent.retain(name, job["keep_persistent"])  # sweeps skipped versions
+    result = {"flushed": False, "committed": False, "abandoned": False}
+    try:
+        decision = persistent.decide(name, version, job["persistent_interval"], run, stale_after=stale)
+        if decision is not None and decision["decision"] == "flush":
+            result["committed"] = persistent.flush_shard(
+                name, version, rank, scratch.shard_path(name, version, rank), job["manifest"],
+                fsync=job.get("fsync", True), decision=decision, stale_after=stale)
+            result["flushed"] = True
+            if result["committed"]:
+                persistent.retain(name, job["keep_persistent"])
+        elif job["persistent_interval"] >= 0:
+            persistent.retain(name, job["keep_persistent"])  # sweeps skipped versions
+    except FencedError as e:
+        log.warning("deepfreeze: %s", e)
+        result["abandoned"] = True
     scratch.retain(name, rank, job["keep_scratch"], upto=version)
     return result

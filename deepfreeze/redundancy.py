@@ -219,7 +219,7 @@ def _chunk(data: np.ndarray, j: int, c: int, lo: int, hi: int) -> np.ndarray:
 # -- protecting a version (writer thread, collective)
 
 def protect(comm: Comm, scratch: Any, name: str, version: int, rank: int, shard_path: str | None,
-            redundancy: dict[str, Any], *, want: bool = True) -> bool:
+            redundancy: dict[str, Any], *, want: bool = True, run: str = "") -> bool:
     """Copy this rank's shard to its partner / compute this rank's parity block, collectively.
 
     ``want`` is this rank's view of ``ec_interval``; rank 0's view decides for all (one
@@ -248,7 +248,7 @@ def protect(comm: Comm, scratch: Any, name: str, version: int, rank: int, shard_
         srcs = {s: sizes[s] for s, h in holder.items() if h == rank}
         got = comm.exchange(sends, srcs)
         for s, buf in got.items():
-            atomic_write(os.path.join(vdir, f"h{rank:06d}.r{s:06d}.dfs"), buf, fsync=False)
+            atomic_write(os.path.join(vdir, f"h{rank:06d}.r{s:06d}.dfs"), buf, fsync=False, point="scratch.partner")
         return True
     group = group_of(redundancy, rank)
     if group is None:
@@ -263,10 +263,11 @@ def protect(comm: Comm, scratch: Any, name: str, version: int, rank: int, shard_
         got = comm.exchange(sends, {m: hi - lo for m in group if m != rank})
         for buf in got.values():
             np.bitwise_xor(parity[lo:hi], buf, out=parity[lo:hi])
-    header = json.dumps({"name": name, "version": version, "holder": rank, "group": group,
+    header = json.dumps({"name": name, "version": version, "run": run, "holder": rank, "group": group,
                          "sizes": [sizes[m] for m in group], "chunk": c, "crc": fmt.crc32(parity)}).encode()
     atomic_write(os.path.join(vdir, f"x{rank:06d}.dfx"),
-                 PARITY_MAGIC + struct.pack("<I", len(header)) + header + parity.tobytes(), fsync=False)
+                 PARITY_MAGIC + struct.pack("<I", len(header)) + header + parity.tobytes(), fsync=False,
+                 point="scratch.parity")
     return True
 
 

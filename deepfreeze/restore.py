@@ -76,11 +76,12 @@ def list_versions(config: Config, name: str) -> dict[int, list[str]]:
     ``persistent``."""
     validate_name(name)
     scratch, persistent = _levels(config)
+    gen = persistent.generation(name)
     out: dict[int, list[str]] = {}
-    for v, (m, inv) in scratch.committed(name).items():
+    for v, (m, inv) in scratch.committed(name, gen).items():
         if scratch_recoverable(m, inv):
             out.setdefault(v, []).append("scratch")
-    for v in persistent.committed_versions(name):
+    for v in persistent.committed_versions(name, gen):
         out.setdefault(v, []).append("persistent")
     return dict(sorted(out.items()))
 
@@ -104,9 +105,10 @@ def load(config: Config, name: str, version: int | None = None, *, verify: bool 
     validate_name(name)
     comm = comm or LocalComm()
     scratch, persistent = _levels(config)
-    local = scratch.committed(name)  # version -> (manifest, files held here)
+    gen = persistent.generation(name)  # only the current generation's versions exist for readers
+    local = scratch.committed(name, gen)  # version -> (manifest, files held here)
     summary = {"scratch": {str(v): {k: sorted(d) for k, d in inv.items()} for v, (_, inv) in local.items()},
-               "persistent": persistent.committed_versions(name)}
+               "persistent": persistent.committed_versions(name, gen)}
     infos = [json.loads(b) for b in comm.allgather(json.dumps(summary).encode())]
     have: dict[int, dict[tuple[str, int], list[int]]] = {}
     for p, info in enumerate(infos):
@@ -202,18 +204,24 @@ def _needed_ranks(manifest: dict[str, Any], wanted: Sequence[str] | None) -> lis
     return [r for r in range(plan.world_size) if any(p.tensor_id in ids for p in plan.for_rank(r))]
 
 
-def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int, verify: bool) -> np.ndarray:
-    """Read and check one scratch file of this participant (a shard, partner copy or parity)."""
+def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int, verify: bool,
+               run: str = "") -> np.ndarray:
+    """Read and check one scratch file of this participant (a shard, partner copy or parity)
+    written by run ``run`` (the manifest's; "" for a format-1 checkpoint)."""
     path = inv[kind][key]
     data = np.fromfile(path, dtype=np.uint8)
     if kind == "parity":
         h, _ = read_parity(data, path)
-        if h.get("version") != version:
-            raise CorruptCheckpointError(f"{path}: parity of v{h.get('version')}, expected v{version}")
+        if h.get("version") != version or h.get("run", "") != run:
+            raise CorruptCheckpointError(f"{path}: parity of v{h.get('version')} run {h.get('run') or '?'}, "
+                                         f"expected v{version} run {run or '?'}")
         return data
     idx = fmt.read_index(data, path)
     if idx.version != version or idx.rank != key:
         raise CorruptCheckpointError(f"{path}: holds rank {idx.rank} v{idx.version}, expected rank {key} v{version}")
+    if idx.run != run:
+        raise CorruptCheckpointError(f"{path}: written by run {idx.run or '?'}, the manifest is run {run or '?'}'s "
+                                     "(a file left by another run): not mixing them")
     if verify and idx.has_crc:
         for e in idx.entries:
             fmt.entry_view(data, e, verify=True, path=path)
@@ -262,7 +270,7 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
             if p != comm.rank:
                 continue
             try:
-                items[(kind, key)] = _read_item(inv, kind, key, version, verify)
+                items[(kind, key)] = _read_item(inv, kind, key, version, verify, fmt.manifest_run(manifest)[0])
             except (OSError, DeepFreezeError, ValueError) as e:
                 failed.append([kind, key, str(e)])
         reports = [json.loads(b) for b in comm.allgather(json.dumps(failed).encode())]
@@ -284,7 +292,8 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
                 group = group_of(manifest["redundancy"], r)
                 heads = {m: read_parity(items[("parity", m)]) for m in group if m != r}
                 for m, (h, _) in heads.items():
-                    if h["group"] != group or h["holder"] != m or h.get("version") != version:
+                    if (h["group"] != group or h["holder"] != m or h.get("version") != version
+                            or h.get("run", "") != fmt.manifest_run(manifest)[0]):
                         raise CorruptCheckpointError(f"parity block of rank {m} is for group {h['group']} "
                                                      f"v{h.get('version')}, the manifest says {group} v{version}")
                 sizes = next(iter(heads.values()))[0]["sizes"]
@@ -348,6 +357,9 @@ def _check_index(idx: fmt.ShardIndex, expected: list[tuple[int, int, int]], mani
     if got != expected or idx.version != version:
         raise CorruptCheckpointError(f"{path}: its index does not match the manifest (another model "
                                      "or version wrote it)")
+    if idx.run != fmt.manifest_run(manifest)[0]:
+        raise CorruptCheckpointError(f"{path}: written by run {idx.run or '?'}, the manifest is run "
+                                     f"{fmt.manifest_run(manifest)[0] or '?'}'s: not mixing two runs")
     for e in idx.entries:
         t = manifest["tensors"][e.tensor_id]
         if e.dtype != t["dtype"] or list(e.shape) != t["shape"]:

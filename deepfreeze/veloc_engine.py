@@ -44,7 +44,7 @@ import numpy as np
 from .config import Config
 from .engine import Engine
 from .errors import BackendError, CheckpointWriteError, VelocError
-from .levels import PersistentLevel, ScratchLevel, atomic_write, write_shard_file
+from .levels import FencedError, PersistentLevel, ScratchLevel, atomic_write, write_shard_file
 from .shardplan import ShardPlan
 
 __all__ = ["VelocEngine", "write_veloc_config", "veloc_settings", "veloc_backend", "start_backend", "stop_backend"]
@@ -96,7 +96,7 @@ def write_veloc_config(config: Config, directory: str) -> str:
     text = "# written by DeepFreeze from its resolved configuration\n" + \
         "".join(f"{k} = {v}\n" for k, v in settings.items())
     path = os.path.join(directory, f".deepfreeze-veloc-{hashlib.sha256(text.encode()).hexdigest()[:12]}.cfg")
-    atomic_write(path, text.encode(), fsync=False)
+    atomic_write(path, text.encode(), fsync=False, point="veloc.config")
     return path
 
 
@@ -185,12 +185,12 @@ class VelocEngine(Engine):
 
     def __init__(self, config: Config, name: str, rank: int, plan: ShardPlan,
                  domains: Sequence[str] | None = None, *, mpi_comm: Any = None, scratch_cls: type = ScratchLevel,
-                 max_pending_flushes: int | None = None, comm: Any = None) -> None:
+                 max_pending_flushes: int | None = None, comm: Any = None, run: Any = None) -> None:
         from deepfreeze.bindings.veloc import Veloc  # raises VelocNotFoundError with what to do
         if plan.world_size > 1 and mpi_comm is None:
             raise ValueError("VelocEngine at world size > 1 needs mpi_comm (an mpi4py communicator)")
         super().__init__(config, name, rank, plan, domains, scratch_cls=scratch_cls,
-                         max_pending_flushes=max_pending_flushes)
+                         max_pending_flushes=max_pending_flushes, run=run)
         self.persistent = PersistentLevel(config.persistent)
         for d in (config.scratch, config.persistent) + ((config.meta,) if config.meta else ()):
             self.scratch.makedirs(d)
@@ -224,7 +224,8 @@ class VelocEngine(Engine):
             routed = self.veloc.route_file(original)
             vdir = self.scratch.version_dir(name, version)
             try:
-                write_shard_file(routed, version, rank, self.plan, arrays, chksum=self.config.chksum)
+                write_shard_file(routed, version, rank, self.plan, arrays, chksum=self.config.chksum,
+                                 run=self.run.id)
                 self.scratch.makedirs(vdir)
                 link = self.scratch.shard_path(name, version, rank)
                 try:
@@ -259,12 +260,17 @@ class VelocEngine(Engine):
         cfg, name = self.config, self.name
         flushed = os.path.join(self.persistent.version_dir(name, version), f"r{self.rank:06d}.dfs")
         if os.path.exists(flushed):
-            committed = self.persistent.flush_shard(name, version, self.rank, flushed, manifest)
+            try:
+                committed = self.persistent.flush_shard(name, version, self.rank, flushed, manifest,
+                                                        stale_after=cfg.lease_timeout)
+            except FencedError as e:  # the name's lease went to another run: its version, not ours
+                log.warning("deepfreeze: %s", e)
+                committed = False
             os.unlink(flushed)  # the assembled file holds it now (VeloC's symlink to it dangles)
             if committed:
                 self.persistent.retain(name, cfg.max_versions)
         else:  # VeloC did not flush this rank's file (persistent_interval): the version cannot commit
-            self.persistent.mark_skipped(name, version)
+            self.persistent.mark_skipped(name, version, self.run.id)
         for old in self.scratch.retain(name, self.rank, cfg.keep_scratch, upto=version):
             try:  # VeloC's name for the same file (the other hard link)
                 os.unlink(os.path.join(cfg.scratch, f"{name}-{self.rank}-{old}.dat"))

@@ -73,7 +73,7 @@ def test_corrupt_files_rejected(tmp_path, how, needle):
     elif how == "header":
         damage(path, 20, b"\x01")
     elif how == "index":
-        damage(path, 70, b"\x7f")
+        damage(path, 80, b"\x7f")
     elif how == "truncate":
         os.truncate(path, os.path.getsize(path) - 1)
     elif how == "empty":

@@ -64,3 +64,26 @@ def mpi_comm():
         from ..redundancy import MPIComm
         _COMM = MPIComm()
     return _COMM
+
+
+class _HorovodComm:
+    """The small all-gather a :class:`deepfreeze.run.Run` needs, over Horovod (any controller)."""
+
+    def __init__(self) -> None:
+        self.rank, self.size = rank_and_size()
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        return allgather_bytes(data, width=4096)
+
+
+def run_comm():
+    """The communicator a run starts over: MPI when Horovod runs over it, else Horovod's
+    all-gather (Gloo), else one process."""
+    comm = mpi_comm()
+    if comm is not None:
+        return comm
+    hvd = _hvd()
+    if hvd is None or hvd.size() < 2:
+        from ..redundancy import LocalComm
+        return LocalComm()
+    return _HorovodComm()

@@ -14,9 +14,10 @@ from ..config import Config, validate_name
 from ..engine import Engine, make_engine, resolve_engine
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
 from ..levels import ScratchLevel
+from ..run import Run
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
 from . import hook as _hook
-from ._dist import allgather_bytes, mpi_comm, rank_and_size
+from ._dist import allgather_bytes, mpi_comm, rank_and_size, run_comm
 from .restore import apply_checkpoint, model_tensors
 from ..format import dtype_name
 
@@ -94,6 +95,12 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         from its epoch and step (weights, optimizer state, data position): a job relaunched
         by a batch script just works. Bit-identical continuation needs a deterministic data
         order (``shuffle=False`` or a pipeline whose order depends only on the epoch).
+        Versions an older run left above the restored one are retired.
+      overwrite: start a new generation of ``name``: every committed version of it is retired
+        at once (without ``resume`` or ``overwrite``, a name that already has committed
+        versions is refused at train begin).
+      lease_wait: seconds to wait for another live run holding the name (0: fail at once,
+        naming the holder).
       save_optimizer: also checkpoint the optimizer's variables (slots, iteration counter),
         sharded and captured in the train step like the weights; False: weights only.
       engine: ``"builtin"`` (default; or ``$DEEPFREEZE_ENGINE``), ``"veloc"`` (shards go through a
@@ -112,7 +119,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                  every_n_batches: int | None = None, at_epoch_end: bool = True,
                  min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES, verbose: int = 0, on_error: str = "raise",
                  resume: bool = False, save_optimizer: bool = True, engine: str | None = None,
-                 scratch_cls: type[ScratchLevel] = ScratchLevel, **overrides: Any) -> None:
+                 scratch_cls: type[ScratchLevel] = ScratchLevel, overwrite: bool = False,
+                 lease_wait: float = 0.0, **overrides: Any) -> None:
         super().__init__()
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"on_error = {on_error!r}: use 'raise' (stop training) or 'warn' (log and go on)")
@@ -120,6 +128,13 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             raise ConfigError("scratch_cls must be a subclass of deepfreeze.levels.ScratchLevel")
         self.on_error, self.scratch_cls = on_error, scratch_cls
         self.resume, self.save_optimizer = bool(resume), bool(save_optimizer)
+        self.overwrite, self.lease_wait = bool(overwrite), float(lease_wait)
+        if self.resume and self.overwrite:
+            raise ConfigError("resume=True and overwrite=True contradict each other: resume continues the name's "
+                              "newest version, overwrite starts a new generation; pick one")
+        if self.lease_wait < 0:
+            raise ConfigError(f"lease_wait = {lease_wait} must be >= 0 seconds")
+        self._run: Run | None = None  # from the first on_train_begin to close()
         self.resumed_from: int | None = None  # version restored by resume=True, if any
         self._skip_steps = 0
         self.failures: list[str] = []
@@ -154,8 +169,13 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 f"{type(opt).__name__}: compile the model with e.g. tf.keras.optimizers.SGD, not a "
                 "tf.keras.optimizers.legacy optimizer (Horovod's DistributedOptimizer over one is fine)")
         self.rank, self.size = rank_and_size()
-        if self.resume:
-            self._resume()
+        if self._run is None:  # a run spans every fit until close()
+            run = Run(self.config, self.name, self.rank, self.size, run_comm(), resume=self.resume,
+                      overwrite=self.overwrite, lease_wait=self.lease_wait)
+            run.begin()
+            self._run = run
+            if self.resume:
+                self._resume()
         variables, tensors, pinned, slots = self._tensors(model)
         self._model_tensors = len(model.weights)
         plan = ShardPlan.build(tensors, self.size, min_shard_bytes=self.options.min_shard_bytes, pinned=pinned)
@@ -173,7 +193,10 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             comm = mpi_comm() if (self.config.ec_interval >= 0 or veloc) and self.size > 1 else None
             self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, domains,
                                       scratch_cls=self.scratch_cls, comm=None if veloc else comm,
-                                      mpi_comm=comm.comm if veloc and comm is not None else None)
+                                      mpi_comm=comm.comm if veloc and comm is not None else None,
+                                      run=self._run.info)
+            if self._last_version is not None:
+                self.engine.last_version = self._last_version  # versions keep growing within the run
         self.plan = plan
         self.hook = _hook.install(model.optimizer, plan, self.rank, variables, slots)
         model.make_train_function(force=True)  # retrace: the copy ops must be in the graph
@@ -250,10 +273,21 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             self._guard(self.engine.wait, persistent=True, timeout=timeout)
 
     def close(self) -> None:
-        """Wait for the flushes, then release the writer thread and the backend connection."""
-        if self.engine is not None:
-            self.engine.close(wait=True)
-            self.engine = None
+        """Wait for the flushes, then release the writer thread, the backend connection and the
+        lease on the name (the run ends here)."""
+        try:
+            if self.engine is not None:
+                self.engine.close(wait=True)
+                self.engine = None
+        finally:
+            if self._run is not None:
+                self._run.close()
+                self._run = None
+
+    @property
+    def run_id(self) -> str | None:
+        """Id of this callback's run (made at the first ``on_train_begin``), or None before."""
+        return self._run.info.id if self._run is not None and self._run.info is not None else None
 
     @property
     def last_version(self) -> int | None:
@@ -312,6 +346,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)
             return
         version = ck.version
+        self._run.resumed(version)
         restored_opt = apply_checkpoint(self.model, ck, optimizer=self.save_optimizer)
         if self.save_optimizer and not restored_opt:
             log.warning("DeepFreeze: %r v%d holds weights only: the optimizer state starts fresh", self.name, version)
@@ -351,6 +386,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                         self.rank, e)
 
     def _checkpoint(self, version: int, arrays: list, t0: float, t1: float, epoch_end: bool = False) -> None:
+        if self._run is not None and self._run.lease is not None and self._run.lease.lost:
+            self._guard(self._run.check)  # another run took the name over: this one's versions are fenced off
         epoch_step = version - self._epoch_base
         epoch_complete = epoch_end or (bool(self.params.get("steps")) and epoch_step >= self.params["steps"])
         self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch,

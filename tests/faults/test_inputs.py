@@ -1,4 +1,5 @@
 """Damaged, foreign and hostile files on the levels; two jobs sharing directories and backend."""
+import glob
 import json
 import os
 import shutil
@@ -115,24 +116,34 @@ def test_files_are_owner_only(tmp_path):
                 assert os.stat(os.path.join(dirpath, f)).st_mode & 0o077 == 0, f
 
 
-def test_backend_killed_in_the_middle_of_a_flush(tmp_path):
-    """kill -9 while the backend copies a large shard: nothing looks committed; the engine starts a
-    new backend, re-sends the flush, and the version commits bit-exact."""
-    import signal
+def test_backend_killed_in_the_middle_of_a_flush(tmp_path, monkeypatch):
+    """kill -9 of the backend after it copied a large shard into the partial, before its fsync
+    (crash point ``persistent.partial.fsync``): nothing looks committed; the engine starts a new
+    backend, re-sends the flush, and the version commits bit-exact."""
     import time
     from deepfreeze.engine import Engine
     from deepfreeze.shardplan import ShardPlan, TensorSpec
     big = np.random.default_rng(5).standard_normal(40_000_000 // 8 * 8).astype(np.float64)  # 320 MB
     plan = ShardPlan.build([TensorSpec(0, "big", "float64", big.shape)], 1)
     cfg = Config.load(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    once = tmp_path / "crashed"
+    monkeypatch.setenv("DEEPFREEZE_CRASH_AT", "persistent.partial.fsync:1")  # read by the backend process
+    monkeypatch.setenv("DEEPFREEZE_CRASH_ONCE", str(once))  # its successor is not killed
     e = Engine(cfg, "job", 0, plan)
+    pid = e._backend.pid
     e.checkpoint(1, [big], step=1, epoch=0)
-    partial = os.path.join(PersistentLevel(cfg.persistent).version_dir("job", 1), "model.dfz.partial")
     deadline = time.monotonic() + 60
-    while not os.path.exists(partial) and time.monotonic() < deadline:
-        time.sleep(0.002)
-    os.kill(e._backend.pid, signal.SIGKILL)  # mid-copy (or just before its fsync)
-    time.sleep(0.2)
+    while not once.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert once.exists(), "the backend did not reach the crash point"
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.01)
+    vdir = PersistentLevel(cfg.persistent).version_dir("job", 1)
+    assert glob.glob(os.path.join(vdir, "model.dfz.partial.*"))  # killed with its copy in the partial
     assert PersistentLevel(cfg.persistent).committed_versions("job") == []  # never looks committed
     e.wait()  # lost backend -> new backend, flush re-sent
     e.close()

@@ -1,0 +1,146 @@
+"""Named crash points: every file-system operation the commit protocol depends on.
+
+Every ``os.replace``, ``os.rename``, ``os.link``, ``os.fsync``, ``os.unlink`` and
+``os.rmdir`` in the modules that write checkpoints (levels, engine, backend, redundancy,
+run) goes through one function of this module that takes a *point name*. In normal runs
+the name costs one set lookup. For the crash-point tests the environment variable
+``DEEPFREEZE_CRASH_AT=<point>:<n>`` makes the process kill itself (SIGKILL, no cleanup,
+like ``kill -9`` or a node failure) right *before* the n-th operation at that point, and
+``DEEPFREEZE_CRASH_ONCE=<file>`` limits that to the first process that gets there (a
+restarted backend then runs through), and ``DEEPFREEZE_CRASH_TRACE=<file>`` appends every point passed to a file, so a test can
+first run a job to learn which points it passes and how often, then kill it at each.
+
+:data:`POINTS` lists every point with what is on disk when a crash happens there; a test
+checks that every call site uses a registered name and that every name is covered.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+__all__ = ["POINTS", "replace", "rename", "link", "fsync", "unlink", "rmdir", "hit"]
+
+#: point name -> the state a crash right before the operation leaves behind
+POINTS: dict[str, str] = {
+    # scratch level (levels.ScratchLevel)
+    "scratch.shard.fsync": "shard written under its temporary name, not fsynced",
+    "scratch.shard.rename": "shard complete under its temporary name, not yet published",
+    "scratch.manifest.rename": "every local shard published, the scratch manifest not yet",
+    "scratch.retain.unlink": "retention: some of this rank's old files removed, the manifest still there",
+    "scratch.retain.manifest": "retention: every shard of an old version gone, its manifest not yet",
+    "scratch.retain.rmdir": "retention: an old version directory empty, not yet removed",
+    "scratch.clear.unlink": "a new run removing this rank's files of versions it will rewrite",
+    "tmp.cleanup": "a failed write removing its temporary file",
+    # persistent level (levels.PersistentLevel): decision, partial, markers, finalize
+    "persistent.decision.link": "the version's decision + nonce written to a temporary name, not yet created",
+    "persistent.decision.tmp": "the decision's temporary file being removed after its link",
+    "persistent.partial.fsync": "this rank's pieces copied into model.dfz.partial.<nonce>, not fsynced",
+    "persistent.marker.fsync": "the done marker written under its temporary name, not fsynced",
+    "persistent.marker.rename": "this rank's pieces durable in the partial, its done marker not yet published",
+    "persistent.marker.dirsync": "done marker renamed, directory not fsynced",
+    "persistent.lock.link": "the finalizer about to take commit.lock",
+    "persistent.lock.break": "a stale commit.lock of a dead process about to be removed",
+    "persistent.lock.unlink": "commit.lock about to be released",
+    "persistent.final.fsync": "header and index written into the partial, not fsynced",
+    "persistent.final.rename": "the partial complete and durable, not yet renamed to model.dfz",
+    "persistent.manifest.fsync": "model.dfz in place, the manifest written under a temporary name",
+    "persistent.manifest.rename": "model.dfz in place, the manifest not yet published (not committed)",
+    "persistent.manifest.dirsync": "the manifest renamed (committed), directory not fsynced",
+    "persistent.cleanup.unlink": "committed; markers being removed",
+    "persistent.retire.manifest": "retiring a version: its manifest (the commit) about to be removed",
+    "persistent.retire.unlink": "retiring a version: uncommitted, its files being removed",
+    "persistent.retire.rmdir": "retiring a version: its directory empty, not yet removed",
+    # run identity, generation, lease (run.py)
+    "run.generation.rename": "a new generation written under a temporary name, not yet current",
+    "run.lease.link": "a lease about to be created",
+    "run.lease.rename": "a lease heartbeat about to replace the lease file",
+    "run.lease.takeover": "a stale lease about to be moved aside by a new holder",
+    "run.lease.unlink": "a lease about to be released or a moved-aside lease removed",
+    "run.clock.unlink": "the file used to read the file system's clock being removed",
+    # backend (backend.py)
+    "backend.socket.unlink": "the backend removing a stale or its own socket",
+}
+
+_lock = threading.Lock()
+_counts: dict[str, int] = {}
+_armed: tuple[str, int] | None = None
+_trace: str | None = None
+
+
+def _configure() -> None:
+    global _armed, _trace
+    spec = os.environ.get("DEEPFREEZE_CRASH_AT", "")
+    if spec:
+        point, _, n = spec.rpartition(":")
+        if point not in POINTS or not n.isdigit():
+            raise ValueError(f"DEEPFREEZE_CRASH_AT={spec!r}: expected <point>:<n> with a point of "
+                             "deepfreeze.crashpoints.POINTS")
+        _armed = (point, int(n))
+    _trace = os.environ.get("DEEPFREEZE_CRASH_TRACE") or None
+
+
+_configure()
+
+
+def _first_crash() -> bool:
+    """With ``DEEPFREEZE_CRASH_ONCE=<file>``, only the first process to get here crashes (it
+    creates the file), so a restarted process (a new backend) runs through."""
+    once = os.environ.get("DEEPFREEZE_CRASH_ONCE")
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        return True
+    except FileExistsError:
+        return False
+
+
+def hit(point: str) -> None:
+    """Pass crash point ``point`` (kill the process here if the test armed it). Under test
+    (armed or tracing) an unregistered name is an error; otherwise the call costs nothing."""
+    if _armed is None and _trace is None:
+        return
+    if point not in POINTS:
+        raise ValueError(f"unregistered crash point {point!r}: add it to deepfreeze.crashpoints.POINTS")
+    with _lock:
+        n = _counts[point] = _counts.get(point, 0) + 1
+        if _trace is not None:
+            fd = os.open(_trace, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, f"{point}\n".encode())
+            finally:
+                os.close(fd)
+        if _armed is not None and _armed == (point, n) and _first_crash():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def replace(src: str, dst: str, point: str, *, src_dir_fd: int | None = None,
+            dst_dir_fd: int | None = None) -> None:
+    hit(point)
+    os.replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
+
+def rename(src: str, dst: str, point: str) -> None:
+    hit(point)
+    os.rename(src, dst)
+
+
+def link(src: str, dst: str, point: str) -> None:
+    hit(point)
+    os.link(src, dst)
+
+
+def fsync(fd: int, point: str) -> None:
+    hit(point)
+    os.fsync(fd)
+
+
+def unlink(path: str, point: str, *, dir_fd: int | None = None) -> None:
+    hit(point)
+    os.unlink(path, dir_fd=dir_fd)
+
+
+def rmdir(path: str, point: str, *, dir_fd: int | None = None) -> None:
+    hit(point)
+    os.rmdir(path, dir_fd=dir_fd)

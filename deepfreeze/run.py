@@ -1,0 +1,496 @@
+"""Runs, versions, generations and the lease on a checkpoint name (framework-neutral).
+
+* A **run** is one writer of a name: one :class:`~deepfreeze.keras.DeepFreezeCheckpoint`
+  instance (or one framework-neutral job) from its first ``begin`` to ``close()`` or process
+  exit. Its id (:func:`new_run_id`, 16 hex digits) is made on rank 0 and shared with every
+  rank; it is written into every shard header, scratch manifest, done marker and decision,
+  so the commit protocol (:mod:`deepfreeze.levels`) never combines pieces of two runs. A
+  resumed run gets a new id and records the step it resumed from.
+* A **version** is :class:`Version` ``(generation, step)``. The generation of a name is kept
+  in ``<persistent>/<name>/generation`` (absent = 0) and grows by one with every
+  ``overwrite``; one atomic rename retires every version of the old generation at once
+  (readers only accept manifests of the current generation). Within a generation steps only
+  grow; ``version=`` arguments of the API mean the step in the current generation.
+* The **lease** ``<persistent>/<name>/lease`` names the live run that may commit versions of
+  the name (host, pid, run id). It is created exclusively, renewed by a heartbeat thread of
+  rank 0 every ``lease_timeout / 3`` seconds (the file's mtime is the heartbeat), and is also
+  the fencing token: every flush and finalize compares its run id with the lease's under the
+  version's ``commit.lock`` and abandons the work of any other run. A holder is *stale* when
+  its heartbeat is older than ``lease_timeout`` by the file system's clock (:func:`fs_now`),
+  or at once when it is a process of this host that no longer exists.
+
+Lease takeover (a stale holder): the lease is renamed aside (only one renamer can succeed),
+the moved file is checked to be the one judged stale (else it is put back), then removed,
+and the new holder creates the lease exclusively. A holder whose heartbeat finds the lease
+no longer its own has lost it: its later flushes are fenced off, and it reports that once.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from . import crashpoints as cp
+from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError
+
+__all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
+           "fence_holder", "Run", "GENERATION", "LEASE"]
+
+log = logging.getLogger("deepfreeze")
+GENERATION = "generation"
+LEASE = "lease"
+#: the run id of work done without a run (an Engine built directly, without :class:`Run`):
+#: such work is never combined with a real run's, and is fenced off while a real run holds the lease
+ANONYMOUS_RUN = "0" * 16
+_MAX_LEASE_BYTES = 4096
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Version:
+    """A version of a name: the generation (grows with every ``overwrite``) and the step."""
+
+    generation: int
+    step: int
+
+    def __str__(self) -> str:
+        return f"v{self.step}" if self.generation == 0 else f"g{self.generation}/v{self.step}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What every manifest records of the run that wrote it."""
+
+    id: str
+    generation: int = 0
+    resumed_from: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "generation": self.generation, "resumed_from": self.resumed_from}
+
+
+def new_run_id() -> str:
+    """A fresh run id: 16 random hex digits."""
+    return secrets.token_hex(8)
+
+
+def _uniq() -> str:
+    return f"{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(3)}"
+
+
+_skew_warned = False
+
+
+def fs_now(directory: str) -> float:
+    """The file system's clock: the mtime of a file freshly created in ``directory``. On a
+    shared file system every node sees the same clock this way, whatever its own says."""
+    path = os.path.join(directory, f".clock.{_uniq()}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        try:
+            cp.unlink(path, "run.clock.unlink")
+        except FileNotFoundError:
+            pass
+
+
+def warn_skew(what: str, ahead: float) -> None:
+    """Log clock skew (a file's mtime ahead of the file system's now) once per process."""
+    global _skew_warned
+    if not _skew_warned:
+        _skew_warned = True
+        log.warning("deepfreeze: %s is %.0f s in the future by the file system's clock (another node's clock "
+                    "is ahead?); treating it as due. Check the nodes' time synchronization (NTP).", what, ahead)
+
+
+def _read_small(path: str, limit: int) -> bytes:
+    """A small regular file's bytes (no symlink, no FIFO, at most ``limit``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        import stat
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file")
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{path} is larger than {limit} bytes")
+    return data
+
+
+def _write_replace(path: str, data: bytes, point: str, *, fsync: bool = True) -> None:
+    tmp = f"{path}.tmp{_uniq()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.write(fd, data)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        cp.replace(tmp, path, point)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_generation(persistent: str, name: str) -> int:
+    """The current generation of ``name`` (0 when none was ever started by ``overwrite``)."""
+    path = os.path.join(persistent, name, GENERATION)
+    try:
+        data = _read_small(path, 32)
+    except FileNotFoundError:
+        return 0
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read the generation of {name!r}: {e}") from e
+    text = data.decode("ascii", "replace").strip()
+    if not text.isdigit() or len(text) > 18:
+        raise CorruptCheckpointError(f"{path}: {text[:40]!r} is not a generation number; restore it or "
+                                     "remove it (generation 0)")
+    return int(text)
+
+
+def write_generation(persistent: str, name: str, generation: int) -> None:
+    """Make ``generation`` current (atomic: every older version is retired at this rename)."""
+    d = os.path.join(persistent, name)
+    _write_replace(os.path.join(d, GENERATION), f"{generation}\n".encode(), "run.generation.rename")
+    _fsync_dir(d)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_lease(persistent: str, name: str) -> tuple[dict[str, Any], float] | None:
+    """(holder, mtime) of the lease on ``name``, or None when nobody holds it. A damaged
+    lease file is reported as a holder named ``?`` (it is never silently ignored)."""
+    path = os.path.join(persistent, name, LEASE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, _MAX_LEASE_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        holder = json.loads(data.decode("utf-8"))
+        if not isinstance(holder, dict) or not isinstance(holder.get("run"), str):
+            raise ValueError("not a lease")
+    except (ValueError, UnicodeDecodeError):
+        holder = {"run": "?", "host": "?", "pid": 0, "seq": -1}
+    return holder, st.st_mtime
+
+
+def fence_holder(persistent: str, name: str, run: str) -> dict[str, Any] | None:
+    """The holder of the lease on ``name`` if it is a run other than ``run`` (that run's work
+    must be abandoned), else None (``run`` holds it, or nobody does)."""
+    got = read_lease(persistent, name)
+    if got is None or got[0].get("run") == run:
+        return None
+    return got[0]
+
+
+def describe_holder(h: dict[str, Any]) -> str:
+    return f"host {h.get('host')}, pid {h.get('pid')}, run {h.get('run')}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+class Lease:
+    """The lease on ``<persistent>/<name>`` held by one run (rank 0 of it)."""
+
+    def __init__(self, persistent: str, name: str, run: str, *, timeout: float) -> None:
+        self.dir = os.path.join(persistent, name)
+        self.path = os.path.join(self.dir, LEASE)
+        self.name, self.run, self.timeout = name, run, float(timeout)
+        self.seq = 0
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _content(self) -> bytes:
+        return json.dumps({"run": self.run, "host": socket.gethostname(), "pid": os.getpid(),
+                           "seq": self.seq, "timeout": self.timeout}).encode()
+
+    def _create(self) -> bool:
+        tmp = f"{self.path}.tmp{_uniq()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                os.write(fd, self._content())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                cp.link(tmp, self.path, "run.lease.link")
+                return True
+            except FileExistsError:
+                return False
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+    def acquire(self, *, wait: float = 0.0, resume: bool = False,
+                sleep: Callable[[float], None] = time.sleep) -> None:
+        """Take the lease, or raise :class:`LeaseHeldError` naming the live holder.
+
+        A holder on this host whose process is gone is replaced at once; a holder whose
+        heartbeat is older than the timeout (file-system clock) is replaced; ``resume``
+        waits up to the timeout for a holder on another host whose heartbeat stopped;
+        ``wait`` seconds are granted to a live holder to go away."""
+        start = time.monotonic()
+        said_waiting = False
+        seen: dict[str, Any] | None = None
+        seen_mtime = 0.0
+        while True:
+            if self._create():
+                break
+            got = read_lease(os.path.dirname(self.dir), self.name)
+            if got is None:
+                continue  # released meanwhile
+            holder, mtime = got
+            if holder.get("run") == self.run:
+                break
+            here = holder.get("host") == socket.gethostname()
+            pid = holder.get("pid")
+            now = fs_now(self.dir)
+            age = now - mtime
+            if age < 0:
+                warn_skew(f"the lease heartbeat {self.path}", -age)
+            if here and isinstance(pid, int) and pid > 0 and not _alive(pid):
+                log.warning("deepfreeze: %r was held by process %d on this host, which is gone: taking over "
+                            "its lease (run %s)", self.name, pid, holder.get("run"))
+                self._take_over(holder)
+                continue
+            if age > self.timeout:
+                log.warning("deepfreeze: the lease on %r of %s has had no heartbeat for %.0f s (lease_timeout = "
+                            "%g s): taking it over", self.name, describe_holder(holder), age, self.timeout)
+                self._take_over(holder)
+                continue
+            waited = time.monotonic() - start
+            heartbeat_moved = seen is not None and (seen.get("seq") != holder.get("seq") or seen_mtime != mtime)
+            seen, seen_mtime = holder, mtime
+            if resume and not here and not heartbeat_moved and waited < self.timeout + 1:
+                if not said_waiting:
+                    said_waiting = True
+                    log.warning("deepfreeze: resume: %r is leased by %s, last heartbeat %.0f s ago; waiting up to "
+                                "%g s (lease_timeout) for it to go stale", self.name, describe_holder(holder), age,
+                                self.timeout)
+                sleep(min(1.0, max(0.05, self.timeout / 10)))
+                continue
+            if waited < wait:
+                sleep(min(1.0, wait - waited))
+                continue
+            raise LeaseHeldError(
+                f"checkpoint name {self.name!r} is in use by a live run ({describe_holder(holder)}, last heartbeat "
+                f"{max(0.0, age):.0f} s ago; lease {self.path}): two jobs must not write one name. Wait for it to "
+                "end, pass lease_wait=<seconds>, or use another name")
+        self.seq = 0
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name=f"deepfreeze-lease-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _take_over(self, judged: dict[str, Any]) -> None:
+        aside = f"{self.path}.taken.{_uniq()}"
+        try:
+            cp.rename(self.path, aside, "run.lease.takeover")
+        except FileNotFoundError:
+            return
+        try:
+            moved = json.loads(_read_small(aside, _MAX_LEASE_BYTES).decode("utf-8"))
+        except (OSError, ValueError, DeepFreezeError):
+            moved = {"run": "?", "seq": -1}
+        if moved.get("run") != judged.get("run") or moved.get("seq") != judged.get("seq"):
+            try:  # not the lease judged stale (its holder renewed, or another taker won): put it back
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+        try:
+            cp.unlink(aside, "run.lease.unlink")
+        except FileNotFoundError:
+            pass
+
+    def _heartbeat(self) -> None:
+        period = max(0.05, self.timeout / 3)
+        while not self._stop.wait(period):
+            try:
+                self.renew()
+            except Exception as e:  # reported through self.lost / logged; never kills the thread silently
+                log.warning("deepfreeze: lease heartbeat of %r failed: %s", self.name, e)
+
+    def renew(self) -> None:
+        """One heartbeat: rewrite the lease if it is still ours, else record that it was lost."""
+        got = read_lease(os.path.dirname(self.dir), self.name)
+        if got is None or got[0].get("run") != self.run:
+            if self.lost is None:
+                self.lost = (f"the lease on {self.name!r} was taken over by "
+                             f"{describe_holder(got[0]) if got else 'nobody (removed)'}: this run's later "
+                             "versions are not committed on persistent")
+                log.error("deepfreeze: %s", self.lost)
+            return
+        self.seq += 1
+        _write_replace(self.path, self._content(), "run.lease.rename", fsync=False)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        got = read_lease(os.path.dirname(self.dir), self.name)
+        if got is not None and got[0].get("run") == self.run:
+            try:
+                cp.unlink(self.path, "run.lease.unlink")
+            except FileNotFoundError:
+                pass
+
+
+class Run:
+    """One run of a checkpoint name as seen by one rank: :meth:`begin` (collective) makes the
+    run id on rank 0, takes the lease, applies ``overwrite`` (a new generation) and refuses a
+    new run on a name that already has committed versions; :meth:`resumed` (collective)
+    records the step restored and retires what older runs left above it; :meth:`close`
+    releases the lease. ``comm`` is anything with ``rank``, ``size`` and ``allgather(bytes)``
+    (:class:`deepfreeze.redundancy.MPIComm`, :class:`~deepfreeze.redundancy.LocalComm`)."""
+
+    def __init__(self, config: Any, name: str, rank: int, size: int, comm: Any = None, *,
+                 resume: bool = False, overwrite: bool = False, lease_wait: float = 0.0) -> None:
+        if resume and overwrite:
+            from .errors import ConfigError
+            raise ConfigError("resume=True and overwrite=True contradict each other: resume continues the "
+                              "name's newest version, overwrite starts a new generation; pick one")
+        if lease_wait < 0:
+            from .errors import ConfigError
+            raise ConfigError(f"lease_wait = {lease_wait} must be >= 0 seconds")
+        if comm is None:
+            from .redundancy import LocalComm
+            comm = LocalComm()
+        self.config, self.name, self.rank, self.size, self.comm = config, name, rank, size, comm
+        self.resume, self.overwrite, self.lease_wait = resume, overwrite, float(lease_wait)
+        self.lease: Lease | None = None
+        self.info: RunInfo | None = None
+
+    def _gather0(self, payload: dict[str, Any] | None) -> dict[str, Any]:
+        rows = self.comm.allgather(json.dumps(payload).encode() if self.rank == 0 else b"")
+        return json.loads(rows[0])
+
+    def begin(self) -> RunInfo:
+        """Start the run (collective). Raises :class:`LeaseHeldError`,
+        :class:`~deepfreeze.errors.ExistingCheckpointError` or another DeepFreezeError on
+        every rank when rank 0 cannot start it."""
+        from .errors import ExistingCheckpointError
+        from .levels import PersistentLevel, ScratchLevel
+        cfg = self.config
+        pers = PersistentLevel(cfg.persistent)
+        payload = None
+        if self.rank == 0:
+            payload = {"id": new_run_id(), "gen": 0, "committed": None, "err": "", "kind": ""}
+            try:
+                if cfg.persistent_interval >= 0 or self.overwrite:
+                    pers.makedirs(pers.name_dir(self.name))
+                if cfg.persistent_interval < 0:
+                    log.warning("deepfreeze: persistent_interval < 0: no persistent level, so no lease on %r: "
+                                "nothing stops a second job from writing the same name on scratch", self.name)
+                else:
+                    lease = Lease(cfg.persistent, self.name, payload["id"], timeout=cfg.lease_timeout)
+                    lease.acquire(wait=self.lease_wait, resume=self.resume)
+                    self.lease = lease
+                    atexit.register(lease.release)
+                gen = read_generation(cfg.persistent, self.name)
+                if self.overwrite:
+                    gen += 1
+                    write_generation(cfg.persistent, self.name, gen)
+                    log.warning("deepfreeze: overwrite=True: %r starts generation %d; every older version is "
+                                "retired", self.name, gen)
+                    pers.retain(self.name, 0)  # removes the older generations' versions (manifest first)
+                committed = pers.committed_versions(self.name, gen)
+                payload.update(gen=gen, committed=committed[-1] if committed else None)
+            except (DeepFreezeError, OSError) as e:
+                payload.update(err=str(e)[:2000], kind=type(e).__name__)
+        got = self._gather0(payload)
+        if got["err"]:
+            self.close()
+            if got["kind"] == "LeaseHeldError":
+                raise LeaseHeldError(got["err"])
+            raise DeepFreezeError(f"cannot start a run of {self.name!r} (rank 0: {got['kind']}): {got['err']}")
+        gen = int(got["gen"])
+        scratch = ScratchLevel(cfg.scratch)
+        if self.overwrite:
+            scratch.clear(self.name, self.rank)
+        local = scratch.committed(self.name, gen)
+        rows = self.comm.allgather(json.dumps(max(local) if local else None).encode())
+        on_scratch = [v for v in (json.loads(r) for r in rows) if v is not None]
+        if not self.resume and not self.overwrite and (got["committed"] is not None or on_scratch):
+            newest = max([got["committed"] or 0] + on_scratch)
+            self.close()
+            raise ExistingCheckpointError(
+                f"checkpoint name {self.name!r} already has committed versions (newest v{newest}, in "
+                f"{cfg.persistent} or on scratch {cfg.scratch}); a new run must not mix with them. Either "
+                "resume=True (continue from the newest), another name, or overwrite=True (start a new generation: "
+                "the old versions are retired)")
+        self.info = RunInfo(got["id"], gen)
+        return self.info
+
+    def resumed(self, step: int) -> RunInfo:
+        """Record that this run continues from ``step`` (collective): every rank removes its
+        scratch files of higher versions, rank 0 retires higher versions on persistent (manifest
+        first), so no number this run will write can mean an older run's state."""
+        from .levels import PersistentLevel, ScratchLevel
+        assert self.info is not None, "begin() first"
+        self.info = dataclasses.replace(self.info, resumed_from=int(step))
+        ScratchLevel(self.config.scratch).clear(self.name, self.rank, above=step)
+        err = ""
+        if self.rank == 0 and self.config.persistent_interval >= 0:
+            pers = PersistentLevel(self.config.persistent)
+            try:
+                for v in pers.versions(self.name):
+                    if v > step:
+                        log.warning("deepfreeze: retiring %r v%d on persistent (left by an older run above the "
+                                    "resume point v%d)", self.name, v, step)
+                        pers.retire(self.name, v, stale_after=self.config.lease_timeout)
+            except (DeepFreezeError, OSError) as e:
+                err = f"{type(e).__name__}: {e}"
+        got = self._gather0({"err": err})  # also a barrier: nobody writes above step before it is retired
+        if got["err"]:
+            raise DeepFreezeError(f"resume of {self.name!r} from v{step}: {got['err']}")
+        return self.info
+
+    def check(self) -> None:
+        """Raise if this rank holds the lease and lost it (another run took the name over)."""
+        if self.lease is not None and self.lease.lost:
+            raise LeaseHeldError(self.lease.lost)
+
+    def close(self) -> None:
+        """Release the lease (rank 0)."""
+        if self.lease is not None:
+            self.lease.release()
+            atexit.unregister(self.lease.release)
+            self.lease = None
