@@ -38,6 +38,7 @@ import threading
 import time
 from typing import Any
 
+from . import crashpoints as cp
 from .errors import BackendError
 from .levels import ScratchLevel, flush_job
 
@@ -213,7 +214,7 @@ def serve(path: str, idle: float = 5.0) -> None:
     old = os.umask(0o177)
     try:
         if os.path.exists(path):
-            os.unlink(path)
+            cp.unlink(path, "backend.socket.unlink")
         sock.bind(path)
     finally:
         os.umask(old)
@@ -236,7 +237,7 @@ def serve(path: str, idle: float = 5.0) -> None:
         srv.jobs.put(None)
         try:
             if os.stat(path).st_ino == inode:  # not a successor's socket
-                os.unlink(path)
+                cp.unlink(path, "backend.socket.unlink")
         except OSError:
             pass
         sock.close()

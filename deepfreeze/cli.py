@@ -31,7 +31,7 @@ from . import format as fmt
 from .backend import BackendClient, socket_path
 from .config import KEYS, Config, validate_name
 from .errors import BackendError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError
-from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of
+from .levels import read_decision, ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of
 from .restore import list_versions, load, scratch_recoverable
 
 __all__ = ["main", "build_parser"]
@@ -257,11 +257,8 @@ def scan_scratch(cfg: Config, name: str) -> list[VersionCopy]:
 
 
 def _decision(vdir: str) -> str | None:
-    try:
-        with open(os.path.join(vdir, "decision"), "rb") as f:
-            return f.read(8).decode("ascii", "replace")
-    except OSError:
-        return None
+    d = read_decision(vdir)
+    return None if d is None else d["decision"]
 
 
 def scan_persistent(cfg: Config, name: str) -> list[VersionCopy]:

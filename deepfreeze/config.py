@@ -206,7 +206,7 @@ def _read_ini(path: str) -> dict[str, tuple[int, str]]:
 
 def _convert(key: str, value: Any, where: str) -> Any:
     try:
-        if key in ("persistent_interval", "ec_interval", "watchdog_interval"):
+        if key in ("persistent_interval", "ec_interval", "watchdog_interval", "lease_timeout"):
             return float(value)
         if key in ("max_versions", "scratch_versions", "max_inflight"):
             if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):

@@ -19,48 +19,58 @@ import os
 import signal
 import threading
 
-__all__ = ["POINTS", "replace", "rename", "link", "fsync", "unlink", "rmdir", "hit"]
+__all__ = ["POINTS", "PERIPHERAL", "replace", "rename", "link", "fsync", "unlink", "rmdir", "hit"]
 
 #: point name -> the state a crash right before the operation leaves behind
 POINTS: dict[str, str] = {
-    # scratch level (levels.ScratchLevel)
-    "scratch.shard.fsync": "shard written under its temporary name, not fsynced",
-    "scratch.shard.rename": "shard complete under its temporary name, not yet published",
-    "scratch.manifest.rename": "every local shard published, the scratch manifest not yet",
-    "scratch.retain.unlink": "retention: some of this rank's old files removed, the manifest still there",
+    # scratch level (levels.ScratchLevel, redundancy)
+    "scratch.shard.rename": "a rank's shard complete under its temporary name, not yet published",
+    "scratch.manifest.rename": "a rank's shard published, its copy of the scratch manifest not yet",
+    "scratch.partner.rename": "a partner copy received, not yet published (redundancy)",
+    "scratch.parity.rename": "a parity block computed, not yet published (redundancy)",
+    "scratch.retain.unlink": "retention: some of this rank's files of an old version removed",
     "scratch.retain.manifest": "retention: every shard of an old version gone, its manifest not yet",
     "scratch.retain.rmdir": "retention: an old version directory empty, not yet removed",
-    "scratch.clear.unlink": "a new run removing this rank's files of versions it will rewrite",
+    "scratch.clear.unlink": "a resumed run removing this rank's files of versions above its resume point",
     "tmp.cleanup": "a failed write removing its temporary file",
-    # persistent level (levels.PersistentLevel): decision, partial, markers, finalize
-    "persistent.decision.link": "the version's decision + nonce written to a temporary name, not yet created",
-    "persistent.decision.tmp": "the decision's temporary file being removed after its link",
+    # persistent level (levels.PersistentLevel): decision, partial, markers, finalize, retire
+    "persistent.decision.link": "the version's decision and nonce about to be created (under commit.lock)",
     "persistent.partial.fsync": "this rank's pieces copied into model.dfz.partial.<nonce>, not fsynced",
     "persistent.marker.fsync": "the done marker written under its temporary name, not fsynced",
     "persistent.marker.rename": "this rank's pieces durable in the partial, its done marker not yet published",
-    "persistent.marker.dirsync": "done marker renamed, directory not fsynced",
-    "persistent.lock.link": "the finalizer about to take commit.lock",
-    "persistent.lock.break": "a stale commit.lock of a dead process about to be removed",
+    "persistent.marker.dirsync": "the done marker renamed, its directory not fsynced",
+    "persistent.lock.link": "about to take commit.lock of the version",
+    "persistent.lock.break": "a stale commit.lock (dead or silent holder) about to be removed",
     "persistent.lock.unlink": "commit.lock about to be released",
     "persistent.final.fsync": "header and index written into the partial, not fsynced",
     "persistent.final.rename": "the partial complete and durable, not yet renamed to model.dfz",
     "persistent.manifest.fsync": "model.dfz in place, the manifest written under a temporary name",
     "persistent.manifest.rename": "model.dfz in place, the manifest not yet published (not committed)",
-    "persistent.manifest.dirsync": "the manifest renamed (committed), directory not fsynced",
-    "persistent.cleanup.unlink": "committed; markers being removed",
+    "persistent.manifest.dirsync": "the manifest renamed (committed), the directory not fsynced",
+    "persistent.cleanup.unlink": "committed; the done markers being removed",
     "persistent.retire.manifest": "retiring a version: its manifest (the commit) about to be removed",
+    "persistent.retire.dirsync": "retiring a version: uncommitted, not yet durable",
     "persistent.retire.unlink": "retiring a version: uncommitted, its files being removed",
     "persistent.retire.rmdir": "retiring a version: its directory empty, not yet removed",
     # run identity, generation, lease (run.py)
-    "run.generation.rename": "a new generation written under a temporary name, not yet current",
+    "run.generation.fsync": "overwrite: the new generation being written under a temporary name",
+    "run.generation.rename": "overwrite: the new generation durable under a temporary name, not yet current",
+    "run.generation.dirsync": "overwrite: the new generation current, its directory not fsynced",
+    "run.lease.fsync": "a new lease written under a temporary name",
     "run.lease.link": "a lease about to be created",
-    "run.lease.rename": "a lease heartbeat about to replace the lease file",
+    "run.lease.rename": "a heartbeat about to replace the lease file",
     "run.lease.takeover": "a stale lease about to be moved aside by a new holder",
-    "run.lease.unlink": "a lease about to be released or a moved-aside lease removed",
-    "run.clock.unlink": "the file used to read the file system's clock being removed",
+    "run.lease.unlink": "a lease about to be released, or a moved-aside lease removed",
+    "run.clock.unlink": "the file that gave the file system's clock about to be removed",
     # backend (backend.py)
-    "backend.socket.unlink": "the backend removing a stale or its own socket",
+    "backend.socket.unlink": "the backend removing a stale socket, or its own at exit",
+    # outside the commit protocol: exports and VeloC's INI file (registered, covered elsewhere)
+    "export.rename": "an export complete under its temporary name",
+    "veloc.config.rename": "VeloC's INI file written under its temporary name",
 }
+
+#: points outside the checkpoint commit protocol (not part of the kill suite)
+PERIPHERAL = {"export.rename", "veloc.config.rename"}
 
 _lock = threading.Lock()
 _counts: dict[str, int] = {}

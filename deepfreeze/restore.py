@@ -133,7 +133,7 @@ def load(config: Config, name: str, version: int | None = None, *, verify: bool 
                 f"{config.persistent}: check 'name' and the config, or train with the callback first")
     errors: list[str] = []
     for v in candidates:
-        if v in have:
+        if have.get(v):  # a manifest with no file of the version on any participant: not on scratch
             ck = _load_scratch(comm, local.get(v), have[v], name, v, verify, tensors, errors)
             if ck is not None:
                 return ck

@@ -128,16 +128,17 @@ def _read_small(path: str, limit: int) -> bytes:
 
 
 def _write_replace(path: str, data: bytes, point: str, *, fsync: bool = True) -> None:
+    """Replace ``path`` by ``data`` atomically (crash points ``<point>.fsync``, ``<point>.rename``)."""
     tmp = f"{path}.tmp{_uniq()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
             os.write(fd, data)
             if fsync:
-                os.fsync(fd)
+                cp.fsync(fd, point + ".fsync")
         finally:
             os.close(fd)
-        cp.replace(tmp, path, point)
+        cp.replace(tmp, path, point + ".rename")
     except BaseException:
         try:
             os.unlink(tmp)
@@ -165,14 +166,10 @@ def read_generation(persistent: str, name: str) -> int:
 def write_generation(persistent: str, name: str, generation: int) -> None:
     """Make ``generation`` current (atomic: every older version is retired at this rename)."""
     d = os.path.join(persistent, name)
-    _write_replace(os.path.join(d, GENERATION), f"{generation}\n".encode(), "run.generation.rename")
-    _fsync_dir(d)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _write_replace(os.path.join(d, GENERATION), f"{generation}\n".encode(), "run.generation")
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        cp.fsync(fd, "run.generation.dirsync")
     finally:
         os.close(fd)
 
@@ -244,7 +241,7 @@ class Lease:
         try:
             try:
                 os.write(fd, self._content())
-                os.fsync(fd)
+                cp.fsync(fd, "run.lease.fsync")
             finally:
                 os.close(fd)
             try:
@@ -319,6 +316,10 @@ class Lease:
         self._thread.start()
 
     def _take_over(self, judged: dict[str, Any]) -> None:
+        """Move the stale lease aside (one mover wins) and remove it. If what was moved is not
+        the lease judged stale (its holder renewed it, or another taker already replaced it),
+        that holder loses the lease: its heartbeat reports it and fencing abandons its work, so
+        there is never more than one run whose work commits."""
         aside = f"{self.path}.taken.{_uniq()}"
         try:
             cp.rename(self.path, aside, "run.lease.takeover")
@@ -329,10 +330,8 @@ class Lease:
         except (OSError, ValueError, DeepFreezeError):
             moved = {"run": "?", "seq": -1}
         if moved.get("run") != judged.get("run") or moved.get("seq") != judged.get("seq"):
-            try:  # not the lease judged stale (its holder renewed, or another taker won): put it back
-                os.link(aside, self.path)
-            except FileExistsError:
-                pass
+            log.warning("deepfreeze: the lease on %r changed hands while it was taken over (%s): that run loses it",
+                        self.name, describe_holder(moved))
         try:
             cp.unlink(aside, "run.lease.unlink")
         except FileNotFoundError:
@@ -357,7 +356,7 @@ class Lease:
                 log.error("deepfreeze: %s", self.lost)
             return
         self.seq += 1
-        _write_replace(self.path, self._content(), "run.lease.rename", fsync=False)
+        _write_replace(self.path, self._content(), "run.lease", fsync=False)
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lease if it is still ours."""
