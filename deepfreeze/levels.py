@@ -63,7 +63,7 @@ import numpy as np
 from . import crashpoints as cp
 from . import format as fmt
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError
-from .run import ANONYMOUS_RUN, describe_holder, fence_holder, fs_now, read_generation, warn_skew
+from .run import ANONYMOUS_RUN, _alive, describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
@@ -816,16 +816,6 @@ def _create_exclusive(path: str, data: bytes, point: str) -> bool:
             os.unlink(tmp)
         except OSError:
             pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _drop_cached(fd: int, ranges: Iterable[tuple[int, int]]) -> None:

@@ -210,13 +210,18 @@ def describe_holder(h: dict[str, Any]) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Is process ``pid`` of this host running (a zombie, killed but not yet reaped, is not)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError, ValueError):
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read(512).rpartition(b")")[2].split()[:1] != [b"Z"]
+    except OSError:
+        return True
 
 
 class Lease:
@@ -263,6 +268,7 @@ class Lease:
         heartbeat is older than the timeout (file-system clock) is replaced; ``resume``
         waits up to the timeout for a holder on another host whose heartbeat stopped;
         ``wait`` seconds are granted to a live holder to go away."""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
         start = time.monotonic()
         said_waiting = False
         seen: dict[str, Any] | None = None
