@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import time
@@ -10,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from ..config import Config, validate_name
+from ..config import KEYS, Config, did_you_mean, validate_name
 from ..engine import Engine, make_engine, resolve_engine
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
 from ..levels import ScratchLevel
@@ -51,6 +52,18 @@ class _SkipBatches:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
+
+
+def _check_overrides(overrides: dict[str, Any]) -> None:
+    """Reject a keyword that is neither an argument of the callback nor an INI key, suggesting
+    the closest of both (``every_n_batch`` -> "did you mean 'every_n_batches'?")."""
+    for key in overrides:
+        if key not in KEYS:
+            own = [p for p in inspect.signature(DeepFreezeCheckpoint.__init__).parameters
+                   if p not in ("self", "overrides")]
+            raise ConfigError(f"DeepFreezeCheckpoint: unknown argument {key!r}.{did_you_mean(key, own + sorted(KEYS))} "
+                              f"It is neither an argument of the callback ({', '.join(own)}) nor an INI key "
+                              "(a keyword override, see docs/configuration.md)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +138,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self.failures: list[str] = []
         self.name = validate_name(name)
         self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes)
+        _check_overrides(overrides)
         self.config = Config.resolve(config, **overrides)
         self.engine_kind = resolve_engine(engine)
         self.verbose = verbose
