@@ -14,6 +14,7 @@ import difflib
 import os
 import re
 import socket
+import stat
 from typing import Any, Mapping
 
 from .errors import ConfigError
@@ -125,6 +126,36 @@ class Config:
             raise ConfigError(f"{w('watchdog_interval')}: watchdog_interval = {self.watchdog_interval} must be "
                               ">= 0 (0 = off)")
         validate_name(self.failure_domain.replace("-", "_"), f"failure_domain ({w('failure_domain')})")
+
+    def check_directories(self, keys: tuple[str, ...] = ("scratch", "persistent")) -> None:
+        """Raise :class:`ConfigError` unless each of ``keys`` is a directory this process can
+        write in, or can be created (its nearest existing parent is a writable directory).
+        Called when training begins, so an unusable path is one clear error, not a traceback
+        from the first checkpoint. Creates nothing."""
+        for key in keys:
+            path = getattr(self, key)
+            p = path
+            while True:
+                try:
+                    st = os.stat(p)
+                except FileNotFoundError:
+                    parent = os.path.dirname(p)
+                    if parent == p:
+                        break
+                    p = parent
+                    continue
+                except OSError as e:
+                    raise ConfigError(f"{self.where(key)}: {key} = {path} is unusable: {p}: {e.strerror}; "
+                                      f"point {key} to a directory you can write in") from e
+                if not stat.S_ISDIR(st.st_mode):
+                    raise ConfigError(f"{self.where(key)}: {key} = {path} is unusable: {p} exists and is not a "
+                                      f"directory; point {key} to a directory (or remove that file)")
+                if not os.access(p, os.W_OK | os.X_OK):
+                    what = "write in" if p == path else f"create {path} in"
+                    raise ConfigError(f"{self.where(key)}: {key} = {path} is unusable: no permission to {what} "
+                                      f"{p} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}, or a "
+                                      f"read-only file system); point {key} to a directory you can write in")
+                break
 
     @property
     def keep_scratch(self) -> int:

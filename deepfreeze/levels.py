@@ -500,16 +500,26 @@ def _create_exclusive(path: str, data: bytes) -> bool:
     """Create ``path`` holding ``data`` unless it exists; atomic, and never visible empty:
     the content is written to a temporary file first, then hard-linked into place."""
     tmp = f"{path}.tmp{_uniq()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     try:
+        fd = os.open(tmp, flags, 0o600)  # owner-only from the start
+    except FileExistsError:  # left by a dead process that had this pid
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, 0o600)
+    try:
+        try:
+            _write_all(fd, data, 0)
+        finally:
+            os.close(fd)
         os.link(tmp, path)
         return True
     except FileExistsError:
         return False
     finally:
-        os.unlink(tmp)
+        try:
+            os.unlink(tmp)  # on every outcome: no decision.tmp* left behind (ENOSPC, EIO, ...)
+        except FileNotFoundError:
+            pass
 
 
 def _alive(pid: int) -> bool:

@@ -194,6 +194,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 f"{type(opt).__name__}: compile the model with e.g. tf.keras.optimizers.SGD, not a "
                 "tf.keras.optimizers.legacy optimizer (Horovod's DistributedOptimizer over one is fine)")
         self.rank, self.size = rank_and_size()
+        self.config.check_directories()  # an unusable scratch/persistent path: one clear error now
         if not model.built or not model.weights:
             self._defer_setup()  # built (and restored) at the first step, from the input's spec
             return
