@@ -138,7 +138,7 @@ class Config:
             while True:
                 try:
                     st = os.stat(p)
-                except FileNotFoundError:
+                except (FileNotFoundError, NotADirectoryError):  # go up to the first existing path
                     parent = os.path.dirname(p)
                     if parent == p:
                         break
