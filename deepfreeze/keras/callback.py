@@ -381,7 +381,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._skip_steps = step
         self.resumed_from = version
         if self.rank == 0:  # epochs as Keras prints them ("Epoch 1/3" is epoch index 0)
-            at = f"at the start of epoch {epoch + 1}" if step == 0 else f"in epoch {epoch + 1} after its batch {step}"
+            at = (f"at the start of epoch {epoch + 1}" if step == 0
+                  else f"in epoch {epoch + 1} after its first {step} batch{'es' if step > 1 else ''}")
             log.warning("DeepFreeze: resumed %r from v%d (%s, step %d): continuing %s", self.name, version,
                         ck.level, ck.step, at)
         return ck
