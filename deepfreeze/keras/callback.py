@@ -249,7 +249,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if want and self._first_batch and self.size > 1:
             # Horovod's broadcast of rank 0's weights happens at the end of the first batch:
             # shards captured in it would come from different replicas.
-            log.info("DeepFreeze: skipping a checkpoint in the first batch (before the Horovod broadcast)")
+            if self.rank == 0:
+                log.info("DeepFreeze: skipping a checkpoint in the first batch (before the Horovod broadcast)")
             want = False
         self._first_batch = False
         if want:
