@@ -181,3 +181,18 @@ def test_decision_temporary_file_is_owner_only_and_removed_after_a_write_error(t
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "p")], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and f"errno {errno.EFBIG}" in p.stdout, p.stderr
     assert sorted(os.listdir(tmp_path / "p" / "k" / "v000000000002")) == []  # no decision, no decision.tmp*
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any directory whatever its mode (and the "
+                    "unprivileged account 'nobody' cannot run this venv's Python, which lives under /root)")
+def test_directory_without_write_permission_is_a_config_error(tmp_path):
+    from deepfreeze import Config
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        cfg = Config.load(None, env={}, mode="sync", scratch=str(locked / "s"), persistent=str(tmp_path / "p"))
+        with pytest.raises(ConfigError, match=rf"keyword override: scratch = {locked}/s is unusable: no permission "
+                                              rf"to create {locked}/s in {locked} \(owner uid \d+, mode 0500"):
+            cfg.check_directories()
+    finally:
+        locked.chmod(0o700)
