@@ -267,7 +267,8 @@ def write_error(config: Config, name: str, version: int, e: OSError) -> Checkpoi
         [os.path.abspath(path), getattr(config, k)]) == getattr(config, k)]
     level = max(under, key=lambda k: len(getattr(config, k)), default=None)  # the innermost root
     where = (f"on {level} ({path}); check that {level} = {getattr(config, level)} ({config.where(level)}) is a "
-             "writable directory with free space") if level else f"({path or 'no path'})"
+             "writable directory with free space") if level else (
+        f"({path or 'writing to scratch ' + config.scratch + ' or persistent ' + config.persistent})")
     return CheckpointWriteError(e.errno, f"checkpoint {name!r} v{version} failed: {e.strerror or e} {where}. "
                                 "A version is committed whole or not at all.")
 

@@ -196,3 +196,29 @@ def test_directory_without_write_permission_is_a_config_error(tmp_path):
             cfg.check_directories()
     finally:
         locked.chmod(0o700)
+
+
+def test_sync_warn_catches_persistent_directory_errors(tmp_path):
+    """In sync mode the flush runs in the training process: a file where the persistent
+    checkpoint directory should be is a CheckpointWriteError naming persistent; 'warn' goes on."""
+    pfs = tmp_path / "p"
+
+    class PersistentInTheWay(ScratchLevel):
+        def write_shard(self, name, version, rank, plan, arrays, **kw):
+            if version == 6:
+                os.rename(pfs / name, pfs / f"{name}.moved")
+                (pfs / name).write_bytes(b"not a directory")
+            return super().write_shard(name, version, rank, plan, arrays, **kw)
+
+    model = build()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=2, at_epoch_end=False, mode="sync", on_error="warn",
+                                scratch_cls=PersistentInTheWay, scratch=str(tmp_path / "s"), persistent=str(pfs))
+    r = np.random.default_rng(0)
+    x, y = r.random((160, 12, 12, 1), dtype=np.float32), r.integers(0, 10, 160)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt], verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
+    ckpt.close()
+    assert len(ckpt.failures) == 3  # v6, v8, v10: each on scratch, none on persistent
+    assert all("Not a directory on persistent" in f and f"persistent = {pfs} (keyword override)" in f
+               for f in ckpt.failures), ckpt.failures
