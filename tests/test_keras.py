@@ -274,8 +274,9 @@ def test_restore_warns_once_when_tensor_names_differ(tmp_path, caplog):
     caplog.clear()
     deepfreeze.restore(build(), name="k", mode="sync", **dirs(tmp_path))  # Keras numbers the rebuilt layers: same
     assert not [r for r in caplog.records if "differ" in r.getMessage()]
-    renamed = tf.keras.Sequential([tf.keras.Input((12, 12, 1))] + [
-        type(layer).from_config({**layer.get_config(), "name": f"other_{i}"}) for i, layer in enumerate(build().layers)])
+    layers = [type(layer).from_config({**layer.get_config(), "name": f"other_{i}"})
+              for i, layer in enumerate(build().layers)]  # same shapes and order, other names
+    renamed = tf.keras.Sequential([tf.keras.Input((12, 12, 1))] + layers)
     deepfreeze.restore(renamed, name="k", mode="sync", **dirs(tmp_path))
     warned = [r.getMessage() for r in caplog.records if "differ" in r.getMessage()]
     assert len(warned) == 1 and "model 'other_0/kernel', checkpoint 'conv2d" in warned[0], warned
