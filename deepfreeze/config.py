@@ -10,14 +10,16 @@ environment variables (as VeloC does), then keyword overrides given in code
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import socket
+import stat
 from typing import Any, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["Config", "KEYS", "VELOC_ONLY", "validate_name"]
+__all__ = ["Config", "KEYS", "VELOC_ONLY", "validate_name", "did_you_mean"]
 
 #: every key DeepFreeze understands, with a one-line meaning (see docs/configuration.md)
 KEYS: dict[str, str] = {
@@ -86,35 +88,79 @@ class Config:
     axl_type: str | None = None
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
+    #: where each key given explicitly came from: ``(key, "file:line" | "env VELOC_<KEY>" |
+    #: "keyword override")``; keys not listed have their default (see :meth:`where`)
+    origins: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
+
+    def where(self, key: str) -> str:
+        """Where ``key``'s value came from: ``file:line`` of the INI file, ``env VELOC_<KEY>``,
+        ``keyword override`` (code; ``--set`` in the CLI), or ``default (<file>)``."""
+        for k, w in self.origins:
+            if k == key:
+                return w
+        return "default" if self.source == "<code>" else f"default ({self.source})"
 
     def __post_init__(self) -> None:
+        w = self.where
         if self.mode not in ("sync", "async"):
-            raise ConfigError(f"{self.source}: mode = {self.mode!r} is invalid: use 'sync' or 'async'")
+            raise ConfigError(f"{w('mode')}: mode = {self.mode!r} is invalid: use 'sync' or 'async'")
         for key in ("scratch", "persistent"):
             value = getattr(self, key)
             if not value:
-                raise ConfigError(f"{self.source}: '{key}' is missing: set it to a directory path")
+                raise ConfigError(f"{w(key)}: '{key}' is empty: set it to a directory path")
             object.__setattr__(self, key, os.path.abspath(os.path.expanduser(value)))
         if os.path.realpath(self.scratch) == os.path.realpath(self.persistent):
             raise ConfigError(
-                f"{self.source}: scratch and persistent are the same directory ({self.scratch}); "
-                "they are different levels: point scratch to node-local storage"
+                f"scratch ({w('scratch')}) and persistent ({w('persistent')}) are the same directory "
+                f"({self.scratch}); they are different levels: point scratch to node-local storage"
             )
         for key in ("max_versions", "scratch_versions"):
             if getattr(self, key) < 0:
-                raise ConfigError(f"{self.source}: {key} = {getattr(self, key)} must be >= 0 (0 keeps all)")
+                raise ConfigError(f"{w(key)}: {key} = {getattr(self, key)} must be >= 0 (0 keeps all)")
         if self.ec_scheme not in ("xor", "partner"):
-            raise ConfigError(f"{self.source}: ec_scheme = {self.ec_scheme!r} is invalid: use 'xor' "
+            raise ConfigError(f"{w('ec_scheme')}: ec_scheme = {self.ec_scheme!r} is invalid: use 'xor' "
                               "(parity, 1/(k-1) space) or 'partner' (a full copy on the next node)")
         if self.max_inflight < 1:
-            raise ConfigError(f"{self.source}: max_inflight = {self.max_inflight} must be >= 1 (1: a checkpoint "
-                              "waits until the previous shard is on scratch; 2: one more may wait in memory)")
+            raise ConfigError(f"{w('max_inflight')}: max_inflight = {self.max_inflight} must be >= 1 (1: a "
+                              "checkpoint waits until the previous shard is on scratch; 2: one more may wait "
+                              "in memory)")
         if not self.lease_timeout > 0:
-            raise ConfigError(f"{self.source}: lease_timeout = {self.lease_timeout} must be > 0 seconds (e.g. 30: a "
-                              "run's heartbeat renews its lease every third of it)")
+            raise ConfigError(f"{w('lease_timeout')}: lease_timeout = {self.lease_timeout} must be > 0 seconds (e.g. "
+                              "30: a run's heartbeat renews its lease every third of it)")
         if self.watchdog_interval < 0:
-            raise ConfigError(f"{self.source}: watchdog_interval must be >= 0")
-        validate_name(self.failure_domain.replace("-", "_"), "failure_domain")
+            raise ConfigError(f"{w('watchdog_interval')}: watchdog_interval = {self.watchdog_interval} must be "
+                              ">= 0 (0 = off)")
+        validate_name(self.failure_domain.replace("-", "_"), f"failure_domain ({w('failure_domain')})")
+
+    def check_directories(self, keys: tuple[str, ...] = ("scratch", "persistent")) -> None:
+        """Raise :class:`ConfigError` unless each of ``keys`` is a directory this process can
+        write in, or can be created (its nearest existing parent is a writable directory).
+        Called when training begins, so an unusable path is one clear error, not a traceback
+        from the first checkpoint. Creates nothing."""
+        for key in keys:
+            path = getattr(self, key)
+            p = path
+            while True:
+                try:
+                    st = os.stat(p)
+                except (FileNotFoundError, NotADirectoryError):  # go up to the first existing path
+                    parent = os.path.dirname(p)
+                    if parent == p:
+                        break
+                    p = parent
+                    continue
+                except OSError as e:
+                    raise ConfigError(f"{self.where(key)}: {key} = {path} is unusable: {p}: {e.strerror}; "
+                                      f"point {key} to a directory you can write in") from e
+                if not stat.S_ISDIR(st.st_mode):
+                    raise ConfigError(f"{self.where(key)}: {key} = {path} is unusable: {p} exists and is not a "
+                                      f"directory; point {key} to a directory (or remove that file)")
+                if not os.access(p, os.W_OK | os.X_OK):
+                    what = "write in" if p == path else f"create {path} in"
+                    raise ConfigError(f"{self.where(key)}: {key} = {path} is unusable: no permission to {what} "
+                                      f"{p} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}, or a "
+                                      f"read-only file system); point {key} to a directory you can write in")
+                break
 
     @property
     def keep_scratch(self) -> int:
@@ -153,7 +199,8 @@ class Config:
                 extra.append((key, str(value)))
             else:
                 kwargs[key] = _convert(key, value, where)
-        return cls(veloc_only=tuple(sorted(extra)), **kwargs)
+        origins = tuple(sorted((key, where) for key, (where, _) in raw.items()))
+        return cls(veloc_only=tuple(sorted(extra)), origins=origins, **kwargs)
 
     @classmethod
     def resolve(cls, config: "str | os.PathLike | Config | None", **overrides: Any) -> "Config":
@@ -162,22 +209,33 @@ class Config:
             return cls.load(config, **overrides)
         changes: dict[str, Any] = {}
         extra = dict(config.veloc_only)
+        origins = dict(config.origins)
         for key, value in overrides.items():
             if value is None:
                 continue
             if key not in KEYS:
                 raise ConfigError(_unknown(key, "keyword override"))
+            origins[key] = "keyword override"
             if key in VELOC_ONLY:
                 extra[key] = str(value)
                 changes["veloc_only"] = tuple(sorted(extra.items()))
             else:
                 changes[key] = _convert(key, value, "keyword override")
-        return dataclasses.replace(config, **changes) if changes else config
+        if not changes:
+            return config
+        return dataclasses.replace(config, origins=tuple(sorted(origins.items())), **changes)
 
+
+def did_you_mean(word: str, choices: "list[str] | tuple[str, ...] | Mapping[str, Any]") -> str:
+    """`` Did you mean 'x'?`` (the close matches of ``word`` among ``choices``), or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return " Did you mean " + " or ".join(repr(c) for c in close) + "?"
 
 
 def _unknown(key: str, where: str) -> str:
-    return (f"{where}: unknown key {key!r}. Known keys: {', '.join(sorted(KEYS))} "
+    return (f"{where}: unknown key {key!r}.{did_you_mean(key, KEYS)} Known keys: {', '.join(sorted(KEYS))} "
             "(see docs/configuration.md)")
 
 

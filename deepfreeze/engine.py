@@ -137,9 +137,9 @@ class Engine:
         # inside this call now and then
         manifest = {**self._manifest_base, "version": version, "step": step, "epoch": epoch, **(extra or {})}
         if self.config.mode == "sync":
-            self._write(version, arrays, manifest)
+            self._write_checked(version, arrays, manifest)
         else:
-            self._inflight.append(self._pool.submit(self._write, version, arrays, manifest))
+            self._inflight.append(self._pool.submit(self._write_checked, version, arrays, manifest))
         self.last_version = version
         self.stats.append({"version": version, "blocking_s": time.perf_counter() - t0})
 
@@ -225,6 +225,18 @@ class Engine:
                 raise err
             raise DeepFreezeError(f"background checkpoint work failed: {err}") from err
 
+    def _write_checked(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
+        """:meth:`_write`, with a bare OSError (a scratch or persistent directory that is a file,
+        lost permissions, a full disk in retention or the sync flush) turned into a
+        :class:`CheckpointWriteError` naming the level, the path and the config key's source, so
+        ``on_error`` applies to it."""
+        try:
+            self._write(version, arrays, manifest)
+        except OSError as e:
+            if isinstance(e, DeepFreezeError):
+                raise
+            raise write_error(self.config, self.name, version, e) from e
+
     def _write(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
         cfg = self.config
         t0 = time.perf_counter()
@@ -263,6 +275,19 @@ class Engine:
             self._backend_errors += errors
         else:
             flush_job(job, scratch_cls=type(self.scratch))
+
+
+def write_error(config: Config, name: str, version: int, e: OSError) -> CheckpointWriteError:
+    """A :class:`CheckpointWriteError` for an OSError met while checkpointing ``name`` v``version``."""
+    path = os.fspath(e.filename) if isinstance(e.filename, (str, os.PathLike)) else ""
+    under = [k for k in ("persistent", "scratch") if path and os.path.commonpath(
+        [os.path.abspath(path), getattr(config, k)]) == getattr(config, k)]
+    level = max(under, key=lambda k: len(getattr(config, k)), default=None)  # the innermost root
+    where = (f"on {level} ({path}); check that {level} = {getattr(config, level)} ({config.where(level)}) is a "
+             "writable directory with free space") if level else (
+        f"({path or 'writing to scratch ' + config.scratch + ' or persistent ' + config.persistent})")
+    return CheckpointWriteError(e.errno, f"checkpoint {name!r} v{version} failed: {e.strerror or e} {where}. "
+                                "A version is committed whole or not at all.")
 
 
 BACKGROUND_NICE = 10

@@ -801,7 +801,12 @@ def _create_exclusive(path: str, data: bytes, point: str) -> bool:
     """Create ``path`` holding ``data`` unless it exists; atomic, and never visible empty:
     the content is written to an owner-only temporary file first, then hard-linked into place."""
     tmp = f"{path}.tmp{_uniq()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)  # owner-only from the start
+    except FileExistsError:  # left by a dead process that had this pid
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, 0o600)
     try:
         try:
             _write_all(fd, data, 0)
@@ -813,8 +818,8 @@ def _create_exclusive(path: str, data: bytes, point: str) -> bool:
         return False
     finally:
         try:
-            os.unlink(tmp)
-        except OSError:
+            os.unlink(tmp)  # on every outcome: no decision.tmp* left behind (ENOSPC, EIO, ...)
+        except FileNotFoundError:
             pass
 
 

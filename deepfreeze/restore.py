@@ -70,10 +70,12 @@ def _levels(config: Config) -> tuple[ScratchLevel, PersistentLevel]:
     return ScratchLevel(config.scratch), PersistentLevel(config.persistent)
 
 
-def list_versions(config: Config, name: str) -> dict[int, list[str]]:
+def list_versions(config: "str | os.PathLike | Config | None", name: str) -> dict[int, list[str]]:
     """Committed versions -> levels this process can read them whole from: ``scratch``
     (its own scratch directory: shards, partner copies, parity reconstruction) and
-    ``persistent``."""
+    ``persistent``. ``config``: a :class:`Config`, or a VeloC INI path (``None``: the
+    ``VELOC_<KEY>`` environment only), resolved by :meth:`Config.resolve`."""
+    config = Config.resolve(config)
     validate_name(name)
     scratch, persistent = _levels(config)
     gen = persistent.generation(name)
@@ -86,9 +88,12 @@ def list_versions(config: Config, name: str) -> dict[int, list[str]]:
     return dict(sorted(out.items()))
 
 
-def load(config: Config, name: str, version: int | None = None, *, verify: bool = True,
-         tensors: Sequence[str] | None = None, comm: Comm | None = None) -> Checkpoint:
+def load(config: "str | os.PathLike | Config | None", name: str, version: int | None = None, *,
+         verify: bool = True, tensors: Sequence[str] | None = None, comm: Comm | None = None) -> Checkpoint:
     """Load version ``version`` (default: the newest that can be read whole) of ``name``.
+
+    ``config``: a :class:`Config`, or a VeloC INI path (``None``: the ``VELOC_<KEY>``
+    environment only), resolved by :meth:`Config.resolve` (as :func:`deepfreeze.restore`).
 
     ``tensors`` restricts the read to those tensor names (the index locates each
     piece, so nothing else is read); by default every tensor is loaded.
@@ -102,6 +107,7 @@ def load(config: Config, name: str, version: int | None = None, *, verify: bool 
     whole wins; a damaged file (checksum) is dropped and the next source is tried,
     with a log line.
     """
+    config = Config.resolve(config)
     validate_name(name)
     comm = comm or LocalComm()
     scratch, persistent = _levels(config)

@@ -51,3 +51,55 @@ def test_shipped_configs_parse():
     assert c.mode == "async" and c.chksum
     c = Config.load("veloc_cfg/cluster.cfg.template", env={})
     assert c.persistent_interval == 300
+
+
+@pytest.mark.parametrize("env, kw, needle", [
+    ({}, {}, r"c\.cfg:4: max_inflight = 0 must be >= 1"),
+    ({"VELOC_MODE": "fast"}, {}, r"^env VELOC_MODE: mode = 'fast' is invalid"),
+    ({"VELOC_MAX_INFLIGHT": "0"}, {}, r"^env VELOC_MAX_INFLIGHT: max_inflight = 0 must be >= 1"),
+    ({}, {"max_inflight": 0}, r"^keyword override: max_inflight = 0 must be >= 1"),
+    ({}, {"max_inflight": 1, "ec_scheme": "raid"}, r"^keyword override: ec_scheme = 'raid' is invalid"),
+    ({"VELOC_WATCHDOG_INTERVAL": "-1"}, {"max_inflight": 1}, r"^env VELOC_WATCHDOG_INTERVAL: watchdog_interval"),
+    ({}, {"max_inflight": 1, "persistent": "/tmp/a"},
+     r"^scratch \(.*c\.cfg:2\) and persistent \(keyword override\) are the same directory"),
+    ({"VELOC_FAILURE_DOMAIN": "a b"}, {"max_inflight": 1}, r"invalid failure_domain \(env VELOC_FAILURE_DOMAIN\)"),
+])
+def test_errors_name_the_source_of_the_value(tmp_path, env, kw, needle):
+    """Each validation message names where the bad value came from: file:line, env, keyword."""
+    path = write(tmp_path, "mode = sync\nscratch = /tmp/a\npersistent = /tmp/b\nmax_inflight = 0\n")
+    with pytest.raises(ConfigError, match=needle):
+        Config.load(path, env=env, **kw)
+
+
+def test_sources_are_recorded_and_kept_by_resolve(tmp_path):
+    path = write(tmp_path, "mode = sync\n\nscratch = /tmp/a\npersistent = /tmp/b\n")
+    c = Config.load(path, env={"VELOC_CHKSUM": "false"}, max_versions=2)
+    assert (c.where("mode"), c.where("scratch"), c.where("chksum"), c.where("max_versions")) == \
+        (f"{path}:1", f"{path}:3", "env VELOC_CHKSUM", "keyword override")
+    assert c.where("ec_scheme") == f"default ({path})"
+    c2 = Config.resolve(c, scratch="/tmp/c")
+    assert c2.where("scratch") == "keyword override" and c2.where("mode") == f"{path}:1"
+    assert c2 != c and Config.resolve(c, scratch="/tmp/a") == c  # origins do not take part in equality
+    with pytest.raises(ConfigError, match=r"^keyword override: max_versions = -1 must be >= 0"):
+        Config.resolve(c, max_versions=-1)
+
+
+def test_unknown_key_suggests_the_closest(tmp_path):
+    with pytest.raises(ConfigError, match=r"c\.cfg:4: unknown key 'persistant'. Did you mean 'persistent'"):
+        Config.load(write(tmp_path, "mode = sync\nscratch = /tmp/a\n\npersistant = /tmp/b\n"), env={})
+    with pytest.raises(ConfigError, match=r"keyword override: unknown key 'max_version'. Did you mean "
+                                          r"'max_versions'"):
+        Config.load(None, env={}, mode="sync", scratch="/a", persistent="/b", max_version=3)
+
+
+def test_cli_names_set_as_the_source(tmp_path):
+    """The CLI's --set values are reported as --set, file values as file:line."""
+    import subprocess
+    import sys
+    path = write(tmp_path, "mode = sync\nscratch = /tmp/a\npersistent = /tmp/b\nmax_versions = -2\n")
+    p = subprocess.run([sys.executable, "-m", "deepfreeze.cli", "ls", "--config", path],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and f"{path}:4: max_versions = -2 must be >= 0" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "deepfreeze.cli", "ls", "--config", path, "--set", "max_versions=x"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--set: max_versions = 'x' is invalid" in p.stderr, p.stderr

@@ -182,3 +182,102 @@ def test_callback_options_validated():
             DeepFreezeCheckpoint(name="k", mode="sync", scratch="/tmp/a", persistent="/tmp/b", **kw)
     with pytest.raises(ConfigError, match="invalid checkpoint name"):
         DeepFreezeCheckpoint(name="../x", mode="sync", scratch="/tmp/a", persistent="/tmp/b")
+
+
+def test_callback_argument_typo_suggests_the_argument():
+    with pytest.raises(ConfigError, match=r"unknown argument 'every_n_batch'\. Did you mean 'every_n_batches'\?"):
+        DeepFreezeCheckpoint(name="k", mode="sync", scratch="/tmp/a", persistent="/tmp/b", every_n_batch=10)
+    with pytest.raises(ConfigError, match=r"unknown argument 'persistant'\. Did you mean 'persistent'"):
+        DeepFreezeCheckpoint(name="k", mode="sync", scratch="/tmp/a", persistant="/tmp/b")
+    with pytest.raises(ConfigError, match=r"unknown argument 'resum'\. Did you mean 'resume'\?"):
+        DeepFreezeCheckpoint(name="k", mode="sync", scratch="/tmp/a", persistent="/tmp/b", resum=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_unbuilt_model_is_set_up_at_the_first_step(tmp_path, mode):
+    """A Sequential without Input is built from fit's input spec before the first step; a
+    checkpoint asked for in the very first batch is taken; every version is bit-exact."""
+    model = build(lazy=True)
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.01, momentum=0.9), loss="sparse_categorical_crossentropy")
+    assert not model.built
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=1, mode=mode, **dirs(tmp_path))
+    rec = Record(ckpt)
+    x, y = data(64)
+    model.fit(x, y, batch_size=16, epochs=2, callbacks=[ckpt, rec], verbose=0)
+    ckpt.wait()
+    assert model.built and sorted(rec.weights) == list(range(1, 9))
+    for v, expected in rec.weights.items():
+        assert [a.tobytes() for a in load(ckpt.config, "k", v).model_arrays().values()] == [e.tobytes() for e in expected]
+    assert "_update_step" not in model.optimizer.__dict__
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, rec], verbose=0)  # a second fit: built now
+    assert ckpt.last_version == 12
+    ckpt.close()
+
+
+def test_unbuilt_model_resumes_before_its_first_step(tmp_path, caplog):
+    """resume=True with an unbuilt model: the version is picked when fit begins (so fit starts
+    at its epoch and batch), the model is built and restored before the first step: the result
+    is bit-identical to an uninterrupted run."""
+    tf.config.experimental.enable_op_determinism()
+    x, y = data(96)  # 6 steps per epoch
+
+    def fit(out, resume, stop_at=None):
+        model = build(lazy=True)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.01, momentum=0.9), loss="sparse_categorical_crossentropy")
+        ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=4, at_epoch_end=False, mode="sync", resume=resume,
+                                    **dirs(out))
+
+        class Stop(tf.keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if int(self.model.optimizer.iterations.numpy()) == stop_at:
+                    self.model.stop_training = True  # the "crash": newest checkpoint is v8
+
+        model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[ckpt, Stop()])
+        ckpt.close()
+        return model, ckpt
+
+    a, _ = fit(tmp_path / "a", False)
+    fit(tmp_path / "b", False, stop_at=10)
+    caplog.clear()
+    b, ck = fit(tmp_path / "b", True)
+    assert ck.resumed_from == 8 and int(b.optimizer.iterations.numpy()) == 18
+    resumed = [r.getMessage() for r in caplog.records if "resumed 'k'" in r.getMessage()]
+    assert len(resumed) == 1 and "continuing in epoch 2 after its first 2 batches" in resumed[0]
+    assert [w.tobytes() for w in a.get_weights()] == [w.tobytes() for w in b.get_weights()]
+    assert [v.numpy().tobytes() for v in a.optimizer.variables()] == \
+        [v.numpy().tobytes() for v in b.optimizer.variables()]
+
+
+def test_load_and_list_versions_take_a_config_path(tmp_path):
+    model = build()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    cfg = tmp_path / "c.cfg"
+    cfg.write_text(f"mode = sync\nscratch = {tmp_path / 'scratch'}\npersistent = {tmp_path / 'pfs'}\n")
+    ckpt = DeepFreezeCheckpoint(str(cfg), name="k", every_n_batches=2, at_epoch_end=False)
+    x, y = data(32)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt.close()
+    assert deepfreeze.list_versions(str(cfg), "k") == {2: ["scratch", "persistent"]}
+    assert deepfreeze.list_versions(cfg, "k") == deepfreeze.list_versions(ckpt.config, "k")  # PathLike too
+    ck = deepfreeze.load(cfg, "k")
+    assert ck.version == 2
+    assert [a.tobytes() for a in ck.model_arrays().values()] == [w.tobytes() for w in model.get_weights()]
+
+
+def test_restore_warns_once_when_tensor_names_differ(tmp_path, caplog):
+    model = build()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=2, at_epoch_end=False, mode="sync", **dirs(tmp_path))
+    x, y = data(32)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt.close()
+    caplog.clear()
+    deepfreeze.restore(build(), name="k", mode="sync", **dirs(tmp_path))  # Keras numbers the rebuilt layers: same
+    assert not [r for r in caplog.records if "differ" in r.getMessage()]
+    layers = [type(layer).from_config({**layer.get_config(), "name": f"other_{i}"})
+              for i, layer in enumerate(build().layers)]  # same shapes and order, other names
+    renamed = tf.keras.Sequential([tf.keras.Input((12, 12, 1))] + layers)
+    deepfreeze.restore(renamed, name="k", mode="sync", **dirs(tmp_path))
+    warned = [r.getMessage() for r in caplog.records if "differ" in r.getMessage()]
+    assert len(warned) == 1 and "model 'other_0/kernel', checkpoint 'conv2d" in warned[0], warned
+    assert [w.tobytes() for w in renamed.get_weights()] == [w.tobytes() for w in model.get_weights()]

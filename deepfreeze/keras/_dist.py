@@ -45,20 +45,23 @@ def broadcast_int(value: int) -> int:
 
 
 _COMM = None
+_GLOO_WARNED = False
 
 
 def mpi_comm():
     """A :class:`deepfreeze.redundancy.MPIComm` over Horovod's MPI world (created once per
     process, collectively), or None when Horovod is not running over MPI with several ranks."""
-    global _COMM
+    global _COMM, _GLOO_WARNED
     hvd = _hvd()
     if hvd is None or hvd.size() < 2:
         return None
     if not hvd.mpi_enabled():
         import logging
-        logging.getLogger("deepfreeze").warning(
-            "DeepFreeze: Horovod runs without MPI (Gloo): partner/parity protection and pooled "
-            "scratch restore need MPI and are off")
+        if hvd.rank() == 0 and not _GLOO_WARNED:  # one line for the job, not one per rank or call
+            _GLOO_WARNED = True
+            logging.getLogger("deepfreeze").warning(
+                "DeepFreeze: Horovod runs without MPI (Gloo): partner/parity protection and pooled "
+                "scratch restore need MPI and are off")
         return None
     if _COMM is None:
         from ..redundancy import MPIComm

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import time
@@ -10,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from ..config import Config, validate_name
+from ..config import KEYS, Config, did_you_mean, validate_name
 from ..engine import Engine, make_engine, resolve_engine
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
 from ..levels import ScratchLevel
@@ -49,6 +50,45 @@ class _SkipBatches:
             next(iterator)
         self.n = 0
         return self.fn(iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+
+def _check_overrides(overrides: dict[str, Any]) -> None:
+    """Reject a keyword that is neither an argument of the callback nor an INI key, suggesting
+    the closest of both (``every_n_batch`` -> "did you mean 'every_n_batches'?")."""
+    for key in overrides:
+        if key not in KEYS:
+            own = [p for p in inspect.signature(DeepFreezeCheckpoint.__init__).parameters
+                   if p not in ("self", "overrides")]
+            raise ConfigError(f"DeepFreezeCheckpoint: unknown argument {key!r}.{did_you_mean(key, own + sorted(KEYS))} "
+                              f"It is neither an argument of the callback ({', '.join(own)}) nor an INI key "
+                              "(a keyword override, see docs/configuration.md)")
+
+
+class _SetUpAtFirstStep:
+    """Wraps the train function of a model that is not built when ``fit`` starts (a
+    ``Sequential`` without ``Input``, as in most Horovod examples). Its first call, before
+    the first step: builds the model from the input's element spec, restores the version
+    ``resume=True`` picked (so no step is trained before restoring), sets up the capture
+    (the callback's ``on_train_begin``, which retraces the train function), draws the
+    batches a resumed epoch already trained on, then runs the step with the new function."""
+
+    def __init__(self, callback: "DeepFreezeCheckpoint", fn: Any, skip: int) -> None:
+        self.callback, self.fn, self.skip = callback, fn, skip
+
+    def __call__(self, iterator: Any) -> Any:
+        cb = self.callback
+        cb._build_from(iterator)
+        first_batch, cb._deferred = cb._first_batch, None
+        cb.on_train_begin()  # the model is built now: the normal set-up (restores a preloaded version)
+        cb._first_batch = first_batch  # batch 0 has begun already
+        if cb._pending:  # batch 0 asked for a checkpoint before the hook existed
+            cb.hook.flag.assign(True)
+        for _ in range(self.skip):
+            next(iterator)
+        return cb.model.train_function(iterator)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
@@ -135,11 +175,15 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if self.lease_wait < 0:
             raise ConfigError(f"lease_wait = {lease_wait} must be >= 0 seconds")
         self._run: Run | None = None  # from the first on_train_begin to close()
+        self._resume_pending = False  # resume once, when the run begins
         self.resumed_from: int | None = None  # version restored by resume=True, if any
         self._skip_steps = 0
+        self._deferred: _SetUpAtFirstStep | None = None  # set-up waits for the first step (unbuilt model)
+        self._preloaded: tuple[Any] | None = None  # (Checkpoint or None,) picked by resume for a deferred set-up
         self.failures: list[str] = []
         self.name = validate_name(name)
         self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes)
+        _check_overrides(overrides)
         self.config = Config.resolve(config, **overrides)
         self.engine_kind = resolve_engine(engine)
         self.verbose = verbose
@@ -159,9 +203,6 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
     # ------------------------------------------------------------------ keras events
     def on_train_begin(self, logs: dict | None = None) -> None:
         model = self.model
-        if not model.built or not model.weights:
-            raise ConfigError("DeepFreezeCheckpoint needs a built model: give it an Input layer or call "
-                              "model.build(...) before fit")
         opt = getattr(model, "optimizer", None)
         if opt is None or not callable(getattr(type(opt), "_update_step", None)) or not hasattr(opt, "build"):
             raise ConfigError(
@@ -169,13 +210,14 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 f"{type(opt).__name__}: compile the model with e.g. tf.keras.optimizers.SGD, not a "
                 "tf.keras.optimizers.legacy optimizer (Horovod's DistributedOptimizer over one is fine)")
         self.rank, self.size = rank_and_size()
-        if self._run is None:  # a run spans every fit until close()
-            run = Run(self.config, self.name, self.rank, self.size, run_comm(), resume=self.resume,
-                      overwrite=self.overwrite, lease_wait=self.lease_wait)
-            run.begin()
-            self._run = run
-            if self.resume:
-                self._resume()
+        self.config.check_directories()  # an unusable scratch/persistent path: one clear error now
+        self._begin_run()
+        if not model.built or not model.weights:
+            self._defer_setup()  # built (and restored) at the first step, from the input's spec
+            return
+        if self._resume_pending:
+            self._resume_pending = False
+            self._resume()
         variables, tensors, pinned, slots = self._tensors(model)
         self._model_tensors = len(model.weights)
         plan = ShardPlan.build(tensors, self.size, min_shard_bytes=self.options.min_shard_bytes, pinned=pinned)
@@ -228,11 +270,13 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if want and self._first_batch and self.size > 1:
             # Horovod's broadcast of rank 0's weights happens at the end of the first batch:
             # shards captured in it would come from different replicas.
-            log.info("DeepFreeze: skipping a checkpoint in the first batch (before the Horovod broadcast)")
+            if self.rank == 0:
+                log.info("DeepFreeze: skipping a checkpoint in the first batch (before the Horovod broadcast)")
             want = False
         self._first_batch = False
         if want:
-            self.hook.flag.assign(True)
+            if self.hook is not None:  # else set by the deferred set-up, before the step runs
+                self.hook.flag.assign(True)
             self._pending = True
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -263,6 +307,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 self._guard(self.engine.wait, persistent=False)  # committed at least on scratch
         finally:
             self._remove_hook()
+            if isinstance(getattr(self.model, "train_function", None), _SetUpAtFirstStep):
+                self.model.train_function = self.model.train_function.fn  # fit ended before its first step
 
     # ------------------------------------------------------------------ public
     def wait(self, timeout: float | None = None) -> None:
@@ -328,7 +374,19 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
     def _resume(self) -> None:
         """Restore the newest version every rank can recover (collectively over the ranks'
         scratch directories, partner copies and parity, then persistent) and tell fit where to
-        continue; the first train call skips the batches already trained on."""
+        continue; the first train call skips the batches already trained on. For a deferred
+        set-up, the version picked when fit began (:meth:`_resume_pick`) is restored."""
+        if self._preloaded is not None:
+            (ck,), self._preloaded = self._preloaded, None
+        else:
+            ck = self._resume_pick()
+        if ck is not None:
+            self._resume_restore(ck)
+
+    def _resume_pick(self) -> Any:
+        """Load the version to resume from (collective) and tell fit where to continue; the
+        model is not touched. Returns the :class:`~deepfreeze.Checkpoint`, or None (nothing
+        committed: start fresh)."""
         from ..errors import CheckpointNotFoundError
         from ..restore import list_versions, load
         from ._dist import broadcast_int
@@ -343,15 +401,11 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                     raise CheckpointNotFoundError(self.name)
                 ck = load(self.config, self.name, picked)
         except CheckpointNotFoundError:
-            log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)
-            return
+            if self.rank == 0:
+                log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)
+            return None
         version = ck.version
-        self._run.resumed(version)
-        restored_opt = apply_checkpoint(self.model, ck, optimizer=self.save_optimizer)
-        if self.save_optimizer and not restored_opt:
-            log.warning("DeepFreeze: %r v%d holds weights only: the optimizer state starts fresh", self.name, version)
-        if not restored_opt:
-            self.model.optimizer.iterations.assign(ck.step)
+        self._run.resumed(version)  # retires what older runs left above it; recorded in every manifest
         m = ck.manifest
         if m.get("epoch_complete") or "epoch_step" not in m:
             epoch, step = m["epoch"] + 1, 0
@@ -360,9 +414,72 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self.model._training_state = _ResumePoint(epoch, step)
         self._skip_steps = step
         self.resumed_from = version
-        if self.rank == 0:
-            log.warning("DeepFreeze: resumed %r from v%d (%s): continuing at epoch %d, step %d",
-                        self.name, version, ck.level, epoch, step)
+        if self.rank == 0:  # epochs as Keras prints them ("Epoch 1/3" is epoch index 0)
+            at = (f"at the start of epoch {epoch + 1}" if step == 0
+                  else f"in epoch {epoch + 1} after its first {step} batch{'es' if step > 1 else ''}")
+            log.warning("DeepFreeze: resumed %r from v%d (%s, step %d): continuing %s", self.name, version,
+                        ck.level, ck.step, at)
+        return ck
+
+    def _resume_restore(self, ck: Any) -> None:
+        """Put the picked version's weights (and optimizer state) into the built model."""
+        restored_opt = apply_checkpoint(self.model, ck, optimizer=self.save_optimizer)
+        if self.save_optimizer and not restored_opt and self.rank == 0:
+            log.warning("DeepFreeze: %r v%d holds weights only: the optimizer state starts fresh", self.name,
+                        ck.version)
+        if not restored_opt:
+            self.model.optimizer.iterations.assign(ck.step)
+
+    def _begin_run(self) -> None:
+        """Start the run at the first ``on_train_begin`` (collective): its id, the lease on the
+        name, ``overwrite``; several ``fit`` calls are one run, resumed (if asked) once."""
+        if self._run is None:
+            run = Run(self.config, self.name, self.rank, self.size, run_comm(), resume=self.resume,
+                      overwrite=self.overwrite, lease_wait=self.lease_wait)
+            run.begin()
+            self._run = run
+            self._resume_pending = self.resume
+
+    def _defer_setup(self) -> None:
+        """The model is not built yet: set up at the first step (:class:`_SetUpAtFirstStep`).
+        With ``resume``, the version is picked now, so fit starts at its epoch and step, and the
+        optimizer's step counter is set now (batch numbering); the weights are restored at the
+        first step, once the model is built, before that step runs."""
+        model = self.model
+        if isinstance(model.train_function, _SetUpAtFirstStep):  # left by a fit that stopped before its first step
+            model.train_function = model.train_function.fn
+        if self._resume_pending and self._preloaded is None:
+            ck = self._resume_pick()
+            self._preloaded = (ck,)
+            if ck is not None:
+                model.optimizer.iterations.assign(ck.step)
+        spe = getattr(model, "_steps_per_execution", None)
+        self._spe = int(spe.numpy()) if spe is not None else 1
+        self._first_batch = True
+        self._deferred = _SetUpAtFirstStep(self, model.train_function, self._skip_steps)
+        model.train_function = self._deferred
+        if self.verbose and self.rank == 0:
+            log.warning("DeepFreeze: the model is not built yet: it is built from the first batch's shape and "
+                        "set up%s before the first step", " and restored" if self.resume else "")
+
+    def _build_from(self, iterator: Any) -> None:
+        """Build the model from the element spec of ``fit``'s input iterator (nothing is drawn)."""
+        model = self.model
+        spec = getattr(iterator, "element_spec", None)
+        if spec is None:
+            raise ConfigError("DeepFreezeCheckpoint: the model is not built and fit's input does not tell its "
+                              "shape: give the model an Input layer or call model.build(...) before fit")
+        x, _, _ = tf.keras.utils.unpack_x_y_sample_weight(spec)
+        shapes = tf.nest.map_structure(lambda t: t.shape, x)
+        try:
+            model.build(shapes)
+        except Exception as e:  # Keras raises several kinds here
+            raise ConfigError(f"DeepFreezeCheckpoint: building the model from the first batch's input shape "
+                              f"{shapes} failed ({type(e).__name__}: {e}): give the model an Input layer or call "
+                              "model.build(...) before fit") from e
+        if not model.built or not model.weights:
+            raise ConfigError("DeepFreezeCheckpoint: the model has no weights after model.build"
+                              f"({shapes}): give it an Input layer or call it on a batch before fit")
 
     def _remove_hook(self) -> None:
         if self.hook is None:

@@ -1,6 +1,8 @@
 """Restore a committed version into a Keras model (the TensorFlow side of restore)."""
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from ..config import Config
@@ -9,6 +11,8 @@ from ..format import dtype_name
 from ..restore import Checkpoint, load
 
 __all__ = ["restore_model", "apply_checkpoint", "model_tensors"]
+
+log = logging.getLogger("deepfreeze")
 
 
 def model_tensors(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -42,7 +46,9 @@ def apply_checkpoint(model: Any, ck: Checkpoint, *, optimizer: bool = False) -> 
         raise ModelMismatchError("the model has no weights yet: build it (call it on an input or "
                                  "give it an Input layer) before restoring")
     tensors = ck.manifest["tensors"][:ck.model_tensors]
-    _check(model_tensors(model), tensors, ck, "model")
+    mine = model_tensors(model)
+    _check(mine, tensors, ck, "model")
+    _warn_renamed(mine, tensors, ck)
     model.set_weights(list(ck.model_arrays().values()))
     saved = ck.optimizer_arrays()
     if not optimizer or not saved:
@@ -70,3 +76,27 @@ def _check(mine: list[tuple[str, str, tuple[int, ...]]], tensors: list[dict], ck
                 f"{what} tensor #{i} does not match: the model has {mine[i][0]!r} {mine[i][1]}{list(mine[i][2])}, "
                 f"checkpoint {ck.name!r} v{ck.version} has {t['name']!r} {t['dtype']}{t['shape']}. "
                 "Build the same architecture (and optimizer) as the one that was trained.")
+
+
+def _warn_renamed(mine: list[tuple[str, str, tuple[int, ...]]], tensors: list[dict], ck: Checkpoint) -> None:
+    """One warning (rank 0) when dtypes and shapes match but tensor names differ: weights are
+    matched by position, so a reordered model of the same shapes would get the wrong tensors.
+    Keras' automatic numbering (``dense`` built again in one process is ``dense_1``) is not a
+    difference."""
+    diff = [(m[0], t["name"]) for m, t in zip(mine, tensors) if _base(m[0]) != _base(str(t["name"]))]
+    if not diff:
+        return
+    from ._dist import rank_and_size
+    if rank_and_size()[0] == 0:
+        log.warning("DeepFreeze: %d of %d tensor names of the model differ from checkpoint %r v%d (first: model %r, "
+                    "checkpoint %r); shapes and dtypes match and weights are restored by position: check that "
+                    "this is the architecture that was trained", len(diff), len(mine), ck.name, ck.version,
+                    diff[0][0], diff[0][1])
+
+
+_KERAS_NUMBER = re.compile(r"_\d+(?=/|$)")
+
+
+def _base(name: str) -> str:
+    """``name`` without Keras' uniquifying suffixes: ``sequential_3/dense_1/kernel`` -> ``sequential/dense/kernel``."""
+    return _KERAS_NUMBER.sub("", name)

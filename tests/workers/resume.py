@@ -1,10 +1,12 @@
 """Resume worker: train, optionally die by SIGKILL at a step, or resume; save the final state.
 
-    python tests/workers/resume.py OUT [kill_at=N] [resume=1] [hvd=1]
+    python tests/workers/resume.py OUT [kill_at=N] [resume=1] [hvd=1] [lazy=1]
 
 Deterministic (op determinism, fixed seeds, shuffle=False), so an uninterrupted run and a
 killed-then-resumed run must end bit-identical. With hvd=1 it runs under mpirun (each rank its
-own simulated node); rank 0 writes OUT/final.npz.
+own simulated node); rank 0 writes OUT/final.npz. lazy=1: the model has no Input layer (not built
+when fit starts, as in Horovod's examples). Rank 0 saves the weights right after every
+checkpointed step to OUT/expected/v<version>.npz.
 """
 import os
 import signal
@@ -29,7 +31,7 @@ if opts.get("hvd") == "1":
     rank, size = hvd.rank(), hvd.size()
     opt = hvd.DistributedOptimizer(opt)
     callbacks.append(hvd.callbacks.BroadcastGlobalVariablesCallback(0))
-model = build()
+model = build(lazy=opts.get("lazy") == "1")
 model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
 rng = np.random.default_rng(100 + rank)
 x, y = rng.random((96, 12, 12, 1), dtype=np.float32), rng.integers(0, 10, 96)  # 6 steps per epoch
@@ -46,7 +48,18 @@ class Die(tf.keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-callbacks.append(Die())
+class Record(tf.keras.callbacks.Callback):
+    seen = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        v = ckpt.last_version
+        if rank == 0 and v is not None and v != self.seen:
+            self.seen = v
+            os.makedirs(f"{out}/expected", exist_ok=True)
+            np.savez(f"{out}/expected/v{v}.npz", *self.model.get_weights())
+
+
+callbacks += [Record(), Die()]
 model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
 ckpt.wait()
 if rank == 0:
