@@ -223,8 +223,8 @@ class ScratchLevel(Level):
         vdir = self.version_dir(name, version)
         final = self.shard_path(name, version, rank)
         for attempt in (1, 2):
+            self.makedirs(vdir)
             try:
-                self.makedirs(vdir)
                 write_shard_file(final, version, rank, plan, arrays, chksum=chksum, fsync=fsync, run=run)
                 return final
             except OSError as e:

@@ -370,12 +370,14 @@ class Lease:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        got = read_lease(os.path.dirname(self.dir), self.name)
-        if got is not None and got[0].get("run") == self.run:
-            try:
+        try:
+            got = read_lease(os.path.dirname(self.dir), self.name)
+            if got is not None and got[0].get("run") == self.run:
                 cp.unlink(self.path, "run.lease.unlink")
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # the directory went away or broke: nothing to release there
+            log.warning("deepfreeze: could not release the lease %s: %s", self.path, e)
 
 
 class Run:

@@ -1,6 +1,7 @@
 """Scratch full (ENOSPC) or unusable during fit: on_error='warn' goes on, 'raise' stops; nothing
 partial. Unusable directories at train begin; the decision file's temporary file."""
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -97,10 +98,28 @@ class VersionFileInTheWay(FileInTheWay):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("level", [FileInTheWay, VersionFileInTheWay])
+def test_a_file_named_like_a_version_is_left_alone(tmp_path, mode):
+    """Retention passes over a file where a version directory would be (not its to remove):
+    no error, training and checkpoints go on."""
+    model = build()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=2, at_epoch_end=False, mode=mode, on_error="raise",
+                                scratch_cls=VersionFileInTheWay, scratch=str(tmp_path / "s"),
+                                persistent=str(tmp_path / "p"), scratch_versions=1)
+    r = np.random.default_rng(0)
+    x, y = r.random((160, 12, 12, 1), dtype=np.float32), r.integers(0, 10, 160)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt.wait()
+    ckpt.close()
+    assert not ckpt.failures and sorted(list_versions(ckpt.config, "k"))[-1] == 10
+    assert (tmp_path / "s" / "k" / "v000000000003").read_bytes() == b"not a directory"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("level", [FileInTheWay])
 def test_warn_catches_scratch_directory_errors(tmp_path, mode, level):
-    """A NotADirectoryError from creating a version directory or from retention is a
-    CheckpointWriteError naming scratch and where its value came from: 'warn' goes on."""
+    """A NotADirectoryError from creating a version directory is a CheckpointWriteError naming
+    scratch and where its value came from: 'warn' goes on."""
     model = build()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=2, at_epoch_end=False, mode=mode, on_error="warn",
@@ -169,7 +188,7 @@ def test_decision_temporary_file_is_owner_only_and_removed_after_a_write_error(t
     level = PersistentLevel(str(tmp_path / "p"))
     assert level.decide("k", 1, 0)
     path = tmp_path / "p" / "k" / "v000000000001" / "decision"
-    assert path.read_bytes() == b"flush" and (path.stat().st_mode & 0o777) == 0o600
+    assert json.loads(path.read_bytes())["decision"] == "flush" and (path.stat().st_mode & 0o777) == 0o600
     code = ("import resource, signal, sys\n"
             "from deepfreeze.levels import PersistentLevel\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
