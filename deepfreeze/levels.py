@@ -60,6 +60,7 @@ import numpy as np
 
 from . import format as fmt
 from .errors import CheckpointWriteError, CorruptCheckpointError
+from .fsafe import read_regular
 from .shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write"]
@@ -169,8 +170,7 @@ class Level:
 
     def read_manifest(self, name: str, version: int) -> dict[str, Any]:
         path = os.path.join(self.version_dir(name, version), MANIFEST)
-        with open(path, "rb") as f:
-            data = f.read(fmt.MAX_MANIFEST_BYTES + 1)
+        data = read_regular(path, fmt.MAX_MANIFEST_BYTES + 1)  # a FIFO or symlink: CorruptCheckpointError
         m = fmt.decode_manifest(data, path)
         if m["name"] != name or m["version"] != version:
             raise CorruptCheckpointError(f"{path}: manifest is for {m['name']!r} v{m['version']}, "
