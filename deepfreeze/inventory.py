@@ -19,6 +19,7 @@ is linear in the number of tensors, pieces and ranks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from typing import Any, Callable, Iterable
@@ -31,7 +32,7 @@ from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of
 from .restore import list_versions, scratch_recoverable
 
 __all__ = ["VersionCopy", "Verdict", "Removal", "checkpoint_names", "scan_scratch", "scan_persistent", "scan",
-           "newest_restorable", "pick_manifest", "describe", "verify_scratch", "verify_persistent", "verify_copy",
+           "newest_restorable", "restorable", "declared_bytes", "pick_manifest", "describe", "verify_scratch", "verify_persistent", "verify_copy",
            "plan_gc", "read_decision", "ranks_text", "dir_listing"]
 
 _SHARD_RE = re.compile(r"^r(\d{6})\.dfs$")
@@ -129,6 +130,11 @@ def _scratch_missing(m: dict[str, Any], present: set[int]) -> tuple[str, str]:
     return "incomplete", f"missing shards of {ranks_text(s['rank'] for s in missing)}"
 
 
+def declared_bytes(m: dict[str, Any]) -> int:
+    """Bytes of all tensors a (decoded) manifest declares: what its files must hold at least."""
+    return sum(math.prod(t["shape"]) * fmt.dtype_itemsize(t["dtype"]) for t in m["tensors"])
+
+
 def scan_scratch(cfg: Config, name: str) -> list[VersionCopy]:
     """Every version directory of ``name`` on this scratch, with its status (one line of detail)."""
     level = ScratchLevel(cfg.scratch)
@@ -158,6 +164,11 @@ def scan_scratch(cfg: Config, name: str) -> list[VersionCopy]:
                 c.status, c.detail = _scratch_missing(m, present)
                 if c.status != "complete" and scratch_recoverable(m, level.inventory(name, v)):
                     c.status, c.detail = "complete", "missing shards recoverable from partner copies / parity here"
+                elif c.status == "complete":  # every shard here: they must hold the tensors the manifest declares
+                    held = sum(_size(os.path.join(vdir, shard_files[r])) for r in present)
+                    if declared_bytes(m) > held:
+                        c.status, c.detail = "damaged", (f"the manifest declares {declared_bytes(m)} bytes of tensors, "
+                                                         f"the shard files hold {held} bytes")
                 c.step, c.epoch, c.tensor_bytes, c.manifest = m["step"], m["epoch"], m.get("total_bytes"), m
             except _UNREADABLE as e:
                 c.status, c.detail = "damaged", f"manifest unusable: {_reason(e)}"
@@ -207,6 +218,9 @@ def scan_persistent(cfg: Config, name: str) -> list[VersionCopy]:
                 if "bytes" in asm and actual != asm["bytes"]:
                     c.status, c.detail = "damaged", (f"{os.path.basename(path)} has {actual} bytes, "
                                                      f"the manifest says {asm['bytes']}")
+                elif declared_bytes(m) > actual:
+                    c.status, c.detail = "damaged", (f"the manifest declares {declared_bytes(m)} bytes of tensors, "
+                                                     f"{os.path.basename(path)} has {actual} bytes")
                 else:
                     c.status = "committed"
         elif read_decision(vdir) == "skip":
@@ -228,9 +242,30 @@ def scan(cfg: Config, name: str) -> list[VersionCopy]:
     return scan_scratch(cfg, name) + scan_persistent(cfg, name)
 
 
-def newest_restorable(cfg: Config, name: str) -> int:
-    """The version ``deepfreeze.load`` would try first (``list_versions``' newest)."""
-    versions = list_versions(cfg, name)
+def _size(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
+
+
+def restorable(cfg: Config, name: str, copies: list[VersionCopy] | None = None) -> dict[int, list[str]]:
+    """``deepfreeze.list_versions`` without the copies :func:`scan` found damaged (a manifest that
+    reads fine but whose files cannot hold it, a FIFO as ``model.dfz``): what restore will read."""
+    copies = scan(cfg, name) if copies is None else copies
+    damaged = {(c.level, c.version) for c in copies if c.status == "damaged"}
+    out = {}
+    for v, lvls in list_versions(cfg, name).items():
+        ok = [lv for lv in lvls if (lv, v) not in damaged]
+        if ok:
+            out[v] = ok
+    return out
+
+
+def newest_restorable(cfg: Config, name: str, copies: list[VersionCopy] | None = None) -> int:
+    """The newest version :func:`restorable` reports (what ``deepfreeze.load`` returns unless a
+    file fails its checksums)."""
+    versions = restorable(cfg, name, copies)
     if not versions:
         raise CheckpointNotFoundError(f"no committed version of {name!r} in scratch {cfg.scratch} or persistent "
                                       f"{cfg.persistent} (deepfreeze ls --name {name} shows what is there)")

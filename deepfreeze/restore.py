@@ -297,13 +297,15 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
                 failed.append([kind, key, str(e) or type(e).__name__])
         reports = [json.loads(b) for b in comm.allgather(json.dumps(failed).encode())]
         if any(reports):
-            for p, rep in enumerate(reports):
-                for kind, key, why in rep:
-                    if comm.rank == 0 or comm.size == 1:
-                        log.warning("deepfreeze: %s v%d: %s of rank %d on participant %d is unreadable (%s); "
-                                    "trying the next source", name, version, kind, key, p, why)
-                    errors.append(f"v{version} {kind} r{key}: {why}")
-                    have[(kind, key)] = [q for q in have[(kind, key)] if q != p]
+            bad = [(p, kind, key, why) for p, rep in enumerate(reports) for kind, key, why in rep]
+            for p, kind, key, why in bad:
+                errors.append(f"v{version} {kind} r{key}: {why}")
+                have[(kind, key)] = [q for q in have[(kind, key)] if q != p]
+            if comm.rank == 0:  # one line per version and round, however many files (a broken directory)
+                p, kind, key, why = bad[0]
+                more = f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""
+                log.warning("deepfreeze: %s v%d: %s of rank %d on participant %d is unreadable (%s)%s; "
+                            "trying the next source", name, version, kind, key, p, why, more)
             continue
         if comm.size > 1:
             for blob in comm.allgather_buffers(_pack(items)):

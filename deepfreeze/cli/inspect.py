@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     name = resolve_name(args, cfg)
     copies = scan(cfg, name)
-    version = args.version if args.version is not None else newest_restorable(cfg, name)
+    version = args.version if args.version is not None else newest_restorable(cfg, name, copies)
     manifest, _ = pick_manifest(copies, version)
     d = describe(manifest, copies)
     if args.json:

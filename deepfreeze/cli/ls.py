@@ -6,8 +6,7 @@ from typing import Any
 
 from ..config import validate_name
 from ..errors import CheckpointNotFoundError
-from ..inventory import checkpoint_names, scan
-from ..restore import list_versions
+from ..inventory import checkpoint_names, restorable, scan
 from ._common import EXIT_OK, emit_json, load_config, mb_number, table
 
 __all__ = ["add_parser", "run"]
@@ -29,12 +28,12 @@ def run(args: argparse.Namespace) -> int:
     report = []
     for name in names:
         copies = scan(cfg, name)
-        restorable = list_versions(cfg, name)
+        levels = restorable(cfg, name, copies)
         if args.name is not None and not copies:
             others = checkpoint_names(cfg)
             raise CheckpointNotFoundError(f"no checkpoint named {name!r} in scratch {cfg.scratch} or persistent "
                                           f"{cfg.persistent}" + (f"; found: {', '.join(others)}" if others else ""))
-        report.append((name, copies, restorable))
+        report.append((name, copies, levels))
     if args.json:
         emit_json({"scratch": cfg.scratch, "persistent": cfg.persistent, "checkpoints": [
             {"name": n, "newest_restorable": max(r) if r else None,
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"no checkpoints in scratch {cfg.scratch} or persistent {cfg.persistent}")
         return EXIT_OK
     lines = []
-    for i, (name, copies, restorable) in enumerate(report):
+    for i, (name, copies, levels) in enumerate(report):
         if i:
             lines.append("")
         lines.append(f"checkpoint {name!r}  (scratch {cfg.scratch}, persistent {cfg.persistent})")
@@ -60,9 +59,9 @@ def run(args: argparse.Namespace) -> int:
             lines.append(row)
             if j in notes:
                 lines.append(f"    {notes[j]}")
-        if restorable:
-            v = max(restorable)
-            lines.append(f"newest restorable: v{v} ({', '.join(restorable[v])})")
+        if levels:
+            v = max(levels)
+            lines.append(f"newest restorable: v{v} ({', '.join(levels[v])})")
         else:
             lines.append("newest restorable: none")
     print("\n".join(lines))

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
             raise CheckpointNotFoundError(f"no version of {name!r} in scratch {cfg.scratch} or persistent "
                                           f"{cfg.persistent}")
     else:
-        version = args.version if args.version is not None else newest_restorable(cfg, name)
+        version = args.version if args.version is not None else newest_restorable(cfg, name, copies)
         chosen = [c for c in copies if c.version == version]
         if not chosen:
             raise CheckpointNotFoundError(f"version {version} of {name!r} is on no level; versions on disk: "
