@@ -1,8 +1,10 @@
 """Opening checkpoint files for reading: regular files only, never a hang.
 
-Every manifest, shard, partner copy, parity block, assembled file and marker
-DeepFreeze reads goes through :func:`open_regular` (or :func:`open_regular_file`).
-It opens with ``O_NONBLOCK`` (a FIFO named ``manifest.json`` or ``model.dfz``
+The readers of checkpoint files go through :func:`open_regular` (or
+:func:`open_regular_file`, :func:`read_regular`, :func:`read_whole`): manifests
+(``Level.read_manifest``), shards, partner copies and parity blocks (restore,
+redundancy), assembled files (restore), and everything the inventory and the
+``deepfreeze`` command open. It opens with ``O_NONBLOCK`` (a FIFO named ``manifest.json`` or ``model.dfz``
 would otherwise block ``open`` until a writer appears: restore and the CLI would
 hang), ``O_NOFOLLOW`` (a symlink as the last path component is refused, not
 followed) and ``O_CLOEXEC``, then checks with ``fstat`` that what was opened is
@@ -21,9 +23,11 @@ import os
 import stat
 from typing import BinaryIO
 
+import numpy as np
+
 from .errors import CorruptCheckpointError
 
-__all__ = ["open_regular", "open_regular_file", "read_regular", "describe_mode"]
+__all__ = ["open_regular", "open_regular_file", "read_regular", "read_whole", "describe_mode"]
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink"))
@@ -87,3 +91,19 @@ def read_regular(path: str, limit: int) -> bytes:
     it gets ``limit`` + 1 bytes at most when asking for ``limit + 1``)."""
     with open_regular_file(path) as f:
         return f.read(limit)
+
+
+def read_whole(path: str) -> np.ndarray:
+    """The bytes of the regular file ``path`` as a uint8 array of the size ``fstat`` gave (one
+    allocation, the size of a real file; a file shrinking meanwhile is an error, not a short read)."""
+    with open_regular_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = np.empty(size, dtype=np.uint8)
+        view = memoryview(data)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise CorruptCheckpointError(f"{path}: shrank while being read ({got} of {size} bytes)")
+            got += n
+    return data

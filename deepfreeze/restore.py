@@ -30,7 +30,7 @@ import numpy as np
 from . import format as fmt
 from .config import Config, validate_name
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, DeepFreezeError
-from .fsafe import open_regular_file
+from .fsafe import open_regular_file, read_whole
 from .levels import ASSEMBLED, PersistentLevel, ScratchLevel, plan_of
 from .redundancy import Comm, LocalComm, group_of, read_parity, xor_reconstruct
 
@@ -211,7 +211,7 @@ def _needed_ranks(manifest: dict[str, Any], wanted: Sequence[str] | None) -> lis
 def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int, verify: bool) -> np.ndarray:
     """Read and check one scratch file of this participant (a shard, partner copy or parity)."""
     path = inv[kind][key]
-    data = _read_whole(path)
+    data = read_whole(path)
     if kind == "parity":
         h, _ = read_parity(data, path)
         if h.get("version") != version:
@@ -223,22 +223,6 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
     if verify and idx.has_crc:
         for e in idx.entries:
             fmt.entry_view(data, e, verify=True, path=path)
-    return data
-
-
-def _read_whole(path: str) -> np.ndarray:
-    """The bytes of the regular file ``path`` (:func:`~deepfreeze.fsafe.open_regular_file`: a FIFO or
-    symlink is refused, never waited on) as a uint8 array of the size ``fstat`` gave."""
-    with open_regular_file(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        data = np.empty(size, dtype=np.uint8)
-        view = memoryview(data)
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                raise CorruptCheckpointError(f"{path}: shrank while being read ({got} of {size} bytes)")
-            got += n
     return data
 
 
