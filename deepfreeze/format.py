@@ -31,6 +31,22 @@ so the data path carries no per-tensor labels. Every size and offset read
 from disk is bounds-checked against the file size before use; any violation
 raises :class:`~deepfreeze.errors.CorruptCheckpointError`. One tensor (or one
 piece) can be read alone: the index gives its offset and length.
+
+Manifest limits (enforced by :func:`decode_manifest`; a manifest beyond them is
+"not a valid manifest", i.e. the version is not committed there, never a crash):
+
+* size: at most ``MAX_MANIFEST_BYTES`` (64 MiB) before it is parsed, and after
+  parsing at most 64 KiB + 2 KiB per tensor + 128 bytes per shard-plan piece +
+  1 KiB per rank (:func:`manifest_size_limit`; what DeepFreeze writes stays far
+  below: :func:`encode_manifest` refuses to write a manifest beyond it);
+* nesting depth at most ``MAX_JSON_DEPTH`` (32) arrays/objects;
+* integers below 2**63 in magnitude: a number of more than 20 digits is refused
+  before it is converted (Python's ``int()`` of a long digit string is
+  quadratic), and so are ``NaN``/``Infinity`` and floats of more than 64 characters;
+* every tensor at most 2**48 elements, at most ``MAX_NDIM`` dimensions;
+* the decode is linear in the size: one pass of the C JSON parser with the
+  hooks above, schema checks linear in the number of tensors, pieces and ranks,
+  the size limit, then the nesting depth counted over the bytes (C speed).
 """
 from __future__ import annotations
 
@@ -51,7 +67,7 @@ __all__ = [
     "MAGIC", "FORMAT_VERSION", "KIND_SHARD", "KIND_ASSEMBLED", "Entry", "ShardIndex",
     "DTYPES", "dtype_itemsize", "numpy_dtype", "dtype_name", "layout", "encode_index",
     "read_index", "read_entry", "crc32", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
-    "manifest_run", "run_id_bytes",
+    "manifest_run", "run_id_bytes", "MAX_JSON_DEPTH", "manifest_size_limit",
 ]
 
 MAGIC = b"DEEPFRZ\0"
@@ -72,7 +88,11 @@ DATA_ALIGN = 4096
 PIECE_ALIGN = 64
 MAX_NDIM = 32
 MAX_ENTRIES = 1 << 22
-MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = 64 << 20  # hard cap before parsing (a parsed manifest costs ~25x its size in memory)
+MAX_JSON_DEPTH = 32
+MAX_TENSOR_ELEMENTS = 1 << 48
+_MANIFEST_BASE, _PER_TENSOR, _PER_PIECE, _PER_RANK = 64 << 10, 2 << 10, 128, 1 << 10
+_MAX_INT_DIGITS = 20  # 2**63 has 19 digits; a sign makes 20 characters
 
 # dtype code <-> name; names are numpy's (bfloat16 via ml_dtypes, which TF ships)
 DTYPES: dict[int, str] = {
@@ -334,20 +354,103 @@ def manifest_run(manifest: dict[str, Any]) -> tuple[str, int, int | None]:
     return run.get("id", ""), run.get("generation", 0), run.get("resumed_from")
 
 
+def manifest_size_limit(n_tensors: int, n_pieces: int, world_size: int) -> int:
+    """The largest manifest (bytes) accepted for a checkpoint of this shape (see the module docstring)."""
+    return min(MAX_MANIFEST_BYTES,
+               _MANIFEST_BASE + _PER_TENSOR * n_tensors + _PER_PIECE * n_pieces + _PER_RANK * world_size)
+
+
 def encode_manifest(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, indent=1, sort_keys=True).encode("utf-8")
+    data = json.dumps(obj, indent=1, sort_keys=True).encode("utf-8")
+    plan = obj.get("plan") if isinstance(obj.get("plan"), dict) else {}
+    limit = manifest_size_limit(len(obj.get("tensors", ())), len(plan.get("pieces", ())),
+                                int(obj.get("world_size", 1)))
+    if len(data) > limit:  # never write a manifest restore would refuse
+        raise ValueError(f"the manifest of {obj.get('name')!r} v{obj.get('version')} would be {len(data)} bytes, "
+                         f"above the {limit}-byte limit for its tensors, pieces and ranks (tensor names "
+                         "too long?): see 'Manifest limits' in docs/architecture.md")
+    return data
+
+
+class _Refused(Exception):
+    """Raised by the JSON hooks: a token beyond the manifest limits."""
+
+
+def _parse_int(s: str) -> int:
+    if len(s) > _MAX_INT_DIGITS:
+        raise _Refused(f"an integer of {len(s)} digits (the limit is below 2**63)")
+    v = int(s)
+    if not -(1 << 63) < v < 1 << 63:
+        raise _Refused(f"integer {v} is not below 2**63 in magnitude")
+    return v
+
+
+def _parse_float(s: str) -> float:
+    if len(s) > 64:
+        raise _Refused(f"a number of {len(s)} characters")
+    return float(s)
+
+
+def _parse_constant(s: str) -> Any:
+    raise _Refused(f"{s} is not a JSON number")
+
+
+_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: one fast repeat per run of plain bytes
+
+
+def _json_depth(data: bytes) -> int:
+    """Maximum nesting of arrays/objects in ``data``, which must be valid JSON (the string regex is
+    linear only then). Strings are cut out, then a cumulative sum over the brackets: C speed."""
+    a = np.frombuffer(_JSON_STRING.sub(b"", data), dtype=np.uint8)
+    opening = (a == ord("[")) | (a == ord("{"))
+    brackets = a[opening | (a == ord("]")) | (a == ord("}"))]
+    if not brackets.size:
+        return 0
+    step = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(step, dtype=np.int32).max())
 
 
 def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
-    """Parse and validate a manifest (JSON, size-limited, strict schema)."""
+    """Parse and validate a manifest (JSON, strict schema, the limits of the module docstring).
+
+    Any problem, whatever the input, raises :class:`CorruptCheckpointError` (never
+    another exception): the caller treats the version as not committed there."""
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: invalid DeepFreeze manifest: {why}")
     if len(data) > MAX_MANIFEST_BYTES:
-        raise bad(f"{len(data)} bytes is larger than the {MAX_MANIFEST_BYTES} limit")
+        raise bad(f"{len(data)} bytes is larger than the {MAX_MANIFEST_BYTES}-byte limit")
+    data = bytes(data)
+    hooks: dict[str, Any] = {"parse_float": _parse_float, "parse_constant": _parse_constant}
+    if _LONG_DIGITS.search(data):  # numbers of 19+ digits (or digits in names): convert with checks
+        hooks["parse_int"] = _parse_int  # (the fast path's ints have at most 18 digits: below 2**63)
     try:
-        obj = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = json.loads(data.decode("utf-8"), **hooks)
+    except _Refused as e:
+        raise bad(str(e)) from e
+    except RecursionError as e:
+        raise bad(f"nested deeper than {MAX_JSON_DEPTH} levels") from e
+    except Exception as e:  # UnicodeDecodeError, JSONDecodeError, anything else: not a manifest
         raise bad(f"not JSON ({e})") from e
+    try:
+        obj = _check_manifest(obj, bad)
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # a schema check tripping on an unexpected type: still just "invalid"
+        raise bad(f"malformed ({type(e).__name__}: {e})") from e
+    plan = obj["plan"]
+    pieces = plan.get("pieces")
+    limit = manifest_size_limit(len(obj["tensors"]), len(pieces) if isinstance(pieces, list) else 0,
+                                obj["world_size"])
+    if len(data) > limit:
+        raise bad(f"{len(data)} bytes is larger than the {limit}-byte limit for {len(obj['tensors'])} tensors "
+                  f"and {obj['world_size']} ranks (64 KiB + 2 KiB per tensor + 128 bytes per piece + 1 KiB per rank)")
+    if _json_depth(data) > MAX_JSON_DEPTH:  # after the size check: bounded by what the content justifies
+        raise bad(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return obj
+
+
+def _check_manifest(obj: Any, bad: Any) -> dict[str, Any]:
     if not isinstance(obj, dict) or obj.get("format") != "deepfreeze-manifest":
         raise bad("'format' is not 'deepfreeze-manifest'")
     if obj.get("format_version") not in MANIFEST_VERSIONS:
@@ -363,13 +466,17 @@ def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
                      ("world_size", int), ("tensors", list), ("plan", dict), ("shards", list)):
         if not isinstance(obj.get(key), typ) or isinstance(obj.get(key), bool):
             raise bad(f"'{key}' missing or not {typ.__name__}")
+    if not 1 <= obj["world_size"] <= 1 << 20:
+        raise bad(f"world_size {obj['world_size']} out of range [1, 2**20]")
     names = set()
     for i, t in enumerate(obj["tensors"]):
         if not (isinstance(t, dict) and t.get("id") == i and isinstance(t.get("name"), str)
                 and isinstance(t.get("dtype"), str) and isinstance(t.get("shape"), list)
+                and len(t["shape"]) <= MAX_NDIM
                 and all(type(d) is int and 0 <= d <= 1 << 48 for d in t["shape"])
-                and len(t["shape"]) <= MAX_NDIM):
-            raise bad(f"tensor entry {i} malformed")
+                and math.prod(t["shape"]) <= MAX_TENSOR_ELEMENTS):
+            raise bad(f"tensor entry {i} malformed (id, name, dtype, or a shape of at most {MAX_NDIM} "
+                      "dimensions and 2**48 elements)")
         if t["dtype"] not in _ITEMSIZE:
             raise bad(f"tensor {t['name']!r} has unsupported dtype {t['dtype']!r}")
         if t["name"] in names:
@@ -397,7 +504,8 @@ def _valid_redundancy(red: Any, world: int) -> bool:
         return False
     if red.get("scheme") == "partner":
         h = red.get("holder")
-        return isinstance(h, dict) and all(k.isdigit() and rank(int(k)) and rank(v) for k, v in h.items())
+        return isinstance(h, dict) and all(k.isdigit() and len(k) <= 7 and rank(int(k)) and rank(v)
+                                           for k, v in h.items())
     if red.get("scheme") == "xor":
         g = red.get("groups")
         if not isinstance(g, list) or not all(isinstance(x, list) and len(x) >= 2 and all(map(rank, x)) for x in g):

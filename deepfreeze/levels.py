@@ -64,6 +64,7 @@ from . import crashpoints as cp
 from . import format as fmt
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError
 from .run import ANONYMOUS_RUN, _alive, describe_holder, fence_holder, fs_now, read_generation, warn_skew
+from .fsafe import open_regular, read_regular
 from .shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
@@ -185,8 +186,7 @@ class Level:
 
     def read_manifest(self, name: str, version: int) -> dict[str, Any]:
         path = os.path.join(self.version_dir(name, version), MANIFEST)
-        with open(path, "rb") as f:
-            data = f.read(fmt.MAX_MANIFEST_BYTES + 1)
+        data = read_regular(path, fmt.MAX_MANIFEST_BYTES + 1)  # a FIFO or symlink: CorruptCheckpointError
         m = fmt.decode_manifest(data, path)
         if m["name"] != name or m["version"] != version:
             raise CorruptCheckpointError(f"{path}: manifest is for {m['name']!r} v{m['version']}, "
@@ -370,22 +370,10 @@ def _listdir(path: str) -> list[str]:
 
 def _read_regular(path: str, limit: int) -> bytes:
     """The bytes of a regular file (no symlink followed, no FIFO opened), at most ``limit``."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptCheckpointError(f"{path} is not a regular file")
-        chunks, n = [], 0
-        while n <= limit:
-            b = os.read(fd, min(1 << 20, limit + 1 - n))
-            if not b:
-                break
-            chunks.append(b)
-            n += len(b)
-    finally:
-        os.close(fd)
-    if n > limit:
+    data = read_regular(path, limit + 1)
+    if len(data) > limit:
         raise CorruptCheckpointError(f"{path} is larger than {limit} bytes")
-    return b"".join(chunks)
+    return data
 
 
 def read_decision(vdir: str) -> dict[str, str] | None:
@@ -575,7 +563,7 @@ class PersistentLevel(Level):
         layout, _, size = self.assembled_layout(plan)
         if not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
             where = {(e.tensor_id, e.start): e for e in layout}
-            fd = _open_regular(shard_path)
+            fd = open_regular(shard_path)
             try:
                 idx = fmt.read_index(_FdFile(fd), shard_path)
                 expect = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(rank)]
@@ -664,7 +652,7 @@ class PersistentLevel(Level):
                     os.close(fd)
                 cp.replace(partial, assembled, "persistent.final.rename")
             else:  # renamed by a finalizer killed before the manifest: finished, check it is this run's
-                fd = _open_regular(assembled)
+                fd = open_regular(assembled)
                 try:
                     idx = fmt.read_index(_FdFile(fd), assembled)
                 finally:
@@ -765,15 +753,6 @@ class _FdFile:
         data = os.pread(self._fd, n, self._pos)
         self._pos += len(data)
         return data
-
-
-def _open_regular(path: str) -> int:
-    """Open a regular file for reading without following a symbolic link or blocking on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"{path} is not a regular file")
-    return fd
 
 
 def _copy_checked(src: int, dst: int, e: fmt.Entry, dst_off: int, buf: np.ndarray, check: bool,

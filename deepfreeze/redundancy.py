@@ -51,6 +51,7 @@ import numpy as np
 
 from . import format as fmt
 from .errors import CorruptCheckpointError
+from .fsafe import read_whole
 from .levels import atomic_write
 
 __all__ = ["Comm", "LocalComm", "MPIComm", "plan_redundancy", "protect", "read_parity", "xor_reconstruct",
@@ -228,8 +229,8 @@ def protect(comm: Comm, scratch: Any, name: str, version: int, rank: int, shard_
     every rank skips the exchange. Returns True when the version got protected.
     """
     try:
-        data = np.fromfile(shard_path, dtype=np.uint8) if shard_path is not None else None
-    except OSError as e:
+        data = read_whole(shard_path) if shard_path is not None else None  # a regular file, never a FIFO
+    except (OSError, CorruptCheckpointError) as e:
         log.warning("deepfreeze: cannot read back %s for protection: %s", shard_path, e)
         data = None
     info = json.dumps({"ok": data is not None, "want": bool(want),

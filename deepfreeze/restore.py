@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import struct
 from typing import Any, Sequence
@@ -29,12 +30,16 @@ import numpy as np
 from . import format as fmt
 from .config import Config, validate_name
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, DeepFreezeError
+from .fsafe import open_regular_file, read_whole
 from .levels import ASSEMBLED, PersistentLevel, ScratchLevel, plan_of
 from .redundancy import Comm, LocalComm, group_of, read_parity, xor_reconstruct
 
 __all__ = ["Checkpoint", "load", "list_versions"]
 
 log = logging.getLogger("deepfreeze")
+# what reading a hostile or vanishing file can raise: the source is unreadable, the next one is tried
+# (MemoryError is not here: sizes are checked against the files before anything is allocated)
+_UNREADABLE = (OSError, DeepFreezeError, ValueError, KeyError, IndexError, TypeError)
 
 
 @dataclasses.dataclass
@@ -119,10 +124,11 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
     have: dict[int, dict[tuple[str, int], list[int]]] = {}
     for p, info in enumerate(infos):
         for v, inv in info["scratch"].items():
-            d = have.setdefault(int(v), {})
             for kind, keys in inv.items():
                 for key in keys:
-                    d.setdefault((kind, int(key)), []).append(p)
+                    have.setdefault(int(v), {}).setdefault((kind, int(key)), []).append(p)
+    # a version whose directories hold a manifest but no shard, partner copy or parity on any
+    # participant (retention interrupted, a purge of large files) is not on scratch: not in ``have``
     on_persistent = set(infos[0]["persistent"])
     known = sorted(set(have) | on_persistent, reverse=True)
     if version is not None:
@@ -149,7 +155,7 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
                 err = ""
             except CheckpointNotFoundError:
                 raise  # a tensor name the checkpoint does not have: no other level will have it
-            except (OSError, DeepFreezeError, ValueError) as e:
+            except _UNREADABLE as e:  # also a file that vanished (retention) since the listing
                 ck, err = None, str(e) or type(e).__name__
             errs = [b.decode() for b in comm.allgather(err.encode())]
             if not any(errs):
@@ -215,7 +221,7 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
     """Read and check one scratch file of this participant (a shard, partner copy or parity)
     written by run ``run`` (the manifest's; "" for a format-1 checkpoint)."""
     path = inv[kind][key]
-    data = np.fromfile(path, dtype=np.uint8)
+    data = read_whole(path)
     if kind == "parity":
         h, _ = read_parity(data, path)
         if h.get("version") != version or h.get("run", "") != run:
@@ -262,10 +268,18 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
     """Collective: recover ``version`` from the participants' scratch files, or None.
     ``local``: this participant's (manifest, files) of the version, if it holds any."""
     owners = sorted({p for ps in have.values() for p in ps})
+    if not owners:  # no file of this version on any participant: not on scratch
+        return None
     inv = local[1] if local is not None else None
     mine = json.dumps(local[0]).encode() if local is not None else b""
-    manifest = json.loads(comm.allgather(mine if comm.rank == owners[0] else b"")[owners[0]])
-    need = _needed_ranks(manifest, wanted)
+    blob = comm.allgather(mine if comm.rank == owners[0] else b"")[owners[0]]
+    try:  # the same bytes on every participant: they all take the same branch
+        manifest = json.loads(blob)
+        need = _needed_ranks(manifest, wanted)
+    except _UNREADABLE as e:
+        errors.append(f"v{version} scratch: {e}")
+        log.warning("deepfreeze: %s v%d on scratch has an unusable manifest (%s)", name, version, e)
+        return None
     while True:
         planned = _recovery_plan(manifest, have, need)
         if planned is None:
@@ -277,17 +291,19 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
                 continue
             try:
                 items[(kind, key)] = _read_item(inv, kind, key, version, verify, fmt.manifest_run(manifest)[0])
-            except (OSError, DeepFreezeError, ValueError) as e:
-                failed.append([kind, key, str(e)])
+            except _UNREADABLE as e:  # damaged, not a regular file, or removed by retention meanwhile
+                failed.append([kind, key, str(e) or type(e).__name__])
         reports = [json.loads(b) for b in comm.allgather(json.dumps(failed).encode())]
         if any(reports):
-            for p, rep in enumerate(reports):
-                for kind, key, why in rep:
-                    if comm.rank == 0 or comm.size == 1:
-                        log.warning("deepfreeze: %s v%d: %s of rank %d on participant %d is unreadable (%s); "
-                                    "trying the next source", name, version, kind, key, p, why)
-                    errors.append(f"v{version} {kind} r{key}: {why}")
-                    have[(kind, key)] = [q for q in have[(kind, key)] if q != p]
+            bad = [(p, kind, key, why) for p, rep in enumerate(reports) for kind, key, why in rep]
+            for p, kind, key, why in bad:
+                errors.append(f"v{version} {kind} r{key}: {why}")
+                have[(kind, key)] = [q for q in have[(kind, key)] if q != p]
+            if comm.rank == 0:  # one line per version and round, however many files (a broken directory)
+                p, kind, key, why = bad[0]
+                more = f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""
+                log.warning("deepfreeze: %s v%d: %s of rank %d on participant %d is unreadable (%s)%s; "
+                            "trying the next source", name, version, kind, key, p, why, more)
             continue
         if comm.size > 1:
             for blob in comm.allgather_buffers(_pack(items)):
@@ -312,7 +328,7 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
             return _assemble(manifest, files, wanted, verify, version, rebuilt=set(rebuild))
         except CheckpointNotFoundError:
             raise  # a tensor name the checkpoint does not have
-        except (DeepFreezeError, ValueError, KeyError, IndexError) as e:  # e.g. a rebuilt shard failing its checksums
+        except _UNREADABLE as e:  # e.g. a rebuilt shard failing its checksums
             errors.append(f"v{version} scratch: {e}")
             log.warning("deepfreeze: %s v%d cannot be assembled from scratch (%s)", name, version, e)
             return None
@@ -323,7 +339,8 @@ def _assemble(manifest: dict[str, Any], files: dict[int, np.ndarray], wanted: Se
     """Fill the output arrays from whole shard files in memory. Files read from disk were
     verified by their reader; rebuilt ones are verified here."""
     plan = plan_of(manifest)
-    flats, named = _empty_arrays(manifest, wanted)
+    flats, named = _empty_arrays(manifest, wanted, sum(int(d.nbytes) for d in files.values()),
+                                 f"the shard files of ranks {sorted(files)}")
     for r, data in files.items():
         path = f"shard of rank {r}"
         idx = fmt.read_index(data, path)
@@ -336,19 +353,30 @@ def _assemble(manifest: dict[str, Any], files: dict[int, np.ndarray], wanted: Se
     return Checkpoint(manifest["name"], version, manifest["step"], manifest["epoch"], "scratch", named, manifest)
 
 
-def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None
+def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None, available: int, source: str
                   ) -> tuple[list[np.ndarray | None], dict[str, np.ndarray]]:
-    """Output arrays for the wanted tensors (None for the others), flat views and by name."""
+    """Output arrays for the wanted tensors (None for the others), flat views and by name.
+
+    ``available`` is how many bytes the files the tensors are read from hold (``source`` names
+    them): a manifest declaring more tensor bytes than that is corrupt (a hostile 4 TiB shape),
+    refused before anything is allocated."""
     names = [t["name"] for t in manifest["tensors"]]
     if wanted is not None:
         missing = sorted(set(wanted) - set(names))
         if missing:
             raise CheckpointNotFoundError(f"{manifest['name']!r} v{manifest['version']} has no tensor named "
                                           f"{missing[0]!r}; it has {len(names)} tensors, e.g. {names[:3]}")
+    want = None if wanted is None else set(wanted)
+    declared = sum(math.prod(t["shape"]) * fmt.dtype_itemsize(t["dtype"]) for t in manifest["tensors"]
+                   if want is None or t["name"] in want)
+    if declared > available:
+        raise CorruptCheckpointError(f"{manifest['name']!r} v{manifest['version']}: the manifest declares "
+                                     f"{declared} bytes of tensors but {source} hold only {available} bytes: "
+                                     "the manifest is damaged or hostile; nothing was allocated")
     flats: list[np.ndarray | None] = []
     named = {}
     for t in manifest["tensors"]:
-        if wanted is not None and t["name"] not in wanted:
+        if want is not None and t["name"] not in want:
             flats.append(None)
             continue
         a = np.empty(t["shape"], dtype=fmt.numpy_dtype(t["dtype"]))
@@ -373,21 +401,20 @@ def _check_index(idx: fmt.ShardIndex, expected: list[tuple[int, int, int]], mani
                                          f"file but {t['dtype']}{t['shape']} in the manifest")
 
 
-def _fill(path: str, entries_expected: list[tuple[int, int, int]], flats: list[np.ndarray],
-          manifest: dict[str, Any], verify: bool, version: int) -> None:
-    with open(path, "rb") as f:
-        idx = fmt.read_index(f, path)
-        _check_index(idx, entries_expected, manifest, version, path)
-        for e in idx.entries:
-            if flats[e.tensor_id] is not None:
-                fmt.read_entry(f, e, flats[e.tensor_id][e.start:e.stop], verify=verify and idx.has_crc, path=path)
+def _fill(f: Any, path: str, idx: fmt.ShardIndex, flats: list[np.ndarray | None], verify: bool) -> None:
+    for e in idx.entries:
+        if flats[e.tensor_id] is not None:
+            fmt.read_entry(f, e, flats[e.tensor_id][e.start:e.stop], verify=verify and idx.has_crc, path=path)
 
 
 def _load_persistent(level: PersistentLevel, name: str, version: int, verify: bool,
                      wanted: Sequence[str] | None) -> Checkpoint:
     m = level.read_manifest(name, version)
     plan = plan_of(m)
-    flats, named = _empty_arrays(m, wanted)
-    path = os.path.join(level.version_dir(name, version), m.get("assembled", {}).get("file", ASSEMBLED))
-    _fill(path, [(p.tensor_id, p.start, p.stop) for p in plan.pieces], flats, m, verify, version)
+    path = os.path.join(level.version_dir(name, version), (m.get("assembled") or {}).get("file", ASSEMBLED))
+    with open_regular_file(path) as f:  # a FIFO or symlink is refused, never waited on
+        idx = fmt.read_index(f, path)   # every entry within the file
+        _check_index(idx, [(p.tensor_id, p.start, p.stop) for p in plan.pieces], m, version, path)
+        flats, named = _empty_arrays(m, wanted, idx.file_size, path)
+        _fill(f, path, idx, flats, verify)
     return Checkpoint(name, version, m["step"], m["epoch"], "persistent", named, m)

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from . import crashpoints as cp
 from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError
+from .fsafe import read_regular
 
 __all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
            "fence_holder", "Run", "GENERATION", "LEASE"]
@@ -113,15 +114,7 @@ def warn_skew(what: str, ahead: float) -> None:
 
 def _read_small(path: str, limit: int) -> bytes:
     """A small regular file's bytes (no symlink, no FIFO, at most ``limit``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        import stat
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{path} is not a regular file")
-        data = os.read(fd, limit + 1)
-    finally:
-        os.close(fd)
+    data = read_regular(path, limit + 1)
     if len(data) > limit:
         raise CorruptCheckpointError(f"{path} is larger than {limit} bytes")
     return data

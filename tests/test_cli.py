@@ -235,7 +235,9 @@ def test_verify_incomplete_and_header_damage(tmp_path):
     cfg = config_of(s)
     scratch = ScratchLevel(cfg.scratch)
     os.unlink(scratch.shard_path("job", 4, 1))  # lost shard on a single-node scratch: damage, not "partial"
-    os.makedirs(PersistentLevel(cfg.persistent).version_dir("job", 3))
+    os.makedirs(PersistentLevel(cfg.persistent).version_dir("job", 3))  # empty, abandoned: not damage
+    os.makedirs(PersistentLevel(cfg.persistent).version_dir("job", 1))
+    open(os.path.join(PersistentLevel(cfg.persistent).version_dir("job", 1), "model.dfz.partial"), "wb").close()
     flip_byte(scratch.shard_path("job", 2, 0), 20)  # header byte: the header checksum catches it
     make_job(tmp_path, versions=(7,))
     with open(os.path.join(scratch.version_dir("job", 7), "manifest.json"), "r+b") as f:
@@ -247,7 +249,9 @@ def test_verify_incomplete_and_header_damage(tmp_path):
     ls = {(v["level"], v["version"]): v for v in cli_json("ls", *s)["checkpoints"][0]["versions"]}
     assert ls[("scratch", 7)]["status"] == "damaged" and ls[("scratch", 4)]["status"] == "incomplete"
     assert got[("scratch", 4)]["status"] == "DAMAGED" and "missing shards of rank 1" in got[("scratch", 4)]["reason"]
-    assert got[("persistent", 3)]["status"] == "DAMAGED" and "incomplete" in got[("persistent", 3)]["reason"]
+    assert got[("persistent", 1)]["status"] == "DAMAGED" and "incomplete" in got[("persistent", 1)]["reason"]
+    assert got[("persistent", 3)]["status"] == "EMPTY" and "empty directory" in got[("persistent", 3)]["reason"]
+    assert ls[("persistent", 3)]["status"] == "empty"
     assert got[("scratch", 2)]["status"] == "DAMAGED" and "header checksum" in got[("scratch", 2)]["reason"]
     assert got[("persistent", 2)]["status"] == got[("persistent", 4)]["status"] == "OK"
     p = cli("verify", *s, "--version", "9", code=1)

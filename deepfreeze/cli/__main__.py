@@ -1,0 +1,6 @@
+"""``python -m deepfreeze.cli``: the ``deepfreeze`` command."""
+import sys
+
+from . import main
+
+sys.exit(main())

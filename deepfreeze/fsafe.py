@@ -1,0 +1,109 @@
+"""Opening checkpoint files for reading: regular files only, never a hang.
+
+The readers of checkpoint files go through :func:`open_regular` (or
+:func:`open_regular_file`, :func:`read_regular`, :func:`read_whole`): manifests
+(``Level.read_manifest``), shards, partner copies and parity blocks (restore,
+redundancy), assembled files (restore), and everything the inventory and the
+``deepfreeze`` command open. It opens with ``O_NONBLOCK`` (a FIFO named ``manifest.json`` or ``model.dfz``
+would otherwise block ``open`` until a writer appears: restore and the CLI would
+hang), ``O_NOFOLLOW`` (a symlink as the last path component is refused, not
+followed) and ``O_CLOEXEC``, then checks with ``fstat`` that what was opened is
+a regular file. Anything else (FIFO, socket, directory, device, symlink) raises
+:class:`~deepfreeze.errors.CorruptCheckpointError` naming the path and what it
+is, so readers treat it as "not committed / damaged" and fall back. A file that
+does not exist raises ``FileNotFoundError`` as ``open`` does (a file removed by
+retention between listing and opening is "missing", not "damaged").
+``O_NONBLOCK`` is cleared again once the file is known to be regular (it has
+no effect on regular files anyway).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import BinaryIO
+
+import numpy as np
+
+from .errors import CorruptCheckpointError
+
+__all__ = ["open_regular", "open_regular_file", "read_regular", "read_whole", "describe_mode"]
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink"))
+
+
+def describe_mode(mode: int) -> str:
+    """``"a FIFO (named pipe)"``, ``"a directory"``, ... for a ``st_mode``."""
+    for test, what in _KINDS:
+        if test(mode):
+            return what
+    return "a regular file" if stat.S_ISREG(mode) else f"a special file (mode {stat.S_IFMT(mode):o})"
+
+
+def _not_regular(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path} is {what}, not a regular file: DeepFreeze reads only regular files "
+                                  "(remove or rename it; restore falls back to another level or version)")
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+    """Open ``path`` (a descriptor) only if it is a regular file; see the module docstring.
+
+    Raises ``FileNotFoundError`` if it does not exist, :class:`CorruptCheckpointError` if it
+    is a symlink or not a regular file, ``OSError`` for other failures (permissions, I/O).
+    """
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW on a symlink
+            raise _not_regular(path, "a symlink") from e
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a socket; a directory opened for writing
+            try:
+                what = describe_mode(os.lstat(path).st_mode)
+            except OSError:
+                what = "not openable"
+            raise _not_regular(path, what) from e
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, describe_mode(mode))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular_file(path: str) -> BinaryIO:
+    """:func:`open_regular` for reading, as a binary file object (unbuffered reads are the
+    callers' business: ``read_index`` and ``read_entry`` use positional reads)."""
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of the regular file ``path`` (more means the caller's size check fails:
+    it gets ``limit`` + 1 bytes at most when asking for ``limit + 1``)."""
+    with open_regular_file(path) as f:
+        return f.read(limit)
+
+
+def read_whole(path: str) -> np.ndarray:
+    """The bytes of the regular file ``path`` as a uint8 array of the size ``fstat`` gave (one
+    allocation, the size of a real file; a file shrinking meanwhile is an error, not a short read)."""
+    with open_regular_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = np.empty(size, dtype=np.uint8)
+        view = memoryview(data)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise CorruptCheckpointError(f"{path}: shrank while being read ({got} of {size} bytes)")
+            got += n
+    return data
