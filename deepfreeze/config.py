@@ -35,6 +35,7 @@ KEYS: dict[str, str] = {
     "watchdog_interval": "seconds: the backend reports a rank that sent no checkpoint for this long; 0 = off",
     "max_inflight": "versions of a rank handed to its writer thread and not yet on scratch; one more waits (DeepFreeze key)",
     "axl_type": "VeloC AXL transfer type (VeloC engine only)",
+    "backend_timeout": "seconds without an answer after which the backend is declared dead and replaced (DeepFreeze key)",
 }
 
 #: keys only VeloC acts on; accepted so a site's VeloC file parses, passed to VeloC as written
@@ -82,6 +83,7 @@ class Config:
     watchdog_interval: float = 0.0
     max_inflight: int = 2
     axl_type: str | None = None
+    backend_timeout: float = 60.0
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
 
@@ -109,6 +111,10 @@ class Config:
                               "waits until the previous shard is on scratch; 2: one more may wait in memory)")
         if self.watchdog_interval < 0:
             raise ConfigError(f"{self.source}: watchdog_interval must be >= 0")
+        if not self.backend_timeout > 0 or self.backend_timeout == float("inf"):
+            raise ConfigError(f"{self.source}: backend_timeout = {self.backend_timeout} must be a number of seconds "
+                              "> 0 (how long a backend may leave a request unanswered before it is declared "
+                              "dead and replaced; default 60)")
         validate_name(self.failure_domain.replace("-", "_"), "failure_domain")
 
     @property
@@ -201,7 +207,7 @@ def _read_ini(path: str) -> dict[str, tuple[int, str]]:
 
 def _convert(key: str, value: Any, where: str) -> Any:
     try:
-        if key in ("persistent_interval", "ec_interval", "watchdog_interval"):
+        if key in ("persistent_interval", "ec_interval", "watchdog_interval", "backend_timeout"):
             return float(value)
         if key in ("max_versions", "scratch_versions", "max_inflight"):
             if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):
