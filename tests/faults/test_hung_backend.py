@@ -95,32 +95,38 @@ def test_wait_with_timeout_returns_on_a_stopped_backend(tmp_path):
 
 
 def test_checkpoint_replaces_a_stopped_backend_after_backend_timeout(tmp_path, caplog):
-    """backend_timeout = 3: a checkpoint whose flush request is not answered logs, declares the
-    backend dead, starts ONE new backend on the same socket (the stopped process keeps its
-    listening socket and is left alive), and the version commits on persistent bit-exact."""
+    """backend_timeout = 3, two ranks on one node: checkpoints whose flush requests are not answered
+    log, declare the backend dead and start ONE new backend on the same socket (the stopped
+    process keeps its listening socket and is left alive); every version commits on persistent
+    bit-exact."""
     caplog.set_level(logging.WARNING, logger="deepfreeze")
     cfg = config(tmp_path, backend_timeout=3)
-    plan = make_plan(1)
-    e = Engine(cfg, "job", 0, plan)
-    e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
-    e.wait()
-    old = e._backend.pid
+    plan = make_plan(2)
+    engines = [Engine(cfg, "job", r, plan) for r in range(2)]
+    for e in engines:
+        e.checkpoint(2, pieces(model_arrays(2), plan, e.rank), step=2, epoch=0)
+    for e in engines:
+        e.wait()
+    old = engines[0]._backend.pid
+    assert engines[1]._backend.pid == old
     new = None
     with stopped(old):
         wait_until_stopped(old)
-        e.checkpoint(4, pieces(model_arrays(4), plan, 0), step=4, epoch=0)
-        e.checkpoint(6, pieces(model_arrays(6), plan, 0), step=6, epoch=0)  # waits for v4's writer
-        e.wait(timeout=30)
-        new = e._backend.pid
-        assert new != old
+        for v in (4, 6):  # v6 waits for v4's writer
+            for e in engines:
+                e.checkpoint(v, pieces(model_arrays(v), plan, e.rank), step=v, epoch=0)
+        for e in engines:
+            e.wait(timeout=30)
+        new = engines[0]._backend.pid
+        assert new != old and engines[1]._backend.pid == new  # one new backend for the node
         assert process_state(old)[0] == "T"  # left running, not killed
         now = BackendClient(cfg.scratch, start=False, answer_timeout=5)
         assert now.pid == new  # the socket path is the new one's
         now.close()
-        e.close()
+        for e in engines:
+            e.close()
     msgs = "\n".join(r.getMessage() for r in caplog.records)
     assert f"backend pid {old}" in msgs and "declaring it dead" in msgs and "left running, not killed" in msgs
-    assert msgs.count("declaring it dead") == 1  # one replacement
     assert PersistentLevel(cfg.persistent).committed_versions("job") == [2, 4, 6]
     for v in (2, 4, 6):
         assert_version(persistent_only(cfg, tmp_path), v, "persistent")
