@@ -401,9 +401,12 @@ class VelocEngine(Engine):
                 log.warning("deepfreeze: %s has been locked for 60s (a job stopping the VeloC daemon, hung?): "
                             "going on without it", _users_path())
             try:
+                self._stop_leftover_daemon()
                 start_backend(self.cfg_file)
             except BaseException:
-                self._release_daemon()
+                if self._users_fd is not None:
+                    os.close(self._users_fd)
+                    self._users_fd = None
                 raise
         if plan.world_size > 1:
             self.veloc.init(mpi_comm, self.cfg_file)
@@ -490,6 +493,24 @@ class VelocEngine(Engine):
         finally:
             self._pool.shutdown(wait=True)
             self._release_daemon()
+
+    def _stop_leftover_daemon(self) -> None:
+        """A daemon DeepFreeze started for another configuration that no DeepFreeze job uses any more
+        (left by a job that died before its close()) is stopped, so this job can start its own."""
+        running = veloc_backend()
+        if running is None or self._users_fd is None or not _started_by_deepfreeze(running[1]) \
+                or _same_config(self.cfg_file, running[1]):
+            return
+        try:  # exclusive: no other DeepFreeze engine of this user holds it (not atomic: at worst we refuse)
+            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # in use: start_backend refuses, naming it
+        try:
+            log.warning("deepfreeze: stopping the leftover VeloC daemon pid %d (config %s): no DeepFreeze job uses "
+                        "it, and this job's configuration differs", running[0], running[1])
+            stop_backend()
+        finally:
+            fcntl.flock(self._users_fd, fcntl.LOCK_SH)
 
     def _release_daemon(self) -> None:
         """Let go of the VeloC daemon; the last DeepFreeze engine of the user to do so stops it if
