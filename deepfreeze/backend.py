@@ -638,6 +638,7 @@ def status(scratch: str, timeout: float = 2.0, *, veloc: bool = True) -> dict[st
     finally:
         if client is not None:
             client.close()
+    info["running"] = info["state"] == "running"
     info["veloc"] = _veloc_status() if veloc else None
     return info
 
@@ -695,6 +696,7 @@ def stop(scratch: str, timeout: float = 60.0, *, answer_timeout: float = 2.0, ve
             info["state"] = "draining"
             info["message"] = (f"backend pid {info['pid']} for scratch {info['scratch']}: stop requested; still "
                                f"draining {pending} pending flush job(s) after {timeout:g}s (it exits when done)")
+    info["running"] = info["state"] == "draining"
     info["veloc"] = None
     if veloc:
         try:
