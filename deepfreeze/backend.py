@@ -16,11 +16,16 @@ one JSON object per line in each direction. Requests::
                                          -> {"ok": true, "errors": [...], "done": [...]}
                                             (when those jobs are done, or after ``timeout`` s if given)
     {"op": "poll", "ids": [...], "wait": s, "need": n}
-                                         -> {"ok": true, "done": [...], "errors": [...]}
+                                         -> {"ok": true, "done": [...], "errors": [...], "stalled": s}
                                             (once ``need`` of them (default all) are done, or after
                                             ``wait`` seconds (default 0, at most 30): never blocks longer)
     {"op": "status"}                     -> {"ok": true, "pid": N, "pending": N, "clients": N, "jobs": N,
-                                             "overdue": [watchdog messages]}
+                                             "overdue": [watchdog messages],
+                                             "flusher": {"tid": N, "job": id or null, "stalled": s}}
+
+``stalled``: seconds the flusher thread has made no progress (no job started or ended, its I/O
+counters in ``/proc/self/task/<tid>/io`` unchanged) while jobs are pending; 0 when idle, null if
+unknown. A thread stuck in uninterruptible I/O leaves the process answering: this tells.
     {"op": "stop"}                       -> {"ok": true}  (drains the queue, then exits)
 
 Jobs run one at a time, in arrival order, in the thread ``deepfreeze-flusher``
@@ -145,11 +150,48 @@ class _Server:
         # connection -> {"who", "interval", "deadline", "fired"}
         self.watched: dict[int, dict] = {}
         self.overdue: list[str] = []
+        # progress of the flusher (a thread stuck in uninterruptible I/O on a hung file system leaves
+        # this process answering while its flushes never finish): the last time it started or ended
+        # a job, or its I/O counters (/proc/self/task/<tid>/io) moved, while work was pending
+        self.flusher_tid: int | None = None
+        self.current: int | None = None
+        self.progress_at = time.monotonic()
+        self.io_readable = False
+        self._io: bytes | None = None
+
+    def _busy(self) -> bool:  # under self.cond
+        return any(v == "pending" for v in self.results.values())
+
+    def stalled(self) -> float | None:
+        """Seconds the flusher has made no progress while jobs are pending (0 when idle); None if
+        its I/O counters cannot be read (progress is then unknown)."""
+        if self._io is None:  # not sampled yet
+            self._sample_io()
+        with self.cond:
+            if not self.io_readable:
+                return None
+            return round(time.monotonic() - self.progress_at, 1) if self._busy() else 0.0
+
+    def _sample_io(self) -> None:
+        if self.flusher_tid is None:
+            return
+        try:
+            with open(f"/proc/self/task/{self.flusher_tid}/io", "rb") as f:
+                io = f.read(4096)
+        except OSError:
+            self.io_readable = False
+            return
+        with self.cond:
+            self.io_readable = True
+            if io != self._io:
+                self._io, self.progress_at = io, time.monotonic()
 
     def watchdog(self) -> None:
-        """Log (once per silence) a client whose last checkpoint is older than its watchdog_interval."""
+        """Log (once per silence) a client whose last checkpoint is older than its watchdog_interval;
+        sample the flusher's progress."""
         while not self.stopping:
             time.sleep(0.5)
+            self._sample_io()
             now = time.monotonic()
             with self.cond:
                 for w in self.watched.values():
@@ -161,11 +203,14 @@ class _Server:
                         self.overdue.append(msg)
 
     def flusher(self) -> None:
+        self.flusher_tid = threading.get_native_id()
         while True:
             item = self.jobs.get()
             if item is None:
                 return
             jid, job = item
+            with self.cond:
+                self.current, self.progress_at = jid, time.monotonic()
             err = None
             t0 = time.monotonic()
             try:
@@ -179,7 +224,8 @@ class _Server:
                           job.get("rank"), err)
             with self.cond:
                 self.results[jid] = err
-                self.last_activity = time.monotonic()
+                self.current = None
+                self.last_activity = self.progress_at = time.monotonic()
                 self.cond.notify_all()
 
     def handle(self, conn: socket.socket) -> None:
@@ -206,6 +252,8 @@ class _Server:
                 elif op == "flush":
                     job = req["job"]
                     with self.cond:
+                        if not self._busy():  # the flusher was idle: its progress is judged from now
+                            self.progress_at = time.monotonic()
                         jid = self.next_id
                         self.next_id += 1
                         self.results[jid] = "pending"
@@ -236,12 +284,14 @@ class _Server:
                                 lambda: sum(self.results.get(i) != "pending" for i in ids) >= need, wait)
                         done = [i for i in ids if self.results.get(i, None) != "pending"]
                         errors = [e for e in (self.results.pop(i, None) for i in done) if e]
-                    _send(conn, {"ok": True, "done": done, "errors": errors})
+                    _send(conn, {"ok": True, "done": done, "errors": errors, "stalled": self.stalled()})
                 elif op == "status":
                     with self.cond:
                         pending = sum(1 for v in self.results.values() if v == "pending")
                         msg = {"ok": True, "pid": os.getpid(), "pending": pending, "clients": self.clients,
-                               "jobs": self.next_id, "overdue": list(self.overdue)}
+                               "jobs": self.next_id, "overdue": list(self.overdue),
+                               "flusher": {"tid": self.flusher_tid, "job": self.current}}
+                    msg["flusher"]["stalled"] = self.stalled()
                     _send(conn, msg)  # not under the lock: a slow reader must not stall the flusher
                 elif op == "stop":
                     self.stopping = True
@@ -412,6 +462,7 @@ class BackendClient:
         self.sock: socket.socket | None = None
         self.pid: int | None = None
         self.inode: int | None = None  # of the socket file this client connected through
+        self.stalled: float | None = None  # the backend's flusher progress, from the last poll
         dead = replace
         if dead is None or _socket_inode(self.path) != dead:
             try:
@@ -561,6 +612,8 @@ class BackendClient:
             if need is not None:
                 req["need"] = need
         r = self.request(req, wait + self.answer_timeout if timeout is None else timeout)
+        stalled = r.get("stalled")
+        self.stalled = float(stalled) if isinstance(stalled, (int, float)) else None
         return r["done"], r["errors"]
 
     def wait(self, ids: list[int], timeout: float | None = None) -> list[str]:
@@ -621,10 +674,15 @@ def status(scratch: str, timeout: float = 2.0, *, veloc: bool = True) -> dict[st
         client = BackendClient(scratch, start=False, answer_timeout=timeout)
         st = client.request({"op": "status"}, max(0.1, deadline - time.monotonic()))
         info.update(state="running", pid=st["pid"], pending=st["pending"], jobs=st["jobs"],
-                    clients=max(0, st["clients"] - 1), overdue=st.get("overdue", []))
+                    clients=max(0, st["clients"] - 1), overdue=st.get("overdue", []), flusher=st.get("flusher"))
         info["message"] = (f"backend for scratch {info['scratch']}: running, pid {st['pid']}, {st['pending']} flush "
                            f"job(s) pending, {st['jobs']} received, {info['clients']} other client(s) connected "
                            f"(socket {path})")
+        stalled = (info["flusher"] or {}).get("stalled")
+        if isinstance(stalled, (int, float)) and stalled >= LOG_EVERY:
+            tid = info["flusher"].get("tid")
+            info["message"] += (f"; its flusher (thread {tid}, {process_state(tid) or 'state unknown'}) has made no "
+                                f"progress for {stalled:.0f}s: I/O stuck? (see /proc/{st['pid']}/task/{tid}/stack)")
     except BackendUnresponsiveError as e:
         info.update(state="unresponsive", pid=e.pid, process=process_state(e.pid))
         info["message"] = (f"backend for scratch {info['scratch']}: unresponsive"

@@ -219,7 +219,7 @@ class Engine:
                     self._unresponsive_since, self._next_log = now, LOG_EVERY
                 waited = time.monotonic() - self._unresponsive_since
                 if waited >= cfg.backend_timeout:
-                    self._replace_backend(e, waited)
+                    self._replace_backend(e, f"has not answered for {waited:.0f}s")
                     return fn(self._backend, cfg.backend_timeout)
                 if waited >= self._next_log:
                     log.warning("deepfreeze: rank %d: backend pid %s on %s has not answered for %.0fs (process "
@@ -252,16 +252,16 @@ class Engine:
         self._backend = client
         self._resend()
 
-    def _replace_backend(self, e: BackendUnresponsiveError, waited: float) -> None:
-        """Declare the silent backend dead, start one new backend on its socket path (another rank of
-        the node may have done it already: then that one is used) and re-send the pending flushes."""
+    def _replace_backend(self, e: BackendUnresponsiveError, why: str) -> None:
+        """Declare the backend dead (``why``: what it did not do for ``backend_timeout``), start one new
+        backend on its socket path (another rank of the node may have done it already: then that one
+        is used) and re-send the pending flushes."""
         cfg, old = self.config, self._backend
         pid = e.pid or old.pid
-        log.error("deepfreeze: rank %d: backend pid %s on %s has not answered for %.0fs (backend_timeout = %gs): "
-                  "declaring it dead and starting a new backend; the old process is left running, not killed "
-                  "(state %s: it may be stuck in uninterruptible I/O on a hung file system); re-sending %d pending "
-                  "flush(es)", self.rank, pid, old.path, waited, cfg.backend_timeout,
-                  process_state(pid) or "gone", len(self._pending))
+        log.error("deepfreeze: rank %d: backend pid %s on %s %s (backend_timeout = %gs): declaring it dead and "
+                  "starting a new backend; the old process is left running, not killed (state %s: it may be stuck "
+                  "in uninterruptible I/O on a hung file system); re-sending %d pending flush(es)",
+                  self.rank, pid, old.path, why, cfg.backend_timeout, process_state(pid) or "gone", len(self._pending))
         old.close()
         self._unresponsive_since = None
         try:
@@ -269,8 +269,8 @@ class Engine:
                                           replace=e.inode if e.inode is not None else old.inode)
             self._resend()
         except BackendError as e2:
-            raise BackendError(f"the DeepFreeze backend pid {pid} on {old.path} did not answer for {waited:.0f}s "
-                               f"and was declared dead (left running); its replacement failed too: {e2}") from e2
+            raise BackendError(f"the DeepFreeze backend pid {pid} on {old.path} {why} and was declared dead (left "
+                               f"running); its replacement failed too: {e2}") from e2
         log.warning("deepfreeze: rank %d: backend pid %s now serves %s (%d flush(es) re-sent)", self.rank,
                     self._backend.pid, self._backend.path, len(self._pending))
 
@@ -290,6 +290,7 @@ class Engine:
         are collected.
         Logs every ``LOG_EVERY`` s while it waits; with ``deadline``, BackendError once it passes."""
         t0, next_log = time.monotonic(), LOG_EVERY
+        replaced = False
         while self._pending:  # polled at least once: errors of finished flushes surface early
             need = len(self._pending) - keep
             done, errors = self._call_backend(
@@ -307,10 +308,22 @@ class Engine:
                     f"{len(self._pending)} flush(es) to {self.config.persistent} not finished within "
                     f"{timeout}s (backend pid {self._backend.pid}, log {self.config.scratch}/"
                     ".deepfreeze-backend.log); they go on in the background: call wait() again")
+            stalled = self._backend.stalled or 0.0
+            if stalled >= self.config.backend_timeout:  # it answers, but its flusher is stuck (D state?)
+                why = f"answers, but its flusher has made no progress for {stalled:.0f}s"
+                if replaced:
+                    self._raise_pending()
+                    raise BackendError(f"the DeepFreeze backend pid {self._backend.pid} on {self._backend.path} "
+                                       f"{why}, as did the backend it replaced: is {self.config.persistent} (or "
+                                       f"{self.config.scratch}) hung? {len(self._pending)} flush(es) pending")
+                self._replace_backend(BackendUnresponsiveError(why, self._backend.pid, self._backend.inode), why)
+                replaced = True
+                continue
             if now - t0 >= next_log:
-                log.warning("deepfreeze: rank %d has waited %.0fs for %d flush(es) by backend pid %s (it answers; "
-                            "see %s/.deepfreeze-backend.log)", self.rank, now - t0, len(self._pending) - keep,
-                            self._backend.pid, self.config.scratch)
+                log.warning("deepfreeze: rank %d has waited %.0fs for %d flush(es) by backend pid %s (it answers; its "
+                            "flusher made no progress for %s s; see %s/.deepfreeze-backend.log)", self.rank, now - t0,
+                            len(self._pending) - keep, self._backend.pid,
+                            "?" if self._backend.stalled is None else f"{stalled:.0f}", self.config.scratch)
                 next_log += LOG_EVERY
 
     def _raise_pending(self) -> None:

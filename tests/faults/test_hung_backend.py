@@ -134,6 +134,62 @@ def test_checkpoint_replaces_a_stopped_backend_after_backend_timeout(tmp_path, c
         kill_quietly(new)
 
 
+def _ptrace(request, tid):
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    libc.ptrace.restype = ctypes.c_long
+    if libc.ptrace(request, tid, None, None) != 0:
+        return os.strerror(ctypes.get_errno())
+    return None
+
+
+@contextlib.contextmanager
+def thread_stopped(pid, tid):
+    """Stop one thread of ``pid`` (PTRACE_SEIZE + PTRACE_INTERRUPT: the other threads run on), as a
+    thread blocked in uninterruptible I/O on a hung file system would be; kill ``pid`` at the end."""
+    why = _ptrace(0x4206, tid)  # PTRACE_SEIZE
+    if why is not None:
+        pytest.skip(f"ptrace is not permitted here ({why}): cannot stop one thread of the backend")
+    try:
+        assert _ptrace(0x4207, tid) is None  # PTRACE_INTERRUPT
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(tid, 0x40000000)  # __WALL: the traced thread's exit is reported to us, its tracer
+        kill_quietly(pid)
+
+
+def test_backend_whose_flusher_is_stuck_is_replaced(tmp_path, caplog):
+    """The real-life hang: the backend's flusher thread is stuck (here stopped alone with ptrace; on
+    a cluster, in D state on a hung mount) while its other threads still answer. Its polls report
+    how long the flusher has made no progress; after backend_timeout the rank replaces it (left
+    alive), re-sends, and the version commits bit-exact."""
+    caplog.set_level(logging.WARNING, logger="deepfreeze")
+    cfg = config(tmp_path, backend_timeout=3)
+    plan = make_plan(1)
+    e = Engine(cfg, "job", 0, plan)
+    e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
+    e.wait()
+    old = e._backend.pid
+    st = backend.status(cfg.scratch)
+    tid = st["flusher"]["tid"]
+    assert st["flusher"]["stalled"] == 0.0  # idle
+    with thread_stopped(old, tid):
+        e.checkpoint(4, pieces(model_arrays(4), plan, 0), step=4, epoch=0)
+        e.wait(timeout=60)
+        assert e._backend.pid != old
+        assert process_state(old)[0] in "SR"  # the process itself runs (and answers): left alone
+        e.close()
+    assert "answers, but its flusher has made no progress" in caplog.text
+    assert "left running, not killed" in caplog.text
+    assert PersistentLevel(cfg.persistent).committed_versions("job") == [2, 4]
+    for v in (2, 4):
+        assert_version(persistent_only(cfg, tmp_path), v, "persistent")
+
+
 class SilentPeer:
     """A real listening socket at the backend's path that speaks the protocol until ``silent`` is
     set (``hello``, ``flush`` -> an id, ``poll`` -> nothing done), then answers nothing more.
