@@ -305,17 +305,17 @@ def test_status_and_stop_report_an_unresponsive_backend(tmp_path):
             wait_until_stopped(pid)
             t0 = time.monotonic()
             st = backend.status(cfg.scratch, timeout=1)
-            assert time.monotonic() - t0 < 2
+            assert time.monotonic() - t0 < 2.5  # its timeout, plus a margin for a loaded machine
             assert st["state"] == "unresponsive" and st["pid"] == pid and st["process"].startswith("T")
             assert f"unresponsive, pid {pid}" in st["message"]
             t0 = time.monotonic()
             sp = backend.stop(cfg.scratch, timeout=5, answer_timeout=1)
-            assert time.monotonic() - t0 < 2
+            assert time.monotonic() - t0 < 2.5
             assert sp["state"] == "unresponsive" and not sp["stop_requested"]
             assert "not stopped" in sp["message"] and f"kill -9 {pid}" in sp["message"]
             assert process_state(pid)[0] == "T"  # never killed by stop
             os.kill(pid, signal.SIGCONT)  # it wakes up: stop works again
-            sp = backend.stop(cfg.scratch, timeout=20)
+            sp = backend.stop(cfg.scratch, timeout=20, answer_timeout=10)
             assert sp["state"] == "stopped" and sp["pid"] == pid
         assert backend.status(cfg.scratch)["state"] == "none"
     finally:
