@@ -218,8 +218,9 @@ class Engine:
                 if self._unresponsive_since is None:
                     self._unresponsive_since, self._next_log = now, LOG_EVERY
                 waited = time.monotonic() - self._unresponsive_since
-                if waited >= cfg.backend_timeout:
-                    self._replace_backend(e, f"has not answered for {waited:.0f}s")
+                start = self._start_timeout(deadline)
+                if waited >= cfg.backend_timeout and start is not None:
+                    self._replace_backend(e, f"has not answered for {waited:.0f}s", start)
                     return fn(self._backend, cfg.backend_timeout)
                 if waited >= self._next_log:
                     log.warning("deepfreeze: rank %d: backend pid %s on %s has not answered for %.0fs (process "
@@ -230,8 +231,9 @@ class Engine:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise BackendError(
                         f"the DeepFreeze backend pid {e.pid or self._backend.pid} on {self._backend.path} has not "
-                        f"answered for {waited:.1f}s ({len(self._pending)} flush(es) pending; it is replaced after "
-                        f"backend_timeout = {cfg.backend_timeout:g}s): call wait() again") from e
+                        f"answered for {waited:.1f}s ({len(self._pending)} flush(es) pending; once silent for "
+                        f"backend_timeout = {cfg.backend_timeout:g}s it is replaced by the next call with time to "
+                        "start a new one): call wait() again") from e
                 continue
             except BackendError as e:
                 log.warning("deepfreeze: rank %d lost its backend (%s); starting a new one and re-sending %d "
@@ -244,6 +246,16 @@ class Engine:
             self._unresponsive_since = None
             return result
 
+    @staticmethod
+    def _start_timeout(deadline: float | None) -> float | None:
+        """Seconds a replacement backend may take to start: 60, or what is left before ``deadline``
+        minus a margin; None if too little is left (the caller raises at its deadline instead, and
+        the next call replaces the backend)."""
+        if deadline is None:
+            return 60.0
+        left = deadline - time.monotonic() - 1.0
+        return min(60.0, left) if left >= 4.0 else None
+
     def _reconnect(self, seconds: float) -> None:
         """A new connection to whatever backend listens now (never starting one: the caller decides
         when a silent one is dead); BackendUnresponsiveError if it does not answer in ``seconds``."""
@@ -252,7 +264,7 @@ class Engine:
         self._backend = client
         self._resend()
 
-    def _replace_backend(self, e: BackendUnresponsiveError, why: str) -> None:
+    def _replace_backend(self, e: BackendUnresponsiveError, why: str, start_timeout: float = 60.0) -> None:
         """Declare the backend dead (``why``: what it did not do for ``backend_timeout``), start one new
         backend on its socket path (another rank of the node may have done it already: then that one
         is used) and re-send the pending flushes."""
@@ -265,7 +277,7 @@ class Engine:
         old.close()
         self._unresponsive_since = None
         try:
-            self._backend = BackendClient(cfg.scratch, answer_timeout=cfg.backend_timeout,
+            self._backend = BackendClient(cfg.scratch, timeout=start_timeout, answer_timeout=cfg.backend_timeout,
                                           replace=e.inode if e.inode is not None else old.inode)
             self._resend()
         except BackendError as e2:
@@ -309,14 +321,15 @@ class Engine:
                     f"{timeout}s (backend pid {self._backend.pid}, log {self.config.scratch}/"
                     ".deepfreeze-backend.log); they go on in the background: call wait() again")
             stalled = self._backend.stalled or 0.0
-            if stalled >= self.config.backend_timeout:  # it answers, but its flusher is stuck (D state?)
+            start = self._start_timeout(deadline)
+            if stalled >= self.config.backend_timeout and start is not None:  # it answers; its flusher is stuck
                 why = f"answers, but its flusher has made no progress for {stalled:.0f}s"
                 if replaced:
                     self._raise_pending()
                     raise BackendError(f"the DeepFreeze backend pid {self._backend.pid} on {self._backend.path} "
                                        f"{why}, as did the backend it replaced: is {self.config.persistent} (or "
                                        f"{self.config.scratch}) hung? {len(self._pending)} flush(es) pending")
-                self._replace_backend(BackendUnresponsiveError(why, self._backend.pid, self._backend.inode), why)
+                self._replace_backend(BackendUnresponsiveError(why, self._backend.pid, self._backend.inode), why, start)
                 replaced = True
                 continue
             if now - t0 >= next_log:

@@ -376,3 +376,32 @@ def test_backend_timeout_default_and_ini(tmp_path):
     ini = tmp_path / "c.cfg"
     ini.write_text(f"mode = async\nscratch = {tmp_path}/s\npersistent = {tmp_path}/p\nbackend_timeout = 2.5\n")
     assert Config.load(ini).backend_timeout == 2.5
+
+
+def test_wait_with_timeout_replaces_only_with_time_to_spare(tmp_path, caplog):
+    """backend_timeout = 1: wait(timeout=2) on a silent backend raises in time without starting a
+    new one (no time left to start it); wait(timeout=30) replaces it and v2 commits bit-exact."""
+    caplog.set_level(logging.WARNING, logger="deepfreeze")
+    cfg = config(tmp_path, backend_timeout=1)
+    os.makedirs(cfg.scratch)
+    peer = SilentPeer(socket_path(cfg.scratch))
+    plan = make_plan(1)
+    try:
+        e = Engine(cfg, "job", 0, plan)
+        e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
+        e.wait(persistent=False)
+        assert list(e._pending) == [0]
+        peer.silent.set()
+        t0 = time.monotonic()
+        with pytest.raises(BackendError, match="has not answered"):
+            e.wait(timeout=2)
+        assert time.monotonic() - t0 < 3
+        assert "declaring it dead" not in caplog.text
+        e.wait(timeout=30)
+        assert e._backend.pid != os.getpid() and "declaring it dead" in caplog.text
+        new = e._backend.pid
+        e.close()
+    finally:
+        peer.close()
+    assert_version(persistent_only(cfg, tmp_path), 2, "persistent")
+    kill_quietly(new)
