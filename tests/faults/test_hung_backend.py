@@ -405,3 +405,40 @@ def test_wait_with_timeout_replaces_only_with_time_to_spare(tmp_path, caplog):
         peer.close()
     assert_version(persistent_only(cfg, tmp_path), 2, "persistent")
     kill_quietly(new)
+
+
+def test_a_client_that_stops_reading_does_not_block_the_backend(tmp_path):
+    """One client floods requests and never reads an answer: its connection thread waits (at most
+    the server's send timeout) without holding anything others need; other clients are answered
+    and flushes commit meanwhile."""
+    cfg = config(tmp_path)
+    plan = make_plan(1)
+    e = Engine(cfg, "job", 0, plan)
+    pid = e._backend.pid
+    flooder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    flooder.connect(socket_path(cfg.scratch))
+    flooder.settimeout(5)
+    sent = []
+
+    def flood():
+        line = json.dumps({"op": "status"}).encode() + b"\n"
+        try:
+            for _ in range(200000):
+                flooder.sendall(line)
+                sent.append(1)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    t.join(10)  # the server stopped reading it: its answers fill the socket buffer
+    assert not t.is_alive() and len(sent) < 200000
+    try:
+        st = backend.status(cfg.scratch, timeout=5)
+        assert st["state"] == "running" and st["pid"] == pid
+        e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
+        e.wait(timeout=30)
+        e.close()
+    finally:
+        flooder.close()
+    assert_version(persistent_only(cfg, tmp_path), 2, "persistent")
