@@ -297,8 +297,8 @@ def clean_veloc_leftovers(persistent: str | None = None, name: str | None = None
 def veloc_daemon_status() -> dict[str, Any] | None:
     """This user's ``veloc-backend`` (one per user and machine) as a dict, or None if none runs:
     ``state`` (``"running"``), ``pid``, ``config``, ``process`` (kernel state, e.g. ``"T (stopped)"``),
-    ``deepfreeze`` (DeepFreeze started it: the configuration file is one it wrote) and ``in_use``
-    (a DeepFreeze job of this user holds it; None if unknown). Never blocks."""
+    ``deepfreeze`` (DeepFreeze started it: the configuration file is one it wrote), ``in_use``
+    (a DeepFreeze job of this user holds it; None if unknown) and ``message``. Never blocks."""
     from .backend import process_state
     running = veloc_backend()
     if running is None:
@@ -312,8 +312,13 @@ def veloc_daemon_status() -> dict[str, Any] | None:
         in_use = fd is None
         if fd is not None:
             os.close(fd)
-    return {"state": "running", "pid": pid, "config": cfg, "process": process_state(pid),
-            "deepfreeze": _started_by_deepfreeze(cfg), "in_use": in_use}
+    ours = _started_by_deepfreeze(cfg)
+    return {"state": "running", "pid": pid, "config": cfg, "process": process_state(pid), "deepfreeze": ours,
+            "in_use": in_use,
+            "message": (f"VeloC daemon (veloc-backend): running, pid {pid} ({process_state(pid) or 'state unknown'}), "
+                        f"config {cfg}, " + ("started by DeepFreeze" if ours else "not started by DeepFreeze")
+                        + {True: ", used by a DeepFreeze job", False: ", no DeepFreeze job uses it",
+                           None: ""}[in_use])}
 
 
 def stop_veloc_daemon(timeout: float = 10.0, *, force: bool = False) -> dict[str, Any] | None:
