@@ -64,7 +64,8 @@ from typing import Any
 from .errors import BackendError, BackendUnresponsiveError
 from .levels import ScratchLevel, flush_job
 
-__all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "DEFAULT_TIMEOUT", "LOG_EVERY"]
+__all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "DEFAULT_TIMEOUT",
+           "LOG_EVERY"]
 
 log = logging.getLogger("deepfreeze.backend")
 _MAX_LINE = 256 << 20
