@@ -77,6 +77,8 @@ LOG_EVERY = 10.0
 _SERVER_SEND_TIMEOUT = 30.0
 #: longest server-side wait of one ``poll`` (the client's socket timeout covers it)
 _MAX_POLL_WAIT = 30.0
+#: longest server-side ``wait`` with a ``timeout``
+_MAX_WAIT = 3600.0
 
 
 def runtime_dir() -> str:
@@ -271,7 +273,7 @@ class _Server:
                     limit = req.get("timeout")
                     with self.cond:
                         self.cond.wait_for(lambda: all(self.results.get(i) != "pending" for i in ids),
-                                           None if limit is None else max(0.0, float(limit)))
+                                           None if limit is None else min(_MAX_WAIT, max(0.0, float(limit))))
                         done = [i for i in ids if self.results.get(i, None) != "pending"]
                         errors = [self.results.pop(i, None) for i in done]
                     _send(conn, {"ok": True, "errors": [e for e in errors if e], "done": done})
@@ -301,7 +303,7 @@ class _Server:
                     _send(conn, {"ok": False, "error": f"unknown op {op!r}"})
         except TimeoutError:
             log.warning("client connection dropped: it took no answer for %gs", _SERVER_SEND_TIMEOUT)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, OverflowError) as e:
             log.warning("client connection dropped: %s", e)
         finally:
             conn.close()
