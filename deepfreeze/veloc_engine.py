@@ -30,7 +30,7 @@ started with (so this engine refuses to run against a backend started with
 another configuration); in ``async`` mode the daemon runs with ``--disable-ec``.
 
 The daemon's lifetime: every async ``VelocEngine`` holds a shared ``flock`` on
-``<runtime dir>/veloc-daemon.users`` from before it starts (or finds) the daemon
+``/dev/shm/deepfreeze-veloc-users-<uid>`` (per user and machine, as the daemon) from before it starts (or finds) the daemon
 until its ``close()``; the engine that closes last (it gets the lock exclusively)
 stops the daemon if DeepFreeze started it (its configuration file is one
 DeepFreeze wrote), so a leftover daemon does not refuse the user's next job with
@@ -196,14 +196,29 @@ def _started_by_deepfreeze(cfg_file: str | None) -> bool:
 
 
 def _users_path() -> str:
+    """Per user and machine, like the daemon (next to VeloC's ready file), not per runtime directory:
+    a batch job and a login shell of the user must see the same users."""
+    if os.path.isdir("/dev/shm"):
+        return f"/dev/shm/deepfreeze-veloc-users-{os.getuid()}"
     from .backend import runtime_dir
     return os.path.join(runtime_dir(), "veloc-daemon.users")
 
 
 def _open_users(mode: int, timeout: float) -> int | None:
     """An fd of the daemon users file holding ``flock(mode)`` (timed ``LOCK_NB`` loop), or None
-    (the lock was not had within ``timeout``; for ``LOCK_EX`` with timeout 0: others use it)."""
-    fd = os.open(_users_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    (the lock was not had within ``timeout``; for ``LOCK_EX`` with timeout 0: others use it).
+    ``BackendError`` if the file is not this user's regular file (planted in the shared /dev/shm)."""
+    path = _users_path()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        raise BackendError(f"cannot open {path} (the lock of the VeloC daemon's DeepFreeze users): {e}; "
+                           "remove it if it is not yours") from e
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise BackendError(f"{path} is not a regular file owned by you: remove it (another user may have "
+                           "planted it); until then the VeloC daemon is not stopped at close()")
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -401,10 +416,13 @@ class VelocEngine(Engine):
         self._users_fd: int | None = None
         if not in_process:
             # shared while this engine lives: the last engine to close stops the daemon DeepFreeze started
-            self._users_fd = _open_users(fcntl.LOCK_SH, 60.0)
-            if self._users_fd is None:
-                log.warning("deepfreeze: %s has been locked for 60s (a job stopping the VeloC daemon, hung?): "
-                            "going on without it", _users_path())
+            try:
+                self._users_fd = _open_users(fcntl.LOCK_SH, 60.0)
+                if self._users_fd is None:
+                    log.warning("deepfreeze: %s has been locked for 60s (a job stopping the VeloC daemon, hung?): "
+                                "going on without it", _users_path())
+            except BackendError as e:
+                log.warning("deepfreeze: %s", e)
             try:
                 self._stop_leftover_daemon()
                 start_backend(self.cfg_file)
