@@ -12,15 +12,37 @@ one JSON object per line in each direction. Requests::
 
     {"op": "hello"}                      -> {"ok": true, "pid": N}
     {"op": "flush", "job": {...}}        -> {"ok": true, "id": N}        (queued)
-    {"op": "wait", "ids": [...]}         -> {"ok": true, "errors": [...]} (when those jobs are done)
-    {"op": "poll", "ids": [...]}         -> {"ok": true, "done": [...], "errors": [...]} (now)
+    {"op": "wait", "ids": [...], "timeout": s}
+                                         -> {"ok": true, "errors": [...], "done": [...]}
+                                            (when those jobs are done, or after ``timeout`` s if given)
+    {"op": "poll", "ids": [...], "wait": s, "need": n}
+                                         -> {"ok": true, "done": [...], "errors": [...], "stalled": s}
+                                            (once ``need`` of them (default all) are done, or after
+                                            ``wait`` seconds (default 0, at most 30): never blocks longer)
     {"op": "status"}                     -> {"ok": true, "pid": N, "pending": N, "clients": N, "jobs": N,
-                                             "overdue": [watchdog messages]}
+                                             "overdue": [watchdog messages],
+                                             "flusher": {"tid": N, "job": id or null, "stalled": s}}
+
+``stalled``: seconds the flusher thread has made no progress (no job started or ended, its I/O
+counters in ``/proc/self/task/<tid>/io`` unchanged) while jobs are pending; 0 when idle, null if
+unknown. A thread stuck in uninterruptible I/O leaves the process answering: this tells.
     {"op": "stop"}                       -> {"ok": true}  (drains the queue, then exits)
 
 Jobs run one at a time, in arrival order, in the thread ``deepfreeze-flusher``
 through :func:`deepfreeze.levels.flush_job`, the same code sync mode runs in
 the client. A failed job's error is reported to whoever waits for it.
+
+Bounded waits: every socket operation has a timeout on both sides. A client
+gives every request ``answer_timeout`` seconds (the engine: INI
+``backend_timeout``) and raises :class:`~deepfreeze.errors.BackendUnresponsiveError`
+when it passes (a stopped process, or one stuck in uninterruptible I/O on a
+hung file system); a new client whose connection is accepted but not answered
+starts a new backend on the same path (``serve`` unlinks and binds; the stuck
+process is left alone and, should it wake up, never removes its successor's
+socket). The server drops a client that stops reading its answers. The spawn
+lock is taken with a timed ``LOCK_NB`` loop, so a hung holder delays a newcomer
+by at most the start timeout. :func:`status` and :func:`stop` are what
+``deepfreeze backend status|stop`` call: they answer within their timeouts.
 """
 from __future__ import annotations
 
@@ -32,6 +54,7 @@ import logging
 import os
 import queue
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -39,13 +62,24 @@ import time
 from typing import Any
 
 from . import crashpoints as cp
-from .errors import BackendError
+from .errors import BackendError, BackendUnresponsiveError
 from .levels import ScratchLevel, flush_job
 
-__all__ = ["socket_path", "BackendClient", "serve", "main"]
+__all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "DEFAULT_TIMEOUT",
+           "LOG_EVERY"]
 
 log = logging.getLogger("deepfreeze.backend")
 _MAX_LINE = 256 << 20
+#: seconds a client waits for an answer by default (the engine uses INI ``backend_timeout``)
+DEFAULT_TIMEOUT = 60.0
+#: seconds between the log lines of a wait on an unresponsive backend
+LOG_EVERY = 10.0
+#: seconds the server gives a client to take an answer (a client that stops reading is dropped)
+_SERVER_SEND_TIMEOUT = 30.0
+#: longest server-side wait of one ``poll`` (the client's socket timeout covers it)
+_MAX_POLL_WAIT = 30.0
+#: longest server-side ``wait`` with a ``timeout``
+_MAX_WAIT = 3600.0
 
 
 def runtime_dir() -> str:
@@ -65,7 +99,19 @@ def socket_path(scratch: str) -> str:
     return os.path.join(runtime_dir(), f"backend-{key}.sock")
 
 
-def _send(sock: socket.socket, obj: dict[str, Any]) -> None:
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (monotonic); raises ``TimeoutError`` once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
+
+
+def _send(sock: socket.socket, obj: dict[str, Any], deadline: float | None = None) -> None:
+    """Send one line; with ``deadline``, ``TimeoutError`` if the peer does not take it by then
+    (without, the socket's own timeout applies)."""
+    if deadline is not None:
+        sock.settimeout(_left(deadline))
     sock.sendall(json.dumps(obj).encode() + b"\n")
 
 
@@ -73,8 +119,12 @@ class _Lines:
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.buf = sock, b""
 
-    def read(self) -> dict[str, Any] | None:
+    def read(self, deadline: float | None = None) -> dict[str, Any] | None:
+        """The next message; None if the peer closed. With ``deadline`` (monotonic),
+        ``TimeoutError`` if no whole line came by then (a partial line stays buffered)."""
         while b"\n" not in self.buf:
+            if deadline is not None:
+                self.sock.settimeout(_left(deadline))
             chunk = self.sock.recv(1 << 20)
             if not chunk:
                 return None
@@ -104,11 +154,48 @@ class _Server:
         # connection -> {"who", "interval", "deadline", "fired"}
         self.watched: dict[int, dict] = {}
         self.overdue: list[str] = []
+        # progress of the flusher (a thread stuck in uninterruptible I/O on a hung file system leaves
+        # this process answering while its flushes never finish): the last time it started or ended
+        # a job, or its I/O counters (/proc/self/task/<tid>/io) moved, while work was pending
+        self.flusher_tid: int | None = None
+        self.current: int | None = None
+        self.progress_at = time.monotonic()
+        self.io_readable = False
+        self._io: bytes | None = None
+
+    def _busy(self) -> bool:  # under self.cond
+        return any(v == "pending" for v in self.results.values())
+
+    def stalled(self) -> float | None:
+        """Seconds the flusher has made no progress while jobs are pending (0 when idle); None if
+        its I/O counters cannot be read (progress is then unknown)."""
+        if self._io is None:  # not sampled yet
+            self._sample_io()
+        with self.cond:
+            if not self.io_readable:
+                return None
+            return round(time.monotonic() - self.progress_at, 1) if self._busy() else 0.0
+
+    def _sample_io(self) -> None:
+        if self.flusher_tid is None:
+            return
+        try:
+            with open(f"/proc/self/task/{self.flusher_tid}/io", "rb") as f:
+                io = f.read(4096)
+        except OSError:
+            self.io_readable = False
+            return
+        with self.cond:
+            self.io_readable = True
+            if io != self._io:
+                self._io, self.progress_at = io, time.monotonic()
 
     def watchdog(self) -> None:
-        """Log (once per silence) a client whose last checkpoint is older than its watchdog_interval."""
+        """Log (once per silence) a client whose last checkpoint is older than its watchdog_interval;
+        sample the flusher's progress."""
         while not self.stopping:
             time.sleep(0.5)
+            self._sample_io()
             now = time.monotonic()
             with self.cond:
                 for w in self.watched.values():
@@ -120,11 +207,14 @@ class _Server:
                         self.overdue.append(msg)
 
     def flusher(self) -> None:
+        self.flusher_tid = threading.get_native_id()
         while True:
             item = self.jobs.get()
             if item is None:
                 return
             jid, job = item
+            with self.cond:
+                self.current, self.progress_at = jid, time.monotonic()
             err = None
             t0 = time.monotonic()
             try:
@@ -138,16 +228,26 @@ class _Server:
                           job.get("rank"), err)
             with self.cond:
                 self.results[jid] = err
-                self.last_activity = time.monotonic()
+                self.current = None
+                self.last_activity = self.progress_at = time.monotonic()
                 self.cond.notify_all()
 
     def handle(self, conn: socket.socket) -> None:
+        """Serve one client. Every send has a timeout (a client that stops reading is dropped);
+        reads wait for the next request as long as the client stays connected (a rank
+        checkpoints every few minutes), and no request blocks this thread without a bound
+        unless the client asked for it (``wait`` without ``timeout``)."""
         with self.cond:
             self.clients += 1
         lines = _Lines(conn)
         try:
             while True:
-                req = lines.read()
+                try:
+                    req = lines.read()
+                except TimeoutError:  # an idle client: keep it, unless we are stopping
+                    if self.stopping:
+                        return
+                    continue
                 if req is None:
                     return
                 op = req.get("op")
@@ -156,6 +256,8 @@ class _Server:
                 elif op == "flush":
                     job = req["job"]
                     with self.cond:
+                        if not self._busy():  # the flusher was idle: its progress is judged from now
+                            self.progress_at = time.monotonic()
                         jid = self.next_id
                         self.next_id += 1
                         self.results[jid] = "pending"
@@ -169,28 +271,40 @@ class _Server:
                     _send(conn, {"ok": True, "id": jid})
                 elif op == "wait":
                     ids = [int(i) for i in req.get("ids", [])]
+                    limit = req.get("timeout")
                     with self.cond:
-                        self.cond.wait_for(lambda: all(self.results.get(i) != "pending" for i in ids))
-                        errors = [self.results.pop(i, None) for i in ids]
-                    _send(conn, {"ok": True, "errors": [e for e in errors if e]})
-                elif op == "poll":  # non-blocking: which of these jobs are done, and their errors
+                        self.cond.wait_for(lambda: all(self.results.get(i) != "pending" for i in ids),
+                                           None if limit is None else min(_MAX_WAIT, max(0.0, float(limit))))
+                        done = [i for i in ids if self.results.get(i, None) != "pending"]
+                        errors = [self.results.pop(i, None) for i in done]
+                    _send(conn, {"ok": True, "errors": [e for e in errors if e], "done": done})
+                elif op == "poll":  # which of these jobs are done, and their errors (waiting at most "wait" s)
                     ids = [int(i) for i in req.get("ids", [])]
+                    need = min(len(ids), int(req.get("need", len(ids))))
+                    wait = min(_MAX_POLL_WAIT, max(0.0, float(req.get("wait", 0))))
                     with self.cond:
+                        if wait > 0:
+                            self.cond.wait_for(
+                                lambda: sum(self.results.get(i) != "pending" for i in ids) >= need, wait)
                         done = [i for i in ids if self.results.get(i, None) != "pending"]
                         errors = [e for e in (self.results.pop(i, None) for i in done) if e]
-                    _send(conn, {"ok": True, "done": done, "errors": errors})
+                    _send(conn, {"ok": True, "done": done, "errors": errors, "stalled": self.stalled()})
                 elif op == "status":
                     with self.cond:
                         pending = sum(1 for v in self.results.values() if v == "pending")
-                        _send(conn, {"ok": True, "pid": os.getpid(), "pending": pending,
-                                     "clients": self.clients, "jobs": self.next_id,
-                                     "overdue": list(self.overdue)})
+                        msg = {"ok": True, "pid": os.getpid(), "pending": pending, "clients": self.clients,
+                               "jobs": self.next_id, "overdue": list(self.overdue),
+                               "flusher": {"tid": self.flusher_tid, "job": self.current}}
+                    msg["flusher"]["stalled"] = self.stalled()
+                    _send(conn, msg)  # not under the lock: a slow reader must not stall the flusher
                 elif op == "stop":
                     self.stopping = True
                     _send(conn, {"ok": True})
                 else:
                     _send(conn, {"ok": False, "error": f"unknown op {op!r}"})
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except TimeoutError:
+            log.warning("client connection dropped: it took no answer for %gs", _SERVER_SEND_TIMEOUT)
+        except (OSError, ValueError, KeyError, TypeError, OverflowError) as e:
             log.warning("client connection dropped: %s", e)
         finally:
             conn.close()
@@ -213,8 +327,10 @@ def serve(path: str, idle: float = 5.0) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)
     try:
-        if os.path.exists(path):
+        try:  # a dead predecessor's socket file, or a hung one's: it keeps its listening socket, unreachable
             cp.unlink(path, "backend.socket.unlink")
+        except FileNotFoundError:
+            pass
         sock.bind(path)
     finally:
         os.umask(old)
@@ -230,7 +346,7 @@ def serve(path: str, idle: float = 5.0) -> None:
                 conn, _ = sock.accept()
             except socket.timeout:
                 continue
-            conn.settimeout(None)
+            conn.settimeout(_SERVER_SEND_TIMEOUT)  # sends; reads treat a timeout as "still idle"
             threading.Thread(target=srv.handle, args=(conn,), name="deepfreeze-backend-conn",
                              daemon=True).start()
     finally:
@@ -246,41 +362,188 @@ def serve(path: str, idle: float = 5.0) -> None:
 
 # ----------------------------------------------------------------------------- client
 
-class BackendClient:
-    """A connection to the node's backend; starts one if none is listening."""
+def _socket_inode(path: str) -> int | None:
+    try:
+        return os.lstat(path).st_ino
+    except OSError:
+        return None
 
-    def __init__(self, scratch: str, *, start: bool = True, timeout: float = 60.0) -> None:
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    """Pid of the process that listens at the other end of a connected Unix socket (SO_PEERCRED):
+    known even when that process does not answer."""
+    try:
+        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+        return pid or None
+    except (OSError, AttributeError, struct.error):
+        return None
+
+
+_PROC_STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible I/O wait", "T": "stopped",
+                "t": "stopped by a debugger", "Z": "exited (zombie)", "X": "exited", "I": "idle"}
+
+
+def process_state(pid: int | None) -> str | None:
+    """The kernel's state of process ``pid`` (``"T (stopped)"``, ``"D (uninterruptible I/O wait)"``...),
+    or None if it is gone or unknown."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            raw = f.read(4096).decode(errors="replace")
+        letter = raw[raw.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        return None
+    return f"{letter} ({_PROC_STATES.get(letter, 'unknown')})"
+
+
+def _gone(pid: int | None) -> bool:
+    state = process_state(pid)
+    return state is None or state[0] in "ZX"
+
+
+def _flock_holder(path: str) -> int | None:
+    """Pid holding a ``flock`` on ``path`` (from /proc/locks), or None."""
+    ino = _socket_inode(path)
+    if ino is None:
+        return None
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5].rsplit(":", 1)[-1] == str(ino):
+                    return int(parts[4])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _timed_flock(f: Any, path: str, timeout: float) -> bool:
+    """``flock(LOCK_EX)`` on ``f`` within ``timeout`` seconds (``LOCK_NB`` polling, a log line every
+    LOG_EVERY s); False, with a warning, if its holder kept it that long (a hung process: the
+    caller goes on without it rather than wait forever)."""
+    t0 = time.monotonic()
+    next_log = LOG_EVERY
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        waited = time.monotonic() - t0
+        if waited >= timeout:
+            holder = _flock_holder(path)
+            log.warning("deepfreeze: the backend start lock %s has been held for %.0fs%s (a hung process?): "
+                        "going on without it", path, waited, f" by pid {holder}" if holder else "")
+            return False
+        if waited >= next_log:
+            holder = _flock_holder(path)
+            log.warning("deepfreeze: waiting %.0fs for the backend start lock %s%s", waited, path,
+                        f" held by pid {holder}" if holder else "")
+            next_log += LOG_EVERY
+        time.sleep(0.05)
+
+
+class BackendClient:
+    """A connection to the node's backend; starts one if none is listening.
+
+    ``timeout``: seconds a backend started here may take to listen. ``answer_timeout``: seconds any
+    request, and the ``hello`` of a new connection, may wait for the backend's answer before
+    :class:`BackendUnresponsiveError` (the engine passes INI ``backend_timeout``). A backend that
+    accepts but does not answer ``hello`` in time is treated as unresponsive: with ``start`` a new
+    backend is started on the same socket path (logged; the old process is left alone), without
+    it the error is raised. ``replace``: the socket inode of a backend already declared dead: it is
+    not asked again; a new backend is started unless another client already did.
+    """
+
+    def __init__(self, scratch: str, *, start: bool = True, timeout: float = 60.0,
+                 answer_timeout: float = DEFAULT_TIMEOUT, replace: int | None = None) -> None:
         self.path = socket_path(scratch)
         self.scratch = scratch
+        self.answer_timeout = answer_timeout
         self._lock = threading.Lock()
-        self.sock = self._connect()
+        self.sock: socket.socket | None = None
+        self.pid: int | None = None
+        self.inode: int | None = None  # of the socket file this client connected through
+        self.stalled: float | None = None  # the backend's flusher progress, from the last poll
+        dead = replace
+        if dead is None or _socket_inode(self.path) != dead:
+            try:
+                self.sock = self._connect(answer_timeout)
+            except BackendUnresponsiveError as e:
+                if not start:
+                    raise
+                log.warning("deepfreeze: %s: treating it as unresponsive and starting a new backend on the same "
+                            "socket (the old process is left running, not killed: it may be stuck in I/O)", e)
+                dead = e.inode
         if self.sock is None and start:
-            self.sock = self._spawn(timeout)
+            self.sock = self._spawn(timeout, dead)
         if self.sock is None:
             raise BackendError(f"no DeepFreeze backend listens on {self.path} for scratch {scratch}")
 
-    def _connect(self) -> socket.socket | None:
-        """A connection to a live backend that answered ``hello``, or None (none, or a dying one)."""
+    def _connect(self, answer_timeout: float) -> socket.socket | None:
+        """A connection to a live backend that answered ``hello``; None if none listens (or it is
+        dying); :class:`BackendUnresponsiveError` if one accepted but did not answer in time."""
+        inode = _socket_inode(self.path)
+        deadline = time.monotonic() + answer_timeout
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            s.settimeout(answer_timeout)  # connect blocks when a stopped backend's backlog is full
             s.connect(self.path)
-            _send(s, {"op": "hello"})
-            lines = _Lines(s)
-            resp = lines.read()
-            if not resp or not resp.get("ok"):
+        except TimeoutError as e:
+            s.close()
+            raise BackendUnresponsiveError(
+                f"the DeepFreeze backend on {self.path} did not accept a connection within {answer_timeout:g}s",
+                None, inode) from e
+        except OSError:
+            s.close()
+            return None
+        pid = _peer_pid(s)
+        lines = _Lines(s)
+        t0, next_log = time.monotonic(), time.monotonic() + LOG_EVERY
+        try:
+            _send(s, {"op": "hello"}, deadline)
+            while True:
+                try:
+                    resp = lines.read(min(deadline, next_log))
+                    break
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    log.warning("deepfreeze: backend pid %s on %s has not answered for %.0fs (hello; gives up "
+                                "after %gs)", pid, self.path, time.monotonic() - t0, answer_timeout)
+                    next_log += LOG_EVERY
+            if not resp or not resp.get("ok") or not isinstance(resp.get("pid"), int):
                 raise OSError("no hello")
+        except TimeoutError as e:
+            s.close()
+            raise BackendUnresponsiveError(
+                f"the DeepFreeze backend{'' if pid is None else f' pid {pid}'} on {self.path} accepted the "
+                f"connection but did not answer within {answer_timeout:g}s"
+                + ("" if pid is None else f" (process state: {process_state(pid) or 'gone'})"), pid, inode) from e
         except (OSError, ValueError):
             s.close()
             return None
-        self._lines, self.pid = lines, resp["pid"]
+        self._lines, self.pid, self.inode = lines, resp["pid"], inode
         return s
 
-    def _spawn(self, timeout: float) -> socket.socket:
-        with open(self.path + ".lock", "a") as lockf:
-            fcntl.flock(lockf, fcntl.LOCK_EX)
-            s = self._connect()
-            if s is not None:
-                return s
+    def _spawn(self, timeout: float, dead: int | None) -> socket.socket:
+        """Start a backend (one per node: under ``<socket>.lock``) unless another client did meanwhile.
+        ``dead``: inode of a socket whose backend does not answer; never connected to again."""
+        lockpath = self.path + ".lock"
+        fd = os.open(lockpath, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "r+") as lockf:
+            _timed_flock(lockf, lockpath, timeout)
+            inode = _socket_inode(self.path)
+            if inode is not None and inode != dead:  # started by another client while we waited
+                try:
+                    s = self._connect(self.answer_timeout)
+                except BackendUnresponsiveError as e:
+                    log.warning("deepfreeze: %s: starting a new backend (the old process is left running)", e)
+                    s, dead = None, e.inode
+                if s is not None:
+                    return s
             ScratchLevel(self.scratch).makedirs(self.scratch)
             logf = os.fdopen(os.open(os.path.join(self.scratch, ".deepfreeze-backend.log"),
                                      os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
@@ -290,48 +553,221 @@ class BackendClient:
             logf.close()
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                s = self._connect()
-                if s is not None:
-                    return s
+                inode = _socket_inode(self.path)
+                if inode is not None and inode != dead:  # the hung one's socket is not asked again
+                    try:
+                        s = self._connect(max(0.5, min(self.answer_timeout, deadline - time.monotonic())))
+                    except BackendUnresponsiveError:
+                        s = None
+                    if s is not None:
+                        return s
                 if proc.poll() is not None:
                     raise BackendError(f"the DeepFreeze backend exited with code {proc.returncode} at start; "
                                        f"see {self.scratch}/.deepfreeze-backend.log")
                 time.sleep(0.02)
-            proc.kill()
-            raise BackendError(f"the DeepFreeze backend did not listen on {self.path} within {timeout}s")
+            proc.kill()  # ours, and it never answered
+            raise BackendError(f"the DeepFreeze backend did not listen on {self.path} within {timeout}s; "
+                               f"see {self.scratch}/.deepfreeze-backend.log")
 
-    def request(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def request(self, obj: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Send ``obj``, return the answer. ``timeout``: seconds for the whole exchange (default
+        ``answer_timeout``); past it :class:`BackendUnresponsiveError`, and this connection is
+        closed (a late answer would be read as the next one's): make a new client."""
+        t = self.answer_timeout if timeout is None else timeout
+        op = obj.get("op")
         with self._lock:
+            if self.sock is None:
+                raise BackendError(f"the connection to the DeepFreeze backend pid {self.pid} on {self.path} was "
+                                   "closed after an earlier timeout; connect again")
+            deadline = time.monotonic() + t
             try:
-                _send(self.sock, obj)
-                resp = self._lines.read()
+                _send(self.sock, obj, deadline)
+                resp = self._lines.read(deadline)
+            except TimeoutError as e:
+                self._drop()
+                raise BackendUnresponsiveError(
+                    f"the DeepFreeze backend pid {self.pid} on {self.path} did not answer {op!r} within {t:g}s "
+                    f"(process state: {process_state(self.pid) or 'gone'})", self.pid, self.inode) from e
             except (OSError, ValueError) as e:
-                raise BackendError(f"lost the DeepFreeze backend on {self.path} during {obj.get('op')!r}: {e}; "
+                self._drop()
+                raise BackendError(f"lost the DeepFreeze backend on {self.path} during {op!r}: {e}; "
                                    f"see {self.scratch}/.deepfreeze-backend.log") from e
-        if resp is None:
-            raise BackendError(f"the DeepFreeze backend on {self.path} closed the connection during "
-                               f"{obj.get('op')!r}; see {self.scratch}/.deepfreeze-backend.log")
+            if resp is None:
+                self._drop()
+                raise BackendError(f"the DeepFreeze backend on {self.path} closed the connection during "
+                                   f"{op!r}; see {self.scratch}/.deepfreeze-backend.log")
         if not resp.get("ok"):
-            raise BackendError(f"backend refused {obj.get('op')!r}: {resp.get('error')}")
+            raise BackendError(f"backend refused {op!r}: {resp.get('error')}")
         return resp
 
-    def flush(self, job: dict[str, Any]) -> int:
-        return self.request({"op": "flush", "job": job})["id"]
+    def flush(self, job: dict[str, Any], timeout: float | None = None) -> int:
+        return self.request({"op": "flush", "job": job}, timeout)["id"]
 
-    def wait(self, ids: list[int]) -> list[str]:
-        return self.request({"op": "wait", "ids": ids})["errors"] if ids else []
-
-    def poll(self, ids: list[int]) -> tuple[list[int], list[str]]:
+    def poll(self, ids: list[int], wait: float = 0.0, need: int | None = None,
+             timeout: float | None = None) -> tuple[list[int], list[str]]:
+        """(done ids, their errors). With ``wait``, the backend answers once ``need`` (default all)
+        of ``ids`` are done or ``wait`` seconds passed; ``timeout`` bounds the whole exchange
+        (default ``wait`` + ``answer_timeout``)."""
         if not ids:
             return [], []
-        r = self.request({"op": "poll", "ids": ids})
+        req: dict[str, Any] = {"op": "poll", "ids": ids}
+        if wait > 0:
+            req["wait"] = wait
+            if need is not None:
+                req["need"] = need
+        r = self.request(req, wait + self.answer_timeout if timeout is None else timeout)
+        stalled = r.get("stalled")
+        self.stalled = float(stalled) if isinstance(stalled, (int, float)) else None
         return r["done"], r["errors"]
 
+    def wait(self, ids: list[int], timeout: float | None = None) -> list[str]:
+        """Errors of ``ids`` once all are done. Polls (each answer within ``answer_timeout``, else
+        :class:`BackendUnresponsiveError`); with ``timeout``, :class:`BackendError` if not all
+        are done by then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left, errors = list(ids), []
+        while left:
+            w = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            done, errs = self.poll(left, wait=w)
+            errors += errs
+            left = [i for i in left if i not in set(done)]
+            if left and deadline is not None and time.monotonic() >= deadline:
+                raise BackendError(f"{len(left)} flush job(s) of backend pid {self.pid} not done within {timeout}s")
+        return errors
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
+
     def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+# ----------------------------------------------------------------------------- status / stop
+
+def _veloc_status() -> dict[str, Any] | None:
+    """This user's VeloC daemon (VeloC keeps one per user and machine), or None."""
+    try:
+        from .veloc_engine import veloc_daemon_status
+    except ImportError:  # pragma: no cover - a partial install
+        return None
+    return veloc_daemon_status()
+
+
+def status(scratch: str, timeout: float = 2.0, *, veloc: bool = True) -> dict[str, Any]:
+    """The state of the backend serving ``scratch``, within about ``timeout`` seconds (it never hangs).
+
+    Returns a dict: ``state`` is ``"running"`` (then ``pid``, ``pending``, ``jobs``, ``clients``
+    (other than this query), ``overdue``), ``"unresponsive"`` (it accepted the connection but did
+    not answer within ``timeout``: ``pid`` if the kernel knows it, ``process`` its state, e.g.
+    ``"T (stopped)"`` or ``"D (uninterruptible I/O wait)"``) or ``"none"``; also ``socket``,
+    ``scratch``, ``message`` (one line for people) and ``veloc`` (this user's VeloC daemon:
+    ``{"state": "running", "pid", "config", "process", "deepfreeze"}`` or None).
+    Raises :class:`BackendError` only if the runtime directory is unusable.
+    """
+    path = socket_path(scratch)  # BackendError here (bad runtime dir) is an error, not "none"
+    info: dict[str, Any] = {"state": "none", "pid": None, "socket": path, "scratch": os.path.abspath(scratch)}
+    deadline = time.monotonic() + timeout
+    client = None
+    try:
+        client = BackendClient(scratch, start=False, answer_timeout=timeout)
+        st = client.request({"op": "status"}, max(0.1, deadline - time.monotonic()))
+        info.update(state="running", pid=st["pid"], pending=st["pending"], jobs=st["jobs"],
+                    clients=max(0, st["clients"] - 1), overdue=st.get("overdue", []), flusher=st.get("flusher"))
+        info["message"] = (f"backend for scratch {info['scratch']}: running, pid {st['pid']}, {st['pending']} flush "
+                           f"job(s) pending, {st['jobs']} received, {info['clients']} other client(s) connected "
+                           f"(socket {path})")
+        stalled = (info["flusher"] or {}).get("stalled")
+        if isinstance(stalled, (int, float)) and stalled >= LOG_EVERY:
+            tid = info["flusher"].get("tid")
+            info["message"] += (f"; its flusher (thread {tid}, {process_state(tid) or 'state unknown'}) has made no "
+                                f"progress for {stalled:.0f}s: I/O stuck? (see /proc/{st['pid']}/task/{tid}/stack)")
+    except BackendUnresponsiveError as e:
+        info.update(state="unresponsive", pid=e.pid, process=process_state(e.pid))
+        info["message"] = (f"backend for scratch {info['scratch']}: unresponsive"
+                           + (f", pid {e.pid}" if e.pid else "")
+                           + (f" ({info['process']})" if info["process"] else "")
+                           + f": it accepted the connection but did not answer within {timeout:g}s (socket {path}). "
+                           "A stopped process (T) resumes with kill -CONT; one in uninterruptible I/O (D) waits for "
+                           "its file system. The next job on this node starts a new backend.")
+    except BackendError:
+        info["message"] = f"backend for scratch {info['scratch']}: not running (socket {path})"
+    finally:
+        if client is not None:
+            client.close()
+    info["running"] = info["state"] == "running"
+    info["veloc"] = _veloc_status() if veloc else None
+    return info
+
+
+def stop(scratch: str, timeout: float = 60.0, *, answer_timeout: float = 2.0, veloc: bool = True) -> dict[str, Any]:
+    """Ask the backend serving ``scratch`` to drain its queue and exit; wait up to ``timeout`` s.
+
+    Never hangs and never kills: an unresponsive backend is reported (``state`` ``"unresponsive"``,
+    with its pid and process state), not signalled. Returns the :func:`status` dict with ``state``
+    ``"stopped"`` (it exited), ``"draining"`` (stop requested, still flushing after ``timeout``),
+    ``"unresponsive"`` or ``"none"``, ``stop_requested``, and ``message``. With ``veloc``, this
+    user's VeloC daemon is stopped too if DeepFreeze started it (its configuration file is one
+    DeepFreeze wrote) and no DeepFreeze job uses it: ``veloc`` then says ``"state": "stopped"``,
+    ``"in use"`` or ``"not DeepFreeze's"``.
+    """
+    path = socket_path(scratch)
+    info: dict[str, Any] = {"state": "none", "pid": None, "socket": path, "scratch": os.path.abspath(scratch),
+                            "stop_requested": False}
+    client = None
+    try:
+        client = BackendClient(scratch, start=False, answer_timeout=answer_timeout)
+        st = client.request({"op": "status"})
+        info.update(pid=st["pid"], pending=st["pending"], jobs=st["jobs"], clients=max(0, st["clients"] - 1),
+                    overdue=st.get("overdue", []))
+        client.request({"op": "stop"})
+        info["stop_requested"] = True
+    except BackendUnresponsiveError as e:
+        info.update(state="unresponsive", pid=e.pid, process=process_state(e.pid))
+        info["message"] = (f"backend for scratch {info['scratch']}: unresponsive"
+                           + (f", pid {e.pid} ({info['process'] or 'gone'})" if e.pid else "")
+                           + f"; it did not answer within {answer_timeout:g}s, so it was not stopped. "
+                           "DeepFreeze never kills it (it may be stuck in I/O on a hung file system): "
+                           + (f"resume it (kill -CONT {e.pid}) or kill it (kill -9 {e.pid}) yourself once it is "
+                              "safe; " if e.pid else "")
+                           + "the next job on this node starts a new backend.")
+    except BackendError:
+        info["message"] = f"backend for scratch {info['scratch']}: not running (socket {path})"
+    finally:
+        if client is not None:
+            client.close()
+    if info["stop_requested"]:
+        inode = client.inode if client is not None else None
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = _socket_inode(path) != inode or _gone(info["pid"])
+            if exited or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        pending = info.get("pending") or 0
+        if exited:
+            info["state"] = "stopped"
+            info["message"] = (f"backend pid {info['pid']} for scratch {info['scratch']}: stopped"
+                               + (f" after draining {pending} pending flush job(s)" if pending else ""))
+        else:
+            info["state"] = "draining"
+            info["message"] = (f"backend pid {info['pid']} for scratch {info['scratch']}: stop requested; still "
+                               f"draining {pending} pending flush job(s) after {timeout:g}s (it exits when done)")
+    info["running"] = info["state"] == "draining"
+    info["veloc"] = None
+    if veloc:
         try:
-            self.sock.close()
-        except OSError:
-            pass
+            from .veloc_engine import stop_veloc_daemon
+        except ImportError:  # pragma: no cover - a partial install
+            stop_veloc_daemon = None
+        if stop_veloc_daemon is not None:
+            info["veloc"] = stop_veloc_daemon(timeout=min(timeout, 10.0))
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,7 @@ KEYS: dict[str, str] = {
     "max_inflight": "versions of a rank handed to its writer thread and not yet on scratch; one more waits (DeepFreeze key)",
     "lease_timeout": "seconds without a heartbeat after which a run's lease on a name is stale (DeepFreeze key)",
     "axl_type": "VeloC AXL transfer type (VeloC engine only)",
+    "backend_timeout": "seconds without an answer after which the backend is declared dead and replaced (DeepFreeze key)",
 }
 
 #: keys only VeloC acts on; accepted so a site's VeloC file parses, passed to VeloC as written
@@ -86,6 +87,7 @@ class Config:
     max_inflight: int = 2
     lease_timeout: float = 30.0
     axl_type: str | None = None
+    backend_timeout: float = 60.0
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
     #: where each key given explicitly came from: ``(key, "file:line" | "env VELOC_<KEY>" |
@@ -130,6 +132,10 @@ class Config:
         if self.watchdog_interval < 0:
             raise ConfigError(f"{w('watchdog_interval')}: watchdog_interval = {self.watchdog_interval} must be "
                               ">= 0 (0 = off)")
+        if not self.backend_timeout > 0 or self.backend_timeout == float("inf"):
+            raise ConfigError(f"{w('backend_timeout')}: backend_timeout = {self.backend_timeout} must be a number of "
+                              "seconds > 0 (how long a backend may leave a request unanswered before it is declared "
+                              "dead and replaced; default 60)")
         validate_name(self.failure_domain.replace("-", "_"), f"failure_domain ({w('failure_domain')})")
 
     def check_directories(self, keys: tuple[str, ...] = ("scratch", "persistent")) -> None:
@@ -264,7 +270,7 @@ def _read_ini(path: str) -> dict[str, tuple[int, str]]:
 
 def _convert(key: str, value: Any, where: str) -> Any:
     try:
-        if key in ("persistent_interval", "ec_interval", "watchdog_interval", "lease_timeout"):
+        if key in ("persistent_interval", "ec_interval", "watchdog_interval", "lease_timeout", "backend_timeout"):
             return float(value)
         if key in ("max_versions", "scratch_versions", "max_inflight"):
             if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):

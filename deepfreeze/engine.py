@@ -34,6 +34,17 @@ finished (the next call with ``max_inflight = 1``; with a queue it may be a late
 If the backend process dies (killed, node OOM), the next exchange with it starts
 a new one and re-sends every flush not known to be done; flushes are idempotent
 (see :func:`deepfreeze.levels.flush_job`), so a half-done flush is finished.
+
+Bounded waits: every exchange with the backend has a timeout. A backend that
+does not answer (stopped, or stuck in uninterruptible I/O on a hung file system)
+is asked again, with a log line every 10 s ("backend pid N on <socket> has not
+answered for X s"); after INI ``backend_timeout`` seconds (default 60) it is
+declared dead: the engine starts one new backend on the same socket path (the
+stuck process is left running, never killed) and re-sends every pending flush.
+If that fails too, the call raises :class:`BackendError` (in the writer thread:
+surfaced at the next ``checkpoint``/``wait``, under the callback's ``on_error``).
+``wait(timeout=T)`` returns or raises :class:`BackendError` within about T seconds
+whatever the backend does.
 """
 from __future__ import annotations
 
@@ -48,9 +59,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .backend import BackendClient
+from .backend import LOG_EVERY, BackendClient, process_state
 from .config import Config, validate_name
-from .errors import BackendError, CheckpointWriteError, ConfigError, DeepFreezeError
+from .errors import BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError
 from .levels import ScratchLevel, flush_job
 from .redundancy import Comm, plan_redundancy, protect
 from .run import ANONYMOUS_RUN, RunInfo
@@ -98,11 +109,16 @@ class Engine:
         self._backend_errors: list[str] = []
         self.max_pending_flushes = max_pending_flushes or max(2, config.keep_scratch)
         self._backend: BackendClient | None = None
+        self._pending_owner: tuple[int | None, int | None] = (None, None)  # (pid, socket inode) the ids belong to
+        self._unresponsive_since: float | None = None  # monotonic time of the first unanswered request
+        self._next_log = LOG_EVERY
+        self._in_backend = False  # the writer thread is waiting for the backend
         self.last_version: int | None = None
         self.stats: list[dict[str, float]] = []
         self.write_times: dict[int, float] = {}  # version -> seconds to commit the shard on scratch
         if config.mode == "async" and self.kind == "builtin":
-            self._backend = BackendClient(config.scratch)
+            self._backend = BackendClient(config.scratch, answer_timeout=config.backend_timeout)
+            self._pending_owner = (self._backend.pid, self._backend.inode)
         self._manifest_base = build_manifest(self.name, 0, 0, 0, plan, self.domains, run=self.run)
         self.comm, self.redundancy, self._last_ec = comm, None, None
         if config.ec_interval >= 0 and plan.world_size > 1 and self.kind == "builtin":
@@ -152,23 +168,7 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._drain(timeout)
         if persistent and self._backend is not None and self._pending:
-            if deadline is None:
-                self._backend_errors += self._call_backend(lambda b: b.wait(list(self._pending)))
-                self._pending.clear()
-            else:
-                while self._pending:
-                    done, errors = self._call_backend(lambda b: b.poll(list(self._pending)))
-                    self._backend_errors += errors
-                    for i in done:
-                        self._pending.pop(i, None)
-                    if self._pending and time.monotonic() >= deadline:
-                        self._raise_pending()
-                        raise BackendError(
-                            f"{len(self._pending)} flush(es) to {self.config.persistent} not finished within "
-                            f"{timeout}s (backend pid {self._backend.pid}, log {self.config.scratch}/"
-                            ".deepfreeze-backend.log); they go on in the background: call wait() again")
-                    if self._pending:
-                        time.sleep(0.02)
+            self._await_flushes(0, deadline, timeout)
         self._raise_pending()
 
     def close(self, *, wait: bool = True) -> None:
@@ -194,26 +194,165 @@ class Engine:
             try:
                 self._inflight[0].result(left)
             except concurrent.futures.TimeoutError:
+                if self._in_backend and self._backend is not None:
+                    raise BackendError(
+                        f"the writer thread of rank {self.rank} has waited more than {timeout}s for the DeepFreeze "
+                        f"backend (pid {self._backend.pid}, socket {self._backend.path}, log {self.config.scratch}/"
+                        f".deepfreeze-backend.log); it goes on (a backend silent for backend_timeout = "
+                        f"{self.config.backend_timeout:g}s is replaced): call wait() again") from None
                 raise CheckpointWriteError(errno.ETIMEDOUT, f"the shard write to scratch {self.config.scratch} "
                                            f"did not finish within {timeout}s; it goes on: call wait() again")
             except BaseException as e:  # surfaced once, by _raise_pending
                 self._error = self._error or e
             self._inflight.popleft()
 
-    def _call_backend(self, fn: Callable[[BackendClient], Any]) -> Any:
-        """``fn(backend)``; if the backend died, start a new one, re-send every flush not
-        known to be done (flushes are idempotent), and call ``fn`` once more."""
+    def _call_backend(self, fn: Callable[[BackendClient, float], Any], deadline: float | None = None) -> Any:
+        """``fn(backend, seconds)``: one exchange that must be answered within ``seconds``.
+
+        A dead backend (connection refused, reset or closed) is replaced at once: a new one is
+        started, every flush not known to be done is re-sent (flushes are idempotent) and ``fn``
+        runs once more. An unresponsive one (:class:`BackendUnresponsiveError`) is asked again on a
+        new connection, with a log line every ``LOG_EVERY`` s, until ``backend_timeout`` seconds
+        without an answer; then it is declared dead and replaced the same way (left running, not
+        killed). If the replacement fails too, :class:`BackendError`. With ``deadline`` (monotonic),
+        :class:`BackendError` once it passes (the backend is not replaced before its time).
+        """
+        cfg = self.config
+        while True:
+            now = time.monotonic()
+            limit = cfg.backend_timeout if self._unresponsive_since is None else \
+                self._unresponsive_since + cfg.backend_timeout - now
+            if deadline is not None:
+                limit = min(limit, deadline - now)
+            t = max(0.05, min(limit, LOG_EVERY))
+            try:
+                if self._backend.sock is None:  # closed after a timeout: a new connection (maybe to a successor)
+                    self._reconnect(t)
+                result = fn(self._backend, t)
+            except BackendUnresponsiveError as e:
+                if self._unresponsive_since is None:
+                    self._unresponsive_since, self._next_log = now, LOG_EVERY
+                waited = time.monotonic() - self._unresponsive_since
+                start = self._start_timeout(deadline)
+                if waited >= cfg.backend_timeout and start is not None:
+                    self._replace_backend(e, f"has not answered for {waited:.0f}s", start)
+                    return fn(self._backend, cfg.backend_timeout)
+                if waited >= self._next_log:
+                    log.warning("deepfreeze: rank %d: backend pid %s on %s has not answered for %.0fs (process "
+                                "state %s); declared dead after backend_timeout = %gs", self.rank,
+                                e.pid or self._backend.pid, self._backend.path, waited,
+                                process_state(e.pid or self._backend.pid) or "unknown", cfg.backend_timeout)
+                    self._next_log += LOG_EVERY
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise BackendError(
+                        f"the DeepFreeze backend pid {e.pid or self._backend.pid} on {self._backend.path} has not "
+                        f"answered for {waited:.1f}s ({len(self._pending)} flush(es) pending; once silent for "
+                        f"backend_timeout = {cfg.backend_timeout:g}s it is replaced by the next call with time to "
+                        "start a new one): call wait() again") from e
+                continue
+            except BackendError as e:
+                log.warning("deepfreeze: rank %d lost its backend (%s); starting a new one and re-sending %d "
+                            "pending flush(es)", self.rank, e, len(self._pending))
+                self._backend.close()
+                self._backend = BackendClient(cfg.scratch, answer_timeout=cfg.backend_timeout)
+                self._unresponsive_since = None
+                self._resend()
+                return fn(self._backend, cfg.backend_timeout)
+            self._unresponsive_since = None
+            return result
+
+    @staticmethod
+    def _start_timeout(deadline: float | None) -> float | None:
+        """Seconds a replacement backend may take to start: 60, or what is left before ``deadline``
+        minus a margin; None if too little is left (the caller raises at its deadline instead, and
+        the next call replaces the backend)."""
+        if deadline is None:
+            return 60.0
+        left = deadline - time.monotonic() - 1.0
+        return min(60.0, left) if left >= 4.0 else None
+
+    def _reconnect(self, seconds: float) -> None:
+        """A new connection to whatever backend listens now (never starting one: the caller decides
+        when a silent one is dead); BackendUnresponsiveError if it does not answer in ``seconds``."""
+        client = BackendClient(self.config.scratch, start=False, answer_timeout=seconds)
+        client.answer_timeout = self.config.backend_timeout
+        self._backend = client
+        self._resend()
+
+    def _replace_backend(self, e: BackendUnresponsiveError, why: str, start_timeout: float = 60.0) -> None:
+        """Declare the backend dead (``why``: what it did not do for ``backend_timeout``), start one new
+        backend on its socket path (another rank of the node may have done it already: then that one
+        is used) and re-send the pending flushes."""
+        cfg, old = self.config, self._backend
+        pid = e.pid or old.pid
+        log.error("deepfreeze: rank %d: backend pid %s on %s %s (backend_timeout = %gs): declaring it dead and "
+                  "starting a new backend; the old process is left running, not killed (state %s: it may be stuck "
+                  "in uninterruptible I/O on a hung file system); re-sending %d pending flush(es)",
+                  self.rank, pid, old.path, why, cfg.backend_timeout, process_state(pid) or "gone", len(self._pending))
+        old.close()
+        self._unresponsive_since = None
         try:
-            return fn(self._backend)
-        except BackendError as e:
-            log.warning("deepfreeze: rank %d lost its backend (%s); starting a new one and re-sending %d "
-                        "pending flush(es)", self.rank, e, len(self._pending))
-            self._backend.close()
-            self._backend = BackendClient(self.config.scratch)
-            jobs, self._pending = list(self._pending.values()), {}
-            for job in jobs:
-                self._pending[self._backend.flush(job)] = job
-            return fn(self._backend)
+            self._backend = BackendClient(cfg.scratch, timeout=start_timeout, answer_timeout=cfg.backend_timeout,
+                                          replace=e.inode if e.inode is not None else old.inode)
+            self._resend()
+        except BackendError as e2:
+            raise BackendError(f"the DeepFreeze backend pid {pid} on {old.path} {why} and was declared dead (left "
+                               f"running); its replacement failed too: {e2}") from e2
+        log.warning("deepfreeze: rank %d: backend pid %s now serves %s (%d flush(es) re-sent)", self.rank,
+                    self._backend.pid, self._backend.path, len(self._pending))
+
+    def _resend(self) -> None:
+        """Re-send the pending flushes if the backend is not the one their ids belong to."""
+        owner = (self._backend.pid, self._backend.inode)
+        if owner == self._pending_owner:
+            return
+        jobs = list(self._pending.values())
+        pending = {}
+        for job in jobs:  # a failure leaves the old ids: the next backend gets them all again
+            pending[self._backend.flush(job)] = job
+        self._pending, self._pending_owner = pending, owner
+
+    def _await_flushes(self, keep: int, deadline: float | None = None, timeout: float | None = None) -> None:
+        """Poll the backend (at least once) until at most ``keep`` flushes are pending; their errors
+        are collected.
+        Logs every ``LOG_EVERY`` s while it waits; with ``deadline``, BackendError once it passes."""
+        t0, next_log = time.monotonic(), LOG_EVERY
+        replaced = False
+        while self._pending:  # polled at least once: errors of finished flushes surface early
+            need = len(self._pending) - keep
+            done, errors = self._call_backend(
+                lambda b, t: b.poll(list(self._pending), wait=min(1.0, t / 2) if need > 0 else 0.0,
+                                    need=len(self._pending) - keep, timeout=t), deadline)
+            self._backend_errors += errors
+            for i in done:
+                self._pending.pop(i, None)
+            if len(self._pending) <= keep:
+                break
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                self._raise_pending()
+                raise BackendError(
+                    f"{len(self._pending)} flush(es) to {self.config.persistent} not finished within "
+                    f"{timeout}s (backend pid {self._backend.pid}, log {self.config.scratch}/"
+                    ".deepfreeze-backend.log); they go on in the background: call wait() again")
+            stalled = self._backend.stalled or 0.0
+            start = self._start_timeout(deadline)
+            if stalled >= self.config.backend_timeout and start is not None:  # it answers; its flusher is stuck
+                why = f"answers, but its flusher has made no progress for {stalled:.0f}s"
+                if replaced:
+                    self._raise_pending()
+                    raise BackendError(f"the DeepFreeze backend pid {self._backend.pid} on {self._backend.path} "
+                                       f"{why}, as did the backend it replaced: is {self.config.persistent} (or "
+                                       f"{self.config.scratch}) hung? {len(self._pending)} flush(es) pending")
+                self._replace_backend(BackendUnresponsiveError(why, self._backend.pid, self._backend.inode), why, start)
+                replaced = True
+                continue
+            if now - t0 >= next_log:
+                log.warning("deepfreeze: rank %d has waited %.0fs for %d flush(es) by backend pid %s (it answers; its "
+                            "flusher made no progress for %s s; see %s/.deepfreeze-backend.log)", self.rank, now - t0,
+                            len(self._pending) - keep, self._backend.pid,
+                            "?" if self._backend.stalled is None else f"{stalled:.0f}", self.config.scratch)
+                next_log += LOG_EVERY
 
     def _raise_pending(self) -> None:
         if self._backend_errors and self._error is None:
@@ -263,16 +402,13 @@ class Engine:
                "watchdog_interval": cfg.watchdog_interval, "manifest": manifest, "run": self.run.id,
                "lease_timeout": cfg.lease_timeout}
         if self._backend is not None:
-            self._call_backend(lambda b: self._pending.__setitem__(b.flush(job), job))
-            done, errors = self._call_backend(lambda b: b.poll(list(self._pending)))
-            waiting = [i for i in self._pending if i not in done]
-            if len(waiting) > self.max_pending_flushes:
-                oldest = waiting[:-self.max_pending_flushes]
-                errors += self._call_backend(lambda b: b.wait(oldest))
-                done += oldest
-            for i in done:
-                self._pending.pop(i, None)
-            self._backend_errors += errors
+            self._in_backend = True
+            try:
+                self._call_backend(lambda b, t: self._pending.__setitem__(b.flush(job, t), job))
+                # beyond max_pending_flushes this waits (bounded: a silent backend is replaced)
+                self._await_flushes(self.max_pending_flushes)
+            finally:
+                self._in_backend = False
         else:
             flush_job(job, scratch_cls=type(self.scratch))
 

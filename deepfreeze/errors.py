@@ -14,6 +14,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ModelMismatchError",
     "BackendError",
+    "BackendUnresponsiveError",
     "CheckpointWriteError",
     "VelocNotFoundError",
     "VelocError",
@@ -44,6 +45,17 @@ class ModelMismatchError(DeepFreezeError, ValueError):
 
 class BackendError(DeepFreezeError, RuntimeError):
     """The background flush process failed or cannot be reached."""
+
+
+class BackendUnresponsiveError(BackendError):
+    """The backend process accepted the connection (or took a request) but did not answer in time:
+    stopped (SIGSTOP), or stuck in uninterruptible I/O (a hung file system). It may still be alive;
+    DeepFreeze never kills it. ``pid`` is its process id when known, ``inode`` the inode of the
+    socket file it listened on (to tell it from a successor on the same path)."""
+
+    def __init__(self, message: str, pid: int | None = None, inode: int | None = None) -> None:
+        super().__init__(message)
+        self.pid, self.inode = pid, inode
 
 
 class CheckpointWriteError(DeepFreezeError, OSError):

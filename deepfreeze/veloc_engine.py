@@ -28,14 +28,29 @@ VeloC 1.8 facts this relies on (``docs/veloc.md``): one ``veloc-backend`` daemon
 per user and machine, found via ``$VELOC_BIN``, keeping the configuration it
 started with (so this engine refuses to run against a backend started with
 another configuration); in ``async`` mode the daemon runs with ``--disable-ec``.
+
+The daemon's lifetime: every async ``VelocEngine`` holds a shared ``flock`` on
+``/dev/shm/deepfreeze-veloc-users-<uid>`` (per user and machine, as the daemon) from before it starts (or finds) the daemon
+until its ``close()``; the engine that closes last (it gets the lock exclusively)
+stops the daemon if DeepFreeze started it (its configuration file is one
+DeepFreeze wrote), so a leftover daemon does not refuse the user's next job with
+another configuration. Stale files of a dead daemon (its ready file, its socket)
+and VeloC's dangling ``<persistent>/<name>-<rank>-<version>.dat`` symlinks are
+removed (:func:`clean_veloc_leftovers`). :func:`veloc_daemon_status` and
+:func:`stop_veloc_daemon` are what ``deepfreeze backend status|stop`` report.
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import hashlib
 import logging
 import math
 import os
+import re
 import shutil
+import socket
+import stat
 import time
 from typing import Any, Sequence
 
@@ -47,10 +62,17 @@ from .errors import BackendError, CheckpointWriteError, VelocError
 from .levels import FencedError, PersistentLevel, ScratchLevel, atomic_write, write_shard_file
 from .shardplan import ShardPlan
 
-__all__ = ["VelocEngine", "write_veloc_config", "veloc_settings", "veloc_backend", "start_backend", "stop_backend"]
+__all__ = ["VelocEngine", "write_veloc_config", "veloc_settings", "veloc_backend", "start_backend", "stop_backend",
+           "veloc_daemon_status", "stop_veloc_daemon", "clean_veloc_leftovers"]
 
 log = logging.getLogger("deepfreeze")
 READY_FILE = "/dev/shm/veloc-backend-ready-{uid}"
+#: VeloC's daemon socket: ``veloc-socket-<host>-<uid>`` in 1.8 (``veloc-socket-<uid>`` before)
+SOCKET_GLOB = "/dev/shm/veloc-socket-*"
+#: the name of a configuration file DeepFreeze wrote (:func:`write_veloc_config`)
+_OUR_CFG = re.compile(r"^\.deepfreeze-veloc-[0-9a-f]{12}\.cfg$")
+#: VeloC's per-rank symlink on persistent, ``<name>-<rank>-<version>.dat``
+_VELOC_LINK = re.compile(r"^[A-Za-z0-9_.]+-\d+-\d+\.dat$")
 
 
 def _seconds(value: float) -> int:
@@ -132,6 +154,7 @@ def start_backend(cfg_file: str, timeout: float = 60) -> int:
     """
     import subprocess
     if veloc_backend() is None:
+        clean_veloc_leftovers()  # a dead daemon's ready file or socket would make VeloC's start fail
         bindir = os.environ.get("VELOC_BIN")
         exe = os.path.join(bindir, "veloc-backend") if bindir else shutil.which("veloc-backend")
         if not exe or not os.access(exe, os.X_OK):
@@ -166,6 +189,193 @@ def stop_backend(timeout: float = 10) -> int | None:
     while veloc_backend() is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     return running[0]
+
+
+def _started_by_deepfreeze(cfg_file: str | None) -> bool:
+    return bool(cfg_file) and bool(_OUR_CFG.match(os.path.basename(cfg_file)))
+
+
+def _users_path() -> str:
+    """Per user and machine, like the daemon (next to VeloC's ready file), not per runtime directory:
+    a batch job and a login shell of the user must see the same users."""
+    if os.path.isdir("/dev/shm"):
+        return f"/dev/shm/deepfreeze-veloc-users-{os.getuid()}"
+    from .backend import runtime_dir
+    return os.path.join(runtime_dir(), "veloc-daemon.users")
+
+
+def _open_users(mode: int, timeout: float) -> int | None:
+    """An fd of the daemon users file holding ``flock(mode)`` (timed ``LOCK_NB`` loop), or None
+    (the lock was not had within ``timeout``; for ``LOCK_EX`` with timeout 0: others use it).
+    ``BackendError`` if the file is not this user's regular file (planted in the shared /dev/shm)."""
+    path = _users_path()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        raise BackendError(f"cannot open {path} (the lock of the VeloC daemon's DeepFreeze users): {e}; "
+                           "remove it if it is not yours") from e
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise BackendError(f"{path} is not a regular file owned by you: remove it (another user may have "
+                           "planted it); until then the VeloC daemon is not stopped at close()")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.05)
+
+
+def _veloc_socket_stale(path: str) -> bool:
+    """True if ``path`` is this user's socket file and nothing listens on it."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+        return False  # a live daemon (or an in-process sync backend) listens
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def clean_veloc_leftovers(persistent: str | None = None, name: str | None = None) -> list[str]:
+    """Remove what a dead VeloC daemon and VeloC's flushes leave behind; returns the removed paths.
+
+    * with no live ``veloc-backend`` of this user: its ready file (a stale pid there makes VeloC's
+      next start believe a daemon runs, or a reused pid makes ``kill(pid, 0)`` succeed) unless a
+      starting daemon holds its lock, and this user's ``/dev/shm/veloc-socket-*`` files nothing
+      listens on (VeloC's bind fails on them: "Address already in use");
+    * in ``persistent`` (for checkpoint ``name``, or all): VeloC's
+      ``<name>-<rank>-<version>.dat`` symlinks whose target is gone (DeepFreeze deletes the per-rank
+      file once it is assembled). Only symlinks are touched, never followed.
+    """
+    removed: list[str] = []
+    uid = os.getuid()
+    if veloc_backend() is None:
+        ready = READY_FILE.format(uid=uid)
+        try:
+            fd = os.open(ready, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        if fd >= 0:
+            try:
+                if os.fstat(fd).st_uid == uid:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a starting daemon holds it: leave it
+                    if veloc_backend() is None:
+                        os.unlink(ready)
+                        removed.append(ready)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        for path in glob.glob(SOCKET_GLOB):
+            if path.endswith(f"-{uid}") and _veloc_socket_stale(path):
+                try:
+                    os.unlink(path)
+                    removed.append(path)
+                except OSError:
+                    pass
+    if persistent:
+        try:
+            names = os.listdir(persistent)
+        except OSError:
+            names = []
+        for n in names:
+            if not _VELOC_LINK.match(n) or (name is not None and not n.startswith(name + "-")):
+                continue
+            path = os.path.join(persistent, n)
+            try:
+                if stat.S_ISLNK(os.lstat(path).st_mode) and not os.path.exists(path):
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                pass
+    for path in removed:
+        log.info("deepfreeze: removed VeloC's stale %s", path)
+    return removed
+
+
+def veloc_daemon_status() -> dict[str, Any] | None:
+    """This user's ``veloc-backend`` (one per user and machine) as a dict, or None if none runs:
+    ``state`` (``"running"``), ``pid``, ``config``, ``process`` (kernel state, e.g. ``"T (stopped)"``),
+    ``deepfreeze`` (DeepFreeze started it: the configuration file is one it wrote), ``in_use``
+    (a DeepFreeze job of this user holds it; None if unknown) and ``message``. Never blocks."""
+    from .backend import process_state
+    running = veloc_backend()
+    if running is None:
+        return None
+    pid, cfg = running
+    try:
+        fd = _open_users(fcntl.LOCK_EX, 0)
+    except (OSError, BackendError):
+        in_use = None
+    else:
+        in_use = fd is None
+        if fd is not None:
+            os.close(fd)
+    ours = _started_by_deepfreeze(cfg)
+    return {"state": "running", "pid": pid, "config": cfg, "process": process_state(pid), "deepfreeze": ours,
+            "in_use": in_use,
+            "message": (f"VeloC daemon (veloc-backend): running, pid {pid} ({process_state(pid) or 'state unknown'}), "
+                        f"config {cfg}, " + ("started by DeepFreeze" if ours else "not started by DeepFreeze")
+                        + {True: ", used by a DeepFreeze job", False: ", no DeepFreeze job uses it",
+                           None: ""}[in_use])}
+
+
+def stop_veloc_daemon(timeout: float = 10.0, *, force: bool = False) -> dict[str, Any] | None:
+    """Stop this user's ``veloc-backend`` if DeepFreeze started it and no DeepFreeze job uses it
+    (``force``: in any case); then remove stale VeloC files. Returns None if none ran, else
+    :func:`veloc_daemon_status` with ``state`` ``"stopped"``, ``"still running"`` (SIGTERM sent,
+    not gone after ``timeout``: a stopped or hung process), ``"in use"`` or ``"not DeepFreeze's"``,
+    and ``message``."""
+    info = veloc_daemon_status()
+    if info is None:
+        clean_veloc_leftovers()
+        return None
+    pid = info["pid"]
+    if not force and not info["deepfreeze"]:
+        info.update(state="not DeepFreeze's", message=(
+            f"VeloC daemon pid {pid} (config {info['config']}) was not started by DeepFreeze: left running "
+            f"(stop it with kill {pid} once no job uses it)"))
+        return info
+    fd = None
+    if not force:
+        try:
+            fd = _open_users(fcntl.LOCK_EX, 0)
+        except (OSError, BackendError):
+            fd = None
+        if fd is None:
+            info.update(state="in use", message=f"VeloC daemon pid {pid}: a DeepFreeze job of this user uses it; "
+                                                "left running")
+            return info
+    try:
+        stop_backend(timeout)
+        gone = veloc_backend() is None
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if gone:
+        clean_veloc_leftovers()
+        info.update(state="stopped", message=f"VeloC daemon pid {pid}: stopped")
+    else:
+        info.update(state="still running", message=(
+            f"VeloC daemon pid {pid} ({info['process']}): SIGTERM sent, still running after {timeout:g}s "
+            f"(stopped or stuck in I/O?); not killed: kill -9 {pid} yourself once it is safe"))
+    return info
 
 
 def _same_config(a: str, b: str | None) -> bool:
@@ -203,8 +413,24 @@ class VelocEngine(Engine):
                 f"a veloc-backend (pid {running[0]}, config {running[1]}) is running for this user: VeloC's sync "
                 "mode would take over its socket (/dev/shm/veloc-socket-<host>-<uid>) and break that job. Stop it "
                 f"(kill {running[0]}) once its job is done, or use mode = async with the same configuration")
+        self._users_fd: int | None = None
         if not in_process:
-            start_backend(self.cfg_file)
+            # shared while this engine lives: the last engine to close stops the daemon DeepFreeze started
+            try:
+                self._users_fd = _open_users(fcntl.LOCK_SH, 60.0)
+                if self._users_fd is None:
+                    log.warning("deepfreeze: %s has been locked for 60s (a job stopping the VeloC daemon, hung?): "
+                                "going on without it", _users_path())
+            except BackendError as e:
+                log.warning("deepfreeze: %s", e)
+            try:
+                self._stop_leftover_daemon()
+                start_backend(self.cfg_file)
+            except BaseException:
+                if self._users_fd is not None:
+                    os.close(self._users_fd)
+                    self._users_fd = None
+                raise
         if plan.world_size > 1:
             self.veloc.init(mpi_comm, self.cfg_file)
         else:
@@ -266,7 +492,13 @@ class VelocEngine(Engine):
             except FencedError as e:  # the name's lease went to another run: its version, not ours
                 log.warning("deepfreeze: %s", e)
                 committed = False
-            os.unlink(flushed)  # the assembled file holds it now (VeloC's symlink to it dangles)
+            os.unlink(flushed)  # the assembled file holds it now
+            link = os.path.join(cfg.persistent, f"{name}-{self.rank}-{version}.dat")
+            try:  # VeloC's symlink to it would dangle
+                if os.path.islink(link):
+                    os.unlink(link)
+            except OSError:
+                pass
             if committed:
                 self.persistent.retain(name, cfg.max_versions)
         else:  # VeloC did not flush this rank's file (persistent_interval): the version cannot commit
@@ -289,3 +521,48 @@ class VelocEngine(Engine):
             self._pool.submit(self.veloc.finalize, True).result()  # on the writer thread, like every call
         finally:
             self._pool.shutdown(wait=True)
+            self._release_daemon()
+
+    def _stop_leftover_daemon(self) -> None:
+        """A daemon DeepFreeze started for another configuration that no DeepFreeze job uses any more
+        (left by a job that died before its close()) is stopped, so this job can start its own."""
+        running = veloc_backend()
+        if running is None or self._users_fd is None or not _started_by_deepfreeze(running[1]) \
+                or _same_config(self.cfg_file, running[1]):
+            return
+        try:  # exclusive: no other DeepFreeze engine of this user holds it (not atomic: at worst we refuse)
+            fcntl.flock(self._users_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # in use: start_backend refuses, naming it
+        try:
+            log.warning("deepfreeze: stopping the leftover VeloC daemon pid %d (config %s): no DeepFreeze job uses "
+                        "it, and this job's configuration differs", running[0], running[1])
+            stop_backend()
+        finally:
+            fcntl.flock(self._users_fd, fcntl.LOCK_SH)
+
+    def _release_daemon(self) -> None:
+        """Let go of the VeloC daemon; the last DeepFreeze engine of the user to do so stops it if
+        DeepFreeze started it (a leftover daemon would refuse the next job's configuration)."""
+        fd, self._users_fd = getattr(self, "_users_fd", None), None
+        if fd is None:
+            return
+        try:
+            try:  # not atomic (flock converts by unlocking first): at worst nobody stops it now
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # another DeepFreeze job of this user uses the daemon
+            running = veloc_backend()
+            if running is not None and _started_by_deepfreeze(running[1]):
+                log.info("deepfreeze: stopping the VeloC daemon pid %d (no DeepFreeze job uses it any more)",
+                         running[0])
+                stop_backend()
+                if veloc_backend() is not None:
+                    log.warning("deepfreeze: the VeloC daemon pid %d did not exit after SIGTERM (stopped or stuck in "
+                                "I/O?); left running: the next job with another configuration will be refused "
+                                "until it is gone", running[0])
+            clean_veloc_leftovers(self.config.persistent, self.name)
+        except OSError as e:
+            log.warning("deepfreeze: could not stop the VeloC daemon: %s", e)
+        finally:
+            os.close(fd)
