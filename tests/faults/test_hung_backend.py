@@ -71,6 +71,12 @@ def test_wait_with_timeout_returns_on_a_stopped_backend(tmp_path):
     plan = make_plan(1)
     e = Engine(cfg, "job", 0, plan)
     pid = e._backend.pid
+    # v2's commit.lock held by this (live) process: the backend's flush of v2 waits for it, so the
+    # flush is pending whatever the machine's speed
+    lock = os.path.join(PersistentLevel(cfg.persistent).version_dir("job", 2), "commit.lock")
+    os.makedirs(os.path.dirname(lock))
+    with open(lock, "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}")
     e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
     e.wait(persistent=False)  # the writer handed v2 to the backend
     assert e._pending, "the flush of v2 should not be known done yet"
@@ -86,6 +92,7 @@ def test_wait_with_timeout_returns_on_a_stopped_backend(tmp_path):
             e.wait(timeout=2)
         assert time.monotonic() - t0 < 3
         assert process_state(pid)[0] == "T"  # asked, never killed
+    os.unlink(lock)
     # killed now: the connection breaks, the writer starts a new backend and re-sends
     e.close()
     assert e._backend is None
