@@ -82,6 +82,9 @@ class VersionCopy:
     bytes: int = 0  # bytes of the regular files in the directory
     tensor_bytes: int | None = None
     manifest: dict[str, Any] | None = None
+    run: str | None = None  # id of the run that wrote it ("" before runs had ids)
+    generation: int | None = None
+    resumed_from: int | None = None  # the step that run resumed from, if it was a resumed run
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -236,8 +239,13 @@ def scan_persistent(cfg: Config, name: str) -> list[VersionCopy]:
 
 
 def scan(cfg: Config, name: str) -> list[VersionCopy]:
-    """:func:`scan_scratch` then :func:`scan_persistent`."""
-    return scan_scratch(cfg, name) + scan_persistent(cfg, name)
+    """:func:`scan_scratch` then :func:`scan_persistent`, with the run of each copy that has a
+    valid manifest (run id, generation, resumed from)."""
+    copies = scan_scratch(cfg, name) + scan_persistent(cfg, name)
+    for c in copies:
+        if c.manifest is not None:
+            c.run, c.generation, c.resumed_from = fmt.manifest_run(c.manifest)
+    return copies
 
 
 def _size(path: str) -> int:
@@ -310,6 +318,7 @@ def describe(manifest: dict[str, Any], copies: list[VersionCopy]) -> dict[str, A
         "levels": [{"level": c.level, "status": c.status, "detail": c.detail, "path": c.path}
                    for c in copies if c.version == manifest["version"]],
         "assembled": manifest.get("assembled"), "committed": manifest.get("committed"),
+        "run": dict(zip(("id", "generation", "resumed_from"), fmt.manifest_run(manifest))),
         "tensors": tensors, "ranks": ranks,
     }
 

@@ -38,8 +38,11 @@ def run(args: argparse.Namespace) -> int:
         emit_json(d)
         return EXIT_OK
     ec = d["epoch_complete"]
-    lines = [f"checkpoint {d['name']!r} version {d['version']}: step {d['step']}, epoch {d['epoch']}"
+    run = d["run"]
+    lines = [f"checkpoint {d['name']!r} version {d['version']}: step {d['step']}, epoch {d['epoch'] + 1}"
              + ("" if ec is None else f" ({'end of epoch' if ec else 'within the epoch'})"),
+             f"run {run['id'] or '(none: written before runs had ids)'}, generation {run['generation']}"
+             + ("" if run["resumed_from"] is None else f", resumed from v{run['resumed_from']}"),
              f"world size {d['world_size']}; {len(d['tensors'])} tensors, {d['total_bytes']} bytes "
              f"({mb(d['total_bytes'])}); plan min_shard_bytes {d['min_shard_bytes']}",
              "failure domains: " + "; ".join(f"{dom} ({ranks_text(rs)})" for dom, rs in d["failure_domains"].items()),

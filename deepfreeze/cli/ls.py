@@ -15,7 +15,8 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ls", parents=[parents["common"], parents["json"]], help="versions per level with their status",
                        description="List the versions of a checkpoint (all checkpoints without --name) on scratch "
-                                   "and persistent: step, epoch, size on disk (MB), status, directory.")
+                                   "and persistent: step, epoch (counted from 1, as Keras prints it), size on disk (MB), "
+                                   "status, the run that wrote it and the step that run resumed from, directory.")
     p.set_defaults(func=run)
 
 
@@ -50,10 +51,13 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"checkpoint {name!r}  (scratch {cfg.scratch}, persistent {cfg.persistent})")
         rows, notes = [], {}
         for c in copies:
-            rows.append([c.level, c.version, c.step, c.epoch, mb_number(c.bytes), c.status, c.path])
+            rows.append([c.level, c.version, c.step, None if c.epoch is None else c.epoch + 1, mb_number(c.bytes),
+                         c.status, c.run if c.run is None else (c.run or "(none)"),
+                         None if c.resumed_from is None else f"v{c.resumed_from}", c.path])
             if c.detail:
                 notes[len(rows) - 1] = c.detail
-        lines_t = table(["LEVEL", "VERSION", "STEP", "EPOCH", "MB", "STATUS", "WHERE"], rows, right=(1, 2, 3, 4))
+        lines_t = table(["LEVEL", "VERSION", "STEP", "EPOCH", "MB", "STATUS", "RUN", "RESUMED FROM", "WHERE"], rows,
+                        right=(1, 2, 3, 4))
         lines.append(lines_t[0])
         for j, row in enumerate(lines_t[1:]):
             lines.append(row)
