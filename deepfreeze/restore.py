@@ -166,6 +166,11 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
                 errors.append(f"v{v} persistent: {e}")
     if version is not None and len(errors) == 1:
         raise CorruptCheckpointError(errors[0])
+    if not errors:  # nothing damaged: every candidate is incomplete (a job killed in its first checkpoint)
+        raise CheckpointNotFoundError(
+            f"no complete version of {name!r}: {'v' + str(version) if version is not None else 'every version'} "
+            f"on scratch {config.scratch} lacks shards (a rank died before writing its own) and none is committed "
+            f"in {config.persistent}")
     raise CorruptCheckpointError(f"no version of {name!r} could be read whole: " + ("; ".join(errors) or
                                  "scratch holds neither every shard nor enough partner copies/parity"))
 
