@@ -282,7 +282,7 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
     elif approach in ("deepfreeze", "deepfreeze-veloc"):
         kw = {"engine": "veloc"} if approach == "deepfreeze-veloc" else {}
         df = DeepFreezeCheckpoint(cfg, name="bench", every_n_batches=every, at_epoch_end=False,
-                                  save_optimizer=False, **kw)
+                                  save_optimizer=False, overwrite=True, **kw)  # each measurement: a new run
         ckpt_cb = df
     elif approach in ("keras-default", "tf-async"):
         tfck = tf.train.Checkpoint(model=model) if approach == "tf-async" else None

@@ -61,6 +61,7 @@ def worker(args: argparse.Namespace) -> None:
     ckpt = None
     if args.approach == "deepfreeze":
         ckpt = DeepFreezeCheckpoint(name="bench", every_n_batches=args.every, at_epoch_end=False, mode="async",
+                                    overwrite=True,
                                     scratch=f"{args.scratch_base or work}/node{rank}/scratch",
                                     persistent=f"{work}/persistent",
                                     failure_domain=f"node{rank}", max_versions=2, scratch_versions=1)

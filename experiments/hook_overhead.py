@@ -55,8 +55,11 @@ def main() -> None:
                 cbs = [Timer(times[kind])]
                 if kind == "hook_flag_off":
                     cbs.insert(0, DeepFreezeCheckpoint(name="h", every_n_batches=10 ** 9, at_epoch_end=False,
-                                                       mode="sync", scratch=f"{work}/s", persistent=f"{work}/p"))
+                                                       mode="sync", scratch=f"{work}/s", persistent=f"{work}/p",
+                                                       overwrite=True))
                 model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=cbs)
+                for c in cbs[:-1]:
+                    c.close()  # ends the run (and its lease on the name): the next round is a new run
         r = {"model": name, "steps_measured": {k: len(v) for k, v in times.items()},
              "step_ms_median": {k: 1e3 * float(np.median(v)) for k, v in times.items()},
              "step_ms_p10_p90": {k: [1e3 * float(np.percentile(v, 10)), 1e3 * float(np.percentile(v, 90))]

@@ -46,6 +46,7 @@ def child(app: str, steps: int, case: str, work: str) -> None:
     if CASES[case] is not None:
         from deepfreeze.keras import DeepFreezeCheckpoint
         ck = DeepFreezeCheckpoint(None, name="mem", every_n_batches=2, at_epoch_end=False, save_optimizer=False,
+                                  overwrite=True,
                                   mode="async", scratch=f"{work}/scratch", persistent=f"{work}/persistent",
                                   **CASES[case])
         cbs.append(ck)

@@ -38,7 +38,7 @@ def worker(args: argparse.Namespace) -> None:
     x, y = models.synthetic(model, 32 * 100, seed=rank)
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)),
                   loss="sparse_categorical_crossentropy")
-    ckpt = DeepFreezeCheckpoint(name="soak", every_n_batches=1, at_epoch_end=False, mode="async",
+    ckpt = DeepFreezeCheckpoint(name="soak", every_n_batches=1, at_epoch_end=False, mode="async", overwrite=True,
                                 scratch=f"{args.work}/node{rank}/scratch", persistent=f"{args.work}/persistent",
                                 failure_domain=f"node{rank}", max_versions=3, scratch_versions=2)
     samples = []
