@@ -328,7 +328,8 @@ def serve(path: str, idle: float = 5.0) -> None:
     old = os.umask(0o177)
     try:
         try:  # a dead predecessor's socket file, or a hung one's: it keeps its listening socket, unreachable
-            cp.unlink(path, "backend.socket.unlink")
+            if os.path.lexists(path):
+                cp.unlink(path, "backend.socket.unlink")
         except FileNotFoundError:
             pass
         sock.bind(path)

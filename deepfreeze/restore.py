@@ -166,13 +166,10 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
                 errors.append(f"v{v} persistent: {e}")
     if version is not None and len(errors) == 1:
         raise CorruptCheckpointError(errors[0])
-    if not errors:  # nothing damaged: every candidate is incomplete (a job killed in its first checkpoint)
-        raise CheckpointNotFoundError(
-            f"no complete version of {name!r}: {'v' + str(version) if version is not None else 'every version'} "
-            f"on scratch {config.scratch} lacks shards (a rank died before writing its own) and none is committed "
-            f"in {config.persistent}")
     raise CorruptCheckpointError(f"no version of {name!r} could be read whole: " + ("; ".join(errors) or
-                                 "scratch holds neither every shard nor enough partner copies/parity"))
+                                 "scratch holds neither every shard nor enough partner copies/parity (a node lost, or a rank died "
+                                 "before writing its shard) and nothing is committed on persistent; if that is expected "
+                                 "(a job killed in its first checkpoint), start over with overwrite=True"))
 
 
 def scratch_recoverable(manifest: dict[str, Any], inventory: dict[str, dict[int, str]]) -> bool:

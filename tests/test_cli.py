@@ -110,10 +110,11 @@ def test_ls_statuses_text_and_json(tmp_path):
     assert "checkpoint 'job'" in out and "newest restorable: v6 (scratch, persistent)" in out
     rows = {(ln.split()[0], int(ln.split()[1])): ln.split() for ln in out.splitlines()
             if ln.split() and ln.split()[0] in ("scratch", "persistent")}
-    assert rows[("scratch", 6)][2:4] == ["6", "1"] and rows[("scratch", 6)][5] == "complete"
+    assert rows[("scratch", 6)][2:4] == ["6", "2"] and rows[("scratch", 6)][5] == "complete"
     assert rows[("persistent", 6)][5] == "committed"
     assert rows[("persistent", 3)][5] == "incomplete" and rows[("scratch", 8)][5] == "incomplete"
-    assert rows[("persistent", 6)][6] == pers.version_dir("job", 6)
+    assert rows[("persistent", 6)][-1] == pers.version_dir("job", 6)
+    assert rows[("persistent", 6)][6] == "0000000000000000" and rows[("persistent", 6)][7] == "-"  # run, resumed from
     assert "abandoned (v6 is committed)" in out
 
     d = cli_json("ls", *s)
@@ -186,7 +187,7 @@ def test_inspect_text_and_json(tmp_path):
     assert cli_json("inspect", *s, "--version", "4")["step"] == 4
 
     out = cli("inspect", *s).stdout
-    assert "checkpoint 'job' version 6: step 6, epoch 1" in out
+    assert "checkpoint 'job' version 6: step 6, epoch 2" in out
     assert "world size 3; 8 tensors" in out and "failure domains: node0 (ranks 0, 2); node1 (rank 1)" in out
     assert "dense/kernel  r0 [0, 1066)  r1 [1066, 2133)  r2 [2133, 3200)" in out
     assert "checksums yes" in out
