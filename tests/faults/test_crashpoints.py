@@ -24,6 +24,9 @@ from deepfreeze import crashpoints
 from deepfreeze.config import Config
 from deepfreeze.restore import list_versions, load
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "workers"))
+import crash_job  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "..", "workers", "crash_job.py")
 PKG = os.path.dirname(os.path.abspath(deepfreeze.__file__))
@@ -90,18 +93,6 @@ def dry_root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("dry"))
 
 
-def _records(d):
-    out = {}
-    if not os.path.isdir(os.path.join(d, "rec")):
-        return out  # killed before the first version
-    for n in os.listdir(os.path.join(d, "rec")):
-        if n.endswith(".npz") and not n.startswith("."):
-            run, v = n[:-4].rsplit("-", 1)
-            with np.load(os.path.join(d, "rec", n)) as z:
-                out[(run, int(v))] = {k.replace("|", "/"): z[k] for k in z.files}
-    return out
-
-
 def _logged(d):
     try:
         with open(os.path.join(d, "committed.log")) as f:
@@ -117,7 +108,7 @@ def _cfg(d, scratch=None):
 def _check(d, what):
     """Every version any level holds is a recorded state, bit-exact; the newest logged commit is
     restorable and nothing older is returned as the newest."""
-    rec = _records(d)
+    rec = crash_job.load_records(d)
     logged = _logged(d)
     for cfg, level in ((_cfg(d), "any level"), (_cfg(d, f"{d}/no-scratch"), "persistent")):
         versions = list_versions(cfg, "job")

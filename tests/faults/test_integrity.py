@@ -36,19 +36,9 @@ def job(d, phase, check=True, **env):
     return p
 
 
-def records(d):
-    out = {}
-    for n in os.listdir(os.path.join(d, "rec")):
-        if n.endswith(".npz") and not n.startswith("."):
-            run, v = n[:-4].rsplit("-", 1)
-            with np.load(os.path.join(d, "rec", n)) as z:
-                out[(run, int(v))] = {k.replace("|", "/"): z[k] for k in z.files}
-    return out
-
-
 def assert_all_recorded(d, cfg):
     """Every version restorable from any level is, bit-exact, what its run recorded."""
-    rec = records(d)
+    rec = crash_job.load_records(d)
     vs = sorted(list_versions(cfg, "job"))
     assert vs
     for v in vs:

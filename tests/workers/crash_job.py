@@ -68,6 +68,19 @@ def record(d: str, run: str, version: int, arrays: dict[str, np.ndarray]) -> Non
     os.replace(tmp, f"{d}/rec/{run}-{version}.npz")
 
 
+def load_records(d: str) -> dict[tuple[str, int], dict[str, np.ndarray]]:
+    """Every recorded state: (run id, version) -> tensors by name (empty before the first)."""
+    out = {}
+    if not os.path.isdir(os.path.join(d, "rec")):
+        return out
+    for n in os.listdir(os.path.join(d, "rec")):
+        if n.endswith(".npz") and not n.startswith("."):
+            run, v = n[:-4].rsplit("-", 1)
+            with np.load(os.path.join(d, "rec", n)) as z:
+                out[(run, int(v))] = {k.replace("|", "/"): z[k] for k in z.files}
+    return out
+
+
 def log_line(d: str, text: str) -> None:
     fd = os.open(f"{d}/committed.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:

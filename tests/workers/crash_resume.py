@@ -17,7 +17,7 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import build  # noqa: E402
+from models import RecordWeights, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 from deepfreeze.levels import ScratchLevel  # noqa: E402
 
@@ -47,19 +47,9 @@ ckpt = DeepFreezeCheckpoint(name="r", every_n_batches=2, mode="async", resume=ph
                             failure_domain=f"node{rank}", scratch_cls=KilledWhileWriting, lease_timeout=5)
 
 
-class Record(tf.keras.callbacks.Callback):
-    seen = None
-
-    def on_train_batch_end(self, batch, logs=None):
-        v = ckpt.last_version
-        if rank == 0 and v is not None and v != self.seen:
-            self.seen = v
-            os.makedirs(f"{out}/expected", exist_ok=True)
-            np.savez(f"{out}/expected/{ckpt.run_id}-v{v}.npz", *self.model.get_weights())
-
-
 model.fit(x, y, batch_size=16, epochs=2, verbose=0,
-          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt, Record()])
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt,
+                   RecordWeights(ckpt, rank, lambda v: f"{out}/expected/{ckpt.run_id}-v{v}.npz")])
 ckpt.close()
 if rank == 0:
     print(f"run={ckpt.run_id} resumed_from={ckpt.resumed_from}", flush=True)

@@ -1,4 +1,8 @@
-"""Small deterministic models shared by the test workers."""
+"""Small deterministic models shared by the test workers, and the callback that records the
+weights of every checkpointed step (what a restore must return, bit-exact)."""
+import os
+
+import numpy as np
 import tensorflow as tf
 
 DENSE_WIDTH = {"small": 37, "other": 38}  # "other": same layer kinds, other shapes (mismatch tests)
@@ -14,3 +18,22 @@ def build(kind: str = "small", lazy: bool = False) -> tf.keras.Model:
         tf.keras.layers.Dense(DENSE_WIDTH[kind], activation="relu"),
         tf.keras.layers.Dense(10, activation="softmax"),
     ])
+
+
+class RecordWeights(tf.keras.callbacks.Callback):
+    """On rank 0, after every step that took a checkpoint (and at epoch ends), save the model's
+    weights to ``path_of(version)`` (an .npz of ``get_weights()``, in order)."""
+
+    def __init__(self, ckpt, rank, path_of, at_epoch_end=False):
+        super().__init__()
+        self.ckpt, self.rank, self.path_of, self.seen = ckpt, rank, path_of, None
+        if at_epoch_end:
+            self.on_epoch_end = self.on_train_batch_end
+
+    def on_train_batch_end(self, batch, logs=None):
+        v = self.ckpt.last_version
+        if self.rank == 0 and v is not None and v != self.seen:
+            self.seen = v
+            path = self.path_of(v)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            np.savez(path, *self.model.get_weights())

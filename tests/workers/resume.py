@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import build  # noqa: E402
+from models import RecordWeights, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 
 out = sys.argv[1]
@@ -48,18 +48,7 @@ class Die(tf.keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Record(tf.keras.callbacks.Callback):
-    seen = None
-
-    def on_train_batch_end(self, batch, logs=None):
-        v = ckpt.last_version
-        if rank == 0 and v is not None and v != self.seen:
-            self.seen = v
-            os.makedirs(f"{out}/expected", exist_ok=True)
-            np.savez(f"{out}/expected/v{v}.npz", *self.model.get_weights())
-
-
-callbacks += [Record(), Die()]
+callbacks += [RecordWeights(ckpt, rank, lambda v: f"{out}/expected/v{v}.npz"), Die()]
 model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
 ckpt.wait()
 if rank == 0:

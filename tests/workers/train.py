@@ -19,7 +19,7 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import build  # noqa: E402
+from models import RecordWeights, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 from deepfreeze.levels import ScratchLevel  # noqa: E402
 
@@ -62,21 +62,9 @@ def main() -> None:
         min_shard_bytes=int(opts.get("min_shard_bytes", 4096)), on_error=opts.get("on_error", "raise"),
         ec_interval=float(opts.get("ec_interval", -1)), persistent_interval=float(opts.get("persistent_interval", 0)),
         scratch_cls=killing_level(*map(int, opts["kill"].split(":"))) if "kill" in opts else ScratchLevel)
-
-    class Record(tf.keras.callbacks.Callback):
-        seen = None
-
-        def on_train_batch_end(self, batch, logs=None):
-            v = ckpt.last_version
-            if rank == 0 and v is not None and v != self.seen:
-                self.seen = v
-                os.makedirs(f"{out}/expected", exist_ok=True)
-                np.savez(f"{out}/expected/v{v}.npz", *self.model.get_weights())
-
-        on_epoch_end = on_train_batch_end
-
     model.fit(x, y, batch_size=16, epochs=int(opts.get("epochs", 2)), verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt, Record()])
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt,
+                         RecordWeights(ckpt, rank, lambda v: f"{out}/expected/v{v}.npz", at_epoch_end=True)])
     ckpt.wait()
     info = {"rank": rank, "versions": [t["version"] for t in ckpt.timings],
             "blocking_ms": [1e3 * t["blocking_s"] for t in ckpt.timings],
