@@ -30,10 +30,11 @@ from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .fsafe import open_regular_file
 from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of, read_decision
 from .restore import list_versions, scratch_recoverable
+from .run import fs_now, read_lease
 
 __all__ = ["VersionCopy", "Verdict", "Removal", "checkpoint_names", "scan_scratch", "scan_persistent", "scan",
            "newest_restorable", "restorable", "declared_bytes", "pick_manifest", "describe", "verify_scratch", "verify_persistent", "verify_copy",
-           "plan_gc", "decision_word", "ranks_text", "dir_listing"]
+           "plan_gc", "live_run", "decision_word", "ranks_text", "dir_listing"]
 
 _SHARD_RE = re.compile(r"^r(\d{6})\.dfs$")
 # what reading a damaged or hostile file can raise; each means "this copy is damaged", with the reason
@@ -485,6 +486,20 @@ class Removal:
     whole_dir: bool = True
 
 
+def live_run(cfg: Config, name: str) -> str | None:
+    """The id of the run holding a live lease on ``name`` (heartbeat younger than ``lease_timeout``
+    by the file system's clock), or None."""
+    got = read_lease(cfg.persistent, name)
+    if got is None:
+        return None
+    holder, mtime = got
+    try:
+        age = fs_now(os.path.join(cfg.persistent, name)) - mtime
+    except OSError:
+        return holder.get("run")  # cannot tell: assume it is alive
+    return holder.get("run") if age <= cfg.lease_timeout else None
+
+
 def plan_gc(cfg: Config, name: str) -> tuple[list[Removal], dict[str, Any]]:
     """What ``gc`` removes, computed with the same rules the Level classes' retain methods apply."""
     scratch, pers = ScratchLevel(cfg.scratch), PersistentLevel(cfg.persistent)
@@ -495,12 +510,16 @@ def plan_gc(cfg: Config, name: str) -> tuple[list[Removal], dict[str, Any]]:
         for v in committed[:-keep_p]:
             out.append(Removal("persistent", v, pers.version_dir(name, v),
                                f"committed, older than the newest max_versions={keep_p}"))
+    live = live_run(cfg, name)
     if committed:
         for v in pers.versions(name):
             if v < committed[-1] and v not in committed:
                 vdir = pers.version_dir(name, v)
                 if os.path.lexists(os.path.join(vdir, MANIFEST)):
                     continue  # a damaged manifest: left for the user to look at (verify reports it)
+                d = read_decision(vdir)
+                if live is not None and d is not None and d["run"] == live and d["decision"] == "flush":
+                    continue  # a flush of the live run, maybe still in progress: never touched
                 why = ("decided skip (persistent_interval)" if decision_word(vdir) == "skip"
                        else "incomplete (no manifest.json)")
                 out.append(Removal("persistent", v, vdir, f"{why}, older than committed v{committed[-1]}"))

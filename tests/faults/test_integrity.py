@@ -316,3 +316,29 @@ def test_crash_then_resume_with_shuffling_never_mixes_two_runs(tmp_path):
     resumed = load(Config.load(None, mode="async", scratch=f"{tmp_path}/none",
                                persistent=f"{tmp_path}/persistent"), "r", 6)
     assert resumed.manifest["run"]["resumed_from"] == 4  # v6 on persistent is the second run's
+
+
+def test_gc_never_touches_a_flush_of_the_live_run(tmp_path):
+    """An uncommitted version older than the newest commit is gc's to remove, unless it is a flush
+    of the run that holds a live lease on the name (it may still be in progress)."""
+    from deepfreeze.inventory import plan_gc
+    job(tmp_path, "first")
+    cfg = crash_job.config(str(tmp_path))
+    pers = PersistentLevel(cfg.persistent)
+    lease = Lease(cfg.persistent, "job", new_run_id(), timeout=30)
+    lease.acquire()
+    try:
+        for run, v in ((lease.run, 1), ("feedfacefeedface", 2)):  # v1 of the live run, v2 of a dead one
+            vdir = pers.version_dir("job", v)
+            pers._clear(vdir, keep=())  # retention removed it; now a leftover flush in progress
+            os.makedirs(vdir)
+            with open(os.path.join(vdir, "decision"), "w") as f:
+                json.dump({"decision": "flush", "nonce": "0123456789abcdef", "run": run}, f)
+            open(os.path.join(vdir, "model.dfz.partial.0123456789abcdef"), "wb").close()
+        removals, _ = plan_gc(cfg, "job")
+        gone = {r.version for r in removals if r.level == "persistent"}
+        assert 2 in gone and 1 not in gone
+    finally:
+        lease.release()
+    removals, _ = plan_gc(cfg, "job")  # the lease released: v1 is a leftover like any other
+    assert 1 in {r.version for r in removals if r.level == "persistent"}
