@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import re
-import shutil
 import socket
 import sys
 import time
@@ -32,6 +31,7 @@ from .backend import BackendClient, socket_path
 from .config import KEYS, Config, validate_name
 from .errors import BackendError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError
 from .levels import read_decision, ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of
+from .ownership import remove_tree_nofollow
 from .restore import list_versions, load, scratch_recoverable
 
 __all__ = ["main", "build_parser"]
@@ -305,8 +305,8 @@ def scan(cfg: Config, name: str) -> list[VersionCopy]:
     return scan_scratch(cfg, name) + scan_persistent(cfg, name)
 
 
-def newest_restorable(cfg: Config, name: str) -> int:
-    versions = list_versions(cfg, name)
+def newest_restorable(cfg: Config, name: str, trust_owners: list[str] | None = None) -> int:
+    versions = list_versions(cfg, name, trust_owners=trust_owners)
     if not versions:
         raise CheckpointNotFoundError(f"no committed version of {name!r} in scratch {cfg.scratch} or persistent "
                                       f"{cfg.persistent} (deepfreeze ls --name {name} shows what is there)")
@@ -324,7 +324,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     report = []
     for name in names:
         copies = scan(cfg, name)
-        restorable = list_versions(cfg, name)
+        restorable = list_versions(cfg, name, trust_owners=args.trust_owners)
         if args.name is not None and not copies:
             others = checkpoint_names(cfg)
             raise CheckpointNotFoundError(f"no checkpoint named {name!r} in scratch {cfg.scratch} or persistent "
@@ -414,7 +414,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     name = resolve_name(args, cfg)
     copies = scan(cfg, name)
-    version = args.version if args.version is not None else newest_restorable(cfg, name)
+    version = args.version if args.version is not None else newest_restorable(cfg, name, args.trust_owners)
     manifest, _ = _pick_manifest(copies, version)
     d = describe(manifest, copies)
     if args.json:
@@ -589,7 +589,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise CheckpointNotFoundError(f"no version of {name!r} in scratch {cfg.scratch} or persistent "
                                           f"{cfg.persistent}")
     else:
-        version = args.version if args.version is not None else newest_restorable(cfg, name)
+        version = args.version if args.version is not None else newest_restorable(cfg, name, args.trust_owners)
         chosen = [c for c in copies if c.version == version]
         if not chosen:
             raise CheckpointNotFoundError(f"version {version} of {name!r} is on no level; versions on disk: "
@@ -639,7 +639,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     progress = Progress()
     progress.update(f"loading {name}" + (f" v{args.version}" if args.version is not None else ""), force=True)
     try:
-        ck = load(cfg, name, args.version, verify=True)
+        ck = load(cfg, name, args.version, verify=True, trust_owners=args.trust_owners)
         progress.update(f"writing {args.output}", force=True)
         meta = {"name": ck.name, "version": ck.version, "step": ck.step, "epoch": ck.epoch, "format": "deepfreeze"}
         # a Keras weights file holds the model's weights only; npz/safetensors also the optimizer state
@@ -721,7 +721,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for r in removals:
             if r.level == "persistent" and os.path.isdir(r.path) \
                     and not os.path.exists(os.path.join(r.path, MANIFEST)):
-                shutil.rmtree(r.path)
+                remove_tree_nofollow(r.path)  # through directory descriptors: never follows a symlink
         # scratch: each rank's shards, as the flush jobs do it
         if info["keep_scratch"] > 0 and info["scratch_upto"] >= 0:
             for rank in info["ranks"]:
@@ -836,6 +836,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override an INI key, e.g. --set scratch=/local/ssd/ckpt (repeatable)")
     as_json = _Parser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    trust = _Parser(add_help=False)
+    trust.add_argument("--trust-owner", metavar="USER", action="append", default=None, dest="trust_owners",
+                       help="also read persistent files owned by USER (name or uid; repeatable); by default only "
+                            "your own and root's are read")
     version = _Parser(add_help=False)
     version.add_argument("--version", type=_version_arg, metavar="V",
                          help="checkpoint version (default: the newest committed one)")
@@ -845,16 +849,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    p = sub.add_parser("ls", parents=[common, as_json], help="versions per level with their status",
+    p = sub.add_parser("ls", parents=[common, as_json, trust], help="versions per level with their status",
                        description="List the versions of a checkpoint (all checkpoints without --name) on scratch "
                                    "and persistent: step, epoch, bytes on disk, status, directory.")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("inspect", parents=[common, version, as_json], help="tensors, shard plan, domains",
+    p = sub.add_parser("inspect", parents=[common, version, as_json, trust], help="tensors, shard plan, domains",
                        description="Show one version's tensors, world size, shard plan and failure domains.")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", parents=[common, as_json], help="read every piece and check every checksum",
+    p = sub.add_parser("verify", parents=[common, as_json, trust], help="read every piece and check every checksum",
                        description="Check completeness and every CRC32 of a version on each level that holds it. "
                                    "Exit code 1 if anything is damaged.")
     x = p.add_mutually_exclusive_group()
@@ -863,7 +867,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--all", action="store_true", help="every version directory on every level")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("export", parents=[common, version], help="write a version as h5, npz or safetensors",
+    p = sub.add_parser("export", parents=[common, version, trust], help="write a version as h5, npz or safetensors",
                        description="Load a committed version (checksums verified) and write it as a Keras HDF5 "
                                    "weights file, a NumPy .npz or a safetensors file.")
     p.add_argument("--format", choices=["h5", "npz", "safetensors"],
