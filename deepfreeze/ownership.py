@@ -167,7 +167,8 @@ def _check_parents(path: str) -> None:
 
 def _check_own_dir(path: str) -> None:
     """``path`` (a directory DeepFreeze creates) must be a real directory, owned by the user,
-    writable by nobody else. Raises :class:`UnsafePathError` (or FileNotFoundError)."""
+    writable by nobody else. Raises :class:`UnsafePathError` (NotADirectoryError for a file,
+    FileNotFoundError when gone)."""
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         try:
@@ -177,9 +178,8 @@ def _check_own_dir(path: str) -> None:
         raise UnsafePathError(f"{path} is a symbolic link (to {target}, owned by {owner_name(st.st_uid)}) where "
                               "DeepFreeze keeps its own directory: it never follows one (it could point into "
                               "another user's files). Remove the link, or use another checkpoint name or root")
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafePathError(f"{path} exists and is not a directory; remove it or use another checkpoint name "
-                              "or root")
+    if not stat.S_ISDIR(st.st_mode):  # a plain error (the caller names the level and setting)
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
     if st.st_uid != os.getuid():
         raise UnsafePathError(f"{path} is owned by {owner_name(st.st_uid)}, not by you ({owner_name(os.getuid())}): "
                               "another user created the directory DeepFreeze would write into. Remove it (as its "
