@@ -30,7 +30,7 @@ from . import format as fmt
 from .backend import BackendClient, socket_path
 from .config import KEYS, Config, validate_name
 from .errors import BackendError, CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError
-from .levels import read_decision, ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of
+from .levels import read_decision, ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, _open_regular, plan_of
 from .ownership import remove_tree_nofollow
 from .restore import list_versions, load, scratch_recoverable
 
@@ -480,7 +480,7 @@ def _check_file(path: str, kind: int, version: int, manifest: dict[str, Any],
                 progress: Progress, label: str, done: list[int], total: int) -> tuple[int, int, bool]:
     """Read and check one shard/assembled file the way restore does; every piece read with its CRC32."""
     pieces = nbytes = 0
-    with open(path, "rb") as f:
+    with os.fdopen(_open_regular(path), "rb") as f:  # never through a symbolic link, no FIFO
         idx = fmt.read_index(f, path)
         want_kind = "shard" if kind == fmt.KIND_SHARD else "assembled file"
         if idx.kind != kind:

@@ -110,7 +110,7 @@ def test_symlinked_scratch_shard_is_never_read(tmp_path, caplog):
     assert ck.version == 2 and ck.level == "persistent" and same(ck, 2)
 
 
-def test_symlinked_persistent_files_are_never_read(tmp_path):
+def test_symlinked_persistent_files_are_never_read(tmp_path, capsys):
     cfg = write(config(tmp_path))
     shutil.rmtree(os.path.join(cfg.scratch, NAME))  # node lost: persistent only
     outside = tmp_path / "elsewhere"
@@ -122,6 +122,10 @@ def test_symlinked_persistent_files_are_never_read(tmp_path):
         load(cfg, NAME, 2)
     ck = load(cfg, NAME)  # the newest readable one
     assert ck.version == 1 and same(ck, 1)
+    capsys.readouterr()
+    assert cli_main(["verify", "--name", NAME, "--set", "mode=sync", "--set", f"scratch={cfg.scratch}", "--set",
+                     f"persistent={cfg.persistent}", "--version", "2"]) == 1
+    assert "symbolic link" in capsys.readouterr().out
     manifest = os.path.join(vdir(cfg, "persistent", 1), "manifest.json")
     shutil.copy(manifest, outside / "manifest.json")
     plant_link(manifest, str(outside / "manifest.json"))
