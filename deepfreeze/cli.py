@@ -153,7 +153,7 @@ def checkpoint_names(cfg: Config) -> list[str]:
                 validate_name(n)
             except ConfigError:
                 continue
-            if os.path.isdir(level.name_dir(n)) and level.versions(n):
+            if os.path.isdir(level.name_dir(n)) and not os.path.islink(level.name_dir(n)) and level.versions(n):
                 found.add(n)
     return sorted(found)
 

@@ -147,7 +147,7 @@ def test_symlinked_version_directory_is_never_followed(tmp_path, level):
 
 
 @pytest.mark.parametrize("level", ["scratch", "persistent"])
-def test_name_directory_precreated_as_symlink_is_refused(tmp_path, level):
+def test_name_directory_precreated_as_symlink_is_refused(tmp_path, level, capsys):
     cfg = config(tmp_path)
     target = tmp_path / "root-only"
     target.mkdir(mode=0o700)
@@ -157,6 +157,15 @@ def test_name_directory_precreated_as_symlink_is_refused(tmp_path, level):
         write(cfg, (1,))
     assert "remove the link" in str(e.value).lower()
     assert os.listdir(target) == []  # nothing written through the link
+    with pytest.raises(UnsafePathError, match="symbolic link"):  # readers do not follow it either
+        load(cfg, NAME)
+    capsys.readouterr()
+    rc = cli_main(["ls", "--set", "mode=sync", "--set", f"scratch={cfg.scratch}", "--set",
+                   f"persistent={cfg.persistent}"])
+    if level == "scratch":
+        assert rc == 0  # a link among the names is not a checkpoint (nothing reached persistent)
+    else:  # v1 is on scratch; listing its persistent side is one clear error, not a traceback
+        assert rc == 1 and "is a symbolic link" in capsys.readouterr().err
 
 
 def test_directories_are_created_owner_only(tmp_path):
