@@ -9,7 +9,8 @@ from typing import Any
 
 from .config import Config
 from .errors import (BackendError, CheckpointNotFoundError, CheckpointWriteError, ConfigError,
-                     CorruptCheckpointError, DeepFreezeError, ModelMismatchError, VelocError, VelocNotFoundError)
+                     CorruptCheckpointError, DeepFreezeError, ModelMismatchError, UnsafePathError, UntrustedOwnerError,
+                     VelocError, VelocNotFoundError)
 from .restore import Checkpoint, list_versions, load
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "Config", "Checkpoint", "load", "list_versions", "restore",
     "DeepFreezeError", "ConfigError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "ModelMismatchError", "BackendError", "CheckpointWriteError", "VelocNotFoundError", "VelocError",
+    "UnsafePathError", "UntrustedOwnerError",
 ]
 
 

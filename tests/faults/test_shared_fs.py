@@ -13,6 +13,7 @@ import os
 import pwd
 import shutil
 import stat
+import threading
 
 import numpy as np
 import pytest
@@ -410,3 +411,24 @@ def test_files_of_root_are_trusted(tmp_path):
     assert 0 in ownership.trusted_uids()
     st = os.stat("/")
     ownership.check_owner(st, "/", ownership.trusted_uids(), "persistent")  # root-owned: no error
+
+
+def test_export_never_writes_through_a_planted_temporary_link(tmp_path, capsys):
+    """The export's temporary file is created exclusively, owner-only, without following a link:
+    a link planted at its name (into a file of someone else) is refused and that file is intact."""
+    cfg = write(config(tmp_path), (1,))
+    outdir = tmp_path / "out"
+    outdir.mkdir()
+    os.chmod(outdir, 0o1777)  # a /tmp-like output directory
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    out = outdir / "w.npz"
+    tmp = outdir / f".w.npz.tmp{os.getpid()}.{threading.get_ident()}"
+    os.symlink(str(victim), tmp)
+    base = ["--name", NAME, "--set", "mode=sync", "--set", f"scratch={cfg.scratch}", "--set",
+            f"persistent={cfg.persistent}", "-o", str(out)]
+    assert cli_main(["export", *base]) == 2
+    assert "exists already" in capsys.readouterr().err
+    assert victim.read_bytes() == b"precious\n" and not os.path.lexists(out)
+    assert cli_main(["export", *base]) == 0  # the planted link was removed (as a link)
+    assert stat.S_IMODE(os.lstat(out).st_mode) == 0o600 and victim.read_bytes() == b"precious\n"
