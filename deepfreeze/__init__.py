@@ -9,7 +9,8 @@ from typing import Any
 
 from .config import Config
 from .errors import (BackendError, CheckpointNotFoundError, CheckpointWriteError, ConfigError,
-                     CorruptCheckpointError, DeepFreezeError, ModelMismatchError, VelocError, VelocNotFoundError)
+                     CorruptCheckpointError, DeepFreezeError, ModelMismatchError, UnsafePathError, UntrustedOwnerError,
+                     VelocError, VelocNotFoundError)
 from .restore import Checkpoint, list_versions, load
 
 __version__ = "0.1.0"
@@ -18,11 +19,13 @@ __all__ = [
     "Config", "Checkpoint", "load", "list_versions", "restore",
     "DeepFreezeError", "ConfigError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "ModelMismatchError", "BackendError", "CheckpointWriteError", "VelocNotFoundError", "VelocError",
+    "UnsafePathError", "UntrustedOwnerError",
 ]
 
 
 def restore(model: Any, config: "str | Config | None" = None, *, name: str, version: int | None = None,
-            engine: str | None = None, **overrides: Any) -> tuple[int, int]:
+            engine: str | None = None, trust_owners: "list[str | int] | None" = None,
+            **overrides: Any) -> tuple[int, int]:
     """Load the newest recoverable version (or ``version``) of ``name`` into a Keras ``model``.
 
     Returns ``(version, step)``. Works in a plain process (no MPI) and at any
@@ -32,9 +35,11 @@ def restore(model: Any, config: "str | Config | None" = None, *, name: str, vers
     with the callback (both engines write the same files; restore reads them the
     same way). Raises :class:`CheckpointNotFoundError` when nothing is committed
     and :class:`ModelMismatchError` naming the first tensor that does not match.
+    ``trust_owners`` (user names or uids): also read persistent files these users own (by
+    default only yours and root's; another owner is an error naming them).
     """
     from .engine import ENGINES
     from .keras.restore import restore_model  # the only TensorFlow-dependent step
     if engine is not None and engine not in ENGINES:
         raise ConfigError(f"engine = {engine!r}: use one of {ENGINES} (restore reads the same files for all)")
-    return restore_model(model, config, name=name, version=version, **overrides)
+    return restore_model(model, config, name=name, version=version, trust_owners=trust_owners, **overrides)

@@ -62,7 +62,8 @@ import time
 from typing import Any
 
 from . import crashpoints as cp
-from .errors import BackendError, BackendUnresponsiveError
+from . import ownership
+from .errors import BackendError, BackendUnresponsiveError, UnsafePathError
 from .levels import ScratchLevel, flush_job
 
 __all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "DEFAULT_TIMEOUT",
@@ -85,8 +86,11 @@ _MAX_WAIT = 3600.0
 def runtime_dir() -> str:
     base = os.environ.get("DEEPFREEZE_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     path = os.path.join(base, f"deepfreeze-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
+    try:  # base may be sticky (/tmp); the directory itself must be ours, never a link (deepfreeze.ownership)
+        ownership.ensure_dir(path, base)
+    except UnsafePathError as e:
+        raise BackendError(f"unsafe backend runtime directory: {e}") from e
+    st = os.lstat(path)
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise BackendError(f"{path} must be a directory owned by you with mode 0700 (it holds the backend "
                            "socket); remove it or set DEEPFREEZE_RUNTIME_DIR to a private directory")
@@ -546,8 +550,8 @@ class BackendClient:
                 if s is not None:
                     return s
             ScratchLevel(self.scratch).makedirs(self.scratch)
-            logf = os.fdopen(os.open(os.path.join(self.scratch, ".deepfreeze-backend.log"),
-                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+            logf = os.fdopen(ownership.open_private(os.path.join(self.scratch, ".deepfreeze-backend.log"),
+                                                    os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")  # no link, 0600
             proc = subprocess.Popen([sys.executable, "-m", "deepfreeze.backend", "--socket", self.path],
                                     stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                     start_new_session=True, close_fds=True)

@@ -37,6 +37,7 @@ KEYS: dict[str, str] = {
     "watchdog_interval": "seconds: the backend reports a rank that sent no checkpoint for this long; 0 = off",
     "max_inflight": "versions of a rank handed to its writer thread and not yet on scratch; one more waits (DeepFreeze key)",
     "lease_timeout": "seconds without a heartbeat after which a run's lease on a name is stale (DeepFreeze key)",
+    "shared_group": "true | false: scratch/persistent may be group-writable (you trust every group member) (DeepFreeze key)",
     "axl_type": "VeloC AXL transfer type (VeloC engine only)",
     "backend_timeout": "seconds without an answer after which the backend is declared dead and replaced (DeepFreeze key)",
 }
@@ -86,6 +87,7 @@ class Config:
     watchdog_interval: float = 0.0
     max_inflight: int = 2
     lease_timeout: float = 30.0
+    shared_group: bool = False
     axl_type: str | None = None
     backend_timeout: float = 60.0
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
@@ -167,6 +169,13 @@ class Config:
                                       f"{p} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}, or a "
                                       f"read-only file system); point {key} to a directory you can write in")
                 break
+            from . import ownership  # the root (or the parent it is created in): owner, sticky, group
+            from .errors import UnsafePathError
+            try:
+                ownership.check_root(p, shared_group=self.shared_group)
+            except UnsafePathError as e:
+                raise ConfigError(f"{self.where(key)}: {key} = {path} is unsafe: {e} (shared_group = "
+                                  f"{str(self.shared_group).lower()}: {self.where('shared_group')})") from e
 
     @property
     def keep_scratch(self) -> int:
@@ -276,7 +285,7 @@ def _convert(key: str, value: Any, where: str) -> Any:
             if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):
                 raise ValueError("not an integer")
             return int(value)
-        if key == "chksum":
+        if key in ("chksum", "shared_group"):
             if isinstance(value, bool):
                 return value
             v = str(value).strip().lower()

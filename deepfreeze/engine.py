@@ -100,7 +100,7 @@ class Engine:
         #: the run this engine writes for (:mod:`deepfreeze.run`); without one, the anonymous run
         self.run = run or RunInfo(ANONYMOUS_RUN)
         self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
-        self.scratch = scratch_cls(config.scratch)
+        self.scratch = scratch_cls(config.scratch, shared_group=config.shared_group)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-writer-r{rank}",
                                                            initializer=lower_priority)
         self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()  # oldest first
@@ -117,6 +117,7 @@ class Engine:
         self.stats: list[dict[str, float]] = []
         self.write_times: dict[int, float] = {}  # version -> seconds to commit the shard on scratch
         if config.mode == "async" and self.kind == "builtin":
+            self.scratch.makedirs(config.scratch)  # checked with shared_group before the backend creates its log
             self._backend = BackendClient(config.scratch, answer_timeout=config.backend_timeout)
             self._pending_owner = (self._backend.pid, self._backend.inode)
         self._manifest_base = build_manifest(self.name, 0, 0, 0, plan, self.domains, run=self.run)
@@ -400,7 +401,7 @@ class Engine:
                "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
                "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions,
                "watchdog_interval": cfg.watchdog_interval, "manifest": manifest, "run": self.run.id,
-               "lease_timeout": cfg.lease_timeout}
+               "lease_timeout": cfg.lease_timeout, "shared_group": cfg.shared_group}
         if self._backend is not None:
             self._in_backend = True
             try:

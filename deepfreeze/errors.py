@@ -20,6 +20,8 @@ __all__ = [
     "VelocError",
     "LeaseHeldError",
     "ExistingCheckpointError",
+    "UnsafePathError",
+    "UntrustedOwnerError",
 ]
 
 
@@ -76,3 +78,12 @@ class LeaseHeldError(DeepFreezeError, RuntimeError):
 
 class ExistingCheckpointError(DeepFreezeError, FileExistsError):
     """A new run (no ``resume``, no ``overwrite``) found committed versions of its name."""
+
+
+class UnsafePathError(DeepFreezeError, PermissionError):
+    """A directory or file DeepFreeze would use is a symbolic link, owned by another user, or
+    writable by others (see docs/guarantees.md, "Shared directories"); nothing was written."""
+
+
+class UntrustedOwnerError(DeepFreezeError, PermissionError):
+    """A checkpoint file is owned by a user this process does not trust (``trust_owners``)."""

@@ -89,6 +89,11 @@ def _atomic(path: str, force: bool, write: Callable[[str], None]) -> int:
     if not os.path.isdir(parent):
         raise ExportError(f"the directory of the output, {parent}, does not exist")
     with replacing_path(path, "export.rename") as tmp:
+        try:  # created here, owner-only, never through a symbolic link; the writer then truncates it
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+        except FileExistsError as e:
+            raise ExportError(f"{tmp} (the temporary name of the output) exists already, maybe a link planted by "
+                              "another user: removed it; run the export again") from e
         write(tmp)
     return os.path.getsize(path)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import numpy as np
 
@@ -75,11 +75,14 @@ def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
     return fd
 
 
-def open_regular_file(path: str) -> BinaryIO:
+def open_regular_file(path: str, check: Callable[[os.stat_result], None] | None = None) -> BinaryIO:
     """:func:`open_regular` for reading, as a binary file object (unbuffered reads are the
-    callers' business: ``read_index`` and ``read_entry`` use positional reads)."""
+    callers' business: ``read_index`` and ``read_entry`` use positional reads). ``check`` is
+    called with the open file's ``fstat`` (e.g. an owner check) and may raise."""
     fd = open_regular(path, os.O_RDONLY)
     try:
+        if check is not None:
+            check(os.fstat(fd))
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -93,10 +96,11 @@ def read_regular(path: str, limit: int) -> bytes:
         return f.read(limit)
 
 
-def read_whole(path: str) -> np.ndarray:
+def read_whole(path: str, check: Callable[[os.stat_result], None] | None = None) -> np.ndarray:
     """The bytes of the regular file ``path`` as a uint8 array of the size ``fstat`` gave (one
-    allocation, the size of a real file; a file shrinking meanwhile is an error, not a short read)."""
-    with open_regular_file(path) as f:
+    allocation, the size of a real file; a file shrinking meanwhile is an error, not a short read).
+    ``check``: as for :func:`open_regular_file`."""
+    with open_regular_file(path, check) as f:
         size = os.fstat(f.fileno()).st_size
         data = np.empty(size, dtype=np.uint8)
         view = memoryview(data)

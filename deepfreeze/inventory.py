@@ -62,7 +62,7 @@ def checkpoint_names(cfg: Config) -> list[str]:
             except ConfigError:
                 continue
             try:
-                if os.path.isdir(level.name_dir(n)) and level.versions(n):
+                if os.path.isdir(level.name_dir(n)) and not os.path.islink(level.name_dir(n)) and level.versions(n):
                     found.add(n)
             except OSError:
                 continue
@@ -256,23 +256,26 @@ def _size(path: str) -> int:
         return 0
 
 
-def restorable(cfg: Config, name: str, copies: list[VersionCopy] | None = None) -> dict[int, list[str]]:
-    """``deepfreeze.list_versions`` without the copies :func:`scan` found damaged (a manifest that
-    reads fine but whose files cannot hold it, a FIFO as ``model.dfz``): what restore will read."""
+def restorable(cfg: Config, name: str, copies: list[VersionCopy] | None = None,
+               trust_owners: list[str] | None = None) -> dict[int, list[str]]:
+    """``deepfreeze.list_versions`` (with ``trust_owners``) without the copies :func:`scan` found
+    damaged (a manifest that reads fine but whose files cannot hold it, a FIFO as ``model.dfz``):
+    what restore will read."""
     copies = scan(cfg, name) if copies is None else copies
     damaged = {(c.level, c.version) for c in copies if c.status == "damaged"}
     out = {}
-    for v, lvls in list_versions(cfg, name).items():
+    for v, lvls in list_versions(cfg, name, trust_owners=trust_owners).items():
         ok = [lv for lv in lvls if (lv, v) not in damaged]
         if ok:
             out[v] = ok
     return out
 
 
-def newest_restorable(cfg: Config, name: str, copies: list[VersionCopy] | None = None) -> int:
+def newest_restorable(cfg: Config, name: str, copies: list[VersionCopy] | None = None,
+                      trust_owners: list[str] | None = None) -> int:
     """The newest version :func:`restorable` reports (what ``deepfreeze.load`` returns unless a
     file fails its checksums)."""
-    versions = restorable(cfg, name, copies)
+    versions = restorable(cfg, name, copies, trust_owners)
     if not versions:
         raise CheckpointNotFoundError(f"no committed version of {name!r} in scratch {cfg.scratch} or persistent "
                                       f"{cfg.persistent} (deepfreeze ls --name {name} shows what is there)")

@@ -62,7 +62,8 @@ import numpy as np
 
 from . import crashpoints as cp
 from . import format as fmt
-from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError
+from . import ownership
+from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
 from .run import ANONYMOUS_RUN, _alive, describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .fsafe import open_regular, read_regular
 from .shardplan import ShardPlan, TensorSpec
@@ -165,8 +166,15 @@ class Level:
 
     kind = "level"
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, shared_group: bool = False,
+                 trust_owners: "Iterable[str | int] | None" = None) -> None:
         self.root = root
+        #: the root may be group-writable (INI ``shared_group``; :mod:`deepfreeze.ownership`)
+        self.shared_group = shared_group
+        #: owners whose files are read (:func:`deepfreeze.ownership.trusted_uids`); scratch: you and root only
+        self.trusted = ownership.trusted_uids(trust_owners if self.kind != "scratch" else None)
+        #: versions whose manifest is owned by an untrusted user (found by the last scan) -> the error
+        self.untrusted: dict[int, UntrustedOwnerError] = {}
 
     def name_dir(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -177,16 +185,22 @@ class Level:
         return os.path.join(self.root, name, f"v{version:012d}")
 
     def versions(self, name: str) -> list[int]:
-        """Every version directory present (committed or not), ascending."""
+        """Every version directory present (committed or not), ascending. A symbolic link named
+        like a version is not one (never followed); ``<root>/<name>`` being a link is an error."""
+        ndir = self.name_dir(name)
         try:
-            names = os.listdir(self.name_dir(name))
-        except FileNotFoundError:
+            fd = ownership.open_dir_nofollow(ndir)
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(int(m.group(1)) for n in names if (m := _VDIR.match(n)))
+        try:
+            with os.scandir(fd) as it:
+                return sorted(int(m.group(1)) for e in it if (m := _VDIR.match(e.name)) and e.is_dir(follow_symlinks=False))
+        finally:
+            os.close(fd)
 
     def read_manifest(self, name: str, version: int) -> dict[str, Any]:
         path = os.path.join(self.version_dir(name, version), MANIFEST)
-        data = read_regular(path, fmt.MAX_MANIFEST_BYTES + 1)  # a FIFO or symlink: CorruptCheckpointError
+        data = _read_regular(path, fmt.MAX_MANIFEST_BYTES + 1, self.trusted, self.kind)  # no link, no FIFO, owner
         m = fmt.decode_manifest(data, path)
         if m["name"] != name or m["version"] != version:
             raise CorruptCheckpointError(f"{path}: manifest is for {m['name']!r} v{m['version']}, "
@@ -194,17 +208,12 @@ class Level:
         return m
 
     def makedirs(self, path: str) -> None:
-        """Create ``path`` and every missing parent owner-only (0700); existing ones are left alone."""
-        missing = []
-        p = os.path.abspath(path)
-        while not os.path.isdir(p):
-            missing.append(p)
-            p = os.path.dirname(p)
-        for d in reversed(missing):
-            try:
-                os.mkdir(d, 0o700)
-            except FileExistsError:
-                pass
+        """Create ``path`` and every missing parent owner-only (0700) and check the existing ones
+        (:func:`deepfreeze.ownership.ensure_dir`: the root, or its nearest existing parent, may be
+        sticky or, with ``shared_group``, group-writable; every directory below must be a real
+        directory of the user's, writable by nobody else). Raises
+        :class:`~deepfreeze.errors.UnsafePathError`."""
+        ownership.ensure_dir(path, self.root, shared_group=self.shared_group)
 
 
 class ScratchLevel(Level):
@@ -251,6 +260,8 @@ class ScratchLevel(Level):
             if m is None:
                 continue
             path = os.path.join(vdir, n)
+            if os.path.islink(path):
+                continue  # never followed: not a file of this version
             if m.group(1) is not None:
                 inv["shard"][int(m.group(1))] = path
             elif m.group(3) is not None:
@@ -267,6 +278,9 @@ class ScratchLevel(Level):
         for v in self.versions(name):
             try:
                 m = self.read_manifest(name, v)
+            except UntrustedOwnerError as e:
+                log.warning("deepfreeze: %s v%d on scratch is ignored: %s", name, v, e)
+                continue
             except (OSError, DeepFreezeError, ValueError):
                 continue
             if generation is not None and fmt.manifest_run(m)[1] != generation:
@@ -287,27 +301,34 @@ class ScratchLevel(Level):
         """Remove this rank's files in ``vdir`` (own shard, partner copies and parity it holds),
         then the manifest and the directory once no rank's file is left. True if the own shard
         was there."""
-        names = _listdir(vdir)
-        mine = self._own_files(names, rank)
-        for n in mine:
-            try:
-                cp.unlink(os.path.join(vdir, n), point)
-            except FileNotFoundError:
-                pass
-        names = _listdir(vdir)
-        if not any(n.endswith((".dfs", ".dfx")) or ".tmp" in n for n in names):
-            # rmdir, not rmtree: a lagging rank on this node may create its file in the
-            # directory after the listing; rmdir then fails and the directory stays
-            # (that rank's own retention removes it later)
-            if MANIFEST in names:
+        try:  # through a descriptor of the directory: a symbolic link is never followed
+            fd = ownership.open_dir_nofollow(vdir)
+        except (FileNotFoundError, NotADirectoryError, UnsafePathError):
+            return False
+        try:
+            names = os.listdir(fd)
+            mine = self._own_files(names, rank)
+            for n in mine:
                 try:
-                    cp.unlink(os.path.join(vdir, MANIFEST), "scratch.retain.manifest")
+                    cp.unlink(n, point, dir_fd=fd)
                 except FileNotFoundError:
                     pass
-            try:
-                cp.rmdir(vdir, "scratch.retain.rmdir")
-            except OSError:
-                pass
+            names = os.listdir(fd)
+            if not any(n.endswith((".dfs", ".dfx")) or ".tmp" in n for n in names):
+                # rmdir, not rmtree: a lagging rank on this node may create its file in the
+                # directory after the listing; rmdir then fails and the directory stays
+                # (that rank's own retention removes it later)
+                if MANIFEST in names:
+                    try:
+                        cp.unlink(MANIFEST, "scratch.retain.manifest", dir_fd=fd)
+                    except FileNotFoundError:
+                        pass
+                try:
+                    cp.rmdir(vdir, "scratch.retain.rmdir")  # rmdir never follows a link
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
         return f"r{rank:06d}.dfs" in mine
 
     def retain(self, name: str, rank: int, keep: int, upto: int) -> list[int]:
@@ -368,12 +389,25 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _read_regular(path: str, limit: int) -> bytes:
-    """The bytes of a regular file (no symlink followed, no FIFO opened), at most ``limit``."""
-    data = read_regular(path, limit + 1)
-    if len(data) > limit:
+def _read_regular(path: str, limit: int, trusted: frozenset[int] | None = None, level: str = "") -> bytes:
+    """The bytes of a regular file (no symlink followed, no FIFO opened), at most ``limit``;
+    with ``trusted``, the file must be owned by one of those uids (:func:`ownership.check_owner`)."""
+    fd = open_regular(path)
+    try:
+        if trusted is not None:
+            ownership.check_owner(os.fstat(fd), path, trusted, level)
+        chunks, n = [], 0
+        while n <= limit:
+            b = os.read(fd, min(1 << 20, limit + 1 - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+    finally:
+        os.close(fd)
+    if n > limit:
         raise CorruptCheckpointError(f"{path} is larger than {limit} bytes")
-    return data
+    return b"".join(chunks)
 
 
 def read_decision(vdir: str) -> dict[str, str] | None:
@@ -417,9 +451,13 @@ class PersistentLevel(Level):
         belongs to the current generation (or ``generation``)."""
         gen = self.generation(name) if generation is None else generation
         out = []
+        self.untrusted = {}
         for v in self.versions(name):
             try:
                 m = self.read_manifest(name, v)
+            except UntrustedOwnerError as e:
+                self.untrusted[v] = e  # not committed for this reader; restore names the owner
+                continue
             except (OSError, DeepFreezeError, ValueError):
                 continue
             if fmt.manifest_run(m)[1] == gen:
@@ -675,19 +713,29 @@ class PersistentLevel(Level):
         """Remove a version directory's files, the manifest (the commit) first, then the
         directory unless something is kept. Never follows a symbolic link (a link is removed,
         not its target); leaves anything that is not a plain entry of the directory."""
-        if os.path.lexists(os.path.join(vdir, MANIFEST)):
-            cp.unlink(os.path.join(vdir, MANIFEST), "persistent.retire.manifest")
-            _fsync_dir(vdir, "persistent.retire.dirsync")
-        for n in _listdir(vdir):
-            if n in keep or (keep_re is not None and keep_re.match(n)):
-                continue
-            p = os.path.join(vdir, n)
+        try:  # through a descriptor of the directory: a symbolic link is never followed
+            fd = ownership.open_dir_nofollow(vdir)
+        except (FileNotFoundError, NotADirectoryError, UnsafePathError):
+            return
+        try:
             try:
-                if stat.S_ISDIR(os.lstat(p).st_mode):
-                    continue
-                cp.unlink(p, "persistent.retire.unlink")
+                os.stat(MANIFEST, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
                 pass
+            else:
+                cp.unlink(MANIFEST, "persistent.retire.manifest", dir_fd=fd)
+                cp.fsync(fd, "persistent.retire.dirsync")
+            for n in os.listdir(fd):
+                if n in keep or (keep_re is not None and keep_re.match(n)):
+                    continue
+                try:
+                    if stat.S_ISDIR(os.stat(n, dir_fd=fd, follow_symlinks=False).st_mode):
+                        continue
+                    cp.unlink(n, "persistent.retire.unlink", dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(fd)
         if not keep:
             try:
                 cp.rmdir(vdir, "persistent.retire.rmdir")
@@ -821,7 +869,9 @@ def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
     name, version, rank = job["name"], job["version"], job["rank"]
     run = job.get("run") or ANONYMOUS_RUN
     stale = float(job.get("lease_timeout") or 60.0)
-    scratch, persistent = scratch_cls(job["scratch"]), persistent_cls(job["persistent"])
+    shared = bool(job.get("shared_group", False))
+    scratch = scratch_cls(job["scratch"], shared_group=shared)
+    persistent = persistent_cls(job["persistent"], shared_group=shared)
     result = {"flushed": False, "committed": False, "abandoned": False}
     try:
         decision = persistent.decide(name, version, job["persistent_interval"], run, stale_after=stale)

@@ -29,7 +29,8 @@ import numpy as np
 
 from . import format as fmt
 from .config import Config, validate_name
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, DeepFreezeError
+from . import ownership
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, DeepFreezeError, UntrustedOwnerError
 from .fsafe import open_regular_file, read_whole
 from .levels import ASSEMBLED, PersistentLevel, ScratchLevel, plan_of
 from .redundancy import Comm, LocalComm, group_of, read_parity, xor_reconstruct
@@ -71,18 +72,22 @@ class Checkpoint:
         return {n: self.arrays[n] for n in names if n in self.arrays}
 
 
-def _levels(config: Config) -> tuple[ScratchLevel, PersistentLevel]:
-    return ScratchLevel(config.scratch), PersistentLevel(config.persistent)
+def _levels(config: Config, trust_owners: "Sequence[str | int] | None" = None
+            ) -> tuple[ScratchLevel, PersistentLevel]:
+    return ScratchLevel(config.scratch), PersistentLevel(config.persistent, trust_owners=trust_owners)
 
 
-def list_versions(config: "str | os.PathLike | Config | None", name: str) -> dict[int, list[str]]:
+def list_versions(config: "str | os.PathLike | Config | None", name: str, *,
+                  trust_owners: "Sequence[str | int] | None" = None) -> dict[int, list[str]]:
     """Committed versions -> levels this process can read them whole from: ``scratch``
     (its own scratch directory: shards, partner copies, parity reconstruction) and
     ``persistent``. ``config``: a :class:`Config`, or a VeloC INI path (``None``: the
-    ``VELOC_<KEY>`` environment only), resolved by :meth:`Config.resolve`."""
+    ``VELOC_<KEY>`` environment only), resolved by :meth:`Config.resolve`. Files of another
+    user are not readable: on scratch never, on persistent unless their owner is in
+    ``trust_owners`` (user names or uids; see :func:`load`)."""
     config = Config.resolve(config)
     validate_name(name)
-    scratch, persistent = _levels(config)
+    scratch, persistent = _levels(config, trust_owners)
     gen = persistent.generation(name)
     out: dict[int, list[str]] = {}
     for v, (m, inv) in scratch.committed(name, gen).items():
@@ -94,7 +99,8 @@ def list_versions(config: "str | os.PathLike | Config | None", name: str) -> dic
 
 
 def load(config: "str | os.PathLike | Config | None", name: str, version: int | None = None, *,
-         verify: bool = True, tensors: Sequence[str] | None = None, comm: Comm | None = None) -> Checkpoint:
+         verify: bool = True, tensors: Sequence[str] | None = None, comm: Comm | None = None,
+         trust_owners: "Sequence[str | int] | None" = None) -> Checkpoint:
     """Load version ``version`` (default: the newest that can be read whole) of ``name``.
 
     ``config``: a :class:`Config`, or a VeloC INI path (``None``: the ``VELOC_<KEY>``
@@ -111,15 +117,23 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
     copies, XOR reconstruction, persistent; the newest version that can be recovered
     whole wins; a damaged file (checksum) is dropped and the next source is tried,
     with a log line.
+
+    Ownership (shared directories): a scratch file owned by another user is treated as
+    missing (log line naming the owner; the next source is tried). Persistent files are read
+    when owned by you, by root, or by a user in ``trust_owners`` (user names or uids);
+    reaching a version whose persistent files another user owns raises
+    :class:`~deepfreeze.errors.UntrustedOwnerError` naming that user and how to trust them.
+    Symbolic links in version directories are never followed.
     """
     config = Config.resolve(config)
     validate_name(name)
     comm = comm or LocalComm()
-    scratch, persistent = _levels(config)
+    scratch, persistent = _levels(config, trust_owners)
     gen = persistent.generation(name)  # only the current generation's versions exist for readers
     local = scratch.committed(name, gen)  # version -> (manifest, files held here)
     summary = {"scratch": {str(v): {k: sorted(d) for k, d in inv.items()} for v, (_, inv) in local.items()},
-               "persistent": persistent.committed_versions(name, gen)}
+               "persistent": persistent.committed_versions(name, gen),
+               "untrusted": {str(v): str(e) for v, e in persistent.untrusted.items()}}
     infos = [json.loads(b) for b in comm.allgather(json.dumps(summary).encode())]
     have: dict[int, dict[tuple[str, int], list[int]]] = {}
     for p, info in enumerate(infos):
@@ -130,7 +144,8 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
     # a version whose directories hold a manifest but no shard, partner copy or parity on any
     # participant (retention interrupted, a purge of large files) is not on scratch: not in ``have``
     on_persistent = set(infos[0]["persistent"])
-    known = sorted(set(have) | on_persistent, reverse=True)
+    untrusted = {int(v): e for v, e in infos[0].get("untrusted", {}).items()}
+    known = sorted(set(have) | on_persistent | set(untrusted), reverse=True)
     if version is not None:
         if version not in known:
             raise CheckpointNotFoundError(
@@ -149,12 +164,14 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
             ck = _load_scratch(comm, local.get(v), have[v], name, v, verify, tensors, errors)
             if ck is not None:
                 return ck
+        if v in untrusted and v not in on_persistent:
+            raise UntrustedOwnerError(f"{name!r} v{v} on persistent: {untrusted[v]}")
         if v in on_persistent:
             try:
                 ck = _load_persistent(persistent, name, v, verify, tensors)
                 err = ""
-            except CheckpointNotFoundError:
-                raise  # a tensor name the checkpoint does not have: no other level will have it
+            except (CheckpointNotFoundError, UntrustedOwnerError):
+                raise  # a tensor name the checkpoint does not have / an owner not trusted: no fallback
             except _UNREADABLE as e:  # also a file that vanished (retention) since the listing
                 ck, err = None, str(e) or type(e).__name__
             errs = [b.decode() for b in comm.allgather(err.encode())]
@@ -223,7 +240,7 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
     """Read and check one scratch file of this participant (a shard, partner copy or parity)
     written by run ``run`` (the manifest's; "" for a format-1 checkpoint)."""
     path = inv[kind][key]
-    data = read_whole(path)
+    data = _read_owned(path, ownership.trusted_uids(), "scratch")
     if kind == "parity":
         h, _ = read_parity(data, path)
         if h.get("version") != version or h.get("run", "") != run:
@@ -240,6 +257,12 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
         for e in idx.entries:
             fmt.entry_view(data, e, verify=True, path=path)
     return data
+
+
+def _read_owned(path: str, trusted: frozenset[int], level: str) -> np.ndarray:
+    """The bytes of a regular file (never through a symbolic link, no FIFO) owned by one of
+    ``trusted`` (:func:`deepfreeze.ownership.check_owner`)."""
+    return read_whole(path, lambda st: ownership.check_owner(st, path, trusted, level))
 
 
 def _pack(items: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
@@ -414,7 +437,7 @@ def _load_persistent(level: PersistentLevel, name: str, version: int, verify: bo
     m = level.read_manifest(name, version)
     plan = plan_of(m)
     path = os.path.join(level.version_dir(name, version), (m.get("assembled") or {}).get("file", ASSEMBLED))
-    with open_regular_file(path) as f:  # a FIFO or symlink is refused, never waited on
+    with open_regular_file(path, lambda st: ownership.check_owner(st, path, level.trusted, "persistent")) as f:  # a FIFO or symlink is refused, never waited on
         idx = fmt.read_index(f, path)   # every entry within the file
         _check_index(idx, [(p.tensor_id, p.start, p.stop) for p in plan.pieces], m, version, path)
         flats, named = _empty_arrays(m, wanted, idx.file_size, path)

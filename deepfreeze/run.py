@@ -409,7 +409,7 @@ class Run:
         from .errors import ExistingCheckpointError
         from .levels import PersistentLevel, ScratchLevel
         cfg = self.config
-        pers = PersistentLevel(cfg.persistent)
+        pers = PersistentLevel(cfg.persistent, shared_group=cfg.shared_group)
         payload = None
         if self.rank == 0:
             payload = {"id": new_run_id(), "gen": 0, "committed": None, "err": "", "kind": ""}

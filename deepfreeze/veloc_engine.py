@@ -401,7 +401,7 @@ class VelocEngine(Engine):
             raise ValueError("VelocEngine at world size > 1 needs mpi_comm (an mpi4py communicator)")
         super().__init__(config, name, rank, plan, domains, scratch_cls=scratch_cls,
                          max_pending_flushes=max_pending_flushes, run=run)
-        self.persistent = PersistentLevel(config.persistent)
+        self.persistent = PersistentLevel(config.persistent, shared_group=config.shared_group)
         for d in (config.scratch, config.persistent) + ((config.meta,) if config.meta else ()):
             self.scratch.makedirs(d)
         self.cfg_file = write_veloc_config(config, config.scratch)

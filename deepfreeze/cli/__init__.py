@@ -56,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print the installed DeepFreeze version and exit")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
-    parents = {"common": common, "json": as_json, "version": version}
+    trust = Parser(add_help=False)
+    trust.add_argument("--trust-owner", metavar="USER", action="append", default=None, dest="trust_owners",
+                       help="also read persistent files owned by USER (name or uid; repeatable); by default only "
+                            "your own and root's are read")
+    parents = {"common": common, "json": as_json, "version": version, "trust": trust}
     for module in _COMMANDS:
         module.add_parser(sub, parents)
     return ap

@@ -12,7 +12,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("export", parents=[parents["common"], parents["version"]],
+    p = sub.add_parser("export", parents=[parents["common"], parents["version"], parents["trust"]],
                        help="write a version as h5, npz or safetensors",
                        description="Load a committed version (checksums verified) and write it as a Keras HDF5 "
                                    "weights file, a NumPy .npz or a safetensors file.")
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     progress.update(f"loading {name}" + (f" v{args.version}" if args.version is not None else ""), force=True)
     try:
         # deepfreeze.load: regular files only, sizes checked before allocating, falls back on damage
-        ck = load(cfg, name, args.version, verify=True)
+        ck = load(cfg, name, args.version, verify=True, trust_owners=args.trust_owners)
         progress.update(f"writing {args.output}", force=True)
         meta = {"name": ck.name, "version": ck.version, "step": ck.step, "epoch": ck.epoch, "format": "deepfreeze"}
         # a Keras weights file holds the model's weights only; npz/safetensors also the optimizer state

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 from typing import Any
 
 from ..inventory import plan_gc
 from ..levels import MANIFEST, PersistentLevel, ScratchLevel
+from ..ownership import remove_tree_nofollow
 from ._common import EXIT_OK, load_config, resolve_name
 
 __all__ = ["add_parser", "run"]
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         for r in removals:
             if r.level == "persistent" and os.path.isdir(r.path) \
                     and not os.path.lexists(os.path.join(r.path, MANIFEST)):
-                shutil.rmtree(r.path)
+                remove_tree_nofollow(r.path)  # through directory descriptors: never follows a symlink
         # scratch: each rank's shards, as the flush jobs do it
         if info["keep_scratch"] > 0 and info["scratch_upto"] >= 0:
             for rank in info["ranks"]:

@@ -12,7 +12,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("inspect", parents=[parents["common"], parents["version"], parents["json"]],
+    p = sub.add_parser("inspect", parents=[parents["common"], parents["version"], parents["json"], parents["trust"]],
                        help="tensors, shard plan, domains",
                        description="Show one version's tensors, world size, shard plan and failure domains.")
     p.set_defaults(func=run)
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     name = resolve_name(args, cfg)
     copies = scan(cfg, name)
-    version = args.version if args.version is not None else newest_restorable(cfg, name, copies)
+    version = args.version if args.version is not None else newest_restorable(cfg, name, copies, args.trust_owners)
     manifest, _ = pick_manifest(copies, version)
     d = describe(manifest, copies)
     if args.json:

@@ -13,7 +13,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("ls", parents=[parents["common"], parents["json"]], help="versions per level with their status",
+    p = sub.add_parser("ls", parents=[parents["common"], parents["json"], parents["trust"]], help="versions per level with their status",
                        description="List the versions of a checkpoint (all checkpoints without --name) on scratch "
                                    "and persistent: step, epoch (counted from 1, as Keras prints it), size on disk (MB), "
                                    "status, the run that wrote it and the step that run resumed from, directory.")
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     report = []
     for name in names:
         copies = scan(cfg, name)
-        levels = restorable(cfg, name, copies)
+        levels = restorable(cfg, name, copies, args.trust_owners)
         if args.name is not None and not copies:
             others = checkpoint_names(cfg)
             raise CheckpointNotFoundError(f"no checkpoint named {name!r} in scratch {cfg.scratch} or persistent "

@@ -13,7 +13,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("verify", parents=[parents["common"], parents["json"]],
+    p = sub.add_parser("verify", parents=[parents["common"], parents["json"], parents["trust"]],
                        help="read every piece and check every checksum",
                        description="Check completeness and every CRC32 of a version on each level that holds it. "
                                    "Exit code 1 if anything is damaged.")
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
             raise CheckpointNotFoundError(f"no version of {name!r} in scratch {cfg.scratch} or persistent "
                                           f"{cfg.persistent}")
     else:
-        version = args.version if args.version is not None else newest_restorable(cfg, name, copies)
+        version = args.version if args.version is not None else newest_restorable(cfg, name, copies, args.trust_owners)
         chosen = [c for c in copies if c.version == version]
         if not chosen:
             raise CheckpointNotFoundError(f"version {version} of {name!r} is on no level; versions on disk: "

@@ -141,6 +141,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         versions is refused at train begin).
       lease_wait: seconds to wait for another live run holding the name (0: fail at once,
         naming the holder).
+      trust_owners: with ``resume``, also restore persistent files owned by these users (names or
+        uids); by default only your own and root's are read (docs/guarantees.md, "Shared directories").
       save_optimizer: also checkpoint the optimizer's variables (slots, iteration counter),
         sharded and captured in the train step like the weights; False: weights only.
       engine: ``"builtin"`` (default; or ``$DEEPFREEZE_ENGINE``), ``"veloc"`` (shards go through a
@@ -160,7 +162,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                  min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES, verbose: int = 0, on_error: str = "raise",
                  resume: bool = False, save_optimizer: bool = True, engine: str | None = None,
                  scratch_cls: type[ScratchLevel] = ScratchLevel, overwrite: bool = False,
-                 lease_wait: float = 0.0, **overrides: Any) -> None:
+                 lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None,
+                 **overrides: Any) -> None:
         super().__init__()
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"on_error = {on_error!r}: use 'raise' (stop training) or 'warn' (log and go on)")
@@ -169,6 +172,10 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self.on_error, self.scratch_cls = on_error, scratch_cls
         self.resume, self.save_optimizer = bool(resume), bool(save_optimizer)
         self.overwrite, self.lease_wait = bool(overwrite), float(lease_wait)
+        self.trust_owners = ([trust_owners] if isinstance(trust_owners, (str, int)) else
+                             list(trust_owners) if trust_owners else None)
+        from ..ownership import trusted_uids
+        trusted_uids(self.trust_owners)  # an unknown user name is a ConfigError now, not at resume
         if self.resume and self.overwrite:
             raise ConfigError("resume=True and overwrite=True contradict each other: resume continues the name's "
                               "newest version, overwrite starts a new generation; pick one")
@@ -393,13 +400,14 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         comm = mpi_comm()
         try:
             if comm is not None or self.size == 1:
-                ck = load(self.config, self.name, comm=comm)
+                ck = load(self.config, self.name, comm=comm, trust_owners=self.trust_owners)
             else:  # several ranks without MPI (Horovod over Gloo): rank 0 picks, every rank reads it
-                versions = list_versions(self.config, self.name) if self.rank == 0 else {}
+                versions = (list_versions(self.config, self.name, trust_owners=self.trust_owners)
+                            if self.rank == 0 else {})
                 picked = broadcast_int(max(versions) if versions else -1)
                 if picked < 0:
                     raise CheckpointNotFoundError(self.name)
-                ck = load(self.config, self.name, picked)
+                ck = load(self.config, self.name, picked, trust_owners=self.trust_owners)
         except CheckpointNotFoundError:
             if self.rank == 0:
                 log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)

@@ -27,11 +27,13 @@ def model_tensors(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def restore_model(model: Any, config: "str | Config | None" = None, *, name: str,
-                  version: int | None = None, **overrides: Any) -> tuple[int, int]:
-    """Load a committed version's weights into ``model`` (bit-exact); returns ``(version, step)``."""
+                  version: int | None = None, trust_owners: "list[str | int] | None" = None,
+                  **overrides: Any) -> tuple[int, int]:
+    """Load a committed version's weights into ``model`` (bit-exact); returns ``(version, step)``.
+    ``trust_owners``: also read persistent files of these users (:func:`deepfreeze.restore.load`)."""
     from ._dist import mpi_comm
     cfg = Config.resolve(config, **overrides)
-    ck = load(cfg, name, version, comm=mpi_comm())
+    ck = load(cfg, name, version, comm=mpi_comm(), trust_owners=trust_owners)
     apply_checkpoint(model, ck)
     return ck.version, ck.step
 

@@ -1,0 +1,319 @@
+"""Safe on shared file systems: who owns a directory or file, and never following a symlink.
+
+DeepFreeze runs as ordinary users and as root, with roots (``scratch``, ``persistent``, the
+backend's runtime directory) that may sit in a directory every user can write in (``/tmp``,
+a shared ``/scratch``). Another local user can then pre-create the directories DeepFreeze
+will use, or plant symbolic links where its files go. The rules enforced here:
+
+* **A root** (or, when it does not exist yet, its nearest existing parent, in which DeepFreeze
+  creates it) must be owned by the user or by root and writable by nobody else, or be a
+  sticky directory (``/tmp``-like, mode ``1777``), or be group-writable with the INI key
+  ``shared_group = true`` (the user trusts every member of the group). No existing parent of
+  a root may be writable by every user without the sticky bit.
+* **Every directory DeepFreeze creates** below a root (``<root>/<name>``, version directories,
+  a missing root and its missing parents) is created ``0700`` and, when it exists already,
+  checked with ``lstat``: a symbolic link is an error (never followed), a directory owned by
+  another user is an error naming that user, one writable by group or others is an error.
+* **Files** DeepFreeze appends to or creates outside the commit protocol (the backend log) are
+  opened with ``O_NOFOLLOW``, created ``0600`` and must be regular files owned by the user.
+* **Removing** a directory tree (``deepfreeze gc``) goes through directory file descriptors
+  opened with ``O_NOFOLLOW``: a symbolic link is removed, never descended into.
+* **Owners of checkpoint files**: scratch files are restored only when owned by the user (or
+  root); persistent files also when their owner is in ``trust_owners`` (:func:`trusted_uids`).
+
+Errors are :class:`~deepfreeze.errors.UnsafePathError` and
+:class:`~deepfreeze.errors.UntrustedOwnerError`, saying what, why and what to do.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import pwd
+import stat
+import threading
+from typing import Iterable
+
+from . import crashpoints as cp
+from .errors import ConfigError, UnsafePathError, UntrustedOwnerError
+
+__all__ = ["owner_name", "trusted_uids", "check_owner", "check_root", "ensure_dir", "open_dir_nofollow",
+           "open_private", "remove_tree_nofollow"]
+
+_MAX_DEPTH = 32
+_lock = threading.Lock()
+#: roots accepted as group-writable with ``shared_group = true`` in this process: (st_dev, st_ino)
+_shared_ok: set[tuple[int, int]] = set()
+
+
+def owner_name(uid: int) -> str:
+    """``alice (uid 1001)``, or ``uid 1001`` when the user database does not know it."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def trusted_uids(trust_owners: "Iterable[str | int] | None" = None) -> frozenset[int]:
+    """The owners whose checkpoint files this process restores: itself, root (uid 0: root can
+    write anything anyway) and each of ``trust_owners`` (user names or uids). An unknown user
+    name is a :class:`~deepfreeze.errors.ConfigError`."""
+    out = {os.getuid(), 0}
+    if isinstance(trust_owners, (str, int)):
+        trust_owners = [trust_owners]
+    for o in trust_owners or ():
+        if isinstance(o, bool) or not isinstance(o, (str, int)):
+            raise ConfigError(f"trust_owners: {o!r} is neither a user name nor a uid")
+        if isinstance(o, int) or o.isdigit():
+            out.add(int(o))
+            continue
+        try:
+            out.add(pwd.getpwnam(o).pw_uid)
+        except KeyError:
+            raise ConfigError(f"trust_owners: no user named {o!r} on this host; give a user name that "
+                              "exists here or a numeric uid") from None
+    return frozenset(out)
+
+
+def check_owner(st: os.stat_result, path: str, trusted: frozenset[int], level: str) -> None:
+    """Raise :class:`UntrustedOwnerError` unless the file ``st`` (``fstat`` of ``path``, opened
+    without following a link) is owned by one of ``trusted``. ``level`` (scratch/persistent)
+    picks the advice: scratch files of another user are never restored."""
+    if st.st_uid in trusted:
+        return
+    who = owner_name(st.st_uid)
+    if level == "scratch":
+        raise UntrustedOwnerError(f"{path} is owned by {who}, not by you ({owner_name(os.getuid())}): scratch "
+                                  "files of another user are never restored (they may have been planted); "
+                                  "remove the file")
+    raise UntrustedOwnerError(f"{path} is owned by {who}, a user you do not trust: not restoring it. If "
+                              f"{_user(st.st_uid)} wrote this checkpoint and you trust them, pass "
+                              f"trust_owners=[{_user(st.st_uid)!r}] (CLI: --trust-owner {_user(st.st_uid)})")
+
+
+def _mode(st: os.stat_result) -> str:
+    return f"{stat.S_IMODE(st.st_mode):04o}"
+
+
+def _group(gid: int) -> str:
+    try:
+        import grp
+        return grp.getgrgid(gid).gr_name
+    except (KeyError, ImportError):
+        return str(gid)
+
+
+def check_root(path: str, *, shared_group: bool = False) -> None:
+    """Check an existing root directory (or the nearest existing parent a root is created in)
+    and its parents: see the module docstring. Raises :class:`UnsafePathError`."""
+    path = os.path.abspath(path)
+    try:
+        lst = os.lstat(path)
+        st = os.stat(path) if stat.S_ISLNK(lst.st_mode) else lst
+    except OSError as e:
+        raise UnsafePathError(f"{path}: {e.strerror}; point the directory elsewhere") from e
+    if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (os.getuid(), 0):
+        raise UnsafePathError(f"{path} is a symbolic link owned by {owner_name(lst.st_uid)}: not following a "
+                              "link another user controls; use the real path of the directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{path} is not a directory; point the setting to a directory")
+    _check_parents(os.path.dirname(path))
+    mode = st.st_mode
+    sticky = bool(mode & stat.S_ISVTX)
+    if mode & 0o002 and not sticky:
+        raise UnsafePathError(f"{path} is writable by every user and not sticky (mode {_mode(st)}): any user could "
+                              "replace what DeepFreeze creates there. Use a directory of your own, or make it "
+                              "sticky (chmod +t) as /tmp is")
+    if mode & 0o020 and not sticky:
+        key = (st.st_dev, st.st_ino)
+        if shared_group:
+            with _lock:
+                _shared_ok.add(key)
+            return
+        with _lock:
+            if key in _shared_ok:
+                return
+        raise UnsafePathError(f"{path} is writable by group {_group(st.st_gid)} (mode {_mode(st)}): every member "
+                              "could replace what DeepFreeze creates there. If you trust every member of that "
+                              "group, set 'shared_group = true' in the configuration; else use a directory of "
+                              "your own (or chmod g-w)")
+    if not mode & 0o022 and st.st_uid not in (os.getuid(), 0):
+        raise UnsafePathError(f"{path} is owned by {owner_name(st.st_uid)}, not by you ({owner_name(os.getuid())}) "
+                              "or root: that user controls what is created in it. Use a directory of your own")
+
+
+def _check_parents(path: str) -> None:
+    """No parent of a root may be writable by everyone without the sticky bit."""
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if st is not None and st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+            raise UnsafePathError(f"{path} is writable by every user and not sticky (mode {_mode(st)}): any user "
+                                  "could rename the directories below it. Use a path without such a parent, or "
+                                  "make it sticky (chmod +t) as /tmp is")
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+def _check_own_dir(path: str) -> None:
+    """``path`` (a directory DeepFreeze creates) must be a real directory, owned by the user,
+    writable by nobody else. Raises :class:`UnsafePathError` (NotADirectoryError for a file,
+    FileNotFoundError when gone)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        raise UnsafePathError(f"{path} is a symbolic link (to {target}, owned by {owner_name(st.st_uid)}) where "
+                              "DeepFreeze keeps its own directory: it never follows one (it could point into "
+                              "another user's files). Remove the link, or use another checkpoint name or root")
+    if not stat.S_ISDIR(st.st_mode):  # a plain error (the caller names the level and setting)
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+    if st.st_uid != os.getuid():
+        raise UnsafePathError(f"{path} is owned by {owner_name(st.st_uid)}, not by you ({owner_name(os.getuid())}): "
+                              "another user created the directory DeepFreeze would write into. Remove it (as its "
+                              "owner or root), or use another checkpoint name or root")
+    if st.st_mode & 0o022:
+        raise UnsafePathError(f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode "
+                              f"{_mode(st)}): DeepFreeze's directories must be writable by you only. "
+                              f"Run 'chmod go-w {path}', or remove it")
+
+
+def ensure_dir(path: str, root: str, *, shared_group: bool = False) -> None:
+    """Create ``path`` and every missing parent owner-only (0700) and check them: ``root`` (a
+    level's root; ``path`` itself when ``path`` is not below it) follows :func:`check_root`
+    (its nearest existing parent, when it does not exist), every directory below follows the
+    rules for directories DeepFreeze creates. Raises :class:`UnsafePathError`."""
+    path, root = os.path.abspath(path), os.path.abspath(root)
+    if path != root and not path.startswith(root.rstrip(os.sep) + os.sep):
+        root = path
+    below = [] if path == root else os.path.relpath(path, root).split(os.sep)
+    missing = []
+    p = root
+    while not os.path.lexists(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    check_root(p, shared_group=shared_group)
+    for d in reversed(missing):
+        _mkdir(d)
+    d = root
+    for part in below:
+        d = os.path.join(d, part)
+        _mkdir(d)
+
+
+def _mkdir(path: str) -> None:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    _check_own_dir(path)
+
+
+def open_dir_nofollow(path: str, dir_fd: int | None = None) -> int:
+    """A descriptor of directory ``path`` (relative to ``dir_fd`` if given), never through a
+    symbolic link: :class:`UnsafePathError` if ``path`` is one, NotADirectoryError if it is
+    something else, FileNotFoundError if it is gone."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and _is_link(path, dir_fd)):
+            raise UnsafePathError(f"{path} is a symbolic link where a directory should be: not following it") from e
+        raise
+
+
+def _is_link(path: str, dir_fd: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def open_private(path: str, flags: int) -> int:
+    """Open (or create, ``0600``) a file of the user's own, such as a log, with ``O_NOFOLLOW``:
+    a symbolic link, a non-regular file or a file of another user is refused
+    (:class:`UnsafePathError`); a file left readable by others is made ``0600``."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP or _is_link(path, None):
+            raise UnsafePathError(f"{path} is a symbolic link: DeepFreeze never writes through one (it could "
+                                  "point to another user's file); remove it") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path} is not a regular file; remove it")
+        if st.st_uid != os.getuid():
+            raise UnsafePathError(f"{path} is owned by {owner_name(st.st_uid)}, not by you: not writing into "
+                                  "another user's file; remove it (as its owner or root)")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_tree_nofollow(path: str, *, unlink_point: str = "persistent.retire.unlink",
+                         rmdir_point: str = "persistent.retire.rmdir") -> None:
+    """Remove ``path`` and everything below it, through directory descriptors opened with
+    ``O_NOFOLLOW``: a symbolic link (``path`` itself or anything inside) is removed as a link,
+    never followed, so nothing outside ``path`` is touched. A missing ``path`` is no error.
+    File operations go through :mod:`deepfreeze.crashpoints` (``unlink_point``, ``rmdir_point``)."""
+    path = os.path.abspath(path)
+    parent, base = os.path.split(path)
+    pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            st = os.stat(base, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            cp.unlink(base, unlink_point, dir_fd=pfd)
+            return
+        _remove_below(pfd, base, st, unlink_point, rmdir_point, 0)
+        cp.rmdir(base, rmdir_point, dir_fd=pfd)
+    finally:
+        os.close(pfd)
+
+
+def _remove_below(parent_fd: int, name: str, st: os.stat_result, unlink_point: str, rmdir_point: str,
+                  depth: int) -> None:
+    if depth > _MAX_DEPTH:
+        raise UnsafePathError(f"{name}: more than {_MAX_DEPTH} nested directories: not a DeepFreeze version "
+                              "directory; remove it by hand")
+    fd = open_dir_nofollow(name, parent_fd)
+    try:
+        got = os.fstat(fd)
+        if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+            raise UnsafePathError(f"{name} was replaced while being removed: stopping")
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for n, is_dir in entries:
+            try:
+                if is_dir:
+                    _remove_below(fd, n, os.stat(n, dir_fd=fd, follow_symlinks=False), unlink_point,
+                                  rmdir_point, depth + 1)
+                    cp.rmdir(n, rmdir_point, dir_fd=fd)
+                else:
+                    cp.unlink(n, unlink_point, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
