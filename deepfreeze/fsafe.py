@@ -56,7 +56,7 @@ def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
         fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         if e.errno == errno.ELOOP:  # O_NOFOLLOW on a symlink
-            raise _not_regular(path, "a symlink") from e
+            raise _not_regular(path, "a symbolic link (symlink), never followed") from e
         if e.errno in (errno.ENXIO, errno.EISDIR):  # a socket; a directory opened for writing
             try:
                 what = describe_mode(os.lstat(path).st_mode)

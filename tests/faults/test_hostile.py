@@ -140,7 +140,7 @@ def test_open_regular_refuses_fifo_symlink_directory(tmp_path):
     f.write_bytes(b"data")
     os.symlink(f, link)
     d.mkdir()
-    for path, what in ((fifo, "FIFO"), (link, "symlink"), (d, "directory")):
+    for path, what in ((fifo, "FIFO"), (link, "symbolic link"), (d, "directory")):
         with pytest.raises(CorruptCheckpointError, match=f"{path} is a {what}"):
             open_regular(str(path))  # returns at once: O_NONBLOCK, no writer needed
     with pytest.raises(FileNotFoundError):
