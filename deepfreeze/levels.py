@@ -6,39 +6,55 @@ Layout::
     <scratch>/<name>/v<version:012d>/h<holder>.r<src>.dfs  partner copy of rank src's shard (redundancy.py)
     <scratch>/<name>/v<version:012d>/x<holder>.dfx     parity block held by rank holder (redundancy.py)
     <scratch>/<name>/v<version:012d>/manifest.json     written by every local rank after its shard
+    <persistent>/<name>/v<version:012d>/decision       flush|skip, the version's nonce and run
+    <persistent>/<name>/v<version:012d>/model.dfz.partial.<nonce>, done.r<rank>.<nonce>.json  while flushing
     <persistent>/<name>/v<version:012d>/model.dfz      the assembled checkpoint (all tensors, whole)
     <persistent>/<name>/v<version:012d>/manifest.json  the commit marker, written last
+    <persistent>/<name>/lease, generation               the live run's lease; the name's generation (run.py)
 
-Commit protocol (data first, marker last, atomically):
+Commit protocol. The promise: a restored version is one run's state, whole, or an error, after a
+crash at any point (every file operation below passes a named crash point of
+:mod:`deepfreeze.crashpoints`; ``tests/faults/test_crashpoints.py`` kills a job at each):
 
-* **Scratch.** A rank writes its shard to ``.r<rank>.dfs.tmp<pid>`` and renames
-  it to ``r<rank>.dfs`` (atomic on POSIX), then writes ``manifest.json`` the same
-  way (same bytes on every rank). A shard is on scratch once its final name
-  exists; a version is *complete on a scratch directory* when its manifest and
-  every rank's shard are there. Scratch is not fsynced by default: node-local
-  storage is lost with its node anyway, and a killed process loses nothing
-  already written (the page cache belongs to the kernel).
-* **Persistent.** Every node copies its ranks' pieces into the shared
-  ``model.dfz.partial`` at offsets computed from the manifest alone (pieces of a
-  tensor are contiguous, so each piece is one positional write), fsyncs it (and
-  drops those durable pages from the node's page cache, which is the training's), then
-  publishes ``done.r<rank>.json`` (piece checksums) by atomic rename. The node
-  that sees the last ``done`` marker wins ``commit.lock`` (exclusive creation, as ``decision``; a lock
-  left by a dead process on the same host is broken) and
-  finalizes: it writes the header and index, fsyncs, renames ``model.dfz.partial``
-  to ``model.dfz``, writes ``manifest.json`` via temp file + fsync + rename, and
-  fsyncs the directory. **A version is committed on persistent if and only if
-  its ``manifest.json`` exists**; anything else in a version directory is an
-  unfinished flush that readers ignore.
-* **Which versions go to persistent** (``persistent_interval`` seconds) is decided
-  once per version by the first node to flush it, recorded in ``decision``
-  (written to a temporary file and hard-linked into place, so it is created
-  exclusively and never seen empty) (``flush`` or ``skip``) so every node follows the same choice
-  without any collective; a version is flushed when at least the interval has
-  passed since the newest earlier ``flush`` decision.
-* **Retention** runs after a commit: ``max_versions`` newest committed versions
-  stay on persistent; ``scratch_versions`` (else ``max_versions``) newest stay on
-  scratch, each rank deleting only its own shards, oldest first.
+* **Runs** (:mod:`deepfreeze.run`): every shard header, scratch manifest, decision, done marker,
+  parity header and assembled header carries the id of the run that wrote it; readers and the
+  finalizer never combine pieces whose run ids differ. Readers only accept manifests of the
+  name's current generation.
+* **Scratch.** A rank writes its shard to a temporary name and renames it to ``r<rank>.dfs``
+  (atomic on POSIX), then writes ``manifest.json`` the same way (same bytes on every rank of the
+  node). A version is *complete on a scratch directory* when its manifest and every rank's shard
+  (of the manifest's run) are there. Scratch is not fsynced: node-local storage is lost with its
+  node anyway, and a killed process loses nothing already renamed.
+* **Decision** (first flush of a version, any node): under the version's ``commit.lock``, after
+  the fence check (the name's lease is held by this run, or by nobody; else the work is
+  abandoned: :class:`FencedError`), ``decision`` = ``{"decision": "flush"|"skip", "nonce", "run"}``
+  is created exclusively (temporary file hard-linked into place: never seen empty). A decision of
+  another run (an attempt abandoned by a crash) is retired first, manifest first. ``skip`` when
+  ``persistent_interval`` has not passed since the newest earlier ``flush`` decision, judged by the
+  file system's clock (a future mtime is due, and warned once). Every node then follows it.
+* **Flush** of one rank: its pieces are copied into ``model.dfz.partial.<nonce>`` at offsets
+  computed from the manifest alone, each piece's CRC32 computed from the bytes as they are copied
+  and compared with the shard's index (no second read); the shard's run id must be the
+  manifest's; fsync (then the pages are dropped from the node's page cache); then
+  ``done.r<rank>.<nonce>.json`` (run, nonce, piece CRCs) is published by temp + fsync + rename +
+  directory fsync.
+* **Finalize**: whoever sees done markers of the *current nonce* for exactly ranks 0..N-1 takes
+  ``commit.lock`` (a lock of a dead or zombie process of this host is broken at once, one of
+  another host once it is older than ``lease_timeout``), checks the fence and that the decision
+  still has this nonce, writes header and index into the partial, fsyncs, renames it to
+  ``model.dfz``, writes ``manifest.json`` (temp + fsync + rename + directory fsync) and removes the
+  markers. A ``model.dfz`` already in place without a manifest (a finalizer killed after its rename)
+  is finished: its header must be this run's and version's, then the manifest is written; it is
+  never reopened as an empty partial. **A version is committed on persistent if and only if its
+  ``manifest.json`` exists** (valid, this name and version, the current generation); anything else
+  in a version directory is unfinished or abandoned work that readers ignore. A re-sent flush
+  (a restarted backend) of a committed version does nothing; of an unfinished one, repeats the
+  idempotent copy under the same nonce.
+* **Retention** runs after a commit: ``max_versions`` newest committed versions of the current
+  generation stay on persistent, older generations and ``skip`` directories older than the
+  newest commit go; a version is retired manifest first, then its files one by one (no symlink
+  followed); ``scratch_versions`` (else ``max_versions``) newest stay on scratch, each rank
+  deleting only its own files, the manifest with the last of them.
 
 Levels are classes so faults can be injected by subclassing one.
 """

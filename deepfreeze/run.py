@@ -305,10 +305,13 @@ class Lease:
             if waited < wait:
                 sleep(min(1.0, wait - waited))
                 continue
+            mine = here and pid == os.getpid()
             raise LeaseHeldError(
                 f"checkpoint name {self.name!r} is in use by a live run ({describe_holder(holder)}, last heartbeat "
-                f"{max(0.0, age):.0f} s ago; lease {self.path}): two jobs must not write one name. Wait for it to "
-                "end, pass lease_wait=<seconds>, or use another name")
+                f"{max(0.0, age):.0f} s ago; lease {self.path}): two jobs must not write one name. "
+                + ("That run is in this process: call close() on the earlier DeepFreezeCheckpoint of this name "
+                   "first (a run lasts until close())." if mine else
+                   "Wait for it to end, pass lease_wait=<seconds>, or use another name"))
         self.seq = 0
         self._stop.clear()
         self._thread = threading.Thread(target=self._heartbeat, name=f"deepfreeze-lease-{self.name}", daemon=True)

@@ -328,10 +328,10 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
     def close(self) -> None:
         """Wait for the flushes, then release the writer thread, the backend connection and the
         lease on the name (the run ends here)."""
+        engine, self.engine = self.engine, None
         try:
-            if self.engine is not None:
-                self.engine.close(wait=True)
-                self.engine = None
+            if engine is not None:
+                engine.close(wait=True)  # raises a pending background error once; shuts down either way
         finally:
             if self._run is not None:
                 self._run.close()

@@ -71,7 +71,11 @@ def test_raise_stops_training(tmp_path, mode, max_inflight):
         assert int(model.optimizer.iterations.numpy()) <= 10
     assert list(list_versions(ckpt.config, "k")) == [2, 4]
     assert "_update_step" not in model.optimizer.__dict__  # the hook is removed even so
-    ckpt.close()
+    try:
+        ckpt.close()
+    except CheckpointWriteError as e:  # with a queue, a later version handed off before fit stopped failed too
+        assert mode == "async" and max_inflight > 1 and "No space left" in str(e)
+    assert ckpt.engine is None and ckpt.run_id is None  # closed all the same
 
 
 class FileInTheWay(ScratchLevel):
