@@ -12,13 +12,17 @@ one JSON object per line in each direction. Requests::
 
     {"op": "hello"}                      -> {"ok": true, "pid": N}
     {"op": "flush", "job": {...}}        -> {"ok": true, "id": N}        (queued)
-    {"op": "wait", "ids": [...], "timeout": s}
-                                         -> {"ok": true, "errors": [...], "done": [...]}
-                                            (when those jobs are done, or after ``timeout`` s if given)
-    {"op": "poll", "ids": [...], "wait": s, "need": n}
-                                         -> {"ok": true, "done": [...], "errors": [...], "stalled": s}
+    {"op": "wait", "ids": [...], "timeout": s, "ack": [...]}
+                                         -> as poll, when those jobs are done, or after ``timeout`` s
+    {"op": "poll", "ids": [...], "wait": s, "need": n, "ack": [...]}
+                                         -> {"ok": true, "done": [...], "errors": [...], "unknown": [...],
+                                             "stalled": s}
                                             (once ``need`` of them (default all) are done, or after
                                             ``wait`` seconds (default 0, at most 30): never blocks longer)
+
+A finished job's result stays until the client acknowledges it (``ack``: the ids of its previous
+answer), so an answer lost to a timeout or a dropped connection is given again; an id the backend
+does not know is reported ``unknown`` (the client turns it into an error: never "done, no error").
     {"op": "status"}                     -> {"ok": true, "pid": N, "pending": N, "clients": N, "jobs": N,
                                              "overdue": [watchdog messages],
                                              "flusher": {"tid": N, "job": id or null, "stalled": s}}
@@ -273,26 +277,29 @@ class _Server:
                                 "deadline": now + interval, "last": now, "fired": False}
                     self.jobs.put((jid, req["job"]))
                     _send(conn, {"ok": True, "id": jid})
-                elif op == "wait":
+                elif op in ("wait", "poll"):  # which of these jobs are done, their errors (waiting at most "wait" s)
                     ids = [int(i) for i in req.get("ids", [])]
-                    limit = req.get("timeout")
+                    if op == "wait":
+                        need = len(ids)
+                        limit = req.get("timeout")
+                        wait = _MAX_WAIT if limit is None else min(_MAX_WAIT, max(0.0, float(limit)))
+                    else:
+                        need = min(len(ids), int(req.get("need", len(ids))))
+                        wait = min(_MAX_POLL_WAIT, max(0.0, float(req.get("wait", 0))))
                     with self.cond:
-                        self.cond.wait_for(lambda: all(self.results.get(i) != "pending" for i in ids),
-                                           None if limit is None else min(_MAX_WAIT, max(0.0, float(limit))))
-                        done = [i for i in ids if self.results.get(i, None) != "pending"]
-                        errors = [self.results.pop(i, None) for i in done]
-                    _send(conn, {"ok": True, "errors": [e for e in errors if e], "done": done})
-                elif op == "poll":  # which of these jobs are done, and their errors (waiting at most "wait" s)
-                    ids = [int(i) for i in req.get("ids", [])]
-                    need = min(len(ids), int(req.get("need", len(ids))))
-                    wait = min(_MAX_POLL_WAIT, max(0.0, float(req.get("wait", 0))))
-                    with self.cond:
+                        # results are kept until the client acknowledges them in a later request: an
+                        # answer lost to a timeout is given again, never read as "done, no error"
+                        for i in req.get("ack", []):
+                            if self.results.get(int(i), "pending") != "pending":
+                                self.results.pop(int(i), None)
                         if wait > 0:
                             self.cond.wait_for(
                                 lambda: sum(self.results.get(i) != "pending" for i in ids) >= need, wait)
-                        done = [i for i in ids if self.results.get(i, None) != "pending"]
-                        errors = [e for e in (self.results.pop(i, None) for i in done) if e]
-                    _send(conn, {"ok": True, "done": done, "errors": errors, "stalled": self.stalled()})
+                        done = [i for i in ids if i in self.results and self.results[i] != "pending"]
+                        unknown = [i for i in ids if i not in self.results]
+                        errors = [self.results[i] for i in done if self.results[i]]
+                    _send(conn, {"ok": True, "done": done, "errors": errors, "unknown": unknown,
+                                 "stalled": self.stalled()})
                 elif op == "status":
                     with self.cond:
                         pending = sum(1 for v in self.results.values() if v == "pending")
@@ -468,6 +475,7 @@ class BackendClient:
         self.scratch = scratch
         self.answer_timeout = answer_timeout
         self._lock = threading.Lock()
+        self._acks: list[int] = []  # done ids of the last answer, acknowledged with the next poll
         self.sock: socket.socket | None = None
         self.pid: int | None = None
         self.inode: int | None = None  # of the socket file this client connected through
@@ -615,12 +623,19 @@ class BackendClient:
         (default ``wait`` + ``answer_timeout``)."""
         if not ids:
             return [], []
-        req: dict[str, Any] = {"op": "poll", "ids": ids}
+        req: dict[str, Any] = {"op": "poll", "ids": ids, "ack": self._acks}
         if wait > 0:
             req["wait"] = wait
             if need is not None:
                 req["need"] = need
         r = self.request(req, wait + self.answer_timeout if timeout is None else timeout)
+        unknown = [int(i) for i in r.get("unknown", [])]
+        self._acks = [int(i) for i in r["done"]]  # acknowledged with the next request
+        if unknown:  # never "done, no error" for a job this backend does not know
+            r["done"] = list(r["done"]) + unknown
+            r["errors"] = list(r["errors"]) + [
+                f"flush job {i} is unknown to the backend pid {self.pid} (its result was lost): the version it "
+                "flushed is not known to be committed" for i in unknown]
         stalled = r.get("stalled")
         self.stalled = float(stalled) if isinstance(stalled, (int, float)) else None
         return r["done"], r["errors"]

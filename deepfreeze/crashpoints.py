@@ -19,7 +19,7 @@ import os
 import signal
 import threading
 
-__all__ = ["POINTS", "PERIPHERAL", "replace", "rename", "link", "fsync", "unlink", "rmdir", "hit"]
+__all__ = ["POINTS", "PERIPHERAL", "RACE_ONLY", "replace", "rename", "link", "fsync", "unlink", "rmdir", "hit"]
 
 #: point name -> the state a crash right before the operation leaves behind
 POINTS: dict[str, str] = {
@@ -40,7 +40,8 @@ POINTS: dict[str, str] = {
     "persistent.marker.rename": "this rank's pieces durable in the partial, its done marker not yet published",
     "persistent.marker.dirsync": "the done marker renamed, its directory not fsynced",
     "persistent.lock.link": "about to take commit.lock of the version",
-    "persistent.lock.break": "a stale commit.lock (dead or silent holder) about to be removed",
+    "persistent.lock.break": "a stale commit.lock (dead or silent holder) about to be moved aside",
+    "persistent.lock.putback": "a lock moved aside that was not the stale one, about to be put back (a race of two breakers)",
     "persistent.lock.unlink": "commit.lock about to be released",
     "persistent.final.fsync": "header and index written into the partial, not fsynced",
     "persistent.final.rename": "the partial complete and durable, not yet renamed to model.dfz",
@@ -58,8 +59,9 @@ POINTS: dict[str, str] = {
     "run.generation.dirsync": "overwrite: the new generation current, its directory not fsynced",
     "run.lease.fsync": "a new lease written under a temporary name",
     "run.lease.link": "a lease about to be created",
-    "run.lease.rename": "a heartbeat about to replace the lease file",
     "run.lease.takeover": "a stale lease about to be moved aside by a new holder",
+    "run.lease.putback": "a lease moved aside that was not the stale one, about to be put back (a race of two takers)",
+    "run.lease.release.rename": "the lease about to be marked released (a tombstone naming the run)",
     "run.lease.unlink": "a lease about to be released, or a moved-aside lease removed",
     "run.clock.unlink": "the file that gave the file system's clock about to be removed",
     # backend (backend.py)
@@ -71,6 +73,8 @@ POINTS: dict[str, str] = {
 
 #: points outside the checkpoint commit protocol (not part of the kill suite)
 PERIPHERAL = {"export.rename", "veloc.config.rename"}
+#: points only a race of two processes reaches (tested by their own race tests, not by a kill of one job)
+RACE_ONLY = {"persistent.lock.putback", "run.lease.putback"}
 
 _lock = threading.Lock()
 _counts: dict[str, int] = {}

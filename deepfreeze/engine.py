@@ -106,7 +106,8 @@ class Engine:
         self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()  # oldest first
         self._error: BaseException | None = None
         self._pending: dict[int, dict[str, Any]] = {}  # backend job id -> job not known to be done
-        self._backend_errors: list[str] = []
+        self._backend_errors: list[str] = []  # appended by the writer thread, taken by the training thread
+        self._errors_lock = threading.Lock()
         self.max_pending_flushes = max_pending_flushes or max(2, config.keep_scratch)
         self._backend: BackendClient | None = None
         self._pending_owner: tuple[int | None, int | None] = (None, None)  # (pid, socket inode) the ids belong to
@@ -324,7 +325,8 @@ class Engine:
             done, errors = self._call_backend(
                 lambda b, t: b.poll(list(self._pending), wait=min(1.0, t / 2) if need > 0 else 0.0,
                                     need=len(self._pending) - keep, timeout=t), deadline)
-            self._backend_errors += errors
+            with self._errors_lock:
+                self._backend_errors += errors
             for i in done:
                 self._pending.pop(i, None)
             if len(self._pending) <= keep:
@@ -356,9 +358,10 @@ class Engine:
                 next_log += LOG_EVERY
 
     def _raise_pending(self) -> None:
-        if self._backend_errors and self._error is None:
-            self._error = BackendError("background flush to persistent failed: " + "; ".join(self._backend_errors))
-        self._backend_errors = []
+        with self._errors_lock:  # errors not reported now (another error goes first) are kept for the next call
+            if self._backend_errors and self._error is None:
+                self._error = BackendError("background flush to persistent failed: " + "; ".join(self._backend_errors))
+                self._backend_errors = []
         if self._error is not None:
             err, self._error = self._error, None
             if isinstance(err, DeepFreezeError):

@@ -493,7 +493,7 @@ def live_run(cfg: Config, name: str) -> str | None:
     """The id of the run holding a live lease on ``name`` (heartbeat younger than ``lease_timeout``
     by the file system's clock), or None."""
     got = read_lease(cfg.persistent, name)
-    if got is None:
+    if got is None or got[0].get("released"):
         return None
     holder, mtime = got
     try:

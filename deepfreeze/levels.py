@@ -103,8 +103,8 @@ class FencedError(DeepFreezeError, RuntimeError):
 
 
 def _uniq() -> str:
-    """Suffix for temporary names, unique across processes and threads."""
-    return f"{os.getpid()}.{threading.get_ident()}"
+    """Suffix for temporary names, unique across hosts, processes and threads."""
+    return f"{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
 
 
 def _fsync_dir(path: str, point: str) -> None:
@@ -484,13 +484,18 @@ class PersistentLevel(Level):
     @contextlib.contextmanager
     def locked(self, vdir: str, *, wait: float, stale_after: float) -> Iterator[bool]:
         """Hold ``commit.lock`` of a version directory. Yields False (not taken) when another
-        live holder keeps it longer than ``wait`` seconds. A lock left by a dead process of
-        this host, or older than ``stale_after`` seconds by the file system's clock, is broken."""
+        live holder keeps it longer than ``wait`` seconds. The lock holds ``host pid token``. A
+        lock of a dead (or zombie) process of this host is broken at once; a lock of another host
+        once it is older than ``stale_after`` seconds by the file system's clock; a live holder on
+        this host is never broken. Breaking moves the lock aside (one breaker wins) and puts it back
+        if what was moved is not the lock judged stale; release removes the lock only if it still
+        holds this holder's token."""
         path = os.path.join(vdir, LOCK)
+        me = f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}".encode()
         deadline = time.monotonic() + wait
         taken = False
         while True:
-            if _create_exclusive(path, f"{socket.gethostname()} {os.getpid()}".encode(), "persistent.lock.link"):
+            if _create_exclusive(path, me, "persistent.lock.link"):
                 taken = True
                 break
             try:
@@ -499,17 +504,16 @@ class PersistentLevel(Level):
             except FileNotFoundError:
                 continue
             except (OSError, DeepFreezeError):
-                raw, mtime = b"", 0.0
-            host, _, pid = raw.decode(errors="replace").partition(" ")
-            dead = host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))
-            if dead or fs_now(vdir) - mtime > stale_after:
-                log.warning("deepfreeze: breaking stale lock %s of %s process %s", path,
-                            "dead" if dead else "silent", raw.decode(errors="replace")[:100])
-                try:
-                    cp.unlink(path, "persistent.lock.break")
-                except FileNotFoundError:
-                    pass
-                continue
+                raw, mtime = None, 0.0  # cannot judge it: treated as live
+            if raw is not None:
+                host, pid = (raw.decode(errors="replace").split(" ") + ["", ""])[:2]
+                here = host == socket.gethostname()
+                dead = here and pid.isdigit() and not _alive(int(pid))
+                if dead or (not here and fs_now(vdir) - mtime > stale_after):
+                    log.warning("deepfreeze: breaking stale lock %s of %s process %s", path,
+                                "dead" if dead else "silent", raw.decode(errors="replace")[:100])
+                    self._break(path, raw)
+                    continue
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.01)
@@ -518,9 +522,28 @@ class PersistentLevel(Level):
         finally:
             if taken:
                 try:
-                    cp.unlink(path, "persistent.lock.unlink")
+                    if _read_regular(path, 300) == me:  # not a lock someone else took after breaking ours
+                        cp.unlink(path, "persistent.lock.unlink")
                 except FileNotFoundError:
                     pass
+
+    @staticmethod
+    def _break(path: str, judged: bytes) -> None:
+        """Move the lock judged stale aside and remove it; if what was moved is another lock (the
+        holder was replaced meanwhile), put it back."""
+        aside_tmp = f"{path}.tmp{_uniq()}"
+        try:
+            cp.rename(path, aside_tmp, "persistent.lock.break")
+        except FileNotFoundError:
+            return
+        try:
+            if _read_regular(aside_tmp, 300) != judged:
+                try:
+                    cp.link(aside_tmp, path, "persistent.lock.putback")
+                except FileExistsError:
+                    pass
+        finally:
+            os.unlink(aside_tmp)
 
     def _fence(self, name: str, run: str, what: str) -> None:
         holder = fence_holder(self.root, name, run)
@@ -713,6 +736,12 @@ class PersistentLevel(Level):
                     os.close(fd)
                 if (idx.run or ANONYMOUS_RUN) != run or idx.version != version or idx.file_size != size:
                     raise CorruptCheckpointError(f"{assembled}: left by another run or version; not committing it")
+            # checked again right before the commit: a finalizer that stalled (a stuck mount) after its
+            # first check must not commit once another run took the name or retired the version
+            self._fence(name, run, f"commit of {name!r} v{version}")
+            d = read_decision(vdir)
+            if d is None or d["nonce"] != nonce:
+                raise FencedError(f"{name!r} v{version}: the version was retired while this run committed it")
             final = dict(manifest, assembled={"file": ASSEMBLED, "bytes": size, "checksums": has_crc},
                          committed=time.time())
             atomic_write(os.path.join(vdir, MANIFEST), fmt.encode_manifest(final), fsync=fsync,
@@ -786,8 +815,15 @@ class PersistentLevel(Level):
             except (OSError, DeepFreezeError, ValueError):
                 continue
             (committed if fmt.manifest_run(m)[1] == gen else other_gen).append(v)
-        for v in other_gen:
-            self._clear(self.version_dir(name, v))
+        for v in other_gen:  # under the version's lock: never half-way through another node's decision
+            vdir = self.version_dir(name, v)
+            with self.locked(vdir, wait=0.0, stale_after=60.0) as taken:
+                if taken:
+                    self._clear(vdir, keep=(LOCK,))
+            try:
+                cp.rmdir(vdir, "persistent.retire.rmdir")
+            except OSError:
+                pass
         for v in self.versions(name):
             if committed and v < committed[-1] and v not in committed:
                 d = read_decision(self.version_dir(name, v))
@@ -897,8 +933,10 @@ def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
                 fsync=job.get("fsync", True), decision=decision, stale_after=stale)
             result["flushed"] = True
             if result["committed"]:
+                persistent._fence(name, run, f"retention of {name!r}")
                 persistent.retain(name, job["keep_persistent"])
         elif job["persistent_interval"] >= 0:
+            persistent._fence(name, run, f"retention of {name!r}")  # a run without the lease removes nothing
             persistent.retain(name, job["keep_persistent"])  # sweeps skipped versions
     except FencedError as e:
         log.warning("deepfreeze: %s", e)

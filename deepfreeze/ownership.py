@@ -143,7 +143,7 @@ def check_root(path: str, *, shared_group: bool = False) -> None:
                               "could replace what DeepFreeze creates there. If you trust every member of that "
                               "group, set 'shared_group = true' in the configuration; else use a directory of "
                               "your own (or chmod g-w)")
-    if not mode & 0o022 and st.st_uid not in (os.getuid(), 0):
+    if st.st_uid not in (os.getuid(), 0):  # also a sticky one: its owner can rename or remove any entry
         raise UnsafePathError(f"{path} is owned by {owner_name(st.st_uid)}, not by you ({owner_name(os.getuid())}) "
                               "or root: that user controls what is created in it. Use a directory of your own")
 

@@ -131,8 +131,21 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
     scratch, persistent = _levels(config, trust_owners)
     gen = persistent.generation(name)  # only the current generation's versions exist for readers
     local = scratch.committed(name, gen)  # version -> (manifest, files held here)
+    committed = persistent.committed_versions(name, gen)
+    for v in [v for v in local if v in committed]:
+        # a scratch copy of another run than persistent's same version (a node left out of the run
+        # that resumed below it): another timeline, never mixed in, never preferred
+        try:
+            prun = fmt.manifest_run(persistent.read_manifest(name, v))[0]
+        except _UNREADABLE:
+            continue
+        srun = fmt.manifest_run(local[v][0])[0]
+        if srun != prun:
+            log.warning("deepfreeze: %s v%d on scratch %s is of run %s, on persistent of run %s: the scratch copy "
+                        "is ignored", name, v, config.scratch, srun or "?", prun or "?")
+            del local[v]
     summary = {"scratch": {str(v): {k: sorted(d) for k, d in inv.items()} for v, (_, inv) in local.items()},
-               "persistent": persistent.committed_versions(name, gen),
+               "persistent": committed,
                "untrusted": {str(v): str(e) for v, e in persistent.untrusted.items()}}
     infos = [json.loads(b) for b in comm.allgather(json.dumps(summary).encode())]
     have: dict[int, dict[tuple[str, int], list[int]]] = {}
@@ -236,11 +249,11 @@ def _needed_ranks(manifest: dict[str, Any], wanted: Sequence[str] | None) -> lis
 
 
 def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int, verify: bool,
-               run: str = "") -> np.ndarray:
+               run: str = "", limit: int | None = None) -> np.ndarray:
     """Read and check one scratch file of this participant (a shard, partner copy or parity)
     written by run ``run`` (the manifest's; "" for a format-1 checkpoint)."""
     path = inv[kind][key]
-    data = _read_owned(path, ownership.trusted_uids(), "scratch")
+    data = _read_owned(path, ownership.trusted_uids(), "scratch", limit)
     if kind == "parity":
         h, _ = read_parity(data, path)
         if h.get("version") != version or h.get("run", "") != run:
@@ -259,10 +272,24 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
     return data
 
 
-def _read_owned(path: str, trusted: frozenset[int], level: str) -> np.ndarray:
+def _file_limit(manifest: dict[str, Any]) -> int:
+    """The most bytes a scratch file of ``manifest`` (a shard, a partner copy, a parity block) can
+    hold: every tensor byte, plus a header and index for every piece, plus alignment."""
+    pieces = len(manifest["plan"].get("pieces", [])) if isinstance(manifest.get("plan"), dict) else 0
+    tensors = sum(math.prod(t["shape"]) * fmt.dtype_itemsize(t["dtype"]) for t in manifest["tensors"])
+    return tensors + (1 << 20) + (pieces + len(manifest["tensors"])) * (48 + 8 * fmt.MAX_NDIM + fmt.PIECE_ALIGN)
+
+
+def _read_owned(path: str, trusted: frozenset[int], level: str, limit: int | None = None) -> np.ndarray:
     """The bytes of a regular file (never through a symbolic link, no FIFO) owned by one of
-    ``trusted`` (:func:`deepfreeze.ownership.check_owner`)."""
-    return read_whole(path, lambda st: ownership.check_owner(st, path, trusted, level))
+    ``trusted`` (:func:`deepfreeze.ownership.check_owner`) and, with ``limit``, of at most that
+    many bytes (checked before anything is allocated: a sparse 4 TiB file is refused)."""
+    def check(st: os.stat_result) -> None:
+        ownership.check_owner(st, path, trusted, level)
+        if limit is not None and st.st_size > limit:
+            raise CorruptCheckpointError(f"{path} is {st.st_size} bytes, more than the {limit} its checkpoint's "
+                                         "manifest allows: not reading it")
+    return read_whole(path, check)
 
 
 def _pack(items: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
@@ -315,7 +342,8 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
             if p != comm.rank:
                 continue
             try:
-                items[(kind, key)] = _read_item(inv, kind, key, version, verify, fmt.manifest_run(manifest)[0])
+                items[(kind, key)] = _read_item(inv, kind, key, version, verify, fmt.manifest_run(manifest)[0],
+                                                _file_limit(manifest))
             except _UNREADABLE as e:  # damaged, not a regular file, or removed by retention meanwhile
                 failed.append([kind, key, str(e) or type(e).__name__])
         reports = [json.loads(b) for b in comm.allgather(json.dumps(failed).encode())]

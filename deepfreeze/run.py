@@ -13,14 +13,15 @@
   grow; ``version=`` arguments of the API mean the step in the current generation.
 * The **lease** ``<persistent>/<name>/lease`` names the live run that may commit versions of
   the name (host, pid, run id). It is created exclusively, renewed by a heartbeat thread of
-  rank 0 every ``lease_timeout / 3`` seconds (the file's mtime is the heartbeat), and is also
-  the fencing token: every flush and finalize compares its run id with the lease's under the
+  rank 0 every ``lease_timeout / 3`` seconds (the file's mtime is the heartbeat, touched through a
+  descriptor whose content is checked), released at ``close()`` by marking it released (a
+  tombstone naming the run, taken over at once by the next run), and is also the fencing token: every flush and finalize compares its run id with the lease's under the
   version's ``commit.lock`` and abandons the work of any other run. A holder is *stale* when
   its heartbeat is older than ``lease_timeout`` by the file system's clock (:func:`fs_now`),
   or at once when it is a process of this host that no longer exists.
 
-Lease takeover (a stale holder): the lease is renamed aside (only one renamer can succeed),
-the moved file is checked to be the one judged stale (else it is put back), then removed,
+Lease takeover (a stale or released holder): the lease is renamed aside (only one renamer can
+succeed), the moved file is checked to be the one judged stale (else it is put back), then removed,
 and the new holder creates the lease exclusively. A holder whose heartbeat finds the lease
 no longer its own has lost it: its later flushes are fenced off, and it reports that once.
 """
@@ -190,8 +191,10 @@ def read_lease(persistent: str, name: str) -> tuple[dict[str, Any], float] | Non
 
 
 def fence_holder(persistent: str, name: str, run: str) -> dict[str, Any] | None:
-    """The holder of the lease on ``name`` if it is a run other than ``run`` (that run's work
-    must be abandoned), else None (``run`` holds it, or nobody does)."""
+    """The lease (holder or tombstone) on ``name`` if it names a run other than ``run``: that
+    run's work must be abandoned. None when ``run`` holds (or last held) it, or when the name has
+    no lease file at all (work without a lease: a run without persistent, an engine without a run).
+    A released lease stays as a tombstone, so a run that lost the lease never passes again."""
     got = read_lease(persistent, name)
     if got is None or got[0].get("run") == run:
         return None
@@ -199,7 +202,8 @@ def fence_holder(persistent: str, name: str, run: str) -> dict[str, Any] | None:
 
 
 def describe_holder(h: dict[str, Any]) -> str:
-    return f"host {h.get('host')}, pid {h.get('pid')}, run {h.get('run')}"
+    return (f"host {h.get('host')}, pid {h.get('pid')}, run {h.get('run')}"
+            + (" (released)" if h.get("released") else ""))
 
 
 def _alive(pid: int) -> bool:
@@ -273,8 +277,11 @@ class Lease:
             if got is None:
                 continue  # released meanwhile
             holder, mtime = got
-            if holder.get("run") == self.run:
+            if holder.get("run") == self.run and not holder.get("released"):
                 break
+            if holder.get("released"):  # its run ended with close(): free
+                self._take_over(holder)
+                continue
             here = holder.get("host") == socket.gethostname()
             pid = holder.get("pid")
             now = fs_now(self.dir)
@@ -319,9 +326,8 @@ class Lease:
 
     def _take_over(self, judged: dict[str, Any]) -> None:
         """Move the stale lease aside (one mover wins) and remove it. If what was moved is not
-        the lease judged stale (its holder renewed it, or another taker already replaced it),
-        that holder loses the lease: its heartbeat reports it and fencing abandons its work, so
-        there is never more than one run whose work commits."""
+        the lease judged stale (another taker already replaced it), it is put back (the caller
+        then finds that live holder)."""
         aside = f"{self.path}.taken.{_uniq()}"
         try:
             cp.rename(self.path, aside, "run.lease.takeover")
@@ -331,9 +337,11 @@ class Lease:
             moved = json.loads(_read_small(aside, _MAX_LEASE_BYTES).decode("utf-8"))
         except (OSError, ValueError, DeepFreezeError):
             moved = {"run": "?", "seq": -1}
-        if moved.get("run") != judged.get("run") or moved.get("seq") != judged.get("seq"):
-            log.warning("deepfreeze: the lease on %r changed hands while it was taken over (%s): that run loses it",
-                        self.name, describe_holder(moved))
+        if moved.get("run") != judged.get("run") or bool(moved.get("released")) != bool(judged.get("released")):
+            try:  # not the lease judged stale (another taker already replaced it): put it back
+                cp.link(aside, self.path, "run.lease.putback")
+            except FileExistsError:
+                pass
         try:
             cp.unlink(aside, "run.lease.unlink")
         except FileNotFoundError:
@@ -348,33 +356,49 @@ class Lease:
                 log.warning("deepfreeze: lease heartbeat of %r failed: %s", self.name, e)
 
     def renew(self) -> None:
-        """One heartbeat: rewrite the lease if it is still ours, else record that it was lost."""
-        got = read_lease(os.path.dirname(self.dir), self.name)
-        if got is None or got[0].get("run") != self.run:
-            if self.lost is None:
-                self.lost = (f"the lease on {self.name!r} was taken over by "
-                             f"{describe_holder(got[0]) if got else 'nobody (removed)'}: this run's later "
-                             "versions are not committed on persistent")
-                log.error("deepfreeze: %s", self.lost)
-            return
-        self.seq += 1
-        _write_replace(self.path, self._content(), "run.lease", fsync=False)
+        """One heartbeat: touch the lease's mtime through a descriptor whose content is checked to
+        be this run's (a lease replaced meanwhile is another inode: touching this one is harmless);
+        otherwise record that the lease was lost."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = None
+        holder = None
+        if fd is not None:
+            try:
+                try:
+                    holder = json.loads(os.read(fd, _MAX_LEASE_BYTES + 1).decode("utf-8"))
+                except (ValueError, UnicodeDecodeError):
+                    holder = None
+                if isinstance(holder, dict) and holder.get("run") == self.run and not holder.get("released"):
+                    os.utime(fd)
+                    return
+            finally:
+                os.close(fd)
+        if self.lost is None:
+            self.lost = (f"the lease on {self.name!r} was taken over by "
+                         f"{describe_holder(holder) if isinstance(holder, dict) else 'nobody (removed)'}: this "
+                         "run's later versions are not committed on persistent")
+            log.error("deepfreeze: %s", self.lost)
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lease if it is still ours."""
+        """Stop the heartbeat and, if the lease is still ours, mark it released: a tombstone naming
+        this run, not a removal, so a run that lost the lease can never pass the fence once the
+        name is free (:func:`fence_holder`); the next run takes a released lease over at once."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
         try:
             got = read_lease(os.path.dirname(self.dir), self.name)
-            if got is not None and got[0].get("run") == self.run:
-                cp.unlink(self.path, "run.lease.unlink")
+            if got is not None and got[0].get("run") == self.run and not got[0].get("released"):
+                content = json.loads(self._content())
+                content["released"] = True
+                _write_replace(self.path, json.dumps(content).encode(), "run.lease.release", fsync=False)
         except FileNotFoundError:
             pass
         except OSError as e:  # the directory went away or broke: nothing to release there
             log.warning("deepfreeze: could not release the lease %s: %s", self.path, e)
-
 
 class Run:
     """One run of a checkpoint name as seen by one rank: :meth:`begin` (collective) makes the
@@ -446,11 +470,20 @@ class Run:
             raise DeepFreezeError(f"cannot start a run of {self.name!r} (rank 0: {got['kind']}): {got['err']}")
         gen = int(got["gen"])
         scratch = ScratchLevel(cfg.scratch)
-        if self.overwrite:
-            scratch.clear(self.name, self.rank)
-        local = scratch.committed(self.name, gen)
-        rows = self.comm.allgather(json.dumps(max(local) if local else None).encode())
-        on_scratch = [v for v in (json.loads(r) for r in rows) if v is not None]
+        mine: dict[str, Any] = {"newest": None, "err": ""}
+        try:  # every rank's error is gathered: no rank is left waiting in a collective
+            if self.overwrite:
+                scratch.clear(self.name, self.rank)
+            local = scratch.committed(self.name, gen)
+            mine["newest"] = max(local) if local else None
+        except (DeepFreezeError, OSError) as e:
+            mine["err"] = f"{type(e).__name__}: {str(e)[:1000]}"
+        rows = [json.loads(r) for r in self.comm.allgather(json.dumps(mine).encode())]
+        bad = [(r, row["err"]) for r, row in enumerate(rows) if row["err"]]
+        if bad:
+            self.close()
+            raise DeepFreezeError(f"cannot start a run of {self.name!r}: rank {bad[0][0]}: {bad[0][1]}")
+        on_scratch = [row["newest"] for row in rows if row["newest"] is not None]
         if not self.resume and not self.overwrite and (got["committed"] is not None or on_scratch):
             newest = max([got["committed"] or 0] + on_scratch)
             self.close()
@@ -469,9 +502,12 @@ class Run:
         from .levels import PersistentLevel, ScratchLevel
         assert self.info is not None, "begin() first"
         self.info = dataclasses.replace(self.info, resumed_from=int(step))
-        ScratchLevel(self.config.scratch).clear(self.name, self.rank, above=step)
         err = ""
-        if self.rank == 0 and self.config.persistent_interval >= 0:
+        try:
+            ScratchLevel(self.config.scratch).clear(self.name, self.rank, above=step)
+        except (DeepFreezeError, OSError) as e:
+            err = f"rank {self.rank}: {type(e).__name__}: {str(e)[:1000]}"
+        if self.rank == 0 and self.config.persistent_interval >= 0 and not err:
             pers = PersistentLevel(self.config.persistent)
             try:
                 for v in pers.versions(self.name):
@@ -481,9 +517,10 @@ class Run:
                         pers.retire(self.name, v, stale_after=self.config.lease_timeout)
             except (DeepFreezeError, OSError) as e:
                 err = f"{type(e).__name__}: {e}"
-        got = self._gather0({"err": err})  # also a barrier: nobody writes above step before it is retired
-        if got["err"]:
-            raise DeepFreezeError(f"resume of {self.name!r} from v{step}: {got['err']}")
+        rows = [json.loads(r) for r in self.comm.allgather(json.dumps(err).encode())]  # also a barrier
+        bad = [e for e in rows if e]
+        if bad:  # every rank raises: nobody writes above step before it is retired
+            raise DeepFreezeError(f"resume of {self.name!r} from v{step}: {bad[0]}")
         return self.info
 
     def check(self) -> None:

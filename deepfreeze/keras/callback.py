@@ -218,7 +218,18 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 "tf.keras.optimizers.legacy optimizer (Horovod's DistributedOptimizer over one is fine)")
         self.rank, self.size = rank_and_size()
         self.config.check_directories()  # an unusable scratch/persistent path: one clear error now
+        started = self._run is None
         self._begin_run()
+        try:
+            self._set_up(model)
+        except BaseException:
+            if started and self._run is not None:  # this call started the run: end it (release the lease)
+                self._run.close()
+                self._run = None
+            raise
+
+    def _set_up(self, model: Any) -> None:
+        """The rest of ``on_train_begin``: resume, the shard plan, the engine, the hook."""
         if not model.built or not model.weights:
             self._defer_setup()  # built (and restored) at the first step, from the input's spec
             return
@@ -237,7 +248,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         domains = [row[16:].decode(errors="replace") for row in rows]
         if self.engine is None or self.plan != plan:
             if self.engine is not None:
-                self.engine.close()
+                old, self.engine = self.engine, None
+                self._guard(old.close)  # a background error of the last fit is under on_error too
             veloc = self.engine_kind == "veloc"
             comm = mpi_comm() if (self.config.ec_interval >= 0 or veloc) and self.size > 1 else None
             self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, domains,
@@ -287,6 +299,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             self._pending = True
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self.hook is None:  # removed after a failure under on_error="raise" that the caller caught
+            self._pending = False
+            return
         if not self._pending:
             if self.hook is not None and self.hook.traced:
                 self.hook.prepare()  # after the first traced step: the capture's reader, traced once

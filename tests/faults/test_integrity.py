@@ -125,7 +125,7 @@ def test_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path, ca
         assert "which is gone" in caplog.text
     finally:
         lease.release()
-    assert read_lease(pers, "n") is None
+    assert read_lease(pers, "n")[0]["released"]  # a tombstone naming the run, taken over at once next time
 
 
 def test_live_lease_of_another_host_is_refused_then_stale_one_taken(tmp_path):
@@ -170,9 +170,9 @@ def test_heartbeat_renews_and_notices_a_takeover(tmp_path):
     lease = Lease(pers, "n", new_run_id(), timeout=0.3)
     lease.acquire()
     try:
-        seq0 = read_lease(pers, "n")[0]["seq"]
+        t0 = read_lease(pers, "n")[1]
         time.sleep(0.5)
-        assert read_lease(pers, "n")[0]["seq"] > seq0
+        assert read_lease(pers, "n")[1] > t0  # the heartbeat touched it
         _fake_lease(pers, "n", host="other-node", pid=1)  # somebody took it over
         time.sleep(0.4)
         assert lease.lost and "other-node" in lease.lost
@@ -342,3 +342,57 @@ def test_gc_never_touches_a_flush_of_the_live_run(tmp_path):
         lease.release()
     removals, _ = plan_gc(cfg, "job")  # the lease released: v1 is a leftover like any other
     assert 1 in {r.version for r in removals if r.level == "persistent"}
+
+
+def test_commit_lock_of_a_live_holder_is_never_broken_and_release_keeps_a_foreign_lock(tmp_path):
+    """A commit.lock held by a live process of this host is not broken however old it is; a holder
+    releases only its own lock (its token), never one another process took after breaking it."""
+    pers = PersistentLevel(str(tmp_path))
+    vdir = pers.version_dir("n", 1)
+    os.makedirs(vdir)
+    lock = os.path.join(vdir, "commit.lock")
+    with open(lock, "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()} feedfacefeedface")
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pers.locked(vdir, wait=0.2, stale_after=1.0) as taken:
+        assert not taken  # alive here: never broken
+    os.unlink(lock)
+    with pers.locked(vdir, wait=0.2, stale_after=1.0) as taken:
+        assert taken
+        with open(lock, "w") as f:  # as if broken and retaken by another process meanwhile
+            f.write("otherhost 1 0123456789abcdef")
+    with open(lock) as f:
+        assert f.read().startswith("otherhost")  # not removed by the first holder's release
+
+
+def test_a_run_that_lost_the_lease_is_fenced_even_after_the_new_run_released_it(tmp_path):
+    """Run A lost the name to run B; B finished and released it (a tombstone): A's backend, waking
+    up, still cannot decide or commit a version."""
+    from deepfreeze.run import fence_holder
+    pers = str(tmp_path)
+    a, b = Lease(pers, "n", new_run_id(), timeout=30), Lease(pers, "n", new_run_id(), timeout=30)
+    a.acquire()
+    a._stop.set()  # A's heartbeat stops (a hung node)
+    _fake = read_lease(pers, "n")[0]
+    b._take_over(_fake)  # B takes the stale lease over and holds it
+    assert b._create()
+    b.release()
+    assert read_lease(pers, "n")[0]["released"] and read_lease(pers, "n")[0]["run"] == b.run
+    assert fence_holder(pers, "n", a.run)["run"] == b.run  # A stays fenced
+    assert fence_holder(pers, "n", b.run) is None
+    with pytest.raises(Exception, match="abandoned"):
+        PersistentLevel(pers).decide("n", 8, 0, a.run)
+
+
+def test_takeover_puts_back_a_lease_that_is_not_the_stale_one(tmp_path):
+    """Two takers judged the same lease stale; the second must not remove the lease the first
+    just created: it puts back what it moved aside."""
+    pers = str(tmp_path)
+    judged = json.loads(json.dumps({"run": "feedfacefeedface", "host": "other-node", "pid": 1, "seq": 0}))
+    first = Lease(pers, "n", new_run_id(), timeout=30)
+    os.makedirs(os.path.join(pers, "n"))
+    assert first._create()  # the first taker already replaced the stale lease
+    second = Lease(pers, "n", new_run_id(), timeout=30)
+    second._take_over(judged)
+    assert read_lease(pers, "n")[0]["run"] == first.run
