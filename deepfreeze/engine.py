@@ -237,8 +237,8 @@ class Engine:
                 waited = time.monotonic() - self._unresponsive_since
                 start = self._start_timeout(deadline)
                 if waited >= cfg.backend_timeout and start is not None:
-                    self._replace_backend(e, f"has not answered for {waited:.0f}s", start)
-                    return fn(self._backend, cfg.backend_timeout)
+                    self._replace_backend(e, f"has not answered for {waited:.0f}s", start, deadline)
+                    return fn(self._backend, self._budget(deadline))
                 if waited >= self._next_log:
                     log.warning("deepfreeze: rank %d: backend pid %s on %s has not answered for %.0fs (process "
                                 "state %s); declared dead after backend_timeout = %gs", self.rank,
@@ -253,15 +253,27 @@ class Engine:
                         "start a new one): call wait() again") from e
                 continue
             except BackendError as e:
+                start = self._start_timeout(deadline)
+                if start is None:  # too little time left to start one: the next call does it
+                    raise BackendError(f"rank {self.rank} lost its backend ({e}) with too little time left before "
+                                       f"the deadline to start a new one: call wait() again") from e
                 log.warning("deepfreeze: rank %d lost its backend (%s); starting a new one and re-sending %d "
                             "pending flush(es)", self.rank, e, len(self._pending))
                 self._backend.close()
-                self._backend = BackendClient(cfg.scratch, answer_timeout=cfg.backend_timeout)
+                self._backend = BackendClient(cfg.scratch, timeout=start,
+                                              answer_timeout=min(cfg.backend_timeout, start))
+                self._backend.answer_timeout = cfg.backend_timeout
                 self._unresponsive_since = None
-                self._resend()
-                return fn(self._backend, cfg.backend_timeout)
+                self._resend(deadline)
+                return fn(self._backend, self._budget(deadline))
             self._unresponsive_since = None
             return result
+
+    def _budget(self, deadline: float | None) -> float:
+        """Seconds one exchange may take: ``backend_timeout``, or what is left before ``deadline``."""
+        if deadline is None:
+            return self.config.backend_timeout
+        return max(0.05, min(self.config.backend_timeout, deadline - time.monotonic()))
 
     @staticmethod
     def _start_timeout(deadline: float | None) -> float | None:
@@ -281,7 +293,8 @@ class Engine:
         self._backend = client
         self._resend()
 
-    def _replace_backend(self, e: BackendUnresponsiveError, why: str, start_timeout: float = 60.0) -> None:
+    def _replace_backend(self, e: BackendUnresponsiveError, why: str, start_timeout: float = 60.0,
+                         deadline: float | None = None) -> None:
         """Declare the backend dead (``why``: what it did not do for ``backend_timeout``), start one new
         backend on its socket path (another rank of the node may have done it already: then that one
         is used) and re-send the pending flushes."""
@@ -294,24 +307,27 @@ class Engine:
         old.close()
         self._unresponsive_since = None
         try:
-            self._backend = BackendClient(cfg.scratch, timeout=start_timeout, answer_timeout=cfg.backend_timeout,
+            self._backend = BackendClient(cfg.scratch, timeout=start_timeout,
+                                          answer_timeout=min(cfg.backend_timeout, start_timeout),
                                           replace=e.inode if e.inode is not None else old.inode)
-            self._resend()
+            self._backend.answer_timeout = cfg.backend_timeout
+            self._resend(deadline)
         except BackendError as e2:
             raise BackendError(f"the DeepFreeze backend pid {pid} on {old.path} {why} and was declared dead (left "
                                f"running); its replacement failed too: {e2}") from e2
         log.warning("deepfreeze: rank %d: backend pid %s now serves %s (%d flush(es) re-sent)", self.rank,
                     self._backend.pid, self._backend.path, len(self._pending))
 
-    def _resend(self) -> None:
-        """Re-send the pending flushes if the backend is not the one their ids belong to."""
+    def _resend(self, deadline: float | None = None) -> None:
+        """Re-send the pending flushes if the backend is not the one their ids belong to (each
+        request bounded by what is left before ``deadline``)."""
         owner = (self._backend.pid, self._backend.inode)
         if owner == self._pending_owner:
             return
         jobs = list(self._pending.values())
         pending = {}
         for job in jobs:  # a failure leaves the old ids: the next backend gets them all again
-            pending[self._backend.flush(job)] = job
+            pending[self._backend.flush(job, self._budget(deadline))] = job
         self._pending, self._pending_owner = pending, owner
 
     def _await_flushes(self, keep: int, deadline: float | None = None, timeout: float | None = None) -> None:
@@ -347,7 +363,8 @@ class Engine:
                     raise BackendError(f"the DeepFreeze backend pid {self._backend.pid} on {self._backend.path} "
                                        f"{why}, as did the backend it replaced: is {self.config.persistent} (or "
                                        f"{self.config.scratch}) hung? {len(self._pending)} flush(es) pending")
-                self._replace_backend(BackendUnresponsiveError(why, self._backend.pid, self._backend.inode), why, start)
+                self._replace_backend(BackendUnresponsiveError(why, self._backend.pid, self._backend.inode), why, start,
+                                      deadline)
                 replaced = True
                 continue
             if now - t0 >= next_log:

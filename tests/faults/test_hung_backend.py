@@ -449,3 +449,29 @@ def test_a_client_that_stops_reading_does_not_block_the_backend(tmp_path):
     finally:
         flooder.close()
     assert_version(persistent_only(cfg, tmp_path), 2, "persistent")
+
+
+def test_wait_with_timeout_keeps_its_bound_when_the_backend_died(tmp_path):
+    """kill -9 of the backend with a flush pending: wait(timeout=2) does not start a replacement it
+    has no time for (BackendError within 3 s); a wait without timeout then starts one, re-sends,
+    and the version commits bit-exact."""
+    cfg = config(tmp_path)
+    plan = make_plan(1)
+    e = Engine(cfg, "job", 0, plan)
+    pid = e._backend.pid
+    lock = os.path.join(PersistentLevel(cfg.persistent).version_dir("job", 2), "commit.lock")
+    os.makedirs(os.path.dirname(lock))
+    with open(lock, "w") as f:  # held by this live process: the flush of v2 stays pending
+        f.write(f"{socket.gethostname()} {os.getpid()} 0123456789abcdef")
+    e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
+    e.wait(persistent=False)
+    assert e._pending
+    kill_quietly(pid)
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match="too little time left|has not answered|not finished within"):
+        e.wait(timeout=2)
+    assert time.monotonic() - t0 < 3
+    os.unlink(lock)
+    e.close()  # no deadline: a new backend, the flush re-sent
+    assert PersistentLevel(cfg.persistent).committed_versions("job") == [2]
+    assert_version(persistent_only(cfg, tmp_path), 2, "persistent")
