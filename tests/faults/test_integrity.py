@@ -104,8 +104,9 @@ def test_run_refuses_resume_with_overwrite(tmp_path):
 def _fake_lease(pers, name, *, host, pid, run="feedfacefeedface", age=0.0):
     os.makedirs(os.path.join(pers, name), exist_ok=True)
     path = os.path.join(pers, name, "lease")
-    with open(path, "w") as f:
+    with open(path + ".fake", "w") as f:  # replaced atomically, as DeepFreeze does (a heartbeat may read it)
         json.dump({"run": run, "host": host, "pid": pid, "seq": 0}, f)
+    os.replace(path + ".fake", path)
     if age:
         t = time.time() - age
         os.utime(path, (t, t))
@@ -171,10 +172,13 @@ def test_heartbeat_renews_and_notices_a_takeover(tmp_path):
     lease.acquire()
     try:
         t0 = read_lease(pers, "n")[1]
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10  # bounded waits: the heartbeat runs every 0.1 s
+        while read_lease(pers, "n")[1] <= t0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert read_lease(pers, "n")[1] > t0  # the heartbeat touched it
         _fake_lease(pers, "n", host="other-node", pid=1)  # somebody took it over
-        time.sleep(0.4)
+        while not lease.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert lease.lost and "other-node" in lease.lost
     finally:
         lease.release()
