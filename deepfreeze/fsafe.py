@@ -1,7 +1,7 @@
 """Opening checkpoint files for reading: regular files only, never a hang.
 
 The readers of checkpoint files go through :func:`open_regular` (or
-:func:`open_regular_file`, :func:`read_regular`, :func:`read_whole`): manifests
+:func:`open_regular_file`, :func:`read_small`, :func:`read_whole`): manifests
 (``Level.read_manifest``), shards, partner copies and parity blocks (restore,
 redundancy), assembled files (restore), and everything the inventory and the
 ``deepfreeze`` command open. It opens with ``O_NONBLOCK`` (a FIFO named ``manifest.json`` or ``model.dfz``
@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import CorruptCheckpointError
 
-__all__ = ["open_regular", "open_regular_file", "read_regular", "read_whole", "describe_mode"]
+__all__ = ["open_regular", "open_regular_file", "read_small", "read_whole", "describe_mode"]
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink"))
@@ -89,11 +89,14 @@ def open_regular_file(path: str, check: Callable[[os.stat_result], None] | None 
         raise
 
 
-def read_regular(path: str, limit: int) -> bytes:
-    """At most ``limit`` bytes of the regular file ``path`` (more means the caller's size check fails:
-    it gets ``limit`` + 1 bytes at most when asking for ``limit + 1``)."""
-    with open_regular_file(path) as f:
-        return f.read(limit)
+def read_small(path: str, limit: int, check: Callable[[os.stat_result], None] | None = None) -> bytes:
+    """The bytes of the small regular file ``path``: :class:`CorruptCheckpointError` if it holds more
+    than ``limit``. ``check``: as for :func:`open_regular_file`."""
+    with open_regular_file(path, check) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{path} is larger than {limit} bytes")
+    return data
 
 
 def read_whole(path: str, check: Callable[[os.stat_result], None] | None = None) -> np.ndarray:

@@ -81,7 +81,7 @@ from . import format as fmt
 from . import ownership
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
 from .run import ANONYMOUS_RUN, _alive, describe_holder, fence_holder, fs_now, read_generation, warn_skew
-from .fsafe import open_regular, read_regular
+from .fsafe import open_regular, read_small
 from .shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
@@ -408,22 +408,8 @@ def _listdir(path: str) -> list[str]:
 def _read_regular(path: str, limit: int, trusted: frozenset[int] | None = None, level: str = "") -> bytes:
     """The bytes of a regular file (no symlink followed, no FIFO opened), at most ``limit``;
     with ``trusted``, the file must be owned by one of those uids (:func:`ownership.check_owner`)."""
-    fd = open_regular(path)
-    try:
-        if trusted is not None:
-            ownership.check_owner(os.fstat(fd), path, trusted, level)
-        chunks, n = [], 0
-        while n <= limit:
-            b = os.read(fd, min(1 << 20, limit + 1 - n))
-            if not b:
-                break
-            chunks.append(b)
-            n += len(b)
-    finally:
-        os.close(fd)
-    if n > limit:
-        raise CorruptCheckpointError(f"{path} is larger than {limit} bytes")
-    return b"".join(chunks)
+    return read_small(path, limit, None if trusted is None else
+                      (lambda st: ownership.check_owner(st, path, trusted, level)))
 
 
 def read_decision(vdir: str) -> dict[str, str] | None:
@@ -880,12 +866,8 @@ def _create_exclusive(path: str, data: bytes, point: str) -> bool:
     """Create ``path`` holding ``data`` unless it exists; atomic, and never visible empty:
     the content is written to an owner-only temporary file first, then hard-linked into place."""
     tmp = f"{path}.tmp{_uniq()}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(tmp, flags, 0o600)  # owner-only from the start
-    except FileExistsError:  # left by a dead process that had this pid
-        os.unlink(tmp)
-        fd = os.open(tmp, flags, 0o600)
+    # owner-only from the start; the name is unique (host, pid, thread, random), never left by another
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
             _write_all(fd, data, 0)

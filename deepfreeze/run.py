@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from . import crashpoints as cp
 from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError
-from .fsafe import read_regular
+from .fsafe import read_small
 
 __all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
            "fence_holder", "Run", "GENERATION", "LEASE"]
@@ -113,14 +113,6 @@ def warn_skew(what: str, ahead: float) -> None:
                     "is ahead?); treating it as due. Check the nodes' time synchronization (NTP).", what, ahead)
 
 
-def _read_small(path: str, limit: int) -> bytes:
-    """A small regular file's bytes (no symlink, no FIFO, at most ``limit``)."""
-    data = read_regular(path, limit + 1)
-    if len(data) > limit:
-        raise CorruptCheckpointError(f"{path} is larger than {limit} bytes")
-    return data
-
-
 def _write_replace(path: str, data: bytes, point: str, *, fsync: bool = True) -> None:
     """Replace ``path`` by ``data`` atomically (crash points ``<point>.fsync``, ``<point>.rename``)."""
     tmp = f"{path}.tmp{_uniq()}"
@@ -145,7 +137,7 @@ def read_generation(persistent: str, name: str) -> int:
     """The current generation of ``name`` (0 when none was ever started by ``overwrite``)."""
     path = os.path.join(persistent, name, GENERATION)
     try:
-        data = _read_small(path, 32)
+        data = read_small(path, 32)
     except FileNotFoundError:
         return 0
     except OSError as e:
@@ -334,7 +326,7 @@ class Lease:
         except FileNotFoundError:
             return
         try:
-            moved = json.loads(_read_small(aside, _MAX_LEASE_BYTES).decode("utf-8"))
+            moved = json.loads(read_small(aside, _MAX_LEASE_BYTES).decode("utf-8"))
         except (OSError, ValueError, DeepFreezeError):
             moved = {"run": "?", "seq": -1}
         if moved.get("run") != judged.get("run") or bool(moved.get("released")) != bool(judged.get("released")):
