@@ -1,0 +1,127 @@
+"""The fused capture buffer: one contiguous buffer per rank and version (framework-neutral).
+
+A framework's hook (``deepfreeze.keras.hook``) fills it inside the train step with
+one concatenation of this rank's pieces, so a capture costs one op and one pass
+over the shard whatever the number of tensors, and the buffer is handed to the
+engine as one view. Its layout is the shard file's own (:func:`deepfreeze.format.layout`),
+so the writer writes the data region with a few large writes, no gather::
+
+    bytes [0, STAMP_BYTES)          stamp: the optimizer step of the capture (int64,
+                                    little-endian), then zeros
+    bytes [STAMP_BYTES, total)      the data region of the rank's shard file: byte
+                                    ``STAMP_BYTES + k`` is byte ``data_offset + k``
+                                    of the file; pieces at PIECE_ALIGN offsets, zero
+                                    padding between them
+
+The stamp lets a reader check that the buffer holds the step it expects (a
+capture that did not happen leaves the previous step's stamp).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from . import format as fmt
+from .shardplan import Piece, ShardPlan
+
+__all__ = ["STAMP_BYTES", "Segment", "FusedLayout", "FusedShard"]
+
+STAMP_BYTES = fmt.PIECE_ALIGN  # keeps every piece at a PIECE_ALIGN offset of the buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Where one piece goes in the buffer: ``nbytes`` bytes at ``offset`` (from the buffer start)."""
+
+    piece: Piece
+    dtype: str
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLayout:
+    """Layout of one rank's fused buffer for a shard plan (pure function of plan and rank)."""
+
+    plan: ShardPlan
+    rank: int
+    entries: tuple[fmt.Entry, ...]  #: the shard file's index entries (offsets from the file start)
+    data_offset: int  #: where the data region starts in the shard file
+    file_size: int
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def build(cls, plan: ShardPlan, rank: int) -> "FusedLayout":
+        pieces = plan.for_rank(rank)
+        raw = [fmt.Entry(p.tensor_id, plan.tensors[p.tensor_id].dtype, plan.tensors[p.tensor_id].shape,
+                         p.start, p.stop) for p in pieces]
+        entries, data_offset, file_size = fmt.layout(raw)
+        segments = tuple(Segment(p, e.dtype, STAMP_BYTES + e.offset - data_offset, e.length)
+                         for p, e in zip(pieces, entries))
+        return cls(plan, rank, tuple(entries), data_offset, file_size, segments)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the data region (the buffer holds ``STAMP_BYTES`` more)."""
+        return self.file_size - self.data_offset
+
+    @property
+    def nbytes(self) -> int:
+        return STAMP_BYTES + self.data_bytes
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """(offset, length) of the zero padding before each segment and at the end, in buffer order
+        (the stamp's padding excluded): what a concatenation must insert."""
+        out, pos = [], STAMP_BYTES
+        for s in self.segments:
+            out.append((pos, s.offset - pos))
+            pos = s.offset + s.nbytes
+        out.append((pos, self.nbytes - pos))
+        return out
+
+
+class FusedShard:
+    """One captured version of a rank's shard: a flat ``uint8`` buffer in :class:`FusedLayout`."""
+
+    __slots__ = ("layout", "buffer")
+
+    def __init__(self, layout: FusedLayout, buffer: np.ndarray) -> None:
+        buf = np.asarray(buffer)
+        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.size != layout.nbytes:
+            raise ValueError(f"a fused buffer of rank {layout.rank} must be {layout.nbytes} uint8 bytes, got "
+                             f"{buf.size} {buf.dtype} (ndim {buf.ndim})")
+        self.layout, self.buffer = layout, buf
+
+    @property
+    def step(self) -> int:
+        """The optimizer step stamped by the capture."""
+        return int(self.buffer[:8].view("<i8")[0])
+
+    @property
+    def data(self) -> np.ndarray:
+        """The shard file's data region (a view)."""
+        return self.buffer[STAMP_BYTES:]
+
+    def pieces(self) -> list[np.ndarray]:
+        """Typed flat views of the pieces, in plan order (no copy)."""
+        out = []
+        for s in self.layout.segments:
+            out.append(self.buffer[s.offset:s.offset + s.nbytes].view(fmt.numpy_dtype(s.dtype)))
+        return out
+
+    @classmethod
+    def from_arrays(cls, layout: FusedLayout, arrays: Sequence[np.ndarray], step: int) -> "FusedShard":
+        """Copy flat pieces (plan order) into a new buffer: for captures made outside a graph."""
+        if len(arrays) != len(layout.segments):
+            raise ValueError(f"rank {layout.rank} holds {len(layout.segments)} pieces, got {len(arrays)} arrays")
+        buf = np.zeros(layout.nbytes, dtype=np.uint8)
+        buf[:8].view("<i8")[0] = step
+        for s, a in zip(layout.segments, arrays):
+            a = np.ascontiguousarray(a).reshape(-1)
+            if a.size != s.piece.count or fmt.dtype_name(a.dtype) != s.dtype:
+                raise ValueError(f"piece of tensor {s.piece.tensor_id} [{s.piece.start},{s.piece.stop}) needs "
+                                 f"{s.piece.count} {s.dtype} elements, got {a.size} {a.dtype}")
+            buf[s.offset:s.offset + s.nbytes] = a.view(np.uint8)
+        return cls(layout, buf)
