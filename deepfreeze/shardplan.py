@@ -7,7 +7,7 @@ to ask another what it holds.
 Layout choice: a tensor is split into ``world_size`` *flat contiguous* element
 ranges of its C-order buffer (``reshape(-1)[start:stop]``). The paper slices
 along the largest dimension; a flat split is never worse for balance (pieces
-differ by at most one element), its in-graph copy is one contiguous memcpy
+differ by at most 64 bytes: split points are 64-byte aligned, see ``_split``), its in-graph copy is one contiguous memcpy
 instead of a strided gather when the largest dimension is not the first
 (``experiments/shard_layout.py`` measures both), and every piece lands in the
 assembled file with a single contiguous write.
@@ -28,9 +28,28 @@ from typing import Any, Iterable, Sequence
 from .errors import CorruptCheckpointError
 from .format import dtype_itemsize
 
-__all__ = ["TensorSpec", "Piece", "ShardPlan", "DEFAULT_MIN_SHARD_BYTES"]
+__all__ = ["TensorSpec", "Piece", "ShardPlan", "DEFAULT_MIN_SHARD_BYTES", "SPLIT_ALIGN"]
 
 DEFAULT_MIN_SHARD_BYTES = 64 * 1024
+SPLIT_ALIGN = 64  # bytes: split points of a tensor fall on multiples of this (see _split)
+
+
+def _split(size: int, world_size: int, itemsize: int) -> list[int]:
+    """Element bounds of ``world_size`` flat pieces of a tensor of ``size`` elements.
+
+    Every inner bound is rounded down to a multiple of ``SPLIT_ALIGN`` bytes (when the
+    item size divides it), so every piece starts at an aligned address of the tensor's
+    buffer: the in-graph capture then reads each piece as a view of the variable (TF
+    aliases an aligned contiguous slice, and copies an unaligned one), and pieces differ
+    by at most ``SPLIT_ALIGN / itemsize`` elements. If rounding would leave a piece
+    empty, the plain split (``size * r // world_size``) is used.
+    """
+    plain = [size * r // world_size for r in range(world_size + 1)]
+    step = SPLIT_ALIGN // itemsize if itemsize and SPLIT_ALIGN % itemsize == 0 else 1
+    bounds = [b // step * step for b in plain[:-1]] + [size]
+    if any(bounds[r + 1] <= bounds[r] for r in range(world_size)):
+        return plain
+    return bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +115,7 @@ class ShardPlan:
                 pieces.append(Piece(t.id, 0, 0, t.size))
                 load[0] += t.nbytes
             elif world_size > 1 and t.nbytes >= max(min_shard_bytes, 1) and t.size >= world_size:
-                bounds = [t.size * r // world_size for r in range(world_size + 1)]
+                bounds = _split(t.size, world_size, dtype_itemsize(t.dtype))
                 for r in range(world_size):
                     pieces.append(Piece(t.id, r, bounds[r], bounds[r + 1]))
                     load[r] += (bounds[r + 1] - bounds[r]) * dtype_itemsize(t.dtype)
