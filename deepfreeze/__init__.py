@@ -9,7 +9,8 @@ from typing import Any
 
 from .config import Config
 from .errors import (BackendError, CheckpointNotFoundError, CheckpointWriteError, ConfigError,
-                     CorruptCheckpointError, DeepFreezeError, ModelMismatchError, UnsafePathError, UntrustedOwnerError,
+                     CaptureMissedError, CorruptCheckpointError, DeepFreezeError, ModelMismatchError, UnsafePathError,
+                     UntrustedOwnerError,
                      VelocError, VelocNotFoundError)
 from .restore import Checkpoint, list_versions, load
 
@@ -19,7 +20,7 @@ __all__ = [
     "Config", "Checkpoint", "load", "list_versions", "restore",
     "DeepFreezeError", "ConfigError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "ModelMismatchError", "BackendError", "CheckpointWriteError", "VelocNotFoundError", "VelocError",
-    "UnsafePathError", "UntrustedOwnerError",
+    "UnsafePathError", "UntrustedOwnerError", "CaptureMissedError",
 ]
 
 

@@ -61,6 +61,7 @@ import numpy as np
 
 from .backend import LOG_EVERY, BackendClient, process_state
 from .config import Config, validate_name
+from .fused import FusedShard
 from .errors import BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError
 from .levels import ScratchLevel, flush_job
 from .redundancy import Comm, plan_redundancy, protect
@@ -135,10 +136,12 @@ class Engine:
                                 self.redundancy["unprotected"], config.ec_scheme, sorted(set(self.domains)))
 
     # -- public
-    def checkpoint(self, version: int, arrays: Sequence[np.ndarray], *, step: int, epoch: int,
+    def checkpoint(self, version: int, arrays: "Sequence[np.ndarray] | FusedShard", *, step: int, epoch: int,
                    extra: dict[str, Any] | None = None) -> None:
-        """Commit this rank's pieces of ``version`` (flat arrays in plan order). Versions of one
-        run strictly increase: a version at or below the last one is a :class:`ConfigError`."""
+        """Commit this rank's pieces of ``version``: flat arrays in plan order, or one
+        :class:`~deepfreeze.fused.FusedShard` (the hook's capture buffer, written as it is).
+        Versions of one run strictly increase: a version at or below the last one is a
+        :class:`ConfigError`. The arrays (buffer) are held, unchanged, until written."""
         t0 = time.perf_counter()
         if self.last_version is not None and version <= self.last_version:
             raise ConfigError(f"checkpoint {self.name!r} v{version} requested after v{self.last_version} in the same "
@@ -401,6 +404,8 @@ class Engine:
         cfg = self.config
         t0 = time.perf_counter()
         try:
+            if isinstance(arrays, FusedShard):  # TEMP until write_shard_file takes a FusedShard
+                arrays = arrays.pieces()
             path: str | None = self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays,
                                                         chksum=cfg.chksum, run=self.run.id)
             failure = None

@@ -22,6 +22,7 @@ __all__ = [
     "ExistingCheckpointError",
     "UnsafePathError",
     "UntrustedOwnerError",
+    "CaptureMissedError",
 ]
 
 
@@ -87,3 +88,7 @@ class UnsafePathError(DeepFreezeError, PermissionError):
 
 class UntrustedOwnerError(DeepFreezeError, PermissionError):
     """A checkpoint file is owned by a user this process does not trust (``trust_owners``)."""
+
+
+class CaptureMissedError(DeepFreezeError, RuntimeError):
+    """The train step did not capture a step a sink was armed for (its apply path bypassed the hook)."""

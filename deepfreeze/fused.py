@@ -19,6 +19,7 @@ capture that did not happen leaves the previous step's stamp).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from . import format as fmt
 from .shardplan import Piece, ShardPlan
 
-__all__ = ["STAMP_BYTES", "Segment", "FusedLayout", "FusedShard"]
+__all__ = ["STAMP_BYTES", "Segment", "FusedLayout", "FusedShard", "BufferPool"]
 
 STAMP_BYTES = fmt.PIECE_ALIGN  # keeps every piece at a PIECE_ALIGN offset of the buffer
 
@@ -125,3 +126,53 @@ class FusedShard:
                                  f"{s.piece.count} {s.dtype} elements, got {a.size} {a.dtype}")
             buf[s.offset:s.offset + s.nbytes] = a.view(np.uint8)
         return cls(layout, buf)
+
+
+class BufferPool:
+    """Fused buffers that a native capture writes into: page-aligned, pre-faulted, zeroed once.
+
+    A buffer is free when nothing outside the pool refers to it (no :class:`FusedShard`, no
+    numpy view of it is alive: a view holds a reference to its base array); :meth:`acquire`
+    returns a free one, or allocates one more (logged) when all are held. Padding bytes are
+    never written by a capture, so they stay zero. Allocation happens when the pool is built
+    (``count`` buffers) so no capture pays for faulting fresh pages.
+    """
+
+    def __init__(self, nbytes: int, count: int) -> None:
+        if nbytes < STAMP_BYTES or count < 1:
+            raise ValueError(f"a buffer pool needs nbytes >= {STAMP_BYTES} and count >= 1, got {nbytes}, {count}")
+        self.nbytes = nbytes
+        self.buffers: list[np.ndarray] = [self._allocate() for _ in range(count)]
+        self.grown = 0  #: buffers allocated beyond ``count`` because all were held
+
+    def _allocate(self) -> np.ndarray:
+        import mmap
+        mem = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous: page-aligned
+        buf = np.frombuffer(mem, dtype=np.uint8, count=self.nbytes)
+        buf.fill(0)  # fault every page in now
+        return buf
+
+    @staticmethod
+    def address(buf: np.ndarray) -> int:
+        return int(buf.__array_interface__["data"][0])
+
+    def _free(self, i: int) -> bool:
+        # references of an unused buffer: the pool's list and getrefcount's argument
+        return sys.getrefcount(self.buffers[i]) <= 2
+
+    def acquire(self) -> np.ndarray:
+        for i in range(len(self.buffers)):
+            if self._free(i):
+                return self.buffers[i]
+        buf = self._allocate()
+        self.buffers.append(buf)
+        self.grown += 1
+        import logging
+        logging.getLogger("deepfreeze").warning(
+            "deepfreeze: all %d capture buffers of %.1f MB are still held (by the write queue or another "
+            "consumer): allocated one more", len(self.buffers) - 1, self.nbytes / 1e6)
+        return buf
+
+    def held(self) -> int:
+        """How many buffers are referenced outside the pool now."""
+        return sum(not self._free(i) for i in range(len(self.buffers)))

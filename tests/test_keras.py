@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ tf = pytest.importorskip("tensorflow")
 import deepfreeze  # noqa: E402
 from deepfreeze import ConfigError, ModelMismatchError  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
-from deepfreeze.levels import PersistentLevel  # noqa: E402
+from deepfreeze.levels import PersistentLevel, ScratchLevel  # noqa: E402
+from deepfreeze.fused import FusedLayout  # noqa: E402
 from deepfreeze.restore import load  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
@@ -67,51 +69,71 @@ def test_fit_checkpoints_every_n_and_epoch_end_bit_exact(tmp_path, mode):
     ckpt.close()
 
 
-def test_flag_off_costs_no_copy_and_buffers_hold_last_capture(tmp_path):
+def capture_modes():
+    from deepfreeze.keras import native
+    why = native.unavailable_reason() if native.load() is None else None
+    return ["graph", pytest.param("native", marks=pytest.mark.skipif(
+        why is not None, reason=f"DeepFreeze's TF op is not built: {why}"))]
+
+
+def test_unarmed_steps_capture_nothing_and_the_buffer_holds_its_step(tmp_path):
     model = build()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=3, at_epoch_end=False, mode="sync", **dirs(tmp_path))
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=3, at_epoch_end=False, mode="sync", capture="graph",
+                                **dirs(tmp_path))
     x, y = data(64)
     seen = {}
 
     class Peek(tf.keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            seen[batch] = [np.asarray(b.read_value()).copy() for b in ckpt.hook.buffers.values()]
+            seen[batch] = np.asarray(ckpt.sink.buffer.value()).copy()
 
-    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, Peek()], verbose=0)  # steps 0..3, ckpt at step 3
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, Peek()], verbose=0)  # steps 1..4, ckpt at step 3
     assert [t["version"] for t in ckpt.timings] == [3]
-    for b0, b1 in zip(seen[0], seen[1]):
-        assert not b0.any() and not b1.any()  # flag off: the copies did not run
-    assert any(b.any() for b in seen[2])     # step 3 (batch 2) captured
-    for b2, b3 in zip(seen[2], seen[3]):
-        assert b2.tobytes() == b3.tobytes()  # and nothing changed the buffers after
+    assert seen[0].size == 0 and seen[1].size == 0  # not armed: the capture did not run
+    layout = FusedLayout.build(ckpt.plan, 0)
+    assert seen[2].size == layout.nbytes and int(seen[2][:8].view("<i8")[0]) == 3  # stamped step 3
+    assert seen[2].tobytes() == seen[3].tobytes()  # and nothing changed the buffer after
+    assert len(ckpt.quiet_times) == 3 and all(0 < t < 1 for t in ckpt.quiet_times)  # batches without a checkpoint
     ckpt.close()
 
 
-def test_queued_captures_survive_later_captures(tmp_path):
-    """With max_inflight > 1 the writer queue holds numpy views of the shard buffers while the
-    next steps copy new shards: those copies must go to new buffers, never into held ones."""
+class HoldingScratch(ScratchLevel):
+    """Keeps every array list / capture buffer the writer was given (as a slow consumer would)
+    and writes slowly, so the write queue is full while later steps capture."""
+    held = []
+
+    def write_shard(self, name, version, rank, plan, arrays, **kw):
+        HoldingScratch.held.append((version, arrays))
+        time.sleep(0.05)
+        return super().write_shard(name, version, rank, plan, arrays, **kw)
+
+
+@pytest.mark.parametrize("capture", capture_modes())
+def test_held_captures_are_never_overwritten(tmp_path, capture):
+    """Captures handed to the engine stay unchanged while the next steps capture: those go to
+    other buffers (a fresh TF buffer, or a free pool buffer), never into a held one."""
+    HoldingScratch.held = []
     model = build()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=1, at_epoch_end=False, mode="async", max_inflight=3,
-                                min_shard_bytes=0, **dirs(tmp_path))
-    rec, held = Record(ckpt), []
-
-    class Hold(tf.keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if ckpt.timings and ckpt.timings[-1]["version"] == batch + 1:
-                arrays = ckpt.hook.capture()  # what the engine got for this version, held like the queue does
-                held.append((arrays, [a.copy() for a in arrays]))
-
+                                min_shard_bytes=0, capture=capture, scratch_cls=HoldingScratch, **dirs(tmp_path))
+    rec = Record(ckpt)
     x, y = data(96)
-    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, rec, Hold()], verbose=0)  # 6 steps
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt, rec], verbose=0)  # 6 steps
     ckpt.wait()
-    assert len(held) == 6
-    for arrays, copies in held:
-        assert [a.tobytes() for a in arrays] == [c.tobytes() for c in copies]
-    assert held[0][1][0].tobytes() != held[-1][1][0].tobytes()  # the weights did change meanwhile
+    assert [v for v, _ in HoldingScratch.held] == [1, 2, 3, 4, 5, 6]
+    plan = ckpt.plan
+    for v, arrays in HoldingScratch.held:
+        pieces = arrays.pieces() if hasattr(arrays, "pieces") else arrays
+        expected = rec.weights[v]
+        for p, a in zip(plan.for_rank(0), pieces):
+            if p.tensor_id < len(expected):  # model weights (optimizer slots follow)
+                assert a.tobytes() == expected[p.tensor_id].reshape(-1)[p.start:p.stop].tobytes(), (v, p)
+    assert rec.weights[1][0].tobytes() != rec.weights[6][0].tobytes()  # the weights did change meanwhile
     for v, expected in rec.weights.items():
         assert [a.tobytes() for a in load(ckpt.config, "k", v).model_arrays().values()] == [e.tobytes() for e in expected]
+    HoldingScratch.held = []
     ckpt.close()
 
 

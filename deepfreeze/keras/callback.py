@@ -1,6 +1,7 @@
 """``DeepFreezeCheckpoint``: the Keras callback, thin over the hook and the engine."""
 from __future__ import annotations
 
+import array
 import dataclasses
 import hashlib
 import inspect
@@ -9,6 +10,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from ..config import KEYS, Config, did_you_mean, validate_name
@@ -55,6 +57,10 @@ class _SkipBatches:
         return getattr(self.fn, name)
 
 
+def _raise(e: BaseException) -> None:
+    raise e
+
+
 def _check_overrides(overrides: dict[str, Any]) -> None:
     """Reject a keyword that is neither an argument of the callback nor an INI key, suggesting
     the closest of both (``every_n_batch`` -> "did you mean 'every_n_batches'?")."""
@@ -84,8 +90,8 @@ class _SetUpAtFirstStep:
         first_batch, cb._deferred = cb._first_batch, None
         cb.on_train_begin()  # the model is built now: the normal set-up (restores a preloaded version)
         cb._first_batch = first_batch  # batch 0 has begun already
-        if cb._pending:  # batch 0 asked for a checkpoint before the hook existed
-            cb.hook.flag.assign(True)
+        if cb._pending is not None:  # batch 0 asked for a checkpoint before the hook existed
+            cb.sink.arm(cb._pending)
         for _ in range(self.skip):
             next(iterator)
         return cb.model.train_function(iterator)
@@ -102,11 +108,13 @@ class CaptureOptions:
     ``at_epoch_end``: also checkpoint after the last step of each epoch (as
     Keras' ``ModelCheckpoint(save_freq="epoch")``).
     ``min_shard_bytes``: tensors smaller than this are written whole by one rank.
+    ``capture``: ``"auto"``, ``"native"`` or ``"graph"`` (see :class:`DeepFreezeCheckpoint`).
     """
 
     every_n_batches: int | None = None
     at_epoch_end: bool = True
     min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES
+    capture: str = "auto"
 
     def __post_init__(self) -> None:
         if self.every_n_batches is not None and (not isinstance(self.every_n_batches, int)
@@ -114,6 +122,8 @@ class CaptureOptions:
             raise ConfigError(f"every_n_batches = {self.every_n_batches!r}: use a positive integer or None")
         if not isinstance(self.min_shard_bytes, int) or self.min_shard_bytes < 0:
             raise ConfigError(f"min_shard_bytes = {self.min_shard_bytes!r}: use an integer >= 0")
+        if self.capture not in ("auto", "native", "graph"):
+            raise ConfigError(f"capture = {self.capture!r}: use 'auto', 'native' (DeepFreeze's TF op) or 'graph'")
         if self.every_n_batches is None and not self.at_epoch_end:
             raise ConfigError("nothing would ever be checkpointed: set every_n_batches or at_epoch_end=True")
 
@@ -141,6 +151,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         versions is refused at train begin).
       lease_wait: seconds to wait for another live run holding the name (0: fail at once,
         naming the holder).
+      capture: how the train step captures the shard (:mod:`deepfreeze.keras.hook`): ``"native"``
+        (DeepFreeze's TF op, built by setup: one copy into a pre-faulted buffer), ``"graph"`` (a TF
+        ``concat``, no compiled code) or ``"auto"`` (native when it loads, else graph).
       trust_owners: with ``resume``, also restore persistent files owned by these users (names or
         uids); by default only your own and root's are read (docs/guarantees.md, "Shared directories").
       save_optimizer: also checkpoint the optimizer's variables (slots, iteration counter),
@@ -163,7 +176,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                  resume: bool = False, save_optimizer: bool = True, engine: str | None = None,
                  scratch_cls: type[ScratchLevel] = ScratchLevel, overwrite: bool = False,
                  lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None,
-                 **overrides: Any) -> None:
+                 capture: str = "auto", **overrides: Any) -> None:
         super().__init__()
         if on_error not in ("raise", "warn"):
             raise ConfigError(f"on_error = {on_error!r}: use 'raise' (stop training) or 'warn' (log and go on)")
@@ -189,17 +202,20 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._preloaded: tuple[Any] | None = None  # (Checkpoint or None,) picked by resume for a deferred set-up
         self.failures: list[str] = []
         self.name = validate_name(name)
-        self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes)
+        self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes, capture)
         _check_overrides(overrides)
         self.config = Config.resolve(config, **overrides)
         self.engine_kind = resolve_engine(engine)
         self.verbose = verbose
         self.rank, self.size = 0, 1
         self.engine: Engine | None = None
-        self.hook: _hook.ShardHook | None = None
+        self.sink: _hook.FusedSink | None = None
         self.plan: ShardPlan | None = None
         self.timings: list[dict[str, float]] = []
-        self._pending = False
+        #: seconds spent in this callback's batch hooks (begin + end) on each batch without a checkpoint
+        self.quiet_times = array.array("d")
+        self._pending: int | None = None  # the step the armed capture is for
+        self._t_begin = 0.0  # seconds spent in on_train_batch_begin of the current batch
         self._first_batch = True
         self._epoch = 0
         self._epoch_base = 0
@@ -259,8 +275,12 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             if self._last_version is not None:
                 self.engine.last_version = self._last_version  # versions keep growing within the run
         self.plan = plan
-        self.hook = _hook.install(model.optimizer, plan, self.rank, variables, slots)
-        model.make_train_function(force=True)  # retrace: the copy ops must be in the graph
+        if self.sink is not None:  # a previous fit's sink (removed at its end, unless that failed)
+            _hook.detach(model.optimizer, self.sink)
+        self.sink = _hook.FusedSink(f"checkpoint.{self.name}", plan, self.rank, variables,
+                                    buffers=self.config.max_inflight + 1, native=self._native())
+        _hook.attach(model.optimizer, self.sink)
+        model.make_train_function(force=True)  # retrace (at the next step): the capture must be in the graph
         if self._skip_steps:
             model.train_function = _SkipBatches(model.train_function, self._skip_steps)
         spe = getattr(model, "_steps_per_execution", None)
@@ -280,6 +300,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             self.model._training_state = None  # consumed by fit
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        t0 = time.perf_counter()
         steps = self.params.get("steps") if self.params else None
         last = batch + self._spe if not steps else min(batch + self._spe, steps)
         before, after = self._epoch_base + batch, self._epoch_base + last
@@ -294,24 +315,27 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             want = False
         self._first_batch = False
         if want:
-            if self.hook is not None:  # else set by the deferred set-up, before the step runs
-                self.hook.flag.assign(True)
-            self._pending = True
+            if self.sink is not None:  # else armed by the deferred set-up, before the step runs
+                self._guard(self.sink.arm, after)
+            self._pending = after
+        self._t_begin = time.perf_counter() - t0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self.hook is None:  # removed after a failure under on_error="raise" that the caller caught
-            self._pending = False
-            return
-        if not self._pending:
-            if self.hook is not None and self.hook.traced:
-                self.hook.prepare()  # after the first traced step: the capture's reader, traced once
-            return
         t0 = time.perf_counter()
-        self.hook.flag.assign(False)
-        self._pending = False
-        arrays = self.hook.capture()
+        if self._pending is None or self.sink is None:  # (no sink: removed after a failure that was caught)
+            self._pending = None
+            self.quiet_times.append(self._t_begin + time.perf_counter() - t0)
+            return
+        target, self._pending = self._pending, None
+        version = self._epoch_base + batch + 1
+        if version == target:
+            arrays: Any = self._capture(target)
+        else:  # the execution ended before the armed step (a dataset of unknown length ran out)
+            self.sink.disarm()
+            arrays = self._capture_eager(version)
         t1 = time.perf_counter()
-        self._checkpoint(self._epoch_base + batch + 1, arrays, t0, t1)
+        if arrays is not None:
+            self._checkpoint(version, arrays, t0 - self._t_begin, t1)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if not self.options.at_epoch_end:
@@ -320,8 +344,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if self._last_version != step and step > 0:
             # step count unknown in advance (e.g. a dataset of unknown length): slice now, eagerly
             t0 = time.perf_counter()
-            arrays = self.hook.capture_eager()
-            self._checkpoint(step, arrays, t0, time.perf_counter(), epoch_end=True)
+            arrays = self._capture_eager(step)
+            if arrays is not None:
+                self._checkpoint(step, arrays, t0, time.perf_counter(), epoch_end=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         try:
@@ -504,14 +529,48 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             raise ConfigError("DeepFreezeCheckpoint: the model has no weights after model.build"
                               f"({shapes}): give it an Input layer or call it on a batch before fit")
 
+    def _native(self) -> Any:
+        """The native capture op's module per ``capture``, or None for the graph fallback."""
+        if self.options.capture == "graph":
+            return None
+        try:
+            from . import native
+        except ImportError as e:  # a copy of the package without the op's Python side
+            native, why = None, str(e)
+        else:
+            if native.load() is not None:
+                return native
+            why = native.unavailable_reason()
+        if self.options.capture == "native":
+            raise ConfigError(f"capture='native' but DeepFreeze's TF op cannot be loaded: {why} "
+                              "(build it with `python -m deepfreeze.keras.native build`, or use capture='auto')")
+        return None
+
+    def _capture(self, step: int) -> Any:
+        """The armed capture of ``step`` (a FusedShard), or None after a failure under on_error=warn."""
+        try:
+            return self.sink.read(step)
+        except DeepFreezeError as e:
+            self._guard(_raise, e)
+            return None
+
+    def _capture_eager(self, step: int) -> "list | None":
+        """This rank's pieces, sliced from the variables now (outside the graph)."""
+        if self.sink is None:
+            return None
+        out = []
+        for s in self.sink.layout.segments:
+            value = np.asarray(self.sink.variables[s.piece.tensor_id].value())
+            out.append(value.reshape(-1)[s.piece.start:s.piece.stop])
+        return out
+
     def _remove_hook(self) -> None:
-        if self.hook is None:
+        if self.sink is None:
             return
-        self.hook.flag.assign(False)
-        self._pending = False
-        _hook.uninstall(self.model.optimizer)
+        self._pending = None
+        _hook.detach(self.model.optimizer, self.sink)
         self.model.make_train_function(force=True)
-        self.hook = None
+        self.sink = None
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run an engine call under the ``on_error`` policy."""

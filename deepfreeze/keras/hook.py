@@ -1,158 +1,319 @@
-"""Optimizer hook: graph augmentation that captures this rank's shard in the train step.
+"""One optimizer hook, many sinks: the in-graph capture of the train step.
 
-:func:`install` patches one optimizer *instance* (its ``_update_step``), so the
-class, its name and ``get_config()`` stay those of the wrapped optimizer (also
-when it is Horovod's ``DistributedOptimizer``) and a saved model loads without
-DeepFreeze. Right after each variable's update, inside the compiled train
-step, a ``tf.cond`` on a boolean flag copies this rank's contiguous piece of
-the updated variable (``reshape(-1)[start:stop]``, one memcpy) into a
-preallocated per-piece buffer (every rank builds the same ops, zero-length
-where it holds no piece, because Horovod derives collective names from graph
-node ids). With the flag off the step pays only the
-predicate. The copy gets explicit control edges from every op the update created.
+:func:`attach` installs, once per optimizer *instance*, a :class:`HookRegistry`
+that wraps two of its methods (``_update_step``, called once per variable, and
+``_distributed_apply_gradients_fn``, which runs all updates and increments
+``iterations``); the class, its name and ``get_config()`` stay those of the
+wrapped optimizer (also Horovod's ``DistributedOptimizer``), so a saved model
+loads without DeepFreeze. Every consumer of the train step's state is a
+:class:`Sink` registered on it: the checkpoint callback's :class:`FusedSink`
+today; clone transfers, stream publishers and the memory tier later. Adding or
+removing sinks costs one retrace (``model.make_train_function(force=True)``,
+traced at the next step), whatever their number. Sink interface:
+docs/architecture.md, "One hook, many sinks".
 
-Flag and buffers are plain ``tf.Variable`` objects held by a non-trackable
-:class:`ShardHook`, so they are not in ``optimizer.variables()`` (Horovod's
-broadcast would send them) nor in any checkpoint of the model or optimizer.
+Two kinds of sinks:
+
+* **fused** (:class:`FusedSink`): after the last update of the step (every op the
+  optimizer created for the step, including the ``iterations`` increment, is a
+  control input), one op copies this rank's pieces of every tensor of the sink's
+  shard plan into one contiguous buffer laid out as the shard file's data region
+  (:mod:`deepfreeze.fused`), stamped with the step. With the native op
+  (:mod:`deepfreeze.keras.native`, built by setup) the destination is a
+  pre-faulted, page-aligned buffer of a :class:`~deepfreeze.fused.BufferPool`
+  owned by the sink: one memcpy pass, no TensorFlow allocation, no read op
+  afterwards. Without it (fallback), one ``concat`` of aligned views of the
+  variables into a fresh TF buffer assigned to a variable: one op and one copy
+  too, but into freshly faulted memory, and one read at the hand-off.
+* **per-variable** (:class:`VariableSink`): right after each variable's update
+  (explicit control edges from every op of that update), the sink's ops for that
+  variable run, so work can overlap with the back-propagation of the layers below
+  (what cloning needs). :class:`PieceCopySink` copies a rank's pieces into
+  per-piece buffers.
+
+Each sink has its own trigger (a ``tf.Variable``): :meth:`Sink.arm` sets the
+step (the value of ``optimizer.iterations`` after the update) at which it fires;
+with ``steps_per_execution > 1`` it fires at exactly that step of the execution.
+A step whose trigger is not armed pays one comparison per sink. Trigger,
+control and buffers are held by non-trackable objects, so they are not in
+``optimizer.variables()`` (Horovod's broadcast would send them) nor in any
+checkpoint of the model or optimizer.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from ..errors import CaptureMissedError
+from ..fused import STAMP_BYTES, BufferPool, FusedLayout, FusedShard
+from ..format import dtype_itemsize
 from ..shardplan import ShardPlan
 
-__all__ = ["ShardHook", "install", "uninstall"]
+__all__ = ["Sink", "FusedSink", "VariableSink", "PieceCopySink", "HookRegistry", "attach", "detach", "registry_of"]
 
 log = logging.getLogger("deepfreeze")
-_ATTR = "_deepfreeze_hook"
-FUNCTION_READ_MIN = 16  # pieces from which capture() reads them with one tf.function call
+_ATTR = "_deepfreeze_hooks"
+NOT_ARMED = -1
 
 
-class ShardHook:
-    """State of an installed hook: flag, per-piece buffers, what the graph captures."""
+class Sink:
+    """A consumer of the train step's state, registered on an optimizer's :class:`HookRegistry`.
 
-    def __init__(self, optimizer: Any, plan: ShardPlan, rank: int, variables: list[Any],
+    ``kind`` is ``"fused"`` or ``"variable"``. ``control`` is a ``[3]`` int64 variable:
+    ``[step to fire at, destination address, destination capacity]`` (the last two for
+    a fused sink with a native buffer), set by :meth:`arm` in one assign.
+    """
+
+    kind = "abstract"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.control = tf.Variable(tf.constant([NOT_ARMED, 0, 0], tf.int64), trainable=False,
+                                   name=f"deepfreeze_control_{name}")
+        self.armed = NOT_ARMED  # Python mirror of control[0]
+
+    def _set(self, step: int, address: int = 0, capacity: int = 0) -> None:
+        self.control.assign(tf.constant([step, address, capacity], tf.int64), read_value=False)
+        self.armed = step
+
+    def arm(self, step: int) -> None:
+        """Fire at the train step after which ``optimizer.iterations == step``."""
+        if step != self.armed:
+            self._set(step)
+
+    def disarm(self) -> None:
+        if self.armed != NOT_ARMED:
+            self._set(NOT_ARMED)
+
+
+class VariableSink(Sink):
+    """A sink whose ops run right after each variable's update (overlapping back-propagation)."""
+
+    kind = "variable"
+
+    def ops_for(self, variable: Any) -> "Callable[[], None] | None":
+        """Called while the train step is traced, right after the optimizer built ``variable``'s
+        update: a function that builds this sink's ops for it (they run only when the sink's
+        trigger equals the step being computed, after every op of the update), or None."""
+        raise NotImplementedError
+
+
+class FusedSink(Sink):
+    """A sink fed one contiguous per-rank capture buffer at the end of the step.
+
+    ``variables``: every tensor of ``plan``, by tensor id (TF variables). ``pool``: buffers
+    the native op writes into (None: the concat fallback into a TF variable). Read a
+    capture with :meth:`read`, after the step it was armed for.
+    """
+
+    kind = "fused"
+
+    def __init__(self, name: str, plan: ShardPlan, rank: int, variables: Sequence[Any], *,
+                 buffers: int = 3, native: Any = None) -> None:
+        super().__init__(name)
+        self.layout = FusedLayout.build(plan, rank)
+        self.variables = list(variables)
+        self.native = native
+        self.pool: BufferPool | None = BufferPool(self.layout.nbytes, buffers) if native is not None else None
+        self._dest: np.ndarray | None = None  # the pool buffer the armed capture goes to
+        # the fallback's buffer: shape unknown until the first capture (no shard-sized zeros now)
+        self.buffer = None if native is not None else tf.Variable(
+            tf.zeros([0], tf.uint8), shape=tf.TensorShape([None]), trainable=False, name=f"deepfreeze_fused_{name}")
+
+    def arm(self, step: int) -> None:
+        if self.pool is None:
+            return super().arm(step)
+        if step == self.armed:
+            return
+        if step == NOT_ARMED:
+            self._dest = None
+            return self._set(NOT_ARMED)
+        self._dest = self.pool.acquire()
+        self._set(step, BufferPool.address(self._dest), self._dest.size)
+
+    def read(self, step: int) -> FusedShard:
+        """The capture of ``step`` (armed before that step ran): one buffer, zero-copy.
+        Raises :class:`CaptureMissedError` if the train step did not capture it."""
+        if self.pool is not None:
+            buf, self._dest = self._dest, None
+            if buf is None:
+                raise CaptureMissedError(f"sink {self.name!r}: no capture was armed for step {step}")
+        else:
+            buf = np.asarray(self.buffer.value())  # zero-copy: the view keeps TF's buffer alive
+        if buf.size != self.layout.nbytes or int(buf[:8].view("<i8")[0]) != step:
+            got = int(buf[:8].view("<i8")[0]) if buf.size >= 8 else None
+            raise CaptureMissedError(
+                f"sink {self.name!r}: the train step did not capture step {step} (buffer stamp {got}): the "
+                "optimizer's apply path bypassed the DeepFreeze hook (jit_compile, a custom train_step that does "
+                "not call apply_gradients, or a model re-compiled after fit began)")
+        return FusedShard(self.layout, buf)
+
+    def build(self, step: Any) -> Any:
+        """The capture op (traced inside the step, under this sink's trigger)."""
+        segs = self.layout.segments
+        if self.native is not None:
+            values = [self.variables[s.piece.tensor_id].value() for s in segs]
+            src = [s.piece.start * dtype_itemsize(s.dtype) for s in segs]
+            return self.native.fused_copy(self.control[1:], step, values, src, [s.offset for s in segs],
+                                          [s.nbytes for s in segs])
+        parts = [tf.reshape(tf.bitcast(tf.reshape(step, [1]), tf.uint8), [-1]),
+                 tf.zeros([STAMP_BYTES - 8], tf.uint8)]
+        gaps = self.layout.gaps()
+        for s, (_, gap) in zip(segs, gaps):
+            if gap:
+                parts.append(tf.zeros([gap], tf.uint8))
+            parts.append(_as_bytes(self.variables[s.piece.tensor_id], s.piece.start, s.piece.stop))
+        if gaps[-1][1]:
+            parts.append(tf.zeros([gaps[-1][1]], tf.uint8))
+        self.buffer.assign(tf.concat(parts, 0), read_value=False)
+        return step
+
+
+def _as_bytes(variable: Any, start: int, stop: int) -> Any:
+    """Elements [start, stop) of a variable's flat value as uint8 bytes, a view where TF allows
+    (aligned contiguous slices alias the variable's buffer; the concat that follows copies)."""
+    flat = tf.reshape(variable.value(), [-1])
+    if start != 0 or stop != flat.shape[0]:
+        flat = flat[start:stop]
+    if flat.dtype == tf.bool:
+        return tf.cast(flat, tf.uint8)
+    if flat.dtype == tf.uint8:
+        return flat
+    return tf.reshape(tf.bitcast(flat, tf.uint8), [-1])
+
+
+class PieceCopySink(VariableSink):
+    """Copies this rank's piece of each trainable variable (and its optimizer slots) into a
+    per-piece buffer right after the variable's update. ``variables``: every tensor of
+    ``plan``, by id; ``slots``: model tensor id -> ids of optimizer slots updated with it."""
+
+    def __init__(self, name: str, optimizer: Any, plan: ShardPlan, rank: int, variables: Sequence[Any],
                  slots: dict[int, list[int]] | None = None) -> None:
-        """``variables``: every checkpointed variable, in plan order (model weights, then
-        optimizer variables). ``slots``: model tensor id -> tensor ids of the optimizer slot
-        variables updated with it (copied in the same step, right after the update)."""
-        self.optimizer, self.plan, self.rank, self.variables = optimizer, plan, rank, variables
-        self.flag = tf.Variable(False, trainable=False, name="deepfreeze_capture", dtype=tf.bool)
+        super().__init__(name)
+        self.optimizer, self.plan, self.rank, self.variables = optimizer, plan, rank, list(variables)
         slots = slots or {}
-        model_ids = [i for i, v in enumerate(variables) if v.trainable]  # optimizer variables are not
-        # tensor ids copied in the graph, grouped by the model variable whose update triggers them
-        self.groups = {optimizer._var_key(variables[i]): [i] + slots.get(i, []) for i in model_ids}
-        self.trainable_ids = {t for g in self.groups.values() for t in g}
-        self.pieces = plan.for_rank(rank)
-        owned = {p.tensor_id: (p.start, p.stop) for p in self.pieces}
-        # Every rank builds the *same* graph: a buffer and a copy for every trainable
-        # tensor, zero-length where it holds no piece. Horovod names its collectives
-        # after graph node ids; graphs that differ across ranks deadlock it.
+        model_ids = [i for i, v in enumerate(self.variables) if v.trainable]
+        self.groups = {optimizer._var_key(self.variables[i]): [i] + slots.get(i, []) for i in model_ids}
+        owned = {p.tensor_id: (p.start, p.stop) for p in plan.for_rank(rank)}
+        # Every rank builds the *same* graph (a zero-length buffer where it holds no piece):
+        # Horovod names its collectives after graph node ids.
         self.buffers: dict[int, tf.Variable] = {}
         self.slices: dict[int, tuple[int, int]] = {}
-        for tid in sorted(self.trainable_ids):
+        for tid in sorted(t for g in self.groups.values() for t in g):
             start, stop = owned.get(tid, (0, 0))
-            self.buffers[tid] = tf.Variable(tf.zeros([stop - start], dtype=variables[tid].dtype),
-                                            trainable=False, name=f"deepfreeze_shard_{tid}")
+            self.buffers[tid] = tf.Variable(tf.zeros([stop - start], dtype=self.variables[tid].dtype),
+                                            trainable=False, name=f"deepfreeze_piece_{name}_{tid}")
             self.slices[tid] = (start, stop)
-        self.traced: set[int] = set()  # tensor ids whose update got a copy op in a traced graph
-        self._reader: tuple[tuple[bool, ...], Any] | None = None  # (which pieces were copied, read fn)
-        self._reader_n = -1  # len(traced) when the reader was checked
-        self.original = optimizer.__dict__.get("_update_step")  # None: the class method
 
-    def update_step(self, gradient: Any, variable: Any) -> Any:
-        """Replacement for ``optimizer._update_step``: update, then maybe copy the piece."""
-        fn = self.original if self.original is not None else type(self.optimizer)._update_step.__get__(
-            self.optimizer)
-        graph = tf.compat.v1.get_default_graph() if not tf.executing_eagerly() else None
-        first = len(graph.get_operations()) if graph is not None else 0
-        result = fn(gradient, variable)
+    def ops_for(self, variable: Any) -> "Callable[[], None] | None":
         group = self.groups.get(self.optimizer._var_key(variable))
         if group is None:
-            return result
-        # Explicit edges from every op of the update to the copy, so the order does not
-        # rest on automatic control dependencies seeing through the optimizer's code.
-        update_ops = graph.get_operations()[first:] if graph is not None else []
-        self.traced.update(group)
+            return None
         sources = [variable] + [self.variables[t] for t in group[1:]]
 
-        def copy() -> Any:
-            with tf.control_dependencies(update_ops):
-                for tid, src in zip(group, sources):
-                    start, stop = self.slices[tid]
-                    flat = tf.reshape(src.read_value() if hasattr(src, "read_value") else src, [-1])
-                    # DeepCopy: a contiguous slice is otherwise a view of the variable's buffer;
-                    # the buffer would alias it and the next update would copy-on-write the
-                    # *whole* variable (+23 ms per 320 MB update) instead of copying 1/N here.
-                    self.buffers[tid].assign(tf.raw_ops.DeepCopy(x=flat[start:stop]), read_value=False)
-            return tf.constant(True)
+        def copy() -> None:
+            for tid, src in zip(group, sources):
+                start, stop = self.slices[tid]
+                flat = tf.reshape(src.value(), [-1])
+                # DeepCopy: an aligned slice is a view of the variable's buffer; the next update
+                # would copy-on-write the whole variable instead of this copying 1/N
+                self.buffers[tid].assign(tf.raw_ops.DeepCopy(x=flat[start:stop]), read_value=False)
+        return copy
 
-        tf.cond(self.flag, copy, lambda: tf.constant(False))
+    def pieces(self) -> dict[int, np.ndarray]:
+        """tensor id -> this rank's piece as captured (for the tensors it copies)."""
+        return {tid: np.asarray(b.value()) for tid, b in self.buffers.items() if b.shape[0]}
+
+
+class HookRegistry:
+    """The hook installed on one optimizer instance: its sinks and the wrapped methods."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self.sinks: list[Sink] = []
+        self.original_update = optimizer.__dict__.get("_update_step")  # None: the class method
+        self.original_apply = optimizer.__dict__.get("_distributed_apply_gradients_fn")
+
+    def _bound(self, name: str, original: Any) -> Any:
+        return original if original is not None else getattr(type(self.optimizer), name).__get__(self.optimizer)
+
+    def update_step(self, gradient: Any, variable: Any) -> Any:
+        """Replacement for ``optimizer._update_step``: the update, then per-variable sinks."""
+        graph = tf.compat.v1.get_default_graph() if not tf.executing_eagerly() else None
+        first = len(graph.get_operations()) if graph is not None else 0
+        result = self._bound("_update_step", self.original_update)(gradient, variable)
+        builders = [(s, f) for s in self.sinks if s.kind == "variable" for f in [s.ops_for(variable)] if f]
+        if not builders:
+            return result
+        # explicit edges from every op of the update, not only automatic control dependencies
+        update_ops = graph.get_operations()[first:] if graph is not None else []
+        with tf.control_dependencies(update_ops):
+            step = self.optimizer.iterations + 1  # the step being computed (incremented at the end)
+            for sink, fn in builders:
+                tf.cond(tf.equal(step, sink.control[0]), lambda fn=fn: _run(fn), lambda: tf.constant(False))
         return result
 
-    def capture(self) -> list[np.ndarray]:
-        """This rank's pieces, in plan order, as numpy arrays (zero-copy views where TF allows).
-
-        Pieces of tensors the graph did not copy (non-trainable ones pinned to rank 0,
-        or trainable ones that got no gradient and so were not updated) are read
-        from the variable directly.
-        """
-        key = self.prepare()
-        out = []
-        for p, copied, value in zip(self.pieces, key, self._reader[1]()):
-            value = np.asarray(value)
-            out.append(value if copied else value.reshape(-1)[p.start:p.stop])
-        return out
-
-    def prepare(self) -> tuple[bool, ...]:
-        """Build (and trace) the function :meth:`capture` reads the pieces with, for the current
-        set of copied tensors; returns which pieces the graph copies. Cheap when it exists."""
-        if self._reader is not None and self._reader_n == len(self.traced):  # traced only grows
-            return self._reader[0]
-        self._reader_n = len(self.traced)
-        key = tuple(p.tensor_id in self.traced for p in self.pieces)
-        if self._reader is None or self._reader[0] != key:
-            sources = [self.buffers[p.tensor_id] if copied else self.variables[p.tensor_id]
-                       for p, copied in zip(self.pieces, key)]
-            # one function call reads every piece: one eager op per piece cost ~0.06 ms each
-            # (12 ms for ResNet-50's 180 pieces of a rank, 3 ms this way); the outputs still
-            # share the buffers' memory (no copy), as an eager read_value does. Below
-            # FUNCTION_READ_MIN pieces, eager reads are cheaper than a function call.
-            if len(sources) >= FUNCTION_READ_MIN:
-                fn = tf.function(lambda: [v.read_value() for v in sources])
-                fn()  # trace and instantiate now (tens of ms), not in a checkpoint call (reads copy nothing)
-            else:
-                def fn() -> list:
-                    return [v.read_value() for v in sources]
-            self._reader = (key, fn)
-        return key
-
-    def capture_eager(self) -> list[np.ndarray]:
-        """Like :meth:`capture` but slicing the variables now (no graph copy needed)."""
-        return [np.asarray(self.variables[p.tensor_id].read_value()).reshape(-1)[p.start:p.stop]
-                for p in self.pieces]
+    def apply_fn(self, distribution: Any, grads_and_vars: Any, **kwargs: Any) -> Any:
+        """Replacement for ``optimizer._distributed_apply_gradients_fn``: every update and the
+        ``iterations`` increment, then the fused sinks' captures."""
+        graph = tf.compat.v1.get_default_graph() if not tf.executing_eagerly() else None
+        first = len(graph.get_operations()) if graph is not None else 0
+        result = self._bound("_distributed_apply_gradients_fn", self.original_apply)(
+            distribution, grads_and_vars, **kwargs)
+        fused = [s for s in self.sinks if s.kind == "fused"]
+        if not fused:
+            return result
+        step_ops = graph.get_operations()[first:] if graph is not None else []
+        with tf.control_dependencies(step_ops):
+            step = self.optimizer.iterations.value()
+            for sink in fused:
+                tf.cond(tf.equal(step, sink.control[0]), lambda sink=sink: _run(lambda: sink.build(step)),
+                        lambda: tf.constant(False))
+        return result
 
 
-def install(optimizer: Any, plan: ShardPlan, rank: int, variables: list[Any],
-            slots: dict[int, list[int]] | None = None) -> ShardHook:
-    """Install (or replace) the hook on ``optimizer``; returns its state."""
-    uninstall(optimizer)
-    hook = ShardHook(optimizer, plan, rank, variables, slots)
-    object.__setattr__(optimizer, "_update_step", hook.update_step)
-    object.__setattr__(optimizer, _ATTR, hook)
-    return hook
+def _run(fn: Callable[[], Any]) -> Any:
+    fn()
+    return tf.constant(True)
 
 
-def uninstall(optimizer: Any) -> None:
-    hook = optimizer.__dict__.get(_ATTR)
-    if hook is None:
+def registry_of(optimizer: Any) -> HookRegistry | None:
+    return optimizer.__dict__.get(_ATTR)
+
+
+def attach(optimizer: Any, sink: Sink) -> HookRegistry:
+    """Register ``sink`` on ``optimizer`` (installing the hook at the first sink). The train
+    function must be retraced afterwards (``model.make_train_function(force=True)``)."""
+    reg = registry_of(optimizer)
+    if reg is None:
+        reg = HookRegistry(optimizer)
+        object.__setattr__(optimizer, "_update_step", reg.update_step)
+        object.__setattr__(optimizer, "_distributed_apply_gradients_fn", reg.apply_fn)
+        object.__setattr__(optimizer, _ATTR, reg)
+    if any(s is sink for s in reg.sinks):
+        return reg
+    if any(s.name == sink.name for s in reg.sinks):
+        raise ValueError(f"a DeepFreeze sink named {sink.name!r} is already attached to this optimizer")
+    reg.sinks.append(sink)
+    return reg
+
+
+def detach(optimizer: Any, sink: Sink) -> None:
+    """Unregister ``sink``; the hook is removed with the last sink. Retrace afterwards."""
+    reg = registry_of(optimizer)
+    if reg is None:
         return
-    if hook.original is None:
-        optimizer.__dict__.pop("_update_step", None)
-    else:
-        object.__setattr__(optimizer, "_update_step", hook.original)
+    sink.disarm()
+    reg.sinks = [s for s in reg.sinks if s is not sink]
+    if reg.sinks:
+        return
+    for name, original in (("_update_step", reg.original_update),
+                           ("_distributed_apply_gradients_fn", reg.original_apply)):
+        if original is None:
+            optimizer.__dict__.pop(name, None)
+        else:
+            object.__setattr__(optimizer, name, original)
     optimizer.__dict__.pop(_ATTR, None)
