@@ -152,22 +152,35 @@ class FusedSink(Sink):
         return FusedShard(self.layout, buf)
 
     def build(self, step: Any) -> Any:
-        """The capture op (traced inside the step, under this sink's trigger)."""
-        segs = self.layout.segments
+        """The capture op (traced inside the step, under this sink's trigger).
+
+        Every rank builds the *same* graph: ops for every tensor of the plan, in id order
+        (a zero-length piece where the rank holds none), so only attributes and shapes
+        differ. Horovod names its collectives after graph node ids; a rank whose graph has
+        more nodes shifts them and the job deadlocks.
+        """
+        held = {s.piece.tensor_id: s for s in self.layout.segments}
+        tensors = self.layout.plan.tensors
         if self.native is not None:
-            values = [self.variables[s.piece.tensor_id].value() for s in segs]
-            src = [s.piece.start * dtype_itemsize(s.dtype) for s in segs]
-            return self.native.fused_copy(self.control[1:], step, values, src, [s.offset for s in segs],
-                                          [s.nbytes for s in segs])
+            values, src, dst, length = [], [], [], []
+            for t in tensors:
+                s = held.get(t.id)
+                values.append(self.variables[t.id].value())
+                src.append(s.piece.start * dtype_itemsize(s.dtype) if s else 0)
+                dst.append(s.offset if s else STAMP_BYTES)
+                length.append(s.nbytes if s else 0)
+            return self.native.fused_copy(self.control[1:], step, values, src, dst, length)
         parts = [tf.reshape(tf.bitcast(tf.reshape(step, [1]), tf.uint8), [-1]),
                  tf.zeros([STAMP_BYTES - 8], tf.uint8)]
-        gaps = self.layout.gaps()
-        for s, (_, gap) in zip(segs, gaps):
-            if gap:
-                parts.append(tf.zeros([gap], tf.uint8))
-            parts.append(_as_bytes(self.variables[s.piece.tensor_id], s.piece.start, s.piece.stop))
-        if gaps[-1][1]:
-            parts.append(tf.zeros([gaps[-1][1]], tf.uint8))
+        pos = STAMP_BYTES
+        for t in tensors:  # gaps are < PIECE_ALIGN bytes: always a Const op
+            s = held.get(t.id)
+            start, stop = (s.piece.start, s.piece.stop) if s else (0, 0)
+            gap = s.offset - pos if s else 0
+            parts.append(tf.zeros([gap], tf.uint8))
+            parts.append(_as_bytes(self.variables[t.id], start, stop))
+            pos = s.offset + s.nbytes if s else pos
+        parts.append(tf.zeros([self.layout.nbytes - pos], tf.uint8))
         self.buffer.assign(tf.concat(parts, 0), read_value=False)
         return step
 
@@ -175,9 +188,7 @@ class FusedSink(Sink):
 def _as_bytes(variable: Any, start: int, stop: int) -> Any:
     """Elements [start, stop) of a variable's flat value as uint8 bytes, a view where TF allows
     (aligned contiguous slices alias the variable's buffer; the concat that follows copies)."""
-    flat = tf.reshape(variable.value(), [-1])
-    if start != 0 or stop != flat.shape[0]:
-        flat = flat[start:stop]
+    flat = tf.reshape(variable.value(), [-1])[start:stop]  # always sliced: the same ops on every rank
     if flat.dtype == tf.bool:
         return tf.cast(flat, tf.uint8)
     if flat.dtype == tf.uint8:
