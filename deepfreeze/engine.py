@@ -118,6 +118,7 @@ class Engine:
         self.last_version: int | None = None
         self.stats: list[dict[str, float]] = []
         self.write_times: dict[int, float] = {}  # version -> seconds to commit the shard on scratch
+        self.writer_cpu: dict[int, float] = {}  # version -> CPU seconds the writer thread spent on it
         if config.mode == "async" and self.kind == "builtin":
             self.scratch.makedirs(config.scratch)  # checked with shared_group before the backend creates its log
             self._backend = BackendClient(config.scratch, answer_timeout=config.backend_timeout)
@@ -401,6 +402,13 @@ class Engine:
             raise write_error(self.config, self.name, version, e) from e
 
     def _write(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
+        c0 = time.thread_time()
+        try:
+            self._write_version(version, arrays, manifest)
+        finally:
+            self.writer_cpu[version] = time.thread_time() - c0
+
+    def _write_version(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
         cfg = self.config
         t0 = time.perf_counter()
         try:

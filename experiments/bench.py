@@ -313,8 +313,12 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
                     watchers.append(w)
         ckpt_cb = RankZero()
     cbs = [First(), hvd.callbacks.BroadcastGlobalVariablesCallback(0)] + ([ckpt_cb] if ckpt_cb else []) + [Last()]
+    cpu0 = machine_cpu()
     try:
         model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=cbs)
+        cpu1 = machine_cpu()
+        out["machine_cpu"] = {k: cpu1[k] - cpu0[k] for k in cpu0}  # whole machine, during fit
+        out["steps"] = steps
     finally:
         if df is not None:
             df.wait()
@@ -322,6 +326,12 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
                       "capture": d.get("capture_s")} for d in df.timings]
             if df.plan is not None:
                 out["bytes_rank"] = int(df.plan.rank_bytes()[rank])
+            out["quiet_s"] = list(df.quiet_times)
+            eng = df.engine
+            if eng is not None:
+                out["writer_cpu_s"] = {str(v): c for v, c in getattr(eng, "writer_cpu", {}).items()}
+                backend = getattr(eng, "_backend", None)
+                out["backend_cpu_s"] = process_cpu(backend.pid) if backend is not None else None
             df.close()
         if engine is not None:
             engine.close()
@@ -335,6 +345,25 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
     iters = {b: end[b] - begin[b] for b in begin if b in end}
     out.update(iters=[[b, iters[b]] for b in sorted(iters)], ckpts=ckpts, durable=durable)
     return out
+
+
+def machine_cpu() -> dict[str, float]:
+    """CPU seconds of the whole machine so far (/proc/stat): busy (user+nice+system+irq+softirq)
+    and kernel (system+irq+softirq)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return {"busy_s": (v[0] + v[1] + v[2] + v[5] + v[6]) / hz, "kernel_s": (v[2] + v[5] + v[6]) / hz}
+
+
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def commit_times(root: str) -> dict[str, float]:
@@ -495,6 +524,14 @@ def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, 
     whole = [it[b] for b in range(meas[0], meas[-1]) if b in it] if len(meas) > 1 else []
     if whole and base is not None:  # every iteration of the complete intervals: background work included
         row["extra_per_interval_s"] = every * (mean(whole) - base)
+        vw = var(whole)
+        if vw is not None and base_var is not None and base_n:
+            row["extra_per_interval_se_s"] = every * math.sqrt(vw / len(whole) + base_var / base_n)
+        row["interval_iterations"] = len(whole)
+    cpu = [r["machine_cpu"] for r in ok if r.get("machine_cpu")]
+    if cpu and ok[0].get("steps"):  # per iteration, machine-wide (the same on every rank: take the mean)
+        row["machine_busy_per_iter_s"] = mean([c["busy_s"] for c in cpu]) / ok[0]["steps"]
+        row["machine_kernel_per_iter_s"] = mean([c["kernel_s"] for c in cpu]) / ok[0]["steps"]
     warm = cks[0] + 1  # version of the warm-up checkpoint
     samples = [(r, c) for r in ok for c in r["ckpts"] if c["version"] > warm]
     row["checkpoints"] = len({c["version"] for _, c in samples})
@@ -504,8 +541,22 @@ def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, 
     row["checkpoint_samples"] = len(samples)
     row["preparation_s"] = mean([c["prep"] for _, c in samples])
     row["blocking_s"] = mean([c["block"] for _, c in samples])
+    blocks = sorted(c["block"] for _, c in samples if c["block"] is not None)
+    if blocks:
+        row["blocking_median_s"] = blocks[len(blocks) // 2] if len(blocks) % 2 else \
+            (blocks[len(blocks) // 2 - 1] + blocks[len(blocks) // 2]) / 2
+        row["blocking_p90_s"] = blocks[min(len(blocks) - 1, math.ceil(0.9 * len(blocks)) - 1)]
     if approach in ("deepfreeze", "deepfreeze-veloc"):
         row["capture_s"] = mean([c.get("capture") for _, c in samples])
+        quiet = sorted(q for r in ok for q in r.get("quiet_s", [])[FIRST_USED:])
+        if quiet:
+            row["quiet_median_s"] = quiet[len(quiet) // 2]
+            row["quiet_samples"] = len(quiet)
+        wcpu = [c for r in ok for v, c in r.get("writer_cpu_s", {}).items() if int(v) > warm]
+        row["writer_cpu_per_ckpt_s"] = sum(wcpu) / max(1, row["checkpoints"]) if wcpu else None  # all ranks
+        bcpu = [r["backend_cpu_s"] for r in ok if r.get("backend_cpu_s") is not None]
+        n_all = len({c["version"] for r in ok for c in r["ckpts"]})
+        row["backend_cpu_per_ckpt_s"] = sum(bcpu) / max(1, n_all) if bcpu else None  # all backends, warm-up incl.
     durable = {}
     for r in ok:
         durable.update(r.get("durable", {}))
