@@ -104,6 +104,7 @@ class Engine:
         self.scratch = scratch_cls(config.scratch, shared_group=config.shared_group)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-writer-r{rank}",
                                                            initializer=lower_priority)
+        self._pool.submit(int).result()  # the thread starts now, not in the first checkpoint call
         self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()  # oldest first
         self._error: BaseException | None = None
         self._pending: dict[int, dict[str, Any]] = {}  # backend job id -> job not known to be done

@@ -74,6 +74,7 @@ class Sink:
         self.control = tf.Variable(tf.constant([NOT_ARMED, 0, 0], tf.int64), trainable=False,
                                    name=f"deepfreeze_control_{name}")
         self.armed = NOT_ARMED  # Python mirror of control[0]
+        self._set(NOT_ARMED)  # the eager assign's kernel is made now, not in the first arm (a batch hook)
 
     def _set(self, step: int, address: int = 0, capacity: int = 0) -> None:
         self.control.assign(tf.constant([step, address, capacity], tf.int64), read_value=False)
@@ -122,6 +123,8 @@ class FusedSink(Sink):
         # the fallback's buffer: shape unknown until the first capture (no shard-sized zeros now)
         self.buffer = None if native is not None else tf.Variable(
             tf.zeros([0], tf.uint8), shape=tf.TensorShape([None]), trainable=False, name=f"deepfreeze_fused_{name}")
+        if self.buffer is not None:
+            np.asarray(self.buffer.value())  # the read's kernel is made now, not in the first read (a batch hook)
 
     def arm(self, step: int) -> None:
         if self.pool is None:
