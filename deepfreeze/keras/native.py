@@ -158,8 +158,8 @@ def unavailable_reason() -> str | None:
 
 
 def buffer_address(buffer: Any) -> tuple[int, int]:
-    """``(address, capacity)`` of a writable, C-contiguous numpy array (the caller keeps it alive
-    for as long as an op that writes it may run)."""
+    """``(address, capacity in bytes)`` of a writable, C-contiguous numpy array (the caller keeps it
+    alive for as long as an op that writes it may run)."""
     import numpy as np
     if not isinstance(buffer, np.ndarray):
         raise TypeError(f"dest must be a numpy array or an (address, capacity) pair, got {type(buffer).__name__}")
@@ -174,8 +174,9 @@ def fused_copy(dest: Any, step: Any, values: Sequence[Any], src_offsets: Sequenc
     ``values[i]``'s bytes ``[src_offsets[i], src_offsets[i] + lengths[i])`` to
     ``dest[dst_offsets[i]:dst_offsets[i] + lengths[i]]``; return the stamp (int64 scalar tensor).
 
-    ``dest``: a writable C-contiguous numpy array the caller keeps alive, or an int64
-    ``[address, capacity]`` pair/tensor. ``values``: tensors or variables (read where the
+    ``dest``: the buffer itself, a writable C-contiguous uint8 numpy array the caller keeps
+    alive (its address is baked into a traced function), or ``[address, capacity]`` as an
+    int64 tensor, int64 numpy array of shape (2,), list or tuple. ``values``: tensors or variables (read where the
     op is built; put it under ``tf.control_dependencies`` to order it after updates).
     Bad offsets or lengths raise ``tf.errors.InvalidArgumentError`` when the op runs, with
     nothing written. Raises :class:`NativeBuildError` if the op is not available.
@@ -186,7 +187,11 @@ def fused_copy(dest: Any, step: Any, values: Sequence[Any], src_offsets: Sequenc
     if mod is None:
         raise NativeBuildError(unavailable_reason() or "fused-copy op unavailable")
     if isinstance(dest, np.ndarray):
-        dest = buffer_address(dest)
+        if dest.dtype == np.uint8:
+            dest = buffer_address(dest)
+        elif dest.dtype != np.int64 or dest.shape != (2,):
+            raise TypeError(f"dest must be the buffer (a uint8 numpy array) or [address, capacity] "
+                            f"(int64, shape (2,)); got a {dest.dtype} array of shape {dest.shape}")
     return mod.deep_freeze_fused_copy(
         dest=tf.convert_to_tensor(dest, dtype=tf.int64), step=tf.convert_to_tensor(step, dtype=tf.int64),
         values=list(values), src_offsets=[int(x) for x in src_offsets],
