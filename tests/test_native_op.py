@@ -121,21 +121,33 @@ def test_copies_after_an_update_it_depends_on(op):
     mm.close()
 
 
-def test_large_copy_bit_exact(op):
-    """64 MiB plus small pieces: above the threshold where the kernel splits into chunks on worker threads."""
+@pytest.mark.parametrize("threads,stream", [("", ""), ("0", "1"), ("0", "0"), ("1", "0")],
+                         ids=["default", "parallel-streaming", "parallel-memcpy", "serial-memcpy"])
+def test_large_copy_bit_exact(op, monkeypatch, threads, stream):
+    """64 MiB plus pieces at odd offsets: the kernel's streaming stores (unaligned heads and tails),
+    its glibc memcpy path and its chunked parallel path (the environment is read when the kernel
+    is built, i.e. on a new tf.function's first run)."""
+    monkeypatch.setenv("DEEPFREEZE_FUSED_COPY_THREADS", threads)
+    monkeypatch.setenv("DEEPFREEZE_FUSED_COPY_NT", stream)
     rng = np.random.default_rng(3)
     big = tf.Variable(rng.integers(0, 2**31, 16 << 20, dtype=np.int32))  # 64 MiB
     small = tf.Variable(rng.standard_normal(1000).astype(np.float32))
-    total = 8 + (64 << 20) + 4096 + 4000
-    mm, buf = _buffer(total + 100)
-    src, dst, lengths = [0, 3, 0], [4096 + 4000 + 8, 8, 4096 + 8], [64 << 20, (3 << 20) + 1, 4000]
+    values = [big, big, small, big, big]
+    src = [0, 3, 0, 1, 5 << 20]
+    lengths = [64 << 20, (3 << 20) + 1, 4000, 100_005, (17 << 20) + 3]  # 17 MiB: above the streaming range
+    dst, pos = [], 8
+    for n in lengths:  # in order, with odd gaps between the pieces
+        dst.append(pos)
+        pos += n + 13
+    total = pos + 100
+    mm, buf = _buffer(total)
 
     @tf.function
     def capture():  # the buffer itself as dest
-        return native.fused_copy(buf, tf.constant(2**40, tf.int64), [big, big, small], src, dst, lengths)
+        return native.fused_copy(buf, tf.constant(2**40, tf.int64), values, src, dst, lengths)
 
     assert int(capture()) == 2**40
-    np.testing.assert_array_equal(buf, _expected(total + 100, 2**40, [big, big, small], src, dst, lengths))
+    np.testing.assert_array_equal(buf, _expected(total, 2**40, values, src, dst, lengths))
     del buf
     mm.close()
 

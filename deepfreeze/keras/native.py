@@ -27,6 +27,8 @@ import tempfile
 import threading
 from typing import Any, Sequence
 
+import tensorflow as tf
+
 from ..errors import DeepFreezeError
 
 __all__ = ["NativeBuildError", "SOURCE", "LIBRARY", "build", "load", "unavailable_reason", "fused_copy",
@@ -60,7 +62,6 @@ def _compiler() -> str | None:
 
 
 def _tf_build_info() -> dict[str, Any]:
-    import tensorflow as tf
     return {"tensorflow": tf.__version__, "compile_flags": list(tf.sysconfig.get_compile_flags()),
             "link_flags": list(tf.sysconfig.get_link_flags())}
 
@@ -143,7 +144,6 @@ def load() -> Any | None:
         try:
             if not os.path.exists(LIBRARY):
                 raise FileNotFoundError(f"{LIBRARY} is missing (run `python -m deepfreeze.keras.native build`)")
-            import tensorflow as tf
             _loaded = tf.load_op_library(LIBRARY)
         except Exception as e:  # noqa: BLE001 -- any failure means: use the fallback
             _loaded, _reason = None, f"fused-copy op unavailable: {type(e).__name__}: {e}"
@@ -168,6 +168,7 @@ def buffer_address(buffer: Any) -> tuple[int, int]:
     return int(buffer.ctypes.data), int(buffer.nbytes)
 
 
+@tf.autograph.experimental.do_not_convert  # no tensor control flow; spares AutoGraph's warnings
 def fused_copy(dest: Any, step: Any, values: Sequence[Any], src_offsets: Sequence[int],
                dst_offsets: Sequence[int], lengths: Sequence[int]) -> Any:
     """Run ``DeepFreezeFusedCopy``: write ``step`` to ``dest[0:8]`` and copy
@@ -182,7 +183,6 @@ def fused_copy(dest: Any, step: Any, values: Sequence[Any], src_offsets: Sequenc
     nothing written. Raises :class:`NativeBuildError` if the op is not available.
     """
     import numpy as np
-    import tensorflow as tf
     mod = load()
     if mod is None:
         raise NativeBuildError(unavailable_reason() or "fused-copy op unavailable")
