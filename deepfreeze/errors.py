@@ -22,6 +22,7 @@ __all__ = [
     "ExistingCheckpointError",
     "UnsafePathError",
     "UntrustedOwnerError",
+    "NativeBuildError",
 ]
 
 
@@ -87,3 +88,8 @@ class UnsafePathError(DeepFreezeError, PermissionError):
 
 class UntrustedOwnerError(DeepFreezeError, PermissionError):
     """A checkpoint file is owned by a user this process does not trust (``trust_owners``)."""
+
+
+class NativeBuildError(DeepFreezeError, RuntimeError):
+    """The fused-copy TensorFlow op could not be compiled (no compiler, a compiler error, an
+    unwritable package directory) or is not available to call."""

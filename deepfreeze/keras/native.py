@@ -14,6 +14,12 @@ the source is newer than the library, the library is missing, or it was built fo
 another TensorFlow. :func:`load` never builds and never raises: without the library
 it returns ``None`` and :func:`unavailable_reason` says why (DeepFreeze then uses its
 pure-TensorFlow capture).
+
+The kernel copies on the calling thread with non-temporal stores for pieces of 64 KiB-16 MiB
+(fastest measured on the 2-core test machine, ``experiments/fused_copy.py``);
+``DEEPFREEZE_FUSED_COPY_THREADS=0`` (or ``n``) spreads copies of >= 4 MiB over TensorFlow's CPU
+worker threads in 2 MiB chunks, ``DEEPFREEZE_FUSED_COPY_NT=0`` uses ``memcpy`` only. Both are
+read when a kernel is built (a function's first run).
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from ..errors import DeepFreezeError
+from ..errors import NativeBuildError
 
 __all__ = ["NativeBuildError", "SOURCE", "LIBRARY", "build", "load", "unavailable_reason", "fused_copy",
            "buffer_address"]
@@ -41,10 +47,6 @@ SOURCE = os.path.join(_OPS_DIR, "fused_copy.cc")  #: the op's C++ source (packag
 LIBRARY = os.path.join(_OPS_DIR, "_fused_copy.so")  #: where :func:`build` puts the library
 _BUILD_INFO = LIBRARY + ".json"  # what the library was built against (TF version, flags)
 _BUILD_TIMEOUT = 600.0
-
-
-class NativeBuildError(DeepFreezeError, RuntimeError):
-    """The fused-copy op could not be compiled (no compiler, compiler error, unwritable directory)."""
 
 
 _lock = threading.Lock()
