@@ -19,9 +19,13 @@ buffer (:class:`deepfreeze.fused.FusedLayout`), this times:
   bypass the cache) for one large copy, while 2 MiB copies stay in the cache, so a copy of
   <= ~100 MB split into chunks can beat one ``np.copyto`` of it; this row shows how much.
 
-The three are interleaved per repetition (so drift of the shared machine hits them alike);
+All are interleaved, in a new random order each repetition (so drift of the shared machine hits
+them alike); besides wall time, the process's CPU time of each run is kept (``cpu_median_s``,
+``cpu_ratio_<variant>``: all threads, so not comparable for the parallel variants), which a
+descheduled thread does not inflate;
 the statistic is the median of ``--repeat`` (>= 15) repetitions after a warm-up, with the
-standard error of the mean beside it; ``ratio`` is the op's median over memcpy's median.
+standard error of the mean beside it; ``ratio_<variant>`` is the op's median over memcpy's
+median, ``ratio_<variant>_se`` the standard error of the ratio of the means.
 """
 from __future__ import annotations
 
@@ -47,6 +51,12 @@ def _stats(ts: list[float]) -> dict[str, float]:
     a = np.asarray(ts)
     return {"median_s": float(np.median(a)), "mean_s": float(a.mean()),
             "se_s": float(a.std(ddof=1) / math.sqrt(len(a))) if len(a) > 1 else 0.0}
+
+
+def _ratio_se(a: dict[str, float], b: dict[str, float]) -> float:
+    """Standard error of mean(a) / mean(b) (first-order propagation of both means' errors)."""
+    r = a["mean_s"] / b["mean_s"]
+    return r * math.sqrt((a["se_s"] / a["mean_s"]) ** 2 + (b["se_s"] / b["mean_s"]) ** 2)
 
 
 def main() -> None:
@@ -108,34 +118,38 @@ def main() -> None:
                 assert np.array_equal(buf[s.offset:s.offset + s.nbytes], b[o:o + s.nbytes]), s
 
             step = tf.constant(1, tf.int64)
-            times: dict[str, list[float]] = {k: [] for k in [*VARIANTS, "memcpy", "memcpy_chunked"]}
-            for r in range(args.repeat + 1):  # repetition 0 is the warm-up
-                for name, fn in fns.items():
-                    t = time.perf_counter()
-                    fn(step)
-                    dt = time.perf_counter() - t
-                    if r:
-                        times[name].append(dt)
-                t = time.perf_counter()
-                np.copyto(mdst, msrc)
-                dt = time.perf_counter() - t
-                if r:
-                    times["memcpy"].append(dt)
-                t = time.perf_counter()
+            def chunked() -> None:
                 for a in range(0, nbytes, CHUNK):  # the same bytes in the kernel's chunk size
                     np.copyto(mdst[a:a + CHUNK], msrc[a:a + CHUNK])
-                dt = time.perf_counter() - t
-                if r:
-                    times["memcpy_chunked"].append(dt)
+
+            runs = {**{k: (lambda f=f: f(step)) for k, f in fns.items()},
+                    "memcpy": lambda: np.copyto(mdst, msrc), "memcpy_chunked": chunked}
+            times: dict[str, list[float]] = {k: [] for k in runs}
+            cpu: dict[str, list[float]] = {k: [] for k in runs}
+            order = np.random.default_rng(0)
+            for r in range(args.repeat + 1):  # repetition 0 is the warm-up
+                for name in order.permutation(list(runs)):  # a new order each repetition
+                    c, t = time.process_time(), time.perf_counter()
+                    runs[name]()
+                    dt, dc = time.perf_counter() - t, time.process_time() - c
+                    if r:
+                        times[name].append(dt)
+                        cpu[name].append(dc)
             st = {k: _stats(v) for k, v in times.items()}
+            cpu_st = {k: _stats(v)["median_s"] for k, v in cpu.items()}
             row = {"app": app, "ranks": n, "rank": rank, "bytes": nbytes, "pieces": len(lengths),
                    "piece_bytes_min": min(lengths), "piece_bytes_max": max(lengths),
                    **{k: v for k, v in st.items()},
-                   **{f"ratio_{k}": st[k]["median_s"] / st["memcpy"]["median_s"] for k in VARIANTS}}
+                   **{f"ratio_{k}": st[k]["median_s"] / st["memcpy"]["median_s"] for k in VARIANTS},
+                   **{f"ratio_{k}_se": _ratio_se(st[k], st["memcpy"]) for k in VARIANTS},
+                   "cpu_median_s": cpu_st,
+                   **{f"cpu_ratio_{k}": cpu_st[k] / cpu_st["memcpy"] for k in VARIANTS}}
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("app", "ranks", "bytes", "pieces")} |
                              {k: round(v["median_s"] * 1e3, 3) for k, v in st.items()} |
-                             {f"ratio_{k}": round(row[f"ratio_{k}"], 3) for k in VARIANTS}), flush=True)
+                             {f"ratio_{k}": f"{row[f'ratio_{k}']:.3f}+-{row[f'ratio_{k}_se']:.3f}"
+                              for k in VARIANTS} |
+                             {f"cpu_ratio_{k}": round(row[f"cpu_ratio_{k}"], 3) for k in VARIANTS}), flush=True)
             del buf, fns, capture, mm, msrc, mdst  # the mmap goes with its last view
     doc = {"repeat": args.repeat, "statistic": "median of repeat runs after one warm-up (se: of the mean)",
            "cpus": os.cpu_count(), "runs": rows}
