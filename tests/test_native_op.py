@@ -175,6 +175,10 @@ def _bad_calls(v, addr, cap):
         ("dest not [address, capacity]", bad(dest=[addr, cap, 0]), "(shape [2]), got shape [3]"),
         ("step not a scalar", bad(step=[5]), "scalar"),
         ("string value", bad(values=[v, tf.constant(["abc"])]), "dtype string"),
+        ("resource value", bad(values=[v, v.handle]), "dtype resource"),
+        ("variant value", bad(values=[v, tf.raw_ops.EmptyTensorList(
+            element_shape=tf.constant([], tf.int32), max_num_elements=1, element_dtype=tf.float32)]),
+         "dtype variant"),
     ]
 
 

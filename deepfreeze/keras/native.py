@@ -136,7 +136,7 @@ def build(force: bool = False, *, verbose: bool = False) -> str:
 
 def load() -> Any | None:
     """The loaded op module (``tf.load_op_library``, once per process), or ``None`` when the
-    library is missing or does not load; the reason is logged once and kept for
+    library is missing or does not load; the reason is logged once (a warning) and kept for
     :func:`unavailable_reason`. Never builds, never raises."""
     global _loaded, _reason, _tried
     with _lock:
@@ -149,7 +149,7 @@ def load() -> Any | None:
             _loaded = tf.load_op_library(LIBRARY)
         except Exception as e:  # noqa: BLE001 -- any failure means: use the fallback
             _loaded, _reason = None, f"fused-copy op unavailable: {type(e).__name__}: {e}"
-            log.info("deepfreeze: %s; using the pure-TensorFlow capture", _reason)
+            log.warning("deepfreeze: %s; using the pure-TensorFlow capture", _reason)
         return _loaded
 
 
@@ -173,14 +173,16 @@ def buffer_address(buffer: Any) -> tuple[int, int]:
 @tf.autograph.experimental.do_not_convert  # no tensor control flow; spares AutoGraph's warnings
 def fused_copy(dest: Any, step: Any, values: Sequence[Any], src_offsets: Sequence[int],
                dst_offsets: Sequence[int], lengths: Sequence[int]) -> Any:
-    """Run ``DeepFreezeFusedCopy``: write ``step`` to ``dest[0:8]`` and copy
-    ``values[i]``'s bytes ``[src_offsets[i], src_offsets[i] + lengths[i])`` to
-    ``dest[dst_offsets[i]:dst_offsets[i] + lengths[i]]``; return the stamp (int64 scalar tensor).
+    """Run ``DeepFreezeFusedCopy``: copy ``values[i]``'s bytes
+    ``[src_offsets[i], src_offsets[i] + lengths[i])`` to
+    ``dest[dst_offsets[i]:dst_offsets[i] + lengths[i]]``, then write ``step`` (int64,
+    little-endian) to ``dest[0:8]``; return it (int64 scalar tensor).
 
     ``dest``: the buffer itself, a writable C-contiguous uint8 numpy array the caller keeps
     alive (its address is baked into a traced function), or ``[address, capacity]`` as an
-    int64 tensor, int64 numpy array of shape (2,), list or tuple. ``values``: tensors or variables (read where the
-    op is built; put it under ``tf.control_dependencies`` to order it after updates).
+    int64 tensor, int64 numpy array of shape (2,), list or tuple. ``values``: tensors or
+    variables (read where the op is built; put it under ``tf.control_dependencies`` to order
+    it after updates).
     Bad offsets or lengths raise ``tf.errors.InvalidArgumentError`` when the op runs, with
     nothing written. Raises :class:`NativeBuildError` if the op is not available.
     """

@@ -5,11 +5,13 @@
 // op gets its address and capacity as an int64 pair and never allocates a TensorFlow buffer,
 // so a capture costs one op and one memcpy pass over the shard whatever the tensor count.
 // Every argument is validated before the first byte is written; a bad call writes nothing.
+// The step stamp (bytes [0, 8)) is written after every piece.
 // Large copies are split into chunks run on the device's CPU worker threads.
 //
 // Built by `python -m deepfreeze.keras.native build` against the installed TensorFlow's
 // headers (see deepfreeze/keras/native.py).
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <cstdlib>
@@ -44,7 +46,7 @@ namespace errors = ::tensorflow::errors;
 
 REGISTER_OP("DeepFreezeFusedCopy")
     .Input("dest: int64")  // [address of the destination buffer, its capacity in bytes]
-    .Input("step: int64")  // scalar, written as int64 little-endian to dest bytes [0, 8)
+    .Input("step: int64")  // scalar, written as int64 little-endian to dest bytes [0, 8), last
     .Input("values: T")    // N tensors of fixed-size dtypes (mixed)
     .Attr("T: list(type) >= 0")
     .Attr("src_offsets: list(int)")  // per value: byte offset of its piece in the value's buffer
@@ -65,7 +67,7 @@ REGISTER_OP("DeepFreezeFusedCopy")
 Copies byte ranges of N tensors into one caller-owned host buffer and writes a step stamp.
 
 dest: [address, capacity] of the destination buffer, which the caller keeps alive.
-step: written as int64 little-endian to dest bytes [0, 8).
+step: written as int64 little-endian to dest bytes [0, 8), after every piece.
 values: the tensors whose pieces are copied.
 src_offsets: per value, the byte offset in the value where its piece starts.
 dst_offsets: per value, the byte offset in dest where the piece goes (>= 8).
@@ -215,12 +217,11 @@ class FusedCopyOp : public OpKernel {
                   ? std::numeric_limits<int64_t>::max() : total + len;  // saturating
     }
 
+    Tensor* out = nullptr;  // allocated before the first write: a failure here writes nothing
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out));
+
     char* base = reinterpret_cast<char*>(static_cast<uintptr_t>(address));
     const int64_t stamp = step.scalar<int64_t>()();
-    unsigned char le[kStampBytes];
-    for (int b = 0; b < kStampBytes; ++b) le[b] = static_cast<unsigned char>(
-        static_cast<uint64_t>(stamp) >> (8 * b));
-    std::memcpy(base, le, kStampBytes);
 
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads();
     const int workers = pool != nullptr && pool->workers != nullptr ? pool->num_threads : 1;
@@ -255,8 +256,14 @@ class FusedCopyOp : public OpKernel {
       pool->workers->ParallelFor(nshards, int64_t{1} << 30, run);
     }
 
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ::tensorflow::TensorShape({}), &out));
+    // The stamp goes last, after every piece (streamed stores fenced, worker shards joined): a
+    // buffer showing step s holds all of step s's pieces.
+    std::atomic_thread_fence(std::memory_order_release);
+    unsigned char le[kStampBytes];
+    for (int b = 0; b < kStampBytes; ++b) {
+      le[b] = static_cast<unsigned char>(static_cast<uint64_t>(stamp) >> (8 * b));
+    }
+    std::memcpy(base, le, kStampBytes);
     out->scalar<int64_t>()() = stamp;
   }
 
