@@ -12,6 +12,9 @@ buffer (:class:`deepfreeze.fused.FusedLayout`), this times:
   buffer that Python keeps alive: what the train step's capture costs (the function-call
   overhead included), with the kernel's default parallel copy (the CPU device's worker
   threads) and with ``DEEPFREEZE_FUSED_COPY_THREADS=1`` (the calling thread only);
+* ``op_amortized``: the default op run 4 times in one ``tf.function`` call (one after the other,
+  each on fresh reads of the variables), the time divided by 4: the capture as one node of a
+  train step, where no function call of its own is paid;
 * ``memcpy``: ``np.copyto`` of the same number of bytes from one array into another, both
   pre-faulted (the issue's reference: "one memcpy of the rank's shard into pre-faulted memory");
 * ``memcpy_chunked``: the same copy as ``np.copyto`` calls of 2 MiB (the kernel's chunk size).
@@ -26,6 +29,11 @@ descheduled thread does not inflate;
 the statistic is the median of ``--repeat`` (>= 15) repetitions after a warm-up, with the
 standard error of the mean beside it; ``ratio_<variant>`` is the op's median over memcpy's
 median, ``ratio_<variant>_se`` the standard error of the ratio of the means.
+
+Last, the cost per value: the op over 10 to 1000 variables with 1 KiB pieces (one ``tf.function``
+call each, the variables' reads included), beside ``reads_only``, the same call and reads without
+the op; ``slope_s_per_tensor`` holds the least-squares slopes of the medians (the op's own cost
+per value is the difference).
 """
 from __future__ import annotations
 
@@ -40,10 +48,13 @@ from experiments.bench import write_doc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = {"resnet50": [2, 4], "nt3-weights": [2]}
+AMORTIZE = 4  # captures per call of op_amortized
+SWEEP = [10, 100, 300, 1000]  # tensor counts of the per-value cost sweep
 CHUNK = 2 << 20  # kChunkBytes of fused_copy.cc
 # name: (DEEPFREEZE_FUSED_COPY_THREADS, DEEPFREEZE_FUSED_COPY_NT)
 VARIANTS = {"op": ("1", "1"), "op_memcpy": ("1", "0"), "op_parallel": ("0", "1"),
             "op_parallel_memcpy": ("0", "0")}
+OPS = [*VARIANTS, "op_amortized"]
 
 
 def _stats(ts: list[float]) -> dict[str, float]:
@@ -80,7 +91,9 @@ def main() -> None:
     if native.load() is None:
         raise SystemExit(f"{native.unavailable_reason()}; build it with `python -m deepfreeze.keras.native build`")
 
+    load_start = os.getloadavg()
     rows = []
+    order = np.random.default_rng(0)  # of the variants within each repetition
     for app in args.apps.split(","):
         model = models.nt3_weights() if app == "nt3-weights" else models.resnet50()
         variables = model.weights
@@ -110,6 +123,18 @@ def main() -> None:
 
                 capture(tf.constant(0, tf.int64))  # trace + build the kernel (with this variant's env)
                 fns[name] = capture
+            os.environ["DEEPFREEZE_FUSED_COPY_THREADS"] = "1"  # the defaults, set explicitly
+            os.environ["DEEPFREEZE_FUSED_COPY_NT"] = "1"
+
+            @tf.function
+            def capture_x4(step):  # 4 captures in one call: the call's fixed cost amortized
+                out = step
+                for _ in range(AMORTIZE):
+                    with tf.control_dependencies([out]):
+                        out = native.fused_copy(buf, step, [tf.identity(v) for v in values], src, dst, lengths)
+                return out
+
+            capture_x4(tf.constant(0, tf.int64))
             os.environ.pop("DEEPFREEZE_FUSED_COPY_THREADS", None)
             os.environ.pop("DEEPFREEZE_FUSED_COPY_NT", None)
             # bit-exact check of the last variant's copy (the benchmark measures a correct copy)
@@ -122,11 +147,10 @@ def main() -> None:
                 for a in range(0, nbytes, CHUNK):  # the same bytes in the kernel's chunk size
                     np.copyto(mdst[a:a + CHUNK], msrc[a:a + CHUNK])
 
-            runs = {**{k: (lambda f=f: f(step)) for k, f in fns.items()},
+            runs = {**{k: (lambda f=f: f(step)) for k, f in fns.items()}, "op_x4": lambda: capture_x4(step),
                     "memcpy": lambda: np.copyto(mdst, msrc), "memcpy_chunked": chunked}
             times: dict[str, list[float]] = {k: [] for k in runs}
             cpu: dict[str, list[float]] = {k: [] for k in runs}
-            order = np.random.default_rng(0)
             for r in range(args.repeat + 1):  # repetition 0 is the warm-up
                 for name in order.permutation(list(runs)):  # a new order each repetition
                     c, t = time.process_time(), time.perf_counter()
@@ -135,24 +159,60 @@ def main() -> None:
                     if r:
                         times[name].append(dt)
                         cpu[name].append(dc)
+            times["op_amortized"] = [t / AMORTIZE for t in times.pop("op_x4")]
+            cpu["op_amortized"] = [t / AMORTIZE for t in cpu.pop("op_x4")]
             st = {k: _stats(v) for k, v in times.items()}
             cpu_st = {k: _stats(v)["median_s"] for k, v in cpu.items()}
             row = {"app": app, "ranks": n, "rank": rank, "bytes": nbytes, "pieces": len(lengths),
                    "piece_bytes_min": min(lengths), "piece_bytes_max": max(lengths),
                    **{k: v for k, v in st.items()},
-                   **{f"ratio_{k}": st[k]["median_s"] / st["memcpy"]["median_s"] for k in VARIANTS},
-                   **{f"ratio_{k}_se": _ratio_se(st[k], st["memcpy"]) for k in VARIANTS},
+                   **{f"ratio_{k}": st[k]["median_s"] / st["memcpy"]["median_s"] for k in OPS},
+                   **{f"ratio_{k}_se": _ratio_se(st[k], st["memcpy"]) for k in OPS},
                    "cpu_median_s": cpu_st,
-                   **{f"cpu_ratio_{k}": cpu_st[k] / cpu_st["memcpy"] for k in VARIANTS}}
+                   **{f"cpu_ratio_{k}": cpu_st[k] / cpu_st["memcpy"] for k in OPS}}
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("app", "ranks", "bytes", "pieces")} |
                              {k: round(v["median_s"] * 1e3, 3) for k, v in st.items()} |
                              {f"ratio_{k}": f"{row[f'ratio_{k}']:.3f}+-{row[f'ratio_{k}_se']:.3f}"
-                              for k in VARIANTS} |
-                             {f"cpu_ratio_{k}": round(row[f"cpu_ratio_{k}"], 3) for k in VARIANTS}), flush=True)
+                              for k in OPS} |
+                             {f"cpu_ratio_{k}": round(row[f"cpu_ratio_{k}"], 3) for k in OPS}), flush=True)
             del buf, fns, capture, mm, msrc, mdst  # the mmap goes with its last view
+    # the op's cost per value: N variables of 1 KiB, 1 KiB pieces (tf.function call included)
+    sweep = []
+    for count in SWEEP:
+        vs = [tf.Variable(tf.zeros([256], tf.float32)) for _ in range(count)]
+        mm = mmap.mmap(-1, 64 + 1024 * count)
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        buf[:] = 0
+
+        @tf.function
+        def many(step):
+            return native.fused_copy(buf, step, vs, [0] * count, [64 + 1024 * i for i in range(count)],
+                                     [1024] * count)
+
+        @tf.function
+        def reads(step):  # the baseline: the same function call and variable reads, no copy op
+            with tf.control_dependencies([v.read_value() for v in vs]):
+                return step + 1
+
+        step = tf.constant(1, tf.int64)
+        fs = {"op": many, "reads_only": reads}
+        ts: dict[str, list[float]] = {k: [] for k in fs}
+        for r in range(args.repeat + 1):
+            for name in order.permutation(list(fs)):
+                t = time.perf_counter()
+                fs[name](step)
+                if r:
+                    ts[name].append(time.perf_counter() - t)
+        sweep.append({"tensors": count, **{k: _stats(v) for k, v in ts.items()}})
+        del buf, many, reads, fs, mm, vs
+    x = np.array([r["tensors"] for r in sweep], float)
+    slope = {k: float(np.polyfit(x, np.array([r[k]["median_s"] for r in sweep]), 1)[0]) for k in ("op", "reads_only")}
+    print(json.dumps({"per_tensor_ms": {r["tensors"]: {k: round(r[k]["median_s"] * 1e3, 3) for k in slope}
+                                        for r in sweep},
+                      "slope_us_per_tensor": {k: round(v * 1e6, 2) for k, v in slope.items()}}), flush=True)
     doc = {"repeat": args.repeat, "statistic": "median of repeat runs after one warm-up (se: of the mean)",
-           "cpus": os.cpu_count(), "runs": rows}
+           "cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "runs": rows, "per_tensor": sweep, "slope_s_per_tensor": slope}
     write_doc(doc, args.out)
     print(f"wrote {args.out}")
 
