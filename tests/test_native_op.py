@@ -121,6 +121,28 @@ def test_copies_after_an_update_it_depends_on(op):
     mm.close()
 
 
+def test_in_a_cond_branch_copies_only_when_taken(op):
+    """The hook's flag: the op in a ``tf.cond`` branch runs (and writes) only when the flag is on."""
+    v = tf.Variable(np.arange(100, dtype=np.int64))
+    flag = tf.Variable(False)
+    mm, buf = _buffer(mmap.PAGESIZE)
+
+    @tf.function
+    def train_step(step):
+        v.assign_add(tf.ones_like(v))
+        return tf.cond(flag, lambda: native.fused_copy(buf, step, [v], [80], [64], [160]),
+                       lambda: tf.constant(-1, tf.int64))
+
+    assert int(train_step(tf.constant(1, tf.int64))) == -1
+    assert (buf == SENTINEL).all()
+    flag.assign(True)
+    assert int(train_step(tf.constant(2, tf.int64))) == 2
+    np.testing.assert_array_equal(buf, _expected(mmap.PAGESIZE, 2, [v], [80], [64], [160]))
+    assert np.array_equal(np.frombuffer(buf[64:224].tobytes(), np.int64), np.arange(10, 30) + 2)
+    del buf
+    mm.close()
+
+
 @pytest.mark.parametrize("threads,stream", [("", ""), ("0", "1"), ("0", "0"), ("1", "0")],
                          ids=["default", "parallel-streaming", "parallel-memcpy", "serial-memcpy"])
 def test_large_copy_bit_exact(op, monkeypatch, threads, stream):
