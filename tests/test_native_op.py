@@ -291,3 +291,19 @@ def test_build_is_idempotent_and_a_failed_build_keeps_the_library(op):
     p = subprocess.run([sys.executable, "-m", "deepfreeze.keras.native", "bulid"], capture_output=True,
                        text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert p.returncode == 2 and "usage:" in p.stderr
+
+
+def test_a_compiler_error_raises_with_its_output_and_installs_nothing(tmp_path):
+    bad = tmp_path / "bad.cc"
+    bad.write_text('#error deliberately broken source\n')
+    code = ("import os, sys, deepfreeze.keras.native as n\n"
+            "d = sys.argv[1]\n"
+            "n._OPS_DIR, n.SOURCE = d, os.path.join(d, 'bad.cc')\n"
+            "n.LIBRARY = os.path.join(d, 'lib.so'); n._BUILD_INFO = n.LIBRARY + '.json'\n"
+            "try:\n    n.build()\n"
+            "except n.NativeBuildError as e:\n    print('raised', e)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=240,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert p.returncode == 0, p.stderr
+    assert "raised compiling the fused-copy op failed" in p.stdout and "deliberately broken source" in p.stdout
+    assert sorted(os.listdir(tmp_path)) == ["bad.cc"]  # no library, no temporary left behind

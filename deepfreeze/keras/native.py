@@ -2,8 +2,8 @@
 
 The op (source ``_ops/fused_copy.cc``, shipped with the package) copies this rank's
 pieces of many tensors into one caller-owned, pre-faulted host buffer in one kernel
-launch, with no TensorFlow allocation: bytes ``[0, 8)`` of the buffer get the step
-(int64, little-endian), each piece ``i`` goes to ``dst_offsets[i]``. It is compiled
+launch, with no TensorFlow allocation: each piece ``i`` goes to ``dst_offsets[i]``, then
+bytes ``[0, 8)`` of the buffer get the step (int64, little-endian). It is compiled
 against the installed TensorFlow's headers (as Horovod is) by ``scripts/setup.sh``::
 
     python -m deepfreeze.keras.native build [--force]
@@ -87,8 +87,9 @@ def _stale_reason(info: dict[str, Any]) -> str | None:
 def build(force: bool = False, *, verbose: bool = False) -> str:
     """Compile the op into :data:`LIBRARY` unless it is up to date (or ``force``); return its path.
 
-    Raises :class:`NativeBuildError` (with the compiler's output) when no compiler is found or the
-    compilation fails; the previous library, if any, is left in place.
+    Raises :class:`NativeBuildError` (with the compiler's output) when no compiler is found, the
+    compilation fails, the result does not load or the directory is not writable; the previous
+    library, if any, is left in place.
     """
     if not os.path.exists(SOURCE):
         raise NativeBuildError(f"the op's source {SOURCE} is missing: reinstall deepfreeze")
@@ -100,7 +101,11 @@ def build(force: bool = False, *, verbose: bool = False) -> str:
     if cxx is None:
         raise NativeBuildError("no C++ compiler found (set CXX or install g++); DeepFreeze uses its "
                                "pure-TensorFlow capture without the op")
-    fd, tmp = tempfile.mkstemp(prefix="._fused_copy.", suffix=".so.tmp", dir=_OPS_DIR)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="._fused_copy.", suffix=".so.tmp", dir=_OPS_DIR)
+    except OSError as e:
+        raise NativeBuildError(f"cannot write the op's library into {_OPS_DIR}: {e}; run the build "
+                               f"as a user who can write there") from e
     os.close(fd)
     cmd = [cxx, "-shared", "-fPIC", "-O2", *info["compile_flags"], SOURCE, "-o", tmp, *info["link_flags"]]
     if verbose:
@@ -128,9 +133,12 @@ def build(force: bool = False, *, verbose: bool = False) -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    with open(_BUILD_INFO + ".tmp", "w") as f:
-        json.dump(info, f)
-    os.replace(_BUILD_INFO + ".tmp", _BUILD_INFO)
+    try:
+        with open(_BUILD_INFO + ".tmp", "w") as f:
+            json.dump(info, f)
+        os.replace(_BUILD_INFO + ".tmp", _BUILD_INFO)
+    except OSError as e:  # the library is in place; without this record the next build redoes it
+        raise NativeBuildError(f"cannot record the build in {_BUILD_INFO}: {e}") from e
     return LIBRARY
 
 
