@@ -23,6 +23,7 @@ __all__ = [
     "UnsafePathError",
     "UntrustedOwnerError",
     "CaptureMissedError",
+    "NativeBuildError",
 ]
 
 
@@ -92,3 +93,8 @@ class UntrustedOwnerError(DeepFreezeError, PermissionError):
 
 class CaptureMissedError(DeepFreezeError, RuntimeError):
     """The train step did not capture a step a sink was armed for (its apply path bypassed the hook)."""
+
+
+class NativeBuildError(DeepFreezeError, RuntimeError):
+    """The fused-copy TensorFlow op could not be compiled (no compiler, a compiler error, an
+    unwritable package directory) or is not available to call."""

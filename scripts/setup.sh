@@ -3,6 +3,8 @@
 #   - OpenMPI from Debian packages (when root; else a clear message)
 #   - .venv with tensorflow-cpu 2.15.1, numpy<2, isal (fast CRC32), mpi4py, h5py, pytest, matplotlib
 #   - Horovod 0.28.1 built from source against that TensorFlow (MPI only)
+#   - DeepFreeze's fused-copy TensorFlow op, compiled against the same headers (optional: without
+#     a compiler DeepFreeze warns and uses its pure-TensorFlow capture)
 #   - deepfreeze itself, editable
 # TensorFlow is pinned to 2.15: Horovod 0.28.1 does not build against newer TF wheels
 # (TF 2.21's wheel lacks headers Horovod's TF ops include).
@@ -14,8 +16,22 @@ STAMP="$VENV/.deepfreeze-setup-v1"
 
 say() { echo "setup: $*"; }
 
+# The fused-copy op (deepfreeze/keras/_ops/_fused_copy.so). Idempotent: `build` recompiles only when
+# the source is newer than the library, the library is missing or was built for another TensorFlow.
+# Never fails the setup: without the op DeepFreeze falls back to its pure-TensorFlow capture.
+native_op() {
+  local src=deepfreeze/keras/_ops/fused_copy.cc lib=deepfreeze/keras/_ops/_fused_copy.so
+  if [ "${1:-}" = quick ] && [ "$lib" -nt "$src" ] && [ -f "$lib.json" ]; then return 0; fi
+  if ! PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TF_CPP_MIN_LOG_LEVEL=2 \
+       "$VENV/bin/python" -m deepfreeze.keras.native build; then
+    echo "setup: WARNING: the fused-copy op did not build (see above); DeepFreeze uses its" \
+         "pure-TensorFlow capture. Install g++ (or set CXX) and run setup again." >&2
+  fi
+}
+
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
    && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal") >/dev/null 2>&1; then
+  native_op quick  # skips importing TensorFlow when the library is newer than its source
   say "already done (remove $STAMP to redo)"
   exit 0
 fi
@@ -54,7 +70,10 @@ if ! "$VPY" -c "import horovod.tensorflow as h; assert h.mpi_built()" >/dev/null
     "$VPY" -m pip install -q --no-cache-dir --no-build-isolation "horovod==0.28.1"
 fi
 
-# 4. the package itself (checked from / so the checkout itself does not satisfy the import)
+# 4. the fused-copy op, against the TensorFlow headers Horovod was built with
+native_op
+
+# 5. the package itself (checked from / so the checkout itself does not satisfy the import)
 if ! (cd / && "$VPY" -c "import deepfreeze.bindings") >/dev/null 2>&1; then
   say "installing deepfreeze (editable)"
   "$VPY" -m pip install -q --no-build-isolation --no-deps -e . >/dev/null

@@ -49,6 +49,11 @@ def test_wheel_in_a_fresh_venv_runs_deepfreeze_version(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         shipped = {os.path.dirname(n) for n in z.namelist() if n.endswith("/__init__.py")}
         entry_points = next(z.read(n).decode() for n in z.namelist() if n.endswith("entry_points.txt"))
+        names = set(z.namelist())
+    # the fused-copy op's source ships (`python -m deepfreeze.keras.native build` compiles it where
+    # installed); a library built in the source tree does not
+    assert "deepfreeze/keras/_ops/fused_copy.cc" in names
+    assert not [n for n in names if n.endswith(".so") or "_fused_copy" in n], sorted(names)
     assert _source_packages() <= shipped, f"packages missing from the wheel: {_source_packages() - shipped}"
     assert "deepfreeze = deepfreeze.cli:main" in entry_points
 
