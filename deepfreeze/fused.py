@@ -7,7 +7,8 @@ engine as one view. Its layout is the shard file's own (:func:`deepfreeze.format
 so the writer writes the data region with a few large writes, no gather::
 
     bytes [0, STAMP_BYTES)          stamp: the optimizer step of the capture (int64,
-                                    little-endian), then zeros
+                                    little-endian), then zeros (4096 bytes: the data
+                                    region is page-aligned where the buffer is)
     bytes [STAMP_BYTES, total)      the data region of the rank's shard file: byte
                                     ``STAMP_BYTES + k`` is byte ``data_offset + k``
                                     of the file; pieces at PIECE_ALIGN offsets, zero
@@ -29,7 +30,7 @@ from .shardplan import Piece, ShardPlan
 
 __all__ = ["STAMP_BYTES", "Segment", "FusedLayout", "FusedShard", "BufferPool"]
 
-STAMP_BYTES = fmt.PIECE_ALIGN  # keeps every piece at a PIECE_ALIGN offset of the buffer
+STAMP_BYTES = fmt.DATA_ALIGN  # the data region starts page-aligned in a page-aligned buffer (O_DIRECT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -250,8 +250,15 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
     total = int(sum(t.nbytes for t in tensors))
     out = {"bytes_total": total, "bytes_rank": total if rank == 0 else 0}
 
+    # machine CPU at the start of the iterations that bound the measured window (rank 0 reads
+    # /proc/stat: ~20 us, only at these iterations)
+    marks = ({FIRST_USED, steps - 1} if baseline_run else set(ckpt_batches(every, measured)[1:])) if rank == 0 else set()
+    cpu_at: dict[int, dict] = {}
+
     class First(tf.keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
+            if batch in marks:
+                cpu_at[batch] = machine_cpu()
             begin[batch] = time.perf_counter()
 
     class Last(tf.keras.callbacks.Callback):
@@ -313,12 +320,11 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
                     watchers.append(w)
         ckpt_cb = RankZero()
     cbs = [First(), hvd.callbacks.BroadcastGlobalVariablesCallback(0)] + ([ckpt_cb] if ckpt_cb else []) + [Last()]
-    cpu0 = machine_cpu()
     try:
         model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=cbs)
-        cpu1 = machine_cpu()
-        out["machine_cpu"] = {k: cpu1[k] - cpu0[k] for k in cpu0}  # whole machine, during fit
-        out["steps"] = steps
+        if len(cpu_at) >= 2:  # whole machine, per iteration of the window between the first and last mark
+            a, b = min(cpu_at), max(cpu_at)
+            out["machine_cpu_per_iter"] = {k: (cpu_at[b][k] - cpu_at[a][k]) / (b - a) for k in cpu_at[a]}
     finally:
         if df is not None:
             df.wait()
@@ -489,6 +495,10 @@ def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, 
     if lim.get("memcpy_alloc_GBps"):
         row["memcpy_alloc_shard_s"] = row["bytes_per_rank"] / (lim["memcpy_alloc_GBps"] * 1e9)
     row["iter_s"] = [round(it[b], 4) for b in sorted(it)]  # rank-averaged, iteration 0 first
+    cpu = [r["machine_cpu_per_iter"] for r in ok if r.get("machine_cpu_per_iter")]  # rank 0's
+    if cpu:  # machine-wide CPU per iteration over the measured intervals
+        row["machine_busy_per_iter_s"] = cpu[0]["busy_s"]
+        row["machine_kernel_per_iter_s"] = cpu[0]["kernel_s"]
     if approach == "none":
         base = [t for b, t in it.items() if b >= FIRST_USED]
         if all("iters_end" in r for r in ok):
@@ -528,10 +538,6 @@ def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, 
         if vw is not None and base_var is not None and base_n:
             row["extra_per_interval_se_s"] = every * math.sqrt(vw / len(whole) + base_var / base_n)
         row["interval_iterations"] = len(whole)
-    cpu = [r["machine_cpu"] for r in ok if r.get("machine_cpu")]
-    if cpu and ok[0].get("steps"):  # per iteration, machine-wide (the same on every rank: take the mean)
-        row["machine_busy_per_iter_s"] = mean([c["busy_s"] for c in cpu]) / ok[0]["steps"]
-        row["machine_kernel_per_iter_s"] = mean([c["kernel_s"] for c in cpu]) / ok[0]["steps"]
     warm = cks[0] + 1  # version of the warm-up checkpoint
     samples = [(r, c) for r in ok for c in r["ckpts"] if c["version"] > warm]
     row["checkpoints"] = len({c["version"] for _, c in samples})
