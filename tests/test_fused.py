@@ -1,0 +1,69 @@
+"""deepfreeze.fused: the fused capture buffer's layout, views and pool (framework-neutral)."""
+import numpy as np
+import pytest
+
+from deepfreeze import format as fmt
+from deepfreeze.fused import STAMP_BYTES, BufferPool, FusedLayout, FusedShard
+from deepfreeze.shardplan import ShardPlan, TensorSpec
+
+TENSORS = [TensorSpec(0, "w", "float32", (1000, 300)), TensorSpec(1, "b", "float16", (7,)),
+           TensorSpec(2, "i", "int64", (70001,)), TensorSpec(3, "m", "bool", (33,)), TensorSpec(4, "e", "float32", (0,))]
+
+
+def arrays_for(plan, rank, seed=0):
+    r = np.random.default_rng(seed)
+    out = []
+    for p in plan.for_rank(rank):
+        t = plan.tensors[p.tensor_id]
+        out.append((r.random(p.count) * 100).astype(fmt.numpy_dtype(t.dtype)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_layout_is_the_shard_files_data_region(world):
+    plan = ShardPlan.build(TENSORS, world, min_shard_bytes=0)
+    for rank in range(world):
+        layout = FusedLayout.build(plan, rank)
+        assert layout.nbytes == STAMP_BYTES + layout.file_size - layout.data_offset
+        for s, e in zip(layout.segments, layout.entries):
+            assert s.offset - STAMP_BYTES == e.offset - layout.data_offset and s.nbytes == e.length
+            assert s.offset % fmt.PIECE_ALIGN == 0
+        gaps = layout.gaps()
+        assert all(0 <= n < fmt.PIECE_ALIGN for _, n in gaps)  # padding only
+        covered = sum(s.nbytes for s in layout.segments) + sum(n for _, n in gaps)
+        assert covered == layout.nbytes - STAMP_BYTES
+
+
+def test_from_arrays_round_trip_and_stamp():
+    plan = ShardPlan.build(TENSORS, 2, min_shard_bytes=0)
+    layout = FusedLayout.build(plan, 1)
+    arrays = arrays_for(plan, 1)
+    shard = FusedShard.from_arrays(layout, arrays, step=42)
+    assert shard.step == 42
+    assert [a.tobytes() for a in shard.pieces()] == [a.tobytes() for a in arrays]
+    assert shard.data.size == layout.file_size - layout.data_offset
+    with pytest.raises(ValueError, match="holds"):
+        FusedShard.from_arrays(layout, arrays[:-1], step=1)
+    with pytest.raises(ValueError, match="needs"):
+        FusedShard.from_arrays(layout, [a.astype(np.float64) for a in arrays], step=1)
+    with pytest.raises(ValueError, match="must be"):
+        FusedShard(layout, np.zeros(layout.nbytes - 1, np.uint8))
+
+
+def test_pool_hands_out_only_buffers_nothing_refers_to():
+    pool = BufferPool(3 * 4096 + 100, 2)
+    a = pool.acquire()
+    assert BufferPool.address(a) % 4096 == 0 and not a.any()
+    view = a[5000:5010]  # a consumer's view keeps the buffer held
+    del a
+    b = pool.acquire()
+    assert BufferPool.address(b) != BufferPool.address(view.base if view.base is not None else view)
+    assert pool.held() == 2
+    del view
+    assert pool.held() == 1
+    c = pool.acquire()  # the first one is free again
+    assert c is pool.buffers[0] and pool.grown == 0
+    d = pool.acquire()  # both held: one more is allocated
+    assert pool.grown == 1 and len(pool.buffers) == 3 and d is pool.buffers[2]
+    with pytest.raises(ValueError):
+        BufferPool(10, 1)
