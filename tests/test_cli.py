@@ -180,8 +180,9 @@ def test_inspect_text_and_json(tmp_path):
         assert t["pieces"][0]["start"] == 0 and t["pieces"][-1]["stop"] == size
         assert all(a["stop"] == b["start"] for a, b in zip(t["pieces"], t["pieces"][1:]))
     kernel = d["tensors"][0]
-    assert [(p["rank"], p["start"], p["stop"]) for p in kernel["pieces"]] == [(0, 0, 1066), (1, 1066, 2133),
-                                                                               (2, 2133, 3200)]
+    # split points on 64-byte boundaries (16 float32 elements): 3200 * r // 3 rounded down
+    assert [(p["rank"], p["start"], p["stop"]) for p in kernel["pieces"]] == [(0, 0, 1056), (1, 1056, 2128),
+                                                                               (2, 2128, 3200)]
     assert {lv["level"]: lv["status"] for lv in d["levels"]} == {"scratch": "partial", "persistent": "committed"}
     assert d["assembled"]["checksums"] is True
     assert cli_json("inspect", *s, "--version", "4")["step"] == 4
