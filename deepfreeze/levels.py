@@ -989,7 +989,8 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to start writing a just-written range to the device now (not wait for it):
     ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, else ``posix_fadvise(DONTNEED)``, which starts the
     write-back of dirty pages too. A hint: durability still comes from the fsync after the copy.
-    Measured here (experiments/flush.py): write + fsync of 256 MiB at ~2 GB/s instead of ~1.3."""
+    Measured here (``experiments/flush.py --strategies 256``, ``io_strategies`` in its results): write +
+    fsync of 256 MiB at 1.29 GB/s this way, 0.80 without the hint, 0.93 with O_DIRECT (median of 12)."""
     if length <= 0:
         return
     if _sync_file_range is not None:
