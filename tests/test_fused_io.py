@@ -179,3 +179,34 @@ def test_sync_file_range_kicks_are_hints_on_a_file_that_refuses_them(tmp_path):
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_flush_of_a_shard_whose_index_puts_a_piece_inside_another(tmp_path, monkeypatch):
+    """A piece inside another (a crafted index with valid checksums) is never grouped into the other's
+    read (which would end the read early): each gets its own bytes and CRC, the flush copies what the
+    index says."""
+    monkeypatch.setattr(levels, "_CHUNK", 4096)
+    same = [RNG.standard_normal(600).astype(np.float32), RNG.standard_normal(300).astype(np.float32)]
+    plan = ShardPlan.build([TensorSpec(i, f"t{i}", "float32", a.shape) for i, a in enumerate(same)], 1)
+    cfg = Config.load(None, mode="sync", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"),
+                      persistent_interval=0)
+    scratch = ScratchLevel(cfg.scratch)
+    path = scratch.write_shard("job", 5, 0, plan, same, chksum=True)
+    with open(path, "rb") as f:
+        idx = fmt.read_index(f, path)
+    e0, e1 = idx.entries
+    with open(path, "rb") as f:  # what t1 now points at: bytes inside t0
+        f.seek(e0.offset + 64)
+        shifted = f.read(e1.length)
+    crafted = [e0, dataclasses.replace(e1, offset=e0.offset + 64, crc=fmt.crc32(shifted))]
+    with open(path, "r+b") as f:
+        f.write(fmt.encode_index(fmt.KIND_SHARD, 0, 1, 5, crafted, idx.data_offset, idx.file_size, True, idx.run
+                                 or levels.ANONYMOUS_RUN))
+    m = build_manifest("job", 5, 5, 0, plan, ["node"])
+    scratch.write_manifest("job", 5, m)
+    assert _flush(cfg, m, 5, 0)["committed"]
+    os.unlink(path)
+    ck = load(cfg, "job", verify=True)
+    assert ck.level == "persistent"
+    assert ck.arrays["t0"].tobytes() == same[0].tobytes()
+    assert ck.arrays["t1"].tobytes() == shifted
