@@ -375,7 +375,8 @@ def _summary(mib: float, nbytes: int, series: dict[str, list[float]], rng: Any) 
     out: dict[str, Any] = {"mib": mib, "bytes": nbytes, "n": len(series["flush_s"]), "median_s": med}
     for k in ("flush", "raw", "raw_best", "scratch_write", "raw_scratch"):
         out[f"{k}_GBps"] = nbytes / med[f"{k}_s"] / 1e9
-    for name, num, den in (("flush_efficiency", "raw_s", "flush_s"), ("flush_efficiency_vs_best", "raw_best_s", "flush_s"),
+    for name, num, den in (("flush_efficiency", "raw_s", "flush_s"),
+                           ("flush_efficiency_vs_best", "raw_best_s", "flush_s"),
                            ("scratch_efficiency", "raw_scratch_s", "scratch_write_s")):
         out[name] = med[num] / med[den]
         out[name + "_stderr"] = _bootstrap_ratio(series[num], series[den], rng)
@@ -413,9 +414,9 @@ def pooled(doc: dict[str, Any]) -> dict[str, Any]:
             if r["mib"] >= 256:
                 for ref in ("flush_efficiency", "flush_efficiency_vs_best"):
                     e, se = r[ref], r[ref + "_stderr"]
+                    verdict = "holds" if e - 0.9 > se else "missed" if 0.9 - e > se else "not resolvable"
                     target.append({"mib": r["mib"], "against": "raw" if ref == "flush_efficiency" else "raw_best",
-                                   "efficiency": e, "stderr": se,
-                                   "verdict": "holds" if e - 0.9 > se else "missed" if 0.9 - e > se else "not resolvable"})
+                                   "efficiency": e, "stderr": se, "verdict": verdict})
         for r in sizes:
             del r["samples"]
         out[g] = {"runs": labels, "sizes": sizes, "fixed_cost": fixed, "target_flush_ge_90pct": target}
@@ -439,7 +440,8 @@ def _plot(doc: dict[str, Any], path: str) -> None:
                      label=f"raw: one write + fsync ({g} runs)")
         axes[0].plot(x, [r["raw_best_GBps"] for r in rs], "D" + ls, color="black", alpha=0.7,
                      label=f"raw: early write-back ({g} runs)")
-        axes[1].errorbar(x, [100 * r["flush_efficiency"] for r in rs], yerr=[100 * r["flush_efficiency_stderr"] for r in rs],
+        axes[1].errorbar(x, [100 * r["flush_efficiency"] for r in rs],
+                         yerr=[100 * r["flush_efficiency_stderr"] for r in rs],
                          fmt="o" + ls, color=color, capsize=3, label=f"vs one write ({g})")
         axes[1].errorbar(x, [100 * r["flush_efficiency_vs_best"] for r in rs],
                          yerr=[100 * r["flush_efficiency_vs_best_stderr"] for r in rs], fmt="D" + ls, color=color,
