@@ -82,6 +82,7 @@ from . import ownership
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
 from .run import ANONYMOUS_RUN, _alive, describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .fsafe import open_regular, read_small
+from .fused import FusedShard
 from .shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
@@ -241,10 +242,11 @@ class ScratchLevel(Level):
         return os.path.join(self.version_dir(name, version), f"r{rank:06d}.dfs")
 
     def write_shard(self, name: str, version: int, rank: int, plan: ShardPlan,
-                    arrays: Sequence[np.ndarray], *, chksum: bool, fsync: bool = False,
+                    arrays: "Sequence[np.ndarray] | FusedShard", *, chksum: bool, fsync: bool = False,
                     run: str = ANONYMOUS_RUN) -> str:
-        """Write this rank's pieces (flat arrays, plan order) and commit them by rename; the
-        header carries ``run``, the id of the run that wrote it."""
+        """Write this rank's pieces (flat arrays, plan order, or one
+        :class:`~deepfreeze.fused.FusedShard` of this plan and rank; :func:`write_shard_file`) and
+        commit them by rename; the header carries ``run``, the id of the run that wrote it."""
         vdir = self.version_dir(name, version)
         final = self.shard_path(name, version, rank)
         for attempt in (1, 2):
@@ -372,11 +374,33 @@ class ScratchLevel(Level):
         return removed
 
 
-def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan, arrays: Sequence[np.ndarray], *,
-                     chksum: bool, fsync: bool = False, run: str = ANONYMOUS_RUN,
-                     point: str = "scratch.shard") -> None:
+def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
+                     arrays: "Sequence[np.ndarray] | FusedShard", *, chksum: bool, fsync: bool = False,
+                     run: str = ANONYMOUS_RUN, point: str = "scratch.shard") -> None:
     """Write a rank's shard file (format.py) to ``final``: temporary name, then rename.
-    Raises OSError (nothing left behind) or ValueError (arrays do not match the plan)."""
+
+    ``arrays`` is either the rank's pieces as flat arrays (plan order) or a
+    :class:`~deepfreeze.fused.FusedShard` of this plan and rank, whose data region is written as is.
+    Either way the data goes out in writes of at most ``_CHUNK`` bytes, each piece's CRC32 computed
+    chunk by chunk right before the chunk is written (while it is in the CPU cache: one pass over the
+    bytes), and the header and index, which hold the CRCs, are written last at offset 0 (the file is
+    committed by the rename, so nobody sees it before). Raises OSError (nothing left behind) or
+    ValueError (arrays do not match the plan, or a fused shard of another plan or rank)."""
+    if isinstance(arrays, FusedShard):
+        shard = arrays
+        if not (shard.layout.rank == rank and (shard.layout.plan is plan or shard.layout.plan == plan)):
+            raise ValueError(f"the fused shard is rank {shard.layout.rank}'s of another shard plan or rank than "
+                             f"the one written (rank {rank}): build it with FusedLayout.build(plan, rank)")
+        entries, data_offset, size = list(shard.layout.entries), shard.layout.data_offset, shard.layout.file_size
+        spans = [(e.offset - data_offset, e.length) for e in entries]
+        with _replacing(final, fsync=fsync, point=point) as fd:
+            crcs = _write_region(fd, shard.data, data_offset, spans, chksum)
+            if chksum:
+                entries = [dataclasses.replace(e, crc=c) for e, c in zip(entries, crcs)]
+            _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
+                                            data_offset, size, chksum, run), 0)
+            os.ftruncate(fd, size)
+        return
     pieces = plan.for_rank(rank)
     if len(arrays) != len(pieces):
         raise ValueError(f"rank {rank} holds {len(pieces)} pieces, got {len(arrays)} arrays")
@@ -387,15 +411,44 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan, array
                              f"[{p.start},{p.stop}) has {a.size} {a.dtype} elements")
         entries.append(e)
     entries, data_offset, size = fmt.layout(entries)
-    if chksum:
-        entries = [dataclasses.replace(e, crc=fmt.crc32(np.ascontiguousarray(a))) for e, a in zip(entries, arrays)]
     with _replacing(final, fsync=fsync, point=point) as fd:
+        crcs = [_write_region(fd, fmt.byte_view(a), e.offset, [(0, e.length)], chksum)[0] if e.length else 0
+                for e, a in zip(entries, arrays)]
+        if chksum:
+            entries = [dataclasses.replace(e, crc=c) for e, c in zip(entries, crcs)]
         _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
                                         data_offset, size, chksum, run), 0)
-        for e, a in zip(entries, arrays):
-            if e.length:
-                _write_all(fd, np.ascontiguousarray(a), e.offset)
         os.ftruncate(fd, size)
+
+
+#: bytes per read or write of the shard data paths (write_shard_file, the flush's copy): large enough
+#: that the per-call cost vanishes, small enough that a chunk is still in the CPU cache when it is
+#: written after its CRC (experiments/flush.py)
+_CHUNK = 1 << 20
+#: bytes the flush writes before it asks the kernel to start writing them to the device
+_WRITEBACK_BATCH = 8 << 20
+
+
+def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]], chksum: bool) -> list[int]:
+    """Write ``data`` (a byte buffer) at file offset ``base`` in writes of at most ``_CHUNK`` bytes and
+    return the CRC32 of each ``(offset, length)`` span of it (sorted by offset, not overlapping; 0s
+    without ``chksum``), each chunk checksummed right before it is written."""
+    view = fmt.byte_view(data)
+    crcs = [0] * len(spans)
+    k = 0
+    for c0 in range(0, len(view), _CHUNK):
+        c1 = min(len(view), c0 + _CHUNK)
+        if chksum:
+            while k < len(spans) and spans[k][0] < c1:
+                off, length = spans[k]
+                lo, hi = max(off, c0), min(off + length, c1)
+                if hi > lo:
+                    crcs[k] = fmt.crc32(view[lo:hi], crcs[k])
+                if off + length > c1:
+                    break  # the span goes on in the next chunk
+                k += 1
+        _write_all(fd, view[c0:c1], base + c0)
+    return crcs
 
 
 def _listdir(path: str) -> list[str]:
@@ -637,13 +690,10 @@ class PersistentLevel(Level):
                                                  f"manifest is run {run}'s: not flushing a mixture of two runs")
                 dst = os.open(os.path.join(vdir, f"{ASSEMBLED}.partial.{nonce}"),
                               os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                crcs = []
                 try:
-                    buf = np.empty(min(8 << 20, max(1, max((e.length for e in idx.entries), default=1))), np.uint8)
-                    for e in idx.entries:
-                        crc = _copy_checked(fd, dst, e, where[(e.tensor_id, e.start)].offset, buf, idx.has_crc,
-                                            shard_path)
-                        crcs.append([e.tensor_id, e.start, crc])
+                    got = _copy_checked(fd, dst, idx.entries, [where[(e.tensor_id, e.start)].offset
+                                                               for e in idx.entries], idx.has_crc, shard_path)
+                    crcs = [[e.tensor_id, e.start, c] for e, c in zip(idx.entries, got)]
                     if fsync:
                         cp.fsync(dst, "persistent.partial.fsync")
                         _drop_cached(dst, [(where[(e.tensor_id, e.start)].offset, e.length) for e in idx.entries])
@@ -841,25 +891,115 @@ class _FdFile:
         return data
 
 
-def _copy_checked(src: int, dst: int, e: fmt.Entry, dst_off: int, buf: np.ndarray, check: bool,
-                  path: str) -> int:
-    """Copy one piece through ``buf``, computing its CRC32 from the copied bytes; with ``check``,
-    compare it with the index. Returns the CRC (0 when not checked)."""
+def _copy_checked(src: int, dst: int, entries: Sequence[fmt.Entry], dst_offsets: Sequence[int], check: bool,
+                  path: str) -> list[int]:
+    """Copy the pieces ``entries`` of the shard ``src`` to ``dst_offsets`` of ``dst``, computing each
+    piece's CRC32 from the copied bytes (no second read); with ``check``, compare it with the index.
+    Returns the CRCs (0s when not checked).
+
+    The bytes go through one reused buffer in reads of up to ``_CHUNK`` bytes (small enough to stay
+    in the CPU cache from the read through the CRC to the write): consecutive small pieces share
+    one read (the padding between them is read too), a large piece takes several. Every
+    ``_WRITEBACK_BATCH`` bytes written are handed to the device at once (:func:`_start_writeback`),
+    so the copy overlaps the device's writes and the final fsync finds little left to write."""
+    order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
+    largest = max((e.length for e in entries), default=0)
+    span = sum(e.length for e in entries) + 64 * len(entries)
+    buf = np.empty(max(1, min(_CHUNK, max(largest, span))), np.uint8)
     view = memoryview(buf)
-    crc, done = 0, 0
-    while done < e.length:
-        n = os.preadv(src, [view[:min(len(view), e.length - done)]], e.offset + done)
+    crcs = [0] * len(entries)
+    lo_dst: int | None = None  # the range written since the last write-back kick
+    hi_dst = written = 0
+    i = 0
+    while i < len(order):
+        e = entries[order[i]]
+        j, end = i + 1, e.offset + e.length
+        if e.length < len(view):  # group the following pieces that fit one read (never overlapping ones)
+            while j < len(order):
+                n = entries[order[j]]
+                if n.offset < end or n.offset + n.length - e.offset > len(view):
+                    break
+                end = n.offset + n.length
+                j += 1
+        pos = e.offset
+        while pos < end or pos == e.offset == end:  # one read per pass (a large piece: several passes)
+            want = min(len(view), end - pos)
+            got = _read_full(src, view[:want], pos, path)
+            for k in order[i:j]:
+                p = entries[k]
+                lo, hi = max(p.offset, pos), min(p.offset + p.length, pos + got)
+                if hi <= lo:
+                    continue
+                chunk = view[lo - pos:hi - pos]
+                if check:
+                    crcs[k] = fmt.crc32(chunk, crcs[k])
+                at = dst_offsets[k] + lo - p.offset
+                _write_all(dst, chunk, at)
+                lo_dst = at if lo_dst is None else min(lo_dst, at)
+                hi_dst = max(hi_dst, at + len(chunk))
+                written += len(chunk)
+            if lo_dst is not None and written >= _WRITEBACK_BATCH:
+                _start_writeback(dst, lo_dst, hi_dst - lo_dst)
+                lo_dst, hi_dst, written = None, 0, 0
+            pos += got
+            if got == 0:
+                break
+        i = j
+    if lo_dst is not None:
+        _start_writeback(dst, lo_dst, hi_dst - lo_dst)
+    if check:
+        for k, e in enumerate(entries):
+            if crcs[k] != e.crc:
+                raise CorruptCheckpointError(f"{path}: checksum mismatch in tensor {e.tensor_id} elements "
+                                             f"[{e.start},{e.stop}) while flushing: the shard on scratch was "
+                                             "damaged; not committing it")
+    return crcs
+
+
+def _read_full(fd: int, view: memoryview, offset: int, path: str) -> int:
+    """Fill ``view`` from ``offset`` (short reads repeated); the file ending first is corruption."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
             raise CorruptCheckpointError(f"{path}: shard file ended before its index said")
-        if check:
-            crc = fmt.crc32(view[:n], crc)
-        _write_all(dst, view[:n], dst_off + done)
         done += n
-    if check and crc != e.crc:
-        raise CorruptCheckpointError(f"{path}: checksum mismatch in tensor {e.tensor_id} elements "
-                                     f"[{e.start},{e.stop}) while flushing: the shard on scratch was damaged; "
-                                     "not committing it")
-    return crc if check else 0
+    return done
+
+
+def _load_sync_file_range() -> Any:
+    """libc's ``sync_file_range`` (Linux), or None."""
+    try:
+        import ctypes
+        import ctypes.util
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        f = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    f.restype = ctypes.c_int
+    return f
+
+
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a just-written range to the device now (not wait for it):
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, else ``posix_fadvise(DONTNEED)``, which starts the
+    write-back of dirty pages too. A hint: durability still comes from the fsync after the copy.
+    Measured here (``experiments/flush.py --strategies 256``, ``io_strategies`` in its results): write +
+    fsync of 256 MiB at 1.29 GB/s this way, 0.80 without the hint, 0.93 with O_DIRECT (median of 12)."""
+    if length <= 0:
+        return
+    if _sync_file_range is not None:
+        if _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) == 0:
+            return
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
 
 
 def _create_exclusive(path: str, data: bytes, point: str) -> bool:
