@@ -190,7 +190,7 @@ def test_inspect_text_and_json(tmp_path):
     out = cli("inspect", *s).stdout
     assert "checkpoint 'job' version 6: step 6, epoch 2" in out
     assert "world size 3; 8 tensors" in out and "failure domains: node0 (ranks 0, 2); node1 (rank 1)" in out
-    assert "dense/kernel  r0 [0, 1066)  r1 [1066, 2133)  r2 [2133, 3200)" in out
+    assert "dense/kernel  r0 [0, 1056)  r1 [1056, 2128)  r2 [2128, 3200)" in out
     assert "checksums yes" in out
     assert "does not" not in out
     p = cli("inspect", *s, "--version", "5", code=1)
