@@ -413,8 +413,6 @@ class Engine:
         cfg = self.config
         t0 = time.perf_counter()
         try:
-            if isinstance(arrays, FusedShard):  # TEMP until write_shard_file takes a FusedShard
-                arrays = arrays.pieces()
             path: str | None = self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays,
                                                         chksum=cfg.chksum, run=self.run.id)
             failure = None
