@@ -118,3 +118,18 @@ def test_horovod_job_on_real_veloc(tmp_path, mode):
         ck = load(node_cfg(out, 0), "job", v)
         assert [a.tobytes() for a in ck.model_arrays().values()] == [e.tobytes() for e in expected(out, v)]
     assert os.path.exists(f"{out}/node0/scratch/job-1-16.dat")  # VeloC's own scratch file
+
+
+def test_two_checkpoint_sinks_in_one_horovod_fit_each_bit_exact(tmp_path):
+    """Two callbacks on the one hook (native and graph capture, other names and schedules) in a
+    2-rank Horovod job: every committed version of each equals the weights after its step."""
+    out = str(tmp_path)
+    mpirun(2, f"{WORKERS}/train.py", out, "async", "every=3", "epochs=1", "second=other", "every2=4")
+    check_job(out, 2, lambda taken: taken)
+    taken = [json.load(open(f"{out}/second{r}.json"))["versions"] for r in range(2)]
+    assert taken[0] == taken[1] and taken[0] == [4, 8, 12, 16]
+    assert PersistentLevel(f"{out}/persistent").committed_versions("other") == taken[0]
+    for v in taken[0]:
+        got = [a.tobytes() for a in load(node_cfg(out, 0), "other", v).model_arrays().values()]
+        with np.load(f"{out}/expected2/v{v}.npz", allow_pickle=False) as z:
+            assert got == [z[f"arr_{i}"].tobytes() for i in range(len(z.files))], f"other v{v} differs"

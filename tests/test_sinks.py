@@ -107,3 +107,19 @@ def test_registry_refuses_a_second_sink_of_the_same_name():
         hook.attach(model.optimizer, b)
     hook.detach(model.optimizer, a)
     assert hook.registry_of(model.optimizer) is None and "_update_step" not in model.optimizer.__dict__
+
+
+@pytest.mark.parametrize("capture", ["graph", "native"])
+def test_a_step_the_hook_did_not_capture_is_an_error_not_stale_data(capture):
+    from deepfreeze import CaptureMissedError
+    from deepfreeze.keras import native
+    if capture == "native" and native.load() is None:
+        pytest.skip(f"DeepFreeze's TF op is not built: {native.unavailable_reason()}")
+    model = build()
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    specs = [TensorSpec(i, n, d, s) for i, (n, d, s) in enumerate(model_tensors(model))]
+    plan = ShardPlan.build(specs, 1)
+    sink = hook.FusedSink("x", plan, 0, model.weights, native=native if capture == "native" else None)
+    sink.arm(5)  # no train step runs: nothing is captured
+    with pytest.raises(CaptureMissedError, match="did not capture step 5"):
+        sink.read(5)

@@ -62,9 +62,21 @@ def main() -> None:
         min_shard_bytes=int(opts.get("min_shard_bytes", 4096)), on_error=opts.get("on_error", "raise"),
         ec_interval=float(opts.get("ec_interval", -1)), persistent_interval=float(opts.get("persistent_interval", 0)),
         scratch_cls=killing_level(*map(int, opts["kill"].split(":"))) if "kill" in opts else ScratchLevel)
-    model.fit(x, y, batch_size=16, epochs=int(opts.get("epochs", 2)), verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt,
-                         RecordWeights(ckpt, rank, lambda v: f"{out}/expected/v{v}.npz", at_epoch_end=True)])
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt,
+                 RecordWeights(ckpt, rank, lambda v: f"{out}/expected/v{v}.npz", at_epoch_end=True)]
+    second = None
+    if "second" in opts:  # a second checkpoint sink on the same hook: other name, schedule and capture
+        second = DeepFreezeCheckpoint(
+            name=opts["second"], every_n_batches=int(opts.get("every2", 4)), at_epoch_end=False, mode=mode,
+            capture=opts.get("capture2", "graph"), scratch=f"{out}/node{node}/scratch",
+            persistent=f"{out}/persistent", failure_domain=f"node{node}", min_shard_bytes=0)
+        callbacks += [second, RecordWeights(second, rank, lambda v: f"{out}/expected2/v{v}.npz")]
+    model.fit(x, y, batch_size=16, epochs=int(opts.get("epochs", 2)), verbose=0, callbacks=callbacks)
+    if second is not None:
+        second.wait()
+        with open(f"{out}/second{rank}.json", "w") as f:
+            json.dump({"versions": [t["version"] for t in second.timings]}, f)
+        second.close()
     ckpt.wait()
     info = {"rank": rank, "versions": [t["version"] for t in ckpt.timings],
             "blocking_ms": [1e3 * t["blocking_s"] for t in ckpt.timings],
