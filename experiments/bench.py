@@ -349,6 +349,8 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
         durable.update(commit_times(f"{work}/persistent/bench"))
         out["scratch_done"] = scratch_times(f"{work}/node{rank}/scratch/bench")
     iters = {b: end[b] - begin[b] for b in begin if b in end}
+    import resource
+    out["peak_rss_B"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak so far
     out.update(iters=[[b, iters[b]] for b in sorted(iters)], ckpts=ckpts, durable=durable)
     return out
 
@@ -495,6 +497,8 @@ def summarize(app: str, ranks: int, approach: str, rs: list[dict], sched: dict, 
     if lim.get("memcpy_alloc_GBps"):
         row["memcpy_alloc_shard_s"] = row["bytes_per_rank"] / (lim["memcpy_alloc_GBps"] * 1e9)
     row["iter_s"] = [round(it[b], 4) for b in sorted(it)]  # rank-averaged, iteration 0 first
+    if all(r.get("peak_rss_B") for r in ok):  # the process's peak so far (approaches run in order)
+        row["peak_rss_max_GB"] = max(r["peak_rss_B"] for r in ok) / 1e9
     cpu = [r["machine_cpu_per_iter"] for r in ok if r.get("machine_cpu_per_iter")]  # rank 0's
     if cpu:  # machine-wide CPU per iteration over the measured intervals
         row["machine_busy_per_iter_s"] = cpu[0]["busy_s"]
