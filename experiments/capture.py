@@ -101,7 +101,28 @@ def main() -> None:
     doc = {"repeat": args.repeat, "max_inflight": args.max_inflight, "cpus": os.cpu_count(),
            "statistic": "median of --repeat timed captures after 3 warm-ups", "runs": rows}
     write_doc(doc, args.out)
+    plot(rows, args.out.rsplit(".", 1)[0] + ".png")
     print(f"wrote {args.out}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Capture / memcpy per case and kind, with the 1.5x target line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = sorted({(r["app"], r["ranks"]) for r in rows})
+    kinds = sorted({r["kind"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for k, kind in enumerate(kinds):
+        vals = [next((r for r in rows if (r["app"], r["ranks"]) == c and r["kind"] == kind), None) for c in cases]
+        ax.bar([i + 0.4 * k for i in range(len(cases))], [v["ratio"] if v else 0 for v in vals], 0.4,
+               yerr=[v["ratio_se"] if v else 0 for v in vals], label=kind)
+    ax.axhline(1.5, color="k", ls="--", lw=1, label="target 1.5x")
+    ax.set_xticks([i + 0.2 for i in range(len(cases))], [f"{a} x{n}" for a, n in cases])
+    ax.set_ylabel("capture / memcpy of the shard")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,28 @@ def main() -> None:
            "statistic": "median over checkpoints (first excluded) and over quiet batches (first 2 excluded); "
                         "slope: least squares of the medians against the model's tensor count"}
     write_doc(doc, args.out)
+    plot(rows, slope, args.out.rsplit(".", 1)[0] + ".png")
     print(f"slope {slope * 1e6 if slope is not None else float('nan'):.3f} us per tensor; wrote {args.out}")
+
+
+def plot(rows: list[dict], slope: float | None, path: str) -> None:
+    """Blocking (median, p90) and quiet hook time (median) against the model's tensor count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    xs = [r["model_tensors"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(xs, [1e3 * r["blocking_median_s"] for r in rows], "o-", label="blocking, median")
+    ax.plot(xs, [1e3 * r["blocking_p90_s"] for r in rows], "s--", label="blocking, p90")
+    ax.plot(xs, [1e3 * r["quiet_median_s"] for r in rows], "^-", label="quiet batch hooks, median")
+    ax.axhline(1.0, color="k", ls=":", lw=1, label="1 ms")
+    ax.set_xscale("log")
+    ax.set_xlabel("model tensors")
+    ax.set_ylabel("ms")
+    ax.set_title(f"slope {slope * 1e6:.2f} us per tensor" if slope is not None else "")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
