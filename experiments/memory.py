@@ -127,8 +127,26 @@ def main() -> None:
                 "added_mean_B": mean, "added_se_B": se, "bound_B": bound, "errors": errors,
                 "holds": (mean + (se or 0) <= bound) if mean is not None and bound is not None else None}
     write_doc(doc, args.out)
+    plot(doc, args.out.rsplit(".", 1)[0] + ".png")
     print(f"{key}: DeepFreeze adds {mean / 1e6 if mean is not None else float('nan'):.0f} MB "
           f"(bound {bound / 1e6 if bound else float('nan'):.0f} MB); wrote {args.out}")
+
+
+def plot(doc: dict, path: str) -> None:
+    """Memory added per (app, ranks): each run, the mean, and the bound."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = [k for k, v in sorted(doc.items()) if isinstance(v, dict) and v.get("added_B")]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, k in enumerate(keys):
+        r = doc[k]
+        ax.plot([i] * len(r["added_B"]), [x / 1e6 for x in r["added_B"]], "o", color="C0")
+        ax.plot([i - 0.3, i + 0.3], [r["bound_B"] / 1e6] * 2, "k--")
+    ax.set_xticks(range(len(keys)), keys)
+    ax.set_ylabel("peak RSS added (MB); dashed: bound")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
