@@ -117,6 +117,19 @@ def _bootstrap_ratio(num: Any, den: Any, rng: Any, n: int = 2000) -> float:
     return float(np.std(np.median(a, axis=1) / np.median(b, axis=1), ddof=1))
 
 
+def fixed_costs(small: list[dict]) -> dict[str, Any]:
+    """Intercept (fixed cost, ms), its standard error and slope (ms per GB) of each series' time
+    against bytes over the small sizes (none with fewer than two sizes)."""
+    fixed: dict[str, Any] = {}
+    if len(small) >= 2:
+        xs = [r["bytes"] for r in small for _ in r["samples"]["flush_s"]]
+        for key in ("flush_s", "raw_s", "raw_best_s", "scratch_write_s", "raw_scratch_s"):
+            ys = [1e3 * t for r in small for t in r["samples"][key]]
+            a, se, b = _intercept(xs, ys)
+            fixed[key[:-2] + "_ms"] = {"intercept": a, "stderr": se, "ms_per_GB": b * 1e9}
+    return fixed
+
+
 def _intercept(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     """(intercept, its standard error, slope) of the least-squares line y = a + b x."""
     import numpy as np
@@ -328,13 +341,8 @@ def main() -> None:
               f"{r['raw_scratch_GBps']:.2f} GB/s = {100 * r['scratch_efficiency']:.0f} ± "
               f"{100 * r['scratch_efficiency_stderr']:.0f} %", flush=True)
     small = [r for r in results if r["mib"] <= 64]
-    fixed: dict[str, Any] = {}
-    if len(small) >= 2:
-        xs = [r["bytes"] for r in small for _ in r["samples"]["flush_s"]]
-        for key in ("flush_s", "raw_s", "raw_best_s", "scratch_write_s", "raw_scratch_s"):
-            ys = [1e3 * t for r in small for t in r["samples"][key]]
-            a, se, b = _intercept(xs, ys)
-            fixed[key.replace("_s", "") + "_ms"] = {"intercept": a, "stderr": se, "ms_per_GB": b * 1e9}
+    fixed = fixed_costs(small)
+    if fixed:
         fixed["flush_over_raw_ms"] = fixed["flush_ms"]["intercept"] - fixed["raw_ms"]["intercept"]
         fixed["sizes_mib"] = [r["mib"] for r in small]
     target = []
@@ -401,14 +409,7 @@ def pooled(doc: dict[str, Any]) -> dict[str, Any]:
                     and doc[lab]["sizes"][i]["mib"] == r0["mib"] and "raw_best_s" in doc[lab]["sizes"][i]["samples"]]
             series = {k: [t for r in runs for t in r["samples"][k]] for k in runs[0]["samples"]}
             sizes.append(dict(_summary(r0["mib"], r0["bytes"], series, rng), samples=series))
-        small = [r for r in sizes if r["mib"] <= 64]
-        fixed: dict[str, Any] = {}
-        if len(small) >= 2:
-            xs = [r["bytes"] for r in small for _ in r["samples"]["flush_s"]]
-            for key in ("flush_s", "raw_s", "raw_best_s", "scratch_write_s", "raw_scratch_s"):
-                ys = [1e3 * t for r in small for t in r["samples"][key]]
-                a, se, b = _intercept(xs, ys)
-                fixed[key[:-2] + "_ms"] = {"intercept": a, "stderr": se, "ms_per_GB": b * 1e9}
+        fixed = fixed_costs([r for r in sizes if r["mib"] <= 64])
         target = []
         for r in sizes:
             if r["mib"] >= 256:
