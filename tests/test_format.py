@@ -52,7 +52,10 @@ def test_flipped_data_byte_detected(tmp_path):
     plan, path = write(tmp_path)
     with open(path, "rb") as f:
         e = max(fmt.read_index(f).entries, key=lambda e: e.length)
-    damage(path, e.offset + 5, b"\xff")
+    with open(path, "rb") as f:
+        f.seek(e.offset + 5)
+        byte = f.read(1)[0]
+    damage(path, e.offset + 5, bytes([byte ^ 0xFF]))  # flipped, whatever the byte was
     with open(path, "rb") as f:
         with pytest.raises(CorruptCheckpointError, match="checksum mismatch in tensor"):
             fmt.read_entry(f, fmt.read_index(f, path).entries[[x.offset for x in fmt.read_index(f).entries].index(e.offset)])
