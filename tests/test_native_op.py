@@ -121,6 +121,34 @@ def test_copies_after_an_update_it_depends_on(op):
     mm.close()
 
 
+def test_vars_variant_reads_the_variables_itself_bit_exact_after_updates(op):
+    """DeepFreezeFusedCopyVars (one node for N variables): the same bytes as the values variant,
+    the variables' values after the updates it depends on, and its validation errors."""
+    rng = np.random.default_rng(3)
+    vs = _mixed_variables(rng)
+    src, dst, lengths = (list(x) for x in zip(*MIXED))
+    mm, buf = _buffer(MIXED_BYTES)
+    dest = np.array(native.buffer_address(buf), dtype=np.int64)
+
+    @tf.function
+    def capture(step):
+        ups = [v.assign(tf.cast(tf.reverse(tf.reshape(v, [-1]), [0]), v.dtype)) if v.shape.rank == 1
+               else v.assign(v * 2) for v in vs]
+        with tf.control_dependencies(ups):
+            return native.fused_copy_vars(dest, step, vs, src, dst, lengths)
+
+    assert int(capture(tf.constant(9, tf.int64))) == 9
+    np.testing.assert_array_equal(buf, _expected(MIXED_BYTES, 9, vs, src, dst, lengths))
+    buf[:] = SENTINEL
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside"):
+        native.fused_copy_vars(dest, 1, vs[:1], [4000], [64], [8])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside dest"):
+        native.fused_copy_vars(dest, 1, vs[:1], [0], [MIXED_BYTES - 4], [8])
+    assert (buf == SENTINEL).all()  # nothing written by a bad call
+    del buf
+    mm.close()
+
+
 def test_in_a_cond_branch_copies_only_when_taken(op):
     """The hook's flag: the op in a ``tf.cond`` branch runs (and writes) only when the flag is on."""
     v = tf.Variable(np.arange(100, dtype=np.int64))

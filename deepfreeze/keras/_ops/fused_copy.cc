@@ -25,6 +25,8 @@
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/types.h"
@@ -73,6 +75,32 @@ src_offsets: per value, the byte offset in the value where its piece starts.
 dst_offsets: per value, the byte offset in dest where the piece goes (>= 8).
 lengths: per value, the number of bytes copied.
 stamp: the step written.
+)doc");
+
+// The same copy reading resource variables directly (as ReadVariableOp does: a reference to
+// the variable's current buffer taken under its lock), so a capture of N variables is one node
+// instead of N ReadVariableOp nodes and this op.
+REGISTER_OP("DeepFreezeFusedCopyVars")
+    .Input("dest: int64")
+    .Input("step: int64")
+    .Input("vars: N * resource")
+    .Attr("N: int >= 0")
+    .Attr("src_offsets: list(int)")
+    .Attr("dst_offsets: list(int)")
+    .Attr("lengths: list(int)")
+    .Output("stamp: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle dest, step;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &dest));
+      ::tensorflow::shape_inference::DimensionHandle two;
+      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(dest, 0), 2, &two));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &step));
+      c->set_output(0, c->Scalar());
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+DeepFreezeFusedCopy over resource variables: copies byte ranges of N variables' current values.
 )doc");
 
 namespace {
@@ -143,26 +171,28 @@ void CopyBytes(char* dst, const char* src, int64_t len, bool stream) {
 
 }  // namespace
 
-class FusedCopyOp : public OpKernel {
+class FusedCopyBase : public OpKernel {
  public:
-  explicit FusedCopyOp(OpKernelConstruction* ctx) : OpKernel(ctx), threads_(ThreadsFromEnv()), stream_(StreamFromEnv()) {
-    std::vector<DataType> types;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("T", &types));
+  // ``types``: the values' dtypes when known at construction (DeepFreezeFusedCopy), else empty
+  // (the variables' dtypes are checked when the op runs).
+  FusedCopyBase(OpKernelConstruction* ctx, const std::vector<DataType>& types, size_t n)
+      : OpKernel(ctx), threads_(ThreadsFromEnv()), stream_(StreamFromEnv()) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("src_offsets", &src_offsets_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dst_offsets", &dst_offsets_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("lengths", &lengths_));
-    const size_t n = types.size();
     OP_REQUIRES(ctx, src_offsets_.size() == n && dst_offsets_.size() == n && lengths_.size() == n,
                 errors::InvalidArgument(
                     "DeepFreezeFusedCopy: src_offsets, dst_offsets and lengths need one entry per "
                     "value (", n, " values), got ", src_offsets_.size(), ", ", dst_offsets_.size(),
                     " and ", lengths_.size()));
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < types.size(); ++i) {
       OP_REQUIRES(ctx, ::tensorflow::DataTypeCanUseMemcpy(types[i]),
                   errors::InvalidArgument("DeepFreezeFusedCopy: value ", i, " has dtype ",
                                           DataTypeString(types[i]),
                                           ", which has no fixed-size byte representation; only "
                                           "numeric and bool tensors can be copied"));
+    }
+    for (size_t i = 0; i < n && i < lengths_.size(); ++i) {
       OP_REQUIRES(ctx, src_offsets_[i] >= 0 && lengths_[i] >= 0,
                   errors::InvalidArgument("DeepFreezeFusedCopy: value ", i, ": src_offset ",
                                           src_offsets_[i], " and length ", lengths_[i],
@@ -174,7 +204,8 @@ class FusedCopyOp : public OpKernel {
     }
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  // Validates everything, then copies the pieces of ``values`` and writes the stamp.
+  void Copy(OpKernelContext* ctx, const std::vector<const Tensor*>& values) {
     const Tensor& dest = ctx->input(0);
     const Tensor& step = ctx->input(1);
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(dest.shape()) && dest.NumElements() == 2,
@@ -191,9 +222,7 @@ class FusedCopyOp : public OpKernel {
                 errors::InvalidArgument("DeepFreezeFusedCopy: dest capacity ", capacity,
                                         " bytes is below the ", kStampBytes,
                                         "-byte step stamp"));
-    ::tensorflow::OpInputList values;
-    OP_REQUIRES_OK(ctx, ctx->input_list("values", &values));
-    const int n = values.size();
+    const int n = static_cast<int>(values.size());
     OP_REQUIRES(ctx, static_cast<size_t>(n) == lengths_.size(),
                 errors::InvalidArgument("DeepFreezeFusedCopy: ", n, " values but ", lengths_.size(),
                                         " lengths"));
@@ -201,7 +230,11 @@ class FusedCopyOp : public OpKernel {
     // below cannot overflow where a sum could.
     int64_t total = 0;
     for (int i = 0; i < n; ++i) {
-      const Tensor& v = values[i];
+      const Tensor& v = *values[i];
+      OP_REQUIRES(ctx, ::tensorflow::DataTypeCanUseMemcpy(v.dtype()),
+                  errors::InvalidArgument("DeepFreezeFusedCopy: value ", i, " has dtype ",
+                                          DataTypeString(v.dtype()),
+                                          ", which has no fixed-size byte representation"));
       const int64_t have = static_cast<int64_t>(v.tensor_data().size());
       const int64_t so = src_offsets_[i], d = dst_offsets_[i], len = lengths_[i];
       OP_REQUIRES(ctx, so <= have && len <= have - so,
@@ -229,14 +262,14 @@ class FusedCopyOp : public OpKernel {
     if (total < kParallelMin || shards <= 1) {
       for (int i = 0; i < n; ++i) {
         if (lengths_[i] == 0) continue;
-        CopyBytes(base + dst_offsets_[i], values[i].tensor_data().data() + src_offsets_[i], lengths_[i],
+        CopyBytes(base + dst_offsets_[i], values[i]->tensor_data().data() + src_offsets_[i], lengths_[i],
                   stream_);
       }
     } else {
       std::vector<Chunk> chunks;
       chunks.reserve(static_cast<size_t>(total / kChunkBytes + n));
       for (int i = 0; i < n; ++i) {
-        const char* src = values[i].tensor_data().data() + src_offsets_[i];
+        const char* src = values[i]->tensor_data().data() + src_offsets_[i];
         char* dst = base + dst_offsets_[i];
         for (int64_t off = 0; off < lengths_[i]; off += kChunkBytes) {
           chunks.push_back({dst + off, src + off, std::min(kChunkBytes, lengths_[i] - off)});
@@ -273,6 +306,57 @@ class FusedCopyOp : public OpKernel {
   std::vector<int64_t> src_offsets_, dst_offsets_, lengths_;
 };
 
+static std::vector<DataType> TypesAttr(OpKernelConstruction* ctx) {
+  std::vector<DataType> types;
+  ctx->GetAttr("T", &types).IgnoreError();  // a missing attr fails the list-length check
+  return types;
+}
+
+class FusedCopyOp : public FusedCopyBase {
+ public:
+  explicit FusedCopyOp(OpKernelConstruction* ctx) : FusedCopyBase(ctx, TypesAttr(ctx), TypesAttr(ctx).size()) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    ::tensorflow::OpInputList values;
+    OP_REQUIRES_OK(ctx, ctx->input_list("values", &values));
+    std::vector<const Tensor*> v;
+    v.reserve(values.size());
+    for (int i = 0; i < values.size(); ++i) v.push_back(&values[i]);
+    Copy(ctx, v);
+  }
+};
+
+static int NAttr(OpKernelConstruction* ctx) {
+  int n = 0;
+  ctx->GetAttr("N", &n).IgnoreError();
+  return n;
+}
+
+class FusedCopyVarsOp : public FusedCopyBase {
+ public:
+  explicit FusedCopyVarsOp(OpKernelConstruction* ctx) : FusedCopyBase(ctx, {}, static_cast<size_t>(NAttr(ctx))) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const int n = ctx->num_inputs() - 2;
+    // References to each variable's current buffer, taken under its lock as ReadVariableOp
+    // does: a later update that replaces a buffer (copy-on-write) does not touch these.
+    std::vector<Tensor> held(static_cast<size_t>(n));
+    std::vector<const Tensor*> v(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      ::tensorflow::core::RefCountPtr<::tensorflow::Var> var;
+      OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, 2 + i), &var));
+      ::tensorflow::tf_shared_lock lock(*var->mu());
+      OP_REQUIRES(ctx, var->tensor()->IsInitialized(),
+                  errors::FailedPrecondition("DeepFreezeFusedCopyVars: variable ", i, " is not initialized"));
+      held[i] = *var->tensor();
+      v[i] = &held[i];
+    }
+    Copy(ctx, v);
+  }
+};
+
 REGISTER_KERNEL_BUILDER(Name("DeepFreezeFusedCopy").Device(::tensorflow::DEVICE_CPU), FusedCopyOp);
+REGISTER_KERNEL_BUILDER(Name("DeepFreezeFusedCopyVars").Device(::tensorflow::DEVICE_CPU).HostMemory("vars"),
+                        FusedCopyVarsOp);
 
 }  // namespace deepfreeze
