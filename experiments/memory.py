@@ -58,7 +58,7 @@ def child(app: str, steps: int, case: str, work: str, ranks: int) -> None:
     cbs, shard = bcast(), None
     if case == "none-then-deepfreeze":
         from deepfreeze.keras import DeepFreezeCheckpoint
-        ck = DeepFreezeCheckpoint(None, name="mem", every_n_batches=2, at_epoch_end=False, overwrite=True,
+        ck = DeepFreezeCheckpoint(None, name="mem", every_n_batches=2, at_epoch_end=False, overwrite=True, mode="async",
                                   scratch=f"{work}/node{rank}/scratch", persistent=f"{work}/persistent",
                                   failure_domain=f"node{rank}")
         cbs.append(ck)
