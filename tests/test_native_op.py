@@ -75,12 +75,16 @@ MIXED = [(400, 64, 2400), (2, 2496, 660), (0, 3200, 514), (80, 3776, 720),
 MIXED_BYTES = 6000
 
 
-def test_mixed_dtypes_bit_exact_in_tf_function(op):
-    rng = np.random.default_rng(1)
-    vs = _mixed_variables(rng)
+def _mixed_setup(seed: int) -> tuple:
+    """The MIXED variables, their (src, dst, length) lists, a sentinel buffer and its [address, capacity]."""
+    vs = _mixed_variables(np.random.default_rng(seed))
     src, dst, lengths = (list(x) for x in zip(*MIXED))
     mm, buf = _buffer(MIXED_BYTES)
-    dest = np.array(native.buffer_address(buf), dtype=np.int64)
+    return vs, src, dst, lengths, mm, buf, np.array(native.buffer_address(buf), dtype=np.int64)
+
+
+def test_mixed_dtypes_bit_exact_in_tf_function(op):
+    vs, src, dst, lengths, mm, buf, dest = _mixed_setup(1)
 
     @tf.function
     def capture(step):
@@ -124,11 +128,7 @@ def test_copies_after_an_update_it_depends_on(op):
 def test_vars_variant_reads_the_variables_itself_bit_exact_after_updates(op):
     """DeepFreezeFusedCopyVars (one node for N variables): the same bytes as the values variant,
     the variables' values after the updates it depends on, and its validation errors."""
-    rng = np.random.default_rng(3)
-    vs = _mixed_variables(rng)
-    src, dst, lengths = (list(x) for x in zip(*MIXED))
-    mm, buf = _buffer(MIXED_BYTES)
-    dest = np.array(native.buffer_address(buf), dtype=np.int64)
+    vs, src, dst, lengths, mm, buf, dest = _mixed_setup(3)
 
     @tf.function
     def capture(step):

@@ -46,6 +46,17 @@ using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 namespace errors = ::tensorflow::errors;
 
+// dest: [2] int64, step: scalar int64 -> stamp: scalar (both ops)
+static Status StampShape(InferenceContext* c) {
+  ShapeHandle dest, step;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &dest));
+  ::tensorflow::shape_inference::DimensionHandle two;
+  TF_RETURN_IF_ERROR(c->WithValue(c->Dim(dest, 0), 2, &two));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &step));
+  c->set_output(0, c->Scalar());
+  return ::tensorflow::OkStatus();
+}
+
 REGISTER_OP("DeepFreezeFusedCopy")
     .Input("dest: int64")  // [address of the destination buffer, its capacity in bytes]
     .Input("step: int64")  // scalar, written as int64 little-endian to dest bytes [0, 8), last
@@ -56,15 +67,7 @@ REGISTER_OP("DeepFreezeFusedCopy")
     .Attr("lengths: list(int)")      // per value: bytes to copy
     .Output("stamp: int64")          // scalar: the step written
     .SetIsStateful()                 // writes memory TensorFlow does not see: never pruned/CSE'd/folded
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle dest, step;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &dest));
-      ::tensorflow::shape_inference::DimensionHandle two;
-      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(dest, 0), 2, &two));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &step));
-      c->set_output(0, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(StampShape)
     .Doc(R"doc(
 Copies byte ranges of N tensors into one caller-owned host buffer and writes a step stamp.
 
@@ -90,15 +93,7 @@ REGISTER_OP("DeepFreezeFusedCopyVars")
     .Attr("lengths: list(int)")
     .Output("stamp: int64")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle dest, step;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &dest));
-      ::tensorflow::shape_inference::DimensionHandle two;
-      TF_RETURN_IF_ERROR(c->WithValue(c->Dim(dest, 0), 2, &two));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &step));
-      c->set_output(0, c->Scalar());
-      return ::tensorflow::OkStatus();
-    })
+    .SetShapeFn(StampShape)
     .Doc(R"doc(
 DeepFreezeFusedCopy over resource variables: copies byte ranges of N variables' current values.
 )doc");
