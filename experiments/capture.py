@@ -66,7 +66,7 @@ def main() -> None:
                 sink = hook.FusedSink(f"bench.{kind}", plan, rank, variables, buffers=args.max_inflight + 1,
                                       native=native if kind == "native" else None)
                 step_var = tf.Variable(0, dtype=tf.int64)
-                fn = tf.function(lambda: sink.build(step_var.value()))
+                fn = tf.function(lambda sink=sink: sink.build(step_var.value()))
                 held: collections.deque = collections.deque(maxlen=args.max_inflight)
                 times, t_mem = [], []
                 for i in range(args.repeat + 3):

@@ -29,6 +29,18 @@ from experiments.bench import write_doc
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def timed_flush(d: str, manifest: dict) -> float:
+    """Seconds of one ``flush_job`` of rank 0's shard of ``job`` v1 from ``<d>/s`` to ``<d>/p`` (every
+    version kept, flushed at once); raises if it did not commit."""
+    job = {"name": "job", "version": 1, "rank": 0, "scratch": f"{d}/s", "persistent": f"{d}/p",
+           "persistent_interval": 0, "keep_scratch": 0, "keep_persistent": 0, "manifest": manifest}
+    from deepfreeze.levels import flush_job
+    t0 = time.perf_counter()
+    if not flush_job(job)["committed"]:
+        raise RuntimeError("the flush did not commit")
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=7)
@@ -39,7 +51,7 @@ def main() -> None:
     import numpy as np
     from deepfreeze.config import Config
     from deepfreeze.engine import Engine, build_manifest
-    from deepfreeze.levels import ScratchLevel, flush_job
+    from deepfreeze.levels import ScratchLevel
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 
     os.makedirs(args.work, exist_ok=True)
@@ -64,12 +76,7 @@ def main() -> None:
         s.write_shard("job", 1, 0, plan, [a], chksum=True)
         m = build_manifest("job", 1, 1, 0, plan, ["node"])
         s.write_manifest("job", 1, m)
-        job = {"name": "job", "version": 1, "rank": 0, "scratch": f"{d}/s", "persistent": f"{d}/p",
-               "persistent_interval": 0, "keep_scratch": 0, "keep_persistent": 0, "manifest": m}
-        t0 = time.perf_counter()
-        if not flush_job(job)["committed"]:
-            raise RuntimeError("the flush did not commit")
-        series["flush_s"].append(time.perf_counter() - t0)
+        series["flush_s"].append(timed_flush(d, m))
         # fixed cost per version
         cfg = Config.load(None, mode="sync", scratch=f"{d}/s2", persistent=f"{d}/p2", persistent_interval=0)
         e = Engine(cfg, "small", 0, small)

@@ -53,6 +53,7 @@ import time
 from typing import Any
 
 from experiments.bench import write_doc
+from experiments.commit_cost import timed_flush
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -145,7 +146,7 @@ def _intercept(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 def measure(mib: float, args: argparse.Namespace, fused_ok: bool) -> dict[str, Any]:
     import numpy as np
     from deepfreeze.engine import build_manifest
-    from deepfreeze.levels import ScratchLevel, flush_job
+    from deepfreeze.levels import ScratchLevel
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 
     total = int(mib * 2**20) // 4
@@ -184,12 +185,7 @@ def measure(mib: float, args: argparse.Namespace, fused_ok: bool) -> dict[str, A
         series["raw_best_s"].append(_raw_write_best(f"{d}/p/raw", view))
         os.unlink(f"{d}/p/raw")
         os.sync()
-        job = {"name": "job", "version": 1, "rank": 0, "scratch": f"{d}/s", "persistent": f"{d}/p",
-               "persistent_interval": 0, "keep_scratch": 0, "keep_persistent": 0, "manifest": m}
-        t0 = time.perf_counter()
-        if not flush_job(job)["committed"]:
-            raise RuntimeError("the flush did not commit")
-        series["flush_s"].append(time.perf_counter() - t0)
+        series["flush_s"].append(timed_flush(d, m))
         shutil.rmtree(d)
         os.sync()
     med = {k: float(np.median(v)) for k, v in series.items()}

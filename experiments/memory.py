@@ -37,7 +37,7 @@ def child(app: str, steps: int, case: str, work: str, ranks: int) -> None:
     from experiments import models
     from experiments.bench import APPS
 
-    rank, opt_wrap, cbs0 = 0, (lambda o: o), []
+    rank, opt_wrap = 0, (lambda o: o)
     if ranks > 1:
         import horovod.tensorflow.keras as hvd
         hvd.init()

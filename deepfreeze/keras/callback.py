@@ -252,7 +252,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if self._resume_pending:
             self._resume_pending = False
             self._resume()
-        variables, tensors, pinned, slots = self._tensors(model)
+        variables, tensors, pinned = self._tensors(model)
         self._model_tensors = len(model.weights)
         plan = ShardPlan.build(tensors, self.size, min_shard_bytes=self.options.min_shard_bytes, pinned=pinned)
         digest = hashlib.sha256(json.dumps([plan.to_json(), [t.to_json() for t in tensors]]).encode()).digest()[:16]
@@ -388,14 +388,14 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         return self._last_version
 
     # ------------------------------------------------------------------ internals
-    def _tensors(self, model: Any) -> tuple[list, list[TensorSpec], list[int], dict[int, list[int]]]:
-        """Variables to checkpoint (model weights, then optimizer variables), their specs, the
-        ids pinned whole to rank 0, and model tensor id -> ids of its optimizer slots."""
+    def _tensors(self, model: Any) -> tuple[list, list[TensorSpec], list[int]]:
+        """Variables to checkpoint (model weights, then optimizer variables), their specs and the
+        ids pinned whole to rank 0 (non-trainable weights, optimizer variables that are not a
+        slot of one weight, e.g. the iteration counter); slots are split like their weight."""
         weights = list(model.weights)
         named = model_tensors(model)
         variables = list(weights)
         pinned = [i for i, w in enumerate(weights) if not w.trainable]
-        slots: dict[int, list[int]] = {}
         if self.save_optimizer:
             opt = model.optimizer
             opt.build(model.trainable_variables)  # slots exist before the graph is built
@@ -406,17 +406,16 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 name = v.name[:-2] if v.name.endswith(":0") else v.name
                 named.append((f"optimizer/{name}", dtype_name(v.dtype.as_numpy_dtype), tuple(v.shape)))
                 owner = owner_of.get(v._shared_name.split("/", 1)[-1])
-                if owner is not None and tuple(v.shape) == tuple(weights[owner].shape) and "/" in v._shared_name:
-                    slots.setdefault(owner, []).append(tid)  # updated with its variable: copied in graph
-                else:
-                    pinned.append(tid)  # e.g. the iteration counter: read whole on rank 0
+                is_slot = owner is not None and tuple(v.shape) == tuple(weights[owner].shape) and "/" in v._shared_name
+                if not is_slot:
+                    pinned.append(tid)  # e.g. the iteration counter: whole on rank 0
         seen: dict[str, int] = {}
         tensors = []
         for i, (n, d, shape) in enumerate(named):
             k = seen.get(n, 0)
             seen[n] = k + 1
             tensors.append(TensorSpec(i, n if k == 0 else f"{n}_{k}", d, shape))
-        return variables, tensors, pinned, slots
+        return variables, tensors, pinned
 
     def _resume(self) -> None:
         """Restore the newest version every rank can recover (collectively over the ranks'
