@@ -24,6 +24,8 @@ __all__ = [
     "UntrustedOwnerError",
     "CaptureMissedError",
     "NativeBuildError",
+    "CloneError",
+    "CloneTimeoutError",
 ]
 
 
@@ -98,3 +100,13 @@ class CaptureMissedError(DeepFreezeError, RuntimeError):
 class NativeBuildError(DeepFreezeError, RuntimeError):
     """The fused-copy TensorFlow op could not be compiled (no compiler, a compiler error, an
     unwritable package directory) or is not available to call."""
+
+
+class CloneError(DeepFreezeError, RuntimeError):
+    """A clone transfer failed: the source group gave up (its ``fit`` ended or failed before the
+    clone step), a message was malformed, or a collective of the clone group failed."""
+
+
+class CloneTimeoutError(CloneError, TimeoutError):
+    """A clone transfer did not complete within ``clone_timeout``: the other group never showed
+    up, stopped sending or stopped receiving (the message names the ranks waited for)."""

@@ -1,0 +1,101 @@
+"""DeepClone: fork a running data-parallel group into clone groups, state sent rank to rank.
+
+Framework-neutral core (numpy + mpi4py, no TensorFlow): :func:`split` makes the groups,
+:class:`ClonePlan` says who sends what, :class:`Sender`/:class:`Receiver` move it
+(protocol in :mod:`deepfreeze.clone.transfer`), :func:`send`/:func:`receive` do a whole
+transfer of numpy arrays. The Keras side (the in-graph sink, ``CloneCallback``,
+``receive_clone``) is in :mod:`deepfreeze.keras.clone`. Guide: docs/clone.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ..shardplan import TensorSpec
+from .group import Group, split
+from .plan import DEFAULT_THRESHOLD, ClonePlan, Route
+from .transfer import DEFAULT_TIMEOUT, TAG_HEADER, Receiver, Sender
+
+__all__ = ["Group", "split", "ClonePlan", "Route", "Sender", "Receiver", "CloneInfo", "send", "receive",
+           "plans_for", "DEFAULT_THRESHOLD", "DEFAULT_TIMEOUT"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CloneInfo:
+    """What a clone received besides the tensors. ``step``: the source's global optimizer
+    step (the clone's ``optimizer.iterations``); ``epoch`` (0-based) and ``epoch_step``
+    (batches of that epoch done); ``epoch_complete``: the step ended its epoch;
+    ``source_run``: the source's run id; ``source_name``: the source's checkpoint name,
+    if it had one."""
+
+    step: int
+    epoch: int
+    epoch_step: int
+    epoch_complete: bool
+    source_run: str
+    source_name: str | None = None
+
+    @classmethod
+    def from_header(cls, h: dict) -> "CloneInfo":
+        from ..errors import CloneError
+        try:
+            return cls(step=int(h["step"]), epoch=int(h.get("epoch", 0)), epoch_step=int(h.get("epoch_step", 0)),
+                       epoch_complete=bool(h.get("epoch_complete", False)), source_run=str(h.get("source_run", "")),
+                       source_name=None if h.get("source_name") is None else str(h["source_name"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CloneError(f"malformed clone header {h!r}: {e}") from e
+
+    def header(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def plans_for(group: Group, tensors: Sequence[TensorSpec], *, whole: Iterable[int] = (),
+              threshold: int = DEFAULT_THRESHOLD) -> dict[int, ClonePlan]:
+    """clone group index -> plan with it (source side), or {0: plan} (clone side)."""
+    whole = list(whole)
+    n = group.sizes[0]
+    if group.is_source:
+        return {g: ClonePlan(tensors, n, group.sizes[g], whole=whole, threshold=threshold) for g in group.clones}
+    return {0: ClonePlan(tensors, n, group.size, whole=whole, threshold=threshold)}
+
+
+def send(group: Group, tensors: Sequence[TensorSpec], arrays: Sequence[np.ndarray], info: CloneInfo, *,
+         whole: Iterable[int] = (), threshold: int = DEFAULT_THRESHOLD,
+         timeout: float = DEFAULT_TIMEOUT) -> Sender:
+    """Source side of a whole transfer of numpy ``arrays`` (one per tensor spec, identical on
+    every source rank except ``whole`` ones, taken from source rank 0). Collective over the
+    source group and every clone group's :func:`receive`. Returns the (closed) sender."""
+    sender = Sender(group, plans_for(group, tensors, whole=whole, threshold=threshold), timeout=timeout)
+    try:
+        sender.hello()
+        sender.wait_hello()
+        for t, a in zip(tensors, arrays):
+            sender.post(t.id, np.ascontiguousarray(a).reshape(-1))
+        if group.rank == 0:
+            sender.post_control(TAG_HEADER, info.header())
+        sender.wait()
+    finally:
+        sender.close()
+    return sender
+
+
+def receive(group: Group, tensors: Sequence[TensorSpec], *, whole: Iterable[int] = (),
+            threshold: int = DEFAULT_THRESHOLD, timeout: float = DEFAULT_TIMEOUT,
+            comm: Any = None) -> tuple[list[np.ndarray], CloneInfo]:
+    """Clone side of :func:`send`: every tensor, whole, on every clone rank (shaped), and the
+    :class:`CloneInfo`. ``comm``: the clone group's communicator for the all-gathers
+    (default: a duplicate of ``group.comm``)."""
+    (plan,) = plans_for(group, tensors, whole=whole, threshold=threshold).values()
+    recv = Receiver(group, plan, timeout=timeout)
+    recv.hello()
+    buffers = recv.allocate()
+    info = CloneInfo.from_header(recv.receive(buffers))
+    own = comm if comm is not None else group.comm.Dup()
+    try:
+        recv.reconstruct(buffers, own)
+    finally:
+        if comm is None:
+            own.Free()
+    return [buffers[t.id].reshape(t.shape) for t in tensors], info

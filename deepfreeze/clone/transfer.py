@@ -1,0 +1,384 @@
+"""Moving a model's state from a source group to clone groups over MPI (mpi4py, numpy).
+
+Protocol, on ``Group.bridge`` (a duplicate of the parent communicator, never Horovod's):
+
+1. **Hello** (``TAG_HELLO``): every source rank sends every clone rank, and every clone
+   rank sends every source rank, a JSON description of its :class:`ClonePlan` (tensor
+   names, dtypes, shapes, group sizes, threshold) and its digest, before any data
+   moves. Each side compares what it received with its own plan; a difference is a
+   :class:`~deepfreeze.errors.ModelMismatchError` naming the first differing tensor, on
+   both sides, without waiting for the other.
+2. **Data** (tag ``DATA_TAG0 + tensor id``): one message per route (tensor, source range,
+   clone range), in pieces of at most 1 GiB (MPI counts are ints; the pieces of one
+   route keep their order: MPI does not overtake messages of one source, tag and
+   communicator). The receiver posts every receive up front, into its final place in
+   the flat tensor buffers, so arrival order does not matter.
+3. **Header** (``TAG_HEADER``): source rank 0 sends every clone rank the step, epoch and
+   run identity after it posted its own data. A clone rank is done when every data
+   message and the header arrived.
+4. **Abort** (``TAG_ABORT``): a source rank that will not send (its ``fit`` ended or
+   failed before the clone step) tells every clone rank why; they raise
+   :class:`~deepfreeze.errors.CloneError` at once instead of waiting out the timeout.
+
+Open MPI here has no asynchronous progress thread: a nonblocking send progresses only
+inside an MPI call of its process. The sender's named thread ``deepfreeze-clone-progress``
+tests the posted requests every ``poll`` seconds while any is pending, so transfers
+overlap the rest of the step (on one node the receiver pulls large messages itself,
+single-copy, through the shared-memory transport). Every wait is bounded
+(``timeout``) and names the ranks still awaited.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..errors import CloneError, CloneTimeoutError, ModelMismatchError
+from .group import Group
+from .plan import ClonePlan, Route, first_difference
+
+__all__ = ["Sender", "Receiver", "TAG_HELLO", "TAG_HEADER", "TAG_ABORT", "DATA_TAG0", "DEFAULT_TIMEOUT"]
+
+log = logging.getLogger("deepfreeze")
+
+TAG_HELLO, TAG_HEADER, TAG_ABORT = 1, 2, 3
+DATA_TAG0 = 16
+CHUNK = 1 << 30  # bytes per message piece (MPI counts are C ints)
+MAX_CONTROL_BYTES = 64 << 20  # a hello with a very large tensor list is still far below this
+DEFAULT_TIMEOUT = 600.0
+
+
+def _chunks(start: int, stop: int) -> list[tuple[int, int]]:
+    return [(o, min(stop, o + CHUNK)) for o in range(start, stop, CHUNK)] or [(start, start)]
+
+
+def _recv_control(comm: Any, source: int, tag: int, status: Any) -> dict:
+    """Receive one JSON control message already probed (``status``): size checked first."""
+    from mpi4py import MPI
+    n = status.Get_count(MPI.BYTE)
+    if not 0 <= n <= MAX_CONTROL_BYTES:
+        comm.Recv([np.empty(0, np.uint8), MPI.BYTE], source=source, tag=tag)  # discard (truncates)
+        raise CloneError(f"clone control message of {n} bytes from rank {source} (tag {tag}) exceeds "
+                         f"{MAX_CONTROL_BYTES}: not a DeepFreeze peer, or a damaged message")
+    buf = np.empty(n, np.uint8)
+    comm.Recv([buf, MPI.BYTE], source=source, tag=tag)
+    try:
+        obj = json.loads(buf.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CloneError(f"malformed clone control message from rank {source} (tag {tag}): {e}") from e
+    if not isinstance(obj, dict):
+        raise CloneError(f"malformed clone control message from rank {source} (tag {tag}): not an object")
+    return obj
+
+
+def _encode(obj: dict) -> np.ndarray:
+    return np.frombuffer(json.dumps(obj, sort_keys=True).encode("utf-8"), np.uint8)
+
+
+class _Hello:
+    """One side's hello: sent to ``peers`` (parent ranks), compared with theirs."""
+
+    def __init__(self, comm: Any, side: str, plans: dict[int, ClonePlan], peers: dict[int, int]) -> None:
+        """``plans``: peer group index -> the plan with it; ``peers``: parent rank -> its group index."""
+        self.comm, self.side, self.plans, self.peers = comm, side, plans, peers
+        self.pending = set(peers)
+        self.reqs: list[Any] = []
+        self._msgs = []
+
+    def post(self, me: dict) -> None:
+        for rank, g in self.peers.items():
+            msg = _encode(dict(me, digest=self.plans[g].digest(), plan=self.plans[g].describe()))
+            self._msgs.append(msg)
+            self.reqs.append(self.comm.Isend(msg, dest=rank, tag=TAG_HELLO))
+
+    def poll(self) -> bool:
+        """Take every hello that arrived; True once all did. Raises ModelMismatchError."""
+        from mpi4py import MPI
+        for rank in sorted(self.pending):
+            st = MPI.Status()
+            if not self.comm.Iprobe(source=rank, tag=TAG_HELLO, status=st):
+                continue
+            obj = _recv_control(self.comm, rank, TAG_HELLO, st)
+            self.pending.discard(rank)
+            plan = self.plans[self.peers[rank]]
+            if obj.get("digest") != plan.digest():
+                theirs = obj.get("plan") if isinstance(obj.get("plan"), dict) else {}
+                other = "source" if self.side == "clone" else "clone"
+                raise ModelMismatchError(
+                    f"clone transfer refused before any data moved: the {other} rank {rank} "
+                    f"(group {obj.get('group')}, rank {obj.get('rank')}) has another model or plan: "
+                    f"{first_difference(plan.describe(), theirs)}. Build the same model (same layers, "
+                    "shapes, dtypes, optimizer) in both groups, with the same clone threshold")
+        if not self.pending:
+            MPI.Request.Waitall(self.reqs)  # small eager sends: complete
+            self.reqs, self._msgs = [], []
+        return not self.pending
+
+    def wait(self, timeout: float, what: str, abort: "Callable[[], None] | None" = None) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.poll():
+            if abort is not None:
+                abort()
+            if time.monotonic() > deadline:
+                raise CloneTimeoutError(
+                    f"{what}: no answer within clone_timeout={timeout:g} s from parent rank(s) "
+                    f"{sorted(self.pending)}: they did not start (check the group sizes given to split and "
+                    "that every group reaches its clone call), or raise clone_timeout")
+            time.sleep(0.002)
+
+
+class Sender:
+    """A source rank's side. ``plans``: clone group index -> :class:`ClonePlan` with it.
+
+    :meth:`post` is called from TensorFlow's threads (inside the train step) with a view
+    of the bytes to send; the view is kept until :meth:`wait` saw its sends complete."""
+
+    def __init__(self, group: Group, plans: dict[int, ClonePlan], *, timeout: float = DEFAULT_TIMEOUT,
+                 poll: float = 0.0002) -> None:
+        if not group.is_source:
+            raise ValueError("Sender runs on the source group (group index 0)")
+        self.group, self.plans, self.timeout, self.poll_s = group, dict(plans), float(timeout), poll
+        self.comm = group.bridge
+        self._sends = {g: p.sends_of(group.rank) for g, p in self.plans.items()}
+        peers = {w: g for g in self.plans for w in group.members(g)}
+        self._hello = _Hello(self.comm, "source", self.plans, peers)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._reqs: list[Any] = []
+        self._keep: list[Any] = []
+        self._error: BaseException | None = None
+        self._stop = False
+        self.posted: list[tuple[int, float, int]] = []  # (tensor id, time, bytes)
+        self.completed_at: float | None = None  # when the progress thread saw every send done
+        self.bytes_sent = 0
+        self._thread = threading.Thread(target=self._progress, name="deepfreeze-clone-progress", daemon=True)
+        self._thread.start()
+
+    # -- hello ------------------------------------------------------------------------
+    def hello(self, info: dict | None = None) -> None:
+        """Send this rank's plan to every clone rank (nonblocking)."""
+        self._hello.post(dict(info or {}, side="source", group=0, rank=self.group.rank))
+
+    def poll_hello(self) -> bool:
+        return self._hello.poll()
+
+    def wait_hello(self, timeout: float | None = None) -> None:
+        self._hello.wait(self.timeout if timeout is None else timeout,
+                         f"source rank {self.group.rank} waiting for the clone groups' hello")
+
+    # -- data -------------------------------------------------------------------------
+    def routes(self, tensor_id: int) -> list[tuple[int, Route]]:
+        """(clone group, route) pairs this rank sends for ``tensor_id``."""
+        return [(g, r) for g, sends in self._sends.items() for r in sends.get(tensor_id, [])]
+
+    def source_range(self, tensor_id: int) -> tuple[int, int]:
+        """The element range of ``tensor_id`` this rank sends from ((0, 0): none)."""
+        rs = [r for _, r in self.routes(tensor_id)]
+        return (min(r.start for r in rs), max(r.stop for r in rs)) if rs else (0, 0)
+
+    def post(self, tensor_id: int, flat: np.ndarray, base: int = 0) -> int:
+        """Post the sends of ``tensor_id``; ``flat`` holds its elements ``[base, base + len)``
+        (C-contiguous). Returns the bytes posted. ``flat`` is referenced until :meth:`wait`."""
+        routes = self.routes(tensor_id)
+        if not routes:
+            return 0
+        raw = flat.reshape(-1).view(np.uint8)
+        item = flat.dtype.itemsize
+        n = 0
+        with self._lock:
+            for g, r in routes:
+                dest = self.group.members(g)[r.dst]
+                lo, hi = (r.start - base) * item, (r.stop - base) * item
+                if lo < 0 or hi > raw.size:
+                    raise CloneError(f"tensor {tensor_id}: route [{r.start}, {r.stop}) is outside the "
+                                     f"{flat.size} elements handed over from element {base}")
+                for a, b in _chunks(lo, hi):
+                    self._reqs.append(self.comm.Isend(raw[a:b], dest=dest, tag=DATA_TAG0 + tensor_id))
+                n += hi - lo
+            self._keep.append(flat)
+            self.posted.append((tensor_id, time.time(), n))
+            self.bytes_sent += n
+            self.completed_at = None
+            self._wake.notify()
+        return n
+
+    def post_control(self, tag: int, obj: dict, groups: "Sequence[int] | None" = None) -> None:
+        """Send a small JSON message (header, abort) to every rank of the clone groups."""
+        msg = _encode(obj)
+        with self._lock:
+            for g in (self.plans if groups is None else groups):
+                for w in self.group.members(g):
+                    self._reqs.append(self.comm.Isend(msg, dest=w, tag=tag))
+            self._keep.append(msg)
+            self._wake.notify()
+
+    def abort(self, reason: str) -> None:
+        """Tell every clone rank the transfer will not happen (bounded wait for the sends)."""
+        self.post_control(TAG_ABORT, {"reason": reason, "rank": self.group.rank})
+        try:
+            self.wait(min(self.timeout, 10.0))
+        except CloneTimeoutError:
+            log.warning("DeepFreeze: clone abort notice not delivered within 10 s")
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._reqs)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every posted send completed (then the views are released). Raises
+        :class:`CloneTimeoutError` after ``timeout`` (default: the sender's)."""
+        from mpi4py import MPI
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            with self._lock:
+                if self._error is not None:
+                    e, self._error = self._error, None
+                    raise CloneError(f"clone progress thread failed: {e}") from e
+                if not self._reqs or MPI.Request.Testall(self._reqs):
+                    self._reqs, self._keep = [], []
+                    if self.completed_at is None:
+                        self.completed_at = time.time()
+                    return
+            if time.monotonic() > deadline:
+                dests = sorted({w for g in self.plans for w in self.group.members(g)})
+                raise CloneTimeoutError(
+                    f"source rank {self.group.rank}: clone sends not received within clone_timeout="
+                    f"{(self.timeout if timeout is None else timeout):g} s by the clone ranks (parent ranks "
+                    f"{dests}): they stopped receiving or died")
+            time.sleep(self.poll_s)
+
+    def _progress(self) -> None:
+        from mpi4py import MPI
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self._reqs:
+                        self._wake.wait()
+                    if self._stop:
+                        return
+                    if MPI.Request.Testall(self._reqs):
+                        self._reqs, self._keep = [], []
+                        self.completed_at = time.time()
+                time.sleep(self.poll_s)
+        except BaseException as e:  # surfaces once, in wait()
+            with self._lock:
+                self._error = e
+
+    def close(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=5)
+
+
+class Receiver:
+    """A clone rank's side: hello, then every message of its routes into flat buffers, then
+    the all-gather-v over the clone group."""
+
+    def __init__(self, group: Group, plan: ClonePlan, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if group.is_source:
+            raise ValueError("Receiver runs on a clone group (group index >= 1)")
+        self.group, self.plan, self.timeout = group, plan, float(timeout)
+        self.comm = group.bridge
+        self.source = group.members(0)
+        self._hello = _Hello(self.comm, "clone", {0: plan}, {w: 0 for w in self.source})
+        self.routes = plan.recvs_of(group.rank)
+        self.bytes_received = 0
+        self.first_data_at: float | None = None
+        self.done_at: float | None = None
+
+    def hello(self, info: dict | None = None) -> None:
+        """Exchange plans with every source rank (raises ModelMismatchError, CloneTimeoutError)."""
+        self._hello.post(dict(info or {}, side="clone", group=self.group.index, rank=self.group.rank))
+        self._hello.wait(self.timeout, f"clone group {self.group.index} rank {self.group.rank} waiting for the "
+                                       "source group's hello", abort=self._check_abort)
+
+    def _check_abort(self) -> None:
+        from mpi4py import MPI
+        st = MPI.Status()
+        for w in self.source:
+            if self.comm.Iprobe(source=w, tag=TAG_ABORT, status=st):
+                obj = _recv_control(self.comm, w, TAG_ABORT, st)
+                raise CloneError(f"the source group gave up the clone: {obj.get('reason', '(no reason given)')} "
+                                 f"(source rank {obj.get('rank')})")
+
+    def allocate(self) -> dict[int, np.ndarray]:
+        """A flat buffer per tensor (every element this rank will hold after reconstruction)."""
+        from ..format import numpy_dtype
+        return {t.id: np.empty(t.size, numpy_dtype(t.dtype)) for t in self.plan.tensors}
+
+    def receive(self, buffers: dict[int, np.ndarray]) -> dict:
+        """Receive every route of this rank into ``buffers`` (tensor id -> flat array) and the
+        header; returns the header. Waits without spinning (sleeps between tests)."""
+        from mpi4py import MPI
+        reqs, srcs = [], []
+        for r in self.routes:
+            buf = buffers[r.tensor_id]
+            if buf.size != self.plan.tensors[r.tensor_id].size or not buf.flags.c_contiguous:
+                raise ValueError(f"buffer of tensor {r.tensor_id} is not a flat C-contiguous array of its size")
+            raw, item = buf.view(np.uint8), buf.dtype.itemsize
+            for a, b in _chunks(r.start * item, r.stop * item):
+                reqs.append(self.comm.Irecv(raw[a:b], source=self.source[r.src], tag=DATA_TAG0 + r.tensor_id))
+                srcs.append(self.source[r.src])
+            self.bytes_received += (r.stop - r.start) * item
+        header: dict | None = None
+        st = MPI.Status()
+        deadline = time.monotonic() + self.timeout
+        left = len(reqs)
+        sleep = 0.002  # standby: a test every 2 ms; once data flows, every 0.1 ms
+        while left or header is None:
+            if left:
+                done = MPI.Request.Testsome(reqs)  # completed requests become REQUEST_NULL
+                if done:
+                    left -= len(done)
+                    if self.first_data_at is None:
+                        self.first_data_at, sleep = time.time(), 0.0001
+            if header is None and self.comm.Iprobe(source=self.source[0], tag=TAG_HEADER, status=st):
+                header = _recv_control(self.comm, self.source[0], TAG_HEADER, st)
+                sleep = 0.0001
+            self._check_abort()
+            if not left and header is not None:
+                break
+            if time.monotonic() > deadline:
+                missing = {w for w, rq in zip(srcs, reqs) if rq != MPI.REQUEST_NULL}
+                if header is None:
+                    missing.add(self.source[0])
+                for rq in reqs:
+                    if rq != MPI.REQUEST_NULL:
+                        rq.Cancel()
+                raise CloneTimeoutError(
+                    f"clone group {self.group.index} rank {self.group.rank}: the clone did not arrive within "
+                    f"clone_timeout={self.timeout:g} s (still waiting for source parent rank(s) {sorted(missing)}): "
+                    "the source never reached its clone step, or died; raise clone_timeout if it is just far away")
+            time.sleep(sleep)
+        self.done_at = time.time()
+        return header
+
+    def reconstruct(self, buffers: dict[int, np.ndarray], comm: Any) -> None:
+        """One all-gather-v per tensor, in plan order, in place, over the clone group's
+        communicator ``comm`` (mpi4py): afterwards every rank holds every whole tensor."""
+        from mpi4py import MPI
+        if comm.Get_size() != self.plan.n_clone:
+            raise CloneError(f"the clone group's communicator has {comm.Get_size()} ranks, the plan {self.plan.n_clone}")
+        if self.plan.n_clone == 1:
+            return
+        for t in self.plan.tensors:
+            parts = self.plan.partition[t.id]
+            buf = buffers[t.id]
+            item = buf.dtype.itemsize
+            counts = [(b - a) * item for a, b in parts]
+            displs = [a * item for a, _ in parts]
+            if not sum(counts):
+                continue
+            raw = buf.view(np.uint8)
+            if max(counts) < (1 << 31) and raw.size < (1 << 31):
+                comm.Allgatherv(MPI.IN_PLACE, [raw, (counts, displs), MPI.BYTE])
+            else:  # beyond MPI's int counts: each owner broadcasts its range in pieces
+                for j, (c, d) in enumerate(zip(counts, displs)):
+                    for a, b in _chunks(d, d + c) if c else []:
+                        comm.Bcast([raw[a:b], MPI.BYTE], root=j)
+
