@@ -28,7 +28,7 @@ class CloneInfo:
     step (the clone's ``optimizer.iterations``); ``epoch`` (0-based) and ``epoch_step``
     (batches of that epoch done); ``epoch_complete``: the step ended its epoch;
     ``source_run``: the source's run id; ``source_name``: the source's checkpoint name,
-    if it had one."""
+    if it had one; ``timings``: wall-clock times of the receive's phases (``time.time()``)."""
 
     step: int
     epoch: int
@@ -36,6 +36,7 @@ class CloneInfo:
     epoch_complete: bool
     source_run: str
     source_name: str | None = None
+    timings: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_header(cls, h: dict) -> "CloneInfo":
@@ -48,7 +49,7 @@ class CloneInfo:
             raise CloneError(f"malformed clone header {h!r}: {e}") from e
 
     def header(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "timings"}
 
 
 def plans_for(group: Group, tensors: Sequence[TensorSpec], *, whole: Iterable[int] = (),

@@ -29,6 +29,7 @@ single-copy, through the shared-memory transport). Every wait is bounded
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import threading
@@ -155,8 +156,18 @@ class Sender:
         self.posted: list[tuple[int, float, int]] = []  # (tensor id, time, bytes)
         self.completed_at: float | None = None  # when the progress thread saw every send done
         self.bytes_sent = 0
+        self._closed = False
         self._thread = threading.Thread(target=self._progress, name="deepfreeze-clone-progress", daemon=True)
         self._thread.start()
+        atexit.register(self._at_exit)  # runs before mpi4py finalizes MPI (registered earlier)
+
+    def _at_exit(self) -> None:
+        """The process exits (an error in fit, a script's end) with the clone not done: tell
+        the clones, so they fail now instead of at their timeout."""
+        if not self._closed:
+            self.abort(f"source rank {self.group.rank} exited before the clone was sent (an error in its fit, "
+                       "or its script ended)")
+            self.close()
 
     # -- hello ------------------------------------------------------------------------
     def hello(self, info: dict | None = None) -> None:
@@ -269,6 +280,9 @@ class Sender:
                 self._error = e
 
     def close(self) -> None:
+        """Stop the progress thread (the clone is sent, or abandoned)."""
+        self._closed = True
+        atexit.unregister(self._at_exit)
         with self._wake:
             self._stop = True
             self._wake.notify()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .callback import CaptureOptions, DeepFreezeCheckpoint
+from .clone import CloneCallback, receive_clone
 from .restore import restore_model as restore
 
-__all__ = ["DeepFreezeCheckpoint", "CaptureOptions", "restore"]
+__all__ = ["DeepFreezeCheckpoint", "CaptureOptions", "restore", "CloneCallback", "receive_clone"]

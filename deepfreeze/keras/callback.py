@@ -21,8 +21,8 @@ from ..run import Run
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
 from . import hook as _hook
 from ._dist import allgather_bytes, mpi_comm, rank_and_size, run_comm
-from .restore import apply_checkpoint, model_tensors
-from ..format import dtype_name
+from ._state import train_state
+from .restore import apply_checkpoint
 
 __all__ = ["DeepFreezeCheckpoint", "CaptureOptions"]
 
@@ -279,6 +279,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             _hook.detach(model.optimizer, self.sink)
         self.sink = _hook.FusedSink(f"checkpoint.{self.name}", plan, self.rank, variables,
                                     buffers=self.config.max_inflight + 1, native=self._native())
+        self.sink.owner = self  # other sinks of the step (clones) find the run and name here
         _hook.attach(model.optimizer, self.sink)
         model.make_train_function(force=True)  # retrace (at the next step): the capture must be in the graph
         if self._skip_steps:
@@ -390,32 +391,10 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
     # ------------------------------------------------------------------ internals
     def _tensors(self, model: Any) -> tuple[list, list[TensorSpec], list[int]]:
         """Variables to checkpoint (model weights, then optimizer variables), their specs and the
-        ids pinned whole to rank 0 (non-trainable weights, optimizer variables that are not a
-        slot of one weight, e.g. the iteration counter); slots are split like their weight."""
-        weights = list(model.weights)
-        named = model_tensors(model)
-        variables = list(weights)
-        pinned = [i for i, w in enumerate(weights) if not w.trainable]
-        if self.save_optimizer:
-            opt = model.optimizer
-            opt.build(model.trainable_variables)  # slots exist before the graph is built
-            owner_of = {w._shared_name: i for i, w in enumerate(weights) if w.trainable}
-            for v in opt.variables():
-                tid = len(variables)
-                variables.append(v)
-                name = v.name[:-2] if v.name.endswith(":0") else v.name
-                named.append((f"optimizer/{name}", dtype_name(v.dtype.as_numpy_dtype), tuple(v.shape)))
-                owner = owner_of.get(v._shared_name.split("/", 1)[-1])
-                is_slot = owner is not None and tuple(v.shape) == tuple(weights[owner].shape) and "/" in v._shared_name
-                if not is_slot:
-                    pinned.append(tid)  # e.g. the iteration counter: whole on rank 0
-        seen: dict[str, int] = {}
-        tensors = []
-        for i, (n, d, shape) in enumerate(named):
-            k = seen.get(n, 0)
-            seen[n] = k + 1
-            tensors.append(TensorSpec(i, n if k == 0 else f"{n}_{k}", d, shape))
-        return variables, tensors, pinned
+        ids pinned whole to rank 0 (:func:`deepfreeze.keras._state.train_state`); slots are split
+        like their weight."""
+        st = train_state(model, optimizer=self.save_optimizer)
+        return st.variables, st.specs, st.pinned
 
     def _resume(self) -> None:
         """Restore the newest version every rank can recover (collectively over the ranks'

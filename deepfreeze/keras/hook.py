@@ -101,6 +101,13 @@ class VariableSink(Sink):
         trigger equals the step being computed, after every op of the update), or None."""
         raise NotImplementedError
 
+    def end_of_step(self) -> "Callable[[Any], None] | None":
+        """Called while the train step is traced, after every update and the ``iterations``
+        increment: a function of the step tensor that builds this sink's closing ops (they run
+        only when the sink fires, after every op of the step's updates, including this sink's
+        per-variable ops), or None."""
+        return None
+
 
 class FusedSink(Sink):
     """A sink fed one contiguous per-rank capture buffer at the end of the step.
@@ -273,19 +280,21 @@ class HookRegistry:
 
     def apply_fn(self, distribution: Any, grads_and_vars: Any, **kwargs: Any) -> Any:
         """Replacement for ``optimizer._distributed_apply_gradients_fn``: every update and the
-        ``iterations`` increment, then the fused sinks' captures."""
+        ``iterations`` increment, then the fused sinks' captures and the per-variable sinks'
+        closing ops (:meth:`VariableSink.end_of_step`)."""
         graph = tf.compat.v1.get_default_graph() if not tf.executing_eagerly() else None
         first = len(graph.get_operations()) if graph is not None else 0
         result = self._bound("_distributed_apply_gradients_fn", self.original_apply)(
             distribution, grads_and_vars, **kwargs)
-        fused = [s for s in self.sinks if s.kind == "fused"]
-        if not fused:
+        closing = [(s, s.build) for s in self.sinks if s.kind == "fused"]
+        closing += [(s, f) for s in self.sinks if s.kind == "variable" for f in [s.end_of_step()] if f]
+        if not closing:
             return result
         step_ops = graph.get_operations()[first:] if graph is not None else []
         with tf.control_dependencies(step_ops):
             step = self.optimizer.iterations.value()
-            for sink in fused:
-                tf.cond(tf.equal(step, sink.control[0]), lambda sink=sink: _run(lambda: sink.build(step)),
+            for sink, fn in closing:
+                tf.cond(tf.equal(step, sink.control[0]), lambda fn=fn: _run(lambda: fn(step)),
                         lambda: tf.constant(False))
         return result
 

@@ -1,0 +1,349 @@
+"""DeepClone for Keras + Horovod: the in-graph clone sink, ``CloneCallback`` (source group)
+and ``receive_clone`` (clone groups). Guide: docs/clone.md; protocol:
+:mod:`deepfreeze.clone.transfer`.
+
+Source side, at the clone step K: right after each trainable variable's update (and its
+optimizer slots', updated in the same ``_update_step``), the :class:`CloneSink`'s op
+hands this rank's element range of each of them (a view of the variable, no copy) to
+the :class:`~deepfreeze.clone.Sender`, which posts one ``Isend`` per route; the sends
+progress on the sender's thread while the rest of the step's updates run. After the
+last update, the sink's closing op waits for every send (bounded by ``clone_timeout``),
+so no buffer is touched by step K+1's update while a clone still reads it. Then
+``on_train_batch_end(K)`` sends what the graph did not: tensors the optimizer did not
+update in step K (no gradient) from their route's rank, the non-replicated ones
+(BatchNormalization's moving statistics, the iteration counter) whole from source
+rank 0, and the header (step, epoch, run). Clone side: :func:`receive_clone` exchanges
+plans, receives everything, runs the all-gathers in plan order, sets every weight,
+slot and counter, and positions the next ``fit``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from ..clone import CloneInfo, Group, Receiver, Sender, plans_for
+from ..clone.plan import DEFAULT_THRESHOLD, ClonePlan
+from ..clone.transfer import DEFAULT_TIMEOUT, TAG_HEADER
+from ..errors import ConfigError, DeepFreezeError
+from ..run import new_run_id
+from . import hook as _hook
+from ._state import TrainState, train_state
+from .callback import _ResumePoint, _SkipBatches
+
+__all__ = ["CloneSink", "CloneCallback", "receive_clone"]
+
+log = logging.getLogger("deepfreeze")
+
+
+class CloneSink(_hook.VariableSink):
+    """Posts this rank's ranges of each variable (and its slots) right after its update;
+    waits for every send at the end of the step. ``times``: per hooked variable, (first
+    tensor id, time its update finished (``tf.timestamp`` after the update ops; 0 when op
+    determinism is enabled, which refuses that op), time its sends were posted); ``updates_done``: when the closing op started (every update done);
+    ``sent``: when every send had completed."""
+
+    def __init__(self, name: str, optimizer: Any, state: TrainState, sender: Sender) -> None:
+        super().__init__(name)
+        self.optimizer, self.state, self.sender = optimizer, state, sender
+        self.groups = {optimizer._var_key(state.variables[i]): [i] + state.slots.get(i, [])
+                       for i, v in enumerate(state.variables[:_n_weights(state)]) if v.trainable}
+        self.hooked: set[int] = set()
+        self.times: list[tuple[int, float, float]] = []
+        self.updates_done: float | None = None
+        self.sent: float | None = None
+
+    def ops_for(self, variable: Any) -> Any:
+        group = self.groups.get(self.optimizer._var_key(variable))
+        if group is None:
+            return None
+        ranges = [self.sender.source_range(t) for t in group]
+
+        def build() -> None:
+            # the same ops on every rank (only the slice bounds differ): Horovod names its
+            # collectives after graph node ids
+            flats = [tf.reshape(self.state.variables[t].value(), [-1])[lo:hi] for t, (lo, hi) in zip(group, ranges)]
+            # tf.timestamp runs (inline, cheap) as soon as the update is done: when the update finished,
+            # independent of when the executor gets to the Python op (refused under op determinism)
+            ts = tf.constant(0.0, tf.float64) if _determinism() else tf.timestamp()
+            tf.numpy_function(functools.partial(self._post, tuple(group), tuple(lo for lo, _ in ranges)),
+                              [ts] + flats, Tout=tf.bool, stateful=True, name="deepfreeze_clone_send")
+        return build
+
+    def _post(self, tids: tuple[int, ...], bases: tuple[int, ...], ts: Any, *flats: np.ndarray) -> np.bool_:
+        t = time.time()
+        for tid, base, flat in zip(tids, bases, flats):
+            self.sender.post(tid, flat, base)
+            self.hooked.add(tid)
+        self.times.append((tids[0], float(ts), t))
+        return np.bool_(True)
+
+    def end_of_step(self) -> Any:
+        def build(step: Any) -> None:
+            tf.numpy_function(self._wait, [step], Tout=tf.bool, stateful=True, name="deepfreeze_clone_wait")
+        return build
+
+    def _wait(self, step: Any) -> np.bool_:
+        self.updates_done = time.time()
+        self.sender.wait()  # CloneTimeoutError here fails the step (TF re-raises it from fit)
+        self.sent = time.time()
+        return np.bool_(True)
+
+
+def _determinism() -> bool:
+    from tensorflow.python.framework import config  # no public getter in TF 2.15
+    return bool(config.is_op_determinism_enabled())
+
+
+def _n_weights(state: TrainState) -> int:
+    """How many leading tensors of ``state`` are model weights (optimizer variables follow)."""
+    return next((i for i, s in enumerate(state.specs) if s.name.startswith("optimizer/")), len(state.specs))
+
+
+def _hvd_size() -> int:
+    from ._dist import rank_and_size
+    return rank_and_size()[1]
+
+
+class CloneCallback(tf.keras.callbacks.Callback):
+    """Fork this (source) group into every clone group of ``group`` after one optimizer step.
+
+    ``at_step=K``: the state after the global optimizer step K (the number a checkpoint of
+    that step gets); ``at_epoch_end=E`` (0-based, Keras' epoch index): after the last step
+    of epoch E (its number of steps must be known). Give exactly one. ``clone_timeout``:
+    seconds to wait for the clone groups' hello at step K and for them to take the data.
+    ``threshold``: tensors up to this many bytes go whole (not split). ``timings``
+    (after the clone): wall-clock times (``time.time()``) of the clone step's end, the
+    first post, all sends done, and per hooked variable its update and post times.
+
+    Every source rank must use it with the same arguments; the clone groups call
+    :func:`receive_clone`. ``steps_per_execution`` must be 1.
+    """
+
+    def __init__(self, group: Group, at_step: int | None = None, *, at_epoch_end: int | None = None,
+                 clone_timeout: float = DEFAULT_TIMEOUT, threshold: int = DEFAULT_THRESHOLD) -> None:
+        super().__init__()
+        if not isinstance(group, Group):
+            raise ConfigError("CloneCallback: group must come from deepfreeze.clone.split(...)")
+        if not group.is_source:
+            raise ConfigError(f"CloneCallback runs on the source group (index 0); this rank is in clone group "
+                              f"{group.index}: call deepfreeze.keras.receive_clone(model, group) there")
+        if (at_step is None) == (at_epoch_end is None):
+            raise ConfigError("CloneCallback: give exactly one of at_step=K (global optimizer step) and "
+                              "at_epoch_end=E (0-based epoch)")
+        if at_step is not None and (not isinstance(at_step, int) or at_step < 1):
+            raise ConfigError(f"CloneCallback: at_step={at_step!r}: use the global optimizer step, an integer >= 1")
+        if at_epoch_end is not None and (not isinstance(at_epoch_end, int) or at_epoch_end < 0):
+            raise ConfigError(f"CloneCallback: at_epoch_end={at_epoch_end!r}: use a 0-based epoch index >= 0")
+        if not clone_timeout > 0:
+            raise ConfigError(f"CloneCallback: clone_timeout={clone_timeout!r}: use a positive number of seconds")
+        self.group, self.at_step, self.at_epoch_end = group, at_step, at_epoch_end
+        self.clone_timeout, self.threshold = float(clone_timeout), int(threshold)
+        self.sender: Sender | None = None
+        self.sink: CloneSink | None = None
+        self.step: int | None = None  # the clone step, once known
+        self.done = False
+        self.timings: dict[str, Any] = {}
+        self._state: TrainState | None = None
+        self._armed = False
+        self._it = 0
+        self._epoch = 0
+
+    # -- set-up -----------------------------------------------------------------------
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self.done:
+            return
+        model = self.model
+        if not model.built or not model.weights:
+            raise ConfigError("CloneCallback: the model is not built when fit begins: give it an Input layer or "
+                              "call model.build(...) before fit (the clone plan lists its tensors)")
+        spe = getattr(model, "_steps_per_execution", None)
+        if spe is not None and int(spe.numpy()) != 1:
+            raise ConfigError("CloneCallback: steps_per_execution must be 1 (the callback sends the state the "
+                              "graph does not at the end of the clone step)")
+        self._it = int(model.optimizer.iterations.numpy())
+        if self.at_step is not None:
+            self._check_step(self.at_step, f"at_step={self.at_step}")
+            self.step = self.at_step
+        elif not self.params.get("steps"):
+            raise ConfigError("CloneCallback: at_epoch_end needs the number of steps per epoch: give fit "
+                              "steps_per_epoch or a dataset of known length")
+        if self.sender is None:
+            self._state = train_state(model)
+            plans = plans_for(self.group, self._state.specs, whole=self._state.pinned, threshold=self.threshold)
+            self.sender = Sender(self.group, plans, timeout=self.clone_timeout)
+            self.sender.hello()
+        self.sink = CloneSink(f"clone.{id(self):x}", model.optimizer, self._state, self.sender)
+        _hook.attach(model.optimizer, self.sink)
+        model.make_train_function(force=True)  # retrace at the next step: the sends must be in the graph
+
+    def _check_step(self, k: int, what: str) -> None:
+        if k <= self._it:
+            raise ConfigError(f"CloneCallback: {what}: step {k} has already passed (the optimizer has done "
+                              f"{self._it} steps): pick a later step")
+        if k == self._it + 1 and _hvd_size() > 1:
+            raise ConfigError(f"CloneCallback: {what} is the first step of this fit: Horovod's "
+                              "BroadcastGlobalVariablesCallback only makes the ranks identical after it; "
+                              "clone at a later step")
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self._epoch = epoch
+        self._epoch_base = self._it
+        if self.at_epoch_end is not None and epoch == self.at_epoch_end and not self.done:
+            k = self._it + int(self.params["steps"])
+            self._check_step(k, f"at_epoch_end={epoch}")
+            self.step = k
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self.done or self.sender is None:
+            return
+        self.sender.poll_hello()  # a model mismatch surfaces here, within one batch
+        if self.step == self._it + 1:
+            self.sender.wait_hello()
+            self.sink.arm(self.step)
+            self._armed = True
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._it += 1
+        if not self._armed:
+            return
+        t_end = time.time()
+        self._armed = False
+        self.sink.disarm()
+        st, sender = self._state, self.sender
+        # what the graph did not send: replicated tensors not updated in this step (their route's
+        # rank sends them), then the non-replicated ones (their routes start at source rank 0)
+        rest = [t for t in range(len(st.specs)) if t not in self.sink.hooked]
+        for t in rest:
+            sender.post(t, np.asarray(st.variables[t].value()).reshape(-1))
+        if self.group.rank == 0:
+            steps = self.params.get("steps")
+            info = CloneInfo(step=self.step, epoch=self._epoch, epoch_step=self._it - self._epoch_base,
+                             epoch_complete=bool(steps) and self._it - self._epoch_base >= steps,
+                             source_run=self._run_id(), source_name=self._source_name())
+            sender.post_control(TAG_HEADER, info.header())
+        sender.wait()
+        self.done = True
+        self.timings = {"step": self.step, "step_end": t_end, "sent_done": time.time(),
+                        "posted_first": min((p[1] for p in sender.posted), default=None),
+                        "graph_sent": self.sink.sent, "updates_done": self.sink.updates_done,
+                        "variables": list(self.sink.times), "bytes_sent": sender.bytes_sent,
+                        "sent_after_step": len(rest)}
+
+    def _owner(self) -> Any:
+        reg = _hook.registry_of(self.model.optimizer)
+        return next((getattr(s, "owner", None) for s in (reg.sinks if reg else []) if hasattr(s, "owner")), None)
+
+    def _run_id(self) -> str:
+        owner = self._owner()
+        rid = getattr(owner, "run_id", None) if owner is not None else None
+        if not rid:
+            rid = self.__dict__.setdefault("_own_run", new_run_id())
+        return rid
+
+    def _source_name(self) -> str | None:
+        owner = self._owner()
+        return getattr(owner, "name", None) if owner is not None else None
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self.sink is not None:
+            _hook.detach(self.model.optimizer, self.sink)
+            self.model.make_train_function(force=True)
+            self.sink = None
+        if self.sender is None:
+            return
+        if not self.done:
+            self.sender.abort(f"the source's fit ended after optimizer step {self._it}, before the clone step "
+                              f"{self.step if self.step is not None else f'(end of epoch {self.at_epoch_end})'}")
+            self.done = True
+        self.sender.close()
+        self.sender = None
+
+
+class _ClonePoint(_ResumePoint):
+    """Where the next ``fit`` starts; used once (then removed from the model)."""
+
+    def __init__(self, model: Any, epoch: int, step: int) -> None:
+        super().__init__(epoch, step)
+        self.model = model
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch: int, initial_epoch: int,
+                                              mode: Any = None) -> tuple[int, int]:
+        if self.model._training_state is self:
+            self.model._training_state = None
+        return self.epoch, self.step
+
+
+def _position(model: Any, epoch: int, step: int) -> None:
+    """Make the next ``fit`` start at ``epoch``, batch ``step`` (drawing ``step`` batches unused)."""
+    model._training_state = _ClonePoint(model, epoch, step)
+    if not step:
+        return
+    original = model.__dict__.get("make_train_function")
+
+    def make_train_function(force: bool = False) -> Any:
+        if original is None:
+            model.__dict__.pop("make_train_function", None)
+        else:
+            model.make_train_function = original
+        fn = model.make_train_function(force=force)
+        model.train_function = _SkipBatches(fn, step)
+        return model.train_function
+    model.make_train_function = make_train_function
+
+
+def receive_clone(model: Any, group: Group, *, clone_timeout: float = DEFAULT_TIMEOUT, position: bool = True,
+                  threshold: int = DEFAULT_THRESHOLD, receiver_cls: type = Receiver) -> CloneInfo:
+    """Block until the source group's clone arrived; set every weight, optimizer slot and the
+    step counter of ``model`` (built and compiled like the source's); return its
+    :class:`~deepfreeze.clone.CloneInfo`. Collective over the clone group.
+
+    ``position``: make the next ``fit`` continue where the source was (epoch and batch, as
+    ``resume=True`` does: the batches of the epoch already trained are drawn unused).
+    ``receiver_cls``: advanced, a :class:`~deepfreeze.clone.Receiver` subclass (tests).
+    Raises ModelMismatchError (another model or plan than the source's), CloneTimeoutError
+    (nothing within ``clone_timeout`` seconds), CloneError (the source gave up).
+    """
+    if not isinstance(group, Group):
+        raise ConfigError("receive_clone: group must come from deepfreeze.clone.split(...)")
+    if group.is_source:
+        raise ConfigError("receive_clone runs on a clone group; the source group (index 0) uses CloneCallback")
+    if getattr(model, "optimizer", None) is None:
+        raise ConfigError("receive_clone: compile the model first (the clone receives the optimizer's state too)")
+    if not model.built or not model.weights:
+        raise ConfigError("receive_clone: build the model first (an Input layer, or model.build(...)): the "
+                          "clone plan lists its tensors")
+    t0 = time.time()
+    state = train_state(model)
+    plan = ClonePlan(state.specs, group.sizes[0], group.size, whole=state.pinned, threshold=threshold)
+    recv = receiver_cls(group, plan, timeout=clone_timeout)
+    recv.hello()
+    t_hello = time.time()
+    buffers = recv.allocate()
+    header = recv.receive(buffers)
+    info = CloneInfo.from_header(header)
+    comm = group.comm.Dup()
+    try:
+        recv.reconstruct(buffers, comm)
+    except DeepFreezeError:
+        raise
+    finally:
+        comm.Free()
+    t_gathered = time.time()
+    for spec, v in zip(state.specs, state.variables):
+        v.assign(buffers[spec.id].reshape(spec.shape))
+    model.optimizer.iterations.assign(info.step)
+    if position:
+        epoch, step = (info.epoch + 1, 0) if info.epoch_complete else (info.epoch, info.epoch_step)
+        _position(model, epoch, step)
+    model._deepfreeze_parent = {"name": info.source_name, "run": info.source_run, "step": info.step}
+    info.timings.update(start=t0, hello=t_hello, first_data=recv.first_data_at, received=recv.done_at,
+                        gathered=t_gathered, ready=time.time(), bytes_received=recv.bytes_received)
+    if group.rank == 0:
+        log.info("DeepFreeze: clone group %d received step %d (%.1f MB per rank) from run %s", group.index,
+                 info.step, recv.bytes_received / 1e6, info.source_run)
+    return info

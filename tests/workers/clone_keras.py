@@ -1,0 +1,170 @@
+"""Keras + Horovod clone worker (run under mpirun):
+
+    python clone_keras.py OUT SIZES K [key=value ...]
+
+SIZES: group sizes, e.g. 2,2 (the first group is the source). The source group trains
+EPOCHS x 6 steps and clones at global step K (``K=e2`` clones at the end of epoch 2);
+every clone group receives, saves what it got, then (``continue=1``) trains on to the
+same final step with the same data and hyperparameters. Every rank saves its full
+training state (weights, then optimizer variables) as OUT/<who>_r<rank>_<when>.npz.
+
+Options: ``threshold=`` (clone split threshold, bytes), ``epochs=``, ``ckpt=1`` (a
+DeepFreezeCheckpoint in the source's fit and, for clones continuing, in theirs; each
+rank a node), ``mismatch=1`` (clone groups build another model), ``kill=clone|source``
+(a rank dies mid-transfer), ``timeout=`` (clone_timeout).
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+
+import deepfreeze.clone as dfc  # noqa: E402
+from deepfreeze.errors import DeepFreezeError  # noqa: E402
+
+out, sizes, at = sys.argv[1], tuple(int(s) for s in sys.argv[2].split(",")), sys.argv[3]
+opts = dict(a.split("=", 1) for a in sys.argv[4:])
+group = dfc.split(sizes=sizes)
+
+import horovod.tensorflow.keras as hvd  # noqa: E402
+
+hvd.init(comm=group.comm)
+from deepfreeze.keras import CloneCallback, DeepFreezeCheckpoint, receive_clone  # noqa: E402
+from deepfreeze.keras._state import train_state  # noqa: E402
+
+STEPS, BATCH = 6, 8
+EPOCHS = int(opts.get("epochs", 3))
+THRESHOLD = int(opts.get("threshold", 1024))
+TIMEOUT = float(opts.get("timeout", 120))
+who = "source" if group.is_source else f"clone{group.index}"
+
+
+def build(mismatch: bool = False) -> tf.keras.Model:
+    """Conv1D, BatchNormalization, Dense, a bias of 10007 elements (prime), a trainable layer
+    that gets no gradient (stop_gradient) and a frozen one."""
+    tf.keras.utils.set_random_seed(3)
+    inp = tf.keras.Input((16, 4))
+    h = tf.keras.layers.Conv1D(8, 3)(inp)
+    h = tf.keras.layers.BatchNormalization()(h)
+    h = tf.keras.layers.ReLU()(h)
+    flat = tf.keras.layers.Flatten()(h)
+    h = tf.keras.layers.Dense(64 if not mismatch else 65, activation="relu")(flat)
+    p = tf.keras.layers.Dense(10007, activation="relu")(h)
+    o = tf.keras.layers.Dense(3)(p)
+    nograd = tf.keras.layers.Dense(3, name="nograd")(flat)
+    frozen = tf.keras.layers.Dense(3, name="frozen", trainable=False)(h)
+    o = o + 0.0 * tf.stop_gradient(nograd) + 0.1 * frozen
+    return tf.keras.Model(inp, tf.keras.layers.Softmax()(o))
+
+
+def save_state(model, when: str) -> None:
+    arrays = [np.asarray(v.value()) for v in train_state(model).variables]
+    np.savez(f"{out}/{who}_r{group.rank}_{when}.npz", *arrays)
+
+
+class Record(tf.keras.callbacks.Callback):
+    """Saves the state after step K (source) and the weights after every step (rank 0: the
+    reference for checkpoints)."""
+
+    def __init__(self, k=None, prefix="expected"):
+        super().__init__()
+        self.k, self.prefix = k, prefix
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        if step == self.k:
+            save_state(self.model, "K")
+        if group.rank == 0:
+            os.makedirs(f"{out}/{self.prefix}", exist_ok=True)
+            np.savez(f"{out}/{self.prefix}/v{step}.npz", *self.model.get_weights())
+
+
+def checkpoint(name: str) -> DeepFreezeCheckpoint:
+    node = f"g{group.index}r{group.rank}"
+    return DeepFreezeCheckpoint(name=name, every_n_batches=2, mode="async", scratch=f"{out}/{node}/scratch",
+                                persistent=f"{out}/persistent", failure_domain=node, min_shard_bytes=1024)
+
+
+class DieMidTransfer(dfc.Receiver):
+    """Fault injection: this clone rank dies by SIGKILL once the first data message arrived."""
+
+    def _check_abort(self):
+        if self.first_data_at is not None:
+            print(f"KILLING {who} rank {group.rank} mid-transfer", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super()._check_abort()
+
+
+def data(rank: int):
+    rng = np.random.default_rng(50 + rank)
+    x = rng.standard_normal((STEPS * BATCH, 16, 4)).astype(np.float32)
+    y = rng.integers(0, 3, STEPS * BATCH)
+    return x, y
+
+
+model = build(mismatch=opts.get("mismatch") == "1" and not group.is_source)
+model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)),
+              loss="sparse_categorical_crossentropy")
+x, y = data(group.rank)
+result = {"who": who, "rank": group.rank}
+try:
+    if group.is_source:
+        kw = {"at_epoch_end": int(at[1:])} if at.startswith("e") else {"at_step": int(at)}
+        clone = CloneCallback(group, clone_timeout=TIMEOUT, threshold=THRESHOLD, **kw)
+        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), clone]
+        if opts.get("ckpt") == "1":
+            ck = checkpoint("src")
+            callbacks.append(ck)
+
+        class DieAfterPosting(tf.keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if clone.done and group.rank == int(opts.get("kill_rank", 1)):
+                    print(f"KILLING {who} rank {group.rank} after step K", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+        if opts.get("kill") == "source":
+            callbacks.append(DieAfterPosting())
+        callbacks.append(Record(k=None))  # K recorded by step below (at_epoch_end: known after fit)
+        k_step = clone.at_step if clone.at_step else (int(at[1:]) + 1) * STEPS
+        callbacks[-1].k = k_step
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
+        save_state(model, "final")
+        result["timings"] = {k: v for k, v in clone.timings.items()}
+        if opts.get("ckpt") == "1":
+            ck.wait()
+            ck.close()
+    else:
+        cls = DieMidTransfer if opts.get("kill") == "clone" and group.rank == int(opts.get("kill_rank", 0)) \
+            else dfc.Receiver
+        t0 = time.time()
+        info = receive_clone(model, group, clone_timeout=TIMEOUT, threshold=THRESHOLD, receiver_cls=cls)
+        result["info"] = {"step": info.step, "epoch": info.epoch, "epoch_step": info.epoch_step,
+                          "epoch_complete": info.epoch_complete, "source_run": info.source_run,
+                          "source_name": info.source_name}
+        result["timings"] = dict(info.timings, called=t0)
+        save_state(model, "K")
+        if opts.get("continue") == "1":
+            callbacks = [Record(prefix=f"expected_{who}")]
+            if opts.get("ckpt") == "1":
+                ck = checkpoint(who)
+                callbacks.append(ck)
+            model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, initial_epoch=info.epoch, shuffle=False, verbose=0,
+                      callbacks=callbacks)
+            save_state(model, "final")
+            if opts.get("ckpt") == "1":
+                ck.wait()
+                ck.close()
+    result["ok"] = True
+except DeepFreezeError as e:
+    result["error"] = f"{type(e).__name__}: {e}"
+    print(f"ERROR {who} rank {group.rank} {type(e).__name__}: {e}", flush=True)
+with open(f"{out}/{who}_r{group.rank}.json", "w") as f:
+    json.dump(result, f, default=float)
+print(f"DONE {who} rank {group.rank}", flush=True)
