@@ -8,7 +8,7 @@ every clone group receives, saves what it got, then (``continue=1``) trains on t
 same final step with the same data and hyperparameters. Every rank saves its full
 training state (weights, then optimizer variables) as OUT/<who>_r<rank>_<when>.npz.
 
-Options: ``threshold=`` (clone split threshold, bytes), ``epochs=``, ``ckpt=1`` (a
+Options: ``bad=1`` (the source first tries invalid clone steps), ``threshold=`` (clone split threshold, bytes), ``epochs=``, ``ckpt=1`` (a
 DeepFreezeCheckpoint in the source's fit and, for clones continuing, in theirs; each
 rank a node), ``mismatch=1`` (clone groups build another model), ``kill=clone|source``
 (a rank dies mid-transfer), ``timeout=`` (clone_timeout).
@@ -116,6 +116,17 @@ model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.01))
 x, y = data(group.rank)
 result = {"who": who, "rank": group.rank}
 try:
+    if group.is_source and opts.get("bad") == "1":  # configuration errors, before the real clone
+        from deepfreeze.errors import ConfigError
+        for bad in ({"at_step": 0}, {"at_step": 3, "at_epoch_end": 1}, {}):
+            try:
+                CloneCallback(group, **bad)
+            except ConfigError as e:
+                print(f"CONFIGERROR {bad} {e}", flush=True)
+        try:  # step 1 is the first step of this fit: before Horovod's broadcast made the ranks identical
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[CloneCallback(group, at_step=1)])
+        except ConfigError as e:
+            print(f"CONFIGERROR first-step {e}", flush=True)
     if group.is_source:
         kw = {"at_epoch_end": int(at[1:])} if at.startswith("e") else {"at_step": int(at)}
         clone = CloneCallback(group, clone_timeout=TIMEOUT, threshold=THRESHOLD, **kw)

@@ -1,0 +1,190 @@
+"""DeepClone: the plan (pure), the numpy transfer and the Keras + Horovod clone (real MPI jobs).
+
+Every clone is compared bit for bit with the state the source recorded at the clone step."""
+import glob
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from deepfreeze.clone import ClonePlan
+from deepfreeze.clone.plan import first_difference
+from deepfreeze.shardplan import TensorSpec
+
+from _util import WORKERS, mpirun
+
+SPECS = [TensorSpec(0, "big", "float32", (300, 1001)), TensorSpec(1, "prime", "float64", (100003,)),
+         TensorSpec(2, "small", "int32", (7,)), TensorSpec(3, "empty", "float32", (0, 3)),
+         TensorSpec(4, "scalar", "int64", ()), TensorSpec(5, "bn", "float32", (50000,))]
+
+
+@pytest.mark.parametrize("n,m", [(1, 1), (2, 2), (2, 1), (1, 2), (2, 3), (3, 2), (4, 4)])
+def test_plan_routes_tile_every_tensor_once_and_partition_matches(n, m):
+    p = ClonePlan(SPECS, n, m, whole=[5], threshold=1024)
+    for t in SPECS:
+        routes = [r for r in p.routes if r.tensor_id == t.id]
+        cover = np.zeros(t.size, int)
+        for r in routes:
+            cover[r.start:r.stop] += 1
+            assert 0 <= r.src < n and 0 <= r.dst < m
+            # a clone rank receives exactly its own all-gather range
+            assert p.partition[t.id][r.dst][0] <= r.start and r.stop <= p.partition[t.id][r.dst][1]
+        assert (cover == 1).all(), t
+        parts = np.zeros(t.size, int)
+        for a, b in p.partition[t.id]:
+            parts[a:b] += 1
+        assert (parts == 1).all()
+    assert all(r.src == 0 for r in p.routes if r.tensor_id == 5)  # not replicated: from source rank 0
+    # large tensors: one message per (source range, clone range) intersection, each clone ~1/M
+    big = [r for r in p.routes if r.tensor_id == 0]
+    assert len(big) == n + m - 1 if n != m else len(big) == n
+    total = sum(s.nbytes for s in SPECS)
+    assert sum(p.dst_bytes) == total and max(p.dst_bytes) < total / m + 50000 * 4
+
+
+def test_plan_digest_and_first_difference_name_the_tensor():
+    a = ClonePlan(SPECS, 2, 2)
+    b = ClonePlan(SPECS[:1] + [TensorSpec(1, "prime", "float64", (100004,))] + SPECS[2:], 2, 2)
+    assert a.digest() == ClonePlan(list(SPECS), 2, 2).digest() and a.digest() != b.digest()
+    assert "tensor #1" in first_difference(a.describe(), b.describe())
+    assert "n_clone" in first_difference(a.describe(), ClonePlan(SPECS, 2, 1).describe())
+    assert a.digest() != ClonePlan(SPECS, 2, 2, threshold=1).digest()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("np_,sizes", [(4, "2,2"), (3, "2,1"), (5, "2,3"), (3, "1,1,1")])
+def test_numpy_clone_is_bitexact_at_any_group_sizes(np_, sizes):
+    p = mpirun(np_, f"{WORKERS}/clone_numpy.py", sizes, timeout=120)
+    counts = [int(s) for s in sizes.split(",")]
+    assert p.stdout.count("bitexact=True") == sum(counts[1:]), p.stdout
+    assert "bitexact=False" not in p.stdout and "ERROR" not in p.stdout
+
+
+@pytest.mark.mpi
+def test_numpy_clone_mismatch_and_abort_fail_on_both_sides_quickly():
+    t0 = time.monotonic()
+    p = mpirun(4, f"{WORKERS}/clone_numpy.py", "2,2", "mismatch", timeout=120)
+    assert p.stdout.count("ModelMismatchError") == 4, p.stdout  # both source ranks, both clone ranks
+    assert "tensor #1 is 'prime' float64 (100003,) here and 'prime' float64 (100004,) there" in p.stdout
+    p = mpirun(3, f"{WORKERS}/clone_numpy.py", "1,2", "abort", timeout=120)
+    assert p.stdout.count("CloneError: the source group gave up the clone") == 2, p.stdout
+    assert time.monotonic() - t0 < 100  # never the 60 s clone timeout twice
+
+
+def _load(path):
+    with np.load(path, allow_pickle=False) as z:
+        return [z[f"arr_{i}"] for i in range(len(z.files))]
+
+
+def _same(a, b):
+    return [i for i, (x, y) in enumerate(zip(a, b)) if x.dtype != y.dtype or x.tobytes() != y.tobytes()]
+
+
+def _check_clone_equals_source_rank0(out, clone_group, ranks):
+    src = _load(f"{out}/source_r0_K.npz")
+    for r in range(ranks):
+        got = _load(f"{out}/clone{clone_group}_r{r}_K.npz")
+        assert len(got) == len(src) and not _same(got, src), f"clone {clone_group} rank {r} differs at {_same(got, src)}"
+
+
+def _json(out, who, rank):
+    with open(f"{out}/{who}_r{rank}.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.mpi
+def test_keras_clone_2_to_2_bitexact_continues_identically_and_overlaps_backprop(tmp_path):
+    """Conv1D, BatchNormalization, Dense, a prime-sized bias, a layer without gradient and a
+    frozen one; Adam (two slots per weight and the step counter); DeepFreezeCheckpoint in
+    the source's fit and in the clones' continuation."""
+    out = str(tmp_path)
+    mpirun(4, f"{WORKERS}/clone_keras.py", out, "2,2", "8", "continue=1", "ckpt=1", timeout=400)
+    _check_clone_equals_source_rank0(out, 1, 2)
+    src_final = _load(f"{out}/source_r0_final.npz")
+    # the clone trained on from step 8 with the same data and hyperparameters: bit for bit the source's
+    assert not _same(_load(f"{out}/clone1_r0_final.npz"), src_final)
+    src1_final = _load(f"{out}/source_r1_final.npz")
+    rep = [i for i in range(len(src_final)) if src_final[i].tobytes() == src1_final[i].tobytes()]
+    assert len(rep) >= len(src_final) - 2  # all but BatchNormalization's per-rank moving statistics
+    c1 = _load(f"{out}/clone1_r1_final.npz")
+    assert all(c1[i].tobytes() == src_final[i].tobytes() for i in rep)
+    info = _json(out, "clone1", 0)["info"]
+    assert info["step"] == 8 and (info["epoch"], info["epoch_step"], info["epoch_complete"]) == (1, 2, False)
+    total = sum(a.nbytes for a in _load(f"{out}/source_r0_K.npz"))
+    for r in range(2):
+        src = _json(out, "source", r)["timings"]
+        # the first send of step 8 was posted before that step's last variable update finished
+        first_post = min(v[2] for v in src["variables"])
+        last_update = max(v[1] for v in src["variables"])
+        assert first_post < last_update, src["variables"]
+        got = _json(out, "clone1", r)["timings"]["bytes_received"]
+        assert abs(got - total / 2) < 0.2 * total / 2, (got, total)  # each clone rank receives ~1/M
+    # both groups' checkpoints: every committed version equals the weights recorded in the run
+    from deepfreeze import Config
+    from deepfreeze.levels import PersistentLevel
+    from deepfreeze.restore import load
+    cfg = Config.load(None, mode="async", scratch=f"{out}/g0r0/scratch", persistent=f"{out}/persistent")
+    for name, ref in (("src", "expected"), ("clone1", "expected_clone1")):
+        committed = PersistentLevel(f"{out}/persistent").committed_versions(name)
+        assert committed, name
+        for v in committed:
+            ck = load(cfg, name, v)
+            assert not _same(list(ck.model_arrays().values()), _load(f"{out}/{ref}/v{v}.npz")), (name, v)
+    clone_ck = load(cfg, "clone1")
+    assert min(PersistentLevel(f"{out}/persistent").committed_versions("clone1")) > 8
+    parent = clone_ck.manifest.get("parent")
+    if parent is not None:  # recorded by the checkpoint callback (see test_clone_groups)
+        assert parent["step"] == 8 and parent["run"] == info["source_run"]
+
+
+@pytest.mark.mpi
+def test_keras_clone_2_to_1_and_clone_step_errors(tmp_path):
+    out = str(tmp_path)
+    p = mpirun(3, f"{WORKERS}/clone_keras.py", out, "2,1", "10", "bad=1", timeout=300)
+    _check_clone_equals_source_rank0(out, 1, 1)
+    assert p.stdout.count("CONFIGERROR") == 4 * 2, p.stdout  # on both source ranks
+    assert "first step of this fit" in p.stdout and "exactly one of at_step" in p.stdout
+    total = sum(a.nbytes for a in _load(f"{out}/source_r0_K.npz"))
+    assert _json(out, "clone1", 0)["timings"]["bytes_received"] == total
+
+
+@pytest.mark.mpi
+def test_keras_three_groups_at_epoch_end(tmp_path):
+    out = str(tmp_path)
+    mpirun(3, f"{WORKERS}/clone_keras.py", out, "1,1,1", "e1", timeout=300)
+    for g in (1, 2):
+        _check_clone_equals_source_rank0(out, g, 1)
+        info = _json(out, f"clone{g}", 0)["info"]
+        assert info["step"] == 12 and info["epoch"] == 1 and info["epoch_complete"], info
+
+
+@pytest.mark.mpi
+def test_keras_model_mismatch_is_an_error_on_both_sides(tmp_path):
+    out = str(tmp_path)
+    t0 = time.monotonic()
+    mpirun(2, f"{WORKERS}/clone_keras.py", out, "1,1", "8", "mismatch=1", timeout=300)
+    for who in ("source", "clone1"):
+        err = _json(out, who, 0).get("error", "")
+        assert err.startswith("ModelMismatchError") and "(112, 64)" in err and "(112, 65)" in err, err
+    assert time.monotonic() - t0 < 200  # well below the clone timeout (120 s) on both sides, plus start-up
+
+
+@pytest.mark.mpi
+def test_rank_killed_mid_transfer_ends_the_job_with_an_error_and_no_corrupt_checkpoint(tmp_path):
+    out = str(tmp_path)
+    t0 = time.monotonic()
+    p = mpirun(2, f"{WORKERS}/clone_keras.py", out, "1,1", "8", "kill=clone", "ckpt=1", timeout=300,
+               check=False)
+    assert p.returncode != 0 and "KILLING clone1 rank 0 mid-transfer" in p.stdout, p.stdout + p.stderr
+    assert time.monotonic() - t0 < 280
+    # the source's checkpoints: whatever was committed is bit-exact what the run recorded
+    from deepfreeze import Config
+    from deepfreeze.levels import PersistentLevel
+    from deepfreeze.restore import load
+    cfg = Config.load(None, mode="async", scratch=f"{out}/g0r0/scratch", persistent=f"{out}/persistent")
+    for v in PersistentLevel(f"{out}/persistent").committed_versions("src"):
+        assert not _same(list(load(cfg, "src", v).model_arrays().values()), _load(f"{out}/expected/v{v}.npz"))
+    assert not glob.glob(f"{out}/clone1_r0_K.npz")
+    assert os.path.exists(f"{out}/expected")
