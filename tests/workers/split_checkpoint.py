@@ -122,7 +122,7 @@ def ranklist(out):
     w = MPI.COMM_WORLD.Get_rank()
     hvd.init(comm=[0, 1] if w < 2 else [2, 3])
     model = compiled(0)
-    ckpt = DeepFreezeCheckpoint(name=f"l{w // 2}", every_n_batches=2, scratch=f"{out}/node{w}/scratch",
+    ckpt = DeepFreezeCheckpoint(name=f"l{w // 2}", every_n_batches=2, mode="sync", scratch=f"{out}/node{w}/scratch",
                                 persistent=f"{out}/persistent", failure_domain=f"node{w}", ec_interval=0)
     x, y = np.zeros((32, 12, 12, 1), np.float32), np.zeros(32, np.int64)
     try:
