@@ -48,15 +48,16 @@ def broadcast_int(value: int) -> int:
     return int(hvd.broadcast(tf.constant(value, dtype=tf.int64), 0, name="deepfreeze_broadcast").numpy())
 
 
-_COMM = None  # (Horovod's communicator it was derived from, or None for COMM_WORLD; MPIComm)
+_COMM = None  # (the communicator Horovod runs over, its duplicate: an MPIComm)
 _GLOO_WARNED = False
 
 
 def _horovod_mpi_comm(hvd: Any) -> Any:
     """The mpi4py communicator Horovod runs over: the one given to ``hvd.init(comm=...)``,
-    else ``MPI.COMM_WORLD``. Raises :class:`~deepfreeze.errors.ConfigError` when it cannot be
-    known (Horovod initialized with a list of ranks) or is stale (freed, or of another
-    Horovod world)."""
+    else ``MPI.COMM_WORLD`` (each only if its rank and size are Horovod's: the one Horovod
+    keeps may be freed, or stale after a re-initialization). Raises
+    :class:`~deepfreeze.errors.ConfigError` when neither is (Horovod initialized with a list
+    of ranks that is not all of COMM_WORLD)."""
     from mpi4py import MPI
     try:
         from horovod.common.process_sets import global_process_set
@@ -77,7 +78,7 @@ def _horovod_mpi_comm(hvd: Any) -> Any:
     raise ConfigError(
         f"DeepFreeze cannot tell which MPI communicator Horovod runs over: Horovod has {size} ranks "
         f"(this is rank {rank}) but MPI_COMM_WORLD has {world.Get_size()} (rank {world.Get_rank()}), and "
-        "Horovod was not given an mpi4py communicator (hvd.init(comm=[ranks]) keeps none). DeepFreeze's "
+        "Horovod holds no mpi4py communicator of its ranks (hvd.init(comm=[ranks]) keeps none). DeepFreeze's "
         "own exchanges (redundancy, collective restore, the run's start) must run over the same ranks as "
         "Horovod: pass an mpi4py communicator instead, e.g. hvd.init(comm=deepfreeze.clone.split(...).comm) "
         "or hvd.init(comm=MPI.COMM_WORLD.Split(color, key))")
