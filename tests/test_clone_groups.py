@@ -63,6 +63,7 @@ def test_split_groups_checkpoint_with_partner_copies_and_resume_inside_the_group
             # rank 1's scratch was wiped: the collective load inside the group still found v6 on
             # scratch (rank 0's node holds rank 1's partner copy), bit-exact
             assert i["load"] == {"version": 6, "level": "scratch", "bit_exact": True}
+            assert i["restore"] == {"version_step": [6, 6], "bit_exact": True}  # deepfreeze.restore, too
             # resume=True restored v6 collectively before the second fit, which went on from there
             assert i["resumed_from"] == 6 and i["restored_iterations"] == 6 and i["restored_exact"]
         # the second run's versions are partner-protected too, on both nodes (rank 1's rebuilt)

@@ -11,7 +11,8 @@ persistent OUT/persistent is shared. Group 1's model carries a clone parent reco
 (``model._deepfreeze_parent``, as ``receive_clone`` sets it). One epoch (v4, v6), then every
 rank lists its scratch version directories, group rank 1 loses its scratch of the name (its
 "node" is replaced), the group loads the newest version collectively (DeepFreeze's
-communicator: a duplicate of the group's) and a second fit with ``resume=True`` continues from
+communicator: a duplicate of the group's), with ``deepfreeze.load`` and with
+``deepfreeze.restore`` into a fresh model, and a second fit with ``resume=True`` continues from
 it (v8, v12). Group rank 0 saves the weights after every checkpointed step to
 OUT/g<g>/expected/v<version>.npz; every rank writes OUT/g<g>/rank<group rank>.json.
 
@@ -95,6 +96,9 @@ def train(out):
     ck = deepfreeze.load(deepfreeze.Config.load(None, **kw), name, comm=comm)  # collective, over the group
     want = expected(record(ck.version))
     load_exact = [a.tobytes() for a in ck.model_arrays().values()] == [e.tobytes() for e in want]
+    fresh = build()  # deepfreeze.restore into a Keras model: collective over the group too
+    restored = deepfreeze.restore(fresh, name=name, **kw)
+    restore_exact = [a.tobytes() for a in fresh.get_weights()] == [e.tobytes() for e in want]
 
     model = compiled(g)
     if g == 1:
@@ -109,6 +113,7 @@ def train(out):
             "comm_size": comm.size, "comm_rank": comm.rank, "world_size": MPI.COMM_WORLD.Get_size(),
             "first": first, "listing": listing,
             "load": {"version": ck.version, "level": ck.level, "bit_exact": load_exact},
+            "restore": {"version_step": list(restored), "bit_exact": restore_exact},
             "resumed_from": ckpt.resumed_from, "second": [t["version"] for t in ckpt.timings],
             "restored_iterations": begin.iterations,
             "restored_exact": [a.tobytes() for a in begin.weights] == [e.tobytes() for e in want]}
