@@ -67,7 +67,7 @@ __all__ = [
     "MAGIC", "FORMAT_VERSION", "KIND_SHARD", "KIND_ASSEMBLED", "Entry", "ShardIndex",
     "DTYPES", "dtype_itemsize", "numpy_dtype", "dtype_name", "layout", "encode_index",
     "read_index", "read_entry", "crc32", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
-    "manifest_run", "run_id_bytes", "MAX_JSON_DEPTH", "manifest_size_limit",
+    "manifest_run", "run_id_bytes", "MAX_JSON_DEPTH", "manifest_size_limit", "parent_problem", "manifest_parent",
 ]
 
 MAGIC = b"DEEPFRZ\0"
@@ -347,6 +347,36 @@ _FILE_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _RUN_RE = re.compile(r"^[0-9a-f]{16}$")
 
 
+_PARENT_NAME_RE = re.compile(r"^[A-Za-z0-9_.]{1,200}$")  # a checkpoint name (config.validate_name)
+
+
+def parent_problem(parent: Any) -> str | None:
+    """What is wrong with a clone's ``parent`` record (None: it is valid). A valid record is
+    ``{"name": checkpoint name or None, "run": 16 hex digits, "" or None, "step": int >= 0}``
+    and nothing else: the source checkpoint a clone was forked from (``"parent"`` in a
+    manifest, ``model._deepfreeze_parent`` on a cloned model)."""
+    if not isinstance(parent, dict):
+        return f"not an object but {type(parent).__name__}"
+    extra = sorted(str(k)[:40] for k in parent if k not in ("name", "run", "step"))
+    if extra:
+        return f"unknown key(s) {extra[:5]} (allowed: name, run, step)"
+    name, run, step = parent.get("name"), parent.get("run"), parent.get("step")
+    if not (name is None or (isinstance(name, str) and _PARENT_NAME_RE.match(name) and name not in (".", ".."))):
+        return "'name' is not a checkpoint name (letters, digits, '_', '.'; at most 200 characters) or null"
+    if not (run is None or (isinstance(run, str) and (run == "" or _RUN_RE.match(run)))):
+        return "'run' is not a run id (16 hex digits), '' or null"
+    if not (type(step) is int and 0 <= step < 1 << 62):
+        return "'step' is not an integer in [0, 2**62)"
+    return None
+
+
+def manifest_parent(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``parent`` record of a decoded manifest (``{"name", "run", "step"}``: the checkpoint
+    a clone was forked from), or None for a model that was not cloned."""
+    parent = manifest.get("parent")
+    return dict(parent) if isinstance(parent, dict) else None
+
+
 def manifest_run(manifest: dict[str, Any]) -> tuple[str, int, int | None]:
     """(run id, generation, resumed-from step) of a decoded manifest; ("", 0, None) for a
     format-version-1 manifest, written before runs had ids."""
@@ -494,6 +524,11 @@ def _check_manifest(obj: Any, bad: Any) -> dict[str, Any]:
     if red is not None and not _valid_redundancy(red, obj["world_size"]):
         raise bad("'redundancy' malformed (scheme partner with holder ranks, or xor with disjoint groups "
                   "of at least 2 ranks, all below world_size)")
+    parent = obj.get("parent")
+    if parent is not None:
+        why = parent_problem(parent)
+        if why is not None:
+            raise bad(f"'parent' malformed: {why}")
     return obj
 
 

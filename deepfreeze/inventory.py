@@ -32,7 +32,7 @@ from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of,
 from .restore import list_versions, scratch_recoverable
 from .run import fs_now, read_lease
 
-__all__ = ["VersionCopy", "Verdict", "Removal", "checkpoint_names", "scan_scratch", "scan_persistent", "scan",
+__all__ = ["VersionCopy", "Verdict", "Removal", "checkpoint_names", "scan_scratch", "scan_persistent", "scan", "parent_text",
            "newest_restorable", "restorable", "declared_bytes", "pick_manifest", "describe", "verify_scratch", "verify_persistent", "verify_copy",
            "plan_gc", "live_run", "decision_word", "ranks_text", "dir_listing"]
 
@@ -86,6 +86,7 @@ class VersionCopy:
     run: str | None = None  # id of the run that wrote it ("" before runs had ids)
     generation: int | None = None
     resumed_from: int | None = None  # the step that run resumed from, if it was a resumed run
+    parent: dict[str, Any] | None = None  # a clone's source: {"name", "run", "step"} (format.manifest_parent)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -114,6 +115,14 @@ def dir_listing(path: str) -> tuple[int, list[str]]:
 def ranks_text(ranks: Iterable[int]) -> str:
     ranks = list(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def parent_text(parent: dict[str, Any] | None) -> str:
+    """``cloned from 'NAME' run RUN step K`` for a clone's parent record ("" for none)."""
+    if not parent:
+        return ""
+    name = "(unnamed)" if parent.get("name") is None else repr(parent["name"])
+    return f"cloned from {name} run {parent.get('run') or '(none)'} step {parent.get('step')}"
 
 
 def _scratch_missing(m: dict[str, Any], present: set[int]) -> tuple[str, str]:
@@ -241,11 +250,12 @@ def scan_persistent(cfg: Config, name: str) -> list[VersionCopy]:
 
 def scan(cfg: Config, name: str) -> list[VersionCopy]:
     """:func:`scan_scratch` then :func:`scan_persistent`, with the run of each copy that has a
-    valid manifest (run id, generation, resumed from)."""
+    valid manifest (run id, generation, resumed from) and, for a clone, its parent."""
     copies = scan_scratch(cfg, name) + scan_persistent(cfg, name)
     for c in copies:
         if c.manifest is not None:
             c.run, c.generation, c.resumed_from = fmt.manifest_run(c.manifest)
+            c.parent = fmt.manifest_parent(c.manifest)
     return copies
 
 
@@ -323,6 +333,7 @@ def describe(manifest: dict[str, Any], copies: list[VersionCopy]) -> dict[str, A
                    for c in copies if c.version == manifest["version"]],
         "assembled": manifest.get("assembled"), "committed": manifest.get("committed"),
         "run": dict(zip(("id", "generation", "resumed_from"), fmt.manifest_run(manifest))),
+        "parent": fmt.manifest_parent(manifest),
         "tensors": tensors, "ranks": ranks,
     }
 

@@ -99,8 +99,10 @@ class LocalComm:
 
 
 class MPIComm:
-    """A private duplicate of ``MPI.COMM_WORLD`` (mpi4py), safe to use from the writer thread
-    (Horovod and mpi4py initialize MPI with ``MPI_THREAD_MULTIPLE``). Create it on every rank."""
+    """A private duplicate of ``comm`` (an mpi4py communicator; default ``MPI.COMM_WORLD``),
+    safe to use from the writer thread (Horovod and mpi4py initialize MPI with
+    ``MPI_THREAD_MULTIPLE``). Create it on every rank of ``comm`` (collective). Under Horovod,
+    :func:`deepfreeze.keras._dist.mpi_comm` passes the communicator Horovod was given."""
 
     def __init__(self, comm: Any = None) -> None:
         from mpi4py import MPI  # imported here: single-process use needs no MPI

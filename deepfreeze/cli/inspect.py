@@ -5,7 +5,7 @@ import argparse
 import datetime
 from typing import Any
 
-from ..inventory import describe, newest_restorable, pick_manifest, ranks_text, scan
+from ..inventory import describe, newest_restorable, parent_text, pick_manifest, ranks_text, scan
 from ._common import EXIT_OK, emit_json, load_config, mb, resolve_name, table
 
 __all__ = ["add_parser", "run"]
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     lines = [f"checkpoint {d['name']!r} version {d['version']}: step {d['step']}, epoch {d['epoch'] + 1}"
              + ("" if ec is None else f" ({'end of epoch' if ec else 'within the epoch'})"),
              f"run {run['id'] or '(none: written before runs had ids)'}, generation {run['generation']}"
-             + ("" if run["resumed_from"] is None else f", resumed from v{run['resumed_from']}"),
+             + ("" if run["resumed_from"] is None else f", resumed from v{run['resumed_from']}")
+             + ("" if d["parent"] is None else f", {parent_text(d['parent'])}"),
              f"world size {d['world_size']}; {len(d['tensors'])} tensors, {d['total_bytes']} bytes "
              f"({mb(d['total_bytes'])}); plan min_shard_bytes {d['min_shard_bytes']}",
              "failure domains: " + "; ".join(f"{dom} ({ranks_text(rs)})" for dom, rs in d["failure_domains"].items()),

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..config import validate_name
 from ..errors import CheckpointNotFoundError
-from ..inventory import checkpoint_names, restorable, scan
+from ..inventory import checkpoint_names, parent_text, restorable, scan
 from ._common import EXIT_OK, emit_json, load_config, mb_number, table
 
 __all__ = ["add_parser", "run"]
@@ -16,7 +16,8 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ls", parents=[parents["common"], parents["json"], parents["trust"]], help="versions per level with their status",
                        description="List the versions of a checkpoint (all checkpoints without --name) on scratch "
                                    "and persistent: step, epoch (counted from 1, as Keras prints it), size on disk (MB), "
-                                   "status, the run that wrote it and the step that run resumed from, directory.")
+                                   "status, the run that wrote it and the step that run resumed from, directory; "
+                                   "below a clone's version, the checkpoint it was cloned from.")
     p.set_defaults(func=run)
 
 
@@ -54,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
             rows.append([c.level, c.version, c.step, None if c.epoch is None else c.epoch + 1, mb_number(c.bytes),
                          c.status, c.run if c.run is None else (c.run or "(none)"),
                          None if c.resumed_from is None else f"v{c.resumed_from}", c.path])
-            if c.detail:
-                notes[len(rows) - 1] = c.detail
+            note = "; ".join(x for x in (parent_text(c.parent), c.detail) if x)
+            if note:
+                notes[len(rows) - 1] = note
         lines_t = table(["LEVEL", "VERSION", "STEP", "EPOCH", "MB", "STATUS", "RUN", "RESUMED FROM", "WHERE"], rows,
                         right=(1, 2, 3, 4))
         lines.append(lines_t[0])

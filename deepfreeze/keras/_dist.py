@@ -1,7 +1,11 @@
 """Rank, world size, one small all-gather (Horovod, else one rank) and the MPI communicator for DeepFreeze's own exchanges."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+from ..errors import ConfigError
 
 
 def _hvd():
@@ -44,13 +48,51 @@ def broadcast_int(value: int) -> int:
     return int(hvd.broadcast(tf.constant(value, dtype=tf.int64), 0, name="deepfreeze_broadcast").numpy())
 
 
-_COMM = None
+_COMM = None  # (the communicator Horovod runs over, its duplicate: an MPIComm)
 _GLOO_WARNED = False
 
 
-def mpi_comm():
-    """A :class:`deepfreeze.redundancy.MPIComm` over Horovod's MPI world (created once per
-    process, collectively), or None when Horovod is not running over MPI with several ranks."""
+def _horovod_mpi_comm(hvd: Any) -> Any:
+    """The mpi4py communicator Horovod runs over: the one given to ``hvd.init(comm=...)``,
+    else ``MPI.COMM_WORLD`` (each only if its rank and size are Horovod's: the one Horovod
+    keeps may be freed, or stale after a re-initialization). Raises
+    :class:`~deepfreeze.errors.ConfigError` when neither is (Horovod initialized with a list
+    of ranks that is not all of COMM_WORLD)."""
+    from mpi4py import MPI
+    try:
+        from horovod.common.process_sets import global_process_set
+        given = global_process_set.mpi_comm
+    except (ImportError, AttributeError):
+        given = None
+    rank, size = hvd.rank(), hvd.size()
+    if given is not None:
+        try:
+            ok = given != MPI.COMM_NULL and (given.Get_rank(), given.Get_size()) == (rank, size)
+        except MPI.Exception:  # freed since hvd.init
+            ok = False
+        if ok:
+            return given
+    world = MPI.COMM_WORLD
+    if (world.Get_rank(), world.Get_size()) == (rank, size):
+        return world
+    raise ConfigError(
+        f"DeepFreeze cannot tell which MPI communicator Horovod runs over: Horovod has {size} ranks "
+        f"(this is rank {rank}) but MPI_COMM_WORLD has {world.Get_size()} (rank {world.Get_rank()}), and "
+        "Horovod holds no mpi4py communicator of its ranks (hvd.init(comm=[ranks]) keeps none). DeepFreeze's "
+        "own exchanges (redundancy, collective restore, the run's start) must run over the same ranks as "
+        "Horovod: pass an mpi4py communicator instead, e.g. hvd.init(comm=deepfreeze.clone.split(...).comm) "
+        "or hvd.init(comm=MPI.COMM_WORLD.Split(color, key))")
+
+
+def mpi_comm() -> Any:
+    """A :class:`deepfreeze.redundancy.MPIComm` over Horovod's MPI world: a duplicate of the
+    communicator given to ``hvd.init(comm=...)`` (``MPI.COMM_WORLD`` when none was), never
+    of COMM_WORLD when Horovod runs over fewer ranks. Created once per Horovod
+    communicator, collectively; None when Horovod is not running over MPI with several ranks.
+
+    Raises :class:`~deepfreeze.errors.ConfigError` when Horovod was initialized with a list
+    of ranks (``hvd.init(comm=[...])``) smaller than the MPI world: give it an mpi4py
+    communicator instead."""
     global _COMM, _GLOO_WARNED
     hvd = _hvd()
     if hvd is None or hvd.size() < 2:
@@ -63,10 +105,11 @@ def mpi_comm():
                 "DeepFreeze: Horovod runs without MPI (Gloo): partner/parity protection and pooled "
                 "scratch restore need MPI and are off")
         return None
-    if _COMM is None:
+    base = _horovod_mpi_comm(hvd)
+    if _COMM is None or _COMM[0] is not base:  # first use, or Horovod re-initialized over another one
         from ..redundancy import MPIComm
-        _COMM = MPIComm()
-    return _COMM
+        _COMM = (base, MPIComm(base))
+    return _COMM[1]
 
 
 class _HorovodComm:

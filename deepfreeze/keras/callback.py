@@ -23,6 +23,7 @@ from . import hook as _hook
 from ._dist import allgather_bytes, mpi_comm, rank_and_size, run_comm
 from ._state import train_state
 from .restore import apply_checkpoint
+from ..format import parent_problem
 
 __all__ = ["DeepFreezeCheckpoint", "CaptureOptions"]
 
@@ -567,9 +568,18 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             self._guard(self._run.check)  # another run took the name over: this one's versions are fenced off
         epoch_step = version - self._epoch_base
         epoch_complete = epoch_end or (bool(self.params.get("steps")) and epoch_step >= self.params["steps"])
-        self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch,
-                    extra={"epoch_complete": epoch_complete, "epoch_step": epoch_step,
-                           "model_tensors": self._model_tensors})
+        extra = {"epoch_complete": epoch_complete, "epoch_step": epoch_step, "model_tensors": self._model_tensors}
+        parent = getattr(self.model, "_deepfreeze_parent", None)  # set by receive_clone on a cloned model
+        if parent is not None:
+            why = parent_problem(parent)
+            if why is None:
+                extra["parent"] = dict(parent)
+            else:
+                self._guard(_raise, ConfigError(
+                    f"model._deepfreeze_parent = {str(parent)[:200]} is malformed ({why}), so checkpoint "
+                    f"{self.name!r} cannot record the parent it was cloned from: leave it as "
+                    "deepfreeze.keras.receive_clone sets it ({'name': str or None, 'run': run id, 'step': int})"))
+        self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch, extra=extra)
         t2 = time.perf_counter()
         self._last_version = version
         self.timings.append({"version": version, "time": time.time() - (t2 - t0), "capture_s": t1 - t0,
