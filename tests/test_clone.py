@@ -134,9 +134,10 @@ def test_keras_clone_2_to_2_bitexact_continues_identically_and_overlaps_backprop
             assert not _same(list(ck.model_arrays().values()), _load(f"{out}/{ref}/v{v}.npz")), (name, v)
     clone_ck = load(cfg, "clone1")
     assert min(PersistentLevel(f"{out}/persistent").committed_versions("clone1")) > 8
-    parent = clone_ck.manifest.get("parent")
-    if parent is not None:  # recorded by the checkpoint callback (see test_clone_groups)
-        assert parent["step"] == 8 and parent["run"] == info["source_run"]
+    # the clone's checkpoints name their parent: the source's checkpoint name and run, and the step
+    src_run = load(cfg, "src").manifest["run"]["id"]
+    assert info["source_name"] == "src" and info["source_run"] == src_run
+    assert clone_ck.manifest.get("parent") == {"name": "src", "run": src_run, "step": 8}
 
 
 @pytest.mark.mpi

@@ -199,6 +199,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._resume_pending = False  # resume once, when the run begins
         self.resumed_from: int | None = None  # version restored by resume=True, if any
         self._skip_steps = 0
+        self._rebase = False
         self._deferred: _SetUpAtFirstStep | None = None  # set-up waits for the first step (unbuilt model)
         self._preloaded: tuple[Any] | None = None  # (Checkpoint or None,) picked by resume for a deferred set-up
         self.failures: list[str] = []
@@ -295,14 +296,20 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
-        # a resumed epoch starts at batch index _skip_steps (Keras numbers its batches from there)
+        # a resumed epoch starts at batch index _skip_steps (Keras numbers its batches from there);
+        # the first batch re-bases on the index Keras gives it (fit may have been positioned by
+        # someone else too, e.g. receive_clone)
         self._epoch_base = int(self.model.optimizer.iterations.numpy()) - self._skip_steps
+        self._rebase = True
         self._skip_steps = 0
         if isinstance(getattr(self.model, "_training_state", None), _ResumePoint):
             self.model._training_state = None  # consumed by fit
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         t0 = time.perf_counter()
+        if self._rebase:
+            self._rebase = False
+            self._epoch_base = int(self.model.optimizer.iterations.numpy()) - batch
         steps = self.params.get("steps") if self.params else None
         last = batch + self._spe if not steps else min(batch + self._spe, steps)
         before, after = self._epoch_base + batch, self._epoch_base + last

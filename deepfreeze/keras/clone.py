@@ -265,7 +265,10 @@ class CloneCallback(tf.keras.callbacks.Callback):
 
 
 class _ClonePoint(_ResumePoint):
-    """Where the next ``fit`` starts; used once (then removed from the model)."""
+    """Where the next ``fit`` starts. Keras asks for it after every callback's
+    ``on_train_begin`` (which may retrace the train function): then the final train
+    function is wrapped to draw the epoch's first ``step`` batches unused, once, and the
+    point removes itself from the model."""
 
     def __init__(self, model: Any, epoch: int, step: int) -> None:
         super().__init__(epoch, step)
@@ -275,25 +278,9 @@ class _ClonePoint(_ResumePoint):
                                               mode: Any = None) -> tuple[int, int]:
         if self.model._training_state is self:
             self.model._training_state = None
+            if self.step:
+                self.model.train_function = _SkipBatches(self.model.train_function, self.step)
         return self.epoch, self.step
-
-
-def _position(model: Any, epoch: int, step: int) -> None:
-    """Make the next ``fit`` start at ``epoch``, batch ``step`` (drawing ``step`` batches unused)."""
-    model._training_state = _ClonePoint(model, epoch, step)
-    if not step:
-        return
-    original = model.__dict__.get("make_train_function")
-
-    def make_train_function(force: bool = False) -> Any:
-        if original is None:
-            model.__dict__.pop("make_train_function", None)
-        else:
-            model.make_train_function = original
-        fn = model.make_train_function(force=force)
-        model.train_function = _SkipBatches(fn, step)
-        return model.train_function
-    model.make_train_function = make_train_function
 
 
 def receive_clone(model: Any, group: Group, *, clone_timeout: float = DEFAULT_TIMEOUT, position: bool = True,
@@ -339,7 +326,7 @@ def receive_clone(model: Any, group: Group, *, clone_timeout: float = DEFAULT_TI
     model.optimizer.iterations.assign(info.step)
     if position:
         epoch, step = (info.epoch + 1, 0) if info.epoch_complete else (info.epoch, info.epoch_step)
-        _position(model, epoch, step)
+        model._training_state = _ClonePoint(model, epoch, step)
     model._deepfreeze_parent = {"name": info.source_name, "run": info.source_run, "step": info.step}
     info.timings.update(start=t0, hello=t_hello, first_data=recv.first_data_at, received=recv.done_at,
                         gathered=t_gathered, ready=time.time(), bytes_received=recv.bytes_received)
