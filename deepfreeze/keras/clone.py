@@ -29,7 +29,7 @@ import tensorflow as tf
 from ..clone import CloneInfo, Group, Receiver, Sender, plans_for
 from ..clone.plan import DEFAULT_THRESHOLD, ClonePlan
 from ..clone.transfer import DEFAULT_TIMEOUT, TAG_HEADER
-from ..errors import ConfigError, DeepFreezeError
+from ..errors import CloneError, ConfigError
 from ..run import new_run_id
 from . import hook as _hook
 from ._state import TrainState, train_state
@@ -283,6 +283,36 @@ class _ClonePoint(_ResumePoint):
         return self.epoch, self.step
 
 
+def _variable_buffers(state: TrainState) -> tuple[dict[int, np.ndarray], list]:
+    """Writable flat views of every variable's own buffer: the clone is received and
+    all-gathered in place, straight into the variables (the paper's zero-copy
+    reconstruction; no second buffer, no assign afterwards).
+
+    Each variable is first assigned a fresh copy of its value: TensorFlow then gives it a
+    buffer no other tensor shares (an assign whose variable buffer is referenced elsewhere,
+    e.g. by a cached constant of zeros an optimizer slot was initialized from, allocates a new
+    one), so writing into it changes that variable only. The read-only views returned in ``pins``
+    keep those buffers alive and in place while the clone arrives; nothing else runs on the
+    model meanwhile. Drop both afterwards."""
+    import ctypes
+    buffers, pins = {}, []
+    for spec, v in zip(state.specs, state.variables):
+        # a fresh copy, not the value itself: assigning a variable its own buffer changes nothing,
+        # and TF may share one buffer between a variable and e.g. a cached constant of zeros
+        v.assign(tf.raw_ops.DeepCopy(x=v.read_value()), read_value=False)
+        view = np.asarray(v.value())  # shares the variable's buffer (read-only for numpy)
+        pins.append(view)
+        if view.nbytes == 0:
+            buffers[spec.id] = np.empty(0, view.dtype)
+            continue
+        raw = (ctypes.c_ubyte * view.nbytes).from_address(view.ctypes.data)
+        buffers[spec.id] = np.frombuffer(raw, np.uint8).view(view.dtype)  # writable, same memory
+    spans = sorted((b.ctypes.data, b.ctypes.data + b.nbytes) for b in buffers.values() if b.nbytes)
+    if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+        raise CloneError("receive_clone: two variables of the model share memory; cannot receive in place")
+    return buffers, pins
+
+
 def receive_clone(model: Any, group: Group, *, clone_timeout: float = DEFAULT_TIMEOUT, position: bool = True,
                   threshold: int = DEFAULT_THRESHOLD, receiver_cls: type = Receiver) -> CloneInfo:
     """Block until the source group's clone arrived; set every weight, optimizer slot and the
@@ -310,19 +340,16 @@ def receive_clone(model: Any, group: Group, *, clone_timeout: float = DEFAULT_TI
     recv = receiver_cls(group, plan, timeout=clone_timeout)
     recv.hello()
     t_hello = time.time()
-    buffers = recv.allocate()
-    header = recv.receive(buffers)
-    info = CloneInfo.from_header(header)
-    comm = group.comm.Dup()
+    buffers, pins = _variable_buffers(state)
+    comm = group.comm.Dup()  # the clone group's own communicator for the all-gathers (made while waiting)
     try:
+        header = recv.receive(buffers)
+        info = CloneInfo.from_header(header)
         recv.reconstruct(buffers, comm)
-    except DeepFreezeError:
-        raise
     finally:
         comm.Free()
     t_gathered = time.time()
-    for spec, v in zip(state.specs, state.variables):
-        v.assign(buffers[spec.id].reshape(spec.shape))
+    del buffers, pins  # the variables hold the clone now (no copy); drop the views
     model.optimizer.iterations.assign(info.step)
     if position:
         epoch, step = (info.epoch + 1, 0) if info.epoch_complete else (info.epoch, info.epoch_step)
