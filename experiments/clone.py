@@ -183,6 +183,7 @@ def fsync_path(path: str) -> None:
 
 def worker(args: argparse.Namespace) -> None:  # one rank of a 2N-rank job
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import gc
     import resource
     import numpy as np
     import tensorflow as tf
@@ -210,7 +211,6 @@ def worker(args: argparse.Namespace) -> None:  # one rank of a 2N-rank job
     os.makedirs(res_dir, exist_ok=True)
     os.makedirs(f"{args.work}/persistent", exist_ok=True)
     approaches = args.approaches.split(",")
-    recv_bufs = None  # mpi4py-p2p clone side: preallocated once, touched
     for rnd in range(args.runs + 1):
         shift = rnd % len(approaches)
         for approach in approaches[shift:] + approaches[:shift]:
@@ -221,9 +221,12 @@ def worker(args: argparse.Namespace) -> None:  # one rank of a 2N-rank job
                 if source:
                     res = source_round(args, approach, rnd, verify, model, ds, group, xcomm, peer, hvd, tf)
                 else:
-                    if approach == "mpi4py-p2p" and recv_bufs is None:
-                        recv_bufs = [np.ones(w.shape, w.dtype.as_numpy_dtype) for w in model.weights]
+                    # mpi4py-p2p: receive arrays allocated and touched before the clone is ready
+                    # (untimed), freed after the round (memory: 4 NT3-size ranks share 24 GiB)
+                    recv_bufs = ([np.ones(w.shape, w.dtype.as_numpy_dtype) for w in model.weights]
+                                 if approach == "mpi4py-p2p" else None)
                     res = clone_round(args, approach, rnd, verify, model, ds, group, xcomm, peer, recv_bufs, tf)
+                    recv_bufs = None
             except Exception as e:  # noqa: BLE001 - recorded, then the job ends (peers would wait)
                 import traceback
                 traceback.print_exc()
@@ -240,6 +243,7 @@ def worker(args: argparse.Namespace) -> None:  # one rank of a 2N-rank job
                 sys.stdout.flush()
                 sys.stderr.flush()
                 MPI.COMM_WORLD.Abort(3)
+            gc.collect()
             sleeping_wait(xcomm.Ibarrier(), what="barrier after the round")
             if source and rank == 0:
                 for p in os.listdir(f"{args.work}/persistent"):
@@ -331,6 +335,8 @@ def source_round(args, approach: str, rnd: int, verify: bool, model, ds, group, 
         elif isinstance(t, list) and t and isinstance(t[-1], dict):
             out["deepclone_timings"] = {k: v for k, v in t[-1].items() if isinstance(v, (int, float, str, bool))}
     out["iters"] = [[b, end[b] - begin[b]] for b in sorted(begin) if b in end]
+    out["state_bytes"] = {"weights": int(sum(int(np.prod(v.shape)) * v.dtype.size for v in model.weights)),
+                          "optimizer": int(sum(int(np.prod(v.shape)) * v.dtype.size for v in model.optimizer.variables))}
     out["iterations_after"] = int(model.optimizer.iterations.numpy())
     if snap:
         out["snapshot"] = snap
@@ -347,7 +353,10 @@ def clone_round(args, approach: str, rnd: int, verify: bool, model, ds, group, x
     import numpy as np
     out = {"side": "clone"}
     if verify:  # a transfer that does nothing must fail the check
-        model.set_weights([np.zeros(w.shape, w.dtype.as_numpy_dtype) for w in model.weights])
+        for v in model.weights:  # one tensor at a time (memory)
+            v.assign(tf.zeros_like(v))
+        for v in model.optimizer.variables:  # slots, once built: ones (SGD's momentum slots are zeros)
+            v.assign(tf.ones_like(v))
         model.optimizer.iterations.assign(0)
     timeout = args.recv_timeout
     out["ready_t"] = time.time()
@@ -456,11 +465,20 @@ def one_round(recs: list[dict], approach: str, sched: dict) -> dict:
         row["get_weights_s"] = max((r.get("get_weights_s") or 0 for r in src), default=None)
         row["send_s"] = max((r.get("send_s") or 0 for r in src), default=None)
     else:
-        posted = [r.get("deepclone_timings", {}).get("posted_first") for r in src]
-        posted = [p for p in posted if isinstance(p, (int, float))]
+        def wall(r: dict, key: str) -> float | None:  # a wall-clock timestamp of the callback, else None
+            v = (r.get("deepclone_timings") or {}).get(key)
+            ok = isinstance(v, (int, float)) and r.get("step_end_t") and abs(v - r["step_end_t"]) < 3600
+            return float(v) if ok else None
+        posted = [p for p in (wall(r, "posted_first") for r in src) if p is not None]
         must = min(posted) if posted else min((r["step_begin_t"] for r in src if r.get("step_begin_t")), default=None)
-        row["standby_from"] = "posted_first" if posted else "step_begin"
+        row["standby_from"] = "posted_first" if posted else "step_begin (no wall-clock timings['posted_first'])"
         row["deepclone_timings"] = [r.get("deepclone_timings") for r in src]
+        cb_end = wall(src[0], "step_end")
+        if cb_end is not None and t_set:
+            row["readiness_from_cb_step_end_s"] = max(t_set) - cb_end
+        done = [p for p in (wall(r, "sent_done") for r in src) if p is not None]
+        if done and t_end is not None:
+            row["sends_done_after_step_end_s"] = max(done) - t_end
     if must is not None and t_set:
         row["standby_s"] = max(c["set_t"] - max(c["ready_t"], must) for c in cln)
     if t_set:
@@ -516,6 +534,8 @@ def ratio_of(b: dict | None, d: dict | None) -> dict | None:
 
 
 def verdict(b: dict, d: dict, factor: float) -> str:
+    if min(b.get("n", 0), d.get("n", 0)) < 2:
+        return "not resolvable (fewer than 2 runs)"
     x, xse = d["mean"], d.get("se") or 0.0
     y, yse = b["mean"], b.get("se") or 0.0
     if y - yse >= factor * (x + xse):
@@ -544,6 +564,10 @@ def summarize(app: str, size: int, approaches: list[str], work: str, sched: dict
                 continue
             if rnd == 0:
                 row["correctness"] = check(recs, approach)
+                sb = next((x["state_bytes"] for x in recs if x.get("group") == 0 and x.get("rank") == 0), {})
+                row["state_bytes"] = sb
+                row["bytes_moved_per_clone"] = (sb.get("weights", 0) + sb.get("optimizer", 0)
+                                                if approach == "deepclone" else sb.get("weights"))
                 row["warmup_round"] = one_round(recs, approach, sched)
                 continue
             m = one_round(recs, approach, sched)
@@ -682,7 +706,8 @@ def table(doc: dict) -> str:
                     continue
                 ds, bs = d[metric], b[metric]
                 rt = ratio_of(bs, ds) or {}
-                ratio = (f"{rt['ratio']:.1f}x ± {rt.get('ratio_se', float('nan')):.1f}" if "ratio" in rt else "–")
+                ratio = ("–" if "ratio" not in rt else f"{rt['ratio']:.1f}x" +
+                         (f" ± {rt['ratio_se']:.1f}" if rt.get("ratio_se") is not None else ""))
                 target = (app, size) == TARGET_CASE and factor is not None
                 v = verdict(bs, ds, factor) if target else "reported"
                 goal = (f">= {factor:g}x below {base}" if factor is not None else f"vs {base} (reported)")
