@@ -60,15 +60,23 @@ Metrics (per round; all clocks are ``time.time()``/``perf_counter`` of one node)
   unproductive): from the moment the approach needs the clones alive until the last clone rank
   has the state set: ``pfs-hdf5`` from the release (the file is durable: clones need not be alive
   while rank 0 writes), ``mpi4py-p2p`` from the first ``Send`` of any source rank (right after
-  ``get_weights``), ``deepclone`` from the first send posted in step K (``CloneCallback.timings
-  ['posted_first']``; when absent: the start of step K). Per clone rank: time set minus
-  max(that moment, the rank's own ready time); the field is the maximum over clone ranks.
-  ``alive_wait_s``: how long the clones of this emulation actually waited (they start with the
-  job, so it includes the source's first K steps).
+  ``get_weights``), ``deepclone`` from the start of step K on the source (``CloneCallback`` waits
+  for the clones' hello at the start of step K, so they must be alive then;
+  ``standby_from_posted_s`` starts at the first shard posted instead, the paper's "after the
+  back-propagation started", from ``CloneCallback.timings['posted_first']``). Per clone rank:
+  time set minus max(that moment, the rank's own ready time); the field is the maximum over
+  clone ranks. ``alive_wait_s``: how long the clones of this emulation actually waited (they
+  start with the job, so it includes the source's first K steps).
 * Diagnostics: ``before_step_s`` (mean step before K), ``clone_step_s``, ``next_step_s``;
   ``save_s``/``fsync_s`` (pfs-hdf5 rank 0), ``get_weights_s``/``send_s`` (mpi4py-p2p, source
   ranks' max), ``transfer_s`` (clone: first data/release to state in memory) and ``set_s``
-  (state into the model), ``deepclone_timings`` (the callback's own, per source rank).
+  (state into the model; deepclone: from the all-gathers' end to ``receive_clone``'s return),
+  ``readiness_from_cb_step_end_s`` and ``sends_done_after_step_end_s`` (deepclone, from
+  ``CloneCallback.timings``), ``deepclone_timings`` (the callback's own, per source rank).
+  ``state_bytes``: the model's weights and the optimizer's variables; ``bytes_moved_per_clone``:
+  what one clone rank ends up holding from the transfer: the baselines move weights only,
+  deepclone also the optimizer's variables (Keras' SGD has a momentum slot per weight even
+  with momentum 0, so deepclone moves twice the bytes).
 
 Summary per (app, size, approach) over the timed rounds: for each metric its ``median``, ``min``,
 ``max``, ``p10``, ``p90``, ``mean``, ``se`` (standard error of the mean) and ``n``. ``ratios``:
@@ -109,8 +117,9 @@ TARGETS = [("overhead_s", "pfs-hdf5", 5.0), ("readiness_s", "pfs-hdf5", 5.0), ("
            ("readiness_s", "mpi4py-p2p", None)]
 TARGET_CASE = ("nt3-weights", 2)
 METRICS = ["overhead_s", "standby_s", "readiness_s"]
-EXTRA = ["alive_wait_s", "before_step_s", "clone_step_s", "next_step_s", "transfer_s", "set_s", "save_s", "fsync_s",
-         "get_weights_s", "send_s"]
+EXTRA = ["standby_from_posted_s", "readiness_from_cb_step_end_s", "sends_done_after_step_end_s", "alive_wait_s",
+         "before_step_s", "clone_step_s", "next_step_s", "transfer_s", "set_s", "save_s", "fsync_s", "get_weights_s",
+         "send_s"]
 TAG_RELEASE = 7
 STANDBY_POLL_S, ACTIVE_POLL_S = 0.002, 0.0001  # the same as deepfreeze.clone.Receiver
 
@@ -390,9 +399,14 @@ def clone_round(args, approach: str, rnd: int, verify: bool, model, ds, group, x
         out["arrived_t"] = out["set_t"] = time.time()
         try:
             import dataclasses
-            out["info"] = dataclasses.asdict(info)
+            out["info"] = json.loads(json.dumps(dataclasses.asdict(info), default=str))
         except TypeError:
             out["info"] = repr(info)
+        t = getattr(info, "timings", None) or {}
+        if isinstance(t.get("first_data"), (int, float)):
+            out["first_t"] = t["first_data"]
+        if isinstance(t.get("gathered"), (int, float)):
+            out["arrived_t"] = t["gathered"]  # every tensor whole in the receive buffers
     else:
         raise ValueError(f"unknown approach {approach!r}")
     if verify:
@@ -469,10 +483,12 @@ def one_round(recs: list[dict], approach: str, sched: dict) -> dict:
             v = (r.get("deepclone_timings") or {}).get(key)
             ok = isinstance(v, (int, float)) and r.get("step_end_t") and abs(v - r["step_end_t"]) < 3600
             return float(v) if ok else None
+        # CloneCallback waits for the clones' hello at the start of step K: they must be alive then
+        must = min((r["step_begin_t"] for r in src if r.get("step_begin_t")), default=None)
         posted = [p for p in (wall(r, "posted_first") for r in src) if p is not None]
-        must = min(posted) if posted else min((r["step_begin_t"] for r in src if r.get("step_begin_t")), default=None)
-        row["standby_from"] = "posted_first" if posted else "step_begin (no wall-clock timings['posted_first'])"
-        row["deepclone_timings"] = [r.get("deepclone_timings") for r in src]
+        if posted and t_set:  # the paper's start: the first shard sent (back-propagation under way)
+            row["standby_from_posted_s"] = max(c["set_t"] - max(c["ready_t"], min(posted)) for c in cln)
+        row["deepclone_timings"] = [{k: v for k, v in (r.get("deepclone_timings") or {}).items()} for r in src]
         cb_end = wall(src[0], "step_end")
         if cb_end is not None and t_set:
             row["readiness_from_cb_step_end_s"] = max(t_set) - cb_end
