@@ -40,7 +40,9 @@ approach once, in an order rotated by the round index (drift spreads evenly). Ro
 check; it is not in the statistics. In each (round, approach) the source group trains ``steps``
 steps (SGD, lr 1e-5; optimizer iterations reset to 0, a fresh Horovod broadcast callback) and
 clones at global optimizer step K (the state after the K-th update: the end of batch K-1, 0-based);
-the clone group waits (polling every 2 ms, as ``receive_clone`` does, then every 0.1 ms once data
+the clone group (after its untimed preparation: mpi4py-p2p's receive arrays allocated and
+touched, the verification round's zeroing; both groups then start at a sleeping barrier) waits
+(polling every 2 ms, as ``receive_clone`` does, then every 0.1 ms once data
 flows: clones do not spin), receives, then trains ``clone_steps`` steps on its own data. Both
 groups meet at a sleeping barrier before the next approach. Default schedule: steps 20, K 10,
 clone steps 10, warm-up steps 3 (``--quick``: 10, 5, 3, 2 and one timed round).
@@ -69,8 +71,10 @@ Metrics (per round; all clocks are ``time.time()``/``perf_counter`` of one node)
   start with the job, so it includes the source's first K steps).
 * Diagnostics: ``before_step_s`` (mean step before K), ``clone_step_s``, ``next_step_s``;
   ``save_s``/``fsync_s`` (pfs-hdf5 rank 0), ``get_weights_s``/``send_s`` (mpi4py-p2p, source
-  ranks' max), ``transfer_s`` (clone: first data/release to state in memory) and ``set_s``
-  (state into the model; deepclone: from the all-gathers' end to ``receive_clone``'s return),
+  ranks' max), ``transfer_s`` (clone: from the first data (pfs-hdf5: the release) until the
+  whole state is in memory: received (mpi4py-p2p), all-gathered (deepclone), loaded into the
+  model (pfs-hdf5: ``load_weights`` does both)) and ``set_s`` (from there into the model:
+  ``set_weights``; deepclone: the all-gathers' end to ``receive_clone``'s return; 0 for pfs-hdf5),
   ``readiness_from_cb_step_end_s`` and ``sends_done_after_step_end_s`` (deepclone, from
   ``CloneCallback.timings``), ``deepclone_timings`` (the callback's own, per source rank).
   ``state_bytes``: the model's weights and the optimizer's variables; ``bytes_moved_per_clone``:
@@ -215,7 +219,6 @@ def worker(args: argparse.Namespace) -> None:  # one rank of a 2N-rank job
     ds = tf.data.Dataset.from_tensor_slices((tuple(x) if isinstance(x, list) else x, y)).batch(batch).repeat()
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(1e-5)),
                   loss="sparse_categorical_crossentropy")
-    K, steps = args.at_step, args.steps
     res_dir = f"{args.work}/res"
     os.makedirs(res_dir, exist_ok=True)
     os.makedirs(f"{args.work}/persistent", exist_ok=True)
@@ -331,6 +334,9 @@ def source_round(args, approach: str, rnd: int, verify: bool, model, ds, group, 
     else:
         raise ValueError(f"unknown approach {approach!r}")
     model.optimizer.iterations.assign(0)  # global step K = the end of batch K-1 in every round
+    # start together: the clones' untimed preparation (receive arrays, zeroing) is done and does
+    # not share the cores with the steps before K
+    sleeping_wait(xcomm.Ibarrier(), what="clones' preparation")
     cbs = [First(), hvd.callbacks.BroadcastGlobalVariablesCallback(0), cb, Last(), Snapshot()]
     try:
         model.fit(ds, steps_per_epoch=args.steps, epochs=1, verbose=0, callbacks=cbs)
@@ -368,6 +374,7 @@ def clone_round(args, approach: str, rnd: int, verify: bool, model, ds, group, x
             v.assign(tf.ones_like(v))
         model.optimizer.iterations.assign(0)
     timeout = args.recv_timeout
+    sleeping_wait(xcomm.Ibarrier(), what="the source's start")
     out["ready_t"] = time.time()
     if approach == "pfs-hdf5":
         leader = group.members(1)[0]
@@ -499,7 +506,7 @@ def one_round(recs: list[dict], approach: str, sched: dict) -> dict:
         row["standby_s"] = max(c["set_t"] - max(c["ready_t"], must) for c in cln)
     if t_set:
         row["alive_wait_s"] = max(c["set_t"] - c["ready_t"] for c in cln)
-        firsts = [c["set_t"] - c["first_t"] for c in cln if c.get("first_t")]
+        firsts = [c["arrived_t"] - c["first_t"] for c in cln if c.get("first_t")]
         row["transfer_s"] = max(firsts) if firsts else None
         row["set_s"] = max((c["set_t"] - c["arrived_t"] for c in cln), default=None)
     return row
