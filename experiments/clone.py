@@ -47,6 +47,13 @@ flows: clones do not spin), receives, then trains ``clone_steps`` steps on its o
 groups meet at a sleeping barrier before the next approach. Default schedule: steps 20, K 10,
 clone steps 10, warm-up steps 3 (``--quick``: 10, 5, 3, 2 and one timed round).
 
+Expected wall time of the full grid (5 runs + warm-up, 3 approaches) on this 2-core machine when
+nothing else runs: roughly an hour (per job: resnet50 1+1 ~10 min, 2+2 ~15 min; nt3-weights 1+1
+~8 min, 2+2 ~20 min; extrapolated from one-run smoke jobs on a loaded machine); run it in parts
+with ``--apps``/``--sizes`` and ``--resume``. Memory: nt3-weights 2+2 peaks at ~5 GB RSS per
+source rank and ~6 GB per clone rank; the machine's MemAvailable fell to ~2.7 GiB of 24 (job
+field ``min_mem_available_GiB``): run nothing else large beside it.
+
 Metrics (per round; all clocks are ``time.time()``/``perf_counter`` of one node):
 
 * ``overhead_s`` (runtime overhead, source): t(K) + t(K+1) - 2 x mean(t(warm) .. t(K-1)), where
@@ -350,8 +357,8 @@ def source_round(args, approach: str, rnd: int, verify: bool, model, ds, group, 
         elif isinstance(t, list) and t and isinstance(t[-1], dict):
             out["deepclone_timings"] = {k: v for k, v in t[-1].items() if isinstance(v, (int, float, str, bool))}
     out["iters"] = [[b, end[b] - begin[b]] for b in sorted(begin) if b in end]
-    out["state_bytes"] = {"weights": int(sum(int(np.prod(v.shape)) * v.dtype.size for v in model.weights)),
-                          "optimizer": int(sum(int(np.prod(v.shape)) * v.dtype.size for v in model.optimizer.variables))}
+    nbytes = lambda vs: int(sum(int(np.prod(v.shape)) * v.dtype.size for v in vs))  # noqa: E731
+    out["state_bytes"] = {"weights": nbytes(model.weights), "optimizer": nbytes(model.optimizer.variables)}
     out["iterations_after"] = int(model.optimizer.iterations.numpy())
     if snap:
         out["snapshot"] = snap
@@ -529,8 +536,10 @@ def check(recs: list[dict], approach: str) -> dict:
             out["ranks"][str(r)] = {"error": "snapshot missing"}
             ok0 = okp = False
             continue
-        diff0 = [a[0] for a, b in zip(cs, s0) if a[1] != b[1]] + (["(tensor count differs)"] if len(cs) != len(s0) else [])
-        diffp = ([a[0] for a, b in zip(cs, sp) if a[1] != b[1]] if sp else ["(no counterpart snapshot)"])
+        diff0 = [a[0] for a, b in zip(cs, s0) if a[1] != b[1]]
+        diff0 += ["(tensor count differs)"] if len(cs) != len(s0) else []
+        diffp = ([a[0] for a, b in zip(cs, sp) if a[1] != b[1]] + (["(tensor count differs)"] if len(cs) != len(sp) else [])
+                 if sp else ["(no counterpart snapshot)"])
         out["ranks"][str(r)] = {"tensors": len(cs), "differ_from_rank0": diff0[:20], "n_differ_from_rank0": len(diff0),
                                 "n_differ_from_counterpart": len(diffp), "iterations": c["snapshot"].get("iterations")}
         ok0 &= not diff0
@@ -689,7 +698,8 @@ def run_group(app: str, size: int, approaches: list[str], sched: dict, runs: int
         r["peak_rss_max_GB"] = max(rss.values()) if rss else None
         if failure:
             r.setdefault("errors", []).insert(0, failure)
-    job = {"app": app, "size": size, "wall_s": round(time.time() - t0, 1), "peak_rss_GB": rss,
+    job = {"app": app, "size": size, "schedule": dict(sched, approaches=approaches),
+           "wall_s": round(time.time() - t0, 1), "peak_rss_GB": rss,
            "min_mem_available_GiB": None if mem.low == math.inf else round(mem.low, 2), "failure": failure}
     shutil.rmtree(work, ignore_errors=True)
     print(f"[clone] {app} {size}+{size}: {job['wall_s']:.0f} s, lowest MemAvailable {job['min_mem_available_GiB']} GiB",
