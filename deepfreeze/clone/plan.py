@@ -19,11 +19,13 @@ lets them check that before any data moves.
   moving statistics and other state the optimizer does not update) goes whole from
   source rank 0, balanced over the clone ranks.
 
-Reconstruction: for every tensor, in plan order (the model's weights in forward order,
-then the optimizer's variables), the clone group runs one all-gather-v whose count on
-clone rank j is the size of j's range (the whole tensor on its one owner, zero on the
-others, for small and whole tensors: a broadcast). Every clone rank runs the same list
-in the same order, so the collectives match.
+Reconstruction: ``partition[t][j]`` is the range of tensor t that clone rank j holds after
+receiving (the whole tensor on its one owner, nothing on the others, for small and whole
+tensors). The clone group then gives every rank everything: one in-place broadcast per
+owner j of all of j's ranges, in plan order (the model's weights in forward order, then the
+optimizer's variables): the paper's sequence of per-tensor all-gathers, fused
+(:meth:`deepfreeze.clone.Receiver.reconstruct`). Every clone rank runs the same sequence,
+so the collectives match.
 """
 from __future__ import annotations
 
