@@ -92,9 +92,10 @@ def receive(group: Group, tensors: Sequence[TensorSpec], *, whole: Iterable[int]
     recv = Receiver(group, plan, timeout=timeout)
     recv.hello()
     buffers = recv.allocate()
-    info = CloneInfo.from_header(recv.receive(buffers))
     own = comm if comm is not None else group.comm.Dup()
     try:
+        recv.prepare(buffers, own.Get_rank())
+        info = CloneInfo.from_header(recv.receive(buffers))
         recv.reconstruct(buffers, own)
     finally:
         if comm is None:

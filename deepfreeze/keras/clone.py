@@ -342,6 +342,7 @@ def receive_clone(model: Any, group: Group, *, clone_timeout: float = DEFAULT_TI
     t_hello = time.time()
     buffers, pins = _variable_buffers(state)
     comm = group.comm.Dup()  # the clone group's own communicator for the all-gathers (made while waiting)
+    recv.prepare(buffers, comm.Get_rank())
     try:
         header = recv.receive(buffers)
         info = CloneInfo.from_header(header)
@@ -356,7 +357,8 @@ def receive_clone(model: Any, group: Group, *, clone_timeout: float = DEFAULT_TI
         model._training_state = _ClonePoint(model, epoch, step)
     model._deepfreeze_parent = {"name": info.source_name, "run": info.source_run, "step": info.step}
     info.timings.update(start=t0, hello=t_hello, first_data=recv.first_data_at, received=recv.done_at,
-                        gathered=t_gathered, ready=time.time(), bytes_received=recv.bytes_received)
+                        gathered=t_gathered, ready=time.time(), bytes_received=recv.bytes_received,
+                        gather_s=dict(recv.gather_s))
     if group.rank == 0:
         log.info("DeepFreeze: clone group %d received step %d (%.1f MB per rank) from run %s", group.index,
                  info.step, recv.bytes_received / 1e6, info.source_run)
