@@ -42,7 +42,7 @@ steps (SGD, lr 1e-5; optimizer iterations reset to 0, a fresh Horovod broadcast 
 clones at global optimizer step K (the state after the K-th update: the end of batch K-1, 0-based);
 the clone group (after its untimed preparation: mpi4py-p2p's receive arrays allocated and
 touched, the verification round's zeroing; both groups then start at a sleeping barrier) waits
-(polling every 2 ms, as ``receive_clone`` does, then every 0.1 ms once data
+(polling every 5 ms, as ``receive_clone`` does, then every 0.5 ms once data
 flows: clones do not spin), receives, then trains ``clone_steps`` steps on its own data. Both
 groups meet at a sleeping barrier before the next approach. Default schedule: steps 20, K 10,
 clone steps 10, warm-up steps 3 (``--quick``: 10, 5, 3, 2 and one timed round).
@@ -132,7 +132,7 @@ EXTRA = ["standby_from_posted_s", "readiness_from_cb_step_end_s", "sends_done_af
          "before_step_s", "clone_step_s", "next_step_s", "transfer_s", "set_s", "save_s", "fsync_s", "get_weights_s",
          "send_s"]
 TAG_RELEASE = 7
-STANDBY_POLL_S, ACTIVE_POLL_S = 0.002, 0.0001  # the same as deepfreeze.clone.Receiver
+from deepfreeze.clone.transfer import ACTIVE_POLL as ACTIVE_POLL_S, STANDBY_POLL as STANDBY_POLL_S  # as the Receiver polls
 
 
 def small_model():
