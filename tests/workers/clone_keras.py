@@ -164,9 +164,6 @@ try:
         print(f"RECEIVED {who} rank {group.rank} {result['info']}", flush=True)
         if opts.get("continue") == "1":
             callbacks = [Record(prefix=f"expected_{who}")]
-            if os.environ.get("CLONE_DEBUG"):
-                print("DEBUG", model._training_state.__dict__ if model._training_state else None,
-                      model.optimizer.iterations.numpy(), flush=True)
             if opts.get("ckpt") == "1":
                 ck = checkpoint(who)
                 callbacks.append(ck)
