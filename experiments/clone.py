@@ -115,6 +115,10 @@ import tempfile
 import threading
 import time
 
+from deepfreeze.clone.transfer import ACTIVE_POLL as ACTIVE_POLL_S  # the baselines' clones poll as the Receiver does
+from deepfreeze.clone.transfer import STANDBY_POLL as STANDBY_POLL_S
+from experiments.bench import write_doc
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 APPS = {"nt3-weights": ("nt3_weights", 20), "resnet50": ("resnet50", 32), "small": ("small", 16)}
@@ -132,7 +136,6 @@ EXTRA = ["standby_from_posted_s", "readiness_from_cb_step_end_s", "sends_done_af
          "before_step_s", "clone_step_s", "next_step_s", "transfer_s", "set_s", "save_s", "fsync_s", "get_weights_s",
          "send_s"]
 TAG_RELEASE = 7
-from deepfreeze.clone.transfer import ACTIVE_POLL as ACTIVE_POLL_S, STANDBY_POLL as STANDBY_POLL_S  # as the Receiver polls
 
 
 def small_model():
@@ -806,13 +809,6 @@ def deepclone_available() -> tuple[bool, str]:
     if p.returncode:
         return False, "deepfreeze.keras has no CloneCallback/receive_clone: " + (p.stderr.strip().splitlines() or ["?"])[-1]
     return True, ""
-
-
-def write_doc(doc: dict, out: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".tmp", "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(out + ".tmp", out)
 
 
 def main() -> None:
