@@ -73,6 +73,15 @@ def test_numpy_clone_mismatch_and_abort_fail_on_both_sides_quickly():
     assert time.monotonic() - t0 < 100  # never the 60 s clone timeout twice
 
 
+@pytest.mark.mpi
+def test_clone_timeout_is_a_clear_error_on_both_sides():
+    p = mpirun(3, f"{WORKERS}/clone_numpy.py", "1,2", "timeout", timeout=120)
+    src = [line for line in p.stdout.splitlines() if line.startswith("TIMEOUT group=0")]
+    clones = [line for line in p.stdout.splitlines() if line.startswith("TIMEOUT group=1")]
+    assert len(src) == 1 and "clone_timeout=2 s" in src[0] and "[1, 2]" in src[0], p.stdout
+    assert len(clones) == 2 and all("did not arrive within clone_timeout=2 s" in c and "[0]" in c for c in clones), p.stdout
+
+
 def _load(path):
     with np.load(path, allow_pickle=False) as z:
         return [z[f"arr_{i}"] for i in range(len(z.files))]

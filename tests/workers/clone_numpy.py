@@ -1,4 +1,4 @@
-"""Framework-neutral clone transfer (numpy + mpi4py): python clone_numpy.py SIZES [mismatch|abort]
+"""Framework-neutral clone transfer (numpy + mpi4py): python clone_numpy.py SIZES [mismatch|abort|timeout]
 
 SIZES: comma-separated group sizes (the first is the source). Every source rank holds the
 same replicated arrays and its own "whole" array (rank-dependent: only rank 0's may
@@ -32,7 +32,20 @@ def arrays(rank):
 
 
 try:
-    if group.is_source:
+    if mode == "timeout":  # the clones show up late, then the source never sends: both sides time out
+        import time
+        from deepfreeze.errors import CloneTimeoutError
+        try:
+            if group.is_source:
+                dfc.send(group, specs, arrays(0), dfc.CloneInfo(1, 0, 1, False, ""), whole=whole, timeout=2)
+            else:
+                time.sleep(3)
+                dfc.receive(group, specs, whole=whole, timeout=2)
+        except CloneTimeoutError as e:
+            print(f"TIMEOUT group={group.index} rank={group.rank} {type(e).__name__}: {e}", flush=True)
+        if group.is_source:
+            time.sleep(4)  # alive, but never sending: the clones' own timeout must fire
+    elif group.is_source:
         if mode == "abort":
             s = dfc.Sender(group, dfc.plans_for(group, specs, whole=whole), timeout=30)
             s.abort("test: the source's fit ended at step 3, before the clone step 10")
