@@ -117,7 +117,7 @@ import time
 
 from deepfreeze.clone.transfer import ACTIVE_POLL as ACTIVE_POLL_S  # the baselines' clones poll as the Receiver does
 from deepfreeze.clone.transfer import STANDBY_POLL as STANDBY_POLL_S
-from experiments.bench import write_doc
+from experiments.bench import mean, var, write_doc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -443,11 +443,6 @@ def clone_round(args, approach: str, rnd: int, verify: bool, model, ds, group, x
 
 
 # ---------------------------------------------------------------------------------------------- summary
-def mean(v):
-    v = [x for x in v if x is not None]
-    return sum(v) / len(v) if v else None
-
-
 def quantile(v: list[float], q: float) -> float:
     """Linear interpolation between order statistics (numpy's default)."""
     s = sorted(v)
@@ -461,8 +456,8 @@ def stats(v: list[float]) -> dict | None:
     v = [x for x in v if x is not None]
     if not v:
         return None
-    m = sum(v) / len(v)
-    se = math.sqrt(sum((x - m) ** 2 for x in v) / (len(v) - 1) / len(v)) if len(v) > 1 else None
+    m, s2 = mean(v), var(v)
+    se = math.sqrt(s2 / len(v)) if s2 is not None else None
     return {"median": quantile(v, 0.5), "min": min(v), "max": max(v), "p10": quantile(v, 0.1),
             "p90": quantile(v, 0.9), "mean": m, "se": se, "n": len(v), "values": [round(x, 6) for x in v]}
 

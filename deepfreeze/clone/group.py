@@ -35,11 +35,6 @@ class Group:
     bridge: Any
 
     @property
-    def count(self) -> int:
-        """How many groups the job was split into."""
-        return len(self.sizes)
-
-    @property
     def is_source(self) -> bool:
         return self.index == 0
 
@@ -57,7 +52,7 @@ class Group:
 
     @property
     def clones(self) -> list[int]:
-        """The indices of the clone groups (1..count-1)."""
+        """The indices of the clone groups (1 .. len(sizes) - 1)."""
         return list(range(1, len(self.sizes)))
 
 

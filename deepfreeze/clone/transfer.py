@@ -34,7 +34,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
@@ -78,6 +78,14 @@ def _recv_control(comm: Any, source: int, tag: int, status: Any) -> dict:
     if not isinstance(obj, dict):
         raise CloneError(f"malformed clone control message from rank {source} (tag {tag}): not an object")
     return obj
+
+
+def _flat(buffers: dict[int, np.ndarray], spec: Any) -> np.ndarray:
+    """``buffers[spec.id]``, checked to be a flat C-contiguous array of the tensor's size."""
+    buf = buffers[spec.id]
+    if buf.size != spec.size or not buf.flags.c_contiguous:
+        raise ValueError(f"buffer of tensor {spec.id} is not a flat C-contiguous array of its size")
+    return buf
 
 
 def _encode(obj: dict) -> np.ndarray:
@@ -158,7 +166,6 @@ class Sender:
         self._error: BaseException | None = None
         self._stop = False
         self.posted: list[tuple[int, float, int]] = []  # (tensor id, time, bytes)
-        self.completed_at: float | None = None  # when the progress thread saw every send done
         self.bytes_sent = 0
         self._closed = False
         self._thread = threading.Thread(target=self._progress, name="deepfreeze-clone-progress", daemon=True)
@@ -217,15 +224,14 @@ class Sender:
             self._keep.append(flat)
             self.posted.append((tensor_id, time.time(), n))
             self.bytes_sent += n
-            self.completed_at = None
             self._wake.notify()
         return n
 
-    def post_control(self, tag: int, obj: dict, groups: "Sequence[int] | None" = None) -> None:
+    def post_control(self, tag: int, obj: dict) -> None:
         """Send a small JSON message (header, abort) to every rank of the clone groups."""
         msg = _encode(obj)
         with self._lock:
-            for g in (self.plans if groups is None else groups):
+            for g in self.plans:
                 for w in self.group.members(g):
                     self._reqs.append(self.comm.Isend(msg, dest=w, tag=tag))
             self._keep.append(msg)
@@ -239,15 +245,12 @@ class Sender:
         except CloneTimeoutError:
             log.warning("DeepFreeze: clone abort notice not delivered within 10 s")
 
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._reqs)
-
     def wait(self, timeout: float | None = None) -> None:
         """Until every posted send completed (then the views are released). Raises
         :class:`CloneTimeoutError` after ``timeout`` (default: the sender's)."""
         from mpi4py import MPI
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         while True:
             with self._lock:
                 if self._error is not None:
@@ -255,14 +258,12 @@ class Sender:
                     raise CloneError(f"clone progress thread failed: {e}") from e
                 if not self._reqs or MPI.Request.Testall(self._reqs):
                     self._reqs, self._keep = [], []
-                    if self.completed_at is None:
-                        self.completed_at = time.time()
                     return
             if time.monotonic() > deadline:
                 dests = sorted({w for g in self.plans for w in self.group.members(g)})
                 raise CloneTimeoutError(
                     f"source rank {self.group.rank}: clone sends not received within clone_timeout="
-                    f"{(self.timeout if timeout is None else timeout):g} s by the clone ranks (parent ranks "
+                    f"{limit:g} s by the clone ranks (parent ranks "
                     f"{dests}): they stopped receiving or died")
             time.sleep(self.poll_s)
 
@@ -277,7 +278,6 @@ class Sender:
                         return
                     if MPI.Request.Testall(self._reqs):
                         self._reqs, self._keep = [], []
-                        self.completed_at = time.time()
                 time.sleep(self.poll_s)
         except BaseException as e:  # surfaces once, in wait()
             with self._lock:
@@ -309,6 +309,7 @@ class Receiver:
         self.first_data_at: float | None = None
         self.done_at: float | None = None
         self.gather_s: dict = {}  # seconds of reconstruct's fused and per-tensor parts
+        self._fused: tuple | None = None  # made by prepare(), used once by reconstruct()
 
     def hello(self, info: dict | None = None) -> None:
         """Exchange plans with every source rank (raises ModelMismatchError, CloneTimeoutError)."""
@@ -341,9 +342,7 @@ class Receiver:
         from mpi4py import MPI
         reqs, srcs = [], []
         for r in self.routes:
-            buf = buffers[r.tensor_id]
-            if buf.size != self.plan.tensors[r.tensor_id].size or not buf.flags.c_contiguous:
-                raise ValueError(f"buffer of tensor {r.tensor_id} is not a flat C-contiguous array of its size")
+            buf = _flat(buffers, self.plan.tensors[r.tensor_id])
             raw, item = buf.view(np.uint8), buf.dtype.itemsize
             for a, b in _chunks(r.start * item, r.stop * item):
                 reqs.append(self.comm.Irecv(raw[a:b], source=self.source[r.src], tag=DATA_TAG0 + r.tensor_id))
@@ -390,9 +389,7 @@ class Receiver:
         m = self.plan.n_clone
         small, large = [], []
         for t in self.plan.tensors:
-            buf = buffers[t.id]
-            if buf.size != t.size or not buf.flags.c_contiguous:
-                raise ValueError(f"buffer of tensor {t.id} is not a flat C-contiguous array of its size")
+            buf = _flat(buffers, t)
             if buf.nbytes:
                 (small if buf.nbytes <= FUSE_BYTES else large).append(t.id)
         counts = [sum((self.plan.partition[i][j][1] - self.plan.partition[i][j][0]) * buffers[i].dtype.itemsize
@@ -421,7 +418,7 @@ class Receiver:
             raise CloneError(f"the clone group's communicator has {comm.Get_size()} ranks, the plan {self.plan.n_clone}")
         if self.plan.n_clone == 1:
             return
-        if getattr(self, "_fused", None) is None or self._fused[0] != comm.Get_rank():
+        if self._fused is None or self._fused[0] != comm.Get_rank():
             self.prepare(buffers, comm.Get_rank())
         me, small, large, counts, displs, packed = self._fused
         t0 = time.perf_counter()

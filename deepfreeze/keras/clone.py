@@ -32,6 +32,7 @@ from ..clone.transfer import DEFAULT_TIMEOUT, TAG_HEADER
 from ..errors import CloneError, ConfigError
 from ..run import new_run_id
 from . import hook as _hook
+from ._dist import rank_and_size
 from ._state import TrainState, train_state
 from .callback import _ResumePoint, _SkipBatches
 
@@ -50,8 +51,7 @@ class CloneSink(_hook.VariableSink):
     def __init__(self, name: str, optimizer: Any, state: TrainState, sender: Sender) -> None:
         super().__init__(name)
         self.optimizer, self.state, self.sender = optimizer, state, sender
-        self.groups = {optimizer._var_key(state.variables[i]): [i] + state.slots.get(i, [])
-                       for i, v in enumerate(state.variables[:_n_weights(state)]) if v.trainable}
+        self.groups = _hook.update_groups(optimizer, state.variables, state.slots)
         self.hooked: set[int] = set()
         self.times: list[tuple[int, float, float]] = []
         self.updates_done: float | None = None
@@ -99,16 +99,6 @@ def _determinism() -> bool:
     return bool(config.is_op_determinism_enabled())
 
 
-def _n_weights(state: TrainState) -> int:
-    """How many leading tensors of ``state`` are model weights (optimizer variables follow)."""
-    return next((i for i, s in enumerate(state.specs) if s.name.startswith("optimizer/")), len(state.specs))
-
-
-def _hvd_size() -> int:
-    from ._dist import rank_and_size
-    return rank_and_size()[1]
-
-
 class CloneCallback(tf.keras.callbacks.Callback):
     """Fork this (source) group into every clone group of ``group`` after one optimizer step.
 
@@ -149,9 +139,10 @@ class CloneCallback(tf.keras.callbacks.Callback):
         self.done = False
         self.timings: dict[str, Any] = {}
         self._state: TrainState | None = None
-        self._armed = False
-        self._it = 0
+        self._it = 0  # global optimizer steps done
         self._epoch = 0
+        self._epoch_base: int | None = None  # global step before the epoch's batch 0 (set at its first batch)
+        self._own_run: str | None = None  # a run id when no DeepFreezeCheckpoint shares the optimizer
 
     # -- set-up -----------------------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -185,46 +176,48 @@ class CloneCallback(tf.keras.callbacks.Callback):
         if k <= self._it:
             raise ConfigError(f"CloneCallback: {what}: step {k} has already passed (the optimizer has done "
                               f"{self._it} steps): pick a later step")
-        if k == self._it + 1 and _hvd_size() > 1:
+        if k == self._it + 1 and rank_and_size()[1] > 1:
             raise ConfigError(f"CloneCallback: {what} is the first step of this fit: Horovod's "
                               "BroadcastGlobalVariablesCallback only makes the ranks identical after it; "
                               "clone at a later step")
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
-        self._epoch_base = self._it
-        if self.at_epoch_end is not None and epoch == self.at_epoch_end and not self.done:
-            k = self._it + int(self.params["steps"])
-            self._check_step(k, f"at_epoch_end={epoch}")
-            self.step = k
+        self._epoch_base = None
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._epoch_base is None:  # the epoch's first batch: Keras' index says where the epoch
+            self._epoch_base = self._it - batch  # started (a resumed or cloned fit starts mid-epoch)
+            if self.at_epoch_end == self._epoch and not self.done:
+                k = self._epoch_base + int(self.params["steps"])
+                self._check_step(k, f"at_epoch_end={self._epoch}")
+                self.step = k
         if self.done or self.sender is None:
             return
         self.sender.poll_hello()  # a model mismatch surfaces here, within one batch
         if self.step == self._it + 1:
             self.sender.wait_hello()
             self.sink.arm(self.step)
-            self._armed = True
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._it += 1
-        if not self._armed:
+        if self.sink is None or self.sink.armed == _hook.NOT_ARMED:
             return
         t_end = time.time()
-        self._armed = False
         self.sink.disarm()
         st, sender = self._state, self.sender
         # what the graph did not send: replicated tensors not updated in this step (their route's
         # rank sends them), then the non-replicated ones (their routes start at source rank 0)
         rest = [t for t in range(len(st.specs)) if t not in self.sink.hooked]
         for t in rest:
-            sender.post(t, np.asarray(st.variables[t].value()).reshape(-1))
+            if sender.routes(t):  # read only the variables this rank sends
+                sender.post(t, np.asarray(st.variables[t].value()).reshape(-1))
         if self.group.rank == 0:
             steps = self.params.get("steps")
+            name, run = self._source()
             info = CloneInfo(step=self.step, epoch=self._epoch, epoch_step=self._it - self._epoch_base,
                              epoch_complete=bool(steps) and self._it - self._epoch_base >= steps,
-                             source_run=self._run_id(), source_name=self._source_name())
+                             source_run=run, source_name=name)
             sender.post_control(TAG_HEADER, info.header())
         sender.wait()
         self.done = True
@@ -234,20 +227,16 @@ class CloneCallback(tf.keras.callbacks.Callback):
                         "variables": list(self.sink.times), "bytes_sent": sender.bytes_sent,
                         "sent_after_step": len(rest)}
 
-    def _owner(self) -> Any:
+    def _source(self) -> tuple[str | None, str]:
+        """(checkpoint name, run id) of the source: a DeepFreezeCheckpoint's on the same
+        optimizer (its sink's ``owner``), else no name and a run id of this callback's own."""
         reg = _hook.registry_of(self.model.optimizer)
-        return next((getattr(s, "owner", None) for s in (reg.sinks if reg else []) if hasattr(s, "owner")), None)
-
-    def _run_id(self) -> str:
-        owner = self._owner()
-        rid = getattr(owner, "run_id", None) if owner is not None else None
-        if not rid:
-            rid = self.__dict__.setdefault("_own_run", new_run_id())
-        return rid
-
-    def _source_name(self) -> str | None:
-        owner = self._owner()
-        return getattr(owner, "name", None) if owner is not None else None
+        owner = next((s.owner for s in (reg.sinks if reg else []) if hasattr(s, "owner")), None)
+        run = getattr(owner, "run_id", None)
+        if not run:
+            self._own_run = self._own_run or new_run_id()
+            run = self._own_run
+        return getattr(owner, "name", None), run
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.sink is not None:
@@ -350,8 +339,7 @@ def receive_clone(model: Any, group: Group, *, clone_timeout: float = DEFAULT_TI
     finally:
         comm.Free()
     t_gathered = time.time()
-    del buffers, pins  # the variables hold the clone now (no copy); drop the views
-    model.optimizer.iterations.assign(info.step)
+    del buffers, pins  # the variables hold the clone now (no copy; the step counter too); drop the views
     if position:
         epoch, step = (info.epoch + 1, 0) if info.epoch_complete else (info.epoch, info.epoch_step)
         model._training_state = _ClonePoint(model, epoch, step)

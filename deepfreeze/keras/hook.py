@@ -52,7 +52,8 @@ from ..fused import STAMP_BYTES, BufferPool, FusedLayout, FusedShard
 from ..format import dtype_itemsize
 from ..shardplan import ShardPlan
 
-__all__ = ["Sink", "FusedSink", "VariableSink", "PieceCopySink", "HookRegistry", "attach", "detach", "registry_of"]
+__all__ = ["Sink", "FusedSink", "VariableSink", "PieceCopySink", "HookRegistry", "attach", "detach", "registry_of",
+           "update_groups"]
 
 log = logging.getLogger("deepfreeze")
 _ATTR = "_deepfreeze_hooks"
@@ -107,6 +108,13 @@ class VariableSink(Sink):
         only when the sink fires, after every op of the step's updates, including this sink's
         per-variable ops), or None."""
         return None
+
+
+def update_groups(optimizer: Any, variables: Sequence[Any], slots: dict[int, list[int]]) -> dict[Any, list[int]]:
+    """What one ``_update_step`` call updates, for a per-variable sink: the optimizer's key of
+    each trainable variable -> [its tensor id] + the ids of its optimizer slots (``slots``:
+    tensor id -> slot ids; optimizer variables are never trainable)."""
+    return {optimizer._var_key(v): [i] + slots.get(i, []) for i, v in enumerate(variables) if v.trainable}
 
 
 class FusedSink(Sink):
@@ -216,9 +224,7 @@ class PieceCopySink(VariableSink):
                  slots: dict[int, list[int]] | None = None) -> None:
         super().__init__(name)
         self.optimizer, self.plan, self.rank, self.variables = optimizer, plan, rank, list(variables)
-        slots = slots or {}
-        model_ids = [i for i, v in enumerate(self.variables) if v.trainable]
-        self.groups = {optimizer._var_key(self.variables[i]): [i] + slots.get(i, []) for i in model_ids}
+        self.groups = update_groups(optimizer, self.variables, slots or {})
         owned = {p.tensor_id: (p.start, p.stop) for p in plan.for_rank(rank)}
         # Every rank builds the *same* graph (a zero-length buffer where it holds no piece):
         # Horovod names its collectives after graph node ids.
