@@ -26,6 +26,12 @@ __all__ = [
     "NativeBuildError",
     "CloneError",
     "CloneTimeoutError",
+    "RepositoryError",
+    "ModelNotFoundError",
+    "NameExistsError",
+    "ProviderError",
+    "ProviderTimeoutError",
+    "AuthenticationError",
 ]
 
 
@@ -110,3 +116,30 @@ class CloneError(DeepFreezeError, RuntimeError):
 class CloneTimeoutError(CloneError, TimeoutError):
     """A clone transfer did not complete within ``clone_timeout``: the other group never showed
     up, stopped sending or stopped receiving (the message names the ranks waited for)."""
+
+
+class RepositoryError(DeepFreezeError, RuntimeError):
+    """A model repository operation failed: a bad name, a repository directory that is not one,
+    a provider list that differs from the one the repository was created with, a hostile or
+    malformed request."""
+
+
+class ModelNotFoundError(RepositoryError, LookupError):
+    """No model of that name is stored in the repository (or a requested tensor is not part of it)."""
+
+
+class NameExistsError(RepositoryError, FileExistsError):
+    """A store under a name that exists or existed: names are write-once and a deleted name is
+    never reused (clients cache by name). Store under a new tag."""
+
+
+class ProviderError(RepositoryError, ConnectionError):
+    """A repository provider could not be reached, closed the connection, or answered with an error."""
+
+
+class ProviderTimeoutError(ProviderError, TimeoutError):
+    """A provider did not answer within the timeout (or its staging arena stayed full that long)."""
+
+
+class AuthenticationError(DeepFreezeError, PermissionError):
+    """A connection presented no token or a wrong one (tokens: a 0600 file or DEEPFREEZE_TOKEN)."""
