@@ -277,7 +277,8 @@ class EmbeddedRepository:
             c.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
             c.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT * 1000)}")
         except sqlite3.DatabaseError as e:
-            raise RepositoryError(f"{self._db}: cannot open the repository's database ({e})") from e
+            raise RepositoryError(f"{self._db}: cannot open the repository's database ({e}): it is damaged or "
+                                  "not a DeepFreeze repository") from e
         self._local.conn, self._local.pid = c, os.getpid()
         with self._lock:
             self._conns.append(c)
