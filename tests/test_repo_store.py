@@ -595,7 +595,7 @@ def test_gc_rewrites_a_mostly_dead_pack(repo):
     # the moved blobs still de-duplicate, and a second gc has nothing left to do
     assert repo.put("again", {"x": small["s0"]})["written"] == 0
     assert repo.gc(grace=0) == {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
-                                "orphans_removed": 0}
+                                "orphans_removed": 0, "damaged": []}
 
 
 # --------------------------------------------------------------------------- import of a DeepFreeze file
@@ -661,3 +661,63 @@ def test_add_pack_refuses_what_is_not_a_deepfreeze_file(repo, tmp_path):
     with pytest.raises(CorruptCheckpointError, match="FIFO"):
         repo.add_pack("j", str(tmp_path / "fifo"), {"a": [0]})
     assert packs(repo.directory) == []
+
+
+class GcDuringStore(EmbeddedRepository):
+    """Runs ``action`` (once) between writing the pack and committing: a concurrent gc."""
+    action = None
+
+    def _before_commit(self, name):
+        action, GcDuringStore.action = GcDuringStore.action, None
+        if action is not None:
+            action()
+
+
+def test_store_retries_when_gc_drops_the_blobs_it_shares(tmp_path):
+    t = arrays(30)
+    with EmbeddedRepository(tmp_path / "r") as other, GcDuringStore(tmp_path / "r") as repo:
+        other.put("a@1", t)
+
+        def drop():
+            other.delete("a@1")
+            assert other.gc(grace=0)["blobs_removed"] == len(t)
+        GcDuringStore.action = drop
+        res = repo.put("b@1", t)  # planned to share a@1's blobs; they vanished: stored anew
+        assert res["written"] == sum(a.nbytes for a in t.values())
+        got = repo.get("b@1")
+        assert all(same_bits(got[k], v) for k, v in t.items())
+        assert len(packs(repo.directory)) == 1
+
+
+def test_gc_removing_a_pending_pack_makes_the_store_fail_cleanly(tmp_path):
+    with EmbeddedRepository(tmp_path / "r") as other, GcDuringStore(tmp_path / "r") as repo:
+        GcDuringStore.action = lambda: other.gc(grace=0)  # a grace period shorter than the store
+        with pytest.raises(RepositoryError, match="disappeared"):
+            repo.put("x@1", arrays(31))
+        assert repo.list() == {} and packs(repo.directory) == []
+        repo.put("x@1", arrays(31))
+        assert same_bits(repo.get("x@1")["t1"], arrays(31)["t1"])
+
+
+def test_gc_keeps_a_damaged_pack_and_says_so(repo):
+    t = {"small": RNG.standard_normal(1000), "big": RNG.standard_normal(100_000)}
+    repo.put("a", t)
+    repo.put("c", {"y": t["small"]})  # shares a's small tensor
+    repo.delete("a")  # a's pack is now mostly dead: gc would rewrite it
+    path, off, _ = blob_range(repo, "c", "y")
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 4]))
+    res = repo.gc(grace=0)
+    assert res["packs_rewritten"] == 0 and len(res["damaged"]) == 1 and "checksum" in res["damaged"][0]
+    assert os.path.exists(path)
+    with pytest.raises(CorruptCheckpointError):
+        repo.get("c")
+
+
+def test_tensors_as_a_string_is_refused(repo):
+    repo.put("m", arrays(33))
+    with pytest.raises(RepositoryError, match="iterable"):
+        repo.get("m", "t0")

@@ -168,6 +168,17 @@ def _u8(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """format.dtype_name, cached (numpy's dtype.name is slow: it shows in puts of many small tensors)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
 def _shape_text(shape: Sequence[int]) -> str:
     return ",".join(str(int(d)) for d in shape)
 
@@ -183,7 +194,7 @@ class _Tensor:
     def __init__(self, key: str, arr: np.ndarray) -> None:
         self.key, self.arr = key, arr
         self.view = _u8(arr)
-        self.dtype = dtype_name(arr.dtype)
+        self.dtype = _dtype_name(arr.dtype)
         self.shape = _shape_text(arr.shape)
         self.crc = 0
         self.blob: int | None = None  # an existing blob id (de-duplicated)
@@ -494,7 +505,7 @@ class EmbeddedRepository:
                                       "characters without NUL")
             arr = value if isinstance(value, np.ndarray) else np.asarray(value)
             try:
-                dtype_name(arr.dtype)
+                _dtype_name(arr.dtype)
             except (CorruptCheckpointError, TypeError) as e:
                 raise RepositoryError(f"tensor {key!r}: dtype {arr.dtype} is not supported ({e})") from e
             if arr.ndim > MAX_NDIM:
@@ -764,6 +775,9 @@ class EmbeddedRepository:
         stored ones: :class:`ModelMismatchError`); the others are allocated. ``verify``: check
         each tensor's CRC32 (default: the repository's ``verify``)."""
         verify = self.verify if verify is None else bool(verify)
+        if isinstance(tensors, (str, bytes)):
+            raise RepositoryError(f"tensors must be an iterable of tensor keys, not the string {tensors!r:.80} "
+                                  "(write [key] for one)")
         for attempt in range(4):
             try:
                 return self._get(name, tensors if tensors is None else list(tensors), out, verify)
@@ -947,7 +961,8 @@ class EmbeddedRepository:
         rewrite packs whose live bytes are below ``rewrite_below`` of their data.
 
         Returns ``{"freed": bytes freed on disk, "blobs_removed", "packs_removed",
-        "packs_rewritten", "orphans_removed"}``."""
+        "packs_rewritten", "orphans_removed", "damaged": [messages]}`` (``damaged``: packs
+        that could not be rewritten because a live tensor failed its CRC; they are kept)."""
         grace = self.orphan_grace if grace is None else float(grace)
         conn = self._conn()
         dead: list[tuple[str, int]] = []
@@ -982,16 +997,21 @@ class EmbeddedRepository:
             if _unlink(os.path.join(self._packs, file)):
                 freed += size
         rewritten = 0
+        damaged: list[str] = []
         rows = conn.execute("SELECT p.id, p.file, p.size, p.data_bytes, SUM(b.length) FROM packs p JOIN blobs b "
                             "ON b.pack=p.id GROUP BY p.id").fetchall()
         for pid, file, size, data, live in rows:
             if live < rewrite_below * data:
-                delta = self._rewrite(pid, file, size)
+                try:
+                    delta = self._rewrite(pid, file, size)
+                except CorruptCheckpointError as e:  # keep the pack as it is: the reads will say so
+                    damaged.append(str(e))
+                    continue
                 if delta is not None:
                     freed += delta
                     rewritten += 1
         return {"freed": freed, "blobs_removed": blobs_removed, "packs_removed": len(dead),
-                "packs_rewritten": rewritten, "orphans_removed": orphans}
+                "packs_rewritten": rewritten, "orphans_removed": orphans, "damaged": damaged}
 
     def _rewrite(self, pid: int, file: str, size: int) -> int | None:
         """Move the live blobs of pack ``pid`` into a new pack; the bytes freed, None if skipped."""
@@ -1065,7 +1085,10 @@ class EmbeddedRepository:
             for key, idx in mapping.items():
                 if not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY or "\0" in key:
                     raise RepositoryError(f"tensor key {key!r:.80}: expected a non-empty string without NUL")
-                idx = list(idx) if not isinstance(idx, (str, bytes)) else []
+                try:
+                    idx = list(idx) if not isinstance(idx, (str, bytes)) else []
+                except TypeError:
+                    idx = []
                 if not idx or not all(type(i) is int and 0 <= i < len(index.entries) for i in idx) \
                         or any(b <= a for a, b in zip(idx, idx[1:])) or used & set(idx):
                     raise RepositoryError(f"tensor {key!r}: entry indices {idx!r:.100} must be increasing indices "
