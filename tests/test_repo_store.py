@@ -721,3 +721,76 @@ def test_tensors_as_a_string_is_refused(repo):
     repo.put("m", arrays(33))
     with pytest.raises(RepositoryError, match="iterable"):
         repo.get("m", "t0")
+
+
+def test_reads_survive_concurrent_gc_rewrites(tmp_path):
+    """A reader thread loads models while gc moves their tensors to new packs and unlinks the old."""
+    root = tmp_path / "r"
+    smalls = {i: np.random.default_rng(i).standard_normal(2000) for i in range(6)}
+    stop = threading.Event()
+    errors, loads = [], [0]
+    with EmbeddedRepository(root) as repo:
+        def reader():
+            try:
+                while not stop.is_set():
+                    for names in repo.list().values():
+                        for n in names:
+                            if n.startswith("keep"):
+                                got = repo.get(n)["s"]
+                                assert same_bits(got, smalls[int(n.split("@")[1])])
+                                loads[0] += 1
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+        th = threading.Thread(target=reader)
+        th.start()
+        try:
+            rewritten = 0
+            for i in range(6):
+                repo.put(f"x@{i}", {"big": np.random.default_rng(100 + i).standard_normal(200_000), "s": smalls[i]})
+                repo.put(f"keep@{i}", {"s": smalls[i]})  # shares x@i's pack
+                repo.delete(f"x@{i}")
+                rewritten += repo.gc(grace=0)["packs_rewritten"]
+        finally:
+            stop.set()
+            th.join()
+        assert not errors, errors
+        assert rewritten == 6 and loads[0] > 0
+        assert len(packs(root)) == 6
+
+
+def test_fsync_mode(tmp_path):
+    with EmbeddedRepository(tmp_path / "r", fsync=True) as repo:
+        assert repo._conn().execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        t = arrays(40)
+        repo.put("d@1", t)
+        assert all(same_bits(repo.get("d@1")[k], v) for k, v in t.items())
+    with EmbeddedRepository(tmp_path / "r") as repo:
+        assert repo._conn().execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+        assert repo._conn().execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+class GcAfterLookup(EmbeddedRepository):
+    """Runs ``action`` (once) after get() looked the rows up and before it opens the pack."""
+    action = None
+
+    def _rows(self, name):
+        rows = super()._rows(name)
+        action, GcAfterLookup.action = GcAfterLookup.action, None
+        if action is not None:
+            action()
+        return rows
+
+
+def test_get_looks_again_when_gc_moved_the_tensors(tmp_path):
+    small = RNG.standard_normal(500)
+    with EmbeddedRepository(tmp_path / "r") as other, GcAfterLookup(tmp_path / "r") as repo:
+        other.put("x", {"big": RNG.standard_normal(100_000), "s": small})
+        other.put("keep", {"s": small})
+        other.delete("x")
+        old = packs(repo.directory)
+
+        def move():
+            assert other.gc(grace=0)["packs_rewritten"] == 1
+        GcAfterLookup.action = move
+        assert same_bits(repo.get("keep")["s"], small)  # its rows named the old pack, now gone
+        assert packs(repo.directory) != old and GcAfterLookup.action is None
