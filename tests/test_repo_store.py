@@ -794,3 +794,21 @@ def test_get_looks_again_when_gc_moved_the_tensors(tmp_path):
         GcAfterLookup.action = move
         assert same_bits(repo.get("keep")["s"], small)  # its rows named the old pack, now gone
         assert packs(repo.directory) != old and GcAfterLookup.action is None
+
+
+class DiskFull(EmbeddedRepository):
+    def _pwritev_all(self, fd, iovs, offset):
+        EmbeddedRepository._pwritev_all(fd, iovs[:1], offset)  # a part, then the disk is full
+        raise OSError(28, "No space left on device")
+
+
+def test_write_failure_leaves_nothing(tmp_path):
+    from deepfreeze.errors import CheckpointWriteError
+    with DiskFull(tmp_path / "r") as repo:
+        with pytest.raises(CheckpointWriteError, match="nothing was stored") as ei:
+            repo.put("x@1", arrays(50))
+        assert isinstance(ei.value, OSError) and ei.value.errno == 28
+        assert repo.list() == {} and packs(repo.directory) == []
+    with EmbeddedRepository(tmp_path / "r") as repo:
+        repo.put("x@1", arrays(50))
+        assert same_bits(repo.get("x@1")["t3"], arrays(50)["t3"])

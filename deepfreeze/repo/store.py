@@ -100,8 +100,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import fsafe
-from ..errors import (CorruptCheckpointError, ModelMismatchError, ModelNotFoundError, NameExistsError,
-                      RepositoryError)
+from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
+                      NameExistsError, RepositoryError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
                       dtype_itemsize, dtype_name, encode_index, layout, numpy_dtype, read_index)
 from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
@@ -566,9 +566,12 @@ class EmbeddedRepository:
             t.crc = crc32(t.view)
         for _attempt in range(8):
             new = self._plan(items)
-            pack = self._write_pack([(t.view, t.dtype, tuple(t.arr.shape), t.crc) for t in new]) if new else None
             try:
-                self._before_commit(name)
+                pack = self._write_pack([(t.view, t.dtype, tuple(t.arr.shape), t.crc) for t in new]) if new else None
+            except OSError as e:
+                raise CheckpointWriteError(e.errno, f"storing {name!r} in {self.location}: writing its pack failed "
+                                           f"({e.strerror or e}); nothing was stored") from e
+            try:
                 return self._commit(name, model, tag, items, new, pack, gbytes, graph, meta_rows)
             except _Retry:
                 continue
@@ -664,6 +667,7 @@ class EmbeddedRepository:
         conn = self._conn()
         committed = False
         try:
+            self._before_commit(name)
             conn.execute("BEGIN IMMEDIATE")
             taken = self._name_taken(conn, name)
             if taken is not None:
