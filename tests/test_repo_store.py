@@ -812,3 +812,12 @@ def test_write_failure_leaves_nothing(tmp_path):
     with EmbeddedRepository(tmp_path / "r") as repo:
         repo.put("x@1", arrays(50))
         assert same_bits(repo.get("x@1")["t3"], arrays(50)["t3"])
+
+
+def test_missing_pack_is_a_clear_error(repo):
+    repo.put("m", arrays(60))
+    path = pack_path(repo, "m", "t0")
+    os.unlink(path)
+    with pytest.raises(CorruptCheckpointError, match="missing") as ei:
+        repo.get("m")
+    assert path in str(ei.value)

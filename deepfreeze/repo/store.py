@@ -38,7 +38,7 @@ Commit protocol (put)
    candidate is CONFIRMED by a byte-for-byte comparison with the stored bytes (so a CRC collision
    can never alias two tensors); identical tensors within one put are stored once too.
 4. The tensors that are new go into ONE pack written to ``packs/tmp-<uuid>`` with a few large
-   ``pwritev`` calls straight from the arrays' memory, (``fsync=True``: fsync), renamed to
+   ``pwritev`` calls straight from the arrays' memory (``fsync=True``: fsync), renamed to
    ``packs/<uuid>.dfz`` (``fsync=True``: fsync of ``packs/``).
 5. ONE transaction (``BEGIN IMMEDIATE``): the name must still be free (else rollback, unlink our
    pack, :class:`~deepfreeze.errors.NameExistsError`), every de-duplicated blob must still exist
@@ -81,7 +81,16 @@ database row against the pack's own index and size (a tampered row or pack raise
 ``preadv`` straight into the destination arrays (``np.empty`` or the caller's ``out=``), adjacent
 tensors coalesced into one call, and checks each tensor's CRC32 (``verify``). Only the requested
 tensors' bytes are read (plus the < 64-byte alignment gaps between adjacent ones);
-``bytes_read`` counts them.
+``bytes_read`` counts them. A get whose pack was moved by a concurrent gc looks its rows up again.
+
+Import (:meth:`~EmbeddedRepository.add_pack`)
+---------------------------------------------
+An existing DeepFreeze-format file (an assembled checkpoint) becomes a pack without being
+re-serialized: hard-linked into ``packs/`` (copied with ``copy_file_range`` across file systems),
+its chosen index entries mapped to tensor keys (a tensor may be several contiguous pieces: the
+mapping, contiguity and bounds are checked, each piece's CRC verified and the whole tensor's CRC32
+computed by reading it once), then the same commit transaction as a store. The entries not
+mapped (optimizer slots) are dead bytes of that pack: gc rewrites it if they are most of it.
 """
 from __future__ import annotations
 
@@ -785,9 +794,11 @@ class EmbeddedRepository:
         for attempt in range(4):
             try:
                 return self._get(name, tensors if tensors is None else list(tensors), out, verify)
-            except FileNotFoundError:
+            except FileNotFoundError as e:  # gc moved the tensors meanwhile: look them up again
                 if attempt == 3:
-                    raise
+                    raise CorruptCheckpointError(
+                        f"{e.filename}: a pack of model {name!r} is missing from the repository (removed by hand?): "
+                        "restore it from a backup or delete the model") from e
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _get(self, name: str, tensors: list[str] | None, out: Mapping[str, np.ndarray] | None,
