@@ -27,7 +27,9 @@ The database (schema version :data:`SCHEMA_VERSION`, in ``settings``) holds:
   providers record their provider list there).
 
 One connection per thread (``busy_timeout`` 60 s, ``synchronous=NORMAL``, ``FULL`` with
-``fsync=True``); several processes may use one directory at once.
+``fsync=True``); several processes may use one directory at once. SQLite's WAL mode needs shared
+memory between them: keep the directory on a local file system (node-local disk, or a parallel
+file system only if it supports POSIX locks and shared mmap; otherwise serve it with providers).
 
 Commit protocol (put)
 ---------------------
@@ -59,8 +61,8 @@ De-duplication
 --------------
 Content key: (CRC32 of the tensor's bytes, dtype, shape), confirmed byte for byte. It runs inside
 the timed store (the CRC is the integrity checksum anyway; the confirmation reads the stored copy
-of each candidate). Blobs are reference-counted: ``delete`` decrements, the name stays reserved
-forever. ``info()`` reports the logical bytes (what the live models hold), the stored bytes (live
+of each candidate). Only blobs still referenced are candidates. Blobs are reference-counted:
+``delete`` decrements, the name stays reserved forever. ``info()`` reports the logical bytes (what the live models hold), the stored bytes (live
 blobs, each once) and the savings.
 
 Garbage collection (:meth:`~EmbeddedRepository.gc`)
@@ -81,7 +83,9 @@ database row against the pack's own index and size (a tampered row or pack raise
 ``preadv`` straight into the destination arrays (``np.empty`` or the caller's ``out=``), adjacent
 tensors coalesced into one call, and checks each tensor's CRC32 (``verify``). Only the requested
 tensors' bytes are read (plus the < 64-byte alignment gaps between adjacent ones);
-``bytes_read`` counts them. A get whose pack was moved by a concurrent gc looks its rows up again.
+``bytes_read`` counts them (reads of :meth:`~EmbeddedRepository.get` only, not the
+confirmation reads of de-duplication). A get whose pack was moved by a concurrent gc looks its
+rows up again.
 
 Import (:meth:`~EmbeddedRepository.add_pack`)
 ---------------------------------------------
