@@ -62,8 +62,8 @@ De-duplication
 Content key: (CRC32 of the tensor's bytes, dtype, shape), confirmed byte for byte. It runs inside
 the timed store (the CRC is the integrity checksum anyway; the confirmation reads the stored copy
 of each candidate). Only blobs still referenced are candidates. Blobs are reference-counted:
-``delete`` decrements, the name stays reserved forever. ``info()`` reports the logical bytes (what the live models hold), the stored bytes (live
-blobs, each once) and the savings.
+``delete`` decrements, the name stays reserved forever. ``info()`` reports the logical bytes
+(what the live models hold), the stored bytes (live blobs, each once) and the savings.
 
 Garbage collection (:meth:`~EmbeddedRepository.gc`)
 ----------------------------------------------------
@@ -464,10 +464,12 @@ class EmbeddedRepository:
         finally:
             os.close(fd)
 
-    def _write_pack(self, items: Sequence[tuple[memoryview, str, tuple[int, ...], int]]) -> tuple[str, int, list[Entry]]:
+    def _write_pack(self, items: Sequence[tuple[memoryview, str, tuple[int, ...], int]]
+                    ) -> tuple[str, int, list[Entry]]:
         """Write ``(bytes, dtype, shape, crc)`` items as one pack: tmp name, then rename.
         Returns (file name, file size, entries)."""
-        entries = [Entry(i, dtype, shape, 0, math.prod(shape), crc=crc) for i, (_, dtype, shape, crc) in enumerate(items)]
+        entries = [Entry(i, dtype, shape, 0, math.prod(shape), crc=crc)
+                   for i, (_, dtype, shape, crc) in enumerate(items)]
         entries, data_offset, size = layout(entries)
         head = encode_index(KIND_ASSEMBLED, 0, 1, 0, entries, data_offset, size, True, os.urandom(8).hex())
         iovs = [memoryview(head)]
@@ -1064,7 +1066,8 @@ class EmbeddedRepository:
             new_pid = conn.execute("INSERT INTO packs(file, size, data_bytes, created) VALUES (?,?,?,?)",
                                    (new_file, new_size, sum(e.length for e in entries), time.time())).lastrowid
             conn.executemany("UPDATE blobs SET pack=?, entry=?, n_entries=1, offset=?, length=? WHERE id=? AND pack=?",
-                             [(new_pid, i, e.offset, e.length, r[0], pid) for i, (e, r) in enumerate(zip(entries, rows))])
+                             [(new_pid, i, e.offset, e.length, r[0], pid)
+                              for i, (e, r) in enumerate(zip(entries, rows))])
             conn.execute("DELETE FROM packs WHERE id=?", (pid,))
             conn.execute("COMMIT")
             committed = True
