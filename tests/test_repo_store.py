@@ -16,7 +16,7 @@ from deepfreeze import format as fmt
 from deepfreeze.errors import (CorruptCheckpointError, ModelMismatchError, ModelNotFoundError, NameExistsError,
                                RepositoryError)
 from deepfreeze.repo.graph import tensor_keys
-from deepfreeze.repo.store import EmbeddedRepository
+from deepfreeze.repo.store import EmbeddedRepository, tensor_entries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RNG = np.random.default_rng(15)
@@ -712,7 +712,7 @@ def test_gc_keeps_a_damaged_pack_and_says_so(repo):
         f.write(bytes([b[0] ^ 4]))
     res = repo.gc(grace=0)
     assert res["packs_rewritten"] == 0 and len(res["damaged"]) == 1 and "checksum" in res["damaged"][0]
-    assert os.path.exists(path)
+    assert packs(repo.directory) == [os.path.basename(path)]  # kept; the half-written new pack is gone
     with pytest.raises(CorruptCheckpointError):
         repo.get("c")
 
@@ -821,3 +821,17 @@ def test_missing_pack_is_a_clear_error(repo):
     with pytest.raises(CorruptCheckpointError, match="missing") as ei:
         repo.get("m")
     assert path in str(ei.value)
+
+
+def test_gc_rewrites_an_imported_pack_of_pieces(repo, tmp_path):
+    ts = [RNG.standard_normal((10, 10)).astype(np.float32), RNG.standard_normal(50_000), RNG.standard_normal(50_000)]
+    src = str(tmp_path / "ckpt.dfz")
+    write_dfz(src, ts, pieces=4)
+    assert tensor_entries(src) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7], 2: [8, 9, 10, 11]}
+    before = open(src, "rb").read()
+    repo.add_pack("imp", src, {"w": [0, 1, 2, 3]})  # the two big tensors (optimizer slots) are not taken
+    res = repo.gc(grace=0)
+    assert res["packs_rewritten"] == 1 and res["freed"] > 2 * ts[1].nbytes - 8192
+    assert same_bits(repo.get("imp")["w"], ts[0])
+    assert open(src, "rb").read() == before  # the checkpoint file itself is untouched
+    assert repo.put("dup", {"x": ts[0].copy()})["written"] == 0  # its whole-tensor CRC de-duplicates

@@ -120,7 +120,7 @@ from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, S
 from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
 from .names import parse_name
 
-__all__ = ["EmbeddedRepository", "SCHEMA_VERSION", "DEFAULT_ORPHAN_GRACE"]
+__all__ = ["EmbeddedRepository", "tensor_entries", "SCHEMA_VERSION", "DEFAULT_ORPHAN_GRACE"]
 
 #: version of the database schema (``settings.schema_version``)
 SCHEMA_VERSION = 1
@@ -198,6 +198,28 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 class _Retry(Exception):
     """A de-duplicated blob vanished (gc) between planning and commit: store again."""
+
+
+class _Copy:
+    """Bytes of another pack to stream into a new one (gc), CRC-checked on the way."""
+
+    def __init__(self, fd: int, offset: int, length: int, what: str) -> None:
+        self.fd, self.offset, self.length, self.what = fd, offset, length, what
+
+    def copy_to(self, fd: int, offset: int, crc: int) -> None:
+        chunk = 16 << 20
+        buf = memoryview(bytearray(min(chunk, self.length)))
+        got = 0
+        value = 0
+        while got < self.length:
+            n = min(chunk, self.length - got)
+            EmbeddedRepository._preadv_all(self.fd, [buf[:n]], self.offset + got, self.what)
+            value = crc32(buf[:n], value)
+            EmbeddedRepository._pwritev_all(fd, [buf[:n]], offset + got)
+            got += n
+        if value != crc:
+            raise CorruptCheckpointError(f"{self.what}: checksum mismatch: the pack was damaged after it was written; "
+                                         "it is kept as it is (restore it from a backup or delete its models)")
 
 
 class _Tensor:
@@ -464,34 +486,40 @@ class EmbeddedRepository:
         finally:
             os.close(fd)
 
-    def _write_pack(self, items: Sequence[tuple[memoryview, str, tuple[int, ...], int]]
-                    ) -> tuple[str, int, list[Entry]]:
-        """Write ``(bytes, dtype, shape, crc)`` items as one pack: tmp name, then rename.
-        Returns (file name, file size, entries)."""
+    def _write_pack(self, items: Sequence[tuple[Any, str, tuple[int, ...], int]]) -> tuple[str, int, list[Entry]]:
+        """Write ``(source, dtype, shape, crc)`` items as one pack: a tmp name, then a rename. A
+        source is a memoryview of the bytes, or a :class:`_Copy` (bytes of another pack, streamed
+        and CRC-checked). Returns (file name, file size, entries)."""
         entries = [Entry(i, dtype, shape, 0, math.prod(shape), crc=crc)
                    for i, (_, dtype, shape, crc) in enumerate(items)]
         entries, data_offset, size = layout(entries)
         head = encode_index(KIND_ASSEMBLED, 0, 1, 0, entries, data_offset, size, True, os.urandom(8).hex())
-        iovs = [memoryview(head)]
-        pos = len(head)
-        for e, (view, *_rest) in zip(entries, items):
-            while pos < e.offset:
-                gap = min(e.offset - pos, len(_ZEROS))
-                iovs.append(_ZEROS[:gap])
-                pos += gap
-            iovs.append(view)
-            pos += len(view)
-        while pos < size:  # (an empty last tensor at an aligned offset)
-            gap = min(size - pos, len(_ZEROS))
-            iovs.append(_ZEROS[:gap])
-            pos += gap
         uid = uuid.uuid4().hex
         tmp = os.path.join(self._packs, f"tmp-{uid}")
         file = uid + _PACK_SUFFIX
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             try:
-                self._pwritev_all(fd, iovs, 0)
+                iovs: list[memoryview] = [memoryview(head)]
+                start = 0  # file offset of iovs[0]
+                pos = len(head)
+                for e, (src, *_rest) in zip(entries, items):
+                    while pos < e.offset:  # zero padding (< 64 bytes; the header's up to 4096)
+                        gap = min(e.offset - pos, len(_ZEROS))
+                        iovs.append(_ZEROS[:gap])
+                        pos += gap
+                    if isinstance(src, _Copy):
+                        self._pwritev_all(fd, iovs, start)
+                        src.copy_to(fd, e.offset, e.crc)
+                        iovs, start = [], e.offset + e.length
+                    else:
+                        iovs.append(src)
+                    pos += e.length
+                while pos < size:  # (an empty last tensor at an aligned offset)
+                    gap = min(size - pos, len(_ZEROS))
+                    iovs.append(_ZEROS[:gap])
+                    pos += gap
+                self._pwritev_all(fd, iovs, start)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -1040,21 +1068,17 @@ class EmbeddedRepository:
         rows = conn.execute("SELECT id, dtype, shape, entry, n_entries, offset, length, crc FROM blobs WHERE pack=? "
                             "ORDER BY offset", (pid,)).fetchall()
         path = self._pack_path(file)
-        arrays = []
         try:
             with fsafe.open_regular_file(path) as f:
                 index = self._index(f, path)
+                items = []
                 for bid, dtype, shape, entry, n_entries, offset, length, crc in rows:
                     _, dims = self._parse_spec(dtype, shape, f"blob {bid}")
                     self._resolve(index, path, f"blob {bid}", entry, n_entries, offset, length, crc, dtype, dims)
-                    buf = np.empty(length, dtype=np.uint8)
-                    self._preadv_all(f.fileno(), [memoryview(buf)], offset, path)
-                    if crc32(buf) != crc:
-                        raise CorruptCheckpointError(f"{path}: checksum mismatch in blob {bid}")
-                    arrays.append((memoryview(buf), dtype, dims, crc))
+                    items.append((_Copy(f.fileno(), offset, length, f"{path}: blob {bid}"), dtype, dims, crc))
+                new_file, new_size, entries = self._write_pack(items)
         except FileNotFoundError:
             return None  # another gc got there first
-        new_file, new_size, entries = self._write_pack(arrays)
         committed = False
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -1187,6 +1211,18 @@ class EmbeddedRepository:
                 self._rollback(conn)
                 _unlink(dest)
         return {"bytes": total, "written": size, "deduplicated": 0}
+
+
+def tensor_entries(path: str) -> dict[int, list[int]]:
+    """tensor id -> the indices (file order) of its index entries in the DeepFreeze-format file
+    ``path``: the ``mapping`` values :meth:`EmbeddedRepository.add_pack` takes (map tensor ids to
+    keys with the checkpoint's manifest). :class:`CorruptCheckpointError` if it is not a valid file."""
+    with fsafe.open_regular_file(path) as f:
+        index = read_index(f, path)
+    out: dict[int, list[int]] = {}
+    for i, e in enumerate(index.entries):
+        out.setdefault(e.tensor_id, []).append(i)
+    return out
 
 
 def _unlink(path: str) -> bool:
