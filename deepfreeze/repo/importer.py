@@ -22,12 +22,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import format as fmt
 from ..config import Config, validate_name
 from ..errors import CheckpointNotFoundError, ModelMismatchError, RepositoryError
 from ..levels import ASSEMBLED, PersistentLevel
 from .graph import check_graph, tensor_keys
 from .names import check_name
+from .store import tensor_entries
 
 __all__ = ["checkpoint_layers", "import_checkpoint"]
 
@@ -72,7 +72,8 @@ def import_checkpoint(repo: Any, name: str, config: "str | os.PathLike[str] | Co
     """Store version ``version`` (default: the newest restorable) of checkpoint ``checkpoint`` as
     repository model ``name``. ``layers``: the record to use when the manifest has none (see the
     module docstring; it may carry ``"specs"``: key -> (dtype, shape), checked against the
-    checkpoint). Returns ``{"name", "version", "step", "how": "linked"|"copied"|"stored", "bytes"}``."""
+    checkpoint). Returns ``{"name", "version", "step", "how", "bytes"}``: ``how`` is ``"pack"`` (the assembled
+    file added as a pack: linked, or copied across file systems) or ``"stored"`` (read and put)."""
     from ..restore import list_versions, load
 
     check_name(name)
@@ -99,20 +100,15 @@ def import_checkpoint(repo: Any, name: str, config: "str | os.PathLike[str] | Co
         _check_shapes(manifest, rec)
         vdir = pers.version_dir(checkpoint, version)
         path = os.path.join(vdir, (manifest.get("assembled") or {}).get("file", ASSEMBLED))
-        with open(path, "rb") as f:
-            index = fmt.read_index(f, path)
-        entries: dict[int, list[int]] = {}
-        for i, e in enumerate(index.entries):
-            entries.setdefault(e.tensor_id, []).append(i)
+        entries = tensor_entries(path)
         mapping = {}
         for key, tid in zip(tensor_keys(rec["graph"]), rec["tensors"]):
             if tid not in entries:
                 raise RepositoryError(f"{path}: tensor {tid} ({manifest['tensors'][tid]['name']!r}) is not in the "
                                       "assembled file")
             mapping[key] = entries[tid]
-        how = add_pack(name, path, mapping, rec["graph"], None)
-        nbytes = sum(index.entries[i].nbytes for ix in mapping.values() for i in ix)
-        return {"name": name, "version": version, "step": manifest["step"], "how": how, "bytes": nbytes}
+        out = add_pack(name, path, mapping, rec["graph"], None)
+        return {"name": name, "version": version, "step": manifest["step"], "how": "pack", "bytes": out["bytes"]}
     ck = load(cfg, checkpoint, version, trust_owners=trust_owners)
     rec = checkpoint_layers(ck.manifest, f"{checkpoint} v{version}") or layers
     if rec is None:
