@@ -629,7 +629,7 @@ def test_add_pack_imports_without_reserializing(repo, tmp_path):
     write_dfz(src, ts)
     mapping = {"w": [0, 1, 2], "b": [3, 4, 5]}  # the third tensor (an optimizer slot, say) is left out
     res = repo.add_pack("imp@1", src, mapping)
-    assert res["bytes"] == ts[0].nbytes + ts[1].nbytes
+    assert res["bytes"] == ts[0].nbytes + ts[1].nbytes and res["how"] == "linked"
     got = repo.get("imp@1")
     assert same_bits(got["w"], ts[0]) and same_bits(got["b"], ts[1])
     new = [p for p in packs(repo.directory)]
@@ -835,3 +835,21 @@ def test_gc_rewrites_an_imported_pack_of_pieces(repo, tmp_path):
     assert same_bits(repo.get("imp")["w"], ts[0])
     assert open(src, "rb").read() == before  # the checkpoint file itself is untouched
     assert repo.put("dup", {"x": ts[0].copy()})["written"] == 0  # its whole-tensor CRC de-duplicates
+
+
+def test_add_pack_copies_across_file_systems(repo, tmp_path, monkeypatch):
+    """os.link failing with EXDEV (another file system): the file is copied, bit-exact."""
+    import errno
+
+    def no_link(*a, **k):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+    ts = [RNG.standard_normal(3000), RNG.integers(0, 5, 77, dtype=np.int8)]
+    src = str(tmp_path / "other.dfz")
+    write_dfz(src, ts, pieces=2)
+    monkeypatch.setattr(os, "link", no_link)
+    res = repo.add_pack("cp", src, {"a": [0, 1], "b": [2, 3]})
+    assert res["how"] == "copied"
+    (pack,) = packs(repo.directory)
+    assert os.stat(os.path.join(repo.directory, "packs", pack)).st_ino != os.stat(src).st_ino
+    got = repo.get("cp")
+    assert same_bits(got["a"], ts[0]) and same_bits(got["b"], ts[1])

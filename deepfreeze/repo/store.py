@@ -1114,7 +1114,7 @@ class EmbeddedRepository:
         ``mapping`` names its tensors: key -> the indices (in file order) of the index entries that
         form that tensor, contiguous pieces covering it whole. The whole tensor's CRC32 is computed
         by reading it once (the pieces' CRCs are checked on the way). Returns like :meth:`put`
-        (``written``: the size of the file taken in)."""
+        (``written``: the size of the file taken in) plus ``"how"``: ``"linked"`` or ``"copied"``."""
         model, tag = parse_name(name)
         if not isinstance(mapping, Mapping) or not mapping:
             raise RepositoryError("mapping must be a non-empty mapping of tensor key -> entry indices")
@@ -1171,7 +1171,7 @@ class EmbeddedRepository:
             file = uid + _PACK_SUFFIX
             dest = os.path.join(self._packs, file)
             size = index.file_size
-            _place(f, path, dest, os.path.join(self._packs, f"tmp-{uid}"), self.fsync)
+            how = _place(f, path, dest, os.path.join(self._packs, f"tmp-{uid}"), self.fsync)
         if self.fsync:
             self._fsync_dir()
         committed = False
@@ -1210,7 +1210,7 @@ class EmbeddedRepository:
             if not committed:
                 self._rollback(conn)
                 _unlink(dest)
-        return {"bytes": total, "written": size, "deduplicated": 0}
+        return {"bytes": total, "written": size, "deduplicated": 0, "how": how}
 
 
 def tensor_entries(path: str) -> dict[int, list[int]]:
@@ -1233,14 +1233,16 @@ def _unlink(path: str) -> bool:
         return False
 
 
-def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> None:
-    """Put the open file ``f`` (path ``src``) at ``dest``: a hard link on the same file system,
-    else a copy (copy_file_range) under ``tmp`` renamed into place."""
+def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> str:
+    """Put the open file ``f`` (path ``src``) at ``dest``: a hard link on the same file system
+    (returns ``"linked"``), else a copy (copy_file_range) under ``tmp`` renamed into place
+    (``"copied"``)."""
     st = os.fstat(f.fileno())
     try:
         os.link(src, dest, follow_symlinks=False)
-        if os.stat(dest).st_ino == st.st_ino:  # the file we checked, not one swapped in meanwhile
-            return
+        dst = os.stat(dest)
+        if (dst.st_ino, dst.st_dev) == (st.st_ino, st.st_dev):  # the file we checked, not a swapped one
+            return "linked"
         _unlink(dest)
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.ENOTSUP):
@@ -1269,3 +1271,4 @@ def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> None:
     except BaseException:
         _unlink(tmp)
         raise
+    return "copied"
