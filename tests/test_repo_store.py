@@ -629,7 +629,7 @@ def test_add_pack_imports_without_reserializing(repo, tmp_path):
     write_dfz(src, ts)
     mapping = {"w": [0, 1, 2], "b": [3, 4, 5]}  # the third tensor (an optimizer slot, say) is left out
     res = repo.add_pack("imp@1", src, mapping)
-    assert res["bytes"] == ts[0].nbytes + ts[1].nbytes
+    assert res["bytes"] == ts[0].nbytes + ts[1].nbytes and res["how"] == "linked"
     got = repo.get("imp@1")
     assert same_bits(got["w"], ts[0]) and same_bits(got["b"], ts[1])
     new = [p for p in packs(repo.directory)]
@@ -643,6 +643,10 @@ def test_add_pack_imports_without_reserializing(repo, tmp_path):
     assert packs(repo.directory) == new and "imp@2" not in repo.list()["imp"]
     with pytest.raises(NameExistsError):
         repo.add_pack("imp@1", src, mapping)
+    repo.delete("imp@1")
+    res = repo.gc(grace=0)  # the dead pack is unlinked, but the checkpoint keeps its bytes: nothing freed
+    assert res["packs_removed"] == 1 and res["freed"] == 0 and os.path.exists(src) and packs(repo.directory) == []
+    new = []
     # a damaged source is refused and nothing is stored
     with open(src, "r+b") as f:
         f.seek(os.path.getsize(src) - 5)
@@ -830,8 +834,29 @@ def test_gc_rewrites_an_imported_pack_of_pieces(repo, tmp_path):
     assert tensor_entries(src) == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7], 2: [8, 9, 10, 11]}
     before = open(src, "rb").read()
     repo.add_pack("imp", src, {"w": [0, 1, 2, 3]})  # the two big tensors (optimizer slots) are not taken
+    # while the checkpoint's own link exists, a rewrite would only add a copy: gc leaves it
+    assert repo.gc(grace=0) == {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
+                                "orphans_removed": 0, "damaged": []}
+    assert open(src, "rb").read() == before  # the checkpoint file itself is untouched
+    os.unlink(src)  # the checkpoint's retention removes it: now the repository's link is the only one
     res = repo.gc(grace=0)
     assert res["packs_rewritten"] == 1 and res["freed"] > 2 * ts[1].nbytes - 8192
     assert same_bits(repo.get("imp")["w"], ts[0])
-    assert open(src, "rb").read() == before  # the checkpoint file itself is untouched
     assert repo.put("dup", {"x": ts[0].copy()})["written"] == 0  # its whole-tensor CRC de-duplicates
+
+
+def test_add_pack_copies_across_file_systems(repo, tmp_path):
+    """A file on another file system (/dev/shm, a tmpfs) cannot be hard-linked: it is copied."""
+    import tempfile
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(repo.directory).st_dev:
+        pytest.skip("needs /dev/shm on another file system than the repository")
+    ts = [RNG.standard_normal(3000), RNG.integers(0, 5, 77, dtype=np.int8)]
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        src = os.path.join(shm, "other.dfz")
+        write_dfz(src, ts, pieces=2)
+        res = repo.add_pack("cp", src, {"a": [0, 1], "b": [2, 3]})
+    assert res["how"] == "copied"
+    (pack,) = packs(repo.directory)
+    assert os.path.getsize(os.path.join(repo.directory, "packs", pack)) == res["written"]
+    got = repo.get("cp")  # the source is gone: the copy is the repository's own
+    assert same_bits(got["a"], ts[0]) and same_bits(got["b"], ts[1])

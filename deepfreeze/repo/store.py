@@ -70,10 +70,13 @@ Garbage collection (:meth:`~EmbeddedRepository.gc`)
 In one write transaction: drop blobs no model references, drop packs left without blobs, remove
 orphan packs (not in the database, older than the grace period); after the commit, unlink the
 dead packs. Then rewrite each pack whose live bytes are below ``rewrite_below`` (default 0.5) of
-its data: the live tensors are read (CRC-checked), written to a new pack as above, and one
+its data: the live tensors are streamed (CRC-checked) into a new pack written as above, and one
 transaction moves their blobs to it (blob ids are unchanged, so a concurrent store that
-de-duplicated against them stays valid); the old pack is unlinked. Returns the bytes freed.
-A crash during gc leaves either the old or the new pack referenced, and at most an orphan.
+de-duplicated against them stays valid); the old pack is unlinked. An imported file still
+hard-linked from its checkpoint is not rewritten (a copy would free nothing), and ``freed``
+counts only bytes really released (not a link of a file that has others). A pack whose live
+tensor fails its CRC is kept as it is and reported (``damaged``). A crash during gc leaves
+either the old or the new pack referenced, and at most an orphan.
 
 Reads
 -----
@@ -1038,13 +1041,12 @@ class EmbeddedRepository:
                 if now - max(st.st_mtime, st.st_ctime) >= grace:  # ctime: a hard link made now
                     if _unlink(p):
                         orphans += 1
-                        freed += st.st_size
+                        freed += st.st_size if st.st_nlink == 1 else 0
             conn.execute("COMMIT")
         finally:
             self._rollback(conn)
-        for file, size in dead:
-            if _unlink(os.path.join(self._packs, file)):
-                freed += size
+        for file, _size in dead:
+            freed += _unlink_freed(os.path.join(self._packs, file))
         rewritten = 0
         damaged: list[str] = []
         rows = conn.execute("SELECT p.id, p.file, p.size, p.data_bytes, SUM(b.length) FROM packs p JOIN blobs b "
@@ -1052,7 +1054,11 @@ class EmbeddedRepository:
         for pid, file, size, data, live in rows:
             if live < rewrite_below * data:
                 try:
+                    if os.lstat(self._pack_path(file)).st_nlink > 1:
+                        continue  # an imported file still linked from its checkpoint: a copy frees nothing
                     delta = self._rewrite(pid, file, size)
+                except FileNotFoundError:
+                    continue
                 except CorruptCheckpointError as e:  # keep the pack as it is: the reads will say so
                     damaged.append(str(e))
                     continue
@@ -1099,10 +1105,10 @@ class EmbeddedRepository:
             self._rollback(conn)
             if not committed:
                 _unlink(os.path.join(self._packs, new_file))
-        _unlink(path)
+        freed = _unlink_freed(path)
         with self._lock:
             self._index_cache.pop(path, None)
-        return size - new_size
+        return freed - new_size
 
     # ------------------------------------------------------------------ import
 
@@ -1114,7 +1120,7 @@ class EmbeddedRepository:
         ``mapping`` names its tensors: key -> the indices (in file order) of the index entries that
         form that tensor, contiguous pieces covering it whole. The whole tensor's CRC32 is computed
         by reading it once (the pieces' CRCs are checked on the way). Returns like :meth:`put`
-        (``written``: the size of the file taken in)."""
+        (``written``: the size of the file taken in) plus ``"how"``: ``"linked"`` or ``"copied"``."""
         model, tag = parse_name(name)
         if not isinstance(mapping, Mapping) or not mapping:
             raise RepositoryError("mapping must be a non-empty mapping of tensor key -> entry indices")
@@ -1171,7 +1177,7 @@ class EmbeddedRepository:
             file = uid + _PACK_SUFFIX
             dest = os.path.join(self._packs, file)
             size = index.file_size
-            _place(f, path, dest, os.path.join(self._packs, f"tmp-{uid}"), self.fsync)
+            how = _place(f, path, dest, os.path.join(self._packs, f"tmp-{uid}"), self.fsync)
         if self.fsync:
             self._fsync_dir()
         committed = False
@@ -1210,7 +1216,7 @@ class EmbeddedRepository:
             if not committed:
                 self._rollback(conn)
                 _unlink(dest)
-        return {"bytes": total, "written": size, "deduplicated": 0}
+        return {"bytes": total, "written": size, "deduplicated": 0, "how": how}
 
 
 def tensor_entries(path: str) -> dict[int, list[int]]:
@@ -1233,14 +1239,26 @@ def _unlink(path: str) -> bool:
         return False
 
 
-def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> None:
-    """Put the open file ``f`` (path ``src``) at ``dest``: a hard link on the same file system,
-    else a copy (copy_file_range) under ``tmp`` renamed into place."""
+def _unlink_freed(path: str) -> int:
+    """Unlink ``path``; the bytes this frees (0 if it was gone or has other hard links)."""
+    try:
+        st = os.lstat(path)
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return st.st_size if st.st_nlink == 1 else 0
+
+
+def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> str:
+    """Put the open file ``f`` (path ``src``) at ``dest``: a hard link on the same file system
+    (returns ``"linked"``), else a copy (copy_file_range) under ``tmp`` renamed into place
+    (``"copied"``)."""
     st = os.fstat(f.fileno())
     try:
         os.link(src, dest, follow_symlinks=False)
-        if os.stat(dest).st_ino == st.st_ino:  # the file we checked, not one swapped in meanwhile
-            return
+        dst = os.stat(dest)
+        if (dst.st_ino, dst.st_dev) == (st.st_ino, st.st_dev):  # the file we checked, not a swapped one
+            return "linked"
         _unlink(dest)
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.ENOTSUP):
@@ -1269,3 +1287,4 @@ def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> None:
     except BaseException:
         _unlink(tmp)
         raise
+    return "copied"
