@@ -170,8 +170,8 @@ def _import(args: argparse.Namespace) -> int:
     with _open(args) as repo:
         out = import_checkpoint(repo, args.model, cfg, ckpt, version=args.version, layers=layers,
                                 trust_owners=args.trust_owners)
-    how = ("its assembled file added as a pack (linked, or copied across file systems)" if out["how"] == "pack"
-           else "read and stored")
+    how = {"linked": "its assembled file hard-linked as a pack (no copy)",
+           "copied": "its assembled file copied as a pack (another file system)"}.get(out["how"], "read and stored")
     print(f"imported checkpoint {ckpt!r} v{out['version']} (step {out['step']}) as {args.model}: "
           f"{mb(out['bytes'])} of weights, {how}")
     return EXIT_OK

@@ -72,8 +72,9 @@ def import_checkpoint(repo: Any, name: str, config: "str | os.PathLike[str] | Co
     """Store version ``version`` (default: the newest restorable) of checkpoint ``checkpoint`` as
     repository model ``name``. ``layers``: the record to use when the manifest has none (see the
     module docstring; it may carry ``"specs"``: key -> (dtype, shape), checked against the
-    checkpoint). Returns ``{"name", "version", "step", "how", "bytes"}``: ``how`` is ``"pack"`` (the assembled
-    file added as a pack: linked, or copied across file systems) or ``"stored"`` (read and put)."""
+    checkpoint). Returns ``{"name", "version", "step", "how", "bytes"}``: ``how`` is ``"linked"`` or ``"copied"``
+    (the assembled file added as a pack: a hard link, or a copy across file systems) or ``"stored"``
+    (read and put)."""
     from ..restore import list_versions, load
 
     check_name(name)
@@ -108,7 +109,8 @@ def import_checkpoint(repo: Any, name: str, config: "str | os.PathLike[str] | Co
                                       "assembled file")
             mapping[key] = entries[tid]
         out = add_pack(name, path, mapping, rec["graph"], None)
-        return {"name": name, "version": version, "step": manifest["step"], "how": "pack", "bytes": out["bytes"]}
+        return {"name": name, "version": version, "step": manifest["step"], "how": out.get("how", "linked"),
+                "bytes": out["bytes"]}
     ck = load(cfg, checkpoint, version, trust_owners=trust_owners)
     rec = checkpoint_layers(ck.manifest, f"{checkpoint} v{version}") or layers
     if rec is None:
