@@ -87,9 +87,10 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     p.set_defaults(func=lambda args: (_ for _ in ()).throw(UsageError("give a repo subcommand")))
 
 
-def _open(args: argparse.Namespace) -> Any:
-    from ..repo import Repository
-    return Repository(args.repo)
+def _open(args: argparse.Namespace, create: bool = False) -> Any:
+    """The repository of REPO; a directory is created only by commands that store (import)."""
+    from ..repo import SCHEME, Repository
+    return Repository(args.repo) if args.repo.startswith(SCHEME) else Repository(args.repo, create=create)
 
 
 def _when(t: float | None) -> str:
@@ -167,7 +168,7 @@ def _import(args: argparse.Namespace) -> int:
     if args.builder:
         from ..keras.repo import layer_record  # TensorFlow: only on this path
         layers = layer_record(_builder(args.builder)())
-    with _open(args) as repo:
+    with _open(args, create=True) as repo:
         out = import_checkpoint(repo, args.model, cfg, ckpt, version=args.version, layers=layers,
                                 trust_owners=args.trust_owners)
     how = {"linked": "its assembled file hard-linked as a pack (no copy)",
