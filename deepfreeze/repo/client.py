@@ -112,10 +112,12 @@ class _Provider:
         self.staging = staging or ("arena" if self.arena is not None else "tcp")
         self.sock = sock
 
-    def call(self, header: dict[str, Any], payload: Iterable[Any] = (), recv: Any = None) -> dict[str, Any]:
+    def call(self, header: dict[str, Any], payload: Iterable[Any] = (), recv: Any = None,
+             wait: float = 0.0) -> dict[str, Any]:
         """Send a request, return the answer's header (its error raised). ``recv(msg)`` takes the
-        answer's payload. A failed connection is closed and reopened by the next call."""
-        timeout = self.repo.timeout
+        answer's payload. ``wait``: seconds the provider may wait on its side (arena space) on top
+        of the timeout. A failed connection is closed and reopened by the next call."""
+        timeout = self.repo.timeout + wait
         with self.lock:
             if self.sock is None:
                 self._connect()
@@ -263,7 +265,7 @@ class RemoteRepository:
         return res
 
     def _put_arena(self, p: _Provider, head: dict, segs: list[list], arrays: dict, total: int) -> dict:
-        ext = p.call({"op": "alloc", "nbytes": total, "timeout": self.timeout})
+        ext = p.call({"op": "alloc", "nbytes": total, "timeout": self.timeout}, wait=self.timeout)
         off, length = ext.get("offset"), ext.get("length")
         if type(off) is not int or type(length) is not int or not (0 <= off and total <= length
                                                                    and off + length <= p.arena_np.size):
@@ -309,6 +311,9 @@ class RemoteRepository:
             if k not in specs:
                 raise ModelNotFoundError(f"model {name!r} has no tensor {k!r}")
         out = dict(out or {})
+        extra = [k for k in out if k not in keys]
+        if extra:
+            raise RepositoryError(f"out= has key(s) {extra[:5]!r} that are not among the requested tensors")
         res: dict[str, np.ndarray] = {}
         for k in keys:
             dt, shape = specs[k]
@@ -354,7 +359,7 @@ class RemoteRepository:
 
     def _get_arena(self, p: _Provider, name: str, keys: list[str], specs: Mapping, res: dict, verify: bool) -> None:
         reply = p.call({"op": "get", "name": name, "tensors": keys, "staging": "arena", "verify": verify,
-                        "timeout": self.timeout})
+                        "timeout": self.timeout}, wait=self.timeout)
         try:
             where = f"provider {p.addr}"
             segs = _check_reply_segs(reply.get("tensors"), keys, specs, where)
@@ -398,7 +403,7 @@ class RemoteRepository:
                 msg.recv_into(byte_view(res[key]))
 
         reply = p.call({"op": "get", "name": name, "tensors": keys, "staging": "tcp", "verify": verify,
-                        "timeout": self.timeout}, recv=recv)
+                        "timeout": self.timeout}, recv=recv, wait=self.timeout)
         self._read_count(p, reply)
 
     def _get_file(self, p: _Provider, name: str, keys: list[str], specs: Mapping, res: dict, verify: bool) -> None:
@@ -484,7 +489,13 @@ class RemoteRepository:
             check_name(name)
             return self._at(name).call({"op": "info", "name": name})["info"]
         per = [p.call({"op": "info", "name": None})["info"] for p in self._providers]
-        return {**_sum_dicts(per), "providers": list(self.addresses), "per_provider": per}
+        total = {k: v for k, v in per[0].items()}
+        for k in _SUMMED:
+            if all(isinstance(d.get(k), int) for d in per):
+                total[k] = sum(d[k] for d in per)
+        total.update(location=self.location, models=len(self.list()), providers=list(self.addresses),
+                     per_provider=per)
+        return total
 
     def delete(self, name: str) -> None:
         """Delete ``name`` on its provider (the name stays reserved)."""
@@ -510,6 +521,12 @@ class RemoteRepository:
 
     def __repr__(self) -> str:
         return f"RemoteRepository({self.location!r})"
+
+
+#: repository totals that add up over providers (a model's names may lie on several providers:
+#: ``models`` is counted from list())
+_SUMMED = ("names", "deleted_names", "tensors", "logical_bytes", "stored_bytes", "savings", "blobs", "packs",
+           "pack_bytes", "layer_meta")
 
 
 def _sum_dicts(dicts: list[dict]) -> dict:

@@ -29,7 +29,7 @@ header or payload, a dead peer): then the provider closes the connection.)::
         arena, inside the extent); the extent is released by the put, whatever its outcome.
         staging "tcp": the payload carries the tensors back to back (offsets relative to it,
         contiguous, the payload length equal to their sum); the provider receives them into an
-        arena extent when they fit, else into one buffer of their size.
+        arena extent when one is free right now (TCP never waits for the arena), else into one buffer.
         staging "file": the tensors are in the client's on-demand file ``path`` (DStore-OnDemand).
         A put bigger than the arena's largest extent is sent over "tcp" by the client (the store
         commits a model in one pack file and one transaction, so it needs all of it at once).
@@ -72,8 +72,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .. import net
-from ..errors import (AuthenticationError, ConfigError, CorruptCheckpointError, DeepFreezeError, ProviderError,
-                      RepositoryError)
+from ..errors import (AuthenticationError, ConfigError, CorruptCheckpointError, DeepFreezeError, ModelNotFoundError,
+                      ProviderError, ProviderTimeoutError, RepositoryError)
 from ..format import MAX_NDIM, dtype_itemsize, numpy_dtype
 from .arena import DEFAULT_ARENA_BYTES, Arena, Extent, open_shared
 from .graph import ID_HEX_RE
@@ -417,11 +417,19 @@ class Provider:
             if staging == "arena" and st.extent is not None:
                 self._release(st)
 
+    def _try_alloc(self, total: int) -> Extent | None:
+        """An arena extent for a TCP transfer when one is free right now (else None: a fresh buffer;
+        TCP transfers never wait for the arena)."""
+        if self.arena is None or total > self.arena.max_extent:
+            return None
+        try:
+            return self.arena.alloc(total, 0.0)
+        except ProviderTimeoutError:
+            return None
+
     def _put_tcp(self, name: str, msg: net.Message, segs: list, graph: Any, meta: Any) -> Any:
         total = msg.payload_bytes
-        ext = None
-        if self.arena is not None and total <= self.arena.max_extent:
-            ext = self.arena.alloc(total, self.io_timeout)
+        ext = self._try_alloc(total)
         try:
             buf = self.arena.view(ext.offset, total) if ext is not None else np.empty(total, np.uint8)
             msg.recv_into(buf)
@@ -444,7 +452,6 @@ class Provider:
         for k in keys:
             _check_key(k)
             if k not in specs:
-                from ..errors import ModelNotFoundError
                 raise ModelNotFoundError(f"model {name!r} has no tensor {k!r}")
             if k in seen:
                 raise _bad(f"tensor key {k!r} requested twice")
@@ -473,20 +480,18 @@ class Provider:
             st.extent = ext
             for s in segs:
                 s[3] += ext.offset
-            st.bytes_read += total
+            st.bytes_read += sum(seg[4] for seg in segs)
             return {"ok": True, "tensors": segs, "bytes_read": st.bytes_read,
                     "extent": [ext.offset, ext.length]}, []
         if staging == "tcp":
             if total > self.max_request_bytes:
                 raise RepositoryError(f"a get of {total} bytes is over this provider's limit of "
                                       f"{self.max_request_bytes}: split it")
-            ext = None
-            if self.arena is not None and total <= self.arena.max_extent:
-                ext = self.arena.alloc(total, self._timeout(req))
+            ext = self._try_alloc(total)
             try:
                 buf = self.arena.view(ext.offset, total) if ext is not None else np.empty(total, np.uint8)
                 self.repo.get(name, keys, out=_views(buf, 0, checked), verify=verify)
-                st.bytes_read += total
+                st.bytes_read += sum(seg[4] for seg in segs)
                 reply = {"ok": True, "tensors": segs, "bytes_read": st.bytes_read}
                 if ext is not None:  # the extent stays allocated until the answer is sent
                     arena = self.arena
@@ -509,7 +514,7 @@ class Provider:
                     mm.close()
                 except BufferError:
                     pass
-            st.bytes_read += total
+            st.bytes_read += sum(seg[4] for seg in segs)
             return {"ok": True, "tensors": segs, "bytes_read": st.bytes_read}, []
         raise _bad(f"staging {staging!r:.40}: expected 'arena', 'tcp' or 'file'")
 
