@@ -240,20 +240,21 @@ def is_transport_error(e: BaseException) -> bool:
     with (:func:`raise_for_reply`) are not."""
     return bool(getattr(e, "transport", False))
 
-def _left(deadline: float | None, what: str) -> float | None:
+def _left(deadline: float | None, sock: socket.socket, what: str) -> float | None:
     if deadline is None:
         return None
     left = deadline - time.monotonic()
     if left <= 0:
-        raise _lost(ProviderTimeoutError, f"timed out {what}")
+        raise _lost(ProviderTimeoutError, f"timed out {what} {_peer(sock)}")
     return left
 
 
 def _peer(sock: socket.socket) -> str:
     try:
-        return format_address(*sock.getpeername()[:2])
+        name = sock.getpeername()
     except OSError:
         return "the peer"
+    return format_address(*name[:2]) if isinstance(name, tuple) else "the peer"
 
 
 def _bytes_of(buf: Any) -> memoryview:
@@ -273,11 +274,11 @@ def send_msg(sock: socket.socket, header: Mapping[str, Any], payload: Iterable[A
     bufs = [_bytes_of(b) for b in payload]
     total = sum(b.nbytes for b in bufs)
     try:
-        sock.settimeout(_left(deadline, f"sending to {_peer(sock)}"))
+        sock.settimeout(_left(deadline, sock, "sending to"))
         sock.sendall(_FRAME.pack(MAGIC, VERSION, 0, len(hdr), total) + hdr)
         for b in bufs:
             for pos in range(0, b.nbytes, _CHUNK):
-                sock.settimeout(_left(deadline, f"sending to {_peer(sock)}"))
+                sock.settimeout(_left(deadline, sock, "sending to"))
                 sock.sendall(b[pos:pos + _CHUNK])
     except (socket.timeout, TimeoutError) as e:
         raise _lost(ProviderTimeoutError, f"{_peer(sock)} did not take our message in time (stopped or overloaded?)") from e
@@ -289,7 +290,7 @@ def _recv_exact(sock: socket.socket, mv: memoryview, deadline: float | None, wha
     pos, n = 0, mv.nbytes
     try:
         while pos < n:
-            sock.settimeout(_left(deadline, f"waiting for {what} from {_peer(sock)}"))
+            sock.settimeout(_left(deadline, sock, f"waiting for {what} from"))
             got = sock.recv_into(mv[pos:pos + _CHUNK])
             if not got:
                 raise _lost(ProviderError, f"{_peer(sock)} closed the connection in the middle of {what} "
