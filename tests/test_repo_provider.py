@@ -5,7 +5,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -157,6 +156,27 @@ def test_interface_over_providers(env, providers):
         repo.get("net@v2", ["nope"])
     with pytest.raises(RepositoryError):
         repo.put("../etc@x", t)
+    big_endian = np.arange(6, dtype=">f4").reshape(2, 3)
+    repo.put("be@1", {"x": big_endian})
+    back = repo.get("be@1")["x"]
+    assert back.dtype == np.float32 and np.array_equal(back, big_endian)
+    repo.close()
+
+
+def test_stopped_provider_is_a_bounded_error(env, providers):
+    """A provider that stops answering (SIGSTOP): the client's request fails after its timeout."""
+    (p,) = providers(1)
+    repo = RemoteRepository([p.addr], timeout=1.0)
+    repo.put("m@1", {"w": np.zeros(10)})
+    os.kill(p.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ProviderTimeoutError):
+            repo.get("m@1")
+        assert time.monotonic() - t0 < 30
+    finally:
+        os.kill(p.proc.pid, signal.SIGCONT)
+    assert repo.get("m@1")["w"].sum() == 0  # the next request reconnects
     repo.close()
 
 

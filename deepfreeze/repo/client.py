@@ -235,6 +235,8 @@ class RemoteRepository:
             if not isinstance(key, str):
                 raise RepositoryError(f"tensor key {key!r}: expected a string")
             a = np.asarray(value)
+            if not a.dtype.isnative:  # the wire and the store are little-endian native
+                a = a.astype(a.dtype.newbyteorder("="))
             try:
                 dt = dtype_name(a.dtype)
             except CorruptCheckpointError as e:

@@ -95,8 +95,10 @@ MAX_HEADER = 64 << 20
 MAX_TENSORS = 1 << 20
 #: longest tensor key
 MAX_KEY = 1024
-#: largest payload of one request (a put over TCP); the provider needs that much memory
-MAX_REQUEST_BYTES = 1 << 40
+#: default largest payload of one request (a put over TCP; the provider holds it in memory)
+MAX_REQUEST_BYTES = 64 << 30
+#: a failed request with more payload left than this closes the connection instead of reading it
+_DISCARD_LIMIT = 64 << 20
 _ALIGN = 64
 _MAX_DIM = 1 << 48
 
@@ -246,7 +248,11 @@ class Provider:
                     reply, payload = net.error_reply(e), []
                 except Exception as e:  # a bug or an unexpected failure: report it, keep serving
                     log.exception("request %r of %s failed", msg.header.get("op"), peer)
-                    reply, payload = net.error_reply(RepositoryError(f"provider error: {type(e).__name__}: {e}")), []
+                    reply, payload = net.error_reply(ProviderError(
+                        f"internal error of the provider: {type(e).__name__}: {e} (see its log)")), []
+                if msg.remaining > _DISCARD_LIMIT:  # not worth reading: answer, then close
+                    net.send_msg(conn, reply, deadline=time.monotonic() + 1.0)
+                    return
                 msg.discard()  # whatever a failed request left of its payload
                 try:
                     net.send_msg(conn, reply, payload, deadline=time.monotonic() + self.io_timeout)
@@ -586,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{net.DEFAULT_TOKEN_PATH})")
     ap.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES,
                     help=f"staging arena size in bytes (default {DEFAULT_ARENA_BYTES}; 0: none)")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                    help=f"largest put over TCP in bytes (default {MAX_REQUEST_BYTES})")
     ap.add_argument("--io-timeout", type=float, default=DEFAULT_IO_TIMEOUT,
                     help=f"seconds per request and for arena space (default {DEFAULT_IO_TIMEOUT:g})")
     args = ap.parse_args(argv)
@@ -609,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         serve(args.dir, host, port, token_file=args.token_file, arena_bytes=args.arena_bytes,
-              allow_remote=args.allow_remote, ready=ready, io_timeout=args.io_timeout, stop=stop)
+              allow_remote=args.allow_remote, ready=ready, io_timeout=args.io_timeout,
+              max_request_bytes=args.max_request_bytes, stop=stop)
     except DeepFreezeError as e:
         print(f"deepfreeze repo serve: {e}", file=sys.stderr)
         return 1
