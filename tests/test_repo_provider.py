@@ -412,3 +412,25 @@ def test_non_loopback_listen_refused(env, tmp_path):
     p = subprocess.run([sys.executable, "-m", "deepfreeze.repo.provider", "--dir", str(tmp_path / "r"),
                         "--listen", "0.0.0.0:0"], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "allow-remote" in p.stderr
+
+
+def test_client_survives_a_provider_restart(env, providers, tmp_path):
+    """A provider stopped and restarted on the same port: the same client object reconnects and
+    maps the new arena (never the old one's stale memory); everything stays bit-exact."""
+    (p,) = providers(1, dirs={0: tmp_path / "r"})
+    repo = RemoteRepository([p.addr])
+    a, b = make_tensors(11), make_tensors(12)
+    repo.put("a@1", a)
+    old_arena = repo._providers[0].arena_path
+    assert p.stop() == 0
+    with pytest.raises(ProviderError):
+        repo.get("a@1")  # the provider is gone
+    q = ProviderProc(env, tmp_path / "r", port=p.port)
+    try:
+        repo.put("b@1", b)
+        assert repo.staging == ["arena"] and repo._providers[0].arena_path != old_arena
+        got = {**repo.get("a@1"), **{f"b-{k}": v for k, v in repo.get("b@1").items()}}
+        assert all(_equal(got[k], a[k]) and _equal(got[f"b-{k}"], b[k]) for k in a)
+        repo.close()
+    finally:
+        q.stop()

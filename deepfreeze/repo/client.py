@@ -75,6 +75,7 @@ class _Provider:
         self.sock: Any = None
         self.arena: mmap.mmap | None = None
         self.arena_np: np.ndarray | None = None
+        self.arena_path: str | None = None
         self.max_extent = 0
         self.staging = "tcp"
         self.bytes_read = 0
@@ -93,6 +94,8 @@ class _Provider:
             raise
         arena = hello.get("arena")
         staging = r.requested_staging
+        if self.arena is not None and (not isinstance(arena, dict) or arena.get("path") != self.arena_path):
+            self._unmap()  # a restarted provider has a new arena: never write into the old one
         if staging in ("arena", "ondemand", None) and self.arena is None and isinstance(arena, dict):
             try:
                 size, max_extent = int(arena["size"]), int(arena["max_extent"])
@@ -100,13 +103,14 @@ class _Provider:
                     raise RepositoryError("bad arena size")
                 self.arena = open_shared(arena["path"], size, kind="arena")
                 self.arena_np = np.frombuffer(self.arena, dtype=np.uint8, count=size)
-                self.max_extent = max_extent
+                self.arena_path, self.max_extent = arena["path"], max_extent
             except (DeepFreezeError, KeyError, TypeError, ValueError) as e:
                 if staging is not None:
                     sock.close()
                     raise ConfigError(f"staging={staging!r}: cannot map the arena of provider {self.addr}: {e}") from e
         if staging in ("arena", "ondemand") and self.arena is None:
             sock.close()
+            self.staging = "tcp"
             raise ConfigError(f"staging={staging!r} needs provider {self.addr} on this node and running as this "
                               "user; use staging='tcp' (or the default) for a provider on another node")
         self.staging = staging or ("arena" if self.arena is not None else "tcp")
@@ -124,7 +128,8 @@ class _Provider:
             deadline = time.monotonic() + timeout
             try:
                 net.send_msg(self.sock, header, payload, deadline=deadline)
-                msg = net.recv_msg(self.sock, max_header=_MAX_REPLY_HEADER, max_payload=1 << 48, deadline=deadline)
+                msg = net.recv_msg(self.sock, max_header=_MAX_REPLY_HEADER,
+                                   max_payload=0 if recv is None else 1 << 48, deadline=deadline)
                 if msg.header.get("ok") is True and recv is not None:
                     recv(msg)
                 msg.discard()
@@ -143,16 +148,19 @@ class _Provider:
                 pass
             self.sock = None
 
+    def _unmap(self) -> None:
+        self.arena_np, self.arena_path, self.max_extent = None, None, 0
+        if self.arena is not None:
+            try:
+                self.arena.close()
+            except BufferError:  # a view is still alive: the mapping goes with it
+                pass
+            self.arena = None
+
     def close(self) -> None:
         with self.lock:
             self._drop()
-            self.arena_np = None
-            if self.arena is not None:
-                try:
-                    self.arena.close()
-                except BufferError:
-                    pass
-                self.arena = None
+            self._unmap()
 
 
 def _check_reply_segs(segs: Any, keys: list[str], specs: Mapping[str, tuple[str, tuple[int, ...]]],

@@ -80,7 +80,7 @@ from .graph import ID_HEX_RE
 from .names import check_name
 
 __all__ = ["serve", "main", "placement", "node_id", "DEFAULT_IO_TIMEOUT", "MAX_HEADER", "MAX_TENSORS",
-           "MAX_REQUEST_BYTES", "HANDSHAKE_TIMEOUT", "MAX_KEY", "Provider"]
+           "MAX_REQUEST_BYTES", "HANDSHAKE_TIMEOUT", "MAX_KEY", "MAX_CONNECTIONS", "Provider"]
 
 log = logging.getLogger("deepfreeze.repo.provider")
 
@@ -93,8 +93,12 @@ HANDSHAKE_TIMEOUT = 10.0
 MAX_HEADER = 64 << 20
 #: most tensors in one request
 MAX_TENSORS = 1 << 20
-#: longest tensor key
-MAX_KEY = 1024
+#: longest tensor key (the store's limit)
+MAX_KEY = 4096
+#: most connections served at once (more are closed at once)
+MAX_CONNECTIONS = 1024
+#: largest hello (before the token is checked)
+_MAX_HELLO = 256 << 10
 #: default largest payload of one request (a put over TCP; the provider holds it in memory)
 MAX_REQUEST_BYTES = 64 << 30
 #: a failed request with more payload left than this closes the connection instead of reading it
@@ -162,8 +166,8 @@ def _check_segments(raw: Any, *, check_key: bool = True) -> list[tuple[str, np.d
 
 
 def _check_key(key: Any) -> str:
-    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY or not key.isprintable():
-        raise _bad(f"tensor key {key!r:.80}: expected a printable string of 1..{MAX_KEY} characters")
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY or "\0" in key:
+        raise _bad(f"tensor key {key!r:.80}: expected a string of 1..{MAX_KEY} characters without NUL")
     return key
 
 
@@ -216,7 +220,8 @@ class Provider:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer = net.format_address(*conn.getpeername()[:2])
-            hello = net.server_handshake(conn, self.token, deadline=time.monotonic() + HANDSHAKE_TIMEOUT)
+            hello = net.server_handshake(conn, self.token, deadline=time.monotonic() + HANDSHAKE_TIMEOUT,
+                                         max_header=_MAX_HELLO)
             try:
                 reply = self._hello(st, hello)
             except DeepFreezeError as e:
@@ -283,7 +288,7 @@ class Provider:
         if req.get("op") != "hello":
             raise _bad("the first request must be 'hello'")
         providers = req.get("providers")
-        if not isinstance(providers, list) or not 0 < len(providers) <= 4096 or not all(
+        if not isinstance(providers, list) or not 0 < len(providers) <= 1024 or not all(
                 isinstance(p, str) and len(p) <= 300 for p in providers):
             raise _bad("'providers' must be the list of 'host:port' addresses of the repository")
         for p in providers:
@@ -564,6 +569,11 @@ def serve(directory: str, host: str = "127.0.0.1", port: int = 0, *, token: str 
                 threads = [t for t in threads if t.is_alive()]
                 continue
             except InterruptedError:
+                continue
+            threads = [t for t in threads if t.is_alive()]
+            if len(threads) >= MAX_CONNECTIONS:
+                log.warning("refusing a connection: %d connections open already", len(threads))
+                conn.close()
                 continue
             t = threading.Thread(target=prov.handle, args=(conn,), name="deepfreeze-provider-conn", daemon=True)
             t.start()
