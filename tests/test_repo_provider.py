@@ -434,3 +434,60 @@ def test_client_survives_a_provider_restart(env, providers, tmp_path):
         repo.close()
     finally:
         q.stop()
+
+
+def test_arena_allocator_size_classes_threads_and_cleanup():
+    """The buddy allocator: power-of-two page classes, no two live extents overlap under
+    concurrent alloc/free, everything merges back, the file is 0600 and removed on close."""
+    import random
+    import stat as stat_
+    from deepfreeze.repo.arena import PAGE, Arena
+    arena = Arena(40 * PAGE)  # not a power of two: blocks of 32 + 8 pages
+    try:
+        st = os.stat(arena.path)
+        assert stat_.S_IMODE(st.st_mode) == 0o600 and st.st_size == 40 * PAGE
+        assert os.path.basename(arena.path).startswith(f"deepfreeze-arena-{os.getuid()}-{os.getpid()}-")
+        assert arena.max_extent == 32 * PAGE
+        e = arena.alloc(3 * PAGE + 1, 0)
+        assert e.length == 4 * PAGE and e.offset % e.length == 0
+        arena.free(e)
+        with pytest.raises(RepositoryError):
+            arena.free(e)  # twice
+        with pytest.raises(RepositoryError, match="split"):
+            arena.alloc(33 * PAGE, 0)
+        live, lock, failures = {}, threading.Lock(), []
+
+        def worker(seed):
+            rng = random.Random(seed)
+            for _ in range(300):
+                n = rng.randint(1, 6 * PAGE)
+                try:
+                    ext = arena.alloc(n, 5.0)
+                except Exception as ex:  # noqa: BLE001 - reported below
+                    failures.append(ex)
+                    return
+                view = arena.view(ext.offset, ext.length)
+                view[:] = seed
+                with lock:
+                    for other in live.values():
+                        if ext.offset < other.offset + other.length and other.offset < ext.offset + ext.length:
+                            failures.append(("overlap", ext, other))
+                    live[ext] = ext
+                if not (view == seed).all():
+                    failures.append(("overwritten", ext))
+                with lock:
+                    del live[ext]
+                arena.free(ext)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(1, 9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not failures, failures[:3]
+        assert arena.free_bytes == 40 * PAGE
+        whole = arena.alloc(32 * PAGE, 0)  # merged back into the biggest block
+        arena.free(whole)
+    finally:
+        arena.close()
+    assert not os.path.exists(arena.path)
