@@ -27,7 +27,9 @@ The database (schema version :data:`SCHEMA_VERSION`, in ``settings``) holds:
   providers record their provider list there).
 
 One connection per thread (``busy_timeout`` 60 s, ``synchronous=NORMAL``, ``FULL`` with
-``fsync=True``); several processes may use one directory at once.
+``fsync=True``); several processes may use one directory at once. SQLite's WAL mode needs shared
+memory between them: keep the directory on a local file system (node-local disk, or a parallel
+file system only if it supports POSIX locks and shared mmap; otherwise serve it with providers).
 
 Commit protocol (put)
 ---------------------
@@ -38,7 +40,7 @@ Commit protocol (put)
    candidate is CONFIRMED by a byte-for-byte comparison with the stored bytes (so a CRC collision
    can never alias two tensors); identical tensors within one put are stored once too.
 4. The tensors that are new go into ONE pack written to ``packs/tmp-<uuid>`` with a few large
-   ``pwritev`` calls straight from the arrays' memory, (``fsync=True``: fsync), renamed to
+   ``pwritev`` calls straight from the arrays' memory (``fsync=True``: fsync), renamed to
    ``packs/<uuid>.dfz`` (``fsync=True``: fsync of ``packs/``).
 5. ONE transaction (``BEGIN IMMEDIATE``): the name must still be free (else rollback, unlink our
    pack, :class:`~deepfreeze.errors.NameExistsError`), every de-duplicated blob must still exist
@@ -59,9 +61,9 @@ De-duplication
 --------------
 Content key: (CRC32 of the tensor's bytes, dtype, shape), confirmed byte for byte. It runs inside
 the timed store (the CRC is the integrity checksum anyway; the confirmation reads the stored copy
-of each candidate). Blobs are reference-counted: ``delete`` decrements, the name stays reserved
-forever. ``info()`` reports the logical bytes (what the live models hold), the stored bytes (live
-blobs, each once) and the savings.
+of each candidate). Only blobs still referenced are candidates. Blobs are reference-counted:
+``delete`` decrements, the name stays reserved forever. ``info()`` reports the logical bytes
+(what the live models hold), the stored bytes (live blobs, each once) and the savings.
 
 Garbage collection (:meth:`~EmbeddedRepository.gc`)
 ----------------------------------------------------
@@ -81,7 +83,18 @@ database row against the pack's own index and size (a tampered row or pack raise
 ``preadv`` straight into the destination arrays (``np.empty`` or the caller's ``out=``), adjacent
 tensors coalesced into one call, and checks each tensor's CRC32 (``verify``). Only the requested
 tensors' bytes are read (plus the < 64-byte alignment gaps between adjacent ones);
-``bytes_read`` counts them.
+``bytes_read`` counts them (reads of :meth:`~EmbeddedRepository.get` only, not the
+confirmation reads of de-duplication). A get whose pack was moved by a concurrent gc looks its
+rows up again.
+
+Import (:meth:`~EmbeddedRepository.add_pack`)
+---------------------------------------------
+An existing DeepFreeze-format file (an assembled checkpoint) becomes a pack without being
+re-serialized: hard-linked into ``packs/`` (copied with ``copy_file_range`` across file systems),
+its chosen index entries mapped to tensor keys (a tensor may be several contiguous pieces: the
+mapping, contiguity and bounds are checked, each piece's CRC verified and the whole tensor's CRC32
+computed by reading it once), then the same commit transaction as a store. The entries not
+mapped (optimizer slots) are dead bytes of that pack: gc rewrites it if they are most of it.
 """
 from __future__ import annotations
 
@@ -100,8 +113,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import fsafe
-from ..errors import (CorruptCheckpointError, ModelMismatchError, ModelNotFoundError, NameExistsError,
-                      RepositoryError)
+from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
+                      NameExistsError, RepositoryError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
                       dtype_itemsize, dtype_name, encode_index, layout, numpy_dtype, read_index)
 from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
@@ -168,6 +181,17 @@ def _u8(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """format.dtype_name, cached (numpy's dtype.name is slow: it shows in puts of many small tensors)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
 def _shape_text(shape: Sequence[int]) -> str:
     return ",".join(str(int(d)) for d in shape)
 
@@ -183,7 +207,7 @@ class _Tensor:
     def __init__(self, key: str, arr: np.ndarray) -> None:
         self.key, self.arr = key, arr
         self.view = _u8(arr)
-        self.dtype = dtype_name(arr.dtype)
+        self.dtype = _dtype_name(arr.dtype)
         self.shape = _shape_text(arr.shape)
         self.crc = 0
         self.blob: int | None = None  # an existing blob id (de-duplicated)
@@ -277,7 +301,8 @@ class EmbeddedRepository:
             c.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
             c.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT * 1000)}")
         except sqlite3.DatabaseError as e:
-            raise RepositoryError(f"{self._db}: cannot open the repository's database ({e})") from e
+            raise RepositoryError(f"{self._db}: cannot open the repository's database ({e}): it is damaged or "
+                                  "not a DeepFreeze repository") from e
         self._local.conn, self._local.pid = c, os.getpid()
         with self._lock:
             self._conns.append(c)
@@ -439,10 +464,12 @@ class EmbeddedRepository:
         finally:
             os.close(fd)
 
-    def _write_pack(self, items: Sequence[tuple[memoryview, str, tuple[int, ...], int]]) -> tuple[str, int, list[Entry]]:
+    def _write_pack(self, items: Sequence[tuple[memoryview, str, tuple[int, ...], int]]
+                    ) -> tuple[str, int, list[Entry]]:
         """Write ``(bytes, dtype, shape, crc)`` items as one pack: tmp name, then rename.
         Returns (file name, file size, entries)."""
-        entries = [Entry(i, dtype, shape, 0, math.prod(shape), crc=crc) for i, (_, dtype, shape, crc) in enumerate(items)]
+        entries = [Entry(i, dtype, shape, 0, math.prod(shape), crc=crc)
+                   for i, (_, dtype, shape, crc) in enumerate(items)]
         entries, data_offset, size = layout(entries)
         head = encode_index(KIND_ASSEMBLED, 0, 1, 0, entries, data_offset, size, True, os.urandom(8).hex())
         iovs = [memoryview(head)]
@@ -493,7 +520,7 @@ class EmbeddedRepository:
                                       "characters without NUL")
             arr = value if isinstance(value, np.ndarray) else np.asarray(value)
             try:
-                dtype_name(arr.dtype)
+                _dtype_name(arr.dtype)
             except (CorruptCheckpointError, TypeError) as e:
                 raise RepositoryError(f"tensor {key!r}: dtype {arr.dtype} is not supported ({e})") from e
             if arr.ndim > MAX_NDIM:
@@ -554,9 +581,12 @@ class EmbeddedRepository:
             t.crc = crc32(t.view)
         for _attempt in range(8):
             new = self._plan(items)
-            pack = self._write_pack([(t.view, t.dtype, tuple(t.arr.shape), t.crc) for t in new]) if new else None
             try:
-                self._before_commit(name)
+                pack = self._write_pack([(t.view, t.dtype, tuple(t.arr.shape), t.crc) for t in new]) if new else None
+            except OSError as e:
+                raise CheckpointWriteError(e.errno, f"storing {name!r} in {self.location}: writing its pack failed "
+                                           f"({e.strerror or e}); nothing was stored") from e
+            try:
                 return self._commit(name, model, tag, items, new, pack, gbytes, graph, meta_rows)
             except _Retry:
                 continue
@@ -652,6 +682,7 @@ class EmbeddedRepository:
         conn = self._conn()
         committed = False
         try:
+            self._before_commit(name)
             conn.execute("BEGIN IMMEDIATE")
             taken = self._name_taken(conn, name)
             if taken is not None:
@@ -763,12 +794,17 @@ class EmbeddedRepository:
         stored ones: :class:`ModelMismatchError`); the others are allocated. ``verify``: check
         each tensor's CRC32 (default: the repository's ``verify``)."""
         verify = self.verify if verify is None else bool(verify)
+        if isinstance(tensors, (str, bytes)):
+            raise RepositoryError(f"tensors must be an iterable of tensor keys, not the string {tensors!r:.80} "
+                                  "(write [key] for one)")
         for attempt in range(4):
             try:
                 return self._get(name, tensors if tensors is None else list(tensors), out, verify)
-            except FileNotFoundError:
+            except FileNotFoundError as e:  # gc moved the tensors meanwhile: look them up again
                 if attempt == 3:
-                    raise
+                    raise CorruptCheckpointError(
+                        f"{e.filename}: a pack of model {name!r} is missing from the repository (removed by hand?): "
+                        "restore it from a backup or delete the model") from e
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _get(self, name: str, tensors: list[str] | None, out: Mapping[str, np.ndarray] | None,
@@ -946,7 +982,8 @@ class EmbeddedRepository:
         rewrite packs whose live bytes are below ``rewrite_below`` of their data.
 
         Returns ``{"freed": bytes freed on disk, "blobs_removed", "packs_removed",
-        "packs_rewritten", "orphans_removed"}``."""
+        "packs_rewritten", "orphans_removed", "damaged": [messages]}`` (``damaged``: packs
+        that could not be rewritten because a live tensor failed its CRC; they are kept)."""
         grace = self.orphan_grace if grace is None else float(grace)
         conn = self._conn()
         dead: list[tuple[str, int]] = []
@@ -981,16 +1018,21 @@ class EmbeddedRepository:
             if _unlink(os.path.join(self._packs, file)):
                 freed += size
         rewritten = 0
+        damaged: list[str] = []
         rows = conn.execute("SELECT p.id, p.file, p.size, p.data_bytes, SUM(b.length) FROM packs p JOIN blobs b "
                             "ON b.pack=p.id GROUP BY p.id").fetchall()
         for pid, file, size, data, live in rows:
             if live < rewrite_below * data:
-                delta = self._rewrite(pid, file, size)
+                try:
+                    delta = self._rewrite(pid, file, size)
+                except CorruptCheckpointError as e:  # keep the pack as it is: the reads will say so
+                    damaged.append(str(e))
+                    continue
                 if delta is not None:
                     freed += delta
                     rewritten += 1
         return {"freed": freed, "blobs_removed": blobs_removed, "packs_removed": len(dead),
-                "packs_rewritten": rewritten, "orphans_removed": orphans}
+                "packs_rewritten": rewritten, "orphans_removed": orphans, "damaged": damaged}
 
     def _rewrite(self, pid: int, file: str, size: int) -> int | None:
         """Move the live blobs of pack ``pid`` into a new pack; the bytes freed, None if skipped."""
@@ -1024,7 +1066,8 @@ class EmbeddedRepository:
             new_pid = conn.execute("INSERT INTO packs(file, size, data_bytes, created) VALUES (?,?,?,?)",
                                    (new_file, new_size, sum(e.length for e in entries), time.time())).lastrowid
             conn.executemany("UPDATE blobs SET pack=?, entry=?, n_entries=1, offset=?, length=? WHERE id=? AND pack=?",
-                             [(new_pid, i, e.offset, e.length, r[0], pid) for i, (e, r) in enumerate(zip(entries, rows))])
+                             [(new_pid, i, e.offset, e.length, r[0], pid)
+                              for i, (e, r) in enumerate(zip(entries, rows))])
             conn.execute("DELETE FROM packs WHERE id=?", (pid,))
             conn.execute("COMMIT")
             committed = True
@@ -1064,7 +1107,10 @@ class EmbeddedRepository:
             for key, idx in mapping.items():
                 if not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY or "\0" in key:
                     raise RepositoryError(f"tensor key {key!r:.80}: expected a non-empty string without NUL")
-                idx = list(idx) if not isinstance(idx, (str, bytes)) else []
+                try:
+                    idx = list(idx) if not isinstance(idx, (str, bytes)) else []
+                except TypeError:
+                    idx = []
                 if not idx or not all(type(i) is int and 0 <= i < len(index.entries) for i in idx) \
                         or any(b <= a for a, b in zip(idx, idx[1:])) or used & set(idx):
                     raise RepositoryError(f"tensor {key!r}: entry indices {idx!r:.100} must be increasing indices "
