@@ -377,7 +377,7 @@ class CountingRepository(RemoteRepository):
 
 
 def test_requests_larger_than_the_arena_are_chunked_bit_exact(env, providers):
-    (p,) = providers(1, "--arena-bytes", str(1 << 20))  # 1 MiB arena
+    (p,) = providers(1, "--arena-size", str(1 << 20))  # 1 MiB arena (the CLI's spelling)
     rng = np.random.default_rng(5)
     t = {f"t{i}": rng.standard_normal(75_000).astype(np.float32) for i in range(10)}  # 10 x 300 KB
     t["huge"] = rng.standard_normal(600_000).astype(np.float32)  # 2.4 MB: bigger than the arena

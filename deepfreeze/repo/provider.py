@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow-remote", action="store_true", help="allow a non-loopback address (token still required)")
     ap.add_argument("--token-file", default=None, help=f"token file (default ${net.TOKEN_ENV}, else "
                     f"{net.DEFAULT_TOKEN_PATH})")
-    ap.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES,
+    ap.add_argument("--arena-bytes", "--arena-size", dest="arena_bytes", type=int, default=DEFAULT_ARENA_BYTES,
                     help=f"staging arena size in bytes (default {DEFAULT_ARENA_BYTES}; 0: none)")
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                     help=f"largest put over TCP in bytes (default {MAX_REQUEST_BYTES})")
