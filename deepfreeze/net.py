@@ -55,7 +55,7 @@ from .errors import (AuthenticationError, ConfigError, DeepFreezeError, Provider
 __all__ = ["TOKEN_ENV", "DEFAULT_TOKEN_PATH", "MAGIC", "VERSION", "MAX_HEADER", "default_token_path",
            "create_token", "load_token", "check_token", "parse_address", "format_address", "is_loopback",
            "listen", "connect", "send_msg", "recv_msg", "wait_readable", "Message", "error_reply",
-           "raise_for_reply", "server_handshake", "client_handshake", "is_transport_error"]
+           "raise_for_reply", "server_handshake", "client_handshake", "is_transport_error", "keepalive"]
 
 #: environment variable holding the token (takes precedence over the default file)
 TOKEN_ENV = "DEEPFREEZE_TOKEN"
@@ -205,10 +205,21 @@ def listen(host: str, port: int, *, allow_remote: bool = False, backlog: int = 6
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(info[4])
         sock.listen(backlog)
-    except OSError:
+    except OSError as e:
         sock.close()
-        raise
+        raise ConfigError(f"cannot listen on {format_address(host, port)}: {e.strerror or e} (another process "
+                          "there? choose another port, or port 0 for any free one)") from e
     return sock
+
+
+def keepalive(sock: socket.socket, idle: int = 60, interval: int = 10, count: int = 6) -> None:
+    """TCP keepalive on ``sock``: a peer whose machine died (no FIN ever comes) is detected after
+    about ``idle + interval * count`` seconds of silence, so a server thread waiting for its next
+    request ends instead of waiting forever."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
 
 
 def connect(addr: str, timeout: float) -> socket.socket:

@@ -203,3 +203,12 @@ def test_raise_for_reply_maps_only_deepfreeze_errors():
     with pytest.raises(ProviderError):
         net.raise_for_reply({"ok": False, "type": "os", "error": 3})
     assert net.raise_for_reply({"ok": True, "a": 1}) == {"ok": True, "a": 1}
+
+
+def test_listen_on_a_busy_port_is_a_clear_error():
+    s = net.listen("127.0.0.1", 0)
+    try:
+        with pytest.raises(ConfigError, match="cannot listen on 127.0.0.1"):
+            net.listen("127.0.0.1", s.getsockname()[1])
+    finally:
+        s.close()

@@ -219,6 +219,7 @@ class Provider:
             self.connections += 1
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            net.keepalive(conn)  # a client whose machine died is dropped, not waited for forever
             peer = net.format_address(*conn.getpeername()[:2])
             hello = net.server_handshake(conn, self.token, deadline=time.monotonic() + HANDSHAKE_TIMEOUT,
                                          max_header=_MAX_HELLO)
