@@ -292,7 +292,8 @@ def send_msg(sock: socket.socket, header: Mapping[str, Any], payload: Iterable[A
                 sock.settimeout(_left(deadline, sock, "sending to"))
                 sock.sendall(b[pos:pos + _CHUNK])
     except (socket.timeout, TimeoutError) as e:
-        raise _lost(ProviderTimeoutError, f"{_peer(sock)} did not take our message in time (stopped or overloaded?)") from e
+        raise _lost(ProviderTimeoutError,
+                    f"{_peer(sock)} did not take our message in time (stopped or overloaded?)") from e
     except OSError as e:
         raise _lost(ProviderError, f"lost the connection to {_peer(sock)} while sending: {e.strerror or e}") from e
 
@@ -305,15 +306,16 @@ def _recv_exact(sock: socket.socket, mv: memoryview, deadline: float | None, wha
             got = sock.recv_into(mv[pos:pos + _CHUNK])
             if not got:
                 raise _lost(ProviderError, f"{_peer(sock)} closed the connection in the middle of {what} "
-                                    f"({pos} of {n} bytes)")
+                                           f"({pos} of {n} bytes)")
             pos += got
     except (socket.timeout, TimeoutError) as e:
-        raise _lost(ProviderTimeoutError, f"{_peer(sock)} sent {pos} of {n} bytes of {what} and then nothing in time "
-                                   "(stopped, hung or gone?)") from e
+        raise _lost(ProviderTimeoutError, f"{_peer(sock)} sent {pos} of {n} bytes of {what} and then nothing in "
+                                          "time (stopped, hung or gone?)") from e
     except ProviderError:
         raise
     except OSError as e:
-        raise _lost(ProviderError, f"lost the connection to {_peer(sock)} while receiving {what}: {e.strerror or e}") from e
+        raise _lost(ProviderError,
+                    f"lost the connection to {_peer(sock)} while receiving {what}: {e.strerror or e}") from e
 
 
 def wait_readable(sock: socket.socket, timeout: float) -> bool:
@@ -340,8 +342,8 @@ class Message:
         if mv.readonly:
             raise ValueError("recv_into needs a writable buffer")
         if mv.nbytes > self.remaining:
-            raise _lost(ProviderError, f"{_peer(self.sock)} sent a payload of {self.payload_bytes} bytes, fewer than its "
-                                "header announces")
+            raise _lost(ProviderError, f"{_peer(self.sock)} sent a payload of {self.payload_bytes} bytes, fewer "
+                                       "than its header announces")
         _recv_exact(self.sock, mv, self.deadline, "a message payload")
         self.remaining -= mv.nbytes
 
@@ -375,16 +377,17 @@ def recv_msg(sock: socket.socket, *, max_header: int = MAX_HEADER, max_payload: 
     _recv_exact(sock, memoryview(raw), deadline, "a message")
     magic, version, _flags, hlen, plen = _FRAME.unpack(raw)
     if magic != MAGIC:
-        raise _lost(ProviderError, f"{_peer(sock)} sent something that is not a DeepFreeze message (magic {bytes(magic)!r})")
+        raise _lost(ProviderError,
+                    f"{_peer(sock)} sent something that is not a DeepFreeze message (magic {bytes(magic)!r})")
     if version != VERSION:
-        raise _lost(ProviderError, f"{_peer(sock)} speaks message version {version}, this side {VERSION}: run the same "
-                            "DeepFreeze version on both sides")
+        raise _lost(ProviderError, f"{_peer(sock)} speaks message version {version}, this side {VERSION}: run the "
+                                   "same DeepFreeze version on both sides")
     if hlen > max_header:
-        raise _lost(ProviderError, f"{_peer(sock)} announced a message header of {hlen} bytes, over the limit of "
-                            f"{max_header}: refused")
+        raise _lost(ProviderError, f"{_peer(sock)} announced a message header of {hlen} bytes, over the limit "
+                                   f"of {max_header}: refused")
     if plen > max_payload:
-        raise _lost(ProviderError, f"{_peer(sock)} announced a payload of {plen} bytes, over the limit of {max_payload} "
-                            "for this connection: refused")
+        raise _lost(ProviderError, f"{_peer(sock)} announced a payload of {plen} bytes, over the limit of "
+                                   f"{max_payload} for this connection: refused")
     hbuf = bytearray(hlen)
     _recv_exact(sock, memoryview(hbuf), deadline, "a message header")
     try:

@@ -32,7 +32,8 @@ import numpy as np
 
 from ..errors import ConfigError, ProviderTimeoutError, RepositoryError
 
-__all__ = ["DEFAULT_ARENA_BYTES", "PAGE", "Extent", "Arena", "open_shared", "create_staging_file", "sweep_stale", "SHM_DIR", "ARENA_NAME_RE"]
+__all__ = ["DEFAULT_ARENA_BYTES", "PAGE", "Extent", "Arena", "open_shared", "create_staging_file", "sweep_stale",
+           "SHM_DIR", "ARENA_NAME_RE"]
 
 #: default arena size of a provider (``deepfreeze repo serve --arena-bytes``)
 DEFAULT_ARENA_BYTES = 1 << 30
