@@ -491,3 +491,30 @@ def test_arena_allocator_size_classes_threads_and_cleanup():
     finally:
         arena.close()
     assert not os.path.exists(arena.path)
+
+
+def test_one_client_used_by_several_threads(env, providers):
+    """Threads sharing one RemoteRepository: arena sequences (alloc, copy, put/get, release) on
+    one connection never interleave."""
+    (p,) = providers(1)
+    repo = RemoteRepository([p.addr])
+    errors = []
+
+    def work(i):
+        try:
+            for j in range(5):
+                t = make_tensors(1000 + 10 * i + j)
+                repo.put(f"t{i}@{j}", t)
+                got = repo.get(f"t{i}@{j}")
+                assert all(_equal(got[k], t[k]) for k in t)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    assert sum(len(v) for v in repo.list().values()) == 20
+    repo.close()

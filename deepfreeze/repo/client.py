@@ -71,7 +71,7 @@ class _Provider:
 
     def __init__(self, repo: "RemoteRepository", index: int) -> None:
         self.repo, self.index, self.addr = repo, index, repo.addresses[index]
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # held across an arena sequence (alloc, put / get, release)
         self.sock: Any = None
         self.arena: mmap.mmap | None = None
         self.arena_np: np.ndarray | None = None
@@ -275,6 +275,10 @@ class RemoteRepository:
         return res
 
     def _put_arena(self, p: _Provider, head: dict, segs: list[list], arrays: dict, total: int) -> dict:
+        with p.lock:  # one extent per connection: no other thread's arena request in between
+            return self._put_arena_locked(p, head, segs, arrays, total)
+
+    def _put_arena_locked(self, p: _Provider, head: dict, segs: list[list], arrays: dict, total: int) -> dict:
         ext = p.call({"op": "alloc", "nbytes": total, "timeout": self.timeout}, wait=self.timeout)
         off, length = ext.get("offset"), ext.get("length")
         if type(off) is not int or type(length) is not int or not (0 <= off and total <= length
@@ -368,6 +372,11 @@ class RemoteRepository:
             p.bytes_read = n
 
     def _get_arena(self, p: _Provider, name: str, keys: list[str], specs: Mapping, res: dict, verify: bool) -> None:
+        with p.lock:  # one extent per connection: no other thread's arena request in between
+            self._get_arena_locked(p, name, keys, specs, res, verify)
+
+    def _get_arena_locked(self, p: _Provider, name: str, keys: list[str], specs: Mapping, res: dict,
+                          verify: bool) -> None:
         reply = p.call({"op": "get", "name": name, "tensors": keys, "staging": "arena", "verify": verify,
                         "timeout": self.timeout}, wait=self.timeout)
         try:
