@@ -394,7 +394,7 @@ def test_requests_larger_than_the_arena_are_chunked_bit_exact(env, providers):
 
 @pytest.mark.parametrize("staging", ["tcp", "ondemand"])
 def test_other_stagings_bit_exact(env, providers, staging):
-    (p,) = providers(1)
+    (p,) = providers(1, "--fsync")
     t = make_tensors(9)
     with RemoteRepository([p.addr], staging=staging) as repo:
         assert repo.staging == [staging]

@@ -535,14 +535,14 @@ def serve(directory: str, host: str = "127.0.0.1", port: int = 0, *, token: str 
           token_file: str | None = None, arena_bytes: int = DEFAULT_ARENA_BYTES, allow_remote: bool = False,
           ready: Callable[[str], None] | None = None, io_timeout: float = DEFAULT_IO_TIMEOUT,
           max_request_bytes: int = MAX_REQUEST_BYTES, repository: Any = None,
-          stop: threading.Event | None = None) -> None:
+          stop: threading.Event | None = None, fsync: bool = False) -> None:
     """Serve the repository in ``directory`` on ``host:port`` until ``stop`` is set (``main``: SIGTERM).
 
     ``token``: the shared secret (default :func:`deepfreeze.net.load_token` of ``token_file``).
     ``arena_bytes``: the staging arena (0: none; same-node clients then use TCP). ``ready`` is
     called with the bound ``"host:port"`` once the provider accepts connections. ``repository``:
     an open repository object to serve instead of opening ``directory`` (tests slow it down by
-    subclassing). The arena file is unlinked and the repository closed on return."""
+    subclassing). ``fsync``: the store's durability option (EmbeddedRepository(fsync=...)). The arena file is unlinked and the repository closed on return."""
     token = token if token is not None else net.load_token(token_file)
     sock = net.listen(host, port, allow_remote=allow_remote)
     repo = arena = None
@@ -551,7 +551,7 @@ def serve(directory: str, host: str = "127.0.0.1", port: int = 0, *, token: str 
     try:
         if repository is None:
             from .store import EmbeddedRepository
-            repo = EmbeddedRepository(directory)
+            repo = EmbeddedRepository(directory, fsync=fsync)
         else:
             repo = repository
         arena = Arena(arena_bytes) if arena_bytes else None
@@ -605,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"staging arena size in bytes (default {DEFAULT_ARENA_BYTES}; 0: none)")
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                     help=f"largest put over TCP in bytes (default {MAX_REQUEST_BYTES})")
+    ap.add_argument("--fsync", action="store_true",
+                    help="make every store durable against power loss (fsync; slower)")
     ap.add_argument("--io-timeout", type=float, default=DEFAULT_IO_TIMEOUT,
                     help=f"seconds per request and for arena space (default {DEFAULT_IO_TIMEOUT:g})")
     args = ap.parse_args(argv)
@@ -629,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(args.dir, host, port, token_file=args.token_file, arena_bytes=args.arena_bytes,
               allow_remote=args.allow_remote, ready=ready, io_timeout=args.io_timeout,
-              max_request_bytes=args.max_request_bytes, stop=stop)
+              max_request_bytes=args.max_request_bytes, stop=stop, fsync=args.fsync)
     except DeepFreezeError as e:
         print(f"deepfreeze repo serve: {e}", file=sys.stderr)
         return 1
