@@ -518,3 +518,12 @@ def test_one_client_used_by_several_threads(env, providers):
     assert not errors, errors[:3]
     assert sum(len(v) for v in repo.list().values()) == 20
     repo.close()
+
+
+def test_put_over_the_providers_limit_is_a_clear_error(env, providers):
+    (p,) = providers(1, "--max-request-bytes", str(1 << 20))
+    with RemoteRepository([p.addr], staging="tcp") as repo:
+        with pytest.raises(RepositoryError, match="over the limit of 1048576"):
+            repo.put("big@1", {"w": np.zeros(8 << 20, np.uint8)})  # 8 MiB over TCP
+        repo.put("small@1", {"w": np.ones(1000, np.uint8)})  # the next request reconnects
+        assert repo.get("small@1")["w"].sum() == 1000

@@ -110,7 +110,6 @@ class _Provider:
                     raise ConfigError(f"staging={staging!r}: cannot map the arena of provider {self.addr}: {e}") from e
         if staging in ("arena", "ondemand") and self.arena is None:
             sock.close()
-            self.staging = "tcp"
             raise ConfigError(f"staging={staging!r} needs provider {self.addr} on this node and running as this "
                               "user; use staging='tcp' (or the default) for a provider on another node")
         self.staging = staging or ("arena" if self.arena is not None else "tcp")
@@ -127,7 +126,11 @@ class _Provider:
                 self._connect()
             deadline = time.monotonic() + timeout
             try:
-                net.send_msg(self.sock, header, payload, deadline=deadline)
+                try:
+                    net.send_msg(self.sock, header, payload, deadline=deadline)
+                except DeepFreezeError as e:
+                    self._why_refused(e)
+                    raise
                 msg = net.recv_msg(self.sock, max_header=_MAX_REPLY_HEADER,
                                    max_payload=0 if recv is None else 1 << 48, deadline=deadline)
                 if msg.header.get("ok") is True and recv is not None:
@@ -139,6 +142,17 @@ class _Provider:
                     raise type(e)(f"provider {self.addr}: {e}") from e
                 raise
             return dict(net.raise_for_reply(msg.header, f"provider {self.addr}: "))
+
+    def _why_refused(self, e: BaseException) -> None:
+        """After a failed send: the provider may have answered why before closing (a request over
+        its limits): raise that answer instead of a bare 'connection lost'."""
+        if isinstance(e, TimeoutError) or not net.is_transport_error(e):
+            return
+        try:
+            reply = net.recv_msg(self.sock, max_header=1 << 20, max_payload=0, deadline=time.monotonic() + 1.0)
+        except DeepFreezeError:
+            return
+        net.raise_for_reply(reply.header, f"provider {self.addr}: ")
 
     def _drop(self) -> None:
         if self.sock is not None:
