@@ -5,7 +5,7 @@
     deepfreeze repo rm     REPO NAME
     deepfreeze repo gc     REPO [--json]
     deepfreeze repo import REPO NAME [--config F] [--name CKPT] [--set K=V] [--version V] [--model MODULE:FN]
-    deepfreeze repo serve  --dir DIR [--listen HOST:PORT] [--allow-remote] [--token-file F] [--arena-size BYTES]
+    deepfreeze repo serve  --dir DIR [--listen HOST:PORT] [--allow-remote] [--token-file F] [--arena-size BYTES] [--fsync]
     deepfreeze repo token  [--file F]
 
 ``REPO`` is a directory (embedded) or ``dstore://host:port[,host:port...]`` (providers). Thin over
@@ -79,7 +79,9 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
                    help="allow a non-loopback --listen address (clients on other nodes; token still required)")
     q.add_argument("--token-file", metavar="FILE", help="token file (0600); default DEEPFREEZE_TOKEN or "
                                                         "~/.deepfreeze/token")
-    q.add_argument("--arena-size", type=_size, metavar="BYTES", help="staging arena size (e.g. 1G)")
+    q.add_argument("--arena-size", type=_size, metavar="BYTES",
+                   help="shared-memory staging arena for same-node clients (default 1G)")
+    q.add_argument("--fsync", action="store_true", help="fsync every stored pack and commit durably")
     q.set_defaults(func=_serve)
     q = rs.add_parser("token", help="create the token file clients and providers share")
     q.add_argument("--file", metavar="FILE", help="where (default ~/.deepfreeze/token)")
@@ -187,6 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
         argv += ["--token-file", args.token_file]
     if args.arena_size:
         argv += ["--arena-size", str(args.arena_size)]
+    if args.fsync:
+        argv.append("--fsync")
     return provider.main(argv)
 
 
