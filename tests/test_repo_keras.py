@@ -298,3 +298,26 @@ def test_transfer_learning_example(repo):
             for j, v in enumerate(layer.weights):           # frozen: still a's weights, bit-exact
                 assert_same(got[tensor_key(ma.ids[k], j)], v.numpy())
     assert len(r.loaded) == 3
+
+
+def test_constant_call_arguments_are_part_of_the_id():
+    """``x * 2.0`` and ``x * 3.0`` are the same TF-op layer config; the constant makes the difference."""
+    def build(factor, dtype="float32", cut=3):
+        inp = tf.keras.Input(shape=(4,))
+        x = tf.cast(inp * factor, dtype)[:, :cut]
+        return tf.keras.Model(inp, L.Dense(2, dtype=dtype)(x))
+
+    def dense_id(m):
+        mg = model_graph(m)
+        return mg.ids[mg.layers.index(m.layers[-1])]
+    base = dense_id(build(2.0))
+    assert dense_id(build(2.0)) == base
+    assert dense_id(build(3.0)) != base
+    assert dense_id(build(2.0, cut=2)) != base
+    mg = model_graph(build(2.0, dtype="float16"))
+    meta = mg.meta()
+    cast = [v for v in meta.values() if v["class_name"] == "TFOpLambda" and v["config"]["function"] == "cast"]
+    assert cast and cast[0]["config"]["__call__"] == [{"args": [{"__tensor__": 0}, "float16"],
+                                                       "kwargs": {}}]
+    dense = [layer for layer in mg.layers if isinstance(layer, L.Dense)][0]
+    assert "__call__" not in meta[mg.ids[mg.layers.index(dense)]]["config"]   # tensors only: config as is

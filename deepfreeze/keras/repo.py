@@ -66,6 +66,42 @@ class _Key(int):
         return repr(self.name)
 
 
+_IGNORED_KWARGS = ("training", "name")
+
+
+def _call_arguments(node: Any) -> Any:
+    """The non-tensor arguments of a call site as JSON values (tensors as ``{"__tensor__": i}``,
+    i their position among the call's tensor inputs), or None when the call passes tensors only.
+    ``training=`` (a mode, not a computation on the weights) and an op's ``name=`` are ignored."""
+    from keras.src.engine.node import is_keras_tensor  # the check Keras itself uses for node inputs
+    count = [0]
+    constant = [False]
+
+    def conv(v: Any) -> Any:
+        if is_keras_tensor(v):
+            count[0] += 1
+            return {"__tensor__": count[0] - 1}
+        constant[0] = True
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, tf.DType):
+            return {"__dtype__": v.name}
+        if isinstance(v, tf.TensorShape):
+            return {"__shape__": v.as_list()}
+        if isinstance(v, np.generic):
+            return v.item()
+        if isinstance(v, (np.ndarray, tf.Tensor)):
+            a = np.asarray(v)
+            return {"__array__": a.tolist(), "dtype": a.dtype.name, "shape": list(a.shape)}
+        raise RepositoryError(f"layer {node.layer.name!r} is called with an argument of type "
+                              f"{type(v).__name__} that has no JSON form; it cannot get a stable id")
+
+    kwargs = {k: v for k, v in node.call_kwargs.items() if k not in _IGNORED_KWARGS}
+    args = tf.nest.map_structure(conv, list(node.call_args))
+    kwargs = tf.nest.map_structure(conv, kwargs)
+    return {"args": args, "kwargs": kwargs} if constant[0] else None
+
+
 def _is_model(layer: Any) -> bool:
     return isinstance(layer, tf.keras.Model)
 
@@ -82,7 +118,7 @@ def model_graph(model: Any) -> ModelGraph:
         raise RepositoryError(f"expected a Keras Model, got {type(model).__name__}")
     keys: dict[int, int] = {}                  # id(layer) -> node key
     layers: list[Any] = []
-    calls: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}   # key -> (order key, inputs)
+    calls: dict[int, list[tuple[tuple[int, ...], list[int], Any]]] = {}   # key -> (order, inputs, args)
 
     def key_of(layer: Any) -> int:
         k = keys.get(id(layer))
@@ -122,7 +158,7 @@ def model_graph(model: Any) -> ModelGraph:
                     outs = walk(layer, ins, path + (index,))
                 else:
                     k = key_of(layer)
-                    calls[k].append((path + (index,), ins))
+                    calls[k].append((path + (index,), ins, _call_arguments(node)))
                     outs = [k] * len(node.flat_output_ids)
                 if len(outs) != len(node.flat_output_ids):
                     raise RepositoryError(f"layer {layer.name!r}: {len(outs)} outputs for "
@@ -134,16 +170,18 @@ def model_graph(model: Any) -> ModelGraph:
     outputs = walk(model, None, ())
     nodes: dict[int, Node] = {}
     for k, layer in enumerate(layers):
+        sites = sorted(calls[k], key=lambda c: c[0])
+        arguments = [c[2] for c in sites]
         try:
-            config = canonical_config(layer.get_config())
+            config = canonical_config(layer.get_config(),
+                                      None if all(a is None for a in arguments) else arguments)
         except NotImplementedError as e:
             raise RepositoryError(f"layer {layer.name!r} ({type(layer).__name__}) has no get_config(); "
                                   f"implement it to give the layer a stable id") from e
         except RepositoryError as e:
             raise RepositoryError(f"layer {layer.name!r} ({type(layer).__name__}): {e}") from e
         weights = [(tuple(int(d) for d in v.shape), dtype_name(v.dtype.as_numpy_dtype)) for v in layer.weights]
-        sites = [ins for _, ins in sorted(calls[k], key=lambda c: c[0])]
-        nodes[k] = Node(type(layer).__name__, config, weights, sites)
+        nodes[k] = Node(type(layer).__name__, config, weights, [c[1] for c in sites])
     try:
         # keys that print as the layer name, so an error names the layers
         named = {_Key(k, layers[k].name): n for k, n in nodes.items()}
