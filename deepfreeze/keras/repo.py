@@ -237,6 +237,35 @@ def _requested(mg: ModelGraph, layers: Iterable[Any]) -> set[int]:
     return want
 
 
+_ALIGN = 64  # TensorFlow (Eigen) requires tensor buffers aligned to EIGEN_MAX_ALIGN_BYTES (<= 64)
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A new C-contiguous array whose buffer is aligned to 64 bytes, as TensorFlow needs to use it
+    without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+def _assign(variable: Any, array: np.ndarray) -> None:
+    """``variable.assign(array)`` without the numpy-to-tensor copy where possible: the private,
+    aligned ``array`` is wrapped as a tensor through DLPack (no copy), so TensorFlow either copies
+    it once into the variable or adopts its buffer (the DLPack capsule keeps the array alive).
+    Nobody else holds ``array``. Dtypes DLPack cannot carry (bfloat16) take the ordinary assign."""
+    if array.ctypes.data % _ALIGN == 0 and array.flags.c_contiguous:
+        try:
+            value = tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+        except (TypeError, ValueError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
+            value = None
+        if value is not None:
+            variable.assign(value, read_value=False)
+            return
+    variable.assign(array, read_value=False)
+
+
 def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None = None,
               strict: bool = False) -> LoadReport:
     """Set the weights of the layers of ``new_model`` that match the stored model ``name``.
@@ -292,10 +321,10 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
     for k in matched:
         for j, v in enumerate(mg.layers[k].weights):
             key = tensor_key(mg.ids[k], j)
-            out[key] = np.empty(tuple(v.shape), dtype=v.dtype.as_numpy_dtype)
+            out[key] = _aligned_empty(tuple(v.shape), v.dtype.as_numpy_dtype)
             targets.append((v, key))
     got = repo.get(name, tensors=list(out), out=out)
     for v, key in targets:
-        v.assign(got[key], read_value=False)
+        _assign(v, got[key])
     report.bytes = sum(got[key].nbytes for _, key in targets)
     return report
