@@ -354,3 +354,20 @@ def test_round_trip_dtypes_and_buffers_outlive_the_load(repo):
     assert [v.numpy().tobytes() for v in b.weights] != [w for _, w in want]   # trained in its buffers
     gc.collect()
     assert np.isfinite(b(x).numpy()).all()
+
+
+def test_sequential_build_styles_and_batch_size_share_ids():
+    """A Sequential model with an Input, built with build(), built by a call on a batch of 1, or
+    with input_shape= on its first layer: the same layers, the same ids (the batch size is not
+    part of a model's structure); another input width changes every id."""
+    def ids(m):
+        return sorted(model_graph(m).ids.values())
+    s1 = tf.keras.Sequential([tf.keras.Input((4,)), L.Dense(3), L.Dense(2)])
+    s2 = tf.keras.Sequential([L.Dense(3), L.Dense(2)])
+    s2.build((None, 4))
+    s3 = tf.keras.Sequential([L.Dense(3), L.Dense(2)])
+    s3(np.ones((1, 4), np.float32))
+    s4 = tf.keras.Sequential([L.Dense(3, input_shape=(4,)), L.Dense(2)])
+    s5 = tf.keras.Sequential([L.Dense(3, input_shape=(5,)), L.Dense(2)])
+    assert ids(s1) == ids(s2) == ids(s3) == ids(s4)
+    assert not set(ids(s5)) & set(ids(s1))

@@ -102,6 +102,23 @@ def _call_arguments(node: Any) -> Any:
     return {"args": args, "kwargs": kwargs} if constant[0] else None
 
 
+def _layer_config(layer: Any) -> dict[str, Any]:
+    """``layer.get_config()`` without the batch size: an ``InputLayer``'s batch dimension becomes
+    None, and the ``batch_input_shape`` a first layer carries when built with ``input_shape=`` is
+    dropped (the model's ``InputLayer`` holds the input shape); neither changes the weights."""
+    try:
+        config = dict(layer.get_config())
+    except NotImplementedError as e:
+        raise RepositoryError(f"has no get_config(); implement it to give the layer a stable id") from e
+    shape = config.get("batch_input_shape")
+    if isinstance(layer, tf.keras.layers.InputLayer):
+        if isinstance(shape, (list, tuple)) and shape:
+            config["batch_input_shape"] = [None, *shape[1:]]
+    else:
+        config.pop("batch_input_shape", None)
+    return config
+
+
 def _is_model(layer: Any) -> bool:
     return isinstance(layer, tf.keras.Model)
 
@@ -173,11 +190,8 @@ def model_graph(model: Any) -> ModelGraph:
         sites = sorted(calls[k], key=lambda c: c[0])
         arguments = [c[2] for c in sites]
         try:
-            config = canonical_config(layer.get_config(),
+            config = canonical_config(_layer_config(layer),
                                       None if all(a is None for a in arguments) else arguments)
-        except NotImplementedError as e:
-            raise RepositoryError(f"layer {layer.name!r} ({type(layer).__name__}) has no get_config(); "
-                                  f"implement it to give the layer a stable id") from e
         except RepositoryError as e:
             raise RepositoryError(f"layer {layer.name!r} ({type(layer).__name__}): {e}") from e
         weights = [(tuple(int(d) for d in v.shape), dtype_name(v.dtype.as_numpy_dtype)) for v in layer.weights]
