@@ -20,7 +20,7 @@ from ..format import dtype_name
 from ..repo.graph import tensor_key
 from ..repo.ids import ID_SCHEME, Node, build_graph, build_meta, canonical_config, compute_ids
 
-__all__ = ["LoadReport", "store_model", "load_into", "model_graph"]
+__all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph"]
 
 
 @dataclass
@@ -49,6 +49,12 @@ class ModelGraph:
     def graph(self) -> tuple[dict[str, Any], list[int]]:
         """The plain-data graph and the node keys in its layer order."""
         return build_graph(self.nodes, self.outputs, self.ids)
+
+    def weight_keys(self, keys: Iterable[int] | None = None) -> list[tuple[Any, str]]:
+        """``(variable, tensor key)`` of every weight of the layers ``keys`` (default: all), in
+        layer then ``layer.weights`` order: where :func:`store_model` puts each variable."""
+        ks = range(len(self.layers)) if keys is None else keys
+        return [(v, tensor_key(self.ids[k], j)) for k in ks for j, v in enumerate(self.layers[k].weights)]
 
     def meta(self) -> dict[str, dict[str, Any]]:
         """Layer metadata per id (:func:`deepfreeze.repo.ids.build_meta`)."""
@@ -220,10 +226,7 @@ def store_model(repo: Any, name: str, model: Any) -> dict:
         raise RepositoryError(f"model {model.name!r}: weights {stray[:5]} belong to no leaf layer of its graph; "
                               f"store_model stores layers' weights only")
     graph, _order = mg.graph()
-    tensors: dict[str, np.ndarray] = {}
-    for k, layer in enumerate(mg.layers):
-        for j, v in enumerate(layer.weights):
-            tensors[tensor_key(mg.ids[k], j)] = np.ascontiguousarray(v.numpy())
+    tensors = {key: np.ascontiguousarray(v.numpy()) for v, key in mg.weight_keys()}
     return repo.put(name, tensors, graph=graph, meta=mg.meta())
 
 
@@ -330,13 +333,8 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
     if strict and report.missing:
         raise ModelMismatchError(f"strict load of {name!r}: layers with weights that do not match: "
                                  f"{', '.join(report.missing)}; nothing loaded")
-    out: dict[str, np.ndarray] = {}
-    targets: list[tuple[Any, str]] = []
-    for k in matched:
-        for j, v in enumerate(mg.layers[k].weights):
-            key = tensor_key(mg.ids[k], j)
-            out[key] = _aligned_empty(tuple(v.shape), v.dtype.as_numpy_dtype)
-            targets.append((v, key))
+    targets = mg.weight_keys(matched)
+    out = {key: _aligned_empty(tuple(v.shape), v.dtype.as_numpy_dtype) for v, key in targets}
     got = repo.get(name, tensors=list(out), out=out)
     for v, key in targets:
         _assign(v, got[key])
