@@ -371,3 +371,14 @@ def test_sequential_build_styles_and_batch_size_share_ids():
     s5 = tf.keras.Sequential([L.Dense(3, input_shape=(5,)), L.Dense(2)])
     assert ids(s1) == ids(s2) == ids(s3) == ids(s4)
     assert not set(ids(s5)) & set(ids(s1))
+
+
+def test_which_output_of_a_multi_output_layer_is_part_of_the_id():
+    def head_id(which):
+        inp = tf.keras.Input(shape=(4,))
+        parts = tf.split(L.Dense(4)(inp), 2, axis=-1)      # one TF-op layer, two outputs
+        m = tf.keras.Model(inp, L.Dense(3)(parts[which]))
+        mg = model_graph(m)
+        return mg.ids[mg.layers.index(m.layers[-1])]
+    assert head_id(0) == head_id(0)
+    assert head_id(0) != head_id(1)

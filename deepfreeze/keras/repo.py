@@ -75,10 +75,13 @@ class _Key(int):
 _IGNORED_KWARGS = ("training", "name")
 
 
-def _call_arguments(node: Any) -> Any:
-    """The non-tensor arguments of a call site as JSON values (tensors as ``{"__tensor__": i}``,
-    i their position among the call's tensor inputs), or None when the call passes tensors only.
-    ``training=`` (a mode, not a computation on the weights) and an op's ``name=`` are ignored."""
+def _call_arguments(node: Any, which: list[int]) -> Any:
+    """What a call site passes besides the input layers, as JSON values, or None when it passes
+    only the first (or only) outputs of its input layers. ``args``/``kwargs``: the non-tensor
+    arguments (tensors as ``{"__tensor__": i}``, i their position among the call's tensor
+    inputs); ``training=`` (a mode, not a computation on the weights) and an op's ``name=`` are
+    ignored. ``outputs``: ``which``, the output index of each input in its layer, when one is not
+    0 (``tf.split(x, 2)[1]`` is another input than ``[0]``)."""
     from keras.src.engine.node import is_keras_tensor  # the check Keras itself uses for node inputs
     count = [0]
     constant = [False]
@@ -105,7 +108,12 @@ def _call_arguments(node: Any) -> Any:
     kwargs = {k: v for k, v in node.call_kwargs.items() if k not in _IGNORED_KWARGS}
     args = tf.nest.map_structure(conv, list(node.call_args))
     kwargs = tf.nest.map_structure(conv, kwargs)
-    return {"args": args, "kwargs": kwargs} if constant[0] else None
+    if not constant[0] and not any(which):
+        return None
+    site: dict[str, Any] = {"args": args, "kwargs": kwargs} if constant[0] else {}
+    if any(which):
+        site["outputs"] = list(which)
+    return site
 
 
 def _layer_config(layer: Any) -> dict[str, Any]:
@@ -151,14 +159,15 @@ def model_graph(model: Any) -> ModelGraph:
             calls[k] = []
         return k
 
-    def walk(m: Any, bound: list[int] | None, path: tuple[int, ...]) -> list[int]:
-        """Leaf node keys of ``m``'s outputs; ``bound``: the sources of its inputs (None: top level)."""
+    def walk(m: Any, bound: list[tuple[int, int]] | None, path: tuple[int, ...]) -> list[tuple[int, int]]:
+        """(leaf node key, output index) of each of ``m``'s outputs; ``bound``: the same of its
+        inputs (None: top level)."""
         if not getattr(m, "_is_graph_network", False):
             raise RepositoryError(
                 f"model {m.name!r} has no layer graph (a subclassed model, or a Sequential model not "
                 f"built on a known input shape): build it with the functional API or give Sequential "
                 f"an Input so its layers get stable ids")
-        src: dict[str, int] = {}
+        src: dict[str, tuple[int, int]] = {}   # tensor -> (leaf node key, output index in the leaf)
         inputs = list(m.inputs)
         if bound is not None:
             if len(bound) != len(inputs):
@@ -172,8 +181,8 @@ def model_graph(model: Any) -> ModelGraph:
                 if isinstance(layer, tf.keras.layers.InputLayer):
                     if bound is None:      # the model's own inputs are layers of the graph
                         k = key_of(layer)
-                        for oid in node.flat_output_ids:
-                            src[oid] = k
+                        for i, oid in enumerate(node.flat_output_ids):
+                            src[oid] = (k, i)
                     continue
                 ins = [src[i] for i in node.flat_input_ids]
                 index = layer._inbound_nodes.index(node)
@@ -181,16 +190,17 @@ def model_graph(model: Any) -> ModelGraph:
                     outs = walk(layer, ins, path + (index,))
                 else:
                     k = key_of(layer)
-                    calls[k].append((path + (index,), ins, _call_arguments(node)))
-                    outs = [k] * len(node.flat_output_ids)
+                    calls[k].append((path + (index,), [s for s, _ in ins],
+                                     _call_arguments(node, [i for _, i in ins])))
+                    outs = [(k, i) for i in range(len(node.flat_output_ids))]
                 if len(outs) != len(node.flat_output_ids):
                     raise RepositoryError(f"layer {layer.name!r}: {len(outs)} outputs for "
                                           f"{len(node.flat_output_ids)} tensors; not supported")
-                for oid, k in zip(node.flat_output_ids, outs):
-                    src[oid] = k
+                for oid, out in zip(node.flat_output_ids, outs):
+                    src[oid] = out
         return [src[str(id(t))] for t in m.outputs]
 
-    outputs = walk(model, None, ())
+    outputs = [k for k, _ in walk(model, None, ())]
     nodes: dict[int, Node] = {}
     for k, layer in enumerate(layers):
         sites = sorted(calls[k], key=lambda c: c[0])
