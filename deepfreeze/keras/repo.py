@@ -106,6 +106,8 @@ def _call_arguments(node: Any, which: list[int]) -> Any:
                               f"{type(v).__name__} that has no JSON form; it cannot get a stable id")
 
     kwargs = {k: v for k, v in node.call_kwargs.items() if k not in _IGNORED_KWARGS}
+    if not kwargs and all(is_keras_tensor(a) for a in tf.nest.flatten(node.call_args)):
+        return {"outputs": list(which)} if any(which) else None   # the common case, made fast
     args = tf.nest.map_structure(conv, list(node.call_args))
     kwargs = tf.nest.map_structure(conv, kwargs)
     if not constant[0] and not any(which):
