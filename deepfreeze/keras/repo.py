@@ -340,8 +340,10 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
         raise ModelMismatchError(f"requested layers do not match {name!r} (their upstream differs from every "
                                  f"stored layer): {', '.join(mg.layers[k].name for k in unmatched)}; nothing loaded")
     if not matched:
-        raise ModelMismatchError(f"no layer with weights of model {new_model.name!r} matches {name!r}: not the "
-                                 f"same layers on the same inputs; nothing loaded")
+        some = report.missing[:10] + (["..."] if len(report.missing) > 10 else [])
+        raise ModelMismatchError(f"no layer with weights of model {new_model.name!r} matches {name!r} (not the "
+                                 f"same layers on the same inputs, input shapes included): "
+                                 f"{', '.join(some) or 'it has no layer with weights'} did not match; nothing loaded")
     if strict and report.missing:
         raise ModelMismatchError(f"strict load of {name!r}: layers with weights that do not match: "
                                  f"{', '.join(report.missing)}; nothing loaded")
