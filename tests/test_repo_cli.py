@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from deepfreeze.repo import Repository, tensor_key
 from deepfreeze.repo.importer import checkpoint_layers

@@ -17,10 +17,10 @@ import tensorflow as tf
 
 from ..errors import ModelMismatchError, RepositoryError
 from ..format import dtype_name
-from ..repo.graph import tensor_key
+from ..repo.graph import tensor_key, tensor_keys
 from ..repo.ids import ID_SCHEME, Node, build_graph, build_meta, canonical_config, compute_ids
 
-__all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph"]
+__all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph", "layer_record"]
 
 
 @dataclass
@@ -125,7 +125,7 @@ def _layer_config(layer: Any) -> dict[str, Any]:
     try:
         config = dict(layer.get_config())
     except NotImplementedError as e:
-        raise RepositoryError(f"has no get_config(); implement it to give the layer a stable id") from e
+        raise RepositoryError("has no get_config(); implement it to give the layer a stable id") from e
     shape = config.get("batch_input_shape")
     if isinstance(layer, tf.keras.layers.InputLayer):
         if isinstance(shape, (list, tuple)) and shape:
@@ -221,6 +221,27 @@ def model_graph(model: Any) -> ModelGraph:
     except RepositoryError as e:
         raise RepositoryError(f"model {model.name!r}: {e}") from e
     return ModelGraph(layers, nodes, outputs, ids)
+
+
+def layer_record(model: Any) -> dict[str, Any]:
+    """What a checkpoint manifest records for ``deepfreeze repo import`` (its ``"layers"`` key,
+    :mod:`deepfreeze.repo.importer`): ``{"graph": <plain-data graph>, "tensors": [index in
+    model.weights of the variable of each key of tensor_keys(graph)], "specs": {key: [dtype,
+    shape]}}`` (``specs`` is used by ``import --model`` to check the model against the checkpoint;
+    the callback leaves it out). :class:`RepositoryError` when the model has no layer graph or a
+    layer weight is not in ``model.weights``."""
+    mg = model_graph(model)
+    graph, _order = mg.graph()
+    position = {id(v): i for i, v in enumerate(model.weights)}
+    by_key = {key: v for v, key in mg.weight_keys()}
+    tensors, specs = [], {}
+    for key in tensor_keys(graph):
+        v = by_key[key]
+        if id(v) not in position:
+            raise RepositoryError(f"model {model.name!r}: weight {v.name!r} of its layer graph is not in model.weights")
+        tensors.append(position[id(v)])
+        specs[key] = [dtype_name(v.dtype.as_numpy_dtype), [int(d) for d in v.shape]]
+    return {"graph": graph, "tensors": tensors, "specs": specs}
 
 
 def store_model(repo: Any, name: str, model: Any) -> dict:
