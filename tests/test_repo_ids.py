@@ -49,6 +49,15 @@ def test_canonical_config_rejects_non_json():
         canonical_config([1, 2])
 
 
+def test_numpy_values_in_a_config_hash_as_their_plain_values():
+    """Keras' ReLU(max_value=6.) (MobileNet) keeps a numpy array in its config."""
+    import numpy as np
+    a = canonical_config({"max_value": np.array(6.0, np.float32), "alpha": np.float64(0.5), "axes": np.arange(3)})
+    assert a == canonical_config({"max_value": 6.0, "alpha": 0.5, "axes": [0, 1, 2]})
+    with pytest.raises(RepositoryError, match="not plain JSON"):
+        canonical_config({"table": np.zeros(10000)})
+
+
 def test_ids_unchanged_by_trainable_and_names():
     a = {"i": inp(name="input_1"), "d": dense(8, [["i"]])}
     cfg = {"name": "other", "units": 8, "trainable": False, "dtype": "float32"}

@@ -37,6 +37,8 @@ import struct
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ..errors import RepositoryError
 from .graph import check_graph
 
@@ -68,6 +70,11 @@ class Node(NamedTuple):
     calls: Sequence[Sequence[Hashable]]
 
 
+#: a numpy array in a layer config (a clipping bound, a small table) is hashed as its values up to
+#: this many elements; a bigger one is refused as not plain JSON
+_MAX_ARRAY_IN_CONFIG = 4096
+
+
 def _strip(value: Any) -> Any:
     """``value`` with the deny-list keys dropped from every config dict in it: the dict itself and
     every nested dict (the configs of wrapped layers and other serialized objects)."""
@@ -89,6 +96,10 @@ def _strip(value: Any) -> Any:
             for i, item in enumerate(v):
                 stack.append((item, lst, i))
             parent[slot] = lst
+        elif isinstance(v, np.ndarray) and v.size <= _MAX_ARRAY_IN_CONFIG:
+            stack.append((v.tolist(), parent, slot))  # e.g. ReLU(max_value=6.) keeps an array
+        elif isinstance(v, np.generic):
+            parent[slot] = v.item()  # numpy scalars are their plain value
         else:
             parent[slot] = v
     return root[0]
