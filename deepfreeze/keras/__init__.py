@@ -6,3 +6,6 @@ from .clone import CloneCallback, receive_clone
 from .restore import restore_model as restore
 
 __all__ = ["DeepFreezeCheckpoint", "CaptureOptions", "restore", "CloneCallback", "receive_clone"]
+from .repo import LoadReport, load_into, store_model
+
+__all__ += ["store_model", "load_into", "LoadReport"]

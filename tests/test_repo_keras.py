@@ -1,0 +1,300 @@
+"""Keras adapter of the model repository: stable ids of real Keras models, store_model / load_into
+against the real embedded repository (deepfreeze.repo.store)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf  # noqa: E402
+
+try:
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+except RuntimeError:  # TF already initialized by an earlier test of the session
+    pass
+
+from deepfreeze.errors import ModelMismatchError, NameExistsError, RepositoryError  # noqa: E402
+from deepfreeze.keras import LoadReport, load_into, store_model  # noqa: E402
+from deepfreeze.keras.repo import model_graph  # noqa: E402
+from deepfreeze.repo.graph import tensor_key  # noqa: E402
+from deepfreeze.repo.store import EmbeddedRepository  # noqa: E402
+
+L = tf.keras.layers
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "repo_ids.py")
+
+
+@pytest.fixture
+def repo(tmp_path):
+    r = EmbeddedRepository(str(tmp_path / "repo"))
+    yield r
+    r.close()
+
+
+def weights(model):
+    """Every weight of the model by (layer name, k), copied."""
+    return {(layer.name, k): v.numpy().copy() for layer in _leaves(model) for k, v in enumerate(layer.weights)}
+
+
+def _leaves(model):
+    return model_graph(model).layers
+
+
+def assert_same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes()
+
+
+def randomize(model, seed):
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign(rng.uniform(0.1, 1.0, v.shape).astype(v.dtype.as_numpy_dtype))  # > 0: BN variances too
+
+
+def trunk_model(head_units=3, input_dim=16, seed=0, head_name=None):
+    """Input -> Dense -> BatchNorm (non-trainable moving stats) -> nested Sequential -> head."""
+    inp = tf.keras.Input(shape=(input_dim,))
+    x = L.Dense(32, activation="relu")(inp)
+    x = L.BatchNormalization()(x)
+    x = tf.keras.Sequential([tf.keras.Input(shape=(32,)), L.Dense(16, activation="relu")])(x)
+    out = L.Dense(head_units, name=head_name)(x)
+    m = tf.keras.Model(inp, out)
+    randomize(m, seed)
+    return m
+
+
+def run_worker(*args):
+    p = subprocess.run([sys.executable, WORKER, *args], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_ids_equal_across_processes_and_construction_orders():
+    a = run_worker("a")
+    b = run_worker("b", "--freeze")
+    # the auto-names differ (throwaway layers shifted them; heads and branches built in the other order)
+    assert a["names"]["trunk"] != b["names"]["trunk"]
+    assert a["names"]["head0"] == "dense_6" and b["names"]["head0"] == "dense_10"
+    assert a["roles"] == b["roles"]
+    assert a["graph"] == b["graph"]
+    assert len(a["ids"]) == len(set(a["ids"])) == len(a["roles"]) == 12
+    assert a["roles"]["head0"] != a["roles"]["head1"]     # twin heads: distinct ids
+    assert a["roles"]["left2"] != a["roles"]["right2"]
+
+
+def test_ids_unique_unchanged_by_freezing_and_names():
+    m = trunk_model()
+    mg = model_graph(m)
+    before = [mg.ids[k] for k in range(len(mg.layers))]
+    assert len(set(before)) == len(before) == 5           # input, dense, bn, nested dense, head
+    assert [type(x).__name__ for x in mg.layers].count("InputLayer") == 1   # the nested Input is not a layer
+    for layer in m.layers:
+        layer.trainable = False
+    after = model_graph(m)
+    assert [after.ids[k] for k in range(len(after.layers))] == before
+    renamed = trunk_model(head_name="my_head")            # names never enter an id
+    assert sorted(model_graph(renamed).ids.values()) == sorted(before)
+
+
+def test_twin_heads_built_in_both_orders():
+    def build(swap):
+        inp = tf.keras.Input(shape=(4,))
+        x = L.Dense(8)(inp)
+        h = [L.Dense(2), L.Dense(2)]
+        if swap:
+            h.reverse()      # the head created second becomes output 0
+        return tf.keras.Model(inp, [h[0](x), h[1](x)]), h
+    (m1, h1), (m2, h2) = build(False), build(True)
+    g1, g2 = model_graph(m1), model_graph(m2)
+    id1 = {layer.name: g1.ids[k] for k, layer in enumerate(g1.layers)}
+    id2 = {layer.name: g2.ids[k] for k, layer in enumerate(g2.layers)}
+    assert id1[h1[0].name] != id1[h1[1].name]
+    assert (id1[h1[0].name], id1[h1[1].name]) == (id2[h2[0].name], id2[h2[1].name])
+
+
+def test_shared_layer_and_nested_model_called_twice(repo):
+    inp1, inp2 = tf.keras.Input(shape=(6,)), tf.keras.Input(shape=(6,))
+    shared = L.Dense(5)
+    sub = tf.keras.Sequential([tf.keras.Input(shape=(5,)), L.Dense(3)])
+    out = L.Concatenate()([sub(shared(inp1)), sub(shared(inp2))])
+    m = tf.keras.Model([inp1, inp2], out)
+    randomize(m, 1)
+    mg = model_graph(m)
+    assert len(mg.layers) == 5                 # 2 inputs, shared dense, sub's dense, concatenate
+    assert len(set(mg.ids.values())) == 5      # the two identical inputs told apart by position
+    k_shared = mg.layers.index(shared)
+    assert len(mg.nodes[k_shared].calls) == 2
+    assert len(mg.nodes[mg.layers.index(sub.layers[0])].calls) == 2
+    want = weights(m)
+    store_model(repo, "shared", m)
+    randomize(m, 2)
+    r = load_into(repo, "shared", m, strict=True)
+    assert sorted(r.loaded) == sorted([shared.name, sub.layers[0].name])
+    for key, v in weights(m).items():
+        assert_same(v, want[key])
+
+
+def test_store_load_round_trip_bit_exact(repo):
+    m = trunk_model(seed=0)
+    m.compile(optimizer="adam", loss="mse")
+    m.fit(np.ones((8, 16), np.float32), np.ones((8, 3), np.float32), epochs=1, verbose=0)  # optimizer state exists
+    want = weights(m)
+    res = store_model(repo, "trunk@v1", m)
+    total = sum(v.nbytes for v in want.values())
+    assert res["bytes"] == total
+    stored = repo.get("trunk@v1")
+    n_model_weights = len(m.weights)
+    assert len(stored) == n_model_weights                 # every weight, trainable or not; no optimizer slot
+    with pytest.raises(NameExistsError):
+        store_model(repo, "trunk@v1", m)
+    fresh = trunk_model(seed=7)                           # same architecture, other weights, other names
+    r = load_into(repo, "trunk@v1", fresh, strict=True)
+    assert isinstance(r, LoadReport)
+    assert r.missing == [] and len(r.loaded) == 4 and r.bytes == total
+    assert sorted(r.skipped) == sorted(x.name for x in _leaves(fresh) if not x.weights)
+    got = weights(fresh)
+    assert len(got) == len(want)
+    order_m = [v for layer in _leaves(m) for v in layer.weights]
+    order_f = [v for layer in _leaves(fresh) for v in layer.weights]
+    for vm, vf in zip(order_m, order_f):
+        assert_same(vf.numpy(), vm.numpy())
+    # the stored graph carries the ids of the model
+    g = repo.graph("trunk@v1")
+    assert sorted(layer["id"] for layer in g["layers"]) == sorted(model_graph(m).ids.values())
+
+
+def test_partial_load_trunk_into_new_head(repo):
+    a = trunk_model(head_units=3, seed=0)
+    store_model(repo, "a@1", a)
+    b = trunk_model(head_units=5, seed=9)
+    head_before = [v.numpy().copy() for v in b.layers[-1].weights]
+    read_before = repo.bytes_read
+    r = load_into(repo, "a@1", b)
+    assert sorted(r.loaded) == sorted(x.name for x in _leaves(b) if x.weights and x is not b.layers[-1])
+    assert r.missing == [b.layers[-1].name]
+    trunk_bytes = sum(v.numpy().nbytes for layer in _leaves(a)[:-1] for v in layer.weights)
+    assert r.bytes == trunk_bytes
+    assert repo.bytes_read - read_before == trunk_bytes     # only the matched tensors were read
+    for la, lb in zip(_leaves(a)[:-1], _leaves(b)[:-1]):
+        for va, vb in zip(la.weights, lb.weights):
+            assert_same(vb.numpy(), va.numpy())
+    for v, before in zip(b.layers[-1].weights, head_before):
+        assert_same(v.numpy(), before)                    # the new head is untouched
+    # the same head size but another upstream (input 17 wide): nothing of the trunk matches
+    c = trunk_model(head_units=3, input_dim=17, seed=3)
+    before_c = weights(c)
+    with pytest.raises(ModelMismatchError, match="nothing loaded"):
+        load_into(repo, "a@1", c)
+    for key, v in weights(c).items():
+        assert_same(v, before_c[key])
+
+
+def test_requested_layers_and_mismatch_errors(repo):
+    a = trunk_model(head_units=3, seed=0)
+    store_model(repo, "a@1", a)
+    b = trunk_model(head_units=5, seed=9)
+    before = weights(b)
+    trunk_dense = _leaves(b)[1]
+    r = load_into(repo, "a@1", b, layers=[trunk_dense.name])
+    assert r.loaded == [trunk_dense.name] and r.missing == []
+    assert trunk_dense.name in [x.name for x in _leaves(b)] and len(r.skipped) == len(_leaves(b)) - 1
+    assert r.bytes == sum(v.numpy().nbytes for v in trunk_dense.weights)
+    b2 = trunk_model(head_units=5, seed=9)
+    before2 = weights(b2)
+    head = b2.layers[-1]
+    with pytest.raises(ModelMismatchError, match=head.name):
+        load_into(repo, "a@1", b2, layers=[_leaves(b2)[1], head])   # objects; the head does not match
+    with pytest.raises(ModelMismatchError, match=f"strict.*{head.name}"):
+        load_into(repo, "a@1", b2, strict=True)
+    with pytest.raises(ModelMismatchError, match="no leaf layer named 'nope'"):
+        load_into(repo, "a@1", b2, layers=["nope"])
+    for key, v in weights(b2).items():            # never a half load
+        assert_same(v, before2[key])
+    del before
+
+
+def test_unknown_model_and_graphless(repo):
+    from deepfreeze.errors import ModelNotFoundError
+    m = trunk_model()
+    with pytest.raises(ModelNotFoundError):
+        load_into(repo, "nothing", m)
+    repo.put("raw", {"x": np.zeros(3, np.float32)})
+    with pytest.raises(ModelMismatchError, match="without a layer graph"):
+        load_into(repo, "raw", m)
+
+
+def test_subclassed_model_is_refused(repo):
+    class Sub(tf.keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.d = L.Dense(2)
+
+        def call(self, x):
+            return self.d(x)
+    s = Sub()
+    s(np.ones((1, 3), np.float32))
+    with pytest.raises(RepositoryError, match="no layer graph"):
+        store_model(repo, "sub", s)
+
+
+def _two_dense(first_created_first: bool):
+    """Input(8) -> Dense(8) -> Dense(8): the same model; the layer applied first is created first
+    or second, so the auto-name 'dense' means the first layer in one model and the second in the other."""
+    tf.keras.backend.clear_session()
+    inp = tf.keras.Input(shape=(8,))
+    if first_created_first:
+        first, second = L.Dense(8), L.Dense(8)
+    else:
+        second, first = L.Dense(8), L.Dense(8)
+    return tf.keras.Model(inp, second(first(inp))), first, second
+
+
+def test_by_name_hdf5_picks_wrong_weights_load_into_does_not(repo, tmp_path):
+    a, a_first, a_second = _two_dense(True)
+    randomize(a, 0)
+    assert (a_first.name, a_second.name) == ("dense", "dense_1")
+    a.save_weights(str(tmp_path / "a.h5"))
+    store_model(repo, "a", a)
+
+    b, b_first, b_second = _two_dense(False)
+    assert (b_first.name, b_second.name) == ("dense_1", "dense")   # same names, other layers
+    b.load_weights(str(tmp_path / "a.h5"), by_name=True)            # Keras: silently wrong
+    assert_same(b_first.kernel.numpy(), a_second.kernel.numpy())
+    assert not np.array_equal(b_first.kernel.numpy(), a_first.kernel.numpy())
+
+    c, c_first, c_second = _two_dense(False)
+    r = load_into(repo, "a", c, strict=True)                        # by id: right
+    assert sorted(r.loaded) == ["dense", "dense_1"]
+    assert_same(c_first.kernel.numpy(), a_first.kernel.numpy())
+    assert_same(c_second.kernel.numpy(), a_second.kernel.numpy())
+    assert_same(c_second.bias.numpy(), a_second.bias.numpy())
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    np.testing.assert_array_equal(c(x).numpy(), a(x).numpy())
+
+
+def test_transfer_learning_example(repo):
+    """The docs/repository.md example: trunk of a stored model into a new head, frozen, train the
+    head, store under a new tag; the frozen trunk stays bit-exact and is de-duplicated."""
+    a = trunk_model(head_units=3, seed=0)
+    store_model(repo, "clf@base", a)
+    b = trunk_model(head_units=5, seed=4)
+    r = load_into(repo, "clf@base", b)
+    for layer in b.layers[:-1]:
+        layer.trainable = False
+    b.compile(optimizer="sgd", loss="mse")
+    b.fit(np.ones((8, 16), np.float32), np.zeros((8, 5), np.float32), epochs=1, verbose=0)
+    res = store_model(repo, "clf@head5", b)
+    assert res["bytes"] == sum(v.numpy().nbytes for v in b.weights)
+    got = repo.get("clf@head5")
+    mb, ma = model_graph(b), model_graph(a)
+    trunk_ids = {ma.ids[k] for k, layer in enumerate(ma.layers) if layer is not a.layers[-1]}
+    assert trunk_ids <= set(mb.ids.values())               # the trunk kept its ids in the new model
+    for k, layer in enumerate(ma.layers):
+        if ma.ids[k] in trunk_ids:
+            for j, v in enumerate(layer.weights):           # frozen: still a's weights, bit-exact
+                assert_same(got[tensor_key(ma.ids[k], j)], v.numpy())
+    assert len(r.loaded) == 3
