@@ -104,7 +104,6 @@ import platform
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -135,9 +134,9 @@ MODELS = {
 }
 FULL = {"models": ["dense10-256m", "dense10-1g", "dense100-1g", "dense500-1g", "dense1000-1g", "vgg19", "resnet50"],
         "reps": 5, "conc": [(1, 1 * GB), (2, 1 * GB), (4, 1 * GB), (8, 256 * MB)], "staging_bytes": 1 * GB,
-        "graph_layers": [100, 500, 1000]}
+        "graph_layers": [100, 500, 1000], "arena_bytes": None}
 QUICK = {"models": ["dense10-8m", "dense100-8m"], "reps": 2, "conc": [(1, 8 * MB), (2, 8 * MB), (4, 2 * MB)],
-         "staging_bytes": 8 * MB, "graph_layers": [100, 500, 1000]}
+         "staging_bytes": 8 * MB, "graph_layers": [100, 500, 1000], "arena_bytes": 64 << 20}
 PARTS = ["models", "conc", "staging", "graph"]
 TARGET_MODEL = "dense10-1g"
 QUICK_TARGET_MODEL = "dense10-8m"
@@ -248,58 +247,63 @@ def open_remote(addresses: list[str], staging: str | None = None):
     return RemoteRepository(list(addresses), **opts)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def provider_main(directory: str, port: int, fsync: bool) -> None:
-    """One provider process (``--provider``): ``deepfreeze.repo.provider.serve`` until SIGTERM."""
+def provider_main(directory: str, address_file: str, fsync: bool, arena_bytes: int | None) -> None:
+    """One provider process (``--provider``): ``deepfreeze.repo.provider.serve`` on 127.0.0.1, any
+    port (written to ``address_file`` once it accepts connections), until SIGTERM. ``fsync``: the
+    repository underneath is opened with ``fsync=True``."""
+    import threading
     from deepfreeze.repo import provider
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    opts = {"fsync": True} if fsync else {}
-    server = provider.serve(directory, "127.0.0.1", port, **opts)
-    for meth in ("serve_forever", "wait", "join"):
-        if callable(getattr(server, meth, None)):
-            getattr(server, meth)()
-            return
-    while True:
-        signal.pause()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    opts: dict = {}
+    if fsync:
+        opts["repository"] = open_embedded(directory, fsync=True)
+    if arena_bytes is not None:
+        opts["arena_bytes"] = arena_bytes
+
+    def ready(addr: str) -> None:
+        with open(address_file + ".tmp", "w") as f:
+            f.write(addr)
+        os.replace(address_file + ".tmp", address_file)
+    try:
+        provider.serve(directory, "127.0.0.1", 0, ready=ready, stop=stop, **opts)
+    finally:
+        if "repository" in opts:
+            opts["repository"].close()
 
 
 class Providers:
     """``n`` provider processes on 127.0.0.1, each with its own directory under ``base``."""
 
-    def __init__(self, base: str, n: int = 2, fsync: bool = False, timeout: float = 120.0) -> None:
+    def __init__(self, base: str, n: int = 2, fsync: bool = False, arena_bytes: int | None = None,
+                 timeout: float = 120.0) -> None:
         self.dirs = [os.path.join(base, f"provider{i}") for i in range(n)]
-        self.ports = [free_port() for _ in range(n)]
-        self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
         self.procs: list[subprocess.Popen] = []
         self.logs = [os.path.join(base, f"provider{i}.log") for i in range(n)]
+        afiles = [os.path.join(base, f"provider{i}.addr") for i in range(n)]
         env = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + os.environ["PYTHONPATH"]
                                                   if os.environ.get("PYTHONPATH") else ""))
-        for d, p, log in zip(self.dirs, self.ports, self.logs):
-            os.makedirs(d, exist_ok=True)
-            cmd = [sys.executable, "-m", "experiments.repo", "--provider", d, "--port", str(p)]
+        os.makedirs(base, exist_ok=True)
+        for d, af, log in zip(self.dirs, afiles, self.logs):
+            cmd = [sys.executable, "-m", "experiments.repo", "--provider", d, "--result", af]
             cmd += ["--provider-fsync"] if fsync else []
+            cmd += ["--arena-bytes", str(int(arena_bytes))] if arena_bytes is not None else []
             with open(log, "w") as lf:
                 self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=lf, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
-        for proc, p, log in zip(self.procs, self.ports, self.logs):
-            while True:
+        self.addresses = []
+        for proc, af, log in zip(self.procs, afiles, self.logs):
+            while not os.path.exists(af):
                 if proc.poll() is not None:
                     self.stop()
-                    raise RuntimeError(f"provider on port {p} exited with {proc.returncode}: "
+                    raise RuntimeError(f"provider exited with {proc.returncode}: "
                                        + open(log, errors="replace").read()[-2000:])
-                try:
-                    socket.create_connection(("127.0.0.1", p), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        self.stop()
-                        raise RuntimeError(f"provider on port {p} not listening after {timeout:.0f} s")
-                    time.sleep(0.1)
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"provider not listening after {timeout:.0f} s")
+                time.sleep(0.05)
+            with open(af) as f:
+                self.addresses.append(f.read().strip())
 
     @property
     def pids(self) -> list[int]:
@@ -396,9 +400,13 @@ class Timer:
         self.s = time.perf_counter() - self.t0
 
 
+KERAS_RECURSION = 20000  # Keras builds, serializes and loads a functional model recursively (1000-layer chains)
+
+
 def worker(args: argparse.Namespace) -> None:
     """One model: every approach in turn for ``reps + 1`` rounds; raw samples to ``args.result``."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), KERAS_RECURSION))
     import gc
     import h5py
     import numpy as np
@@ -483,8 +491,9 @@ def worker(args: argparse.Namespace) -> None:
                 rec[key + "_provider_read_bytes"] = sum(read_bytes(p) or 0 for p in providers_pids) - pb0
         if rr0 is not None:
             rec[key + "_repo_bytes_read"] = repo.bytes_read - rr0
-        if ret is not None and hasattr(ret, "bytes"):
-            rec[key + "_report_bytes"] = ret.bytes
+        if ret is not None and hasattr(ret, "bytes") and hasattr(ret, "loaded"):  # a LoadReport
+            rec[key + "_report"] = {"bytes": ret.bytes, "loaded": len(ret.loaded), "missing": len(ret.missing),
+                                    "skipped": len(ret.skipped)}
 
     prov = spec.get("providers") or {}
     repos: dict = {}
@@ -586,14 +595,15 @@ def worker(args: argparse.Namespace) -> None:
         if isinstance(ret, dict):
             rec["store_result"] = {k: ret[k] for k in ("bytes", "written", "deduplicated") if k in ret}
         rec["dir_bytes"] = sum(tree_bytes(d) for d in dirs)
-        keys = None
-        if kind in ("dense10", "chain"):  # the core's keys of the buffers: the chain's layers in order
-            g = repo.graph(name)
-            with_t = [layer for layer in g["layers"] if layer["tensors"]]
-            names = list(src_layers)
-            if len(with_t) == len(names):
-                keys = {(names[i], k): f"{layer['id']}/{k}" for i, layer in enumerate(with_t)
-                        for k in range(layer["tensors"])}
+        # the core's tensor keys of the numpy buffers: (layer name, k) -> "<id>/<k>"
+        try:
+            from deepfreeze.keras.repo import model_graph
+            mg = model_graph(src)
+            keys = {(layer.name, j): f"{mg.ids[i]}/{j}" for i, layer in enumerate(mg.layers)
+                    for j in range(len(layer.weights))}
+            keys = keys if set(keys) == set(bufs) else None
+        except ImportError:
+            keys = None
         for cold in (False, True):
             tag = "cold" if cold else "warm"
             cp = dirs if cold else []
@@ -661,6 +671,7 @@ def worker(args: argparse.Namespace) -> None:
 def graph_worker(args: argparse.Namespace) -> None:
     """Graph as stored vs ``model.to_json()`` for chains of N ``Dense(8)`` layers."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), KERAS_RECURSION))
     sys.path.insert(0, ROOT)
     from deepfreeze.keras import store_model
     from deepfreeze.repo.graph import encode_graph
@@ -729,7 +740,7 @@ def client_main(args: argparse.Namespace) -> None:
         for a in tensors.values():  # new content each round: no de-duplication across rounds
             a[0] += 1.0
         crc = [zlib.crc32(memoryview(a).cast("B")) for a in tensors.values()] if rnd == 0 else None
-        name = f"c{idx}@r{rnd}"
+        name = f"{spec['prefix']}-c{idx}@r{rnd}"
         rec = {"index": idx, "round": rnd, "bytes": total}
         for phase in spec["phases"]:
             barrier(work, phase, rnd, idx)
@@ -761,7 +772,8 @@ def run_clients(base: str, mode: str, n: int, nbytes: float, reps: int, phases: 
     """``n`` client processes through ``mode`` ("embedded" or "providers"); per-round aggregates."""
     work = tempfile.mkdtemp(prefix=f"conc-{mode}-{n}-", dir=base)
     rdir = os.path.join(base, "conc-embedded")
-    spec = {"work": work, "reps": reps, "bytes": nbytes, "mode": mode, "phases": phases, "staging": staging}
+    spec = {"work": work, "reps": reps, "bytes": nbytes, "mode": mode, "phases": phases, "staging": staging,
+            "prefix": os.path.basename(work)}  # names are never reused, even deleted ones: one prefix per run
     if mode == "embedded":
         spec["dir"], dirs = rdir, [rdir]
         admin = open_embedded(rdir)
@@ -1176,7 +1188,7 @@ def main() -> None:
     ap.add_argument("--graph-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--provider", metavar="DIR", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--arena-bytes", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--provider-fsync", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--spec", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--result", default="", help=argparse.SUPPRESS)
@@ -1193,7 +1205,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "repo.json"))
     args = ap.parse_args()
     if args.provider:
-        return provider_main(args.provider, args.port, args.provider_fsync)
+        return provider_main(args.provider, args.result, args.provider_fsync, args.arena_bytes)
     if args.worker:
         return worker(args)
     if args.graph_worker:
@@ -1237,6 +1249,7 @@ def main() -> None:
         "mode": "quick" if args.quick else "full", "reps": sched["reps"], "warmup_rounds": 1, "approaches": approaches,
         "models": models, "parts": parts, "conc": [[n, b] for n, b in sched["conc"]],
         "staging_bytes": sched["staging_bytes"], "graph_layers": sched["graph_layers"],
+        "provider_arena_bytes": sched["arena_bytes"] or "default (deepfreeze.repo.arena.DEFAULT_ARENA_BYTES)",
         "statistic": "median, min/max, p10/p90, mean and standard error of the mean over the timed rounds after one "
                      "warm-up round; ratios of means with standard errors (delta method) and of medians; a target "
                      "is 'not resolvable' when the ratio is within one standard error of the factor",
@@ -1253,9 +1266,10 @@ def main() -> None:
         need_prov = "providers" in approaches and ("models" in parts or "conc" in parts or "staging" in parts)
         if need_prov:
             try:
-                provs["plain"] = Providers(os.path.join(base, "prov"))
+                provs["plain"] = Providers(os.path.join(base, "prov"), arena_bytes=sched["arena_bytes"])
                 try:
-                    provs["fsync"] = Providers(os.path.join(base, "prov-fsync"), fsync=True)
+                    provs["fsync"] = Providers(os.path.join(base, "prov-fsync"), fsync=True,
+                                               arena_bytes=sched["arena_bytes"])
                 except Exception as e:  # noqa: BLE001
                     doc["errors"]["providers-fsync"] = f"{type(e).__name__}: {e}"[:2000]
             except Exception as e:  # noqa: BLE001
