@@ -33,7 +33,10 @@ the stored model's first layers). Real: ``vgg19`` (``tf.keras.applications.VGG19
 224x224, 575 MB; partial: the convolutional trunk, ``include_top=False``, and a new head:
 global average pooling + ``Dense(10, name="new_head")``: all but the last layers, 14 % of the
 bytes), ``resnet50`` (64x64 images, the same 25.6 M weights as at 224x224; partial: the
-``include_top=False`` trunk into a new head, 92 % of the bytes).
+``include_top=False`` trunk into a new head, 92 % of the bytes); ``--quick`` runs ``densenet121``
+instead (DenseNet121 at 32x32, 8 M weights, 32 MB; the same code path). ``mobilenetv2-tiny``
+(alpha 0.35, 32x32, 1.5 M weights) on request: its ``ReLU(max_value=6.)`` layers hold a numpy
+value in ``get_config()``.
 
 How a model is measured. One worker process per model (TensorFlow with its default thread pools,
 the same for every approach; ``tf_threads`` in the JSON) builds the source model, a target model
@@ -128,6 +131,8 @@ MODELS = {
     "dense1000-1g": ("chain", 1000, 1 * GB),
     "vgg19": ("vgg19", None, None),
     "resnet50": ("resnet50", None, None),
+    "densenet121": ("densenet121", None, None),  # --quick's real model (32x32, 8 M weights): the same code path
+    "mobilenetv2-tiny": ("mobilenetv2", None, None),  # 1.5 M weights; ReLU(max_value=6.) layers
     # --quick only: the same shapes, tiny
     "dense10-8m": ("dense10", 10, 8 * MB),
     "dense100-8m": ("chain", 100, 8 * MB),
@@ -135,7 +140,7 @@ MODELS = {
 FULL = {"models": ["dense10-256m", "dense10-1g", "dense100-1g", "dense500-1g", "dense1000-1g", "vgg19", "resnet50"],
         "reps": 5, "conc": [(1, 1 * GB), (2, 1 * GB), (4, 1 * GB), (8, 256 * MB)], "staging_bytes": 1 * GB,
         "graph_layers": [100, 500, 1000], "arena_bytes": None}
-QUICK = {"models": ["dense10-8m", "dense100-8m"], "reps": 2, "conc": [(1, 8 * MB), (2, 8 * MB), (4, 2 * MB)],
+QUICK = {"models": ["dense10-8m", "dense100-8m", "densenet121"], "reps": 2, "conc": [(1, 8 * MB), (2, 8 * MB), (4, 2 * MB)],
          "staging_bytes": 8 * MB, "graph_layers": [100, 500, 1000], "arena_bytes": 64 << 20}
 PARTS = ["models", "conc", "staging", "graph"]
 TARGET_MODEL = "dense10-1g"
@@ -198,6 +203,20 @@ def read_bytes(pid: int | str = "self") -> int | None:
 
 def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(f) for f in _files(path) if os.path.exists(f))
+
+
+def read_ahead_kb(path: str) -> int | None:
+    """The block device's read-ahead (KiB) under ``path`` (a cold read of a small part of a file
+    reads up to this much more)."""
+    st = os.stat(path)
+    dev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    for q in (f"{dev}/queue/read_ahead_kb", f"{dev}/../queue/read_ahead_kb", f"{dev}/bdi/read_ahead_kb"):
+        try:
+            with open(q) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def cold_read_rate(directory: str, nbytes: int = 256 << 20) -> dict:
@@ -358,11 +377,13 @@ def build(model: str, which: str, widths: dict | None = None):
     if kind in ("dense10", "chain"):
         w = (widths or {}).get(model) or dense_width(kind, layers, nbytes)
         return synthetic(kind, layers, w, partial_layers(kind, layers) if which == "partial" else None)
-    app = tf.keras.applications.VGG19 if kind == "vgg19" else tf.keras.applications.ResNet50
-    shape = (224, 224, 3) if kind == "vgg19" else (64, 64, 3)
+    app, shape, kw = {"vgg19": (tf.keras.applications.VGG19, (224, 224, 3), {}),
+                      "resnet50": (tf.keras.applications.ResNet50, (64, 64, 3), {}),
+                      "densenet121": (tf.keras.applications.DenseNet121, (32, 32, 3), {}),
+                      "mobilenetv2": (tf.keras.applications.MobileNetV2, (32, 32, 3), {"alpha": 0.35})}[kind]
     if which != "partial":
-        return app(weights=None, input_shape=shape, classes=1000)
-    trunk = app(weights=None, include_top=False, input_shape=shape)
+        return app(weights=None, input_shape=shape, classes=1000, **kw)
+    trunk = app(weights=None, include_top=False, input_shape=shape, **kw)
     x = tf.keras.layers.GlobalAveragePooling2D(name="new_pool")(trunk.output)
     x = tf.keras.layers.Dense(10, name="new_head")(x)
     return tf.keras.Model(trunk.input, x, name=f"{kind}_transfer")
@@ -1098,7 +1119,8 @@ def plot(doc: dict, out: str) -> None:
                 ax.plot([f"{r['clients']}x{r['bytes_per_client'] / GB:g}" for r in rs],
                         [r[phase + "_GBps"]["median"] for r in rs], mk, label=f"{mode} {phase}")
     ax.set_title("concurrency: aggregate GB/s (clients x GB)", fontsize=10)
-    ax.legend(fontsize=7)
+    if ax.lines:
+        ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     ax = axes[1][1]
     st = [r for r in doc.get("staging", []) if r.get("put_s")]
@@ -1108,7 +1130,8 @@ def plot(doc: dict, out: str) -> None:
                                                                              for r in st]], capsize=2, label=metric[:-2])
     ax.set_xticks(range(len(st)), [r["staging"] for r in st])
     ax.set_title("providers' staging, 1 client (s)", fontsize=10)
-    ax.legend(fontsize=8)
+    if st:
+        ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     ax = axes[1][2]
     g = doc.get("graph", [])
@@ -1262,7 +1285,7 @@ def main() -> None:
     t_start = time.time()
     provs: dict = {}
     try:
-        doc["limits"] = cold_read_rate(base)
+        doc["limits"] = dict(cold_read_rate(base), read_ahead_kb=read_ahead_kb(base))
         need_prov = "providers" in approaches and ("models" in parts or "conc" in parts or "staging" in parts)
         if need_prov:
             try:
