@@ -659,6 +659,7 @@ def worker(args: argparse.Namespace) -> None:
                 rec.setdefault("correctness", {}).update(full_mismatched=check_model(tgt, list(src_layers)),
                                                          partial_mismatched=check_model(part, shared))
         if rnd == 0:
+            rec["staging"] = getattr(repo, "staging", None)  # remote: what each provider's transfers used
             g = repo.graph(name)
             ids = [layer["id"] for layer in g["layers"]]
             rec["graph_bytes"] = len(encode_graph(g))
@@ -799,7 +800,7 @@ def client_main(args: argparse.Namespace) -> None:
         barrier(work, "delete", rnd, idx)
         repo.delete(name)
         out.append(rec)
-    rec0 = {"tensorflow_imported": "tensorflow" in sys.modules}
+    rec0 = {"tensorflow_imported": "tensorflow" in sys.modules, "staging_used": getattr(repo, "staging", None)}
     repo.close()
     with open(os.path.join(work, f"client{idx}.json"), "w") as f:
         json.dump({"records": out, **rec0}, f)
@@ -859,13 +860,14 @@ def run_clients(base: str, mode: str, n: int, nbytes: float, reps: int, phases: 
         admin.close()
     except Exception:  # noqa: BLE001
         pass
-    recs, tf_imported = [], False
+    recs, tf_imported, staging_used = [], False, None
     for i in range(n):
         try:
             with open(os.path.join(work, f"client{i}.json")) as f:
                 d = json.load(f)
             recs += d["records"]
             tf_imported |= d["tensorflow_imported"]
+            staging_used = d.get("staging_used")
         except (OSError, ValueError):
             pass
     rounds = []
@@ -884,7 +886,8 @@ def run_clients(base: str, mode: str, n: int, nbytes: float, reps: int, phases: 
             row["bitexact"] = all(all(r.get("bitexact", {}).values()) for r in rs)
         rounds.append(row)
     shutil.rmtree(work, ignore_errors=True)
-    return {"mode": mode, "clients": n, "bytes_per_client": nbytes, "staging": staging, "rounds": rounds,
+    return {"mode": mode, "clients": n, "bytes_per_client": nbytes, "staging": staging, "staging_used": staging_used,
+            "rounds": rounds,
             "tensorflow_imported": tf_imported, "error": error, "wall_s": time.time() - t_start}
 
 
@@ -1003,8 +1006,8 @@ def targets(doc: dict) -> list[dict]:
 
 def conc_summary(res: dict, phases: list[str]) -> dict:
     timed = [r for r in res["rounds"] if r["round"] > 0]
-    row = {k: res[k] for k in ("mode", "clients", "bytes_per_client", "staging", "error", "tensorflow_imported",
-                               "wall_s")}
+    row = {k: res[k] for k in ("mode", "clients", "bytes_per_client", "staging", "staging_used", "error",
+                               "tensorflow_imported", "wall_s")}
     row["n"] = len(timed)
     for p in phases:
         for m in (p + "_GBps", p + "_s"):
