@@ -147,6 +147,7 @@ QUICK_TARGET_MODEL = "dense10-8m"
 TARGET_GRAPH_LAYERS = 500
 CONC_TENSORS = 10
 POLL_S = 0.002
+IO_TIMEOUT = 600.0  # providers' and clients' request timeout: 4 x 1 GB clients queue for the arena on a shared machine
 
 
 # ---------------------------------------------------------------------------------------------- cache, I/O
@@ -262,7 +263,7 @@ def open_remote(addresses: list[str], staging: str | None = None):
     """A client of the providers (``RemoteRepository``; the token from ``DEEPFREEZE_TOKEN``)."""
     from deepfreeze.repo.client import RemoteRepository
     opts = {"staging": staging} if staging else {}
-    return RemoteRepository(list(addresses), **opts)
+    return RemoteRepository(list(addresses), timeout=IO_TIMEOUT, **opts)
 
 
 def provider_main(directory: str, address_file: str, fsync: bool, arena_bytes: int | None) -> None:
@@ -284,7 +285,7 @@ def provider_main(directory: str, address_file: str, fsync: bool, arena_bytes: i
             f.write(addr)
         os.replace(address_file + ".tmp", address_file)
     try:
-        provider.serve(directory, "127.0.0.1", 0, ready=ready, stop=stop, **opts)
+        provider.serve(directory, "127.0.0.1", 0, ready=ready, stop=stop, io_timeout=IO_TIMEOUT, **opts)
     finally:
         if "repository" in opts:
             opts["repository"].close()
