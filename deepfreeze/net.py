@@ -55,7 +55,7 @@ from .errors import (AuthenticationError, ConfigError, DeepFreezeError, Provider
 __all__ = ["TOKEN_ENV", "DEFAULT_TOKEN_PATH", "MAGIC", "VERSION", "MAX_HEADER", "default_token_path",
            "create_token", "load_token", "check_token", "parse_address", "format_address", "is_loopback",
            "listen", "connect", "send_msg", "recv_msg", "wait_readable", "Message", "error_reply",
-           "raise_for_reply", "server_handshake", "client_handshake", "is_transport_error"]
+           "raise_for_reply", "server_handshake", "client_handshake", "is_transport_error", "keepalive"]
 
 #: environment variable holding the token (takes precedence over the default file)
 TOKEN_ENV = "DEEPFREEZE_TOKEN"
@@ -205,10 +205,21 @@ def listen(host: str, port: int, *, allow_remote: bool = False, backlog: int = 6
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(info[4])
         sock.listen(backlog)
-    except OSError:
+    except OSError as e:
         sock.close()
-        raise
+        raise ConfigError(f"cannot listen on {format_address(host, port)}: {e.strerror or e} (another process "
+                          "there? choose another port, or port 0 for any free one)") from e
     return sock
+
+
+def keepalive(sock: socket.socket, idle: int = 60, interval: int = 10, count: int = 6) -> None:
+    """TCP keepalive on ``sock``: a peer whose machine died (no FIN ever comes) is detected after
+    about ``idle + interval * count`` seconds of silence, so a server thread waiting for its next
+    request ends instead of waiting forever."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
 
 
 def connect(addr: str, timeout: float) -> socket.socket:
@@ -240,20 +251,21 @@ def is_transport_error(e: BaseException) -> bool:
     with (:func:`raise_for_reply`) are not."""
     return bool(getattr(e, "transport", False))
 
-def _left(deadline: float | None, what: str) -> float | None:
+def _left(deadline: float | None, sock: socket.socket, what: str) -> float | None:
     if deadline is None:
         return None
     left = deadline - time.monotonic()
     if left <= 0:
-        raise _lost(ProviderTimeoutError, f"timed out {what}")
+        raise _lost(ProviderTimeoutError, f"timed out {what} {_peer(sock)}")
     return left
 
 
 def _peer(sock: socket.socket) -> str:
     try:
-        return format_address(*sock.getpeername()[:2])
+        name = sock.getpeername()
     except OSError:
         return "the peer"
+    return format_address(*name[:2]) if isinstance(name, tuple) else "the peer"
 
 
 def _bytes_of(buf: Any) -> memoryview:
@@ -273,14 +285,15 @@ def send_msg(sock: socket.socket, header: Mapping[str, Any], payload: Iterable[A
     bufs = [_bytes_of(b) for b in payload]
     total = sum(b.nbytes for b in bufs)
     try:
-        sock.settimeout(_left(deadline, f"sending to {_peer(sock)}"))
+        sock.settimeout(_left(deadline, sock, "sending to"))
         sock.sendall(_FRAME.pack(MAGIC, VERSION, 0, len(hdr), total) + hdr)
         for b in bufs:
             for pos in range(0, b.nbytes, _CHUNK):
-                sock.settimeout(_left(deadline, f"sending to {_peer(sock)}"))
+                sock.settimeout(_left(deadline, sock, "sending to"))
                 sock.sendall(b[pos:pos + _CHUNK])
     except (socket.timeout, TimeoutError) as e:
-        raise _lost(ProviderTimeoutError, f"{_peer(sock)} did not take our message in time (stopped or overloaded?)") from e
+        raise _lost(ProviderTimeoutError,
+                    f"{_peer(sock)} did not take our message in time (stopped or overloaded?)") from e
     except OSError as e:
         raise _lost(ProviderError, f"lost the connection to {_peer(sock)} while sending: {e.strerror or e}") from e
 
@@ -289,19 +302,20 @@ def _recv_exact(sock: socket.socket, mv: memoryview, deadline: float | None, wha
     pos, n = 0, mv.nbytes
     try:
         while pos < n:
-            sock.settimeout(_left(deadline, f"waiting for {what} from {_peer(sock)}"))
+            sock.settimeout(_left(deadline, sock, f"waiting for {what} from"))
             got = sock.recv_into(mv[pos:pos + _CHUNK])
             if not got:
                 raise _lost(ProviderError, f"{_peer(sock)} closed the connection in the middle of {what} "
-                                    f"({pos} of {n} bytes)")
+                                           f"({pos} of {n} bytes)")
             pos += got
     except (socket.timeout, TimeoutError) as e:
-        raise _lost(ProviderTimeoutError, f"{_peer(sock)} sent {pos} of {n} bytes of {what} and then nothing in time "
-                                   "(stopped, hung or gone?)") from e
+        raise _lost(ProviderTimeoutError, f"{_peer(sock)} sent {pos} of {n} bytes of {what} and then nothing in "
+                                          "time (stopped, hung or gone?)") from e
     except ProviderError:
         raise
     except OSError as e:
-        raise _lost(ProviderError, f"lost the connection to {_peer(sock)} while receiving {what}: {e.strerror or e}") from e
+        raise _lost(ProviderError,
+                    f"lost the connection to {_peer(sock)} while receiving {what}: {e.strerror or e}") from e
 
 
 def wait_readable(sock: socket.socket, timeout: float) -> bool:
@@ -328,8 +342,8 @@ class Message:
         if mv.readonly:
             raise ValueError("recv_into needs a writable buffer")
         if mv.nbytes > self.remaining:
-            raise _lost(ProviderError, f"{_peer(self.sock)} sent a payload of {self.payload_bytes} bytes, fewer than its "
-                                "header announces")
+            raise _lost(ProviderError, f"{_peer(self.sock)} sent a payload of {self.payload_bytes} bytes, fewer "
+                                       "than its header announces")
         _recv_exact(self.sock, mv, self.deadline, "a message payload")
         self.remaining -= mv.nbytes
 
@@ -363,16 +377,17 @@ def recv_msg(sock: socket.socket, *, max_header: int = MAX_HEADER, max_payload: 
     _recv_exact(sock, memoryview(raw), deadline, "a message")
     magic, version, _flags, hlen, plen = _FRAME.unpack(raw)
     if magic != MAGIC:
-        raise _lost(ProviderError, f"{_peer(sock)} sent something that is not a DeepFreeze message (magic {bytes(magic)!r})")
+        raise _lost(ProviderError,
+                    f"{_peer(sock)} sent something that is not a DeepFreeze message (magic {bytes(magic)!r})")
     if version != VERSION:
-        raise _lost(ProviderError, f"{_peer(sock)} speaks message version {version}, this side {VERSION}: run the same "
-                            "DeepFreeze version on both sides")
+        raise _lost(ProviderError, f"{_peer(sock)} speaks message version {version}, this side {VERSION}: run the "
+                                   "same DeepFreeze version on both sides")
     if hlen > max_header:
-        raise _lost(ProviderError, f"{_peer(sock)} announced a message header of {hlen} bytes, over the limit of "
-                            f"{max_header}: refused")
+        raise _lost(ProviderError, f"{_peer(sock)} announced a message header of {hlen} bytes, over the limit "
+                                   f"of {max_header}: refused")
     if plen > max_payload:
-        raise _lost(ProviderError, f"{_peer(sock)} announced a payload of {plen} bytes, over the limit of {max_payload} "
-                            "for this connection: refused")
+        raise _lost(ProviderError, f"{_peer(sock)} announced a payload of {plen} bytes, over the limit of "
+                                   f"{max_payload} for this connection: refused")
     hbuf = bytearray(hlen)
     _recv_exact(sock, memoryview(hbuf), deadline, "a message header")
     try:

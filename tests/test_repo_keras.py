@@ -165,6 +165,8 @@ def test_store_load_round_trip_bit_exact(repo):
     # the stored graph carries the ids of the model
     g = repo.graph("trunk@v1")
     assert sorted(layer["id"] for layer in g["layers"]) == sorted(model_graph(m).ids.values())
+    meta = model_graph(m).meta()
+    assert repo.layer_meta(list(meta)) == meta             # class, canonical config, weight specs per id
 
 
 def test_partial_load_trunk_into_new_head(repo):
@@ -187,8 +189,10 @@ def test_partial_load_trunk_into_new_head(repo):
     # the same head size but another upstream (input 17 wide): nothing of the trunk matches
     c = trunk_model(head_units=3, input_dim=17, seed=3)
     before_c = weights(c)
-    with pytest.raises(ModelMismatchError, match="nothing loaded"):
+    with pytest.raises(ModelMismatchError, match="nothing loaded") as e:
         load_into(repo, "a@1", c)
+    for layer in _leaves(c):                                # the message names the layers
+        assert (layer.name in str(e.value)) == bool(layer.weights)
     for key, v in weights(c).items():
         assert_same(v, before_c[key])
 
@@ -298,3 +302,85 @@ def test_transfer_learning_example(repo):
             for j, v in enumerate(layer.weights):           # frozen: still a's weights, bit-exact
                 assert_same(got[tensor_key(ma.ids[k], j)], v.numpy())
     assert len(r.loaded) == 3
+
+
+def test_constant_call_arguments_are_part_of_the_id():
+    """``x * 2.0`` and ``x * 3.0`` are the same TF-op layer config; the constant makes the difference."""
+    def build(factor, dtype="float32", cut=3):
+        inp = tf.keras.Input(shape=(4,))
+        x = tf.cast(inp * factor, dtype)[:, :cut]
+        return tf.keras.Model(inp, L.Dense(2, dtype=dtype)(x))
+
+    def dense_id(m):
+        mg = model_graph(m)
+        return mg.ids[mg.layers.index(m.layers[-1])]
+    base = dense_id(build(2.0))
+    assert dense_id(build(2.0)) == base
+    assert dense_id(build(3.0)) != base
+    assert dense_id(build(2.0, cut=2)) != base
+    mg = model_graph(build(2.0, dtype="float16"))
+    meta = mg.meta()
+    cast = [v for v in meta.values() if v["class_name"] == "TFOpLambda" and v["config"]["function"] == "cast"]
+    assert cast and cast[0]["config"]["__call__"] == [{"args": [{"__tensor__": 0}, "float16"],
+                                                       "kwargs": {}}]
+    dense = [layer for layer in mg.layers if isinstance(layer, L.Dense)][0]
+    assert "__call__" not in meta[mg.ids[mg.layers.index(dense)]]["config"]   # tensors only: config as is
+
+
+def test_round_trip_dtypes_and_buffers_outlive_the_load(repo):
+    """float16, float64 and bfloat16 weights round-trip bit-exact; the loaded variables stay
+    right after every array of the load is gone, and train on."""
+    def build(seed):
+        inp = tf.keras.Input(shape=(4,))
+        x = L.Dense(5, dtype="float16")(inp)
+        x = L.Dense(3, dtype="float64")(x)
+        x = L.Dense(2, dtype="bfloat16")(x)
+        m = tf.keras.Model(inp, L.Dense(2)(tf.cast(x, "float32")))
+        rng = np.random.default_rng(seed)
+        for v in m.weights:
+            v.assign(tf.cast(rng.uniform(0.1, 1.0, v.shape), v.dtype))
+        return m
+    a = build(0)
+    store_model(repo, "dtypes", a)
+    want = [(v.dtype, v.numpy().tobytes()) for v in a.weights]
+    b = build(1)
+    r = load_into(repo, "dtypes", b, strict=True)
+    assert len(r.loaded) == 4
+    import gc
+    gc.collect()
+    assert [(v.dtype, v.numpy().tobytes()) for v in b.weights] == want
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(b(x).numpy(), a(x).numpy())
+    b.compile(optimizer="sgd", loss="mse")
+    b.fit(x, np.zeros((2, 2), np.float32), epochs=1, verbose=0)
+    assert [v.numpy().tobytes() for v in b.weights] != [w for _, w in want]   # trained in its buffers
+    gc.collect()
+    assert np.isfinite(b(x).numpy()).all()
+
+
+def test_sequential_build_styles_and_batch_size_share_ids():
+    """A Sequential model with an Input, built with build(), built by a call on a batch of 1, or
+    with input_shape= on its first layer: the same layers, the same ids (the batch size is not
+    part of a model's structure); another input width changes every id."""
+    def ids(m):
+        return sorted(model_graph(m).ids.values())
+    s1 = tf.keras.Sequential([tf.keras.Input((4,)), L.Dense(3), L.Dense(2)])
+    s2 = tf.keras.Sequential([L.Dense(3), L.Dense(2)])
+    s2.build((None, 4))
+    s3 = tf.keras.Sequential([L.Dense(3), L.Dense(2)])
+    s3(np.ones((1, 4), np.float32))
+    s4 = tf.keras.Sequential([L.Dense(3, input_shape=(4,)), L.Dense(2)])
+    s5 = tf.keras.Sequential([L.Dense(3, input_shape=(5,)), L.Dense(2)])
+    assert ids(s1) == ids(s2) == ids(s3) == ids(s4)
+    assert not set(ids(s5)) & set(ids(s1))
+
+
+def test_which_output_of_a_multi_output_layer_is_part_of_the_id():
+    def head_id(which):
+        inp = tf.keras.Input(shape=(4,))
+        parts = tf.split(L.Dense(4)(inp), 2, axis=-1)      # one TF-op layer, two outputs
+        m = tf.keras.Model(inp, L.Dense(3)(parts[which]))
+        mg = model_graph(m)
+        return mg.ids[mg.layers.index(m.layers[-1])]
+    assert head_id(0) == head_id(0)
+    assert head_id(0) != head_id(1)

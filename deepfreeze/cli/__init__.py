@@ -7,9 +7,10 @@
     deepfreeze export   [...] [--version V] --format h5|npz|safetensors --output PATH [--force]
     deepfreeze gc       [...] [--dry-run]
     deepfreeze backend  status|stop [...]
+    deepfreeze repo     ls|info|rm|gc|import|serve|token ...   (the model repository)
 
 A package of thin command modules (``ls``, ``inspect``, ``verify``, ``export``,
-``gc``, ``backend``; shared helpers in ``_common``) over the core: scanning,
+``gc``, ``backend``, ``repo``; shared helpers in ``_common``) over the core: scanning,
 describing, verifying and gc planning live in :mod:`deepfreeze.inventory`,
 reading in :mod:`deepfreeze.restore`. The configuration is built as the Keras
 callback builds it: ``Config.resolve(--config, **--set)``, so ``VELOC_<KEY>``
@@ -25,13 +26,13 @@ import os
 import sys
 
 from ..errors import ConfigError, DeepFreezeError
-from . import backend, export, gc, inspect, ls, verify
+from . import backend, export, gc, inspect, ls, repo, verify
 from ._common import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, Parser, UsageError, err, load_config, package_version,
                       version_arg)
 
 __all__ = ["main", "build_parser", "load_config", "EXIT_OK", "EXIT_FAIL", "EXIT_USAGE"]
 
-_COMMANDS = (ls, inspect, verify, export, gc, backend)
+_COMMANDS = (ls, inspect, verify, export, gc, backend, repo)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from .callback import CaptureOptions, DeepFreezeCheckpoint
 from .clone import CloneCallback, receive_clone
+from .repo import LoadReport, load_into, store_model
 from .restore import restore_model as restore
 
-__all__ = ["DeepFreezeCheckpoint", "CaptureOptions", "restore", "CloneCallback", "receive_clone"]
-from .repo import LoadReport, load_into, store_model
-
-__all__ += ["store_model", "load_into", "LoadReport"]
+__all__ = ["DeepFreezeCheckpoint", "CaptureOptions", "restore", "CloneCallback", "receive_clone",
+           "store_model", "load_into", "LoadReport"]

@@ -224,6 +224,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._spe = 1
         self._last_version: int | None = None
         self._model_tensors = 0  # how many leading checkpointed tensors are model weights
+        self._layers: dict | None = None  # the model's layer graph for `deepfreeze repo import` (manifest "layers")
 
     # ------------------------------------------------------------------ keras events
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -256,6 +257,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             self._resume()
         variables, tensors, pinned = self._tensors(model)
         self._model_tensors = len(model.weights)
+        self._layers = _layer_record(model)
         plan = ShardPlan.build(tensors, self.size, min_shard_bytes=self.options.min_shard_bytes, pinned=pinned)
         digest = hashlib.sha256(json.dumps([plan.to_json(), [t.to_json() for t in tensors]]).encode()).digest()[:16]
         rows = allgather_bytes(digest + self.config.failure_domain.encode()[:200])
@@ -576,6 +578,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         epoch_step = version - self._epoch_base
         epoch_complete = epoch_end or (bool(self.params.get("steps")) and epoch_step >= self.params["steps"])
         extra = {"epoch_complete": epoch_complete, "epoch_step": epoch_step, "model_tensors": self._model_tensors}
+        if self._layers is not None:
+            extra["layers"] = self._layers
         parent = getattr(self.model, "_deepfreeze_parent", None)  # set by receive_clone on a cloned model
         if parent is not None:
             why = parent_problem(parent)
@@ -593,3 +597,19 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                              "blocking_s": t2 - t0})
         if self.verbose and self.rank == 0:
             log.warning("DeepFreeze: checkpoint %s v%d handed off in %.1f ms", self.name, version, 1e3 * (t2 - t0))
+
+
+def _layer_record(model: Any) -> "dict | None":
+    """The manifest's ``"layers"`` record (:mod:`deepfreeze.repo.importer`): the model's compact
+    layer graph and the checkpoint tensor (an index into ``model.weights``, which lead the
+    checkpoint's tensors) of each layer weight. None, with a warning, for a model whose graph
+    cannot be computed: checkpointing goes on, ``deepfreeze repo import`` then needs ``--model``."""
+    from .repo import layer_record
+    try:
+        rec = layer_record(model)
+    except Exception as e:  # an exotic model must not stop checkpointing
+        log.warning("DeepFreeze: the layer graph of model %r could not be computed (%s: %s); checkpoints are "
+                    "written without it ('deepfreeze repo import' will need --model)", getattr(model, "name", "?"),
+                    type(e).__name__, e)
+        return None
+    return {"graph": rec["graph"], "tensors": rec["tensors"]}

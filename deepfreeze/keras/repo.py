@@ -17,10 +17,10 @@ import tensorflow as tf
 
 from ..errors import ModelMismatchError, RepositoryError
 from ..format import dtype_name
-from ..repo.graph import tensor_key
+from ..repo.graph import tensor_key, tensor_keys
 from ..repo.ids import ID_SCHEME, Node, build_graph, build_meta, canonical_config, compute_ids
 
-__all__ = ["LoadReport", "store_model", "load_into", "model_graph"]
+__all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph", "layer_record"]
 
 
 @dataclass
@@ -50,6 +50,12 @@ class ModelGraph:
         """The plain-data graph and the node keys in its layer order."""
         return build_graph(self.nodes, self.outputs, self.ids)
 
+    def weight_keys(self, keys: Iterable[int] | None = None) -> list[tuple[Any, str]]:
+        """``(variable, tensor key)`` of every weight of the layers ``keys`` (default: all), in
+        layer then ``layer.weights`` order: where :func:`store_model` puts each variable."""
+        ks = range(len(self.layers)) if keys is None else keys
+        return [(v, tensor_key(self.ids[k], j)) for k in ks for j, v in enumerate(self.layers[k].weights)]
+
     def meta(self) -> dict[str, dict[str, Any]]:
         """Layer metadata per id (:func:`deepfreeze.repo.ids.build_meta`)."""
         return build_meta(self.nodes, self.ids)
@@ -64,6 +70,69 @@ class _Key(int):
 
     def __repr__(self) -> str:
         return repr(self.name)
+
+
+_IGNORED_KWARGS = ("training", "name")
+
+
+def _call_arguments(node: Any, which: list[int]) -> Any:
+    """What a call site passes besides the input layers, as JSON values, or None when it passes
+    only the first (or only) outputs of its input layers. ``args``/``kwargs``: the non-tensor
+    arguments (tensors as ``{"__tensor__": i}``, i their position among the call's tensor
+    inputs); ``training=`` (a mode, not a computation on the weights) and an op's ``name=`` are
+    ignored. ``outputs``: ``which``, the output index of each input in its layer, when one is not
+    0 (``tf.split(x, 2)[1]`` is another input than ``[0]``)."""
+    from keras.src.engine.node import is_keras_tensor  # the check Keras itself uses for node inputs
+    count = [0]
+    constant = [False]
+
+    def conv(v: Any) -> Any:
+        if is_keras_tensor(v):
+            count[0] += 1
+            return {"__tensor__": count[0] - 1}
+        constant[0] = True
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, tf.DType):
+            return {"__dtype__": v.name}
+        if isinstance(v, tf.TensorShape):
+            return {"__shape__": v.as_list()}
+        if isinstance(v, np.generic):
+            return v.item()
+        if isinstance(v, (np.ndarray, tf.Tensor)):
+            a = np.asarray(v)
+            return {"__array__": a.tolist(), "dtype": a.dtype.name, "shape": list(a.shape)}
+        raise RepositoryError(f"layer {node.layer.name!r} is called with an argument of type "
+                              f"{type(v).__name__} that has no JSON form; it cannot get a stable id")
+
+    kwargs = {k: v for k, v in node.call_kwargs.items() if k not in _IGNORED_KWARGS}
+    if not kwargs and all(is_keras_tensor(a) for a in tf.nest.flatten(node.call_args)):
+        return {"outputs": list(which)} if any(which) else None   # the common case, made fast
+    args = tf.nest.map_structure(conv, list(node.call_args))
+    kwargs = tf.nest.map_structure(conv, kwargs)
+    if not constant[0] and not any(which):
+        return None
+    site: dict[str, Any] = {"args": args, "kwargs": kwargs} if constant[0] else {}
+    if any(which):
+        site["outputs"] = list(which)
+    return site
+
+
+def _layer_config(layer: Any) -> dict[str, Any]:
+    """``layer.get_config()`` without the batch size: an ``InputLayer``'s batch dimension becomes
+    None, and the ``batch_input_shape`` a first layer carries when built with ``input_shape=`` is
+    dropped (the model's ``InputLayer`` holds the input shape); neither changes the weights."""
+    try:
+        config = dict(layer.get_config())
+    except NotImplementedError as e:
+        raise RepositoryError("has no get_config(); implement it to give the layer a stable id") from e
+    shape = config.get("batch_input_shape")
+    if isinstance(layer, tf.keras.layers.InputLayer):
+        if isinstance(shape, (list, tuple)) and shape:
+            config["batch_input_shape"] = [None, *shape[1:]]
+    else:
+        config.pop("batch_input_shape", None)
+    return config
 
 
 def _is_model(layer: Any) -> bool:
@@ -82,7 +151,7 @@ def model_graph(model: Any) -> ModelGraph:
         raise RepositoryError(f"expected a Keras Model, got {type(model).__name__}")
     keys: dict[int, int] = {}                  # id(layer) -> node key
     layers: list[Any] = []
-    calls: dict[int, list[tuple[tuple[int, ...], list[int]]]] = {}   # key -> (order key, inputs)
+    calls: dict[int, list[tuple[tuple[int, ...], list[int], Any]]] = {}   # key -> (order, inputs, args)
 
     def key_of(layer: Any) -> int:
         k = keys.get(id(layer))
@@ -92,14 +161,15 @@ def model_graph(model: Any) -> ModelGraph:
             calls[k] = []
         return k
 
-    def walk(m: Any, bound: list[int] | None, path: tuple[int, ...]) -> list[int]:
-        """Leaf node keys of ``m``'s outputs; ``bound``: the sources of its inputs (None: top level)."""
+    def walk(m: Any, bound: list[tuple[int, int]] | None, path: tuple[int, ...]) -> list[tuple[int, int]]:
+        """(leaf node key, output index) of each of ``m``'s outputs; ``bound``: the same of its
+        inputs (None: top level)."""
         if not getattr(m, "_is_graph_network", False):
             raise RepositoryError(
                 f"model {m.name!r} has no layer graph (a subclassed model, or a Sequential model not "
                 f"built on a known input shape): build it with the functional API or give Sequential "
                 f"an Input so its layers get stable ids")
-        src: dict[str, int] = {}
+        src: dict[str, tuple[int, int]] = {}   # tensor -> (leaf node key, output index in the leaf)
         inputs = list(m.inputs)
         if bound is not None:
             if len(bound) != len(inputs):
@@ -113,8 +183,8 @@ def model_graph(model: Any) -> ModelGraph:
                 if isinstance(layer, tf.keras.layers.InputLayer):
                     if bound is None:      # the model's own inputs are layers of the graph
                         k = key_of(layer)
-                        for oid in node.flat_output_ids:
-                            src[oid] = k
+                        for i, oid in enumerate(node.flat_output_ids):
+                            src[oid] = (k, i)
                     continue
                 ins = [src[i] for i in node.flat_input_ids]
                 index = layer._inbound_nodes.index(node)
@@ -122,28 +192,28 @@ def model_graph(model: Any) -> ModelGraph:
                     outs = walk(layer, ins, path + (index,))
                 else:
                     k = key_of(layer)
-                    calls[k].append((path + (index,), ins))
-                    outs = [k] * len(node.flat_output_ids)
+                    calls[k].append((path + (index,), [s for s, _ in ins],
+                                     _call_arguments(node, [i for _, i in ins])))
+                    outs = [(k, i) for i in range(len(node.flat_output_ids))]
                 if len(outs) != len(node.flat_output_ids):
                     raise RepositoryError(f"layer {layer.name!r}: {len(outs)} outputs for "
                                           f"{len(node.flat_output_ids)} tensors; not supported")
-                for oid, k in zip(node.flat_output_ids, outs):
-                    src[oid] = k
+                for oid, out in zip(node.flat_output_ids, outs):
+                    src[oid] = out
         return [src[str(id(t))] for t in m.outputs]
 
-    outputs = walk(model, None, ())
+    outputs = [k for k, _ in walk(model, None, ())]
     nodes: dict[int, Node] = {}
     for k, layer in enumerate(layers):
+        sites = sorted(calls[k], key=lambda c: c[0])
+        arguments = [c[2] for c in sites]
         try:
-            config = canonical_config(layer.get_config())
-        except NotImplementedError as e:
-            raise RepositoryError(f"layer {layer.name!r} ({type(layer).__name__}) has no get_config(); "
-                                  f"implement it to give the layer a stable id") from e
+            config = canonical_config(_layer_config(layer),
+                                      None if all(a is None for a in arguments) else arguments)
         except RepositoryError as e:
             raise RepositoryError(f"layer {layer.name!r} ({type(layer).__name__}): {e}") from e
         weights = [(tuple(int(d) for d in v.shape), dtype_name(v.dtype.as_numpy_dtype)) for v in layer.weights]
-        sites = [ins for _, ins in sorted(calls[k], key=lambda c: c[0])]
-        nodes[k] = Node(type(layer).__name__, config, weights, sites)
+        nodes[k] = Node(type(layer).__name__, config, weights, [c[1] for c in sites])
     try:
         # keys that print as the layer name, so an error names the layers
         named = {_Key(k, layers[k].name): n for k, n in nodes.items()}
@@ -151,6 +221,27 @@ def model_graph(model: Any) -> ModelGraph:
     except RepositoryError as e:
         raise RepositoryError(f"model {model.name!r}: {e}") from e
     return ModelGraph(layers, nodes, outputs, ids)
+
+
+def layer_record(model: Any) -> dict[str, Any]:
+    """What a checkpoint manifest records for ``deepfreeze repo import`` (its ``"layers"`` key,
+    :mod:`deepfreeze.repo.importer`): ``{"graph": <plain-data graph>, "tensors": [index in
+    model.weights of the variable of each key of tensor_keys(graph)], "specs": {key: [dtype,
+    shape]}}`` (``specs`` is used by ``import --model`` to check the model against the checkpoint;
+    the callback leaves it out). :class:`RepositoryError` when the model has no layer graph or a
+    layer weight is not in ``model.weights``."""
+    mg = model_graph(model)
+    graph, _order = mg.graph()
+    position = {id(v): i for i, v in enumerate(model.weights)}
+    by_key = {key: v for v, key in mg.weight_keys()}
+    tensors, specs = [], {}
+    for key in tensor_keys(graph):
+        v = by_key[key]
+        if id(v) not in position:
+            raise RepositoryError(f"model {model.name!r}: weight {v.name!r} of its layer graph is not in model.weights")
+        tensors.append(position[id(v)])
+        specs[key] = [dtype_name(v.dtype.as_numpy_dtype), [int(d) for d in v.shape]]
+    return {"graph": graph, "tensors": tensors, "specs": specs}
 
 
 def store_model(repo: Any, name: str, model: Any) -> dict:
@@ -168,10 +259,7 @@ def store_model(repo: Any, name: str, model: Any) -> dict:
         raise RepositoryError(f"model {model.name!r}: weights {stray[:5]} belong to no leaf layer of its graph; "
                               f"store_model stores layers' weights only")
     graph, _order = mg.graph()
-    tensors: dict[str, np.ndarray] = {}
-    for k, layer in enumerate(mg.layers):
-        for j, v in enumerate(layer.weights):
-            tensors[tensor_key(mg.ids[k], j)] = np.ascontiguousarray(v.numpy())
+    tensors = {key: np.ascontiguousarray(v.numpy()) for v, key in mg.weight_keys()}
     return repo.put(name, tensors, graph=graph, meta=mg.meta())
 
 
@@ -197,6 +285,35 @@ def _requested(mg: ModelGraph, layers: Iterable[Any]) -> set[int]:
                                          f"model loaded into")
             want.add(k)
     return want
+
+
+_ALIGN = 64  # TensorFlow (Eigen) requires tensor buffers aligned to EIGEN_MAX_ALIGN_BYTES (<= 64)
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A new C-contiguous array whose buffer is aligned to 64 bytes, as TensorFlow needs to use it
+    without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+def _assign(variable: Any, array: np.ndarray) -> None:
+    """``variable.assign(array)`` without the numpy-to-tensor copy where possible: the private,
+    aligned ``array`` is wrapped as a tensor through DLPack (no copy), so TensorFlow either copies
+    it once into the variable or adopts its buffer (the DLPack capsule keeps the array alive).
+    Nobody else holds ``array``. Dtypes DLPack cannot carry (bfloat16) take the ordinary assign."""
+    if array.ctypes.data % _ALIGN == 0 and array.flags.c_contiguous:
+        try:
+            value = tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+        except (TypeError, ValueError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
+            value = None
+        if value is not None:
+            variable.assign(value, read_value=False)
+            return
+    variable.assign(array, read_value=False)
 
 
 def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None = None,
@@ -244,20 +361,17 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
         raise ModelMismatchError(f"requested layers do not match {name!r} (their upstream differs from every "
                                  f"stored layer): {', '.join(mg.layers[k].name for k in unmatched)}; nothing loaded")
     if not matched:
-        raise ModelMismatchError(f"no layer with weights of model {new_model.name!r} matches {name!r}: not the "
-                                 f"same layers on the same inputs; nothing loaded")
+        some = report.missing[:10] + (["..."] if len(report.missing) > 10 else [])
+        raise ModelMismatchError(f"no layer with weights of model {new_model.name!r} matches {name!r} (not the "
+                                 f"same layers on the same inputs, input shapes included): "
+                                 f"{', '.join(some) or 'it has no layer with weights'} did not match; nothing loaded")
     if strict and report.missing:
         raise ModelMismatchError(f"strict load of {name!r}: layers with weights that do not match: "
                                  f"{', '.join(report.missing)}; nothing loaded")
-    out: dict[str, np.ndarray] = {}
-    targets: list[tuple[Any, str]] = []
-    for k in matched:
-        for j, v in enumerate(mg.layers[k].weights):
-            key = tensor_key(mg.ids[k], j)
-            out[key] = np.empty(tuple(v.shape), dtype=v.dtype.as_numpy_dtype)
-            targets.append((v, key))
+    targets = mg.weight_keys(matched)
+    out = {key: _aligned_empty(tuple(v.shape), v.dtype.as_numpy_dtype) for v, key in targets}
     got = repo.get(name, tensors=list(out), out=out)
     for v, key in targets:
-        v.assign(got[key], read_value=False)
+        _assign(v, got[key])
     report.bytes = sum(got[key].nbytes for _, key in targets)
     return report

@@ -7,6 +7,9 @@ through it never pays for page faults or allocation: the local analogue of DStor
 RDMA buffers. Same-node clients of the same user map the same file and copy their tensors in or
 out; the socket carries only offsets.
 
+A new arena first removes the staging files of this user's processes that are gone (a provider
+killed outright leaves its arena behind).
+
 Allocation is a thread-safe buddy allocator over pages: extents come in power-of-two numbers of
 pages (the size classes), split from larger free blocks and merged back with their buddy when
 freed, the local analogue of the paper's ``synchronized_pool_resource``. When the arena is
@@ -29,7 +32,8 @@ import numpy as np
 
 from ..errors import ConfigError, ProviderTimeoutError, RepositoryError
 
-__all__ = ["DEFAULT_ARENA_BYTES", "PAGE", "Extent", "Arena", "open_shared", "create_staging_file", "SHM_DIR", "ARENA_NAME_RE"]
+__all__ = ["DEFAULT_ARENA_BYTES", "PAGE", "Extent", "Arena", "open_shared", "create_staging_file", "sweep_stale",
+           "SHM_DIR", "ARENA_NAME_RE"]
 
 #: default arena size of a provider (``deepfreeze repo serve --arena-bytes``)
 DEFAULT_ARENA_BYTES = 1 << 30
@@ -101,6 +105,33 @@ def open_shared(path: str, min_size: int, *, kind: str | None = None) -> mmap.mm
         os.close(fd)
 
 
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove this user's staging files (arenas, on-demand files) whose process is gone (a provider
+    or client killed outright cannot unlink its own). Returns the removed paths."""
+    removed = []
+    uid = os.getuid()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = ARENA_NAME_RE.fullmatch(name)
+        if not m:
+            continue
+        _kind, file_uid, pid = name.split("-")[1:4]
+        if int(file_uid) != uid or os.path.exists(f"/proc/{int(pid)}"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 def create_staging_file(size: int, directory: str = SHM_DIR) -> tuple[str, mmap.mmap]:
     """A fresh ``0600`` on-demand staging file of ``size`` bytes (DStore-OnDemand): path and mapping.
     Not pre-faulted: the per-request cost is the point. The caller unlinks it."""
@@ -119,6 +150,7 @@ class Arena:
         if pages < 1:
             raise ConfigError(f"arena size {nbytes}: must be at least one page ({PAGE} bytes)")
         self.size = pages * PAGE
+        sweep_stale(directory)
         self.path, self._mm = _create_shm("arena", self.size, directory)
         if prefault:
             _prefault(self._mm, self.size)

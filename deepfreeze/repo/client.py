@@ -71,10 +71,11 @@ class _Provider:
 
     def __init__(self, repo: "RemoteRepository", index: int) -> None:
         self.repo, self.index, self.addr = repo, index, repo.addresses[index]
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # held across an arena sequence (alloc, put / get, release)
         self.sock: Any = None
         self.arena: mmap.mmap | None = None
         self.arena_np: np.ndarray | None = None
+        self.arena_path: str | None = None
         self.max_extent = 0
         self.staging = "tcp"
         self.bytes_read = 0
@@ -93,6 +94,8 @@ class _Provider:
             raise
         arena = hello.get("arena")
         staging = r.requested_staging
+        if self.arena is not None and (not isinstance(arena, dict) or arena.get("path") != self.arena_path):
+            self._unmap()  # a restarted provider has a new arena: never write into the old one
         if staging in ("arena", "ondemand", None) and self.arena is None and isinstance(arena, dict):
             try:
                 size, max_extent = int(arena["size"]), int(arena["max_extent"])
@@ -100,7 +103,7 @@ class _Provider:
                     raise RepositoryError("bad arena size")
                 self.arena = open_shared(arena["path"], size, kind="arena")
                 self.arena_np = np.frombuffer(self.arena, dtype=np.uint8, count=size)
-                self.max_extent = max_extent
+                self.arena_path, self.max_extent = arena["path"], max_extent
             except (DeepFreezeError, KeyError, TypeError, ValueError) as e:
                 if staging is not None:
                     sock.close()
@@ -112,17 +115,24 @@ class _Provider:
         self.staging = staging or ("arena" if self.arena is not None else "tcp")
         self.sock = sock
 
-    def call(self, header: dict[str, Any], payload: Iterable[Any] = (), recv: Any = None) -> dict[str, Any]:
+    def call(self, header: dict[str, Any], payload: Iterable[Any] = (), recv: Any = None,
+             wait: float = 0.0) -> dict[str, Any]:
         """Send a request, return the answer's header (its error raised). ``recv(msg)`` takes the
-        answer's payload. A failed connection is closed and reopened by the next call."""
-        timeout = self.repo.timeout
+        answer's payload. ``wait``: seconds the provider may wait on its side (arena space) on top
+        of the timeout. A failed connection is closed and reopened by the next call."""
+        timeout = self.repo.timeout + wait
         with self.lock:
             if self.sock is None:
                 self._connect()
             deadline = time.monotonic() + timeout
             try:
-                net.send_msg(self.sock, header, payload, deadline=deadline)
-                msg = net.recv_msg(self.sock, max_header=_MAX_REPLY_HEADER, max_payload=1 << 48, deadline=deadline)
+                try:
+                    net.send_msg(self.sock, header, payload, deadline=deadline)
+                except DeepFreezeError as e:
+                    self._why_refused(e)
+                    raise
+                msg = net.recv_msg(self.sock, max_header=_MAX_REPLY_HEADER,
+                                   max_payload=0 if recv is None else 1 << 48, deadline=deadline)
                 if msg.header.get("ok") is True and recv is not None:
                     recv(msg)
                 msg.discard()
@@ -133,6 +143,17 @@ class _Provider:
                 raise
             return dict(net.raise_for_reply(msg.header, f"provider {self.addr}: "))
 
+    def _why_refused(self, e: BaseException) -> None:
+        """After a failed send: the provider may have answered why before closing (a request over
+        its limits): raise that answer instead of a bare 'connection lost'."""
+        if isinstance(e, TimeoutError) or not net.is_transport_error(e):
+            return
+        try:
+            reply = net.recv_msg(self.sock, max_header=1 << 20, max_payload=0, deadline=time.monotonic() + 1.0)
+        except DeepFreezeError:
+            return
+        net.raise_for_reply(reply.header, f"provider {self.addr}: ")
+
     def _drop(self) -> None:
         if self.sock is not None:
             try:
@@ -141,16 +162,19 @@ class _Provider:
                 pass
             self.sock = None
 
+    def _unmap(self) -> None:
+        self.arena_np, self.arena_path, self.max_extent = None, None, 0
+        if self.arena is not None:
+            try:
+                self.arena.close()
+            except BufferError:  # a view is still alive: the mapping goes with it
+                pass
+            self.arena = None
+
     def close(self) -> None:
         with self.lock:
             self._drop()
-            self.arena_np = None
-            if self.arena is not None:
-                try:
-                    self.arena.close()
-                except BufferError:
-                    pass
-                self.arena = None
+            self._unmap()
 
 
 def _check_reply_segs(segs: Any, keys: list[str], specs: Mapping[str, tuple[str, tuple[int, ...]]],
@@ -233,6 +257,8 @@ class RemoteRepository:
             if not isinstance(key, str):
                 raise RepositoryError(f"tensor key {key!r}: expected a string")
             a = np.asarray(value)
+            if not a.dtype.isnative:  # the wire and the store are little-endian native
+                a = a.astype(a.dtype.newbyteorder("="))
             try:
                 dt = dtype_name(a.dtype)
             except CorruptCheckpointError as e:
@@ -263,7 +289,11 @@ class RemoteRepository:
         return res
 
     def _put_arena(self, p: _Provider, head: dict, segs: list[list], arrays: dict, total: int) -> dict:
-        ext = p.call({"op": "alloc", "nbytes": total, "timeout": self.timeout})
+        with p.lock:  # one extent per connection: no other thread's arena request in between
+            return self._put_arena_locked(p, head, segs, arrays, total)
+
+    def _put_arena_locked(self, p: _Provider, head: dict, segs: list[list], arrays: dict, total: int) -> dict:
+        ext = p.call({"op": "alloc", "nbytes": total, "timeout": self.timeout}, wait=self.timeout)
         off, length = ext.get("offset"), ext.get("length")
         if type(off) is not int or type(length) is not int or not (0 <= off and total <= length
                                                                    and off + length <= p.arena_np.size):
@@ -309,6 +339,9 @@ class RemoteRepository:
             if k not in specs:
                 raise ModelNotFoundError(f"model {name!r} has no tensor {k!r}")
         out = dict(out or {})
+        extra = [k for k in out if k not in keys]
+        if extra:
+            raise RepositoryError(f"out= has key(s) {extra[:5]!r} that are not among the requested tensors")
         res: dict[str, np.ndarray] = {}
         for k in keys:
             dt, shape = specs[k]
@@ -353,8 +386,13 @@ class RemoteRepository:
             p.bytes_read = n
 
     def _get_arena(self, p: _Provider, name: str, keys: list[str], specs: Mapping, res: dict, verify: bool) -> None:
+        with p.lock:  # one extent per connection: no other thread's arena request in between
+            self._get_arena_locked(p, name, keys, specs, res, verify)
+
+    def _get_arena_locked(self, p: _Provider, name: str, keys: list[str], specs: Mapping, res: dict,
+                          verify: bool) -> None:
         reply = p.call({"op": "get", "name": name, "tensors": keys, "staging": "arena", "verify": verify,
-                        "timeout": self.timeout})
+                        "timeout": self.timeout}, wait=self.timeout)
         try:
             where = f"provider {p.addr}"
             segs = _check_reply_segs(reply.get("tensors"), keys, specs, where)
@@ -398,7 +436,7 @@ class RemoteRepository:
                 msg.recv_into(byte_view(res[key]))
 
         reply = p.call({"op": "get", "name": name, "tensors": keys, "staging": "tcp", "verify": verify,
-                        "timeout": self.timeout}, recv=recv)
+                        "timeout": self.timeout}, recv=recv, wait=self.timeout)
         self._read_count(p, reply)
 
     def _get_file(self, p: _Provider, name: str, keys: list[str], specs: Mapping, res: dict, verify: bool) -> None:
@@ -484,7 +522,13 @@ class RemoteRepository:
             check_name(name)
             return self._at(name).call({"op": "info", "name": name})["info"]
         per = [p.call({"op": "info", "name": None})["info"] for p in self._providers]
-        return {**_sum_dicts(per), "providers": list(self.addresses), "per_provider": per}
+        total = {k: v for k, v in per[0].items()}
+        for k in _SUMMED:
+            if all(isinstance(d.get(k), int) for d in per):
+                total[k] = sum(d[k] for d in per)
+        total.update(location=self.location, models=len(self.list()), providers=list(self.addresses),
+                     per_provider=per)
+        return total
 
     def delete(self, name: str) -> None:
         """Delete ``name`` on its provider (the name stays reserved)."""
@@ -510,6 +554,12 @@ class RemoteRepository:
 
     def __repr__(self) -> str:
         return f"RemoteRepository({self.location!r})"
+
+
+#: repository totals that add up over providers (a model's names may lie on several providers:
+#: ``models`` is counted from list())
+_SUMMED = ("names", "deleted_names", "tensors", "logical_bytes", "stored_bytes", "savings", "blobs", "packs",
+           "pack_bytes", "layer_meta")
 
 
 def _sum_dicts(dicts: list[dict]) -> dict:

@@ -94,17 +94,23 @@ def _strip(value: Any) -> Any:
     return root[0]
 
 
-def canonical_config(config: Mapping[str, Any]) -> bytes:
+def canonical_config(config: Mapping[str, Any], calls: Sequence[Any] | None = None) -> bytes:
     """The canonical bytes of a layer config: the deny-list keys (:data:`DENY_KEYS`, keys ending
     in :data:`DENY_SUFFIXES`) dropped at every level, then JSON with sorted keys and compact
-    separators (UTF-8). :class:`RepositoryError` when the config holds a value JSON cannot
-    represent (an array, an object, NaN or infinity): the layer's ``get_config()`` must return
-    plain JSON values for it to get a stable id."""
+    separators (UTF-8).
+
+    ``calls``: the non-tensor arguments of each call site, when a layer has any (``x * 2.0``,
+    ``tf.cast(x, "float16")``, slices): plain JSON values, added as given (no deny-list) under
+    the key ``"__call__"`` so they are part of the id. :class:`RepositoryError` when the config
+    holds a value JSON cannot represent (an array, an object, NaN or infinity): the layer's
+    ``get_config()`` must return plain JSON values for it to get a stable id."""
     if not isinstance(config, Mapping):
         raise RepositoryError(f"a layer config must be a dict, not {type(config).__name__}")
+    value = _strip(config)
+    if calls is not None:
+        value["__call__"] = list(calls)
     try:
-        text = json.dumps(_strip(config), sort_keys=True, separators=(",", ":"), allow_nan=False,
-                          ensure_ascii=False)
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as e:
         raise RepositoryError(f"layer config is not plain JSON ({e}); a layer needs a get_config() of "
                               f"plain JSON values (numbers, strings, lists, dicts) to get a stable id") from e

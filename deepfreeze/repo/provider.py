@@ -29,7 +29,7 @@ header or payload, a dead peer): then the provider closes the connection.)::
         arena, inside the extent); the extent is released by the put, whatever its outcome.
         staging "tcp": the payload carries the tensors back to back (offsets relative to it,
         contiguous, the payload length equal to their sum); the provider receives them into an
-        arena extent when they fit, else into one buffer of their size.
+        arena extent when one is free right now (TCP never waits for the arena), else into one buffer.
         staging "file": the tensors are in the client's on-demand file ``path`` (DStore-OnDemand).
         A put bigger than the arena's largest extent is sent over "tcp" by the client (the store
         commits a model in one pack file and one transaction, so it needs all of it at once).
@@ -72,15 +72,15 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .. import net
-from ..errors import (AuthenticationError, ConfigError, CorruptCheckpointError, DeepFreezeError, ProviderError,
-                      RepositoryError)
+from ..errors import (AuthenticationError, ConfigError, CorruptCheckpointError, DeepFreezeError, ModelNotFoundError,
+                      ProviderError, ProviderTimeoutError, RepositoryError)
 from ..format import MAX_NDIM, dtype_itemsize, numpy_dtype
 from .arena import DEFAULT_ARENA_BYTES, Arena, Extent, open_shared
 from .graph import ID_HEX_RE
 from .names import check_name
 
 __all__ = ["serve", "main", "placement", "node_id", "DEFAULT_IO_TIMEOUT", "MAX_HEADER", "MAX_TENSORS",
-           "MAX_REQUEST_BYTES", "HANDSHAKE_TIMEOUT", "MAX_KEY", "Provider"]
+           "MAX_REQUEST_BYTES", "HANDSHAKE_TIMEOUT", "MAX_KEY", "MAX_CONNECTIONS", "Provider"]
 
 log = logging.getLogger("deepfreeze.repo.provider")
 
@@ -93,10 +93,16 @@ HANDSHAKE_TIMEOUT = 10.0
 MAX_HEADER = 64 << 20
 #: most tensors in one request
 MAX_TENSORS = 1 << 20
-#: longest tensor key
-MAX_KEY = 1024
-#: largest payload of one request (a put over TCP); the provider needs that much memory
-MAX_REQUEST_BYTES = 1 << 40
+#: longest tensor key (the store's limit)
+MAX_KEY = 4096
+#: most connections served at once (more are closed at once)
+MAX_CONNECTIONS = 1024
+#: largest hello (before the token is checked)
+_MAX_HELLO = 256 << 10
+#: default largest payload of one request (a put over TCP; the provider holds it in memory)
+MAX_REQUEST_BYTES = 64 << 30
+#: a failed request with more payload left than this closes the connection instead of reading it
+_DISCARD_LIMIT = 64 << 20
 _ALIGN = 64
 _MAX_DIM = 1 << 48
 
@@ -160,8 +166,8 @@ def _check_segments(raw: Any, *, check_key: bool = True) -> list[tuple[str, np.d
 
 
 def _check_key(key: Any) -> str:
-    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY or not key.isprintable():
-        raise _bad(f"tensor key {key!r:.80}: expected a printable string of 1..{MAX_KEY} characters")
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY or "\0" in key:
+        raise _bad(f"tensor key {key!r:.80}: expected a string of 1..{MAX_KEY} characters without NUL")
     return key
 
 
@@ -213,8 +219,10 @@ class Provider:
             self.connections += 1
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            net.keepalive(conn)  # a client whose machine died is dropped, not waited for forever
             peer = net.format_address(*conn.getpeername()[:2])
-            hello = net.server_handshake(conn, self.token, deadline=time.monotonic() + HANDSHAKE_TIMEOUT)
+            hello = net.server_handshake(conn, self.token, deadline=time.monotonic() + HANDSHAKE_TIMEOUT,
+                                         max_header=_MAX_HELLO)
             try:
                 reply = self._hello(st, hello)
             except DeepFreezeError as e:
@@ -246,7 +254,11 @@ class Provider:
                     reply, payload = net.error_reply(e), []
                 except Exception as e:  # a bug or an unexpected failure: report it, keep serving
                     log.exception("request %r of %s failed", msg.header.get("op"), peer)
-                    reply, payload = net.error_reply(RepositoryError(f"provider error: {type(e).__name__}: {e}")), []
+                    reply, payload = net.error_reply(ProviderError(
+                        f"internal error of the provider: {type(e).__name__}: {e} (see its log)")), []
+                if msg.remaining > _DISCARD_LIMIT:  # not worth reading: answer, then close
+                    net.send_msg(conn, reply, deadline=time.monotonic() + 1.0)
+                    return
                 msg.discard()  # whatever a failed request left of its payload
                 try:
                     net.send_msg(conn, reply, payload, deadline=time.monotonic() + self.io_timeout)
@@ -277,7 +289,7 @@ class Provider:
         if req.get("op") != "hello":
             raise _bad("the first request must be 'hello'")
         providers = req.get("providers")
-        if not isinstance(providers, list) or not 0 < len(providers) <= 4096 or not all(
+        if not isinstance(providers, list) or not 0 < len(providers) <= 1024 or not all(
                 isinstance(p, str) and len(p) <= 300 for p in providers):
             raise _bad("'providers' must be the list of 'host:port' addresses of the repository")
         for p in providers:
@@ -417,11 +429,19 @@ class Provider:
             if staging == "arena" and st.extent is not None:
                 self._release(st)
 
+    def _try_alloc(self, total: int) -> Extent | None:
+        """An arena extent for a TCP transfer when one is free right now (else None: a fresh buffer;
+        TCP transfers never wait for the arena)."""
+        if self.arena is None or total > self.arena.max_extent:
+            return None
+        try:
+            return self.arena.alloc(total, 0.0)
+        except ProviderTimeoutError:
+            return None
+
     def _put_tcp(self, name: str, msg: net.Message, segs: list, graph: Any, meta: Any) -> Any:
         total = msg.payload_bytes
-        ext = None
-        if self.arena is not None and total <= self.arena.max_extent:
-            ext = self.arena.alloc(total, self.io_timeout)
+        ext = self._try_alloc(total)
         try:
             buf = self.arena.view(ext.offset, total) if ext is not None else np.empty(total, np.uint8)
             msg.recv_into(buf)
@@ -444,7 +464,6 @@ class Provider:
         for k in keys:
             _check_key(k)
             if k not in specs:
-                from ..errors import ModelNotFoundError
                 raise ModelNotFoundError(f"model {name!r} has no tensor {k!r}")
             if k in seen:
                 raise _bad(f"tensor key {k!r} requested twice")
@@ -473,20 +492,18 @@ class Provider:
             st.extent = ext
             for s in segs:
                 s[3] += ext.offset
-            st.bytes_read += total
+            st.bytes_read += sum(seg[4] for seg in segs)
             return {"ok": True, "tensors": segs, "bytes_read": st.bytes_read,
                     "extent": [ext.offset, ext.length]}, []
         if staging == "tcp":
             if total > self.max_request_bytes:
                 raise RepositoryError(f"a get of {total} bytes is over this provider's limit of "
                                       f"{self.max_request_bytes}: split it")
-            ext = None
-            if self.arena is not None and total <= self.arena.max_extent:
-                ext = self.arena.alloc(total, self._timeout(req))
+            ext = self._try_alloc(total)
             try:
                 buf = self.arena.view(ext.offset, total) if ext is not None else np.empty(total, np.uint8)
                 self.repo.get(name, keys, out=_views(buf, 0, checked), verify=verify)
-                st.bytes_read += total
+                st.bytes_read += sum(seg[4] for seg in segs)
                 reply = {"ok": True, "tensors": segs, "bytes_read": st.bytes_read}
                 if ext is not None:  # the extent stays allocated until the answer is sent
                     arena = self.arena
@@ -509,7 +526,7 @@ class Provider:
                     mm.close()
                 except BufferError:
                     pass
-            st.bytes_read += total
+            st.bytes_read += sum(seg[4] for seg in segs)
             return {"ok": True, "tensors": segs, "bytes_read": st.bytes_read}, []
         raise _bad(f"staging {staging!r:.40}: expected 'arena', 'tcp' or 'file'")
 
@@ -518,14 +535,14 @@ def serve(directory: str, host: str = "127.0.0.1", port: int = 0, *, token: str 
           token_file: str | None = None, arena_bytes: int = DEFAULT_ARENA_BYTES, allow_remote: bool = False,
           ready: Callable[[str], None] | None = None, io_timeout: float = DEFAULT_IO_TIMEOUT,
           max_request_bytes: int = MAX_REQUEST_BYTES, repository: Any = None,
-          stop: threading.Event | None = None) -> None:
+          stop: threading.Event | None = None, fsync: bool = False) -> None:
     """Serve the repository in ``directory`` on ``host:port`` until ``stop`` is set (``main``: SIGTERM).
 
     ``token``: the shared secret (default :func:`deepfreeze.net.load_token` of ``token_file``).
     ``arena_bytes``: the staging arena (0: none; same-node clients then use TCP). ``ready`` is
     called with the bound ``"host:port"`` once the provider accepts connections. ``repository``:
     an open repository object to serve instead of opening ``directory`` (tests slow it down by
-    subclassing). The arena file is unlinked and the repository closed on return."""
+    subclassing). ``fsync``: the store's durability option (EmbeddedRepository(fsync=...)). The arena file is unlinked and the repository closed on return."""
     token = token if token is not None else net.load_token(token_file)
     sock = net.listen(host, port, allow_remote=allow_remote)
     repo = arena = None
@@ -534,7 +551,7 @@ def serve(directory: str, host: str = "127.0.0.1", port: int = 0, *, token: str 
     try:
         if repository is None:
             from .store import EmbeddedRepository
-            repo = EmbeddedRepository(directory)
+            repo = EmbeddedRepository(directory, fsync=fsync)
         else:
             repo = repository
         arena = Arena(arena_bytes) if arena_bytes else None
@@ -553,6 +570,11 @@ def serve(directory: str, host: str = "127.0.0.1", port: int = 0, *, token: str 
                 threads = [t for t in threads if t.is_alive()]
                 continue
             except InterruptedError:
+                continue
+            threads = [t for t in threads if t.is_alive()]
+            if len(threads) >= MAX_CONNECTIONS:
+                log.warning("refusing a connection: %d connections open already", len(threads))
+                conn.close()
                 continue
             t = threading.Thread(target=prov.handle, args=(conn,), name="deepfreeze-provider-conn", daemon=True)
             t.start()
@@ -579,8 +601,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow-remote", action="store_true", help="allow a non-loopback address (token still required)")
     ap.add_argument("--token-file", default=None, help=f"token file (default ${net.TOKEN_ENV}, else "
                     f"{net.DEFAULT_TOKEN_PATH})")
-    ap.add_argument("--arena-bytes", type=int, default=DEFAULT_ARENA_BYTES,
+    ap.add_argument("--arena-bytes", "--arena-size", dest="arena_bytes", type=int, default=DEFAULT_ARENA_BYTES,
                     help=f"staging arena size in bytes (default {DEFAULT_ARENA_BYTES}; 0: none)")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                    help=f"largest put over TCP in bytes (default {MAX_REQUEST_BYTES})")
+    ap.add_argument("--fsync", action="store_true",
+                    help="make every store durable against power loss (fsync; slower)")
     ap.add_argument("--io-timeout", type=float, default=DEFAULT_IO_TIMEOUT,
                     help=f"seconds per request and for arena space (default {DEFAULT_IO_TIMEOUT:g})")
     args = ap.parse_args(argv)
@@ -604,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         serve(args.dir, host, port, token_file=args.token_file, arena_bytes=args.arena_bytes,
-              allow_remote=args.allow_remote, ready=ready, io_timeout=args.io_timeout, stop=stop)
+              allow_remote=args.allow_remote, ready=ready, io_timeout=args.io_timeout,
+              max_request_bytes=args.max_request_bytes, stop=stop, fsync=args.fsync)
     except DeepFreezeError as e:
         print(f"deepfreeze repo serve: {e}", file=sys.stderr)
         return 1

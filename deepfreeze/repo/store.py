@@ -27,7 +27,9 @@ The database (schema version :data:`SCHEMA_VERSION`, in ``settings``) holds:
   providers record their provider list there).
 
 One connection per thread (``busy_timeout`` 60 s, ``synchronous=NORMAL``, ``FULL`` with
-``fsync=True``); several processes may use one directory at once.
+``fsync=True``); several processes may use one directory at once. SQLite's WAL mode needs shared
+memory between them: keep the directory on a local file system (node-local disk, or a parallel
+file system only if it supports POSIX locks and shared mmap; otherwise serve it with providers).
 
 Commit protocol (put)
 ---------------------
@@ -38,7 +40,7 @@ Commit protocol (put)
    candidate is CONFIRMED by a byte-for-byte comparison with the stored bytes (so a CRC collision
    can never alias two tensors); identical tensors within one put are stored once too.
 4. The tensors that are new go into ONE pack written to ``packs/tmp-<uuid>`` with a few large
-   ``pwritev`` calls straight from the arrays' memory, (``fsync=True``: fsync), renamed to
+   ``pwritev`` calls straight from the arrays' memory (``fsync=True``: fsync), renamed to
    ``packs/<uuid>.dfz`` (``fsync=True``: fsync of ``packs/``).
 5. ONE transaction (``BEGIN IMMEDIATE``): the name must still be free (else rollback, unlink our
    pack, :class:`~deepfreeze.errors.NameExistsError`), every de-duplicated blob must still exist
@@ -59,19 +61,22 @@ De-duplication
 --------------
 Content key: (CRC32 of the tensor's bytes, dtype, shape), confirmed byte for byte. It runs inside
 the timed store (the CRC is the integrity checksum anyway; the confirmation reads the stored copy
-of each candidate). Blobs are reference-counted: ``delete`` decrements, the name stays reserved
-forever. ``info()`` reports the logical bytes (what the live models hold), the stored bytes (live
-blobs, each once) and the savings.
+of each candidate). Only blobs still referenced are candidates. Blobs are reference-counted:
+``delete`` decrements, the name stays reserved forever. ``info()`` reports the logical bytes
+(what the live models hold), the stored bytes (live blobs, each once) and the savings.
 
 Garbage collection (:meth:`~EmbeddedRepository.gc`)
 ----------------------------------------------------
 In one write transaction: drop blobs no model references, drop packs left without blobs, remove
 orphan packs (not in the database, older than the grace period); after the commit, unlink the
 dead packs. Then rewrite each pack whose live bytes are below ``rewrite_below`` (default 0.5) of
-its data: the live tensors are read (CRC-checked), written to a new pack as above, and one
+its data: the live tensors are streamed (CRC-checked) into a new pack written as above, and one
 transaction moves their blobs to it (blob ids are unchanged, so a concurrent store that
-de-duplicated against them stays valid); the old pack is unlinked. Returns the bytes freed.
-A crash during gc leaves either the old or the new pack referenced, and at most an orphan.
+de-duplicated against them stays valid); the old pack is unlinked. An imported file still
+hard-linked from its checkpoint is not rewritten (a copy would free nothing), and ``freed``
+counts only bytes really released (not a link of a file that has others). A pack whose live
+tensor fails its CRC is kept as it is and reported (``damaged``). A crash during gc leaves
+either the old or the new pack referenced, and at most an orphan.
 
 Reads
 -----
@@ -81,7 +86,18 @@ database row against the pack's own index and size (a tampered row or pack raise
 ``preadv`` straight into the destination arrays (``np.empty`` or the caller's ``out=``), adjacent
 tensors coalesced into one call, and checks each tensor's CRC32 (``verify``). Only the requested
 tensors' bytes are read (plus the < 64-byte alignment gaps between adjacent ones);
-``bytes_read`` counts them.
+``bytes_read`` counts them (reads of :meth:`~EmbeddedRepository.get` only, not the
+confirmation reads of de-duplication). A get whose pack was moved by a concurrent gc looks its
+rows up again.
+
+Import (:meth:`~EmbeddedRepository.add_pack`)
+---------------------------------------------
+An existing DeepFreeze-format file (an assembled checkpoint) becomes a pack without being
+re-serialized: hard-linked into ``packs/`` (copied with ``copy_file_range`` across file systems),
+its chosen index entries mapped to tensor keys (a tensor may be several contiguous pieces: the
+mapping, contiguity and bounds are checked, each piece's CRC verified and the whole tensor's CRC32
+computed by reading it once), then the same commit transaction as a store. The entries not
+mapped (optimizer slots) are dead bytes of that pack: gc rewrites it if they are most of it.
 """
 from __future__ import annotations
 
@@ -100,14 +116,14 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import fsafe
-from ..errors import (CorruptCheckpointError, ModelMismatchError, ModelNotFoundError, NameExistsError,
-                      RepositoryError)
+from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
+                      NameExistsError, RepositoryError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
                       dtype_itemsize, dtype_name, encode_index, layout, numpy_dtype, read_index)
 from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
 from .names import parse_name
 
-__all__ = ["EmbeddedRepository", "SCHEMA_VERSION", "DEFAULT_ORPHAN_GRACE"]
+__all__ = ["EmbeddedRepository", "tensor_entries", "SCHEMA_VERSION", "DEFAULT_ORPHAN_GRACE"]
 
 #: version of the database schema (``settings.schema_version``)
 SCHEMA_VERSION = 1
@@ -168,12 +184,45 @@ def _u8(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """format.dtype_name, cached (numpy's dtype.name is slow: it shows in puts of many small tensors)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
 def _shape_text(shape: Sequence[int]) -> str:
     return ",".join(str(int(d)) for d in shape)
 
 
 class _Retry(Exception):
     """A de-duplicated blob vanished (gc) between planning and commit: store again."""
+
+
+class _Copy:
+    """Bytes of another pack to stream into a new one (gc), CRC-checked on the way."""
+
+    def __init__(self, fd: int, offset: int, length: int, what: str) -> None:
+        self.fd, self.offset, self.length, self.what = fd, offset, length, what
+
+    def copy_to(self, fd: int, offset: int, crc: int) -> None:
+        chunk = 16 << 20
+        buf = memoryview(bytearray(min(chunk, self.length)))
+        got = 0
+        value = 0
+        while got < self.length:
+            n = min(chunk, self.length - got)
+            EmbeddedRepository._preadv_all(self.fd, [buf[:n]], self.offset + got, self.what)
+            value = crc32(buf[:n], value)
+            EmbeddedRepository._pwritev_all(fd, [buf[:n]], offset + got)
+            got += n
+        if value != crc:
+            raise CorruptCheckpointError(f"{self.what}: checksum mismatch: the pack was damaged after it was written; "
+                                         "it is kept as it is (restore it from a backup or delete its models)")
 
 
 class _Tensor:
@@ -183,7 +232,7 @@ class _Tensor:
     def __init__(self, key: str, arr: np.ndarray) -> None:
         self.key, self.arr = key, arr
         self.view = _u8(arr)
-        self.dtype = dtype_name(arr.dtype)
+        self.dtype = _dtype_name(arr.dtype)
         self.shape = _shape_text(arr.shape)
         self.crc = 0
         self.blob: int | None = None  # an existing blob id (de-duplicated)
@@ -277,7 +326,8 @@ class EmbeddedRepository:
             c.execute(f"PRAGMA synchronous={'FULL' if self.fsync else 'NORMAL'}")
             c.execute(f"PRAGMA busy_timeout={int(_BUSY_TIMEOUT * 1000)}")
         except sqlite3.DatabaseError as e:
-            raise RepositoryError(f"{self._db}: cannot open the repository's database ({e})") from e
+            raise RepositoryError(f"{self._db}: cannot open the repository's database ({e}): it is damaged or "
+                                  "not a DeepFreeze repository") from e
         self._local.conn, self._local.pid = c, os.getpid()
         with self._lock:
             self._conns.append(c)
@@ -439,32 +489,40 @@ class EmbeddedRepository:
         finally:
             os.close(fd)
 
-    def _write_pack(self, items: Sequence[tuple[memoryview, str, tuple[int, ...], int]]) -> tuple[str, int, list[Entry]]:
-        """Write ``(bytes, dtype, shape, crc)`` items as one pack: tmp name, then rename.
-        Returns (file name, file size, entries)."""
-        entries = [Entry(i, dtype, shape, 0, math.prod(shape), crc=crc) for i, (_, dtype, shape, crc) in enumerate(items)]
+    def _write_pack(self, items: Sequence[tuple[Any, str, tuple[int, ...], int]]) -> tuple[str, int, list[Entry]]:
+        """Write ``(source, dtype, shape, crc)`` items as one pack: a tmp name, then a rename. A
+        source is a memoryview of the bytes, or a :class:`_Copy` (bytes of another pack, streamed
+        and CRC-checked). Returns (file name, file size, entries)."""
+        entries = [Entry(i, dtype, shape, 0, math.prod(shape), crc=crc)
+                   for i, (_, dtype, shape, crc) in enumerate(items)]
         entries, data_offset, size = layout(entries)
         head = encode_index(KIND_ASSEMBLED, 0, 1, 0, entries, data_offset, size, True, os.urandom(8).hex())
-        iovs = [memoryview(head)]
-        pos = len(head)
-        for e, (view, *_rest) in zip(entries, items):
-            while pos < e.offset:
-                gap = min(e.offset - pos, len(_ZEROS))
-                iovs.append(_ZEROS[:gap])
-                pos += gap
-            iovs.append(view)
-            pos += len(view)
-        while pos < size:  # (an empty last tensor at an aligned offset)
-            gap = min(size - pos, len(_ZEROS))
-            iovs.append(_ZEROS[:gap])
-            pos += gap
         uid = uuid.uuid4().hex
         tmp = os.path.join(self._packs, f"tmp-{uid}")
         file = uid + _PACK_SUFFIX
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             try:
-                self._pwritev_all(fd, iovs, 0)
+                iovs: list[memoryview] = [memoryview(head)]
+                start = 0  # file offset of iovs[0]
+                pos = len(head)
+                for e, (src, *_rest) in zip(entries, items):
+                    while pos < e.offset:  # zero padding (< 64 bytes; the header's up to 4096)
+                        gap = min(e.offset - pos, len(_ZEROS))
+                        iovs.append(_ZEROS[:gap])
+                        pos += gap
+                    if isinstance(src, _Copy):
+                        self._pwritev_all(fd, iovs, start)
+                        src.copy_to(fd, e.offset, e.crc)
+                        iovs, start = [], e.offset + e.length
+                    else:
+                        iovs.append(src)
+                    pos += e.length
+                while pos < size:  # (an empty last tensor at an aligned offset)
+                    gap = min(size - pos, len(_ZEROS))
+                    iovs.append(_ZEROS[:gap])
+                    pos += gap
+                self._pwritev_all(fd, iovs, start)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -493,7 +551,7 @@ class EmbeddedRepository:
                                       "characters without NUL")
             arr = value if isinstance(value, np.ndarray) else np.asarray(value)
             try:
-                dtype_name(arr.dtype)
+                _dtype_name(arr.dtype)
             except (CorruptCheckpointError, TypeError) as e:
                 raise RepositoryError(f"tensor {key!r}: dtype {arr.dtype} is not supported ({e})") from e
             if arr.ndim > MAX_NDIM:
@@ -554,9 +612,12 @@ class EmbeddedRepository:
             t.crc = crc32(t.view)
         for _attempt in range(8):
             new = self._plan(items)
-            pack = self._write_pack([(t.view, t.dtype, tuple(t.arr.shape), t.crc) for t in new]) if new else None
             try:
-                self._before_commit(name)
+                pack = self._write_pack([(t.view, t.dtype, tuple(t.arr.shape), t.crc) for t in new]) if new else None
+            except OSError as e:
+                raise CheckpointWriteError(e.errno, f"storing {name!r} in {self.location}: writing its pack failed "
+                                           f"({e.strerror or e}); nothing was stored") from e
+            try:
                 return self._commit(name, model, tag, items, new, pack, gbytes, graph, meta_rows)
             except _Retry:
                 continue
@@ -652,6 +713,7 @@ class EmbeddedRepository:
         conn = self._conn()
         committed = False
         try:
+            self._before_commit(name)
             conn.execute("BEGIN IMMEDIATE")
             taken = self._name_taken(conn, name)
             if taken is not None:
@@ -763,12 +825,17 @@ class EmbeddedRepository:
         stored ones: :class:`ModelMismatchError`); the others are allocated. ``verify``: check
         each tensor's CRC32 (default: the repository's ``verify``)."""
         verify = self.verify if verify is None else bool(verify)
+        if isinstance(tensors, (str, bytes)):
+            raise RepositoryError(f"tensors must be an iterable of tensor keys, not the string {tensors!r:.80} "
+                                  "(write [key] for one)")
         for attempt in range(4):
             try:
                 return self._get(name, tensors if tensors is None else list(tensors), out, verify)
-            except FileNotFoundError:
+            except FileNotFoundError as e:  # gc moved the tensors meanwhile: look them up again
                 if attempt == 3:
-                    raise
+                    raise CorruptCheckpointError(
+                        f"{e.filename}: a pack of model {name!r} is missing from the repository (removed by hand?): "
+                        "restore it from a backup or delete the model") from e
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _get(self, name: str, tensors: list[str] | None, out: Mapping[str, np.ndarray] | None,
@@ -946,7 +1013,8 @@ class EmbeddedRepository:
         rewrite packs whose live bytes are below ``rewrite_below`` of their data.
 
         Returns ``{"freed": bytes freed on disk, "blobs_removed", "packs_removed",
-        "packs_rewritten", "orphans_removed"}``."""
+        "packs_rewritten", "orphans_removed", "damaged": [messages]}`` (``damaged``: packs
+        that could not be rewritten because a live tensor failed its CRC; they are kept)."""
         grace = self.orphan_grace if grace is None else float(grace)
         conn = self._conn()
         dead: list[tuple[str, int]] = []
@@ -973,24 +1041,32 @@ class EmbeddedRepository:
                 if now - max(st.st_mtime, st.st_ctime) >= grace:  # ctime: a hard link made now
                     if _unlink(p):
                         orphans += 1
-                        freed += st.st_size
+                        freed += st.st_size if st.st_nlink == 1 else 0
             conn.execute("COMMIT")
         finally:
             self._rollback(conn)
-        for file, size in dead:
-            if _unlink(os.path.join(self._packs, file)):
-                freed += size
+        for file, _size in dead:
+            freed += _unlink_freed(os.path.join(self._packs, file))
         rewritten = 0
+        damaged: list[str] = []
         rows = conn.execute("SELECT p.id, p.file, p.size, p.data_bytes, SUM(b.length) FROM packs p JOIN blobs b "
                             "ON b.pack=p.id GROUP BY p.id").fetchall()
         for pid, file, size, data, live in rows:
             if live < rewrite_below * data:
-                delta = self._rewrite(pid, file, size)
+                try:
+                    if os.lstat(self._pack_path(file)).st_nlink > 1:
+                        continue  # an imported file still linked from its checkpoint: a copy frees nothing
+                    delta = self._rewrite(pid, file, size)
+                except FileNotFoundError:
+                    continue
+                except CorruptCheckpointError as e:  # keep the pack as it is: the reads will say so
+                    damaged.append(str(e))
+                    continue
                 if delta is not None:
                     freed += delta
                     rewritten += 1
         return {"freed": freed, "blobs_removed": blobs_removed, "packs_removed": len(dead),
-                "packs_rewritten": rewritten, "orphans_removed": orphans}
+                "packs_rewritten": rewritten, "orphans_removed": orphans, "damaged": damaged}
 
     def _rewrite(self, pid: int, file: str, size: int) -> int | None:
         """Move the live blobs of pack ``pid`` into a new pack; the bytes freed, None if skipped."""
@@ -998,21 +1074,17 @@ class EmbeddedRepository:
         rows = conn.execute("SELECT id, dtype, shape, entry, n_entries, offset, length, crc FROM blobs WHERE pack=? "
                             "ORDER BY offset", (pid,)).fetchall()
         path = self._pack_path(file)
-        arrays = []
         try:
             with fsafe.open_regular_file(path) as f:
                 index = self._index(f, path)
+                items = []
                 for bid, dtype, shape, entry, n_entries, offset, length, crc in rows:
                     _, dims = self._parse_spec(dtype, shape, f"blob {bid}")
                     self._resolve(index, path, f"blob {bid}", entry, n_entries, offset, length, crc, dtype, dims)
-                    buf = np.empty(length, dtype=np.uint8)
-                    self._preadv_all(f.fileno(), [memoryview(buf)], offset, path)
-                    if crc32(buf) != crc:
-                        raise CorruptCheckpointError(f"{path}: checksum mismatch in blob {bid}")
-                    arrays.append((memoryview(buf), dtype, dims, crc))
+                    items.append((_Copy(f.fileno(), offset, length, f"{path}: blob {bid}"), dtype, dims, crc))
+                new_file, new_size, entries = self._write_pack(items)
         except FileNotFoundError:
             return None  # another gc got there first
-        new_file, new_size, entries = self._write_pack(arrays)
         committed = False
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -1024,7 +1096,8 @@ class EmbeddedRepository:
             new_pid = conn.execute("INSERT INTO packs(file, size, data_bytes, created) VALUES (?,?,?,?)",
                                    (new_file, new_size, sum(e.length for e in entries), time.time())).lastrowid
             conn.executemany("UPDATE blobs SET pack=?, entry=?, n_entries=1, offset=?, length=? WHERE id=? AND pack=?",
-                             [(new_pid, i, e.offset, e.length, r[0], pid) for i, (e, r) in enumerate(zip(entries, rows))])
+                             [(new_pid, i, e.offset, e.length, r[0], pid)
+                              for i, (e, r) in enumerate(zip(entries, rows))])
             conn.execute("DELETE FROM packs WHERE id=?", (pid,))
             conn.execute("COMMIT")
             committed = True
@@ -1032,10 +1105,10 @@ class EmbeddedRepository:
             self._rollback(conn)
             if not committed:
                 _unlink(os.path.join(self._packs, new_file))
-        _unlink(path)
+        freed = _unlink_freed(path)
         with self._lock:
             self._index_cache.pop(path, None)
-        return size - new_size
+        return freed - new_size
 
     # ------------------------------------------------------------------ import
 
@@ -1047,7 +1120,7 @@ class EmbeddedRepository:
         ``mapping`` names its tensors: key -> the indices (in file order) of the index entries that
         form that tensor, contiguous pieces covering it whole. The whole tensor's CRC32 is computed
         by reading it once (the pieces' CRCs are checked on the way). Returns like :meth:`put`
-        (``written``: the size of the file taken in)."""
+        (``written``: the size of the file taken in) plus ``"how"``: ``"linked"`` or ``"copied"``."""
         model, tag = parse_name(name)
         if not isinstance(mapping, Mapping) or not mapping:
             raise RepositoryError("mapping must be a non-empty mapping of tensor key -> entry indices")
@@ -1064,7 +1137,10 @@ class EmbeddedRepository:
             for key, idx in mapping.items():
                 if not isinstance(key, str) or not 0 < len(key) <= _MAX_KEY or "\0" in key:
                     raise RepositoryError(f"tensor key {key!r:.80}: expected a non-empty string without NUL")
-                idx = list(idx) if not isinstance(idx, (str, bytes)) else []
+                try:
+                    idx = list(idx) if not isinstance(idx, (str, bytes)) else []
+                except TypeError:
+                    idx = []
                 if not idx or not all(type(i) is int and 0 <= i < len(index.entries) for i in idx) \
                         or any(b <= a for a, b in zip(idx, idx[1:])) or used & set(idx):
                     raise RepositoryError(f"tensor {key!r}: entry indices {idx!r:.100} must be increasing indices "
@@ -1101,7 +1177,7 @@ class EmbeddedRepository:
             file = uid + _PACK_SUFFIX
             dest = os.path.join(self._packs, file)
             size = index.file_size
-            _place(f, path, dest, os.path.join(self._packs, f"tmp-{uid}"), self.fsync)
+            how = _place(f, path, dest, os.path.join(self._packs, f"tmp-{uid}"), self.fsync)
         if self.fsync:
             self._fsync_dir()
         committed = False
@@ -1140,7 +1216,19 @@ class EmbeddedRepository:
             if not committed:
                 self._rollback(conn)
                 _unlink(dest)
-        return {"bytes": total, "written": size, "deduplicated": 0}
+        return {"bytes": total, "written": size, "deduplicated": 0, "how": how}
+
+
+def tensor_entries(path: str) -> dict[int, list[int]]:
+    """tensor id -> the indices (file order) of its index entries in the DeepFreeze-format file
+    ``path``: the ``mapping`` values :meth:`EmbeddedRepository.add_pack` takes (map tensor ids to
+    keys with the checkpoint's manifest). :class:`CorruptCheckpointError` if it is not a valid file."""
+    with fsafe.open_regular_file(path) as f:
+        index = read_index(f, path)
+    out: dict[int, list[int]] = {}
+    for i, e in enumerate(index.entries):
+        out.setdefault(e.tensor_id, []).append(i)
+    return out
 
 
 def _unlink(path: str) -> bool:
@@ -1151,14 +1239,26 @@ def _unlink(path: str) -> bool:
         return False
 
 
-def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> None:
-    """Put the open file ``f`` (path ``src``) at ``dest``: a hard link on the same file system,
-    else a copy (copy_file_range) under ``tmp`` renamed into place."""
+def _unlink_freed(path: str) -> int:
+    """Unlink ``path``; the bytes this frees (0 if it was gone or has other hard links)."""
+    try:
+        st = os.lstat(path)
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return st.st_size if st.st_nlink == 1 else 0
+
+
+def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> str:
+    """Put the open file ``f`` (path ``src``) at ``dest``: a hard link on the same file system
+    (returns ``"linked"``), else a copy (copy_file_range) under ``tmp`` renamed into place
+    (``"copied"``)."""
     st = os.fstat(f.fileno())
     try:
         os.link(src, dest, follow_symlinks=False)
-        if os.stat(dest).st_ino == st.st_ino:  # the file we checked, not one swapped in meanwhile
-            return
+        dst = os.stat(dest)
+        if (dst.st_ino, dst.st_dev) == (st.st_ino, st.st_dev):  # the file we checked, not a swapped one
+            return "linked"
         _unlink(dest)
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EACCES, errno.ENOTSUP):
@@ -1187,3 +1287,4 @@ def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> None:
     except BaseException:
         _unlink(tmp)
         raise
+    return "copied"

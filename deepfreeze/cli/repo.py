@@ -1,0 +1,210 @@
+"""``deepfreeze repo``: the model repository (ls, info, rm, gc, import, serve, token).
+
+    deepfreeze repo ls     REPO [--json]
+    deepfreeze repo info   REPO [NAME] [--json]
+    deepfreeze repo rm     REPO NAME
+    deepfreeze repo gc     REPO [--json]
+    deepfreeze repo import REPO NAME [--config F] [--name CKPT] [--set K=V] [--version V] [--model MODULE:FN]
+    deepfreeze repo serve  --dir DIR [--listen HOST:PORT] [--allow-remote] [--token-file F] [--arena-size BYTES] [--fsync]
+    deepfreeze repo token  [--file F]
+
+``REPO`` is a directory (embedded) or ``dstore://host:port[,host:port...]`` (providers). Thin over
+:mod:`deepfreeze.repo` (the repository), :mod:`deepfreeze.repo.importer` and
+:mod:`deepfreeze.repo.provider`; TensorFlow is imported only by ``import --model``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+from typing import Any
+
+from ..errors import ConfigError
+from ._common import EXIT_OK, UsageError, emit_json, load_config, mb, resolve_name, table, version_arg
+
+__all__ = ["add_parser", "run"]
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        n = int(float(num) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 2G)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
+    return n
+
+
+def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("repo", help="the model repository: ls, info, rm, gc, import, serve, token",
+                       description="Manage a DeepFreeze model repository (docs/repository.md). REPO is a "
+                                   "directory or dstore://host:port[,host:port...].")
+    rs = p.add_subparsers(dest="repo_command", metavar="SUBCOMMAND", parser_class=type(p))
+    rs.required = True
+    repo_arg = argparse.ArgumentParser(add_help=False)
+    repo_arg.add_argument("repo", metavar="REPO", help="repository directory or dstore://host:port,...")
+
+    q = rs.add_parser("ls", parents=[repo_arg, parents["json"]], help="models and their names")
+    q.set_defaults(func=_ls)
+    q = rs.add_parser("info", parents=[repo_arg, parents["json"]],
+                      help="a stored model (or the repository's totals, de-duplication savings)")
+    q.add_argument("model", metavar="NAME", nargs="?", help="<model>[@<tag>]")
+    q.set_defaults(func=_info)
+    q = rs.add_parser("rm", parents=[repo_arg], help="delete a stored model (its name is never reused)")
+    q.add_argument("model", metavar="NAME")
+    q.set_defaults(func=_rm)
+    q = rs.add_parser("gc", parents=[repo_arg, parents["json"]],
+                      help="compact: drop unreferenced tensors and what crashed stores left")
+    q.set_defaults(func=_gc)
+    q = rs.add_parser("import", parents=[repo_arg, parents["common"], parents["trust"]],
+                      help="a DeepFreeze checkpoint version as a repository model, without re-serializing",
+                      description="Import a committed checkpoint version (default: the newest restorable) as "
+                                  "model NAME. Checkpoints written by this DeepFreeze record their layer graph; "
+                                  "for older ones give --model MODULE:FUNCTION returning the same Keras model.")
+    q.add_argument("model", metavar="NAME", help="repository name <model>[@<tag>]")
+    q.add_argument("--version", type=version_arg, metavar="V", help="checkpoint version (default: newest)")
+    q.add_argument("--model", dest="builder", metavar="MODULE:FUNCTION",
+                   help="build the model to compute the layer graph (checkpoints that record none)")
+    q.set_defaults(func=_import)
+    q = rs.add_parser("serve", help="run a provider process (one per node and port)",
+                      description="Serve the repository directory DIR to dstore:// clients. Clients present "
+                                  "the token of DEEPFREEZE_TOKEN or ~/.deepfreeze/token (deepfreeze repo token).")
+    q.add_argument("--dir", required=True, metavar="DIR", help="the provider's storage directory")
+    q.add_argument("--listen", default="127.0.0.1:7000", metavar="HOST:PORT",
+                   help="address to listen on (default 127.0.0.1:7000; port 0 picks a free one)")
+    q.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback --listen address (clients on other nodes; token still required)")
+    q.add_argument("--token-file", metavar="FILE", help="token file (0600); default DEEPFREEZE_TOKEN or "
+                                                        "~/.deepfreeze/token")
+    q.add_argument("--arena-size", type=_size, metavar="BYTES",
+                   help="shared-memory staging arena for same-node clients (default 1G)")
+    q.add_argument("--fsync", action="store_true", help="fsync every stored pack and commit durably")
+    q.set_defaults(func=_serve)
+    q = rs.add_parser("token", help="create the token file clients and providers share")
+    q.add_argument("--file", metavar="FILE", help="where (default ~/.deepfreeze/token)")
+    q.set_defaults(func=_token)
+    p.set_defaults(func=lambda args: (_ for _ in ()).throw(UsageError("give a repo subcommand")))
+
+
+def _open(args: argparse.Namespace, create: bool = False) -> Any:
+    """The repository of REPO; a directory is created only by commands that store (import)."""
+    from ..repo import SCHEME, Repository
+    return Repository(args.repo) if args.repo.startswith(SCHEME) else Repository(args.repo, create=create)
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _ls(args: argparse.Namespace) -> int:
+    with _open(args) as repo:
+        models = repo.list()
+        if args.json:
+            emit_json({"repository": args.repo, "models": models})
+            return EXIT_OK
+        if not models:
+            print(f"no models in {args.repo}")
+            return EXIT_OK
+        rows = []
+        for model, names in models.items():
+            for n in names:
+                i = repo.info(n)
+                rows.append([model, n, i.get("tensors"), mb(i.get("bytes", 0)), _when(i.get("created"))])
+        print("\n".join(table(["MODEL", "NAME", "TENSORS", "SIZE", "STORED"], rows, right=(2, 3))))
+    return EXIT_OK
+
+
+def _info(args: argparse.Namespace) -> int:
+    with _open(args) as repo:
+        info = repo.info(args.model)
+    if args.json:
+        emit_json(info)
+        return EXIT_OK
+    for k, v in info.items():
+        if isinstance(v, int) and ("bytes" in k or k in ("deduplicated", "saved")):
+            v = f"{v} ({mb(v)})"
+        elif k == "created":
+            v = _when(v)
+        print(f"{k}: {v}")
+    return EXIT_OK
+
+
+def _rm(args: argparse.Namespace) -> int:
+    with _open(args) as repo:
+        repo.delete(args.model)
+    print(f"deleted {args.model} (the name stays reserved; run 'deepfreeze repo gc' to free space now)")
+    return EXIT_OK
+
+
+def _gc(args: argparse.Namespace) -> int:
+    with _open(args) as repo:
+        out = repo.gc()
+    if args.json:
+        emit_json(out)
+    else:
+        print(", ".join(f"{k}: {v}" for k, v in out.items()) or "nothing to do")
+    return EXIT_OK
+
+
+def _builder(spec: str) -> Any:
+    mod, sep, fn = spec.partition(":")
+    if not sep or not mod or not fn:
+        raise UsageError(f"--model {spec!r}: expected MODULE:FUNCTION (a function returning the Keras model)")
+    try:
+        f = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(f"--model {spec!r}: cannot import it ({e})") from e
+    return f
+
+
+def _import(args: argparse.Namespace) -> int:
+    from ..repo.importer import import_checkpoint
+    cfg = load_config(args.config, args.overrides)
+    ckpt = resolve_name(args, cfg)
+    layers = None
+    if args.builder:
+        from ..keras.repo import layer_record  # TensorFlow: only on this path
+        layers = layer_record(_builder(args.builder)())
+    with _open(args, create=True) as repo:
+        out = import_checkpoint(repo, args.model, cfg, ckpt, version=args.version, layers=layers,
+                                trust_owners=args.trust_owners)
+    how = {"linked": "its assembled file hard-linked as a pack (no copy)",
+           "copied": "its assembled file copied as a pack (another file system)"}.get(out["how"], "read and stored")
+    print(f"imported checkpoint {ckpt!r} v{out['version']} (step {out['step']}) as {args.model}: "
+          f"{mb(out['bytes'])} of weights, {how}")
+    return EXIT_OK
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ..repo import provider
+    argv = ["--dir", args.dir, "--listen", args.listen]
+    if args.allow_remote:
+        argv.append("--allow-remote")
+    if args.token_file:
+        argv += ["--token-file", args.token_file]
+    if args.arena_size:
+        argv += ["--arena-size", str(args.arena_size)]
+    if args.fsync:
+        argv.append("--fsync")
+    return provider.main(argv)
+
+
+def _token(args: argparse.Namespace) -> int:
+    from .. import net
+    path = args.file
+    try:
+        net.create_token(path)
+    except FileExistsError as e:
+        raise ConfigError(f"token file {e.filename or path} exists: keep it (clients and providers share it) "
+                          "or remove it first") from e
+    print(f"created token file {path or net.default_token_path()} (0600)")
+    return EXIT_OK
+
+
+def run(args: argparse.Namespace) -> int:
+    return args.func(args)

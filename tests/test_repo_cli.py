@@ -1,0 +1,100 @@
+"""``deepfreeze repo`` and ``repo import``, run for real: a repository filled by the numpy core,
+and a checkpoint written by a real 2-rank Horovod training imported and loaded bit-exact."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from deepfreeze.repo import Repository, tensor_key
+from deepfreeze.repo.importer import checkpoint_layers
+from deepfreeze.levels import PersistentLevel
+
+from _util import ROOT, WORKERS, mpirun
+
+
+def cli(*args, env=None):
+    e = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join([ROOT, WORKERS]), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "deepfreeze", "repo", *args], capture_output=True, text=True,
+                          timeout=300, env=e)
+
+
+def fill(path):
+    rng = np.random.default_rng(3)
+    a = {"w": rng.standard_normal((300, 200)).astype(np.float32), "b": np.arange(7, dtype=np.int64)}
+    with Repository(path) as r:
+        r.put("mlp@v1", a)
+        r.put("mlp@v2", {"w": a["w"], "b": a["b"] + 1})  # shares "w": de-duplicated
+        r.put("cnn", {"k": rng.standard_normal(10)})
+    return a
+
+
+def test_ls_info_rm_gc(tmp_path):
+    repo = str(tmp_path / "repo")
+    a = fill(repo)
+    p = cli("ls", repo)
+    assert p.returncode == 0, p.stderr
+    assert "mlp@v1" in p.stdout and "mlp@v2" in p.stdout and "cnn" in p.stdout
+    p = cli("ls", repo, "--json")
+    assert json.loads(p.stdout)["models"] == {"cnn": ["cnn"], "mlp": ["mlp@v1", "mlp@v2"]}
+    p = cli("info", repo, "--json")
+    info = json.loads(p.stdout)
+    assert info["savings"] == 300 * 200 * 4 and info["names"] == 3
+    p = cli("info", repo, "mlp@v2", "--json")
+    assert json.loads(p.stdout)["deduplicated"] == 300 * 200 * 4
+    p = cli("rm", repo, "mlp@v1")
+    assert p.returncode == 0 and "deleted mlp@v1" in p.stdout
+    p = cli("info", repo, "mlp@v1")
+    assert p.returncode == 1 and "mlp@v1" in p.stderr and "Traceback" not in p.stderr
+    p = cli("gc", repo, "--json")
+    assert p.returncode == 0, p.stderr
+    with Repository(repo) as r:  # the shared tensor survives its first owner's deletion
+        assert r.get("mlp@v2")["w"].tobytes() == a["w"].tobytes()
+    p = cli("info", repo, "../etc")
+    assert p.returncode == 1 and "must match" in p.stderr
+    p = cli("ls", str(tmp_path / "nothing-here"))  # read commands never create a repository
+    assert p.returncode == 1 and "nothing-here" in p.stderr and not (tmp_path / "nothing-here").exists()
+
+
+def test_import_checkpoint_and_load_bit_exact(tmp_path):
+    """A real 2-rank fit with checkpoints; the newest version imports with no model at hand
+    (the manifest records the layer graph) and loads bit-exact into a model built with other
+    auto-names; an older-style checkpoint (no graph) imports with --model."""
+    out = tmp_path / "job"
+    mpirun(2, os.path.join(WORKERS, "train.py"), str(out), "sync", "every=4", "epochs=1", "samples=128")
+    sets = ["--set", f"scratch={out}/node0/scratch", "--set", f"persistent={out}/persistent"]
+    pers = PersistentLevel(f"{out}/persistent")
+    v = max(pers.committed_versions("job"))
+    m = pers.read_manifest("job", v)
+    rec = checkpoint_layers(m)
+    assert rec is not None and len(rec["tensors"]) == m["model_tensors"]
+    repo = str(tmp_path / "repo")
+    p = cli("import", repo, "small@ckpt", "--name", "job", *sets)
+    assert p.returncode == 0, p.stderr
+    assert f"v{v}" in p.stdout and "hard-linked" in p.stdout
+    p = subprocess.run([sys.executable, os.path.join(WORKERS, "repo_load.py"), repo, "small@ckpt",
+                        f"{out}/expected/v{v}.npz"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert json.loads(p.stdout.splitlines()[-1])["missing"] == []
+    # the same name again: refused, nothing changed
+    p = cli("import", repo, "small@ckpt", "--name", "job", *sets)
+    assert p.returncode == 1 and "small@ckpt" in p.stderr
+    # a checkpoint written without the graph: refused with what to do, then imported with --model
+    old = tmp_path / "old"
+    mpirun(2, os.path.join(WORKERS, "train.py"), str(old), "sync", "every=4", "epochs=1", "samples=128",
+           "no_layers=1")
+    sets = ["--set", f"scratch={old}/node0/scratch", "--set", f"persistent={old}/persistent"]
+    p = cli("import", repo, "small@old", "--name", "job", *sets)
+    assert p.returncode == 1 and "--model" in p.stderr
+    p = cli("import", repo, "small@old", "--name", "job", "--model", "models:build", *sets)
+    assert p.returncode == 0, p.stderr
+    v = max(PersistentLevel(f"{old}/persistent").committed_versions("job"))
+    p = subprocess.run([sys.executable, os.path.join(WORKERS, "repo_load.py"), repo, "small@old",
+                        f"{old}/expected/v{v}.npz"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stdout + p.stderr
+    with Repository(repo) as r:
+        g = r.graph("small@ckpt")
+        assert tensor_key(g["layers"][-1]["id"], 0) in r.specs("small@ckpt")
