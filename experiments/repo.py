@@ -260,10 +260,16 @@ def open_embedded(path: str, fsync: bool = False):
 
 
 def open_remote(addresses: list[str], staging: str | None = None):
-    """A client of the providers (``RemoteRepository``; the token from ``DEEPFREEZE_TOKEN``)."""
-    from deepfreeze.repo.client import RemoteRepository
+    """A client of the providers: ``Repository("dstore://h:p,h:p")`` (a ``RemoteRepository``; the
+    token from ``DEEPFREEZE_TOKEN``)."""
     opts = {"staging": staging} if staging else {}
-    return RemoteRepository(list(addresses), timeout=IO_TIMEOUT, **opts)
+    location = "dstore://" + ",".join(addresses)
+    try:
+        from deepfreeze.repo import Repository
+        return Repository(location, timeout=IO_TIMEOUT, **opts)
+    except NotImplementedError:
+        from deepfreeze.repo.client import RemoteRepository
+        return RemoteRepository(location, timeout=IO_TIMEOUT, **opts)
 
 
 def provider_main(directory: str, address_file: str, fsync: bool, arena_bytes: int | None) -> None:
