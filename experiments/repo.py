@@ -53,8 +53,13 @@ directory; the repository with ``fsync=True``: packs and directory fsynced, SQLi
 ``synchronous=FULL``). Cold = every file of the side that reads is written back (fsync, untimed)
 and dropped from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (:func:`drop_cache`:
 the ``.h5``/``.keras`` file; the repository's whole directory tree: ``packs/`` and ``meta.db``
-with its WAL; both providers' directories) before each cold load. The guest's page cache is
-dropped; the host may still cache the virtual disk (the cold rates in ``limits`` show it).
+with its WAL; both providers' directories) before each cold load, and the repository approaches
+load through a repository object opened afresh (untimed), so no client-side cache (pack indexes,
+specs, graphs, SQLite pages) is warm either; the providers keep running (a server's caches are
+its own). The guest's page cache is dropped; the host may still cache the virtual disk
+(``limits``: this disk's fsynced write and cold read rates, and the device's read-ahead: a cold
+read of part of a file reads up to ``read_ahead_kb`` more, which dominates the read fraction of
+``--quick``'s 8 MB models).
 Repository names are deleted and ``gc()`` run after every round (untimed): the disk holds at most
 two rounds' data.
 
@@ -1052,8 +1057,12 @@ def pct(s: dict | None) -> str:
 
 def table(doc: dict) -> str:
     s = doc.get("settings", {})
+    lim = doc.get("limits", {})
+    disk = (f" Disk: {lim['write_fsync_GBps']:.2f} GB/s written + fsync, {lim['cold_read_GBps']:.2f} GB/s read cold; "
+            f"read-ahead {lim.get('read_ahead_kb')} KiB." if lim.get("write_fsync_GBps") else "")
     lines = [f"Seconds: median (mean ± standard error) over {s.get('reps')} rounds after a warm-up round; "
-             f"no fsync unless stated; TensorFlow default thread pools; {doc.get('machine', {}).get('cpus')} cores.",
+             f"no fsync unless stated; cold = the reading side's files dropped from the page cache; TensorFlow "
+             f"default thread pools; {doc.get('machine', {}).get('cpus')} cores.{disk}",
              "", "| model | MB | approach | store | store (fsync) | full load warm | full load cold | "
              "partial load warm | partial load cold | partial cold read (% of model) | bit-exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1328,9 +1337,12 @@ def main() -> None:
         "durability": "no fsync on any side for store_s; store_fsync_s: file(s) and directory fsynced (repository "
                       "option fsync=True)",
         "cold_cache": "fsync + posix_fadvise(POSIX_FADV_DONTNEED) of every file of the reading side before each cold "
-                      "load (the .h5/.keras file; the repository's whole directory; both providers' directories)",
+                      "load (the .h5/.keras file; the repository's whole directory; both providers' directories); "
+                      "repository loads through a freshly opened repository object; providers keep running",
         "tf_threads": "TensorFlow defaults (intra/inter 0 = all cores), the same for every approach",
         "providers": 2, "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    doc.setdefault("invocations", []).append({"argv": sys.argv[1:], "started": doc["settings"]["started"],
+                                              "parts": parts, "models": models, "reps": sched["reps"]})
     t_start = time.time()
     provs: dict = {}
     try:
@@ -1356,6 +1368,8 @@ def main() -> None:
                 doc["models"].sort(key=lambda r: (list(MODELS).index(r["model"]), APPROACHES.index(r["approach"])))
                 doc["errors"][m] = res["errors"]
                 write_doc(doc, args.out)
+        if "fsync" in provs:  # only the models' fsynced stores use them: their arenas go
+            provs.pop("fsync").stop()
         phases = ["put", "get_warm", "get_cold"]
         if "conc" in parts:
             doc["conc"] = []
