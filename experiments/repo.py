@@ -118,8 +118,8 @@ import tempfile
 import time
 import zlib
 
-from experiments.bench import mean, var, write_doc
-from experiments.clone import quantile, stats, verdict
+from experiments.bench import write_doc
+from experiments.clone import stats, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -144,7 +144,8 @@ MODELS = {
 FULL = {"models": ["dense10-256m", "dense10-1g", "dense100-1g", "dense500-1g", "dense1000-1g", "vgg19", "resnet50"],
         "reps": 5, "conc": [(1, 1 * GB), (2, 1 * GB), (4, 1 * GB), (8, 256 * MB)], "staging_bytes": 1 * GB,
         "graph_layers": [100, 500, 1000], "arena_bytes": None}
-QUICK = {"models": ["dense10-8m", "dense100-8m", "densenet121"], "reps": 2, "conc": [(1, 8 * MB), (2, 8 * MB), (4, 2 * MB)],
+QUICK = {"models": ["dense10-8m", "dense100-8m", "densenet121"], "reps": 2,
+         "conc": [(1, 8 * MB), (2, 8 * MB), (4, 2 * MB)],
          "staging_bytes": 8 * MB, "graph_layers": [100, 500, 1000], "arena_bytes": 64 << 20}
 PARTS = ["models", "conc", "staging", "graph"]
 TARGET_MODEL = "dense10-1g"
@@ -248,7 +249,8 @@ def cold_read_rate(directory: str, nbytes: int = 256 << 20) -> dict:
             pass
     tc = time.perf_counter() - t0
     os.unlink(path)
-    return {"write_fsync_GBps": nbytes / tw / GB, "cold_read_GBps": nbytes / tr / GB, "warm_read_GBps": nbytes / tc / GB}
+    return {"write_fsync_GBps": nbytes / tw / GB, "cold_read_GBps": nbytes / tr / GB,
+            "warm_read_GBps": nbytes / tc / GB}
 
 
 # ---------------------------------------------------------------------------------------------- repositories
@@ -454,7 +456,8 @@ def worker(args: argparse.Namespace) -> None:
               [tuple(v.shape) for v in part_layers[n]] == [tuple(v.shape) for v in src_layers[n]]]
     total, partial_bytes = model_bytes(src), sum(int(np.prod(v.shape)) * v.dtype.size for n in shared
                                                  for v in src_layers[n])
-    info = {"model": model_name, "bytes": total, "partial_bytes": partial_bytes, "partial_fraction": partial_bytes / total,
+    info = {"model": model_name, "bytes": total, "partial_bytes": partial_bytes,
+            "partial_fraction": partial_bytes / total,
             "tensors": len(src.weights), "layers_with_weights": len(src_layers), "partial_layers": len(shared),
             "partial_model_layers_with_weights": len(part_layers), "to_json_bytes": len(src.to_json()),
             "tf_threads": {"intra": tf.config.threading.get_intra_op_parallelism_threads(),
@@ -651,7 +654,8 @@ def worker(args: argparse.Namespace) -> None:
         for cold in (False, True):
             tag = "cold" if cold else "warm"
             cp = dirs if cold else []
-            ops = [("load_full", lambda r: load_into(r, name, tgt)), ("load_partial", lambda r: load_into(r, name, part))]
+            ops = [("load_full", lambda r: load_into(r, name, tgt)),
+                   ("load_partial", lambda r: load_into(r, name, part))]
             if keys:
                 ops += [("get_full", lambda r: r.get(name, out={keys[k]: bufs[k] for k in bufs})),
                         ("get_partial", lambda r: r.get(name, [keys[k] for k in part_keys],
@@ -1033,7 +1037,8 @@ def conc_summary(res: dict, phases: list[str]) -> dict:
     r0 = next((r for r in res["rounds"] if r["round"] == 0), None)
     row["bitexact"] = r0.get("bitexact") if r0 else None
     if "get_cold" in phases:
-        st = stats([r.get("get_cold_read_bytes") / r["bytes"] for r in timed if r.get("get_cold_read_bytes") is not None])
+        st = stats([r["get_cold_read_bytes"] / r["bytes"] for r in timed
+                    if r.get("get_cold_read_bytes") is not None])
         if st:
             row["get_cold_client_read_fraction"] = st
     return row
@@ -1091,13 +1096,14 @@ def table(doc: dict) -> str:
             e = rows.get((m, "embedded"), {})
             lines.append(f"| {m} | {i['bytes'] / MB:.0f} | {i['tensors']} | {i['partial_layers']} of "
                          f"{i['layers_with_weights']} layers | {i['partial_bytes'] / MB:.0f} "
-                         f"({100 * i['partial_fraction']:.0f} %) | {i['to_json_bytes']} | {e.get('graph_bytes', '–')} | "
-                         f"{e.get('layer_meta_bytes', '–')} |")
+                         f"({100 * i['partial_fraction']:.0f} %) | {i['to_json_bytes']} | "
+                         f"{e.get('graph_bytes', '–')} | {e.get('layer_meta_bytes', '–')} |")
     if doc.get("conc"):
         tf_any = any(r.get("tensorflow_imported") for r in doc["conc"])
         lines += ["", "Concurrency (numpy core; TensorFlow imported by a client: "
                   f"{'YES' if tf_any else 'no'}): aggregate GB/s, median (mean ± se).",
-                  "", "| through | clients x GB | store | load warm | load cold | bit-exact |", "|---|---|---|---|---|---|"]
+                  "", "| through | clients x GB | store | load warm | load cold | bit-exact |",
+                  "|---|---|---|---|---|---|"]
         for r in doc["conc"]:
             lines.append(f"| {r['mode']} | {r['clients']} x {r['bytes_per_client'] / GB:g} | "
                          f"{f_s(r.get('put_GBps'))} | {f_s(r.get('get_warm_GBps'))} | {f_s(r.get('get_cold_GBps'))} | "
@@ -1120,7 +1126,8 @@ def table(doc: dict) -> str:
                                              for k, v in errs.items())]
     if doc.get("targets"):
         if s.get("mode") == "quick":
-            lines += ["", "(--quick: tiny models; the verdicts only exercise the code, they are not the targets' sizes)"]
+            lines += ["", "(--quick: tiny models; the verdicts only exercise the code, "
+                          "they are not the targets' sizes)"]
         lines += ["", "| target | model | approach | ratio (mean ± se; median) | verdict |", "|---|---|---|---|---|"]
         for t in doc["targets"]:
             if "fraction_mean" in t:
@@ -1182,9 +1189,10 @@ def plot(doc: dict, out: str) -> None:
     ax = axes[1][1]
     st = [r for r in doc.get("staging", []) if r.get("put_s")]
     for j, metric in enumerate(("put_s", "get_warm_s", "put_get_warm_s")):
+        lo = [r[metric]["median"] - r[metric]["min"] for r in st]
+        hi = [r[metric]["max"] - r[metric]["median"] for r in st]
         ax.bar([i + 0.27 * (j - 1) for i in range(len(st))], [r[metric]["median"] for r in st], 0.25,
-               yerr=[[r[metric]["median"] - r[metric]["min"] for r in st], [r[metric]["max"] - r[metric]["median"]
-                                                                             for r in st]], capsize=2, label=metric[:-2])
+               yerr=[lo, hi], capsize=2, label=metric[:-2])
     ax.set_xticks(range(len(st)), [r["staging"] for r in st])
     ax.set_title("providers' staging, 1 client (s)", fontsize=10)
     if st:

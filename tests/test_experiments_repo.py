@@ -1,8 +1,6 @@
 """experiments/repo.py's helpers: the page-cache drop, the synthetic models' 25 % prefix, the verdicts."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
