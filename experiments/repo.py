@@ -944,6 +944,9 @@ def summarize_model(res: dict) -> list[dict]:
                     counts.append(sum(c))
             if counts:
                 row[op + "_read_fraction"] = stats([c / info["bytes"] for c in counts])
+        dd = [s["store_result"].get("deduplicated") for s in timed if isinstance(s.get("store_result"), dict)]
+        if dd:  # within-model only (identical fresh biases): every round's weights are new content
+            row["store_deduplicated_bytes_max"] = max(x for x in dd if x is not None)
         r0 = next((s for s in mine if s["round"] == 0), {})
         for k in ("correctness", "graph_bytes", "layer_meta_bytes", "file_bytes", "dir_bytes", "store_result", "info"):
             if k in r0:
