@@ -98,9 +98,11 @@ faster than ``ondemand`` (store + warm load, 1 GB); graph >= 10x smaller than ``
 
 Expected wall time of the full grid on this 2-core machine, idle: ~1.5-2 h (the 1 GB models
 ~10 min each, concurrency ~20 min); run it in parts with ``--parts``/``--models`` and
-``--resume``. Memory: a 1 GB model worker holds ~4-5 GB (source, target, partial model, the
-numpy buffers of the core/h5py loads); 4 x 1 GB concurrency clients ~1 GB each plus the
-providers' staging arena.
+``--resume``. Memory: a 1 GB model worker holds ~5-6 GB at its peak (source, target and
+partial model, the numpy buffers of the core/h5py loads, the model ``load_model`` builds, the
+copies ``store_model`` makes); the providers' pre-faulted staging arenas take 1 GiB each in
+``/dev/shm`` (2 plain + 2 fsynced providers during the models part, 2 afterwards); 4 x 1 GB
+concurrency clients ~1 GB each (loads fill the stored arrays in place).
 """
 from __future__ import annotations
 
