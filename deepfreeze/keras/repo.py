@@ -259,8 +259,14 @@ def store_model(repo: Any, name: str, model: Any) -> dict:
         raise RepositoryError(f"model {model.name!r}: weights {stray[:5]} belong to no leaf layer of its graph; "
                               f"store_model stores layers' weights only")
     graph, _order = mg.graph()
-    tensors = {key: np.ascontiguousarray(v.numpy()) for v, key in mg.weight_keys()}
-    return repo.put(name, tensors, graph=graph, meta=mg.meta())
+    # zero-copy: each array is a read-only view of the variable's own buffer (CPU), written to the
+    # pack from there; the views are dropped when put returns, so the next in-place update of the
+    # variable does not copy its buffer. The model must not train meanwhile (as for save_weights).
+    tensors = {key: np.ascontiguousarray(np.asarray(v.value())) for v, key in mg.weight_keys()}
+    try:
+        return repo.put(name, tensors, graph=graph, meta=mg.meta())
+    finally:
+        tensors.clear()
 
 
 def _requested(mg: ModelGraph, layers: Iterable[Any]) -> set[int]:
