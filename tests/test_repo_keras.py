@@ -384,3 +384,31 @@ def test_which_output_of_a_multi_output_layer_is_part_of_the_id():
         return mg.ids[mg.layers.index(m.layers[-1])]
     assert head_id(0) == head_id(0)
     assert head_id(0) != head_id(1)
+
+
+@pytest.mark.parametrize("staging_max", [None, 1])
+def test_loads_never_alias_the_staging_buffer_or_each_other(repo, staging_max, monkeypatch):
+    """Loads through the reused staging buffer (and, with a tiny STAGING_MAX_BYTES, through fresh
+    arrays) leave every model with its own memory: loading a second model, or training one, never
+    changes another; the values are the stored ones bit for bit."""
+    import deepfreeze.keras.repo as kr
+    if staging_max is not None:
+        monkeypatch.setattr(kr, "STAGING_MAX_BYTES", staging_max)
+    src = trunk_model(seed=1)
+    store_model(repo, "t@a", src)
+    other = trunk_model(seed=2)
+    store_model(repo, "t@b", other)
+    a, b = trunk_model(seed=3), trunk_model(seed=4)
+    load_into(repo, "t@a", a, strict=True)
+    load_into(repo, "t@b", b, strict=True)  # reuses the staging buffer a's load used
+    for (la, lb_), (lw, lsrc) in zip(zip(_leaves(a), _leaves(b)), zip(_leaves(src), _leaves(other))):
+        for va, vsrc in zip(la.weights, lw.weights):
+            assert_same(va.numpy(), vsrc.numpy())
+        for vb, vo in zip(lb_.weights, lsrc.weights):
+            assert_same(vb.numpy(), vo.numpy())
+    before_b = [v.numpy().copy() for v in b.weights]
+    for v in a.weights:  # an in-place update of a's variables
+        v.assign_add(tf.ones_like(v))
+    load_into(repo, "t@a", trunk_model(seed=5))  # and one more load through the staging buffer
+    for v, w in zip(b.weights, before_b):
+        assert_same(v.numpy(), w)

@@ -8,6 +8,7 @@ id only, never by name. Guide: docs/repository.md.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,8 @@ from ..format import dtype_name
 from ..repo.graph import tensor_key, tensor_keys
 from ..repo.ids import ID_SCHEME, Node, build_graph, build_meta, canonical_config, compute_ids
 
-__all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph", "layer_record"]
+__all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph", "layer_record",
+           "release_staging", "STAGING_MAX_BYTES"]
 
 
 @dataclass
@@ -322,6 +324,77 @@ def _assign(variable: Any, array: np.ndarray) -> None:
     variable.assign(array, read_value=False)
 
 
+#: load_into's client-side staging buffer (the paper's staging buffer, allocated once and reused):
+#: a load of up to this many bytes is read into one reused, aligned host buffer and copied from
+#: there into the variables' own buffers, so repeated loads touch no fresh memory (first-touch page
+#: faults cost more than the copy: docs/performance.md). Bigger loads read into fresh arrays that
+#: the variables take over. :func:`release_staging` frees the buffer.
+STAGING_MAX_BYTES = 1 << 30
+
+
+class _Staging:
+    """The process's staging buffer for :func:`load_into` (grown on demand up to
+    :data:`STAGING_MAX_BYTES`; one load at a time uses it, under ``lock``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.raw: np.ndarray | None = None
+
+    def views(self, specs: list[tuple[tuple[int, ...], Any]]) -> list[np.ndarray] | None:
+        """Aligned views for arrays of ``specs`` (shape, dtype), None when they do not fit."""
+        sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize for shape, dt in specs]
+        total = sum(n + (-n) % _ALIGN for n in sizes) + _ALIGN
+        if total > STAGING_MAX_BYTES:
+            return None
+        if self.raw is None or self.raw.nbytes < total:
+            self.raw = None  # the old one is freed first
+            self.raw = np.empty(total, np.uint8)
+        pos = (-self.raw.ctypes.data) % _ALIGN
+        out = []
+        for (shape, dt), n in zip(specs, sizes):
+            out.append(self.raw[pos:pos + n].view(dt).reshape(shape))
+            pos += n + (-n) % _ALIGN
+        return out
+
+    def check(self, variables: list[Any]) -> None:
+        """Forget the buffer if a variable ended up using its memory (never reuse it then)."""
+        if self.raw is None:
+            return
+        lo, hi = self.raw.ctypes.data, self.raw.ctypes.data + self.raw.nbytes
+        for v in variables:
+            view = np.asarray(v.value())  # transient: dropped before any update of the variable
+            if view.nbytes and lo <= view.ctypes.data < hi:
+                self.raw = None
+                return
+
+
+_STAGING = _Staging()
+
+
+def release_staging() -> None:
+    """Free :func:`load_into`'s staging buffer (it is allocated again by the next load)."""
+    with _STAGING.lock:
+        _STAGING.raw = None
+
+
+def _copy_into(variable: Any, array: np.ndarray) -> None:
+    """Copy ``array`` into ``variable``'s own buffer without adopting ``array``'s memory: a
+    strided-slice assignment over the whole variable is an in-place update, which TensorFlow
+    applies copy-on-write (a buffer shared with another tensor is copied first), so no other
+    tensor changes. 0-d, empty and bfloat16 values are assigned from a private copy."""
+    if array.ndim == 0 or array.size == 0:
+        variable.assign(array.copy(), read_value=False)
+        return
+    try:
+        value = tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    except (TypeError, ValueError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
+        variable.assign(array.copy(), read_value=False)
+        return
+    nd = array.ndim
+    tf.raw_ops.ResourceStridedSliceAssign(ref=variable.handle, begin=[0] * nd, end=list(array.shape),
+                                          strides=[1] * nd, value=value)
+
+
 def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None = None,
               strict: bool = False) -> LoadReport:
     """Set the weights of the layers of ``new_model`` that match the stored model ``name``.
@@ -375,9 +448,19 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
         raise ModelMismatchError(f"strict load of {name!r}: layers with weights that do not match: "
                                  f"{', '.join(report.missing)}; nothing loaded")
     targets = mg.weight_keys(matched)
-    out = {key: _aligned_empty(tuple(v.shape), v.dtype.as_numpy_dtype) for v, key in targets}
-    got = repo.get(name, tensors=list(out), out=out)
-    for v, key in targets:
-        _assign(v, got[key])
+    specs = [(tuple(int(d) for d in v.shape), v.dtype.as_numpy_dtype) for v, _ in targets]
+    with _STAGING.lock:
+        staged = _STAGING.views(specs)
+        if staged is not None:  # read all (checked) into the staging buffer, then copy into the variables
+            got = repo.get(name, tensors=[key for _, key in targets],
+                           out={key: buf for (_, key), buf in zip(targets, staged)})
+            for v, key in targets:
+                _copy_into(v, got[key])
+            _STAGING.check([v for v, _ in targets])
+        else:  # too big for the staging buffer: fresh arrays, taken over by the variables
+            out = {key: _aligned_empty(spec[0], spec[1]) for (_, key), spec in zip(targets, specs)}
+            got = repo.get(name, tensors=list(out), out=out)
+            for v, key in targets:
+                _assign(v, got[key])
     report.bytes = sum(got[key].nbytes for _, key in targets)
     return report
