@@ -122,6 +122,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -662,6 +663,17 @@ def write_doc(doc: dict, out: str) -> None:
     with open(out + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(out + ".tmp", out)
+
+
+def finish_doc(doc: dict, out: str, t_start: float, table: "Callable[[dict], str]",
+               plot: "Callable[[dict, str], None]") -> None:
+    """The end of an experiment run: wall time, the markdown tables, the JSON and the PNG beside it."""
+    doc["settings"]["wall_s"] = round(time.time() - t_start, 1)
+    doc["table_md"] = table(doc)
+    write_doc(doc, out)
+    plot(doc, os.path.splitext(out)[0] + ".png")
+    print(doc["table_md"])
+    print(f"wrote {out} ({time.time() - t_start:.0f} s)")
 
 
 def main() -> None:

@@ -117,7 +117,7 @@ import time
 
 from deepfreeze.clone.transfer import ACTIVE_POLL as ACTIVE_POLL_S  # the baselines' clones poll as the Receiver does
 from deepfreeze.clone.transfer import STANDBY_POLL as STANDBY_POLL_S
-from experiments.bench import mean, var, write_doc
+from experiments.bench import finish_doc, mean, var, write_doc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -901,12 +901,7 @@ def main() -> None:
                 write_doc(doc, args.out)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    doc["settings"]["wall_s"] = round(time.time() - t_start, 1)
-    doc["table_md"] = table(doc)
-    write_doc(doc, args.out)
-    plot(doc, os.path.splitext(args.out)[0] + ".png")
-    print(doc["table_md"])
-    print(f"wrote {args.out} ({time.time() - t_start:.0f} s)")
+    finish_doc(doc, args.out, t_start, table, plot)
 
 
 if __name__ == "__main__":

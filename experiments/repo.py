@@ -120,7 +120,7 @@ import tempfile
 import time
 import zlib
 
-from experiments.bench import write_doc
+from experiments.bench import finish_doc, write_doc
 from experiments.clone import stats, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1413,12 +1413,7 @@ def main() -> None:
             p.stop()
         shutil.rmtree(base, ignore_errors=True)
     doc["targets"] = targets(doc)
-    doc["settings"]["wall_s"] = round(time.time() - t_start, 1)
-    doc["table_md"] = table(doc)
-    write_doc(doc, args.out)
-    plot(doc, os.path.splitext(args.out)[0] + ".png")
-    print(doc["table_md"])
-    print(f"wrote {args.out} ({time.time() - t_start:.0f} s)")
+    finish_doc(doc, args.out, t_start, table, plot)
 
 
 if __name__ == "__main__":
