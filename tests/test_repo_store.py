@@ -54,7 +54,7 @@ def repo(tmp_path):
 
 
 def test_round_trip_bit_exact_every_dtype(repo):
-    import ml_dtypes
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes (installed with TensorFlow)")
     t = {
         "f16": RNG.standard_normal((3, 5)).astype(np.float16),
         "f32": np.array([np.nan, -0.0, np.inf, 1e-45], np.float32),
