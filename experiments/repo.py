@@ -121,7 +121,7 @@ import time
 import zlib
 
 from experiments.bench import finish_doc, write_doc
-from experiments.clone import stats, verdict
+from experiments.clone import fsync_path, stats, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -187,14 +187,6 @@ def drop_cache(*paths: str) -> int:
             finally:
                 os.close(fd)
     return total
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_bytes(pid: int | str = "self") -> int | None:

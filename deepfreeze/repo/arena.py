@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import ConfigError, ProviderTimeoutError, RepositoryError
 
-__all__ = ["DEFAULT_ARENA_BYTES", "PAGE", "Extent", "Arena", "open_shared", "create_staging_file", "sweep_stale",
+__all__ = ["DEFAULT_ARENA_BYTES", "PAGE", "Extent", "Arena", "open_shared", "close_mapping", "create_staging_file", "sweep_stale",
            "SHM_DIR", "ARENA_NAME_RE"]
 
 #: default arena size of a provider (``deepfreeze repo serve --arena-bytes``)
@@ -49,6 +49,14 @@ class Extent:
     """``length`` bytes at ``offset`` of an arena (``length`` a power-of-two number of pages)."""
     offset: int
     length: int
+
+
+def close_mapping(mm: mmap.mmap) -> None:
+    """Unmap ``mm`` now, or, while numpy views of it are still exported, when the last one goes."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
 
 
 def _prefault(mm: mmap.mmap, size: int) -> None:
@@ -246,10 +254,7 @@ class Arena:
         except FileNotFoundError:
             pass
         self.buffer = None  # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:  # views still exported: the mapping goes with them
-            pass
+        close_mapping(self._mm)  # views still exported: the mapping goes with them
 
     def __enter__(self) -> "Arena":
         return self

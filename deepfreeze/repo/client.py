@@ -35,7 +35,7 @@ from .. import net
 from ..errors import (ConfigError, CorruptCheckpointError, DeepFreezeError, ModelMismatchError, ModelNotFoundError,
                       ProviderError, RepositoryError)
 from ..format import byte_view, dtype_itemsize, dtype_name, numpy_dtype
-from .arena import create_staging_file, open_shared
+from .arena import close_mapping, create_staging_file, open_shared
 from .graph import check_graph, tensor_keys
 from .names import check_name
 from .provider import node_id, placement
@@ -325,10 +325,7 @@ class RemoteRepository:
             return self._result(p.call({**head, "staging": "file", "path": path, "tensors": segs}))
         finally:
             os.unlink(path)
-            try:
-                mm.close()
-            except BufferError:
-                pass
+            close_mapping(mm)
 
     def get(self, name: str, tensors: Iterable[str] | None = None, *,
             out: Mapping[str, np.ndarray] | None = None, verify: bool | None = None) -> dict[str, np.ndarray]:
@@ -456,10 +453,7 @@ class RemoteRepository:
             self._read_count(p, reply)
         finally:
             os.unlink(path)
-            try:
-                mm.close()
-            except BufferError:
-                pass
+            close_mapping(mm)
 
     def specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         """key -> (dtype name, shape) of model ``name`` (cached: a name's content never changes)."""

@@ -75,7 +75,7 @@ from .. import net
 from ..errors import (AuthenticationError, ConfigError, CorruptCheckpointError, DeepFreezeError, ModelNotFoundError,
                       ProviderError, ProviderTimeoutError, RepositoryError)
 from ..format import MAX_NDIM, dtype_itemsize, numpy_dtype
-from .arena import DEFAULT_ARENA_BYTES, Arena, Extent, open_shared
+from .arena import DEFAULT_ARENA_BYTES, Arena, Extent, close_mapping, open_shared
 from .graph import ID_HEX_RE
 from .names import check_name
 
@@ -420,10 +420,7 @@ class Provider:
                     finally:
                         del buf
                 finally:
-                    try:
-                        mm.close()
-                    except BufferError:
-                        pass
+                    close_mapping(mm)
             raise _bad(f"staging {staging!r:.40}: expected 'arena', 'tcp' or 'file'")
         finally:
             if staging == "arena" and st.extent is not None:
@@ -522,10 +519,7 @@ class Provider:
                 finally:
                     del buf
             finally:
-                try:
-                    mm.close()
-                except BufferError:
-                    pass
+                close_mapping(mm)
             st.bytes_read += sum(seg[4] for seg in segs)
             return {"ok": True, "tensors": segs, "bytes_read": st.bytes_read}, []
         raise _bad(f"staging {staging!r:.40}: expected 'arena', 'tcp' or 'file'")
