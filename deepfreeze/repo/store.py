@@ -583,6 +583,24 @@ class EmbeddedRepository:
             rows.append((lid, text))
         return rows
 
+    def _begin_commit(self, conn: sqlite3.Connection, name: str) -> None:
+        """Start a store's commit transaction (after the test hook): the name must still be free."""
+        self._before_commit(name)
+        conn.execute("BEGIN IMMEDIATE")
+        taken = self._name_taken(conn, name)
+        if taken is not None:
+            raise taken
+
+    def _record_scheme(self, conn: sqlite3.Connection, graph: dict | None) -> None:
+        """Inside a commit: the first graph sets the repository's layer-id scheme, later ones must match."""
+        if graph is None:
+            return
+        scheme = self._set_once(conn, "id_scheme", str(graph["scheme"]))
+        if scheme != str(graph["scheme"]):
+            raise RepositoryError(f"the repository's layer ids use scheme {scheme}, this graph scheme "
+                                  f"{graph['scheme']}: ids of different schemes never match; use another "
+                                  "repository or a DeepFreeze with the same id scheme")
+
     def _name_taken(self, conn: sqlite3.Connection, name: str) -> NameExistsError | None:
         row = conn.execute("SELECT deleted FROM models WHERE name=?", (name,)).fetchone()
         if row is None:
@@ -713,11 +731,7 @@ class EmbeddedRepository:
         conn = self._conn()
         committed = False
         try:
-            self._before_commit(name)
-            conn.execute("BEGIN IMMEDIATE")
-            taken = self._name_taken(conn, name)
-            if taken is not None:
-                raise taken
+            self._begin_commit(conn, name)
             shared = sorted({t.blob for t in items if t.blob is not None})
             found = 0
             for i in range(0, len(shared), _SQL_CHUNK):
@@ -729,12 +743,7 @@ class EmbeddedRepository:
             if pack is not None and not os.path.exists(os.path.join(self._packs, pack[0])):
                 raise RepositoryError(f"storing {name!r}: its pack {pack[0]} disappeared before the commit (a gc "
                                       f"with a grace period shorter than the store took?); nothing was stored")
-            if graph is not None:
-                scheme = self._set_once(conn, "id_scheme", str(graph["scheme"]))
-                if scheme != str(graph["scheme"]):
-                    raise RepositoryError(f"the repository's layer ids use scheme {scheme}, this graph scheme "
-                                          f"{graph['scheme']}: ids of different schemes never match; use another "
-                                          "repository or a DeepFreeze with the same id scheme")
+            self._record_scheme(conn, graph)
             refs: dict[int, int] = {}
             for t in items:
                 if t.blob is not None:
@@ -1182,18 +1191,10 @@ class EmbeddedRepository:
             self._fsync_dir()
         committed = False
         try:
-            self._before_commit(name)
-            conn.execute("BEGIN IMMEDIATE")
-            taken = self._name_taken(conn, name)
-            if taken is not None:
-                raise taken
+            self._begin_commit(conn, name)
             if not os.path.exists(dest):
                 raise RepositoryError(f"importing {name!r}: its pack disappeared before the commit; nothing was stored")
-            if graph is not None:
-                scheme = self._set_once(conn, "id_scheme", str(graph["scheme"]))
-                if scheme != str(graph["scheme"]):
-                    raise RepositoryError(f"the repository's layer ids use scheme {scheme}, this graph scheme "
-                                          f"{graph['scheme']}")
+            self._record_scheme(conn, graph)
             data = sum(e.length for e in index.entries)
             pid = conn.execute("INSERT INTO packs(file, size, data_bytes, created) VALUES (?,?,?,?)",
                                (file, size, data, time.time())).lastrowid
