@@ -86,7 +86,6 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     q = rs.add_parser("token", help="create the token file clients and providers share")
     q.add_argument("--file", metavar="FILE", help="where (default ~/.deepfreeze/token)")
     q.set_defaults(func=_token)
-    p.set_defaults(func=lambda args: (_ for _ in ()).throw(UsageError("give a repo subcommand")))
 
 
 def _open(args: argparse.Namespace, create: bool = False) -> Any:
