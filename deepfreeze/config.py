@@ -40,6 +40,7 @@ KEYS: dict[str, str] = {
     "shared_group": "true | false: scratch/persistent may be group-writable (you trust every group member) (DeepFreeze key)",
     "axl_type": "VeloC AXL transfer type (VeloC engine only)",
     "backend_timeout": "seconds without an answer after which the backend is declared dead and replaced (DeepFreeze key)",
+    "redis": "redis://host:port[/db]: a Redis server for the stream's metadata and notifications (DeepFreeze key)",
 }
 
 #: keys only VeloC acts on; accepted so a site's VeloC file parses, passed to VeloC as written
@@ -90,6 +91,7 @@ class Config:
     shared_group: bool = False
     axl_type: str | None = None
     backend_timeout: float = 60.0
+    redis: str | None = None
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
     #: where each key given explicitly came from: ``(key, "file:line" | "env VELOC_<KEY>" |
@@ -139,6 +141,12 @@ class Config:
                               "seconds > 0 (how long a backend may leave a request unanswered before it is declared "
                               "dead and replaced; default 60)")
         validate_name(self.failure_domain.replace("-", "_"), f"failure_domain ({w('failure_domain')})")
+        self._check_redis()
+
+    def _check_redis(self) -> None:
+        if self.redis is not None and not re.match(r"^(redis|rediss|unix)://\S+$", self.redis):
+            raise ConfigError(f"{self.where('redis')}: redis = {self.redis!r} is invalid: use redis://host:port "
+                              "(or rediss://, unix://path), or leave it out for the embedded notifier")
 
     def check_directories(self, keys: tuple[str, ...] = ("scratch", "persistent")) -> None:
         """Raise :class:`ConfigError` unless each of ``keys`` is a directory this process can

@@ -69,10 +69,11 @@ POINTS: dict[str, str] = {
     # outside the commit protocol: exports and VeloC's INI file (registered, covered elsewhere)
     "export.rename": "an export complete under its temporary name",
     "veloc.config.rename": "VeloC's INI file written under its temporary name",
+    "stream.endpoint.rename": "a stream producer rank's endpoint file written under its temporary name",
 }
 
 #: points outside the checkpoint commit protocol (not part of the kill suite)
-PERIPHERAL = {"export.rename", "veloc.config.rename"}
+PERIPHERAL = {"export.rename", "veloc.config.rename", "stream.endpoint.rename"}
 #: points only a race of two processes reaches (tested by their own race tests, not by a kill of one job)
 RACE_ONLY = {"persistent.lock.putback", "run.lease.putback"}
 

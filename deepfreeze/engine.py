@@ -166,6 +166,13 @@ class Engine:
         self.last_version = version
         self.stats.append({"version": version, "blocking_s": time.perf_counter() - t0})
 
+    def saturated(self) -> bool:
+        """True when a :meth:`checkpoint` now would wait for the writer thread (``max_inflight``
+        versions still on their way to scratch, or waiting there for the backend's flushes).
+        Finished writes are collected; nothing waits."""
+        self._drain(keep=len(self._inflight))
+        return self.config.mode == "async" and len(self._inflight) >= self.config.max_inflight
+
     def wait(self, *, persistent: bool = True, timeout: float | None = None) -> None:
         """Block until every submitted checkpoint is on scratch (and, if ``persistent``, flushed).
 

@@ -32,6 +32,9 @@ __all__ = [
     "ProviderError",
     "ProviderTimeoutError",
     "AuthenticationError",
+    "StreamError",
+    "StreamTimeoutError",
+    "VersionGoneError",
 ]
 
 
@@ -143,3 +146,18 @@ class ProviderTimeoutError(ProviderError, TimeoutError):
 
 class AuthenticationError(DeepFreezeError, PermissionError):
     """A connection presented no token or a wrong one (tokens: a 0600 file or DEEPFREEZE_TOKEN)."""
+
+
+class StreamError(DeepFreezeError, RuntimeError):
+    """Publishing or receiving a model update failed: a malformed or hostile slot file, endpoint
+    file or message, a checksum that does not hold, a producer that went away mid-transfer."""
+
+
+class StreamTimeoutError(StreamError, TimeoutError):
+    """No (newer) version became live within the timeout (``ModelSubscriber.wait``), or a
+    producer did not answer within its I/O timeout."""
+
+
+class VersionGoneError(StreamError, LookupError):
+    """The requested version is no longer held by the producer (a newer one replaced it in every
+    slot it could use): take the newest instead."""

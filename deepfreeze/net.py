@@ -55,7 +55,7 @@ from .errors import (AuthenticationError, ConfigError, DeepFreezeError, Provider
 __all__ = ["TOKEN_ENV", "DEFAULT_TOKEN_PATH", "MAGIC", "VERSION", "MAX_HEADER", "default_token_path",
            "create_token", "load_token", "check_token", "parse_address", "format_address", "is_loopback",
            "listen", "connect", "send_msg", "recv_msg", "wait_readable", "Message", "error_reply",
-           "raise_for_reply", "server_handshake", "client_handshake", "is_transport_error", "keepalive"]
+           "raise_for_reply", "server_handshake", "client_handshake", "is_transport_error", "keepalive", "node_id"]
 
 #: environment variable holding the token (takes precedence over the default file)
 TOKEN_ENV = "DEEPFREEZE_TOKEN"
@@ -71,6 +71,15 @@ _CHUNK = 64 << 20  # largest single send/recv call (keeps each call's wait short
 
 
 # ----------------------------------------------------------------------------- tokens
+
+def node_id() -> str:
+    """This machine's boot id (same node <=> same boot id; the host name where there is none)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read(100).strip()
+    except OSError:
+        return socket.gethostname()
+
 
 def default_token_path() -> str:
     """``~/.deepfreeze/token`` expanded."""

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent setup: installs what is missing, fast when everything is already there.
 #   - OpenMPI from Debian packages (when root; else a clear message)
-#   - .venv with tensorflow-cpu 2.15.1, numpy<2, isal (fast CRC32), mpi4py, h5py, pytest, matplotlib
+#   - .venv with tensorflow-cpu 2.15.1, numpy<2, isal (fast CRC32), mpi4py, h5py, pytest, matplotlib,
+#     scipy (the stream's learning-curve fits) and the redis client (the stream's optional notifier)
+#   - redis-server from Debian (when root; optional: the stream's Redis tests skip without it)
 #   - Horovod 0.28.1 built from source against that TensorFlow (MPI only)
 #   - DeepFreeze's fused-copy TensorFlow op, compiled against the same headers (optional: without
 #     a compiler DeepFreeze warns and uses its pure-TensorFlow capture)
@@ -12,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-$PWD/.venv}
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
-STAMP="$VENV/.deepfreeze-setup-v1"
+STAMP="$VENV/.deepfreeze-setup-v2"
 
 say() { echo "setup: $*"; }
 
@@ -30,7 +32,7 @@ native_op() {
 }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal") >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis") >/dev/null 2>&1; then
   native_op quick  # skips importing TensorFlow when the library is newer than its source
   say "already done (remove $STAMP to redo)"
   exit 0
@@ -50,6 +52,18 @@ if ! command -v mpirun >/dev/null 2>&1 || ! command -v mpicc >/dev/null 2>&1; th
   fi
 fi
 
+# 1b. redis-server (optional: a real Redis for the stream's notifier; its tests skip without it)
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    say "installing redis-server from Debian packages (optional: the stream's Redis notifier)"
+    export DEBIAN_FRONTEND=noninteractive
+    (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
+      || echo "setup: WARNING: redis-server did not install; the Redis tests will skip" >&2
+  else
+    say "redis-server is not installed (optional; 'sudo apt-get install redis-server' to run the Redis tests)"
+  fi
+fi
+
 # 2. venv + Python packages
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV"
@@ -57,9 +71,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip wheel setuptools
 fi
 VPY="$VENV/bin/python"
-if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib, isal; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
-  say "installing tensorflow-cpu==2.15.1 numpy<2 isal mpi4py h5py pytest matplotlib"
-  "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" isal mpi4py h5py pytest pytest-timeout matplotlib cmake packaging
+if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib, isal, scipy, redis; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
+  say "installing tensorflow-cpu==2.15.1 numpy<2 isal mpi4py h5py pytest matplotlib scipy redis"
+  "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" isal mpi4py h5py pytest pytest-timeout matplotlib cmake \
+    packaging "scipy<1.14" "redis>=5"
 fi
 
 # 3. Horovod from source

@@ -211,7 +211,7 @@ def test_callback_argument_typo_suggests_the_argument():
         DeepFreezeCheckpoint(name="k", mode="sync", scratch="/tmp/a", persistent="/tmp/b", every_n_batch=10)
     with pytest.raises(ConfigError, match=r"unknown argument 'persistant'\. Did you mean 'persistent'"):
         DeepFreezeCheckpoint(name="k", mode="sync", scratch="/tmp/a", persistant="/tmp/b")
-    with pytest.raises(ConfigError, match=r"unknown argument 'resum'\. Did you mean 'resume'\?"):
+    with pytest.raises(ConfigError, match=r"unknown argument 'resum'\. Did you mean 'resume'"):
         DeepFreezeCheckpoint(name="k", mode="sync", scratch="/tmp/a", persistent="/tmp/b", resum=True)
 
 

@@ -48,6 +48,30 @@ def broadcast_int(value: int) -> int:
     return int(hvd.broadcast(tf.constant(value, dtype=tf.int64), 0, name="deepfreeze_broadcast").numpy())
 
 
+def broadcast_bytes(data: bytes) -> bytes:
+    """Rank 0's ``data`` on every rank (its length, then the bytes; no pickling)."""
+    hvd = _hvd()
+    if hvd is None:
+        return data
+    import tensorflow as tf
+    n = broadcast_int(len(data))
+    buf = np.zeros(max(n, 1), dtype=np.uint8)
+    if hvd.rank() == 0:
+        buf[:n] = np.frombuffer(data, dtype=np.uint8)
+    out = hvd.broadcast(tf.constant(buf), 0, name="deepfreeze_broadcast_bytes").numpy()
+    return out[:n].tobytes()
+
+
+def allreduce_mean(values: np.ndarray) -> np.ndarray:
+    """The element-wise mean over the ranks of a float64 vector of the same length everywhere."""
+    hvd = _hvd()
+    values = np.asarray(values, dtype=np.float64)
+    if hvd is None or hvd.size() < 2:
+        return values
+    import tensorflow as tf
+    return hvd.allreduce(tf.constant(values), op=hvd.Average, name="deepfreeze_allreduce_mean").numpy()
+
+
 _COMM = None  # (the communicator Horovod runs over, its duplicate: an MPIComm)
 _GLOO_WARNED = False
 

@@ -7,7 +7,9 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -225,6 +227,15 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._last_version: int | None = None
         self._model_tensors = 0  # how many leading checkpointed tensors are model weights
         self._layers: dict | None = None  # the model's layer graph for `deepfreeze repo import` (manifest "layers")
+        #: another callback of this fit on the same name and persistent directory, whose run, engine and
+        #: capture this one shares (this one is then a *rider*: see :func:`_primary_for`)
+        self._primary: DeepFreezeCheckpoint | None = None
+        self._owner: DeepFreezeCheckpoint | None = None  # the one ridden on in the last fit (kept after it)
+        self._riders: list[DeepFreezeCheckpoint] = []  # callbacks riding on this one (this fit)
+        self._roles: list[DeepFreezeCheckpoint] = []  # who wanted the pending capture (self and/or riders)
+        self._last_capture: int | None = None  # step of the newest capture handed on (checkpointed or not)
+        #: captures not checkpointed because the writer was busy and only a publisher wanted them
+        self.coalesced = 0
 
     # ------------------------------------------------------------------ keras events
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -237,6 +248,14 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 "tf.keras.optimizers.legacy optimizer (Horovod's DistributedOptimizer over one is fine)")
         self.rank, self.size = rank_and_size()
         self.config.check_directories()  # an unusable scratch/persistent path: one clear error now
+        primary = _primary_for(model, self)
+        if primary is not self:  # another callback of this fit owns the name: share its run, engine, capture
+            self._primary = self._owner = primary
+            primary._riders.append(self)
+            if primary.plan is not None:
+                self._attached(primary)
+            return
+        self._primary = self._owner = None
         started = self._run is None
         self._begin_run()
         try:
@@ -291,12 +310,17 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         spe = getattr(model, "_steps_per_execution", None)
         self._spe = int(spe.numpy()) if spe is not None else 1
         self._first_batch = True
+        for rider in self._riders:
+            rider._attached(self)
+        self._attached(self)
         if self.verbose and self.rank == 0:
             log.warning("DeepFreeze: %d tensors, %.1f MB, %d ranks, %.1f MB per rank (max), mode %s",
                         len(tensors), plan.total_bytes / 1e6, self.size, max(plan.rank_bytes()) / 1e6,
                         self.config.mode)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if self._primary is not None:
+            return
         self._epoch = epoch
         # a resumed epoch starts at batch index _skip_steps (Keras numbers its batches from there);
         # the first batch re-bases on the index Keras gives it (fit may have been positioned by
@@ -308,6 +332,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             self.model._training_state = None  # consumed by fit
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._primary is not None:
+            return
         t0 = time.perf_counter()
         if self._rebase:
             self._rebase = False
@@ -315,9 +341,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         steps = self.params.get("steps") if self.params else None
         last = batch + self._spe if not steps else min(batch + self._spe, steps)
         before, after = self._epoch_base + batch, self._epoch_base + last
-        n = self.options.every_n_batches
-        want = bool(n) and after // n > before // n
-        want |= self.options.at_epoch_end and bool(steps) and last >= steps
+        self._roles = [c for c in (self, *self._riders) if c._want_batch(before, after, last, steps)]
+        want = bool(self._roles)
         if want and self._first_batch and self.size > 1:
             # Horovod's broadcast of rank 0's weights happens at the end of the first batch:
             # shards captured in it would come from different replicas.
@@ -332,6 +357,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._t_begin = time.perf_counter() - t0
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._primary is not None:
+            return
         t0 = time.perf_counter()
         if self._pending is None or self.sink is None:  # (no sink: removed after a failure that was caught)
             self._pending = None
@@ -349,17 +376,26 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             self._checkpoint(version, arrays, t0 - self._t_begin, t1)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if not self.options.at_epoch_end:
+        if self._primary is not None:
+            return
+        roles = [c for c in (self, *self._riders) if c._want_epoch_end(epoch)]
+        if not roles:
             return
         step = int(self.model.optimizer.iterations.numpy())
-        if self._last_version != step and step > 0:
+        if self._last_capture != step and step > 0:
             # step count unknown in advance (e.g. a dataset of unknown length): slice now, eagerly
             t0 = time.perf_counter()
             arrays = self._capture_eager(step)
             if arrays is not None:
+                self._roles = roles
                 self._checkpoint(step, arrays, t0, time.perf_counter(), epoch_end=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        if self._primary is not None:
+            self._primary = None  # the next fit decides again
+            return
+        _release_primary(self.model, self)
+        self._riders = []
         try:
             if self.engine is not None:
                 self._guard(self.engine.wait, persistent=False)  # committed at least on scratch
@@ -373,8 +409,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         """Block until every checkpoint taken so far is committed on persistent (or skipped by
         ``persistent_interval``); raises the first background error, once. With ``timeout``
         (seconds), raises :class:`~deepfreeze.BackendError` if that is not done by then."""
-        if self.engine is not None:
-            self._guard(self.engine.wait, persistent=True, timeout=timeout)
+        engine = self.engine if self.engine is not None else getattr(self._owner, "engine", None)
+        if engine is not None:
+            self._guard(engine.wait, persistent=True, timeout=timeout)
 
     def close(self) -> None:
         """Wait for the flushes, then release the writer thread, the backend connection and the
@@ -391,12 +428,36 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
     @property
     def run_id(self) -> str | None:
         """Id of this callback's run (made at the first ``on_train_begin``), or None before."""
+        if self._owner is not None:
+            return self._owner.run_id
         return self._run.info.id if self._run is not None and self._run.info is not None else None
 
     @property
     def last_version(self) -> int | None:
         """Version number (= optimizer step) of the newest checkpoint taken, or None."""
         return self._last_version
+
+    # ------------------------------------------------------------------ roles (shared capture)
+    #: every capture this callback wants must be checkpointed (a publisher's may be coalesced)
+    _checkpoints = True
+
+    def _want_batch(self, before: int, after: int, last: int, steps: "int | None") -> bool:
+        """Does this callback want the state after global step ``after`` (the batch covering
+        steps ``(before, after]``, ending at batch index ``last`` of an epoch of ``steps``)?"""
+        n = self.options.every_n_batches
+        want = bool(n) and after // n > before // n
+        return want or (self.options.at_epoch_end and bool(steps) and last >= steps)
+
+    def _want_epoch_end(self, epoch: int) -> bool:
+        """Does this callback want the state at the end of ``epoch`` (if not captured already)?"""
+        return self.options.at_epoch_end
+
+    def _attached(self, owner: "DeepFreezeCheckpoint") -> None:
+        """Called once the capture's owner (this callback, or the one it rides on) is set up."""
+
+    def _captured(self, owner: "DeepFreezeCheckpoint", version: int, arrays: Any) -> None:
+        """Called by the capture's owner with each capture this callback wanted, after the
+        engine's hand-off (``arrays``: a FusedShard or this rank's flat pieces)."""
 
     # ------------------------------------------------------------------ internals
     def _tensors(self, model: Any) -> tuple[list, list[TensorSpec], list[int]]:
@@ -590,13 +651,51 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                     f"model._deepfreeze_parent = {str(parent)[:200]} is malformed ({why}), so checkpoint "
                     f"{self.name!r} cannot record the parent it was cloned from: leave it as "
                     "deepfreeze.keras.receive_clone sets it ({'name': str or None, 'run': run id, 'step': int})"))
-        self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch, extra=extra)
+        roles, self._roles = self._roles or [self], []
+        self._last_capture = version
+        if any(c._checkpoints for c in roles) or not self.engine.saturated():
+            self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch, extra=extra)
+            self._last_version = version
+        else:  # only a publisher wanted it and the writer is busy: the persistent copy coalesces to a newer one
+            self.coalesced += 1
+        for c in roles:
+            c._captured(self, version, arrays)
         t2 = time.perf_counter()
-        self._last_version = version
         self.timings.append({"version": version, "time": time.time() - (t2 - t0), "capture_s": t1 - t0,
                              "blocking_s": t2 - t0})
         if self.verbose and self.rank == 0:
             log.warning("DeepFreeze: checkpoint %s v%d handed off in %.1f ms", self.name, version, 1e3 * (t2 - t0))
+
+
+_PRIMARIES: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], DeepFreezeCheckpoint]]" = weakref.WeakKeyDictionary()
+
+
+def _owner_key(cb: DeepFreezeCheckpoint) -> tuple[str, str]:
+    """One name on one persistent directory: what one run (and one capture) owns."""
+    return cb.name, os.path.realpath(cb.config.persistent)
+
+
+def _primary_for(model: Any, cb: DeepFreezeCheckpoint) -> DeepFreezeCheckpoint:
+    """The callback of this fit that owns ``cb``'s name on ``cb``'s persistent directory: the first
+    one whose ``on_train_begin`` ran (it holds the run, the lease, the engine and the capture; later
+    ones on the same name ride on it). Returns ``cb`` itself when it is the first."""
+    key = _owner_key(cb)
+    owners = _PRIMARIES.setdefault(model, {})
+    owner = owners.get(key)
+    if owner is None or owner is cb:
+        owners[key] = cb
+        return cb
+    if (owner.config.scratch, owner.config.mode) != (cb.config.scratch, cb.config.mode):
+        raise ConfigError(f"two callbacks of this fit use the name {cb.name!r} on {cb.config.persistent} with "
+                          "different configurations: one job on one name shares one engine; give both the same "
+                          "config (or use another name)")
+    return owner
+
+
+def _release_primary(model: Any, cb: DeepFreezeCheckpoint) -> None:
+    owners = _PRIMARIES.get(model)
+    if owners is not None and owners.get(_owner_key(cb)) is cb:
+        del owners[_owner_key(cb)]
 
 
 def _layer_record(model: Any) -> "dict | None":

@@ -38,7 +38,7 @@ from ..format import byte_view, dtype_itemsize, dtype_name, numpy_dtype
 from .arena import close_mapping, create_staging_file, open_shared
 from .graph import check_graph, tensor_keys
 from .names import check_name
-from .provider import node_id, placement
+from .provider import placement
 
 __all__ = ["RemoteRepository", "parse_location", "STAGINGS"]
 
@@ -87,7 +87,7 @@ class _Provider:
         sock = net.connect(self.addr, r.timeout)
         try:
             hello = net.client_handshake(sock, r.token, {"op": "hello", "providers": r.addresses, "index": self.index,
-                                                         "node": node_id(), "uid": os.getuid()},
+                                                         "node": net.node_id(), "uid": os.getuid()},
                                          deadline=deadline)
         except BaseException:
             sock.close()

@@ -79,7 +79,7 @@ from .arena import DEFAULT_ARENA_BYTES, Arena, Extent, close_mapping, open_share
 from .graph import ID_HEX_RE
 from .names import check_name
 
-__all__ = ["serve", "main", "placement", "node_id", "DEFAULT_IO_TIMEOUT", "MAX_HEADER", "MAX_TENSORS",
+__all__ = ["serve", "main", "placement", "DEFAULT_IO_TIMEOUT", "MAX_HEADER", "MAX_TENSORS",
            "MAX_REQUEST_BYTES", "HANDSHAKE_TIMEOUT", "MAX_KEY", "MAX_CONNECTIONS", "Provider"]
 
 log = logging.getLogger("deepfreeze.repo.provider")
@@ -110,15 +110,6 @@ _MAX_DIM = 1 << 48
 def placement(name: str, n: int) -> int:
     """The index of the provider (of ``n``) that holds model ``name``."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % n
-
-
-def node_id() -> str:
-    """This machine's boot id (same node <=> same boot id)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read(100).strip()
-    except OSError:
-        return socket.gethostname()
 
 
 def _bad(why: str) -> RepositoryError:
@@ -205,7 +196,7 @@ class Provider:
                  max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.repo, self.arena, self.token = repository, arena, token
         self.io_timeout, self.max_request_bytes = io_timeout, max_request_bytes
-        self.node, self.uid = node_id(), os.getuid()
+        self.node, self.uid = net.node_id(), os.getuid()
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self.connections = 0

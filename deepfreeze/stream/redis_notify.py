@@ -1,0 +1,265 @@
+"""Optional Redis metadata and pub/sub notifications for the stream (the paper's choice).
+
+Used when the configuration names a server (``redis = redis://host:port``); without it the
+endpoints are 0600 files under ``<persistent>/<channel>`` and notes come from each rank's
+:class:`~deepfreeze.stream.wire.RankServer`. The ``redis`` client package is imported only here,
+lazily (``pip install deepfreeze[redis]``; missing: :class:`~deepfreeze.errors.ConfigError`).
+
+Keys (``<channel>`` as given)::
+
+    deepfreeze:stream:<channel>:endpoints   hash  r<rank> -> endpoint record (JSON object)
+    deepfreeze:stream:<channel>:latest      hash  r<rank> -> newest note of that rank (JSON object)
+    deepfreeze:stream:<channel>             pub/sub channel: every note (JSON object)
+
+:meth:`RedisNotifier.notify` stores the note as the rank's latest, then publishes it, in one
+MULTI/EXEC transaction: a consumer that subscribes and then reads :meth:`RedisListener.latest`
+misses nothing. (The latest notes are one hash rather than one key per rank so a consumer reads
+all ranks in one command.) :meth:`RedisListener.next_note` blocks in the client's socket read
+with a timeout (push, no polling). Everything read from Redis is checked: a value that is not a
+JSON object of at most 1 MiB, or a field that is not ``r<rank>``, is skipped and logged (another
+writer's garbage never breaks the consumer). A server that cannot be reached or that fails:
+:class:`~deepfreeze.errors.StreamError` naming the URL (timeouts:
+:class:`~deepfreeze.errors.StreamTimeoutError`), the cause chained.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from typing import Any, Mapping
+
+from ..errors import ConfigError, StreamError, StreamTimeoutError
+
+__all__ = ["RedisNotifier", "RedisListener", "key_prefix", "safe_url", "MAX_VALUE"]
+
+log = logging.getLogger("deepfreeze.stream")
+
+#: largest note or endpoint record read from Redis
+MAX_VALUE = 1 << 20
+_RANK_FIELD = re.compile(r"r(0|[1-9][0-9]{0,8})")
+_DEFAULT_TIMEOUT = 10.0
+
+
+def key_prefix(channel: str) -> str:
+    """``deepfreeze:stream:<channel>`` (the pub/sub channel; the hashes add ``:endpoints``/``:latest``)."""
+    if not isinstance(channel, str) or not 0 < len(channel) <= 200 or not channel.isprintable() or any(
+            c.isspace() for c in channel):
+        raise ConfigError(f"stream channel {channel!r:.100}: expected 1..200 printable characters without spaces")
+    return f"deepfreeze:stream:{channel}"
+
+
+def safe_url(url: Any) -> str:
+    """``url`` without its password (``redis://user:secret@host`` -> ``redis://user:***@host``),
+    for messages and logs."""
+    text = str(url)[:300]
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", text)
+
+
+def _redis() -> Any:
+    try:
+        import redis
+    except ImportError as e:
+        raise ConfigError("the configuration names a Redis server but the 'redis' package is not installed: "
+                          "pip install 'deepfreeze[redis]' (or 'redis'), or remove the redis setting to use the "
+                          "embedded notifications") from e
+    return redis
+
+
+def _connect(url: str, timeout: float) -> tuple[Any, Any]:
+    redis = _redis()
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"redis URL {safe_url(url)!r}: expected redis://host:port[/db] (or rediss://, unix://)")
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        client.ping()
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"redis URL {safe_url(url)!r}: {e}") from e
+    except redis.RedisError as e:
+        raise _error(redis, e, f"cannot reach the Redis server {safe_url(url)} ({e}); is it running there?") from e
+    return redis, client
+
+
+def _error(redis: Any, e: BaseException, message: str) -> StreamError:
+    cls = StreamTimeoutError if isinstance(e, (redis.TimeoutError, TimeoutError)) else StreamError
+    return cls(message)
+
+
+def _decode(raw: Any, what: str) -> dict[str, Any] | None:
+    """A JSON object from Redis, or None (logged) when it is not one."""
+    if not isinstance(raw, (bytes, str)) or len(raw) > MAX_VALUE:
+        log.warning("stream: %s is not a string of at most %d bytes: skipped", what, MAX_VALUE)
+        return None
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        log.warning("stream: %s is not valid JSON (%s): skipped", what, e)
+        return None
+    if not isinstance(obj, dict):
+        log.warning("stream: %s is not a JSON object: skipped", what)
+        return None
+    return obj
+
+
+def _by_rank(items: Mapping[Any, Any], what: str) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for field, raw in items.items():
+        name = field.decode("utf-8", "replace") if isinstance(field, bytes) else str(field)
+        m = _RANK_FIELD.fullmatch(name)
+        if m is None:
+            log.warning("stream: field %r of %s is not r<rank>: skipped", name[:100], what)
+            continue
+        obj = _decode(raw, f"{what} {name}")
+        if obj is not None:
+            out[int(m.group(1))] = obj
+    return out
+
+
+class RedisNotifier:
+    """Producer side, one per rank: registers the rank's endpoint and publishes its notes.
+
+    ``url``: ``redis://host:port[/db]``; ``channel``: the stream's channel (checkpoint name).
+    ``timeout`` bounds every command (:class:`StreamTimeoutError`)."""
+
+    def __init__(self, url: str, channel: str, *, timeout: float = _DEFAULT_TIMEOUT) -> None:
+        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel)
+        self._redis, self._client = _connect(url, timeout)  # self.url: the URL without its password
+
+    def register(self, rank: int, endpoint: Mapping[str, Any]) -> None:
+        """Store ``endpoint`` (a JSON-able mapping: address, node, ring path, ...) as rank ``rank``'s."""
+        self._run("register", "hset", f"{self.prefix}:endpoints", self._field(rank), json.dumps(dict(endpoint)))
+
+    def unregister(self, rank: int) -> None:
+        """Remove rank ``rank``'s endpoint and latest note (at the producer's clean close)."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hdel(f"{self.prefix}:endpoints", self._field(rank))
+        pipe.hdel(f"{self.prefix}:latest", self._field(rank))
+        self._exec("unregister", pipe)
+
+    def notify(self, note: Mapping[str, Any]) -> None:
+        """Record ``note`` as its rank's latest, then publish it (one transaction, one round trip).
+        ``note["rank"]`` names the rank (the note of :meth:`RankServer.notify` has it)."""
+        rank = note.get("rank")
+        data = json.dumps(dict(note), separators=(",", ":"))
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hset(f"{self.prefix}:latest", self._field(rank), data)
+        pipe.publish(self.prefix, data)
+        self._exec("notify", pipe)
+
+    def close(self) -> None:
+        """Close the connections."""
+        self._client.close()
+
+    def __enter__(self) -> "RedisNotifier":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @staticmethod
+    def _field(rank: Any) -> str:
+        if type(rank) is not int or not 0 <= rank < 1 << 24:
+            raise ValueError(f"rank {rank!r}: expected an integer >= 0")
+        return f"r{rank}"
+
+    def _run(self, what: str, cmd: str, *args: Any) -> Any:
+        try:
+            return getattr(self._client, cmd)(*args)
+        except self._redis.RedisError as e:
+            raise _error(self._redis, e, f"stream {self.channel!r}: {what} on the Redis server {self.url} failed: "
+                                         f"{e}") from e
+
+    def _exec(self, what: str, pipe: Any) -> Any:
+        try:
+            return pipe.execute()
+        except self._redis.RedisError as e:
+            raise _error(self._redis, e, f"stream {self.channel!r}: {what} on the Redis server {self.url} failed: "
+                                         f"{e}") from e
+
+
+class RedisListener:
+    """Consumer side: reads the endpoints and latest notes, receives notes by pub/sub.
+
+    Subscribed when the constructor returns (it waits for the server's confirmation), so every
+    note published afterwards is received; :meth:`latest` gives what came before."""
+
+    def __init__(self, url: str, channel: str, *, timeout: float = _DEFAULT_TIMEOUT) -> None:
+        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel)
+        self.timeout = timeout
+        self._redis, self._client = _connect(url, timeout)  # self.url: the URL without its password
+        self._pubsub = self._client.pubsub()
+        try:
+            self._pubsub.subscribe(self.prefix)
+            deadline = time.monotonic() + timeout
+            while True:  # the confirmation, within the timeout (each read blocks in the socket)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StreamTimeoutError(f"the Redis server {self.url} did not confirm the subscription to "
+                                             f"{self.prefix} within {timeout:g}s")
+                msg = self._pubsub.get_message(timeout=left)
+                if msg is not None and msg.get("type") == "subscribe":
+                    break
+        except self._redis.RedisError as e:
+            self.close()
+            raise _error(self._redis, e, f"subscribing to {self.prefix} on the Redis server {self.url} failed: {e}") from e
+        except BaseException:
+            self.close()
+            raise
+
+    def endpoints(self) -> dict[int, dict[str, Any]]:
+        """rank -> endpoint record, for every registered rank."""
+        return _by_rank(self._cmd("hgetall", f"{self.prefix}:endpoints"), f"{self.prefix}:endpoints")
+
+    def latest(self) -> dict[int, dict[str, Any]]:
+        """rank -> that rank's newest note (to catch up at start)."""
+        return _by_rank(self._cmd("hgetall", f"{self.prefix}:latest"), f"{self.prefix}:latest")
+
+    def next_note(self, timeout: float | None) -> dict[str, Any] | None:
+        """The next published note, or ``None`` when none came within ``timeout`` seconds
+        (``None``: as long as it takes). Blocks in the socket read (push, no polling). A message
+        that is not a JSON object is skipped (logged). The server gone: :class:`StreamError`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 3600.0 if deadline is None else deadline - time.monotonic()
+            if left < 0:
+                return None
+            try:
+                msg = self._pubsub.get_message(timeout=left)
+            except self._redis.RedisError as e:
+                raise _error(self._redis, e, f"notifications of {self.prefix} from the Redis server {self.url}: "
+                                             f"{e}") from e
+            if msg is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            if msg.get("type") != "message":
+                continue
+            note = _decode(msg.get("data"), f"a message on {self.prefix}")
+            if note is not None:
+                return note
+
+    def fileno(self) -> int | None:
+        """The pub/sub socket's descriptor (for ``select``), or None when not connected."""
+        conn = getattr(self._pubsub, "connection", None)
+        sock = getattr(conn, "_sock", None)
+        return None if sock is None else sock.fileno()
+
+    def close(self) -> None:
+        """Unsubscribe and close the connections."""
+        try:
+            self._pubsub.close()
+        except Exception:  # closing a broken connection: nothing left to do
+            pass
+        self._client.close()
+
+    def __enter__(self) -> "RedisListener":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _cmd(self, cmd: str, *args: Any) -> Any:
+        try:
+            return getattr(self._client, cmd)(*args)
+        except self._redis.RedisError as e:
+            raise _error(self._redis, e, f"{cmd} of {args[0]} on the Redis server {self.url} failed: {e}") from e

@@ -1,0 +1,216 @@
+"""PublishCallback -> ModelSubscriber with real Horovod producers and consumer processes.
+
+References are recorded in the run: the producer's rank 0 saves its weights right after every
+published (and checkpointed) step; each consumer saves the live weights after every swap and
+checks every prediction against the output recomputed from the recorded weights."""
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from _util import WORKERS, mpirun
+
+pytestmark = pytest.mark.mpi
+TOKEN = "e" * 64
+
+
+@pytest.fixture
+def out(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
+    shm = f"/dev/shm/dftest-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm)
+    yield tmp_path, shm
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def consumer(tmp_path, **opts):
+    args = [f"{k}={v}" for k, v in opts.items()]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=os.pathsep.join(sys.path))
+    log = open(tmp_path / f"consumer-{opts.get('tag', 'c0')}.log", "w")
+    return subprocess.Popen([sys.executable, os.path.join(WORKERS, "stream_consumer.py"), str(tmp_path), *args],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def producer(tmp_path, shm, np_=2, check=True, **opts):
+    args = [f"{k}={v}" for k, v in dict(opts, shm_dir=shm).items()]
+    return mpirun(np_, os.path.join(WORKERS, "stream_producer.py"), str(tmp_path), *args, timeout=300, check=check,
+                  env={"DEEPFREEZE_TOKEN": TOKEN})
+
+
+def finish(proc, tmp_path, tag="c0", timeout=240):
+    try:
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = open(tmp_path / f"consumer-{tag}.log").read()
+    assert proc.returncode == 0, log[-4000:]
+    with open(tmp_path / tag / "consumer.json") as f:
+        return json.load(f)
+
+
+def load(path):
+    with np.load(path) as z:
+        return [z[f"arr_{i}"] for i in range(len(z.files))]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+                                    for x, y in zip(a, b))
+
+
+def check_consumer(tmp_path, report, tag="c0"):
+    """Every swapped-in version equals the producer's weights at that step; every prediction ran on
+    exactly one version (its output equals that version's recomputed output)."""
+    got = sorted(glob.glob(str(tmp_path / tag / "got" / "v*.npz")))
+    assert got
+    for g in got:
+        ref = tmp_path / "expected" / os.path.basename(g)
+        assert ref.exists(), f"{g}: the consumer has a version the producer never published"
+        assert same(load(g), load(ref)), f"{g} differs from the producer's weights at that step"
+    assert report["error"] is None
+    for key, digests in report["outputs"].items():
+        assert digests == [report["refs"][key]], f"predictions on version {key} do not all equal its output"
+    return len(got)
+
+
+def test_published_versions_are_bit_exact_and_no_prediction_mixes_versions(out):
+    """2 producer ranks publish every step (64 versions) while a checkpoint callback on the same
+    name checkpoints every 4 steps in the same fit; a consumer predicts in a loop through the swaps."""
+    tmp_path, shm = out
+    c = consumer(tmp_path, until=64, seconds=200)
+    producer(tmp_path, shm, schedule=1, ckpt=4, samples=512, sleep=0.12, hold=3)
+    report = finish(c, tmp_path)
+    swaps = check_consumer(tmp_path, report)
+    assert swaps >= 50, f"only {swaps} swaps"
+    assert report["live"] == [0, 64]
+    assert sum(1 for k, n in report["counts"].items() if n > 0) >= 10  # requests ran on many versions
+    reps = [json.load(open(tmp_path / f"producer{r}.json")) for r in range(2)]
+    # every rank, the same steps (not step 1: it precedes the Horovod broadcast of the weights)
+    assert reps[0]["published"] == reps[1]["published"] == list(range(2, 65))
+    # the checkpoint callback's versions: never skipped, each equal to the weights at its step
+    from deepfreeze.restore import list_versions, load as df_load
+    cfg = dict(mode="async", scratch=str(tmp_path / "node0" / "scratch"), persistent=str(tmp_path / "persistent"))
+    from deepfreeze.config import Config
+    config = Config(**cfg)
+    versions = list_versions(config, "chan")
+    for v in range(4, 65, 4):
+        assert v in versions, f"checkpoint v{v} missing: {sorted(versions)}"
+        ck = df_load(config, "chan", v)
+        assert same(list(ck.model_arrays().values()), load(tmp_path / "expected_ckpt" / f"v{v}.npz"))
+
+
+def test_tcp_tier_each_rank_sends_its_own_shard(out):
+    tmp_path, shm = out
+    c = consumer(tmp_path, until=24, seconds=200, tier="tcp")
+    producer(tmp_path, shm, schedule=3, sleep=0.1, hold=3, epochs=2)
+    report = finish(c, tmp_path)
+    n = check_consumer(tmp_path, report)
+    assert {u["tier"] for u in report["updates"]} == {"tcp"}
+    reps = [json.load(open(tmp_path / f"producer{r}.json")) for r in range(2)]
+    for rep in reps:  # no funnel: each rank sent its own model prefix once per version fetched
+        assert rep["bytes_sent"] == rep["prefix"] * len(report["updates"]), rep
+    assert n == len(report["updates"])
+
+
+def test_restarted_consumer_catches_up_and_follows_a_new_generation(out):
+    """A consumer killed mid-stream; a new one started after the producer's last publish gets the
+    newest version at once; a producer that overwrites the channel (new generation, steps from 1)
+    is followed; a second job on the name while the first runs is refused."""
+    tmp_path, shm = out
+    c1 = consumer(tmp_path, tag="c1", seconds=200)
+    deadline = time.monotonic() + 120
+    p = subprocess.Popen(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", "DEEPFREEZE_TOKEN",
+                          sys.executable, os.path.join(WORKERS, "stream_producer.py"), str(tmp_path), "schedule=2",
+                          "sleep=0.1", "hold=25", f"shm_dir={shm}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", DEEPFREEZE_TOKEN=TOKEN))
+    try:
+        while not glob.glob(str(tmp_path / "c1" / "got" / "v*.npz")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        c1.send_signal(signal.SIGKILL)
+        c1.wait()
+        while not (tmp_path / "producer0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (tmp_path / "producer0.json").exists(), "the producer did not finish"
+        last = json.load(open(tmp_path / "producer0.json"))["published"][-1]
+        # a second job on the same name while the first holds it: refused, naming the holder
+        other = tmp_path / "other"
+        other.mkdir()
+        os.symlink(tmp_path / "persistent", other / "persistent")
+        r = producer(other, shm, np_=1, check=False, schedule=2, epochs=1)
+        assert r.returncode != 0 and "LeaseHeldError" in r.stderr + r.stdout, (r.stdout + r.stderr)[-3000:]
+        c2 = consumer(tmp_path, tag="c2", seconds=150, until=10 ** 6, first_timeout=60)
+        t0 = time.monotonic()
+        while not glob.glob(str(tmp_path / "c2" / "got" / "v*.npz")) and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        got = sorted(glob.glob(str(tmp_path / "c2" / "got" / "v*.npz")))
+        assert got, open(tmp_path / "consumer-c2.log").read()[-3000:]
+        assert os.path.basename(got[0]) == f"v{last}.npz"
+    finally:
+        out_p, _ = p.communicate(timeout=200)
+    assert p.returncode == 0, out_p[-4000:]
+    # the channel overwritten by a new job: generation 1, steps restart; the running consumer follows
+    os.rename(tmp_path / "expected", tmp_path / "expected_g0")
+    os.remove(tmp_path / "producer0.json")
+    producer(tmp_path, shm, schedule=5, sleep=0.05, hold=4, overwrite=1, epochs=1)
+    (tmp_path / "c2" / "stop").touch()
+    report = finish(c2, tmp_path, tag="c2")
+    assert report["live"][0] == 1 and report["live"][1] == 15
+    for key, digests in report["outputs"].items():
+        g, s = map(int, key.split(":"))
+        ref_dir = "expected" if g == 1 else "expected_g0"
+        assert (tmp_path / ref_dir / f"v{s}.npz").exists()
+    gens = [u["version"][0] for u in report["updates"]]
+    assert gens[0] == 0 and gens[-1] == 1 and gens == sorted(gens)
+
+
+def test_producer_killed_mid_publish_leaves_the_last_complete_version_live(out):
+    tmp_path, shm = out
+    c = consumer(tmp_path, seconds=25, ref_wait=0)
+    r = producer(tmp_path, shm, check=False, schedule=2, sleep=0.1, die_at=14, epochs=2)
+    assert r.returncode != 0
+    report = finish(c, tmp_path)
+    # the consumer kept serving: its live version is the last one every rank completed (12) or, once
+    # the producer is gone, the newest committed checkpoint (the node backends, which outlive the job,
+    # may still commit 14 from both ranks' scratch shards); never a torn version
+    assert report["live"] in ([0, 12], [0, 14]), report["live"]
+    for g in glob.glob(str(tmp_path / "c0" / "got" / "v*.npz")):
+        assert same(load(g), load(tmp_path / "expected" / os.path.basename(g)))
+    assert report["error"] is None
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "adaptive"])
+def test_planned_schedules_publish_at_the_same_steps_on_every_rank(out, schedule):
+    """Warm-up epoch, one publish at its end, then the plan rank 0 made from the all-reduced
+    per-batch losses, broadcast: every rank publishes exactly the planned steps."""
+    tmp_path, shm = out
+    producer(tmp_path, shm, schedule=schedule, epochs=3, samples=320, horizon=3, interval=0.005)
+    reps = [json.load(open(tmp_path / f"producer{r}.json")) for r in range(2)]
+    assert reps[0]["plan"] == reps[1]["plan"] and reps[0]["plan"] is not None
+    plan = reps[0]["plan"]
+    spe = reps[0]["steps_per_epoch"]
+    assert spe == 20
+    expected = [spe] + [s for s in plan["steps"] if s <= 3 * spe]
+    assert reps[0]["published"] == reps[1]["published"] == expected
+    assert all(spe < s <= 3 * spe for s in plan["steps"])
+    if schedule == "fixed":
+        assert len(plan["steps"]) >= 1 and plan["interval"] >= 1
+    # the persistent copy: published versions only (dense ones may coalesce while the writer is
+    # busy), each the weights at its step
+    from deepfreeze.config import Config
+    from deepfreeze.restore import list_versions, load as df_load
+    config = Config(mode="async", scratch=str(tmp_path / "node0" / "scratch"), persistent=str(tmp_path / "persistent"))
+    committed = sorted(list_versions(config, "chan"))
+    assert committed and set(committed) <= set(expected) and spe in committed
+    for v in (committed[0], committed[-1]):
+        ck = df_load(config, "chan", v)
+        assert same(list(ck.model_arrays().values()), load(tmp_path / "expected" / f"v{v}.npz"))
