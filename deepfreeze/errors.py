@@ -9,6 +9,11 @@ from __future__ import annotations
 
 __all__ = [
     "DeepFreezeError",
+    "MemtierError",
+    "MemtierFullError",
+    "MemtierCorruptError",
+    "MemtierPermissionError",
+    "MemtierBusyError",
     "ConfigError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -161,3 +166,27 @@ class StreamTimeoutError(StreamError, TimeoutError):
 class VersionGoneError(StreamError, LookupError):
     """The requested version is no longer held by the producer (a newer one replaced it in every
     slot it could use): take the newest instead."""
+
+
+class MemtierError(DeepFreezeError, RuntimeError):
+    """The memory tier (:mod:`deepfreeze.memtier`) could not register, write or read a model."""
+
+
+class MemtierFullError(MemtierError, MemoryError):
+    """The memory-tier device (or the memory behind it) has no room for what was asked: raised
+    at creation (size beyond the available memory) or at registration (a model that does not
+    fit), before training starts. Names the bytes needed and free, and what to do."""
+
+
+class MemtierCorruptError(MemtierError, ValueError):
+    """A memory-tier device file is not one, or holds a table entry, index or slot header that
+    fails its checksum or bounds checks (offsets outside the file, overlapping regions)."""
+
+
+class MemtierPermissionError(MemtierError, PermissionError):
+    """The backend may not read the rank's memory (``process_vm_readv``: Yama ``ptrace_scope``,
+    another user, a container without CAP_SYS_PTRACE)."""
+
+
+class MemtierBusyError(MemtierError, TimeoutError):
+    """The device lock or a free slot did not become available within the bounded wait."""
