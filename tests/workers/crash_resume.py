@@ -31,6 +31,8 @@ rank = hvd.rank()
 class KilledWhileWriting(ScratchLevel):
     def write_shard(self, name, version, rank_, plan, arrays, **kw):
         if rank_ == 1 and version == kill_at:
+            # as write_shard does: the version directory first (it may not exist yet on this node)
+            self.makedirs(self.version_dir(name, version))
             with open(os.path.join(self.version_dir(name, version), ".r000001.dfs.tmp-half"), "wb") as f:
                 f.write(b"\0" * 1000)
             os.kill(os.getpid(), signal.SIGKILL)
