@@ -10,41 +10,32 @@
 :func:`~deepfreeze.memtier.device.view`, :meth:`~deepfreeze.memtier.device.Device.repack`,
 :func:`~deepfreeze.memtier.dump.dump`); no TensorFlow. ``view`` reads the device read-only and
 never trusts an ACTIVE slot (it is shown as being written, or as left by a crash). ``repack``
-asks, per model, whether its run is still live: an engine model is live while its run holds the
-lease on the checkpoint name (:func:`run_live`), a standalone model while it is not closed.
+asks, per model, whether its job is still running with
+:func:`deepfreeze.memtier.device.default_live`: an engine model while its run holds the lease on
+the checkpoint name (``deepfreeze.run.read_lease``), a standalone model until it is closed (or
+its owner process is gone).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import os
-import socket
-import time
 from typing import Any
 
 from ._common import EXIT_OK, UsageError, emit_json, mb, table, version_arg
 
-__all__ = ["add_parser", "run_live", "parse_size"]
+__all__ = ["add_parser", "parse_size"]
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _FORMATS = (".h5", ".hdf5", ".npz", ".safetensors")
 
 
 def parse_size(text: str) -> int:
-    """``"8G"``, ``"512M"``, ``"1.5GiB"``, ``"4096"`` -> bytes (binary units; argparse type)."""
-    t = text.strip().upper()
-    t = t[:-1] if t.endswith("B") else t
-    t = t[:-1] if t.endswith("I") else t
-    num, unit = (t[:-1], t[-1]) if t and t[-1] in _UNITS else (t, "")
+    """argparse type of ``--size``: :func:`deepfreeze.memtier.device.parse_size` (``8G``, ``512M``)."""
+    from ..memtier.device import parse_size as parse
     try:
-        if len(num) > 24:
-            raise ValueError(num)
-        n = int(float(num) * _UNITS[unit])
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 512M, 8G, 1.5G)") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
-    return n
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
@@ -92,54 +83,14 @@ def _when(t: Any) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def run_live(region: Any, *, now: float | None = None) -> bool:
-    """Whether the run that registered ``region`` (a :class:`~deepfreeze.memtier.device.ShardRegion`)
-    may still write it, i.e. whether :meth:`Device.repack` must leave it alone.
-
-    * a standalone model (``index["standalone"]``): live until :meth:`Model.close` marked it
-      finished (``region.finished``);
-    * an engine model: live while its run holds the lease on the checkpoint name
-      (:func:`deepfreeze.run.read_lease` on ``index["lease"]["persistent"]``): the holder names
-      this run, is not released, and is not stale (a process of this host that is gone, or no
-      heartbeat for longer than ``index["lease"]["timeout"]`` by the file system's clock);
-    * an engine model without a lease record: live (nothing tells that its run ended).
-    """
-    from ..run import _alive, fs_now, read_lease  # noqa: PLC2701 - the lease's own liveness rules
-    index = region.index
-    if index.get("standalone"):
-        return not bool(getattr(region, "finished", False))
-    lease = index.get("lease")
-    if not isinstance(lease, dict) or not isinstance(lease.get("persistent"), str):
-        return True
-    persistent = lease["persistent"]
-    try:
-        got = read_lease(persistent, region.name)
-    except OSError:
-        return True  # cannot tell (persistent unreachable): keep
-    if got is None:
-        return False
-    holder, mtime = got
-    if holder.get("run") != region.run or holder.get("released"):
-        return False
-    pid = holder.get("pid")
-    if holder.get("host") == socket.gethostname() and isinstance(pid, int) and pid > 0 and not _alive(pid):
-        return False
-    timeout = lease.get("timeout")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        return True
-    if now is None:
-        try:
-            now = fs_now(os.path.join(persistent, region.name))
-        except OSError:
-            now = time.time()
-    return now - mtime <= timeout
-
-
 # ============================================================================ commands
 
 def _create(args: argparse.Namespace) -> int:
     from ..memtier import device as mdev
-    dev = mdev.create(args.path, args.size, force=args.force)
+    try:
+        dev = mdev.create(args.path, args.size, force=args.force)
+    except ValueError as e:  # too small for the superblock and model table
+        raise UsageError(f"--size {args.size}: {e}") from None
     try:
         info = {"device": dev.path, "size": dev.size, "free": dev.free_bytes()}
     finally:
@@ -152,11 +103,17 @@ def _create(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _slot_text(s: dict) -> str:
+def _slot_text(s: dict[str, Any]) -> str:
+    """A slot's state for the table: ``DONE``, ``DONE (damaged: why)``, ``ACTIVE (being written or
+    interrupted)``, ``EMPTY``, ``INVALID (header checksum)``. Only a valid DONE slot is restorable."""
     state = str(s.get("state", "?"))
-    if not s.get("valid", False) and state not in ("EMPTY", "empty"):
-        state += " (invalid)" if state not in ("ACTIVE", "active") else " (being written, or left by a crash)"
-    return state
+    if s.get("valid"):
+        return state
+    if state == "DONE":
+        return f"DONE (not restorable: {s.get('reason', 'damaged')})"
+    if state == "EMPTY":
+        return state
+    return f"{state} ({s.get('reason', 'invalid')})"
 
 
 def _view(args: argparse.Namespace) -> int:
@@ -165,19 +122,28 @@ def _view(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(info)
         return EXIT_OK
+    models = info.get("models", [])
     print(f"device {info.get('path', args.path)}: {mb(info['size'])}, {mb(info['free'])} free, "
-          f"{len(info.get('models', []))} model(s)")
+          f"{len(models)} model(s), created {_when(info.get('created'))}")
+    for p in info.get("problems", []):
+        print(f"problem: {p}")
     rows = []
-    for m in info.get("models", []):
+    for m in models:
+        kind = "standalone" if m.get("standalone") else "engine"
+        status = f"{kind}, finished" if m.get("finished") else kind
         for sh in m.get("shards", []):
             for s in sh.get("slots", []):
-                v = s.get("version")
-                rows.append([m.get("name"), m.get("run"), f"{sh.get('rank')}/{sh.get('world_size')}", s.get("slot"),
-                             _slot_text(s), v if v is not None else None,
-                             mb(s["size"]) if isinstance(s.get("size"), int) else None, _when(s.get("written"))])
+                version = None
+                if s.get("version") is not None and s.get("state") in ("DONE", "ACTIVE"):
+                    g = s.get("generation") or 0
+                    version = f"v{s['version']}" if g == 0 else f"g{g}/v{s['version']}"
+                rows.append([m.get("name"), m.get("run"), status, f"{sh.get('rank')}/{m.get('world_size')}",
+                             s.get("slot"), _slot_text(s), version,
+                             mb(s["bytes"]) if s.get("bytes") else None,
+                             _when(s.get("written")) if s.get("state") in ("DONE", "ACTIVE") else None])
     if rows:
-        print("\n".join(table(["MODEL", "RUN", "RANK", "SLOT", "STATE", "VERSION", "SIZE", "WRITTEN"], rows,
-                              right=(3, 6))))
+        print("\n".join(table(["MODEL", "RUN", "KIND", "RANK", "SLOT", "STATE", "VERSION", "SIZE", "WRITTEN"], rows,
+                              right=(4, 7))))
     return EXIT_OK
 
 
@@ -203,7 +169,7 @@ def _repack(args: argparse.Namespace) -> int:
     from ..memtier import device as mdev
     dev = mdev.open(args.path)
     try:
-        out = dev.repack(live=run_live)
+        out = dev.repack(live=mdev.default_live)
     finally:
         dev.close()
     if args.json:
