@@ -68,7 +68,8 @@ scratch's) own, not the flush both variants share. Measured per checkpoint:
 - ``done_s``: from the callback's start to the version DONE on its first level (``df-scratch``:
   the scratch manifest written, recorded by a :class:`~deepfreeze.levels.ScratchLevel` subclass
   passed as ``scratch_cls``; ``df-memtier``: the engine's acknowledgement time when it records one,
-  else the slot header's ``written`` time, polled every ms; h5/tf: the end of the save);
+  else the slot header's ``written`` time (exact: the headers are polled every 20 ms, so each
+  version is seen before its slot is reused); h5/tf: the end of the save);
 - ``rank_cpu_s``: the rank's writer-thread CPU for the version (``Engine.writer_cpu``);
   ``backend_cpu_s``: the backend process's CPU over the fit / checkpoints (warm-up included, mean);
   ``background_cpu_s``: their sum;
@@ -444,8 +445,8 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def _memtier_done_times(path: str, name: str, rank: int, stop: threading.Event, out: dict) -> None:
-    """Poll the device's slot headers every ms; version -> first time seen DONE (fallback when the
-    engine records no acknowledgement times)."""
+    """Poll the device's slot headers every 20 ms; version -> the DONE header's ``written`` time
+    (the fallback when the engine records no DONE time per version)."""
     from deepfreeze.memtier import device as mdev
     dev = None
     while not stop.is_set():
@@ -461,7 +462,7 @@ def _memtier_done_times(path: str, name: str, rank: int, stop: threading.Event, 
             if dev is not None:
                 dev.close()
                 dev = None
-        stop.wait(0.001)
+        stop.wait(0.02)  # the header holds the exact DONE time; polling only has to see it before reuse
     if dev is not None:
         dev.close()
 
@@ -528,7 +529,8 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
             if b is not None and backend_cpu0 is not None and backend_cpu0[1] is not None:
                 out["backend_cpu_total_s"] = process_cpu(b.pid) - backend_cpu0[1]
             out["writer_cpu_s"] = {str(v): c for v, c in getattr(eng, "writer_cpu", {}).items()}
-            acks = getattr(eng, "memtier_acks", None)  # version -> time.time() of the backend's ack, if recorded
+            stats = getattr(eng, "memtier_stats", None) or {}  # version -> {"done_at": time.time(), ...} if recorded
+            acks = {v: st["done_at"] for v, st in stats.items() if isinstance(st, dict) and st.get("done_at")}
             if variant == "df-memtier":
                 out["memtier_waits"] = getattr(eng, "memtier_waits", None)
                 out["memtier_stats"] = getattr(eng, "memtier_stats", None)
