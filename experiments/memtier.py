@@ -196,7 +196,7 @@ def micro(nbytes: int, reps: int, work: str) -> dict:
     import numpy as np
     from deepfreeze.memtier import api, device as mdev
     from deepfreeze.memtier.copy import LocalCopier, VmReadvCopier
-    from deepfreeze.run import Version
+    from deepfreeze.run import RunInfo, Version
 
     row: dict = {"shard_bytes": nbytes}
     src = np.ones(nbytes, np.uint8)
@@ -229,20 +229,24 @@ def micro(nbytes: int, reps: int, work: str) -> dict:
         dev = mdev.create(path, page_round(nbytes) * 3 + (16 << 20), force=True)
         try:
             model = api.register(dev, "micro", [("x", "uint8", (nbytes,))], slots=2)
-            region = model_region(model)
+            region = model.region
             readv, done, local, rank_cpu, calls, nb, crc_ok = [], [], [], [], [], [], []
             copier = VmReadvCopier(pid)
+
+            def commit(w, crcs, step):  # the slot's steps 2-3: image header, manifest, msync, DONE
+                w.finish(crcs, api._manifest("micro", Version(0, step), step, model.plan, RunInfo(model.run)))
+                w.release()
+
             for i in range(reps):
                 child.stdin.write("go\n")
                 child.stdin.flush()
                 a, length = (int(x) for x in child.stdout.readline().split())
-                k = region.choose_slot(set())
+                k = region.choose_slot()
                 t0 = time.perf_counter()
                 w = region.begin(k, Version(0, i + 1))
-                spans = [(0, length)]
-                st = copier.copy_in([(a, length)], w.data, spans)
+                st = copier.copy_in([(a, length)], w.data, w.spans)
                 t1 = time.perf_counter()
-                w.finish(list(st.crcs), {"version": i + 1, "step": i + 1, "tensors": []})
+                commit(w, st.crcs, i + 1)
                 t2 = time.perf_counter()
                 child.stdin.write("ack\n")
                 child.stdin.flush()
@@ -259,12 +263,12 @@ def micro(nbytes: int, reps: int, work: str) -> dict:
             local_src = np.ones(nbytes, np.uint8)
             lc = LocalCopier()
             for i in range(reps):
-                k = region.choose_slot(set())
+                k = region.choose_slot()
                 t0 = time.perf_counter()
                 w = region.begin(k, Version(0, reps + i + 1))
-                st = lc.copy_in([(local_src.ctypes.data, nbytes)], w.data, [(0, nbytes)])
+                st = lc.copy_in([(local_src.ctypes.data, nbytes)], w.data, w.spans)
                 local.append(time.perf_counter() - t0)
-                w.finish(list(st.crcs), {"version": reps + i + 1, "step": reps + i + 1, "tensors": []})
+                commit(w, st.crcs, reps + i + 1)
             row["local_s"] = summary(local)
             model.close()
         finally:
@@ -287,14 +291,6 @@ def micro(nbytes: int, reps: int, work: str) -> dict:
     row["readv_over_memcpy"] = row["readv_s"]["median"] / m
     row["rank_cpu_over_memcpy"] = row["rank_cpu_s"]["median"] / m
     return row
-
-
-def model_region(model):
-    """The one :class:`ShardRegion` of a standalone model (``Model.region`` or ``.regions[0]``)."""
-    r = getattr(model, "region", None)
-    if r is None:
-        r = model.regions[0]
-    return r
 
 
 # ============================================================================ part standalone

@@ -94,7 +94,7 @@ def test_view_text_and_json(tmp_path):
         assert "mlp" in p.stdout and "v3" in p.stdout and "v2" in p.stdout and "DONE" in p.stdout
         assert "free" in p.stdout
         # an interrupted write: the oldest DONE slot goes ACTIVE (v4) and is never finished
-        region = model_region(model)
+        region = model.region
         k = region.choose_slot()
         w = region.begin(k, Version(0, 4))
         w.data[:16] = b"\xff" * 16
@@ -118,11 +118,6 @@ def test_view_refuses_what_is_not_a_device(tmp_path):
     assert p.returncode == 1 and "Traceback" not in p.stderr and str(bad) in p.stderr
     p = cli("view", str(tmp_path / "missing.tier"))
     assert p.returncode == 1 and "missing.tier" in p.stderr
-
-
-def model_region(model):
-    r = getattr(model, "region", None)
-    return r if r is not None else model.regions[0]
 
 
 def test_dump_npz_and_safetensors_bit_exact(tmp_path):
@@ -165,7 +160,7 @@ def test_dump_refuses_active_slot_unless_forced(tmp_path):
     path = str(tmp_path / "a.tier")
     dev, model, rec = filled(path, versions=(1, 2))
     try:
-        region = model_region(model)
+        region = model.region
         k = region.choose_slot()
         w = region.begin(k, Version(0, 3))  # a write interrupted here: ACTIVE, half the new bytes
         w.data[: len(w.data) // 2] = b"\x00" * (len(w.data) // 2)
@@ -191,7 +186,7 @@ def test_dump_refuses_active_slot_unless_forced(tmp_path):
 def test_repack_frees_invalid_slot_keeps_newest(tmp_path):
     path = str(tmp_path / "r.tier")
     dev, model, rec = filled(path, versions=(1, 2))
-    region = model_region(model)
+    region = model.region
     k = region.choose_slot()
     w = region.begin(k, Version(0, 3))  # interrupted: the slot stays ACTIVE
     w.release()
