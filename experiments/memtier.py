@@ -23,8 +23,8 @@ ptracer, the training rank's stand-in), and a device on /dev/shm with one standa
 bytes (pre-faulted at registration):
 
 - ``memcpy_s``: ``np.copyto`` of S bytes into pre-faulted memory (the reference: one memcpy);
-- ``memcpy_crc_s``: the same in 4 MiB chunks with ``zlib.crc32`` of each chunk (what an in-process
-  copy with checksums costs);
+- ``memcpy_crc_s``: the same in 4 MiB chunks with the CRC32 of each chunk (``format.crc32``, the
+  one the copier uses: ISA-L when installed, else zlib): an in-process copy with checksums;
 - ``readv_s``: :class:`deepfreeze.memtier.copy.VmReadvCopier` ``.copy_in`` from the source
   process straight into a slot's data region, CRC32 of the piece computed as the chunks land
   (the backend's copy); ``readv_bytes`` / ``readv_calls``: its byte count (must equal S) and
@@ -100,7 +100,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -170,7 +169,8 @@ def source_child(nbytes: int) -> None:
     import numpy as np
     buf = np.arange(nbytes // 8 + 1, dtype=np.uint64).view(np.uint8)[:nbytes]
     buf[::4093] = 7  # not a plain ramp
-    crc = zlib.crc32(buf)
+    from deepfreeze.format import crc32
+    crc = crc32(buf)
     try:
         from deepfreeze.memtier.copy import allow_ptracer
         allowed = allow_ptracer(os.getppid())
@@ -194,6 +194,7 @@ def source_child(nbytes: int) -> None:
 def micro(nbytes: int, reps: int, work: str) -> dict:
     """One shard size: memcpy, memcpy+CRC, readv into a slot (+ DONE), LocalCopier, rank CPU."""
     import numpy as np
+    from deepfreeze import format as fmt
     from deepfreeze.memtier import api, device as mdev
     from deepfreeze.memtier.copy import LocalCopier, VmReadvCopier
     from deepfreeze.run import RunInfo, Version
@@ -214,7 +215,7 @@ def micro(nbytes: int, reps: int, work: str) -> dict:
         crc = 0
         for o in range(0, nbytes, CHUNK):
             np.copyto(dst[o:o + CHUNK], src[o:o + CHUNK])
-            crc = zlib.crc32(dst[o:o + CHUNK], crc)
+            crc = fmt.crc32(dst[o:o + CHUNK], crc)
         t.append(time.perf_counter() - t0)
     row["memcpy_crc_s"] = summary(t)
     del src, dst
@@ -482,6 +483,17 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
     name = f"mt{variant.replace('-', '')}"
     blocks: dict[int, dict] = {}
     restores: dict[str, list[float]] = {}
+    last_due = max(due)
+    snap: list = []  # the weights of the last checkpointed version (what every restore must give back)
+
+    class Snap(tf.keras.callbacks.Callback):  # after the checkpoint callback; outside the timed part
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == last_due:
+                snap[:] = [w.numpy() for w in self.model.weights]
+
+    def exact() -> bool:
+        return len(snap) == len(model.weights) and all(
+            (w.numpy().view("u1") == f.view("u1")).all() for w, f in zip(model.weights, snap))
 
     if variant.startswith("df-"):
         done_at: dict[int, float] = {}
@@ -518,7 +530,7 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
 
         try:
             model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0,
-                      callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), Probe(), df])
+                      callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), Probe(), df, Snap()])
             df.wait()
             eng = df.engine
             b = getattr(eng, "_backend", None) if eng is not None else None
@@ -542,7 +554,6 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
                                   "engine ack" if acks else "slot header poll")
             out["shard_bytes"] = int(df.plan.rank_bytes()[rank]) if df.plan is not None else None
             # restore: the memory tier (or scratch) first; memory by nature: no cache state to set
-            fresh = [w.numpy() for w in model.weights]
             t = []
             for _ in range(reps):
                 for w in model.weights:
@@ -551,8 +562,7 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
                 restore(model, cfg, name=name)
                 t.append(time.perf_counter() - t0)
             restores["memory"] = t
-            out["restore_bit_exact"] = all(
-                (w.numpy().view("u1") == f.view("u1")).all() for w, f in zip(model.weights, fresh))
+            out["restore_bit_exact"] = exact()
         finally:
             poll_stop.set()
             if poll is not None:
@@ -582,10 +592,9 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
                 blocks[batch + 1] = {"stall_s": dt, "done_s": dt, "rank_cpu_s": None, "t": t_wall}
 
         model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0,
-                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), RankZero()])
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), RankZero(), Snap()])
         hvd.allreduce(tf.constant(0.0), name=f"saved_{variant}")
         if variant != "h5-nofsync":  # restores: from the h5-fsync file and the tf checkpoint (the same data)
-            fresh = [w.numpy() for w in model.weights]
             for state in ("cold", "warm"):
                 t = []
                 for _ in range(reps):
@@ -601,8 +610,7 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
                         tf.train.Checkpoint(model=model).read(prefix).expect_partial()
                     t.append(time.perf_counter() - t0)
                 restores[state] = t
-            out["restore_bit_exact"] = all(
-                (w.numpy().view("u1") == f.view("u1")).all() for w, f in zip(model.weights, fresh))
+            out["restore_bit_exact"] = exact()
         out["shard_bytes"] = total if rank == 0 else 0
     warm = min(blocks) if blocks else None
     out["checkpoints"] = {str(v): b for v, b in sorted(blocks.items()) if v != warm}  # the first: warm-up
@@ -688,7 +696,8 @@ def summarize_variant(variant: str, rs: list[dict], ranks: int, failure: str | N
             row[f"restore_{state}_s"] = summary(t)
     row["shard_bytes"] = max((r.get("shard_bytes") or 0) for r in ok)
     row["bytes_total"] = ok[0].get("bytes_total")
-    row["restore_bit_exact"] = all(r.get("restore_bit_exact", True) for r in ok)
+    if any("restore_bit_exact" in r for r in ok):
+        row["restore_bit_exact"] = all(r.get("restore_bit_exact") for r in ok)
     for k in ("done_source", "memtier_waits"):
         if ok[0].get(k) is not None:
             row[k] = [r.get(k) for r in ok] if k == "memtier_waits" else ok[0][k]
