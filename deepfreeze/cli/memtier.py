@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 from typing import Any
 
 from ._common import EXIT_OK, UsageError, emit_json, mb, table, version_arg
 
 __all__ = ["add_parser", "parse_size"]
-
-_FORMATS = (".h5", ".hdf5", ".npz", ".safetensors")
-
 
 def parse_size(text: str) -> int:
     """argparse type of ``--size``: :func:`deepfreeze.memtier.device.parse_size` (``8G``, ``512M``)."""
@@ -58,13 +54,18 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
                       help="models, shards, every slot's state, version and size, free space")
     q.set_defaults(func=_view)
     q = ms.add_parser("dump", parents=[dev], help="export a model's newest (or given) version to a file",
-                      description="Write model NAME's newest DONE version (or --version V) to OUT; the format "
-                                  "follows OUT's suffix: .h5 (Keras model.load_weights), .npz, .safetensors.")
+                      description="Write model NAME's newest version (or --version V) to OUT; the format "
+                                  "follows OUT's suffix: .h5 (Keras model.load_weights), .npz, .safetensors. A "
+                                  "version that is not DONE and intact on every rank (ACTIVE: being written or "
+                                  "interrupted) is refused unless --force, and so is a multi-rank model whose other "
+                                  "ranks are on other nodes' devices (use 'deepfreeze export').")
     q.add_argument("name", metavar="NAME", help="the model's (checkpoint) name")
     q.add_argument("-o", "--output", required=True, metavar="OUT", help="output file (.h5, .npz or .safetensors)")
-    q.add_argument("--version", type=version_arg, metavar="V", help="the step to dump (default: the newest DONE)")
+    q.add_argument("--version", type=version_arg, metavar="V",
+                   help="the version (step) to dump (default: the newest any slot names)")
     q.add_argument("--force", action="store_true",
-                   help="dump an ACTIVE or damaged slot anyway, and replace an existing OUT")
+                   help="dump an ACTIVE (being written or interrupted) or damaged version anyway, unchecked, and "
+                        "replace an existing OUT")
     q.set_defaults(func=_dump)
     q = ms.add_parser("repack", parents=[dev, parents["json"]],
                       help="compact away finished models' old versions and invalid slots",
@@ -148,20 +149,11 @@ def _view(args: argparse.Namespace) -> int:
 
 
 def _dump(args: argparse.Namespace) -> int:
-    from ..memtier import device as mdev
     from ..memtier.dump import dump
-    ext = os.path.splitext(args.output)[1].lower()
-    if ext not in _FORMATS:
-        raise UsageError(f"-o {args.output}: unknown format {ext or '(no suffix)'!r}; end the name with .h5, .npz "
-                         "or .safetensors")
-    if os.path.lexists(args.output) and not args.force:
-        raise UsageError(f"-o {args.output} exists: pass --force to replace it")
-    dev = mdev.open(args.path, writable=False)
-    try:
-        got = dump(dev, args.name, args.output, force=args.force, version=args.version)
-    finally:
-        dev.close()
-    print(f"wrote {args.output}" + (f" ({got})" if got else ""))
+    got = dump(args.path, args.name, args.output, force=args.force, version=args.version, overwrite=args.force)
+    note = "" if got["verified"] else " UNVERIFIED (forced: the bytes were dumped unchecked)"
+    print(f"wrote {got['path']} ({got['format']}): {got['name']} {got['version']}, {got['tensors']} tensors, "
+          f"{mb(got['bytes'])}{note}")
     return EXIT_OK
 
 
