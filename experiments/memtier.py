@@ -56,7 +56,8 @@ then ``reps`` measured ones. Variants:
   buffer with ``process_vm_readv``); run only when the installed DeepFreeze knows the key
   (``settings.skipped`` says why not);
 - ``h5-fsync`` / ``h5-nofsync``: rank 0 ``model.save_weights`` to an .h5 file in ``--disk-dir``
-  (default: a directory on the root file system), with and without ``fsync`` of the file;
+  (default: a temporary directory under ``$TMPDIR`` or /tmp, a disk file system on this machine;
+  the DeepFreeze variants' persistent level is there too), with and without ``fsync`` of the file;
 - ``tf-ckpt``: rank 0 ``tf.train.Checkpoint(model=model).write`` (synchronous) into ``--disk-dir``.
 
 Both DeepFreeze variants run with ``persistent_interval = -1`` by default (``--persistent-interval``
@@ -841,7 +842,7 @@ def main() -> None:
     ap.add_argument("--persistent-interval", type=float, default=-1.0,
                     help="DeepFreeze variants' persistent_interval (default -1: no flush to persistent)")
     ap.add_argument("--disk-dir", default=None, help="where h5/tf checkpoints and persistent go (default: a "
-                                                     "temporary directory under experiments/results/.work)")
+                                                     "temporary directory under $TMPDIR or /tmp, on disk here)")
     ap.add_argument("--resume", action="store_true", help="merge into --out; skip groups already there")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "memtier.json"))
     a = ap.parse_args()
@@ -874,7 +875,7 @@ def main() -> None:
             settings["ptrace_scope"] = int(f.read())
     except (OSError, ValueError):
         settings["ptrace_scope"] = None
-    base_parent = a.disk_dir or os.path.join(HERE, "results", ".work")
+    base_parent = a.disk_dir or tempfile.gettempdir()
     os.makedirs(base_parent, exist_ok=True)
     base = tempfile.mkdtemp(prefix="memtier-", dir=base_parent)
     try:
