@@ -8,9 +8,10 @@
     deepfreeze gc       [...] [--dry-run]
     deepfreeze backend  status|stop [...]
     deepfreeze repo     ls|info|rm|gc|import|serve|token ...   (the model repository)
+    deepfreeze memtier  create|view|dump|repack ...             (the memory tier)
 
 A package of thin command modules (``ls``, ``inspect``, ``verify``, ``export``,
-``gc``, ``backend``, ``repo``; shared helpers in ``_common``) over the core: scanning,
+``gc``, ``backend``, ``repo``, ``memtier``; shared helpers in ``_common``) over the core: scanning,
 describing, verifying and gc planning live in :mod:`deepfreeze.inventory`,
 reading in :mod:`deepfreeze.restore`. The configuration is built as the Keras
 callback builds it: ``Config.resolve(--config, **--set)``, so ``VELOC_<KEY>``
@@ -26,13 +27,13 @@ import os
 import sys
 
 from ..errors import ConfigError, DeepFreezeError
-from . import backend, export, gc, inspect, ls, repo, verify
+from . import backend, export, gc, inspect, ls, memtier, repo, verify
 from ._common import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, Parser, UsageError, err, load_config, package_version,
                       version_arg)
 
 __all__ = ["main", "build_parser", "load_config", "EXIT_OK", "EXIT_FAIL", "EXIT_USAGE"]
 
-_COMMANDS = (ls, inspect, verify, export, gc, backend, repo)
+_COMMANDS = (ls, inspect, verify, export, gc, backend, repo, memtier)
 
 
 def build_parser() -> argparse.ArgumentParser:

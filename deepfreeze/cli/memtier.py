@@ -1,0 +1,172 @@
+"""``deepfreeze memtier``: the memory tier's tools (create, view, dump, repack).
+
+    deepfreeze memtier create PATH --size 8G [--force] [--json]
+    deepfreeze memtier view   PATH [--json]
+    deepfreeze memtier dump   PATH NAME -o OUT.h5|.npz|.safetensors [--force] [--version V]
+    deepfreeze memtier repack PATH [--json]
+
+``PATH`` is a memory-tier device file (docs/memtier.md). Thin over :mod:`deepfreeze.memtier`
+(:func:`~deepfreeze.memtier.device.create`, :func:`~deepfreeze.memtier.device.open`,
+:func:`~deepfreeze.memtier.device.view`, :meth:`~deepfreeze.memtier.device.Device.repack`,
+:func:`~deepfreeze.memtier.dump.dump`); no TensorFlow. ``view`` reads the device read-only and
+never trusts an ACTIVE slot (it is shown as being written, or as left by a crash). ``repack``
+asks, per model, whether its job is still running with
+:func:`deepfreeze.memtier.device.default_live`: an engine model while its run holds the lease on
+the checkpoint name (``deepfreeze.run.read_lease``), a standalone model until it is closed (or
+its owner process is gone).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+from typing import Any
+
+from ._common import EXIT_OK, UsageError, emit_json, mb, table, version_arg
+
+__all__ = ["add_parser", "parse_size"]
+
+def parse_size(text: str) -> int:
+    """argparse type of ``--size``: :func:`deepfreeze.memtier.device.parse_size` (``8G``, ``512M``)."""
+    from ..memtier.device import parse_size as parse
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("memtier", help="the memory tier: create, view, dump, repack a device",
+                       description="Manage a memory-tier device (docs/memtier.md): one preallocated, pre-faulted "
+                                   "file (e.g. under /dev/shm) holding the newest checkpoint versions of "
+                                   "several models.")
+    ms = p.add_subparsers(dest="memtier_command", metavar="SUBCOMMAND", parser_class=type(p))
+    ms.required = True
+    dev = argparse.ArgumentParser(add_help=False)
+    dev.add_argument("path", metavar="PATH", help="the device file")
+
+    q = ms.add_parser("create", parents=[dev, parents["json"]], help="create a device (preallocated, pre-faulted)",
+                      description="Create the device file PATH of --size bytes (binary units: 512M, 8G). On "
+                                  "tmpfs the size is checked against the available memory first.")
+    q.add_argument("--size", required=True, type=parse_size, metavar="SIZE", help="device size, e.g. 8G")
+    q.add_argument("--force", action="store_true", help="replace an existing file at PATH (its models are lost)")
+    q.set_defaults(func=_create)
+    q = ms.add_parser("view", parents=[dev, parents["json"]],
+                      help="models, shards, every slot's state, version and size, free space")
+    q.set_defaults(func=_view)
+    q = ms.add_parser("dump", parents=[dev], help="export a model's newest (or given) version to a file",
+                      description="Write model NAME's newest version (or --version V) to OUT; the format "
+                                  "follows OUT's suffix: .h5 (Keras model.load_weights), .npz, .safetensors. A "
+                                  "version that is not DONE and intact on every rank (ACTIVE: being written or "
+                                  "interrupted) is refused unless --force, and so is a multi-rank model whose other "
+                                  "ranks are on other nodes' devices (use 'deepfreeze export').")
+    q.add_argument("name", metavar="NAME", help="the model's (checkpoint) name")
+    q.add_argument("-o", "--output", required=True, metavar="OUT", help="output file (.h5, .npz or .safetensors)")
+    q.add_argument("--version", type=version_arg, metavar="V",
+                   help="the version (step) to dump (default: the newest any slot names)")
+    q.add_argument("--force", action="store_true",
+                   help="dump an ACTIVE (being written or interrupted) or damaged version anyway, unchecked, and "
+                        "replace an existing OUT")
+    q.set_defaults(func=_dump)
+    q = ms.add_parser("repack", parents=[dev, parents["json"]],
+                      help="compact away finished models' old versions and invalid slots",
+                      description="For every model whose run is over (an engine model: its run no longer holds "
+                                  "the lease on the checkpoint name; a standalone model: closed), keep only the "
+                                  "newest valid version, compacted; drop models with none. Live models are not "
+                                  "touched.")
+    q.set_defaults(func=_repack)
+
+
+# ============================================================================ helpers
+
+def _when(t: Any) -> str:
+    if not isinstance(t, (int, float)) or t <= 0:
+        return "-"
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# ============================================================================ commands
+
+def _create(args: argparse.Namespace) -> int:
+    from ..memtier import device as mdev
+    try:
+        dev = mdev.create(args.path, args.size, force=args.force)
+    except ValueError as e:  # too small for the superblock and model table
+        raise UsageError(f"--size {args.size}: {e}") from None
+    try:
+        info = {"device": dev.path, "size": dev.size, "free": dev.free_bytes()}
+    finally:
+        dev.close()
+    if args.json:
+        emit_json(info)
+    else:
+        print(f"created {info['device']}: {mb(info['size'])}, {mb(info['free'])} free for models "
+              f"(use it with memtier = {info['device']}; see docs/memtier.md)")
+    return EXIT_OK
+
+
+def _slot_text(s: dict[str, Any]) -> str:
+    """A slot's state for the table: ``DONE``, ``DONE (damaged: why)``, ``ACTIVE (being written or
+    interrupted)``, ``EMPTY``, ``INVALID (header checksum)``. Only a valid DONE slot is restorable."""
+    state = str(s.get("state", "?"))
+    if s.get("valid"):
+        return state
+    if state == "DONE":
+        return f"DONE (not restorable: {s.get('reason', 'damaged')})"
+    if state == "EMPTY":
+        return state
+    return f"{state} ({s.get('reason', 'invalid')})"
+
+
+def _view(args: argparse.Namespace) -> int:
+    from ..memtier import device as mdev
+    info = mdev.view(args.path)
+    if args.json:
+        emit_json(info)
+        return EXIT_OK
+    models = info.get("models", [])
+    print(f"device {info.get('path', args.path)}: {mb(info['size'])}, {mb(info['free'])} free, "
+          f"{len(models)} model(s), created {_when(info.get('created'))}")
+    for p in info.get("problems", []):
+        print(f"problem: {p}")
+    rows = []
+    for m in models:
+        kind = "standalone" if m.get("standalone") else "engine"
+        status = f"{kind}, finished" if m.get("finished") else kind
+        for sh in m.get("shards", []):
+            for s in sh.get("slots", []):
+                version = None
+                if s.get("version") is not None and s.get("state") in ("DONE", "ACTIVE"):
+                    g = s.get("generation") or 0
+                    version = f"v{s['version']}" if g == 0 else f"g{g}/v{s['version']}"
+                rows.append([m.get("name"), m.get("run"), status, f"{sh.get('rank')}/{m.get('world_size')}",
+                             s.get("slot"), _slot_text(s), version,
+                             mb(s["bytes"]) if s.get("bytes") else None,
+                             _when(s.get("written")) if s.get("state") in ("DONE", "ACTIVE") else None])
+    if rows:
+        print("\n".join(table(["MODEL", "RUN", "KIND", "RANK", "SLOT", "STATE", "VERSION", "SIZE", "WRITTEN"], rows,
+                              right=(4, 7))))
+    return EXIT_OK
+
+
+def _dump(args: argparse.Namespace) -> int:
+    from ..memtier.dump import dump
+    got = dump(args.path, args.name, args.output, force=args.force, version=args.version, overwrite=args.force)
+    note = "" if got["verified"] else " UNVERIFIED (forced: the bytes were dumped unchecked)"
+    print(f"wrote {got['path']} ({got['format']}): {got['name']} {got['version']}, {got['tensors']} tensors, "
+          f"{mb(got['bytes'])}{note}")
+    return EXIT_OK
+
+
+def _repack(args: argparse.Namespace) -> int:
+    from ..memtier import device as mdev
+    dev = mdev.open(args.path)
+    try:
+        out = dev.repack(live=mdev.default_live)
+    finally:
+        dev.close()
+    if args.json:
+        emit_json(out)
+    else:
+        print(f"retired {out.get('retired', 0)} region(s), moved {out.get('moved', 0)}, freed "
+              f"{mb(out.get('freed_bytes', 0))}")
+    return EXIT_OK
