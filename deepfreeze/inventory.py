@@ -18,6 +18,7 @@ is linear in the number of tensors, pieces and ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -29,11 +30,12 @@ from .config import Config, validate_name
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError
 from .fsafe import open_regular_file
 from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of, read_decision
+from .memtier.level import MemtierLevel, read_item as read_memtier_item, region_address
 from .restore import list_versions, scratch_recoverable
 from .run import fs_now, read_lease
 
 __all__ = ["VersionCopy", "Verdict", "Removal", "checkpoint_names", "scan_scratch", "scan_persistent", "scan", "parent_text",
-           "newest_restorable", "restorable", "declared_bytes", "pick_manifest", "describe", "verify_scratch", "verify_persistent", "verify_copy",
+           "newest_restorable", "restorable", "scan_memtier", "verify_memtier", "memtier_names", "declared_bytes", "pick_manifest", "describe", "verify_scratch", "verify_persistent", "verify_copy",
            "plan_gc", "live_run", "decision_word", "ranks_text", "dir_listing"]
 
 _SHARD_RE = re.compile(r"^r(\d{6})\.dfs$")
@@ -66,14 +68,22 @@ def checkpoint_names(cfg: Config) -> list[str]:
                     found.add(n)
             except OSError:
                 continue
+    found.update(memtier_names(cfg))
     return sorted(found)
+
+
+def memtier_names(cfg: Config) -> set[str]:
+    """Checkpoint names with a DONE slot in the memory tier (INI ``memtier``), if one is configured."""
+    if not getattr(cfg, "memtier", None):
+        return set()
+    return {name for name in MemtierLevel(cfg.memtier).names()}
 
 
 @dataclasses.dataclass
 class VersionCopy:
     """One version directory on one level, as found on disk (no tensor data read)."""
 
-    level: str  # scratch | persistent
+    level: str  # memtier | scratch | persistent
     version: int
     path: str
     status: str  # complete | partial | committed | skipped | incomplete | empty | damaged
@@ -248,10 +258,36 @@ def scan_persistent(cfg: Config, name: str) -> list[VersionCopy]:
     return [c for c, _ in copies]
 
 
+def scan_memtier(cfg: Config, name: str) -> list[VersionCopy]:
+    """Every version of ``name`` in DONE slots of the memory tier (INI ``memtier``), one copy per
+    version: ``complete`` when every rank's shard is on this device, else ``partial``/``incomplete``
+    as on scratch. ACTIVE slots are never listed as copies (``deepfreeze memtier view`` shows them)."""
+    if not getattr(cfg, "memtier", None):
+        return []
+    level = MemtierLevel(cfg.memtier)
+    by_version: dict[int, list] = {}
+    for region, k, h, m in level.slots(name):
+        by_version.setdefault(h.version.step, []).append((region, k, h, m))
+    out = []
+    for v, slots in sorted(by_version.items()):
+        region, k, h, m = slots[0]
+        run = fmt.manifest_run(m)[0]
+        ranks = {r.rank for r, _, hh, _ in slots if hh.run == run}
+        c = VersionCopy("memtier", v, f"{cfg.memtier} [{name} v{v}]", "incomplete",
+                        bytes=sum(hh.image_len for r, _, hh, _ in slots if hh.run == run))
+        try:
+            c.status, c.detail = _scratch_missing(m, ranks)
+            c.step, c.epoch, c.tensor_bytes, c.manifest = m["step"], m["epoch"], m.get("total_bytes"), m
+        except _UNREADABLE as e:
+            c.status, c.detail = "damaged", f"manifest unusable: {_reason(e)}"
+        out.append(c)
+    return out
+
+
 def scan(cfg: Config, name: str) -> list[VersionCopy]:
-    """:func:`scan_scratch` then :func:`scan_persistent`, with the run of each copy that has a
-    valid manifest (run id, generation, resumed from) and, for a clone, its parent."""
-    copies = scan_scratch(cfg, name) + scan_persistent(cfg, name)
+    """:func:`scan_memtier`, :func:`scan_scratch` then :func:`scan_persistent`, with the run of each
+    copy that has a valid manifest (run id, generation, resumed from) and, for a clone, its parent."""
+    copies = scan_memtier(cfg, name) + scan_scratch(cfg, name) + scan_persistent(cfg, name)
     for c in copies:
         if c.manifest is not None:
             c.run, c.generation, c.resumed_from = fmt.manifest_run(c.manifest)
@@ -367,12 +403,13 @@ class _Meter:
 
 def check_file(path: str, kind: int, version: int, manifest: dict[str, Any],
                expected: list[tuple[int, int, int]], rank: int | None, world: int | None,
-               meter: _Meter) -> tuple[int, int, bool]:
+               meter: _Meter, data: Any = None) -> tuple[int, int, bool]:
     """Read and check one shard/assembled file the way restore does; every piece read with its
-    CRC32, one piece in memory at a time. Returns (pieces, bytes, has checksums)."""
+    CRC32, one piece in memory at a time. ``data``: the file's bytes already in memory (a
+    memory-tier slot image; ``path`` then only names it). Returns (pieces, bytes, has checksums)."""
     pieces = nbytes = 0
-    with open_regular_file(path) as f:
-        idx = fmt.read_index(f, path)
+    with (open_regular_file(path) if data is None else contextlib.nullcontext()) as f:
+        idx = fmt.read_index(f if data is None else data, path)
         want_kind = "shard" if kind == fmt.KIND_SHARD else "assembled file"
         if idx.kind != kind:
             raise CorruptCheckpointError(f"{path}: not a DeepFreeze {want_kind} (kind {idx.kind})")
@@ -389,7 +426,10 @@ def check_file(path: str, kind: int, version: int, manifest: dict[str, Any],
                 raise CorruptCheckpointError(f"{path}: tensor {t['name']!r} is {e.dtype}{list(e.shape)} in the "
                                              f"file but {t['dtype']}{t['shape']} in the manifest")
         for e in idx.entries:
-            fmt.read_entry(f, e, verify=idx.has_crc, path=path)  # CRC32 of every piece, as restore checks it
+            if data is None:
+                fmt.read_entry(f, e, verify=idx.has_crc, path=path)  # CRC32 of every piece, as restore checks it
+            else:
+                fmt.entry_view(data, e, verify=idx.has_crc, path=path)
             pieces += 1
             nbytes += e.length
             meter.add(e.length)
@@ -443,6 +483,49 @@ def verify_scratch(cfg: Config, copy: VersionCopy, name: str, progress: Progress
     return out
 
 
+def verify_memtier(cfg: Config, copy: VersionCopy, name: str, progress: ProgressFn | None = None) -> Verdict:
+    """Verify the memory-tier copy ``copy`` (from :func:`scan_memtier`): every slot image of the
+    version on this device, every checksum (each image copied out and re-checked as restore does)."""
+    v = copy.version
+    out = Verdict("memtier", v, copy.path, "DAMAGED")
+    m = copy.manifest
+    if m is None:
+        out.reason = copy.detail
+        return out
+    run = fmt.manifest_run(m)[0]
+    try:
+        plan = plan_of(m)
+        slots = {r.rank: (r, k) for r, k, h, _ in MemtierLevel(cfg.memtier).slots(name)
+                 if h.version.step == v and h.run == run}
+        expected: list[list[tuple[int, int, int]]] = [[] for _ in range(plan.world_size)]
+        for p in plan.pieces:
+            expected[p.rank].append((p.tensor_id, p.start, p.stop))
+        rank_bytes = plan.rank_bytes()
+        meter = _Meter(progress, f"{name} v{v} memtier", sum(rank_bytes[r] for r in slots))
+        has_crc = True
+        for r, (region, k) in sorted(slots.items()):
+            item = f"{copy.path} rank {r} slot {k}"
+            image = read_memtier_item(region_address(cfg.memtier, region, k, run, v), v, run)
+            p, b, crc = check_file(item, fmt.KIND_SHARD, v, m, expected[r], r, plan.world_size, meter, data=image)
+            out.files += 1
+            out.pieces += p
+            out.bytes += b
+            has_crc &= crc
+        out.checksums = has_crc if slots else None
+        status, detail = _scratch_missing(m, set(slots))
+    except _UNREADABLE as e:
+        out.reason = _reason(e)
+        return out
+    if status == "incomplete":
+        out.reason = "incomplete: " + detail
+    elif status == "partial":
+        out.status, out.reason = "PARTIAL", detail + "; the slots here are intact, the others can be verified only " \
+                                                      "on their nodes"
+    else:
+        out.status = "OK"
+    return out
+
+
 def verify_persistent(cfg: Config, copy: VersionCopy, name: str, progress: ProgressFn | None = None) -> Verdict:
     """Verify the persistent copy ``copy`` (from :func:`scan_persistent`): the assembled file, every checksum."""
     level = PersistentLevel(cfg.persistent)
@@ -482,7 +565,7 @@ def verify_persistent(cfg: Config, copy: VersionCopy, name: str, progress: Progr
 
 def verify_copy(cfg: Config, copy: VersionCopy, name: str, progress: ProgressFn | None = None) -> Verdict:
     """:func:`verify_scratch` or :func:`verify_persistent`, by the copy's level."""
-    fn = verify_scratch if copy.level == "scratch" else verify_persistent
+    fn = {"memtier": verify_memtier, "scratch": verify_scratch}.get(copy.level, verify_persistent)
     return fn(cfg, copy, name, progress)
 
 

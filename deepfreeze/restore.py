@@ -33,6 +33,7 @@ from . import ownership
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, DeepFreezeError, UntrustedOwnerError
 from .fsafe import open_regular_file, read_whole
 from .levels import ASSEMBLED, PersistentLevel, ScratchLevel, plan_of
+from .memtier import level as memtier_level
 from .redundancy import Comm, LocalComm, group_of, read_parity, xor_reconstruct
 
 __all__ = ["Checkpoint", "load", "list_versions"]
@@ -90,6 +91,9 @@ def list_versions(config: "str | os.PathLike | Config | None", name: str, *,
     scratch, persistent = _levels(config, trust_owners)
     gen = persistent.generation(name)
     out: dict[int, list[str]] = {}
+    for v, (m, inv) in _memtier_committed(config, name, gen).items():
+        if scratch_recoverable(m, inv):
+            out.setdefault(v, []).append("memtier")
     for v, (m, inv) in scratch.committed(name, gen).items():
         if scratch_recoverable(m, inv):
             out.setdefault(v, []).append("scratch")
@@ -131,6 +135,7 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
     scratch, persistent = _levels(config, trust_owners)
     gen = persistent.generation(name)  # only the current generation's versions exist for readers
     local = scratch.committed(name, gen)  # version -> (manifest, files held here)
+    _merge_memtier(local, _memtier_committed(config, name, gen), name)  # memory first
     committed = persistent.committed_versions(name, gen)
     for v in [v for v in local if v in committed]:
         # a scratch copy of another run than persistent's same version (a node left out of the run
@@ -253,7 +258,10 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
     """Read and check one scratch file of this participant (a shard, partner copy or parity)
     written by run ``run`` (the manifest's; "" for a format-1 checkpoint)."""
     path = inv[kind][key]
-    data = _read_owned(path, ownership.trusted_uids(), "scratch", limit)
+    if memtier_level.is_item(path):  # a slot of the memory tier: a shard image, checked below like a file
+        data = memtier_level.read_item(path, version, run)
+    else:
+        data = _read_owned(path, ownership.trusted_uids(), "scratch", limit)
     if kind == "parity":
         h, _ = read_parity(data, path)
         if h.get("version") != version or h.get("run", "") != run:
@@ -270,6 +278,34 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
         for e in idx.entries:
             fmt.entry_view(data, e, verify=True, path=path)
     return data
+
+
+def _memtier_committed(config: Config, name: str, generation: int
+                       ) -> dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]]:
+    """What this node's memory tier (INI ``memtier``) holds of ``name``, as scratch's ``committed``."""
+    path = getattr(config, "memtier", None)
+    return memtier_level.MemtierLevel(path).committed(name, generation) if path else {}
+
+
+def _merge_memtier(local: dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]],
+                   tier: dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]], name: str) -> None:
+    """Add the memory tier's shards to the scratch inventory, the tier's first (restore reads the
+    first listed source of a shard). A version whose tier copy is of another run than its scratch
+    copy keeps the tier's (the newer timeline wrote the tier last) with a log line."""
+    for v, (m, inv) in tier.items():
+        if v not in local:
+            local[v] = (m, inv)
+            continue
+        sm, sinv = local[v]
+        if fmt.manifest_run(sm)[0] != fmt.manifest_run(m)[0]:
+            log.warning("deepfreeze: %s v%d: the memory tier holds run %s's copy, scratch run %s's: using the "
+                        "memory tier's", name, v, fmt.manifest_run(m)[0], fmt.manifest_run(sm)[0])
+            local[v] = (m, inv)
+            continue
+        merged = {k: dict(d) for k, d in sinv.items()}
+        for r, item in inv["shard"].items():
+            merged["shard"][r] = item
+        local[v] = (sm, merged)
 
 
 def _file_limit(manifest: dict[str, Any]) -> int:
@@ -337,16 +373,19 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
         if planned is None:
             return None
         fetch, rebuild = planned
-        items, failed = {}, []
+        items, failed, tier = {}, [], True  # tier: every file this participant read is a memory-tier slot
         for (kind, key), p in fetch.items():
             if p != comm.rank:
                 continue
+            tier &= memtier_level.is_item(inv[kind][key])
             try:
                 items[(kind, key)] = _read_item(inv, kind, key, version, verify, fmt.manifest_run(manifest)[0],
                                                 _file_limit(manifest))
             except _UNREADABLE as e:  # damaged, not a regular file, or removed by retention meanwhile
                 failed.append([kind, key, str(e) or type(e).__name__])
-        reports = [json.loads(b) for b in comm.allgather(json.dumps(failed).encode())]
+        gathered = [json.loads(b) for b in comm.allgather(json.dumps({"failed": failed, "tier": tier}).encode())]
+        reports = [g["failed"] for g in gathered]
+        source = "memtier" if all(g["tier"] for g in gathered) else "scratch"
         if any(reports):
             bad = [(p, kind, key, why) for p, rep in enumerate(reports) for kind, key, why in rep]
             for p, kind, key, why in bad:
@@ -378,7 +417,7 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
                 if comm.rank == 0:
                     log.warning("deepfreeze: %s v%d: rebuilt the shard of rank %d from XOR parity",
                                 name, version, r)
-            return _assemble(manifest, files, wanted, verify, version, rebuilt=set(rebuild))
+            return _assemble(manifest, files, wanted, verify, version, rebuilt=set(rebuild), level=source)
         except CheckpointNotFoundError:
             raise  # a tensor name the checkpoint does not have
         except _UNREADABLE as e:  # e.g. a rebuilt shard failing its checksums
@@ -388,7 +427,7 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
 
 
 def _assemble(manifest: dict[str, Any], files: dict[int, np.ndarray], wanted: Sequence[str] | None,
-              verify: bool, version: int, rebuilt: set[int]) -> Checkpoint:
+              verify: bool, version: int, rebuilt: set[int], level: str = "scratch") -> Checkpoint:
     """Fill the output arrays from whole shard files in memory. Files read from disk were
     verified by their reader; rebuilt ones are verified here."""
     plan = plan_of(manifest)
@@ -403,7 +442,7 @@ def _assemble(manifest: dict[str, Any], files: dict[int, np.ndarray], wanted: Se
             if flats[e.tensor_id] is not None:
                 flats[e.tensor_id][e.start:e.stop] = fmt.entry_view(
                     data, e, verify=verify and idx.has_crc and r in rebuilt, path=path)
-    return Checkpoint(manifest["name"], version, manifest["step"], manifest["epoch"], "scratch", named, manifest)
+    return Checkpoint(manifest["name"], version, manifest["step"], manifest["epoch"], level, named, manifest)
 
 
 def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None, available: int, source: str

@@ -1,0 +1,146 @@
+"""The memory tier as a restore level (framework-neutral): what a node's device holds of a
+checkpoint name, in the shape :meth:`deepfreeze.levels.ScratchLevel.committed` gives, so
+:func:`deepfreeze.restore.load` pools it across nodes, checks run identity and falls back
+exactly as it does for scratch files.
+
+A slot's payload is a format.py shard image, so an item of the inventory is not a path but a
+*memtier address* ``memtier:<device>#<entry>:<slot>:<run>:<step>``: :func:`read_item` copies
+that slot's image out (re-checking after the copy that the slot was not rewritten meanwhile)
+and the caller checks its index and CRCs as it does for a shard file.
+
+Only DONE slots whose header checksum holds are listed (an ACTIVE slot is never trusted); of
+one version, the slots of one run are used (a version with slots of two runs keeps the one
+whose manifest a caller agrees on: the run of the first region found, with a log line).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from .. import format as fmt
+from ..errors import CorruptCheckpointError, DeepFreezeError
+from . import device as _device
+
+__all__ = ["PREFIX", "MemtierLevel", "is_item", "read_item", "region_address"]
+
+log = logging.getLogger("deepfreeze")
+
+PREFIX = "memtier:"
+
+
+def is_item(path: str) -> bool:
+    """Is ``path`` a memtier address (an inventory item of :class:`MemtierLevel`)?"""
+    return isinstance(path, str) and path.startswith(PREFIX)
+
+
+def _address(device: str, entry: int, slot: int, run: str, step: int) -> str:
+    return f"{PREFIX}{os.path.abspath(device)}#{entry}:{slot}:{run}:{step}"
+
+
+def region_address(device: str, region: Any, slot: int, run: str, step: int) -> str:
+    """The memtier address of ``slot`` of ``region`` (a ShardRegion of the device at ``device``)."""
+    return _address(device, region.entry_no, slot, run, step)
+
+
+def _parse(item: str) -> tuple[str, int, int, str, int]:
+    try:
+        device, rest = item[len(PREFIX):].rsplit("#", 1)
+        entry, slot, run, step = rest.split(":")
+        return device, int(entry), int(slot), run, int(step)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{item!r} is not a memory-tier address") from e
+
+
+class MemtierLevel:
+    """The memory-tier device at ``path`` (the INI key ``memtier``), read-only."""
+
+    level = "memtier"
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+
+    def _open(self) -> "_device.Device | None":
+        try:
+            return _device.open(self.path, writable=False)
+        except FileNotFoundError:
+            return None
+        except (OSError, DeepFreezeError, ValueError) as e:
+            log.warning("deepfreeze: the memory tier %s is unusable (%s): not reading it", self.path, e)
+            return None
+
+    def slots(self, name: str, generation: int | None = None) -> list[tuple[Any, int, Any, dict[str, Any]]]:
+        """(region, slot, header, manifest) of every DONE slot of ``name`` whose header and
+        manifest read fine (of ``generation``, when given)."""
+        dev = self._open()
+        if dev is None:
+            return []
+        out = []
+        try:
+            for region in dev.find(name):
+                for k in range(region.nslots):
+                    h = region.slot_header(k)
+                    if h is None or h.state != _device.SlotState.DONE:
+                        continue
+                    if generation is not None and h.version.generation != generation:
+                        continue
+                    try:
+                        m = region.manifest(k, h)
+                    except (OSError, DeepFreezeError, ValueError) as e:
+                        log.warning("deepfreeze: %s slot %d of %s rank %d: manifest unreadable (%s)",
+                                    self.path, k, name, region.rank, e)
+                        continue
+                    out.append((region, k, h, m))
+        finally:
+            dev.close()
+        return out
+
+    def names(self) -> list[str]:
+        """Checkpoint names with at least one DONE slot on the device."""
+        dev = self._open()
+        if dev is None:
+            return []
+        try:
+            return sorted({r.name for r in dev.shards()
+                           if any((h := r.slot_header(k)) is not None and h.state == _device.SlotState.DONE for k in range(r.nslots))})
+        finally:
+            dev.close()
+
+    def committed(self, name: str, generation: int | None = None
+                  ) -> dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]]:
+        """Versions of ``name`` held in DONE slots here -> (manifest, inventory), the inventory
+        ``{"shard": {rank: memtier address}, "partner": {}, "parity": {}}``."""
+        out: dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]] = {}
+        for region, k, h, m in self.slots(name, generation):
+            v = h.version.step
+            if v not in out:
+                out[v] = (m, {"shard": {}, "partner": {}, "parity": {}})
+            manifest, inv = out[v]
+            if fmt.manifest_run(manifest)[0] != h.run:
+                log.warning("deepfreeze: %s v%d in the memory tier %s has slots of runs %s and %s: using %s's",
+                            name, v, self.path, fmt.manifest_run(manifest)[0], h.run, fmt.manifest_run(manifest)[0])
+                continue
+            inv["shard"].setdefault(region.rank, _address(self.path, region.entry_no, k, h.run, v))
+        return out
+
+
+def read_item(item: str, version: int, run: str) -> np.ndarray:
+    """The shard image a memtier address names (a copy), after checking the slot still holds
+    ``version`` of ``run`` and was not rewritten while it was copied. Raises
+    :class:`~deepfreeze.errors.CorruptCheckpointError` (or a MemtierError) otherwise."""
+    path, entry, slot, item_run, step = _parse(item)
+    if step != version or item_run != run:
+        raise CorruptCheckpointError(f"{item}: names v{step} of run {item_run}, expected v{version} of run {run}")
+    dev = _device.open(path, writable=False)
+    try:
+        region = next((r for r in dev.shards() if r.entry_no == entry), None)
+        if region is None:
+            raise CorruptCheckpointError(f"{item}: the device no longer holds that model (repacked)")
+        h = region.slot_header(slot)
+        if h is None or h.state != _device.SlotState.DONE or h.version.step != version or h.run != run:
+            raise CorruptCheckpointError(f"{item}: the slot was rewritten since it was listed")
+        return region.read_image(slot, verify=False)  # the caller checks the index and CRCs (restore, verify)
+    finally:
+        dev.close()
