@@ -1,1 +1,33 @@
-"""Portus-style memory tier (issue 16): placeholder, the lead writes the public API at merge."""
+"""The memory tier: a serialization-free checkpoint level in (persistent) memory, after Portus.
+
+One preallocated, pre-faulted *device* file per node (default under ``/dev/shm``) holds a
+three-level index (an append-only model table -> one index per (model, shard) with every
+tensor's offset -> contiguous tensor data) and two (``memtier_slots``) slots per (model, shard),
+written in the order header ACTIVE -> data -> flush -> header DONE, so a crash at any moment
+leaves the previous version restorable. With ``memtier = PATH`` in the config the checkpoint
+engine's shards go there: the node backend copies each rank's capture buffer straight from the
+rank's memory (``process_vm_readv``) into a slot, then flushes from the slot to persistent.
+
+Standalone use for any numpy state (no engine, no TensorFlow)::
+
+    from deepfreeze import memtier
+    dev = memtier.create("/dev/shm/tier", "8G")        # once; later memtier.open(path)
+    model = memtier.register(dev, "state", arrays)     # layout once (MemtierFullError if too big)
+    memtier.checkpoint(model, arrays, step=1)          # one copy into a slot, CRC while copying
+    arrays, version = memtier.restore(dev, "state")    # newest DONE version, bit-exact
+    memtier.view(dev.path)                             # models, shards, slots, free space
+
+Modules: :mod:`~deepfreeze.memtier.device` (on-device format, commit protocol, repack),
+:mod:`~deepfreeze.memtier.copy` (``process_vm_readv`` and in-process copiers, the memtier's only
+ctypes), :mod:`~deepfreeze.memtier.api` (standalone use), :mod:`~deepfreeze.memtier.dump`
+(export to .npz/.h5/.safetensors), :mod:`~deepfreeze.memtier.level` (the tier as a restore
+level). docs/memtier.md has the details.
+"""
+from __future__ import annotations
+
+from .api import Model, checkpoint, register, restore, view
+from .device import Device, ShardRegion, SlotHeader, SlotState, create, open  # noqa: A004 - the documented name
+from .dump import dump
+
+__all__ = ["create", "open", "register", "checkpoint", "restore", "view", "dump",
+           "Device", "Model", "ShardRegion", "SlotHeader", "SlotState"]
