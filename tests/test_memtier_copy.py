@@ -17,7 +17,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from deepfreeze.errors import MemtierError, MemtierPermissionError
+from deepfreeze.errors import MemtierError
 from deepfreeze.memtier import copy as mc
 
 # sizes chosen to cross the batch boundaries: many small arrays (more than IOV_MAX in one

@@ -361,8 +361,8 @@ HOSTILE = {
     "rank >= world": lambda dev, r: _rewrite_entry(dev, r.entry_no, rank=3),
     "unaligned": lambda dev, r: _rewrite_entry(dev, r.entry_no, region_off=r.region_off + 8),
     "torn body": lambda dev, r: dev.mm.__setitem__(dev._entry_off(r.entry_no) + 20, 0x7F),
-    "unknown state": lambda dev, r: dev.mm.__setitem__(slice(dev._entry_off(r.entry_no), dev._entry_off(r.entry_no) + 4),
-                                                       struct.pack("<I", 77)),
+    "unknown state": lambda dev, r: dev.mm.__setitem__(
+        slice(dev._entry_off(r.entry_no), dev._entry_off(r.entry_no) + 4), struct.pack("<I", 77)),
     "index crc": lambda dev, r: dev.mm.__setitem__(r._e.index_off + 3, dev.mm[r._e.index_off + 3] ^ 1),
     "index not json": lambda dev, r: _rewrite_index(dev, r, b"\x80\x81 not json"),
     "index deep": lambda dev, r: _rewrite_index(dev, r, b"[" * 5000 + b"]" * 5000),

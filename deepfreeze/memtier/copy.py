@@ -95,6 +95,13 @@ class CopyStats:
     seconds: float = 0.0
 
 
+def _bytes_view(buf: Any) -> memoryview:
+    """A flat byte memoryview of a buffer or a (contiguous) numpy array, without copying."""
+    if isinstance(buf, np.ndarray):
+        return memoryview(buf.reshape(-1).view(np.uint8))
+    return memoryview(buf).cast("B")
+
+
 def _address(buf: Any) -> tuple[int, int, Any]:
     """(address, length, keeper) of a writable, contiguous buffer (keep ``keeper`` alive meanwhile)."""
     arr = np.frombuffer(buf, dtype=np.uint8)
@@ -160,7 +167,7 @@ class Copier:
         land. Raises ValueError for bad arguments, :class:`MemtierPermissionError` when the source
         may not be read, :class:`MemtierError` when it is gone or an address is not mapped."""
         t0 = time.perf_counter()
-        dest_mv = memoryview(dest).cast("B") if not isinstance(dest, np.ndarray) else memoryview(dest.reshape(-1).view(np.uint8))
+        dest_mv = _bytes_view(dest)
         base, dest_len, keeper = _address(dest_mv)
         plan = _plan(regions, dest_len, dest_offsets)
         spans = [(int(o), int(n)) for o, n in spans]
@@ -199,7 +206,7 @@ class Copier:
         """The reverse: write ``src`` (a local buffer; back to back, or from ``src_offsets``) into
         the target's ``regions`` (restore into a freshly built model's buffers)."""
         t0 = time.perf_counter()
-        mv = memoryview(src).cast("B") if not isinstance(src, np.ndarray) else memoryview(src.reshape(-1).view(np.uint8))
+        mv = _bytes_view(src)
         arr = np.frombuffer(mv, dtype=np.uint8)
         plan = _plan(regions, arr.size, src_offsets)
         total = calls = 0

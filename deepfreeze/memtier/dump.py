@@ -64,8 +64,9 @@ def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool =
                 elif h.state != mdev.SlotState.EMPTY and h.run == r.run and match(h.version):
                     headers.append((h.version, h.written, r.run))
         if not headers:
-            raise CheckpointNotFoundError(f"{dev.path} holds no {'version ' + str(version) if version is not None else 'version'} "
-                                          f"of {name!r}" + (f" (damaged slot headers: {', '.join(torn[:4])})" if torn else ""))
+            what = f"version {version}" if version is not None else "version"
+            raise CheckpointNotFoundError(f"{dev.path} holds no {what} of {name!r}"
+                                          + (f" (damaged slot headers: {', '.join(torn[:4])})" if torn else ""))
         target, _, run = max(headers)
         mine = [r for r in regions if r.run == run]
         world = mine[0].world_size
