@@ -198,11 +198,11 @@ class _Server:
         # memory tier (all under self.cond): opened devices, regions by (device, entry), slots named
         # by queued or running flush jobs (counts), slots being copied into, self-copy reservations
         self.devices: dict[str, Any] = {}
-        self.old_devices: list[Any] = []  # replaced by a reopen; their regions may still be in use
         self.regions: dict[tuple[str, int], Any] = {}
         self.busy: dict[tuple[str, int, int], int] = {}
         self.copying: set[tuple[str, int, int]] = set()
         self.reserved: dict[tuple[str, int], int] = {}
+        self.prefaulted: set[tuple[str, int]] = set()
         self.memtier_waits = 0
 
     def _busy(self) -> bool:  # under self.cond
@@ -376,8 +376,8 @@ class _Server:
                 self.last_activity = time.monotonic()
 
     def _region(self, path: str, entry: int) -> Any:
-        """The VALID model-table entry ``entry`` of the device ``path`` (opened once; opened again
-        when the entry was registered after the open). MemtierError if there is none."""
+        """The VALID model-table entry ``entry`` of the device ``path`` (opened once; its table is
+        read again when the entry was registered after that). MemtierError if there is none."""
         from .memtier import device as mdev
         from .errors import MemtierError
         with self.cond:
@@ -385,17 +385,13 @@ class _Server:
             if region is not None:
                 return region
             dev = self.devices.get(path)
-        for attempt in (1, 2):
-            if dev is None or attempt == 2:
-                fresh = mdev.open(path)
-                with self.cond:
-                    if path in self.devices:
-                        self.old_devices.append(self.devices[path])
-                    self.devices[path] = dev = fresh
+            if dev is None:
+                dev = self.devices[path] = mdev.open(path)
+            else:
+                dev.refresh()
             for r in dev.shards():
                 if r.entry_no == entry:
-                    with self.cond:
-                        self.regions[(path, entry)] = r
+                    self.regions[(path, entry)] = r
                     return r
         raise MemtierError(f"memory tier {path}: no valid model-table entry {entry} (retired, or not a device "
                            "this rank registered on)")
@@ -453,16 +449,22 @@ class _Server:
                 return {"ok": True, "slot": k, "bytes": 0, "calls": 0, "copy_s": 0.0, "waited_s": waited}
             self.copying.add((path, entry, k))
         try:
-            data_offset = int(region.index["data_offset"])
-            spans = [(int(t["offset"]) - data_offset, int(t["size"])) for t in region.index["tensors"]]
-            c0 = time.monotonic()
-            writer = region.begin(k, version)
-            if sum(n for _, n in regions) != len(writer.data):
+            if sum(n for _, n in regions) != region.file_size - region.data_offset:
                 raise MemtierError(f"the regions of {name!r} v{version.step} rank {rank} hold "
                                    f"{sum(n for _, n in regions)} bytes, the slot's data region "
-                                   f"{len(writer.data)}: not the registered layout")
-            stats = VmReadvCopier(pid).copy_in(regions, writer.data, spans)
-            writer.finish(list(stats.crcs), manifest)
+                                   f"{region.file_size - region.data_offset}: not the registered layout")
+            with self.cond:
+                first = (path, entry) not in self.prefaulted
+                self.prefaulted.add((path, entry))
+            if first:  # fault this process's mapping of the region in now, not during the timed copy
+                region.prefault()
+            c0 = time.monotonic()
+            writer = region.begin(k, version)
+            try:
+                stats = VmReadvCopier(pid).copy_in(regions, writer.data, writer.spans)
+                writer.finish(list(stats.crcs), manifest)
+            finally:
+                writer.release()
             copy_s = time.monotonic() - c0
             log.info("memtier: %s v%d rank %d -> slot %d of %s entry %d: %d bytes in %d calls, %.3fs", name,
                      version.step, rank, k, path, entry, stats.bytes, stats.calls, copy_s)

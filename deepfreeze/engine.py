@@ -141,6 +141,9 @@ class Engine:
         self.stats: list[dict[str, float]] = []
         self.write_times: dict[int, float] = {}  # version -> seconds to commit the shard on scratch
         self.writer_cpu: dict[int, float] = {}  # version -> CPU seconds the writer thread spent on it
+        #: checkpoint calls that waited for the writer thread (max_inflight versions not yet written:
+        #: in memory-tier mode, not yet copied into the tier, so their buffers are still held)
+        self.write_waits = 0
         #: versions that had to wait for a free memory-tier slot (the backend waited, or answered busy)
         self.memtier_waits = 0
         #: version -> {"slot", "bytes", "calls", "copy_s", "waited_s", "copier"} of its memory-tier copy
@@ -184,6 +187,8 @@ class Engine:
         if self.run.resumed_from is not None and version <= self.run.resumed_from:
             raise ConfigError(f"checkpoint {self.name!r} v{version} requested, but this run resumed from "
                               f"v{self.run.resumed_from}: versions must grow")
+        if len(self._inflight) >= self.config.max_inflight and not self._inflight[0].done():
+            self.write_waits += 1
         self._drain(keep=self.config.max_inflight - 1)
         self._raise_pending()
         # the version-independent part is built once: allocating thousands of small objects here
@@ -247,20 +252,17 @@ class Engine:
         cfg.check_memtier()
         from .memtier import device as mdev
         layout = FusedLayout.build(self.plan, self.rank)
-        index = memtier_index(self.name, self.run.id, self.rank, layout, persistent=cfg.persistent,
-                              lease_timeout=cfg.lease_timeout)
+        index = mdev.make_index(self.plan, self.rank, self.name, self.run.id,
+                                lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout})
         dev = mdev.open(cfg.memtier)
-        try:
-            region = next((r for r in dev.find(self.name, run=self.run.id, rank=self.rank) if r.index == index),
-                          None)  # an engine rebuilt within the same run (a second fit): its region again
-            if region is None:
-                region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,
-                                            image_size=layout.file_size, meta_cap=memtier_meta_cap(self.plan))
+        try:  # an engine rebuilt within the same run (a second fit) gets its region again
+            region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,
+                                        image_size=layout.file_size, meta_cap=mdev.manifest_capacity(
+                                            len(self.plan.tensors), len(self.plan.pieces), self.plan.world_size))
         except BaseException:
             dev.close()
             raise
         self._mt_device, self._mt_region, self._mt_layout = dev, region, layout
-        self._mt_spans = [(e.offset - layout.data_offset, e.length) for e in layout.entries]
         self._mt_zeros = np.zeros(fmt.DATA_ALIGN, np.uint8)  # the padding between flat pieces is read from here
 
     def _memtier_regions(self, arrays: "Sequence[np.ndarray] | FusedShard") -> tuple[list[tuple[int, int]], list]:
@@ -299,11 +301,14 @@ class Engine:
         from .memtier.copy import LocalCopier
         c0 = time.perf_counter()
         writer = self._mt_region.begin(slot, Version(self.run.generation, version))
-        if sum(n for _, n in regions) != len(writer.data):
-            raise MemtierError(f"rank {self.rank}: {sum(n for _, n in regions)} bytes to copy into a slot data region "
-                               f"of {len(writer.data)}: not the registered layout")
-        stats = LocalCopier().copy_in(regions, writer.data, self._mt_spans)
-        writer.finish(list(stats.crcs), manifest)
+        try:
+            if sum(n for _, n in regions) != len(writer.data):
+                raise MemtierError(f"rank {self.rank}: {sum(n for _, n in regions)} bytes to copy into a slot data "
+                                   f"region of {len(writer.data)}: not the registered layout")
+            stats = LocalCopier().copy_in(regions, writer.data, writer.spans)
+            writer.finish(list(stats.crcs), manifest)
+        finally:
+            writer.release()
         return {"slot": slot, "bytes": stats.bytes, "calls": stats.calls, "copy_s": time.perf_counter() - c0}
 
     def _memtier_put(self, version: int, arrays: "Sequence[np.ndarray] | FusedShard",
@@ -647,27 +652,6 @@ def _address(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
 
 
-def memtier_index(name: str, run: str, rank: int, layout: FusedLayout, *, persistent: str | None,
-                  lease_timeout: float | None) -> dict[str, Any]:
-    """The memory-tier index (MIndex) of one rank's shard: every piece's tensor name, dtype,
-    shape, byte size and offset inside the slot image (a shard file image of ``layout``)."""
-    plan = layout.plan
-    tensors = [{"name": plan.tensors[e.tensor_id].name, "dtype": e.dtype, "shape": list(e.shape), "size": e.length,
-                "offset": e.offset, "tensor_id": e.tensor_id, "start": e.start, "stop": e.stop}
-               for e in layout.entries]
-    return {"name": name, "run": run, "rank": rank, "world_size": plan.world_size, "tensors": tensors,
-            "data_offset": layout.data_offset, "file_size": layout.file_size,
-            "lease": None if persistent is None else {"persistent": persistent, "timeout": lease_timeout},
-            "standalone": False}
-
-
-def memtier_meta_cap(plan: ShardPlan) -> int:
-    """Bytes reserved per slot for the version's manifest: the largest manifest readers accept
-    for this plan (:func:`deepfreeze.format.manifest_size_limit`), page-aligned."""
-    n = fmt.manifest_size_limit(len(plan.tensors), len(plan.pieces), plan.world_size)
-    return (n + fmt.DATA_ALIGN - 1) // fmt.DATA_ALIGN * fmt.DATA_ALIGN
-
-
 def write_error(config: Config, name: str, version: int, e: OSError) -> CheckpointWriteError:
     """A :class:`CheckpointWriteError` for an OSError met while checkpointing ``name`` v``version``."""
     path = os.fspath(e.filename) if isinstance(e.filename, (str, os.PathLike)) else ""
@@ -725,11 +709,16 @@ def make_engine(engine: str | None, config: Config, name: str, rank: int, plan: 
                 scratch_cls: type = ScratchLevel, run: RunInfo | None = None) -> Engine:
     """The engine of one rank: :class:`Engine` or :class:`~deepfreeze.veloc_engine.VelocEngine`.
     ``comm`` carries the built-in redundancy exchange; ``mpi_comm`` (mpi4py) is VeloC's."""
-    if resolve_engine(engine) == "veloc":
-        if config.memtier is not None:
+    if config.memtier is not None:  # the memory tier is the built-in engine's: decided before looking for VeloC
+        requested = engine or os.environ.get("DEEPFREEZE_ENGINE") or "builtin"
+        if requested == "veloc":
             raise ConfigError(f"memtier = {config.memtier} ({config.where('memtier')}) needs the built-in engine: "
                               "with engine='veloc' the shards go through VeloC's files; leave memtier out or use "
                               "engine='builtin'")
+        if requested == "auto":
+            log.info("deepfreeze: engine='auto' uses the built-in engine: memtier is set")
+            engine = "builtin"
+    if resolve_engine(engine) == "veloc":
         from .veloc_engine import VelocEngine
         return VelocEngine(config, name, rank, plan, domains, mpi_comm=mpi_comm, scratch_cls=scratch_cls, run=run)
     return Engine(config, name, rank, plan, domains, scratch_cls=scratch_cls, comm=comm, run=run)

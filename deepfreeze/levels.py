@@ -959,11 +959,11 @@ def _open_source(shard_path: str | None, source: SlotSource | None
         fd = os.open(source.device, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
         def recheck() -> None:
-            if _slot_holds(region, source) != head:
+            if _slot_holds(region, source).raw != head.raw:
                 raise CorruptCheckpointError(f"{label}: the slot was rewritten while it was flushed: not "
                                              "committing what was read")
         try:
-            yield fd, mdev.image_offset(region, source.slot), idx, label, recheck
+            yield fd, region._image_off(source.slot), idx, label, recheck
         finally:
             os.close(fd)
     finally:
