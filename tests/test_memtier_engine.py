@@ -23,7 +23,7 @@ from deepfreeze import format as fmt
 from deepfreeze.engine import Engine, make_engine
 from deepfreeze.errors import ConfigError, MemtierCorruptError, MemtierFullError
 from deepfreeze.fused import FusedLayout, FusedShard
-from deepfreeze.levels import PersistentLevel
+from deepfreeze.levels import PersistentLevel, plan_of
 from deepfreeze.memtier import device as mdev
 from deepfreeze.memtier.device import SlotState
 from deepfreeze.restore import load
@@ -185,7 +185,7 @@ def test_keras_two_ranks_every_version_in_tier_and_persistent(tmp_path, device):
             [a.tobytes() for a in expected[v]], v
     held, _ = tier(device, "mt")
     assert sorted(held) == [11, 12]
-    plan = ShardPlan.from_json(load(cfg, "mt", 12).manifest["plan"])
+    plan = plan_of(load(cfg, "mt", 12).manifest)
     for v, by_rank in held.items():
         assert sorted(by_rank) == [0, 1]
         for tid, want in enumerate(expected[v]):
