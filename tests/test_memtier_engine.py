@@ -403,3 +403,37 @@ def test_rank_killed_mid_checkpoint(tmp_path, device):
     assert sorted(held) == [3, 4] and held[4][0] == _v_pieces(4)
     assert PersistentLevel(f"{out}/pfs").committed_versions("job") == [1, 3, 4]
     del backend
+
+
+@pytest.mark.parametrize("point", ["memtier.slot.active", "memtier.slot.data", "memtier.slot.done",
+                                   "memtier.table.valid"])
+def test_kill_at_memtier_crash_point_then_recover(tmp_path, device, point):
+    """SIGKILL right before each step of the slot protocol (in the backend, copying v2) or of the
+    registration (in the rank): the job, or its rerun, recovers; the tier and persistent hold
+    exactly the recorded versions."""
+    out = str(tmp_path)
+    once = str(tmp_path / "crashed")
+    env = dict(DEEPFREEZE_CRASH_AT=f"{point}:{1 if point == 'memtier.table.valid' else 2}", DEEPFREEZE_CRASH_ONCE=once)
+    os.environ.update(env)
+    try:
+        proc = _start(out, device, [1, 2], delay=0)
+    finally:
+        for k in env:
+            del os.environ[k]
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert os.path.exists(once), f"{point} was not reached: {stderr[-3000:]}"
+    if point == "memtier.table.valid":  # the rank died registering: the entry stays WRITING, never read
+        assert proc.returncode == -signal.SIGKILL
+        with mdev.open(device, writable=False) as dev:
+            assert dev.find("job") == []
+        proc = _start(out, device, [1, 2], delay=0)
+        stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "done" in stdout, stderr[-3000:]  # a new backend took v2 again
+    held, _ = tier(device, "job")
+    assert sorted(held) == [1, 2] and all(held[v][0] == _v_pieces(v) for v in (1, 2))
+    assert PersistentLevel(f"{out}/pfs").committed_versions("job") == [1, 2]
