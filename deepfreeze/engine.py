@@ -148,12 +148,17 @@ class Engine:
         self.memtier_waits = 0
         #: version -> {"slot", "bytes", "calls", "copy_s", "waited_s", "copier"} of its memory-tier copy
         self.memtier_stats: dict[int, dict[str, Any]] = {}
-        self._mt_device: Any = None  # the memory-tier Device, ShardRegion, FusedLayout, spans
+        self._mt_device: Any = None  # memory tier: the open Device, this rank's ShardRegion, its FusedLayout
         self._mt_region: Any = None
+        self._mt_layout: FusedLayout | None = None
         self._mt_self_copy = False  # the kernel refused the backend's read: this rank copies (one warning)
         self._mt_ptracer: int | None = None  # the backend pid this process allowed to read its memory
         if config.memtier is not None:
-            self._memtier_register()
+            try:
+                self._memtier_register()
+            except BaseException:
+                self._pool.shutdown(wait=False)  # refused before training: no thread left behind
+                raise
         if config.mode == "async" and self.kind == "builtin":
             self.scratch.makedirs(config.scratch)  # checked with shared_group before the backend creates its log
             self._backend = BackendClient(config.scratch, answer_timeout=config.backend_timeout)

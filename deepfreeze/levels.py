@@ -904,9 +904,9 @@ class SlotSource:
             and all(isinstance(spec.get(k), int) and not isinstance(spec.get(k), bool) and spec[k] >= 0
                     for k in ("entry", "slot", "version", "rank")) and isinstance(spec.get("run"), str)
         if not ok or spec["version"] != version or spec["rank"] != rank or spec["run"] != run:
-            raise CheckpointWriteError(errno.EINVAL, f"flush job of {name!r} v{version} rank {rank}: malformed memory-tier "
-                                       f"source {str(spec)[:300]} (expected device, entry, slot, version, run, rank "
-                                       "matching the job)")
+            raise CheckpointWriteError(errno.EINVAL, f"flush job of {name!r} v{version} rank {rank}: malformed "
+                                       f"memory-tier source {str(spec)[:300]} (expected device, entry, slot, version, "
+                                       "run, rank matching the job)")
         return cls(spec["device"], spec["entry"], spec["slot"], spec["version"], spec["run"], spec["rank"])
 
     def to_job(self) -> dict[str, Any]:
@@ -947,9 +947,10 @@ def _open_source(shard_path: str | None, source: SlotSource | None
     dev = mdev.open(source.device, writable=False)
     try:
         region = next((r for r in dev.shards() if r.entry_no == source.entry), None)
-        if region is None or region.run != source.run or region.rank != source.rank:
+        if region is None or region.run != source.run or region.rank != source.rank or source.slot >= region.nslots:
             raise CorruptCheckpointError(f"{label}: no valid model-table entry {source.entry} of run {source.run} "
-                                         f"rank {source.rank} on the device (retired or repacked?): not flushing")
+                                         f"rank {source.rank} with that slot on the device (retired or repacked?): "
+                                         "not flushing")
         head = _slot_holds(region, source)
         view = region.image(source.slot)
         try:

@@ -235,7 +235,7 @@ def test_async_every_step_for_30_steps_with_waits_counted(tmp_path, device, monk
         engine.checkpoint(v, pieces(arrays, plan, 0), step=v, epoch=0)
         held, states = tier(device, "job")  # what a restore could read at this moment
         for hv, by_rank in held.items():
-            assert by_rank[0] == expected_pieces(model_arrays(hv, True), plan, 0), f"at step {v}: v{hv} is not step {hv}"
+            assert by_rank[0] == expected_pieces(model_arrays(hv, True), plan, 0), f"at {v}: v{hv} is not step {hv}"
             seen[hv] = True
     engine.close()
     assert engine.write_waits >= 15, engine.write_waits  # checkpoints waited for the previous copy
