@@ -1,0 +1,132 @@
+"""Dump a model from a memory-tier device to a standard file: ``.npz``, ``.h5`` (Keras weights),
+``.safetensors`` (the writers of :mod:`deepfreeze.export`: temporary file, then rename).
+
+Refusal rules (Portus's ``dump`` must not trust what is being written):
+
+* the version to dump is the one asked for, else the newest one any slot header names (an
+  ACTIVE slot included); if that version is not DONE and intact on every rank (ACTIVE: being
+  written or interrupted; a DONE slot whose image fails its checks), the dump is refused, naming
+  the slot and the newest valid version, unless ``force`` (then the registered layout is read
+  as it is, unchecked, and the result says ``verified: False``);
+* a slot whose header fails its checksum may hold a newer version: refused unless ``version``
+  is given or ``force``;
+* a multi-rank model whose other ranks' regions are not on this device (other nodes' devices)
+  is always refused, naming the missing ranks: ``deepfreeze export`` assembles it from the
+  flushed checkpoint instead.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
+from ..export import ExportError, export, format_from_path
+from ..run import Version
+from . import device as mdev
+from .api import _device, _ranges, assemble, select
+
+__all__ = ["dump"]
+
+log = logging.getLogger("deepfreeze")
+
+
+def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool = False,
+         version: "Version | int | None" = None, overwrite: bool = False) -> dict[str, Any]:
+    """Write version ``version`` (default: the newest) of model ``name`` on ``device`` to
+    ``out_path``, in the format its suffix names (``.npz``, ``.h5``/``.hdf5``, ``.safetensors``).
+    See the module docstring for what is refused and what ``force`` does; ``overwrite`` replaces
+    an existing output. Returns ``{"path", "format", "name", "run", "version", "tensors",
+    "bytes", "verified"}``. Errors: :class:`~deepfreeze.errors.CheckpointNotFoundError` (nothing of
+    that name or version), :class:`~deepfreeze.errors.MemtierError` (refused),
+    :class:`~deepfreeze.export.ExportError` (format or output)."""
+    kind = format_from_path(out_path)
+    if kind is None:
+        raise ExportError(f"{out_path}: cannot tell the format from the name: use .npz, .h5 or .safetensors")
+    dev, owns = _device(device, False)
+    try:
+        regions = dev.find(name)
+        if not regions:
+            raise CheckpointNotFoundError(f"{dev.path} holds no model named {name!r} ('deepfreeze memtier view' "
+                                          "lists them)")
+        want = version if version is None or isinstance(version, Version) else None
+
+        def match(v: Version) -> bool:
+            return version is None or (v == want if want is not None else v.step == version)
+
+        # every slot of every run: (version, run) of the headers that hold one
+        headers = []
+        torn = []
+        for r in regions:
+            for k in range(r.nslots):
+                h = r.slot_header(k)
+                if h is None:
+                    torn.append(f"rank {r.rank} slot {k}")
+                elif h.state != mdev.SlotState.EMPTY and h.run == r.run and match(h.version):
+                    headers.append((h.version, h.written, r.run))
+        if not headers:
+            raise CheckpointNotFoundError(f"{dev.path} holds no {'version ' + str(version) if version is not None else 'version'} "
+                                          f"of {name!r}" + (f" (damaged slot headers: {', '.join(torn[:4])})" if torn else ""))
+        target, _, run = max(headers)
+        mine = [r for r in regions if r.run == run]
+        world = mine[0].world_size
+        missing = sorted(set(range(world)) - {r.rank for r in mine})
+        if missing:
+            raise MemtierError(f"{name!r} (run {run}) has {world} ranks and ranks {_ranges(missing)} are not on "
+                               f"{dev.path} (they are on other nodes' devices): a dump needs every rank. Use "
+                               f"'deepfreeze export' on the flushed checkpoint instead")
+        cands, _ = select(dev, name)
+        good = [c for c in cands if c[2][0][0].run == run]
+        newest_valid = good[0][0] if good else None
+        problem = None
+        if torn and version is None:
+            problem = (f"slot header(s) {', '.join(torn[:4])} of {name!r} fail their checksum (a torn write or "
+                       "damage) and may hold a newer version")
+        else:
+            for v, _, slots in good:
+                if v == target:
+                    try:
+                        arrays, manifest = assemble(slots, verify=True)
+                    except MemtierCorruptError as e:
+                        problem = f"version {target} is damaged ({e})"
+                        break
+                    return _write(arrays, kind, out_path, overwrite, name, run, target, True, manifest)
+            if problem is None:
+                states = []
+                for r in mine:
+                    for k in range(r.nslots):
+                        h = r.slot_header(k)
+                        if h is not None and h.version == target and h.run == run:
+                            states.append(f"rank {r.rank} slot {k} {h.state.name}")
+                problem = (f"version {target} is not complete and DONE ({', '.join(states) or 'missing on some rank'}; "
+                           "ACTIVE: being written or interrupted by a crash)")
+        if not force:
+            hint = (f"the newest valid version is {newest_valid}: dump it with version={newest_valid.step} "
+                    f"(--version {newest_valid.step})" if newest_valid is not None and newest_valid != target
+                    else "no other valid version")
+            raise MemtierError(f"refusing to dump {name!r} from {dev.path}: {problem}; {hint}, or pass force=True "
+                               "(--force) to dump the bytes unchecked")
+        slots = {}
+        for r in mine:
+            for k in range(r.nslots):
+                h = r.slot_header(k)
+                if h is not None and h.version == target and h.run == run and h.state != mdev.SlotState.EMPTY:
+                    slots[r.rank] = (r, k)
+        if len(slots) != world:
+            raise MemtierError(f"cannot dump {name!r} {target} even forced: not every rank has a slot for it")
+        log.warning("deepfreeze memtier dump: %s %s forced: %s; its bytes are dumped unchecked", name, target, problem)
+        arrays, _ = assemble(slots, verify=False)
+        return _write(arrays, kind, out_path, overwrite, name, run, target, False, None)
+    finally:
+        if owns:
+            dev.close()
+
+
+def _write(arrays: dict, kind: str, path: str, overwrite: bool, name: str, run: str, version: Version,
+           verified: bool, manifest: dict | None) -> dict[str, Any]:
+    meta = {"name": name, "run": run, "version": str(version), "source": "deepfreeze memtier dump",
+            "verified": str(verified).lower()}
+    if manifest is not None:
+        meta["step"] = str(manifest.get("step"))
+    size = export(arrays, kind, path, metadata=meta, force=overwrite)
+    return {"path": path, "format": kind, "name": name, "run": run, "version": str(version),
+            "tensors": len(arrays), "bytes": size, "verified": verified}
