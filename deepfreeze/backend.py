@@ -31,6 +31,27 @@ does not know is reported ``unknown`` (the client turns it into an error: never 
 counters in ``/proc/self/task/<tid>/io`` unchanged) while jobs are pending; 0 when idle, null if
 unknown. A thread stuck in uninterruptible I/O leaves the process answering: this tells.
     {"op": "stop"}                       -> {"ok": true}  (drains the queue, then exits)
+    {"op": "memtier_put", "device": path, "entry": n, "name": s, "run": hex16, "rank": n,
+     "generation": n, "version": n, "pid": n, "regions": [[address, length], ...],
+     "manifest": {...}, "wait": s, "self_copy": false}
+                                         -> {"ok": true, "slot": k, "bytes": n, "calls": n, "copy_s": s,
+                                             "waited_s": s}
+                                            or {"ok": false, "kind": "busy" | "permission" | "error",
+                                                "error": "..."}
+
+Memory tier (``memtier = PATH``, :mod:`deepfreeze.memtier`): ``memtier_put`` copies one version of a
+rank's shard from the rank's memory (``process_vm_readv`` of ``pid``: the concatenation of
+``regions`` is byte for byte the data region of the shard image) into a slot of the rank's
+model-table ``entry`` on the device, in the connection's handler thread at normal priority (not
+the flusher's nice +10), with the per-piece CRCs computed as the bytes land, and answers once
+the slot is DONE (the rank holds the buffers until then). Devices are opened once (again when an
+entry registered later is asked for). The slot: never the newest DONE one, never one that a
+queued or running flush job names (``job["memtier"]``), nor one being copied into; none free:
+the request waits (counted in ``status``'s ``memtier_waits``) up to its ``wait`` seconds (at
+most ``_MAX_SLOT_WAIT``), then answers ``busy`` (the rank waits for its flushes and asks again).
+``kind`` ``permission``: the kernel refused the read (Yama ``ptrace_scope``): the rank copies by
+itself and asks with ``self_copy``: the slot is then only chosen and reserved for it (until its
+flush job or its next ``memtier_put`` of the entry), ``bytes``/``calls``/``copy_s`` are 0.
 
 Jobs run one at a time, in arrival order, in the thread ``deepfreeze-flusher``
 through :func:`deepfreeze.levels.flush_job`, the same code sync mode runs in
@@ -85,6 +106,10 @@ _SERVER_SEND_TIMEOUT = 30.0
 _MAX_POLL_WAIT = 30.0
 #: longest server-side ``wait`` with a ``timeout``
 _MAX_WAIT = 3600.0
+#: longest wait of a ``memtier_put`` for a free slot before it answers ``busy``
+_MAX_SLOT_WAIT = 30.0
+#: most source regions one ``memtier_put`` may name
+_MAX_REGIONS = 1 << 22
 
 
 def runtime_dir() -> str:
@@ -170,6 +195,15 @@ class _Server:
         self.progress_at = time.monotonic()
         self.io_readable = False
         self._io: bytes | None = None
+        # memory tier (all under self.cond): opened devices, regions by (device, entry), slots named
+        # by queued or running flush jobs (counts), slots being copied into, self-copy reservations
+        self.devices: dict[str, Any] = {}
+        self.regions: dict[tuple[str, int], Any] = {}
+        self.busy: dict[tuple[str, int, int], int] = {}
+        self.copying: set[tuple[str, int, int]] = set()
+        self.reserved: dict[tuple[str, int], int] = {}
+        self.prefaulted: set[tuple[str, int]] = set()
+        self.memtier_waits = 0
 
     def _busy(self) -> bool:  # under self.cond
         return any(v == "pending" for v in self.results.values())
@@ -237,6 +271,11 @@ class _Server:
             with self.cond:
                 self.results[jid] = err
                 self.current = None
+                key = _slot_key(job)
+                if key is not None:
+                    self.busy[key] -= 1
+                    if not self.busy[key]:
+                        del self.busy[key]
                 self.last_activity = self.progress_at = time.monotonic()
                 self.cond.notify_all()
 
@@ -248,6 +287,7 @@ class _Server:
         with self.cond:
             self.clients += 1
         lines = _Lines(conn)
+        normal_priority = False
         try:
             while True:
                 try:
@@ -275,8 +315,18 @@ class _Server:
                             self.watched[id(conn)] = {
                                 "who": f"rank {job.get('rank')} of {job.get('name')!r}", "interval": interval,
                                 "deadline": now + interval, "last": now, "fired": False}
+                        key = _slot_key(job)
+                        if key is not None:  # the slot stays out of reach of new versions until flushed
+                            self.busy[key] = self.busy.get(key, 0) + 1
+                            if self.reserved.get(key[:2]) == key[2]:
+                                del self.reserved[key[:2]]
                     self.jobs.put((jid, req["job"]))
                     _send(conn, {"ok": True, "id": jid})
+                elif op == "memtier_put":
+                    if not normal_priority:
+                        normal_priority = True
+                        _normal_priority()
+                    _send(conn, self.memtier_put(req))
                 elif op in ("wait", "poll"):  # which of these jobs are done, their errors (waiting at most "wait" s)
                     ids = [int(i) for i in req.get("ids", [])]
                     if op == "wait":
@@ -305,6 +355,7 @@ class _Server:
                         pending = sum(1 for v in self.results.values() if v == "pending")
                         msg = {"ok": True, "pid": os.getpid(), "pending": pending, "clients": self.clients,
                                "jobs": self.next_id, "overdue": list(self.overdue),
+                               "memtier_waits": self.memtier_waits,
                                "flusher": {"tid": self.flusher_tid, "job": self.current}}
                     msg["flusher"]["stalled"] = self.stalled()
                     _send(conn, msg)  # not under the lock: a slow reader must not stall the flusher
@@ -324,12 +375,137 @@ class _Server:
                 self.clients -= 1
                 self.last_activity = time.monotonic()
 
+    def _region(self, path: str, entry: int) -> Any:
+        """The VALID model-table entry ``entry`` of the device ``path`` (opened once; its table is
+        read again when the entry was registered after that). MemtierError if there is none."""
+        from .memtier import device as mdev
+        from .errors import MemtierError
+        with self.cond:
+            region = self.regions.get((path, entry))
+            if region is not None:
+                return region
+            dev = self.devices.get(path)
+            if dev is None:
+                dev = self.devices[path] = mdev.open(path)
+            else:
+                dev.refresh()
+            for r in dev.shards():
+                if r.entry_no == entry:
+                    self.regions[(path, entry)] = r
+                    return r
+        raise MemtierError(f"memory tier {path}: no valid model-table entry {entry} (retired, or not a device "
+                           "this rank registered on)")
+
+    def memtier_put(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Serve one ``memtier_put`` (see the module docstring); the answer, never an exception for
+        a bad request or a failed copy (the connection stays up)."""
+        from .errors import MemtierError, MemtierPermissionError
+        from .memtier.copy import VmReadvCopier
+        from .run import Version
+        try:
+            path, entry = str(req["device"]), int(req["entry"])
+            name, run, rank = str(req["name"]), str(req["run"]), int(req["rank"])
+            version = Version(int(req["generation"]), int(req["version"]))
+            self_copy = bool(req.get("self_copy", False))
+            wait = min(_MAX_SLOT_WAIT, max(0.0, float(req.get("wait", 0))))
+            regions = req.get("regions") or []
+            if not isinstance(regions, list) or len(regions) > _MAX_REGIONS:
+                raise ValueError(f"regions: a list of at most {_MAX_REGIONS} [address, length] pairs expected")
+            regions = [(int(a), int(n)) for a, n in regions]
+            if any(a < 0 or n < 0 for a, n in regions):
+                raise ValueError("regions: negative address or length")
+            manifest = req.get("manifest")
+            if not self_copy and not isinstance(manifest, dict):
+                raise ValueError("manifest: an object expected")
+            pid = int(req.get("pid", 0))
+            region = self._region(path, entry)
+            if (region.name, region.run, region.rank) != (name, run, rank):
+                raise MemtierError(f"memory tier {path} entry {entry} holds {region.name!r} run {region.run} rank "
+                                   f"{region.rank}, not {name!r} run {run} rank {rank}")
+        except MemtierError as e:
+            return {"ok": False, "kind": "error", "error": str(e)}
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            return {"ok": False, "kind": "error", "error": f"malformed memtier_put request: {e}"}
+        t0 = time.monotonic()
+        waited = 0.0
+        with self.cond:
+            self.reserved.pop((path, entry), None)  # the rank's previous put is over: it sent this one
+            while True:
+                busy = {k for (p, e, k) in list(self.busy) + list(self.copying) if (p, e) == (path, entry)}
+                k = region.choose_slot(busy)
+                if k is not None:
+                    break
+                left = t0 + wait - time.monotonic()
+                if waited == 0.0:
+                    self.memtier_waits += 1
+                if left <= 0:
+                    return {"ok": False, "kind": "busy", "error": f"no free slot of {name!r} rank {rank} on {path} "
+                            f"within {wait:g}s: every slot holds the newest version or one waiting for its "
+                            f"flush ({sorted(busy)})", "waited_s": time.monotonic() - t0}
+                self.cond.wait(min(left, 0.5))
+                waited = time.monotonic() - t0
+            if self_copy:
+                self.reserved[(path, entry)] = k
+                return {"ok": True, "slot": k, "bytes": 0, "calls": 0, "copy_s": 0.0, "waited_s": waited}
+            self.copying.add((path, entry, k))
+        try:
+            if sum(n for _, n in regions) != region.file_size - region.data_offset:
+                raise MemtierError(f"the regions of {name!r} v{version.step} rank {rank} hold "
+                                   f"{sum(n for _, n in regions)} bytes, the slot's data region "
+                                   f"{region.file_size - region.data_offset}: not the registered layout")
+            with self.cond:
+                first = (path, entry) not in self.prefaulted
+                self.prefaulted.add((path, entry))
+            if first:  # fault this process's mapping of the region in now, not during the timed copy
+                region.prefault()
+            c0 = time.monotonic()
+            writer = region.begin(k, version)
+            try:
+                stats = VmReadvCopier(pid).copy_in(regions, writer.data, writer.spans)
+                writer.finish(list(stats.crcs), manifest)
+            finally:
+                writer.release()
+            copy_s = time.monotonic() - c0
+            log.info("memtier: %s v%d rank %d -> slot %d of %s entry %d: %d bytes in %d calls, %.3fs", name,
+                     version.step, rank, k, path, entry, stats.bytes, stats.calls, copy_s)
+            return {"ok": True, "slot": k, "bytes": stats.bytes, "calls": stats.calls, "copy_s": copy_s,
+                    "waited_s": waited}
+        except MemtierPermissionError as e:
+            return {"ok": False, "kind": "permission", "error": str(e)}
+        except (MemtierError, OSError, ValueError, KeyError, TypeError) as e:
+            log.error("memtier: %s v%s rank %s failed: %s: %s", name, version.step, rank, type(e).__name__, e)
+            return {"ok": False, "kind": "error", "error": f"{type(e).__name__}: {e}"}
+        finally:
+            with self.cond:
+                self.copying.discard((path, entry, k))
+                self.cond.notify_all()
+
     def idle_now(self) -> bool:
         with self.cond:
             busy = self.clients > 0 or any(v == "pending" for v in self.results.values())
             if self.stopping:
                 return not any(v == "pending" for v in self.results.values())
             return not busy and time.monotonic() - self.last_activity >= self.idle
+
+
+def _slot_key(job: Any) -> tuple[str, int, int] | None:
+    """(device, entry, slot) of a flush job that reads a memory-tier slot, else None."""
+    mt = job.get("memtier") if isinstance(job, dict) else None
+    if not isinstance(mt, dict):
+        return None
+    try:
+        return str(mt["device"]), int(mt["entry"]), int(mt["slot"])
+    except (KeyError, TypeError, ValueError):
+        return None  # flush_job reports the malformed job
+
+
+def _normal_priority() -> None:
+    """Run the calling thread at nice 0 (the backend process runs at +10 so flushes yield to
+    training; a memory-tier copy is what the training waits for). Unchanged if not permitted."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def serve(path: str, idle: float = 5.0) -> None:
@@ -582,10 +758,11 @@ class BackendClient:
             raise BackendError(f"the DeepFreeze backend did not listen on {self.path} within {timeout}s; "
                                f"see {self.scratch}/.deepfreeze-backend.log")
 
-    def request(self, obj: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    def request(self, obj: dict[str, Any], timeout: float | None = None, *, check: bool = True) -> dict[str, Any]:
         """Send ``obj``, return the answer. ``timeout``: seconds for the whole exchange (default
         ``answer_timeout``); past it :class:`BackendUnresponsiveError`, and this connection is
-        closed (a late answer would be read as the next one's): make a new client."""
+        closed (a late answer would be read as the next one's): make a new client. With ``check``,
+        an answer ``{"ok": false}`` raises :class:`BackendError`; without, it is returned."""
         t = self.answer_timeout if timeout is None else timeout
         op = obj.get("op")
         with self._lock:
@@ -609,9 +786,14 @@ class BackendClient:
                 self._drop()
                 raise BackendError(f"the DeepFreeze backend on {self.path} closed the connection during "
                                    f"{op!r}; see {self.scratch}/.deepfreeze-backend.log")
-        if not resp.get("ok"):
+        if check and not resp.get("ok"):
             raise BackendError(f"backend refused {op!r}: {resp.get('error')}")
         return resp
+
+    def memtier_put(self, req: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """One ``memtier_put`` (``req`` without ``op``); the answer, ``ok`` or not (see the module
+        docstring)."""
+        return self.request({"op": "memtier_put", **req}, timeout, check=False)
 
     def flush(self, job: dict[str, Any], timeout: float | None = None) -> int:
         return self.request({"op": "flush", "job": job}, timeout)["id"]

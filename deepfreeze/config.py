@@ -41,6 +41,8 @@ KEYS: dict[str, str] = {
     "axl_type": "VeloC AXL transfer type (VeloC engine only)",
     "backend_timeout": "seconds without an answer after which the backend is declared dead and replaced (DeepFreeze key)",
     "redis": "redis://host:port[/db]: a Redis server for the stream's metadata and notifications (DeepFreeze key)",
+    "memtier": "path of a memory-tier device (deepfreeze memtier create): shards go there instead of scratch files "
+               "(DeepFreeze key)",
 }
 
 #: keys only VeloC acts on; accepted so a site's VeloC file parses, passed to VeloC as written
@@ -92,6 +94,8 @@ class Config:
     axl_type: str | None = None
     backend_timeout: float = 60.0
     redis: str | None = None
+    #: a memory-tier device file (:mod:`deepfreeze.memtier`); None: shards go to scratch files
+    memtier: str | None = None
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
     #: where each key given explicitly came from: ``(key, "file:line" | "env VELOC_<KEY>" |
@@ -142,6 +146,16 @@ class Config:
                               "dead and replaced; default 60)")
         validate_name(self.failure_domain.replace("-", "_"), f"failure_domain ({w('failure_domain')})")
         self._check_redis()
+        if self.memtier is not None:
+            if not self.memtier.strip():
+                raise ConfigError(f"{w('memtier')}: 'memtier' is empty: set it to the path of a device made by "
+                                  "'deepfreeze memtier create PATH --size 8G', or leave the key out")
+            object.__setattr__(self, "memtier", os.path.abspath(os.path.expanduser(self.memtier)))
+            if self.ec_interval >= 0:
+                raise ConfigError(f"{w('memtier')}: memtier = {self.memtier} cannot be combined with ec_interval = "
+                                  f"{self.ec_interval:g} ({w('ec_interval')}): the memory tier keeps no scratch "
+                                  "files for partner copies or parity to protect; set ec_interval = -1 or leave "
+                                  "memtier out")
 
     def _check_redis(self) -> None:
         if self.redis is not None and not re.match(r"^(redis|rediss|unix)://\S+$", self.redis):
@@ -184,6 +198,24 @@ class Config:
             except UnsafePathError as e:
                 raise ConfigError(f"{self.where(key)}: {key} = {path} is unsafe: {e} (shared_group = "
                                   f"{str(self.shared_group).lower()}: {self.where('shared_group')})") from e
+
+    def check_memtier(self) -> None:
+        """Raise :class:`ConfigError` unless ``memtier`` (when set) names an existing regular file
+        (a device made by ``deepfreeze memtier create``); :func:`deepfreeze.memtier.device.open`
+        then validates its content. Called when an engine starts, not at load: a node without the
+        device can still restore from the other levels."""
+        if self.memtier is None:
+            return
+        try:
+            st = os.stat(self.memtier)
+        except OSError as e:
+            raise ConfigError(f"{self.where('memtier')}: memtier = {self.memtier} is unusable: {e.strerror}; create "
+                              f"the device first ('deepfreeze memtier create {self.memtier} --size 8G') or leave the "
+                              "key out") from e
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{self.where('memtier')}: memtier = {self.memtier} is not a regular file (a memory-tier "
+                              "device is one preallocated file, e.g. under /dev/shm): create it with 'deepfreeze "
+                              "memtier create PATH --size 8G'")
 
     @property
     def keep_scratch(self) -> int:

@@ -19,7 +19,7 @@ import os
 import signal
 import threading
 
-__all__ = ["POINTS", "PERIPHERAL", "RACE_ONLY", "replace", "rename", "link", "fsync", "unlink", "rmdir", "hit"]
+__all__ = ["POINTS", "PERIPHERAL", "MEMTIER", "RACE_ONLY", "replace", "rename", "link", "fsync", "unlink", "rmdir", "hit"]
 
 #: point name -> the state a crash right before the operation leaves behind
 POINTS: dict[str, str] = {
@@ -66,14 +66,21 @@ POINTS: dict[str, str] = {
     "run.clock.unlink": "the file that gave the file system's clock about to be removed",
     # backend (backend.py)
     "backend.socket.unlink": "the backend removing a stale socket, or its own at exit",
+    # memory tier (deepfreeze/memtier/device.py; the slot and table commit protocols documented there)
+    "memtier.slot.active": "a slot about to be marked ACTIVE: it still holds its previous state",
+    "memtier.slot.data": "a slot ACTIVE, its image (data, header, manifest) about to be written: a torn image",
+    "memtier.slot.done": "a slot's image written and flushed, its header not yet DONE (still ACTIVE)",
+    "memtier.table.valid": "a model-table entry and its index written (WRITING), the entry not yet VALID",
     # outside the commit protocol: exports and VeloC's INI file (registered, covered elsewhere)
     "export.rename": "an export complete under its temporary name",
     "veloc.config.rename": "VeloC's INI file written under its temporary name",
     "stream.endpoint.rename": "a stream producer rank's endpoint file written under its temporary name",
 }
 
-#: points outside the checkpoint commit protocol (not part of the kill suite)
-PERIPHERAL = {"export.rename", "veloc.config.rename", "stream.endpoint.rename"}
+#: the memory tier's points: killed at by its own tests (tests/test_memtier_*.py), not by the file-level suite
+MEMTIER = {"memtier.slot.active", "memtier.slot.data", "memtier.slot.done", "memtier.table.valid"}
+#: points outside the file-level checkpoint commit protocol (not part of its kill suite)
+PERIPHERAL = {"export.rename", "veloc.config.rename", "stream.endpoint.rename"} | MEMTIER
 #: points only a race of two processes reaches (tested by their own race tests, not by a kill of one job)
 RACE_ONLY = {"persistent.lock.putback", "run.lease.putback"}
 

@@ -35,6 +35,25 @@ If the backend process dies (killed, node OOM), the next exchange with it starts
 a new one and re-sends every flush not known to be done; flushes are idempotent
 (see :func:`deepfreeze.levels.flush_job`), so a half-done flush is finished.
 
+Memory tier (INI ``memtier = PATH``, :mod:`deepfreeze.memtier`; built-in engine, ``ec_interval < 0``):
+the engine registers this rank's shard on the device when it starts (the index from the shard's
+:class:`~deepfreeze.fused.FusedLayout`; a device without room is a :class:`MemtierFullError`
+before training) and a version goes to a slot of the device instead of a scratch file: in async
+mode the writer thread sends ``memtier_put`` (this process's pid and the ``(address, length)``
+regions of the buffer: one for a :class:`FusedShard`, one per piece for flat arrays, with a
+static zero buffer for the padding between pieces) and the backend copies the bytes out of this
+process (``process_vm_readv``) while training goes on; the writer thread holds the buffer until
+the backend's answer (the copy is done: the slot is DONE), then sends the flush job with
+``job["memtier"]`` (:class:`~deepfreeze.levels.SlotSource`), which reads the slot, not a file.
+No slot free (every slot holds the newest version or one waiting for its flush): the backend
+waits, then answers ``busy`` and the writer thread waits for its oldest flush and asks again
+(backpressure; counted in :attr:`Engine.memtier_waits`). The rank allows the backend to read its
+memory (``prctl(PR_SET_PTRACER)``, for Yama ``ptrace_scope = 1``); if the kernel refuses the read
+anyway, the rank copies into the slot itself (:class:`~deepfreeze.memtier.copy.LocalCopier`,
+the slot still chosen by the backend), with one warning. Sync mode copies in the calling thread.
+Per version, :attr:`Engine.memtier_stats` records the slot, bytes, copy calls, copy seconds,
+the seconds waited for a slot and who copied.
+
 Bounded waits: every exchange with the backend has a timeout. A backend that
 does not answer (stopped, or stuck in uninterruptible I/O on a hung file system)
 is asked again, with a log line every 10 s ("backend pid N on <socket> has not
@@ -61,11 +80,13 @@ import numpy as np
 
 from .backend import LOG_EVERY, BackendClient, process_state
 from .config import Config, validate_name
-from .fused import FusedShard
-from .errors import BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError
-from .levels import ScratchLevel, flush_job
+from . import format as fmt
+from .fused import FusedLayout, FusedShard
+from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError,
+                     MemtierBusyError, MemtierError)
+from .levels import ScratchLevel, SlotSource, flush_job
 from .redundancy import Comm, plan_redundancy, protect
-from .run import ANONYMOUS_RUN, RunInfo
+from .run import ANONYMOUS_RUN, RunInfo, Version
 from .shardplan import ShardPlan
 
 __all__ = ["Engine", "build_manifest", "make_engine", "resolve_engine", "ENGINES"]
@@ -120,6 +141,24 @@ class Engine:
         self.stats: list[dict[str, float]] = []
         self.write_times: dict[int, float] = {}  # version -> seconds to commit the shard on scratch
         self.writer_cpu: dict[int, float] = {}  # version -> CPU seconds the writer thread spent on it
+        #: checkpoint calls that waited for the writer thread (max_inflight versions not yet written:
+        #: in memory-tier mode, not yet copied into the tier, so their buffers are still held)
+        self.write_waits = 0
+        #: versions that had to wait for a free memory-tier slot (the backend waited, or answered busy)
+        self.memtier_waits = 0
+        #: version -> {"slot", "bytes", "calls", "copy_s", "waited_s", "copier"} of its memory-tier copy
+        self.memtier_stats: dict[int, dict[str, Any]] = {}
+        self._mt_device: Any = None  # memory tier: the open Device, this rank's ShardRegion, its FusedLayout
+        self._mt_region: Any = None
+        self._mt_layout: FusedLayout | None = None
+        self._mt_self_copy = False  # the kernel refused the backend's read: this rank copies (one warning)
+        self._mt_ptracer: int | None = None  # the backend pid this process allowed to read its memory
+        if config.memtier is not None:
+            try:
+                self._memtier_register()
+            except BaseException:
+                self._pool.shutdown(wait=False)  # refused before training: no thread left behind
+                raise
         if config.mode == "async" and self.kind == "builtin":
             self.scratch.makedirs(config.scratch)  # checked with shared_group before the backend creates its log
             self._backend = BackendClient(config.scratch, answer_timeout=config.backend_timeout)
@@ -153,6 +192,8 @@ class Engine:
         if self.run.resumed_from is not None and version <= self.run.resumed_from:
             raise ConfigError(f"checkpoint {self.name!r} v{version} requested, but this run resumed from "
                               f"v{self.run.resumed_from}: versions must grow")
+        if len(self._inflight) >= self.config.max_inflight and not self._inflight[0].done():
+            self.write_waits += 1
         self._drain(keep=self.config.max_inflight - 1)
         self._raise_pending()
         # the version-independent part is built once: allocating thousands of small objects here
@@ -198,6 +239,152 @@ class Engine:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+        if self._mt_device is not None:
+            self._mt_region = None
+            self._mt_device.close()
+            self._mt_device = None
+
+    # -- memory tier
+    def _memtier_register(self) -> None:
+        """Register this rank's shard on the device (or find its registration by this run) and
+        keep the region. ConfigError for a device path that is missing or not a file, or with
+        the VeloC engine; MemtierFullError when it does not fit (before training starts)."""
+        cfg = self.config
+        if self.kind != "builtin":
+            raise ConfigError(f"memtier = {cfg.memtier} ({cfg.where('memtier')}) needs the built-in engine: with "
+                              "engine='veloc' the shards go through VeloC's files; leave memtier out or use "
+                              "engine='builtin'")
+        cfg.check_memtier()
+        from .memtier import device as mdev
+        layout = FusedLayout.build(self.plan, self.rank)
+        index = mdev.make_index(self.plan, self.rank, self.name, self.run.id,
+                                lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout})
+        dev = mdev.open(cfg.memtier)
+        try:  # an engine rebuilt within the same run (a second fit) gets its region again
+            region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,
+                                        image_size=layout.file_size, meta_cap=mdev.manifest_capacity(
+                                            len(self.plan.tensors), len(self.plan.pieces), self.plan.world_size))
+        except BaseException:
+            dev.close()
+            raise
+        self._mt_device, self._mt_region, self._mt_layout = dev, region, layout
+        self._mt_zeros = np.zeros(fmt.DATA_ALIGN, np.uint8)  # the padding between flat pieces is read from here
+
+    def _memtier_regions(self, arrays: "Sequence[np.ndarray] | FusedShard") -> tuple[list[tuple[int, int]], list]:
+        """``(regions, keep)``: the (address, length) pairs whose concatenation is the shard image's
+        data region, and the arrays they point into (held by the caller until the copy is done)."""
+        layout = self._mt_layout
+        if isinstance(arrays, FusedShard):
+            if not (arrays.layout.rank == self.rank and (arrays.layout.plan is self.plan
+                                                         or arrays.layout.plan == self.plan)):
+                raise ValueError(f"the fused shard is rank {arrays.layout.rank}'s of another shard plan than this "
+                                 f"engine's (rank {self.rank}): build it with FusedLayout.build(plan, rank)")
+            data = arrays.data
+            return [(_address(data), data.nbytes)], [arrays, data]
+        pieces = self.plan.for_rank(self.rank)
+        if len(arrays) != len(pieces):
+            raise ValueError(f"rank {self.rank} holds {len(pieces)} pieces, got {len(arrays)} arrays")
+        regions, keep, pos = [], [], layout.data_offset
+        zero = _address(self._mt_zeros)
+        for p, e, a in zip(pieces, layout.entries, arrays):
+            if a.size != p.count or fmt.dtype_name(a.dtype) != e.dtype:
+                raise ValueError(f"array for tensor {self.plan.tensors[p.tensor_id].name!r} piece [{p.start},"
+                                 f"{p.stop}) has {a.size} {a.dtype} elements")
+            a = np.ascontiguousarray(a)
+            keep.append(a)
+            if e.offset > pos:
+                regions.append((zero, e.offset - pos))  # < PIECE_ALIGN bytes
+            if e.length:
+                regions.append((_address(a), e.length))
+            pos = e.offset + e.length
+        return regions, keep
+
+    def _memtier_local(self, slot: int, version: int, regions: list[tuple[int, int]],
+                       manifest: dict[str, Any]) -> dict[str, Any]:
+        """Copy the regions into ``slot`` from this process (sync mode, or the backend may not read
+        our memory): the same slot protocol as the backend's copy."""
+        from .memtier.copy import LocalCopier
+        c0 = time.perf_counter()
+        writer = self._mt_region.begin(slot, Version(self.run.generation, version))
+        try:
+            if sum(n for _, n in regions) != len(writer.data):
+                raise MemtierError(f"rank {self.rank}: {sum(n for _, n in regions)} bytes to copy into a slot data "
+                                   f"region of {len(writer.data)}: not the registered layout")
+            stats = LocalCopier().copy_in(regions, writer.data, writer.spans)
+            writer.finish(list(stats.crcs), manifest)
+        finally:
+            writer.release()
+        return {"slot": slot, "bytes": stats.bytes, "calls": stats.calls, "copy_s": time.perf_counter() - c0}
+
+    def _memtier_put(self, version: int, arrays: "Sequence[np.ndarray] | FusedShard",
+                     manifest: dict[str, Any]) -> SlotSource:
+        """Put ``version`` into a slot of the device (see the module docstring); returns the flush
+        job's source. ``arrays`` stays referenced (by the caller) until this returns."""
+        cfg, region = self.config, self._mt_region
+        regions, keep = self._memtier_regions(arrays)
+        if self._backend is None:  # sync mode: nothing waits for a flush when the next version comes
+            slot = region.choose_slot(set())
+            if slot is None:
+                raise MemtierBusyError(f"memory tier {cfg.memtier}: no slot of {self.name!r} rank {self.rank} is free "
+                                       f"({region.nslots} slots)")
+            stat = dict(self._memtier_local(slot, version, regions, manifest), waited_s=0.0, copier="rank")
+        else:
+            wait = min(10.0, cfg.backend_timeout / 2)
+            req = {"device": cfg.memtier, "entry": region.entry_no, "name": self.name, "run": self.run.id,
+                   "rank": self.rank, "generation": self.run.generation, "version": version, "pid": os.getpid(),
+                   "regions": regions, "manifest": manifest, "wait": wait}
+            waited_s, busy_since = 0.0, None
+            while True:
+                resp = self._call_backend(lambda b, t: self._memtier_request(b, req, wait))
+                waited_s += float(resp.get("waited_s") or 0.0)
+                if resp.get("ok"):
+                    break
+                kind = resp.get("kind")
+                if kind == "busy":  # backpressure: wait for our oldest flush, then ask again
+                    w0 = time.monotonic()
+                    if self._pending:
+                        busy_since = None
+                        self._await_flushes(len(self._pending) - 1)
+                    else:
+                        busy_since = busy_since or w0
+                        if w0 - busy_since >= cfg.backend_timeout:
+                            raise MemtierBusyError(
+                                f"memory tier {cfg.memtier}: no free slot for {self.name!r} v{version} rank "
+                                f"{self.rank} for {cfg.backend_timeout:g}s (backend_timeout) and no flush of this "
+                                f"rank pending: {resp.get('error')}")
+                        time.sleep(0.05)
+                    waited_s += time.monotonic() - w0
+                    continue
+                if kind == "permission" and not req.get("self_copy"):
+                    log.warning("deepfreeze: rank %d: the backend (pid %s) may not read this process's memory (%s); "
+                                "this rank copies its shards into the memory tier itself from now on (the copy "
+                                "then costs this process's CPU)", self.rank, self._backend.pid, resp.get("error"))
+                    self._mt_self_copy = True
+                    req["self_copy"] = True
+                    continue
+                raise MemtierError(f"memory tier {cfg.memtier}: the backend could not put {self.name!r} v{version} of "
+                                   f"rank {self.rank}: {resp.get('error')}")
+            if req.get("self_copy"):
+                stat = dict(self._memtier_local(int(resp["slot"]), version, regions, manifest), copier="rank")
+            else:
+                stat = {"slot": int(resp["slot"]), "bytes": int(resp["bytes"]), "calls": int(resp["calls"]),
+                        "copy_s": float(resp["copy_s"]), "copier": "backend"}
+            stat["waited_s"] = waited_s
+            if waited_s > 0:
+                self.memtier_waits += 1
+        del keep  # the copy is done (the slot is DONE): the buffer may go
+        self.memtier_stats[version] = stat
+        return SlotSource(cfg.memtier, region.entry_no, stat["slot"], version, self.run.id, self.rank)
+
+    def _memtier_request(self, backend: BackendClient, req: dict[str, Any], wait: float) -> dict[str, Any]:
+        """One ``memtier_put`` exchange; first allows this backend to read our memory (Yama)."""
+        if backend.pid != self._mt_ptracer and not self._mt_self_copy:
+            from .memtier.copy import allow_ptracer
+            allow_ptracer(backend.pid)
+            self._mt_ptracer = backend.pid
+        if self._mt_self_copy:
+            req["self_copy"] = True
+        return backend.memtier_put(req, wait + self.config.backend_timeout)
 
     # -- internals
     def _drain(self, timeout: float | None = None, keep: int = 0) -> None:
@@ -419,6 +606,11 @@ class Engine:
     def _write_version(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
         cfg = self.config
         t0 = time.perf_counter()
+        if self._mt_region is not None:  # the memory tier: a slot instead of a scratch file (no redundancy)
+            source = self._memtier_put(version, arrays, manifest)
+            self.write_times[version] = time.perf_counter() - t0
+            self._flush(version, manifest, source)
+            return
         try:
             path: str | None = self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays,
                                                         chksum=cfg.chksum, run=self.run.id)
@@ -436,11 +628,18 @@ class Engine:
             raise failure
         self.scratch.write_manifest(self.name, version, manifest)
         self.write_times[version] = time.perf_counter() - t0
+        self._flush(version, manifest)
+
+    def _flush(self, version: int, manifest: dict[str, Any], source: SlotSource | None = None) -> None:
+        """Hand the version's flush job to the backend (async) or run it (sync)."""
+        cfg = self.config
         job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
                "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
                "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions,
                "watchdog_interval": cfg.watchdog_interval, "manifest": manifest, "run": self.run.id,
                "lease_timeout": cfg.lease_timeout, "shared_group": cfg.shared_group}
+        if source is not None:
+            job["memtier"] = source.to_job()
         if self._backend is not None:
             self._in_backend = True
             try:
@@ -451,6 +650,11 @@ class Engine:
                 self._in_backend = False
         else:
             flush_job(job, scratch_cls=type(self.scratch))
+
+
+def _address(a: np.ndarray) -> int:
+    """Address of a contiguous array's first byte in this process."""
+    return int(a.__array_interface__["data"][0])
 
 
 def write_error(config: Config, name: str, version: int, e: OSError) -> CheckpointWriteError:
@@ -510,6 +714,15 @@ def make_engine(engine: str | None, config: Config, name: str, rank: int, plan: 
                 scratch_cls: type = ScratchLevel, run: RunInfo | None = None) -> Engine:
     """The engine of one rank: :class:`Engine` or :class:`~deepfreeze.veloc_engine.VelocEngine`.
     ``comm`` carries the built-in redundancy exchange; ``mpi_comm`` (mpi4py) is VeloC's."""
+    if config.memtier is not None:  # the memory tier is the built-in engine's: decided before looking for VeloC
+        requested = engine or os.environ.get("DEEPFREEZE_ENGINE") or "builtin"
+        if requested == "veloc":
+            raise ConfigError(f"memtier = {config.memtier} ({config.where('memtier')}) needs the built-in engine: "
+                              "with engine='veloc' the shards go through VeloC's files; leave memtier out or use "
+                              "engine='builtin'")
+        if requested == "auto":
+            log.info("deepfreeze: engine='auto' uses the built-in engine: memtier is set")
+            engine = "builtin"
     if resolve_engine(engine) == "veloc":
         from .veloc_engine import VelocEngine
         return VelocEngine(config, name, rank, plan, domains, mpi_comm=mpi_comm, scratch_cls=scratch_cls, run=run)

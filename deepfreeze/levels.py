@@ -50,6 +50,14 @@ crash at any point (every file operation below passes a named crash point of
   in a version directory is unfinished or abandoned work that readers ignore. A re-sent flush
   (a restarted backend) of a committed version does nothing; of an unfinished one, repeats the
   idempotent copy under the same nonce.
+* **Memory tier** (``memtier = PATH``): a rank's shard is not a scratch file but the image in one
+  slot of the device (:mod:`deepfreeze.memtier.device`; byte for byte a shard file). Its flush job
+  names the slot (``job["memtier"]``, :class:`SlotSource`); the flush reads the image through a
+  read-only descriptor of the device at the image's offset exactly as it reads a scratch shard
+  (same checks, same partial, marker and finalize), after checking that the slot header is DONE
+  and holds this run and version, and again after the copy (a slot rewritten meanwhile fails the
+  flush; the busy-slot rule of the backend never lets that happen). No scratch file is read,
+  written or retained for such a job.
 * **Retention** runs after a commit: ``max_versions`` newest committed versions of the current
   generation stay on persistent, older generations and ``skip`` directories older than the
   newest commit go; a version is retired manifest first, then its files one by one (no symlink
@@ -86,7 +94,7 @@ from .fused import FusedShard
 from .shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
-           "read_decision", "FencedError"]
+           "read_decision", "FencedError", "SlotSource"]
 
 log = logging.getLogger("deepfreeze")
 _VDIR = re.compile(r"^v(\d{12})$")
@@ -658,11 +666,14 @@ class PersistentLevel(Level):
     def assembled_layout(self, plan: ShardPlan) -> tuple[list[fmt.Entry], int, int]:
         return fmt.layout(piece_entries(plan, plan.pieces), contiguous_tensors=True)
 
-    def flush_shard(self, name: str, version: int, rank: int, shard_path: str,
+    def flush_shard(self, name: str, version: int, rank: int, shard_path: str | None,
                     manifest: dict[str, Any], *, fsync: bool = True, decision: dict[str, str] | None = None,
-                    stale_after: float = 60.0) -> bool:
+                    stale_after: float = 60.0, source: "SlotSource | None" = None) -> bool:
         """Copy one rank's shard into the version's partial file, publish its done marker, and
         finalize if it was the last one. Returns True if this call committed the version.
+
+        The shard is the scratch file ``shard_path``, or, with ``source``, the image in a slot of
+        the memory tier (``shard_path`` is then unused).
 
         ``decision`` is the version's (:meth:`decide`); the partial and the marker carry its
         nonce. Each piece's CRC is computed from the bytes as they are copied and compared with
@@ -679,9 +690,7 @@ class PersistentLevel(Level):
         layout, _, size = self.assembled_layout(plan)
         if not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
             where = {(e.tensor_id, e.start): e for e in layout}
-            fd = open_regular(shard_path)
-            try:
-                idx = fmt.read_index(_FdFile(fd), shard_path)
+            with _open_source(shard_path, source) as (fd, base, idx, shard_path, recheck):
                 expect = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(rank)]
                 if [(e.tensor_id, e.start, e.stop) for e in idx.entries] != expect or idx.version != version:
                     raise CorruptCheckpointError(f"{shard_path}: shard does not match the manifest's plan")
@@ -692,15 +701,15 @@ class PersistentLevel(Level):
                               os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 try:
                     got = _copy_checked(fd, dst, idx.entries, [where[(e.tensor_id, e.start)].offset
-                                                               for e in idx.entries], idx.has_crc, shard_path)
+                                                               for e in idx.entries], idx.has_crc, shard_path,
+                                        base=base)
+                    recheck()  # the source still holds what was read (a memory-tier slot not rewritten)
                     crcs = [[e.tensor_id, e.start, c] for e, c in zip(idx.entries, got)]
                     if fsync:
                         cp.fsync(dst, "persistent.partial.fsync")
                         _drop_cached(dst, [(where[(e.tensor_id, e.start)].offset, e.length) for e in idx.entries])
                 finally:
                     os.close(dst)
-            finally:
-                os.close(fd)
             marker = {"rank": rank, "run": run, "nonce": nonce, "has_crc": idx.has_crc, "crcs": crcs}
             atomic_write(os.path.join(vdir, f"done.r{rank:06d}.{nonce}.json"), json.dumps(marker).encode(),
                          fsync=fsync, point="persistent.marker")
@@ -873,6 +882,95 @@ class PersistentLevel(Level):
         return old
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotSource:
+    """A flush job's memory-tier source (``job["memtier"]``): slot ``slot`` of the model-table entry
+    ``entry`` of the device file ``device``, holding version ``version`` of run ``run``, rank ``rank``.
+    As a job dict: ``{"device": path, "entry": int, "slot": int, "version": int, "run": hex16,
+    "rank": int}``."""
+
+    device: str
+    entry: int
+    slot: int
+    version: int
+    run: str
+    rank: int
+
+    @classmethod
+    def from_job(cls, spec: Any, name: str, version: int, rank: int, run: str) -> "SlotSource":
+        """Validate ``job["memtier"]`` against the job's own name/version/rank/run (a job is JSON that
+        crossed a socket: every field is checked, nothing trusted)."""
+        ok = isinstance(spec, dict) and isinstance(spec.get("device"), str) and os.path.isabs(spec["device"]) \
+            and all(isinstance(spec.get(k), int) and not isinstance(spec.get(k), bool) and spec[k] >= 0
+                    for k in ("entry", "slot", "version", "rank")) and isinstance(spec.get("run"), str)
+        if not ok or spec["version"] != version or spec["rank"] != rank or spec["run"] != run:
+            raise CheckpointWriteError(errno.EINVAL, f"flush job of {name!r} v{version} rank {rank}: malformed "
+                                       f"memory-tier source {str(spec)[:300]} (expected device, entry, slot, version, "
+                                       "run, rank matching the job)")
+        return cls(spec["device"], spec["entry"], spec["slot"], spec["version"], spec["run"], spec["rank"])
+
+    def to_job(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def label(self) -> str:
+        return f"{self.device} (memory tier entry {self.entry}, slot {self.slot})"
+
+
+def _slot_holds(region: Any, src: SlotSource) -> Any:
+    """The slot header of ``src`` if it is DONE and holds ``src``'s run and version; else
+    :class:`CorruptCheckpointError` naming what it holds."""
+    from .memtier.device import SlotState
+    head = region.slot_header(src.slot)
+    if head is None or head.state != SlotState.DONE or head.run != src.run or head.version.step != src.version:
+        what = "an invalid header" if head is None else \
+            f"state {getattr(head.state, 'name', head.state)}, run {head.run}, version {head.version}"
+        raise CorruptCheckpointError(f"{src.label()}: the slot should hold run {src.run} v{src.version}, DONE, but "
+                                     f"holds {what}: not flushing it (the tier was rewritten or damaged)")
+    return head
+
+
+@contextlib.contextmanager
+def _open_source(shard_path: str | None, source: SlotSource | None
+                 ) -> Iterator[tuple[int, int, fmt.ShardIndex, str, Any]]:
+    """Open a flush's shard: ``(fd, base, index, label, recheck)``: the shard's bytes start at
+    ``base`` of ``fd``; ``recheck()`` raises if the source changed since it was opened (a no-op for a
+    scratch file, which is never rewritten: a new version is a new file)."""
+    if source is None:
+        fd = open_regular(shard_path)
+        try:
+            yield fd, 0, fmt.read_index(_FdFile(fd), shard_path), shard_path, (lambda: None)
+        finally:
+            os.close(fd)
+        return
+    from .memtier import device as mdev
+    label = source.label()
+    dev = mdev.open(source.device, writable=False)
+    try:
+        region = next((r for r in dev.shards() if r.entry_no == source.entry), None)
+        if region is None or region.run != source.run or region.rank != source.rank or source.slot >= region.nslots:
+            raise CorruptCheckpointError(f"{label}: no valid model-table entry {source.entry} of run {source.run} "
+                                         f"rank {source.rank} with that slot on the device (retired or repacked?): "
+                                         "not flushing")
+        head = _slot_holds(region, source)
+        view = region.image(source.slot)
+        try:
+            idx = fmt.read_index(view[:head.image_len], label)  # copies the header and index only
+        finally:
+            view.release()
+        fd = os.open(source.device, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+        def recheck() -> None:
+            if _slot_holds(region, source).raw != head.raw:
+                raise CorruptCheckpointError(f"{label}: the slot was rewritten while it was flushed: not "
+                                             "committing what was read")
+        try:
+            yield fd, region._image_off(source.slot), idx, label, recheck
+        finally:
+            os.close(fd)
+    finally:
+        dev.close()
+
+
 class _FdFile:
     """The minimal file object :func:`deepfreeze.format.read_index` needs, over a descriptor."""
 
@@ -892,10 +990,11 @@ class _FdFile:
 
 
 def _copy_checked(src: int, dst: int, entries: Sequence[fmt.Entry], dst_offsets: Sequence[int], check: bool,
-                  path: str) -> list[int]:
+                  path: str, *, base: int = 0) -> list[int]:
     """Copy the pieces ``entries`` of the shard ``src`` to ``dst_offsets`` of ``dst``, computing each
     piece's CRC32 from the copied bytes (no second read); with ``check``, compare it with the index.
-    Returns the CRCs (0s when not checked).
+    Returns the CRCs (0s when not checked). The shard starts at byte ``base`` of ``src`` (0 for a
+    scratch file; a memory-tier slot image's offset in the device file).
 
     The bytes go through one reused buffer in reads of up to ``_CHUNK`` bytes (small enough to stay
     in the CPU cache from the read through the CRC to the write): consecutive small pieces share
@@ -924,7 +1023,7 @@ def _copy_checked(src: int, dst: int, entries: Sequence[fmt.Entry], dst_offsets:
         pos = e.offset
         while pos < end or pos == e.offset == end:  # one read per pass (a large piece: several passes)
             want = min(len(view), end - pos)
-            got = _read_full(src, view[:want], pos, path)
+            got = _read_full(src, view[:want], base + pos, path)
             for k in order[i:j]:
                 p = entries[k]
                 lo, hi = max(p.offset, pos), min(p.offset + p.length, pos + got)
@@ -1037,6 +1136,7 @@ def _drop_cached(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
 def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
               persistent_cls: type = PersistentLevel) -> dict[str, Any]:
     """Flush one rank's shard of one version (backend or sync mode). Same code in both modes.
+    With ``job["memtier"]`` (:class:`SlotSource`), the shard is read from that memory-tier slot.
 
     Work of a run that lost the lease on its name is abandoned (logged, result
     ``abandoned``), never an error of the live run."""
@@ -1047,12 +1147,13 @@ def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
     scratch = scratch_cls(job["scratch"], shared_group=shared)
     persistent = persistent_cls(job["persistent"], shared_group=shared)
     result = {"flushed": False, "committed": False, "abandoned": False}
+    source = None if job.get("memtier") is None else SlotSource.from_job(job["memtier"], name, version, rank, run)
     try:
         decision = persistent.decide(name, version, job["persistent_interval"], run, stale_after=stale)
         if decision is not None and decision["decision"] == "flush":
             result["committed"] = persistent.flush_shard(
-                name, version, rank, scratch.shard_path(name, version, rank), job["manifest"],
-                fsync=job.get("fsync", True), decision=decision, stale_after=stale)
+                name, version, rank, None if source else scratch.shard_path(name, version, rank), job["manifest"],
+                fsync=job.get("fsync", True), decision=decision, stale_after=stale, source=source)
             result["flushed"] = True
             if result["committed"]:
                 persistent._fence(name, run, f"retention of {name!r}")
@@ -1063,5 +1164,6 @@ def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
     except FencedError as e:
         log.warning("deepfreeze: %s", e)
         result["abandoned"] = True
-    scratch.retain(name, rank, job["keep_scratch"], upto=version)
+    if source is None:  # a memory-tier job has no scratch files (its slots are reused, not retained)
+        scratch.retain(name, rank, job["keep_scratch"], upto=version)
     return result
