@@ -43,6 +43,8 @@ KEYS: dict[str, str] = {
     "redis": "redis://host:port[/db]: a Redis server for the stream's metadata and notifications (DeepFreeze key)",
     "memtier": "path of a memory-tier device (deepfreeze memtier create): shards go there instead of scratch files "
                "(DeepFreeze key)",
+    "memtier_slots": "slots per (model, shard) on the memory-tier device, >= 2: the newest DONE version is never "
+                     "overwritten, more slots let flushes to persistent lag further (DeepFreeze key)",
 }
 
 #: keys only VeloC acts on; accepted so a site's VeloC file parses, passed to VeloC as written
@@ -96,6 +98,7 @@ class Config:
     redis: str | None = None
     #: a memory-tier device file (:mod:`deepfreeze.memtier`); None: shards go to scratch files
     memtier: str | None = None
+    memtier_slots: int = 2
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
     #: where each key given explicitly came from: ``(key, "file:line" | "env VELOC_<KEY>" |
@@ -146,6 +149,9 @@ class Config:
                               "dead and replaced; default 60)")
         validate_name(self.failure_domain.replace("-", "_"), f"failure_domain ({w('failure_domain')})")
         self._check_redis()
+        if not 2 <= self.memtier_slots <= 64:
+            raise ConfigError(f"{w('memtier_slots')}: memtier_slots = {self.memtier_slots} must be between 2 and 64 (a "
+                              "new version never overwrites the newest DONE one, so 1 slot could never be written)")
         if self.memtier is not None:
             if not self.memtier.strip():
                 raise ConfigError(f"{w('memtier')}: 'memtier' is empty: set it to the path of a device made by "
@@ -321,7 +327,7 @@ def _convert(key: str, value: Any, where: str) -> Any:
     try:
         if key in ("persistent_interval", "ec_interval", "watchdog_interval", "lease_timeout", "backend_timeout"):
             return float(value)
-        if key in ("max_versions", "scratch_versions", "max_inflight"):
+        if key in ("max_versions", "scratch_versions", "max_inflight", "memtier_slots"):
             if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):
                 raise ValueError("not an integer")
             return int(value)

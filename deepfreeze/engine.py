@@ -83,7 +83,7 @@ from .config import Config, validate_name
 from . import format as fmt
 from .fused import FusedLayout, FusedShard
 from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError,
-                     MemtierBusyError, MemtierError)
+                     MemtierBusyError, MemtierError, MemtierFullError)
 from .levels import ScratchLevel, SlotSource, flush_job
 from .redundancy import Comm, plan_redundancy, protect
 from .run import ANONYMOUS_RUN, RunInfo, Version
@@ -260,10 +260,19 @@ class Engine:
         index = mdev.make_index(self.plan, self.rank, self.name, self.run.id,
                                 lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout})
         dev = mdev.open(cfg.memtier)
+        meta_cap = mdev.manifest_capacity(len(self.plan.tensors), len(self.plan.pieces), self.plan.world_size)
         try:  # an engine rebuilt within the same run (a second fit) gets its region again
-            region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,
-                                        image_size=layout.file_size, meta_cap=mdev.manifest_capacity(
-                                            len(self.plan.tensors), len(self.plan.pieces), self.plan.world_size))
+            try:
+                region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,
+                                            image_size=layout.file_size, meta_cap=meta_cap, nslots=cfg.memtier_slots)
+            except MemtierFullError:
+                # as Portus's repacking tool runs when free memory is low: compact away finished jobs'
+                # models (never a live run's, never the only valid version), then try once more
+                freed = dev.repack(live=mdev.default_live)
+                log.warning("deepfreeze: memory tier %s full: repacked finished models (%d bytes freed)",
+                            cfg.memtier, freed.get("freed_bytes", 0))
+                region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,
+                                            image_size=layout.file_size, meta_cap=meta_cap, nslots=cfg.memtier_slots)
         except BaseException:
             dev.close()
             raise

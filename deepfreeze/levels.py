@@ -964,7 +964,7 @@ def _open_source(shard_path: str | None, source: SlotSource | None
                 raise CorruptCheckpointError(f"{label}: the slot was rewritten while it was flushed: not "
                                              "committing what was read")
         try:
-            yield fd, region._image_off(source.slot), idx, label, recheck
+            yield fd, region.image_offset(source.slot), idx, label, recheck
         finally:
             os.close(fd)
     finally:

@@ -238,7 +238,7 @@ def test_whole_multi_rank_model_restores_and_missing_ranks_are_named(path, tmp_p
         # rank 2's newest slot damaged: version 3 is incomplete, version 2 is whole everywhere
         r2 = regions[2]
         k, _ = r2.newest()
-        dev.mm[r2._image_off(k) + r2.entries[0].offset] ^= 0x40
+        dev.mm[r2.image_offset(k) + r2.entries[0].offset] ^= 0x40
         got, v = api.restore(dev, "eng")
         assert v == Version(0, 2) and _same(got, {n: a + 2 for n, a in arrays.items()})
         out = dump(dev, "eng", str(tmp_path / "e.npz"), version=2)

@@ -176,7 +176,7 @@ def test_torn_header_and_damaged_image_fall_back(path):
         k2 = _put(r, plan, _bump(arrays, 2), 2)
         # damage one data byte of v2's image: verify finds it, newest falls back to v1
         e = r.entries[-1]
-        off = r._image_off(k2) + e.offset + 5
+        off = r.image_offset(k2) + e.offset + 5
         dev.mm[off] ^= 0xFF
         assert "checksum" in r.verify_slot(k2)
         assert r.newest(verify=False)[0] == k2
@@ -457,7 +457,7 @@ def test_random_damage_never_crashes(path):
         _put(r, plan, arrays, 1)
         _put(r, plan, arrays, 2)
         hot = [(0, 64), (dev._entry_off(0), 400), (r._e.index_off, r._e.index_len + 4),
-               (r._slot_off(0), 96), (r._slot_off(1), 96), (r._image_off(0), 400)]
+               (r._slot_off(0), 96), (r._slot_off(1), 96), (r.image_offset(0), 400)]
     pristine = open(path, "rb").read()
     rng = random.Random(7)
     outcomes = set()

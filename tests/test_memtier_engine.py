@@ -437,3 +437,44 @@ def test_kill_at_memtier_crash_point_then_recover(tmp_path, device, point):
     held, _ = tier(device, "job")
     assert sorted(held) == [1, 2] and all(held[v][0] == _v_pieces(v) for v in (1, 2))
     assert PersistentLevel(f"{out}/pfs").committed_versions("job") == [1, 2]
+
+
+# ----------------------------------------------------------------------------- slots and space
+
+def test_memtier_slots_key_keeps_that_many_versions(tmp_path, device):
+    """memtier_slots = 3: the tier holds the three newest versions, each bit-exact."""
+    plan = make_plan(1)
+    cfg = config(tmp_path, device, memtier_slots=3)
+    engine = Engine(cfg, "job", 0, plan)
+    for v in (2, 4, 6, 8):
+        engine.checkpoint(v, pieces(model_arrays(v), plan, 0), step=v, epoch=0)
+    engine.close()
+    held, states = tier(device, "job")
+    assert len(states[0]) == 3 and sorted(held) == [4, 6, 8]
+    for v in held:
+        assert held[v][0] == expected_pieces(model_arrays(v), plan, 0)
+
+
+def test_full_device_repacks_finished_models_at_registration(tmp_path, caplog):
+    """A device with room for one model's two slots: a second model registers after the first one's
+    job finished by compacting the first to its newest version (which stays restorable)."""
+    path = f"/dev/shm/deepfreeze-test-h2-{uuid.uuid4().hex[:10]}"
+    mdev.create(path, "40M").close()  # 1 MB of table; one model of 2 x 12 MB slots; not two
+    try:
+        plan = make_plan(1, big=True)
+        cfg = config(tmp_path, path)
+        first = Engine(cfg, "first", 0, plan)
+        for v in (2, 4):
+            first.checkpoint(v, pieces(model_arrays(v, big=True), plan, 0), step=v, epoch=0)
+        first.close()  # no lease is held on "first" any more: its job is finished
+        with caplog.at_level(logging.WARNING, "deepfreeze"):
+            second = Engine(cfg, "second", 0, plan)
+        assert "repacked" in caplog.text
+        second.checkpoint(2, pieces(model_arrays(7, big=True), plan, 0), step=2, epoch=0)
+        second.close()
+        held, states = tier(path, "first")
+        assert sorted(held) == [4] and len(states[0]) == 1
+        assert held[4][0] == expected_pieces(model_arrays(4, big=True), plan, 0)
+        assert tier(path, "second")[0][2][0] == expected_pieces(model_arrays(7, big=True), plan, 0)
+    finally:
+        os.unlink(path)

@@ -81,6 +81,7 @@ import math
 import mmap
 import os
 import re
+import socket
 import struct
 import threading
 import time
@@ -926,7 +927,7 @@ class ShardRegion:
             raise IndexError(f"slot {k} of {self.nslots}")
         return self._e.slot_off + k * self._e.slot_stride
 
-    def _image_off(self, k: int) -> int:
+    def image_offset(self, k: int) -> int:
         return self._slot_off(k) + PAGE + self.meta_cap
 
     def _raw_header(self, k: int) -> bytes:
@@ -1011,7 +1012,7 @@ class ShardRegion:
     def image(self, k: int) -> memoryview:
         """Read-only view of slot ``k``'s image (``image_size`` bytes; valid while the device is open;
         not protected against a concurrent rewrite: see :meth:`read_image`)."""
-        off = self._image_off(k)
+        off = self.image_offset(k)
         return memoryview(self.device.mm).toreadonly()[off:off + self.image_size]
 
     def check_image(self, buf: Any, h: SlotHeader, *, verify_data: bool = True) -> fmt.ShardIndex:
@@ -1092,7 +1093,7 @@ class SlotWriter:
 
     def __init__(self, region: ShardRegion, k: int, version: Version) -> None:
         self.region, self.slot, self.version = region, k, version
-        off = region._image_off(k)
+        off = region.image_offset(k)
         mv = memoryview(region.device.mm)
         #: the whole image (writable)
         self.image = mv[off:off + region.image_size]
@@ -1183,6 +1184,10 @@ def default_live(region: ShardRegion) -> bool:
         if got is None:
             return False
         holder, mtime = got
+        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+            from ..run import _alive
+            if not _alive(holder["pid"]):  # a holder process of this host that no longer exists (run.py's rule)
+                return False
         return holder.get("run") == region.run and not holder.get("released") \
             and time.time() - mtime <= float(lease["timeout"])
     owner = idx.get("owner")
