@@ -4,16 +4,21 @@ Used by ``deepfreeze export`` (see docs/cli.md). The input is a
 :class:`deepfreeze.Checkpoint` (from :func:`deepfreeze.load`): tensors by name,
 in model order. Every writer writes a temporary file next to the output and
 renames it into place, so an interrupted export never leaves a half-written
-file under the output name. No TensorFlow, no pickle, no new dependency
-(``h5py`` is needed for ``h5`` only, and imported only then).
+file under the output name. No TensorFlow, no pickle; the libraries a format
+needs are imported only when that format is written (``safetensors`` for
+``safetensors``, ``h5py`` for ``h5``; both in the ``export`` extra).
 
 * ``npz``: what ``np.savez`` writes (a ZIP of ``.npy`` members, stored, not
   compressed), keyed by tensor name, written with ``allow_pickle=False``.
-* ``safetensors``: written by hand following the format: an 8-byte
-  little-endian header length, a JSON header (per tensor ``dtype``, ``shape``,
-  ``data_offsets`` relative to the data, plus ``__metadata__`` with string
-  values), padded with spaces to a multiple of 8, then the raw little-endian
-  bytes of every tensor, back to back, in checkpoint order.
+* ``safetensors``: written by the ``safetensors`` library
+  (``safetensors.numpy.save_file``): an 8-byte little-endian header length, a
+  JSON header (per tensor ``dtype``, ``shape``, ``data_offsets`` relative to
+  the data, plus ``__metadata__`` with string values), padded with spaces to a
+  multiple of 8, then the raw little-endian bytes of every tensor, back to
+  back. The library chooses the order (larger dtypes first, then by name), not
+  the checkpoint's; readers look tensors up by name. Only the dtypes of
+  :data:`SAFETENSORS_DTYPES` are written (``bfloat16`` from ``ml_dtypes``
+  included); others are refused before anything is written.
 * ``h5``: a Keras 2.15 HDF5 *weights* file, laid out as
   ``model.save_weights("x.h5")`` writes it, so ``model.load_weights(path)``
   reads it. Layer names come from the tensor names (``<layer>/<weight>``:
@@ -22,9 +27,7 @@ file under the output name. No TensorFlow, no pickle, no new dependency
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
 import zipfile
 from typing import Any, Callable, Mapping
 
@@ -70,14 +73,6 @@ def _dtype_name(a: np.ndarray) -> str:
     return a.dtype.name  # "bfloat16" for ml_dtypes' bfloat16
 
 
-def _le_bytes(a: np.ndarray) -> np.ndarray:
-    """The array's C-order bytes, little-endian, as a flat uint8 array (works for bfloat16 too)."""
-    a = np.ascontiguousarray(a)
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("<"))
-    return a.reshape(-1).view(np.uint8)
-
-
 def _atomic(path: str, force: bool, write: Callable[[str], None]) -> int:
     """Run ``write(tmp)`` then rename ``tmp`` to ``path``; returns the size written."""
     path = os.path.abspath(path)
@@ -118,35 +113,51 @@ def write_npz(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = Fals
 
 # --------------------------------------------------------------------------- safetensors
 
-def safetensors_header(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any]) -> bytes:
-    """The JSON header (padded with spaces to a multiple of 8 bytes)."""
-    header: dict[str, Any] = {"__metadata__": {str(k): str(v) for k, v in metadata.items()}}
-    offset = 0
+def _safetensors_ready(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The arrays as the library needs them: C-contiguous, little-endian, dtype checked.
+
+    ``safetensors.numpy`` reads an array's memory through its data pointer, so a strided view
+    (a slice, a transpose) would be written as the bytes of its base: copied here first. A 0-d
+    array stays 0-d (``np.ascontiguousarray`` would make it 1-d)."""
+    out: dict[str, np.ndarray] = {}
     for name, a in arrays.items():
         if name == "__metadata__":
-            raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors")
-        code = SAFETENSORS_DTYPES.get(_dtype_name(a))
-        if code is None:
+            raise ExportError("a tensor named '__metadata__' cannot be stored in safetensors (the format "
+                              "reserves that key for the metadata): rename it")
+        a = np.asarray(a)
+        if _dtype_name(a) not in SAFETENSORS_DTYPES:
             raise ExportError(f"tensor {name!r} has dtype {a.dtype.name}, which safetensors does not define; "
                               f"it supports {', '.join(sorted(SAFETENSORS_DTYPES))}")
-        header[name] = {"dtype": code, "shape": [int(d) for d in a.shape],
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    return raw + b" " * (-len(raw) % 8)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        if not a.flags.c_contiguous:
+            a = a.copy(order="C")
+        out[name] = a
+    return out
 
 
 def write_safetensors(arrays: Mapping[str, np.ndarray], path: str, metadata: Mapping[str, Any] | None = None,
                       *, force: bool = False) -> int:
-    """Write the safetensors format by hand (no dependency): length, JSON header, data."""
-    head = safetensors_header(arrays, metadata or {})
+    """Write ``arrays`` as safetensors with the ``safetensors`` library; ``metadata`` values become
+    strings in ``__metadata__``. Returns the bytes written. Refuses (:class:`ExportError`, nothing
+    written) a dtype safetensors does not define, a tensor named ``__metadata__``, an existing
+    output without ``force``, and a missing ``safetensors`` package."""
+    try:
+        from safetensors import SafetensorError
+        from safetensors.numpy import save_file
+    except ImportError as e:
+        raise ExportError("safetensors export needs the safetensors package: pip install safetensors "
+                          "(or install deepfreeze[export])") from e
+    ready = _safetensors_ready(arrays)
+    meta: dict[str, str] | None = {str(k): str(v) for k, v in (metadata or {}).items()}
+    if not ready and not meta:
+        meta = None  # safetensors 0.8 writes an invalid header for no tensors and an empty __metadata__
 
     def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            for a in arrays.values():
-                f.write(_le_bytes(a))
+        try:  # ``ready`` keeps every array alive while the library reads their memory
+            save_file(ready, tmp, metadata=meta)
+        except (SafetensorError, ValueError, TypeError) as e:
+            raise ExportError(f"the safetensors library refused to write {path}: {e}") from e
     return _atomic(path, force, write)
 
 

@@ -34,7 +34,6 @@ ROOT = os.path.dirname(HERE)
 
 def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import numpy as np
     import tensorflow as tf
     import horovod.tensorflow.keras as hvd
     sys.path.insert(0, ROOT)

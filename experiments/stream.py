@@ -128,7 +128,6 @@ def producer(a: argparse.Namespace) -> None:
             if self.stop_file and os.path.exists(self.stop_file):
                 self.model.stop_training = True
 
-    t0 = time.perf_counter()
     model.fit(ds, steps_per_epoch=6, epochs=1, verbose=0, callbacks=[Head(), Tail()])  # trace, warm
     s0 = int(model.optimizer.iterations.numpy())
     steps = sorted(head_t)[-4:]
@@ -209,8 +208,7 @@ def producer(a: argparse.Namespace) -> None:
 
 
 def consumer(a: argparse.Namespace) -> None:
-    tf = _tf_setup()
-    import numpy as np
+    _tf_setup()  # TensorFlow's thread settings (the models below import it)
     work, spec = a.work, MODEL_SET[a.model]
     sys.path.insert(0, ROOT)
     from experiments.models import synthetic

@@ -332,7 +332,7 @@ def test_export_npz_and_safetensors_bit_exact(tmp_path):
     cli("export", *s, "--version", "4", "--output", st)  # format from the suffix
     meta, order, arrays = read_safetensors(st)
     assert meta == {"name": "job", "version": "4", "step": "4", "epoch": "1", "format": "deepfreeze"}
-    assert order == NAMES
+    assert sorted(order) == sorted(NAMES)  # the safetensors library orders them (dtype size, then name)
     for n in NAMES:
         assert arrays[n].dtype == ref.arrays[n].dtype and arrays[n].shape == ref.arrays[n].shape
         assert arrays[n].tobytes() == ref.arrays[n].tobytes()
@@ -372,6 +372,35 @@ def test_export_bfloat16_to_safetensors_only(tmp_path):
         with pytest.raises(ExportError, match="bfloat16.*safetensors"):
             writer({"lm/w": w}, str(tmp_path / out))
         assert not os.path.exists(tmp_path / out)
+
+
+def test_export_safetensors_layouts_and_refusals(tmp_path):
+    # The library reads an array's memory by pointer: strided views, big-endian and 0-d arrays must
+    # still come out as their values; refused dtypes/names leave no file behind.
+    from deepfreeze.export import ExportError, write_safetensors
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    arrays = {"strided": base[:, ::2], "transposed": base.T, "big": np.arange(5, dtype=">i4"),
+              "scalar": np.array(2.5), "empty": np.zeros((0, 3), np.uint8)}
+    out = tmp_path / "l.safetensors"
+    n = write_safetensors(arrays, str(out), {"a": 1})
+    assert n == os.path.getsize(out)
+    meta, order, got = read_safetensors(out)
+    assert meta == {"a": "1"} and sorted(order) == sorted(arrays)
+    for k, a in arrays.items():
+        assert got[k].shape == a.shape and got[k].dtype == a.dtype.newbyteorder("<")
+        assert got[k].tobytes() == np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()
+    assert "exists: pass --force" in str(pytest.raises(ExportError, write_safetensors, arrays, str(out)).value)
+    write_safetensors({"x": base}, str(out), force=True)
+    meta, order, got = read_safetensors(out)
+    assert meta == {} and order == ["x"] and got["x"].tobytes() == base.tobytes()
+    write_safetensors({}, str(tmp_path / "none.safetensors"))  # a valid file with no tensor
+    from safetensors.numpy import load_file
+    assert load_file(str(tmp_path / "none.safetensors")) == {}
+    for bad, match in (({"c": np.zeros(2, np.complex64)}, "complex64.*does not define"),
+                       ({"__metadata__": base}, "reserves that key")):
+        with pytest.raises(ExportError, match=match):
+            write_safetensors(bad, str(tmp_path / "bad.safetensors"))
+    assert sorted(os.listdir(tmp_path)) == ["l.safetensors", "none.safetensors"]
 
 
 def test_export_h5_loads_into_keras_bit_exact(tmp_path):

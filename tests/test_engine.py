@@ -11,7 +11,7 @@ from deepfreeze import Config
 from deepfreeze.backend import BackendClient, socket_path
 from deepfreeze.engine import Engine
 from deepfreeze.errors import (CheckpointNotFoundError, CheckpointWriteError, ConfigError,
-                               CorruptCheckpointError, DeepFreezeError)
+                               CorruptCheckpointError)
 from deepfreeze.levels import PersistentLevel, ScratchLevel
 from deepfreeze.restore import load
 from deepfreeze.shardplan import ShardPlan, TensorSpec

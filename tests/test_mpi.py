@@ -1,5 +1,4 @@
 """Real multi-rank Horovod jobs (mpirun --oversubscribe), two or three simulated nodes."""
-import glob
 import json
 import os
 import shutil
@@ -7,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from deepfreeze import Config, list_versions
+from deepfreeze import Config
 from deepfreeze.levels import PersistentLevel, ScratchLevel
 from deepfreeze.restore import load
 

@@ -167,7 +167,9 @@ def test_in_a_cond_branch_copies_only_when_taken(op):
     assert int(train_step(tf.constant(2, tf.int64))) == 2
     np.testing.assert_array_equal(buf, _expected(mmap.PAGESIZE, 2, [v], [80], [64], [160]))
     assert np.array_equal(np.frombuffer(buf[64:224].tobytes(), np.int64), np.arange(10, 30) + 2)
-    del buf
+    # not `del buf`: the traced function reads ``buf`` from this scope's closure cell (it was resolved
+    # when it was traced, above); emptying the cell drops that reference too, so the mmap can close
+    buf = None
     mm.close()
 
 
@@ -198,7 +200,9 @@ def test_large_copy_bit_exact(op, monkeypatch, threads, stream):
 
     assert int(capture()) == 2**40
     np.testing.assert_array_equal(buf, _expected(total, 2**40, values, src, dst, lengths))
-    del buf
+    # not `del buf`: the traced function reads ``buf`` from this scope's closure cell (it was resolved
+    # when it was traced, above); emptying the cell drops that reference too, so the mmap can close
+    buf = None
     mm.close()
 
 

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import deepfreeze

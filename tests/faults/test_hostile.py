@@ -21,7 +21,7 @@ import pytest
 from deepfreeze import Config, list_versions
 from deepfreeze import format as fmt
 from deepfreeze.engine import Engine
-from deepfreeze.errors import CheckpointNotFoundError, CorruptCheckpointError
+from deepfreeze.errors import CorruptCheckpointError
 from deepfreeze.fsafe import open_regular, open_regular_file
 from deepfreeze.levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel
 from deepfreeze.restore import load

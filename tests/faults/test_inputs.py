@@ -108,7 +108,7 @@ def test_two_jobs_share_directories_and_backend(tmp_path):
 
 
 def test_files_are_owner_only(tmp_path):
-    cfg = run_job(tmp_path / "fresh" / "dirs", "async", world=2, nodes=1)[0]
+    run_job(tmp_path / "fresh" / "dirs", "async", world=2, nodes=1)
     for dirpath, dirs, files in os.walk(tmp_path / "fresh"):
         if True:
             assert os.stat(dirpath).st_mode & 0o077 == 0, dirpath

@@ -16,7 +16,7 @@ import pytest
 
 from deepfreeze.config import Config
 from deepfreeze.engine import Engine
-from deepfreeze.errors import ExistingCheckpointError, LeaseHeldError
+from deepfreeze.errors import LeaseHeldError
 from deepfreeze.levels import PersistentLevel, flush_job, read_decision
 from deepfreeze.restore import list_versions, load
 from deepfreeze.run import Lease, Run, RunInfo, new_run_id, read_generation, read_lease
@@ -213,7 +213,6 @@ def test_flush_of_a_run_without_the_lease_is_abandoned(tmp_path, caplog):
     os.makedirs(os.path.join(cfg.persistent, "job"), exist_ok=True)
     new.acquire()
     try:
-        manifest = PersistentLevel(cfg.persistent)  # noqa: F841
         m = json.load(open(os.path.join(cfg.scratch, "job", f"v{8:012d}", "manifest.json")))
         with caplog.at_level(logging.WARNING, "deepfreeze"):
             for r in (0, 1):
