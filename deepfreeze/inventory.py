@@ -31,6 +31,7 @@ from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from .fsafe import open_regular_file
 from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of, read_decision
 from .memtier.level import MemtierLevel, read_item as read_memtier_item, region_address
+from .memtier.level import changed as memtier_changed, forget as memtier_forget, reading as memtier_reading
 from .restore import list_versions, scratch_recoverable
 from .run import fs_now, read_lease
 
@@ -503,14 +504,20 @@ def verify_memtier(cfg: Config, copy: VersionCopy, name: str, progress: Progress
         rank_bytes = plan.rank_bytes()
         meter = _Meter(progress, f"{name} v{v} memtier", sum(rank_bytes[r] for r in slots))
         has_crc = True
-        for r, (region, k) in sorted(slots.items()):
-            item = f"{copy.path} rank {r} slot {k}"
-            image = read_memtier_item(region_address(cfg.memtier, region, k, run, v), v, run)
-            p, b, crc = check_file(item, fmt.KIND_SHARD, v, m, expected[r], r, plan.world_size, meter, data=image)
-            out.files += 1
-            out.pieces += p
-            out.bytes += b
-            has_crc &= crc
+        with memtier_reading():  # each slot verified in place; a slot rewritten meanwhile is reported as such
+            for r, (region, k) in sorted(slots.items()):
+                item = f"{copy.path} rank {r} slot {k}"
+                memtier_forget()
+                image = read_memtier_item(region_address(cfg.memtier, region, k, run, v), v, run)
+                p, b, crc = check_file(item, fmt.KIND_SHARD, v, m, expected[r], r, plan.world_size, meter, data=image)
+                del image
+                if memtier_changed():
+                    raise CorruptCheckpointError(f"{item}: rewritten by a newer version while it was verified "
+                                                 "(the job is running): verify again, or verify persistent")
+                out.files += 1
+                out.pieces += p
+                out.bytes += b
+                has_crc &= crc
         out.checksums = has_crc if slots else None
         status, detail = _scratch_missing(m, set(slots))
     except _UNREADABLE as e:

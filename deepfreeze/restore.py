@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import struct
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -41,6 +41,7 @@ __all__ = ["Checkpoint", "load", "list_versions"]
 log = logging.getLogger("deepfreeze")
 # what reading a hostile or vanishing file can raise: the source is unreadable, the next one is tried
 # (MemoryError is not here: sizes are checked against the files before anything is allocated)
+T = TypeVar("T")
 _UNREADABLE = (OSError, DeepFreezeError, ValueError, KeyError, IndexError, TypeError)
 
 
@@ -117,8 +118,10 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
     restarted job) pools the scratch directories of all participants: each reads the
     shards, partner copies and parity blocks its node holds, they exchange them, and
     every participant gets the whole checkpoint. Without it, this process's scratch
-    directory and persistent are used. Order per version: scratch shards, partner
-    copies, XOR reconstruction, persistent; the newest version that can be recovered
+    directory and persistent are used. Order per version: memory-tier slots (INI
+    ``memtier``: read in place, copied once, then checked not to have been rewritten
+    meanwhile), scratch shards, partner copies, XOR reconstruction, persistent; the newest
+    version that can be recovered
     whole wins; a damaged file (checksum) is dropped and the next source is tried,
     with a log line.
 
@@ -129,6 +132,35 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
     :class:`~deepfreeze.errors.UntrustedOwnerError` naming that user and how to trust them.
     Symbolic links in version directories are never followed.
     """
+    with memtier_level.reading():  # memory-tier slots are read as views, copied once, then rechecked
+        return _load(config, name, version, verify=verify, tensors=tensors, comm=comm, trust_owners=trust_owners)
+
+
+def apply_loaded(config: "str | os.PathLike | Config | None", name: str, version: int | None,
+                 apply: Callable[[Checkpoint], T], *, comm: Comm | None = None,
+                 trust_owners: "Sequence[str | int] | None" = None) -> T:
+    """``apply(load(...))`` with one copy fewer: a tensor held whole in one memory-tier slot is
+    handed to ``apply`` as a read-only *view* of the slot (``apply`` must copy what it keeps, e.g.
+    into a model's variables: the slot's bytes reach them in one copy). After ``apply``, every
+    participant checks that no slot it viewed was rewritten meanwhile (the seqlock's second half);
+    if one was, the version is loaded again with copies and applied again. Collective with
+    ``comm``, as :func:`load`."""
+    comm = comm or LocalComm()
+    with memtier_level.reading():
+        ck = _load(config, name, version, verify=True, tensors=None, comm=comm, trust_owners=trust_owners,
+                   views=True)
+        result = apply(ck)
+        rewritten = [json.loads(b) for b in comm.allgather(json.dumps(memtier_level.changed()).encode())]
+    if not any(rewritten):
+        return result
+    log.warning("deepfreeze: %s v%d: memory-tier slot(s) %s were rewritten while they were applied: loading "
+                "again with copies", name, ck.version, sum(rewritten, []))
+    return apply(load(config, name, ck.version, comm=comm, trust_owners=trust_owners))
+
+
+def _load(config: "str | os.PathLike | Config | None", name: str, version: int | None, *, verify: bool,
+          tensors: Sequence[str] | None, comm: Comm | None, trust_owners: "Sequence[str | int] | None",
+          views: bool = False) -> Checkpoint:
     config = Config.resolve(config)
     validate_name(name)
     comm = comm or LocalComm()
@@ -179,7 +211,7 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
     errors: list[str] = []
     for v in candidates:
         if have.get(v):  # a manifest with no file of the version on any participant: not on scratch
-            ck = _load_scratch(comm, local.get(v), have[v], name, v, verify, tensors, errors)
+            ck = _load_scratch(comm, local.get(v), have[v], name, v, verify, tensors, errors, views)
             if ck is not None:
                 return ck
         if v in untrusted and v not in on_persistent:
@@ -352,9 +384,10 @@ def _unpack(blob: np.ndarray) -> dict[tuple[str, int], np.ndarray]:
 
 def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, str]]] | None,
                   have: dict[tuple[str, int], list[int]], name: str, version: int, verify: bool,
-                  wanted: Sequence[str] | None, errors: list[str]) -> Checkpoint | None:
+                  wanted: Sequence[str] | None, errors: list[str], views: bool = False) -> Checkpoint | None:
     """Collective: recover ``version`` from the participants' scratch files, or None.
-    ``local``: this participant's (manifest, files) of the version, if it holds any."""
+    ``local``: this participant's (manifest, files) of the version, if it holds any. ``views``:
+    tensors held whole in one memory-tier slot read here are views of it (:func:`apply_loaded`)."""
     owners = sorted({p for ps in have.values() for p in ps})
     if not owners:  # no file of this version on any participant: not on scratch
         return None
@@ -373,19 +406,26 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
         if planned is None:
             return None
         fetch, rebuild = planned
-        items, failed, tier = {}, [], True  # tier: every file this participant read is a memory-tier slot
+        items, failed, tier, any_tier = {}, [], True, False  # tier: every file read here is a memory-tier slot
+        mine_tier: set[int] = set()  # ranks whose shard this participant read from a memory-tier slot
+        memtier_level.forget()
         for (kind, key), p in fetch.items():
             if p != comm.rank:
                 continue
             tier &= memtier_level.is_item(inv[kind][key])
+            any_tier |= memtier_level.is_item(inv[kind][key])
+            if kind == "shard" and memtier_level.is_item(inv[kind][key]):
+                mine_tier.add(key)
             try:
                 items[(kind, key)] = _read_item(inv, kind, key, version, verify, fmt.manifest_run(manifest)[0],
                                                 _file_limit(manifest))
             except _UNREADABLE as e:  # damaged, not a regular file, or removed by retention meanwhile
                 failed.append([kind, key, str(e) or type(e).__name__])
-        gathered = [json.loads(b) for b in comm.allgather(json.dumps({"failed": failed, "tier": tier}).encode())]
+        gathered = [json.loads(b) for b in comm.allgather(json.dumps({"failed": failed, "tier": tier,
+                                                                       "any_tier": any_tier}).encode())]
         reports = [g["failed"] for g in gathered]
         source = "memtier" if all(g["tier"] for g in gathered) else "scratch"
+        views = any(g["any_tier"] for g in gathered)  # memory-tier slots were read as views: recheck after copying
         if any(reports):
             bad = [(p, kind, key, why) for p, rep in enumerate(reports) for kind, key, why in rep]
             for p, kind, key, why in bad:
@@ -417,7 +457,15 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
                 if comm.rank == 0:
                     log.warning("deepfreeze: %s v%d: rebuilt the shard of rank %d from XOR parity",
                                 name, version, r)
-            return _assemble(manifest, files, wanted, verify, version, rebuilt=set(rebuild), level=source)
+            viewable = {r for r in files if r in mine_tier} if views else set()
+            ck = _assemble(manifest, files, wanted, verify, version, rebuilt=set(rebuild), level=source,
+                           views=viewable)
+            if views:  # the seqlock's second half: a slot a writer began to rewrite meanwhile is not trusted
+                rewritten = [json.loads(b) for b in comm.allgather(json.dumps(memtier_level.changed()).encode())]
+                if any(rewritten):
+                    raise CorruptCheckpointError(f"memory-tier slot(s) {sum(rewritten, [])} rewritten while they "
+                                                 "were read")
+            return ck
         except CheckpointNotFoundError:
             raise  # a tensor name the checkpoint does not have
         except _UNREADABLE as e:  # e.g. a rebuilt shard failing its checksums
@@ -427,9 +475,11 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
 
 
 def _assemble(manifest: dict[str, Any], files: dict[int, np.ndarray], wanted: Sequence[str] | None,
-              verify: bool, version: int, rebuilt: set[int], level: str = "scratch") -> Checkpoint:
+              verify: bool, version: int, rebuilt: set[int], level: str = "scratch",
+              views: "set[int] | None" = None) -> Checkpoint:
     """Fill the output arrays from whole shard files in memory. Files read from disk were
-    verified by their reader; rebuilt ones are verified here."""
+    verified by their reader; rebuilt ones are verified here. A tensor held whole by one piece of
+    a shard in ``views`` (ranks) is returned as a view of that shard's buffer, not a copy."""
     plan = plan_of(manifest)
     flats, named = _empty_arrays(manifest, wanted, sum(int(d.nbytes) for d in files.values()),
                                  f"the shard files of ranks {sorted(files)}")
@@ -439,9 +489,14 @@ def _assemble(manifest: dict[str, Any], files: dict[int, np.ndarray], wanted: Se
         expected = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(r)]
         _check_index(idx, expected, manifest, version, path)
         for e in idx.entries:
-            if flats[e.tensor_id] is not None:
-                flats[e.tensor_id][e.start:e.stop] = fmt.entry_view(
-                    data, e, verify=verify and idx.has_crc and r in rebuilt, path=path)
+            if flats[e.tensor_id] is None:
+                continue
+            piece = fmt.entry_view(data, e, verify=verify and idx.has_crc and r in rebuilt, path=path)
+            if views and r in views and e.start == 0 and e.stop == flats[e.tensor_id].size:
+                t = manifest["tensors"][e.tensor_id]
+                named[t["name"]] = piece.reshape(t["shape"])  # the slot's bytes, not copied (apply_loaded)
+                continue
+            flats[e.tensor_id][e.start:e.stop] = piece
     return Checkpoint(manifest["name"], version, manifest["step"], manifest["epoch"], level, named, manifest)
 
 

@@ -94,7 +94,8 @@ def tier(path, name):
 
 
 def assert_persistent(cfg, version, arrays):
-    ck = load(Config.resolve(cfg, scratch=cfg.scratch + "-elsewhere"), "job", version)
+    ck = load(Config.load(None, mode=cfg.mode, scratch=cfg.scratch + "-elsewhere", persistent=cfg.persistent),
+              "job", version)  # neither this node's scratch nor its memory tier
     assert ck.level == "persistent" and ck.version == version
     for a, b in zip(ck.arrays.values(), arrays):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
@@ -368,6 +369,41 @@ def test_backend_killed_mid_copy_previous_version_restorable_then_recovered(tmp_
     assert PersistentLevel(cfg.persistent).committed_versions("job") == [1, 2]
     ck = load(cfg, "job", 2)
     assert [a.tobytes() for a in ck.arrays.values()] == [a.tobytes() for a in memtier_numpy.arrays(2)]
+
+
+def test_backend_and_job_killed_mid_copy_view_restore_repack(tmp_path, device):
+    """kill -9 of the backend in the middle of a copy, then of the job (the node's jobs die): view
+    shows the slot ACTIVE and never restorable, restore returns the previous version bit-exact,
+    and repack (the job is finished) frees the invalid slot, keeping that version restorable."""
+    from deepfreeze import memtier
+    out = str(tmp_path)
+    proc = _start(out, device, [1, 2], delay=0.5)
+    try:
+        _line(proc, "committed 1")
+        backend = int(_line(proc, "sent 2")[2].split("=")[1])
+        _wait_active(device)
+        os.kill(backend, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+        assert _gone(backend)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (model,) = [m for m in memtier.view(device)["models"] if m["name"] == "job"]
+    slots = [s for shard in model["shards"] for s in shard["slots"]]
+    assert sorted(s["state"] for s in slots) == ["ACTIVE", "DONE"], slots
+    assert [s["version"] for s in slots if s["valid"]] == [1], slots
+    arrays, version = memtier.restore(device, "job")
+    assert version.step == 1 and [a.tobytes() for a in arrays.values()] == [a.tobytes() for a in memtier_numpy.arrays(1)]
+    with memtier.open(device) as dev:
+        freed = dev.repack(live=mdev.default_live)
+    assert freed["freed_bytes"] > 0, freed
+    (model,) = [m for m in memtier.view(device)["models"] if m["name"] == "job"]
+    slots = [s for shard in model["shards"] for s in shard["slots"]]
+    assert [(s["state"], s["version"]) for s in slots] == [("DONE", 1)], slots
+    arrays, version = memtier.restore(device, "job")
+    assert version.step == 1 and [a.tobytes() for a in arrays.values()] == [a.tobytes() for a in memtier_numpy.arrays(1)]
 
 
 def test_rank_killed_mid_checkpoint(tmp_path, device):

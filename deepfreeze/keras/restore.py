@@ -8,7 +8,7 @@ from typing import Any
 from ..config import Config
 from ..errors import ModelMismatchError
 from ..format import dtype_name
-from ..restore import Checkpoint, load
+from ..restore import Checkpoint, apply_loaded
 
 __all__ = ["restore_model", "apply_checkpoint", "model_tensors"]
 
@@ -33,9 +33,10 @@ def restore_model(model: Any, config: "str | Config | None" = None, *, name: str
     ``trust_owners``: also read persistent files of these users (:func:`deepfreeze.restore.load`)."""
     from ._dist import mpi_comm
     cfg = Config.resolve(config, **overrides)
-    ck = load(cfg, name, version, comm=mpi_comm(), trust_owners=trust_owners)
-    apply_checkpoint(model, ck)
-    return ck.version, ck.step
+    def apply(ck: Checkpoint) -> tuple[int, int]:
+        apply_checkpoint(model, ck)  # memory-tier slots: straight from the slot into the variables
+        return ck.version, ck.step
+    return apply_loaded(cfg, name, version, apply, comm=mpi_comm(), trust_owners=trust_owners)
 
 
 def apply_checkpoint(model: Any, ck: Checkpoint, *, optimizer: bool = False) -> bool:

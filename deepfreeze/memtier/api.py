@@ -268,7 +268,7 @@ def assemble(slots: Mapping[int, tuple[mdev.ShardRegion, int]], out: "dict[str, 
                 raise MemtierCorruptError(f"{r.name!r} rank {rank} slot {k}: checksum mismatch in {t['name']!r} "
                                           f"elements [{e.start},{e.stop})")
         image.release()
-        if verify and r._raw_header(k) != heads[rank].raw:
+        if verify and r.raw_header(k) != heads[rank].raw:
             raise MemtierCorruptError(f"{r.name!r} rank {rank} slot {k} was rewritten while it was read")
     short = [tensors[t][0] for t, n in covered.items() if n != arrays[t].size]
     if short:

@@ -930,14 +930,15 @@ class ShardRegion:
     def image_offset(self, k: int) -> int:
         return self._slot_off(k) + PAGE + self.meta_cap
 
-    def _raw_header(self, k: int) -> bytes:
+    def raw_header(self, k: int) -> bytes:
+        """Slot ``k``'s header bytes as they are now (compared by seqlock readers)."""
         off = self._slot_off(k)
         return bytes(self.device.mm[off:off + _SLOT.size + 4])
 
     def slot_header(self, k: int) -> SlotHeader | None:
         """Slot ``k``'s header, or None if it is invalid (wrong magic, checksum, state or bounds:
         a torn or damaged header)."""
-        return self._parse_header(self._raw_header(k))
+        return self._parse_header(self.raw_header(k))
 
     def _parse_header(self, raw: bytes) -> SlotHeader | None:
         magic, state, _, run, gen, step, meta_len, _, image_len, image_crc, _, written = _SLOT.unpack_from(raw)
@@ -1047,7 +1048,7 @@ class ShardRegion:
             self.manifest(k, h)
         except MemtierCorruptError as e:
             return str(e)
-        return None if self._raw_header(k) == h.raw else "rewritten while verified"
+        return None if self.raw_header(k) == h.raw else "rewritten while verified"
 
     def read_image(self, k: int, *, verify: bool = True) -> np.ndarray:
         """A copy of DONE slot ``k``'s image, taken like a seqlock read: the header is read before
@@ -1059,7 +1060,7 @@ class ShardRegion:
                                       f"DONE slot ({'invalid header' if h is None else h.state.name})")
         out = np.empty(self.image_size, dtype=np.uint8)
         out[:] = np.frombuffer(self.image(k), dtype=np.uint8)
-        if self._raw_header(k) != h.raw:
+        if self.raw_header(k) != h.raw:
             raise MemtierCorruptError(f"{self.device.path} {self.name!r} rank {self.rank} slot {k} was rewritten "
                                       "while it was read: read another slot or retry")
         if verify:

@@ -14,9 +14,11 @@ whose manifest a caller agrees on: the run of the first region found, with a log
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -24,7 +26,7 @@ from .. import format as fmt
 from ..errors import CorruptCheckpointError, DeepFreezeError
 from . import device as _device
 
-__all__ = ["PREFIX", "MemtierLevel", "is_item", "read_item", "region_address"]
+__all__ = ["PREFIX", "MemtierLevel", "is_item", "read_item", "region_address", "reading", "forget", "changed"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -126,14 +128,75 @@ class MemtierLevel:
         return out
 
 
+class _Session:
+    """The devices one :func:`reading` block maps (read-only, each opened once) and the slots it
+    handed out as views, with their headers as read before (the seqlock's first half)."""
+
+    def __init__(self) -> None:
+        self.devices: dict[str, Any] = {}
+        self.reads: list[tuple[str, Any, int, bytes]] = []
+
+    def device(self, path: str) -> Any:
+        dev = self.devices.get(path)
+        if dev is None:
+            dev = self.devices[path] = _device.open(path, writable=False)
+        return dev
+
+    def close(self) -> None:
+        for dev in self.devices.values():
+            dev.close()  # views still held keep their mapping alive until released
+        self.devices.clear()
+        self.reads.clear()
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def reading() -> Iterator[None]:
+    """A block in which :func:`read_item` hands out slot images as read-only *views* of the
+    device mapping (no copy) instead of copies; the caller copies what it needs out of them and
+    then calls :func:`changed` (the seqlock's second half) before it trusts the copy. Nested
+    blocks share the outer one."""
+    if getattr(_local, "session", None) is not None:
+        yield
+        return
+    _local.session = _Session()
+    try:
+        yield
+    finally:
+        session, _local.session = _local.session, None
+        session.close()
+
+
+def forget() -> None:
+    """Start a new attempt: the slots read so far in this :func:`reading` block are not checked again."""
+    session = getattr(_local, "session", None)
+    if session is not None:
+        session.reads.clear()
+
+
+def changed() -> list[str]:
+    """The addresses of the slots handed out as views in this :func:`reading` block (since
+    :func:`forget`) whose header changed since they were read: a writer began rewriting them, so
+    anything copied out of them may mix two versions (the caller drops it and reads another source)."""
+    session = getattr(_local, "session", None)
+    if session is None:
+        return []
+    return [item for item, region, slot, raw in session.reads if region.raw_header(slot) != raw]
+
+
 def read_item(item: str, version: int, run: str) -> np.ndarray:
-    """The shard image a memtier address names (a copy), after checking the slot still holds
-    ``version`` of ``run`` and was not rewritten while it was copied. Raises
+    """The shard image a memtier address names, after checking the slot still holds ``version``
+    of ``run``: inside :func:`reading`, a read-only view of the mapping (check :func:`changed`
+    after copying out of it); outside, a copy checked like a seqlock. The caller checks the
+    image's index and CRCs as for a shard file. Raises
     :class:`~deepfreeze.errors.CorruptCheckpointError` (or a MemtierError) otherwise."""
     path, entry, slot, item_run, step = _parse(item)
     if step != version or item_run != run:
         raise CorruptCheckpointError(f"{item}: names v{step} of run {item_run}, expected v{version} of run {run}")
-    dev = _device.open(path, writable=False)
+    session = getattr(_local, "session", None)
+    dev = session.device(path) if session is not None else _device.open(path, writable=False)
     try:
         region = next((r for r in dev.shards() if r.entry_no == entry), None)
         if region is None:
@@ -141,6 +204,10 @@ def read_item(item: str, version: int, run: str) -> np.ndarray:
         h = region.slot_header(slot)
         if h is None or h.state != _device.SlotState.DONE or h.version.step != version or h.run != run:
             raise CorruptCheckpointError(f"{item}: the slot was rewritten since it was listed")
-        return region.read_image(slot, verify=False)  # the caller checks the index and CRCs (restore, verify)
+        if session is None:
+            return region.read_image(slot, verify=False)
+        session.reads.append((item, region, slot, h.raw))
+        return np.frombuffer(region.image(slot), dtype=np.uint8)
     finally:
-        dev.close()
+        if session is None:
+            dev.close()
