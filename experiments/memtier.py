@@ -492,7 +492,12 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
             if batch == last_due:
                 snap[:] = [w.numpy() for w in self.model.weights]
 
-    def exact() -> bool:
+    def exact() -> "bool | None":
+        # rank 0's weights are what every variant saves (DeepFreeze takes non-trained variables such
+        # as BatchNorm statistics from rank 0; h5/tf are rank 0's files): the other ranks' own
+        # statistics differ, so only rank 0 compares
+        if rank != 0:
+            return None
         return len(snap) == len(model.weights) and all(
             (w.numpy().view("u1") == f.view("u1")).all() for w, f in zip(model.weights, snap))
 
@@ -700,8 +705,8 @@ def summarize_variant(variant: str, rs: list[dict], ranks: int, failure: str | N
             row[f"restore_{state}_s"] = summary(t)
     row["shard_bytes"] = max((r.get("shard_bytes") or 0) for r in ok)
     row["bytes_total"] = ok[0].get("bytes_total")
-    if any("restore_bit_exact" in r for r in ok):
-        row["restore_bit_exact"] = all(r.get("restore_bit_exact") for r in ok)
+    if any(r.get("restore_bit_exact") is not None for r in ok):
+        row["restore_bit_exact"] = all(r["restore_bit_exact"] for r in ok if r.get("restore_bit_exact") is not None)
     restore_errors = [r["restore_error"] for r in ok if r.get("restore_error")]
     if restore_errors:
         row["restore_error"] = restore_errors[0]

@@ -381,8 +381,10 @@ def _copy_into(variable: Any, array: np.ndarray) -> None:
     """Copy ``array`` into ``variable``'s own buffer without adopting ``array``'s memory: a
     strided-slice assignment over the whole variable is an in-place update, which TensorFlow
     applies copy-on-write (a buffer shared with another tensor is copied first), so no other
-    tensor changes. 0-d, empty and bfloat16 values are assigned from a private copy."""
-    if array.ndim == 0 or array.size == 0:
+    tensor changes. 0-d, empty and bfloat16 values are assigned from a private copy, and so are
+    arrays not 64-byte aligned or not C-contiguous (TensorFlow aborts the process on a borrowed
+    buffer that is not aligned: never hand it one)."""
+    if array.ndim == 0 or array.size == 0 or array.ctypes.data % 64 or not array.flags.c_contiguous:
         variable.assign(array.copy(), read_value=False)
         return
     try:
