@@ -9,7 +9,6 @@ from ..config import Config
 from ..errors import ModelMismatchError
 from ..format import dtype_name
 from ..restore import Checkpoint, apply_loaded
-from .repo import _copy_into
 
 __all__ = ["restore_model", "apply_checkpoint", "model_tensors"]
 
@@ -53,8 +52,7 @@ def apply_checkpoint(model: Any, ck: Checkpoint, *, optimizer: bool = False) -> 
     mine = model_tensors(model)
     _check(mine, tensors, ck, "model")
     _warn_renamed(mine, tensors, ck)
-    for variable, array in zip(model.weights, ck.model_arrays().values()):
-        _copy_into(variable, array)  # in place: one copy into the variable's own buffer, no fresh memory
+    model.set_weights(list(ck.model_arrays().values()))  # memory-tier slots: views, one copy into the model
     saved = ck.optimizer_arrays()
     if not optimizer or not saved:
         return False
@@ -63,7 +61,7 @@ def apply_checkpoint(model: Any, ck: Checkpoint, *, optimizer: bool = False) -> 
     mine = [(v.name, dtype_name(v.dtype.as_numpy_dtype), tuple(v.shape)) for v in opt.variables()]
     _check(mine, ck.manifest["tensors"][ck.model_tensors:], ck, "optimizer")
     for v, a in zip(opt.variables(), saved.values()):
-        _copy_into(v, a)
+        v.assign(a)
     return True
 
 

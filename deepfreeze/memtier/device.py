@@ -507,7 +507,7 @@ class Device:
     Thread-safe for the table operations (a lock plus the device flock); slot writes are the
     caller's (one writer per region)."""
 
-    def __init__(self, path: str, *, writable: bool = True, strict: bool = True, private: bool = False) -> None:
+    def __init__(self, path: str, *, writable: bool = True, strict: bool = True) -> None:
         from ..fsafe import open_regular
         self.path = os.path.abspath(path)
         self.writable = writable
@@ -521,16 +521,8 @@ class Device:
             self.size = os.fstat(self._fd).st_size
             if self.size < PAGE:
                 raise self._bad(f"{self.size} bytes, smaller than the superblock")
-            if private and not writable:
-                # a reader's copy-on-write mapping: it sees the device as it is (pages never written
-                # here map the shared ones, later writes by the backend included), and a write
-                # through a view handed out (a restored tensor a caller modifies) stays private:
-                # the device cannot be changed through it. Views of it are writable numpy arrays,
-                # which TensorFlow's DLPack import (one copy into a variable) requires.
-                self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-            else:
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-                self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, prot)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, prot)
             self._read_superblock()
             #: problems found at open (only when opened with ``strict=False``: :func:`view`)
             self.problems: list[str] = []

@@ -139,7 +139,7 @@ class _Session:
     def device(self, path: str) -> Any:
         dev = self.devices.get(path)
         if dev is None:
-            dev = self.devices[path] = _device.Device(path, writable=False, private=True)
+            dev = self.devices[path] = _device.open(path, writable=False)
         return dev
 
     def close(self) -> None:
