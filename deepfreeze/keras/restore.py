@@ -52,7 +52,7 @@ def apply_checkpoint(model: Any, ck: Checkpoint, *, optimizer: bool = False) -> 
     mine = model_tensors(model)
     _check(mine, tensors, ck, "model")
     _warn_renamed(mine, tensors, ck)
-    model.set_weights(list(ck.model_arrays().values()))  # memory-tier slots: views, one copy into the model
+    model.set_weights(list(ck.model_arrays().values()))  # memory-tier slots: views of the slot, no copy before
     saved = ck.optimizer_arrays()
     if not optimizer or not saved:
         return False
