@@ -474,11 +474,17 @@ def verify_scratch(cfg: Config, copy: VersionCopy, name: str, progress: Progress
     except _UNREADABLE as e:
         out.reason = _reason(e)
         return out
+    return _settle(out, status, detail, "shards")
+
+
+def _settle(out: Verdict, status: str, detail: str, what: str) -> Verdict:
+    """The verdict of a copy whose files here all verified: OK, PARTIAL (the missing ranks' files
+    are on other nodes) or, still DAMAGED, incomplete."""
     if status == "incomplete":
         out.reason = "incomplete: " + detail
     elif status == "partial":
-        out.status, out.reason = "PARTIAL", detail + "; the shards here are intact, the others can be verified " \
-                                                      "only on their nodes"
+        out.status, out.reason = "PARTIAL", (f"{detail}; the {what} here are intact, the others can be verified "
+                                             "only on their nodes")
     else:
         out.status = "OK"
     return out
@@ -523,14 +529,7 @@ def verify_memtier(cfg: Config, copy: VersionCopy, name: str, progress: Progress
     except _UNREADABLE as e:
         out.reason = _reason(e)
         return out
-    if status == "incomplete":
-        out.reason = "incomplete: " + detail
-    elif status == "partial":
-        out.status, out.reason = "PARTIAL", detail + "; the slots here are intact, the others can be verified only " \
-                                                      "on their nodes"
-    else:
-        out.status = "OK"
-    return out
+    return _settle(out, status, detail, "slots")
 
 
 def verify_persistent(cfg: Config, copy: VersionCopy, name: str, progress: ProgressFn | None = None) -> Verdict:
