@@ -389,10 +389,10 @@ class _Server:
                 dev = self.devices[path] = mdev.open(path)
             else:
                 dev.refresh()
-            for r in dev.shards():
-                if r.entry_no == entry:
-                    self.regions[(path, entry)] = r
-                    return r
+            region = dev.region(entry)
+            if region is not None:
+                self.regions[(path, entry)] = region
+                return region
         raise MemtierError(f"memory tier {path}: no valid model-table entry {entry} (retired, or not a device "
                            "this rank registered on)")
 
@@ -449,22 +449,13 @@ class _Server:
                 return {"ok": True, "slot": k, "bytes": 0, "calls": 0, "copy_s": 0.0, "waited_s": waited}
             self.copying.add((path, entry, k))
         try:
-            if sum(n for _, n in regions) != region.file_size - region.data_offset:
-                raise MemtierError(f"the regions of {name!r} v{version.step} rank {rank} hold "
-                                   f"{sum(n for _, n in regions)} bytes, the slot's data region "
-                                   f"{region.file_size - region.data_offset}: not the registered layout")
             with self.cond:
                 first = (path, entry) not in self.prefaulted
                 self.prefaulted.add((path, entry))
             if first:  # fault this process's mapping of the region in now, not during the timed copy
                 region.prefault()
             c0 = time.monotonic()
-            writer = region.begin(k, version)
-            try:
-                stats = VmReadvCopier(pid).copy_in(regions, writer.data, writer.spans)
-                writer.finish(list(stats.crcs), manifest)
-            finally:
-                writer.release()
+            stats = region.put(k, version, VmReadvCopier(pid), regions, manifest)
             copy_s = time.monotonic() - c0
             log.info("memtier: %s v%d rank %d -> slot %d of %s entry %d: %d bytes in %d calls, %.3fs", name,
                      version.step, rank, k, path, entry, stats.bytes, stats.calls, copy_s)

@@ -314,15 +314,7 @@ class Engine:
         our memory): the same slot protocol as the backend's copy."""
         from .memtier.copy import LocalCopier
         c0 = time.perf_counter()
-        writer = self._mt_region.begin(slot, Version(self.run.generation, version))
-        try:
-            if sum(n for _, n in regions) != len(writer.data):
-                raise MemtierError(f"rank {self.rank}: {sum(n for _, n in regions)} bytes to copy into a slot data "
-                                   f"region of {len(writer.data)}: not the registered layout")
-            stats = LocalCopier().copy_in(regions, writer.data, writer.spans)
-            writer.finish(list(stats.crcs), manifest)
-        finally:
-            writer.release()
+        stats = self._mt_region.put(slot, Version(self.run.generation, version), LocalCopier(), regions, manifest)
         return {"slot": slot, "bytes": stats.bytes, "calls": stats.calls, "copy_s": time.perf_counter() - c0}
 
     def _memtier_put(self, version: int, arrays: "Sequence[np.ndarray] | FusedShard",

@@ -919,11 +919,11 @@ class SlotSource:
 def _slot_holds(region: Any, src: SlotSource) -> Any:
     """The slot header of ``src`` if it is DONE and holds ``src``'s run and version; else
     :class:`CorruptCheckpointError` naming what it holds."""
-    from .memtier.device import SlotState
-    head = region.slot_header(src.slot)
-    if head is None or head.state != SlotState.DONE or head.run != src.run or head.version.step != src.version:
-        what = "an invalid header" if head is None else \
-            f"state {getattr(head.state, 'name', head.state)}, run {head.run}, version {head.version}"
+    head = region.holding(src.slot, src.run, src.version)
+    if head is None:
+        now = region.slot_header(src.slot)
+        what = "an invalid header" if now is None else \
+            f"state {getattr(now.state, 'name', now.state)}, run {now.run}, version {now.version}"
         raise CorruptCheckpointError(f"{src.label()}: the slot should hold run {src.run} v{src.version}, DONE, but "
                                      f"holds {what}: not flushing it (the tier was rewritten or damaged)")
     return head
@@ -946,7 +946,7 @@ def _open_source(shard_path: str | None, source: SlotSource | None
     label = source.label()
     dev = mdev.open(source.device, writable=False)
     try:
-        region = next((r for r in dev.shards() if r.entry_no == source.entry), None)
+        region = dev.region(source.entry)
         if region is None or region.run != source.run or region.rank != source.rank or source.slot >= region.nslots:
             raise CorruptCheckpointError(f"{label}: no valid model-table entry {source.entry} of run {source.run} "
                                          f"rank {source.rank} with that slot on the device (retired or repacked?): "

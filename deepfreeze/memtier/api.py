@@ -163,14 +163,9 @@ def checkpoint(model: Model, arrays: "Mapping[str, np.ndarray] | Sequence[np.nda
     if k is None:  # pragma: no cover - with >= 2 slots and no flushes there is always one
         raise MemtierError(f"no free slot in {model.name!r}")
     entries = region.entries
-    writer = region.begin(k, version)
-    try:
-        regions = [(int(a.ctypes.data), e.length) for a, e in zip(flat, entries)]
-        stats = LocalCopier().copy_in(regions, writer.data, writer.spans,
-                                      dest_offsets=[e.offset - region.data_offset for e in entries])
-        writer.finish(stats.crcs, _manifest(model.name, version, step, model.plan, RunInfo(model.run, generation)))
-    finally:
-        writer.release()
+    region.put(k, version, LocalCopier(), [(int(a.ctypes.data), e.length) for a, e in zip(flat, entries)],
+               _manifest(model.name, version, step, model.plan, RunInfo(model.run, generation)),
+               dest_offsets=[e.offset - region.data_offset for e in entries])
     del flat
     return version
 

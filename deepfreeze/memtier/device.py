@@ -656,6 +656,10 @@ class Device:
         """The valid regions (as of the last :meth:`refresh`), sorted by (name, run, rank)."""
         return list(self._regions)
 
+    def region(self, entry_no: int) -> "ShardRegion | None":
+        """The valid region of model-table entry ``entry_no`` (as of the last :meth:`refresh`), or None."""
+        return next((r for r in self._regions if r.entry_no == entry_no), None)
+
     def find(self, name: str, run: str | None = None, rank: int | None = None) -> "list[ShardRegion]":
         """Valid regions of ``name`` (and ``run``, ``rank`` when given), after a :meth:`refresh`."""
         self.refresh()
@@ -793,9 +797,9 @@ class Device:
             cp.hit("memtier.table.valid")
             self._set_state(no, VALID)
             self.refresh()
-            for r in self._regions:
-                if r.entry_no == no:
-                    return r
+            r = self.region(no)
+            if r is not None:
+                return r
             raise MemtierCorruptError(f"{self.path}: the entry just registered ({no}) does not read back valid: "
                                       f"{self.problems[:3]}")
 
@@ -963,6 +967,33 @@ class ShardRegion:
                 out.append((k, h))
         out.sort(key=lambda kh: (kh[1].version, -kh[0]), reverse=True)
         return out
+
+    def holding(self, k: int, run: str, step: int) -> SlotHeader | None:
+        """Slot ``k``'s header if it is DONE (valid checksum) and holds version ``step`` of ``run``; else None."""
+        h = self.slot_header(k)
+        if h is None or h.state != SlotState.DONE or h.run != run or h.version.step != step:
+            return None
+        return h
+
+    def put(self, k: int, version: Version, copier: Any, regions: Sequence[tuple[int, int]],
+            manifest: dict[str, Any], *, dest_offsets: Sequence[int] | None = None) -> Any:
+        """The whole slot protocol for one version: header ACTIVE (:meth:`begin`), ``copier``
+        (:class:`~deepfreeze.memtier.copy.Copier`) copies the source ``regions`` into the data region
+        with every piece's CRC32, then image header, manifest and header DONE
+        (:meth:`SlotWriter.finish`). A failed copy leaves the slot ACTIVE (never restorable). Without
+        ``dest_offsets`` the regions must fill the data region exactly (:class:`MemtierError` before
+        anything is written otherwise). Returns the copier's ``CopyStats``."""
+        if dest_offsets is None and sum(n for _, n in regions) != self.file_size - self.data_offset:
+            raise MemtierError(f"{self.device.path} {self.name!r} rank {self.rank}: {sum(n for _, n in regions)} "
+                               f"bytes to copy into a slot data region of {self.file_size - self.data_offset}: "
+                               "not the registered layout")
+        writer = self.begin(k, version)
+        try:
+            stats = copier.copy_in(regions, writer.data, writer.spans, dest_offsets=dest_offsets)
+            writer.finish(list(stats.crcs), manifest)
+        finally:
+            writer.release()
+        return stats
 
     def choose_slot(self, busy: "set[int] | Sequence[int]" = ()) -> int | None:
         """The slot to write a new version into: never the newest valid DONE slot nor one in

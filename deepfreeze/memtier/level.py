@@ -198,11 +198,11 @@ def read_item(item: str, version: int, run: str) -> np.ndarray:
     session = getattr(_local, "session", None)
     dev = session.device(path) if session is not None else _device.open(path, writable=False)
     try:
-        region = next((r for r in dev.shards() if r.entry_no == entry), None)
+        region = dev.region(entry)
         if region is None:
             raise CorruptCheckpointError(f"{item}: the device no longer holds that model (repacked)")
-        h = region.slot_header(slot)
-        if h is None or h.state != _device.SlotState.DONE or h.version.step != version or h.run != run:
+        h = region.holding(slot, run, version)
+        if h is None:
             raise CorruptCheckpointError(f"{item}: the slot was rewritten since it was listed")
         if session is None:
             return region.read_image(slot, verify=False)
