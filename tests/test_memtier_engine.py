@@ -252,9 +252,10 @@ def test_slot_waits_when_flushes_lag(tmp_path, device):
     slot still waiting for its flush, waits for it (counted), and nothing is lost or mixed."""
     plan = make_plan(1, big=True)
     cfg = config(tmp_path, device, max_inflight=4)
-    engine = Engine(cfg, "job", 0, plan)
-    for v in range(1, 13):
-        engine.checkpoint(v, pieces(model_arrays(v, True), plan, 0), step=v, epoch=0)
+    versions = {v: pieces(model_arrays(v, True), plan, 0) for v in range(1, 13)}  # made first: the versions
+    engine = Engine(cfg, "job", 0, plan)  # then come back to back (making 12 MB of random numbers between
+    for v in range(1, 13):                # them gave the flushes time to finish: a wait was not certain)
+        engine.checkpoint(v, versions[v], step=v, epoch=0)
     engine.close()
     assert engine.memtier_waits >= 1
     assert PersistentLevel(cfg.persistent).committed_versions("job") == list(range(1, 13))
