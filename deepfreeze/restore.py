@@ -406,26 +406,28 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
         if planned is None:
             return None
         fetch, rebuild = planned
-        items, failed, tier, any_tier = {}, [], True, False  # tier: every file read here is a memory-tier slot
-        mine_tier: set[int] = set()  # ranks whose shard this participant read from a memory-tier slot
+        items, failed = {}, []
+        read_here = from_tier = 0  # files this participant reads, and how many of them are memory-tier slots
+        mine_tier: set[int] = set()  # ranks whose shard this participant reads from a memory-tier slot
         memtier_level.forget()
         for (kind, key), p in fetch.items():
             if p != comm.rank:
                 continue
-            tier &= memtier_level.is_item(inv[kind][key])
-            any_tier |= memtier_level.is_item(inv[kind][key])
-            if kind == "shard" and memtier_level.is_item(inv[kind][key]):
-                mine_tier.add(key)
+            read_here += 1
+            if memtier_level.is_item(inv[kind][key]):
+                from_tier += 1
+                if kind == "shard":
+                    mine_tier.add(key)
             try:
                 items[(kind, key)] = _read_item(inv, kind, key, version, verify, fmt.manifest_run(manifest)[0],
                                                 _file_limit(manifest))
             except _UNREADABLE as e:  # damaged, not a regular file, or removed by retention meanwhile
                 failed.append([kind, key, str(e) or type(e).__name__])
-        gathered = [json.loads(b) for b in comm.allgather(json.dumps({"failed": failed, "tier": tier,
-                                                                       "any_tier": any_tier}).encode())]
+        gathered = [json.loads(b) for b in comm.allgather(json.dumps(
+            {"failed": failed, "tier": from_tier == read_here, "any_tier": from_tier > 0}).encode())]
         reports = [g["failed"] for g in gathered]
         source = "memtier" if all(g["tier"] for g in gathered) else "scratch"
-        views = any(g["any_tier"] for g in gathered)  # memory-tier slots were read as views: recheck after copying
+        recheck = any(g["any_tier"] for g in gathered)  # slots were read in place: recheck after copying
         if any(reports):
             bad = [(p, kind, key, why) for p, rep in enumerate(reports) for kind, key, why in rep]
             for p, kind, key, why in bad:
@@ -460,7 +462,7 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
             viewable = {r for r in files if r in mine_tier} if views else set()
             ck = _assemble(manifest, files, wanted, verify, version, rebuilt=set(rebuild), level=source,
                            views=viewable)
-            if views:  # the seqlock's second half: a slot a writer began to rewrite meanwhile is not trusted
+            if recheck:  # the seqlock's second half: a slot a writer began to rewrite meanwhile is not trusted
                 rewritten = [json.loads(b) for b in comm.allgather(json.dumps(memtier_level.changed()).encode())]
                 if any(rewritten):
                     raise CorruptCheckpointError(f"memory-tier slot(s) {sum(rewritten, [])} rewritten while they "

@@ -92,6 +92,8 @@ def test_tier_listed_and_read_first_on_its_node(trained):
     for v in tier_versions:
         ck = load(cfg, "mr", v)
         assert ck.level == "memtier"
+        # load() returns copies the caller owns, never views of a slot a writer may reuse later
+        assert all(a.flags.writeable for a in ck.arrays.values())
         assert [a.tobytes() for a in ck.model_arrays().values()] == [a.tobytes() for a in expected[(run, v)]]
     # a damaged slot image: restore reads the next source (persistent's copy of that version)
     with memtier.open(f"{both}/tier") as dev:
