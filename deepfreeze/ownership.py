@@ -284,8 +284,8 @@ def _refuser(kind: str):
 def check_file(fd: int, st: os.stat_result, path: str, *, kind: str,
                trusted: "frozenset[int] | None" = None, loose: str = "tighten") -> None:
     """The owner and mode rule for one file, opened as ``fd`` without following a link (``st``:
-    its ``fstat``). Owner: the user, or one of ``trusted`` (None: the user only), else
-    :class:`UntrustedOwnerError`. Mode: a file of another (trusted) owner must not be writable by
+    its ``fstat``). Owner: the user, or one of ``trusted``, else :class:`UntrustedOwnerError`
+    (``trusted=None``: the user only, else :class:`UnsafePathError`). Mode: a file of another (trusted) owner must not be writable by
     group or others (:class:`UnsafePathError`); one of the user's own that group or others may
     read or write is made ``0600`` with one log line (``loose="tighten"``) or refused
     (``loose="refuse"``: a secret that may have leaked). ``kind`` names the file in messages."""
@@ -293,12 +293,14 @@ def check_file(fd: int, st: os.stat_result, path: str, *, kind: str,
     m = stat.S_IMODE(st.st_mode)
     if st.st_uid != me and st.st_uid not in (trusted or ()):
         hint = ""
-        if trusted is not None:
+        if trusted and trusted - {me}:
             hint = (f"; if {_user(st.st_uid)} wrote it and you trust them, pass trust_owners=[{_user(st.st_uid)!r}] "
                     f"(CLI: --trust-owner {_user(st.st_uid)})")
-        raise UntrustedOwnerError(f"{path} ({kind}) is owned by {owner_name(st.st_uid)}, not by you ({owner_name(me)}): "
-                                  "another user may have created it to read or forge what DeepFreeze keeps there; "
-                                  f"not using it. Remove it (as its owner or root) or choose another path{hint}")
+        # a file that must be the user's own: UnsafePathError; one whose owners the caller chose: UntrustedOwnerError
+        raise (UnsafePathError if trusted is None else UntrustedOwnerError)(
+            f"{path} ({kind}) is owned by {owner_name(st.st_uid)}, not by you ({owner_name(me)}): another user may have "
+            "created it to read or forge what DeepFreeze keeps there; not using it. Remove it (as its owner or root) "
+            f"or choose another path{hint}")
     if st.st_uid != me:
         if m & 0o022:
             raise UnsafePathError(f"{path} ({kind}) is owned by {owner_name(st.st_uid)} and writable by "
@@ -330,10 +332,10 @@ def open_trusted(path: str, flags: int = os.O_RDONLY, *, kind: str, trusted: "fr
 
 
 def open_trusted_file(path: str, *, kind: str, trusted: "frozenset[int] | None" = None) -> BinaryIO:
-    """:func:`open_trusted` for reading, as an unbuffered binary file object."""
+    """:func:`open_trusted` for reading, as a binary file object."""
     fd = open_trusted(path, os.O_RDONLY, kind=kind, trusted=trusted)
     try:
-        return os.fdopen(fd, "rb", buffering=0)
+        return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
