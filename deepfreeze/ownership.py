@@ -26,11 +26,14 @@ will use, or plant symbolic links where its files go. The rules enforced here:
   never a hang on a FIFO, then ``fstat``): a regular file owned by the user, else a clear error
   naming the path, its owner and the way out; created ``0600``; one of the user's own that other
   users may read or write is tightened to ``0600`` with one log line (a token file is refused
-  instead: its secret may have leaked). Files SQLite opens itself are checked by path first
-  (:func:`check_existing`); they live in a directory of the user's own, so nobody else can swap
-  them after the check. Stream endpoint files found in a persistent directory follow the
-  persistent owner rule: the user, root or ``trust_owners`` (``trusted``), and a file of another
-  trusted owner must not be writable by group or others. Directories of the siblings (the
+  instead: its secret may have leaked, and so is a stream ring, which its producer makes ``0600``). Files SQLite opens itself are checked by path first
+  (:func:`check_existing`, ``lstat`` only: closing a descriptor of a file drops the process's
+  POSIX locks on it, SQLite's too); they live in a directory of the user's own, so nobody else
+  can swap them after the check. Stream endpoint files and their directory, found in a persistent
+  directory, follow the persistent owner rule with the owners the reader passes (``trusted``;
+  consumers: the user and root), and one of another trusted owner must not be writable by group
+  or others. Memory-tier devices are the user's own for reading too (their owner could forge any
+  version at any moment: ``trust_owners`` does not apply). Directories of the siblings (the
   repository, ``<persistent>/<channel>/stream``) follow the directory rules above
   (:func:`ensure_dir`).
 * **Unix socket peers** (the node backend): both ends read the other's credentials with
@@ -281,10 +284,10 @@ def _refuser(kind: str):
     return refuse
 
 
-def check_file(fd: int, st: os.stat_result, path: str, *, kind: str,
+def check_file(fd: "int | None", st: os.stat_result, path: str, *, kind: str,
                trusted: "frozenset[int] | None" = None, loose: str = "tighten") -> None:
     """The owner and mode rule for one file, opened as ``fd`` without following a link (``st``:
-    its ``fstat``). Owner: the user, or one of ``trusted``, else :class:`UntrustedOwnerError`
+    its ``fstat``; ``fd=None``: ``st`` is an ``lstat`` of a regular file, tightened by path). Owner: the user, or one of ``trusted``, else :class:`UntrustedOwnerError`
     (``trusted=None``: the user only, else :class:`UnsafePathError`). Mode: a file of another (trusted) owner must not be writable by
     group or others (:class:`UnsafePathError`); one of the user's own that group or others may
     read or write is made ``0600`` with one log line (``loose="tighten"``) or refused
@@ -311,7 +314,10 @@ def check_file(fd: int, st: os.stat_result, path: str, *, kind: str,
         if loose == "refuse":
             raise UnsafePathError(f"{path} ({kind}) has mode {m:04o}: other users may read or change it. Run "
                                   f"'chmod 600 {path}' (and replace what it holds if that may have leaked)")
-        os.fchmod(fd, 0o600)
+        if fd is None:
+            os.chmod(path, 0o600)
+        else:
+            os.fchmod(fd, 0o600)
         log.warning("deepfreeze: %s (%s) had mode %04o, open to other users: tightened to 0600", path, kind, m)
 
 
@@ -342,15 +348,18 @@ def open_trusted_file(path: str, *, kind: str, trusted: "frozenset[int] | None" 
 
 
 def check_existing(path: str, *, kind: str, trusted: "frozenset[int] | None" = None, loose: str = "tighten") -> bool:
-    """Apply :func:`open_trusted` to ``path`` if anything (a link included) is there, for files
-    another library opens by name (SQLite): False when nothing is there. The check holds as long
-    as nobody else can replace the entry, i.e. in a directory of the user's own (:func:`ensure_dir`)."""
-    if not os.path.lexists(path):
-        return False
+    """The rule of :func:`open_trusted` for a file another library opens by name (SQLite), checked
+    with ``lstat`` only: never opened, because closing a descriptor of a file drops every POSIX
+    lock this process holds on it (SQLite's among them). False when nothing is there. The check
+    holds as long as nobody else can replace the entry, i.e. in a directory of the user's own
+    (:func:`ensure_dir`)."""
     try:
-        os.close(open_trusted(path, os.O_RDONLY, kind=kind, trusted=trusted, loose=loose))
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuser(kind)(path, fsafe.describe_mode(st.st_mode))
+    check_file(None, st, path, kind=kind, trusted=trusted, loose=loose)
     return True
 
 

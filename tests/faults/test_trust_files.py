@@ -178,7 +178,7 @@ def test_repository_files_are_private_and_wide_ones_tightened(tmp_path, caplog):
         # a link where meta.db goes is refused, never followed
         os.rename(os.path.join(d, "meta.db"), os.path.join(tmp_path, "elsewhere.db"))
         os.symlink(os.path.join(tmp_path, "elsewhere.db"), os.path.join(d, "meta.db"))
-        with pytest.raises(UnsafePathError, match="symbolic link"):
+        with pytest.raises(UnsafePathError, match="symlink"):
             EmbeddedRepository(d)
     finally:
         os.umask(old)
