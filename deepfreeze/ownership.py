@@ -20,22 +20,22 @@ will use, or plant symbolic links where its files go. The rules enforced here:
   opened with ``O_NOFOLLOW``: a symbolic link is removed, never descended into.
 * **Owners of checkpoint files**: scratch files are restored only when owned by the user (or
   root); persistent files also when their owner is in ``trust_owners`` (:func:`trusted_uids`).
-* **Files of the siblings** (issue 23): memory-tier devices, the repository's ``meta.db`` (and
-  its ``-wal``/``-shm``/``-journal``) and packs, stream rings in ``/dev/shm``, token files, the
+* **Files of the siblings** (issue 23): memory-tier devices, the repository's ``meta.db`` (and its
+  ``-wal``/``-shm``/``-journal``) and packs, stream rings in ``/dev/shm``, token files, the
   backend log: DeepFreeze's own files. They are opened with :func:`open_trusted` (``O_NOFOLLOW``,
   never a hang on a FIFO, then ``fstat``): a regular file owned by the user, else a clear error
   naming the path, its owner and the way out; created ``0600``; one of the user's own that other
   users may read or write is tightened to ``0600`` with one log line (a token file is refused
-  instead: its secret may have leaked, and so is a stream ring, which its producer makes ``0600``). Files SQLite opens itself are checked by path first
-  (:func:`check_existing`, ``lstat`` only: closing a descriptor of a file drops the process's
-  POSIX locks on it, SQLite's too); they live in a directory of the user's own, so nobody else
-  can swap them after the check. Stream endpoint files and their directory, found in a persistent
-  directory, follow the persistent owner rule with the owners the reader passes (``trusted``;
-  consumers: the user and root), and one of another trusted owner must not be writable by group
-  or others. Memory-tier devices are the user's own for reading too (their owner could forge any
-  version at any moment: ``trust_owners`` does not apply). Directories of the siblings (the
-  repository, ``<persistent>/<channel>/stream``) follow the directory rules above
-  (:func:`ensure_dir`).
+  instead: its secret may have leaked, and so is a stream ring, which its producer makes
+  ``0600``). Files SQLite opens itself are checked by path first (:func:`check_existing`,
+  ``lstat`` only: closing a descriptor of a file drops the process's POSIX locks on it, SQLite's
+  too); they live in a directory of the user's own, so nobody else can swap them after the check.
+  Stream endpoint files and their directory, found in a persistent directory, follow the
+  persistent owner rule with the owners the reader passes (``trusted``; consumers: the user and
+  root), and one of another trusted owner must not be writable by group or others. Memory-tier
+  devices are the user's own for reading too (their owner could forge any version at any moment:
+  ``trust_owners`` does not apply). Directories of the siblings (the repository,
+  ``<persistent>/<channel>/stream``) follow the directory rules above (:func:`ensure_dir`).
 * **Unix socket peers** (the node backend): both ends read the other's credentials with
   ``SO_PEERCRED`` (:func:`check_peer`) and talk only to a process of the same uid (root too only
   when it is the same uid: a root backend serves root's ranks only). A backend socket planted by
@@ -62,8 +62,8 @@ from . import fsafe
 from .errors import ConfigError, UnsafePathError, UntrustedOwnerError
 
 __all__ = ["owner_name", "trusted_uids", "check_owner", "check_root", "ensure_dir", "open_dir_nofollow",
-           "open_private", "open_trusted", "open_trusted_file", "check_file", "check_existing", "peer_cred",
-           "check_peer", "remove_tree_nofollow"]
+           "open_private", "open_trusted", "open_trusted_file", "check_file", "check_dir", "check_existing",
+           "peer_cred", "check_peer", "remove_tree_nofollow"]
 
 log = logging.getLogger("deepfreeze.ownership")
 
@@ -284,26 +284,50 @@ def _refuser(kind: str):
     return refuse
 
 
+def _check_owner_of(st: os.stat_result, path: str, kind: str, trusted: "frozenset[int] | None") -> None:
+    me = os.getuid()
+    if st.st_uid == me or st.st_uid in (trusted or ()):
+        return
+    hint = ""
+    if trusted and trusted - {me}:
+        hint = (f"; if {_user(st.st_uid)} wrote it and you trust them, pass trust_owners=[{_user(st.st_uid)!r}] "
+                f"(CLI: --trust-owner {_user(st.st_uid)})")
+    # what must be the user's own: UnsafePathError; what the caller named owners for: UntrustedOwnerError
+    raise (UnsafePathError if trusted is None else UntrustedOwnerError)(
+        f"{path} ({kind}) is owned by {owner_name(st.st_uid)}, not by you ({owner_name(me)}): another user may have "
+        "created it to read or forge what DeepFreeze keeps there; not using it. Remove it (as its owner or root) "
+        f"or choose another path{hint}")
+
+
+def check_dir(st: os.stat_result, path: str, *, kind: str, trusted: "frozenset[int] | None" = None) -> None:
+    """The rule for a directory DeepFreeze reads from (``st``: its ``lstat``, or the ``fstat`` of
+    a descriptor opened with ``O_NOFOLLOW``): not a link, owned by the user or one of ``trusted``
+    (as :func:`check_file`), writable by nobody else. Never tightened (readers do not chmod)."""
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"{path} ({kind}) is a symbolic link: never followed (it could point into another "
+                              "user's files). Remove it or choose another path")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{path} ({kind}) is {fsafe.describe_mode(st.st_mode)}, not a directory. Remove it or "
+                              "choose another path")
+    _check_owner_of(st, path, kind, trusted)
+    if st.st_mode & 0o022:
+        raise UnsafePathError(f"{path} ({kind}) is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
+                              f"(mode {_mode(st)}): anyone could plant files there. Run 'chmod go-w {path}', or "
+                              "remove it")
+
+
 def check_file(fd: "int | None", st: os.stat_result, path: str, *, kind: str,
                trusted: "frozenset[int] | None" = None, loose: str = "tighten") -> None:
-    """The owner and mode rule for one file, opened as ``fd`` without following a link (``st``:
-    its ``fstat``; ``fd=None``: ``st`` is an ``lstat`` of a regular file, tightened by path). Owner: the user, or one of ``trusted``, else :class:`UntrustedOwnerError`
-    (``trusted=None``: the user only, else :class:`UnsafePathError`). Mode: a file of another (trusted) owner must not be writable by
-    group or others (:class:`UnsafePathError`); one of the user's own that group or others may
-    read or write is made ``0600`` with one log line (``loose="tighten"``) or refused
+    """The owner and mode rule for one file, opened as ``fd`` without following a link (``st``: its
+    ``fstat``; ``fd=None``: ``st`` is an ``lstat`` of a regular file, tightened by path). Owner: the
+    user, or one of ``trusted``, else :class:`UntrustedOwnerError` (``trusted=None``: the user only,
+    else :class:`UnsafePathError`). Mode: a file of another (trusted) owner must not be writable by
+    group or others (:class:`UnsafePathError`); one of the user's own that group or others may read
+    or write is made ``0600`` with one log line (``loose="tighten"``) or refused
     (``loose="refuse"``: a secret that may have leaked). ``kind`` names the file in messages."""
     me = os.getuid()
     m = stat.S_IMODE(st.st_mode)
-    if st.st_uid != me and st.st_uid not in (trusted or ()):
-        hint = ""
-        if trusted and trusted - {me}:
-            hint = (f"; if {_user(st.st_uid)} wrote it and you trust them, pass trust_owners=[{_user(st.st_uid)!r}] "
-                    f"(CLI: --trust-owner {_user(st.st_uid)})")
-        # a file that must be the user's own: UnsafePathError; one whose owners the caller chose: UntrustedOwnerError
-        raise (UnsafePathError if trusted is None else UntrustedOwnerError)(
-            f"{path} ({kind}) is owned by {owner_name(st.st_uid)}, not by you ({owner_name(me)}): another user may have "
-            "created it to read or forge what DeepFreeze keeps there; not using it. Remove it (as its owner or root) "
-            f"or choose another path{hint}")
+    _check_owner_of(st, path, kind, trusted)
     if st.st_uid != me:
         if m & 0o022:
             raise UnsafePathError(f"{path} ({kind}) is owned by {owner_name(st.st_uid)} and writable by "

@@ -281,8 +281,9 @@ class EmbeddedRepository:
                 raise RepositoryError(f"{d}: no repository there (create=False)")
         elif not os.path.isdir(d):
             raise RepositoryError(f"{d} is not a directory: a repository is a directory")
-        # the directory: the user's own, 0700 when created, writable by nobody else, its parent a
-        # safe root (deepfreeze.ownership); so nobody else can swap meta.db or packs after the checks
+        # the directory follows the root rule (deepfreeze.ownership.check_root: yours or root's, never
+        # writable by others unless sticky; created 0700), packs/ the own-directory rule; a file another
+        # user planted in it is refused below by its owner, so the checks hold until SQLite opens them
         try:
             ownership.ensure_dir(d, d)
         except UnsafePathError:
@@ -901,7 +902,8 @@ class EmbeddedRepository:
 
     def _read_pack(self, name: str, file: str, group: list[tuple[str, tuple, np.ndarray]], verify: bool) -> None:
         path = self._pack_path(file)
-        with ownership.open_trusted_file(path, kind="repository pack") as f:  # FileNotFoundError: moved by gc -> get() looks again
+        # FileNotFoundError: moved by gc -> get() looks again; another user's pack: UnsafePathError
+        with ownership.open_trusted_file(path, kind="repository pack") as f:
             index = self._index(f, path)
             plan = []
             for k, r, a in group:

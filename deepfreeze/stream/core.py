@@ -44,7 +44,6 @@ import logging
 import os
 import queue
 import socket
-import stat
 import threading
 import time
 from typing import Any, Mapping, Sequence
@@ -169,21 +168,14 @@ def read_endpoints(persistent: str, channel: str, *,
 
 
 def _trusted_listing(d: str, trusted: frozenset[int]) -> list[str]:
-    """The names in endpoint directory ``d`` and the directories from the persistent root's
-    ``<channel>`` down, each opened without following a link and owned by one of ``trusted``, not
-    writable by group or others (else :class:`UnsafePathError` / :class:`UntrustedOwnerError`)."""
+    """The names in endpoint directory ``d``, once it and ``<persistent>/<channel>`` pass
+    :func:`deepfreeze.ownership.check_dir` (never a link, owned by one of ``trusted``, writable by
+    nobody else)."""
     fd = ownership.open_dir_nofollow(d)
     try:
-        for where, st in ((os.path.dirname(d), os.lstat(os.path.dirname(d))), (d, os.fstat(fd))):
-            if stat.S_ISLNK(st.st_mode):
-                raise UnsafePathError(f"{where} is a symbolic link: not following it for stream endpoints")
-            if st.st_uid not in trusted:
-                raise UntrustedOwnerError(f"{where} is owned by {ownership.owner_name(st.st_uid)}, a user you do not "
-                                          "trust: another user may have planted it to redirect consumers. Remove it "
-                                          "(as its owner or root)")
-            if st.st_mode & 0o022:
-                raise UnsafePathError(f"{where} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
-                                      "anyone could plant endpoint files there. Run 'chmod go-w' on it, or remove it")
+        up = os.path.dirname(d)
+        ownership.check_dir(os.lstat(up), up, kind="stream channel directory", trusted=trusted)
+        ownership.check_dir(os.fstat(fd), d, kind="stream endpoint directory", trusted=trusted)
         return os.listdir(fd)
     finally:
         os.close(fd)

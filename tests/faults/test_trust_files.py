@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from deepfreeze import backend, net
-from deepfreeze.errors import AuthenticationError, MemtierCorruptError, StreamError, UnsafePathError, UntrustedOwnerError
+from deepfreeze.errors import (AuthenticationError, MemtierCorruptError, StreamError, UnsafePathError,
+                               UntrustedOwnerError)
 from deepfreeze.memtier import device as D
 from deepfreeze.repo.store import EmbeddedRepository
 from deepfreeze.run import RunInfo, Version
