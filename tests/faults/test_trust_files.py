@@ -299,7 +299,7 @@ def test_token_files_of_another_user_loose_or_linked_are_refused(tmp_path):
 
 _PEER = r"""
 import json, socket, sys
-path, out = sys.argv[1], sys.argv[2]
+path = sys.argv[1]
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(10)
 try:
@@ -374,7 +374,7 @@ def test_backend_refuses_a_connection_from_another_user(shared_dir):
         _wait_for(sock)
 
         def peer(preexec):
-            out = subprocess.run([_plain_python(), "-c", _PEER, sock, "-"], capture_output=True, timeout=60,
+            out = subprocess.run([_plain_python(), "-c", _PEER, sock], capture_output=True, timeout=60,
                                  preexec_fn=preexec, check=True)
             return json.loads(out.stdout)
         assert mode(sock) == 0o600
