@@ -8,7 +8,11 @@ is connected and its queue is empty for ``DEEPFREEZE_BACKEND_IDLE`` seconds
 under a second and stays small.
 
 IPC: a Unix stream socket, owner-only (``0700`` directory, ``0600`` socket),
-one JSON object per line in each direction. Requests::
+one JSON object per line in each direction. Both ends check the other's uid with ``SO_PEERCRED``
+(:func:`deepfreeze.ownership.check_peer`): the backend closes a connection of another uid before
+reading from it (``memtier_put`` makes it read a process's memory), and a client refuses a socket
+served by another uid (:class:`~deepfreeze.errors.UntrustedOwnerError`). Same uid only: a root
+backend serves root's ranks, not other users'. Requests::
 
     {"op": "hello"}                      -> {"ok": true, "pid": N}
     {"op": "flush", "job": {...}}        -> {"ok": true, "id": N}        (queued)
@@ -79,7 +83,6 @@ import logging
 import os
 import queue
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -88,7 +91,7 @@ from typing import Any
 
 from . import crashpoints as cp
 from . import ownership
-from .errors import BackendError, BackendUnresponsiveError, UnsafePathError
+from .errors import BackendError, BackendUnresponsiveError, UnsafePathError, UntrustedOwnerError
 from .levels import ScratchLevel, flush_job
 
 __all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "DEFAULT_TIMEOUT",
@@ -525,6 +528,12 @@ def serve(path: str, idle: float = 5.0) -> None:
                 conn, _ = sock.accept()
             except socket.timeout:
                 continue
+            try:  # a process of another user never gets a byte read or answered (deepfreeze.ownership)
+                ownership.check_peer(conn, f"backend socket {path}")
+            except UntrustedOwnerError as e:
+                log.warning("refused a connection: %s", e)
+                conn.close()
+                continue
             conn.settimeout(_SERVER_SEND_TIMEOUT)  # sends; reads treat a timeout as "still idle"
             threading.Thread(target=srv.handle, args=(conn,), name="deepfreeze-backend-conn",
                              daemon=True).start()
@@ -545,17 +554,6 @@ def _socket_inode(path: str) -> int | None:
     try:
         return os.lstat(path).st_ino
     except OSError:
-        return None
-
-
-def _peer_pid(sock: socket.socket) -> int | None:
-    """Pid of the process that listens at the other end of a connected Unix socket (SO_PEERCRED):
-    known even when that process does not answer."""
-    try:
-        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                              struct.calcsize("3i")))
-        return pid or None
-    except (OSError, AttributeError, struct.error):
         return None
 
 
@@ -679,7 +677,11 @@ class BackendClient:
         except OSError:
             s.close()
             return None
-        pid = _peer_pid(s)
+        try:  # a backend of another user (a planted socket) never sees a request of ours
+            pid = ownership.check_peer(s, f"backend socket {self.path}")
+        except BaseException:
+            s.close()
+            raise
         lines = _Lines(s)
         t0, next_log = time.monotonic(), time.monotonic() + LOG_EVERY
         try:

@@ -46,28 +46,31 @@ def _not_regular(path: str, what: str) -> CorruptCheckpointError:
                                   "(remove or rename it; restore falls back to another level or version)")
 
 
-def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, *,
+                 refuse: Callable[[str, str], BaseException] = _not_regular) -> int:
     """Open ``path`` (a descriptor) only if it is a regular file; see the module docstring.
+    ``flags`` may hold ``O_CREAT`` (``mode``: the new file's mode).
 
-    Raises ``FileNotFoundError`` if it does not exist, :class:`CorruptCheckpointError` if it
-    is a symlink or not a regular file, ``OSError`` for other failures (permissions, I/O).
-    """
+    Raises ``FileNotFoundError`` if it does not exist, ``refuse(path, what)`` (by default a
+    :class:`CorruptCheckpointError`) if it is a symlink or not a regular file, ``OSError`` for
+    other failures (permissions, I/O). :func:`deepfreeze.ownership.open_trusted` passes its own
+    ``refuse`` (an :class:`~deepfreeze.errors.UnsafePathError`)."""
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as e:
         if e.errno == errno.ELOOP:  # O_NOFOLLOW on a symlink
-            raise _not_regular(path, "a symbolic link (symlink), never followed") from e
+            raise refuse(path, "a symbolic link (symlink), never followed") from e
         if e.errno in (errno.ENXIO, errno.EISDIR):  # a socket; a directory opened for writing
             try:
                 what = describe_mode(os.lstat(path).st_mode)
             except OSError:
                 what = "not openable"
-            raise _not_regular(path, what) from e
+            raise refuse(path, what) from e
         raise
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(path, describe_mode(mode))
+        st_mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise refuse(path, describe_mode(st_mode))
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

@@ -49,8 +49,9 @@ import time
 from typing import Any, Iterable, Mapping
 
 from . import errors as _errors
+from . import ownership
 from .errors import (AuthenticationError, ConfigError, DeepFreezeError, ProviderError, ProviderTimeoutError,
-                     UntrustedOwnerError)
+                     UnsafePathError, UntrustedOwnerError)
 
 __all__ = ["TOKEN_ENV", "DEFAULT_TOKEN_PATH", "MAGIC", "VERSION", "MAX_HEADER", "default_token_path",
            "create_token", "load_token", "check_token", "parse_address", "format_address", "is_loopback",
@@ -134,25 +135,18 @@ def load_token(path: str | None = None) -> str:
                 f"'python -c \"import deepfreeze.net as n; n.create_token()\"' (or set {TOKEN_ENV}) and use the "
                 "same token on every client and provider")
     path = os.path.expanduser(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:  # the one trust check (deepfreeze.ownership): regular, no link, yours, no group/other bits
+        fd = ownership.open_trusted(path, os.O_RDONLY, kind="token file", trusted=frozenset({os.getuid()}),
+                                    loose="refuse")
+    except UntrustedOwnerError:
+        raise
+    except UnsafePathError as e:
+        raise AuthenticationError(f"{e} (a token file must be a regular file of yours, mode 0600; rotate the "
+                                  "token if others could read it)") from e
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise AuthenticationError(f"token file {path} is a symbolic link: refusing it; point to the file "
-                                      "itself") from e
         raise AuthenticationError(f"cannot read the token file {path}: {e.strerror}; create it with "
                                   "deepfreeze.net.create_token() or set " + TOKEN_ENV) from e
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise AuthenticationError(f"token file {path} is not a regular file")
-        if st.st_uid != os.getuid():
-            raise UntrustedOwnerError(f"token file {path} is owned by uid {st.st_uid}, not by you (uid "
-                                      f"{os.getuid()}): anyone who can write it can impersonate you; use a token "
-                                      "file of your own")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            raise AuthenticationError(f"token file {path} has mode {stat.S_IMODE(st.st_mode):04o}: others may read "
-                                      f"the secret. Run 'chmod 600 {path}' (and rotate the token if it leaked)")
         data = os.read(fd, _MAX_TOKEN + 2)
     finally:
         os.close(fd)

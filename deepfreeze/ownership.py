@@ -20,6 +20,27 @@ will use, or plant symbolic links where its files go. The rules enforced here:
   opened with ``O_NOFOLLOW``: a symbolic link is removed, never descended into.
 * **Owners of checkpoint files**: scratch files are restored only when owned by the user (or
   root); persistent files also when their owner is in ``trust_owners`` (:func:`trusted_uids`).
+* **Files of the siblings** (issue 23): memory-tier devices, the repository's ``meta.db`` (and its
+  ``-wal``/``-shm``/``-journal``) and packs, stream rings in ``/dev/shm``, token files, the
+  backend log: DeepFreeze's own files. They are opened with :func:`open_trusted` (``O_NOFOLLOW``,
+  never a hang on a FIFO, then ``fstat``): a regular file owned by the user, else a clear error
+  naming the path, its owner and the way out; created ``0600``; one of the user's own that other
+  users may read or write is tightened to ``0600`` with one log line (a token file is refused
+  instead: its secret may have leaked, and so is a stream ring, which its producer makes
+  ``0600``). Files SQLite opens itself are checked by path first (:func:`check_existing`,
+  ``lstat`` only: closing a descriptor of a file drops the process's POSIX locks on it, SQLite's
+  too); they live in a directory of the user's own, so nobody else can swap them after the check.
+  Stream endpoint files and their directory, found in a persistent directory, follow the
+  persistent owner rule with the owners the reader passes (``trusted``; consumers: the user and
+  root), and one of another trusted owner must not be writable by group or others. Memory-tier
+  devices are the user's own for reading too (their owner could forge any version at any moment:
+  ``trust_owners`` does not apply). Directories of the siblings (the repository,
+  ``<persistent>/<channel>/stream``) follow the directory rules above (:func:`ensure_dir`).
+* **Unix socket peers** (the node backend): both ends read the other's credentials with
+  ``SO_PEERCRED`` (:func:`check_peer`) and talk only to a process of the same uid (root too only
+  when it is the same uid: a root backend serves root's ranks only). A backend socket planted by
+  another user is refused by the client; a connection of another user is closed by the backend
+  before it reads a byte.
 
 Errors are :class:`~deepfreeze.errors.UnsafePathError` and
 :class:`~deepfreeze.errors.UntrustedOwnerError`, saying what, why and what to do.
@@ -27,17 +48,24 @@ Errors are :class:`~deepfreeze.errors.UnsafePathError` and
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import pwd
+import socket
 import stat
+import struct
 import threading
-from typing import Iterable
+from typing import BinaryIO, Iterable
 
 from . import crashpoints as cp
+from . import fsafe
 from .errors import ConfigError, UnsafePathError, UntrustedOwnerError
 
 __all__ = ["owner_name", "trusted_uids", "check_owner", "check_root", "ensure_dir", "open_dir_nofollow",
-           "open_private", "remove_tree_nofollow"]
+           "open_private", "open_trusted", "open_trusted_file", "check_file", "check_dir", "check_existing",
+           "peer_cred", "check_peer", "remove_tree_nofollow"]
+
+log = logging.getLogger("deepfreeze.ownership")
 
 _MAX_DEPTH = 32
 _lock = threading.Lock()
@@ -244,30 +272,146 @@ def _is_link(path: str, dir_fd: int | None) -> bool:
 
 
 def open_private(path: str, flags: int) -> int:
-    """Open (or create, ``0600``) a file of the user's own, such as a log, with ``O_NOFOLLOW``:
-    a symbolic link, a non-regular file or a file of another user is refused
-    (:class:`UnsafePathError`); a file left readable by others is made ``0600``."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
-    except OSError as e:
-        if e.errno == errno.ELOOP or _is_link(path, None):
-            raise UnsafePathError(f"{path} is a symbolic link: DeepFreeze never writes through one (it could "
-                                  "point to another user's file); remove it") from e
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path} is not a regular file; remove it")
-        if st.st_uid != os.getuid():
-            raise UnsafePathError(f"{path} is owned by {owner_name(st.st_uid)}, not by you: not writing into "
-                                  "another user's file; remove it (as its owner or root)")
-        if stat.S_IMODE(st.st_mode) & 0o077:
+    """Open (or create, ``0600``) a file of the user's own, such as a log: :func:`open_trusted`."""
+    return open_trusted(path, flags, kind="file")
+
+
+def _refuser(kind: str):
+    def refuse(path: str, what: str) -> UnsafePathError:
+        return UnsafePathError(f"{path} ({kind}) is {what}, not a regular file: DeepFreeze opens only regular "
+                               "files here and never follows a link (it could point into another user's files). "
+                               "Remove it or choose another path")
+    return refuse
+
+
+def _check_owner_of(st: os.stat_result, path: str, kind: str, trusted: "frozenset[int] | None") -> None:
+    me = os.getuid()
+    if st.st_uid == me or st.st_uid in (trusted or ()):
+        return
+    hint = ""
+    if trusted and trusted - {me}:
+        hint = (f"; if {_user(st.st_uid)} wrote it and you trust them, pass trust_owners=[{_user(st.st_uid)!r}] "
+                f"(CLI: --trust-owner {_user(st.st_uid)})")
+    # what must be the user's own: UnsafePathError; what the caller named owners for: UntrustedOwnerError
+    raise (UnsafePathError if trusted is None else UntrustedOwnerError)(
+        f"{path} ({kind}) is owned by {owner_name(st.st_uid)}, not by you ({owner_name(me)}): another user may have "
+        "created it to read or forge what DeepFreeze keeps there; not using it. Remove it (as its owner or root) "
+        f"or choose another path{hint}")
+
+
+def check_dir(st: os.stat_result, path: str, *, kind: str, trusted: "frozenset[int] | None" = None) -> None:
+    """The rule for a directory DeepFreeze reads from (``st``: its ``lstat``, or the ``fstat`` of
+    a descriptor opened with ``O_NOFOLLOW``): not a link, owned by the user or one of ``trusted``
+    (as :func:`check_file`), writable by nobody else. Never tightened (readers do not chmod)."""
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"{path} ({kind}) is a symbolic link: never followed (it could point into another "
+                              "user's files). Remove it or choose another path")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{path} ({kind}) is {fsafe.describe_mode(st.st_mode)}, not a directory. Remove it or "
+                              "choose another path")
+    _check_owner_of(st, path, kind, trusted)
+    if st.st_mode & 0o022:
+        raise UnsafePathError(f"{path} ({kind}) is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
+                              f"(mode {_mode(st)}): anyone could plant files there. Run 'chmod go-w {path}', or "
+                              "remove it")
+
+
+def check_file(fd: "int | None", st: os.stat_result, path: str, *, kind: str,
+               trusted: "frozenset[int] | None" = None, loose: str = "tighten") -> None:
+    """The owner and mode rule for one file, opened as ``fd`` without following a link (``st``: its
+    ``fstat``; ``fd=None``: ``st`` is an ``lstat`` of a regular file, tightened by path). Owner: the
+    user, or one of ``trusted``, else :class:`UntrustedOwnerError` (``trusted=None``: the user only,
+    else :class:`UnsafePathError`). Mode: a file of another (trusted) owner must not be writable by
+    group or others (:class:`UnsafePathError`); one of the user's own that group or others may read
+    or write is made ``0600`` with one log line (``loose="tighten"``) or refused
+    (``loose="refuse"``: a secret that may have leaked). ``kind`` names the file in messages."""
+    me = os.getuid()
+    m = stat.S_IMODE(st.st_mode)
+    _check_owner_of(st, path, kind, trusted)
+    if st.st_uid != me:
+        if m & 0o022:
+            raise UnsafePathError(f"{path} ({kind}) is owned by {owner_name(st.st_uid)} and writable by "
+                                  f"{'others' if m & 0o002 else 'its group'} (mode {m:04o}): anyone could have changed "
+                                  f"it; not using it. Ask its owner to run 'chmod go-w {path}', or choose another path")
+        return
+    if m & 0o077:
+        if loose == "refuse":
+            raise UnsafePathError(f"{path} ({kind}) has mode {m:04o}: other users may read or change it. Run "
+                                  f"'chmod 600 {path}' (and replace what it holds if that may have leaked)")
+        if fd is None:
+            os.chmod(path, 0o600)
+        else:
             os.fchmod(fd, 0o600)
-        os.set_blocking(fd, True)
+        log.warning("deepfreeze: %s (%s) had mode %04o, open to other users: tightened to 0600", path, kind, m)
+
+
+def open_trusted(path: str, flags: int = os.O_RDONLY, *, kind: str, trusted: "frozenset[int] | None" = None,
+                 create_mode: int = 0o600, loose: str = "tighten") -> int:
+    """Open ``path`` (a descriptor; ``flags`` may create it, mode ``create_mode``) with
+    ``O_NOFOLLOW`` and ``O_NONBLOCK`` (:func:`deepfreeze.fsafe.open_regular`: a link, FIFO,
+    socket or directory is an :class:`UnsafePathError`, never waited on), then apply
+    :func:`check_file` to what was opened. ``FileNotFoundError`` when it does not exist (and
+    ``flags`` does not create it)."""
+    fd = fsafe.open_regular(path, flags, create_mode, refuse=_refuser(kind))
+    try:
+        check_file(fd, os.fstat(fd), path, kind=kind, trusted=trusted, loose=loose)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def open_trusted_file(path: str, *, kind: str, trusted: "frozenset[int] | None" = None) -> BinaryIO:
+    """:func:`open_trusted` for reading, as a binary file object."""
+    fd = open_trusted(path, os.O_RDONLY, kind=kind, trusted=trusted)
+    try:
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_existing(path: str, *, kind: str, trusted: "frozenset[int] | None" = None, loose: str = "tighten") -> bool:
+    """The rule of :func:`open_trusted` for a file another library opens by name (SQLite), checked
+    with ``lstat`` only: never opened, because closing a descriptor of a file drops every POSIX
+    lock this process holds on it (SQLite's among them). False when nothing is there. The check
+    holds as long as nobody else can replace the entry, i.e. in a directory of the user's own
+    (:func:`ensure_dir`)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuser(kind)(path, fsafe.describe_mode(st.st_mode))
+    check_file(None, st, path, kind=kind, trusted=trusted, loose=loose)
+    return True
+
+
+_CRED = struct.Struct("3i")
+
+
+def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a connected Unix socket
+    (``SO_PEERCRED``: for the connecting side, the listener's credentials when it called
+    ``listen``; for the accepting side, the connecting process's when it called ``connect``)."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+
+
+def check_peer(sock: socket.socket, what: str) -> int:
+    """The peer's pid, when it runs as this process's uid; else :class:`UntrustedOwnerError`
+    naming ``what`` (e.g. the socket's path), the peer's pid and owner. Root is no exception: a
+    root backend serves root only, a user's backend that user only."""
+    try:
+        pid, uid, _gid = peer_cred(sock)
+    except OSError as e:
+        raise UntrustedOwnerError(f"{what}: cannot read the peer's credentials (SO_PEERCRED: {e.strerror}): "
+                                  "refusing the connection") from e
+    if uid != os.getuid():
+        raise UntrustedOwnerError(f"{what}: the process at the other end (pid {pid}) runs as {owner_name(uid)}, not "
+                                  f"as you ({owner_name(os.getuid())}): refusing it (a process of another user must "
+                                  "never send you requests or answer yours). Remove a socket another user planted, "
+                                  "or choose another runtime directory (DEEPFREEZE_RUNTIME_DIR)")
+    return pid
 
 
 def remove_tree_nofollow(path: str, *, unlink_point: str = "persistent.retire.unlink",

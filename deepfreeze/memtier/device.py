@@ -92,7 +92,7 @@ import numpy as np
 from .. import crashpoints as cp
 from .. import format as fmt
 from ..errors import (CorruptCheckpointError, MemtierBusyError, MemtierCorruptError, MemtierError,
-                      MemtierFullError)
+                      MemtierFullError, UntrustedOwnerError)
 from ..run import Version
 
 __all__ = ["PAGE", "create", "open", "view", "parse_size", "Device", "ShardRegion", "SlotHeader", "SlotState",
@@ -430,6 +430,12 @@ def create(path: str, size: "int | str", *, force: bool = False, table_cap: int 
     path = os.path.abspath(path)
     directory = os.path.dirname(path)
     if os.path.lexists(path) and not force:
+        lst = os.lstat(path)
+        if lst.st_uid != os.getuid():
+            from ..ownership import owner_name
+            raise UntrustedOwnerError(f"{path} already exists and is owned by {owner_name(lst.st_uid)}, not by you: "
+                                      "another user created it first (it could read and forge your checkpoints). "
+                                      "Pick another path (or have its owner or root remove it)")
         raise MemtierError(f"{path} already exists: pass force=True (--force) to replace it, which destroys every "
                            "checkpoint on it, or pick another path")
     st = os.statvfs(directory)
@@ -509,12 +515,19 @@ class Device:
 
     def __init__(self, path: str, *, writable: bool = True, strict: bool = True) -> None:
         from ..fsafe import open_regular
+        from ..ownership import check_file
         self.path = os.path.abspath(path)
         self.writable = writable
         try:
             self._fd = open_regular(self.path, os.O_RDWR if writable else os.O_RDONLY)
         except CorruptCheckpointError as e:
             raise MemtierCorruptError(f"{self.path} is not a memory-tier device: {e}") from None
+        try:  # the user's own file; a wider mode is tightened to 0600 (one log line); another user's
+            # device is refused, for reading too: its owner could forge any version at any time
+            check_file(self._fd, os.fstat(self._fd), self.path, kind="memory-tier device")
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._lock = threading.RLock()
         self._mm: mmap.mmap | None = None
         try:

@@ -30,7 +30,8 @@ import time
 
 import numpy as np
 
-from ..errors import ConfigError, ProviderTimeoutError, RepositoryError
+from ..errors import ConfigError, ProviderTimeoutError, RepositoryError, UnsafePathError, UntrustedOwnerError
+from ..ownership import open_trusted
 
 __all__ = ["DEFAULT_ARENA_BYTES", "PAGE", "Extent", "Arena", "open_shared", "close_mapping", "create_staging_file", "sweep_stale",
            "SHM_DIR", "ARENA_NAME_RE"]
@@ -98,16 +99,16 @@ def open_shared(path: str, min_size: int, *, kind: str | None = None) -> mmap.mm
     if (not m or os.path.dirname(path) != SHM_DIR or (kind is not None and m.group(1) != kind)
             or not 0 < min_size < 1 << 48):
         raise RepositoryError(f"staging file {path!r}: not a DeepFreeze staging file in {SHM_DIR}")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:  # a regular 0600 file of yours, no link (deepfreeze.ownership; a wider mode is refused)
+        fd = open_trusted(path, os.O_RDWR, kind="repository staging file", loose="refuse")
+    except (UnsafePathError, UntrustedOwnerError) as e:
+        raise RepositoryError(f"staging file {path}: {e}: refused") from e
     except OSError as e:
         raise RepositoryError(f"staging file {path}: cannot open it: {e.strerror}") from e
     try:
         st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o600
-                or st.st_size < min_size):
-            raise RepositoryError(f"staging file {path}: must be a regular 0600 file of yours of at least "
-                                  f"{min_size} bytes (it is not): refused")
+        if st.st_size < min_size:
+            raise RepositoryError(f"staging file {path}: {st.st_size} bytes, fewer than the {min_size} asked: refused")
         return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

@@ -101,6 +101,7 @@ mapped (optimizer slots) are dead bytes of that pack: gc rewrites it if they are
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -115,9 +116,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .. import fsafe
+from .. import fsafe, ownership
 from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
-                      NameExistsError, RepositoryError)
+                      NameExistsError, RepositoryError, UnsafePathError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
                       dtype_itemsize, dtype_name, encode_index, layout, numpy_dtype, read_index)
 from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
@@ -130,6 +131,8 @@ SCHEMA_VERSION = 1
 #: seconds an unreferenced pack file must be old before gc removes it (a store may be writing it)
 DEFAULT_ORPHAN_GRACE = 3600.0
 _BUSY_TIMEOUT = 60.0
+#: the files SQLite opens by name in a repository directory (checked before it does)
+_DB_FILES = ("meta.db", "meta.db-wal", "meta.db-shm", "meta.db-journal")
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _MAX_KEY = 4096
 _MAX_META = 1 << 20
@@ -276,22 +279,30 @@ class EmbeddedRepository:
         if not os.path.exists(d):
             if not create:
                 raise RepositoryError(f"{d}: no repository there (create=False)")
-            try:
-                os.makedirs(d, mode=0o700, exist_ok=True)
-            except OSError as e:
-                raise RepositoryError(f"cannot create the repository directory {d}: {e}") from e
         elif not os.path.isdir(d):
             raise RepositoryError(f"{d} is not a directory: a repository is a directory")
-        if os.path.islink(self._db) or (os.path.exists(self._db) and not os.path.isfile(self._db)):
-            raise RepositoryError(f"{self._db} is not a regular file: not a repository")
+        # the directory follows the root rule (deepfreeze.ownership.check_root: yours or root's, never
+        # writable by others unless sticky; created 0700), packs/ the own-directory rule; a file another
+        # user planted in it is refused below by its owner, so the checks hold until SQLite opens them
+        try:
+            ownership.ensure_dir(d, d)
+        except UnsafePathError:
+            raise
+        except OSError as e:
+            raise RepositoryError(f"cannot create the repository directory {d}: {e}") from e
+        for f in _DB_FILES:  # SQLite opens these by name: each the user's own regular file (or absent)
+            ownership.check_existing(os.path.join(d, f), kind="repository database")
         if not os.path.exists(self._db):
             if not create:
                 raise RepositoryError(f"{d} is not a repository (no meta.db; create=False)")
-            others = set(os.listdir(d)) - {"meta.db", "meta.db-wal", "meta.db-shm", "meta.db-journal", "packs"}
+            others = set(os.listdir(d)) - {*_DB_FILES, "packs"}
             if others:
                 raise RepositoryError(
                     f"{d} is not empty and not a repository (it holds {sorted(others)[:5]}): refusing to turn it "
                     "into one; use an empty or new directory")
+            with contextlib.suppress(FileExistsError):  # created 0600 here: SQLite gives -wal/-shm its mode
+                os.close(ownership.open_trusted(self._db, os.O_RDWR | os.O_CREAT | os.O_EXCL,
+                                                kind="repository database"))
         conn = self._conn()
         try:
             conn.execute("BEGIN IMMEDIATE")
@@ -309,9 +320,9 @@ class EmbeddedRepository:
         if version != str(SCHEMA_VERSION):
             raise RepositoryError(f"{self._db}: repository schema version {version!r}, this DeepFreeze reads "
                                   f"{SCHEMA_VERSION}: upgrade DeepFreeze")
-        if os.path.islink(self._packs):
-            raise RepositoryError(f"{self._packs} is a symbolic link: refusing to use it")
-        os.makedirs(self._packs, mode=0o700, exist_ok=True)
+        for f in _DB_FILES:  # -wal/-shm just created by SQLite: 0600 like meta.db (tightened otherwise)
+            ownership.check_existing(os.path.join(d, f), kind="repository database")
+        ownership.ensure_dir(self._packs, d)  # a link, or a directory of another user: UnsafePathError
 
     def _conn(self) -> sqlite3.Connection:
         """This thread's connection (a new one after a fork)."""
@@ -700,7 +711,7 @@ class EmbeddedRepository:
             path = self._pack_path(file)
             if file not in files:
                 try:
-                    files[file] = fsafe.open_regular_file(path)
+                    files[file] = ownership.open_trusted_file(path, kind="repository pack")
                 except (OSError, CorruptCheckpointError):
                     files[file] = None
             f = files[file]
@@ -891,7 +902,8 @@ class EmbeddedRepository:
 
     def _read_pack(self, name: str, file: str, group: list[tuple[str, tuple, np.ndarray]], verify: bool) -> None:
         path = self._pack_path(file)
-        with fsafe.open_regular_file(path) as f:  # FileNotFoundError: moved by gc -> get() looks again
+        # FileNotFoundError: moved by gc -> get() looks again; another user's pack: UnsafePathError
+        with ownership.open_trusted_file(path, kind="repository pack") as f:
             index = self._index(f, path)
             plan = []
             for k, r, a in group:

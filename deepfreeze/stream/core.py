@@ -51,10 +51,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .. import format as fmt
-from .. import net
+from .. import net, ownership
 from ..config import validate_name
-from ..errors import (ConfigError, DeepFreezeError, StreamError, StreamTimeoutError, VersionGoneError)
-from ..fsafe import read_small
+from ..errors import (ConfigError, DeepFreezeError, StreamError, StreamTimeoutError, UnsafePathError,
+                      UntrustedOwnerError, VersionGoneError)
 from ..fused import STAMP_BYTES, FusedLayout
 from ..levels import atomic_write
 from ..run import RunInfo, Version
@@ -126,28 +126,59 @@ class StreamOptions:
                               "consumers on other nodes (the token is then what keeps others out)")
 
 
-def read_endpoints(persistent: str, channel: str) -> dict[str, dict[int, dict[str, Any]]]:
+def read_endpoints(persistent: str, channel: str, *,
+                   trusted: "frozenset[int] | None" = None) -> dict[str, dict[int, dict[str, Any]]]:
     """Endpoint records under ``<persistent>/<channel>/stream``: run id -> rank -> record.
-    Malformed files are skipped with a log line (a producer may be writing one)."""
+    Malformed files are skipped with a log line (a producer may be writing one). Trust
+    (:mod:`deepfreeze.ownership`): the directory and every file must be owned by one of
+    ``trusted`` (default: the user and root; endpoint files are ``0600`` in a ``0700`` directory,
+    so another user's producer is reached through Redis, not files), not writable by anyone
+    else, never a link: a planted directory or file is skipped with one warning."""
+    trusted = ownership.trusted_uids() if trusted is None else trusted
     d = endpoint_dir(persistent, channel)
     out: dict[str, dict[int, dict[str, Any]]] = {}
     try:
-        names = os.listdir(d)
+        names = _trusted_listing(d, trusted)
     except FileNotFoundError:
+        return out
+    except (UnsafePathError, UntrustedOwnerError) as e:
+        log.warning("deepfreeze: stream endpoints in %s not used: %s", d, e)
         return out
     for n in names:
         if not (n.startswith("r") and n.endswith(".json") and n[1:-5].isdigit()):
             continue
         path = os.path.join(d, n)
         try:
-            rec = _check_endpoint(json.loads(read_small(path, _MAX_ENDPOINT_BYTES)), path)
+            fd = ownership.open_trusted(path, os.O_RDONLY, kind="stream endpoint", trusted=trusted)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(_MAX_ENDPOINT_BYTES + 1)
+            if len(data) > _MAX_ENDPOINT_BYTES:
+                raise StreamError(f"larger than {_MAX_ENDPOINT_BYTES} bytes")
+            rec = _check_endpoint(json.loads(data), path)
         except FileNotFoundError:
+            continue
+        except (UnsafePathError, UntrustedOwnerError) as e:
+            log.warning("deepfreeze: stream endpoint not used: %s", e)
             continue
         except (OSError, ValueError, StreamError) as e:
             log.warning("deepfreeze: stream endpoint %s is unreadable (%s); skipped", path, e)
             continue
         out.setdefault(rec["run"], {})[rec["rank"]] = rec
     return out
+
+
+def _trusted_listing(d: str, trusted: frozenset[int]) -> list[str]:
+    """The names in endpoint directory ``d``, once it and ``<persistent>/<channel>`` pass
+    :func:`deepfreeze.ownership.check_dir` (never a link, owned by one of ``trusted``, writable by
+    nobody else)."""
+    fd = ownership.open_dir_nofollow(d)
+    try:
+        up = os.path.dirname(d)
+        ownership.check_dir(os.lstat(up), up, kind="stream channel directory", trusted=trusted)
+        ownership.check_dir(os.fstat(fd), d, kind="stream endpoint directory", trusted=trusted)
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
 
 
 def _check_endpoint(rec: Any, where: str) -> dict[str, Any]:
@@ -209,7 +240,7 @@ class Publisher:
         self.ring_path = os.path.join(self.options.shm_dir,
                                       f"deepfreeze-stream-{self.channel}-{run.id}-r{rank}")
         slots.sweep_stale(self.options.shm_dir)  # rings of producers killed earlier (their writer is gone)
-        if os.path.exists(self.ring_path):
+        if os.path.lexists(self.ring_path):
             os.unlink(self.ring_path)  # this run's own ring from a failed start (the run id is new per run)
         self.ring = slots.SlotRing.create(self.ring_path, max(self.prefix, 1), self.options.slots,
                                     meta={"channel": self.channel, "run": run.id, "rank": rank})
@@ -226,7 +257,7 @@ class Publisher:
                 "nbytes": self.prefix, "model_tensors": model_tensors, "t": time.time(),
                 "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json()}
             d = endpoint_dir(self.persistent, self.channel)
-            os.makedirs(d, mode=0o700, exist_ok=True)
+            ownership.ensure_dir(d, self.persistent)  # 0700, the user's own, never a link (deepfreeze.ownership)
             self.endpoint_path = os.path.join(d, f"r{rank}.json")
             atomic_write(self.endpoint_path, json.dumps(self.endpoint).encode(), fsync=False, point="stream.endpoint")  # 0600
             redis_url = self.options.redis

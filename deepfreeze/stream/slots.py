@@ -92,8 +92,9 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import ConfigError, StreamError, VersionGoneError
+from ..errors import ConfigError, StreamError, UnsafePathError, UntrustedOwnerError, VersionGoneError
 from ..format import crc32
+from ..ownership import open_trusted
 from ..repo.arena import close_mapping
 from ..run import Version
 
@@ -313,21 +314,20 @@ class SlotRing:
         file). Anything else (hostile, truncated, not a ring): :class:`StreamError`, nothing mapped.
         A missing file: :class:`FileNotFoundError`. ``prefault`` maps every page now
         (``MADV_POPULATE_READ``), so reads pay no page faults."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:  # the user's own regular file, no link, mode 0600 (deepfreeze.ownership); a ring is made
+            # 0600 by its producer, so a wider one is refused, not tightened
+            fd = open_trusted(path, os.O_RDONLY, kind="stream slot ring", loose="refuse")
         except FileNotFoundError:
             raise
+        except (UnsafePathError, UntrustedOwnerError) as e:
+            raise StreamError(f"slot ring {path}: {e}. A ring must be this user's (uid {os.getuid()}) and "
+                              "writable by nobody else: refused") from e
         except OSError as e:
             raise StreamError(f"slot ring {path}: cannot open it ({e.strerror}); a ring is only readable by "
                               f"its producer's user (others use TCP with the token)") from e
         mm = None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StreamError(f"slot ring {path}: not a regular file: refused")
-            if st.st_uid != os.getuid() or st.st_mode & 0o022:
-                raise StreamError(f"slot ring {path}: owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}; "
-                                  f"a ring must be this user's (uid {os.getuid()}) and writable by nobody else: refused")
             head = os.pread(fd, _META_OFF, 0)
             if len(head) < _META_OFF or head[:4] != MAGIC:
                 raise StreamError(f"slot ring {path}: not a DeepFreeze slot ring (bad magic or shorter than its header)")
