@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import json
 import math
 import os
@@ -117,7 +118,7 @@ import numpy as np
 
 from .. import fsafe
 from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
-                      NameExistsError, RepositoryError)
+                      NameExistsError, RepositoryDatabaseError, RepositoryError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
                       dtype_itemsize, dtype_name, encode_index, layout, numpy_dtype, read_index)
 from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
@@ -137,6 +138,11 @@ _SQL_CHUNK = 500
 _PACK_SUFFIX = ".dfz"
 _ZEROS = memoryview(bytes(4096))
 _GAP = 64  # format.PIECE_ALIGN: adjacent tensors are at most this far apart
+#: ``<repository>/reserve``: preallocated space given up when the disk is full, so that the database can
+#: still be opened and a model deleted (see "Full disk" in the module docstring)
+RESERVE_FILE = "reserve"
+RESERVE_BYTES = 1 << 20
+_LOW_SPACE = 256 << 10  # below this many free bytes an I/O error of SQLite counts as a full disk
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS settings(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -203,6 +209,34 @@ class _Retry(Exception):
     """A de-duplicated blob vanished (gc) between planning and commit: store again."""
 
 
+def _is_full(e: BaseException) -> bool:
+    """Whether a sqlite3 error says the disk is full (SQLITE_FULL)."""
+    return getattr(e, "sqlite_errorname", "").startswith("SQLITE_FULL") or "full" in str(e).lower()
+
+
+def _free_bytes(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _db_op(what: str) -> Any:
+    """Decorator of the public methods: a ``sqlite3`` error becomes a :class:`RepositoryDatabaseError`
+    saying what failed, why and what to do (``what`` is followed by the name argument, if any)."""
+    def deco(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(self: "EmbeddedRepository", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except sqlite3.Error as e:
+                doing = f"{what} {args[0]!r}" if args and isinstance(args[0], str) else what
+                raise self._db_error(doing, e) from e
+        return wrapper
+    return deco
+
+
 class _Copy:
     """Bytes of another pack to stream into a new one (gc), CRC-checked on the way."""
 
@@ -265,7 +299,15 @@ class EmbeddedRepository:
         self._conns: list[sqlite3.Connection] = []
         self._index_cache: dict[str, tuple[tuple[int, int, int], ShardIndex]] = {}
         self._closed = False
-        self._open(create)
+        try:
+            self._open(create)
+        except RepositoryError:
+            # on a full disk SQLite cannot even map its shared memory: give up the reserve, try again
+            if not (self._disk_full() and self._release_reserve()):
+                raise
+            self._drop_conn()
+            self._open(create)
+        self._ensure_reserve()
 
     # ------------------------------------------------------------------ setup
 
@@ -333,6 +375,76 @@ class EmbeddedRepository:
             self._conns.append(c)
         return c
 
+    def _drop_conn(self) -> None:
+        """Close this thread's connection (a new one is opened by the next :meth:`_conn`)."""
+        c = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if c is not None:
+            with self._lock:
+                if c in self._conns:
+                    self._conns.remove(c)
+            try:
+                c.close()
+            except sqlite3.Error:  # pragma: no cover
+                pass
+
+    # ------------------------------------------------------------------ full disk, database errors
+
+    def _disk_full(self) -> bool:
+        free = _free_bytes(self.directory)
+        return free is not None and free < _LOW_SPACE
+
+    def _ensure_reserve(self) -> None:
+        """Preallocate ``<repository>/reserve`` (:data:`RESERVE_BYTES`) when missing; best effort (a full
+        disk, a file system without fallocate: no reserve, nothing else changes)."""
+        path = os.path.join(self.directory, RESERVE_FILE)
+        if os.path.lexists(path) or not os.path.isfile(self._db):
+            return
+        tmp = os.path.join(self.directory, f"{RESERVE_FILE}.{uuid.uuid4().hex}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError:
+            _unlink(tmp)
+
+    def _release_reserve(self) -> bool:
+        """Unlink ``<repository>/reserve``; whether there was one to give up."""
+        path = os.path.join(self.directory, RESERVE_FILE)
+        try:
+            if not os.path.isfile(path) or os.path.islink(path):
+                return False
+            os.unlink(path)
+        except OSError:
+            return False
+        return True
+
+    def _db_error(self, doing: str, e: BaseException) -> RepositoryDatabaseError:
+        """What / why / what to do for a ``sqlite3`` error raised while ``doing``."""
+        name = getattr(e, "sqlite_errorname", "") or ""
+        text = str(e)
+        if _is_full(e) or ((name.startswith("SQLITE_IOERR") or "I/O error" in text) and self._disk_full()):
+            why = "the disk holding it is full"
+            todo = (f"free space on that file system (deepfreeze repo rm {self.location} NAME deletes a model "
+                    "even on a full disk) and retry")
+        elif name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
+            why = f"another process kept it locked for more than {_BUSY_TIMEOUT:.0f} s"
+            todo = "retry when the other process's long operation (a gc, an import) is done"
+        elif name.startswith("SQLITE_READONLY") or "readonly" in text or "read-only" in text:
+            why = "it may not be written (permissions, or a read-only file system)"
+            todo = "run as the repository's owner on a writable file system"
+        elif name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")) or "malformed" in text:
+            why = "it is damaged"
+            todo = "restore meta.db from a backup"
+        else:
+            why = "an I/O or database error"
+            todo = "check the file system (dmesg, free space) and retry; restore meta.db from a backup if it persists"
+        return RepositoryDatabaseError(f"{doing} in {self.location}: the repository database failed ({text}): "
+                                       f"{why}; {todo}")
+
     @staticmethod
     def _rollback(conn: sqlite3.Connection) -> None:
         if conn.in_transaction:
@@ -380,8 +492,7 @@ class EmbeddedRepository:
 
     def _pack_path(self, file: str) -> str:
         """Path of a pack named in the database; a name that is not ``<32 hex>.dfz`` is damage."""
-        if not (isinstance(file, str) and len(file) == 32 + len(_PACK_SUFFIX) and file.endswith(_PACK_SUFFIX)
-                and ID_HEX_RE.fullmatch(file[:32])):
+        if not _valid_pack_name(file):
             raise CorruptCheckpointError(f"{self._db}: pack file name {file!r} is not '<32 hex>.dfz': the "
                                          "database is damaged or was tampered with; restore it from a backup")
         return os.path.join(self._packs, file)
@@ -801,7 +912,8 @@ class EmbeddedRepository:
                            "FROM models WHERE name=?", (name,)).fetchone()
         if row is None or row[1]:
             why = "was deleted" if row is not None else "is not stored"
-            raise ModelNotFoundError(f"model {name!r} {why} in {self.location} (see list())")
+            raise ModelNotFoundError(f"model {name!r} {why} in {self.location}: check the name (deepfreeze repo ls "
+                                     f"{self.location} lists the stored models)")
         return row
 
     def _rows(self, name: str) -> list[tuple]:
@@ -822,10 +934,46 @@ class EmbeddedRepository:
                                          "to a stored blob and pack: the database is damaged; restore it from a backup")
         return rows
 
-    def specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """key -> (dtype name, shape) of every tensor of ``name``."""
-        return {r[0]: self._parse_spec(r[2], r[3], f"tensor {r[0]!r} of {name!r}") for r in self._rows(name)}
+    def _bounded(self, name: str, rows: Iterable[tuple]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """key -> (dtype, shape) of ``rows`` after bounding what the database says against the
+        packs' real sizes: the shape's bytes (an exact integer product, no overflow) must be the
+        row's length, and the row's byte range must lie inside its pack file. So a tampered row
+        (a huge shape, an offset past the end) is a :class:`CorruptCheckpointError` before anything
+        is allocated. A missing pack is a FileNotFoundError (the caller looks again: gc moved it)."""
+        sizes: dict[str, int] = {}
+        out = {}
+        for r in rows:
+            key, blob, dtype, shape, _entry, _n, offset, length, _crc, file = r
+            what = f"tensor {key!r} of {name!r}"
+            dtype, dims = self._parse_spec(dtype, shape, what)
+            nbytes = math.prod(dims) * dtype_itemsize(dtype)
+            if file not in sizes:
+                sizes[file] = os.stat(self._pack_path(file)).st_size
+            if not (type(offset) is int and type(length) is int and length == nbytes and 0 <= offset
+                    and offset + length <= sizes[file]):
+                raise CorruptCheckpointError(
+                    f"{self._pack_path(file)}: {what}: the repository database and the pack disagree (the database "
+                    f"says {dtype}{list(dims)}, {nbytes} bytes, at bytes [{offset}, {offset}+{length}); the pack "
+                    f"has {sizes[file]} bytes); meta.db is damaged or was tampered with; nothing was read or "
+                    "allocated: restore meta.db from a backup, or delete the model")
+            out[key] = (dtype, dims)
+        return out
 
+    @_db_op("reading the tensor specs of")
+    def specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """key -> (dtype name, shape) of every tensor of ``name`` (each checked against its pack:
+        :class:`CorruptCheckpointError` for a row the pack cannot hold)."""
+        for attempt in range(4):
+            try:
+                return self._bounded(name, self._rows(name))
+            except FileNotFoundError as e:  # gc moved the tensors meanwhile: look them up again
+                if attempt == 3:
+                    raise CorruptCheckpointError(
+                        f"{e.filename}: a pack of model {name!r} is missing from the repository (removed by hand?): "
+                        "restore it from a backup or delete the model") from e
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @_db_op("reading")
     def get(self, name: str, tensors: Iterable[str] | None = None, *,
             out: Mapping[str, np.ndarray] | None = None, verify: bool | None = None) -> dict[str, np.ndarray]:
         """The tensors of ``name`` (all, or the keys in ``tensors``), reading only their bytes.
@@ -857,20 +1005,22 @@ class EmbeddedRepository:
             keys = list(dict.fromkeys(tensors))
             unknown = [k for k in keys if k not in by_key]
             if unknown:
-                raise ModelNotFoundError(f"model {name!r} has no tensor(s) {unknown[:5]!r}"
-                                         f"{' ...' if len(unknown) > 5 else ''} (see specs())")
+                raise ModelNotFoundError(f"model {name!r} has no tensor {_few(unknown)}: ask for keys it has "
+                                         "(repo.specs(name) lists them; '<layer id>/<k>' for a Keras model)")
         out = dict(out or {})
         extra = [k for k in out if k not in keys]
         if extra:
             if any(k not in by_key for k in extra):
-                raise ModelNotFoundError(f"out= has key(s) {[k for k in extra if k not in by_key][:5]!r} that model "
-                                         f"{name!r} does not have")
-            raise RepositoryError(f"out= has key(s) {extra[:5]!r} that are not among the requested tensors")
+                raise ModelNotFoundError(f"out= has key {_few([k for k in extra if k not in by_key])}, which model "
+                                         f"{name!r} does not have: give out= arrays only for tensors of the model")
+            raise RepositoryError(f"out= has key {_few(extra)}, not among the requested tensors: request it too "
+                                  "or leave it out of out=")
         result: dict[str, np.ndarray] = {}
         by_pack: dict[str, list[tuple[str, tuple, np.ndarray]]] = {}
+        bounded = self._bounded(name, [by_key[k] for k in keys])  # before any allocation
         for k in keys:
             r = by_key[k]
-            dtype, dims = self._parse_spec(r[2], r[3], f"tensor {k!r} of {name!r}")
+            dtype, dims = bounded[k]
             npd = numpy_dtype(dtype)
             if k in out:
                 a = out[k]
@@ -1000,42 +1150,170 @@ class EmbeddedRepository:
 
     # ------------------------------------------------------------------ delete, gc
 
-    def delete(self, name: str) -> None:
-        """Delete ``name``: its tensors are released (blobs shared with other models stay) and the
-        name stays reserved forever. :class:`ModelNotFoundError` if it is not stored."""
+    def delete(self, name: str) -> dict:
+        """Delete ``name`` and free what only it used: its tensors are released (blobs shared with
+        other models stay), blobs no model references any more are dropped and packs left without
+        blobs unlinked (packs shared with other models are compacted by :meth:`gc`). The name stays
+        reserved forever. Works on a full disk (the repository's reserve is given up for the
+        database's journal, then re-made). Returns ``{"freed": bytes, "blobs_removed",
+        "packs_removed"}``. :class:`ModelNotFoundError` if it is not stored;
+        :class:`RepositoryDatabaseError` if the database fails (nothing is deleted then)."""
         parse_name(name)
+        try:
+            try:
+                dead, blobs_removed = self._delete(name)
+            except sqlite3.Error as e:
+                if not ((_is_full(e) or self._disk_full()) and self._release_reserve()):
+                    raise
+                self._drop_conn()  # a fresh connection: the failed one may hold a half-grown WAL
+                dead, blobs_removed = self._delete(name)
+        except sqlite3.Error as e:
+            raise self._db_error(f"deleting {name!r}", e) from e
+        freed = 0
+        for file in dead:
+            freed += _unlink_freed(os.path.join(self._packs, file))
+            with self._lock:
+                self._index_cache.pop(os.path.join(self._packs, file), None)
+        self._ensure_reserve()
+        return {"freed": freed, "blobs_removed": blobs_removed, "packs_removed": len(dead)}
+
+    def _delete(self, name: str) -> tuple[list[str], int]:
+        """The delete transaction: (files of the packs it dropped, blobs dropped). Reference
+        counts of the model's blobs are recounted from the rows, not decremented."""
         conn = self._conn()
         try:
             conn.execute("BEGIN IMMEDIATE")
             mid = self._model_row(conn, name)[0]
-            conn.execute("UPDATE blobs SET refs = refs - (SELECT count(*) FROM tensors WHERE model=? AND "
-                         "blob=blobs.id) WHERE id IN (SELECT blob FROM tensors WHERE model=?)", (mid, mid))
+            blobs = [r[0] for r in conn.execute("SELECT DISTINCT blob FROM tensors WHERE model=?", (mid,))]
             conn.execute("DELETE FROM tensors WHERE model=?", (mid,))
             conn.execute("UPDATE models SET deleted=1, graph=NULL WHERE id=?", (mid,))
+            packs: set[int] = set()
+            removed = 0
+            for i in range(0, len(blobs), _SQL_CHUNK):
+                chunk = blobs[i:i + _SQL_CHUNK]
+                marks = ",".join("?" * len(chunk))
+                conn.execute(f"UPDATE blobs SET refs=(SELECT count(*) FROM tensors t WHERE t.blob=blobs.id) "
+                             f"WHERE id IN ({marks})", chunk)
+                packs.update(r[0] for r in conn.execute(f"SELECT DISTINCT pack FROM blobs WHERE id IN ({marks}) "
+                                                        "AND refs=0", chunk))
+                removed += conn.execute(f"DELETE FROM blobs WHERE id IN ({marks}) AND refs=0", chunk).rowcount
+            dead: list[tuple[int, str]] = []
+            for pid in sorted(packs):
+                row = conn.execute("SELECT file FROM packs WHERE id=? AND NOT EXISTS (SELECT 1 FROM blobs b "
+                                   "WHERE b.pack=packs.id)", (pid,)).fetchone()
+                if row is not None and _valid_pack_name(row[0]):  # (a damaged name: left to gc to report)
+                    dead.append((pid, row[0]))
+            conn.executemany("DELETE FROM packs WHERE id=?", [(pid,) for pid, _ in dead])
             conn.execute("COMMIT")
         finally:
             self._rollback(conn)
+        return [f for _, f in dead], removed
 
+    def _damaged_rows(self, conn: sqlite3.Connection) -> list[str]:
+        """Rows that do not form names -> tensors -> blobs -> packs (gc reports them, acts on none)."""
+        out = []
+        fix = "restore meta.db from a backup, or delete the model (deepfreeze repo rm)"
+        for mid, name, deleted, n in conn.execute(
+                "SELECT t.model, m.name, m.deleted, count(*) FROM tensors t LEFT JOIN models m ON m.id=t.model "
+                "WHERE m.id IS NULL OR m.deleted!=0 GROUP BY t.model LIMIT 100"):
+            who = f"deleted model {name!r}" if name is not None else f"model id {mid}, which has no row"
+            out.append(f"{self._db}: {n} tensor row(s) of {who} remain: the database is inconsistent; the blobs "
+                       "they point to were kept; restore meta.db from a backup if space matters")
+        bad: dict[str, list[str]] = {}
+        for name, key in conn.execute(
+                "SELECT m.name, t.key FROM tensors t JOIN models m ON m.id=t.model LEFT JOIN blobs b ON b.id=t.blob "
+                "LEFT JOIN packs p ON p.id=b.pack WHERE m.deleted=0 AND p.id IS NULL LIMIT 10000"):
+            bad.setdefault(name, []).append(key)
+        for name, keys in bad.items():
+            out.append(f"{self._db}: model {name!r}: tensor {_few(keys)} point(s) to a blob or pack row that "
+                       f"does not exist: that model cannot be read; {fix}")
+        for name, n, have in conn.execute(
+                "SELECT name, n_tensors, (SELECT count(*) FROM tensors t WHERE t.model=models.id) AS c FROM models "
+                "WHERE deleted=0 AND c != n_tensors LIMIT 100"):
+            out.append(f"{self._db}: model {name!r} was stored with {n} tensors but {have} tensor rows remain: "
+                       f"the database is damaged; {fix}")
+        return out
+
+    def _damaged_packs(self) -> tuple[list[str], set[int]]:
+        """Check every referenced blob's row against its pack file (exists, index, byte range,
+        dtype, shape, CRC of the index entry): (messages, ids of the packs concerned)."""
+        conn = self._conn()
+        try:
+            conn.execute("BEGIN")
+            rows = conn.execute("SELECT p.id, p.file, b.id, b.dtype, b.shape, b.entry, b.n_entries, b.offset, "
+                                "b.length, b.crc FROM packs p JOIN blobs b ON b.pack=p.id ORDER BY p.id").fetchall()
+            users: dict[int, list[str]] = {}
+            for bid, name in conn.execute("SELECT t.blob, m.name FROM tensors t JOIN models m ON m.id=t.model "
+                                          "WHERE m.deleted=0"):
+                users.setdefault(bid, []).append(name)
+        finally:
+            self._rollback(conn)
+        by_pack: dict[tuple[int, str], list[tuple]] = {}
+        for r in rows:
+            by_pack.setdefault((r[0], r[1]), []).append(r[2:])
+        out: list[str] = []
+        bad: set[int] = set()
+        for (pid, file), blobs in by_pack.items():
+            names = sorted({n for b in blobs for n in users.get(b[0], ())})
+            used = f"used by model {_few(names)}" if names else "used by no live model"
+            try:
+                path = self._pack_path(file)
+                with fsafe.open_regular_file(path) as f:
+                    index = self._index(f, path)
+                    for bid, dtype, shape, entry, n_entries, offset, length, crc in blobs:
+                        try:
+                            _, dims = self._parse_spec(dtype, shape, f"blob {bid}")
+                            self._resolve(index, path, f"blob {bid}", entry, n_entries, offset, length, crc, dtype,
+                                          dims)
+                        except CorruptCheckpointError as e:
+                            who = _few(sorted(set(users.get(bid, ())))) or "no live model"
+                            out.append(f"{e} (blob {bid}, model {who}; kept as it is)")
+                            bad.add(pid)
+            except FileNotFoundError:
+                out.append(f"{os.path.join(self._packs, file)}: pack {used} is missing (removed by hand?): its "
+                           "tensors cannot be read; restore it from a backup or delete the models; its rows were kept")
+                bad.add(pid)
+            except (OSError, CorruptCheckpointError) as e:  # (a symbolic link: UnsafePathError)
+                out.append(f"{e} (pack {used}; kept as it is)")
+                bad.add(pid)
+        return out, bad
+
+    @_db_op("garbage-collecting")
     def gc(self, *, grace: float | None = None, rewrite_below: float = 0.5) -> dict:
-        """Compact: drop blobs no model references and packs left empty, remove orphan packs of
-        crashed stores older than ``grace`` seconds (default: the repository's ``orphan_grace``),
-        rewrite packs whose live bytes are below ``rewrite_below`` of their data.
+        """Compact, trusting no stored count: references are recounted from the live rows (names ->
+        tensors -> blobs -> packs); blobs no tensor row points to are dropped, packs left without
+        blobs unlinked, orphan packs of crashed stores older than ``grace`` seconds (default: the
+        repository's ``orphan_grace``) removed, and packs whose live bytes are below
+        ``rewrite_below`` of their data rewritten. A blob a model reaches is never dropped.
 
         Returns ``{"freed": bytes freed on disk, "blobs_removed", "packs_removed",
-        "packs_rewritten", "orphans_removed", "damaged": [messages]}`` (``damaged``: packs
-        that could not be rewritten because a live tensor failed its CRC; they are kept)."""
+        "packs_rewritten", "orphans_removed", "refs_repaired", "damaged": [messages]}``: counts of
+        what was removed or rewritten; ``refs_repaired``: stored reference counts that differed
+        from the recount and were set to it; ``damaged``: rows that do not resolve (a tensor
+        pointing to a missing blob or pack, a blob outside its pack, a missing pack file) and
+        packs whose live tensor failed its CRC. Damaged rows and their packs are reported, never
+        removed or rewritten."""
         grace = self.orphan_grace if grace is None else float(grace)
         conn = self._conn()
-        dead: list[tuple[str, int]] = []
+        dead: list[tuple[int, str]] = []
         orphans = 0
         freed = 0
         try:
             conn.execute("BEGIN IMMEDIATE")
-            blobs_removed = conn.execute("DELETE FROM blobs WHERE refs<=0").rowcount
-            dead = conn.execute("SELECT file, size FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM blobs)"
-                                ).fetchall()
-            conn.execute("DELETE FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM blobs)")
-            known = {r[0] for r in conn.execute("SELECT file FROM packs")} | {f for f, _ in dead}
+            damaged = self._damaged_rows(conn)
+            count = "(SELECT count(*) FROM tensors t WHERE t.blob=blobs.id)"
+            repaired = conn.execute(f"UPDATE blobs SET refs={count} WHERE refs IS NOT {count}").rowcount
+            blobs_removed = conn.execute("DELETE FROM blobs WHERE refs=0 AND NOT EXISTS (SELECT 1 FROM tensors t "
+                                         "WHERE t.blob=blobs.id)").rowcount
+            for pid, file in conn.execute("SELECT id, file FROM packs WHERE NOT EXISTS (SELECT 1 FROM blobs b "
+                                          "WHERE b.pack=packs.id)").fetchall():
+                if _valid_pack_name(file):
+                    dead.append((pid, file))
+                else:
+                    damaged.append(f"{self._db}: pack row {pid} names the file {file!r:.80}, not '<32 hex>.dfz': "
+                                   "the database was tampered with; the row was kept and no file removed")
+            conn.executemany("DELETE FROM packs WHERE id=?", [(pid,) for pid, _ in dead])
+            known = {r[0] for r in conn.execute("SELECT file FROM packs")} | {f for _, f in dead}
             now = time.time()
             for fn in os.listdir(self._packs):  # orphans: removed under the write lock (see put)
                 is_pack = len(fn) == 36 and fn.endswith(_PACK_SUFFIX) and ID_HEX_RE.fullmatch(fn[:32])
@@ -1054,28 +1332,49 @@ class EmbeddedRepository:
             conn.execute("COMMIT")
         finally:
             self._rollback(conn)
-        for file, _size in dead:
-            freed += _unlink_freed(os.path.join(self._packs, file))
+        for fn in os.listdir(self.directory):  # a reserve half made by a process that died
+            if fn.startswith(RESERVE_FILE + ".") and ID_HEX_RE.fullmatch(fn[len(RESERVE_FILE) + 1:]):
+                p = os.path.join(self.directory, fn)
+                try:
+                    if time.time() - os.lstat(p).st_mtime >= grace and _unlink(p):
+                        orphans += 1
+                except FileNotFoundError:
+                    pass
+        packs_removed = 0
+        for _pid, file in dead:
+            path = os.path.join(self._packs, file)
+            packs_removed += 1
+            freed += _unlink_freed(path)
+            with self._lock:
+                self._index_cache.pop(path, None)
+        more, bad = self._damaged_packs()
+        damaged += more
         rewritten = 0
-        damaged: list[str] = []
         rows = conn.execute("SELECT p.id, p.file, p.size, p.data_bytes, SUM(b.length) FROM packs p JOIN blobs b "
                             "ON b.pack=p.id GROUP BY p.id").fetchall()
         for pid, file, size, data, live in rows:
-            if live < rewrite_below * data:
-                try:
-                    if os.lstat(self._pack_path(file)).st_nlink > 1:
-                        continue  # an imported file still linked from its checkpoint: a copy frees nothing
-                    delta = self._rewrite(pid, file, size)
-                except FileNotFoundError:
-                    continue
-                except CorruptCheckpointError as e:  # keep the pack as it is: the reads will say so
-                    damaged.append(str(e))
-                    continue
-                if delta is not None:
-                    freed += delta
-                    rewritten += 1
-        return {"freed": freed, "blobs_removed": blobs_removed, "packs_removed": len(dead),
-                "packs_rewritten": rewritten, "orphans_removed": orphans, "damaged": damaged}
+            if pid in bad or not live < rewrite_below * data:
+                continue
+            try:
+                if os.lstat(self._pack_path(file)).st_nlink > 1:
+                    continue  # an imported file still linked from its checkpoint: a copy frees nothing
+                delta = self._rewrite(pid, file, size)
+            except FileNotFoundError:
+                continue
+            except CorruptCheckpointError as e:  # keep the pack as it is: the reads will say so
+                damaged.append(str(e))
+                continue
+            except OSError as e:  # no room for the new pack (a full disk): the old one stays
+                damaged.append(f"{self._pack_path(file)}: not compacted: writing its replacement failed "
+                               f"({e.strerror or e}); free space and run gc again (nothing was lost)")
+                continue
+            if delta is not None:
+                freed += delta
+                rewritten += 1
+        self._ensure_reserve()
+        return {"freed": freed, "blobs_removed": blobs_removed, "packs_removed": packs_removed,
+                "packs_rewritten": rewritten, "orphans_removed": orphans, "refs_repaired": repaired,
+                "damaged": damaged}
 
     def _rewrite(self, pid: int, file: str, size: int) -> int | None:
         """Move the live blobs of pack ``pid`` into a new pack; the bytes freed, None if skipped."""
@@ -1230,6 +1529,18 @@ def tensor_entries(path: str) -> dict[int, list[int]]:
     for i, e in enumerate(index.entries):
         out.setdefault(e.tensor_id, []).append(i)
     return out
+
+
+def _valid_pack_name(file: Any) -> bool:
+    return (isinstance(file, str) and len(file) == 32 + len(_PACK_SUFFIX) and file.endswith(_PACK_SUFFIX)
+            and ID_HEX_RE.fullmatch(file[:32]) is not None)
+
+
+def _few(items: Sequence[Any], n: int = 5) -> str:
+    """``'a', 'b' and 3 more``: a short list for a message (no list repr)."""
+    items = list(items)
+    text = ", ".join(repr(x) for x in items[:n])
+    return text + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 def _unlink(path: str) -> bool:
