@@ -774,8 +774,8 @@ class GcAfterLookup(EmbeddedRepository):
     """Runs ``action`` (once) after get() looked the rows up and before it opens the pack."""
     action = None
 
-    def _rows(self, name):
-        rows = super()._rows(name)
+    def _rows(self, name, keys=None):
+        rows = super()._rows(name, keys)
         action, GcAfterLookup.action = GcAfterLookup.action, None
         if action is not None:
             action()

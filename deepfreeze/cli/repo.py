@@ -135,8 +135,12 @@ def _info(args: argparse.Namespace) -> int:
 
 def _rm(args: argparse.Namespace) -> int:
     with _open(args) as repo:
-        repo.delete(args.model)
-    print(f"deleted {args.model} (the name stays reserved; run 'deepfreeze repo gc' to free space now)")
+        out = repo.delete(args.model)
+    if isinstance(out, dict):  # the embedded repository says what it freed
+        print(f"deleted {args.model}: freed {mb(out['freed'])} (the name stays reserved; tensors shared with other "
+              "models stay, and 'deepfreeze repo gc' compacts packs they share)")
+    else:
+        print(f"deleted {args.model} (the name stays reserved; 'deepfreeze repo gc' frees its space)")
     return EXIT_OK
 
 

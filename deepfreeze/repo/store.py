@@ -916,23 +916,27 @@ class EmbeddedRepository:
                                      f"{self.location} lists the stored models)")
         return row
 
-    def _rows(self, name: str) -> list[tuple]:
-        """(key, blob, dtype, shape text, entry, n_entries, offset, length, crc, file) of every tensor."""
+    def _rows(self, name: str, keys: Sequence[str] | None = None) -> list[tuple]:
+        """(key, blob, dtype, shape text, entry, n_entries, offset, length, crc, file) of every tensor.
+        A tensor whose row does not resolve to a blob and a pack is damage (:class:`CorruptCheckpointError`)
+        when it is among ``keys`` (default: all); the model's other tensors stay readable."""
         conn = self._conn()
         try:
             conn.execute("BEGIN")
             mid = self._model_row(conn, name)[0]
             rows = conn.execute(
                 "SELECT t.key, b.id, b.dtype, b.shape, b.entry, b.n_entries, b.offset, b.length, b.crc, p.file "
-                "FROM tensors t JOIN blobs b ON b.id=t.blob JOIN packs p ON p.id=b.pack WHERE t.model=? "
+                "FROM tensors t LEFT JOIN blobs b ON b.id=t.blob LEFT JOIN packs p ON p.id=b.pack WHERE t.model=? "
                 "ORDER BY t.pos", (mid,)).fetchall()
-            n = conn.execute("SELECT count(*) FROM tensors WHERE model=?", (mid,)).fetchone()[0]
         finally:
             self._rollback(conn)
-        if n != len(rows):
-            raise CorruptCheckpointError(f"{self._db}: model {name!r} has {n} tensors but only {len(rows)} resolve "
-                                         "to a stored blob and pack: the database is damaged; restore it from a backup")
-        return rows
+        want = None if keys is None else set(keys)
+        lost = [r[0] for r in rows if r[9] is None and (want is None or r[0] in want)]
+        if lost:
+            raise CorruptCheckpointError(f"{self._db}: model {name!r}: tensor {_few(lost)} point(s) to no stored "
+                                         "blob or pack: the database is damaged; restore meta.db from a backup, or "
+                                         "delete the model (its other tensors can still be read)")
+        return [r for r in rows if r[9] is not None]
 
     def _bounded(self, name: str, rows: Iterable[tuple]) -> dict[str, tuple[str, tuple[int, ...]]]:
         """key -> (dtype, shape) of ``rows`` after bounding what the database says against the
@@ -997,7 +1001,7 @@ class EmbeddedRepository:
 
     def _get(self, name: str, tensors: list[str] | None, out: Mapping[str, np.ndarray] | None,
              verify: bool) -> dict[str, np.ndarray]:
-        rows = self._rows(name)
+        rows = self._rows(name, tensors)
         by_key = {r[0]: r for r in rows}
         if tensors is None:
             keys = list(by_key)
@@ -1209,8 +1213,11 @@ class EmbeddedRepository:
             self._rollback(conn)
         return [f for _, f in dead], removed
 
-    def _damaged_rows(self, conn: sqlite3.Connection) -> list[str]:
-        """Rows that do not form names -> tensors -> blobs -> packs (gc reports them, acts on none)."""
+    def _damaged_rows(self, conn: sqlite3.Connection) -> tuple[list[str], bool]:
+        """Rows that do not form names -> tensors -> blobs -> packs (gc reports them, acts on none),
+        and whether a live model lost track of a tensor (a tensor row pointing to a blob or pack
+        row that does not exist, or missing tensor rows): then the blob it meant is unknown, and gc
+        removes nothing."""
         out = []
         fix = "restore meta.db from a backup, or delete the model (deepfreeze repo rm)"
         for mid, name, deleted, n in conn.execute(
@@ -1227,12 +1234,14 @@ class EmbeddedRepository:
         for name, keys in bad.items():
             out.append(f"{self._db}: model {name!r}: tensor {_few(keys)} point(s) to a blob or pack row that "
                        f"does not exist: that model cannot be read; {fix}")
+        lost = bool(bad)
         for name, n, have in conn.execute(
                 "SELECT name, n_tensors, (SELECT count(*) FROM tensors t WHERE t.model=models.id) AS c FROM models "
                 "WHERE deleted=0 AND c != n_tensors LIMIT 100"):
             out.append(f"{self._db}: model {name!r} was stored with {n} tensors but {have} tensor rows remain: "
                        f"the database is damaged; {fix}")
-        return out
+            lost = True
+        return out, lost
 
     def _damaged_packs(self) -> tuple[list[str], set[int]]:
         """Check every referenced blob's row against its pack file (exists, index, byte range,
@@ -1300,9 +1309,18 @@ class EmbeddedRepository:
         freed = 0
         try:
             conn.execute("BEGIN IMMEDIATE")
-            damaged = self._damaged_rows(conn)
+            damaged, lost = self._damaged_rows(conn)
             count = "(SELECT count(*) FROM tensors t WHERE t.blob=blobs.id)"
             repaired = conn.execute(f"UPDATE blobs SET refs={count} WHERE refs IS NOT {count}").rowcount
+            if lost:  # a live model's tensor points nowhere: the blob or pack it meant may look unused
+                conn.execute("COMMIT")
+                more, _bad = self._damaged_packs()
+                return {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
+                        "orphans_removed": 0, "refs_repaired": repaired,
+                        "damaged": damaged + more + [
+                            f"{self.location}: gc removed nothing: a model's tensor rows point to rows that do not "
+                            "exist (above), so the data they meant cannot be told from unused data; restore meta.db "
+                            "from a backup, or delete those models (deepfreeze repo rm), then run gc again"]}
             blobs_removed = conn.execute("DELETE FROM blobs WHERE refs=0 AND NOT EXISTS (SELECT 1 FROM tensors t "
                                          "WHERE t.blob=blobs.id)").rowcount
             for pid, file in conn.execute("SELECT id, file FROM packs WHERE NOT EXISTS (SELECT 1 FROM blobs b "
