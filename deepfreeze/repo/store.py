@@ -317,7 +317,8 @@ class EmbeddedRepository:
             raise RepositoryError(f"{d} is a symbolic link: a repository directory must be a real directory")
         if not os.path.exists(d):
             if not create:
-                raise RepositoryError(f"{d}: no repository there (create=False)")
+                raise RepositoryError(f"no repository at {d}: the directory does not exist; check the path (a "
+                                      "repository is created by the first store into a new directory)")
             try:
                 os.makedirs(d, mode=0o700, exist_ok=True)
             except OSError as e:
@@ -328,11 +329,12 @@ class EmbeddedRepository:
             raise RepositoryError(f"{self._db} is not a regular file: not a repository")
         if not os.path.exists(self._db):
             if not create:
-                raise RepositoryError(f"{d} is not a repository (no meta.db; create=False)")
+                raise RepositoryError(f"{d} is not a repository (it has no meta.db): check the path (a repository "
+                                      "is created by the first store into a new or empty directory)")
             others = set(os.listdir(d)) - {"meta.db", "meta.db-wal", "meta.db-shm", "meta.db-journal", "packs"}
             if others:
                 raise RepositoryError(
-                    f"{d} is not empty and not a repository (it holds {sorted(others)[:5]}): refusing to turn it "
+                    f"{d} is not empty and not a repository (it holds {_few(sorted(others))}): refusing to turn it "
                     "into one; use an empty or new directory")
         conn = self._conn()
         try:
@@ -760,9 +762,9 @@ class EmbeddedRepository:
         have = set(keys)
         if want != have:
             missing, extra = sorted(want - have), sorted(have - want)
-            raise RepositoryError(f"the tensors do not match the layer graph: missing {missing[:5]}"
-                                  f"{' ...' if len(missing) > 5 else ''}, not in the graph {extra[:5]}"
-                                  f"{' ...' if len(extra) > 5 else ''} (keys are '<layer id>/<k>')")
+            raise RepositoryError(f"the tensors do not match the layer graph: missing {_few(missing) or 'none'}, "
+                                  f"not in the graph {_few(extra) or 'none'}: give one tensor per weight of the "
+                                  "graph, keyed '<layer id>/<k>'")
         return encode_graph(graph)
 
     def _plan(self, items: list[_Tensor]) -> list[_Tensor]:
@@ -933,9 +935,9 @@ class EmbeddedRepository:
         want = None if keys is None else set(keys)
         lost = [r[0] for r in rows if r[9] is None and (want is None or r[0] in want)]
         if lost:
-            raise CorruptCheckpointError(f"{self._db}: model {name!r}: tensor {_few(lost)} point(s) to no stored "
-                                         "blob or pack: the database is damaged; restore meta.db from a backup, or "
-                                         "delete the model (its other tensors can still be read)")
+            raise CorruptCheckpointError(f"{self._db}: model {name!r}: tensor {_few(lost)} has no stored blob or "
+                                         "pack: the database is damaged; restore meta.db from a backup, or delete "
+                                         "the model (its other tensors can still be read)")
         return [r for r in rows if r[9] is not None]
 
     def _bounded(self, name: str, rows: Iterable[tuple]) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -1232,8 +1234,9 @@ class EmbeddedRepository:
                 "LEFT JOIN packs p ON p.id=b.pack WHERE m.deleted=0 AND p.id IS NULL LIMIT 10000"):
             bad.setdefault(name, []).append(key)
         for name, keys in bad.items():
-            out.append(f"{self._db}: model {name!r}: tensor {_few(keys)} point(s) to a blob or pack row that "
-                       f"does not exist: that model cannot be read; {fix}")
+            these = f"tensor {_few(keys)} points" if len(keys) == 1 else f"tensors {_few(keys)} point"
+            out.append(f"{self._db}: model {name!r}: {these} to a blob or pack row that does not exist: "
+                       f"{'it' if len(keys) == 1 else 'they'} cannot be read; {fix}")
         lost = bool(bad)
         for name, n, have in conn.execute(
                 "SELECT name, n_tensors, (SELECT count(*) FROM tensors t WHERE t.model=models.id) AS c FROM models "
@@ -1469,8 +1472,10 @@ class EmbeddedRepository:
                     idx = []
                 if not idx or not all(type(i) is int and 0 <= i < len(index.entries) for i in idx) \
                         or any(b <= a for a, b in zip(idx, idx[1:])) or used & set(idx):
-                    raise RepositoryError(f"tensor {key!r}: entry indices {idx!r:.100} must be increasing indices "
-                                          f"below {len(index.entries)}, each used by one tensor only")
+                    raise RepositoryError(f"tensor {key!r}: entry indices {_few(idx, 10) or 'none'} must be "
+                                          f"increasing indices below {len(index.entries)}, each used by one tensor "
+                                          "only: map each key to the index entries of one tensor "
+                                          "(tensor_entries(path) lists them)")
                 used |= set(idx)
                 es = [index.entries[i] for i in idx]
                 e0 = es[0]
@@ -1479,8 +1484,9 @@ class EmbeddedRepository:
                     b.tensor_id == e0.tensor_id and b.dtype == e0.dtype and b.shape == e0.shape
                     and b.start == a.stop and b.offset == a.offset + a.length for a, b in zip(es, es[1:]))
                 if not ok:
-                    raise RepositoryError(f"tensor {key!r}: entries {idx} of {path} are not the contiguous pieces "
-                                          "of one whole tensor")
+                    raise RepositoryError(f"tensor {key!r}: entries {_few(idx, 10)} of {path} are not the "
+                                          "contiguous pieces of one whole tensor: map each key to all the index "
+                                          "entries of one tensor (tensor_entries(path) lists them)")
                 crc = 0
                 chunk = 16 << 20
                 buf = np.empty(min(chunk, max(e.length for e in es)), dtype=np.uint8) if es else None
