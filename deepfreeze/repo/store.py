@@ -61,15 +61,25 @@ De-duplication
 --------------
 Content key: (CRC32 of the tensor's bytes, dtype, shape), confirmed byte for byte. It runs inside
 the timed store (the CRC is the integrity checksum anyway; the confirmation reads the stored copy
-of each candidate). Only blobs still referenced are candidates. Blobs are reference-counted:
-``delete`` decrements, the name stays reserved forever. ``info()`` reports the logical bytes
-(what the live models hold), the stored bytes (live blobs, each once) and the savings.
+of each candidate). Only blobs still referenced are candidates. Blobs carry a reference count
+(``refs``) that is a cache of the rows, never trusted to free anything: ``delete`` (one
+transaction) removes the model's tensor rows, marks the name deleted (reserved forever), RECOUNTS
+its blobs from the remaining tensor rows, drops those no row points to and the packs left without
+blobs; after the commit it unlinks those packs. ``info()`` reports the logical bytes (what the
+live models hold), the stored bytes (live blobs, each once) and the savings.
 
 Garbage collection (:meth:`~EmbeddedRepository.gc`)
 ----------------------------------------------------
-In one write transaction: drop blobs no model references, drop packs left without blobs, remove
+References are recomputed from the live rows (names -> tensors -> blobs -> packs), never taken
+from the stored counts. In one write transaction: check the rows (a tensor row of a live model
+pointing to a blob or pack row that does not exist, a model with fewer tensor rows than it was
+stored with: "damaged"; then gc only repairs the counts and removes nothing, because the blob the
+row meant cannot be told from an unused one); set every stored count to the recount
+(``refs_repaired``); drop blobs no tensor row points to, drop packs left without blobs, remove
 orphan packs (not in the database, older than the grace period); after the commit, unlink the
-dead packs. Then rewrite each pack whose live bytes are below ``rewrite_below`` (default 0.5) of
+dead packs. Then every pack that still holds blobs is checked against the database (the file
+exists, its index, each blob's entries, byte range, dtype and shape): a mismatch is reported
+(``damaged``) and that pack is neither removed nor rewritten. Then rewrite each pack whose live bytes are below ``rewrite_below`` (default 0.5) of
 its data: the live tensors are streamed (CRC-checked) into a new pack written as above, and one
 transaction moves their blobs to it (blob ids are unchanged, so a concurrent store that
 de-duplicated against them stays valid); the old pack is unlinked. An imported file still
@@ -78,8 +88,28 @@ counts only bytes really released (not a link of a file that has others). A pack
 tensor fails its CRC is kept as it is and reported (``damaged``). A crash during gc leaves
 either the old or the new pack referenced, and at most an orphan.
 
+Full disk
+---------
+A write transaction of SQLite in WAL mode needs new space (WAL frames, and the ``-shm`` shared
+memory a fresh process maps), so on a full file system a deletion could not be recorded, and
+without it no space could be freed. The repository keeps ``<repository>/reserve``, a 1 MiB
+preallocated file (:data:`RESERVE_BYTES`, made when the repository is opened with room to spare).
+When opening fails on a full disk (SQLite cannot map its shared memory), or a ``delete``
+transaction fails with SQLITE_FULL, the reserve is unlinked and the operation tried once more; the
+delete then frees its packs, and the reserve is made again (best effort) after every delete and
+gc. Measured on an 8 MiB tmpfs filled to the last byte: a process that had the repository open
+and a fresh ``deepfreeze repo rm`` both delete a model and free its pack
+(tests/faults/test_repo_safety.py). Every ``sqlite3`` error of a public method surfaces as
+:class:`~deepfreeze.errors.RepositoryDatabaseError` naming what failed, why (full disk, lock held
+past the busy timeout, read-only, damaged) and what to do.
+
 Reads
 -----
+Before anything is allocated, every size and offset of the database rows requested is bounded
+(:meth:`~EmbeddedRepository._bounded`, also used by ``specs``): the bytes of the declared shape
+(an exact integer product, no overflow) must equal the row's length, and the row's byte range must
+lie inside the pack file's real size; a row that fails (a declared shape of 2**48 elements) is a
+:class:`~deepfreeze.errors.CorruptCheckpointError`, never a huge ``np.empty``. Then
 ``get`` reads the pack's index (cached per file and inode), checks every offset and size of the
 database row against the pack's own index and size (a tampered row or pack raises
 :class:`~deepfreeze.errors.CorruptCheckpointError`, never a read outside the tensor), then
