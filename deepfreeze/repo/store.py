@@ -331,10 +331,15 @@ class EmbeddedRepository:
         self._closed = False
         try:
             self._open(create)
-        except RepositoryError:
+        except RepositoryError as e:
             # on a full disk SQLite cannot even map its shared memory: give up the reserve, try again
-            if not (self._disk_full() and self._release_reserve()):
+            if isinstance(e, RepositoryDatabaseError) or not self._disk_full():
                 raise
+            if not self._release_reserve():
+                raise RepositoryDatabaseError(
+                    f"cannot open the repository {self.directory}: the disk holding it is full (SQLite needs a "
+                    "little room to open its database) and the repository has no reserve left to give up; free "
+                    "some space on that file system by other means and retry") from e
             self._drop_conn()
             self._open(create)
         self._ensure_reserve()
@@ -460,8 +465,12 @@ class EmbeddedRepository:
         text = str(e)
         if _is_full(e) or ((name.startswith("SQLITE_IOERR") or "I/O error" in text) and self._disk_full()):
             why = "the disk holding it is full"
-            todo = (f"free space on that file system (deepfreeze repo rm {self.location} NAME deletes a model "
-                    "even on a full disk) and retry")
+            if doing.startswith("deleting"):
+                todo = ("the repository's reserve for this case was missing or too small: free some space on that "
+                        "file system by other means (remove other files) and retry")
+            else:
+                todo = (f"free space on that file system (deepfreeze repo rm {self.location} NAME deletes a model "
+                        "even on a full disk) and retry")
         elif name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
             why = f"another process kept it locked for more than {_BUSY_TIMEOUT:.0f} s"
             todo = "retry when the other process's long operation (a gc, an import) is done"
