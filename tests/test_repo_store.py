@@ -594,7 +594,7 @@ def test_gc_rewrites_a_mostly_dead_pack(repo):
     # the moved blobs still de-duplicate, and a second gc has nothing left to do
     assert repo.put("again", {"x": small["s0"]})["written"] == 0
     assert repo.gc(grace=0) == {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
-                                "orphans_removed": 0, "refs_repaired": 0, "damaged": []}
+                                "orphans_removed": 0, "refs_repaired": 0, "warnings": [], "damaged": []}
 
 
 # --------------------------------------------------------------------------- import of a DeepFreeze file
@@ -833,7 +833,7 @@ def test_gc_rewrites_an_imported_pack_of_pieces(repo, tmp_path):
     repo.add_pack("imp", src, {"w": [0, 1, 2, 3]})  # the two big tensors (optimizer slots) are not taken
     # while the checkpoint's own link exists, a rewrite would only add a copy: gc leaves it
     assert repo.gc(grace=0) == {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
-                                "orphans_removed": 0, "refs_repaired": 0, "damaged": []}
+                                "orphans_removed": 0, "refs_repaired": 0, "warnings": [], "damaged": []}
     assert open(src, "rb").read() == before  # the checkpoint file itself is untouched
     os.unlink(src)  # the checkpoint's retention removes it: now the repository's link is the only one
     res = repo.gc(grace=0)

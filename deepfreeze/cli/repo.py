@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import sys
 from typing import Any
 
 from ..errors import ConfigError
@@ -178,6 +179,8 @@ def _gc(args: argparse.Namespace) -> int:
         emit_json(out)
     else:
         print("\n".join(gc_summary(out)))
+        for msg in out.get("warnings") or []:
+            sys.stderr.write(f"deepfreeze: warning: {msg}\n")
         for msg in damaged:
             err(f"damaged (left as it is): {msg}")
         if damaged:

@@ -1338,9 +1338,10 @@ class EmbeddedRepository:
         ``rewrite_below`` of their data rewritten. A blob a model reaches is never dropped.
 
         Returns ``{"freed": bytes freed on disk, "blobs_removed", "packs_removed",
-        "packs_rewritten", "orphans_removed", "refs_repaired", "damaged": [messages]}``: counts of
-        what was removed or rewritten; ``refs_repaired``: stored reference counts that differed
-        from the recount and were set to it; ``damaged``: rows that do not resolve (a tensor
+        "packs_rewritten", "orphans_removed", "refs_repaired", "warnings": [messages], "damaged":
+        [messages]}``: counts of what was removed or rewritten; ``refs_repaired``: stored reference
+        counts that differed from the recount and were set to it; ``warnings``: compactions not
+        done (no room for the new pack; nothing lost); ``damaged``: rows that do not resolve (a tensor
         pointing to a missing blob or pack, a blob outside its pack, a missing pack file) and
         packs whose live tensor failed its CRC. Damaged rows and their packs are reported, never
         removed or rewritten."""
@@ -1358,7 +1359,7 @@ class EmbeddedRepository:
                 conn.execute("COMMIT")
                 more, _bad = self._damaged_packs()
                 return {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
-                        "orphans_removed": 0, "refs_repaired": repaired,
+                        "orphans_removed": 0, "refs_repaired": repaired, "warnings": [],
                         "damaged": damaged + more + [
                             f"{self.location}: gc removed nothing: a model's tensor rows point to rows that do not "
                             "exist (above), so the data they meant cannot be told from unused data; restore meta.db "
@@ -1410,6 +1411,7 @@ class EmbeddedRepository:
         more, bad = self._damaged_packs()
         damaged += more
         rewritten = 0
+        warnings: list[str] = []
         rows = conn.execute("SELECT p.id, p.file, p.size, p.data_bytes, SUM(b.length) FROM packs p JOIN blobs b "
                             "ON b.pack=p.id GROUP BY p.id").fetchall()
         for pid, file, size, data, live in rows:
@@ -1425,8 +1427,8 @@ class EmbeddedRepository:
                 damaged.append(str(e))
                 continue
             except OSError as e:  # no room for the new pack (a full disk): the old one stays
-                damaged.append(f"{self._pack_path(file)}: not compacted: writing its replacement failed "
-                               f"({e.strerror or e}); free space and run gc again (nothing was lost)")
+                warnings.append(f"{self._pack_path(file)}: not compacted: writing its replacement failed "
+                                f"({e.strerror or e}); free space and run gc again (nothing was lost)")
                 continue
             if delta is not None:
                 freed += delta
@@ -1434,7 +1436,7 @@ class EmbeddedRepository:
         self._ensure_reserve()
         return {"freed": freed, "blobs_removed": blobs_removed, "packs_removed": packs_removed,
                 "packs_rewritten": rewritten, "orphans_removed": orphans, "refs_repaired": repaired,
-                "damaged": damaged}
+                "warnings": warnings, "damaged": damaged}
 
     def _rewrite(self, pid: int, file: str, size: int) -> int | None:
         """Move the live blobs of pack ``pid`` into a new pack; the bytes freed, None if skipped."""

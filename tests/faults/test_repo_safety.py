@@ -84,7 +84,7 @@ def test_gc_with_tampered_counts_keeps_every_live_model(tmp_path, refs):
         assert repo.put("b2", gone)["written"] == sum(gone[k].nbytes for k in ("head", "bias"))  # trunk shared
         again = repo.gc(grace=0)
         assert again == {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
-                         "orphans_removed": 0, "refs_repaired": 0, "damaged": []}
+                         "orphans_removed": 0, "refs_repaired": 0, "warnings": [], "damaged": []}
         check_all(repo, dict(put, b2=gone))
 
 
@@ -295,3 +295,23 @@ def test_database_failure_is_a_repository_error_saying_what_to_do(tmp_path):
             holder.close()
         assert isinstance(ei.value.__cause__, sqlite3.Error) and "'m'" in str(ei.value)
         assert "Traceback" not in str(ei.value) and repo.list() == {"m": ["m"]}  # nothing was deleted
+
+
+def test_gc_on_a_full_disk_warns_and_loses_nothing(small_fs):
+    rng = np.random.default_rng(11)
+    big, small = rng.standard_normal(150_000), rng.standard_normal(1000)
+    with EmbeddedRepository(os.path.join(small_fs, "r")) as repo:
+        repo.put("x", {"big": big, "small": small})
+        repo.put("y", {"s": small.copy()})  # shares x's small tensor, so x's pack stays when x goes
+        repo.put("z", {"w": rng.standard_normal(120_000)})
+        assert repo.delete("x")["freed"] == 0  # x's pack is now mostly dead: a gc would compact it
+        fill_disk(small_fs)
+        res = repo.gc(grace=0)
+        assert res["packs_rewritten"] == 0 and res["damaged"] == [] and len(res["warnings"]) == 1
+        assert "not compacted" in res["warnings"][0] and "nothing was lost" in res["warnings"][0]
+        assert same_bits(repo.get("y")["s"], small)
+        assert not [f for f in packs(repo) if f.startswith("tmp-")]  # the half-written replacement is gone
+        repo.delete("z")  # room again
+        res = repo.gc(grace=0)
+        assert res["packs_rewritten"] == 1 and res["warnings"] == [] and res["freed"] > big.nbytes - 8192
+        assert same_bits(repo.get("y")["s"], small)
