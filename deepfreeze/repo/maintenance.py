@@ -53,6 +53,7 @@ from __future__ import annotations
 import functools
 import os
 import sqlite3
+import stat
 import time
 import uuid
 from typing import Any, Sequence
@@ -164,10 +165,15 @@ class Maintenance:
             unlink(tmp)
 
     def _release_reserve(self) -> bool:
-        """Unlink ``<repository>/reserve``; whether there was one to give up."""
+        """Unlink ``<repository>/reserve``; whether there was one to give up. Only a file that is
+        ours for sure: next to a ``meta.db``, a regular file of this user of exactly
+        :data:`RESERVE_BYTES` (a user's file of that name in a directory that is no repository
+        stays)."""
         path = os.path.join(self.directory, RESERVE_FILE)
         try:
-            if not os.path.isfile(path) or os.path.islink(path):
+            st = os.lstat(path)
+            if (not os.path.isfile(self._db) or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                    or st.st_size != RESERVE_BYTES):
                 return False
             os.unlink(path)
         except OSError:

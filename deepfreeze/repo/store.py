@@ -275,7 +275,7 @@ class EmbeddedRepository(Maintenance):
             self._open(create)
         except RepositoryError as e:
             # on a full disk SQLite cannot even map its shared memory: give up the reserve, try again
-            if isinstance(e, RepositoryDatabaseError) or not self._disk_full():
+            if isinstance(e, RepositoryDatabaseError) or not os.path.isfile(self._db) or not self._disk_full():
                 raise
             if not self._release_reserve():
                 raise RepositoryDatabaseError(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import deepfreeze.repo.store as store
-from deepfreeze.errors import CorruptCheckpointError, DeepFreezeError, RepositoryDatabaseError
+from deepfreeze.errors import CorruptCheckpointError, DeepFreezeError, RepositoryDatabaseError, RepositoryError
 from deepfreeze.repo.store import RESERVE_FILE, EmbeddedRepository
 
 from _util import ROOT
@@ -315,3 +315,14 @@ def test_gc_on_a_full_disk_warns_and_loses_nothing(small_fs):
         res = repo.gc(grace=0)
         assert res["packs_rewritten"] == 1 and res["warnings"] == [] and res["freed"] > big.nbytes - 8192
         assert same_bits(repo.get("y")["s"], small)
+
+
+def test_a_full_disk_never_costs_a_file_that_is_not_the_reserve(small_fs):
+    plain = os.path.join(small_fs, "notes")
+    os.mkdir(plain)
+    with open(os.path.join(plain, RESERVE_FILE), "wb") as f:  # a user's file that happens to have the name
+        f.write(bytes(store.RESERVE_BYTES))
+    fill_disk(small_fs)
+    with pytest.raises(RepositoryError, match="not a repository"):
+        EmbeddedRepository(plain, create=False)
+    assert os.path.getsize(os.path.join(plain, RESERVE_FILE)) == store.RESERVE_BYTES
