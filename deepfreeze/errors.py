@@ -40,6 +40,7 @@ __all__ = [
     "StreamError",
     "StreamTimeoutError",
     "VersionGoneError",
+    "RepositoryDatabaseError",
 ]
 
 
@@ -190,3 +191,9 @@ class MemtierPermissionError(MemtierError, PermissionError):
 
 class MemtierBusyError(MemtierError, TimeoutError):
     """The device lock or a free slot did not become available within the bounded wait."""
+
+
+class RepositoryDatabaseError(RepositoryError):
+    """The repository's SQLite database (``meta.db``) failed: the disk holding it is full, another
+    process kept it locked past the busy timeout, it is damaged, or it may not be written. The
+    message says which and what to do; the ``sqlite3`` error is chained as the cause."""

@@ -44,7 +44,7 @@ def test_ls_info_rm_gc(tmp_path):
     p = cli("info", repo, "mlp@v2", "--json")
     assert json.loads(p.stdout)["deduplicated"] == 300 * 200 * 4
     p = cli("rm", repo, "mlp@v1")
-    assert p.returncode == 0 and "deleted mlp@v1" in p.stdout
+    assert p.returncode == 0 and "deleted mlp@v1: freed" in p.stdout
     p = cli("info", repo, "mlp@v1")
     assert p.returncode == 1 and "mlp@v1" in p.stderr and "Traceback" not in p.stderr
     p = cli("gc", repo, "--json")
@@ -55,6 +55,48 @@ def test_ls_info_rm_gc(tmp_path):
     assert p.returncode == 1 and "must match" in p.stderr
     p = cli("ls", str(tmp_path / "nothing-here"))  # read commands never create a repository
     assert p.returncode == 1 and "nothing-here" in p.stderr and not (tmp_path / "nothing-here").exists()
+    assert "create=False" not in p.stderr and "check the path" in p.stderr
+    p = cli("info", repo, "nope")
+    assert p.returncode == 1 and "deepfreeze repo ls" in p.stderr and "list()" not in p.stderr
+
+
+def test_gc_recounts_reports_what_it_removed_and_damage(tmp_path):
+    """``repo gc`` with tampered reference counts keeps every live model; it prints only what it
+    removed or repaired; damaged rows make it exit 1 saying what to do, with nothing removed."""
+    import sqlite3
+    repo = str(tmp_path / "repo")
+    a = fill(repo)
+    with sqlite3.connect(os.path.join(repo, "meta.db")) as db:
+        db.execute("UPDATE blobs SET refs=0")  # every count says 'unused'
+    p = cli("gc", repo)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["nothing to remove",
+                                     "repaired 4 stored reference counts (recounted from the models' rows)"]
+    with Repository(repo) as r:
+        assert r.get("mlp@v1")["w"].tobytes() == a["w"].tobytes() and r.get("mlp@v2")["b"].tobytes() == \
+            (a["b"] + 1).tobytes() and len(r.get("cnn")["k"]) == 10
+    p = cli("gc", repo)
+    assert p.returncode == 0 and p.stdout == "nothing to remove\n", p.stdout
+    with sqlite3.connect(os.path.join(repo, "meta.db")) as db:  # a deletion recorded the old way: blobs left
+        (mid,) = db.execute("SELECT id FROM models WHERE name='cnn'").fetchone()
+        db.execute("DELETE FROM tensors WHERE model=?", (mid,))
+        db.execute("UPDATE models SET deleted=1 WHERE id=?", (mid,))
+    p = cli("gc", repo, "--json")
+    out = json.loads(p.stdout)
+    assert p.returncode == 0 and out["blobs_removed"] == 1 and out["packs_removed"] == 1 and out["damaged"] == []
+    with sqlite3.connect(os.path.join(repo, "meta.db")) as db:  # mlp@v2's "b" points to no blob
+        db.execute("UPDATE tensors SET blob=9999 WHERE key='b' AND model=(SELECT id FROM models WHERE "
+                   "name='mlp@v2')")
+        blobs = db.execute("SELECT id, pack, offset, length, crc FROM blobs ORDER BY id").fetchall()
+    p = cli("gc", repo)
+    assert p.returncode == 1 and "nothing to remove" in p.stdout
+    assert "'mlp@v2'" in p.stderr and "removed nothing" in p.stderr and "deepfreeze repo rm" in p.stderr
+    assert "Traceback" not in p.stderr and "{" not in p.stdout + p.stderr
+    with sqlite3.connect(os.path.join(repo, "meta.db")) as db:  # the blob v2's row lost included: all kept
+        assert db.execute("SELECT id, pack, offset, length, crc FROM blobs ORDER BY id").fetchall() == blobs
+    with Repository(repo) as r:
+        assert r.get("mlp@v1")["b"].tobytes() == a["b"].tobytes()
+        assert r.get("mlp@v2", ["w"])["w"].tobytes() == a["w"].tobytes()
 
 
 def test_import_checkpoint_and_load_bit_exact(tmp_path):

@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import sys
 from typing import Any
 
 from ..errors import ConfigError
-from ._common import EXIT_OK, UsageError, emit_json, load_config, mb, resolve_name, table, version_arg
+from ._common import EXIT_FAIL, EXIT_OK, UsageError, emit_json, err, load_config, mb, resolve_name, table, version_arg
 
 __all__ = ["add_parser", "run"]
 
@@ -125,29 +126,66 @@ def _info(args: argparse.Namespace) -> int:
         emit_json(info)
         return EXIT_OK
     for k, v in info.items():
-        if isinstance(v, int) and ("bytes" in k or k in ("deduplicated", "saved")):
+        if k == "per_provider":
+            continue
+        if isinstance(v, int) and ("bytes" in k or k in ("deduplicated", "savings")):
             v = f"{v} ({mb(v)})"
         elif k == "created":
             v = _when(v)
+        elif isinstance(v, (list, tuple)):
+            v = ", ".join(map(str, v)) or "-"
+        elif v is None:
+            v = "-"
         print(f"{k}: {v}")
     return EXIT_OK
 
 
 def _rm(args: argparse.Namespace) -> int:
     with _open(args) as repo:
-        repo.delete(args.model)
-    print(f"deleted {args.model} (the name stays reserved; run 'deepfreeze repo gc' to free space now)")
+        out = repo.delete(args.model)
+    if isinstance(out, dict):  # the embedded repository says what it freed
+        print(f"deleted {args.model}: freed {mb(out['freed'])} (the name stays reserved; tensors shared with other "
+              "models stay, and 'deepfreeze repo gc' compacts packs they share)")
+    else:
+        print(f"deleted {args.model} (the name stays reserved; 'deepfreeze repo gc' frees its space)")
     return EXIT_OK
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def gc_summary(out: dict) -> list[str]:
+    """The lines ``deepfreeze repo gc`` prints for a gc result: only what it removed or repaired."""
+    done = []
+    for key, what in (("blobs_removed", "unused tensor"), ("packs_removed", "empty pack"),
+                      ("orphans_removed", "file left by a crashed store")):
+        if out.get(key):
+            done.append(f"removed {_plural(out[key], what)}")
+    if out.get("packs_rewritten"):
+        done.append(f"compacted {_plural(out['packs_rewritten'], 'pack')}")
+    lines = [f"{', '.join(done)}: freed {mb(out.get('freed', 0))}" if done else "nothing to remove"]
+    if out.get("refs_repaired"):
+        lines.append(f"repaired {_plural(out['refs_repaired'], 'stored reference count')} (recounted from the "
+                     "models' rows)")
+    return lines
 
 
 def _gc(args: argparse.Namespace) -> int:
     with _open(args) as repo:
         out = repo.gc()
+    damaged = out.get("damaged") or []
     if args.json:
         emit_json(out)
     else:
-        print(", ".join(f"{k}: {v}" for k, v in out.items()) or "nothing to do")
-    return EXIT_OK
+        print("\n".join(gc_summary(out)))
+        for msg in out.get("warnings") or []:
+            sys.stderr.write(f"deepfreeze: warning: {msg}\n")
+        for msg in damaged:
+            err(f"damaged (left as it is): {msg}")
+        if damaged:
+            err(f"{_plural(len(damaged), 'problem')} found and left as they are: see above for what to do")
+    return EXIT_FAIL if damaged else EXIT_OK
 
 
 def _builder(spec: str) -> Any:

@@ -217,7 +217,7 @@ class Arena:
                 if left <= 0:
                     raise ProviderTimeoutError(
                         f"the staging arena ({self.size} bytes) had no free extent of {nbytes} bytes for "
-                        f"{timeout:g}s: concurrent requests hold it; retry, use a bigger arena (--arena-bytes) "
+                        f"{timeout:g}s: concurrent requests hold it; retry, use a bigger arena (deepfreeze repo serve --arena-size) "
                         "or a longer timeout")
                 self._cond.wait(left)
 
@@ -227,7 +227,8 @@ class Arena:
         with self._cond:
             order = self._used.pop(off, None) if extent.offset % PAGE == 0 else None
             if order is None or (1 << order) * PAGE != extent.length:
-                raise RepositoryError(f"staging extent {extent} is not allocated")
+                raise RepositoryError(f"the staging extent at byte {extent.offset} ({extent.length} bytes) is not "
+                                      "allocated (freed twice?): a bug of the caller; nothing was freed")
             while order + 1 < len(self._free):
                 buddy = off ^ (1 << order)
                 if buddy not in self._free[order]:

@@ -39,7 +39,7 @@ def checkpoint_layers(manifest: dict[str, Any], where: str = "<manifest>") -> di
         return None
     try:
         if not isinstance(rec, dict) or set(rec) != {"graph", "tensors"}:
-            raise RepositoryError("expected {'graph', 'tensors'}")
+            raise RepositoryError("expected exactly the keys 'graph' and 'tensors'")
         graph = check_graph(rec["graph"])
         keys = tensor_keys(graph)
         ids = rec["tensors"]
@@ -87,8 +87,9 @@ def import_checkpoint(repo: Any, name: str, config: "str | os.PathLike[str] | Co
     if version is None:
         version = max(versions)
     elif version not in versions:
-        raise CheckpointNotFoundError(f"checkpoint {checkpoint!r} has no restorable version {version}; "
-                                      f"restorable: {sorted(versions)}")
+        raise CheckpointNotFoundError(f"checkpoint {checkpoint!r} has no restorable version {version}: pick one of "
+                                      f"the restorable versions {', '.join(map(str, sorted(versions)))} (or leave "
+                                      "the version out for the newest)")
     pers = PersistentLevel(cfg.persistent, trust_owners=trust_owners)
     add_pack = getattr(repo, "add_pack", None)
     if "persistent" in versions[version] and add_pack is not None:
@@ -106,7 +107,8 @@ def import_checkpoint(repo: Any, name: str, config: "str | os.PathLike[str] | Co
         for key, tid in zip(tensor_keys(rec["graph"]), rec["tensors"]):
             if tid not in entries:
                 raise RepositoryError(f"{path}: tensor {tid} ({manifest['tensors'][tid]['name']!r}) is not in the "
-                                      "assembled file")
+                                      "assembled file although the manifest lists it: this version is damaged; "
+                                      "import another version (--version)")
             mapping[key] = entries[tid]
         out = add_pack(name, path, mapping, rec["graph"], None)
         return {"name": name, "version": version, "step": manifest["step"], "how": out.get("how", "linked"),

@@ -61,25 +61,24 @@ De-duplication
 --------------
 Content key: (CRC32 of the tensor's bytes, dtype, shape), confirmed byte for byte. It runs inside
 the timed store (the CRC is the integrity checksum anyway; the confirmation reads the stored copy
-of each candidate). Only blobs still referenced are candidates. Blobs are reference-counted:
-``delete`` decrements, the name stays reserved forever. ``info()`` reports the logical bytes
-(what the live models hold), the stored bytes (live blobs, each once) and the savings.
+of each candidate). Only blobs still referenced are candidates. Blobs carry a reference count
+(``refs``), a cache of the rows that delete and gc recount and never trust to free anything.
+``info()`` reports the logical bytes (what the live models hold), the stored bytes (live blobs,
+each once) and the savings.
 
-Garbage collection (:meth:`~EmbeddedRepository.gc`)
-----------------------------------------------------
-In one write transaction: drop blobs no model references, drop packs left without blobs, remove
-orphan packs (not in the database, older than the grace period); after the commit, unlink the
-dead packs. Then rewrite each pack whose live bytes are below ``rewrite_below`` (default 0.5) of
-its data: the live tensors are streamed (CRC-checked) into a new pack written as above, and one
-transaction moves their blobs to it (blob ids are unchanged, so a concurrent store that
-de-duplicated against them stays valid); the old pack is unlinked. An imported file still
-hard-linked from its checkpoint is not rewritten (a copy would free nothing), and ``freed``
-counts only bytes really released (not a link of a file that has others). A pack whose live
-tensor fails its CRC is kept as it is and reported (``damaged``). A crash during gc leaves
-either the old or the new pack referenced, and at most an orphan.
+Garbage collection, delete, a full disk
+---------------------------------------
+In :mod:`deepfreeze.repo.maintenance` (the mixin :class:`~deepfreeze.repo.maintenance.Maintenance`
+that :class:`EmbeddedRepository` inherits): how gc recounts references from the rows and reports
+damaged rows, how delete frees space, and the reserve that lets a delete run on a full disk.
 
 Reads
 -----
+Before anything is allocated, every size and offset of the database rows requested is bounded
+(:meth:`~EmbeddedRepository._bounded`, also used by ``specs``): the bytes of the declared shape
+(an exact integer product, no overflow) must equal the row's length, and the row's byte range must
+lie inside the pack file's real size; a row that fails (a declared shape of 2**48 elements) is a
+:class:`~deepfreeze.errors.CorruptCheckpointError`, never a huge ``np.empty``. Then
 ``get`` reads the pack's index (cached per file and inode), checks every offset and size of the
 database row against the pack's own index and size (a tampered row or pack raises
 :class:`~deepfreeze.errors.CorruptCheckpointError`, never a read outside the tensor), then
@@ -118,26 +117,33 @@ import numpy as np
 
 from .. import fsafe, ownership
 from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
-                      NameExistsError, RepositoryError, UnsafePathError)
+                      NameExistsError, RepositoryDatabaseError, RepositoryError, UnsafePathError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
                       dtype_itemsize, dtype_name, encode_index, layout, numpy_dtype, read_index)
 from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
+from .maintenance import BUSY_TIMEOUT as _BUSY_TIMEOUT
+from .maintenance import PACK_SUFFIX as _PACK_SUFFIX
+from .maintenance import RESERVE_BYTES, RESERVE_FILE, Maintenance
+from .maintenance import SQL_CHUNK as _SQL_CHUNK
+from .maintenance import db_op as _db_op
+from .maintenance import few as _few
+from .maintenance import unlink as _unlink
+from .maintenance import unlink_freed as _unlink_freed
+from .maintenance import valid_pack_name as _valid_pack_name
 from .names import parse_name
 
-__all__ = ["EmbeddedRepository", "tensor_entries", "SCHEMA_VERSION", "DEFAULT_ORPHAN_GRACE"]
+__all__ = ["EmbeddedRepository", "tensor_entries", "SCHEMA_VERSION", "DEFAULT_ORPHAN_GRACE", "RESERVE_FILE",
+           "RESERVE_BYTES"]
 
 #: version of the database schema (``settings.schema_version``)
 SCHEMA_VERSION = 1
 #: seconds an unreferenced pack file must be old before gc removes it (a store may be writing it)
 DEFAULT_ORPHAN_GRACE = 3600.0
-_BUSY_TIMEOUT = 60.0
 #: the files SQLite opens by name in a repository directory (checked before it does)
 _DB_FILES = ("meta.db", "meta.db-wal", "meta.db-shm", "meta.db-journal")
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _MAX_KEY = 4096
 _MAX_META = 1 << 20
-_SQL_CHUNK = 500
-_PACK_SUFFIX = ".dfz"
 _ZEROS = memoryview(bytes(4096))
 _GAP = 64  # format.PIECE_ALIGN: adjacent tensors are at most this far apart
 
@@ -242,7 +248,7 @@ class _Tensor:
         self.new: int | None = None  # index into the new pack's tensors
 
 
-class EmbeddedRepository:
+class EmbeddedRepository(Maintenance):
     """A model repository in one directory (see the module docstring), used in-process.
 
     ``fsync``: fsync every pack and the directory, and commit with ``synchronous=FULL`` (durable
@@ -268,7 +274,20 @@ class EmbeddedRepository:
         self._conns: list[sqlite3.Connection] = []
         self._index_cache: dict[str, tuple[tuple[int, int, int], ShardIndex]] = {}
         self._closed = False
-        self._open(create)
+        try:
+            self._open(create)
+        except RepositoryError as e:
+            # on a full disk SQLite cannot even map its shared memory: give up the reserve, try again
+            if isinstance(e, RepositoryDatabaseError) or not os.path.isfile(self._db) or not self._disk_full():
+                raise
+            if not self._release_reserve():
+                raise RepositoryDatabaseError(
+                    f"cannot open the repository {self.directory}: the disk holding it is full (SQLite needs a "
+                    "little room to open its database) and the repository has no reserve left to give up; free "
+                    "some space on that file system by other means and retry") from e
+            self._drop_conn()
+            self._open(create)
+        self._ensure_reserve()
 
     # ------------------------------------------------------------------ setup
 
@@ -278,7 +297,8 @@ class EmbeddedRepository:
             raise RepositoryError(f"{d} is a symbolic link: a repository directory must be a real directory")
         if not os.path.exists(d):
             if not create:
-                raise RepositoryError(f"{d}: no repository there (create=False)")
+                raise RepositoryError(f"no repository at {d}: the directory does not exist; check the path (a "
+                                      "repository is created by the first store into a new directory)")
         elif not os.path.isdir(d):
             raise RepositoryError(f"{d} is not a directory: a repository is a directory")
         # the directory follows the root rule (deepfreeze.ownership.check_root: yours or root's, never
@@ -294,11 +314,12 @@ class EmbeddedRepository:
             ownership.check_existing(os.path.join(d, f), kind="repository database")
         if not os.path.exists(self._db):
             if not create:
-                raise RepositoryError(f"{d} is not a repository (no meta.db; create=False)")
+                raise RepositoryError(f"{d} is not a repository (it has no meta.db): check the path (a repository "
+                                      "is created by the first store into a new or empty directory)")
             others = set(os.listdir(d)) - {*_DB_FILES, "packs"}
             if others:
                 raise RepositoryError(
-                    f"{d} is not empty and not a repository (it holds {sorted(others)[:5]}): refusing to turn it "
+                    f"{d} is not empty and not a repository (it holds {_few(sorted(others))}): refusing to turn it "
                     "into one; use an empty or new directory")
             with contextlib.suppress(FileExistsError):  # created 0600 here: SQLite gives -wal/-shm its mode
                 os.close(ownership.open_trusted(self._db, os.O_RDWR | os.O_CREAT | os.O_EXCL,
@@ -343,6 +364,19 @@ class EmbeddedRepository:
         with self._lock:
             self._conns.append(c)
         return c
+
+    def _drop_conn(self) -> None:
+        """Close this thread's connection (a new one is opened by the next :meth:`_conn`)."""
+        c = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if c is not None:
+            with self._lock:
+                if c in self._conns:
+                    self._conns.remove(c)
+            try:
+                c.close()
+            except sqlite3.Error:  # pragma: no cover
+                pass
 
     @staticmethod
     def _rollback(conn: sqlite3.Connection) -> None:
@@ -391,8 +425,7 @@ class EmbeddedRepository:
 
     def _pack_path(self, file: str) -> str:
         """Path of a pack named in the database; a name that is not ``<32 hex>.dfz`` is damage."""
-        if not (isinstance(file, str) and len(file) == 32 + len(_PACK_SUFFIX) and file.endswith(_PACK_SUFFIX)
-                and ID_HEX_RE.fullmatch(file[:32])):
+        if not _valid_pack_name(file):
             raise CorruptCheckpointError(f"{self._db}: pack file name {file!r} is not '<32 hex>.dfz': the "
                                          "database is damaged or was tampered with; restore it from a backup")
         return os.path.join(self._packs, file)
@@ -660,9 +693,9 @@ class EmbeddedRepository:
         have = set(keys)
         if want != have:
             missing, extra = sorted(want - have), sorted(have - want)
-            raise RepositoryError(f"the tensors do not match the layer graph: missing {missing[:5]}"
-                                  f"{' ...' if len(missing) > 5 else ''}, not in the graph {extra[:5]}"
-                                  f"{' ...' if len(extra) > 5 else ''} (keys are '<layer id>/<k>')")
+            raise RepositoryError(f"the tensors do not match the layer graph: missing {_few(missing) or 'none'}, "
+                                  f"not in the graph {_few(extra) or 'none'}: give one tensor per weight of the "
+                                  "graph, keyed '<layer id>/<k>'")
         return encode_graph(graph)
 
     def _plan(self, items: list[_Tensor]) -> list[_Tensor]:
@@ -812,31 +845,72 @@ class EmbeddedRepository:
                            "FROM models WHERE name=?", (name,)).fetchone()
         if row is None or row[1]:
             why = "was deleted" if row is not None else "is not stored"
-            raise ModelNotFoundError(f"model {name!r} {why} in {self.location} (see list())")
+            raise ModelNotFoundError(f"model {name!r} {why} in {self.location}: check the name (deepfreeze repo ls "
+                                     f"{self.location} lists the stored models)")
         return row
 
-    def _rows(self, name: str) -> list[tuple]:
-        """(key, blob, dtype, shape text, entry, n_entries, offset, length, crc, file) of every tensor."""
+    def _rows(self, name: str, keys: Sequence[str] | None = None) -> list[tuple]:
+        """(key, blob, dtype, shape text, entry, n_entries, offset, length, crc, file) of every tensor.
+        A tensor whose row does not resolve to a blob and a pack is damage (:class:`CorruptCheckpointError`)
+        when it is among ``keys`` (default: all); the model's other tensors stay readable."""
         conn = self._conn()
         try:
             conn.execute("BEGIN")
             mid = self._model_row(conn, name)[0]
             rows = conn.execute(
                 "SELECT t.key, b.id, b.dtype, b.shape, b.entry, b.n_entries, b.offset, b.length, b.crc, p.file "
-                "FROM tensors t JOIN blobs b ON b.id=t.blob JOIN packs p ON p.id=b.pack WHERE t.model=? "
+                "FROM tensors t LEFT JOIN blobs b ON b.id=t.blob LEFT JOIN packs p ON p.id=b.pack WHERE t.model=? "
                 "ORDER BY t.pos", (mid,)).fetchall()
-            n = conn.execute("SELECT count(*) FROM tensors WHERE model=?", (mid,)).fetchone()[0]
         finally:
             self._rollback(conn)
-        if n != len(rows):
-            raise CorruptCheckpointError(f"{self._db}: model {name!r} has {n} tensors but only {len(rows)} resolve "
-                                         "to a stored blob and pack: the database is damaged; restore it from a backup")
-        return rows
+        want = None if keys is None else set(keys)
+        lost = [r[0] for r in rows if r[9] is None and (want is None or r[0] in want)]
+        if lost:
+            raise CorruptCheckpointError(f"{self._db}: model {name!r}: tensor {_few(lost)} has no stored blob or "
+                                         "pack: the database is damaged; restore meta.db from a backup, or delete "
+                                         "the model (its other tensors can still be read)")
+        return [r for r in rows if r[9] is not None]
 
+    def _bounded(self, name: str, rows: Iterable[tuple]) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """key -> (dtype, shape) of ``rows`` after bounding what the database says against the
+        packs' real sizes: the shape's bytes (an exact integer product, no overflow) must be the
+        row's length, and the row's byte range must lie inside its pack file. So a tampered row
+        (a huge shape, an offset past the end) is a :class:`CorruptCheckpointError` before anything
+        is allocated. A missing pack is a FileNotFoundError (the caller looks again: gc moved it)."""
+        sizes: dict[str, int] = {}
+        out = {}
+        for r in rows:
+            key, blob, dtype, shape, _entry, _n, offset, length, _crc, file = r
+            what = f"tensor {key!r} of {name!r}"
+            dtype, dims = self._parse_spec(dtype, shape, what)
+            nbytes = math.prod(dims) * dtype_itemsize(dtype)
+            if file not in sizes:
+                sizes[file] = os.stat(self._pack_path(file)).st_size
+            if not (type(offset) is int and type(length) is int and length == nbytes and 0 <= offset
+                    and offset + length <= sizes[file]):
+                raise CorruptCheckpointError(
+                    f"{self._pack_path(file)}: {what}: the repository database and the pack disagree (the database "
+                    f"says {dtype}{list(dims)}, {nbytes} bytes, at bytes [{offset}, {offset}+{length}); the pack "
+                    f"has {sizes[file]} bytes); meta.db is damaged or was tampered with; nothing was read or "
+                    "allocated: restore meta.db from a backup, or delete the model")
+            out[key] = (dtype, dims)
+        return out
+
+    @_db_op("reading the tensor specs of")
     def specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """key -> (dtype name, shape) of every tensor of ``name``."""
-        return {r[0]: self._parse_spec(r[2], r[3], f"tensor {r[0]!r} of {name!r}") for r in self._rows(name)}
+        """key -> (dtype name, shape) of every tensor of ``name`` (each checked against its pack:
+        :class:`CorruptCheckpointError` for a row the pack cannot hold)."""
+        for attempt in range(4):
+            try:
+                return self._bounded(name, self._rows(name))
+            except FileNotFoundError as e:  # gc moved the tensors meanwhile: look them up again
+                if attempt == 3:
+                    raise CorruptCheckpointError(
+                        f"{e.filename}: a pack of model {name!r} is missing from the repository (removed by hand?): "
+                        "restore it from a backup or delete the model") from e
+        raise AssertionError("unreachable")  # pragma: no cover
 
+    @_db_op("reading")
     def get(self, name: str, tensors: Iterable[str] | None = None, *,
             out: Mapping[str, np.ndarray] | None = None, verify: bool | None = None) -> dict[str, np.ndarray]:
         """The tensors of ``name`` (all, or the keys in ``tensors``), reading only their bytes.
@@ -860,7 +934,7 @@ class EmbeddedRepository:
 
     def _get(self, name: str, tensors: list[str] | None, out: Mapping[str, np.ndarray] | None,
              verify: bool) -> dict[str, np.ndarray]:
-        rows = self._rows(name)
+        rows = self._rows(name, tensors)
         by_key = {r[0]: r for r in rows}
         if tensors is None:
             keys = list(by_key)
@@ -868,20 +942,22 @@ class EmbeddedRepository:
             keys = list(dict.fromkeys(tensors))
             unknown = [k for k in keys if k not in by_key]
             if unknown:
-                raise ModelNotFoundError(f"model {name!r} has no tensor(s) {unknown[:5]!r}"
-                                         f"{' ...' if len(unknown) > 5 else ''} (see specs())")
+                raise ModelNotFoundError(f"model {name!r} has no tensor {_few(unknown)}: ask for keys it has "
+                                         "(repo.specs(name) lists them; '<layer id>/<k>' for a Keras model)")
         out = dict(out or {})
         extra = [k for k in out if k not in keys]
         if extra:
             if any(k not in by_key for k in extra):
-                raise ModelNotFoundError(f"out= has key(s) {[k for k in extra if k not in by_key][:5]!r} that model "
-                                         f"{name!r} does not have")
-            raise RepositoryError(f"out= has key(s) {extra[:5]!r} that are not among the requested tensors")
+                raise ModelNotFoundError(f"out= has key {_few([k for k in extra if k not in by_key])}, which model "
+                                         f"{name!r} does not have: give out= arrays only for tensors of the model")
+            raise RepositoryError(f"out= has key {_few(extra)}, not among the requested tensors: request it too "
+                                  "or leave it out of out=")
         result: dict[str, np.ndarray] = {}
         by_pack: dict[str, list[tuple[str, tuple, np.ndarray]]] = {}
+        bounded = self._bounded(name, [by_key[k] for k in keys])  # before any allocation
         for k in keys:
             r = by_key[k]
-            dtype, dims = self._parse_spec(r[2], r[3], f"tensor {k!r} of {name!r}")
+            dtype, dims = bounded[k]
             npd = numpy_dtype(dtype)
             if k in out:
                 a = out[k]
@@ -1010,85 +1086,6 @@ class EmbeddedRepository:
                 "id_scheme": int(settings["id_scheme"]) if settings.get("id_scheme", "").isdigit() else None,
                 "schema_version": SCHEMA_VERSION, "format_version": FORMAT_VERSION, "providers": providers}
 
-    # ------------------------------------------------------------------ delete, gc
-
-    def delete(self, name: str) -> None:
-        """Delete ``name``: its tensors are released (blobs shared with other models stay) and the
-        name stays reserved forever. :class:`ModelNotFoundError` if it is not stored."""
-        parse_name(name)
-        conn = self._conn()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            mid = self._model_row(conn, name)[0]
-            conn.execute("UPDATE blobs SET refs = refs - (SELECT count(*) FROM tensors WHERE model=? AND "
-                         "blob=blobs.id) WHERE id IN (SELECT blob FROM tensors WHERE model=?)", (mid, mid))
-            conn.execute("DELETE FROM tensors WHERE model=?", (mid,))
-            conn.execute("UPDATE models SET deleted=1, graph=NULL WHERE id=?", (mid,))
-            conn.execute("COMMIT")
-        finally:
-            self._rollback(conn)
-
-    def gc(self, *, grace: float | None = None, rewrite_below: float = 0.5) -> dict:
-        """Compact: drop blobs no model references and packs left empty, remove orphan packs of
-        crashed stores older than ``grace`` seconds (default: the repository's ``orphan_grace``),
-        rewrite packs whose live bytes are below ``rewrite_below`` of their data.
-
-        Returns ``{"freed": bytes freed on disk, "blobs_removed", "packs_removed",
-        "packs_rewritten", "orphans_removed", "damaged": [messages]}`` (``damaged``: packs
-        that could not be rewritten because a live tensor failed its CRC; they are kept)."""
-        grace = self.orphan_grace if grace is None else float(grace)
-        conn = self._conn()
-        dead: list[tuple[str, int]] = []
-        orphans = 0
-        freed = 0
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            blobs_removed = conn.execute("DELETE FROM blobs WHERE refs<=0").rowcount
-            dead = conn.execute("SELECT file, size FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM blobs)"
-                                ).fetchall()
-            conn.execute("DELETE FROM packs WHERE id NOT IN (SELECT DISTINCT pack FROM blobs)")
-            known = {r[0] for r in conn.execute("SELECT file FROM packs")} | {f for f, _ in dead}
-            now = time.time()
-            for fn in os.listdir(self._packs):  # orphans: removed under the write lock (see put)
-                is_pack = len(fn) == 36 and fn.endswith(_PACK_SUFFIX) and ID_HEX_RE.fullmatch(fn[:32])
-                is_tmp = len(fn) == 36 and fn.startswith("tmp-") and ID_HEX_RE.fullmatch(fn[4:])
-                if not (is_pack or is_tmp) or fn in known:
-                    continue
-                p = os.path.join(self._packs, fn)
-                try:
-                    st = os.lstat(p)
-                except FileNotFoundError:
-                    continue
-                if now - max(st.st_mtime, st.st_ctime) >= grace:  # ctime: a hard link made now
-                    if _unlink(p):
-                        orphans += 1
-                        freed += st.st_size if st.st_nlink == 1 else 0
-            conn.execute("COMMIT")
-        finally:
-            self._rollback(conn)
-        for file, _size in dead:
-            freed += _unlink_freed(os.path.join(self._packs, file))
-        rewritten = 0
-        damaged: list[str] = []
-        rows = conn.execute("SELECT p.id, p.file, p.size, p.data_bytes, SUM(b.length) FROM packs p JOIN blobs b "
-                            "ON b.pack=p.id GROUP BY p.id").fetchall()
-        for pid, file, size, data, live in rows:
-            if live < rewrite_below * data:
-                try:
-                    if os.lstat(self._pack_path(file)).st_nlink > 1:
-                        continue  # an imported file still linked from its checkpoint: a copy frees nothing
-                    delta = self._rewrite(pid, file, size)
-                except FileNotFoundError:
-                    continue
-                except CorruptCheckpointError as e:  # keep the pack as it is: the reads will say so
-                    damaged.append(str(e))
-                    continue
-                if delta is not None:
-                    freed += delta
-                    rewritten += 1
-        return {"freed": freed, "blobs_removed": blobs_removed, "packs_removed": len(dead),
-                "packs_rewritten": rewritten, "orphans_removed": orphans, "damaged": damaged}
-
     def _rewrite(self, pid: int, file: str, size: int) -> int | None:
         """Move the live blobs of pack ``pid`` into a new pack; the bytes freed, None if skipped."""
         conn = self._conn()
@@ -1164,8 +1161,10 @@ class EmbeddedRepository:
                     idx = []
                 if not idx or not all(type(i) is int and 0 <= i < len(index.entries) for i in idx) \
                         or any(b <= a for a, b in zip(idx, idx[1:])) or used & set(idx):
-                    raise RepositoryError(f"tensor {key!r}: entry indices {idx!r:.100} must be increasing indices "
-                                          f"below {len(index.entries)}, each used by one tensor only")
+                    raise RepositoryError(f"tensor {key!r}: entry indices {_few(idx, 10) or 'none'} must be "
+                                          f"increasing indices below {len(index.entries)}, each used by one tensor "
+                                          "only: map each key to the index entries of one tensor "
+                                          "(tensor_entries(path) lists them)")
                 used |= set(idx)
                 es = [index.entries[i] for i in idx]
                 e0 = es[0]
@@ -1174,8 +1173,9 @@ class EmbeddedRepository:
                     b.tensor_id == e0.tensor_id and b.dtype == e0.dtype and b.shape == e0.shape
                     and b.start == a.stop and b.offset == a.offset + a.length for a, b in zip(es, es[1:]))
                 if not ok:
-                    raise RepositoryError(f"tensor {key!r}: entries {idx} of {path} are not the contiguous pieces "
-                                          "of one whole tensor")
+                    raise RepositoryError(f"tensor {key!r}: entries {_few(idx, 10)} of {path} are not the "
+                                          "contiguous pieces of one whole tensor: map each key to all the index "
+                                          "entries of one tensor (tensor_entries(path) lists them)")
                 crc = 0
                 chunk = 16 << 20
                 buf = np.empty(min(chunk, max(e.length for e in es)), dtype=np.uint8) if es else None
@@ -1242,24 +1242,6 @@ def tensor_entries(path: str) -> dict[int, list[int]]:
     for i, e in enumerate(index.entries):
         out.setdefault(e.tensor_id, []).append(i)
     return out
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def _unlink_freed(path: str) -> int:
-    """Unlink ``path``; the bytes this frees (0 if it was gone or has other hard links)."""
-    try:
-        st = os.lstat(path)
-        os.unlink(path)
-    except FileNotFoundError:
-        return 0
-    return st.st_size if st.st_nlink == 1 else 0
 
 
 def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> str:
