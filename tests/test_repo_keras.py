@@ -547,3 +547,65 @@ def test_mapping_and_match_by_shape(repo):
     with pytest.raises(ModelMismatchError, match="no layer"):
         load_into(repo, "two", b, mapping={trunk: "0" * 32})
     del before
+
+
+SCHEME1_COMMIT = "f25fd75"   # the last commit whose code wrote layer ids of scheme 1
+
+
+def test_repository_of_scheme_1_is_migrated(tmp_path):
+    """A repository written by the code of commit f25fd75 (scheme-1 ids, a 0-d weight stored 1-d) is
+    migrated when opened: fresh models load by id (twin branches included) bit-exact; a model with two
+    inputs of one shape (their order was not recorded) loads through match='shape'."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    old = tmp_path / "old"
+    old.mkdir()
+    arch = None
+    if root.returncode == 0:
+        arch = subprocess.run(f"git archive {SCHEME1_COMMIT} deepfreeze | tar -x -C {old}", shell=True,
+                              cwd=root.stdout.strip(), capture_output=True, text=True)
+    if arch is None or arch.returncode != 0 or not (old / "deepfreeze").is_dir():
+        pytest.skip(f"needs the git history (commit {SCHEME1_COMMIT}) to run the scheme-1 code")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "repo_scheme1.py")
+    repo_dir, expected = str(tmp_path / "repo"), str(tmp_path / "want.npz")
+    p = subprocess.run([sys.executable, worker, repo_dir, expected], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PYTHONPATH": str(old)})
+    assert p.returncode == 0, p.stderr
+    sys.path.insert(0, os.path.dirname(worker))
+    try:
+        from repo_scheme1 import build, build_siamese
+    finally:
+        sys.path.remove(os.path.dirname(worker))
+    import sqlite3
+    with sqlite3.connect(os.path.join(repo_dir, "meta.db")) as c:
+        assert c.execute("SELECT value FROM settings WHERE key='id_scheme'").fetchone()[0] == "1"
+    with EmbeddedRepository(repo_dir) as repo:
+        assert repo.graph("old@1")["scheme"] == 2 and repo.info()["id_scheme"] == 2
+        want = np.load(expected)
+        same = build(head=3, seed=5)
+        r = load_into(repo, "old@1", same, strict=True)
+        assert r.mapped == {} and len(r.loaded) == 6
+        got = [v.numpy() for v in same.weights]
+        assert len(got) == len(want.files)
+        for i, a in enumerate(got):
+            b = want[f"arr_{i}"]
+            assert a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        head5 = build(head=5, seed=6)
+        head_before = [v.numpy().copy() for v in head5.layers[-1].weights]
+        r = load_into(repo, "old@1", head5)
+        assert r.missing == [head5.layers[-1].name] and len(r.loaded) == 5   # both twin branches load
+        for v, before in zip(head5.layers[-1].weights, head_before):
+            assert_same(v.numpy(), before)
+        # two inputs of one shape: their order is unknown, so nothing matches by id; by shape all does
+        fresh = build_siamese()
+        randomize(fresh, 3)
+        with pytest.raises(ModelMismatchError, match="nothing loaded"):
+            load_into(repo, "siamese@1", fresh)
+        r = load_into(repo, "siamese@1", fresh, match="shape", strict=True)
+        assert len(r.mapped) == 2
+        stored = repo.get("siamese@1")
+        assert sorted(v.numpy().tobytes() for v in fresh.weights) == sorted(a.tobytes() for a in stored.values())
+        # a second open finds nothing to migrate; a new store uses the new scheme
+        store_model(repo, "new@1", build(head=3, seed=7))
+    with EmbeddedRepository(repo_dir) as repo:
+        assert repo.graph("old@1")["scheme"] == repo.graph("new@1")["scheme"] == 2

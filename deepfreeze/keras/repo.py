@@ -472,7 +472,8 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
     graph = repo.graph(name)
     if graph is None:
         raise ModelMismatchError(f"{name!r} was stored without a layer graph; read its tensors with repo.get")
-    if graph.get("scheme") != ID_SCHEME:
+    foreign = graph.get("scheme") != ID_SCHEME
+    if foreign and not mapping and match != "shape":
         raise ModelMismatchError(f"{name!r} has layer ids of scheme {graph.get('scheme')}, this DeepFreeze "
                                  f"computes scheme {ID_SCHEME}; ids of different schemes never match (load it "
                                  f"with mapping= or match='shape')")
@@ -486,7 +487,7 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
             continue
         if k in maps:
             source[k] = maps[k]
-        elif mg.ids[k] in stored:
+        elif mg.ids[k] in stored and not foreign:
             if stored[mg.ids[k]] != len(layer.weights):   # cannot happen unless the store is damaged
                 raise ModelMismatchError(f"layer {layer.name!r}: {name!r} has {stored[mg.ids[k]]} tensors for its "
                                          f"id, the layer has {len(layer.weights)} weights")
