@@ -418,3 +418,90 @@ def test_ids_beyond_the_cut_change_nothing_random_graphs():
         deep += any(d > 1 for d in depths)
     # the generator exercises what it must: many cases, twins, twins told apart only a few steps down
     assert seen["checked"] >= 300 and twins >= 300 and deep >= 100, (seen, twins, deep)
+
+
+# ---------------------------------------------------------------- the table: transparent classes, ignored keys
+
+def _chain(extra=None, momentum=0.99, shape=(4,), flatten=None):
+    """Input -> Dense -> [extra layers] -> BatchNormalization -> Dense (output)."""
+    nodes = {"in": inp(shape), "d1": dense(8, [["in"]])}
+    prev = "d1"
+    for i, cls in enumerate(extra or []):
+        nodes[f"x{i}"] = Node(cls, canonical_config({"rate": 0.5, "seed": i}), [], [[prev]])
+        prev = f"x{i}"
+    if flatten is not None:
+        nodes["flat"] = Node("Flatten", canonical_config({"__input_shape__": [[flatten]]}), [], [[prev]])
+        prev = "flat"
+    nodes["bn"] = Node("BatchNormalization", canonical_config({"momentum": momentum, "epsilon": 1e-3}),
+                       [((8,), "float32")] * 4, [[prev]])
+    nodes["d2"] = dense(3, [["bn"]], fan_in=8)
+    return nodes
+
+
+def test_transparent_layers_and_ignored_keys():
+    base = compute_ids(_chain(), ["d2"])
+    for cls in ("Dropout", "SpatialDropout2D", "AlphaDropout", "GaussianDropout", "GaussianNoise",
+                "ActivityRegularization"):
+        ids = compute_ids(_chain([cls, "Dropout"]), ["d2"])
+        assert {k: ids[k] for k in base} == base, cls
+        assert len(set(ids.values())) == len(ids)
+    # anything not in the table is not transparent; momentum is ignored, epsilon is not
+    assert compute_ids(_chain(["Activation"]), ["d2"])["d2"] != base["d2"]
+    assert compute_ids(_chain(momentum=0.5), ["d2"]) == base
+    eps = _chain()
+    eps["bn"] = eps["bn"]._replace(config=canonical_config({"momentum": 0.99, "epsilon": 1e-2}))
+    assert compute_ids(eps, ["d2"])["bn"] != base["bn"]
+    # a Dropout output: the model output is the layer behind it
+    nodes = _chain()
+    nodes["drop"] = Node("Dropout", canonical_config({"rate": 0.1}), [], [["d2"]])
+    assert {k: v for k, v in compute_ids(nodes, ["drop"]).items() if k in base} == base
+
+
+def test_input_resolution_and_input_positions():
+    img = {"in": inp((32, 32, 3)), "conv": Node("Conv2D", canonical_config({"filters": 4}),
+                                                [((3, 3, 3, 4), "float32")], [["in"]])}
+    other = {"in": inp((64, 48, 3)), "conv": img["conv"]}
+    assert compute_ids(img, ["conv"]) == compute_ids(other, ["conv"])          # spatial size left out
+    assert compute_ids({"in": inp((32, 32, 4)), "conv": img["conv"]}, ["conv"]) != compute_ids(img, ["conv"])
+    assert compute_ids({"in": inp((32, 3)), "conv": img["conv"]}, ["conv"]) != compute_ids(img, ["conv"])  # rank
+    # a Flatten records its input shape: 2x4 and 4x2 give the Dense behind it the same kernel, not the same id
+    a = compute_ids(_chain(flatten=[2, 4], shape=(2, 4, 1)), ["d2"])
+    b = compute_ids(_chain(flatten=[4, 2], shape=(4, 2, 1)), ["d2"])
+    assert a["in"] == b["in"] and a["flat"] != b["flat"] and a["d2"] != b["d2"]
+    # two inputs of one shape: told apart by their position among the model's inputs, not by consumers
+    def siamese(head_units):
+        nodes = {"x": inp(), "y": inp(), "tx": dense(5, [["x"]]), "ty": dense(5, [["y"]])}
+        nodes["cat"] = Node("Concatenate", b"{}", [], [["tx", "ty"]])
+        nodes["head"] = dense(head_units, [["cat"]], fan_in=10)
+        return nodes
+    s3 = compute_ids(siamese(3), ["head"], ["x", "y"])
+    s5 = compute_ids(siamese(5), ["head"], ["x", "y"])
+    assert {k: s3[k] for k in ("x", "y", "tx", "ty", "cat")} == {k: s5[k] for k in ("x", "y", "tx", "ty", "cat")}
+    swapped = compute_ids(siamese(3), ["head"], ["y", "x"])
+    assert (swapped["x"], swapped["tx"]) == (s3["y"], s3["ty"])
+    unknown = compute_ids(siamese(3), ["head"])      # positions unknown (a migrated graph): never equal ids
+    assert unknown["x"] not in (s3["x"], s3["y"]) and unknown["tx"] not in (s3["tx"], s3["ty"])
+    with pytest.raises(RepositoryError, match="not an input layer"):
+        compute_ids(siamese(3), ["head"], ["x", "tx"])
+
+
+def test_migration_recovers_call_sites_and_checks_scheme_1_ids():
+    from deepfreeze.repo.migrate import migrate_graph, scheme1_ids
+    nodes = {"x": inp(name="x"), "y": inp(name="y"), "px": dense(4, [["x"]]),
+             "shared": dense(4, [["px"], ["y"]]), "a": dense(2, [["shared"]]), "b": dense(2, [["shared"]])}
+    nodes["cat"] = Node("Concatenate", b"{}", [], [["a", "b"]])
+    old = scheme1_ids(nodes, ["cat"])
+    graph, order = build_graph(nodes, ["cat"], old)
+    graph["scheme"] = 1
+    meta = build_meta(nodes, old)
+    new_graph, remap = migrate_graph(graph, meta)
+    assert new_graph["scheme"] == ID_SCHEME
+    fresh = compute_ids(nodes, ["cat"], None)   # input order unknown: as compute_ids without inputs=
+    assert {remap[old[k]] for k in nodes} == set(fresh.values())
+    assert remap[old["shared"]] == fresh["shared"]  # two call sites recovered from the concatenated inputs
+    # a graph whose ids do not reproduce (tampered metadata) is refused, not half migrated
+    bad = dict(meta)
+    bad[old["px"]] = {**meta[old["px"]], "config": {"units": 5}}
+    with pytest.raises(RepositoryError, match="cannot be reproduced"):
+        migrate_graph(graph, bad)
+    del order
