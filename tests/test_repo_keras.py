@@ -425,28 +425,29 @@ def _twins_worker(*args):
     assert p.returncode == 0, p.stderr
 
 
-@pytest.mark.parametrize("kind", ["concat", "siamese", "qkv"])
-def test_twins_keep_ids_under_a_new_head_in_another_process(tmp_path, kind):
+def test_twins_keep_ids_under_a_new_head_in_another_process(tmp_path):
     """Twins into a Concatenate, a two-input Siamese model (two inputs of one shape, identical towers)
     and hand-written q/k/v projections: stored with a 3-unit head in one process, loaded under a
     5-unit head in another; every trunk layer loads bit-exact, the head keeps its initial weights."""
     import hashlib
-    repo_dir = str(tmp_path / "repo")
-    _twins_worker(kind, "3", "store", repo_dir, "m")
-    _twins_worker(kind, "5", "load", repo_dir, "m", str(tmp_path / "r.json"))
+    repo_dir, kinds = str(tmp_path / "repo"), ["concat", "siamese", "qkv"]
+    _twins_worker(",".join(kinds), "3", "store", repo_dir)
+    _twins_worker(",".join(kinds), "5", "load", repo_dir, str(tmp_path / "r.json"))
     with open(tmp_path / "r.json") as f:
-        r = json.load(f)
-    assert r["missing"] == [r["head"]] and r["head_untouched"] and not r["mapped"]
+        results = json.load(f)
     with EmbeddedRepository(repo_dir) as repo:
-        stored = repo.get("m")
-        head_id = {k.split("/")[0] for k in r["weights"]} - {k.split("/")[0] for k in stored}
-        assert len(head_id) == 1                       # the new head alone is not in the stored model
-        trunk = {k: v for k, v in r["weights"].items() if k.split("/")[0] not in head_id}
-        assert len(trunk) == len(stored) - 2           # every stored tensor but the old head's kernel, bias
-        for key, digest in trunk.items():
-            assert hashlib.sha256(stored[key].tobytes()).hexdigest() == digest, key
-        assert r["bytes"] == sum(stored[k].nbytes for k in trunk)
-    assert len(r["loaded"]) == {"concat": 5, "siamese": 5, "qkv": 3}[kind]
+        for kind in kinds:
+            r = results[kind]
+            assert r["missing"] == [r["head"]] and r["head_untouched"] and not r["mapped"], kind
+            stored = repo.get(kind)
+            head_id = {k.split("/")[0] for k in r["weights"]} - {k.split("/")[0] for k in stored}
+            assert len(head_id) == 1                       # the new head alone is not in the stored model
+            trunk = {k: v for k, v in r["weights"].items() if k.split("/")[0] not in head_id}
+            assert len(trunk) == len(stored) - 2           # every stored tensor but the old head's kernel, bias
+            for key, digest in trunk.items():
+                assert hashlib.sha256(stored[key].tobytes()).hexdigest() == digest, (kind, key)
+            assert r["bytes"] == sum(stored[k].nbytes for k in trunk)
+            assert len(r["loaded"]) == {"concat": 5, "siamese": 5, "qkv": 3}[kind]
 
 
 def test_efficientnet_round_trip_and_another_resolution(repo):

@@ -1,14 +1,14 @@
 """Build one of the twin models with a chosen head and (``load``) load a stored one into it.
 
-    python tests/workers/repo_twins.py KIND HEAD store REPO NAME
-    python tests/workers/repo_twins.py KIND HEAD load REPO NAME RESULT.json
+    python tests/workers/repo_twins.py KINDS HEAD store REPO
+    python tests/workers/repo_twins.py KINDS HEAD load REPO RESULT.json
 
-KIND: ``concat`` (a trunk, two identical 2-layer branches into a Concatenate), ``siamese`` (two
+KINDS: comma-separated, each stored as the repository model of that name; a kind is ``concat`` (a trunk, two identical 2-layer branches into a Concatenate), ``siamese`` (two
 inputs of one shape, a shared tower and one identical tower per input, merged), ``qkv``
 (hand-written q/k/v projections of one tensor, attention by Dot layers). HEAD: units of the new
 head (a Dense on the merge). ``store``: store the model (its weights random). ``load``: throwaway
 layers first (other auto-names), record the head's initial weights, ``load_into``, write to
-RESULT.json: the report, and per weight (by layer role) the loaded bytes' hex digest and whether the
+RESULT.json, per kind: the report, and per weight (by layer role) the loaded bytes' hex digest and whether the
 head's weights are still their initial bytes. The test compares the digests with the stored tensors.
 """
 import hashlib
@@ -57,29 +57,34 @@ def build(kind: str, head: int):
 
 
 def main() -> None:
-    kind, head_units, action, repo, name = sys.argv[1:6]
+    kinds, head_units, action, repo = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     if action == "load":
         for _ in range(3):
             L.Dense(1)   # other auto-names than the storing process
-    model, head = build(kind, int(head_units))
-    mg = model_graph(model)
+    results = {}
     with Repository(repo) as r:
-        if action == "store":
-            rng = np.random.default_rng(0)
-            for w in model.weights:
-                w.assign(rng.standard_normal(w.shape).astype(np.float32))
-            store_model(r, name, model)
-            return
-        before = {id(w): w.numpy().tobytes() for w in head.weights}
-        report = load_into(r, name, model)
-    out = {"loaded": report.loaded, "missing": report.missing, "mapped": report.mapped, "bytes": report.bytes,
-           "head": head.name, "head_untouched": all(w.numpy().tobytes() == before[id(w)] for w in head.weights),
-           "weights": {}}
-    for k, layer in enumerate(mg.layers):
-        for j, w in enumerate(layer.weights):
-            out["weights"][f"{mg.ids[k]}/{j}"] = hashlib.sha256(w.numpy().tobytes()).hexdigest()
-    with open(sys.argv[6], "w") as f:
-        json.dump(out, f)
+        for kind in kinds:
+            model, head = build(kind, head_units)
+            if action == "store":
+                rng = np.random.default_rng(0)
+                for w in model.weights:
+                    w.assign(rng.standard_normal(w.shape).astype(np.float32))
+                store_model(r, kind, model)
+                continue
+            mg = model_graph(model)
+            before = {id(w): w.numpy().tobytes() for w in head.weights}
+            report = load_into(r, kind, model)
+            out = {"loaded": report.loaded, "missing": report.missing, "mapped": report.mapped,
+                   "bytes": report.bytes, "head": head.name,
+                   "head_untouched": all(w.numpy().tobytes() == before[id(w)] for w in head.weights),
+                   "weights": {}}
+            for k, layer in enumerate(mg.layers):
+                for j, w in enumerate(layer.weights):
+                    out["weights"][f"{mg.ids[k]}/{j}"] = hashlib.sha256(w.numpy().tobytes()).hexdigest()
+            results[kind] = out
+    if action == "load":
+        with open(sys.argv[5], "w") as f:
+            json.dump(results, f)
 
 
 if __name__ == "__main__":
