@@ -452,7 +452,8 @@ def build_graph(nodes: Mapping[Hashable, Any], outputs: Sequence[Hashable],
 
 def build_meta(nodes: Mapping[Hashable, Any], ids: Mapping[Hashable, str]) -> dict[str, dict[str, Any]]:
     """Layer metadata to store once per id: ``id -> {"class_name", "config" (the canonical config
-    as a dict), "weights": [[shape, dtype], ...]}`` (what the id hashes, besides the inputs)."""
+    as a dict), "weights": [[shape, dtype], ...]}`` (what the id is computed from besides the inputs:
+    the canonical config before :func:`id_config` drops ignored keys and spatial sizes)."""
     meta: dict[str, dict[str, Any]] = {}
     for k, n in nodes.items():
         n = n if isinstance(n, Node) else Node(*n)
