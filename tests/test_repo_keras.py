@@ -529,6 +529,8 @@ def test_mapping_and_match_by_shape(repo):
     assert_same(head.kernel.numpy(), h1.kernel.numpy())
     r = load_into(repo, "two", b, mapping={head.name: 2 if repo.graph("two")["layers"][2]["id"] == id_h1 else 3})
     assert r.mapped == {head.name: id_h1}
+    r = load_into(repo, "two", b, layers=[trunk], mapping={head: id_h1}, strict=True)   # a mapped layer is asked for
+    assert sorted(r.loaded) == sorted([trunk.name, head.name])
     # match="shape": two stored 3-unit heads for one new one: the count differs, left unmatched
     b2 = tf.keras.Model(inp, L.Dense(3)(trunk(inp)))
     r = load_into(repo, "two", b2, match="shape")

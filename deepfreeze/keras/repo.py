@@ -481,6 +481,7 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
     mg = model_graph(new_model)
     considered = set(range(len(mg.layers))) if layers is None else _requested(mg, layers)
     maps = _resolve_mapping(mg, graph, mapping) if mapping else {}
+    considered |= set(maps)   # a mapped layer is asked for
     source: dict[int, str] = {}     # node key -> stored id it loads from
     for k, layer in enumerate(mg.layers):
         if k not in considered or not layer.weights:
