@@ -1,10 +1,11 @@
 """Keras adapter of the model repository: :func:`store_model` and :func:`load_into`.
 
 The layer graph of a built Keras model (functional or ``Sequential``; nested models flattened to
-their leaf layers; the model's ``InputLayer`` s are layers too, so input shapes are part of every
-id) is extracted from Keras' own node structure, given stable ids by the framework-neutral
-:mod:`deepfreeze.repo.ids`, and stored with every weight of the model. A load matches layers by
-id only, never by name. Guide: docs/repository.md.
+their leaf layers; the model's ``InputLayer`` s are layers too, so the inputs' channels are part
+of every id, and their order tells same-shape inputs apart) is extracted from Keras' own node
+structure, given stable ids by the framework-neutral :mod:`deepfreeze.repo.ids`, and stored with
+every weight of the model. A load matches layers by id, never by name, or by an explicit
+``mapping=`` or ``match="shape"``. Guide: docs/repository.md.
 """
 from __future__ import annotations
 
