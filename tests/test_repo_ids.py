@@ -505,3 +505,40 @@ def test_migration_recovers_call_sites_and_checks_scheme_1_ids():
     with pytest.raises(RepositoryError, match="cannot be reproduced"):
         migrate_graph(graph, bad)
     del order
+
+
+def test_store_migrates_scheme_1_models_on_open(tmp_path):
+    """A repository whose graphs are of scheme 1 gets scheme-2 ids when opened (graph, tensor keys,
+    metadata, the repository's id scheme), in one go; a model whose ids cannot be reproduced (here: no
+    metadata) keeps its scheme-1 graph and is listed; a second open changes nothing."""
+    import sqlite3
+    from deepfreeze.repo.graph import tensor_keys
+    from deepfreeze.repo.migrate import scheme1_ids
+    from deepfreeze.repo.store import EmbeddedRepository
+    nodes, outs = twin_heads(True)
+    old = scheme1_ids(nodes, outs)
+    graph, _ = build_graph(nodes, outs, old)
+    graph["scheme"] = 1
+    rng = np.random.default_rng(0)
+    tensors = {k: rng.standard_normal((3,)).astype(np.float32) for k in tensor_keys(graph)}
+    bare = {"scheme": 1, "layers": [{"id": "ab" * 16, "inputs": [], "tensors": 1}], "outputs": [0]}
+    d = str(tmp_path / "repo")
+    with EmbeddedRepository(d) as repo:
+        repo.put("m@1", tensors, graph=graph, meta=build_meta(nodes, old))
+        repo.put("bare@1", {"ab" * 16 + "/0": np.zeros(2, np.float32)}, graph=bare)
+        assert repo.info()["id_scheme"] == 1
+    with EmbeddedRepository(d) as repo:
+        new = compute_ids(nodes, outs, None)
+        g = repo.graph("m@1")
+        assert g["scheme"] == ID_SCHEME and {layer["id"] for layer in g["layers"]} == set(new.values())
+        got = repo.get("m@1")
+        for k in nodes:
+            for j in range(len(nodes[k].weights)):
+                assert got[f"{new[k]}/{j}"].tobytes() == tensors[f"{old[k]}/{j}"].tobytes()
+        assert repo.layer_meta([new["trunk"]])[new["trunk"]] == build_meta(nodes, old)[old["trunk"]]
+        assert repo.graph("bare@1")["scheme"] == 1 and repo.info()["id_scheme"] == ID_SCHEME
+    with sqlite3.connect(f"{d}/meta.db") as c:
+        failed = c.execute("SELECT value FROM settings WHERE key='id_migration_failed'").fetchone()[0]
+        assert json.loads(failed) == ["bare@1"]
+    with EmbeddedRepository(d) as repo:
+        assert repo.graph("m@1") == g
