@@ -412,3 +412,203 @@ def test_loads_never_alias_the_staging_buffer_or_each_other(repo, staging_max, m
     load_into(repo, "t@a", trunk_model(seed=5))  # and one more load through the staging buffer
     for v, w in zip(b.weights, before_b):
         assert_same(v.numpy(), w)
+
+
+# ---------------------------------------------------------------- ids that survive a new head (issue 24)
+
+TWINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "repo_twins.py")
+
+
+def _twins_worker(*args):
+    p = subprocess.run([sys.executable, TWINS, *args], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode == 0, p.stderr
+
+
+def test_twins_keep_ids_under_a_new_head_in_another_process(tmp_path):
+    """Twins into a Concatenate, a two-input Siamese model (two inputs of one shape, identical towers)
+    and hand-written q/k/v projections: stored with a 3-unit head in one process, loaded under a
+    5-unit head in another; every trunk layer loads bit-exact, the head keeps its initial weights."""
+    import hashlib
+    repo_dir, kinds = str(tmp_path / "repo"), ["concat", "siamese", "qkv"]
+    _twins_worker(",".join(kinds), "3", "store", repo_dir)
+    _twins_worker(",".join(kinds), "5", "load", repo_dir, str(tmp_path / "r.json"))
+    with open(tmp_path / "r.json") as f:
+        results = json.load(f)
+    with EmbeddedRepository(repo_dir) as repo:
+        for kind in kinds:
+            r = results[kind]
+            assert r["missing"] == [r["head"]] and r["head_untouched"] and not r["mapped"], kind
+            stored = repo.get(kind)
+            head_id = {k.split("/")[0] for k in r["weights"]} - {k.split("/")[0] for k in stored}
+            assert len(head_id) == 1                       # the new head alone is not in the stored model
+            trunk = {k: v for k, v in r["weights"].items() if k.split("/")[0] not in head_id}
+            assert len(trunk) == len(stored) - 2           # every stored tensor but the old head's kernel, bias
+            for key, digest in trunk.items():
+                assert hashlib.sha256(stored[key].tobytes()).hexdigest() == digest, (kind, key)
+            assert r["bytes"] == sum(stored[k].nbytes for k in trunk)
+            assert len(r["loaded"]) == {"concat": 5, "siamese": 5, "qkv": 3}[kind]
+
+
+def test_efficientnet_round_trip_and_another_resolution(repo):
+    """EfficientNetB0 has 0-d weights (its Normalization layer's count): stored, loaded back bit-exact
+    (they used to be stored 1-d and fail on load with an out= error); the same network at another
+    input resolution loads every layer (no weight depends on the spatial size)."""
+    a = tf.keras.applications.EfficientNetB0(weights=None, input_shape=(32, 32, 3), classes=4)
+    randomize(a, 0)
+    assert any(v.shape.rank == 0 for v in a.weights)
+    store_model(repo, "effnet", a)
+    assert all(len(shape) == a_v.shape.rank for a_v, (_, shape) in
+               zip(a.weights, (repo.specs("effnet")[k] for _, k in model_graph(a).weight_keys())))
+    b = tf.keras.applications.EfficientNetB0(weights=None, input_shape=(64, 64, 3), classes=4)
+    r = load_into(repo, "effnet", b, strict=True)
+    assert r.missing == [] and r.bytes == sum(v.numpy().nbytes for v in a.weights)
+    for va, vb in zip([v for layer in _leaves(a) for v in layer.weights],
+                      [v for layer in _leaves(b) for v in layer.weights]):
+        assert_same(vb.numpy(), va.numpy())
+
+
+def _mlp(dropout=False, momentum=0.99, input_dim=8, head=3, flatten_from=None):
+    inp = tf.keras.Input(shape=flatten_from or (input_dim,))
+    x = L.Flatten()(inp) if flatten_from else inp
+    x = L.Dense(6, activation="relu")(x)
+    if dropout:
+        x = L.Dropout(0.3)(x)
+        x = L.GaussianNoise(0.1)(x)
+    x = L.BatchNormalization(momentum=momentum)(x)
+    x = L.Dense(5)(x)
+    m = tf.keras.Model(inp, L.Dense(head)(x))
+    return m
+
+
+def test_dropout_inserted_batchnorm_momentum_and_resolution_still_load(repo):
+    a = _mlp()
+    randomize(a, 0)
+    store_model(repo, "mlp", a)
+    trunk = [v.numpy() for layer in _leaves(a)[:-1] for v in layer.weights]
+    b = _mlp(dropout=True, momentum=0.9, head=7)      # Dropout + GaussianNoise inserted, momentum changed
+    r = load_into(repo, "mlp", b)
+    assert len(r.loaded) == 3 and r.missing == [b.layers[-1].name]
+    for want, v in zip(trunk, [v for layer in _leaves(b)[:-1] for v in layer.weights]):
+        assert_same(v.numpy(), want)
+    ids_a, ids_b = model_graph(a).ids, model_graph(b).ids
+    assert len(set(ids_b.values())) == len(ids_b)
+    assert len(set(ids_a.values()) & set(ids_b.values())) == 4    # input, dense, bn, dense
+    # a Flatten turns the spatial size into features: another resolution changes the Dense behind it
+    c = _mlp(flatten_from=(2, 4, 1))
+    d = _mlp(flatten_from=(4, 2, 1))                   # the same kernel shape, another meaning
+    ic, id_ = model_graph(c), model_graph(d)
+    dense_c = ic.ids[ic.layers.index(c.layers[2])]
+    assert dense_c not in id_.ids.values()
+    assert ic.ids[0] == id_.ids[0]                     # the inputs (rank and channels) are the same
+
+
+def test_mapping_and_match_by_shape(repo):
+    """Twins whose first difference lies in the replaced head cannot keep ids: two identical heads on
+    one trunk, replaced by one; mapping= names the stored head to load, match='shape' pairs the
+    remaining layers in topological order and leaves a shape that occurs a different number of
+    times unmatched."""
+    inp = tf.keras.Input(shape=(4,))
+    x = L.Dense(6)(inp)
+    h1, h2 = L.Dense(3), L.Dense(3)
+    a = tf.keras.Model(inp, [h1(x), h2(x)])
+    randomize(a, 0)
+    store_model(repo, "two", a)
+    ma = model_graph(a)
+    id_h1 = ma.ids[ma.layers.index(h1)]
+
+    inp = tf.keras.Input(shape=(4,))
+    trunk = L.Dense(6)
+    head = L.Dense(3)
+    b = tf.keras.Model(inp, head(trunk(inp)))
+    before = weights(b)
+    r = load_into(repo, "two", b)
+    assert r.loaded == [trunk.name] and r.missing == [head.name] and r.mapped == {}
+    r = load_into(repo, "two", b, mapping={head: id_h1})
+    assert sorted(r.loaded) == sorted([trunk.name, head.name]) and r.mapped == {head.name: id_h1}
+    assert_same(head.kernel.numpy(), h1.kernel.numpy())
+    r = load_into(repo, "two", b, mapping={head.name: 2 if repo.graph("two")["layers"][2]["id"] == id_h1 else 3})
+    assert r.mapped == {head.name: id_h1}
+    r = load_into(repo, "two", b, layers=[trunk], mapping={head: id_h1}, strict=True)   # a mapped layer is asked for
+    assert sorted(r.loaded) == sorted([trunk.name, head.name])
+    # match="shape": two stored 3-unit heads for one new one: the count differs, left unmatched
+    b2 = tf.keras.Model(inp, L.Dense(3)(trunk(inp)))
+    r = load_into(repo, "two", b2, match="shape")
+    assert r.ambiguous == [b2.layers[-1].name] and r.missing == r.ambiguous and r.mapped == {}
+    # a new model with another input width: nothing matches by id; by shape the heads pair in order
+    inp5 = tf.keras.Input(shape=(5,))
+    t5 = L.Dense(6)(inp5)
+    g1, g2 = L.Dense(3), L.Dense(3)
+    c = tf.keras.Model(inp5, [g1(t5), g2(t5)])
+    r = load_into(repo, "two", c, match="shape")
+    assert set(r.mapped) == {g1.name, g2.name} and r.missing == [c.layers[1].name]
+    assert_same(np.sort(np.r_[g1.kernel.numpy().ravel(), g2.kernel.numpy().ravel()]),
+                np.sort(np.r_[h1.kernel.numpy().ravel(), h2.kernel.numpy().ravel()]))
+    # wrong shapes through mapping=: refused before anything is set
+    with pytest.raises(ModelMismatchError, match="nothing loaded"):
+        load_into(repo, "two", b, mapping={trunk: id_h1})
+    with pytest.raises(ModelMismatchError, match="no layer"):
+        load_into(repo, "two", b, mapping={trunk: "0" * 32})
+    del before
+
+
+SCHEME1_COMMIT = "f25fd75"   # the last commit whose code wrote layer ids of scheme 1
+
+
+def test_repository_of_scheme_1_is_migrated(tmp_path):
+    """A repository written by the code of commit f25fd75 (scheme-1 ids, a 0-d weight stored 1-d) is
+    migrated when opened: fresh models load by id (twin branches included) bit-exact; a model with two
+    inputs of one shape (their order was not recorded) loads through match='shape'."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    old = tmp_path / "old"
+    old.mkdir()
+    arch = None
+    if root.returncode == 0:
+        arch = subprocess.run(f"git archive {SCHEME1_COMMIT} deepfreeze | tar -x -C {old}", shell=True,
+                              cwd=root.stdout.strip(), capture_output=True, text=True)
+    if arch is None or arch.returncode != 0 or not (old / "deepfreeze").is_dir():
+        pytest.skip(f"needs the git history (commit {SCHEME1_COMMIT}) to run the scheme-1 code")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "repo_scheme1.py")
+    repo_dir, expected = str(tmp_path / "repo"), str(tmp_path / "want.npz")
+    p = subprocess.run([sys.executable, worker, repo_dir, expected], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PYTHONPATH": str(old)})
+    assert p.returncode == 0, p.stderr
+    sys.path.insert(0, os.path.dirname(worker))
+    try:
+        from repo_scheme1 import build, build_siamese
+    finally:
+        sys.path.remove(os.path.dirname(worker))
+    import sqlite3
+    with sqlite3.connect(os.path.join(repo_dir, "meta.db")) as c:
+        assert c.execute("SELECT value FROM settings WHERE key='id_scheme'").fetchone()[0] == "1"
+    with EmbeddedRepository(repo_dir) as repo:
+        assert repo.graph("old@1")["scheme"] == 2 and repo.info()["id_scheme"] == 2
+        want = np.load(expected)
+        same = build(head=3, seed=5)
+        r = load_into(repo, "old@1", same, strict=True)
+        assert r.mapped == {} and len(r.loaded) == 6
+        got = [v.numpy() for v in same.weights]
+        assert len(got) == len(want.files)
+        for i, a in enumerate(got):
+            b = want[f"arr_{i}"]
+            assert a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        head5 = build(head=5, seed=6)
+        head_before = [v.numpy().copy() for v in head5.layers[-1].weights]
+        r = load_into(repo, "old@1", head5)
+        assert r.missing == [head5.layers[-1].name] and len(r.loaded) == 5   # both twin branches load
+        for v, before in zip(head5.layers[-1].weights, head_before):
+            assert_same(v.numpy(), before)
+        # two inputs of one shape: their order is unknown, so nothing matches by id; by shape all does
+        fresh = build_siamese()
+        randomize(fresh, 3)
+        with pytest.raises(ModelMismatchError, match="nothing loaded"):
+            load_into(repo, "siamese@1", fresh)
+        r = load_into(repo, "siamese@1", fresh, match="shape", strict=True)
+        assert len(r.mapped) == 2
+        stored = repo.get("siamese@1")
+        assert sorted(v.numpy().tobytes() for v in fresh.weights) == sorted(a.tobytes() for a in stored.values())
+        # a second open finds nothing to migrate; a new store uses the new scheme
+        store_model(repo, "new@1", build(head=3, seed=7))
+    with EmbeddedRepository(repo_dir) as repo:
+        assert repo.graph("old@1")["scheme"] == repo.graph("new@1")["scheme"] == 2

@@ -1,10 +1,11 @@
 """Keras adapter of the model repository: :func:`store_model` and :func:`load_into`.
 
 The layer graph of a built Keras model (functional or ``Sequential``; nested models flattened to
-their leaf layers; the model's ``InputLayer`` s are layers too, so input shapes are part of every
-id) is extracted from Keras' own node structure, given stable ids by the framework-neutral
-:mod:`deepfreeze.repo.ids`, and stored with every weight of the model. A load matches layers by
-id only, never by name. Guide: docs/repository.md.
+their leaf layers; the model's ``InputLayer`` s are layers too, so the inputs' channels are part
+of every id, and their order tells same-shape inputs apart) is extracted from Keras' own node
+structure, given stable ids by the framework-neutral :mod:`deepfreeze.repo.ids`, and stored with
+every weight of the model. A load matches layers by id, never by name, or by an explicit
+``mapping=`` or ``match="shape"``. Guide: docs/repository.md.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from ..errors import ModelMismatchError, RepositoryError
+from ..errors import ConfigError, ModelMismatchError, RepositoryError
 from ..format import dtype_name
 from ..repo.graph import tensor_key, tensor_keys
-from ..repo.ids import ID_SCHEME, Node, build_graph, build_meta, canonical_config, compute_ids
+from ..repo.graph import ID_HEX_RE
+from ..repo.ids import (ID_SCHEME, INPUT_SHAPE_KEY, SHAPE_DEPENDENT_CLASSES, Node, build_graph, build_meta,
+                         canonical_config, compute_ids)
 
 __all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph", "layer_record",
            "release_staging", "STAGING_MAX_BYTES"]
@@ -33,11 +36,16 @@ class LoadReport:
     ``missing``: layers with weights (among those considered) whose id is not in the stored
     graph; left untouched. ``skipped``: the other leaf layers: layers without weights, and the
     layers not asked for when ``layers=`` is given; left untouched. ``bytes``: tensor bytes read
-    from the repository."""
+    from the repository. ``mapped``: layer name -> stored layer id of the loaded layers that did
+    not match by id (``mapping=`` or ``match="shape"``; they are in ``loaded`` too).
+    ``ambiguous``: layers ``match="shape"`` left unmatched because their weight shapes occur a
+    different number of times among the unmatched layers of the two models (in ``missing``)."""
     loaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     bytes: int = 0
+    mapped: dict[str, str] = field(default_factory=dict)
+    ambiguous: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +145,16 @@ def _layer_config(layer: Any) -> dict[str, Any]:
     return config
 
 
+def _input_shapes(node: Any) -> list[Any]:
+    """The shapes of a call site's input tensors without the batch dimension (None where unknown)."""
+    out = []
+    for t in tf.nest.flatten(node.input_tensors):
+        shape = getattr(t, "shape", None)
+        dims = shape.as_list() if isinstance(shape, tf.TensorShape) and shape.rank is not None else None
+        out.append(None if dims is None else dims[1:])
+    return out
+
+
 def _is_model(layer: Any) -> bool:
     return isinstance(layer, tf.keras.Model)
 
@@ -153,7 +171,7 @@ def model_graph(model: Any) -> ModelGraph:
         raise RepositoryError(f"expected a Keras Model, got {type(model).__name__}")
     keys: dict[int, int] = {}                  # id(layer) -> node key
     layers: list[Any] = []
-    calls: dict[int, list[tuple[tuple[int, ...], list[int], Any]]] = {}   # key -> (order, inputs, args)
+    calls: dict[int, list[tuple[tuple[int, ...], list[int], Any, Any]]] = {}  # key -> (order, inputs, args, shapes)
 
     def key_of(layer: Any) -> int:
         k = keys.get(id(layer))
@@ -195,7 +213,7 @@ def model_graph(model: Any) -> ModelGraph:
                 else:
                     k = key_of(layer)
                     calls[k].append((path + (index,), [s for s, _ in ins],
-                                     _call_arguments(node, [i for _, i in ins])))
+                                     _call_arguments(node, [i for _, i in ins]), _input_shapes(node)))
                     outs = [(k, i) for i in range(len(node.flat_output_ids))]
                 if len(outs) != len(node.flat_output_ids):
                     raise RepositoryError(f"layer {layer.name!r}: {len(outs)} outputs for "
@@ -205,13 +223,16 @@ def model_graph(model: Any) -> ModelGraph:
         return [src[str(id(t))] for t in m.outputs]
 
     outputs = [k for k, _ in walk(model, None, ())]
+    inputs = [keys[id(t._keras_history.layer)] for t in model.inputs]
     nodes: dict[int, Node] = {}
     for k, layer in enumerate(layers):
         sites = sorted(calls[k], key=lambda c: c[0])
         arguments = [c[2] for c in sites]
+        config = _layer_config(layer)
+        if type(layer).__name__ in SHAPE_DEPENDENT_CLASSES:   # they can turn spatial size into features
+            config[INPUT_SHAPE_KEY] = [c[3] for c in sites]
         try:
-            config = canonical_config(_layer_config(layer),
-                                      None if all(a is None for a in arguments) else arguments)
+            config = canonical_config(config, None if all(a is None for a in arguments) else arguments)
         except RepositoryError as e:
             raise RepositoryError(f"layer {layer.name!r} ({type(layer).__name__}): {e}") from e
         weights = [(tuple(int(d) for d in v.shape), dtype_name(v.dtype.as_numpy_dtype)) for v in layer.weights]
@@ -219,7 +240,7 @@ def model_graph(model: Any) -> ModelGraph:
     try:
         # keys that print as the layer name, so an error names the layers
         named = {_Key(k, layers[k].name): n for k, n in nodes.items()}
-        ids = {int(k): v for k, v in compute_ids(named, outputs).items()}
+        ids = {int(k): v for k, v in compute_ids(named, outputs, inputs).items()}
     except RepositoryError as e:
         raise RepositoryError(f"model {model.name!r}: {e}") from e
     return ModelGraph(layers, nodes, outputs, ids)
@@ -264,7 +285,8 @@ def store_model(repo: Any, name: str, model: Any) -> dict:
     # zero-copy: each array is a read-only view of the variable's own buffer (CPU), written to the
     # pack from there; the views are dropped when put returns, so the next in-place update of the
     # variable does not copy its buffer. The model must not train meanwhile (as for save_weights).
-    tensors = {key: np.ascontiguousarray(np.asarray(v.value())) for v, key in mg.weight_keys()}
+    # (np.ascontiguousarray would make a 0-d weight 1-d: np.require keeps its shape)
+    tensors = {key: np.require(np.asarray(v.value()), requirements="C") for v, key in mg.weight_keys()}
     try:
         return repo.put(name, tensors, graph=graph, meta=mg.meta())
     finally:
@@ -397,72 +419,172 @@ def _copy_into(variable: Any, array: np.ndarray) -> None:
                                           strides=[1] * nd, value=value)
 
 
+def _resolve_mapping(mg: ModelGraph, graph: dict[str, Any], mapping: Any) -> dict[int, str]:
+    """node key -> stored layer id of ``mapping`` (keys: layer names or layer objects of the model
+    loaded into; values: a stored layer id, or an index into the stored graph's ``"layers"``)."""
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"mapping= must be a dict {{new layer or name: stored layer id or index}}, not "
+                          f"{type(mapping).__name__}")
+    ids = [layer["id"] for layer in graph["layers"]]
+    known = set(ids)
+    out: dict[int, str] = {}
+    for key, target in mapping.items():
+        ks = _requested(mg, [key])
+        if isinstance(target, int) and not isinstance(target, bool):
+            if not 0 <= target < len(ids):
+                raise ModelMismatchError(f"mapping= {getattr(key, 'name', key)!r}: the stored graph has no layer "
+                                         f"{target} (it has {len(ids)}); nothing loaded")
+            target = ids[target]
+        if not isinstance(target, str) or not ID_HEX_RE.fullmatch(target):
+            raise ConfigError(f"mapping= {getattr(key, 'name', key)!r}: {target!r} is not a stored layer id "
+                              f"(32 hex digits, repo.graph(name)['layers'][i]['id']) or a layer index")
+        if target not in known:
+            raise ModelMismatchError(f"mapping= {getattr(key, 'name', key)!r}: the stored model has no layer "
+                                     f"{target}; nothing loaded")
+        for k in ks:
+            out[k] = target
+    return out
+
+
+def _signature(class_name: str, specs: list[tuple[tuple[int, ...], str]]) -> tuple:
+    return (class_name, tuple((tuple(int(d) for d in shape), str(dt)) for shape, dt in specs))
+
+
 def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None = None,
-              strict: bool = False) -> LoadReport:
+              strict: bool = False, mapping: dict | None = None, match: str = "id") -> LoadReport:
     """Set the weights of the layers of ``new_model`` that match the stored model ``name``.
 
-    A layer matches when its id is in the stored graph: the layer and its whole upstream (down to
-    the input shapes) are identical, whatever the names or the construction order (the
+    A layer matches when its id is in the stored graph: the layer and its upstream (down to the
+    input shapes' channels) are identical, whatever the names or the construction order (the
     transfer-learning prefix). ``layers``: layer names or layer objects of ``new_model`` to
-    consider (default: all its leaf layers). :class:`ModelMismatchError`, before any weight is
-    set, when no layer with weights matches, when a requested layer does not match (named), and
-    with ``strict=True`` unless every considered layer with weights matched (the others named).
-    Otherwise returns a :class:`LoadReport`. Only the matched layers' tensors are read, in one
+    consider (default: all its leaf layers). Relaxed loads, for layers whose id did not match:
+    ``mapping={new layer (object or name): stored layer id or index into the stored graph's
+    layers}`` loads the named stored layer into it; ``match="shape"`` pairs the remaining layers
+    with weights and the remaining stored layers by class and weight shapes and dtypes, in
+    topological order, leaving a signature whose count differs between the two models unmatched
+    (``report.ambiguous``). Both report what they paired in ``report.mapped``; shapes and dtypes
+    are checked before anything is set. :class:`ModelMismatchError`, before any weight is set,
+    when no layer with weights matches, when a requested layer does not match (named), and with
+    ``strict=True`` unless every considered layer with weights is loaded (the others named).
+    Otherwise returns a :class:`LoadReport`. Only the loaded layers' tensors are read, in one
     ``repo.get``."""
+    if match not in ("id", "shape"):
+        raise ConfigError(f"match={match!r}: use 'id' (the default) or 'shape'")
     graph = repo.graph(name)
     if graph is None:
         raise ModelMismatchError(f"{name!r} was stored without a layer graph; read its tensors with repo.get")
-    if graph.get("scheme") != ID_SCHEME:
+    foreign = graph.get("scheme") != ID_SCHEME
+    if foreign and not mapping and match != "shape":
         raise ModelMismatchError(f"{name!r} has layer ids of scheme {graph.get('scheme')}, this DeepFreeze "
-                                 f"computes scheme {ID_SCHEME}; ids of different schemes never match")
+                                 f"computes scheme {ID_SCHEME}; ids of different schemes never match (load it "
+                                 f"with mapping= or match='shape')")
     stored = {layer["id"]: layer["tensors"] for layer in graph["layers"]}
     mg = model_graph(new_model)
     considered = set(range(len(mg.layers))) if layers is None else _requested(mg, layers)
+    maps = _resolve_mapping(mg, graph, mapping) if mapping else {}
+    considered |= set(maps)   # a mapped layer is asked for
+    source: dict[int, str] = {}     # node key -> stored id it loads from
+    for k, layer in enumerate(mg.layers):
+        if k not in considered or not layer.weights:
+            continue
+        if k in maps:
+            source[k] = maps[k]
+        elif mg.ids[k] in stored and not foreign:
+            if stored[mg.ids[k]] != len(layer.weights):   # cannot happen unless the store is damaged
+                raise ModelMismatchError(f"layer {layer.name!r}: {name!r} has {stored[mg.ids[k]]} tensors for its "
+                                         f"id, the layer has {len(layer.weights)} weights")
+            source[k] = mg.ids[k]
+    specs = None
+    ambiguous: list[int] = []
+    if maps or match == "shape":
+        specs = repo.specs(name)
+    if match == "shape":
+        _order_graph, order = mg.graph()
+        used = set(source.values()) | set(maps.values())
+        mine: dict[tuple, list[int]] = {}
+        for k in order:
+            if k in considered and k not in source and mg.layers[k].weights:
+                mine.setdefault(_signature(mg.nodes[k].class_name, mg.nodes[k].weights), []).append(k)
+        free = [layer["id"] for layer in graph["layers"] if layer["tensors"] and layer["id"] not in used]
+        meta = repo.layer_meta(free) if free else {}
+        theirs: dict[tuple, list[str]] = {}
+        for sid in free:
+            cls = meta.get(sid, {}).get("class_name")
+            sig = _signature(str(cls), [(specs[tensor_key(sid, j)][1], specs[tensor_key(sid, j)][0])
+                                        for j in range(stored[sid])])
+            theirs.setdefault(sig, []).append(sid)
+        for sig, ks in mine.items():
+            cands = theirs.get(sig, [])
+            if len(cands) == len(ks):
+                source.update(zip(ks, cands))
+            elif cands:
+                ambiguous.extend(ks)
+    if specs is not None:   # a mapped or shape-matched layer must have the stored shapes and dtypes
+        for k, sid in source.items():
+            if sid == mg.ids[k]:
+                continue
+            layer = mg.layers[k]
+            want = [(dtype_name(v.dtype.as_numpy_dtype), tuple(int(d) for d in v.shape)) for v in layer.weights]
+            got = [specs.get(tensor_key(sid, j)) for j in range(stored[sid])]
+            if len(got) != len(want) or any(g is None or g[0] != w[0] or tuple(g[1]) != w[1]
+                                            for g, w in zip(got, want)):
+                raise ModelMismatchError(f"mapping= {layer.name!r}: stored layer {sid} has tensors {got}, the layer "
+                                         f"has weights {want}; nothing loaded")
     report = LoadReport()
-    matched: list[int] = []
     unmatched: list[int] = []
     for k, layer in enumerate(mg.layers):
-        if k not in considered:
+        if k not in considered or not layer.weights:
             report.skipped.append(layer.name)
             continue
-        hit = mg.ids[k] in stored
-        if layers is not None and not hit:
-            unmatched.append(k)
-        if hit and stored[mg.ids[k]] != len(layer.weights):   # cannot happen unless the store is damaged
-            raise ModelMismatchError(f"layer {layer.name!r}: {name!r} has {stored[mg.ids[k]]} tensors for its "
-                                     f"id, the layer has {len(layer.weights)} weights")
-        if not layer.weights:
-            report.skipped.append(layer.name)
-        elif hit:
-            matched.append(k)
+        if k in source:
             report.loaded.append(layer.name)
+            if source[k] != mg.ids[k]:
+                report.mapped[layer.name] = source[k]
         else:
             report.missing.append(layer.name)
+            if layers is not None:
+                unmatched.append(k)
+    report.ambiguous = [mg.layers[k].name for k in ambiguous]
     if unmatched:
         raise ModelMismatchError(f"requested layers do not match {name!r} (their upstream differs from every "
                                  f"stored layer): {', '.join(mg.layers[k].name for k in unmatched)}; nothing loaded")
-    if not matched:
+    if not source:
         some = report.missing[:10] + (["..."] if len(report.missing) > 10 else [])
         raise ModelMismatchError(f"no layer with weights of model {new_model.name!r} matches {name!r} (not the "
                                  f"same layers on the same inputs, input shapes included): "
-                                 f"{', '.join(some) or 'it has no layer with weights'} did not match; nothing loaded")
+                                 f"{', '.join(some) or 'it has no layer with weights'} did not match; nothing "
+                                 f"loaded (mapping= or match='shape' relax the match)")
     if strict and report.missing:
         raise ModelMismatchError(f"strict load of {name!r}: layers with weights that do not match: "
                                  f"{', '.join(report.missing)}; nothing loaded")
-    targets = mg.weight_keys(matched)
-    specs = [(tuple(int(d) for d in v.shape), v.dtype.as_numpy_dtype) for v, _ in targets]
+    targets = [(v, tensor_key(source[k], j)) for k in sorted(source) for j, v in enumerate(mg.layers[k].weights)]
+    if specs is None and any(v.shape.rank == 0 for v, _ in targets):
+        specs = repo.specs(name)
+    keys = list(dict.fromkeys(key for _, key in targets))
+    first = {}
+    for v, key in targets:
+        first.setdefault(key, v)
+    shapes = {key: (tuple(specs[key][1]) if specs is not None and key in specs else
+                    tuple(int(d) for d in first[key].shape)) for key in keys}
+    for v, key in targets:   # a 0-d weight stored 1-d by DeepFreeze before 2026-11 loads back
+        if shapes[key] != tuple(int(d) for d in v.shape) and not (v.shape.rank == 0 and shapes[key] == (1,)):
+            raise ModelMismatchError(f"weight {v.name!r}: stored tensor {key} has shape {list(shapes[key])}, the "
+                                     f"weight {v.shape.as_list()}; nothing loaded")
+    kspecs = [(shapes[key], first[key].dtype.as_numpy_dtype) for key in keys]
     with _STAGING.lock:
-        staged = _STAGING.views(specs)
+        staged = _STAGING.views(kspecs)
         if staged is not None:  # read all (checked) into the staging buffer, then copy into the variables
-            got = repo.get(name, tensors=[key for _, key in targets],
-                           out={key: buf for (_, key), buf in zip(targets, staged)})
+            got = repo.get(name, tensors=keys, out=dict(zip(keys, staged)))
             for v, key in targets:
-                _copy_into(v, got[key])
+                _copy_into(v, got[key].reshape(v.shape))
             _STAGING.check([v for v, _ in targets])
         else:  # too big for the staging buffer: fresh arrays, taken over by the variables
-            out = {key: _aligned_empty(spec[0], spec[1]) for (_, key), spec in zip(targets, specs)}
-            got = repo.get(name, tensors=list(out), out=out)
+            out = {key: _aligned_empty(spec[0], spec[1]) for key, spec in zip(keys, kspecs)}
+            got = repo.get(name, tensors=keys, out=out)
+            taken: set[str] = set()
             for v, key in targets:
-                _assign(v, got[key])
-    report.bytes = sum(got[key].nbytes for _, key in targets)
+                a = got[key].reshape(v.shape)
+                _assign(v, a if key not in taken else a.copy())
+                taken.add(key)
+    report.bytes = sum(got[key].nbytes for key in keys)
     return report

@@ -2,7 +2,7 @@
 
 Plain data (what :meth:`Repository.put` takes and :meth:`Repository.graph` returns)::
 
-    {"scheme": 1,                                   # the layer-id scheme (ids.ID_SCHEME)
+    {"scheme": 2,                                   # the layer-id scheme (ids.ID_SCHEME)
      "layers": [{"id": "<32 hex>",                  # stable layer id (16 bytes)
                  "inputs": [i, ...],                # indices into "layers" of its input layers
                  "tensors": n},                     # number of weights of the layer

@@ -26,6 +26,7 @@ from ..config import Config, validate_name
 from ..errors import CheckpointNotFoundError, ModelMismatchError, RepositoryError
 from ..levels import ASSEMBLED, PersistentLevel
 from .graph import check_graph, tensor_keys
+from .ids import ID_SCHEME
 from .names import check_name
 from .store import tensor_entries
 
@@ -41,6 +42,9 @@ def checkpoint_layers(manifest: dict[str, Any], where: str = "<manifest>") -> di
         if not isinstance(rec, dict) or set(rec) != {"graph", "tensors"}:
             raise RepositoryError("expected exactly the keys 'graph' and 'tensors'")
         graph = check_graph(rec["graph"])
+        if graph["scheme"] != ID_SCHEME:
+            raise RepositoryError(f"its layer ids are of scheme {graph['scheme']}, this DeepFreeze computes "
+                                  f"scheme {ID_SCHEME}")
         keys = tensor_keys(graph)
         ids = rec["tensors"]
         n = manifest.get("model_tensors", len(manifest["tensors"]))

@@ -120,7 +120,7 @@ from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatc
                       NameExistsError, RepositoryDatabaseError, RepositoryError, UnsafePathError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
                       dtype_itemsize, dtype_name, encode_index, layout, numpy_dtype, read_index)
-from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
+from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_key, tensor_keys
 from .maintenance import BUSY_TIMEOUT as _BUSY_TIMEOUT
 from .maintenance import PACK_SUFFIX as _PACK_SUFFIX
 from .maintenance import RESERVE_BYTES, RESERVE_FILE, Maintenance
@@ -344,6 +344,7 @@ class EmbeddedRepository(Maintenance):
         for f in _DB_FILES:  # -wal/-shm just created by SQLite: 0600 like meta.db (tightened otherwise)
             ownership.check_existing(os.path.join(d, f), kind="repository database")
         ownership.ensure_dir(self._packs, d)  # a link, or a directory of another user: UnsafePathError
+        self._migrate_ids()
 
     def _conn(self) -> sqlite3.Connection:
         """This thread's connection (a new one after a fork)."""
@@ -1016,6 +1017,69 @@ class EmbeddedRepository(Maintenance):
                         f"{path}: checksum mismatch in tensor {k!r} of model {name!r} (bytes [{offset}, "
                         f"{offset + length})): the pack was damaged after it was written; restore it from a backup "
                         "or delete the model (and run gc)")
+
+    def _migrate_ids(self) -> None:
+        """Rewrite the layer ids of a repository written with id scheme 1 (:mod:`.migrate`): each
+        live model's graph, tensor keys and layer metadata get scheme-2 ids recomputed from its
+        stored graph and metadata, in one transaction, once (settings ``id_scheme`` becomes the
+        current scheme). A model whose scheme-1 ids cannot be reproduced keeps its graph (scheme
+        1: loaded through ``mapping=`` or ``match="shape"`` only) and is listed in settings
+        ``id_migration_failed``."""
+        from .ids import ID_SCHEME
+        from .migrate import migrate_graph
+        conn = self._conn()
+        row = conn.execute("SELECT value FROM settings WHERE key='id_scheme'").fetchone()
+        if row is None or row[0] != "1" or ID_SCHEME == 1:
+            return
+        failed: list[str] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            row = conn.execute("SELECT value FROM settings WHERE key='id_scheme'").fetchone()
+            if row is None or row[0] != "1":   # another process migrated meanwhile
+                conn.execute("COMMIT")
+                return
+            models = conn.execute("SELECT id, name, graph FROM models WHERE graph IS NOT NULL AND deleted=0").fetchall()
+            for mid, name, blob in models:
+                try:
+                    graph = decode_graph(bytes(blob), f"{self._db}: graph of {name!r}")
+                except CorruptCheckpointError:   # a damaged row: reported by reads of that model, left as it is
+                    failed.append(name)
+                    continue
+                if graph["scheme"] != 1:
+                    continue
+                ids = [layer["id"] for layer in graph["layers"]]
+                meta: dict[str, dict] = {}
+                texts: dict[str, str] = {}
+                for i in range(0, len(ids), _SQL_CHUNK):
+                    chunk = ids[i:i + _SQL_CHUNK]
+                    for lid, text in conn.execute(
+                            f"SELECT id, meta FROM layer_meta WHERE id IN ({','.join('?' * len(chunk))})", chunk):
+                        try:
+                            meta[lid] = json.loads(text)
+                            texts[lid] = text
+                        except ValueError:
+                            pass
+                try:
+                    new_graph, remap = migrate_graph(graph, meta)
+                except RepositoryError:
+                    failed.append(name)
+                    continue
+                counts = {layer["id"]: layer["tensors"] for layer in graph["layers"]}
+                conn.executemany("UPDATE tensors SET key=? WHERE model=? AND key=?",
+                                 [(tensor_key(new, k), mid, tensor_key(old, k))
+                                  for old, new in remap.items() for k in range(counts[old])])
+                conn.execute("UPDATE models SET graph=? WHERE id=?", (encode_graph(new_graph), mid))
+                conn.executemany("INSERT OR IGNORE INTO layer_meta VALUES (?, ?)",
+                                 [(new, texts[old]) for old, new in remap.items()])
+            conn.execute("UPDATE settings SET value=? WHERE key='id_scheme'", (str(ID_SCHEME),))
+            if failed:
+                conn.execute("INSERT OR REPLACE INTO settings VALUES ('id_migration_failed', ?)", (json.dumps(failed),))
+            conn.execute("COMMIT")
+        except sqlite3.DatabaseError as e:
+            self._rollback(conn)
+            raise RepositoryError(f"{self._db}: cannot migrate the repository's layer ids to scheme {ID_SCHEME} "
+                                  f"({e}); nothing was changed. Open it with the DeepFreeze that wrote it, or "
+                                  f"restore it from a backup") from e
 
     def graph(self, name: str) -> dict | None:
         """The plain-data layer graph stored with ``name`` (None if it was stored without one)."""
