@@ -40,6 +40,8 @@ __all__ = [
     "StreamError",
     "StreamTimeoutError",
     "VersionGoneError",
+    "FrameAuthenticationError",
+    "ProtocolVersionError",
 ]
 
 
@@ -190,3 +192,14 @@ class MemtierPermissionError(MemtierError, PermissionError):
 
 class MemtierBusyError(MemtierError, TimeoutError):
     """The device lock or a free slot did not become available within the bounded wait."""
+
+
+class FrameAuthenticationError(ProviderError):
+    """A frame on an authenticated connection (:mod:`deepfreeze.net`) failed its MAC, came out of
+    sequence or without one: it was changed, reordered, replayed or injected on the way (or by
+    a peer that does not hold the session). The connection is closed; nothing of the frame is used."""
+
+
+class ProtocolVersionError(ProviderError):
+    """The peer speaks another DeepFreeze network protocol version (both are named): run the
+    same DeepFreeze version on both sides."""
