@@ -93,7 +93,7 @@ from .errors import (AuthenticationError, ConfigError, DeepFreezeError, FrameAut
 
 __all__ = ["TOKEN_ENV", "DEFAULT_TOKEN_PATH", "MAGIC", "VERSION", "MAX_HEADER", "default_token_path",
            "create_token", "ensure_token", "load_token", "check_token", "parse_address", "format_address",
-           "is_loopback", "listen", "connect", "send_msg", "recv_msg", "wait_readable", "Message", "Channel",
+           "is_loopback", "listen", "connect", "send_msg", "recv_msg", "wait_readable", "Message", "Channel", "FrameWriter",
            "Acceptor", "error_reply", "raise_for_reply", "server_handshake", "server_authenticate",
            "client_handshake", "is_transport_error", "keepalive", "node_id"]
 
@@ -416,27 +416,19 @@ class Channel:
         (the MAC is updated over each piece as it goes out: no copy). Past ``deadline``
         (``time.monotonic()``): :class:`ProviderTimeoutError`; a closed peer: :class:`ProviderError`."""
         bufs = [_bytes_of(b) for b in payload]
-        total = sum(b.nbytes for b in bufs)
+        w = self.begin(header, sum(b.nbytes for b in bufs), deadline=deadline)
+        for b in bufs:
+            w.write(b, deadline=deadline)
+        w.finish(deadline=deadline)
+
+    def begin(self, header: Mapping[str, Any], total: int, *, deadline: float | None = None) -> "FrameWriter":
+        """Send the sealed header of a frame whose payload of ``total`` bytes the returned
+        :class:`FrameWriter` sends piece by piece (for a sender that must be able to pause)."""
         head, mac = self._seal_header(header, total)
-        sock = self.sock
-        try:
-            sock.settimeout(_left(deadline, sock, "sending to"))
-            sock.sendall(head)
-            for b in bufs:
-                for pos in range(0, b.nbytes, _CHUNK):
-                    piece = b[pos:pos + _CHUNK]
-                    if MAC_PAYLOAD:
-                        mac.update(piece)
-                    sock.settimeout(_left(deadline, sock, "sending to"))
-                    sock.sendall(piece)
-            if total:
-                sock.settimeout(_left(deadline, sock, "sending to"))
-                sock.sendall(mac.digest())
-        except (socket.timeout, TimeoutError) as e:
-            raise _lost(ProviderTimeoutError,
-                        f"{_peer(sock)} did not take our message in time (stopped or overloaded?)") from e
-        except OSError as e:
-            raise _lost(ProviderError, f"lost the connection to {_peer(sock)} while sending: {e.strerror or e}") from e
+        w = FrameWriter(self, mac, total)
+        w._put(head, deadline)
+        return w
+
 
     def recv(self, *, max_header: int = MAX_HEADER, max_payload: int = 0, deadline: float | None = None) -> "Message":
         """Receive one frame's header (the payload stays on the socket: see :class:`Message`).
@@ -474,6 +466,66 @@ class Channel:
         msg = Message(self, header, plen, deadline, mac)
         self._open = msg
         return msg
+
+
+class FrameWriter:
+    """The payload of one frame being sent (:meth:`Channel.begin`): :meth:`write` the pieces in
+    order, then :meth:`finish` (the payload tag). Errors as :meth:`Channel.send`."""
+
+    def __init__(self, ch: Channel, mac: Any, total: int) -> None:
+        self.ch, self.total, self.sent = ch, total, 0
+        self._mac = mac
+
+    def _put(self, data: bytes, deadline: float | None) -> None:
+        sock = self.ch.sock
+        try:
+            sock.settimeout(_left(deadline, sock, "sending to"))
+            sock.sendall(data)
+        except (socket.timeout, TimeoutError) as e:
+            raise _lost(ProviderTimeoutError,
+                        f"{_peer(sock)} did not take our message in time (stopped or overloaded?)") from e
+        except OSError as e:
+            raise _lost(ProviderError, f"lost the connection to {_peer(sock)} while sending: {e.strerror or e}") from e
+
+    def write(self, buf: Any, *, deadline: float | None = None, pause_at: float | None = None) -> int:
+        """Send ``buf`` (MACed as it goes, no copy); returns the bytes of it sent. With
+        ``pause_at`` (``time.monotonic()``, before ``deadline``): when the peer takes nothing
+        until then, return early with fewer bytes sent (no error): write the rest later."""
+        mv = _bytes_of(buf)
+        if self.sent + mv.nbytes > self.total:
+            raise ValueError(f"a frame payload of {self.total} bytes: {self.sent + mv.nbytes} written")
+        sock, pos, n = self.ch.sock, 0, mv.nbytes
+        try:
+            while pos < n:
+                limit = deadline if pause_at is None or (deadline is not None and deadline <= pause_at) else pause_at
+                if limit is not None and limit - time.monotonic() <= 0:
+                    if limit is pause_at:
+                        break
+                    raise socket.timeout()
+                sock.settimeout(None if limit is None else limit - time.monotonic())
+                try:
+                    k = sock.send(mv[pos:pos + _CHUNK])
+                except (socket.timeout, TimeoutError):
+                    if limit is pause_at:
+                        break
+                    raise
+                if MAC_PAYLOAD:
+                    self._mac.update(mv[pos:pos + k])
+                pos += k
+        except (socket.timeout, TimeoutError) as e:
+            raise _lost(ProviderTimeoutError,
+                        f"{_peer(sock)} did not take our message in time (stopped or overloaded?)") from e
+        except OSError as e:
+            raise _lost(ProviderError, f"lost the connection to {_peer(sock)} while sending: {e.strerror or e}") from e
+        self.sent += pos
+        return pos
+
+    def finish(self, *, deadline: float | None = None) -> None:
+        """After the whole payload: its tag (nothing for an empty payload)."""
+        if self.sent != self.total:
+            raise ValueError(f"a frame payload of {self.total} bytes: only {self.sent} written")
+        if self.total:
+            self._put(self._mac.digest(), deadline)
 
 
 def _check_fixed(sock: socket.socket, raw: Any, max_header: int, max_payload: int) -> tuple[bytes, int, int, int, int]:

@@ -54,8 +54,11 @@ another arrives, each for at most ``handshake_timeout`` seconds), so idle or slo
 connections never cost a thread and never lock out a consumer that knows the token: it gets
 through within ``handshake_timeout`` plus its own ``io_timeout``. A subscriber that stops
 reading holds only its own queue (``max_queue`` notes, then dropped; a send blocked past
-``io_timeout``: dropped), never anybody else's notes; a client that requests a version and
-never reads it pins that one slot for at most ``io_timeout``.
+``io_timeout``: dropped), never anybody else's notes. A ``get`` is sent straight from its
+pinned slot, but a reader that takes nothing for ``PIN_TIMEOUT`` seconds gets the rest from a
+private copy and the pin goes, so readers that request and never read cannot keep the producer
+from writing (at most ``MAX_STALLED`` such copies at once, one slot each; past that a stalled
+reader is dropped); a stalled reader is dropped after ``io_timeout``.
 """
 from __future__ import annotations
 
@@ -78,7 +81,8 @@ if TYPE_CHECKING:  # the ring is duck-typed at run time (latest, pinned, capacit
     from .slots import SlotRing
 
 __all__ = ["RankServer", "RankClient", "ready_note", "MAX_REQUEST_HEADER", "MAX_REPLY_HEADER",
-           "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_HANDSHAKE_TIMEOUT", "DEFAULT_MAX_PENDING"]
+           "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_HANDSHAKE_TIMEOUT", "DEFAULT_MAX_PENDING",
+           "PIN_TIMEOUT", "MAX_STALLED"]
 
 log = logging.getLogger("deepfreeze.stream")
 
@@ -90,6 +94,10 @@ MAX_REPLY_HEADER = 1 << 20
 DEFAULT_MAX_QUEUE = 256
 #: authenticated connections a server serves at once (each has a thread); more are refused
 DEFAULT_MAX_CONNECTIONS = 128
+#: seconds a get may keep its slot pinned while the reader takes nothing (then the rest is copied)
+PIN_TIMEOUT = 0.5
+#: stalled readers served from private copies at once (memory: at most this many slots); more are dropped
+MAX_STALLED = 4
 #: seconds a new connection has to complete the handshake (:class:`deepfreeze.net.Acceptor`)
 DEFAULT_HANDSHAKE_TIMEOUT = 5.0
 #: connections waiting in the handshake at once; one more closes the oldest
@@ -213,6 +221,9 @@ class RankServer:
         self.max_queue, self.max_connections = max_queue, max_connections
         self.bytes_sent = 0
         self.connections = 0
+        self.stalled_copies = 0  #: payloads copied out of a slot because their reader stopped taking them
+        self.pin_timeout, self.max_stalled = min(float(io_timeout), PIN_TIMEOUT), MAX_STALLED
+        self._copies = 0
         self._subs: list[_Subscriber] = []
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -407,13 +418,13 @@ class RankServer:
             if op == "subscribe":
                 return self._subscribed(conn, peer)
             if op == "get":
-                self._get(conn, msg.header)
+                self._get(conn, msg.header, peer)
                 continue
             net.send_msg(conn, net.error_reply(StreamError(f"unknown request {op!r:.100}: expected 'get' or "
                                                            "'subscribe'")),
                          deadline=time.monotonic() + self.io_timeout)
 
-    def _get(self, conn: net.Channel, req: Mapping[str, Any]) -> None:
+    def _get(self, conn: net.Channel, req: Mapping[str, Any], peer: str = "?") -> None:
         g, s = req.get("generation"), req.get("step")
         deadline = time.monotonic() + self.io_timeout
         if (g is None) != (s is None) or (g is not None and (not _is_int(g) or not _is_int(s, -_MAX_INT))):
@@ -422,17 +433,50 @@ class RankServer:
                 deadline=deadline)
             return
         want = None if g is None else Version(g, s)
+        rest: Any = None
         try:
             with self.ring.pinned(want) as (version, crc, view):  # a flat byte view of the slot
                 header = {"ok": True, "generation": version.generation, "step": version.step,
                           "nbytes": view.nbytes, "crc": int(crc)}
-                net.send_msg(conn, header, [view], deadline=deadline)  # still pinned: zero copy from the slot
-                with self._lock:
-                    self.bytes_sent += view.nbytes
+                w, n = conn.begin(header, view.nbytes, deadline=deadline), view.nbytes
+                # still pinned: zero copy from the slot, for at most pin_timeout of a peer taking nothing
+                sent = w.write(view, deadline=deadline, pause_at=time.monotonic() + self.pin_timeout)
+                if sent < view.nbytes:
+                    rest = self._stalled_copy(view[sent:], peer)
         except StreamError as e:
             if net.is_transport_error(e):
                 raise
             net.send_msg(conn, net.error_reply(e), deadline=deadline)
+            return
+        try:
+            if rest is not None:  # the slot is free again; this reader waits on its own copy
+                w.write(rest, deadline=deadline)
+            w.finish(deadline=deadline)
+        finally:
+            if rest is not None:
+                with self._lock:
+                    self._copies -= 1
+        with self._lock:
+            self.bytes_sent += n
+
+    def _stalled_copy(self, rest: memoryview, peer: str) -> bytearray:
+        """A private copy of what a stalled reader has still to take, so its pin goes (at most
+        ``max_stalled`` at once: past that the reader is dropped, :class:`StreamTimeoutError`)."""
+        with self._lock:
+            if self._copies >= self.max_stalled:
+                e = StreamTimeoutError(f"client {peer} took nothing for {self.pin_timeout:g}s while "
+                                       f"{self._copies} other stalled readers hold copies: dropped so that its "
+                                       "pin does not keep the producer from writing")
+                e.transport = True  # in the middle of a frame: the connection is closed
+                raise e
+            self._copies += 1
+            self.stalled_copies += 1
+        try:
+            return bytearray(rest)
+        except BaseException:
+            with self._lock:
+                self._copies -= 1
+            raise
 
     def _subscribed(self, ch: net.Channel, peer: str) -> None:
         sub = _Subscriber(ch, peer, self.max_queue)
