@@ -85,7 +85,9 @@ def _producer_main(conn, path: str, rank: int, world: int, capacity: int, slots:
             conn.send(("ok", None))
         elif cmd == "stats":
             conn.send(("ok", {"subscribers": server.subscribers, "bytes_sent": server.bytes_sent,
-                              "connections": server.connections, "skipped": ring.skipped}))
+                              "connections": server.connections, "skipped": ring.skipped,
+                              "stalled_copies": server.stalled_copies, "threads": threading.active_count(),
+                              "pending": server._acceptor.pending, "unauthenticated_closed": server._acceptor.dropped}))
         elif cmd == "close":
             server.close()
             ring.close()
