@@ -84,6 +84,7 @@ import select
 import socket
 import stat
 import struct
+import threading
 import time
 from typing import Any, Iterable, Mapping
 
@@ -110,9 +111,22 @@ _MAC_DIGEST = "sha256"
 _TAG = 32
 _NONCE = 32
 _MAX_AUTH_HEADER = 4096
-#: whether payload bytes go into the frame MAC. Only experiments/net_mac.py turns it off, to
-#: measure the unauthenticated baseline on both ends of one process; never set it otherwise.
-MAC_PAYLOAD = True
+#: whether frames are really MACed. Only experiments/net_mac.py turns it off (on both ends),
+#: to measure the unauthenticated baseline; never set it otherwise: every tag is then zeros.
+MAC = True
+
+
+class _NoMac:
+    """The baseline of experiments/net_mac.py (``MAC = False``): the same frames, tags of zeros."""
+
+    def update(self, data: Any) -> None:
+        pass
+
+    def copy(self) -> "_NoMac":
+        return self
+
+    def digest(self) -> bytes:
+        return bytes(_TAG)
 #: default bound of a frame's JSON header
 MAX_HEADER = 1 << 20
 _MAX_TOKEN = 1024
@@ -390,14 +404,16 @@ class Channel:
         return _peer(self.sock)
 
     # -- sealing
-    def _start(self, direction: bytes, key: bytes, seq: int, fixed: bytes, hdr: Any) -> "hmac.HMAC":
+    def _start(self, direction: bytes, key: bytes, seq: int, fixed: bytes, hdr: Any) -> Any:
+        if not MAC:
+            return _NoMac()
         mac = hmac.new(key, direction, _MAC_DIGEST)
         mac.update(seq.to_bytes(8, "little"))
         mac.update(fixed)
         mac.update(hdr)
         return mac
 
-    def _seal_header(self, header: Mapping[str, Any], total: int) -> tuple[bytes, "hmac.HMAC"]:
+    def _seal_header(self, header: Mapping[str, Any], total: int) -> tuple[bytes, Any]:
         hdr = json.dumps(header, separators=(",", ":")).encode()
         fixed = _FRAME.pack(MAGIC, VERSION, _FLAG_MAC, len(hdr), total)
         mac = self._start(self._send_dir, self._send_key, self.send_seq, fixed, hdr)
@@ -475,6 +491,7 @@ class FrameWriter:
     def __init__(self, ch: Channel, mac: Any, total: int) -> None:
         self.ch, self.total, self.sent = ch, total, 0
         self._mac = mac
+        self._ahead = 0
 
     def _put(self, data: bytes, deadline: float | None) -> None:
         sock = self.ch.sock
@@ -495,29 +512,42 @@ class FrameWriter:
         if self.sent + mv.nbytes > self.total:
             raise ValueError(f"a frame payload of {self.total} bytes: {self.sent + mv.nbytes} written")
         sock, pos, n = self.ch.sock, 0, mv.nbytes
+        hashed = min(self._ahead, n)  # bytes of buf already in the MAC (sent again after a pause)
+        self._ahead -= hashed
+        paused = False
         try:
-            while pos < n:
-                limit = deadline if pause_at is None or (deadline is not None and deadline <= pause_at) else pause_at
-                if limit is not None and limit - time.monotonic() <= 0:
-                    if limit is pause_at:
-                        break
-                    raise socket.timeout()
-                sock.settimeout(None if limit is None else limit - time.monotonic())
+            while pos < n and not paused:
+                end = min(n, pos + _WINDOW)
+                job = None
+                if hashed < end:  # the MAC of this window runs beside its send (both only read the bytes)
+                    job = _mac_update(self._mac, mv[hashed:end])
+                    hashed = end
                 try:
-                    k = sock.send(mv[pos:pos + _CHUNK])
-                except (socket.timeout, TimeoutError):
-                    if limit is pause_at:
-                        break
-                    raise
-                if MAC_PAYLOAD:
-                    self._mac.update(mv[pos:pos + k])
-                pos += k
+                    while pos < end:
+                        limit = deadline if pause_at is None or (deadline is not None and deadline <= pause_at) \
+                            else pause_at
+                        if limit is not None and limit - time.monotonic() <= 0:
+                            if limit is pause_at:
+                                paused = True
+                                break
+                            raise socket.timeout()
+                        sock.settimeout(None if limit is None else limit - time.monotonic())
+                        try:
+                            pos += sock.send(mv[pos:end])
+                        except (socket.timeout, TimeoutError):
+                            if limit is pause_at:
+                                paused = True
+                                break
+                            raise
+                finally:
+                    _wait(job)
         except (socket.timeout, TimeoutError) as e:
             raise _lost(ProviderTimeoutError,
                         f"{_peer(sock)} did not take our message in time (stopped or overloaded?)") from e
         except OSError as e:
             raise _lost(ProviderError, f"lost the connection to {_peer(sock)} while sending: {e.strerror or e}") from e
         self.sent += pos
+        self._ahead = hashed - pos  # hashed, not sent: the caller writes these same bytes next
         return pos
 
     def finish(self, *, deadline: float | None = None) -> None:
@@ -569,7 +599,7 @@ def send_msg(ch: Channel, header: Mapping[str, Any], payload: Iterable[Any] = ()
 
 def _recv_exact(sock: socket.socket, mv: memoryview, deadline: float | None, what: str,
                 mac: Any = None) -> None:
-    pos, n = 0, mv.nbytes
+    pos, n, hashed, job = 0, mv.nbytes, 0, None
     try:
         while pos < n:
             sock.settimeout(_left(deadline, sock, f"waiting for {what} from"))
@@ -577,9 +607,13 @@ def _recv_exact(sock: socket.socket, mv: memoryview, deadline: float | None, wha
             if not got:
                 raise _lost(ProviderError, f"{_peer(sock)} closed the connection in the middle of {what} "
                                            f"({pos} of {n} bytes)")
-            if mac is not None:
-                mac.update(mv[pos:pos + got])  # as it lands: no second pass over the bytes later
             pos += got
+            if mac is not None and (pos - hashed >= _WINDOW or pos == n):
+                # MAC the bytes as they land (no second pass later), beside the next window's receive
+                _wait(job)
+                job, hashed = _mac_update(mac, mv[hashed:pos]), pos
+        _wait(job)
+        job = None
     except (socket.timeout, TimeoutError) as e:
         raise _lost(ProviderTimeoutError, f"{_peer(sock)} sent {pos} of {n} bytes of {what} and then nothing in "
                                           "time (stopped, hung or gone?)") from e
@@ -588,6 +622,47 @@ def _recv_exact(sock: socket.socket, mv: memoryview, deadline: float | None, wha
     except OSError as e:
         raise _lost(ProviderError,
                     f"lost the connection to {_peer(sock)} while receiving {what}: {e.strerror or e}") from e
+    finally:
+        if job is not None:  # failed: the buffer must not be read after we return
+            try:
+                job.result()
+            except Exception:
+                pass
+
+
+_WINDOW = 8 << 20     # payload bytes MACed per step beside the I/O of the next/same step
+_PARALLEL_MIN = 1 << 20  # smaller pieces are MACed inline
+_POOL: Any = None
+_POOL_LOCK = threading.Lock()
+
+
+def _mac_update(mac: Any, piece: memoryview) -> Any:
+    """``mac.update(piece)``: inline for a small piece, else in the ``deepfreeze-net-mac`` threads
+    (hashlib releases the GIL), returning the future to wait for before the next update of the
+    same MAC (so the updates of one MAC stay in order)."""
+    global _POOL
+    if piece.nbytes < _PARALLEL_MIN or not MAC:
+        mac.update(piece)
+        return None
+    with _POOL_LOCK:
+        if _POOL is None:
+            import concurrent.futures
+            _POOL = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="deepfreeze-net-mac")
+        pool = _POOL
+    return pool.submit(mac.update, piece)
+
+
+def _wait(job: Any) -> None:
+    if job is not None:
+        job.result()
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def wait_readable(sock: Any, timeout: float) -> bool:
@@ -623,7 +698,7 @@ class Message:
         if mv.nbytes > self.remaining:
             raise _lost(ProviderError, f"{_peer(self.sock)} sent a payload of {self.payload_bytes} bytes, fewer "
                                        "than its header announces")
-        _recv_exact(self.sock, mv, self.deadline, "a message payload", self._mac if MAC_PAYLOAD else None)
+        _recv_exact(self.sock, mv, self.deadline, "a message payload", self._mac)
         self.remaining -= mv.nbytes
         if self.remaining == 0 and mv.nbytes:
             tag = _read(self.sock, _TAG, self.deadline, "a message's MAC")
@@ -907,7 +982,7 @@ class Acceptor:
         self._sel.register(self._stop_r, selectors.EVENT_READ, "stop")
         self._selectors = selectors
         self._last_warn = 0.0
-        self._thread = __import__("threading").Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     @property
