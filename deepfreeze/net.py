@@ -1015,8 +1015,8 @@ class Acceptor:
             now = time.monotonic()
             if now - self._last_warn > 60.0:  # one line a minute, not one per connection of a flood
                 self._last_warn = now
-                self.log.warning("%s: closed an unauthenticated connection (%s); %d so far", self._thread.name, why,
-                                 self.dropped)
+                self.log.warning("%s: closed an unauthenticated connection from %s (%s); %d so far (at most one "
+                                 "such line a minute)", self._thread.name, st[3], why, self.dropped)
 
     def _loop(self) -> None:
         sel, EV_R, EV_W = self._sel, self._selectors.EVENT_READ, self._selectors.EVENT_WRITE
@@ -1086,11 +1086,9 @@ class Acceptor:
         except OSError:
             self._drop(conn, "")
             return
-        if auth.error is not None:
+        if auth.error is not None:  # refused (what of the refusal did not fit in the socket buffer is lost)
             self.refused += 1
-            if not st[2] or isinstance(auth.error, ProtocolVersionError):
-                self.log.warning("%s: %s", self._thread.name, auth.error)
-            self._drop(conn, "")  # what of the refusal did not fit in the socket buffer is lost: fine
+            self._drop(conn, f"refused: {auth.error}")
             return
         if st[2]:
             self._sel.modify(conn, EV_W)
