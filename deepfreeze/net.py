@@ -94,8 +94,8 @@ from .errors import (AuthenticationError, ConfigError, DeepFreezeError, FrameAut
 
 __all__ = ["TOKEN_ENV", "DEFAULT_TOKEN_PATH", "MAGIC", "VERSION", "MAX_HEADER", "default_token_path",
            "create_token", "ensure_token", "load_token", "check_token", "parse_address", "format_address",
-           "is_loopback", "listen", "connect", "send_msg", "recv_msg", "wait_readable", "Message", "Channel", "FrameWriter",
-           "Acceptor", "error_reply", "raise_for_reply", "server_handshake", "server_authenticate",
+           "is_loopback", "listen", "connect", "send_msg", "recv_msg", "wait_readable", "Message", "Channel",
+           "FrameWriter", "Acceptor", "error_reply", "raise_for_reply", "server_handshake", "server_authenticate",
            "client_handshake", "is_transport_error", "keepalive", "node_id"]
 
 #: environment variable holding the token (takes precedence over the default file)

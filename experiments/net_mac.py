@@ -228,8 +228,8 @@ def plot(doc: dict, path: str) -> None:
     keys = list(doc["end_to_end"])
     x = np.arange(len(keys))
     on = [doc["end_to_end"][k]["on_over_off"] for k in keys]
-    err = [doc["end_to_end"][k]["on_over_off"] * math.hypot(doc["end_to_end"][k]["se_on"] / doc["end_to_end"][k]["mac_on"],
-                                                            doc["end_to_end"][k]["se_off"] / doc["end_to_end"][k]["mac_off"])
+    e2e = doc["end_to_end"]
+    err = [e2e[k]["on_over_off"] * math.hypot(e2e[k]["se_on"] / e2e[k]["mac_on"], e2e[k]["se_off"] / e2e[k]["mac_off"])
            for k in keys]
     axes[1].bar(x, on, yerr=err, color="#c44e52")
     axes[1].axhline(1.0, color="k", lw=0.8, ls="--")

@@ -2,7 +2,7 @@
 
 ``deepfreeze repo serve --dir DIR --listen HOST:PORT`` (or ``python -m deepfreeze.repo.provider``)
 runs :func:`serve`: an :class:`~deepfreeze.repo.store.EmbeddedRepository` on ``DIR`` underneath, a
-thread per connection, a staging :class:`~deepfreeze.repo.arena.Arena` in ``/dev/shm`` for
+thread per authenticated connection, a staging :class:`~deepfreeze.repo.arena.Arena` in ``/dev/shm`` for
 clients on the same node. It listens on loopback unless ``--allow-remote``; every connection
 runs the :mod:`deepfreeze.net` handshake first (both ends prove they know the token, which
 never goes on the wire; a provider that cannot prove it is refused by the client before the
@@ -10,9 +10,10 @@ client sends anything), and every frame after it is sealed (MACs under the sessi
 direction, sequence number, header and payload: a changed, replayed or reordered frame closes
 the connection). Connections still in the handshake wait in one thread
 (:class:`deepfreeze.net.Acceptor`: at most ``MAX_PENDING``, the oldest closed when another
-arrives, each for at most ``HANDSHAKE_TIMEOUT`` seconds); only authenticated ones get a thread. SIGTERM or SIGINT stops it cleanly (the arena file is
-unlinked); a provider killed outright leaves nothing half-stored (the store commits atomically)
-and only its arena file in ``/dev/shm`` (named with its pid).
+arrives, each for at most ``HANDSHAKE_TIMEOUT`` seconds); only authenticated ones get a thread.
+SIGTERM or SIGINT stops it cleanly (the arena file is unlinked); a provider killed outright
+leaves nothing half-stored (the store commits atomically) and only its arena file in
+``/dev/shm`` (named with its pid).
 
 Protocol (frames of :mod:`deepfreeze.net`: a JSON header plus a raw payload; every answer has
 ``"ok"``; an error answer is ``{"ok": false, "type": <deepfreeze.errors class>, "error": ...}``

@@ -22,7 +22,6 @@ import pytest
 from deepfreeze import net
 from deepfreeze.errors import (AuthenticationError, FrameAuthenticationError, ProtocolVersionError, ProviderError,
                                StreamError)
-from deepfreeze.format import crc32
 from deepfreeze.run import Version
 from deepfreeze.stream.wire import DEFAULT_HANDSHAKE_TIMEOUT, RankClient
 
