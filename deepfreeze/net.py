@@ -1054,11 +1054,15 @@ class Acceptor:
                 conn, addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # e.g. out of descriptors: say so (rate-limited), retry on the next event
+            except OSError as e:  # e.g. out of descriptors: say so (rate-limited), free one, retry later
                 now = time.monotonic()
                 if now - self._last_warn > 60.0:
                     self._last_warn = now
                     self.log.warning("%s: accept failed: %s", self._thread.name, e)
+                if self._pending:
+                    self._drop(next(iter(self._pending)), f"accept failed ({e.strerror or e}): the oldest goes")
+                else:
+                    time.sleep(0.05)  # the listener stays readable: do not spin
                 return
             if len(self._pending) >= self.max_pending:
                 self._drop(next(iter(self._pending)), f"{self.max_pending} connections were waiting in the "
