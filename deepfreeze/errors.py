@@ -41,6 +41,8 @@ __all__ = [
     "StreamTimeoutError",
     "VersionGoneError",
     "RepositoryDatabaseError",
+    "FrameAuthenticationError",
+    "ProtocolVersionError",
 ]
 
 
@@ -197,3 +199,14 @@ class RepositoryDatabaseError(RepositoryError):
     """The repository's SQLite database (``meta.db``) failed: the disk holding it is full, another
     process kept it locked past the busy timeout, it is damaged, or it may not be written. The
     message says which and what to do; the ``sqlite3`` error is chained as the cause."""
+
+
+class FrameAuthenticationError(ProviderError):
+    """A frame on an authenticated connection (:mod:`deepfreeze.net`) failed its MAC, came out of
+    sequence or without one: it was changed, reordered, replayed or injected on the way (or by
+    a peer that does not hold the session). The connection is closed; nothing of the frame is used."""
+
+
+class ProtocolVersionError(ProviderError):
+    """The peer speaks another DeepFreeze network protocol version (both are named): run the
+    same DeepFreeze version on both sides."""

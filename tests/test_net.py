@@ -1,4 +1,4 @@
-"""deepfreeze.net: token files, the token handshake, loopback-only listening, bounded frames."""
+"""deepfreeze.net: token files, the mutual handshake, sealed frames, loopback-only listening, bounded frames."""
 import json
 import os
 import socket
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from deepfreeze import net
-from deepfreeze.errors import (AuthenticationError, ConfigError, ModelNotFoundError, ProviderError,
-                               ProviderTimeoutError, UntrustedOwnerError)
+from deepfreeze.errors import (AuthenticationError, ConfigError, FrameAuthenticationError, ModelNotFoundError,
+                               ProtocolVersionError, ProviderError, ProviderTimeoutError, UntrustedOwnerError)
 
 
 def test_create_token_is_private_and_never_overwritten(tmp_path):
@@ -89,7 +89,7 @@ def _server(token, results):
     def run():
         conn, _ = lsock.accept()
         try:
-            hello = net.server_handshake(conn, token, deadline=time.monotonic() + 5)
+            conn, hello = net.server_handshake(conn, token, deadline=time.monotonic() + 5)
             results.append(("hello", hello))
             net.send_msg(conn, {"ok": True}, deadline=time.monotonic() + 5)
             msg = net.recv_msg(conn, max_payload=1 << 20, deadline=time.monotonic() + 5)
@@ -111,7 +111,7 @@ def test_handshake_accepts_the_token_and_payload_lands_in_caller_buffers():
     results = []
     addr, t = _server("secret", results)
     s = net.connect(addr, 5)
-    reply = net.client_handshake(s, "secret", {"op": "hello", "x": 1}, deadline=time.monotonic() + 5)
+    s, reply = net.client_handshake(s, "secret", {"op": "hello", "x": 1}, deadline=time.monotonic() + 5)
     assert reply == {"ok": True}
     data = np.arange(1000, dtype=np.float32)
     net.send_msg(s, {"op": "sum"}, [data], deadline=time.monotonic() + 5)
@@ -125,62 +125,94 @@ def test_handshake_accepts_the_token_and_payload_lands_in_caller_buffers():
     assert results[0] == ("hello", {"op": "hello", "x": 1})  # the token is not passed on
 
 
-@pytest.mark.parametrize("token", ["wrong", None])
-def test_wrong_or_missing_token_refused(token):
+def test_wrong_token_refused_by_the_client_before_it_sends_anything():
     results = []
     addr, t = _server("secret", results)
     s = net.connect(addr, 5)
-    hello = {"op": "hello"} if token is None else {"op": "hello", "token": token}
-    net.send_msg(s, hello, deadline=time.monotonic() + 5)
-    reply = net.recv_msg(s, deadline=time.monotonic() + 5)
+    with pytest.raises(AuthenticationError, match="did not prove that it knows the token"):
+        net.client_handshake(s, "wrong", {"op": "hello", "secret-stuff": 1}, deadline=time.monotonic() + 5)
+    s.close()
+    t.join(5)
+    assert results[0][0] == "error" and not isinstance(results[0][1], AuthenticationError)  # it got nothing more
+
+
+@pytest.mark.parametrize("proof", ["00" * 32, "zz", None])
+def test_client_without_the_token_refused_by_the_server(proof):
+    """A client that cannot make the proof (it does not know the token) gets an unsealed
+    AuthenticationError answer and the connection is closed."""
+    results = []
+    addr, t = _server("secret", results)
+    s = net.connect(addr, 5)
+    nc = os.urandom(32)
+    s.sendall(net._plain({"df": "auth", "protocol": net.VERSION, "nonce": nc.hex()}))
+    challenge = net._recv_plain(s, time.monotonic() + 5)
+    assert challenge["df"] == "challenge" and "token" not in json.dumps(challenge)
+    s.sendall(net._plain({"df": "proof"} if proof is None else {"df": "proof", "proof": proof}))
+    reply = net._recv_plain(s, time.monotonic() + 5)
     with pytest.raises(AuthenticationError, match="token"):
-        net.raise_for_reply(reply.header)
+        net.raise_for_reply(reply)
     assert s.recv(1) == b""  # and the server closed the connection
     s.close()
     t.join(5)
     assert isinstance(results[0][1], AuthenticationError)
 
 
-def _frame(hlen, plen, magic=net.MAGIC, version=net.VERSION):
-    return struct.pack("<4sHHIQ", magic, version, 0, hlen, plen)
+def _pair():
+    """Two ends of a session with matching keys (as a handshake would leave them)."""
+    a, b = socket.socketpair()
+    k1, k2 = os.urandom(32), os.urandom(32)
+    return net.Channel(a, k1, k2, "client"), net.Channel(b, k2, k1, "server")
+
+
+def _frame(hlen, plen, magic=net.MAGIC, version=net.VERSION, flags=1):
+    return struct.pack("<4sHHIQ", magic, version, flags, hlen, plen)
+
+
+def _sealed(ch, hdr: bytes, plen: int = 0) -> bytes:
+    """A correctly sealed frame around any header bytes (a token holder that sends garbage)."""
+    fixed = _frame(len(hdr), plen)
+    mac = ch._start(ch._send_dir, ch._send_key, ch.send_seq, fixed, hdr)
+    ch.send_seq += 1
+    return fixed + hdr + mac.digest()
 
 
 @pytest.mark.parametrize("data,limits,match", [
-    (_frame(1 << 31, 0), {"max_header": 1 << 20}, "header of 2147483648 bytes"),  # a 2 GiB header
-    (_frame(2, 1 << 50) + b"{}", {"max_payload": 1 << 30}, "payload of 1125899906842624 bytes"),
-    (_frame(2, 0, magic=b"HTTP") + b"{}", {}, "not a DeepFreeze message"),
-    (_frame(2, 0, version=99) + b"{}", {}, "version 99"),
-    (_frame(3, 0) + b"[1]", {}, "not a JSON object"),
-    (_frame(2, 0) + b"\xff\xfe", {}, "not valid JSON"),
-    (_frame(100000, 0) + b"[" * 100000, {"max_header": 1 << 20}, "not valid JSON"),  # nesting bomb
+    (lambda c: _frame(1 << 31, 0), {"max_header": 1 << 20}, "header of 2147483648 bytes"),  # a 2 GiB header
+    (lambda c: _frame(2, 1 << 50) + b"{}", {"max_payload": 1 << 30}, "payload of 1125899906842624 bytes"),
+    (lambda c: _frame(2, 0, magic=b"HTTP") + b"{}", {}, "not a DeepFreeze message"),
+    (lambda c: _frame(2, 0, version=99) + b"{}", {}, "version 99"),
+    (lambda c: _sealed(c, b"[1]"), {}, "not a JSON object"),
+    (lambda c: _sealed(c, b"\xff\xfe"), {}, "not valid JSON"),
+    (lambda c: _sealed(c, b"[" * 100000), {"max_header": 1 << 20}, "not valid JSON"),  # nesting bomb
+    (lambda c: _frame(2, 0, flags=0) + b"{}", {}, "without a MAC"),
+    (lambda c: _frame(2, 0) + b"{}" + b"\0" * 32, {}, "failed its MAC"),
 ])
 def test_oversize_or_malformed_frames_refused_before_allocating(data, limits, match):
     """Each refusal happens before the announced sizes are allocated or read (the connection is
     then out of step: the caller closes it, so each case gets a fresh one)."""
-    a, b = socket.socketpair()
-    with a, b:
-        a.sendall(data)
+    a, b = _pair()
+    with a.sock, b.sock:
+        a.sock.sendall(data(a))
         with pytest.raises(ProviderError, match=match) as ei:
             net.recv_msg(b, deadline=time.monotonic() + 5, **limits)
         assert net.is_transport_error(ei.value)
 
 
 def test_silent_or_dead_peer_is_a_bounded_error():
-    a, b = socket.socketpair()
-    with a, b:
+    a, b = _pair()
+    with a.sock, b.sock:
         t0 = time.monotonic()
         with pytest.raises(ProviderTimeoutError):  # a peer that sends nothing
             net.recv_msg(b, deadline=time.monotonic() + 0.3)
         assert time.monotonic() - t0 < 5
-        hdr = json.dumps({"op": "x"}).encode()
-        a.sendall(_frame(len(hdr), 100) + hdr + b"x" * 10)  # 10 of 100 payload bytes, then silence
+        a.sock.sendall(_sealed(a, json.dumps({"op": "x"}).encode(), 100) + b"x" * 10)  # 10 of 100, then silence
         msg = net.recv_msg(b, max_payload=100, deadline=time.monotonic() + 0.3)
         with pytest.raises(ProviderTimeoutError, match="10 of 100"):
             msg.recv_into(bytearray(100))
         assert net.is_transport_error(ProviderTimeoutError("x")) is False
-    a, b = socket.socketpair()
-    with b:
-        a.sendall(_frame(100, 0) + b"{")  # then the peer dies
+    a, b = _pair()
+    with b.sock:
+        a.sock.sendall(_frame(100, 0) + b"{")  # then the peer dies
         a.close()
         with pytest.raises(ProviderError, match="closed the connection") as ei:
             net.recv_msg(b, deadline=time.monotonic() + 5)
@@ -188,11 +220,176 @@ def test_silent_or_dead_peer_is_a_bounded_error():
 
 
 def test_a_peer_that_stops_reading_is_a_bounded_error():
-    a, b = socket.socketpair()
-    with a, b:
+    a, b = _pair()
+    with a.sock, b.sock:
         big = np.zeros(64 << 20, np.uint8)  # more than the socket buffers hold; b never reads
         with pytest.raises(ProviderTimeoutError):
             net.send_msg(a, {"op": "x"}, [big], deadline=time.monotonic() + 0.5)
+
+
+def test_frames_changed_replayed_reordered_dropped_or_injected_are_refused():
+    payload = bytes(range(256)) * 64
+    a, b = _pair()
+    k1, k2 = a._send_key, a._recv_key
+
+    def fresh():  # a new connection of the same session keys (the frames below were sealed with them)
+        x, y = socket.socketpair()
+        return net.Channel(x, k1, k2, "client"), net.Channel(y, k2, k1, "server")
+
+    with a.sock, b.sock:
+        frames = []
+        for i in range(3):  # capture what a sender puts on the wire, then replay it through a "relay"
+            x, y = socket.socketpair()
+            tap = net.Channel(x, a._send_key, a._recv_key, "client")
+            tap.send_seq = i
+            tap.send({"op": "n", "i": i}, [payload])
+            x.shutdown(socket.SHUT_WR)
+            y.settimeout(5)
+            raw = b""
+            while chunk := y.recv(1 << 16):
+                raw += chunk
+            frames.append(raw)
+            x.close()
+            y.close()
+
+        def deliver(raw):
+            a.sock.sendall(raw)
+            msg = b.recv(max_payload=1 << 20, deadline=time.monotonic() + 5)
+            out = bytearray(msg.payload_bytes)
+            msg.recv_into(out)
+            return msg.header, bytes(out)
+
+        assert deliver(frames[0]) == ({"op": "n", "i": 0}, payload)  # the genuine frame passes
+        with pytest.raises(FrameAuthenticationError, match="frame 1 .* failed its MAC"):
+            deliver(frames[0])  # replayed
+    a, b = fresh()
+    with a.sock, b.sock:
+        a.sock.sendall(frames[1])  # frame 1 first: frame 0 was dropped, or they were swapped
+        with pytest.raises(FrameAuthenticationError, match="frame 0 .* failed its MAC"):
+            b.recv(max_payload=1 << 20, deadline=time.monotonic() + 5)
+    # one payload byte changed on the way: the header passes, the payload's tag does not
+    raw = bytearray(frames[0])
+    raw[-40] ^= 1
+    a, b = fresh()
+    with a.sock, b.sock:
+        a.sock.sendall(raw)
+        msg = b.recv(max_payload=1 << 20, deadline=time.monotonic() + 5)
+        with pytest.raises(FrameAuthenticationError, match="payload of frame 0 .* changed"):
+            msg.recv_into(bytearray(msg.payload_bytes))
+    # one header byte changed (the announced step): refused before the header is used
+    raw = bytearray(frames[0])
+    raw[raw.index(b'"i":0') + 4] = ord("7")
+    a, b = fresh()
+    with a.sock, b.sock:
+        a.sock.sendall(raw)
+        with pytest.raises(FrameAuthenticationError, match="frame 0 .* failed its MAC"):
+            b.recv(max_payload=1 << 20, deadline=time.monotonic() + 5)
+
+
+def test_sealed_frames_round_trip_in_both_directions_in_order():
+    a, b = _pair()
+    with a.sock, b.sock:
+        for i in range(20):
+            data = np.arange(i * 1000, dtype=np.int32)
+            (a if i % 2 else b).send({"i": i}, [data] if i else [])
+            msg = (b if i % 2 else a).recv(max_payload=1 << 20, deadline=time.monotonic() + 5)
+            out = np.empty(i * 1000, np.int32)
+            msg.recv_into(out)
+            assert msg.header == {"i": i} and np.array_equal(out, data)
+        assert a.send_seq == b.recv_seq == 10 and b.send_seq == a.recv_seq == 10
+
+
+def test_protocol_version_mismatch_names_both_versions():
+    got = []
+    lsock = net.listen("127.0.0.1", 0)
+    acc = net.Acceptor(lsock, "secret", got.append, name="test-acceptor", handshake_timeout=5)
+    addr = net.format_address(*lsock.getsockname()[:2])
+    try:
+        s = net.connect(addr, 5)  # a version-1 client: its hello carried the token
+        s.sendall(net._plain({"op": "hello", "token": "secret"}, version=1))
+        raw = s.recv(1 << 16)
+        assert struct.unpack("<4sHHIQ", raw[:20])[1] == 1  # answered in its own frame version ...
+        err = json.loads(raw[20:])
+        assert err["ok"] is False and "version 2" in err["error"] and "client 1" in err["error"]  # ... naming both
+        s.close()
+        fake = net.listen("127.0.0.1", 0)  # a server of a later version answering a current client
+
+        def later():
+            c, _ = fake.accept()
+            with c:
+                c.recv(1 << 16)
+                c.sendall(net._plain(net.error_reply(ProtocolVersionError("this side speaks 3")), version=3))
+
+        t = threading.Thread(target=later, daemon=True)
+        t.start()
+        s = net.connect(net.format_address(*fake.getsockname()[:2]), 5)
+        with pytest.raises(ProtocolVersionError, match="version 3, this side 2"):
+            net.client_handshake(s, "secret", {"op": "hello"}, deadline=time.monotonic() + 5)
+        s.close()
+        t.join(5)
+        fake.close()
+        assert got == []
+    finally:
+        acc.close()
+        lsock.close()
+
+
+def test_acceptor_bounds_unauthenticated_connections():
+    """Idle connections cost no thread, wait at most the deadline, and at most max_pending of
+    them wait: the oldest goes when another arrives; a token holder still gets through."""
+    got = []
+    lsock = net.listen("127.0.0.1", 0)
+    threads0 = threading.active_count()
+    acc = net.Acceptor(lsock, "secret", got.append, name="test-acceptor", handshake_timeout=1.0, max_pending=8)
+    addr = net.format_address(*lsock.getsockname()[:2])
+    idle = [net.connect(addr, 5) for _ in range(40)]
+    try:
+        deadline = time.monotonic() + 10
+        while acc.dropped < 32 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert acc.dropped >= 32 and acc.pending <= 8  # the oldest 32 closed at once
+        assert threading.active_count() == threads0 + 1  # one thread for all of them
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b""  # the oldest was closed
+        s = net.connect(addr, 5)
+        ch = _client_auth(s, "secret")
+        assert len(got) == 1 and got[0].role == "server"
+        deadline = time.monotonic() + 10
+        while acc.pending and time.monotonic() < deadline:  # the rest: closed at their deadline
+            time.sleep(0.05)
+        assert acc.pending == 0
+        idle[-1].settimeout(5)
+        assert idle[-1].recv(1) == b""
+        ch.close()
+    finally:
+        for s in idle:
+            s.close()
+        acc.close()
+        lsock.close()
+
+
+def _client_auth(sock, token):
+    """The client's half of the handshake only (the Acceptor reads no hello)."""
+    nc = os.urandom(32)
+    sock.sendall(net._plain({"df": "auth", "protocol": net.VERSION, "nonce": nc.hex()}))
+    rep = net._recv_plain(sock, time.monotonic() + 5)
+    ns = bytes.fromhex(rep["nonce"])
+    assert bytes.fromhex(rep["proof"]) == net._proof(token, b"server", nc, ns)
+    sock.sendall(net._plain({"df": "proof", "proof": net._proof(token, b"client", nc, ns).hex()}))
+    c2s, s2c = net._session_keys(token, nc, ns)
+    ch = net.Channel(sock, c2s, s2c, "client")
+    time.sleep(0.2)  # the acceptor hands it over
+    return ch
+
+
+def test_ensure_token_creates_once_and_loads_after(tmp_path, monkeypatch):
+    monkeypatch.delenv(net.TOKEN_ENV, raising=False)
+    path = str(tmp_path / "d" / "token")
+    tok = net.ensure_token(path)
+    assert net.ensure_token(path) == tok == net.load_token(path)
+    assert [n for n in os.listdir(tmp_path / "d")] == ["token"]  # no temporary file left
+    monkeypatch.setenv(net.TOKEN_ENV, "env-token")
+    assert net.ensure_token() == "env-token"
 
 
 def test_raise_for_reply_maps_only_deepfreeze_errors():

@@ -17,6 +17,7 @@ redis = pytest.importorskip("redis", reason="the 'redis' client package is not i
 from deepfreeze.stream.redis_notify import RedisListener, RedisNotifier, key_prefix, safe_url  # noqa: E402
 
 REDIS_SERVER = shutil.which("redis-server")
+TOKEN = "k" * 64
 
 
 def _free_port() -> int:
@@ -67,7 +68,8 @@ def _chan(request) -> str:
 
 def test_endpoints_register_and_unregister(server, request):
     ch = _chan(request)
-    with RedisNotifier(server.url, ch) as n0, RedisNotifier(server.url, ch) as n1, RedisListener(server.url, ch) as li:
+    with RedisNotifier(server.url, ch, token=TOKEN) as n0, RedisNotifier(server.url, ch, token=TOKEN) as n1, \
+            RedisListener(server.url, ch, token=TOKEN) as li:
         assert li.endpoints() == {}
         n0.register(0, {"address": "127.0.0.1:7000", "node": "a", "ring": "/dev/shm/x"})
         n1.register(1, {"address": "127.0.0.1:7001", "node": "a"})
@@ -81,10 +83,10 @@ def test_endpoints_register_and_unregister(server, request):
 
 def test_notes_are_pushed_and_latest_catches_up(server, request):
     ch = _chan(request)
-    with RedisNotifier(server.url, ch) as n:
+    with RedisNotifier(server.url, ch, token=TOKEN) as n:
         n.notify({"op": "ready", "rank": 0, "generation": 0, "step": 1})  # before any listener
         n.notify({"op": "ready", "rank": 1, "generation": 0, "step": 1})
-        with RedisListener(server.url, ch) as li:
+        with RedisListener(server.url, ch, token=TOKEN) as li:
             assert li.next_note(0.2) is None  # what came before is not replayed ...
             assert li.latest() == {0: {"op": "ready", "rank": 0, "generation": 0, "step": 1},
                                    1: {"op": "ready", "rank": 1, "generation": 0, "step": 1}}  # ... but kept
@@ -96,16 +98,17 @@ def test_notes_are_pushed_and_latest_catches_up(server, request):
             assert {r: x["step"] for r, x in li.latest().items()} == {0: 3, 1: 3}
             assert li.next_note(0.1) is None
             assert li.fileno() is not None
-    with RedisListener(server.url, "another") as other:  # channels do not mix
+    with RedisListener(server.url, "another", token=TOKEN) as other:  # channels do not mix
         assert other.latest() == {} and other.next_note(0.1) is None
 
 
 def test_garbage_in_redis_is_skipped(server, request):
     ch = _chan(request)
     p = key_prefix(ch)
-    with RedisListener(server.url, ch) as li, RedisNotifier(server.url, ch) as n:
+    with RedisListener(server.url, ch, token=TOKEN) as li, RedisNotifier(server.url, ch, token=TOKEN) as n:
+        n.register(2, {"address": "h:1"})
         server.client.hset(f"{p}:endpoints", mapping={"r0": "not json", "r1": "[1, 2]", "rx": "{}",
-                                                      "r01": "{}", "r2": '{"address": "h:1"}'})
+                                                      "r01": "{}", "r3": '{"address": "h:1"}'})  # r3: no MAC
         assert li.endpoints() == {2: {"address": "h:1"}}
         server.client.hset(f"{p}:latest", "r3", "x" * (2 << 20))
         assert li.latest() == {}
@@ -117,23 +120,23 @@ def test_garbage_in_redis_is_skipped(server, request):
 
 def test_bad_configuration_is_refused(server, monkeypatch):
     with pytest.raises(ConfigError, match="redis URL"):
-        RedisNotifier("http://127.0.0.1:1", "c")
+        RedisNotifier("http://127.0.0.1:1", "c", token=TOKEN)
     with pytest.raises(ConfigError, match="channel"):
-        RedisListener(server.url, "with space")
+        RedisListener(server.url, "with space", token=TOKEN)
     with pytest.raises(StreamError, match="cannot reach the Redis server") as e:
-        RedisNotifier(f"redis://user:hunter2@127.0.0.1:{_free_port()}/0", "c", timeout=2)
+        RedisNotifier(f"redis://user:hunter2@127.0.0.1:{_free_port()}/0", "c", timeout=2, token=TOKEN)
     assert "hunter2" not in str(e.value) and "user:***@" in str(e.value)  # no password in messages
     assert safe_url("redis://:pw@h:1/0") == "redis://:***@h:1/0" and safe_url("redis://h:1") == "redis://h:1"
     monkeypatch.setitem(sys.modules, "redis", None)  # as if the optional package were not installed
     with pytest.raises(ConfigError, match="pip install"):
-        RedisListener(server.url, "c")
+        RedisListener(server.url, "c", token=TOKEN)
 
 
 def test_dead_server_gives_a_bounded_error(tmp_path):
     s = RedisServer(tmp_path)
     try:
-        n = RedisNotifier(s.url, "dead", timeout=2)
-        li = RedisListener(s.url, "dead", timeout=2)
+        n = RedisNotifier(s.url, "dead", timeout=2, token=TOKEN)
+        li = RedisListener(s.url, "dead", timeout=2, token=TOKEN)
         n.notify({"rank": 0, "step": 1})
         assert li.next_note(10)["step"] == 1
     finally:
@@ -147,7 +150,7 @@ def test_dead_server_gives_a_bounded_error(tmp_path):
 
 
 def _publisher(url: str, channel: str, count: int, gap: float) -> None:
-    with RedisNotifier(url, channel) as n:
+    with RedisNotifier(url, channel, token=TOKEN) as n:
         for i in range(count):
             n.notify({"op": "ready", "rank": 0, "generation": 0, "step": i, "t": time.time()})
             time.sleep(gap)
@@ -156,7 +159,7 @@ def _publisher(url: str, channel: str, count: int, gap: float) -> None:
 def test_redis_notification_latency(server, request):
     """Prints the median latency of a note from a producer process through Redis pub/sub; never asserted."""
     ch, count = _chan(request), 200
-    with RedisListener(server.url, ch) as li:
+    with RedisListener(server.url, ch, token=TOKEN) as li:
         proc = mp.get_context("spawn").Process(target=_publisher, args=(server.url, ch, count, 0.005), daemon=True)
         proc.start()
         lat = []

@@ -5,7 +5,6 @@ the test process (and, where said, other spawned processes) is the consumer."""
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -86,7 +85,9 @@ def _producer_main(conn, path: str, rank: int, world: int, capacity: int, slots:
             conn.send(("ok", None))
         elif cmd == "stats":
             conn.send(("ok", {"subscribers": server.subscribers, "bytes_sent": server.bytes_sent,
-                              "connections": server.connections, "skipped": ring.skipped}))
+                              "connections": server.connections, "skipped": ring.skipped,
+                              "stalled_copies": server.stalled_copies, "threads": threading.active_count(),
+                              "pending": server._acceptor.pending, "unauthenticated_closed": server._acceptor.dropped}))
         elif cmd == "close":
             server.close()
             ring.close()
@@ -318,9 +319,9 @@ def test_killed_server_gives_bounded_errors(producers):
 
 def _greedy_consumer(address: str, started) -> None:
     """Asks for the newest version, takes the reply header and nothing more (killed by the test)."""
-    sock = net.connect(address, 10)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    net.client_handshake(sock, TOKEN, {"op": "hello", "channel": CHANNEL}, deadline=time.monotonic() + 10)
+    raw = net.connect(address, 10)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock, _ = net.client_handshake(raw, TOKEN, {"op": "hello", "channel": CHANNEL}, deadline=time.monotonic() + 10)
     net.send_msg(sock, {"op": "get", "generation": None, "step": None}, deadline=time.monotonic() + 10)
     net.recv_msg(sock, max_payload=1 << 30, deadline=time.monotonic() + 10)  # sent from the pinned slot
     started.set()
@@ -361,27 +362,26 @@ def test_hostile_requests_are_refused_and_the_server_goes_on(producers):
     p = producers()
     p.publish(0, 1, 10)
 
-    def hello() -> socket.socket:
+    def hello() -> net.Channel:
         s = net.connect(p.address, 10)
-        net.client_handshake(s, TOKEN, {"op": "hello", "channel": CHANNEL}, deadline=time.monotonic() + 10)
-        return s
+        return net.client_handshake(s, TOKEN, {"op": "hello", "channel": CHANNEL}, deadline=time.monotonic() + 10)[0]
 
-    def closed(s: socket.socket) -> bool:
-        s.settimeout(10)
+    def closed(s: net.Channel) -> bool:
+        s.sock.settimeout(10)
         try:
             while True:
-                if not s.recv(1 << 16):
+                if not s.sock.recv(1 << 16):
                     return True
         except ConnectionResetError:
             return True
 
     s = hello()  # a header of 2**31 bytes announced
-    s.sendall(struct.pack("<4sHHIQ", net.MAGIC, net.VERSION, 0, 1 << 31, 0))
+    s.sock.sendall(struct.pack("<4sHHIQ", net.MAGIC, net.VERSION, 1, 1 << 31, 0))
     assert closed(s)
     s = hello()  # a request with a payload
     raw = b'{"op":"get"}'
     with contextlib.suppress(ConnectionResetError):  # the server may close before the payload is sent
-        s.sendall(struct.pack("<4sHHIQ", net.MAGIC, net.VERSION, 0, len(raw), 100) + raw + b"x" * 100)
+        s.sock.sendall(struct.pack("<4sHHIQ", net.MAGIC, net.VERSION, 1, len(raw), 100) + raw + b"x" * 100)
     assert closed(s)
     s = hello()  # bad arguments and unknown ops: an error answer, and the connection goes on
     for req in ({"op": "get", "generation": -1, "step": 0}, {"op": "get", "generation": 0},
@@ -415,14 +415,15 @@ class _FakeServer:
     def run(self) -> None:
         conn, _ = self.sock.accept()
         with conn:
-            net.server_handshake(conn, TOKEN, deadline=time.monotonic() + 10)
-            net.send_msg(conn, self.hello, deadline=time.monotonic() + 10)
+            ch, _hello = net.server_handshake(conn, TOKEN, deadline=time.monotonic() + 10)
+            net.send_msg(ch, self.hello, deadline=time.monotonic() + 10)
             try:
                 while True:
-                    net.recv_msg(conn, deadline=time.monotonic() + 10)
+                    net.recv_msg(ch, deadline=time.monotonic() + 10)
                     hdr, plen, data = self.reply
-                    raw = json.dumps(hdr).encode()
-                    conn.sendall(struct.pack("<4sHHIQ", net.MAGIC, net.VERSION, 0, len(raw), plen) + raw + data)
+                    head, mac = ch._seal_header(hdr, plen)  # a token holder: its frames are sealed, their content lies
+                    mac.update(data)
+                    conn.sendall(head + data + (mac.digest() if plen and len(data) == plen else b""))
                     if len(data) < plen:
                         return  # closes in the middle of the payload
             except Exception:

@@ -72,7 +72,7 @@ class _Provider:
     def __init__(self, repo: "RemoteRepository", index: int) -> None:
         self.repo, self.index, self.addr = repo, index, repo.addresses[index]
         self.lock = threading.RLock()  # held across an arena sequence (alloc, put / get, release)
-        self.sock: Any = None
+        self.sock: net.Channel | None = None
         self.arena: mmap.mmap | None = None
         self.arena_np: np.ndarray | None = None
         self.arena_path: str | None = None
@@ -86,9 +86,9 @@ class _Provider:
         deadline = time.monotonic() + r.timeout
         sock = net.connect(self.addr, r.timeout)
         try:
-            hello = net.client_handshake(sock, r.token, {"op": "hello", "providers": r.addresses, "index": self.index,
-                                                         "node": net.node_id(), "uid": os.getuid()},
-                                         deadline=deadline)
+            ch, hello = net.client_handshake(sock, r.token, {"op": "hello", "providers": r.addresses,
+                                                             "index": self.index, "node": net.node_id(),
+                                                             "uid": os.getuid()}, deadline=deadline)
         except BaseException:
             sock.close()
             raise
@@ -113,7 +113,7 @@ class _Provider:
             raise ConfigError(f"staging={staging!r} needs provider {self.addr} on this node and running as this "
                               "user; use staging='tcp' (or the default) for a provider on another node")
         self.staging = staging or ("arena" if self.arena is not None else "tcp")
-        self.sock = sock
+        self.sock = ch
 
     def call(self, header: dict[str, Any], payload: Iterable[Any] = (), recv: Any = None,
              wait: float = 0.0) -> dict[str, Any]:

@@ -2,20 +2,27 @@
 
 ``deepfreeze repo serve --dir DIR --listen HOST:PORT`` (or ``python -m deepfreeze.repo.provider``)
 runs :func:`serve`: an :class:`~deepfreeze.repo.store.EmbeddedRepository` on ``DIR`` underneath, a
-thread per connection, a staging :class:`~deepfreeze.repo.arena.Arena` in ``/dev/shm`` for
+thread per authenticated connection, a staging :class:`~deepfreeze.repo.arena.Arena` in ``/dev/shm`` for
 clients on the same node. It listens on loopback unless ``--allow-remote``; every connection
-presents the token (:mod:`deepfreeze.net`). SIGTERM or SIGINT stops it cleanly (the arena file is
-unlinked); a provider killed outright leaves nothing half-stored (the store commits atomically)
-and only its arena file in ``/dev/shm`` (named with its pid).
+runs the :mod:`deepfreeze.net` handshake first (both ends prove they know the token, which
+never goes on the wire; a provider that cannot prove it is refused by the client before the
+client sends anything), and every frame after it is sealed (MACs under the session key over
+direction, sequence number, header and payload: a changed, replayed or reordered frame closes
+the connection). Connections still in the handshake wait in one thread
+(:class:`deepfreeze.net.Acceptor`: at most ``MAX_PENDING``, the oldest closed when another
+arrives, each for at most ``HANDSHAKE_TIMEOUT`` seconds); only authenticated ones get a thread.
+SIGTERM or SIGINT stops it cleanly (the arena file is unlinked); a provider killed outright
+leaves nothing half-stored (the store commits atomically) and only its arena file in
+``/dev/shm`` (named with its pid).
 
 Protocol (frames of :mod:`deepfreeze.net`: a JSON header plus a raw payload; every answer has
 ``"ok"``; an error answer is ``{"ok": false, "type": <deepfreeze.errors class>, "error": ...}``
 and leaves the connection usable, except for a frame that cannot be read (bad magic, oversize
-header or payload, a dead peer): then the provider closes the connection.)::
+header or payload, a failed MAC, a dead peer): then the provider closes the connection.)::
 
-    hello   {token, providers: ["h:p", ...], index: i, node: <boot id>, uid: n}
+    hello   {providers: ["h:p", ...], index: i, node: <boot id>, uid: n}
             -> {pid, providers, arena: {path, size, max_extent} | null}
-        The first request. The provider records the client's provider list once
+        The first sealed frame, after the handshake. The provider records the client's provider list once
         (set_setting_once('providers')) and refuses a client with another list (RepositoryError).
         ``index`` is this provider's position in it (puts of names placed elsewhere are refused).
         ``arena`` is offered to a client of the same node (same boot id) and user.
@@ -51,7 +58,7 @@ header or payload, a dead peer): then the provider closes the connection.)::
 Every name is checked by :func:`deepfreeze.repo.names.parse_name`, every key, dtype (the
 DeepFreeze format's dtypes), shape (at most 32 dimensions, sizes consistent with the length),
 offset (inside this connection's extent, the payload or the file) before anything is read or
-allocated. Every wait is bounded: the handshake (10 s), each request once its first byte
+allocated. Every wait is bounded: the handshake and the hello (5 s each), each request once its first byte
 arrived (``io_timeout``), the arena (``io_timeout``).
 """
 from __future__ import annotations
@@ -80,24 +87,27 @@ from .graph import ID_HEX_RE
 from .names import check_name
 
 __all__ = ["serve", "main", "placement", "DEFAULT_IO_TIMEOUT", "MAX_HEADER", "MAX_TENSORS",
-           "MAX_REQUEST_BYTES", "HANDSHAKE_TIMEOUT", "MAX_KEY", "MAX_CONNECTIONS", "Provider"]
+           "MAX_REQUEST_BYTES", "HANDSHAKE_TIMEOUT", "MAX_PENDING", "MAX_KEY", "MAX_CONNECTIONS", "Provider"]
 
 log = logging.getLogger("deepfreeze.repo.provider")
 
 #: seconds a request may take to arrive and to be answered once its first byte came (and the
 #: longest wait for arena space)
 DEFAULT_IO_TIMEOUT = 60.0
-#: seconds a new connection has to present its token
-HANDSHAKE_TIMEOUT = 10.0
+#: seconds a new connection has to complete the handshake (and then to send its hello)
+HANDSHAKE_TIMEOUT = 5.0
+#: connections waiting in the handshake at once (:class:`deepfreeze.net.Acceptor`); one more
+#: closes the oldest
+MAX_PENDING = 64
 #: largest request header (the graph and layer metadata of a big model travel in it)
 MAX_HEADER = 64 << 20
 #: most tensors in one request
 MAX_TENSORS = 1 << 20
 #: longest tensor key (the store's limit)
 MAX_KEY = 4096
-#: most connections served at once (more are closed at once)
+#: most authenticated connections served at once (more are closed at once)
 MAX_CONNECTIONS = 1024
-#: largest hello (before the token is checked)
+#: largest hello (the first sealed frame)
 _MAX_HELLO = 256 << 10
 #: default largest payload of one request (a put over TCP; the provider holds it in memory)
 MAX_REQUEST_BYTES = 64 << 30
@@ -202,18 +212,19 @@ class Provider:
         self.connections = 0
 
     # ------------------------------------------------------------------ connection loop
-    def handle(self, conn: socket.socket) -> None:
-        """Serve one connection until the client closes it, misbehaves or the provider stops."""
+    def handle(self, conn: net.Channel) -> None:
+        """Serve one authenticated connection (from :class:`deepfreeze.net.Acceptor`) until the
+        client closes it, misbehaves or the provider stops."""
         peer = "?"
         st = _Conn()
         with self._lock:
             self.connections += 1
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            net.keepalive(conn)  # a client whose machine died is dropped, not waited for forever
-            peer = net.format_address(*conn.getpeername()[:2])
-            hello = net.server_handshake(conn, self.token, deadline=time.monotonic() + HANDSHAKE_TIMEOUT,
-                                         max_header=_MAX_HELLO)
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            net.keepalive(conn.sock)  # a client whose machine died is dropped, not waited for forever
+            peer = conn.peer()
+            hello = dict(net.recv_msg(conn, max_header=_MAX_HELLO, max_payload=0,
+                                      deadline=time.monotonic() + HANDSHAKE_TIMEOUT).header)
             try:
                 reply = self._hello(st, hello)
             except DeepFreezeError as e:
@@ -520,14 +531,18 @@ def serve(directory: str, host: str = "127.0.0.1", port: int = 0, *, token: str 
           token_file: str | None = None, arena_bytes: int = DEFAULT_ARENA_BYTES, allow_remote: bool = False,
           ready: Callable[[str], None] | None = None, io_timeout: float = DEFAULT_IO_TIMEOUT,
           max_request_bytes: int = MAX_REQUEST_BYTES, repository: Any = None,
-          stop: threading.Event | None = None, fsync: bool = False) -> None:
+          stop: threading.Event | None = None, fsync: bool = False,
+          handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
     """Serve the repository in ``directory`` on ``host:port`` until ``stop`` is set (``main``: SIGTERM).
 
     ``token``: the shared secret (default :func:`deepfreeze.net.load_token` of ``token_file``).
     ``arena_bytes``: the staging arena (0: none; same-node clients then use TCP). ``ready`` is
     called with the bound ``"host:port"`` once the provider accepts connections. ``repository``:
     an open repository object to serve instead of opening ``directory`` (tests slow it down by
-    subclassing). ``fsync``: the store's durability option (EmbeddedRepository(fsync=...)). The arena file is unlinked and the repository closed on return."""
+    subclassing). ``fsync``: the store's durability option (EmbeddedRepository(fsync=...)).
+    ``handshake_timeout``: seconds a new connection has to authenticate (at most
+    ``MAX_PENDING`` wait at once, in one thread: :class:`deepfreeze.net.Acceptor`). The arena
+    file is unlinked and the repository closed on return."""
     token = token if token is not None else net.load_token(token_file)
     sock = net.listen(host, port, allow_remote=allow_remote)
     repo = arena = None
@@ -545,30 +560,35 @@ def serve(directory: str, host: str = "127.0.0.1", port: int = 0, *, token: str 
         addr = net.format_address(*sock.getsockname()[:2])
         log.info("provider %d serving %s on %s (arena %s)", os.getpid(), directory, addr,
                  arena.path if arena else "none")
-        sock.settimeout(0.2)
-        if ready is not None:
-            ready(addr)
-        while not stop.is_set():
-            try:
-                conn, _ = sock.accept()
-            except (socket.timeout, TimeoutError):
+        threads_lock = threading.Lock()
+
+        def accepted(ch: net.Channel) -> None:  # in the acceptor's thread: never blocks
+            nonlocal threads
+            with threads_lock:
                 threads = [t for t in threads if t.is_alive()]
-                continue
-            except InterruptedError:
-                continue
-            threads = [t for t in threads if t.is_alive()]
-            if len(threads) >= MAX_CONNECTIONS:
-                log.warning("refusing a connection: %d connections open already", len(threads))
-                conn.close()
-                continue
-            t = threading.Thread(target=prov.handle, args=(conn,), name="deepfreeze-provider-conn", daemon=True)
-            t.start()
-            threads.append(t)
+                if stop.is_set() or len(threads) >= MAX_CONNECTIONS:
+                    if not stop.is_set():
+                        log.warning("refusing a connection: %d connections open already", len(threads))
+                    ch.close()
+                    return
+                t = threading.Thread(target=prov.handle, args=(ch,), name="deepfreeze-provider-conn", daemon=True)
+                t.start()
+                threads.append(t)
+
+        acceptor = net.Acceptor(sock, token, accepted, name="deepfreeze-provider-accept",
+                                handshake_timeout=handshake_timeout, max_pending=MAX_PENDING, log=log)
+        try:
+            if ready is not None:
+                ready(addr)
+            while not stop.wait(0.5):
+                pass
+        finally:
+            acceptor.close()
     finally:
         sock.close()
         stop.set()
         deadline = time.monotonic() + 5.0
-        for t in threads:  # each notices the stop within 0.5 s unless a request is running
+        for t in list(threads):  # each notices the stop within 0.5 s unless a request is running
             t.join(max(0.0, deadline - time.monotonic()))
         if arena is not None:
             arena.close()

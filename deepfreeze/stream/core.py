@@ -235,8 +235,7 @@ class Publisher:
         self.published: list[Version] = []  #: versions copied and announced, in order
         self.publish_times: dict[Version, float] = {}  #: version -> seconds from hand-over to notification
         self._error: BaseException | None = None
-        token = net.load_token(self.options.token) if _token_exists(self.options.token) else \
-            net.create_token(self.options.token)
+        token = net.ensure_token(self.options.token)  # created when missing; concurrent starters agree on one
         self.ring_path = os.path.join(self.options.shm_dir,
                                       f"deepfreeze-stream-{self.channel}-{run.id}-r{rank}")
         slots.sweep_stale(self.options.shm_dir)  # rings of producers killed earlier (their writer is gone)
@@ -263,7 +262,7 @@ class Publisher:
             redis_url = self.options.redis
             if redis_url:
                 from .redis_notify import RedisNotifier
-                self.redis = RedisNotifier(redis_url, self.channel)
+                self.redis = RedisNotifier(redis_url, self.channel, token=token)
                 self.redis.register(rank, self.endpoint)
         except BaseException:
             self._close_parts()
@@ -390,12 +389,6 @@ class Publisher:
             self.redis.notify(note)
         self.published.append(version)
         self.publish_times[version] = time.perf_counter() - t0
-
-
-def _token_exists(path: str | None) -> bool:
-    if path is None and os.environ.get(net.TOKEN_ENV):
-        return True
-    return os.path.exists(os.path.expanduser(path or net.default_token_path()))
 
 
 # --------------------------------------------------------------------------- consumer
@@ -534,7 +527,7 @@ class Subscriber:
         if self.redis_url:
             if self._listener is None:
                 from .redis_notify import RedisListener
-                self._listener = RedisListener(self.redis_url, self.channel)
+                self._listener = RedisListener(self.redis_url, self.channel, token=self._token_value())
             out: dict[str, dict[int, dict[str, Any]]] = {}
             for rank, rec in self._listener.endpoints().items():
                 try:

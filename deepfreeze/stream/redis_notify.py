@@ -17,12 +17,25 @@ misses nothing. (The latest notes are one hash rather than one key per rank so a
 all ranks in one command.) :meth:`RedisListener.next_note` blocks in the client's socket read
 with a timeout (push, no polling). Everything read from Redis is checked: a value that is not a
 JSON object of at most 1 MiB, or a field that is not ``r<rank>``, is skipped and logged (another
-writer's garbage never breaks the consumer). A server that cannot be reached or that fails:
+writer's garbage never breaks the consumer).
+
+**Authenticity.** Redis has no authentication of its own here, so anyone who can reach it could
+rewrite an endpoint record (to redirect consumers) or publish notes. Every record and note
+therefore carries ``"mac"``: HMAC-SHA256 under a key derived from the stream token
+(``H(token, "deepfreeze-redis 1")``) over its context and its canonical JSON (sorted keys, no
+spaces, ASCII), the context being ``<prefix>:endpoints/r<rank>`` for a record (a valid record
+cannot be moved to another rank or channel) and ``<prefix>:note`` for a note. A value whose
+MAC is missing or does not verify is ignored, never used, with one warning per key and cause
+(not one per message). The socket handshake (:mod:`deepfreeze.net`) independently refuses a
+server that does not know the token, so a forged record can at worst point to nothing; a
+replayed old record or note of the same channel points to an older run, which the consumer
+already tells apart by its run id and versions. A server that cannot be reached or that fails:
 :class:`~deepfreeze.errors.StreamError` naming the URL (timeouts:
 :class:`~deepfreeze.errors.StreamTimeoutError`), the cause chained.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -85,49 +98,94 @@ def _error(redis: Any, e: BaseException, message: str) -> StreamError:
     return cls(message)
 
 
-def _decode(raw: Any, what: str) -> dict[str, Any] | None:
-    """A JSON object from Redis, or None (logged) when it is not one."""
-    if not isinstance(raw, (bytes, str)) or len(raw) > MAX_VALUE:
-        log.warning("stream: %s is not a string of at most %d bytes: skipped", what, MAX_VALUE)
-        return None
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        log.warning("stream: %s is not valid JSON (%s): skipped", what, e)
-        return None
-    if not isinstance(obj, dict):
-        log.warning("stream: %s is not a JSON object: skipped", what)
-        return None
-    return obj
+def _mac_key(token: str) -> bytes:
+    if not isinstance(token, str) or not token:
+        raise ConfigError("the Redis notifications need the stream token (deepfreeze.net.load_token()) to "
+                          "authenticate their records and notes")
+    return hmac.new(token.encode(), b"deepfreeze-redis 1", "sha256").digest()
 
 
-def _by_rank(items: Mapping[Any, Any], what: str) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for field, raw in items.items():
-        name = field.decode("utf-8", "replace") if isinstance(field, bytes) else str(field)
-        m = _RANK_FIELD.fullmatch(name)
-        if m is None:
-            log.warning("stream: field %r of %s is not r<rank>: skipped", name[:100], what)
-            continue
-        obj = _decode(raw, f"{what} {name}")
-        if obj is not None:
-            out[int(m.group(1))] = obj
-    return out
+def _mac(key: bytes, context: str, body: Mapping[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hmac.new(key, context.encode() + b"\0" + canonical.encode(), "sha256").hexdigest()
+
+
+def _sealed(key: bytes, context: str, obj: Mapping[str, Any]) -> str:
+    """``obj`` as JSON with its ``"mac"`` (see the module doc)."""
+    body = {k: v for k, v in obj.items() if k != "mac"}
+    return json.dumps({**body, "mac": _mac(key, context, body)}, separators=(",", ":"))
+
+
+class _Reader:
+    """Decoding and verification of what comes from Redis, warning once per key and cause."""
+
+    def __init__(self, token: str) -> None:
+        self._key = _mac_key(token)
+        self._warned: set[tuple[str, str]] = set()
+        self.ignored = 0  #: values skipped (malformed, or a MAC that does not verify)
+
+    def skip(self, key: str, cause: str, message: str, *args: Any) -> None:
+        self.ignored += 1
+        if (key, cause) not in self._warned:
+            self._warned.add((key, cause))
+            log.warning("stream: " + message + " (warned once for this key)", *args)
+
+    def decode(self, raw: Any, what: str, context: str) -> dict[str, Any] | None:
+        """A JSON object from Redis whose MAC verifies (without its "mac"), or None (warned once)."""
+        if not isinstance(raw, (bytes, str)) or len(raw) > MAX_VALUE:
+            self.skip(what, "size", "%s is not a string of at most %d bytes: ignored", what, MAX_VALUE)
+            return None
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            self.skip(what, "json", "%s is not valid JSON (%s): ignored", what, e)
+            return None
+        if not isinstance(obj, dict):
+            self.skip(what, "json", "%s is not a JSON object: ignored", what)
+            return None
+        mac = obj.pop("mac", None)
+        if not isinstance(mac, str) or not hmac.compare_digest(mac.encode("ascii", "replace"),
+                                                               _mac(self._key, context, obj).encode()):
+            self.skip(what, "mac", "%s has no valid MAC: written by someone without the stream token (or with "
+                      "another token): ignored", what)
+            return None
+        return obj
+
+    def by_rank(self, items: Mapping[Any, Any], what: str, hash_key: str) -> dict[int, dict[str, Any]]:
+        out: dict[int, dict[str, Any]] = {}
+        for field, raw in items.items():
+            name = field.decode("utf-8", "replace") if isinstance(field, bytes) else str(field)
+            m = _RANK_FIELD.fullmatch(name)
+            if m is None:
+                self.skip(f"{what} {name[:100]}", "field", "field %r of %s is not r<rank>: ignored", name[:100], what)
+                continue
+            context = f"{hash_key}/{name}" if hash_key.endswith(":endpoints") else hash_key
+            obj = self.decode(raw, f"{what} {name}", context)
+            if obj is not None:
+                if hash_key.endswith(":note") and obj.get("rank") != int(m.group(1)):
+                    self.skip(f"{what} {name}", "rank", "%s %s names rank %r: ignored", what, name, obj.get("rank"))
+                    continue
+                out[int(m.group(1))] = obj
+        return out
 
 
 class RedisNotifier:
     """Producer side, one per rank: registers the rank's endpoint and publishes its notes.
 
-    ``url``: ``redis://host:port[/db]``; ``channel``: the stream's channel (checkpoint name).
+    ``url``: ``redis://host:port[/db]``; ``channel``: the stream's channel (checkpoint name);
+    ``token``: the stream token (records and notes are MACed with it).
     ``timeout`` bounds every command (:class:`StreamTimeoutError`)."""
 
-    def __init__(self, url: str, channel: str, *, timeout: float = _DEFAULT_TIMEOUT) -> None:
+    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT) -> None:
         self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel)
+        self._key = _mac_key(token)
         self._redis, self._client = _connect(url, timeout)  # self.url: the URL without its password
 
     def register(self, rank: int, endpoint: Mapping[str, Any]) -> None:
         """Store ``endpoint`` (a JSON-able mapping: address, node, ring path, ...) as rank ``rank``'s."""
-        self._run("register", "hset", f"{self.prefix}:endpoints", self._field(rank), json.dumps(dict(endpoint)))
+        field = self._field(rank)
+        self._run("register", "hset", f"{self.prefix}:endpoints", field,
+                  _sealed(self._key, f"{self.prefix}:endpoints/{field}", endpoint))
 
     def unregister(self, rank: int) -> None:
         """Remove rank ``rank``'s endpoint and latest note (at the producer's clean close)."""
@@ -140,9 +198,10 @@ class RedisNotifier:
         """Record ``note`` as its rank's latest, then publish it (one transaction, one round trip).
         ``note["rank"]`` names the rank (the note of :meth:`RankServer.notify` has it)."""
         rank = note.get("rank")
-        data = json.dumps(dict(note), separators=(",", ":"))
+        field = self._field(rank)
+        data = _sealed(self._key, f"{self.prefix}:note", note)
         pipe = self._client.pipeline(transaction=True)
-        pipe.hset(f"{self.prefix}:latest", self._field(rank), data)
+        pipe.hset(f"{self.prefix}:latest", field, data)
         pipe.publish(self.prefix, data)
         self._exec("notify", pipe)
 
@@ -181,11 +240,14 @@ class RedisListener:
     """Consumer side: reads the endpoints and latest notes, receives notes by pub/sub.
 
     Subscribed when the constructor returns (it waits for the server's confirmation), so every
-    note published afterwards is received; :meth:`latest` gives what came before."""
+    note published afterwards is received; :meth:`latest` gives what came before. ``token``: the
+    stream token; records and notes whose MAC does not verify under it are ignored (one warning
+    per key and cause; :attr:`ignored` counts them)."""
 
-    def __init__(self, url: str, channel: str, *, timeout: float = _DEFAULT_TIMEOUT) -> None:
+    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT) -> None:
         self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel)
         self.timeout = timeout
+        self._reader = _Reader(token)
         self._redis, self._client = _connect(url, timeout)  # self.url: the URL without its password
         self._pubsub = self._client.pubsub()
         try:
@@ -208,11 +270,13 @@ class RedisListener:
 
     def endpoints(self) -> dict[int, dict[str, Any]]:
         """rank -> endpoint record, for every registered rank."""
-        return _by_rank(self._cmd("hgetall", f"{self.prefix}:endpoints"), f"{self.prefix}:endpoints")
+        return self._reader.by_rank(self._cmd("hgetall", f"{self.prefix}:endpoints"), f"{self.prefix}:endpoints",
+                                    f"{self.prefix}:endpoints")
 
     def latest(self) -> dict[int, dict[str, Any]]:
         """rank -> that rank's newest note (to catch up at start)."""
-        return _by_rank(self._cmd("hgetall", f"{self.prefix}:latest"), f"{self.prefix}:latest")
+        return self._reader.by_rank(self._cmd("hgetall", f"{self.prefix}:latest"), f"{self.prefix}:latest",
+                                    f"{self.prefix}:note")
 
     def next_note(self, timeout: float | None) -> dict[str, Any] | None:
         """The next published note, or ``None`` when none came within ``timeout`` seconds
@@ -234,9 +298,14 @@ class RedisListener:
                 continue
             if msg.get("type") != "message":
                 continue
-            note = _decode(msg.get("data"), f"a message on {self.prefix}")
+            note = self._reader.decode(msg.get("data"), f"a message on {self.prefix}", f"{self.prefix}:note")
             if note is not None:
                 return note
+
+    @property
+    def ignored(self) -> int:
+        """Values read from Redis and ignored so far (malformed, or a MAC that does not verify)."""
+        return self._reader.ignored
 
     def fileno(self) -> int | None:
         """The pub/sub socket's descriptor (for ``select``), or None when not connected."""

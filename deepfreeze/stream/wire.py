@@ -5,13 +5,16 @@ it serves that rank's shard bytes straight from the ring (no funnel through rank
 small notification to every subscribed consumer once a version is complete. A consumer holds one
 :class:`RankClient` per producer rank; it can ``poll()`` (or ``selectors``) over their :meth:`RankClient.fileno`.
 
-**Protocol** (every message is one :mod:`deepfreeze.net` frame: JSON header, raw payload)::
+**Protocol.** A connection first runs the :mod:`deepfreeze.net` handshake (both ends prove they
+know the token, which never goes on the wire; a server that cannot prove it is refused before
+the client sends anything); then every message is one sealed frame (JSON header, raw payload,
+MACs under the session key over direction, sequence number, header and payload)::
 
     client                                            server
-    {"op": "hello", "token", "channel", "run"?}  ->  {"ok": true, "rank", "world", "run", "generation",
+    {"op": "hello", "channel", "run"?}           ->  {"ok": true, "rank", "world", "run", "generation",
                                                       "channel", "capacity", "node", "pid", "ring"}
-                                                      (wrong token: AuthenticationError; another
-                                                      channel or run: StreamError; then closed)
+                                                      (another channel or run: StreamError;
+                                                      then closed)
     {"op": "subscribe"}                          ->  {"ok": true, "op": "subscribed"}, then the newest
                                                       complete version's note (catch-up), then one
                                                       note per :meth:`RankServer.notify`, until closed:
@@ -25,7 +28,8 @@ small notification to every subscribed consumer once a version is complete. A co
 A subscribed connection carries notifications only (the client sends nothing more on it); a
 :class:`RankClient` that subscribed opens a second connection for its fetches, lazily.
 
-**Push, never poll.** :meth:`RankServer.notify` encodes the note once and, for each subscriber
+**Push, never poll.** :meth:`RankServer.notify` seals the note for each subscriber (its own
+sequence number and session key: one HMAC of a small header each) and, for each subscriber
 with nothing queued, writes it to the socket right away without waiting (``MSG_DONTWAIT`` after
 a zero-timeout ``poll`` for room): no handoff to another thread, so a producer whose other
 threads hold the GIL does not add a thread switch (up to ``sys.getswitchinterval()``, 5 ms) to
@@ -43,12 +47,22 @@ headers at most 64 KiB and no request payload on the server; on the client, head
 caller's buffer). Every wait has a deadline: a stopped server gives
 :class:`~deepfreeze.errors.StreamTimeoutError`, a closed one :class:`~deepfreeze.errors.StreamError`
 (transport errors of :mod:`deepfreeze.net` are re-raised as these, the cause chained, with
-``net.is_transport_error(e)`` still true). Connections are capped (``max_connections``).
+``net.is_transport_error(e)`` still true). Authenticated connections are capped
+(``max_connections``); unauthenticated ones wait in the server's
+:class:`~deepfreeze.net.Acceptor` (one thread, at most ``max_pending``, the oldest closed when
+another arrives, each for at most ``handshake_timeout`` seconds), so idle or slow-loris
+connections never cost a thread and never lock out a consumer that knows the token: it gets
+through within ``handshake_timeout`` plus its own ``io_timeout``. A subscriber that stops
+reading holds only its own queue (``max_queue`` notes, then dropped; a send blocked past
+``io_timeout``: dropped), never anybody else's notes. A ``get`` is sent straight from its
+pinned slot, but a reader that takes nothing for ``PIN_TIMEOUT`` seconds gets the rest from a
+private copy and the pin goes, so readers that request and never read cannot keep the producer
+from writing (at most ``MAX_STALLED`` such copies at once, one slot each; past that a stalled
+reader is dropped); a stalled reader is dropped after ``io_timeout``.
 """
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import select
@@ -67,7 +81,8 @@ if TYPE_CHECKING:  # the ring is duck-typed at run time (latest, pinned, capacit
     from .slots import SlotRing
 
 __all__ = ["RankServer", "RankClient", "ready_note", "MAX_REQUEST_HEADER", "MAX_REPLY_HEADER",
-           "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_CONNECTIONS"]
+           "DEFAULT_MAX_QUEUE", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_HANDSHAKE_TIMEOUT", "DEFAULT_MAX_PENDING",
+           "PIN_TIMEOUT", "MAX_STALLED"]
 
 log = logging.getLogger("deepfreeze.stream")
 
@@ -77,8 +92,16 @@ MAX_REQUEST_HEADER = 64 << 10
 MAX_REPLY_HEADER = 1 << 20
 #: notifications queued per subscriber before it counts as stalled and is dropped
 DEFAULT_MAX_QUEUE = 256
-#: connections a server serves at once (each has a thread); more are refused
+#: authenticated connections a server serves at once (each has a thread); more are refused
 DEFAULT_MAX_CONNECTIONS = 128
+#: seconds a get may keep its slot pinned while the reader takes nothing (then the rest is copied)
+PIN_TIMEOUT = 0.5
+#: stalled readers served from private copies at once (memory: at most this many slots); more are dropped
+MAX_STALLED = 4
+#: seconds a new connection has to complete the handshake (:class:`deepfreeze.net.Acceptor`)
+DEFAULT_HANDSHAKE_TIMEOUT = 5.0
+#: connections waiting in the handshake at once; one more closes the oldest
+DEFAULT_MAX_PENDING = 64
 _MAX_CAPACITY = 1 << 48
 _MAX_INT = 1 << 63
 _NOTE_KEYS = ("generation", "step", "nbytes", "crc")
@@ -116,25 +139,21 @@ def ready_note(version: Version, nbytes: int, crc: int, **extra: Any) -> dict[st
     return {"generation": version.generation, "step": version.step, "nbytes": nbytes, "crc": crc, **extra}
 
 
-def _frame(header: Mapping[str, Any]) -> bytes:
-    """One whole :mod:`deepfreeze.net` frame without payload (a notification)."""
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    return net._FRAME.pack(net.MAGIC, net.VERSION, 0, len(raw), 0) + raw
-
-
 class _Subscriber:
-    """One subscribed connection: its queue of encoded notes, the lock of its socket's writes and
-    the pipe that wakes its thread. ``pending`` and ``last`` are guarded by the server's lock."""
+    """One subscribed connection: its queue of sealed notes (each with this connection's own
+    sequence number and MAC, so they go out in the order they were sealed), the lock of its
+    socket's writes and the pipe that wakes its thread. ``pending`` and ``last`` are guarded by
+    the server's lock, and so is sealing (``ch.frame``)."""
 
-    def __init__(self, conn: socket.socket, peer: str, max_queue: int) -> None:
-        self.conn, self.peer, self.max_queue = conn, peer, max_queue
+    def __init__(self, ch: net.Channel, peer: str, max_queue: int) -> None:
+        self.ch, self.conn, self.peer, self.max_queue = ch, ch.sock, peer, max_queue
         self.pending: collections.deque[bytes] = collections.deque()
         self.send_lock = threading.Lock()  # held by whoever writes to the socket
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
         self._out = select.poll()
-        self._out.register(conn.fileno(), select.POLLOUT)
+        self._out.register(ch.fileno(), select.POLLOUT)
         self.dropped = False
         self.last: tuple[int, int] | None = None  # (generation, step) last queued or sent
 
@@ -179,16 +198,18 @@ class RankServer:
     ``host``/``port``/``allow_remote``: as :func:`deepfreeze.net.listen` (loopback unless told
     otherwise); :attr:`address` is ``advertise:port``, ``advertise`` defaulting to ``host`` (to this
     machine's name when ``host`` is a wildcard such as ``0.0.0.0``). ``token``: the secret every
-    connection must present. ``max_queue``: notes queued per subscriber before it is dropped.
-    ``max_connections``: connections served at once. ``io_timeout``: the bound of
+    connection must prove it knows. ``max_queue``: notes queued per subscriber before it is dropped.
+    ``max_connections``: authenticated connections served at once. ``handshake_timeout`` and
+    ``max_pending``: the pre-authentication bounds (module doc). ``io_timeout``: the bound of
     every send and receive (a consumer that does not take a payload within it is dropped, and the
-    slot it pinned is released). Threads: ``deepfreeze-stream-r<rank>`` accepts, one
+    slot it pinned is released). Threads: ``deepfreeze-stream-r<rank>`` accepts and runs the handshakes, one
     ``deepfreeze-stream-r<rank>-c<n>`` per connection."""
 
     def __init__(self, ring: "SlotRing", *, channel: str, rank: int, world: int, run: RunInfo,
                  token: str, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
                  io_timeout: float = 30.0, max_queue: int = DEFAULT_MAX_QUEUE,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, advertise: str | None = None) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, advertise: str | None = None,
+                 handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT, max_pending: int = DEFAULT_MAX_PENDING) -> None:
         if not _is_int(world, 1) or not _is_int(rank, 0, world):
             raise ConfigError(f"rank {rank!r} / world {world!r}: expected integers with 0 <= rank < world")
         if not isinstance(channel, str) or not channel:
@@ -200,6 +221,9 @@ class RankServer:
         self.max_queue, self.max_connections = max_queue, max_connections
         self.bytes_sent = 0
         self.connections = 0
+        self.stalled_copies = 0  #: payloads copied out of a slot because their reader stopped taking them
+        self.pin_timeout, self.max_stalled = min(float(io_timeout), PIN_TIMEOUT), MAX_STALLED
+        self._copies = 0
         self._subs: list[_Subscriber] = []
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -212,9 +236,8 @@ class RankServer:
         self.address = net.format_address(advertise, self._sock.getsockname()[1])
         self._stop_r, self._stop_w = os.pipe()  # written once at close, never drained: wakes every poll
         self._threads: list[threading.Thread] = []
-        t = threading.Thread(target=self._accept_loop, name=f"deepfreeze-stream-r{rank}", daemon=True)
-        self._accept_thread = t
-        t.start()
+        self._acceptor = net.Acceptor(self._sock, token, self._accepted, name=f"deepfreeze-stream-r{rank}",
+                                      handshake_timeout=handshake_timeout, max_pending=max_pending, log=log)
 
     # ------------------------------------------------------------------ public
     @property
@@ -231,7 +254,7 @@ class RankServer:
         ``op``, ``channel``, ``run``, ``rank``, ``world`` and ``t`` (``time.time()``) are filled in
         when absent. Call it only once the version is complete in the ring."""
         full = self._complete(note)
-        frame, key = _frame(full), (full["generation"], full["step"])
+        key = (full["generation"], full["step"])
         with self._lock:
             if self._closed:
                 return
@@ -239,6 +262,7 @@ class RankServer:
                 if sub.last is not None and key <= sub.last:
                     continue  # already announced (the catch-up note of a fresh subscriber)
                 sub.last = key
+                frame = sub.ch.frame(full)  # sealed for this subscriber: its own sequence number and key
                 try:
                     rest = sub.try_send(frame)  # the common case: sent right here, no thread handoff
                 except OSError as e:
@@ -267,13 +291,14 @@ class RankServer:
             self._closed = True
             conns = list(self._conns)
         os.write(self._stop_w, b"\0")
+        self._acceptor.close()
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         deadline = time.monotonic() + self.io_timeout
-        for t in [self._accept_thread, *self._threads]:
+        for t in list(self._threads):
             t.join(max(0.0, deadline - time.monotonic()))
         self._sock.close()
         for fd in (self._stop_r, self._stop_w):
@@ -317,45 +342,35 @@ class RankServer:
             pass
 
     # ------------------------------------------------------------------ connections
-    def _accept_loop(self) -> None:
-        p = _poller(self._sock.fileno(), self._stop_r)
-        while True:
-            try:
-                r = _ready(p, None)
-            except (OSError, ValueError):
+    def _accepted(self, ch: net.Channel) -> None:
+        """An authenticated connection from the :class:`~deepfreeze.net.Acceptor`: a thread of its
+        own, or closed when ``max_connections`` are served (called in the acceptor's thread)."""
+        with self._lock:
+            if self._closed or self.connections >= self.max_connections:
+                full = not self._closed
+                ch.close()
+                if full:
+                    log.warning("stream %s rank %d: refused a connection: %d connections already served",
+                                self.channel, self.rank, self.max_connections)
                 return
-            if self._stop_r in r:
-                return
-            try:
-                conn, _addr = self._sock.accept()
-            except OSError:
-                continue
-            with self._lock:
-                if self._closed or self.connections >= self.max_connections:
-                    full = not self._closed
-                    conn.close()
-                    if full:
-                        log.warning("stream %s rank %d: refused a connection: %d connections already served",
-                                    self.channel, self.rank, self.max_connections)
-                    continue
-                self.connections += 1
-                self._conns.add(conn)
-                self._count += 1
-                n = self._count
-                self._threads = [t for t in self._threads if t.is_alive()]
-                t = threading.Thread(target=self._handle, args=(conn,), daemon=True,
-                                     name=f"deepfreeze-stream-r{self.rank}-c{n}")
-                self._threads.append(t)
-            t.start()
+            self.connections += 1
+            self._conns.add(ch.sock)
+            self._count += 1
+            n = self._count
+            self._threads = [t for t in self._threads if t.is_alive()]
+            t = threading.Thread(target=self._handle, args=(ch,), daemon=True,
+                                 name=f"deepfreeze-stream-r{self.rank}-c{n}")
+            self._threads.append(t)
+        t.start()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _handle(self, conn: net.Channel) -> None:
         peer = "?"
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            net.keepalive(conn)
-            peer = net.format_address(*conn.getpeername()[:2])
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            net.keepalive(conn.sock)
+            peer = conn.peer()
             deadline = time.monotonic() + self.io_timeout
-            hello = net.server_handshake(conn, self.token, deadline=deadline, max_header=MAX_REQUEST_HEADER)
+            hello = dict(net.recv_msg(conn, max_header=MAX_REQUEST_HEADER, max_payload=0, deadline=deadline).header)
             try:
                 reply = self._hello(hello)
             except DeepFreezeError as e:
@@ -373,7 +388,7 @@ class RankServer:
             log.exception("stream %s rank %d: connection of %s failed", self.channel, self.rank, peer)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.discard(conn.sock)
                 self.connections -= 1
             conn.close()
 
@@ -391,7 +406,7 @@ class RankServer:
                 "generation": self.run.generation, "channel": self.channel, "capacity": int(self.ring.capacity),
                 "node": self._node, "pid": os.getpid(), "ring": getattr(self.ring, "path", None)}
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, conn: net.Channel, peer: str) -> None:
         """Requests of one connection until it closes (or subscribes: then notes until it closes)."""
         p = _poller(conn.fileno(), self._stop_r)
         while True:
@@ -403,13 +418,13 @@ class RankServer:
             if op == "subscribe":
                 return self._subscribed(conn, peer)
             if op == "get":
-                self._get(conn, msg.header)
+                self._get(conn, msg.header, peer)
                 continue
             net.send_msg(conn, net.error_reply(StreamError(f"unknown request {op!r:.100}: expected 'get' or "
                                                            "'subscribe'")),
                          deadline=time.monotonic() + self.io_timeout)
 
-    def _get(self, conn: socket.socket, req: Mapping[str, Any]) -> None:
+    def _get(self, conn: net.Channel, req: Mapping[str, Any], peer: str = "?") -> None:
         g, s = req.get("generation"), req.get("step")
         deadline = time.monotonic() + self.io_timeout
         if (g is None) != (s is None) or (g is not None and (not _is_int(g) or not _is_int(s, -_MAX_INT))):
@@ -418,20 +433,54 @@ class RankServer:
                 deadline=deadline)
             return
         want = None if g is None else Version(g, s)
+        rest: Any = None
         try:
             with self.ring.pinned(want) as (version, crc, view):  # a flat byte view of the slot
                 header = {"ok": True, "generation": version.generation, "step": version.step,
                           "nbytes": view.nbytes, "crc": int(crc)}
-                net.send_msg(conn, header, [view], deadline=deadline)  # still pinned: zero copy from the slot
-                with self._lock:
-                    self.bytes_sent += view.nbytes
+                w, n = conn.begin(header, view.nbytes, deadline=deadline), view.nbytes
+                # still pinned: zero copy from the slot, for at most pin_timeout of a peer taking nothing
+                sent = w.write(view, deadline=deadline, pause_at=time.monotonic() + self.pin_timeout)
+                if sent < view.nbytes:
+                    rest = self._stalled_copy(view[sent:], peer)
         except StreamError as e:
             if net.is_transport_error(e):
                 raise
             net.send_msg(conn, net.error_reply(e), deadline=deadline)
+            return
+        try:
+            if rest is not None:  # the slot is free again; this reader waits on its own copy
+                w.write(rest, deadline=deadline)
+            w.finish(deadline=deadline)
+        finally:
+            if rest is not None:
+                with self._lock:
+                    self._copies -= 1
+        with self._lock:
+            self.bytes_sent += n
 
-    def _subscribed(self, conn: socket.socket, peer: str) -> None:
-        sub = _Subscriber(conn, peer, self.max_queue)
+    def _stalled_copy(self, rest: memoryview, peer: str) -> bytearray:
+        """A private copy of what a stalled reader has still to take, so its pin goes (at most
+        ``max_stalled`` at once: past that the reader is dropped, :class:`StreamTimeoutError`)."""
+        with self._lock:
+            if self._copies >= self.max_stalled:
+                e = StreamTimeoutError(f"client {peer} took nothing for {self.pin_timeout:g}s while "
+                                       f"{self._copies} other stalled readers hold copies: dropped so that its "
+                                       "pin does not keep the producer from writing")
+                e.transport = True  # in the middle of a frame: the connection is closed
+                raise e
+            self._copies += 1
+            self.stalled_copies += 1
+        try:
+            return bytearray(rest)
+        except BaseException:
+            with self._lock:
+                self._copies -= 1
+            raise
+
+    def _subscribed(self, ch: net.Channel, peer: str) -> None:
+        sub = _Subscriber(ch, peer, self.max_queue)
+        conn = ch.sock
         sub.send_lock.acquire()  # notify() queues, and does not send, until the answer is out
         held = True
         try:
@@ -439,11 +488,11 @@ class RankServer:
                 if self._closed:
                     return
                 self._subs.append(sub)  # from now on, every notify reaches it, in order
+                sub.queue(ch.frame({"ok": True, "op": "subscribed"}))  # sealed first, so sent first
                 first = self._latest_note()
                 if first is not None:
                     sub.last = (first["generation"], first["step"])
-                    sub.queue(_frame(first))
-            net.send_msg(conn, {"ok": True, "op": "subscribed"}, deadline=time.monotonic() + self.io_timeout)
+                    sub.queue(ch.frame(first))
             p = _poller(conn.fileno(), sub.wake_r, self._stop_r)
             while True:
                 while True:  # send what is queued (the send lock held: notify() queues behind it)
@@ -514,8 +563,8 @@ class RankClient:
         self.timeout = float(timeout)
         self.subscribed = subscribe
         self.hello: dict[str, Any] = {}
-        self.sock = self._open()
-        self._data: socket.socket | None = None if subscribe else self.sock
+        self.sock: net.Channel = self._open()
+        self._data: net.Channel | None = None if subscribe else self.sock
         if subscribe:
             try:
                 deadline = time.monotonic() + self.timeout
@@ -534,7 +583,7 @@ class RankClient:
         """The largest shard the server can send (its ring's slot capacity)."""
         return self.hello["capacity"]
 
-    def _open(self) -> socket.socket:
+    def _open(self) -> net.Channel:
         try:
             sock = net.connect(self.address, self.timeout)
         except ProviderError as e:
@@ -544,8 +593,8 @@ class RankClient:
             hello = {"op": "hello", "channel": self.channel}
             if self.run_id is not None:
                 hello["run"] = self.run_id
-            reply = net.client_handshake(sock, self.token, hello, deadline=time.monotonic() + self.timeout,
-                                         max_header=MAX_REPLY_HEADER)
+            ch, reply = net.client_handshake(sock, self.token, hello, deadline=time.monotonic() + self.timeout,
+                                             max_header=MAX_REPLY_HEADER)
             self._check_hello(reply)
         except ProviderError as e:
             sock.close()
@@ -558,7 +607,7 @@ class RankClient:
             raise StreamError(f"stream server {self.address} is now rank {reply['rank']} of run {reply['run']!r}, "
                               f"not rank {self.hello['rank']} of run {self.hello['run']!r}: read the endpoints again")
         self.hello = reply
-        return sock
+        return ch
 
     def _check_hello(self, reply: Mapping[str, Any]) -> None:
         world = reply.get("world")
