@@ -257,8 +257,13 @@ class Engine:
         cfg.check_memtier()
         from .memtier import device as mdev
         layout = FusedLayout.build(self.plan, self.rank)
+        job = self.run.job
+        if job is None and self.run.id == ANONYMOUS_RUN:  # an engine built without a Run: the name's job, if any
+            from .run import read_job_id
+            job = read_job_id(cfg.persistent, self.name)
+        # the region records its job: restore, ls and resume of another job sharing the name never read it
         index = mdev.make_index(self.plan, self.rank, self.name, self.run.id,
-                                lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout})
+                                lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout}, job=job)
         dev = mdev.open(cfg.memtier)
         meta_cap = mdev.manifest_capacity(len(self.plan.tensors), len(self.plan.pieces), self.plan.world_size)
         try:  # an engine rebuilt within the same run (a second fit) gets its region again

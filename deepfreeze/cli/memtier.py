@@ -66,6 +66,9 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     q.add_argument("--force", action="store_true",
                    help="dump an ACTIVE (being written or interrupted) or damaged version anyway, unchecked, and "
                         "replace an existing OUT")
+    q.add_argument("--job", metavar="ID",
+                   help="when models of several jobs share NAME: the job to dump (its id or a unique prefix, as "
+                        "'view' shows it; 'unknown' for models written before job ids)")
     q.set_defaults(func=_dump)
     q = ms.add_parser("repack", parents=[dev, parents["json"]],
                       help="compact away finished models' old versions and invalid slots",
@@ -138,19 +141,21 @@ def _view(args: argparse.Namespace) -> int:
                 if s.get("version") is not None and s.get("state") in ("DONE", "ACTIVE"):
                     g = s.get("generation") or 0
                     version = f"v{s['version']}" if g == 0 else f"g{g}/v{s['version']}"
-                rows.append([m.get("name"), m.get("run"), status, f"{sh.get('rank')}/{m.get('world_size')}",
+                rows.append([m.get("name"), m.get("run"), mdev.job_text(m.get("job")), status,
+                             f"{sh.get('rank')}/{m.get('world_size')}",
                              s.get("slot"), _slot_text(s), version,
                              mb(s["bytes"]) if s.get("bytes") else None,
                              _when(s.get("written")) if s.get("state") in ("DONE", "ACTIVE") else None])
     if rows:
-        print("\n".join(table(["MODEL", "RUN", "KIND", "RANK", "SLOT", "STATE", "VERSION", "SIZE", "WRITTEN"], rows,
-                              right=(4, 7))))
+        print("\n".join(table(["MODEL", "RUN", "JOB", "KIND", "RANK", "SLOT", "STATE", "VERSION", "SIZE", "WRITTEN"],
+                              rows, right=(5, 8))))
     return EXIT_OK
 
 
 def _dump(args: argparse.Namespace) -> int:
     from ..memtier.dump import dump
-    got = dump(args.path, args.name, args.output, force=args.force, version=args.version, overwrite=args.force)
+    got = dump(args.path, args.name, args.output, force=args.force, version=args.version, overwrite=args.force,
+               job=args.job)
     note = "" if got["verified"] else " UNVERIFIED (forced: the bytes were dumped unchecked)"
     print(f"wrote {got['path']} ({got['format']}): {got['name']} {got['version']}, {got['tensors']} tensors, "
           f"{mb(got['bytes'])}{note}")

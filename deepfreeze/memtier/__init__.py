@@ -25,9 +25,9 @@ level). docs/memtier.md has the details.
 """
 from __future__ import annotations
 
-from .api import Model, checkpoint, register, restore, view
+from .api import Model, checkpoint, job_id, register, restore, view
 from .device import Device, ShardRegion, SlotHeader, SlotState, create, open  # noqa: A004 - the documented name
 from .dump import dump
 
-__all__ = ["create", "open", "register", "checkpoint", "restore", "view", "dump",
+__all__ = ["create", "open", "register", "checkpoint", "restore", "view", "dump", "job_id",
            "Device", "Model", "ShardRegion", "SlotHeader", "SlotState"]

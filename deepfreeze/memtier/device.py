@@ -18,7 +18,9 @@ Layout (little-endian, every offset from the file start, ``PAGE`` = 4096)::
       (all u64), created f64, body_crc u32 (CRC32 of the body; the state word is outside it)
     data area from data_start = align(table_off + table_cap * entry_size, PAGE): the regions
     region of an entry (page aligned): index, then the slots
-      MIndex at index_off: index_len bytes of JSON + u32 CRC32 trailer (see :func:`make_index`)
+      MIndex at index_off: index_len bytes of JSON + u32 CRC32 trailer (see :func:`make_index`); its
+        ``job`` is the id of the job the region belongs to (``deepfreeze.run.job_id``; absent or
+        null: "job unknown", a region written before job ids existed)
       slot k at slot_off + k * slot_stride:
         header page: magic b"DFSLOT\\0\\0", state u32 (0 EMPTY, 1 ACTIVE, 2 DONE), pad u32, run 16s,
           generation u64, step u64 (the checkpoint version number), meta_len u32, pad u32,
@@ -93,11 +95,11 @@ from .. import crashpoints as cp
 from .. import format as fmt
 from ..errors import (CorruptCheckpointError, MemtierBusyError, MemtierCorruptError, MemtierError,
                       MemtierFullError)
-from ..run import Version
+from ..run import Version, valid_job_id
 
 __all__ = ["PAGE", "create", "open", "view", "parse_size", "Device", "ShardRegion", "SlotHeader", "SlotState",
            "SlotWriter", "make_index", "index_for_entries", "manifest_capacity", "default_live",
-           "FLOCK_TIMEOUT"]
+           "FLOCK_TIMEOUT", "for_job", "say_ignored", "job_text"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -340,6 +342,9 @@ def _index_problem(idx: Any, e: "_Entry | None") -> str | None:
                                   and isinstance(lease.get("timeout"), (int, float))
                                   and not isinstance(lease.get("timeout"), bool)):
         return "'lease' malformed (null or {persistent: str, timeout: number})"
+    job = idx.get("job")
+    if job is not None and not valid_job_id(job):
+        return "'job' malformed (null or 32 hex digits)"
     owner = idx.get("owner")
     if owner is not None and not (isinstance(owner, dict) and _int(owner.get("pid"), 1, 1 << 31)
                                   and _int(owner.get("start"), 0, 1 << 62) and isinstance(owner.get("boot"), str)):
@@ -376,20 +381,26 @@ def _index_problem(idx: Any, e: "_Entry | None") -> str | None:
 def index_for_entries(name: str, run: str, rank: int, world_size: int, names: Sequence[str],
                       entries: Sequence[fmt.Entry], data_offset: int, file_size: int, *,
                       lease: dict[str, Any] | None = None, standalone: bool = False,
-                      owner: dict[str, Any] | None = None) -> dict[str, Any]:
+                      owner: dict[str, Any] | None = None, job: str | None = None) -> dict[str, Any]:
     """The MIndex of a shard laid out by ``format.layout`` (``entries`` with offsets; ``names[i]``
-    is the tensor name of ``entries[i]``), e.g. from ``FusedLayout.build(plan, rank)``."""
+    is the tensor name of ``entries[i]``), e.g. from ``FusedLayout.build(plan, rank)``; ``job``:
+    the id of the job it belongs to (:func:`deepfreeze.run.job_id`), None: job unknown."""
+    if job is not None and not valid_job_id(job):
+        raise ValueError(f"job {job!r} is not a job id (32 hex digits: deepfreeze.run.new_job_id)")
     tensors = [{"name": n, "dtype": e.dtype, "shape": list(e.shape), "size": e.length, "offset": e.offset,
                 "tensor_id": e.tensor_id, "start": e.start, "stop": e.stop} for n, e in zip(names, entries)]
     idx = {"name": name, "run": run, "rank": rank, "world_size": world_size, "tensors": tensors,
            "data_offset": data_offset, "file_size": file_size, "lease": lease, "standalone": standalone}
     if owner is not None:
         idx["owner"] = owner
+    if job is not None:
+        idx["job"] = job
     return idx
 
 
 def make_index(plan: Any, rank: int, name: str, run: str, *, lease: dict[str, Any] | None = None,
-               standalone: bool = False, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+               standalone: bool = False, owner: dict[str, Any] | None = None,
+               job: str | None = None) -> dict[str, Any]:
     """The MIndex of rank ``rank``'s shard of a :class:`~deepfreeze.shardplan.ShardPlan` (the image
     is laid out exactly like the shard file and the fused capture buffer of that rank)."""
     pieces = plan.for_rank(rank)
@@ -397,7 +408,8 @@ def make_index(plan: Any, rank: int, name: str, run: str, *, lease: dict[str, An
            for p in pieces]
     entries, data_offset, file_size = fmt.layout(raw)
     return index_for_entries(name, run, rank, plan.world_size, [plan.tensors[p.tensor_id].name for p in pieces],
-                             entries, data_offset, file_size, lease=lease, standalone=standalone, owner=owner)
+                             entries, data_offset, file_size, lease=lease, standalone=standalone, owner=owner,
+                             job=job)
 
 
 def manifest_capacity(n_tensors: int, n_pieces: int, world_size: int) -> int:
@@ -917,6 +929,8 @@ class ShardRegion:
         self.nslots, self.entry_no, self.region_off = e.nslots, e.entry_no, e.region_off
         self.region_len, self.meta_cap, self.image_size = e.region_len, e.meta_cap, e.image_size
         self.finished = e.state == FINISHED
+        #: the id of the job this region belongs to (its MIndex ``job``); None: job unknown
+        self.job: str | None = index.get("job")
         self.data_offset, self.file_size = index["data_offset"], index["file_size"]
         #: the image's index entries (offsets in the image; CRCs 0: the written ones are in the image)
         self.entries = _index_entries(index)
@@ -1230,6 +1244,49 @@ def default_live(region: ShardRegion) -> bool:
     return True
 
 
+def job_text(job: str | None) -> str:
+    """A job id as shown to people: its first 12 hex digits, or ``unknown``."""
+    return "unknown" if job is None else job[:12]
+
+
+def for_job(regions: "Sequence[ShardRegion]", job: str | None) -> "tuple[list[ShardRegion], list[str]]":
+    """Split ``regions`` (of one name) into those of job ``job`` (matched on the id recorded in
+    their MIndex; ``None`` matches only regions of unknown job, written before job ids) and notes
+    on the ignored ones, one per (job, run): ``run R (ranks 0-1) of job J: another job``."""
+    mine, other = [], {}
+    for r in regions:
+        if r.job == job:
+            mine.append(r)
+        else:
+            other.setdefault((r.job or "", r.run), []).append(r.rank)
+    notes = []
+    for (j, run), ranks in sorted(other.items()):
+        why = ("job unknown (written before job ids): never restored into a job that has one" if not j else
+               "another job" if job is not None else "a job with an id, and this one has none")
+        notes.append(f"run {run} (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))}) of job "
+                     f"{job_text(j or None)}: {why}")
+    return mine, notes
+
+
+_said: set[tuple[str, str, str, tuple[str, ...]]] = set()
+_said_lock = threading.Lock()
+
+
+def say_ignored(path: str, name: str, job: str | None, notes: "Sequence[str]") -> None:
+    """Log, once per process for the same device, name, job and ignored regions, which regions of
+    ``name`` on the device at ``path`` were ignored (notes of :func:`for_job`) and why."""
+    if not notes:
+        return
+    key = (path, name, job or "", tuple(notes))
+    with _said_lock:
+        if key in _said:
+            return
+        _said.add(key)
+    log.warning("deepfreeze memtier: %s: ignored %d model(s) named %r that are not of this job (job %s): %s. "
+                "'deepfreeze memtier view %s' lists them with their jobs", path, len(notes), name, job_text(job),
+                "; ".join(notes), path)
+
+
 def view(path: str) -> dict[str, Any]:
     """A JSON-able description of the device: size, free bytes, problems found, and per model
     (name, run) its shards with every slot's state, version, size and whether it is restorable
@@ -1237,7 +1294,8 @@ def view(path: str) -> dict[str, Any]:
     with Device(path, writable=False, strict=False) as dev:
         models: dict[tuple[str, str], dict[str, Any]] = {}
         for r in dev.shards():
-            m = models.setdefault((r.name, r.run), {"name": r.name, "run": r.run, "world_size": r.world_size,
+            m = models.setdefault((r.name, r.run), {"name": r.name, "run": r.run, "job": r.job,
+                                                   "world_size": r.world_size,
                                                    "standalone": bool(r.index.get("standalone")),
                                                    "finished": r.finished, "shards": []})
             m["finished"] = m["finished"] and r.finished

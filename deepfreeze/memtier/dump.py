@@ -12,7 +12,10 @@ Refusal rules (Portus's ``dump`` must not trust what is being written):
   is given or ``force``;
 * a multi-rank model whose other ranks' regions are not on this device (other nodes' devices)
   is always refused, naming the missing ranks: ``deepfreeze export`` assembles it from the
-  flushed checkpoint instead.
+  flushed checkpoint instead;
+* a name held by models of several jobs (two jobs sharing a checkpoint name on one device) is
+  refused, naming the jobs, unless ``job`` picks one (an id, a unique prefix of one as ``view``
+  shows it, or ``"unknown"`` for models written before job ids).
 """
 from __future__ import annotations
 
@@ -30,13 +33,30 @@ __all__ = ["dump"]
 log = logging.getLogger("deepfreeze")
 
 
+def _pick_job(regions: list, job: str | None, name: str, path: str) -> list:
+    jobs = sorted({r.job or "unknown" for r in regions})
+    if job is None:
+        if len(jobs) > 1:
+            raise MemtierError(f"{path}: {name!r} is held by models of {len(jobs)} jobs ({', '.join(mdev.job_text(j) if j != 'unknown' else j for j in jobs)}): "
+                               "pick one with job= (--job ID; 'deepfreeze memtier view' shows each model's job)")
+        return regions
+    got = [j for j in jobs if j == job or (job != "unknown" and len(job) >= 4 and j.startswith(job))]
+    if len(got) != 1:
+        raise CheckpointNotFoundError(f"{path}: {'no' if not got else 'more than one'} job of {name!r} matches "
+                                      f"{job!r} (its jobs: {', '.join(jobs)})")
+    return [r for r in regions if (r.job or "unknown") == got[0]]
+
+
 def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool = False,
-         version: "Version | int | None" = None, overwrite: bool = False) -> dict[str, Any]:
+         version: "Version | int | None" = None, overwrite: bool = False, job: str | None = None,
+         optimizer: bool = False) -> dict[str, Any]:
     """Write version ``version`` (default: the newest) of model ``name`` on ``device`` to
     ``out_path``, in the format its suffix names (``.npz``, ``.h5``/``.hdf5``, ``.safetensors``).
     See the module docstring for what is refused and what ``force`` does; ``overwrite`` replaces
-    an existing output. Returns ``{"path", "format", "name", "run", "version", "tensors",
-    "bytes", "verified"}``. Errors: :class:`~deepfreeze.errors.CheckpointNotFoundError` (nothing of
+    an existing output. ``job`` picks one job's models when several share the name (see the
+    module docstring). ``optimizer``: an engine model's optimizer state is written too (by default
+    only the model's weights, which is what Keras ``load_weights`` takes from an ``.h5``).
+    Returns ``{"path", "format", "name", "run", "job", "version", "tensors", "bytes", "verified"}``. Errors: :class:`~deepfreeze.errors.CheckpointNotFoundError` (nothing of
     that name or version), :class:`~deepfreeze.errors.MemtierError` (refused),
     :class:`~deepfreeze.export.ExportError` (format or output)."""
     kind = format_from_path(out_path)
@@ -48,6 +68,8 @@ def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool =
         if not regions:
             raise CheckpointNotFoundError(f"{dev.path} holds no model named {name!r} ('deepfreeze memtier view' "
                                           "lists them)")
+        regions = _pick_job(regions, job, name, dev.path)
+        the_job = regions[0].job
         want = version if version is None or isinstance(version, Version) else None
 
         def match(v: Version) -> bool:
@@ -75,7 +97,7 @@ def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool =
             raise MemtierError(f"{name!r} (run {run}) has {world} ranks and ranks {_ranges(missing)} are not on "
                                f"{dev.path} (they are on other nodes' devices): a dump needs every rank. Use "
                                f"'deepfreeze export' on the flushed checkpoint instead")
-        cands, _ = select(dev, name)
+        cands, _ = select(dev, name, the_job, quiet=True)
         good = [c for c in cands if c[2][0][0].run == run]
         newest_valid = good[0][0] if good else None
         problem = None
