@@ -233,3 +233,30 @@ def test_job_id_created_once_by_concurrent_runs(tmp_path):
     with pytest.raises(Exception, match="not a job id"):
         read_job_id(str(tmp_path), "n")
 
+
+
+def test_keras_jobs_one_name_one_device(tmp_path, device):
+    """Through the Keras callback and the node backend: job B (same name, same device, more epochs,
+    so newer versions) does not leak into job A's ``resume=True``."""
+    worker = os.path.join(WORKERS, "memtier_keras_job.py")
+
+    def keras(label, root, epochs, phase):
+        out = tmp_path / label
+        os.makedirs(out)
+        p = subprocess.run([sys.executable, worker, str(out), device, str(root), str(epochs), phase],
+                           capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert p.returncode == 0, p.stderr[-4000:]
+        with open(out / "result.json") as f:
+            return json.load(f), out, p.stderr
+
+    (ra, out_a, _), (rb, _, _) = keras("a1", tmp_path / "a", 2, "first"), keras("b1", tmp_path / "b", 3, "first")
+    assert ra["job"] != rb["job"]
+    newest_a = max(int(n[:-4].rsplit("-v", 1)[1]) for n in os.listdir(out_a / "expected"))
+    assert newest_a == 12  # 2 epochs of 6 batches; B reached v18
+    got, _, err = keras("a2", tmp_path / "a", 3, "resume")
+    assert got["resumed_from"] == newest_a and got["job"] == ra["job"]
+    with np.load(out_a / "expected" / f"{ra['run']}-v{newest_a}.npz") as want, \
+            np.load(tmp_path / "a2" / "resumed.npz") as have:
+        for k in want.files:  # bit-exact: the weights A's run recorded at its newest checkpoint
+            assert want[k].tobytes() == have[k].tobytes()
+    assert "not of this job" in err and rb["run"] in err
