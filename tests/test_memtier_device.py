@@ -378,14 +378,32 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_table_entries_are_rejected(path, case):
+    """A damaged or hostile entry is quarantined (issue 24): that model is never read, every other
+    model stays usable (restore, register, view), view names the entry; strict=True still refuses."""
+    arrays = _arrays()
     with D.create(path, "16M") as dev:
         r, _ = _register(dev)
-        _register(dev, "other")
+        o, oplan = _register(dev, "other")
+        _put(o, oplan, arrays, 4)
+        extent = (r.region_off, r.region_len)
         HOSTILE[case](dev, r)
     with pytest.raises(MemtierCorruptError, match=f"entry {r.entry_no}|not a valid memory-tier device"):
-        D.open(path)
-    v = D.view(path)  # view is lenient: shows the problem and the intact model
-    assert v["problems"] and [m["name"] for m in v["models"]] == ["other"]
+        D.Device(path, strict=True)
+    with D.open(path) as dev:
+        assert [q["entry"] for q in dev.quarantined] == [r.entry_no] and dev.problems
+        assert [x.name for x in dev.shards()] == ["other"] and dev.find("m") == []
+        (other,) = dev.find("other")
+        k, h = other.newest()
+        assert h.version.step == 4 and other.read_image(k) is not None
+        new, _ = _register(dev, "third")  # the device stays writable; never on top of the damaged region
+        if case in ("index crc", "index not json", "index deep", "index long int", "index piece outside",
+                    "index pieces overlap", "index other model", "bad name", "rank >= world", "huge index",
+                    "index overlaps slots", "stride too small", "slots past the region", "huge slot count"):
+            assert not (new.region_off < extent[0] + extent[1] and extent[0] < new.region_off + new.region_len)
+    v = D.view(path)  # view shows the problem and the intact models
+    assert any(f"entry {r.entry_no}" in p for p in v["problems"])
+    assert sorted(m["name"] for m in v["models"]) == ["other", "third"]
+    assert [q["entry"] for q in v["quarantined"]] == [r.entry_no]
 
 
 def test_overlapping_regions_are_rejected(path):
@@ -397,7 +415,10 @@ def test_overlapping_regions_are_rejected(path):
         dev.mm[new:new + n] = dev.mm[b._e.index_off:b._e.index_off + n]
         _rewrite_entry(dev, b.entry_no, region_off=new, index_off=new, slot_off=b._e.slot_off - b.region_off + new)
     with pytest.raises(MemtierCorruptError, match="overlap"):
-        D.open(path)
+        D.Device(path, strict=True)
+    with D.open(path) as dev:  # both quarantined, their space kept
+        assert sorted(q["entry"] for q in dev.quarantined) == sorted([a.entry_no, b.entry_no])
+        assert dev.shards() == [] and dev.free_bytes() < dev.size - dev.data_start - a.region_len
     v = D.view(path)
     assert any("overlap" in p for p in v["problems"]) and v["models"] == []
 

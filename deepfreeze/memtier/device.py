@@ -232,6 +232,10 @@ def _flock_holder(fd: int) -> str:
     return "another process (unknown: /proc/locks did not say)"
 
 
+_said_lock = threading.Lock()
+_said_quarantine: set[tuple[str, int, str]] = set()
+
+
 # --------------------------------------------------------------------------- records
 
 @dataclasses.dataclass(frozen=True)
@@ -519,7 +523,7 @@ class Device:
     Thread-safe for the table operations (a lock plus the device flock); slot writes are the
     caller's (one writer per region)."""
 
-    def __init__(self, path: str, *, writable: bool = True, strict: bool = True) -> None:
+    def __init__(self, path: str, *, writable: bool = True, strict: bool = False) -> None:
         from ..fsafe import open_regular
         self.path = os.path.abspath(path)
         self.writable = writable
@@ -536,8 +540,11 @@ class Device:
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, prot)
             self._read_superblock()
-            #: problems found at open (only when opened with ``strict=False``: :func:`view`)
+            #: problems found at open (damaged entries, quarantined: see :meth:`refresh`)
             self.problems: list[str] = []
+            #: the quarantined entries: {"entry", "name", "rank", "reason"} (name/rank None if unreadable)
+            self.quarantined: list[dict[str, Any]] = []
+            self._reserved: list[tuple[int, int]] = []
             self._strict = strict
             self._regions: list[ShardRegion] = []
             self._other: list[_Entry] = []  # WRITING / RETIRED entries (for view and repack)
@@ -606,23 +613,42 @@ class Device:
         return _U32.unpack_from(self.mm, self._entry_off(no))[0]
 
     def refresh(self) -> None:
-        """Re-read the model table (other processes may have registered or retired regions)."""
+        """Re-read the model table (other processes may have registered or retired regions).
+
+        A damaged or hostile entry is *quarantined*, not fatal: it is left out of the regions
+        (that model cannot be read or written), named in :attr:`problems` and
+        :attr:`quarantined` (logged once per process), and every other model stays usable. The
+        bytes it claims stay reserved when its body checksum holds and its region lies in the
+        data area (a damaged index does not free the space of its region); entries whose regions
+        overlap are both quarantined. With ``strict=True`` (the constructor's) a problem raises
+        :class:`MemtierCorruptError` instead, as before."""
         with self._lock:
             regions, other, problems, bad = [], [], [], set()
+            quarantined: list[dict[str, Any]] = []
+            reserved: dict[int, tuple[int, int]] = {}  # entry -> (offset, length) kept out of the free space
             mm = self.mm
+
+            def quarantine(no: int, why: str, e: "_Entry | None") -> None:
+                label = f"model table entry {no}" + (f" ({e.name!r} rank {e.rank})" if e is not None else "")
+                problems.append(f"{label}: {why}")
+                quarantined.append({"entry": no, "name": None if e is None else e.name,
+                                    "rank": None if e is None else e.rank, "reason": why})
+                if e is not None and self.data_start <= e.region_off and 0 < e.region_len \
+                        and e.region_off + e.region_len <= self.size and not e.region_off % PAGE:
+                    reserved[no] = (e.region_off, _align(e.region_len))
+
             for no in range(self.table_cap):
                 off = self._entry_off(no)
                 state = _U32.unpack_from(mm, off)[0]
                 if state == FREE:
                     continue
-                where = f"model table entry {no}"
-                if state not in _STATE_NAMES:
-                    problems.append(f"{where}: unknown state {state}")
-                    continue
                 parsed = _parse_entry(no, bytes(mm[off:off + ENTRY_SIZE]))
+                if state not in _STATE_NAMES:
+                    quarantine(no, f"unknown state {state}", parsed if not isinstance(parsed, str) else None)
+                    continue
                 if isinstance(parsed, str):
                     if state in _LIVE_STATES:
-                        problems.append(f"{where}: {parsed}")
+                        quarantine(no, parsed, None)
                     continue  # WRITING/RETIRED entries may be torn: never read
                 if state not in _LIVE_STATES:
                     other.append(parsed)
@@ -634,7 +660,7 @@ class Device:
                     except MemtierCorruptError as e:
                         why = str(e)
                 if why is not None:
-                    problems.append(f"{where} ({parsed.name!r} rank {parsed.rank}): {why}")
+                    quarantine(no, why, parsed)
                     continue
                 regions.append(ShardRegion(self, parsed, idx))
             regions.sort(key=lambda r: r.region_off)
@@ -646,13 +672,34 @@ class Device:
                     bad |= {end.entry_no, r.entry_no}
                 if end is None or r.region_off + r.region_len > end.region_off + end.region_len:
                     end = r
+            for no, (o, n) in list(reserved.items()):  # a damaged entry never takes a valid region's place
+                if any(r.region_off < o + n and o < r.region_off + r.region_len for r in regions):
+                    del reserved[no]
             if problems and self._strict:
                 raise self._bad("; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5
                                                            else ""))
-            regions = [r for r in regions if r.entry_no not in bad]  # non-strict (view): overlaps shown as problems
+            for r in regions:
+                if r.entry_no in bad:
+                    quarantined.append({"entry": r.entry_no, "name": r.name, "rank": r.rank,
+                                        "reason": "its region overlaps another entry's"})
+                    reserved[r.entry_no] = (r.region_off, r.region_len)
+            regions = [r for r in regions if r.entry_no not in bad]
             self.problems = problems
+            self.quarantined = quarantined
+            self._reserved = sorted(reserved.values())
             self._regions = sorted(regions, key=lambda r: (r.name, r.run, r.rank, r.entry_no))
             self._other = other
+            for q in quarantined:
+                key = (self.path, q["entry"], q["reason"])
+                with _said_lock:
+                    if key in _said_quarantine:
+                        continue
+                    _said_quarantine.add(key)
+                log.warning("deepfreeze memtier: %s: model table entry %d%s is damaged (%s): quarantined (that model "
+                            "cannot be read; every other model is usable). 'deepfreeze memtier view %s' shows it; "
+                            "'deepfreeze memtier rm %s --entry %d' drops it", self.path, q["entry"],
+                            f" ({q['name']!r} rank {q['rank']})" if q["name"] else "", q["reason"], self.path,
+                            self.path, q["entry"])
 
     def _read_index(self, e: _Entry) -> dict[str, Any]:
         raw = bytes(self.mm[e.index_off:e.index_off + e.index_len + 4])
@@ -680,10 +727,11 @@ class Device:
 
     def _free_gaps(self) -> list[tuple[int, int]]:
         gaps, pos = [], self.data_start
-        for r in sorted(self._regions, key=lambda r: r.region_off):
-            if r.region_off > pos:
-                gaps.append((pos, r.region_off - pos))
-            pos = max(pos, r.region_off + r._e.region_len)
+        used = sorted([(r.region_off, r._e.region_len) for r in self._regions] + list(self._reserved))
+        for off, n in used:  # valid regions and the extents quarantined entries reserve
+            if off > pos:
+                gaps.append((pos, off - pos))
+            pos = max(pos, off + n)
         if self.size > pos:
             gaps.append((pos, self.size - pos))
         return gaps
@@ -1269,7 +1317,6 @@ def for_job(regions: "Sequence[ShardRegion]", job: str | None) -> "tuple[list[Sh
 
 
 _said: set[tuple[str, str, str, tuple[str, ...]]] = set()
-_said_lock = threading.Lock()
 
 
 def say_ignored(path: str, name: str, job: str | None, notes: "Sequence[str]") -> None:
@@ -1288,17 +1335,21 @@ def say_ignored(path: str, name: str, job: str | None, notes: "Sequence[str]") -
 
 
 def view(path: str) -> dict[str, Any]:
-    """A JSON-able description of the device: size, free bytes, problems found, and per model
-    (name, run) its shards with every slot's state, version, size and whether it is restorable
+    """A JSON-able description of the device: size, free bytes, problems found (damaged entries:
+    ``quarantined``), and per model (name, run; its job; ``finished``: closed or its job over, by
+    :func:`default_live`, i.e. not live) its shards with every slot's state, version, size and whether it is restorable
     (an ACTIVE slot never is; a DONE one only if its header checksum holds and its image verifies)."""
     with Device(path, writable=False, strict=False) as dev:
         models: dict[tuple[str, str], dict[str, Any]] = {}
         for r in dev.shards():
+            # finished: closed (FINISHED), or its job is over (lease released / taken over / stale,
+            # owner process gone): what repack may compact, the same rule (default_live)
+            done = r.finished or not default_live(r)
             m = models.setdefault((r.name, r.run), {"name": r.name, "run": r.run, "job": r.job,
                                                    "world_size": r.world_size,
                                                    "standalone": bool(r.index.get("standalone")),
-                                                   "finished": r.finished, "shards": []})
-            m["finished"] = m["finished"] and r.finished
+                                                   "finished": done, "shards": []})
+            m["finished"] = m["finished"] and done
             slots = []
             for k in range(r.nslots):
                 h = r.slot_header(k)
@@ -1327,4 +1378,5 @@ def view(path: str) -> dict[str, Any]:
                                 "newest": None if newest is None else
                                 {"generation": newest["generation"], "version": newest["version"]}})
         return {"path": dev.path, "size": dev.size, "free": dev.free_bytes(), "table_cap": dev.table_cap,
-                "created": dev.created, "problems": list(dev.problems), "models": list(models.values())}
+                "created": dev.created, "problems": list(dev.problems), "quarantined": list(dev.quarantined),
+                "models": list(models.values())}
