@@ -4,6 +4,8 @@
     deepfreeze memtier view   PATH [--json]
     deepfreeze memtier dump   PATH NAME -o OUT.h5|.npz|.safetensors [--force] [--version V]
     deepfreeze memtier repack PATH [--json]
+    deepfreeze memtier rm     PATH NAME [--run ID] [--job ID] [--force] [--json]
+    deepfreeze memtier rm     PATH --entry N [--json]
 
 ``PATH`` is a memory-tier device file (docs/memtier.md). Thin over :mod:`deepfreeze.memtier`
 (:func:`~deepfreeze.memtier.device.create`, :func:`~deepfreeze.memtier.device.open`,
@@ -21,7 +23,7 @@ import argparse
 import datetime
 from typing import Any
 
-from ._common import EXIT_OK, UsageError, emit_json, mb, table, version_arg
+from ._common import EXIT_FAIL, EXIT_OK, UsageError, emit_json, err, mb, table, version_arg
 
 __all__ = ["add_parser", "parse_size"]
 
@@ -77,6 +79,19 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
                                   "newest valid version, compacted; drop models with none. Live models are not "
                                   "touched.")
     q.set_defaults(func=_repack)
+    q = ms.add_parser("rm", parents=[dev, parents["json"]], help="drop a model (or one run of it) from a device",
+                      description="Retire every region of model NAME on the device (only run --run / job --job when "
+                                  "given), or the model-table entry --entry N (e.g. a damaged, quarantined one that "
+                                  "'view' lists). A live model (its run still holds the lease on the name; a "
+                                  "standalone model not closed whose process runs) is refused unless --force. "
+                                  "Exit code 1 when nothing matches.")
+    q.add_argument("name", metavar="NAME", nargs="?", help="the model's (checkpoint) name")
+    q.add_argument("--run", metavar="ID", help="only this run (16 hex digits, as 'view' shows it)")
+    q.add_argument("--job", metavar="ID", help="only this job (its id or a unique prefix; 'unknown')")
+    q.add_argument("--entry", metavar="N", type=int, help="the model-table entry N instead of NAME")
+    q.add_argument("--force", action="store_true", help="drop a live model too (its job's next checkpoint into "
+                                                        "the tier then fails)")
+    q.set_defaults(func=_rm)
 
 
 # ============================================================================ helpers
@@ -131,6 +146,10 @@ def _view(args: argparse.Namespace) -> int:
           f"{len(models)} model(s), created {_when(info.get('created'))}")
     for p in info.get("problems", []):
         print(f"problem: {p}")
+    for q in info.get("quarantined", []):
+        what = f" ({q['name']!r} rank {q['rank']})" if q.get("name") else ""
+        print(f"quarantined: entry {q['entry']}{what}: unreadable, not used; every other model is usable "
+              f"('deepfreeze memtier rm {info.get('path', args.path)} --entry {q['entry']}' drops it)")
     rows = []
     for m in models:
         kind = "standalone" if m.get("standalone") else "engine"
@@ -174,4 +193,28 @@ def _repack(args: argparse.Namespace) -> int:
     else:
         print(f"retired {out.get('retired', 0)} region(s), moved {out.get('moved', 0)}, freed "
               f"{mb(out.get('freed_bytes', 0))}")
+    if not out.get("freed_bytes") and not out.get("retired"):
+        err(f"{args.path}: repack found nothing to free (no finished model with more than its newest version, "
+            "no run superseded by a newer run of its job; live models are never touched): 'deepfreeze memtier rm' "
+            "drops a model, or create a bigger device")
+        return EXIT_FAIL
+    return EXIT_OK
+
+
+def _rm(args: argparse.Namespace) -> int:
+    from ..memtier import device as mdev
+    if (args.name is None) == (args.entry is None):
+        raise UsageError("give NAME or --entry N (one of them)")
+    if args.entry is not None and (args.run or args.job):
+        raise UsageError("--run and --job go with NAME, not with --entry")
+    dev = mdev.open(args.path)
+    try:
+        out = dev.drop(args.name, run=args.run, job=args.job, entry=args.entry, force=args.force,
+                       live=mdev.default_live)
+    finally:
+        dev.close()
+    if args.json:
+        emit_json(out)
+    else:
+        print(f"retired {out['retired']} region(s) of {', '.join(out['models'])}: freed {mb(out['freed_bytes'])}")
     return EXIT_OK

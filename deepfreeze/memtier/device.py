@@ -545,6 +545,7 @@ class Device:
             #: the quarantined entries: {"entry", "name", "rank", "reason"} (name/rank None if unreadable)
             self.quarantined: list[dict[str, Any]] = []
             self._reserved: list[tuple[int, int]] = []
+            self._reserved_map: dict[int, tuple[int, int]] = {}
             self._strict = strict
             self._regions: list[ShardRegion] = []
             self._other: list[_Entry] = []  # WRITING / RETIRED entries (for view and repack)
@@ -687,6 +688,7 @@ class Device:
             self.problems = problems
             self.quarantined = quarantined
             self._reserved = sorted(reserved.values())
+            self._reserved_map = reserved
             self._regions = sorted(regions, key=lambda r: (r.name, r.run, r.rank, r.entry_no))
             self._other = other
             for q in quarantined:
@@ -786,14 +788,17 @@ class Device:
         return slot_rel, stride, slot_rel + nslots * stride
 
     def register_shard(self, name: str, run: str, rank: int, world_size: int, *, index: dict[str, Any],
-                       image_size: int, meta_cap: int | None = None, nslots: int = 2) -> "ShardRegion":
+                       image_size: int, meta_cap: int | None = None, nslots: int = 2,
+                       make_room: "Callable[[ShardRegion], bool] | None" = None) -> "ShardRegion":
         """Lay out a region for (``name``, ``run``, ``rank``): its MIndex (``index``, see
         :func:`make_index`) and ``nslots`` slots of ``image_size`` bytes (= ``index["file_size"]``)
         with ``meta_cap`` bytes for each version's manifest (default: :func:`manifest_capacity` of
         the index, enough for a world-1 model; an engine passes the capacity of its whole plan).
         Pre-faults the region. The same (name, run, rank) registered again with the same index
-        returns the existing region. Raises :class:`MemtierFullError` (naming the bytes needed and
-        free) when it does not fit."""
+        returns the existing region. With ``make_room`` (a liveness rule such as
+        :func:`default_live`), a region that does not fit first evicts finished models
+        (:meth:`_evict_for`: never a live one; every job's newest version last). Raises
+        :class:`MemtierFullError` (naming the bytes needed and free) when it does not fit."""
         self._need_writable()
         if _check_name(name):
             raise ValueError(_check_name(name))
@@ -826,6 +831,9 @@ class Device:
                     raise MemtierError(f"{self.path}: {name!r} run {run} rank {rank} is already registered with "
                                        "another layout; a model of another shape needs another run id")
             off = self._alloc(region_len)
+            if off is None and make_room is not None:
+                self._evict_for(region_len, make_room, f"{name!r} rank {rank}")
+                off = self._alloc(region_len)
             if off is None:
                 gaps = self._free_gaps()
                 largest = max((n for _, n in gaps), default=0)
@@ -889,10 +897,159 @@ class Device:
                 self._set_state(no, FINISHED)
             self.refresh()
 
+    # ---------------------------------------------------------------- capacity
+    def _runs(self) -> "dict[tuple[str, str], list[ShardRegion]]":
+        """(name, run) -> its valid regions on this device."""
+        runs: dict[tuple[str, str], list[ShardRegion]] = {}
+        for r in self._regions:
+            runs.setdefault((r.name, r.run), []).append(r)
+        return runs
+
+    @staticmethod
+    def _newest_whole(regions: "Sequence[ShardRegion]") -> Version | None:
+        """The newest version that every one of ``regions`` (one run's) holds in a verified DONE slot."""
+        common: set[Version] | None = None
+        for r in regions:
+            have = {h.version for k, h in r.restorable() if r.verify_slot(k, h) is None}
+            common = have if common is None else common & have
+        return max(common) if common else None
+
+    def _superseded(self, live: "Callable[[ShardRegion], bool]", name: str | None = None,
+                    job: str | None = None) -> "list[list[ShardRegion]]":
+        """Runs (their regions) that a newer run of the same job (the same job id, never None) has
+        superseded: the run is not live and the newer run holds, on every one of its regions here, a
+        verified DONE version newer than every version the older run holds. Only ``name``/``job``
+        when given."""
+        by_job: dict[tuple[str, str], dict[str, list[ShardRegion]]] = {}
+        for (n, run), regions in self._runs().items():
+            j = regions[0].job
+            if j is None or any(r.job != j for r in regions) or (name is not None and n != name) \
+                    or (job is not None and j != job):
+                continue
+            by_job.setdefault((j, n), {})[run] = regions
+        out = []
+        for runs in by_job.values():
+            if len(runs) < 2:
+                continue
+            whole = {run: self._newest_whole(regions) for run, regions in runs.items()}
+            for run, regions in runs.items():
+                held = [h.version for r in regions for _, h in r.restorable()]
+                top = max(held) if held else None
+                newer = [w for other, w in whole.items() if other != run and w is not None
+                         and (top is None or w > top)]
+                if newer and not any(live(r) for r in regions):
+                    out.append(regions)
+        return out
+
+    def reclaim(self, name: str, job: str, *, live: "Callable[[ShardRegion], bool] | None" = None) -> dict[str, int]:
+        """Retire the regions of earlier runs of job ``job``'s ``name`` that a newer run of the job has
+        superseded (:meth:`_superseded`): the engine calls this once its run has a DONE version in
+        the tier. Returns ``{"retired", "freed_bytes"}``."""
+        self._need_writable()
+        retired = freed = 0
+        with self.locked():
+            self.refresh()
+            for regions in self._superseded(live or default_live, name, job):
+                for r in regions:
+                    self._retire(r)
+                    retired += 1
+                    freed += r.region_len
+                log.info("deepfreeze memtier: %s: run %s of %r reclaimed (%d region(s)): a newer run of its job has "
+                         "a DONE version", self.path, regions[0].run, name, len(regions))
+            self.refresh()
+        return {"retired": retired, "freed_bytes": freed}
+
+    def _evict_for(self, need: int, live: "Callable[[ShardRegion], bool]", what: str) -> int:
+        """Under the lock: retire finished models (never a live one), a run at a time, until ``need``
+        contiguous bytes are free. Order: runs whose job has a newer version elsewhere on the
+        device first, then each job's newest version, oldest written first (so every job's newest
+        version is kept as long as possible). Returns the bytes freed (0: nothing evictable)."""
+        runs = self._runs()
+        dead = {key: regions for key, regions in runs.items() if not any(live(r) for r in regions)}
+        if not dead:
+            return 0
+
+        def newest(regions: "Sequence[ShardRegion]") -> tuple[Version, float]:
+            hs = [h for r in regions for _, h in r.restorable()]
+            if not hs:
+                return Version(-1, -1), 0.0
+            top = max(h.version for h in hs)
+            return top, max(h.written for h in hs if h.version == top)
+
+        group_best: dict[Any, Version] = {}
+        for (n, run), regions in runs.items():
+            g = (regions[0].job, n) if regions[0].job is not None else (None, n, run)
+            v = newest(regions)[0]
+            group_best[g] = max(group_best.get(g, v), v)
+        order = []
+        for (n, run), regions in dead.items():
+            g = (regions[0].job, n) if regions[0].job is not None else (None, n, run)
+            v, written = newest(regions)
+            order.append((v >= group_best[g] and v.step >= 0, written, n, run))
+        order.sort()
+        freed, evicted = 0, []
+        for _, _, n, run in order:
+            if self._alloc(need) is not None:
+                break
+            for r in dead[(n, run)]:
+                self._retire(r)
+                freed += r.region_len
+            evicted.append(f"{n!r} run {run}")
+            self.refresh()
+        if evicted:
+            log.warning("deepfreeze memtier: %s full: evicted finished model(s) %s (%d bytes) to make room for %s",
+                        self.path, ", ".join(evicted), freed, what)
+        return freed
+
+    def drop(self, name: str | None = None, *, run: str | None = None, job: str | None = None,
+             entry: int | None = None, force: bool = False,
+             live: "Callable[[ShardRegion], bool] | None" = None) -> dict[str, Any]:
+        """Retire the regions of model ``name`` (only run ``run`` / job ``job`` when given), or the
+        quarantined or valid entry ``entry``: ``deepfreeze memtier rm``. A live model (its run
+        still holds its lease; a standalone model not closed whose owner runs) is refused with
+        :class:`MemtierError` unless ``force``. Returns ``{"retired", "freed_bytes", "models"}``;
+        :class:`~deepfreeze.errors.CheckpointNotFoundError` when nothing matches."""
+        from ..errors import CheckpointNotFoundError
+        self._need_writable()
+        live = live or default_live
+        with self.locked():
+            self.refresh()
+            if entry is not None:
+                q = next((q for q in self.quarantined if q["entry"] == entry), None)
+                r = self.region(entry)
+                if q is None and r is None:
+                    raise CheckpointNotFoundError(f"{self.path}: no valid or quarantined model-table entry {entry}")
+                if r is not None and live(r) and not force:
+                    raise MemtierError(f"{self.path}: entry {entry} ({r.name!r} run {r.run}) is live: stop its job "
+                                       "first (or --force)")
+                freed = r.region_len if r is not None else self._reserved_map.get(entry, (0, 0))[1]
+                self._set_state(entry, RETIRED)
+                self.refresh()
+                return {"retired": 1, "freed_bytes": freed,
+                        "models": [f"entry {entry}" + (f" ({r.name!r} run {r.run})" if r is not None else "")]}
+            match = [r for r in self._regions if r.name == name and (run is None or r.run == run)
+                     and (job is None or (r.job or "unknown") == job or (job != "unknown" and r.job is not None
+                                                                         and len(job) >= 4 and r.job.startswith(job)))]
+            if not match:
+                raise CheckpointNotFoundError(f"{self.path} holds no model {name!r}"
+                                              + (f" of run {run}" if run else "") + (f" of job {job}" if job else "")
+                                              + " ('deepfreeze memtier view' lists them)")
+            busy = [r for r in match if live(r)]
+            if busy and not force:
+                raise MemtierError(f"{self.path}: {name!r} run(s) {', '.join(sorted({r.run for r in busy}))} are live "
+                                   "(their job still runs): stop the job first, or pass --force (a live job then "
+                                   "fails its next checkpoint into the tier)")
+            for r in match:
+                self._retire(r)
+            self.refresh()
+            return {"retired": len(match), "freed_bytes": sum(r.region_len for r in match),
+                    "models": sorted({f"{r.name!r} run {r.run}" for r in match})}
+
     def repack(self, *, live: "Callable[[ShardRegion], bool] | None" = None) -> dict[str, int]:
         """Compact the device under its lock; returns ``{"retired", "moved", "freed_bytes"}``.
 
-        Entries left WRITING by a crash are retired. Regions for which ``live(region)`` is false
+        Entries left WRITING by a crash are retired, and so are the regions of runs a newer run of
+        the same job has superseded (:meth:`_superseded`). Regions for which ``live(region)`` is false
         (default :func:`default_live`: lease released or stale, standalone owner gone or model
         closed) keep only their newest valid DONE version: it is copied into slot 0 of a new
         one-slot region (registered WRITING, copied, msynced, flipped VALID), and only then is
@@ -909,6 +1066,12 @@ class Device:
                 if e.state == WRITING:
                     self._set_state(e.entry_no, RETIRED)
                     retired += 1
+            self.refresh()
+            for regions in self._superseded(live):
+                for r in regions:
+                    self._retire(r)
+                    retired += 1
+                    freed += r.region_len
             self.refresh()
             dead = [r for r in self._regions if not live(r)]
             kept: dict[tuple[str, str, int], tuple[Version, ShardRegion]] = {}
