@@ -260,3 +260,24 @@ def test_keras_jobs_one_name_one_device(tmp_path, device):
         for k in want.files:  # bit-exact: the weights A's run recorded at its newest checkpoint
             assert want[k].tobytes() == have[k].tobytes()
     assert "not of this job" in err and rb["run"] in err
+    # dump -o .h5 of A's newest version loads into the Keras model (weights only by default, issue 24);
+    # --optimizer adds the optimizer state
+    dumped = tmp_path / "a.h5"
+    p = cli("memtier", "dump", device, "job", "-o", str(dumped), "--job", ra["job"])
+    assert p.returncode == 0 and "optimizer" in p.stdout, p.stdout + p.stderr
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    pytest.importorskip("tensorflow")
+    from models import build
+    loaded = build()
+    loaded.load_weights(str(dumped))
+    newest = max(int(n[:-4].rsplit("-v", 1)[1]) for n in os.listdir(tmp_path / "a2" / "expected"))
+    with np.load(tmp_path / "a2" / "expected" / f"{got['run']}-v{newest}.npz") as want:
+        have = loaded.get_weights()
+        assert len(want.files) == len(have)
+        for i, w in enumerate(have):  # bit-exact: the weights A's resumed run recorded at its newest version
+            assert want[f"arr_{i}"].tobytes() == w.tobytes()
+    full = tmp_path / "a-opt.npz"
+    p = cli("memtier", "dump", device, "job", "-o", str(full), "--job", ra["job"], "--optimizer")
+    assert p.returncode == 0, p.stderr
+    with np.load(full) as z:
+        assert len(z.files) > len(want.files)

@@ -71,6 +71,9 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     q.add_argument("--job", metavar="ID",
                    help="when models of several jobs share NAME: the job to dump (its id or a unique prefix, as "
                         "'view' shows it; 'unknown' for models written before job ids)")
+    q.add_argument("--optimizer", action="store_true",
+                   help="also write the optimizer state (by default only the model's weights: what Keras "
+                        "model.load_weights accepts from an .h5)")
     q.set_defaults(func=_dump)
     q = ms.add_parser("repack", parents=[dev, parents["json"]],
                       help="compact away finished models' old versions and invalid slots",
@@ -174,10 +177,12 @@ def _view(args: argparse.Namespace) -> int:
 def _dump(args: argparse.Namespace) -> int:
     from ..memtier.dump import dump
     got = dump(args.path, args.name, args.output, force=args.force, version=args.version, overwrite=args.force,
-               job=args.job)
+               job=args.job, optimizer=args.optimizer)
     note = "" if got["verified"] else " UNVERIFIED (forced: the bytes were dumped unchecked)"
+    opt = (f" (the optimizer's {got['optimizer_tensors_left_out']} tensors left out: --optimizer includes them)"
+           if got.get("optimizer_tensors_left_out") else "")
     print(f"wrote {got['path']} ({got['format']}): {got['name']} {got['version']}, {got['tensors']} tensors, "
-          f"{mb(got['bytes'])}{note}")
+          f"{mb(got['bytes'])}{note}{opt}")
     return EXIT_OK
 
 

@@ -13,6 +13,9 @@ Refusal rules (Portus's ``dump`` must not trust what is being written):
 * a multi-rank model whose other ranks' regions are not on this device (other nodes' devices)
   is always refused, naming the missing ranks: ``deepfreeze export`` assembles it from the
   flushed checkpoint instead;
+* by default only the model's weights are written (an engine model's manifest records how many
+  of its tensors are weights, ``model_tensors``): the file Keras ``load_weights`` takes;
+  ``optimizer=True`` adds the optimizer state;
 * a name held by models of several jobs (two jobs sharing a checkpoint name on one device) is
   refused, naming the jobs, unless ``job`` picks one (an id, a unique prefix of one as ``view``
   shows it, or ``"unknown"`` for models written before job ids).
@@ -112,7 +115,8 @@ def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool =
                     except MemtierCorruptError as e:
                         problem = f"version {target} is damaged ({e})"
                         break
-                    return _write(arrays, kind, out_path, overwrite, name, run, target, True, manifest)
+                    return _write(arrays, kind, out_path, overwrite, name, run, target, True, manifest,
+                                  optimizer=optimizer, job=the_job)
             if problem is None:
                 states = []
                 for r in mine:
@@ -138,18 +142,45 @@ def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool =
             raise MemtierError(f"cannot dump {name!r} {target} even forced: not every rank has a slot for it")
         log.warning("deepfreeze memtier dump: %s %s forced: %s; its bytes are dumped unchecked", name, target, problem)
         arrays, _ = assemble(slots, verify=False)
-        return _write(arrays, kind, out_path, overwrite, name, run, target, False, None)
+        r0, k0 = slots[0]
+        try:  # which tensors are the model's weights (unverified, as everything here)
+            manifest = r0.manifest(k0)
+        except MemtierCorruptError:
+            manifest = None
+        return _write(arrays, kind, out_path, overwrite, name, run, target, False, manifest, optimizer=optimizer,
+                      job=the_job, manifest_verified=False)
     finally:
         if owns:
             dev.close()
 
 
+def weights_only(arrays: dict, manifest: dict | None) -> tuple[dict, int]:
+    """``arrays`` without the optimizer state: the manifest's first ``model_tensors`` tensors (what
+    the Keras callback records); everything when the manifest does not say (a standalone model).
+    Returns (arrays, how many were left out)."""
+    n = manifest.get("model_tensors") if manifest is not None else None
+    tensors = manifest.get("tensors") if manifest is not None else None
+    if not (type(n) is int and isinstance(tensors, list) and 0 < n <= len(tensors)):
+        return arrays, 0
+    keep = [t.get("name") for t in tensors[:n] if isinstance(t, dict)]
+    out = {k: arrays[k] for k in keep if k in arrays}
+    return out, len(arrays) - len(out)
+
+
 def _write(arrays: dict, kind: str, path: str, overwrite: bool, name: str, run: str, version: Version,
-           verified: bool, manifest: dict | None) -> dict[str, Any]:
+           verified: bool, manifest: dict | None, *, optimizer: bool = False, job: str | None = None,
+           manifest_verified: bool = True) -> dict[str, Any]:
     meta = {"name": name, "run": run, "version": str(version), "source": "deepfreeze memtier dump",
             "verified": str(verified).lower()}
-    if manifest is not None:
+    if job is not None:
+        meta["job"] = job
+    if manifest is not None and manifest_verified:
         meta["step"] = str(manifest.get("step"))
+    left_out = 0
+    if not optimizer:
+        arrays, left_out = weights_only(arrays, manifest)
+    if left_out:
+        meta["optimizer"] = "left out (dump with --optimizer to include it)"
     size = export(arrays, kind, path, metadata=meta, force=overwrite)
-    return {"path": path, "format": kind, "name": name, "run": run, "version": str(version),
-            "tensors": len(arrays), "bytes": size, "verified": verified}
+    return {"path": path, "format": kind, "name": name, "run": run, "job": job, "version": str(version),
+            "tensors": len(arrays), "optimizer_tensors_left_out": left_out, "bytes": size, "verified": verified}
