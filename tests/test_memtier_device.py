@@ -90,9 +90,21 @@ def _same(got, want):
 def test_parse_size():
     assert D.parse_size("8G") == 8 << 30 and D.parse_size("512M") == 512 << 20 and D.parse_size("64KiB") == 65536
     assert D.parse_size(4096) == 4096
-    for bad in ("", "8X", "-1", "0", "G"):
+    # issue 24: 10G = GiB (binary), 10GB = 10**9 units (decimal); case does not matter
+    assert D.parse_size("10G") == D.parse_size("10GiB") == D.parse_size("10gib") == 10 << 30
+    assert D.parse_size("10GB") == D.parse_size("10gb") == 10 * 10 ** 9 and D.parse_size("500MB") == 500 * 10 ** 6
+    assert D.parse_size("1.5K") == 1536 and D.parse_size("100B") == 100 and D.parse_size("100") == 100
+    for bad in ("", "8X", "-1", "0", "G", "10Gi", "10iB"):
         with pytest.raises(ValueError):
             D.parse_size(bad)
+
+
+def test_create_reports_progress(path):
+    seen = []
+    D.create(path, "130M", progress=lambda phase, done, total: seen.append((phase, done, total))).close()
+    assert seen[0] == ("allocating", 0, 130 << 20) and seen[-1] == ("pre-faulting", 130 << 20, 130 << 20)
+    done = [d for p, d, _ in seen if p == "pre-faulting"]
+    assert done == sorted(done) and len(done) == 4  # 0, 64 MiB, 128 MiB, all
 
 
 def test_create_open_and_refusals(path):

@@ -47,9 +47,12 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     dev.add_argument("path", metavar="PATH", help="the device file")
 
     q = ms.add_parser("create", parents=[dev, parents["json"]], help="create a device (preallocated, pre-faulted)",
-                      description="Create the device file PATH of --size bytes (binary units: 512M, 8G). On "
-                                  "tmpfs the size is checked against the available memory first.")
-    q.add_argument("--size", required=True, type=parse_size, metavar="SIZE", help="device size, e.g. 8G")
+                      description="Create the device file PATH of --size bytes: 512M, 8G, 8GiB are binary (8G = "
+                                  "8 x 2^30 bytes), 10GB, 500MB decimal (10GB = 10^10 bytes). On tmpfs the size is "
+                                  "checked against the available memory first. Shows its progress on a terminal "
+                                  "(every page is touched once: a few seconds per GiB).")
+    q.add_argument("--size", required=True, type=parse_size, metavar="SIZE",
+                   help="device size: 8G = 8 GiB (binary), 10GB = 10^10 bytes (decimal)")
     q.add_argument("--force", action="store_true", help="replace an existing file at PATH (its models are lost)")
     q.set_defaults(func=_create)
     q = ms.add_parser("view", parents=[dev, parents["json"]],
@@ -109,10 +112,17 @@ def _when(t: Any) -> str:
 
 def _create(args: argparse.Namespace) -> int:
     from ..memtier import device as mdev
+    from ._common import Progress
+    progress = Progress()
     try:
-        dev = mdev.create(args.path, args.size, force=args.force)
+        dev = mdev.create(args.path, args.size, force=args.force,
+                          progress=lambda phase, done, total: progress.update(
+                              f"{phase} {args.path}: {done / 2**30:.2f} of {total / 2**30:.2f} GiB "
+                              f"({100 * done // max(total, 1)}%)", force=done in (0, total)))
     except ValueError as e:  # too small for the superblock and model table
         raise UsageError(f"--size {args.size}: {e}") from None
+    finally:
+        progress.done()
     try:
         info = {"device": dev.path, "size": dev.size, "free": dev.free_bytes()}
     finally:
@@ -120,7 +130,8 @@ def _create(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(info)
     else:
-        print(f"created {info['device']}: {mb(info['size'])}, {mb(info['free'])} free for models "
+        print(f"created {info['device']}: {info['size']} bytes ({info['size'] / 2**30:.2f} GiB, "
+              f"{mb(info['size'])}), {mb(info['free'])} free for models "
               f"(use it with memtier = {info['device']}; see docs/memtier.md)")
     return EXIT_OK
 

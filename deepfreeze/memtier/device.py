@@ -139,16 +139,24 @@ def _align(n: int, a: int = PAGE) -> int:
     return (n + a - 1) // a * a
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+          "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
+
+
 def parse_size(size: "int | str") -> int:
-    """Bytes of a size given as an int or a string such as ``"8G"``, ``"512M"``, ``"64KiB"``
-    (binary units: K = 1024)."""
+    """Bytes of a size given as an int or a string: ``K``/``M``/``G``/``T`` and ``KiB``/``MiB``/
+    ``GiB``/``TiB`` are binary (``10G`` = ``10GiB`` = 10 * 2**30 bytes), ``KB``/``MB``/``GB``/``TB``
+    decimal (``10GB`` = 10**9 * 10 bytes), a plain number or ``B`` bytes; case does not matter."""
     if isinstance(size, int) and not isinstance(size, bool):
         n = size
     else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise ValueError(f"size {size!r} is not a number of bytes or a size such as '8G', '512M', '64K'")
-        n = int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?(?:i?B)?)\s*", str(size), re.IGNORECASE)
+        unit = m.group(2).upper() if m else None
+        if not m or unit not in _UNITS:
+            raise ValueError(f"size {size!r} is not a number of bytes or a size such as '8G' (GiB), '512M' (MiB), "
+                             "'10GB' (10**9 bytes)")
+        n = int(float(m.group(1)) * _UNITS[unit])
     if n <= 0:
         raise ValueError(f"size {size!r} must be positive")
     return n
@@ -429,10 +437,13 @@ def _index_entries(idx: dict[str, Any]) -> list[fmt.Entry]:
 
 # --------------------------------------------------------------------------- device
 
-def create(path: str, size: "int | str", *, force: bool = False, table_cap: int = DEFAULT_TABLE_CAP) -> "Device":
-    """Create a device file of ``size`` bytes (``"8G"``, ``"512M"``, or an int; rounded up to pages)
-    at ``path``, allocated (``posix_fallocate``) and pre-faulted (every page touched through a
-    mapping), mode 0600, and return it open. On tmpfs the size is checked against
+def create(path: str, size: "int | str", *, force: bool = False, table_cap: int = DEFAULT_TABLE_CAP,
+           progress: "Callable[[str, int, int], None] | None" = None) -> "Device":
+    """Create a device file of ``size`` bytes (``"8G"`` = 8 GiB, ``"512M"``, ``"10GB"`` = 10**10
+    bytes, or an int: :func:`parse_size`; rounded up to pages) at ``path``, allocated
+    (``posix_fallocate``) and pre-faulted (every page touched through a mapping), mode 0600, and
+    return it open. ``progress(phase, done, total)`` is called as the file is allocated
+    (``"allocating"``) and pre-faulted (``"pre-faulting"``, every 64 MiB). On tmpfs the size is checked against
     ``MemAvailable`` and the file system's free space first (:class:`MemtierFullError`). An existing
     file is an error unless ``force`` (then it is replaced: every checkpoint on it is lost). The
     file appears under ``path`` only once complete (built under a temporary name, then linked)."""
@@ -467,6 +478,8 @@ def create(path: str, size: "int | str", *, force: bool = False, table_cap: int 
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
+            if progress is not None:
+                progress("allocating", 0, size)
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
@@ -476,7 +489,13 @@ def create(path: str, size: "int | str", *, force: bool = False, table_cap: int 
                 raise
             os.ftruncate(fd, size)
         with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-            _touch(mm, 0, size)
+            step = 64 << 20
+            for off in range(0, size, step):
+                if progress is not None:
+                    progress("pre-faulting", off, size)
+                _touch(mm, off, min(step, size - off))
+            if progress is not None:
+                progress("pre-faulting", size, size)
             created = time.time()
             sb = _SB.pack(SB_MAGIC, DEVICE_FORMAT, PAGE, size, PAGE, table_cap, ENTRY_SIZE, created)
             mm[0:_SB.size + 4] = sb + _U32.pack(fmt.crc32(sb))
