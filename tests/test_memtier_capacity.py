@@ -14,7 +14,6 @@ import pytest
 
 from _util import ROOT, WORKERS
 from deepfreeze import memtier
-from deepfreeze.errors import MemtierFullError
 from deepfreeze.memtier import device as mdev
 from deepfreeze.run import Version, new_run_id
 from deepfreeze.shardplan import ShardPlan, TensorSpec

@@ -151,6 +151,7 @@ def _slot_text(s: dict[str, Any]) -> str:
 
 def _view(args: argparse.Namespace) -> int:
     from ..memtier import device as mdev
+    from ..memtier.jobs import job_text
     info = mdev.view(args.path)
     if args.json:
         emit_json(info)
@@ -174,7 +175,7 @@ def _view(args: argparse.Namespace) -> int:
                 if s.get("version") is not None and s.get("state") in ("DONE", "ACTIVE"):
                     g = s.get("generation") or 0
                     version = f"v{s['version']}" if g == 0 else f"g{g}/v{s['version']}"
-                rows.append([m.get("name"), m.get("run"), mdev.job_text(m.get("job")), status,
+                rows.append([m.get("name"), m.get("run"), job_text(m.get("job")), status,
                              f"{sh.get('rank')}/{m.get('world_size')}",
                              s.get("slot"), _slot_text(s), version,
                              mb(s["bytes"]) if s.get("bytes") else None,

@@ -39,6 +39,7 @@ from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
 from ..run import RunInfo, Version, job_id_at, new_run_id, valid_job_id
 from ..shardplan import ShardPlan, TensorSpec
 from . import device as mdev
+from . import jobs
 from .copy import LocalCopier
 
 __all__ = ["register", "checkpoint", "restore", "view", "Model", "select", "assemble", "job_id"]
@@ -211,9 +212,9 @@ def select(dev: mdev.Device, name: str, job: "str | None | object" = _ANY, *, qu
     regions = dev.find(name)
     notes: list[str] = []
     if job is not _ANY:
-        regions, ignored = mdev.for_job(regions, job)  # type: ignore[arg-type]
+        regions, ignored = jobs.for_job(regions, job)  # type: ignore[arg-type]
         if not quiet:
-            mdev.say_ignored(dev.path, name, job, ignored)  # type: ignore[arg-type]
+            jobs.say_ignored(dev.path, name, job, ignored)  # type: ignore[arg-type]
         notes += [f"ignored {x}" for x in ignored]
     by_run: dict[str, list[mdev.ShardRegion]] = {}
     for r in regions:
@@ -336,7 +337,7 @@ def restore(device: "mdev.Device | str", name: str, *, out: "dict[str, np.ndarra
                 problems.append(f"{v}: {e}")
         what = f"version {version}" if version is not None else "a restorable version"
         raise CheckpointNotFoundError(
-            f"{dev.path} holds no {what} of {name!r} of job {mdev.job_text(job)}"
+            f"{dev.path} holds no {what} of {name!r} of job {jobs.job_text(job)}"
             + (f" ({'; '.join((notes + problems)[:4])})" if notes or problems else "")
             + ": see 'deepfreeze memtier view'")
     finally:

@@ -65,9 +65,19 @@ next. DAX (persistent memory mapped directly): msync is not enough on every plat
 flushes (``clwb``) and a fence would be needed, which Python cannot issue: correctness on DAX
 needs a native flush and is not claimed.
 
-Every offset and size read from the device is bounds-checked before use; a violation raises
-:class:`MemtierCorruptError` naming the entry and the reason (a hostile or damaged file never
-crashes the reader).
+Every offset and size read from the device is bounds-checked before use. A damaged superblock
+raises :class:`MemtierCorruptError`; a damaged or hostile table entry (or index) is
+*quarantined*: left out of the regions with a log line naming the entry and the reason, its
+claimed bytes kept out of the free space when its body checksum holds (and it overlaps no valid
+region), and every other model stays usable (:meth:`Device.refresh`; ``strict=True`` raises
+instead). A hostile or damaged file never crashes the reader.
+
+**Jobs and capacity.** Each region's MIndex records its job id (``deepfreeze.run.job_id``);
+readers select by it (:func:`for_job`). The regions of a run that a newer run of the same job
+superseded (a newer verified DONE version on every region of the newer run) are retired
+(:meth:`Device.reclaim`, :meth:`Device.repack`); a registration that does not fit may evict
+finished models (:meth:`Device._evict_for`: never a live one, each job's newest version last);
+:meth:`Device.drop` is ``deepfreeze memtier rm``.
 """
 from __future__ import annotations
 
@@ -96,10 +106,11 @@ from .. import format as fmt
 from ..errors import (CorruptCheckpointError, MemtierBusyError, MemtierCorruptError, MemtierError,
                       MemtierFullError)
 from ..run import Version, valid_job_id
+from . import jobs as _jobs
 
 __all__ = ["PAGE", "create", "open", "view", "parse_size", "Device", "ShardRegion", "SlotHeader", "SlotState",
            "SlotWriter", "make_index", "index_for_entries", "manifest_capacity", "default_live",
-           "FLOCK_TIMEOUT", "for_job", "say_ignored", "job_text"]
+           "FLOCK_TIMEOUT"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -917,48 +928,10 @@ class Device:
             self.refresh()
 
     # ---------------------------------------------------------------- capacity
-    def _runs(self) -> "dict[tuple[str, str], list[ShardRegion]]":
-        """(name, run) -> its valid regions on this device."""
-        runs: dict[tuple[str, str], list[ShardRegion]] = {}
-        for r in self._regions:
-            runs.setdefault((r.name, r.run), []).append(r)
-        return runs
-
-    @staticmethod
-    def _newest_whole(regions: "Sequence[ShardRegion]") -> Version | None:
-        """The newest version that every one of ``regions`` (one run's) holds in a verified DONE slot."""
-        common: set[Version] | None = None
-        for r in regions:
-            have = {h.version for k, h in r.restorable() if r.verify_slot(k, h) is None}
-            common = have if common is None else common & have
-        return max(common) if common else None
-
     def _superseded(self, live: "Callable[[ShardRegion], bool]", name: str | None = None,
                     job: str | None = None) -> "list[list[ShardRegion]]":
-        """Runs (their regions) that a newer run of the same job (the same job id, never None) has
-        superseded: the run is not live and the newer run holds, on every one of its regions here, a
-        verified DONE version newer than every version the older run holds. Only ``name``/``job``
-        when given."""
-        by_job: dict[tuple[str, str], dict[str, list[ShardRegion]]] = {}
-        for (n, run), regions in self._runs().items():
-            j = regions[0].job
-            if j is None or any(r.job != j for r in regions) or (name is not None and n != name) \
-                    or (job is not None and j != job):
-                continue
-            by_job.setdefault((j, n), {})[run] = regions
-        out = []
-        for runs in by_job.values():
-            if len(runs) < 2:
-                continue
-            whole = {run: self._newest_whole(regions) for run, regions in runs.items()}
-            for run, regions in runs.items():
-                held = [h.version for r in regions for _, h in r.restorable()]
-                top = max(held) if held else None
-                newer = [w for other, w in whole.items() if other != run and w is not None
-                         and (top is None or w > top)]
-                if newer and not any(live(r) for r in regions):
-                    out.append(regions)
-        return out
+        """:func:`~deepfreeze.memtier.jobs.superseded_runs` of this device's valid regions."""
+        return _jobs.superseded_runs(self._regions, live, name=name, job=job)
 
     def reclaim(self, name: str, job: str, *, live: "Callable[[ShardRegion], bool] | None" = None) -> dict[str, int]:
         """Retire the regions of earlier runs of job ``job``'s ``name`` that a newer run of the job has
@@ -983,31 +956,9 @@ class Device:
         contiguous bytes are free. Order: runs whose job has a newer version elsewhere on the
         device first, then each job's newest version, oldest written first (so every job's newest
         version is kept as long as possible). Returns the bytes freed (0: nothing evictable)."""
-        runs = self._runs()
-        dead = {key: regions for key, regions in runs.items() if not any(live(r) for r in regions)}
-        if not dead:
-            return 0
-
-        def newest(regions: "Sequence[ShardRegion]") -> tuple[Version, float]:
-            hs = [h for r in regions for _, h in r.restorable()]
-            if not hs:
-                return Version(-1, -1), 0.0
-            top = max(h.version for h in hs)
-            return top, max(h.written for h in hs if h.version == top)
-
-        group_best: dict[Any, Version] = {}
-        for (n, run), regions in runs.items():
-            g = (regions[0].job, n) if regions[0].job is not None else (None, n, run)
-            v = newest(regions)[0]
-            group_best[g] = max(group_best.get(g, v), v)
-        order = []
-        for (n, run), regions in dead.items():
-            g = (regions[0].job, n) if regions[0].job is not None else (None, n, run)
-            v, written = newest(regions)
-            order.append((v >= group_best[g] and v.step >= 0, written, n, run))
-        order.sort()
+        dead, order = _jobs.eviction_order(self._regions, live)
         freed, evicted = 0, []
-        for _, _, n, run in order:
+        for n, run in order:
             if self._alloc(need) is not None:
                 break
             for r in dead[(n, run)]:
@@ -1472,48 +1423,6 @@ def default_live(region: ShardRegion) -> bool:
             return False
         return _proc_start(owner["pid"]) == owner["start"]
     return True
-
-
-def job_text(job: str | None) -> str:
-    """A job id as shown to people: its first 12 hex digits, or ``unknown``."""
-    return "unknown" if job is None else job[:12]
-
-
-def for_job(regions: "Sequence[ShardRegion]", job: str | None) -> "tuple[list[ShardRegion], list[str]]":
-    """Split ``regions`` (of one name) into those of job ``job`` (matched on the id recorded in
-    their MIndex; ``None`` matches only regions of unknown job, written before job ids) and notes
-    on the ignored ones, one per (job, run): ``run R (ranks 0-1) of job J: another job``."""
-    mine, other = [], {}
-    for r in regions:
-        if r.job == job:
-            mine.append(r)
-        else:
-            other.setdefault((r.job or "", r.run), []).append(r.rank)
-    notes = []
-    for (j, run), ranks in sorted(other.items()):
-        why = ("job unknown (written before job ids): never restored into a job that has one" if not j else
-               "another job" if job is not None else "a job with an id, and this one has none")
-        notes.append(f"run {run} (rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, sorted(ranks)))}) of job "
-                     f"{job_text(j or None)}: {why}")
-    return mine, notes
-
-
-_said: set[tuple[str, str, str, tuple[str, ...]]] = set()
-
-
-def say_ignored(path: str, name: str, job: str | None, notes: "Sequence[str]") -> None:
-    """Log, once per process for the same device, name, job and ignored regions, which regions of
-    ``name`` on the device at ``path`` were ignored (notes of :func:`for_job`) and why."""
-    if not notes:
-        return
-    key = (path, name, job or "", tuple(notes))
-    with _said_lock:
-        if key in _said:
-            return
-        _said.add(key)
-    log.warning("deepfreeze memtier: %s: ignored %d model(s) named %r that are not of this job (job %s): %s. "
-                "'deepfreeze memtier view %s' lists them with their jobs", path, len(notes), name, job_text(job),
-                "; ".join(notes), path)
 
 
 def view(path: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
 from ..export import ExportError, export, format_from_path
 from ..run import Version
 from . import device as mdev
+from .jobs import job_text
 from .api import _device, _ranges, assemble, select
 
 __all__ = ["dump"]
@@ -40,7 +41,7 @@ def _pick_job(regions: list, job: str | None, name: str, path: str) -> list:
     jobs = sorted({r.job or "unknown" for r in regions})
     if job is None:
         if len(jobs) > 1:
-            raise MemtierError(f"{path}: {name!r} is held by models of {len(jobs)} jobs ({', '.join(mdev.job_text(j) if j != 'unknown' else j for j in jobs)}): "
+            raise MemtierError(f"{path}: {name!r} is held by models of {len(jobs)} jobs ({', '.join(job_text(j) if j != 'unknown' else j for j in jobs)}): "
                                "pick one with job= (--job ID; 'deepfreeze memtier view' shows each model's job)")
         return regions
     got = [j for j in jobs if j == job or (job != "unknown" and len(job) >= 4 and j.startswith(job))]

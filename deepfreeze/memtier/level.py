@@ -32,6 +32,7 @@ import numpy as np
 from .. import format as fmt
 from ..errors import CorruptCheckpointError, DeepFreezeError
 from . import device as _device
+from . import jobs as _jobs
 
 __all__ = ["PREFIX", "MemtierLevel", "job_of", "is_item", "read_item", "region_address", "reading", "forget", "changed"]
 
@@ -97,9 +98,9 @@ class MemtierLevel:
             mine: list[Any] = []
             self.ignored = [f"run {r.run} rank {r.rank}: this job's id is unreadable" for r in regions]
         else:
-            mine, self.ignored = _device.for_job(regions, self.job)  # type: ignore[arg-type]
+            mine, self.ignored = _jobs.for_job(regions, self.job)  # type: ignore[arg-type]
         if not quiet:
-            _device.say_ignored(self.path, name, None if self.job is _NO_JOB else self.job, self.ignored)  # type: ignore[arg-type]
+            _jobs.say_ignored(self.path, name, None if self.job is _NO_JOB else self.job, self.ignored)  # type: ignore[arg-type]
         return mine
 
     def _open(self) -> "_device.Device | None":
