@@ -257,8 +257,13 @@ class Engine:
         cfg.check_memtier()
         from .memtier import device as mdev
         layout = FusedLayout.build(self.plan, self.rank)
+        job = self.run.job
+        if job is None and self.run.id == ANONYMOUS_RUN:  # an engine built without a Run: the name's job, if any
+            from .run import read_job_id
+            job = read_job_id(cfg.persistent, self.name)
+        # the region records its job: restore, ls and resume of another job sharing the name never read it
         index = mdev.make_index(self.plan, self.rank, self.name, self.run.id,
-                                lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout})
+                                lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout}, job=job)
         dev = mdev.open(cfg.memtier)
         meta_cap = mdev.manifest_capacity(len(self.plan.tensors), len(self.plan.pieces), self.plan.world_size)
         try:  # an engine rebuilt within the same run (a second fit) gets its region again
@@ -267,16 +272,19 @@ class Engine:
                                             image_size=layout.file_size, meta_cap=meta_cap, nslots=cfg.memtier_slots)
             except MemtierFullError:
                 # as Portus's repacking tool runs when free memory is low: compact away finished jobs'
-                # models (never a live run's, never the only valid version), then try once more
+                # models (never a live run's, never the only valid version), then try once more; still
+                # no room: finished models are evicted (every job's newest version last), never a live one
                 freed = dev.repack(live=mdev.default_live)
                 log.warning("deepfreeze: memory tier %s full: repacked finished models (%d bytes freed)",
                             cfg.memtier, freed.get("freed_bytes", 0))
                 region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,
-                                            image_size=layout.file_size, meta_cap=meta_cap, nslots=cfg.memtier_slots)
+                                            image_size=layout.file_size, meta_cap=meta_cap, nslots=cfg.memtier_slots,
+                                            make_room=mdev.default_live)
         except BaseException:
             dev.close()
             raise
         self._mt_device, self._mt_region, self._mt_layout = dev, region, layout
+        self._mt_reclaimed = job is None  # earlier runs of this job: reclaimed after this run's first DONE version
         self._mt_zeros = np.zeros(fmt.DATA_ALIGN, np.uint8)  # the padding between flat pieces is read from here
 
     def _memtier_regions(self, arrays: "Sequence[np.ndarray] | FusedShard") -> tuple[list[tuple[int, int]], list]:
@@ -375,7 +383,24 @@ class Engine:
                 self.memtier_waits += 1
         del keep  # the copy is done (the slot is DONE): the buffer may go
         self.memtier_stats[version] = stat
+        if not self._mt_reclaimed:
+            self._mt_reclaimed = True
+            self._memtier_reclaim()
         return SlotSource(cfg.memtier, region.entry_no, stat["slot"], version, self.run.id, self.rank)
+
+    def _memtier_reclaim(self) -> None:
+        """This run has a DONE version in the tier: retire the regions of earlier runs of its job
+        (same job id) there (issue 24: a past run no longer keeps a stale version). Best effort: a
+        busy device lock is left for the next restart or repack (log line)."""
+        from .memtier import device as mdev
+        try:
+            got = self._mt_device.reclaim(self.name, self._mt_region.job, live=mdev.default_live)
+            if got["retired"]:
+                log.info("deepfreeze: memory tier %s: %d region(s) of earlier runs of %r reclaimed (%d bytes)",
+                         self.config.memtier, got["retired"], self.name, got["freed_bytes"])
+        except (MemtierError, OSError) as e:
+            log.warning("deepfreeze: memory tier %s: could not reclaim earlier runs of %r (%s): 'deepfreeze memtier "
+                        "repack' does it later", self.config.memtier, self.name, e)
 
     def _memtier_request(self, backend: BackendClient, req: dict[str, Any], wait: float) -> dict[str, Any]:
         """One ``memtier_put`` exchange; first allows this backend to read our memory (Yama)."""

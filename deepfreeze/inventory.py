@@ -30,13 +30,13 @@ from .config import Config, validate_name
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError
 from .fsafe import open_regular_file
 from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of, read_decision
-from .memtier.level import MemtierLevel, read_item as read_memtier_item, region_address
+from .memtier.level import MemtierLevel, job_of as memtier_job_of, read_item as read_memtier_item, region_address
 from .memtier.level import changed as memtier_changed, forget as memtier_forget, reading as memtier_reading
 from .restore import list_versions, scratch_recoverable
 from .run import fs_now, read_lease
 
 __all__ = ["VersionCopy", "Verdict", "Removal", "checkpoint_names", "scan_scratch", "scan_persistent", "scan", "parent_text",
-           "newest_restorable", "restorable", "scan_memtier", "verify_memtier", "memtier_names", "declared_bytes", "pick_manifest", "describe", "verify_scratch", "verify_persistent", "verify_copy",
+           "newest_restorable", "restorable", "scan_memtier", "verify_memtier", "memtier_names", "memtier_ignored", "declared_bytes", "pick_manifest", "describe", "verify_scratch", "verify_persistent", "verify_copy",
            "plan_gc", "live_run", "decision_word", "ranks_text", "dir_listing"]
 
 _SHARD_RE = re.compile(r"^r(\d{6})\.dfs$")
@@ -77,7 +77,17 @@ def memtier_names(cfg: Config) -> set[str]:
     """Checkpoint names with a DONE slot in the memory tier (INI ``memtier``), if one is configured."""
     if not getattr(cfg, "memtier", None):
         return set()
-    return {name for name in MemtierLevel(cfg.memtier).names()}
+    return set(MemtierLevel(cfg.memtier, None).names(lambda n: memtier_job_of(cfg.persistent, n)))
+
+
+def memtier_ignored(cfg: Config, name: str) -> list[str]:
+    """Notes on the memory-tier regions of ``name`` that ``ls``/``verify``/restore ignore because
+    they are not of this job (``<persistent>/<name>/job``): another job's, or of unknown job."""
+    if not getattr(cfg, "memtier", None):
+        return []
+    level = MemtierLevel(cfg.memtier, memtier_job_of(cfg.persistent, name))
+    level.slots(name, quiet=True)
+    return level.ignored
 
 
 @dataclasses.dataclass
@@ -265,9 +275,9 @@ def scan_memtier(cfg: Config, name: str) -> list[VersionCopy]:
     as on scratch. ACTIVE slots are never listed as copies (``deepfreeze memtier view`` shows them)."""
     if not getattr(cfg, "memtier", None):
         return []
-    level = MemtierLevel(cfg.memtier)
+    level = MemtierLevel(cfg.memtier, memtier_job_of(cfg.persistent, name))
     by_version: dict[int, list] = {}
-    for region, k, h, m in level.slots(name):
+    for region, k, h, m in level.slots(name, quiet=True):  # what was ignored: memtier_ignored()
         by_version.setdefault(h.version.step, []).append((region, k, h, m))
     out = []
     for v, slots in sorted(by_version.items()):
@@ -502,7 +512,8 @@ def verify_memtier(cfg: Config, copy: VersionCopy, name: str, progress: Progress
     run = fmt.manifest_run(m)[0]
     try:
         plan = plan_of(m)
-        slots = {r.rank: (r, k) for r, k, h, _ in MemtierLevel(cfg.memtier).slots(name)
+        slots = {r.rank: (r, k) for r, k, h, _ in MemtierLevel(cfg.memtier, memtier_job_of(cfg.persistent, name))
+                 .slots(name, quiet=True)
                  if h.version.step == v and h.run == run}
         expected: list[list[tuple[int, int, int]]] = [[] for _ in range(plan.world_size)]
         for p in plan.pieces:

@@ -92,7 +92,7 @@ def list_versions(config: "str | os.PathLike | Config | None", name: str, *,
     scratch, persistent = _levels(config, trust_owners)
     gen = persistent.generation(name)
     out: dict[int, list[str]] = {}
-    for v, (m, inv) in _memtier_committed(config, name, gen).items():
+    for v, (m, inv) in _memtier_committed(config, name, gen, quiet=True).items():  # load() says what it ignores
         if scratch_recoverable(m, inv):
             out.setdefault(v, []).append("memtier")
     for v, (m, inv) in scratch.committed(name, gen).items():
@@ -312,11 +312,16 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
     return data
 
 
-def _memtier_committed(config: Config, name: str, generation: int
+def _memtier_committed(config: Config, name: str, generation: int, *, quiet: bool = False
                        ) -> dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]]:
-    """What this node's memory tier (INI ``memtier``) holds of ``name``, as scratch's ``committed``."""
+    """What this node's memory tier (INI ``memtier``) holds of ``name`` *for this job* (the id in
+    ``<persistent>/<name>/job``; regions of other jobs, or of unknown job, are ignored with one log
+    line), as scratch's ``committed``."""
     path = getattr(config, "memtier", None)
-    return memtier_level.MemtierLevel(path).committed(name, generation) if path else {}
+    if not path:
+        return {}
+    job = memtier_level.job_of(config.persistent, name)
+    return memtier_level.MemtierLevel(path, job).committed(name, generation, quiet=quiet)
 
 
 def _merge_memtier(local: dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]],

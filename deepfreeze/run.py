@@ -24,6 +24,16 @@ Lease takeover (a stale or released holder): the lease is renamed aside (only on
 succeed), the moved file is checked to be the one judged stale (else it is put back), then removed,
 and the new holder creates the lease exclusively. A holder whose heartbeat finds the lease
 no longer its own has lost it: its later flushes are fenced off, and it reports that once.
+
+* A **job** is every run of a name in one persistent directory: its id (:func:`new_job_id`, 32
+  hex digits) is made once, by the name's first run (:func:`job_id`), and kept in
+  ``<persistent>/<name>/job`` beside the lease and the generation. It is created race-free
+  (written whole under a temporary name, then ``link``ed into place: of concurrent creators
+  one wins and every other reads the winner's id; a reader never sees a partial file) and
+  never changes (``overwrite`` keeps it; removing the name's directory starts a new job). It
+  tells apart jobs that share a name on one node's memory-tier device (:mod:`deepfreeze.memtier`):
+  every region there records it, and restore, ``ls``, ``verify`` and ``resume`` only consider
+  regions of their own job (matched on the id, never on paths, which differ between nodes).
 """
 from __future__ import annotations
 
@@ -42,12 +52,14 @@ from . import crashpoints as cp
 from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError
 from .fsafe import read_small
 
-__all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
+__all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
+           "read_job_id_at", "valid_job_id", "JOB", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
            "fence_holder", "Run", "GENERATION", "LEASE"]
 
 log = logging.getLogger("deepfreeze")
 GENERATION = "generation"
 LEASE = "lease"
+JOB = "job"
 #: the run id of work done without a run (an Engine built directly, without :class:`Run`):
 #: such work is never combined with a real run's, and is fenced off while a real run holds the lease
 ANONYMOUS_RUN = "0" * 16
@@ -72,6 +84,8 @@ class RunInfo:
     id: str
     generation: int = 0
     resumed_from: int | None = None
+    #: the job's id (``<persistent>/<name>/job``); None for work without one (not in manifests)
+    job: str | None = dataclasses.field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "generation": self.generation, "resumed_from": self.resumed_from}
@@ -80,6 +94,75 @@ class RunInfo:
 def new_run_id() -> str:
     """A fresh run id: 16 random hex digits."""
     return secrets.token_hex(8)
+
+
+def new_job_id() -> str:
+    """A fresh job id: 32 random hex digits."""
+    return secrets.token_hex(16)
+
+
+def valid_job_id(job: Any) -> bool:
+    """Is ``job`` a job id (32 lowercase hex digits)?"""
+    return isinstance(job, str) and len(job) == 32 and all(c in "0123456789abcdef" for c in job)
+
+
+def read_job_id_at(path: str) -> str | None:
+    """The job id kept in the file ``path``; None when there is no such file.
+    :class:`CorruptCheckpointError` when it holds something else (it is never replaced silently)."""
+    try:
+        data = read_small(path, 128)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read the job id: {e}") from e
+    text = data.decode("ascii", "replace").strip()
+    if not valid_job_id(text):
+        raise CorruptCheckpointError(f"{path}: {text[:40]!r} is not a job id (32 hex digits): the file is damaged. "
+                                     "Restore it from a backup, or remove it to start a new job (the memory tier's "
+                                     "versions of the old id are then no longer restored)")
+    return text
+
+
+def job_id_at(path: str) -> str:
+    """The job id kept in the file ``path``, created now (race-free: written whole under a
+    temporary name, fsynced, then linked into place; a concurrent creator that loses the link
+    reads the winner's id) when there is none. The directory must exist."""
+    got = read_job_id_at(path)
+    if got is not None:
+        return got
+    job = new_job_id()
+    tmp = f"{path}.tmp{_uniq()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.write(fd, f"{job}\n".encode())
+            cp.fsync(fd, "run.job.fsync")
+        finally:
+            os.close(fd)
+        try:
+            cp.link(tmp, path, "run.job.link")
+        except FileExistsError:
+            got = read_job_id_at(path)
+            if got is None:  # pragma: no cover - linked, then removed at once by someone else
+                raise CorruptCheckpointError(f"{path}: the job id appeared and vanished: retry") from None
+            return got
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+    return job
+
+
+def read_job_id(persistent: str, name: str) -> str | None:
+    """The id of the job of ``name`` in ``persistent`` (``<persistent>/<name>/job``), or None when
+    no run of the name has made one yet (see the module docstring)."""
+    return read_job_id_at(os.path.join(persistent, name, JOB))
+
+
+def job_id(persistent: str, name: str) -> str:
+    """The id of the job of ``name`` in ``persistent``, made now when this is its first run."""
+    return job_id_at(os.path.join(persistent, name, JOB))
 
 
 def _uniq() -> str:
@@ -431,10 +514,10 @@ class Run:
         pers = PersistentLevel(cfg.persistent, shared_group=cfg.shared_group)
         payload = None
         if self.rank == 0:
-            payload = {"id": new_run_id(), "gen": 0, "committed": None, "err": "", "kind": ""}
+            payload = {"id": new_run_id(), "gen": 0, "committed": None, "err": "", "kind": "", "job": None}
             try:
-                if cfg.persistent_interval >= 0 or self.overwrite:
-                    pers.makedirs(pers.name_dir(self.name))
+                if cfg.persistent_interval >= 0 or self.overwrite or getattr(cfg, "memtier", None):
+                    pers.makedirs(pers.name_dir(self.name))  # the job id lives there (memtier regions record it)
                 if cfg.persistent_interval < 0:
                     log.warning("deepfreeze: persistent_interval < 0: no persistent level, so no lease on %r: "
                                 "nothing stops a second job from writing the same name on scratch", self.name)
@@ -443,6 +526,8 @@ class Run:
                     lease.acquire(wait=self.lease_wait, resume=self.resume)
                     self.lease = lease
                     atexit.register(lease.release)
+                if os.path.isdir(pers.name_dir(self.name)):  # persistent_interval < 0 without memtier: no job id
+                    payload["job"] = job_id(cfg.persistent, self.name)
                 gen = read_generation(cfg.persistent, self.name)
                 if self.overwrite:
                     gen += 1
@@ -484,7 +569,7 @@ class Run:
                 f"{cfg.persistent} or on scratch {cfg.scratch}); a new run must not mix with them. Either "
                 "resume=True (continue from the newest), another name, or overwrite=True (start a new generation: "
                 "the old versions are retired)")
-        self.info = RunInfo(got["id"], gen)
+        self.info = RunInfo(got["id"], gen, job=got.get("job"))
         return self.info
 
     def resumed(self, step: int) -> RunInfo:

@@ -200,7 +200,7 @@ def test_repack_frees_invalid_slot_keeps_newest(tmp_path):
     w.release()
     free_before = dev.free_bytes()
     p = cli("repack", path, "--json")  # the model is live (not closed, owner alive): untouched
-    assert p.returncode == 0, p.stderr
+    assert p.returncode == 1 and "nothing to free" in p.stderr  # freed nothing: says so, exit 1 (issue 24)
     assert json.loads(p.stdout) == {"retired": 0, "moved": 0, "freed_bytes": 0}
     model.close()  # finished: repack may compact it
     dev.close()
@@ -217,7 +217,7 @@ def test_repack_frees_invalid_slot_keeps_newest(tmp_path):
         got, v = api.restore(d, "mlp")
     assert v == Version(0, 2) and all(got[n].tobytes() == a.tobytes() for n, a in rec[2].items())
     p = cli("repack", path)  # again: nothing left to do
-    assert p.returncode == 0 and "retired 0" in p.stdout
+    assert p.returncode == 1 and "retired 0" in p.stdout and "nothing to free" in p.stderr
 
 
 def test_dump_h5_loads_into_keras_bit_exact(tmp_path):

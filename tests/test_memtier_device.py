@@ -90,9 +90,21 @@ def _same(got, want):
 def test_parse_size():
     assert D.parse_size("8G") == 8 << 30 and D.parse_size("512M") == 512 << 20 and D.parse_size("64KiB") == 65536
     assert D.parse_size(4096) == 4096
-    for bad in ("", "8X", "-1", "0", "G"):
+    # issue 24: 10G = GiB (binary), 10GB = 10**9 units (decimal); case does not matter
+    assert D.parse_size("10G") == D.parse_size("10GiB") == D.parse_size("10gib") == 10 << 30
+    assert D.parse_size("10GB") == D.parse_size("10gb") == 10 * 10 ** 9 and D.parse_size("500MB") == 500 * 10 ** 6
+    assert D.parse_size("1.5K") == 1536 and D.parse_size("100B") == 100 and D.parse_size("100") == 100
+    for bad in ("", "8X", "-1", "0", "G", "10Gi", "10iB"):
         with pytest.raises(ValueError):
             D.parse_size(bad)
+
+
+def test_create_reports_progress(path):
+    seen = []
+    D.create(path, "130M", progress=lambda phase, done, total: seen.append((phase, done, total))).close()
+    assert seen[0] == ("allocating", 0, 130 << 20) and seen[-1] == ("pre-faulting", 130 << 20, 130 << 20)
+    done = [d for p, d, _ in seen if p == "pre-faulting"]
+    assert done == sorted(done) and len(done) == 4  # 0, 64 MiB, 128 MiB, all
 
 
 def test_create_open_and_refusals(path):
@@ -378,14 +390,32 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_table_entries_are_rejected(path, case):
+    """A damaged or hostile entry is quarantined (issue 24): that model is never read, every other
+    model stays usable (restore, register, view), view names the entry; strict=True still refuses."""
+    arrays = _arrays()
     with D.create(path, "16M") as dev:
         r, _ = _register(dev)
-        _register(dev, "other")
+        o, oplan = _register(dev, "other")
+        _put(o, oplan, arrays, 4)
+        extent = (r.region_off, r.region_len)
         HOSTILE[case](dev, r)
     with pytest.raises(MemtierCorruptError, match=f"entry {r.entry_no}|not a valid memory-tier device"):
-        D.open(path)
-    v = D.view(path)  # view is lenient: shows the problem and the intact model
-    assert v["problems"] and [m["name"] for m in v["models"]] == ["other"]
+        D.Device(path, strict=True)
+    with D.open(path) as dev:
+        assert [q["entry"] for q in dev.quarantined] == [r.entry_no] and dev.problems
+        assert [x.name for x in dev.shards()] == ["other"] and dev.find("m") == []
+        (other,) = dev.find("other")
+        k, h = other.newest()
+        assert h.version.step == 4 and other.read_image(k) is not None
+        new, _ = _register(dev, "third")  # the device stays writable; never on top of the damaged region
+        if case in ("index crc", "index not json", "index deep", "index long int", "index piece outside",
+                    "index pieces overlap", "index other model", "bad name", "rank >= world", "huge index",
+                    "index overlaps slots", "stride too small", "slots past the region", "huge slot count"):
+            assert not (new.region_off < extent[0] + extent[1] and extent[0] < new.region_off + new.region_len)
+    v = D.view(path)  # view shows the problem and the intact models
+    assert any(f"entry {r.entry_no}" in p for p in v["problems"])
+    assert sorted(m["name"] for m in v["models"]) == ["other", "third"]
+    assert [q["entry"] for q in v["quarantined"]] == [r.entry_no]
 
 
 def test_overlapping_regions_are_rejected(path):
@@ -397,7 +427,10 @@ def test_overlapping_regions_are_rejected(path):
         dev.mm[new:new + n] = dev.mm[b._e.index_off:b._e.index_off + n]
         _rewrite_entry(dev, b.entry_no, region_off=new, index_off=new, slot_off=b._e.slot_off - b.region_off + new)
     with pytest.raises(MemtierCorruptError, match="overlap"):
-        D.open(path)
+        D.Device(path, strict=True)
+    with D.open(path) as dev:  # both quarantined, their space kept
+        assert sorted(q["entry"] for q in dev.quarantined) == sorted([a.entry_no, b.entry_no])
+        assert dev.shards() == [] and dev.free_bytes() < dev.size - dev.data_start - a.region_len
     v = D.view(path)
     assert any("overlap" in p for p in v["problems"]) and v["models"] == []
 

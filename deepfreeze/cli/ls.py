@@ -6,7 +6,7 @@ from typing import Any
 
 from ..config import validate_name
 from ..errors import CheckpointNotFoundError
-from ..inventory import checkpoint_names, parent_text, restorable, scan
+from ..inventory import checkpoint_names, memtier_ignored, parent_text, restorable, scan
 from ._common import EXIT_OK, emit_json, load_config, mb_number, table
 
 __all__ = ["add_parser", "run"]
@@ -31,22 +31,22 @@ def run(args: argparse.Namespace) -> int:
     for name in names:
         copies = scan(cfg, name)
         levels = restorable(cfg, name, copies, args.trust_owners)
-        if args.name is not None and not copies:
+        if args.name is not None and not copies and not memtier_ignored(cfg, name):
             others = checkpoint_names(cfg)
             raise CheckpointNotFoundError(f"no checkpoint named {name!r} in scratch {cfg.scratch} or persistent "
                                           f"{cfg.persistent}" + (f"; found: {', '.join(others)}" if others else ""))
-        report.append((name, copies, levels))
+        report.append((name, copies, levels, memtier_ignored(cfg, name)))
     if args.json:
         emit_json({"scratch": cfg.scratch, "persistent": cfg.persistent, "checkpoints": [
             {"name": n, "newest_restorable": max(r) if r else None,
              "restorable": {str(v): lv for v, lv in r.items()},
-             "versions": [c.to_json() for c in cs]} for n, cs, r in report]})
+             "versions": [c.to_json() for c in cs], "memtier_ignored": ig} for n, cs, r, ig in report]})
         return EXIT_OK
     if not report:
         print(f"no checkpoints in scratch {cfg.scratch} or persistent {cfg.persistent}")
         return EXIT_OK
     lines = []
-    for i, (name, copies, levels) in enumerate(report):
+    for i, (name, copies, levels, ignored) in enumerate(report):
         if i:
             lines.append("")
         lines.append(f"checkpoint {name!r}  (scratch {cfg.scratch}, persistent {cfg.persistent})")
@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
             lines.append(row)
             if j in notes:
                 lines.append(f"    {notes[j]}")
+        if ignored:  # said once, here (regions of this name that belong to other jobs)
+            lines.append(f"memory tier {cfg.memtier}: ignored {len(ignored)} model(s) named {name!r} not of this "
+                         "job: " + "; ".join(ignored))
         if levels:
             v = max(levels)
             lines.append(f"newest restorable: v{v} ({', '.join(levels[v])})")

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from ..errors import CheckpointNotFoundError
-from ..inventory import newest_restorable, scan, verify_copy
+from ..inventory import memtier_ignored, newest_restorable, scan, verify_copy
 from ._common import EXIT_FAIL, EXIT_OK, Progress, emit_json, load_config, resolve_name, version_arg
 
 __all__ = ["add_parser", "run"]
@@ -48,8 +48,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         progress.done()
     damaged = [x for x in verdicts if x.status == "DAMAGED"]
+    ignored = memtier_ignored(cfg, name)
     if args.json:
-        emit_json({"name": name, "ok": not damaged, "results": [dataclasses.asdict(x) for x in verdicts]})
+        emit_json({"name": name, "ok": not damaged, "results": [dataclasses.asdict(x) for x in verdicts],
+                   "memtier_ignored": ignored})
     else:
         lines = []
         for x in verdicts:
@@ -67,5 +69,8 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"{len(verdicts)} cop{'ies' if len(verdicts) != 1 else 'y'} of "
                      f"{len({x.version for x in verdicts})} version(s): "
                      + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+        if ignored:
+            lines.append(f"memory tier {cfg.memtier}: ignored {len(ignored)} model(s) named {name!r} not of this job: "
+                         + "; ".join(ignored))
         print("\n".join(lines))
     return EXIT_FAIL if damaged else EXIT_OK

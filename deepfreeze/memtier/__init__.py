@@ -19,15 +19,16 @@ Standalone use for any numpy state (no engine, no TensorFlow)::
 
 Modules: :mod:`~deepfreeze.memtier.device` (on-device format, commit protocol, repack),
 :mod:`~deepfreeze.memtier.copy` (``process_vm_readv`` and in-process copiers, the memtier's only
-ctypes), :mod:`~deepfreeze.memtier.api` (standalone use), :mod:`~deepfreeze.memtier.dump`
+ctypes), :mod:`~deepfreeze.memtier.api` (standalone use), :mod:`~deepfreeze.memtier.jobs` (whose regions a
+job reads; which runs are reclaimed or evicted), :mod:`~deepfreeze.memtier.dump`
 (export to .npz/.h5/.safetensors), :mod:`~deepfreeze.memtier.level` (the tier as a restore
 level). docs/memtier.md has the details.
 """
 from __future__ import annotations
 
-from .api import Model, checkpoint, register, restore, view
+from .api import Model, checkpoint, job_id, register, restore, view
 from .device import Device, ShardRegion, SlotHeader, SlotState, create, open  # noqa: A004 - the documented name
 from .dump import dump
 
-__all__ = ["create", "open", "register", "checkpoint", "restore", "view", "dump",
+__all__ = ["create", "open", "register", "checkpoint", "restore", "view", "dump", "job_id",
            "Device", "Model", "ShardRegion", "SlotHeader", "SlotState"]

@@ -14,6 +14,17 @@ version is a real shard image (``format.py``, kind shard, rank 0, world 1) and a
 ``format.decode_manifest`` accepts, in a slot written with the commit protocol of
 :mod:`deepfreeze.memtier.device`. :func:`restore` reads standalone models and whole engine models
 (every rank's region on this device) alike.
+
+**Jobs.** A standalone model belongs to the job ``job=`` names at :func:`register` (an id of 32
+hex digits), and :func:`restore` / :func:`select` consider only the regions of the job they
+are given, matched on that id; without ``job`` a model is of *unknown job*, and only models of
+unknown job are restored without ``job``. So two programs that may use one name on one device
+each keep their job id, e.g. in a file beside their data: :func:`job_id` (``job_id(path)``
+reads the id kept in the file ``path``, or creates it there race-free on first use: the same
+rule as a checkpoint name's ``<persistent>/<name>/job``). An engine model is of the job in
+its persistent directory, so ``restore(dev, name, job=deepfreeze.run.read_job_id(persistent,
+name))`` reads it. Regions of the name left out for being of another job are named once in a
+log line.
 """
 from __future__ import annotations
 
@@ -25,14 +36,28 @@ import numpy as np
 
 from .. import format as fmt
 from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
-from ..run import RunInfo, Version, new_run_id
+from ..run import RunInfo, Version, job_id_at, new_run_id, valid_job_id
 from ..shardplan import ShardPlan, TensorSpec
 from . import device as mdev
+from . import jobs
 from .copy import LocalCopier
 
-__all__ = ["register", "checkpoint", "restore", "view", "Model", "select", "assemble"]
+__all__ = ["register", "checkpoint", "restore", "view", "Model", "select", "assemble", "job_id"]
 
 log = logging.getLogger("deepfreeze")
+
+
+def job_id(path: str) -> str:
+    """The job id kept in the file ``path`` (e.g. ``~/myjob/memtier.job``), created there now
+    (32 random hex digits, written whole under a temporary name, then linked into place) when
+    there is none: what a standalone program passes as ``job=`` to :func:`register` and
+    :func:`restore` so that it never restores another program's model of the same name."""
+    return job_id_at(path)
+
+
+def _check_job(job: Any) -> None:
+    if job is not None and not valid_job_id(job):
+        raise ValueError(f"job {job!r} is not a job id (32 lowercase hex digits, e.g. memtier.job_id(path))")
 
 
 def _device(dev: "mdev.Device | str", writable: bool) -> tuple[mdev.Device, bool]:
@@ -62,7 +87,7 @@ class Model:
 
     def __init__(self, device: mdev.Device, region: mdev.ShardRegion, plan: ShardPlan, owns_device: bool) -> None:
         self.device, self.region, self.plan = device, region, plan
-        self.name, self.run = region.name, region.run
+        self.name, self.run, self.job = region.name, region.run, region.job
         self._owns = owns_device
         self.closed = False
 
@@ -99,17 +124,19 @@ class Model:
 
 def register(device: "mdev.Device | str", name: str,
              arrays: "Mapping[str, np.ndarray] | Sequence[tuple[str, Any, Sequence[int]]]", *,
-             slots: int = 2) -> Model:
+             slots: int = 2, job: str | None = None) -> Model:
     """Register a model made of ``arrays`` (name -> array, or (name, dtype, shape) triples, in
     order) on ``device`` (a :class:`~deepfreeze.memtier.device.Device` or a path): a new run id,
     a world-1 shard plan, its index and ``slots`` (>= 2) slots laid out and pre-faulted now.
-    Raises :class:`~deepfreeze.errors.MemtierFullError` when the device has no room."""
+    ``job``: the id of the job it belongs to (:func:`job_id`; None: unknown job, see the module
+    docstring). Raises :class:`~deepfreeze.errors.MemtierFullError` when the device has no room."""
+    _check_job(job)
     if slots < 2:
         raise ValueError(f"a model needs at least 2 slots (a new version never overwrites the newest), got {slots}")
     specs = _specs(arrays)
     plan = ShardPlan.build(specs, 1)
     run = new_run_id()
-    index = mdev.make_index(plan, 0, name, run, standalone=True, owner=mdev.owner_record())
+    index = mdev.make_index(plan, 0, name, run, standalone=True, owner=mdev.owner_record(), job=job)
     dev, owns = _device(device, True)
     try:
         region = dev.register_shard(name, run, 0, 1, index=index, image_size=index["file_size"],
@@ -172,15 +199,27 @@ def checkpoint(model: Model, arrays: "Mapping[str, np.ndarray] | Sequence[np.nda
 
 # --------------------------------------------------------------------------- restore
 
-def select(dev: mdev.Device, name: str) -> tuple[list[tuple[Version, float, dict[int, tuple[mdev.ShardRegion, int]]]],
-                                                  list[str]]:
+_ANY = object()
+
+
+def select(dev: mdev.Device, name: str, job: "str | None | object" = _ANY, *, quiet: bool = False
+           ) -> tuple[list[tuple[Version, float, dict[int, tuple[mdev.ShardRegion, int]]]], list[str]]:
     """Candidate versions of ``name`` on ``dev``, newest first: (version, written time, rank ->
     (region, slot)) for every version that has a DONE slot (valid header) on every rank of its
-    run; and notes on runs whose ranks are not all on this device."""
+    run; and notes on runs whose ranks are not all on this device. With ``job`` (an id, or None
+    for unknown job) only that job's regions are considered; the others are noted (and logged
+    once unless ``quiet``); without it, every job's (the tools: ``dump``)."""
+    regions = dev.find(name)
+    notes: list[str] = []
+    if job is not _ANY:
+        regions, ignored = jobs.for_job(regions, job)  # type: ignore[arg-type]
+        if not quiet:
+            jobs.say_ignored(dev.path, name, job, ignored)  # type: ignore[arg-type]
+        notes += [f"ignored {x}" for x in ignored]
     by_run: dict[str, list[mdev.ShardRegion]] = {}
-    for r in dev.find(name):
+    for r in regions:
         by_run.setdefault(r.run, []).append(r)
-    out, notes = [], []
+    out = []
     for run, regions in by_run.items():
         world = regions[0].world_size
         ranks = {r.rank: r for r in regions if r.world_size == world}
@@ -272,16 +311,19 @@ def assemble(slots: Mapping[int, tuple[mdev.ShardRegion, int]], out: "dict[str, 
 
 
 def restore(device: "mdev.Device | str", name: str, *, out: "dict[str, np.ndarray] | None" = None,
-            version: "Version | int | None" = None) -> tuple[dict[str, np.ndarray], Version]:
-    """The newest restorable version of ``name`` on ``device`` (or ``version``: a
+            version: "Version | int | None" = None, job: str | None = None) -> tuple[dict[str, np.ndarray], Version]:
+    """The newest restorable version of ``name`` of job ``job`` on ``device`` (or ``version``: a
     :class:`~deepfreeze.run.Version` or a version number), as name -> array in model order, and
     its version. A standalone model or a whole engine model (every rank's region on this
-    device) alike. ``out`` (name -> array) is filled in place. A damaged or concurrently
-    rewritten slot is skipped for the next older version (log line). Raises
-    :class:`~deepfreeze.errors.CheckpointNotFoundError` when nothing matching is restorable."""
+    device) alike. Only regions recorded with ``job`` are considered (None: only those of unknown
+    job; see the module docstring); the others are named once in a log line. ``out`` (name ->
+    array) is filled in place. A damaged or concurrently rewritten slot is skipped for the next
+    older version (log line). Raises :class:`~deepfreeze.errors.CheckpointNotFoundError` when
+    nothing matching is restorable."""
+    _check_job(job)
     dev, owns = _device(device, False)
     try:
-        cands, notes = select(dev, name)
+        cands, notes = select(dev, name, job)
         if version is not None:
             cands = [c for c in cands if (c[0] == version if isinstance(version, Version) else c[0].step == version)]
         problems = []
@@ -295,7 +337,7 @@ def restore(device: "mdev.Device | str", name: str, *, out: "dict[str, np.ndarra
                 problems.append(f"{v}: {e}")
         what = f"version {version}" if version is not None else "a restorable version"
         raise CheckpointNotFoundError(
-            f"{dev.path} holds no {what} of {name!r}"
+            f"{dev.path} holds no {what} of {name!r} of job {jobs.job_text(job)}"
             + (f" ({'; '.join((notes + problems)[:4])})" if notes or problems else "")
             + ": see 'deepfreeze memtier view'")
     finally:

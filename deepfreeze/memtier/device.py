@@ -18,7 +18,9 @@ Layout (little-endian, every offset from the file start, ``PAGE`` = 4096)::
       (all u64), created f64, body_crc u32 (CRC32 of the body; the state word is outside it)
     data area from data_start = align(table_off + table_cap * entry_size, PAGE): the regions
     region of an entry (page aligned): index, then the slots
-      MIndex at index_off: index_len bytes of JSON + u32 CRC32 trailer (see :func:`make_index`)
+      MIndex at index_off: index_len bytes of JSON + u32 CRC32 trailer (see :func:`make_index`); its
+        ``job`` is the id of the job the region belongs to (``deepfreeze.run.job_id``; absent or
+        null: "job unknown", a region written before job ids existed)
       slot k at slot_off + k * slot_stride:
         header page: magic b"DFSLOT\\0\\0", state u32 (0 EMPTY, 1 ACTIVE, 2 DONE), pad u32, run 16s,
           generation u64, step u64 (the checkpoint version number), meta_len u32, pad u32,
@@ -63,9 +65,19 @@ next. DAX (persistent memory mapped directly): msync is not enough on every plat
 flushes (``clwb``) and a fence would be needed, which Python cannot issue: correctness on DAX
 needs a native flush and is not claimed.
 
-Every offset and size read from the device is bounds-checked before use; a violation raises
-:class:`MemtierCorruptError` naming the entry and the reason (a hostile or damaged file never
-crashes the reader).
+Every offset and size read from the device is bounds-checked before use. A damaged superblock
+raises :class:`MemtierCorruptError`; a damaged or hostile table entry (or index) is
+*quarantined*: left out of the regions with a log line naming the entry and the reason, its
+claimed bytes kept out of the free space when its body checksum holds (and it overlaps no valid
+region), and every other model stays usable (:meth:`Device.refresh`; ``strict=True`` raises
+instead). A hostile or damaged file never crashes the reader.
+
+**Jobs and capacity.** Each region's MIndex records its job id (``deepfreeze.run.job_id``);
+readers select by it (:func:`for_job`). The regions of a run that a newer run of the same job
+superseded (a newer verified DONE version on every region of the newer run) are retired
+(:meth:`Device.reclaim`, :meth:`Device.repack`); a registration that does not fit may evict
+finished models (:meth:`Device._evict_for`: never a live one, each job's newest version last);
+:meth:`Device.drop` is ``deepfreeze memtier rm``.
 """
 from __future__ import annotations
 
@@ -93,7 +105,8 @@ from .. import crashpoints as cp
 from .. import format as fmt
 from ..errors import (CorruptCheckpointError, MemtierBusyError, MemtierCorruptError, MemtierError,
                       MemtierFullError, UntrustedOwnerError)
-from ..run import Version
+from ..run import Version, valid_job_id
+from . import jobs as _jobs
 
 __all__ = ["PAGE", "create", "open", "view", "parse_size", "Device", "ShardRegion", "SlotHeader", "SlotState",
            "SlotWriter", "make_index", "index_for_entries", "manifest_capacity", "default_live",
@@ -137,16 +150,24 @@ def _align(n: int, a: int = PAGE) -> int:
     return (n + a - 1) // a * a
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+          "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
+
+
 def parse_size(size: "int | str") -> int:
-    """Bytes of a size given as an int or a string such as ``"8G"``, ``"512M"``, ``"64KiB"``
-    (binary units: K = 1024)."""
+    """Bytes of a size given as an int or a string: ``K``/``M``/``G``/``T`` and ``KiB``/``MiB``/
+    ``GiB``/``TiB`` are binary (``10G`` = ``10GiB`` = 10 * 2**30 bytes), ``KB``/``MB``/``GB``/``TB``
+    decimal (``10GB`` = 10**9 * 10 bytes), a plain number or ``B`` bytes; case does not matter."""
     if isinstance(size, int) and not isinstance(size, bool):
         n = size
     else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise ValueError(f"size {size!r} is not a number of bytes or a size such as '8G', '512M', '64K'")
-        n = int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?(?:i?B)?)\s*", str(size), re.IGNORECASE)
+        unit = m.group(2).upper() if m else None
+        if not m or unit not in _UNITS:
+            raise ValueError(f"size {size!r} is not a number of bytes or a size such as '8G' (GiB), '512M' (MiB), "
+                             "'10GB' (10**9 bytes)")
+        n = int(float(m.group(1)) * _UNITS[unit])
     if n <= 0:
         raise ValueError(f"size {size!r} must be positive")
     return n
@@ -228,6 +249,10 @@ def _flock_holder(fd: int) -> str:
     except (OSError, ValueError):
         pass
     return "another process (unknown: /proc/locks did not say)"
+
+
+_said_lock = threading.Lock()
+_said_quarantine: set[tuple[str, int, str]] = set()
 
 
 # --------------------------------------------------------------------------- records
@@ -340,6 +365,9 @@ def _index_problem(idx: Any, e: "_Entry | None") -> str | None:
                                   and isinstance(lease.get("timeout"), (int, float))
                                   and not isinstance(lease.get("timeout"), bool)):
         return "'lease' malformed (null or {persistent: str, timeout: number})"
+    job = idx.get("job")
+    if job is not None and not valid_job_id(job):
+        return "'job' malformed (null or 32 hex digits)"
     owner = idx.get("owner")
     if owner is not None and not (isinstance(owner, dict) and _int(owner.get("pid"), 1, 1 << 31)
                                   and _int(owner.get("start"), 0, 1 << 62) and isinstance(owner.get("boot"), str)):
@@ -376,20 +404,26 @@ def _index_problem(idx: Any, e: "_Entry | None") -> str | None:
 def index_for_entries(name: str, run: str, rank: int, world_size: int, names: Sequence[str],
                       entries: Sequence[fmt.Entry], data_offset: int, file_size: int, *,
                       lease: dict[str, Any] | None = None, standalone: bool = False,
-                      owner: dict[str, Any] | None = None) -> dict[str, Any]:
+                      owner: dict[str, Any] | None = None, job: str | None = None) -> dict[str, Any]:
     """The MIndex of a shard laid out by ``format.layout`` (``entries`` with offsets; ``names[i]``
-    is the tensor name of ``entries[i]``), e.g. from ``FusedLayout.build(plan, rank)``."""
+    is the tensor name of ``entries[i]``), e.g. from ``FusedLayout.build(plan, rank)``; ``job``:
+    the id of the job it belongs to (:func:`deepfreeze.run.job_id`), None: job unknown."""
+    if job is not None and not valid_job_id(job):
+        raise ValueError(f"job {job!r} is not a job id (32 hex digits: deepfreeze.run.new_job_id)")
     tensors = [{"name": n, "dtype": e.dtype, "shape": list(e.shape), "size": e.length, "offset": e.offset,
                 "tensor_id": e.tensor_id, "start": e.start, "stop": e.stop} for n, e in zip(names, entries)]
     idx = {"name": name, "run": run, "rank": rank, "world_size": world_size, "tensors": tensors,
            "data_offset": data_offset, "file_size": file_size, "lease": lease, "standalone": standalone}
     if owner is not None:
         idx["owner"] = owner
+    if job is not None:
+        idx["job"] = job
     return idx
 
 
 def make_index(plan: Any, rank: int, name: str, run: str, *, lease: dict[str, Any] | None = None,
-               standalone: bool = False, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+               standalone: bool = False, owner: dict[str, Any] | None = None,
+               job: str | None = None) -> dict[str, Any]:
     """The MIndex of rank ``rank``'s shard of a :class:`~deepfreeze.shardplan.ShardPlan` (the image
     is laid out exactly like the shard file and the fused capture buffer of that rank)."""
     pieces = plan.for_rank(rank)
@@ -397,7 +431,8 @@ def make_index(plan: Any, rank: int, name: str, run: str, *, lease: dict[str, An
            for p in pieces]
     entries, data_offset, file_size = fmt.layout(raw)
     return index_for_entries(name, run, rank, plan.world_size, [plan.tensors[p.tensor_id].name for p in pieces],
-                             entries, data_offset, file_size, lease=lease, standalone=standalone, owner=owner)
+                             entries, data_offset, file_size, lease=lease, standalone=standalone, owner=owner,
+                             job=job)
 
 
 def manifest_capacity(n_tensors: int, n_pieces: int, world_size: int) -> int:
@@ -413,10 +448,13 @@ def _index_entries(idx: dict[str, Any]) -> list[fmt.Entry]:
 
 # --------------------------------------------------------------------------- device
 
-def create(path: str, size: "int | str", *, force: bool = False, table_cap: int = DEFAULT_TABLE_CAP) -> "Device":
-    """Create a device file of ``size`` bytes (``"8G"``, ``"512M"``, or an int; rounded up to pages)
-    at ``path``, allocated (``posix_fallocate``) and pre-faulted (every page touched through a
-    mapping), mode 0600, and return it open. On tmpfs the size is checked against
+def create(path: str, size: "int | str", *, force: bool = False, table_cap: int = DEFAULT_TABLE_CAP,
+           progress: "Callable[[str, int, int], None] | None" = None) -> "Device":
+    """Create a device file of ``size`` bytes (``"8G"`` = 8 GiB, ``"512M"``, ``"10GB"`` = 10**10
+    bytes, or an int: :func:`parse_size`; rounded up to pages) at ``path``, allocated
+    (``posix_fallocate``) and pre-faulted (every page touched through a mapping), mode 0600, and
+    return it open. ``progress(phase, done, total)`` is called as the file is allocated
+    (``"allocating"``) and pre-faulted (``"pre-faulting"``, every 64 MiB). On tmpfs the size is checked against
     ``MemAvailable`` and the file system's free space first (:class:`MemtierFullError`). An existing
     file is an error unless ``force`` (then it is replaced: every checkpoint on it is lost). The
     file appears under ``path`` only once complete (built under a temporary name, then linked)."""
@@ -457,6 +495,8 @@ def create(path: str, size: "int | str", *, force: bool = False, table_cap: int 
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
+            if progress is not None:
+                progress("allocating", 0, size)
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
@@ -466,7 +506,13 @@ def create(path: str, size: "int | str", *, force: bool = False, table_cap: int 
                 raise
             os.ftruncate(fd, size)
         with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-            _touch(mm, 0, size)
+            step = 64 << 20
+            for off in range(0, size, step):
+                if progress is not None:
+                    progress("pre-faulting", off, size)
+                _touch(mm, off, min(step, size - off))
+            if progress is not None:
+                progress("pre-faulting", size, size)
             created = time.time()
             sb = _SB.pack(SB_MAGIC, DEVICE_FORMAT, PAGE, size, PAGE, table_cap, ENTRY_SIZE, created)
             mm[0:_SB.size + 4] = sb + _U32.pack(fmt.crc32(sb))
@@ -502,8 +548,10 @@ def _touch(mm: mmap.mmap, off: int, length: int) -> None:
 
 
 def open(path: str, *, writable: bool = True) -> "Device":  # noqa: A001 - the documented name
-    """Open and validate a device (every table entry, region and index; :class:`MemtierCorruptError`
-    on any violation). ``writable=False`` maps it read-only (view, dump, restore)."""
+    """Open and validate a device (superblock, every table entry, region and index). A damaged
+    table entry is quarantined (that model unreadable, shown by ``view``; everything else usable);
+    a damaged superblock or overlapping valid regions: :class:`MemtierCorruptError`.
+    ``writable=False`` maps it read-only (view, dump, restore)."""
     return Device(path, writable=writable)
 
 
@@ -513,7 +561,7 @@ class Device:
     Thread-safe for the table operations (a lock plus the device flock); slot writes are the
     caller's (one writer per region)."""
 
-    def __init__(self, path: str, *, writable: bool = True, strict: bool = True) -> None:
+    def __init__(self, path: str, *, writable: bool = True, strict: bool = False) -> None:
         from ..fsafe import open_regular
         from ..ownership import check_file
         self.path = os.path.abspath(path)
@@ -537,8 +585,12 @@ class Device:
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, prot)
             self._read_superblock()
-            #: problems found at open (only when opened with ``strict=False``: :func:`view`)
+            #: problems found at open (damaged entries, quarantined: see :meth:`refresh`)
             self.problems: list[str] = []
+            #: the quarantined entries: {"entry", "name", "rank", "reason"} (name/rank None if unreadable)
+            self.quarantined: list[dict[str, Any]] = []
+            self._reserved: list[tuple[int, int]] = []
+            self._reserved_map: dict[int, tuple[int, int]] = {}
             self._strict = strict
             self._regions: list[ShardRegion] = []
             self._other: list[_Entry] = []  # WRITING / RETIRED entries (for view and repack)
@@ -607,23 +659,42 @@ class Device:
         return _U32.unpack_from(self.mm, self._entry_off(no))[0]
 
     def refresh(self) -> None:
-        """Re-read the model table (other processes may have registered or retired regions)."""
+        """Re-read the model table (other processes may have registered or retired regions).
+
+        A damaged or hostile entry is *quarantined*, not fatal: it is left out of the regions
+        (that model cannot be read or written), named in :attr:`problems` and
+        :attr:`quarantined` (logged once per process), and every other model stays usable. The
+        bytes it claims stay reserved when its body checksum holds and its region lies in the
+        data area (a damaged index does not free the space of its region); entries whose regions
+        overlap are both quarantined. With ``strict=True`` (the constructor's) a problem raises
+        :class:`MemtierCorruptError` instead, as before."""
         with self._lock:
             regions, other, problems, bad = [], [], [], set()
+            quarantined: list[dict[str, Any]] = []
+            reserved: dict[int, tuple[int, int]] = {}  # entry -> (offset, length) kept out of the free space
             mm = self.mm
+
+            def quarantine(no: int, why: str, e: "_Entry | None") -> None:
+                label = f"model table entry {no}" + (f" ({e.name!r} rank {e.rank})" if e is not None else "")
+                problems.append(f"{label}: {why}")
+                quarantined.append({"entry": no, "name": None if e is None else e.name,
+                                    "rank": None if e is None else e.rank, "reason": why})
+                if e is not None and self.data_start <= e.region_off and 0 < e.region_len \
+                        and e.region_off + e.region_len <= self.size and not e.region_off % PAGE:
+                    reserved[no] = (e.region_off, _align(e.region_len))
+
             for no in range(self.table_cap):
                 off = self._entry_off(no)
                 state = _U32.unpack_from(mm, off)[0]
                 if state == FREE:
                     continue
-                where = f"model table entry {no}"
-                if state not in _STATE_NAMES:
-                    problems.append(f"{where}: unknown state {state}")
-                    continue
                 parsed = _parse_entry(no, bytes(mm[off:off + ENTRY_SIZE]))
+                if state not in _STATE_NAMES:
+                    quarantine(no, f"unknown state {state}", parsed if not isinstance(parsed, str) else None)
+                    continue
                 if isinstance(parsed, str):
                     if state in _LIVE_STATES:
-                        problems.append(f"{where}: {parsed}")
+                        quarantine(no, parsed, None)
                     continue  # WRITING/RETIRED entries may be torn: never read
                 if state not in _LIVE_STATES:
                     other.append(parsed)
@@ -635,7 +706,7 @@ class Device:
                     except MemtierCorruptError as e:
                         why = str(e)
                 if why is not None:
-                    problems.append(f"{where} ({parsed.name!r} rank {parsed.rank}): {why}")
+                    quarantine(no, why, parsed)
                     continue
                 regions.append(ShardRegion(self, parsed, idx))
             regions.sort(key=lambda r: r.region_off)
@@ -647,13 +718,35 @@ class Device:
                     bad |= {end.entry_no, r.entry_no}
                 if end is None or r.region_off + r.region_len > end.region_off + end.region_len:
                     end = r
+            for no, (o, n) in list(reserved.items()):  # a damaged entry never takes a valid region's place
+                if any(r.region_off < o + n and o < r.region_off + r.region_len for r in regions):
+                    del reserved[no]
             if problems and self._strict:
                 raise self._bad("; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5
                                                            else ""))
-            regions = [r for r in regions if r.entry_no not in bad]  # non-strict (view): overlaps shown as problems
+            for r in regions:
+                if r.entry_no in bad:
+                    quarantined.append({"entry": r.entry_no, "name": r.name, "rank": r.rank,
+                                        "reason": "its region overlaps another entry's"})
+                    reserved[r.entry_no] = (r.region_off, r.region_len)
+            regions = [r for r in regions if r.entry_no not in bad]
             self.problems = problems
+            self.quarantined = quarantined
+            self._reserved = sorted(reserved.values())
+            self._reserved_map = reserved
             self._regions = sorted(regions, key=lambda r: (r.name, r.run, r.rank, r.entry_no))
             self._other = other
+            for q in quarantined:
+                key = (self.path, q["entry"], q["reason"])
+                with _said_lock:
+                    if key in _said_quarantine:
+                        continue
+                    _said_quarantine.add(key)
+                log.warning("deepfreeze memtier: %s: model table entry %d%s is damaged (%s): quarantined (that model "
+                            "cannot be read; every other model is usable). 'deepfreeze memtier view %s' shows it; "
+                            "'deepfreeze memtier rm %s --entry %d' drops it", self.path, q["entry"],
+                            f" ({q['name']!r} rank {q['rank']})" if q["name"] else "", q["reason"], self.path,
+                            self.path, q["entry"])
 
     def _read_index(self, e: _Entry) -> dict[str, Any]:
         raw = bytes(self.mm[e.index_off:e.index_off + e.index_len + 4])
@@ -681,10 +774,11 @@ class Device:
 
     def _free_gaps(self) -> list[tuple[int, int]]:
         gaps, pos = [], self.data_start
-        for r in sorted(self._regions, key=lambda r: r.region_off):
-            if r.region_off > pos:
-                gaps.append((pos, r.region_off - pos))
-            pos = max(pos, r.region_off + r._e.region_len)
+        used = sorted([(r.region_off, r._e.region_len) for r in self._regions] + list(self._reserved))
+        for off, n in used:  # valid regions and the extents quarantined entries reserve
+            if off > pos:
+                gaps.append((pos, off - pos))
+            pos = max(pos, off + n)
         if self.size > pos:
             gaps.append((pos, self.size - pos))
         return gaps
@@ -739,14 +833,17 @@ class Device:
         return slot_rel, stride, slot_rel + nslots * stride
 
     def register_shard(self, name: str, run: str, rank: int, world_size: int, *, index: dict[str, Any],
-                       image_size: int, meta_cap: int | None = None, nslots: int = 2) -> "ShardRegion":
+                       image_size: int, meta_cap: int | None = None, nslots: int = 2,
+                       make_room: "Callable[[ShardRegion], bool] | None" = None) -> "ShardRegion":
         """Lay out a region for (``name``, ``run``, ``rank``): its MIndex (``index``, see
         :func:`make_index`) and ``nslots`` slots of ``image_size`` bytes (= ``index["file_size"]``)
         with ``meta_cap`` bytes for each version's manifest (default: :func:`manifest_capacity` of
         the index, enough for a world-1 model; an engine passes the capacity of its whole plan).
         Pre-faults the region. The same (name, run, rank) registered again with the same index
-        returns the existing region. Raises :class:`MemtierFullError` (naming the bytes needed and
-        free) when it does not fit."""
+        returns the existing region. With ``make_room`` (a liveness rule such as
+        :func:`default_live`), a region that does not fit first evicts finished models
+        (:meth:`_evict_for`: never a live one; every job's newest version last). Raises
+        :class:`MemtierFullError` (naming the bytes needed and free) when it does not fit."""
         self._need_writable()
         if _check_name(name):
             raise ValueError(_check_name(name))
@@ -779,6 +876,9 @@ class Device:
                     raise MemtierError(f"{self.path}: {name!r} run {run} rank {rank} is already registered with "
                                        "another layout; a model of another shape needs another run id")
             off = self._alloc(region_len)
+            if off is None and make_room is not None:
+                self._evict_for(region_len, make_room, f"{name!r} rank {rank}")
+                off = self._alloc(region_len)
             if off is None:
                 gaps = self._free_gaps()
                 largest = max((n for _, n in gaps), default=0)
@@ -842,10 +942,99 @@ class Device:
                 self._set_state(no, FINISHED)
             self.refresh()
 
+    # ---------------------------------------------------------------- capacity
+    def _superseded(self, live: "Callable[[ShardRegion], bool]", name: str | None = None,
+                    job: str | None = None) -> "list[list[ShardRegion]]":
+        """:func:`~deepfreeze.memtier.jobs.superseded_runs` of this device's valid regions."""
+        return _jobs.superseded_runs(self._regions, live, name=name, job=job)
+
+    def reclaim(self, name: str, job: str, *, live: "Callable[[ShardRegion], bool] | None" = None) -> dict[str, int]:
+        """Retire the regions of earlier runs of job ``job``'s ``name`` that a newer run of the job has
+        superseded (:meth:`_superseded`): the engine calls this once its run has a DONE version in
+        the tier. Returns ``{"retired", "freed_bytes"}``."""
+        self._need_writable()
+        retired = freed = 0
+        with self.locked():
+            self.refresh()
+            for regions in self._superseded(live or default_live, name, job):
+                for r in regions:
+                    self._retire(r)
+                    retired += 1
+                    freed += r.region_len
+                log.info("deepfreeze memtier: %s: run %s of %r reclaimed (%d region(s)): a newer run of its job has "
+                         "a DONE version", self.path, regions[0].run, name, len(regions))
+            self.refresh()
+        return {"retired": retired, "freed_bytes": freed}
+
+    def _evict_for(self, need: int, live: "Callable[[ShardRegion], bool]", what: str) -> int:
+        """Under the lock: retire finished models (never a live one), a run at a time, until ``need``
+        contiguous bytes are free. Order: runs whose job has a newer version elsewhere on the
+        device first, then each job's newest version, oldest written first (so every job's newest
+        version is kept as long as possible). Returns the bytes freed (0: nothing evictable)."""
+        dead, order = _jobs.eviction_order(self._regions, live)
+        freed, evicted = 0, []
+        for n, run in order:
+            if self._alloc(need) is not None:
+                break
+            for r in dead[(n, run)]:
+                self._retire(r)
+                freed += r.region_len
+            evicted.append(f"{n!r} run {run}")
+            self.refresh()
+        if evicted:
+            log.warning("deepfreeze memtier: %s full: evicted finished model(s) %s (%d bytes) to make room for %s",
+                        self.path, ", ".join(evicted), freed, what)
+        return freed
+
+    def drop(self, name: str | None = None, *, run: str | None = None, job: str | None = None,
+             entry: int | None = None, force: bool = False,
+             live: "Callable[[ShardRegion], bool] | None" = None) -> dict[str, Any]:
+        """Retire the regions of model ``name`` (only run ``run`` / job ``job`` when given), or the
+        quarantined or valid entry ``entry``: ``deepfreeze memtier rm``. A live model (its run
+        still holds its lease; a standalone model not closed whose owner runs) is refused with
+        :class:`MemtierError` unless ``force``. Returns ``{"retired", "freed_bytes", "models"}``;
+        :class:`~deepfreeze.errors.CheckpointNotFoundError` when nothing matches."""
+        from ..errors import CheckpointNotFoundError
+        self._need_writable()
+        live = live or default_live
+        with self.locked():
+            self.refresh()
+            if entry is not None:
+                q = next((q for q in self.quarantined if q["entry"] == entry), None)
+                r = self.region(entry)
+                if q is None and r is None:
+                    raise CheckpointNotFoundError(f"{self.path}: no valid or quarantined model-table entry {entry}")
+                if r is not None and live(r) and not force:
+                    raise MemtierError(f"{self.path}: entry {entry} ({r.name!r} run {r.run}) is live: stop its job "
+                                       "first (or --force)")
+                freed = r.region_len if r is not None else self._reserved_map.get(entry, (0, 0))[1]
+                self._set_state(entry, RETIRED)
+                self.refresh()
+                return {"retired": 1, "freed_bytes": freed,
+                        "models": [f"entry {entry}" + (f" ({r.name!r} run {r.run})" if r is not None else "")]}
+            match = [r for r in self._regions if r.name == name and (run is None or r.run == run)
+                     and (job is None or (r.job or "unknown") == job or (job != "unknown" and r.job is not None
+                                                                         and len(job) >= 4 and r.job.startswith(job)))]
+            if not match:
+                raise CheckpointNotFoundError(f"{self.path} holds no model {name!r}"
+                                              + (f" of run {run}" if run else "") + (f" of job {job}" if job else "")
+                                              + " ('deepfreeze memtier view' lists them)")
+            busy = [r for r in match if live(r)]
+            if busy and not force:
+                raise MemtierError(f"{self.path}: {name!r} run(s) {', '.join(sorted({r.run for r in busy}))} are live "
+                                   "(their job still runs): stop the job first, or pass --force (a live job then "
+                                   "fails its next checkpoint into the tier)")
+            for r in match:
+                self._retire(r)
+            self.refresh()
+            return {"retired": len(match), "freed_bytes": sum(r.region_len for r in match),
+                    "models": sorted({f"{r.name!r} run {r.run}" for r in match})}
+
     def repack(self, *, live: "Callable[[ShardRegion], bool] | None" = None) -> dict[str, int]:
         """Compact the device under its lock; returns ``{"retired", "moved", "freed_bytes"}``.
 
-        Entries left WRITING by a crash are retired. Regions for which ``live(region)`` is false
+        Entries left WRITING by a crash are retired, and so are the regions of runs a newer run of
+        the same job has superseded (:meth:`_superseded`). Regions for which ``live(region)`` is false
         (default :func:`default_live`: lease released or stale, standalone owner gone or model
         closed) keep only their newest valid DONE version: it is copied into slot 0 of a new
         one-slot region (registered WRITING, copied, msynced, flipped VALID), and only then is
@@ -862,6 +1051,12 @@ class Device:
                 if e.state == WRITING:
                     self._set_state(e.entry_no, RETIRED)
                     retired += 1
+            self.refresh()
+            for regions in self._superseded(live):
+                for r in regions:
+                    self._retire(r)
+                    retired += 1
+                    freed += r.region_len
             self.refresh()
             dead = [r for r in self._regions if not live(r)]
             kept: dict[tuple[str, str, int], tuple[Version, ShardRegion]] = {}
@@ -930,6 +1125,8 @@ class ShardRegion:
         self.nslots, self.entry_no, self.region_off = e.nslots, e.entry_no, e.region_off
         self.region_len, self.meta_cap, self.image_size = e.region_len, e.meta_cap, e.image_size
         self.finished = e.state == FINISHED
+        #: the id of the job this region belongs to (its MIndex ``job``); None: job unknown
+        self.job: str | None = index.get("job")
         self.data_offset, self.file_size = index["data_offset"], index["file_size"]
         #: the image's index entries (offsets in the image; CRCs 0: the written ones are in the image)
         self.entries = _index_entries(index)
@@ -1244,16 +1441,21 @@ def default_live(region: ShardRegion) -> bool:
 
 
 def view(path: str) -> dict[str, Any]:
-    """A JSON-able description of the device: size, free bytes, problems found, and per model
-    (name, run) its shards with every slot's state, version, size and whether it is restorable
+    """A JSON-able description of the device: size, free bytes, problems found (damaged entries:
+    ``quarantined``), and per model (name, run; its job; ``finished``: closed or its job over, by
+    :func:`default_live`, i.e. not live) its shards with every slot's state, version, size and whether it is restorable
     (an ACTIVE slot never is; a DONE one only if its header checksum holds and its image verifies)."""
     with Device(path, writable=False, strict=False) as dev:
         models: dict[tuple[str, str], dict[str, Any]] = {}
         for r in dev.shards():
-            m = models.setdefault((r.name, r.run), {"name": r.name, "run": r.run, "world_size": r.world_size,
+            # finished: closed (FINISHED), or its job is over (lease released / taken over / stale,
+            # owner process gone): what repack may compact, the same rule (default_live)
+            done = r.finished or not default_live(r)
+            m = models.setdefault((r.name, r.run), {"name": r.name, "run": r.run, "job": r.job,
+                                                   "world_size": r.world_size,
                                                    "standalone": bool(r.index.get("standalone")),
-                                                   "finished": r.finished, "shards": []})
-            m["finished"] = m["finished"] and r.finished
+                                                   "finished": done, "shards": []})
+            m["finished"] = m["finished"] and done
             slots = []
             for k in range(r.nslots):
                 h = r.slot_header(k)
@@ -1282,4 +1484,5 @@ def view(path: str) -> dict[str, Any]:
                                 "newest": None if newest is None else
                                 {"generation": newest["generation"], "version": newest["version"]}})
         return {"path": dev.path, "size": dev.size, "free": dev.free_bytes(), "table_cap": dev.table_cap,
-                "created": dev.created, "problems": list(dev.problems), "models": list(models.values())}
+                "created": dev.created, "problems": list(dev.problems), "quarantined": list(dev.quarantined),
+                "models": list(models.values())}

@@ -8,6 +8,13 @@ A slot's payload is a format.py shard image, so an item of the inventory is not 
 that slot's image out (re-checking after the copy that the slot was not rewritten meanwhile)
 and the caller checks its index and CRCs as it does for a shard file.
 
+Only regions of the reader's *job* are considered (:attr:`MemtierLevel.job`, the id kept in
+``<persistent>/<name>/job``, :func:`deepfreeze.run.read_job_id`; matched on the id each region's
+MIndex records, never on paths): two jobs that share a checkpoint name on one device never see
+each other's versions, a region written before job ids ("job unknown") is never restored into a
+job that has an id, and the regions left out are named once in a log line
+(:func:`deepfreeze.memtier.device.say_ignored`).
+
 Only DONE slots whose header checksum holds are listed (an ACTIVE slot is never trusted); of
 one version, the slots of one run are used (a version with slots of two runs keeps the one
 whose manifest a caller agrees on: the run of the first region found, with a log line).
@@ -25,8 +32,9 @@ import numpy as np
 from .. import format as fmt
 from ..errors import CorruptCheckpointError, DeepFreezeError
 from . import device as _device
+from . import jobs as _jobs
 
-__all__ = ["PREFIX", "MemtierLevel", "is_item", "read_item", "region_address", "reading", "forget", "changed"]
+__all__ = ["PREFIX", "MemtierLevel", "job_of", "is_item", "read_item", "region_address", "reading", "forget", "changed"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -56,13 +64,44 @@ def _parse(item: str) -> tuple[str, int, int, str, int]:
         raise CorruptCheckpointError(f"{item!r} is not a memory-tier address") from e
 
 
+_NO_JOB = object()
+
+
+def job_of(persistent: str, name: str) -> "str | None | object":
+    """The job id of ``name`` in ``persistent`` (None: no run made one yet), or a marker meaning
+    "unreadable" (a damaged ``job`` file: logged; then no region of the device matches)."""
+    from ..run import read_job_id
+    try:
+        return read_job_id(persistent, name)
+    except (OSError, DeepFreezeError) as e:
+        log.warning("deepfreeze: the job id of %r is unreadable (%s): the memory tier is not read for it", name, e)
+        return _NO_JOB
+
+
 class MemtierLevel:
-    """The memory-tier device at ``path`` (the INI key ``memtier``), read-only."""
+    """The memory-tier device at ``path`` (the INI key ``memtier``), read-only, as seen by job
+    ``job`` (its id; None: a reader without one, which sees only regions of unknown job)."""
 
     level = "memtier"
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, job: "str | None | object") -> None:
         self.path = os.path.abspath(path)
+        self.job = job
+        #: notes on the regions of the last :meth:`slots` call's name that were not of this job
+        self.ignored: list[str] = []
+
+    def regions(self, dev: "_device.Device", name: str, *, quiet: bool = False) -> list[Any]:
+        """The valid regions of ``name`` on ``dev`` that belong to this job; the others are noted
+        in :attr:`ignored` and (unless ``quiet``) logged once."""
+        regions = dev.find(name)
+        if self.job is _NO_JOB:
+            mine: list[Any] = []
+            self.ignored = [f"run {r.run} rank {r.rank}: this job's id is unreadable" for r in regions]
+        else:
+            mine, self.ignored = _jobs.for_job(regions, self.job)  # type: ignore[arg-type]
+        if not quiet:
+            _jobs.say_ignored(self.path, name, None if self.job is _NO_JOB else self.job, self.ignored)  # type: ignore[arg-type]
+        return mine
 
     def _open(self) -> "_device.Device | None":
         try:
@@ -73,15 +112,17 @@ class MemtierLevel:
             log.warning("deepfreeze: the memory tier %s is unusable (%s): not reading it", self.path, e)
             return None
 
-    def slots(self, name: str, generation: int | None = None) -> list[tuple[Any, int, Any, dict[str, Any]]]:
-        """(region, slot, header, manifest) of every DONE slot of ``name`` whose header and
-        manifest read fine (of ``generation``, when given)."""
+    def slots(self, name: str, generation: int | None = None, *,
+              quiet: bool = False) -> list[tuple[Any, int, Any, dict[str, Any]]]:
+        """(region, slot, header, manifest) of every DONE slot of ``name`` of this job whose header
+        and manifest read fine (of ``generation``, when given)."""
+        self.ignored = []
         dev = self._open()
         if dev is None:
             return []
         out = []
         try:
-            for region in dev.find(name):
+            for region in self.regions(dev, name, quiet=quiet):
                 for k in range(region.nslots):
                     h = region.slot_header(k)
                     if h is None or h.state != _device.SlotState.DONE:
@@ -99,23 +140,36 @@ class MemtierLevel:
             dev.close()
         return out
 
-    def names(self) -> list[str]:
-        """Checkpoint names with at least one DONE slot on the device."""
+    def names(self, job_of_name: "Any" = None) -> list[str]:
+        """Checkpoint names with at least one DONE slot on the device; with ``job_of_name`` (name ->
+        job id, e.g. :func:`job_of` over a persistent directory) only names with a region of that
+        job."""
         dev = self._open()
         if dev is None:
             return []
         try:
-            return sorted({r.name for r in dev.shards()
-                           if any((h := r.slot_header(k)) is not None and h.state == _device.SlotState.DONE for k in range(r.nslots))})
+            jobs: dict[str, Any] = {}
+            out = set()
+            for r in dev.shards():
+                if not any((h := r.slot_header(k)) is not None and h.state == _device.SlotState.DONE
+                           for k in range(r.nslots)):
+                    continue
+                if job_of_name is not None:
+                    if r.name not in jobs:
+                        jobs[r.name] = job_of_name(r.name)
+                    if jobs[r.name] is _NO_JOB or r.job != jobs[r.name]:
+                        continue
+                out.add(r.name)
+            return sorted(out)
         finally:
             dev.close()
 
-    def committed(self, name: str, generation: int | None = None
+    def committed(self, name: str, generation: int | None = None, *, quiet: bool = False
                   ) -> dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]]:
         """Versions of ``name`` held in DONE slots here -> (manifest, inventory), the inventory
         ``{"shard": {rank: memtier address}, "partner": {}, "parity": {}}``."""
         out: dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]] = {}
-        for region, k, h, m in self.slots(name, generation):
+        for region, k, h, m in self.slots(name, generation, quiet=quiet):
             v = h.version.step
             if v not in out:
                 out[v] = (m, {"shard": {}, "partner": {}, "parity": {}})
