@@ -145,7 +145,10 @@ def test_interface_over_providers(env, providers):
     assert total["names"] == 2 and total["models"] == 1 and total["providers"] == [p0.addr, p1.addr]
     if placement("net@v1", 2) == placement("net@v2", 2):
         assert res2["deduplicated"] == 60
-    repo.delete("net@v1")
+    freed = repo.delete("net@v1")  # what the provider's repository freed, as the embedded one says it
+    assert set(freed) >= {"freed", "blobs_removed", "packs_removed"}
+    if placement("net@v1", 2) != placement("net@v2", 2):
+        assert freed["freed"] > 0  # nothing shared with net@v2 on that provider
     with pytest.raises(ModelNotFoundError):
         repo.get("net@v1")
     with pytest.raises(NameExistsError):

@@ -143,7 +143,7 @@ def _info(args: argparse.Namespace) -> int:
 def _rm(args: argparse.Namespace) -> int:
     with _open(args) as repo:
         out = repo.delete(args.model)
-    if isinstance(out, dict):  # the embedded repository says what it freed
+    if out:  # what was freed (embedded and remote repositories alike)
         print(f"deleted {args.model}: freed {mb(out['freed'])} (the name stays reserved; tensors shared with other "
               "models stay, and 'deepfreeze repo gc' compacts packs they share)")
     else:

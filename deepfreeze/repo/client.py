@@ -524,12 +524,15 @@ class RemoteRepository:
                      per_provider=per)
         return total
 
-    def delete(self, name: str) -> None:
-        """Delete ``name`` on its provider (the name stays reserved)."""
+    def delete(self, name: str) -> dict:
+        """Delete ``name`` on its provider (the name stays reserved); what it freed, as
+        :meth:`EmbeddedRepository.delete <deepfreeze.repo.EmbeddedRepository.delete>` returns it."""
         check_name(name)
-        self._at(name).call({"op": "delete", "name": name})
+        reply = self._at(name).call({"op": "delete", "name": name})
         self._specs.pop(name, None)
         self._graphs.pop(name, None)
+        result = reply.get("result")
+        return result if isinstance(result, dict) else {}
 
     def gc(self) -> dict:
         """Compaction on every provider: the numbers summed, with ``per_provider``."""
@@ -557,12 +560,15 @@ _SUMMED = ("names", "deleted_names", "tensors", "logical_bytes", "stored_bytes",
 
 
 def _sum_dicts(dicts: list[dict]) -> dict:
-    """Numbers summed key by key; other values from the first dict that has them."""
+    """Numbers summed key by key, lists (e.g. ``damaged``, ``warnings``) concatenated; other values
+    from the first dict that has them."""
     out: dict[str, Any] = {}
     for d in dicts:
         for k, v in d.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(out.get(k, 0), (int, float)):
                 out[k] = out.get(k, 0) + v
+            elif isinstance(v, list) and isinstance(out.get(k, []), list):
+                out[k] = [*out.get(k, []), *v]
             else:
                 out.setdefault(k, v)
     return out

@@ -346,8 +346,7 @@ class Provider:
             name = req.get("name")
             return {"ok": True, "info": _jsonable(self.repo.info(None if name is None else check_name(name)))}, []
         if op == "delete":
-            self.repo.delete(check_name(req.get("name")))
-            return {"ok": True}, []
+            return {"ok": True, "result": _jsonable(self.repo.delete(check_name(req.get("name"))))}, []
         if op == "gc":
             return {"ok": True, "result": _jsonable(self.repo.gc())}, []
         raise _bad(f"unknown request {op!r:.60}")
