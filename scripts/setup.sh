@@ -3,7 +3,8 @@
 #   - OpenMPI from Debian packages (when root; else a clear message)
 #   - .venv with tensorflow-cpu 2.15.1, numpy<2, isal (fast CRC32), mpi4py, h5py, pytest, matplotlib,
 #     scipy (the stream's learning-curve fits), the redis client (the stream's optional notifier) and
-#     safetensors (deepfreeze export / memtier dump to .safetensors)
+#     safetensors (deepfreeze export / memtier dump to .safetensors) and cryptography (Poly1305, the
+#     network payload MAC of deepfreeze.net)
 #   - redis-server from Debian (when root; optional: the stream's Redis tests skip without it)
 #   - Horovod 0.28.1 built from source against that TensorFlow (MPI only)
 #   - DeepFreeze's fused-copy TensorFlow op, compiled against the same headers (optional: without
@@ -33,7 +34,7 @@ native_op() {
 }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors") >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography") >/dev/null 2>&1; then
   native_op quick  # skips importing TensorFlow when the library is newer than its source
   say "already done (remove $STAMP to redo)"
   exit 0
@@ -72,10 +73,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip wheel setuptools
 fi
 VPY="$VENV/bin/python"
-if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib, isal, scipy, redis, safetensors; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
-  say "installing tensorflow-cpu==2.15.1 numpy<2 isal mpi4py h5py pytest matplotlib scipy redis safetensors"
+if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib, isal, scipy, redis, safetensors, cryptography; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
+  say "installing tensorflow-cpu==2.15.1 numpy<2 isal mpi4py h5py pytest matplotlib scipy redis safetensors cryptography"
   "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" isal mpi4py h5py pytest pytest-timeout matplotlib cmake \
-    packaging "scipy<1.14" "redis>=5" safetensors
+    packaging "scipy<1.14" "redis>=5" safetensors cryptography
 fi
 
 # 3. Horovod from source
