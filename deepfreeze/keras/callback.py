@@ -84,6 +84,8 @@ class _SetUpAtFirstStep:
     (the callback's ``on_train_begin``, which retraces the train function), draws the
     batches a resumed epoch already trained on, then runs the step with the new function."""
 
+    sets_up_at_first_step = True  # CloneCallback's first-step set-up chains to this one, and this one to it
+
     def __init__(self, callback: "DeepFreezeCheckpoint", fn: Any, skip: int) -> None:
         self.callback, self.fn, self.skip = callback, fn, skip
 
@@ -97,7 +99,8 @@ class _SetUpAtFirstStep:
             cb.sink.arm(cb._pending)
         for _ in range(self.skip):
             next(iterator)
-        return cb.model.train_function(iterator)
+        inner = self.fn if getattr(self.fn, "sets_up_at_first_step", False) else cb.model.train_function
+        return inner(iterator)  # another callback's first-step set-up, wrapped before this one, runs too
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)

@@ -190,7 +190,6 @@ class CloneCallback(tf.keras.callbacks.Callback):
         self._epoch = 0
         self._epoch_base: int | None = None  # global step before the epoch's batch 0 (set at its first batch)
         self._own_run: str | None = None  # a run id when no DeepFreezeCheckpoint shares the optimizer
-        self._unbuilt = False  # the model was not built when fit began: set up after its first step
 
     # -- set-up -----------------------------------------------------------------------
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -208,11 +207,16 @@ class CloneCallback(tf.keras.callbacks.Callback):
         elif not self.params.get("steps"):
             raise ConfigError("CloneCallback: at_epoch_end needs the number of steps per epoch: give fit "
                               "steps_per_epoch or a dataset of known length")
-        self._unbuilt = not model.built or not model.weights
-        if not self._unbuilt:
+        if model.built and model.weights:
             self._set_up()
-        # else: fit builds the model in its first step (from the input's shape, as the checkpoint
-        # callback does); the set-up follows that step (on_train_batch_end)
+            return
+        # not built: built from the input's shape and set up when the first step starts, as the
+        # checkpoint callback does (one build function; the optimizer is built before the step)
+        if self.step is not None and self.step <= self._it + 1:
+            raise ConfigError(f"CloneCallback: the model is not built when fit begins, so the clone is set up at "
+                              f"fit's first step, and the clone step {self.step} is that step: clone at a later "
+                              "step, or build the model first (an Input layer or model.build(...))")
+        model.train_function = _SetUpAtFirstStep(self, model.train_function)
 
     def _set_up(self) -> None:
         """The plan, the sender (its hello) and the in-graph sink; retraces the train function."""
@@ -273,13 +277,6 @@ class CloneCallback(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._it += 1
-        if self._unbuilt and not self.done:
-            self._unbuilt = False
-            if self.step is not None and self.step <= self._it:
-                raise ConfigError(f"CloneCallback: the model was not built when fit began, so the clone is set up "
-                                  f"after fit's first step (built from its input's shape), and the clone step "
-                                  f"{self.step} is that step: clone at a later step, or build the model first")
-            self._set_up()
         if self.sink is None or self.sink.armed == _hook.NOT_ARMED:
             return
         t_end = time.time()
@@ -339,6 +336,28 @@ class CloneCallback(tf.keras.callbacks.Callback):
             self.done = True
         self.sender.close()
         self.sender = None
+
+
+class _SetUpAtFirstStep:
+    """Wraps the train function of a model not built when ``fit`` starts. Its first call:
+    builds the model from the input's element spec (:func:`build_from_spec`, as the checkpoint
+    callback does), sets the clone up (which retraces the train function), then runs the step:
+    through another callback's first-step set-up if this one wrapped it, else the new function."""
+
+    sets_up_at_first_step = True
+
+    def __init__(self, callback: CloneCallback, fn: Any) -> None:
+        self.callback, self.fn = callback, fn
+
+    def __call__(self, iterator: Any) -> Any:
+        cb = self.callback
+        build_from_spec(cb.model, getattr(iterator, "element_spec", None), "CloneCallback")
+        cb._set_up()
+        inner = self.fn if getattr(self.fn, "sets_up_at_first_step", False) else cb.model.train_function
+        return inner(iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
 
 
 class _ClonePoint(_ResumePoint):

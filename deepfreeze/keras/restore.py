@@ -34,6 +34,8 @@ def build_from_spec(model: Any, spec: Any, who: str) -> None:
     callback at the first step, ``receive_clone`` and ``restore`` with ``input_spec=``).
     ``who`` starts the error messages. Raises :class:`ConfigError`."""
     import tensorflow as tf
+    if model.built and model.weights:  # built already (e.g. by another callback's first-step set-up)
+        return
     spec = getattr(spec, "element_spec", spec)
     if spec is None:
         raise ConfigError(f"{who}: the model is not built and fit's input does not tell its shape: give the model "
