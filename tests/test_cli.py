@@ -5,6 +5,7 @@ import pty
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 
 import numpy as np
@@ -577,3 +578,39 @@ def test_gc_reports_only_what_it_removed(tmp_path):
     assert os.path.exists(os.path.join(scratch.version_dir("job", 1), "notes.txt"))
     again = cli("gc", *s, *keep).stdout.splitlines()
     assert not [ln for ln in again if ln.startswith("removed ")], again  # nothing more is gone
+
+
+def test_backend_removes_stale_start_locks_as_it_exits(tmp_path):
+    """A backend that exits removes its own start lock and those left by killed backends (no
+    socket, nobody holding them); a lock a starting client holds, or one whose socket is there,
+    stays. A client whose lock file was removed under it takes the new one."""
+    import fcntl
+    from deepfreeze.backend import remove_stale_locks, runtime_dir, socket_path
+    rd = runtime_dir()
+    stale, held, live = (os.path.join(rd, f"backend-{k * 16}.sock.lock") for k in "abc")
+    for p in (stale, held, live):
+        open(p, "w").close()
+    open(live[:-len(".lock")], "w").close()  # stands for a listening backend's socket
+    holder = open(held)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # a client starting a backend
+    s = ["--set", f"scratch={tmp_path / 'node0'}", "--set", f"persistent={tmp_path / 'pfs'}"]
+    own = socket_path(str(tmp_path / "node0")) + ".lock"
+    try:
+        client = BackendClient(str(tmp_path / "node0"))  # starts one, under its start lock
+        assert os.path.exists(own)
+        assert "stopped" in cli("backend", "stop", *s).stdout
+        client.close()
+        deadline = time.monotonic() + 10  # the backend removes them on its way out, after its socket
+        while os.path.exists(own) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(own) and not os.path.exists(stale)
+        assert os.path.exists(held) and os.path.exists(live)
+        assert os.path.basename(held) not in remove_stale_locks(rd)  # the held one stays while held
+        holder.close()
+        assert os.path.basename(held) in remove_stale_locks(rd) and os.path.exists(live)
+    finally:
+        holder.close()
+        os.unlink(live[:-len(".lock")])
+    os.unlink(live)
+    client = BackendClient(str(tmp_path / "node0"))  # a new start after the removal: works
+    client.close()
