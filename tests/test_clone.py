@@ -295,3 +295,13 @@ def test_keras_clone_of_an_unbuilt_model_is_built_from_the_input_spec(tmp_path):
     assert _json(out, "clone1", 0)["info"]["step"] == 8
     from deepfreeze.levels import PersistentLevel
     assert PersistentLevel(f"{out}/persistent").committed_versions("src")  # the checkpoint was set up too
+
+
+@pytest.mark.mpi
+def test_clone_example_runs_as_documented():
+    """examples/clone_example.py, run as docs/clone.md says (3 ranks: 2 source, 1 clone)."""
+    p = mpirun(3, os.path.join(os.path.dirname(WORKERS), "..", "examples", "clone_example.py"), timeout=400)
+    # each group's rank 0 prints one line; checked by substring (lines of two processes may share a line)
+    assert "source: cloned at step 10 (" in p.stdout and ", trained to step 16, loss " in p.stdout, p.stdout
+    assert "clone: received step 10 (epoch 1, batch 2) from run " in p.stdout, p.stdout
+    assert "trained to step 16 with lr 0.0005" in p.stdout, p.stdout
