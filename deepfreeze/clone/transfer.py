@@ -383,8 +383,8 @@ class Receiver:
         Raises ``error`` itself (after telling the source, :meth:`give_up`), :class:`CloneError`
         naming the clone ranks that failed, or :class:`CloneTimeoutError` when one never
         answered within ``2 * timeout`` (it died or is stuck; the others may still be receiving,
-        each bounded by ``timeout``)."""
-        from mpi4py import MPI
+        each bounded by ``timeout``). A rank that failed waits too (bounded), so that its
+        answer reaches the others."""
         if self.gcomm is None:
             self.open_group()
         if error is not None:
@@ -408,9 +408,8 @@ class Receiver:
                 raise error
             self.give_up("a rank of the clone group did not answer")
             raise CloneTimeoutError(
-                f"{me}: {'received everything, but n' if error is None else 'N'}ot every rank of this clone group said "
-                f"whether it did within 2 x clone_timeout = {2 * self.timeout:g} s (one died, or is stuck): the model "
-                "holds a partial clone")
+                f"{me}: received everything, but not every rank of this clone group said whether it did within "
+                f"2 x clone_timeout = {2 * self.timeout:g} s (one died, or is stuck): the model holds a partial clone")
         if error is not None:
             raise error
         bad = [j for j in range(self.group.size) if not every[j]]
