@@ -85,8 +85,8 @@ class CloneSink(_hook.VariableSink):
             for tid, base, flat in zip(tids, bases, flats):
                 self.sender.post(tid, flat, base)
                 self.hooked.add(tid)
-        except CloneError as e:
-            self.error = e
+        except Exception as e:  # an MPI error too: raised by the callback, as a CloneError
+            self.error = _as_clone_error(e, "posting the clone sends")
             return np.bool_(False)
         self.times.append((tids[0], float(ts), t))
         return np.bool_(True)
@@ -101,10 +101,18 @@ class CloneSink(_hook.VariableSink):
         if self.error is None:
             try:  # raised here, it would leave fit as TensorFlow's UnknownError: the callback raises it
                 self.sender.wait()
-            except CloneError as e:
-                self.error = e
+            except Exception as e:
+                self.error = _as_clone_error(e, "waiting for the clone sends")
         self.sent = time.time()
         return np.bool_(self.error is None)
+
+
+def _as_clone_error(e: Exception, doing: str) -> CloneError:
+    if isinstance(e, CloneError):
+        return e
+    err = CloneError(f"clone step failed {doing}: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
 
 
 def check_horovod(group: Group, who: str) -> None:
