@@ -26,7 +26,7 @@ __all__ = [
 
 def restore(model: Any, config: "str | Config | None" = None, *, name: str, version: int | None = None,
             engine: str | None = None, trust_owners: "list[str | int] | None" = None,
-            **overrides: Any) -> tuple[int, int]:
+            input_spec: Any = None, **overrides: Any) -> tuple[int, int]:
     """Load the newest recoverable version (or ``version``) of ``name`` into a Keras ``model``.
 
     Returns ``(version, step)``. Works in a plain process (no MPI) and at any
@@ -38,9 +38,12 @@ def restore(model: Any, config: "str | Config | None" = None, *, name: str, vers
     and :class:`ModelMismatchError` naming the first tensor that does not match.
     ``trust_owners`` (user names or uids): also read persistent files these users own (by
     default only yours and root's; another owner is an error naming them).
+    ``input_spec``: build an unbuilt model first from the data it will be fit on (a
+    ``tf.data.Dataset`` or its ``element_spec``), as the checkpoint callback does at the first step.
     """
     from .engine import ENGINES
     from .keras.restore import restore_model  # the only TensorFlow-dependent step
     if engine is not None and engine not in ENGINES:
         raise ConfigError(f"engine = {engine!r}: use one of {ENGINES} (restore reads the same files for all)")
-    return restore_model(model, config, name=name, version=version, trust_owners=trust_owners, **overrides)
+    return restore_model(model, config, name=name, version=version, trust_owners=trust_owners,
+                         input_spec=input_spec, **overrides)

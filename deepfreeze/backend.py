@@ -70,12 +70,16 @@ starts a new backend on the same path (``serve`` unlinks and binds; the stuck
 process is left alone and, should it wake up, never removes its successor's
 socket). The server drops a client that stops reading its answers. The spawn
 lock is taken with a timed ``LOCK_NB`` loop, so a hung holder delays a newcomer
-by at most the start timeout. :func:`status` and :func:`stop` are what
+by at most the start timeout. A backend that exits removes the start locks
+(``backend-*.sock.lock``) of its runtime directory whose socket is gone and which
+nobody holds (:func:`remove_stale_locks`: each locked before it is unlinked; a
+client that locked a lock file checks it is still the one at the path). :func:`status` and :func:`stop` are what
 ``deepfreeze backend status|stop`` call: they answer within their timeouts.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -87,14 +91,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from . import crashpoints as cp
 from . import ownership
 from .errors import BackendError, BackendUnresponsiveError, UnsafePathError, UntrustedOwnerError
 from .levels import ScratchLevel, flush_job
 
-__all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "DEFAULT_TIMEOUT",
+__all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "remove_stale_locks",
+           "DEFAULT_TIMEOUT",
            "LOG_EVERY"]
 
 log = logging.getLogger("deepfreeze.backend")
@@ -545,6 +550,7 @@ def serve(path: str, idle: float = 5.0) -> None:
         except OSError:
             pass
         sock.close()
+        remove_stale_locks(os.path.dirname(path))  # this backend's start lock, and any left by killed ones
         log.info("backend %d stopped", os.getpid())
 
 
@@ -620,6 +626,57 @@ def _timed_flock(f: Any, path: str, timeout: float) -> bool:
                         f" held by pid {holder}" if holder else "")
             next_log += LOG_EVERY
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _start_lock(lockpath: str, timeout: float) -> Iterator[None]:
+    """Hold the backend start lock ``lockpath`` (:func:`_timed_flock`). A lock file removed by
+    :func:`remove_stale_locks` between its open and the lock is opened again (the lock held must
+    be the file at ``lockpath``, or two clients would each hold "the" lock)."""
+    while True:
+        fd = os.open(lockpath, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "r+") as lockf:
+            got = _timed_flock(lockf, lockpath, timeout)
+            try:
+                same = os.lstat(lockpath).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same or not got:
+                yield
+                return
+
+
+def remove_stale_locks(directory: str | None = None) -> list[str]:
+    """Remove the backend start locks (``backend-*.sock.lock``) of ``directory`` (default: this
+    user's runtime directory) whose socket is gone and which nobody holds: each is locked
+    (non-blocking) before it is unlinked, so a client starting a backend keeps its lock, and a
+    client that opened one just before sees it removed (:func:`_start_lock`). Returns the names
+    removed. A backend calls this as it exits."""
+    directory = directory or runtime_dir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for n in names:
+        if not (n.startswith("backend-") and n.endswith(".sock.lock")):
+            continue
+        path = os.path.join(directory, n)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.lexists(path[:-len(".lock")]) or os.lstat(path).st_ino != os.fstat(fd).st_ino:
+                continue  # a backend listens (or is starting), or the file was replaced meanwhile
+            os.unlink(path)
+            removed.append(n)
+        except OSError:  # held by a client starting a backend (BlockingIOError), or gone
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 class BackendClient:
@@ -714,9 +771,7 @@ class BackendClient:
         """Start a backend (one per node: under ``<socket>.lock``) unless another client did meanwhile.
         ``dead``: inode of a socket whose backend does not answer; never connected to again."""
         lockpath = self.path + ".lock"
-        fd = os.open(lockpath, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "r+") as lockf:
-            _timed_flock(lockf, lockpath, timeout)
+        with _start_lock(lockpath, timeout):
             inode = _socket_inode(self.path)
             if inode is not None and inode != dead:  # started by another client while we waited
                 try:

@@ -466,7 +466,8 @@ class Engine:
                     return fn(self._backend, self._budget(deadline))
                 if waited >= self._next_log:
                     log.warning("deepfreeze: rank %d: backend pid %s on %s has not answered for %.0fs (process "
-                                "state %s); declared dead after backend_timeout = %gs", self.rank,
+                                "state %s); still waiting: it will be declared dead and replaced once it has been "
+                                "silent for backend_timeout = %gs", self.rank,
                                 e.pid or self._backend.pid, self._backend.path, waited,
                                 process_state(e.pid or self._backend.pid) or "unknown", cfg.backend_timeout)
                     self._next_log += LOG_EVERY

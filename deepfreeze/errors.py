@@ -121,7 +121,8 @@ class NativeBuildError(DeepFreezeError, RuntimeError):
 
 class CloneError(DeepFreezeError, RuntimeError):
     """A clone transfer failed: the source group gave up (its ``fit`` ended or failed before the
-    clone step), a message was malformed, or a collective of the clone group failed."""
+    clone step), a clone rank gave up (its timeout, or another rank of its group failed), a
+    message was malformed, or a collective of the clone group failed."""
 
 
 class CloneTimeoutError(CloneError, TimeoutError):

@@ -11,12 +11,13 @@ WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
 def mpirun(np_: int, *args: str, timeout: float = 300, env: dict | None = None,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python args...`` on ``np_`` ranks; with ``check``, fail the test with the output on error."""
+           check: bool = True, options: tuple = ()) -> subprocess.CompletedProcess:
+    """Run ``python args...`` on ``np_`` ranks; with ``check``, fail the test with the output on error.
+    ``options``: more mpirun options (e.g. ``("--enable-recovery",)``)."""
     exe = shutil.which("mpirun")
     if exe is None:
         pytest.skip("mpirun not found: run 'make test' (its setup installs OpenMPI)")
-    cmd = [exe, "--oversubscribe", "-np", str(np_)]
+    cmd = [exe, "--oversubscribe", "-np", str(np_), *options]
     if os.getuid() == 0:
         cmd.append("--allow-run-as-root")
     full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))

@@ -5,6 +5,7 @@ import pty
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 
 import numpy as np
@@ -544,3 +545,72 @@ def test_errors_are_one_line_with_exit_codes(tmp_path):
                        capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, PYTHONPATH=ROOT, VELOC_PERSISTENT=str(tmp_path / "pfs")))
     assert p.returncode == 0 and json.loads(p.stdout)["checkpoints"][0]["newest_restorable"] == 2
+
+
+def test_gc_reports_only_what_it_removed(tmp_path):
+    """Each "removed" line names what is gone, compared with before: a scratch directory that
+    stays (a stray file in it; gc used to say "and the directory") is said to stay, with what it
+    still holds; nothing is reported that is still there."""
+    s = make_job(tmp_path, versions=(1, 2, 3, 4))
+    cfg = config_of(s)
+    pers, scratch = PersistentLevel(cfg.persistent), ScratchLevel(cfg.scratch)
+    with open(os.path.join(scratch.version_dir("job", 1), "notes.txt"), "w") as f:
+        f.write("mine")
+    keep = ["--set", "max_versions=2", "--set", "scratch_versions=2"]
+    dry = cli("gc", *s, *keep, "--dry-run").stdout
+    assert "would remove persistent v1: directory" in dry and "would remove scratch v1" in dry, dry
+    before = tree(tmp_path)
+    out = cli("gc", *s, *keep).stdout
+    gone = set(before) - set(tree(tmp_path))
+    lines = out.splitlines()
+    said = [ln for ln in lines if ln.startswith("removed ")]
+    assert len(said) == 4, out  # persistent v1, v2; scratch v1, v2
+    s1 = next(ln for ln in said if ln.startswith("removed scratch v1:"))
+    assert "r000000.dfs" in s1 and "the directory stays, holding notes.txt" in s1, s1
+    for v in (1, 2):
+        assert f"removed persistent v{v}: directory (committed, older" in out and not os.path.exists(
+            pers.version_dir("job", v))
+    # every version named removed lost files; every file gone was in a version named removed
+    named = {(ln.split()[1], int(ln.split()[2][1:-1])) for ln in said}
+    dirs = {(lv, v): (pers if lv == "persistent" else scratch).version_dir("job", v) + os.sep for lv, v in named}
+    assert all(any(g.startswith(d) for g in gone) for d in dirs.values()), (dirs, gone)
+    assert all(any(g.startswith(d) for d in dirs.values()) for g in gone), (dirs, gone)
+    assert os.path.exists(os.path.join(scratch.version_dir("job", 1), "notes.txt"))
+    again = cli("gc", *s, *keep).stdout.splitlines()
+    assert not [ln for ln in again if ln.startswith("removed ")], again  # nothing more is gone
+
+
+def test_backend_removes_stale_start_locks_as_it_exits(tmp_path):
+    """A backend that exits removes its own start lock and those left by killed backends (no
+    socket, nobody holding them); a lock a starting client holds, or one whose socket is there,
+    stays. A client whose lock file was removed under it takes the new one."""
+    import fcntl
+    from deepfreeze.backend import remove_stale_locks, runtime_dir, socket_path
+    rd = runtime_dir()
+    stale, held, live = (os.path.join(rd, f"backend-{k * 16}.sock.lock") for k in "abc")
+    for p in (stale, held, live):
+        open(p, "w").close()
+    open(live[:-len(".lock")], "w").close()  # stands for a listening backend's socket
+    holder = open(held)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # a client starting a backend
+    s = ["--set", f"scratch={tmp_path / 'node0'}", "--set", f"persistent={tmp_path / 'pfs'}"]
+    own = socket_path(str(tmp_path / "node0")) + ".lock"
+    try:
+        client = BackendClient(str(tmp_path / "node0"))  # starts one, under its start lock
+        assert os.path.exists(own)
+        assert "stopped" in cli("backend", "stop", *s).stdout
+        client.close()
+        deadline = time.monotonic() + 10  # the backend removes them on its way out, after its socket
+        while os.path.exists(own) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(own) and not os.path.exists(stale)
+        assert os.path.exists(held) and os.path.exists(live)
+        assert os.path.basename(held) not in remove_stale_locks(rd)  # the held one stays while held
+        holder.close()
+        assert os.path.basename(held) in remove_stale_locks(rd) and os.path.exists(live)
+    finally:
+        holder.close()
+        os.unlink(live[:-len(".lock")])
+    os.unlink(live)
+    client = BackendClient(str(tmp_path / "node0"))  # a new start after the removal: works
+    client.close()

@@ -303,3 +303,27 @@ def test_restore_warns_once_when_tensor_names_differ(tmp_path, caplog):
     warned = [r.getMessage() for r in caplog.records if "differ" in r.getMessage()]
     assert len(warned) == 1 and "model 'other_0/kernel', checkpoint 'conv2d" in warned[0], warned
     assert [w.tobytes() for w in renamed.get_weights()] == [w.tobytes() for w in model.get_weights()]
+
+
+def test_restore_builds_an_unbuilt_model_from_input_spec(tmp_path):
+    """deepfreeze.restore(model, ..., input_spec=) builds a Sequential without Input from the
+    data it will be fit on (the checkpoint callback's build function), then restores bit-exact;
+    without input_spec the error says what to pass."""
+    model = build(lazy=True)
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    ckpt = DeepFreezeCheckpoint(name="k", every_n_batches=2, mode="sync", **dirs(tmp_path))
+    x, y = data(64)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt.close()
+    want = [w.tobytes() for w in model.get_weights()]
+    fresh = build(lazy=True)
+    with pytest.raises(ModelMismatchError, match="pass input_spec="):
+        deepfreeze.restore(fresh, name="k", mode="sync", **dirs(tmp_path))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    for spec in (ds, ds.element_spec):
+        fresh = build(lazy=True)
+        assert deepfreeze.restore(fresh, name="k", mode="sync", input_spec=spec, **dirs(tmp_path)) == (4, 4)
+        assert [w.tobytes() for w in fresh.get_weights()] == want
+    with pytest.raises(ConfigError, match="restore: building the model from the input shape"):
+        deepfreeze.restore(build(lazy=True), name="k", mode="sync", input_spec=tf.TensorSpec((None, 5)),
+                           **dirs(tmp_path))

@@ -5,7 +5,7 @@ import argparse
 import os
 from typing import Any
 
-from ..inventory import plan_gc
+from ..inventory import dir_listing, plan_gc
 from ..levels import MANIFEST, PersistentLevel, ScratchLevel
 from ..ownership import remove_tree_nofollow
 from ._common import EXIT_OK, load_config, resolve_name
@@ -21,13 +21,27 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
+def _entries(level: Any, name: str) -> dict[int, set[str]]:
+    """version -> the names in its directory (empty: nothing readable)."""
+    return {v: set(dir_listing(level.version_dir(name, v))[1]) for v in level.versions(name)}
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     name = resolve_name(args, cfg)
     removals, info = plan_gc(cfg, name)
-    verb = "would remove" if args.dry_run else "removed"
-    if not args.dry_run:
+    lines = [f"gc {name!r}: keep {info['keep_persistent'] or 'all'} committed on persistent, "
+             f"{info['keep_scratch'] or 'all'} on scratch"]
+    if args.dry_run:
+        for r in removals:
+            what = f"shards {', '.join(r.files)}" if r.level == "scratch" else "directory"
+            if r.level == "scratch" and r.whole_dir:
+                what += " and the directory"
+            lines.append(f"would remove {r.level} v{r.version}: {what} ({r.why})")
+            lines.append(f"    {r.path}")
+    else:
         scratch, pers = ScratchLevel(cfg.scratch), PersistentLevel(cfg.persistent)
+        before = {"persistent": _entries(pers, name), "scratch": _entries(scratch, name)}
         # persistent: retention of committed versions (and skip-decided directories), then abandoned flushes
         pers.retain(name, info["keep_persistent"])
         for r in removals:
@@ -38,23 +52,38 @@ def run(args: argparse.Namespace) -> int:
         if info["keep_scratch"] > 0 and info["scratch_upto"] >= 0:
             for rank in info["ranks"]:
                 scratch.retain(name, rank, info["keep_scratch"], upto=info["scratch_upto"])
-        removals = [r for r in removals if not os.path.exists(r.path) or
-                    (r.level == "scratch" and not any(os.path.exists(os.path.join(r.path, f)) for f in r.files))]
-    lines = [f"gc {name!r}: keep {info['keep_persistent'] or 'all'} committed on persistent, "
-             f"{info['keep_scratch'] or 'all'} on scratch"]
-    for r in removals:
-        what = f"shards {', '.join(r.files)}" if r.level == "scratch" else "directory"
-        if r.level == "scratch" and r.whole_dir:
-            what += " and the directory"
-        lines.append(f"{verb} {r.level} v{r.version}: {what} ({r.why})")
-        lines.append(f"    {r.path}")
+        # report what is gone (compared with before), never what was only planned
+        after = {"persistent": _entries(pers, name), "scratch": _entries(scratch, name)}
+        planned = {(r.level, r.version): r for r in removals}
+        for level in ("persistent", "scratch"):
+            lv = pers if level == "persistent" else scratch
+            for v, had in sorted(before[level].items()):
+                now = after[level].get(v)
+                gone = sorted(had - now) if now is not None else sorted(had)
+                r = planned.pop((level, v), None)
+                why = r.why if r is not None else "retention"
+                if now is None:
+                    what = "directory" if level == "persistent" or not had else f"{', '.join(sorted(had))} and the directory"
+                    lines.append(f"removed {level} v{v}: {what} ({why})")
+                elif gone:
+                    lines.append(f"removed {level} v{v}: {', '.join(gone)}; the directory stays, holding "
+                                 f"{', '.join(sorted(now))} ({why})")
+                else:
+                    if r is not None:
+                        lines.append(f"not removed: {level} v{v} ({why}): nothing in it could be removed, or it "
+                                     "changed meanwhile; run gc again, or look at it")
+                        lines.append(f"    {lv.version_dir(name, v)}")
+                    continue
+                lines.append(f"    {lv.version_dir(name, v)}")
     if info["keep_scratch"] > 0 and info["scratch_upto"] < 0 and ScratchLevel(cfg.scratch).versions(name):
         lines.append("scratch: no version is committed (or decided skip) on persistent yet, so none is old "
                      "enough to remove: a flush may still need it")
-    if not removals:
-        lines.append("nothing to remove")
-    elif args.dry_run:
-        lines.append(f"dry run: {len(removals)} version director{'ies' if len(removals) != 1 else 'y'} "
+    removed = [ln for ln in lines if ln.startswith("removed ")]
+    if args.dry_run:
+        lines.append("nothing to remove" if not removals else
+                     f"dry run: {len(removals)} version director{'ies' if len(removals) != 1 else 'y'} "
                      "would be touched; nothing was removed")
+    elif not removed:
+        lines.append("nothing to remove" if not removals else "nothing removed")
     print("\n".join(lines))
     return EXIT_OK

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from ..errors import CloneError
 from ..shardplan import TensorSpec
 from .group import Group, split
 from .plan import DEFAULT_THRESHOLD, ClonePlan, Route
@@ -40,7 +41,6 @@ class CloneInfo:
 
     @classmethod
     def from_header(cls, h: dict) -> "CloneInfo":
-        from ..errors import CloneError
         try:
             return cls(step=int(h["step"]), epoch=int(h.get("epoch", 0)), epoch_step=int(h.get("epoch_step", 0)),
                        epoch_complete=bool(h.get("epoch_complete", False)), source_run=str(h.get("source_run", "")),
@@ -64,11 +64,12 @@ def plans_for(group: Group, tensors: Sequence[TensorSpec], *, whole: Iterable[in
 
 def send(group: Group, tensors: Sequence[TensorSpec], arrays: Sequence[np.ndarray], info: CloneInfo, *,
          whole: Iterable[int] = (), threshold: int = DEFAULT_THRESHOLD,
-         timeout: float = DEFAULT_TIMEOUT) -> Sender:
+         timeout: float = DEFAULT_TIMEOUT, sender_cls: type = Sender) -> Sender:
     """Source side of a whole transfer of numpy ``arrays`` (one per tensor spec, identical on
     every source rank except ``whole`` ones, taken from source rank 0). Collective over the
-    source group and every clone group's :func:`receive`. Returns the (closed) sender."""
-    sender = Sender(group, plans_for(group, tensors, whole=whole, threshold=threshold), timeout=timeout)
+    source group and every clone group's :func:`receive`. Returns the (closed) sender.
+    ``sender_cls``: advanced, a :class:`Sender` subclass (tests)."""
+    sender = sender_cls(group, plans_for(group, tensors, whole=whole, threshold=threshold), timeout=timeout)
     try:
         sender.hello()
         sender.wait_hello()
@@ -84,18 +85,24 @@ def send(group: Group, tensors: Sequence[TensorSpec], arrays: Sequence[np.ndarra
 
 def receive(group: Group, tensors: Sequence[TensorSpec], *, whole: Iterable[int] = (),
             threshold: int = DEFAULT_THRESHOLD, timeout: float = DEFAULT_TIMEOUT,
-            comm: Any = None) -> tuple[list[np.ndarray], CloneInfo]:
+            comm: Any = None, receiver_cls: type = Receiver) -> tuple[list[np.ndarray], CloneInfo]:
     """Clone side of :func:`send`: every tensor, whole, on every clone rank (shaped), and the
     :class:`CloneInfo`. ``comm``: the clone group's communicator for the all-gathers
-    (default: a duplicate of ``group.comm``)."""
+    (default: a duplicate of ``group.comm``). ``receiver_cls``: advanced, a :class:`Receiver`
+    subclass (tests). Every wait is bounded by ``timeout``."""
     (plan,) = plans_for(group, tensors, whole=whole, threshold=threshold).values()
-    recv = Receiver(group, plan, timeout=timeout)
-    recv.hello()
-    buffers = recv.allocate()
-    own = comm if comm is not None else group.comm.Dup()
+    recv = receiver_cls(group, plan, timeout=timeout)
+    recv.open_group(comm)
+    error: BaseException | None = None
     try:
-        recv.prepare(buffers, own.Get_rank())
+        recv.hello()
+        buffers = recv.allocate()
+        recv.prepare(buffers, group.rank)
         info = CloneInfo.from_header(recv.receive(buffers))
+    except CloneError as e:  # ModelMismatchError is not one: every rank of both sides sees it
+        error = e
+    own = recv.agree(error)  # bounded; raises the error, or names a clone rank that failed
+    try:
         recv.reconstruct(buffers, own)
     finally:
         if comm is None:

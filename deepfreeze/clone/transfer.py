@@ -19,13 +19,23 @@ Protocol, on ``Group.bridge`` (a duplicate of the parent communicator, never Hor
 4. **Abort** (``TAG_ABORT``): a source rank that will not send (its ``fit`` ended or
    failed before the clone step) tells every clone rank why; they raise
    :class:`~deepfreeze.errors.CloneError` at once instead of waiting out the timeout.
+   A clone rank that gives up (its timeout, a malformed message, a failed group) tells
+   every source rank the same way; the source raises ``CloneError`` at its next check
+   (the next batch, or its wait for the sends).
+5. **Agreement** (clone group only, on its own duplicate of ``Group.comm``, made with a
+   nonblocking ``Idup`` when the receive starts): after receiving, every clone rank
+   all-gathers whether it received everything (a nonblocking ``Iallgather``, polled),
+   before any all-gather of data: one rank that failed or died never leaves the others
+   blocked in a collective. Both waits are bounded by ``timeout``.
 
 Open MPI here has no asynchronous progress thread: a nonblocking send progresses only
 inside an MPI call of its process. The sender's named thread ``deepfreeze-clone-progress``
 tests the posted requests every ``poll`` seconds while any is pending, so transfers
 overlap the rest of the step (on one node the receiver pulls large messages itself,
 single-copy, through the shared-memory transport). Every wait is bounded
-(``timeout``) and names the ranks still awaited.
+(``timeout``) and names the ranks still awaited: Open MPI 4.1 here has no fault-tolerant
+MPI, so a dead peer is seen only as a wait that does not end; the process that raised
+must exit (docs/clone.md, "Failures").
 """
 from __future__ import annotations
 
@@ -186,11 +196,24 @@ class Sender:
         self._hello.post(dict(info or {}, side="source", group=0, rank=self.group.rank))
 
     def poll_hello(self) -> bool:
+        """Take the hellos that arrived (True once all did). Raises ModelMismatchError, or
+        CloneError when a clone rank gave up."""
+        self.check_abort()
         return self._hello.poll()
 
     def wait_hello(self, timeout: float | None = None) -> None:
         self._hello.wait(self.timeout if timeout is None else timeout,
-                         f"source rank {self.group.rank} waiting for the clone groups' hello")
+                         f"source rank {self.group.rank} waiting for the clone groups' hello", abort=self.check_abort)
+
+    def check_abort(self) -> None:
+        """Raise :class:`CloneError` if a clone rank said it gave up the clone."""
+        from mpi4py import MPI
+        st = MPI.Status()
+        if self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_ABORT, status=st):
+            w = st.Get_source()
+            obj = _recv_control(self.comm, w, TAG_ABORT, st)
+            raise CloneError(f"clone group {obj.get('group')} rank {obj.get('rank')} (parent rank {w}) gave up the "
+                             f"clone: {obj.get('reason', '(no reason given)')}")
 
     # -- data -------------------------------------------------------------------------
     def routes(self, tensor_id: int) -> list[tuple[int, Route]]:
@@ -227,23 +250,34 @@ class Sender:
             self._wake.notify()
         return n
 
-    def post_control(self, tag: int, obj: dict) -> None:
-        """Send a small JSON message (header, abort) to every rank of the clone groups."""
+    def post_control(self, tag: int, obj: dict) -> list:
+        """Send a small JSON message (header, abort) to every rank of the clone groups; returns
+        its requests (also waited for by :meth:`wait`)."""
         msg = _encode(obj)
+        reqs = []
         with self._lock:
             for g in self.plans:
                 for w in self.group.members(g):
-                    self._reqs.append(self.comm.Isend(msg, dest=w, tag=tag))
+                    reqs.append(self.comm.Isend(msg, dest=w, tag=tag))
+            self._reqs.extend(reqs)
             self._keep.append(msg)
             self._wake.notify()
+        return reqs
 
     def abort(self, reason: str) -> None:
-        """Tell every clone rank the transfer will not happen (bounded wait for the sends)."""
-        self.post_control(TAG_ABORT, {"reason": reason, "rank": self.group.rank})
-        try:
-            self.wait(min(self.timeout, 10.0))
-        except CloneTimeoutError:
-            log.warning("DeepFreeze: clone abort notice not delivered within 10 s")
+        """Tell every clone rank the transfer will not happen. Waits (at most 10 s) for these
+        small notices only, not for data sends a clone may never take."""
+        from mpi4py import MPI
+        reqs = self.post_control(TAG_ABORT, {"reason": reason, "rank": self.group.rank})
+        deadline = time.monotonic() + min(self.timeout, 10.0)
+        while True:
+            with self._lock:
+                if MPI.Request.Testall(reqs):
+                    return
+            if time.monotonic() > deadline:
+                log.warning("DeepFreeze: clone abort notice not delivered within 10 s")
+                return
+            time.sleep(self.poll_s)
 
     def wait(self, timeout: float | None = None) -> None:
         """Until every posted send completed (then the views are released). Raises
@@ -259,6 +293,7 @@ class Sender:
                 if not self._reqs or MPI.Request.Testall(self._reqs):
                     self._reqs, self._keep = [], []
                     return
+            self.check_abort()
             if time.monotonic() > deadline:
                 dests = sorted({w for g in self.plans for w in self.group.members(g)})
                 raise CloneTimeoutError(
@@ -310,6 +345,79 @@ class Receiver:
         self.done_at: float | None = None
         self.gather_s: dict = {}  # seconds of reconstruct's fused and per-tensor parts
         self._fused: tuple | None = None  # made by prepare(), used once by reconstruct()
+        self.gcomm: Any = None  # the clone group's own communicator (open_group)
+        self._gcomm_req: Any = None
+        self._notices: list = []  # give_up's messages and requests (kept until sent)
+
+    def open_group(self, comm: Any = None) -> None:
+        """Start making the clone group's own communicator (a nonblocking duplicate of
+        ``Group.comm``, or ``comm`` as given): call it first, on every clone rank; :meth:`agree`
+        waits for it, bounded (a blocking duplicate would hang on a rank that failed early)."""
+        if comm is not None:
+            self.gcomm, self._gcomm_req = comm, None
+        else:
+            self.gcomm, self._gcomm_req = self.group.comm.Idup()
+
+    def give_up(self, reason: str) -> None:
+        """Tell every source rank this clone rank will not take the clone (best effort: small
+        notices, at most 1 s), so the source fails at once instead of at its timeout."""
+        from mpi4py import MPI
+        msg = _encode({"reason": reason, "group": self.group.index, "rank": self.group.rank})
+        reqs = [self.comm.Isend(msg, dest=w, tag=TAG_ABORT) for w in self.source]
+        self._notices.append((msg, reqs))
+        deadline = time.monotonic() + 1.0
+        while not MPI.Request.Testall(reqs) and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+    def _wait_request(self, req: Any, deadline: float) -> bool:
+        while not req.Test():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(STANDBY_POLL)
+        return True
+
+    def agree(self, error: BaseException | None) -> Any:
+        """After :meth:`receive` (``error``: what it, or the hello, raised; None: all arrived):
+        every clone rank learns every other's outcome before any collective moves data.
+        Returns the group's communicator (:meth:`open_group`) when every rank has everything.
+        Raises ``error`` itself (after telling the source, :meth:`give_up`), :class:`CloneError`
+        naming the clone ranks that failed, or :class:`CloneTimeoutError` when one never
+        answered within ``2 * timeout`` (it died or is stuck; the others may still be receiving,
+        each bounded by ``timeout``). A rank that failed waits too (bounded), so that its
+        answer reaches the others."""
+        if self.gcomm is None:
+            self.open_group()
+        if error is not None:
+            self.give_up(f"{type(error).__name__}: {error}")
+        # the others may still be receiving (each bounded by timeout, after a hello bounded the same way)
+        deadline = time.monotonic() + 2 * self.timeout
+        me = f"clone group {self.group.index} rank {self.group.rank}"
+        if self._gcomm_req is not None:
+            if not self._wait_request(self._gcomm_req, deadline):
+                if error is not None:
+                    raise error
+                self.give_up("the clone group did not form")
+                raise CloneTimeoutError(
+                    f"{me}: the other ranks of this clone group did not all start the receive within 2 x "
+                    f"clone_timeout = {2 * self.timeout:g} s (one died, or never started it)")
+            self._gcomm_req = None
+        mine = np.array([0 if error is not None else 1], np.int32)
+        every = np.zeros(self.group.size, np.int32)
+        if not self._wait_request(self.gcomm.Iallgather(mine, every), deadline):
+            if error is not None:
+                raise error
+            self.give_up("a rank of the clone group did not answer")
+            raise CloneTimeoutError(
+                f"{me}: received everything, but not every rank of this clone group said whether it did within "
+                f"2 x clone_timeout = {2 * self.timeout:g} s (one died, or is stuck): the model holds a partial clone")
+        if error is not None:
+            raise error
+        bad = [j for j in range(self.group.size) if not every[j]]
+        if bad:
+            self.give_up(f"clone rank(s) {bad} of its group failed")
+            raise CloneError(f"{me}: clone rank(s) {bad} of this clone group did not receive the clone (see their "
+                             "error); the model holds a partial clone")
+        return self.gcomm
 
     def hello(self, info: dict | None = None) -> None:
         """Exchange plans with every source rank (raises ModelMismatchError, CloneTimeoutError)."""

@@ -24,7 +24,7 @@ from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
 from . import hook as _hook
 from ._dist import allgather_bytes, mpi_comm, rank_and_size, run_comm
 from ._state import train_state
-from .restore import apply_checkpoint
+from .restore import apply_checkpoint, build_from_spec
 from ..format import parent_problem
 
 __all__ = ["DeepFreezeCheckpoint", "CaptureOptions"]
@@ -84,6 +84,8 @@ class _SetUpAtFirstStep:
     (the callback's ``on_train_begin``, which retraces the train function), draws the
     batches a resumed epoch already trained on, then runs the step with the new function."""
 
+    sets_up_at_first_step = True  # CloneCallback's first-step set-up chains to this one, and this one to it
+
     def __init__(self, callback: "DeepFreezeCheckpoint", fn: Any, skip: int) -> None:
         self.callback, self.fn, self.skip = callback, fn, skip
 
@@ -97,7 +99,8 @@ class _SetUpAtFirstStep:
             cb.sink.arm(cb._pending)
         for _ in range(self.skip):
             next(iterator)
-        return cb.model.train_function(iterator)
+        inner = self.fn if getattr(self.fn, "sets_up_at_first_step", False) else cb.model.train_function
+        return inner(iterator)  # another callback's first-step set-up, wrapped before this one, runs too
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
@@ -561,22 +564,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
 
     def _build_from(self, iterator: Any) -> None:
         """Build the model from the element spec of ``fit``'s input iterator (nothing is drawn)."""
-        model = self.model
-        spec = getattr(iterator, "element_spec", None)
-        if spec is None:
-            raise ConfigError("DeepFreezeCheckpoint: the model is not built and fit's input does not tell its "
-                              "shape: give the model an Input layer or call model.build(...) before fit")
-        x, _, _ = tf.keras.utils.unpack_x_y_sample_weight(spec)
-        shapes = tf.nest.map_structure(lambda t: t.shape, x)
-        try:
-            model.build(shapes)
-        except Exception as e:  # Keras raises several kinds here
-            raise ConfigError(f"DeepFreezeCheckpoint: building the model from the first batch's input shape "
-                              f"{shapes} failed ({type(e).__name__}: {e}): give the model an Input layer or call "
-                              "model.build(...) before fit") from e
-        if not model.built or not model.weights:
-            raise ConfigError("DeepFreezeCheckpoint: the model has no weights after model.build"
-                              f"({shapes}): give it an Input layer or call it on a batch before fit")
+        build_from_spec(self.model, getattr(iterator, "element_spec", None), "DeepFreezeCheckpoint")
 
     def _native(self) -> Any:
         """The native capture op's module per ``capture``, or None for the graph fallback."""

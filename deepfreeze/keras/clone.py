@@ -29,12 +29,13 @@ import tensorflow as tf
 from ..clone import CloneInfo, Group, Receiver, Sender, plans_for
 from ..clone.plan import DEFAULT_THRESHOLD, ClonePlan
 from ..clone.transfer import DEFAULT_TIMEOUT, TAG_HEADER
-from ..errors import CloneError, ConfigError
+from ..errors import CloneError, ConfigError, ModelMismatchError
 from ..run import new_run_id
 from . import hook as _hook
-from ._dist import rank_and_size
+from ._dist import _hvd, rank_and_size
 from ._state import TrainState, train_state
 from .callback import _ResumePoint, _SkipBatches
+from .restore import build_from_spec
 
 __all__ = ["CloneSink", "CloneCallback", "receive_clone"]
 
@@ -46,7 +47,8 @@ class CloneSink(_hook.VariableSink):
     waits for every send at the end of the step. ``times``: per hooked variable, (first
     tensor id, time its update finished (``tf.timestamp`` after the update ops; 0 when op
     determinism is enabled, which refuses that op), time its sends were posted); ``updates_done``: when the closing op started (every update done);
-    ``sent``: when every send had completed."""
+    ``sent``: when every send had completed; ``error``: the :class:`CloneError` of a failed post
+    or wait inside the step (the graph goes on; ``CloneCallback`` raises it after the step)."""
 
     def __init__(self, name: str, optimizer: Any, state: TrainState, sender: Sender) -> None:
         super().__init__(name)
@@ -56,6 +58,7 @@ class CloneSink(_hook.VariableSink):
         self.times: list[tuple[int, float, float]] = []
         self.updates_done: float | None = None
         self.sent: float | None = None
+        self.error: CloneError | None = None  # a failed post or wait in the step, raised by the callback
 
     def ops_for(self, variable: Any) -> Any:
         group = self.groups.get(self.optimizer._var_key(variable))
@@ -75,10 +78,16 @@ class CloneSink(_hook.VariableSink):
         return build
 
     def _post(self, tids: tuple[int, ...], bases: tuple[int, ...], ts: Any, *flats: np.ndarray) -> np.bool_:
+        if self.error is not None:
+            return np.bool_(False)
         t = time.time()
-        for tid, base, flat in zip(tids, bases, flats):
-            self.sender.post(tid, flat, base)
-            self.hooked.add(tid)
+        try:
+            for tid, base, flat in zip(tids, bases, flats):
+                self.sender.post(tid, flat, base)
+                self.hooked.add(tid)
+        except Exception as e:  # an MPI error too: raised by the callback, as a CloneError
+            self.error = _as_clone_error(e, "posting the clone sends")
+            return np.bool_(False)
         self.times.append((tids[0], float(ts), t))
         return np.bool_(True)
 
@@ -89,9 +98,54 @@ class CloneSink(_hook.VariableSink):
 
     def _wait(self, step: Any) -> np.bool_:
         self.updates_done = time.time()
-        self.sender.wait()  # CloneTimeoutError here fails the step (TF re-raises it from fit)
+        if self.error is None:
+            try:  # raised here, it would leave fit as TensorFlow's UnknownError: the callback raises it
+                self.sender.wait()
+            except Exception as e:
+                self.error = _as_clone_error(e, "waiting for the clone sends")
         self.sent = time.time()
-        return np.bool_(True)
+        return np.bool_(self.error is None)
+
+
+def _as_clone_error(e: Exception, doing: str) -> CloneError:
+    if isinstance(e, CloneError):
+        return e
+    err = CloneError(f"clone step failed {doing}: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
+
+
+def check_horovod(group: Group, who: str) -> None:
+    """Raise :class:`ConfigError` unless Horovod runs over ``group``'s communicator (the
+    ``hvd.init(comm=group.comm)`` every group needs: with ``hvd.init()`` Horovod spans every
+    group, and the source's first all-reduce waits forever for the clone ranks). Local
+    checks only (rank, size, ``MPI_Comm_compare``), so a wrong set-up cannot deadlock here."""
+    fix = ("call hvd.init(comm=group.comm) right after group = deepfreeze.clone.split(...), on every rank: "
+           "each group is its own Horovod world")
+    hvd = _hvd()
+    if hvd is None:
+        if group.size > 1:
+            raise ConfigError(f"{who}: Horovod is not initialized, but this group has {group.size} ranks: {fix}")
+        return
+    rank, size = hvd.rank(), hvd.size()
+    if (rank, size) != (group.rank, group.size):
+        raise ConfigError(f"{who}: Horovod's world is not this group's: Horovod has {size} ranks (this is rank "
+                          f"{rank}), group {group.index} has {group.size} (this is rank {group.rank}); Horovod "
+                          f"would wait forever for ranks of other groups: {fix}")
+    try:
+        from horovod.common.process_sets import global_process_set
+        given = global_process_set.mpi_comm
+    except (ImportError, AttributeError):
+        given = None
+    if given is not None:
+        from mpi4py import MPI
+        try:
+            same = MPI.Comm.Compare(given, group.comm) in (MPI.IDENT, MPI.CONGRUENT)
+        except MPI.Exception:  # freed
+            same = False
+        if not same:
+            raise ConfigError(f"{who}: Horovod runs over another communicator than group {group.index}'s (same size, "
+                              f"other ranks): {fix}")
 
 
 def _determinism() -> bool:
@@ -131,6 +185,7 @@ class CloneCallback(tf.keras.callbacks.Callback):
             raise ConfigError(f"CloneCallback: at_epoch_end={at_epoch_end!r}: use a 0-based epoch index >= 0")
         if not clone_timeout > 0:
             raise ConfigError(f"CloneCallback: clone_timeout={clone_timeout!r}: use a positive number of seconds")
+        check_horovod(group, "CloneCallback")
         self.group, self.at_step, self.at_epoch_end = group, at_step, at_epoch_end
         self.clone_timeout, self.threshold = float(clone_timeout), int(threshold)
         self.sender: Sender | None = None
@@ -149,9 +204,6 @@ class CloneCallback(tf.keras.callbacks.Callback):
         if self.done:
             return
         model = self.model
-        if not model.built or not model.weights:
-            raise ConfigError("CloneCallback: the model is not built when fit begins: give it an Input layer or "
-                              "call model.build(...) before fit (the clone plan lists its tensors)")
         spe = getattr(model, "_steps_per_execution", None)
         if spe is not None and int(spe.numpy()) != 1:
             raise ConfigError("CloneCallback: steps_per_execution must be 1 (the callback sends the state the "
@@ -163,6 +215,20 @@ class CloneCallback(tf.keras.callbacks.Callback):
         elif not self.params.get("steps"):
             raise ConfigError("CloneCallback: at_epoch_end needs the number of steps per epoch: give fit "
                               "steps_per_epoch or a dataset of known length")
+        if model.built and model.weights:
+            self._set_up()
+            return
+        # not built: built from the input's shape and set up when the first step starts, as the
+        # checkpoint callback does (one build function; the optimizer is built before the step)
+        if self.step is not None and self.step <= self._it + 1:
+            raise ConfigError(f"CloneCallback: the model is not built when fit begins, so the clone is set up at "
+                              f"fit's first step, and the clone step {self.step} is that step: clone at a later "
+                              "step, or build the model first (an Input layer or model.build(...))")
+        model.train_function = _SetUpAtFirstStep(self, model.train_function)
+
+    def _set_up(self) -> None:
+        """The plan, the sender (its hello) and the in-graph sink; retraces the train function."""
+        model = self.model
         if self.sender is None:
             self._state = train_state(model)
             plans = plans_for(self.group, self._state.specs, whole=self._state.pinned, threshold=self.threshold)
@@ -194,10 +260,28 @@ class CloneCallback(tf.keras.callbacks.Callback):
                 self.step = k
         if self.done or self.sender is None:
             return
-        self.sender.poll_hello()  # a model mismatch surfaces here, within one batch
-        if self.step == self._it + 1:
-            self.sender.wait_hello()
-            self.sink.arm(self.step)
+        try:
+            self.sender.poll_hello()  # a model mismatch, a clone that gave up: here, within one batch
+            if self.step == self._it + 1:
+                self.sender.wait_hello()
+                self.sink.arm(self.step)
+        except (CloneError, ModelMismatchError) as e:
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        """End the clone after ``e`` (raised in a callback, or recorded by the sink in the
+        step): unhook, tell the clones, close the sender, raise ``e`` (out of ``fit`` as it is)."""
+        if self.sink is not None:
+            _hook.detach(self.model.optimizer, self.sink)
+            self.model.make_train_function(force=True)
+            self.sink = None
+        if self.sender is not None:
+            if not isinstance(e, ModelMismatchError):  # a mismatch: every clone rank found it already
+                self.sender.abort(f"source rank {self.group.rank} failed: {type(e).__name__}: {e}")
+            self.sender.close()
+            self.sender = None
+        self.done = True
+        raise e
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._it += 1
@@ -205,6 +289,15 @@ class CloneCallback(tf.keras.callbacks.Callback):
             return
         t_end = time.time()
         self.sink.disarm()
+        if self.sink.error is not None:  # the step's sends failed (recorded in the graph, raised here)
+            self._fail(self.sink.error)
+        try:
+            self._send_rest(batch, t_end)
+        except CloneError as e:
+            self._fail(e)
+
+    def _send_rest(self, batch: int, t_end: float) -> None:
+        """After the clone step: what the graph did not send, the header; wait for every send."""
         st, sender = self._state, self.sender
         # what the graph did not send: replicated tensors not updated in this step (their route's
         # rank sends them), then the non-replicated ones (their routes start at source rank 0)
@@ -251,6 +344,28 @@ class CloneCallback(tf.keras.callbacks.Callback):
             self.done = True
         self.sender.close()
         self.sender = None
+
+
+class _SetUpAtFirstStep:
+    """Wraps the train function of a model not built when ``fit`` starts. Its first call:
+    builds the model from the input's element spec (:func:`build_from_spec`, as the checkpoint
+    callback does), sets the clone up (which retraces the train function), then runs the step:
+    through another callback's first-step set-up if this one wrapped it, else the new function."""
+
+    sets_up_at_first_step = True
+
+    def __init__(self, callback: CloneCallback, fn: Any) -> None:
+        self.callback, self.fn = callback, fn
+
+    def __call__(self, iterator: Any) -> Any:
+        cb = self.callback
+        build_from_spec(cb.model, getattr(iterator, "element_spec", None), "CloneCallback")
+        cb._set_up()
+        inner = self.fn if getattr(self.fn, "sets_up_at_first_step", False) else cb.model.train_function
+        return inner(iterator)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
 
 
 class _ClonePoint(_ResumePoint):
@@ -303,38 +418,52 @@ def _variable_buffers(state: TrainState) -> tuple[dict[int, np.ndarray], list]:
 
 
 def receive_clone(model: Any, group: Group, *, clone_timeout: float = DEFAULT_TIMEOUT, position: bool = True,
-                  threshold: int = DEFAULT_THRESHOLD, receiver_cls: type = Receiver) -> CloneInfo:
+                  threshold: int = DEFAULT_THRESHOLD, input_spec: Any = None,
+                  receiver_cls: type = Receiver) -> CloneInfo:
     """Block until the source group's clone arrived; set every weight, optimizer slot and the
     step counter of ``model`` (built and compiled like the source's); return its
     :class:`~deepfreeze.clone.CloneInfo`. Collective over the clone group.
 
     ``position``: make the next ``fit`` continue where the source was (epoch and batch, as
     ``resume=True`` does: the batches of the epoch already trained are drawn unused).
+    ``input_spec``: build an unbuilt model first from the data it will be fit on (a
+    ``tf.data.Dataset`` or its ``element_spec``), as the checkpoint callback does.
     ``receiver_cls``: advanced, a :class:`~deepfreeze.clone.Receiver` subclass (tests).
-    Raises ModelMismatchError (another model or plan than the source's), CloneTimeoutError
-    (nothing within ``clone_timeout`` seconds), CloneError (the source gave up).
+    Raises ConfigError (Horovod not initialized over ``group.comm``), ModelMismatchError
+    (another model or plan than the source's), CloneTimeoutError (nothing within
+    ``clone_timeout`` seconds), CloneError (the source, or another rank of this clone group,
+    gave up). Every wait is bounded by ``clone_timeout``.
     """
     if not isinstance(group, Group):
         raise ConfigError("receive_clone: group must come from deepfreeze.clone.split(...)")
     if group.is_source:
         raise ConfigError("receive_clone runs on a clone group; the source group (index 0) uses CloneCallback")
+    check_horovod(group, "receive_clone")
     if getattr(model, "optimizer", None) is None:
         raise ConfigError("receive_clone: compile the model first (the clone receives the optimizer's state too)")
+    if (not model.built or not model.weights) and input_spec is not None:
+        build_from_spec(model, input_spec, "receive_clone")
     if not model.built or not model.weights:
-        raise ConfigError("receive_clone: build the model first (an Input layer, or model.build(...)): the "
-                          "clone plan lists its tensors")
+        raise ConfigError("receive_clone: build the model first (an Input layer, or model.build(...)), or pass "
+                          "input_spec=<the dataset it will be fit on>: the clone plan lists its tensors")
     t0 = time.time()
     state = train_state(model)
     plan = ClonePlan(state.specs, group.sizes[0], group.size, whole=state.pinned, threshold=threshold)
     recv = receiver_cls(group, plan, timeout=clone_timeout)
-    recv.hello()
-    t_hello = time.time()
-    buffers, pins = _variable_buffers(state)
-    comm = group.comm.Dup()  # the clone group's own communicator for the all-gathers (made while waiting)
-    recv.prepare(buffers, comm.Get_rank())
+    recv.open_group()  # the clone group's own communicator for the all-gathers (nonblocking)
+    error: CloneError | None = None
+    t_hello = None
     try:
+        recv.hello()
+        t_hello = time.time()
+        buffers, pins = _variable_buffers(state)
+        recv.prepare(buffers, group.rank)
         header = recv.receive(buffers)
         info = CloneInfo.from_header(header)
+    except CloneError as e:  # ModelMismatchError is not one: every rank of both sides sees it at once
+        error = e
+    comm = recv.agree(error)  # bounded: raises the error, or names the clone ranks that failed
+    try:
         recv.reconstruct(buffers, comm)
     finally:
         comm.Free()

@@ -6,11 +6,11 @@ import re
 from typing import Any
 
 from ..config import Config
-from ..errors import ModelMismatchError
+from ..errors import ConfigError, ModelMismatchError
 from ..format import dtype_name
 from ..restore import Checkpoint, apply_loaded
 
-__all__ = ["restore_model", "apply_checkpoint", "model_tensors"]
+__all__ = ["restore_model", "apply_checkpoint", "model_tensors", "build_from_spec"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -26,13 +26,43 @@ def model_tensors(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
     return out
 
 
+def build_from_spec(model: Any, spec: Any, who: str) -> None:
+    """Build an unbuilt ``model`` from the shape of the data it will be fit on: ``spec`` is a
+    ``tf.data.Dataset``, an iterator or anything with an ``element_spec``, or an element spec
+    itself (``(x, y)``, ``(x, y, sample_weight)`` or ``x``: ``tf.TensorSpec`` structures).
+    Nothing is drawn from the data. The one way DeepFreeze builds a model (the checkpoint
+    callback at the first step, ``receive_clone`` and ``restore`` with ``input_spec=``).
+    ``who`` starts the error messages. Raises :class:`ConfigError`."""
+    import tensorflow as tf
+    if model.built and model.weights:  # built already (e.g. by another callback's first-step set-up)
+        return
+    spec = getattr(spec, "element_spec", spec)
+    if spec is None:
+        raise ConfigError(f"{who}: the model is not built and fit's input does not tell its shape: give the model "
+                          "an Input layer or call model.build(...) before fit")
+    x, _, _ = tf.keras.utils.unpack_x_y_sample_weight(spec)
+    try:
+        shapes = tf.nest.map_structure(lambda t: t.shape, x)
+        model.build(shapes)
+    except Exception as e:  # Keras raises several kinds here
+        raise ConfigError(f"{who}: building the model from the input shape {x} failed ({type(e).__name__}: {e}): "
+                          "give the model an Input layer or call model.build(...) first") from e
+    if not model.built or not model.weights:
+        raise ConfigError(f"{who}: the model has no weights after model.build({shapes}): give it an Input layer "
+                          "or call it on a batch first")
+
+
 def restore_model(model: Any, config: "str | Config | None" = None, *, name: str,
                   version: int | None = None, trust_owners: "list[str | int] | None" = None,
-                  **overrides: Any) -> tuple[int, int]:
+                  input_spec: Any = None, **overrides: Any) -> tuple[int, int]:
     """Load a committed version's weights into ``model`` (bit-exact); returns ``(version, step)``.
-    ``trust_owners``: also read persistent files of these users (:func:`deepfreeze.restore.load`)."""
+    ``trust_owners``: also read persistent files of these users (:func:`deepfreeze.restore.load`).
+    ``input_spec``: builds an unbuilt model first (a dataset or its element spec, see
+    :func:`build_from_spec`)."""
     from ._dist import mpi_comm
     cfg = Config.resolve(config, **overrides)
+    if input_spec is not None and (not getattr(model, "built", True) or not model.weights):
+        build_from_spec(model, input_spec, "restore")
     def apply(ck: Checkpoint) -> tuple[int, int]:
         apply_checkpoint(model, ck)  # memory-tier slots: straight from the slot into the variables
         return ck.version, ck.step
@@ -47,7 +77,8 @@ def apply_checkpoint(model: Any, ck: Checkpoint, *, optimizer: bool = False) -> 
     """
     if not getattr(model, "built", True) or not model.weights:
         raise ModelMismatchError("the model has no weights yet: build it (call it on an input or "
-                                 "give it an Input layer) before restoring")
+                                 "give it an Input layer) before restoring, or pass input_spec=<the dataset "
+                                 "or its element_spec> to restore")
     tensors = ck.manifest["tensors"][:ck.model_tensors]
     mine = model_tensors(model)
     _check(mine, tensors, ck, "model")

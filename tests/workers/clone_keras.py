@@ -11,7 +11,14 @@ training state (weights, then optimizer variables) as OUT/<who>_r<rank>_<when>.n
 Options: ``bad=1`` (the source first tries invalid clone steps), ``threshold=`` (clone split threshold, bytes), ``epochs=``, ``ckpt=1`` (a
 DeepFreezeCheckpoint in the source's fit and, for clones continuing, in theirs; each
 rank a node), ``mismatch=1`` (clone groups build another model), ``kill=clone|source``
-(a rank dies mid-transfer), ``timeout=`` (clone_timeout).
+(a rank dies mid-transfer), ``timeout=`` (clone_timeout), ``hvd=world`` (the mistake:
+``hvd.init()`` without ``comm=group.comm``), ``late=source|clone`` (that group reaches the
+clone ``timeout`` + 4 s late), ``stall=clone`` (the clone ranks take the hello, then no data
+for ``timeout`` + 4 s), ``unbuilt=1`` (a Sequential model without Input: the source's fit
+builds it, the clones pass ``input_spec=``).
+
+Every rank writes OUT/<who>_r<rank>.json: ``error`` ("Type: message" of what the clone call
+or fit raised, any exception), ``configerrors`` (bad=1), ``info``, ``timings``, ``ok``.
 """
 import json
 import os
@@ -28,7 +35,7 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
 import deepfreeze.clone as dfc  # noqa: E402
-from deepfreeze.errors import DeepFreezeError  # noqa: E402
+from deepfreeze.errors import CloneTimeoutError, ConfigError  # noqa: E402
 
 out, sizes, at = sys.argv[1], tuple(int(s) for s in sys.argv[2].split(",")), sys.argv[3]
 opts = dict(a.split("=", 1) for a in sys.argv[4:])
@@ -36,7 +43,10 @@ group = dfc.split(sizes=sizes)
 
 import horovod.tensorflow.keras as hvd  # noqa: E402
 
-hvd.init(comm=group.comm)
+if opts.get("hvd") == "world":
+    hvd.init()  # the mistake: Horovod over every group
+else:
+    hvd.init(comm=group.comm)
 from deepfreeze.keras import CloneCallback, DeepFreezeCheckpoint, receive_clone  # noqa: E402
 from deepfreeze.keras._state import train_state  # noqa: E402
 
@@ -63,6 +73,14 @@ def build(mismatch: bool = False) -> tf.keras.Model:
     frozen = tf.keras.layers.Dense(3, name="frozen", trainable=False)(h)
     o = o + 0.0 * tf.stop_gradient(nograd) + 0.1 * frozen
     return tf.keras.Model(inp, tf.keras.layers.Softmax()(o))
+
+
+def build_unbuilt() -> tf.keras.Model:
+    """A Sequential model without Input, as in Horovod's examples: built from the data."""
+    tf.keras.utils.set_random_seed(3)
+    return tf.keras.Sequential([tf.keras.layers.Conv1D(8, 3), tf.keras.layers.BatchNormalization(),
+                                tf.keras.layers.Flatten(), tf.keras.layers.Dense(64, activation="relu"),
+                                tf.keras.layers.Dense(3), tf.keras.layers.Softmax()])
 
 
 def save_state(model, when: str) -> None:
@@ -93,12 +111,32 @@ def checkpoint(name: str) -> DeepFreezeCheckpoint:
                                 persistent=f"{out}/persistent", failure_domain=node, min_shard_bytes=1024)
 
 
+class Stall(dfc.Receiver):
+    """Fault injection: a clone rank that took the hello, then takes no data for timeout + 4 s."""
+
+    def receive(self, buffers):
+        time.sleep(TIMEOUT + 4)
+        raise CloneTimeoutError("test: this clone rank stalled")
+
+
+class Late(tf.keras.callbacks.Callback):
+    """The source reaches the clone step K timeout + 4 s late (sleeps after step K - 1)."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.k - 1:
+            time.sleep(TIMEOUT + 4)
+
+
 class DieMidTransfer(dfc.Receiver):
     """Fault injection: this clone rank dies by SIGKILL once the first data message arrived."""
 
     def _check_abort(self):
         if self.first_data_at is not None:
-            print(f"KILLING {who} rank {group.rank} mid-transfer", flush=True)
+            open(f"{out}/{who}_r{group.rank}.killed", "w").close()  # "mid-transfer": read by the test
             os.kill(os.getpid(), signal.SIGKILL)
         return super()._check_abort()
 
@@ -110,23 +148,24 @@ def data(rank: int):
     return x, y
 
 
-model = build(mismatch=opts.get("mismatch") == "1" and not group.is_source)
+model = build_unbuilt() if opts.get("unbuilt") == "1" else build(mismatch=opts.get("mismatch") == "1" and
+                                                                  not group.is_source)
 model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)),
               loss="sparse_categorical_crossentropy")
 x, y = data(group.rank)
 result = {"who": who, "rank": group.rank}
 try:
     if group.is_source and opts.get("bad") == "1":  # configuration errors, before the real clone
-        from deepfreeze.errors import ConfigError
+        result["configerrors"] = []
         for bad in ({"at_step": 0}, {"at_step": 3, "at_epoch_end": 1}, {}):
             try:
                 CloneCallback(group, **bad)
             except ConfigError as e:
-                print(f"CONFIGERROR {bad} {e}", flush=True)
+                result["configerrors"].append([str(bad), str(e)])
         try:  # step 1 is the first step of this fit: before Horovod's broadcast made the ranks identical
             model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[CloneCallback(group, at_step=1)])
         except ConfigError as e:
-            print(f"CONFIGERROR first-step {e}", flush=True)
+            result["configerrors"].append(["first-step", str(e)])
     if group.is_source:
         kw = {"at_epoch_end": int(at[1:])} if at.startswith("e") else {"at_step": int(at)}
         clone = CloneCallback(group, clone_timeout=TIMEOUT, threshold=THRESHOLD, **kw)
@@ -138,10 +177,12 @@ try:
         class DieAfterPosting(tf.keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
                 if clone.done and group.rank == int(opts.get("kill_rank", 1)):
-                    print(f"KILLING {who} rank {group.rank} after step K", flush=True)
+                    open(f"{out}/{who}_r{group.rank}.killed", "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
         if opts.get("kill") == "source":
             callbacks.append(DieAfterPosting())
+        if opts.get("late") == "source":
+            callbacks.append(Late(clone.at_step))
         callbacks.append(Record(k=None))  # K recorded by step below (at_epoch_end: known after fit)
         k_step = clone.at_step if clone.at_step else (int(at[1:]) + 1) * STEPS
         callbacks[-1].k = k_step
@@ -153,15 +194,18 @@ try:
             ck.close()
     else:
         cls = DieMidTransfer if opts.get("kill") == "clone" and group.rank == int(opts.get("kill_rank", 0)) \
-            else dfc.Receiver
+            else Stall if opts.get("stall") == "clone" else dfc.Receiver
+        if opts.get("late") == "clone":
+            time.sleep(TIMEOUT + 4)
+        spec = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH) if opts.get("unbuilt") == "1" else None
         t0 = time.time()
-        info = receive_clone(model, group, clone_timeout=TIMEOUT, threshold=THRESHOLD, receiver_cls=cls)
+        info = receive_clone(model, group, clone_timeout=TIMEOUT, threshold=THRESHOLD, receiver_cls=cls,
+                             input_spec=spec)
         result["info"] = {"step": info.step, "epoch": info.epoch, "epoch_step": info.epoch_step,
                           "epoch_complete": info.epoch_complete, "source_run": info.source_run,
                           "source_name": info.source_name}
         result["timings"] = dict(info.timings, called=t0)
         save_state(model, "K")
-        print(f"RECEIVED {who} rank {group.rank} {result['info']}", flush=True)
         if opts.get("continue") == "1":
             callbacks = [Record(prefix=f"expected_{who}")]
             if opts.get("ckpt") == "1":
@@ -174,9 +218,8 @@ try:
                 ck.wait()
                 ck.close()
     result["ok"] = True
-except DeepFreezeError as e:
+except Exception as e:  # any type: a test checks it is DeepFreeze's (not TensorFlow's wrapper)
     result["error"] = f"{type(e).__name__}: {e}"
-    print(f"ERROR {who} rank {group.rank} {type(e).__name__}: {e}", flush=True)
-with open(f"{out}/{who}_r{group.rank}.json", "w") as f:
+with open(f"{out}/{who}_r{group.rank}.json.tmp", "w") as f:
     json.dump(result, f, default=float)
-print(f"DONE {who} rank {group.rank}", flush=True)
+os.replace(f"{out}/{who}_r{group.rank}.json.tmp", f"{out}/{who}_r{group.rank}.json")
