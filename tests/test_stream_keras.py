@@ -214,3 +214,40 @@ def test_planned_schedules_publish_at_the_same_steps_on_every_rank(out, schedule
     for v in (committed[0], committed[-1]):
         ck = df_load(config, "chan", v)
         assert same(list(ck.model_arrays().values()), load(tmp_path / "expected" / f"v{v}.npz"))
+
+
+def test_one_rank_with_a_slow_writer_never_leaves_the_checkpoint_stale(out):
+    """Publish every step with a checkpoint every 8 steps on the same name, the scratch writer
+    slowed on rank 1 only: the ranks share one skip decision per version (skip iff some rank's
+    writer is busy), so every version is written by both ranks or by none: no half-written version
+    directory, every committed version whole and equal to the weights at its step, and after
+    wait() the newest published version is restorable."""
+    tmp_path, shm = out
+    producer(tmp_path, shm, schedule=1, ckpt=8, samples=496, slow_write=0.25, epochs=1)
+    reps = [json.load(open(tmp_path / f"producer{r}.json")) for r in range(2)]
+    published = reps[0]["published"]
+    assert published == reps[1]["published"] == list(range(2, 32))  # the last one, 31, is no checkpoint's
+    # one decision per version, the same on every rank: skipped iff some rank's writer was busy
+    votes = [{v[0]: v[1] for v in rep["votes"]} for rep in reps]
+    assert set(votes[0]) == set(votes[1]) == {s for s in published if s % 8}
+    written = [set(rep["written"]) for rep in reps]
+    assert written[0] == written[1], "the ranks wrote different versions"
+    skipped = {s for s in votes[0] if s not in written[0]}
+    for s in votes[0]:
+        if s != published[-1]:  # a skipped newest version is written when fit ends (below)
+            assert (s in skipped) == (votes[0][s] or votes[1][s]), (s, votes[0][s], votes[1][s])
+    assert any(votes[1][s] and not votes[0][s] for s in skipped), "rank 1's busy writer never decided a skip"
+    # the checkpoint's own versions always; the newest published one at the latest when fit ends
+    assert written[0] >= {s for s in published if s % 8 == 0} | {published[-1]}
+    # persistent: every version directory committed (none half-written), each equal to the weights then
+    from deepfreeze.config import Config
+    from deepfreeze.restore import list_versions, load as df_load
+    config = Config(mode="async", scratch=str(tmp_path / "node0" / "scratch"), persistent=str(tmp_path / "persistent"))
+    vdirs = sorted(glob.glob(str(tmp_path / "persistent" / "chan" / "v*")))
+    half = [d for d in vdirs if not os.path.exists(os.path.join(d, "manifest.json"))]
+    assert not half, f"half-written version directories: {half}"
+    committed = sorted(list_versions(config, "chan"))
+    assert committed and committed[-1] == published[-1], (committed, published[-1])
+    for v in committed:
+        ref = tmp_path / "expected" / f"v{v}.npz"
+        assert same(list(df_load(config, "chan", v).model_arrays().values()), load(ref)), f"v{v} differs"
