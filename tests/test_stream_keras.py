@@ -251,3 +251,56 @@ def test_one_rank_with_a_slow_writer_never_leaves_the_checkpoint_stale(out):
     for v in committed:
         ref = tmp_path / "expected" / f"v{v}.npz"
         assert same(list(df_load(config, "chan", v).model_arrays().values()), load(ref)), f"v{v} differs"
+
+
+def test_a_misspelt_schedule_gets_a_did_you_mean(tmp_path):
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.keras import PublishCallback
+    kw = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    for bad, hint in (("adaptve", "'adaptive'"), ("Fixed", "'fixed'"), ("epochs", "'epoch'")):
+        with pytest.raises(ConfigError, match="Did you mean " + hint):
+            PublishCallback("chan", schedule=bad, **kw)
+    with pytest.raises(ConfigError) as e:
+        PublishCallback("chan", schedule="sometimes", **kw)
+    assert "Did you mean" not in str(e.value) and "'adaptive', 'fixed', 'epoch'" in str(e.value)
+
+
+def test_subscriber_builds_an_unbuilt_model_from_a_spec_and_says_when_nobody_publishes(tmp_path):
+    """build() returns a model without an Input layer: it is built from input_spec (the checkpoint
+    callback's function) and serves a committed version bit-exact; on a channel nobody publishes,
+    wait() says so, naming where it looked."""
+    import tensorflow as tf
+    from deepfreeze.config import Config
+    from deepfreeze.engine import Engine
+    from deepfreeze.errors import ConfigError, StreamTimeoutError
+    from deepfreeze.fused import FusedLayout, FusedShard
+    from deepfreeze.keras import ModelSubscriber
+    from deepfreeze.shardplan import ShardPlan, TensorSpec
+
+    def build():
+        return tf.keras.Sequential([tf.keras.layers.Dense(4, activation="relu"), tf.keras.layers.Dense(3)])
+
+    cfg = Config(mode="sync", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    with ModelSubscriber("ghost", cfg, build=build, input_spec=(None, 8), warn_after=0.2) as sub:
+        with pytest.raises(StreamTimeoutError) as e:
+            sub.wait(0, timeout=1.0)
+        assert "nobody publishes" in str(e.value) and os.path.join(cfg.persistent, "ghost", "stream") in str(e.value)
+    with pytest.raises(ConfigError, match="input_spec"):
+        ModelSubscriber("ghost", cfg, build=build)
+    with pytest.raises(ConfigError, match=r"building the model from input_spec"):
+        ModelSubscriber("ghost", cfg, build=build, input_spec=(None,))  # Dense needs rank >= 2
+    # a committed version of the channel, served into replicas built from the spec
+    ref = build()
+    ref.build((None, 8))
+    weights = [np.random.default_rng(i).standard_normal(w.shape).astype("float32") for i, w in enumerate(ref.weights)]
+    specs = [TensorSpec(i, f"t{i}", "float32", tuple(w.shape)) for i, w in enumerate(weights)]
+    plan = ShardPlan.build(specs, 1, min_shard_bytes=0)
+    eng = Engine(cfg, "chan", 0, plan)
+    lay = FusedLayout.build(plan, 0)
+    pieces = [weights[s.piece.tensor_id].reshape(-1)[s.piece.start:s.piece.stop] for s in lay.segments]
+    eng.checkpoint(5, FusedShard.from_arrays(lay, pieces, 5), step=5, epoch=0, extra={"model_tensors": len(specs)})
+    eng.close()
+    with ModelSubscriber("chan", cfg, build=build, input_spec=tf.TensorSpec((None, 8), tf.float32)) as sub:
+        assert sub.wait(0, timeout=30).step == 5
+        got, v = sub.get_weights()
+        assert same(got, weights) and v.step == 5

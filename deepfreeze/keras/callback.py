@@ -566,22 +566,12 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
 
     def _build_from(self, iterator: Any) -> None:
         """Build the model from the element spec of ``fit``'s input iterator (nothing is drawn)."""
-        model = self.model
         spec = getattr(iterator, "element_spec", None)
         if spec is None:
             raise ConfigError("DeepFreezeCheckpoint: the model is not built and fit's input does not tell its "
                               "shape: give the model an Input layer or call model.build(...) before fit")
-        x, _, _ = tf.keras.utils.unpack_x_y_sample_weight(spec)
-        shapes = tf.nest.map_structure(lambda t: t.shape, x)
-        try:
-            model.build(shapes)
-        except Exception as e:  # Keras raises several kinds here
-            raise ConfigError(f"DeepFreezeCheckpoint: building the model from the first batch's input shape "
-                              f"{shapes} failed ({type(e).__name__}: {e}): give the model an Input layer or call "
-                              "model.build(...) before fit") from e
-        if not model.built or not model.weights:
-            raise ConfigError("DeepFreezeCheckpoint: the model has no weights after model.build"
-                              f"({shapes}): give it an Input layer or call it on a batch before fit")
+        build_from_spec(self.model, spec)
+
 
     def _native(self) -> Any:
         """The native capture op's module per ``capture``, or None for the graph fallback."""
@@ -750,3 +740,24 @@ def _layer_record(model: Any) -> "dict | None":
                     type(e).__name__, e)
         return None
     return {"graph": rec["graph"], "tensors": rec["tensors"]}
+
+
+def build_from_spec(model: Any, spec: Any, who: str = "DeepFreezeCheckpoint",
+                    what: str = "the first batch's input shape", when: str = "before fit") -> None:
+    """Build an unbuilt Keras ``model`` from an input spec: a dataset's ``element_spec`` (``(x, y)``
+    or ``(x, y, sample_weight)``: only ``x`` counts) or the spec of ``x`` (a ``tf.TensorSpec``, a
+    nested structure of them, or a shape). Nothing is drawn or run. ``who``/``what``/``when`` word
+    the :class:`~deepfreeze.errors.ConfigError` raised when the model cannot be built from it."""
+    if isinstance(spec, tf.TensorShape) or isinstance(spec, (tuple, list)) and \
+            all(d is None or isinstance(d, int) and not isinstance(d, bool) for d in spec):
+        spec = tf.TensorSpec(tf.TensorShape(spec))  # a bare shape
+    x, _, _ = tf.keras.utils.unpack_x_y_sample_weight(spec)
+    shapes = tf.nest.map_structure(lambda t: t.shape, x)
+    try:
+        model.build(shapes)
+    except Exception as e:  # Keras raises several kinds here
+        raise ConfigError(f"{who}: building the model from {what} {shapes} failed ({type(e).__name__}: {e}): give "
+                          f"the model an Input layer or call model.build(...) {when}") from e
+    if not model.built or not model.weights:
+        raise ConfigError(f"{who}: the model has no weights after model.build({shapes}): give it an Input layer "
+                          f"or call it on a batch {when}")
