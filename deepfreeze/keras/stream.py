@@ -232,9 +232,15 @@ class PublishCallback(DeepFreezeCheckpoint):
             return
         self.publish_plan = Plan.from_json(json.loads(data))
         self._plan_steps = sorted(int(s) for s in self.publish_plan.steps)
-        if self.verbose and owner.rank == 0:
-            log.warning("DeepFreeze: %s plan for %r: %d publishes in steps (%d, %d], curve %s", self.schedule,
-                        self.name, len(self._plan_steps), s_iter, e_iter, self.publish_plan.curve)
+        if owner.rank == 0:  # every plan logged once (rank 0), a degenerate one as a warning with the reason
+            plan = self.publish_plan
+            (log.warning if self.verbose else log.info)("DeepFreeze: channel %r: %s", self.name, plan.summary())
+            why = plan.degenerate
+            if why:
+                log.warning("DeepFreeze: the %s publish plan of channel %r does not do its job: %s", self.schedule,
+                            self.name, why)
+            elif plan.note:
+                log.warning("DeepFreeze: the %s publish plan of channel %r: %s", self.schedule, self.name, plan.note)
 
 
 class _Replica:
