@@ -377,6 +377,12 @@ def run_seeds(doc: dict, *, seeds: int, quick: bool, **kw: Any) -> dict:
     return doc
 
 
+def shown_run(doc: dict) -> dict:
+    """The run the plot and the single-run table show: the first seed whose adaptive plan is not
+    degenerate (else seed 0)."""
+    return next((r for r in doc["runs"] if not r.get("plan_degenerate", {}).get("adaptive")), doc["runs"][0])
+
+
 def table(doc: dict) -> str:
     s = doc["settings"]
     lines = [f"CIL over {s['total_infers']} requests (t_train {s['t_train_s'] * 1e3:.2f} ms, t_infer "
@@ -478,8 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out + ".tmp", "w") as f:
         json.dump(doc, f, indent=1, allow_nan=True)
     os.replace(args.out + ".tmp", args.out)
-    plot(doc["runs"][0], os.path.splitext(args.out)[0] + ".png", doc["summary"] if seeds > 1 else None)
-    print(doc["runs"][0]["table_md"])
+    shown = shown_run(doc)
+    plot(shown, os.path.splitext(args.out)[0] + ".png", doc["summary"] if seeds > 1 else None)
+    print(shown["table_md"])
     print()
     print(doc["table_md"])
     print(f"wrote {args.out} ({doc['wall_s']:.0f} s)")
