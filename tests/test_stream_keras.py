@@ -251,6 +251,19 @@ def test_one_rank_with_a_slow_writer_never_leaves_the_checkpoint_stale(out):
     for v in committed:
         ref = tmp_path / "expected" / f"v{v}.npz"
         assert same(list(df_load(config, "chan", v).model_arrays().values()), load(ref)), f"v{v} differs"
+    # what the per-rank decision used to leave (one rank's done marker of a version the other rank
+    # skipped), from an older run: `deepfreeze gc` removes it and keeps every committed version
+    old = tmp_path / "persistent" / "chan" / "v000000000001"
+    old.mkdir()
+    (old / "decision").write_text(json.dumps({"decision": "flush", "nonce": "0" * 16, "run": "ab" * 8}))
+    (old / ("done.r000000." + "0" * 16 + ".json")).write_text("{}")
+    (old / ("model.dfz.partial." + "0" * 16)).write_bytes(b"x" * 100)
+    p = subprocess.run([sys.executable, "-m", "deepfreeze.cli", "gc", "--name", "chan", "--set",
+                        f"scratch={tmp_path / 'node0' / 'scratch'}", "--set", f"persistent={tmp_path / 'persistent'}"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not old.exists() and "removed persistent v1" in p.stdout, p.stdout
+    assert sorted(list_versions(config, "chan")) == committed
 
 
 def test_a_misspelt_schedule_gets_a_did_you_mean(tmp_path):

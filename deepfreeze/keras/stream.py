@@ -264,6 +264,8 @@ class ModelSubscriber:
         structure of them, or a dataset's ``element_spec``) or a shape such as ``(None, 28, 28)``.
       tier: ``"auto"``, ``"shm"``, ``"tcp"`` or ``"persistent"`` (see :class:`deepfreeze.stream.Subscriber`).
       token: token file for TCP (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
+      warn_after: seconds without any producer or committed version after which one warning says
+        that nobody publishes the channel, naming where the subscriber looked.
       **overrides: INI keys (``persistent=...``).
 
     Memory: two replicas of the model, one staging copy of its weights, and per producer rank a
