@@ -317,3 +317,38 @@ def test_subscriber_builds_an_unbuilt_model_from_a_spec_and_says_when_nobody_pub
         assert sub.wait(0, timeout=30).step == 5
         got, v = sub.get_weights()
         assert same(got, weights) and v.step == 5
+
+
+def test_a_degenerate_plan_is_logged_with_its_reason(tmp_path, monkeypatch, caplog):
+    """One process, no Horovod: a loss that cannot fall (learning rate 0, the same batch every step)
+    gives a flat curve; the plan is logged once (its summary) and its degeneracy as a warning that
+    says why; the callback publishes only the warm-up version."""
+    import logging
+    import tensorflow as tf
+    from deepfreeze.keras import PublishCallback
+    from deepfreeze.stream import StreamOptions
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
+    caplog.set_level(logging.INFO, logger="deepfreeze")
+    tf.keras.utils.set_random_seed(3)
+    model = tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy")
+    x = np.tile(np.linspace(0, 1, 6, dtype=np.float32), (64, 1))
+    y = np.zeros(64, dtype=np.int64)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    pub = PublishCallback("flat", schedule="adaptive", horizon_s=2.0, inference_interval_s=0.01, mode="sync",
+                          scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"),
+                          stream=StreamOptions(shm_dir=str(shm)))
+    try:
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[pub])
+    finally:
+        pub.close()
+    assert pub.publish_plan is not None and pub.publish_plan.steps == ()
+    assert [v.step for v in pub.published] == [8]  # the warm-up version only
+    msgs = [r.getMessage() for r in caplog.records]
+    summaries = [m for m in msgs if "adaptive plan: 0 publishes expected in steps (8, " in m]
+    assert len(summaries) == 1, msgs
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "does not do its job" in
+              r.getMessage()]
+    assert len(warned) == 1 and "no publish after the warm-up" in warned[0] and "'flat'" in warned[0], msgs
+    assert "does not decrease" in warned[0] or "falls" in warned[0]
