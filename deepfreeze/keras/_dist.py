@@ -1,4 +1,4 @@
-"""Rank, world size, one small all-gather (Horovod, else one rank) and the MPI communicator for DeepFreeze's own exchanges."""
+"""Rank, world size, one small all-gather (Horovod, else one rank), the ranks' shared vote (any_rank) and the MPI communicator for DeepFreeze's own exchanges."""
 from __future__ import annotations
 
 from typing import Any
@@ -72,6 +72,25 @@ def allreduce_mean(values: np.ndarray) -> np.ndarray:
     return hvd.allreduce(tf.constant(values), op=hvd.Average, name="deepfreeze_allreduce_mean").numpy()
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on any rank (collective: every rank calls it at the
+    same point, from its training thread). An MPI all-reduce over a private duplicate of Horovod's
+    communicator (microseconds: the ranks are in step), else (Horovod over Gloo) Horovod's
+    all-reduce (milliseconds)."""
+    global _VOTE
+    hvd = _hvd()
+    if hvd is None or hvd.size() < 2:
+        return bool(flag)
+    comm = mpi_comm()
+    if comm is None:
+        return float(allreduce_mean(np.array([1.0 if flag else 0.0]))[0]) > 0.0
+    if _VOTE is None or _VOTE[0] is not comm:
+        _VOTE = (comm, comm.comm.Dup())  # its own communicator: never interleaved with the writer thread's
+    from mpi4py import MPI
+    return bool(_VOTE[1].allreduce(1 if flag else 0, op=MPI.MAX))
+
+
+_VOTE = None  # (the MPIComm it was made from, a duplicate of its communicator for any_rank)
 _COMM = None  # (the communicator Horovod runs over, its duplicate: an MPIComm)
 _GLOO_WARNED = False
 

@@ -636,14 +636,15 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         """Skip the persistent copy of a capture only a publisher wanted? One decision per version,
         the same on every rank (so a version is written by all ranks or none): a rank's writer is
         busy (or its capture failed) -> every rank skips. Decided by an all-reduce of the ranks'
-        votes (Horovod, in the training thread; only for publisher-only captures, which every rank
-        makes at the same steps). A checkpoint callback's own versions are never skipped."""
+        votes (:func:`~deepfreeze.keras._dist.any_rank`, in the training thread; only for
+        publisher-only captures, which every rank makes at the same steps). A checkpoint
+        callback's own versions are never skipped."""
         if any(c._checkpoints for c in roles):
             return False
         busy = failed or self._writer_busy()
         if self.size > 1:
-            from ._dist import allreduce_mean
-            busy = float(allreduce_mean(np.array([1.0 if busy else 0.0]))[0]) > 0.0
+            from ._dist import any_rank
+            busy = any_rank(busy)
         return busy
 
     def _write_held(self) -> None:
