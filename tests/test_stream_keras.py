@@ -352,3 +352,16 @@ def test_a_degenerate_plan_is_logged_with_its_reason(tmp_path, monkeypatch, capl
               r.getMessage()]
     assert len(warned) == 1 and "no publish after the warm-up" in warned[0] and "'flat'" in warned[0], msgs
     assert "does not decrease" in warned[0] or "falls" in warned[0]
+
+
+def test_the_ranks_vote_agrees_and_a_missing_rank_is_a_bounded_wait(tmp_path):
+    """any_rank (the coalescing decision's all-reduce): every rank gets the OR of the votes, and a
+    rank that never votes makes the others fail with StreamTimeoutError after the bound, not hang."""
+    # check=False: the job ends without MPI_Finalize on purpose (a vote is left pending), which mpirun reports
+    mpirun(2, os.path.join(WORKERS, "stream_vote.py"), str(tmp_path), timeout=120, check=False)
+    reps = [json.load(open(tmp_path / f"vote{r}.json")) for r in range(2)]
+    expect = [i % 2 == 0 or i % 3 == 0 for i in range(200)]
+    assert reps[0]["got"] == reps[1]["got"] == expect
+    t = reps[0]["timeout"]
+    assert t is not None and "did not take part in the test's last vote within 2 s" in t["message"]
+    assert "must exit" in t["message"]

@@ -644,7 +644,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         busy = failed or self._writer_busy()
         if self.size > 1:
             from ._dist import any_rank
-            busy = any_rank(busy)
+            busy = any_rank(busy, what=f"the skip decision of {self.name!r} v{self._last_capture}")
         return busy
 
     def _write_held(self) -> None:
