@@ -53,14 +53,16 @@ if __package__ in (None, ""):                       # run as a script: python ex
     sys.path.insert(0, os.path.dirname(HERE))
 
 from deepfreeze.stream.predict import (CostModel, make_plan, per_batch_losses, predicted_cil,  # noqa: E402
-                                       realized_cil, warmup_threshold)
+                                       realized_cil, smoothing_window, warmup_threshold)
 
 STEPS_PER_EPOCH = 216          # TC1: 4320 samples / batch 20
 BATCH = 20
 CLASSES = 18
 LENGTH = 1000
 QUICK = {"epochs": 3, "eval_every": 4}
-FULL = {"epochs": 12, "eval_every": 4}
+FULL = {"epochs": 8, "eval_every": 4}
+SEEDS = 5
+MAIN = ("epoch", "fixed", "adaptive")      # the schedules compared; the others are shown for reference
 
 
 def tc1_like_data(n: int, seed: int, noise: float = 6.0, broad: float = 3.0,
@@ -90,8 +92,8 @@ def tc1_like_data(n: int, seed: int, noise: float = 6.0, broad: float = 3.0,
     return x[..., None].astype(np.float32), y.astype(np.int64)
 
 
-def build_model(tf: Any) -> Any:
-    tf.keras.utils.set_random_seed(7)
+def build_model(tf: Any, seed: int = 0) -> Any:
+    tf.keras.utils.set_random_seed(7 + seed)
     model = tf.keras.Sequential([
         tf.keras.Input((LENGTH, 1)),
         tf.keras.layers.Conv1D(32, 20, activation="relu"),
@@ -107,8 +109,10 @@ def build_model(tf: Any) -> Any:
     return model
 
 
-def train(epochs: int, eval_every: int) -> dict:
-    """Train; return per-iteration records (index = global iteration, 1-based; [0] unused)."""
+def train(epochs: int, eval_every: int, seed: int = 0) -> dict:
+    """Train; return per-iteration records (index = global iteration, 1-based; [0] unused).
+    ``seed`` changes the training samples and the model's initial weights (the held-out set is
+    the same for every seed)."""
     import tensorflow as tf
     try:
         tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -117,10 +121,10 @@ def train(epochs: int, eval_every: int) -> dict:
         pass
     # online training: fresh samples every epoch (a surrogate trained on a simulation's stream),
     # so the training loss is an unbiased estimate of the inference loss (the paper's assumption 2)
-    x, y = tc1_like_data(STEPS_PER_EPOCH * BATCH * epochs, seed=1)
+    x, y = tc1_like_data(STEPS_PER_EPOCH * BATCH * epochs, seed=1 + 1000 * seed)
     xt, yt = tc1_like_data(360, seed=2)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    model = build_model(tf)
+    model = build_model(tf, seed)
     xt_t, yt_t = tf.constant(xt), tf.constant(yt)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy()
 
@@ -198,14 +202,14 @@ def smooth(v: np.ndarray, w: int = 10) -> np.ndarray:
 
 def run_cil(out_json_part: dict, *, quick: bool, epochs: int | None = None, eval_every: int | None = None,
             t_infer: float | None = None, total_infers: int | None = None, write_bw: float = 5e9,
-            read_bw: float = 5e9, model_bytes: int | None = None) -> dict:
-    """Train, replay the three schedules, fill ``out_json_part`` (settings, rows, table_md,
+            read_bw: float = 5e9, model_bytes: int | None = None, seed: int = 0) -> dict:
+    """Train, replay the schedules, fill ``out_json_part`` (settings, rows, table_md,
     targets, curves for the plot) and return it."""
     t_start = time.time()
     mode = QUICK if quick else FULL
     epochs = epochs or mode["epochs"]
     eval_every = eval_every or mode["eval_every"]
-    rec = train(epochs, eval_every)
+    rec = train(epochs, eval_every, seed)
     batch, version, held = per_iteration(rec)
     n = batch.size - 1
     s_iter, e_iter = STEPS_PER_EPOCH, n
@@ -216,19 +220,18 @@ def run_cil(out_json_part: dict, *, quick: bool, epochs: int | None = None, eval
     cost = CostModel.from_measurements(t_train, t_inf, mbytes, write_bw, read_bw)
     total = int(total_infers) if total_infers else int((e_iter - s_iter) * t_train / t_inf)
     warm = batch[1:s_iter + 1]
-    thresh = warmup_threshold(warm)
+    thresh = warmup_threshold(warm)                 # the default: the rule on the smoothed warm-up losses
+    thresh_printed = warmup_threshold(warm, 1)      # the rule as printed: raw per-batch losses
 
     t0 = time.perf_counter()
     fixed = make_plan("fixed", warm, s_iter, e_iter, cost, total)
     t_fixed = time.perf_counter() - t0
     t0 = time.perf_counter()
-    adaptive = make_plan("adaptive", warm, s_iter, e_iter, cost, total, thresh=thresh)
+    adaptive = make_plan("adaptive", warm, s_iter, e_iter, cost, total)
     t_adaptive = time.perf_counter() - t0
-    # two variants beside the paper's rule (not targets): the threshold from the |Δ| of Keras'
-    # running means (what a callback reading logs["loss"] would measure) and the CIL-minimising one
-    running_warm = [v for b, v in rec["running"][:s_iter]]
-    thresh_running = warmup_threshold(running_warm)
-    adaptive_rm = make_plan("adaptive", warm, s_iter, e_iter, cost, total, thresh=thresh_running)
+    # two variants beside the default (not targets): the printed rule on raw per-batch losses
+    # (issue 24: it published nothing) and the CIL-minimising threshold
+    adaptive_pr = make_plan("adaptive", warm, s_iter, e_iter, cost, total, smooth=1)
     adaptive_opt = make_plan("adaptive", warm, s_iter, e_iter, cost, total, thresh="optimal")
     curve = fixed.curve
     epoch_all = list(range(s_iter + STEPS_PER_EPOCH, e_iter + 1, STEPS_PER_EPOCH))
@@ -239,7 +242,7 @@ def run_cil(out_json_part: dict, *, quick: bool, epochs: int | None = None, eval
     rows = []
     for name, steps, interval in (("epoch", epoch_steps, STEPS_PER_EPOCH), ("fixed", list(fixed.steps), fixed.interval),
                                   ("adaptive", list(adaptive.steps), None),
-                                  ("adaptive-running-mean", list(adaptive_rm.steps), None),
+                                  ("adaptive-printed-rule", list(adaptive_pr.steps), None),
                                   ("adaptive-cil-optimal", list(adaptive_opt.steps), None)):
         pc = predicted_cil(curve, cost, steps, s_iter, e_iter, total) if curve is not None else math.nan
         rows.append({
@@ -269,14 +272,20 @@ def run_cil(out_json_part: dict, *, quick: bool, epochs: int | None = None, eval
             "t_infer_s": t_inf, "t_infer_source": "given" if t_infer else "measured: median single-sample tf.function call",
             "model_bytes": mbytes, "model_bytes_source": "given" if model_bytes else "measured: sum of model.weights",
             "write_bw_Bps": write_bw, "read_bw_Bps": read_bw, "t_p_s": cost.t_p, "t_c_s": cost.t_c,
-            "thresh": thresh, "thresh_running_mean": thresh_running,
+            "seed": seed, "thresh": thresh, "thresh_printed_rule": thresh_printed,
+            "smoothing_window": smoothing_window(s_iter),
+            "heldout_at_s_iter": float(held[s_iter]), "heldout_at_e_iter": float(held[e_iter]),
             "thresh_cil_optimal": adaptive_opt.thresh, "eval_every": eval_every, "heldout_samples": 360,
             "train_wall_s": rec["train_wall_s"], "plan_fixed_s": t_fixed, "plan_adaptive_s": t_adaptive,
             "tf_threads": "intra/inter = 1",
         },
         "curve": curve.to_json() if curve is not None else None,
         "plans": {"fixed": fixed.to_json(), "adaptive": adaptive.to_json(),
-                  "adaptive-running-mean": adaptive_rm.to_json(), "adaptive-cil-optimal": adaptive_opt.to_json()},
+                  "adaptive-printed-rule": adaptive_pr.to_json(), "adaptive-cil-optimal": adaptive_opt.to_json()},
+        "plan_summaries": {k: p.summary() for k, p in (("fixed", fixed), ("adaptive", adaptive),
+                                                        ("adaptive-printed-rule", adaptive_pr))},
+        "plan_degenerate": {k: p.degenerate for k, p in (("fixed", fixed), ("adaptive", adaptive),
+                                                         ("adaptive-printed-rule", adaptive_pr))},
         "rows": rows, "targets": targets,
         "series": {"batch_loss": [None if not math.isfinite(v) else round(float(v), 6) for v in batch],
                    "heldout_loss": [round(float(v), 6) for v in held]},
@@ -286,12 +295,101 @@ def run_cil(out_json_part: dict, *, quick: bool, epochs: int | None = None, eval
     return out_json_part
 
 
+def _mean_se(v: "list[float]") -> tuple[float, float]:
+    a = np.asarray(v, dtype=float)
+    return float(a.mean()), (float(a.std(ddof=1) / math.sqrt(a.size)) if a.size > 1 else math.nan)
+
+
+def _verdict(diffs: "list[float]") -> str:
+    """Paired differences a − b over the seeds: 'lower' / 'higher' beyond one standard error, else
+    'not resolvable'."""
+    m, se = _mean_se(diffs)
+    if not math.isfinite(se):
+        return "lower" if m < 0 else "higher" if m > 0 else "equal"
+    return "lower" if m < -se else "higher" if m > se else "not resolvable"
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Mean ± standard error over the seeds, per schedule: held-out (the deciding metric) and smoothed
+    per-batch realized CIL, publishes, CIL relative to epoch (paired per seed); paired verdicts."""
+    names = [r["schedule"] for r in runs[0]["rows"]]
+    per = {n: [{r["schedule"]: r for r in run["rows"]}[n] for run in runs] for n in names}
+    out: dict[str, Any] = {"seeds": [run["settings"]["seed"] for run in runs], "schedules": {}}
+    for n in names:
+        rows = per[n]
+        out["schedules"][n] = {
+            key: _mean_se([r[key] for r in rows])
+            for key in ("realized_cil_heldout", "realized_cil_smoothed", "predicted_cil", "publishes")}
+        out["schedules"][n]["heldout_vs_epoch"] = _mean_se(
+            [r["realized_cil_heldout"] / e["realized_cil_heldout"] for r, e in zip(rows, per["epoch"])])
+        out["schedules"][n]["seeds_with_no_publish"] = sum(1 for r in rows if r["publishes"] == 0)
+    pairs = {}
+    for a, b in (("adaptive", "fixed"), ("adaptive", "epoch"), ("fixed", "epoch"), ("adaptive", "adaptive-printed-rule")):
+        d = [x["realized_cil_heldout"] - y["realized_cil_heldout"] for x, y in zip(per[a], per[b])]
+        pairs[f"{a} vs {b}"] = {"diff_mean_se": _mean_se(d), "verdict": _verdict(d),
+                                "wins": sum(1 for v in d if v < 0), "of": len(d)}
+    out["pairs_heldout"] = pairs
+    drops = [run["settings"]["heldout_at_s_iter"] - run["settings"]["heldout_at_e_iter"] for run in runs]
+    out["heldout_drop_after_warmup"] = _mean_se(drops)
+    return out
+
+
+def table_seeds(doc: dict) -> str:
+    s, sm = doc["runs"][0]["settings"], doc["summary"]
+    n = len(sm["seeds"])
+    lines = [f"CIL over {n} seeds (mean ± standard error; held-out loss decides), TC1-like, {s['epochs']} epochs, "
+             f"warm-up {s['s_iter']} iterations, plan to {s['e_iter']}; the held-out loss falls by "
+             f"{sm['heldout_drop_after_warmup'][0]:.3f} ± {sm['heldout_drop_after_warmup'][1]:.3f} after the warm-up",
+             "", "| schedule | publishes | realized CIL (held-out) | vs epoch | realized (smoothed per-batch) "
+             "| predicted CIL | seeds with no publish |", "|---|---|---|---|---|---|---|"]
+    for name, v in sm["schedules"].items():
+        pub, held, rel, smo, pred = (v["publishes"], v["realized_cil_heldout"], v["heldout_vs_epoch"],
+                                     v["realized_cil_smoothed"], v["predicted_cil"])
+        lines.append(f"| {name} | {pub[0]:.1f} ± {pub[1]:.1f} | {held[0]:.0f} ± {held[1]:.0f} | "
+                     f"{rel[0]:.3f} ± {rel[1]:.3f} | {smo[0]:.0f} ± {smo[1]:.0f} | {pred[0]:.0f} ± {pred[1]:.0f} | "
+                     f"{v['seeds_with_no_publish']} of {n} |")
+    lines.append("")
+    for k, v in sm["pairs_heldout"].items():
+        d = v["diff_mean_se"]
+        lines.append(f"- {k} (held-out, paired): {d[0]:+.0f} ± {d[1]:.0f}: {v['verdict']} "
+                     f"({v['wins']} of {v['of']} seeds lower)")
+    return "\n".join(lines)
+
+
+def run_seeds(doc: dict, *, seeds: int, quick: bool, **kw: Any) -> dict:
+    """:func:`run_cil` for seeds 0..seeds−1 (one after another, in this process), then the summary."""
+    import tensorflow as tf
+    t0 = time.time()
+    doc["runs"] = []
+    for seed in range(seeds):
+        tf.keras.backend.clear_session()
+        part: dict = {}
+        run_cil(part, quick=quick, seed=seed, **kw)
+        doc["runs"].append(part)
+        print(f"seed {seed}: " + ", ".join(f"{r['schedule']} {r['publishes']} publishes, held-out "
+                                           f"{r['realized_cil_heldout']:.0f}" for r in part["rows"]), flush=True)
+    doc["summary"] = summarize(doc["runs"])
+    doc["table_md"] = table_seeds(doc)
+    doc["statistic"] = (f"mean ± standard error over {seeds} seeds (training samples and initial weights change; "
+                        "the held-out set and the cost model's bandwidths do not); a difference within one "
+                        "standard error is 'not resolvable'")
+    doc["wall_s"] = round(time.time() - t0, 1)
+    return doc
+
+
+def shown_run(doc: dict) -> dict:
+    """The run the plot and the single-run table show: the first seed whose adaptive plan is not
+    degenerate (else seed 0)."""
+    return next((r for r in doc["runs"] if not r.get("plan_degenerate", {}).get("adaptive")), doc["runs"][0])
+
+
 def table(doc: dict) -> str:
     s = doc["settings"]
     lines = [f"CIL over {s['total_infers']} requests (t_train {s['t_train_s'] * 1e3:.2f} ms, t_infer "
              f"{s['t_infer_s'] * 1e3:.3f} ms, t_p {s['t_p_s'] * 1e3:.3f} ms, t_c {s['t_c_s'] * 1e3:.3f} ms; "
-             f"warm-up {s['s_iter']} iterations, plan to {s['e_iter']}; thresholds: paper rule {s['thresh']:.4g}, "
-             f"running-mean {s['thresh_running_mean']:.4g}, CIL-optimal {s['thresh_cil_optimal'] or math.nan:.4g})", "",
+             f"warm-up {s['s_iter']} iterations, plan to {s['e_iter']}; thresholds: smoothed ({s['smoothing_window']}) "
+             f"{s['thresh']:.4g}, printed rule {s['thresh_printed_rule']:.4g}, CIL-optimal "
+             f"{s['thresh_cil_optimal'] or math.nan:.4g})", "",
              "| schedule | publishes | interval | predicted CIL | realized CIL (per-batch) | realized (smoothed 21) "
              "| realized (held-out) | overhead (s) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -302,7 +400,9 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(doc: dict, path: str) -> None:
+def plot(doc: dict, path: str, summary: dict | None = None) -> None:
+    """One run's curve, fit and schedules, and its CIL bars; with ``summary`` (several seeds) a
+    third panel: held-out CIL relative to epoch, mean ± standard error over the seeds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -311,7 +411,22 @@ def plot(doc: dict, path: str) -> None:
     batch = np.array([np.nan if v is None else v for v in doc["series"]["batch_loss"]], dtype=float)
     held = np.array(doc["series"]["heldout_loss"], dtype=float)
     x = np.arange(batch.size)
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    if summary is None:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    else:
+        fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(18, 4.8), gridspec_kw={"width_ratios": [2.2, 1, 1]})
+        names = list(summary["schedules"])
+        rel = [summary["schedules"][n]["heldout_vs_epoch"] for n in names]
+        cx.bar(np.arange(len(names)), [r[0] for r in rel], 0.6, yerr=[r[1] for r in rel], capsize=4,
+               color=["C1", "C4", "C5", "C6", "C8"][:len(names)])
+        cx.axhline(1.0, color="k", lw=0.8, ls=":")
+        cx.set_xticks(np.arange(len(names)), [n.replace("adaptive-", "adapt.\n") for n in names], fontsize=8)
+        lo = min(r[0] - r[1] for r in rel)
+        hi = max(r[0] + r[1] for r in rel)
+        cx.set_ylim(lo - 0.1 * (hi - lo), hi + 0.1 * (hi - lo))
+        cx.set_ylabel("held-out CIL / epoch's (paired)")
+        cx.set_title(f"{len(summary['seeds'])} seeds: mean ± s.e.")
+    ax.set_title(f"TC1-like learning curve (seed {s.get('seed', 0)}), fit and publish schedules")
     ax.plot(x, batch, lw=0.5, color="0.7", label="per-batch training loss")
     ax.plot(x[1:], smooth(batch[1:]), lw=1.2, color="C0", label="per-batch, smoothed (21)")
     ax.plot(x, held, lw=1.2, color="C2", label="held-out loss (interpolated)")
@@ -328,7 +443,6 @@ def plot(doc: dict, path: str) -> None:
     ax.set_ylim(lo - (0.08 + 0.06 * len(doc["rows"])) * span, hi)
     ax.set_xlabel("global iteration")
     ax.set_ylabel("loss")
-    ax.set_title("TC1-like learning curve, fit and publish schedules")
     ax.legend(fontsize=7, loc="upper right")
     names = [r["schedule"] for r in doc["rows"]]
     w = 0.2
@@ -357,21 +471,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write-bw", type=float, default=5e9, help="producer publish bandwidth, B/s (t_p)")
     ap.add_argument("--read-bw", type=float, default=5e9, help="consumer load bandwidth, B/s (t_c)")
     ap.add_argument("--model-bytes", type=int, default=None, help="published bytes (default: the model's weights)")
+    ap.add_argument("--seeds", type=int, default=None, help=f"seeds 0..N-1 (default {SEEDS}; 1 with --quick)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "stream_cil.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    seeds = args.seeds or (1 if args.quick else SEEDS)
     doc: dict = {}
-    run_cil(doc, quick=args.quick, epochs=args.epochs, eval_every=args.eval_every, t_infer=args.t_infer,
-            total_infers=args.total_infers, write_bw=args.write_bw, read_bw=args.read_bw,
-            model_bytes=args.model_bytes)
+    run_seeds(doc, seeds=seeds, quick=args.quick, epochs=args.epochs, eval_every=args.eval_every,
+              t_infer=args.t_infer, total_infers=args.total_infers, write_bw=args.write_bw, read_bw=args.read_bw,
+              model_bytes=args.model_bytes)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w") as f:
         json.dump(doc, f, indent=1, allow_nan=True)
     os.replace(args.out + ".tmp", args.out)
-    plot(doc, os.path.splitext(args.out)[0] + ".png")
+    shown = shown_run(doc)
+    plot(shown, os.path.splitext(args.out)[0] + ".png", doc["summary"] if seeds > 1 else None)
+    print(shown["table_md"])
+    print()
     print(doc["table_md"])
-    print("targets:", json.dumps(doc["targets"]))
-    print(f"wrote {args.out} ({doc['settings']['wall_s']:.0f} s)")
+    print(f"wrote {args.out} ({doc['wall_s']:.0f} s)")
     return 0
 
 

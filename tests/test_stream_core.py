@@ -270,3 +270,21 @@ def test_redis_endpoints_and_notifications(tmp_path, token):
         assert server.client.hgetall("deepfreeze:stream:chan:endpoints") == {}  # unregistered on close
     finally:
         server.stop()
+
+
+def test_a_channel_nobody_publishes_is_reported_once(tmp_path, caplog):
+    """No producer and no committed version: after warn_after seconds one warning names the channel
+    and where the subscriber looked; it keeps looking (and quietly serves a version that appears)."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="deepfreeze")
+    with Subscriber("ghost", str(tmp_path / "p"), rescan=0.05, warn_after=0.2) as sub:
+        assert sub.next(0.1) is None and not sub.nobody_publishes  # not yet: within the bounded wait
+        assert sub.next(0.5) is None and sub.nobody_publishes
+        assert sub.next(0.3) is None
+        lines = [r.getMessage() for r in caplog.records if "nobody publishes" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "'ghost'" in lines[0] and os.path.join(str(tmp_path / "p"), "ghost", "stream") in lines[0]
+        assert "committed checkpoints in" in lines[0]
+        assert sub.where() in lines[0]
+    with pytest.raises(ConfigError):
+        Subscriber("ghost", str(tmp_path / "p"), warn_after=-1)

@@ -214,3 +214,154 @@ def test_planned_schedules_publish_at_the_same_steps_on_every_rank(out, schedule
     for v in (committed[0], committed[-1]):
         ck = df_load(config, "chan", v)
         assert same(list(ck.model_arrays().values()), load(tmp_path / "expected" / f"v{v}.npz"))
+
+
+def test_one_rank_with_a_slow_writer_never_leaves_the_checkpoint_stale(out):
+    """Publish every step with a checkpoint every 8 steps on the same name, the scratch writer
+    slowed on rank 1 only: the ranks share one skip decision per version (skip iff some rank's
+    writer is busy), so every version is written by both ranks or by none: no half-written version
+    directory, every committed version whole and equal to the weights at its step, and after
+    wait() the newest published version is restorable."""
+    tmp_path, shm = out
+    producer(tmp_path, shm, schedule=1, ckpt=8, samples=496, slow_write=0.25, epochs=1)
+    reps = [json.load(open(tmp_path / f"producer{r}.json")) for r in range(2)]
+    published = reps[0]["published"]
+    assert published == reps[1]["published"] == list(range(2, 32))  # the last one, 31, is no checkpoint's
+    # one decision per version, the same on every rank: skipped iff some rank's writer was busy
+    votes = [{v[0]: v[1] for v in rep["votes"]} for rep in reps]
+    assert set(votes[0]) == set(votes[1]) == {s for s in published if s % 8}
+    written = [set(rep["written"]) for rep in reps]
+    assert written[0] == written[1], "the ranks wrote different versions"
+    skipped = {s for s in votes[0] if s not in written[0]}
+    for s in votes[0]:
+        if s != published[-1]:  # a skipped newest version is written when fit ends (below)
+            assert (s in skipped) == (votes[0][s] or votes[1][s]), (s, votes[0][s], votes[1][s])
+    assert any(votes[1][s] and not votes[0][s] for s in skipped), "rank 1's busy writer never decided a skip"
+    # the checkpoint's own versions always; the newest published one at the latest when fit ends
+    assert written[0] >= {s for s in published if s % 8 == 0} | {published[-1]}
+    # persistent: every version directory committed (none half-written), each equal to the weights then
+    from deepfreeze.config import Config
+    from deepfreeze.restore import list_versions, load as df_load
+    config = Config(mode="async", scratch=str(tmp_path / "node0" / "scratch"), persistent=str(tmp_path / "persistent"))
+    vdirs = sorted(glob.glob(str(tmp_path / "persistent" / "chan" / "v*")))
+    half = [d for d in vdirs if not os.path.exists(os.path.join(d, "manifest.json"))]
+    assert not half, f"half-written version directories: {half}"
+    committed = sorted(list_versions(config, "chan"))
+    assert committed and committed[-1] == published[-1], (committed, published[-1])
+    for v in committed:
+        ref = tmp_path / "expected" / f"v{v}.npz"
+        assert same(list(df_load(config, "chan", v).model_arrays().values()), load(ref)), f"v{v} differs"
+    # what the per-rank decision used to leave (one rank's done marker of a version the other rank
+    # skipped), from an older run: `deepfreeze gc` removes it and keeps every committed version
+    old = tmp_path / "persistent" / "chan" / "v000000000001"
+    old.mkdir()
+    (old / "decision").write_text(json.dumps({"decision": "flush", "nonce": "0" * 16, "run": "ab" * 8}))
+    (old / ("done.r000000." + "0" * 16 + ".json")).write_text("{}")
+    (old / ("model.dfz.partial." + "0" * 16)).write_bytes(b"x" * 100)
+    p = subprocess.run([sys.executable, "-m", "deepfreeze.cli", "gc", "--name", "chan", "--set",
+                        f"scratch={tmp_path / 'node0' / 'scratch'}", "--set", f"persistent={tmp_path / 'persistent'}"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not old.exists() and "removed persistent v1" in p.stdout, p.stdout
+    assert sorted(list_versions(config, "chan")) == committed
+
+
+def test_a_misspelt_schedule_gets_a_did_you_mean(tmp_path):
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.keras import PublishCallback
+    kw = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    for bad, hint in (("adaptve", "'adaptive'"), ("Fixed", "'fixed'"), ("epochs", "'epoch'")):
+        with pytest.raises(ConfigError, match="Did you mean " + hint):
+            PublishCallback("chan", schedule=bad, **kw)
+    with pytest.raises(ConfigError) as e:
+        PublishCallback("chan", schedule="sometimes", **kw)
+    assert "Did you mean" not in str(e.value) and "'adaptive', 'fixed', 'epoch'" in str(e.value)
+
+
+def test_subscriber_builds_an_unbuilt_model_from_a_spec_and_says_when_nobody_publishes(tmp_path):
+    """build() returns a model without an Input layer: it is built from input_spec (the checkpoint
+    callback's function) and serves a committed version bit-exact; on a channel nobody publishes,
+    wait() says so, naming where it looked."""
+    import tensorflow as tf
+    from deepfreeze.config import Config
+    from deepfreeze.engine import Engine
+    from deepfreeze.errors import ConfigError, StreamTimeoutError
+    from deepfreeze.fused import FusedLayout, FusedShard
+    from deepfreeze.keras import ModelSubscriber
+    from deepfreeze.shardplan import ShardPlan, TensorSpec
+
+    def build():
+        return tf.keras.Sequential([tf.keras.layers.Dense(4, activation="relu"), tf.keras.layers.Dense(3)])
+
+    cfg = Config(mode="sync", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    with ModelSubscriber("ghost", cfg, build=build, input_spec=(None, 8), warn_after=0.2) as sub:
+        with pytest.raises(StreamTimeoutError) as e:
+            sub.wait(0, timeout=1.0)
+        assert "nobody publishes" in str(e.value) and os.path.join(cfg.persistent, "ghost", "stream") in str(e.value)
+    with pytest.raises(ConfigError, match="input_spec"):
+        ModelSubscriber("ghost", cfg, build=build)
+    with pytest.raises(ConfigError, match=r"building the model from input_spec"):
+        ModelSubscriber("ghost", cfg, build=build, input_spec=(None,))  # Dense needs rank >= 2
+    # a committed version of the channel, served into replicas built from the spec
+    ref = build()
+    ref.build((None, 8))
+    weights = [np.random.default_rng(i).standard_normal(w.shape).astype("float32") for i, w in enumerate(ref.weights)]
+    specs = [TensorSpec(i, f"t{i}", "float32", tuple(w.shape)) for i, w in enumerate(weights)]
+    plan = ShardPlan.build(specs, 1, min_shard_bytes=0)
+    eng = Engine(cfg, "chan", 0, plan)
+    lay = FusedLayout.build(plan, 0)
+    pieces = [weights[s.piece.tensor_id].reshape(-1)[s.piece.start:s.piece.stop] for s in lay.segments]
+    eng.checkpoint(5, FusedShard.from_arrays(lay, pieces, 5), step=5, epoch=0, extra={"model_tensors": len(specs)})
+    eng.close()
+    with ModelSubscriber("chan", cfg, build=build, input_spec=tf.TensorSpec((None, 8), tf.float32)) as sub:
+        assert sub.wait(0, timeout=30).step == 5
+        got, v = sub.get_weights()
+        assert same(got, weights) and v.step == 5
+
+
+def test_a_degenerate_plan_is_logged_with_its_reason(tmp_path, monkeypatch, caplog):
+    """One process, no Horovod: a loss that cannot fall (learning rate 0, the same batch every step)
+    gives a flat curve; the plan is logged once (its summary) and its degeneracy as a warning that
+    says why; the callback publishes only the warm-up version."""
+    import logging
+    import tensorflow as tf
+    from deepfreeze.keras import PublishCallback
+    from deepfreeze.stream import StreamOptions
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
+    caplog.set_level(logging.INFO, logger="deepfreeze")
+    tf.keras.utils.set_random_seed(3)
+    model = tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.0), loss="sparse_categorical_crossentropy")
+    x = np.tile(np.linspace(0, 1, 6, dtype=np.float32), (64, 1))
+    y = np.zeros(64, dtype=np.int64)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    pub = PublishCallback("flat", schedule="adaptive", horizon_s=2.0, inference_interval_s=0.01, mode="sync",
+                          scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"),
+                          stream=StreamOptions(shm_dir=str(shm)))
+    try:
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[pub])
+    finally:
+        pub.close()
+    assert pub.publish_plan is not None and pub.publish_plan.steps == ()
+    assert [v.step for v in pub.published] == [8]  # the warm-up version only
+    msgs = [r.getMessage() for r in caplog.records]
+    summaries = [m for m in msgs if "adaptive plan: 0 publishes expected in steps (8, " in m]
+    assert len(summaries) == 1, msgs
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "does not do its job" in
+              r.getMessage()]
+    assert len(warned) == 1 and "no publish after the warm-up" in warned[0] and "'flat'" in warned[0], msgs
+    assert "does not decrease" in warned[0] or "falls" in warned[0]
+
+
+def test_the_ranks_vote_agrees_and_a_missing_rank_is_a_bounded_wait(tmp_path):
+    """any_rank (the coalescing decision's all-reduce): every rank gets the OR of the votes, and a
+    rank that never votes makes the others fail with StreamTimeoutError after the bound, not hang."""
+    # check=False: the job ends without MPI_Finalize on purpose (a vote is left pending), which mpirun reports
+    mpirun(2, os.path.join(WORKERS, "stream_vote.py"), str(tmp_path), timeout=120, check=False)
+    reps = [json.load(open(tmp_path / f"vote{r}.json")) for r in range(2)]
+    expect = [i % 2 == 0 or i % 3 == 0 for i in range(200)]
+    assert reps[0]["got"] == reps[1]["got"] == expect
+    t = reps[0]["timeout"]
+    assert t is not None and "did not take part in the test's last vote within 2 s" in t["message"]
+    assert "must exit" in t["message"]

@@ -13,7 +13,7 @@ from deepfreeze.stream import predict as P
 from deepfreeze.stream.predict import (FAMILIES, CostModel, Curve, Plan, adaptive_schedule, cil_fixed, fit_curve,
                                        fixed_interval_cils, iteration_at, make_plan, optimal_interval,
                                        per_batch_losses, predicted_cil, realized_cil, simulate_eq2,
-                                       warmup_threshold)
+                                       smooth_losses, smoothing_window, warmup_threshold)
 
 # dyadic costs: every time below is exact in binary floating point, so request/delivery
 # coincidences really happen and both implementations must agree on them exactly
@@ -372,10 +372,90 @@ def test_plan_json_round_trip_and_hostile_plans():
         {**good, "curve": {"family": "exp3", "params": [1, 2, 3], "mse": 0, "x_scale": 0}},
         {**good, "curve": {"family": "exp3", "params": [1, "2", 3], "mse": 0, "x_scale": 1}},
         {**good, "curve": "exp3"},
+        {**good, "s_iter": -1},
+        {**good, "e_iter": "9"},
+        {**good, "cost": {"t_train": 0, "t_infer": 1, "t_p": 0, "t_c": 0}},
+        {**good, "cost": {"t_train": 1}},
     ]
     for obj in hostile:
         with pytest.raises(StreamError, match="malformed"):
             Plan.from_json(obj)
+
+
+# ----------------------------------------------------------------------------- smoothing, degenerate plans
+
+def test_smoothing_keeps_a_trend_and_shrinks_noise():
+    line = 3.0 - 0.01 * np.arange(200.0)
+    sm = smooth_losses(line, 21)
+    assert sm.size == 180 and np.allclose(np.diff(sm), -0.01)            # a linear trend passes unchanged
+    assert np.allclose(sm, line[10:190])                                   # centred: value at the window's middle
+    noise = np.random.default_rng(0).standard_normal(20000)
+    for w in (1, 9, 49):                                                    # sd σ/√w; consecutive |Δ|: σ·√2/w
+        s = smooth_losses(noise, w)
+        assert np.std(s) == pytest.approx(1 / math.sqrt(w), rel=0.1)
+        assert np.std(np.diff(s)) == pytest.approx(math.sqrt(2 / (w * w)) if w > 1 else math.sqrt(2), rel=0.1)
+    assert smooth_losses([1.0, math.nan, 3.0, math.inf, 5.0], 1).tolist() == [1.0, 3.0, 5.0]  # non-finite dropped
+    assert smooth_losses([1.0, 2.0], 5).tolist() == [1.5]                 # a window longer than the data: one mean
+    assert [smoothing_window(n) for n in (0, 7, 8, 216)] == [1, 1, 3, 55]
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ConfigError, match="window"):
+            smooth_losses([1.0, 2.0, 3.0], bad)
+
+
+def test_smoothed_threshold_is_in_the_curve_units_and_the_raw_one_is_noise():
+    """Per-batch noise (sd 0.3, as TC1-like training at batch 20) on an exp3 warm-up: the printed rule
+    (window 1) gives a threshold of the noise's size, larger than the curve's whole later drop, so
+    adaptive publishes nothing; the smoothed threshold is within a small factor of the curve's own
+    per-step drop statistic, and adaptive then publishes, densely early and sparsely late."""
+    rng = np.random.default_rng(3)
+    s, e = 216, 216 * 8
+    x = np.arange(1, s + 1, dtype=float)
+    warm = _exp3(x, 1.5, 0.008, 1.2) + 0.3 * rng.standard_normal(s)
+    d = np.abs(np.diff(_exp3(x, 1.5, 0.008, 1.2)))
+    truth = d.mean() + d.std()                                  # the noiseless curve's rule
+    raw, smoothed = warmup_threshold(warm, 1), warmup_threshold(warm)
+    later_drop = _exp3(s, 1.5, 0.008, 1.2) - _exp3(e, 1.5, 0.008, 1.2)
+    assert raw > later_drop > smoothed
+    assert truth / 3 < smoothed < 3 * truth
+    cost = CostModel(0.02, 0.002, 0.0004, 0.0006)
+    total = int((e - s) * cost.t_train / cost.t_infer)
+    paper = make_plan("adaptive", warm, s, e, cost, total, smooth=1)
+    plan = make_plan("adaptive", warm, s, e, cost, total)
+    assert paper.steps == () and "no publish after the warm-up" in paper.degenerate
+    assert plan.thresh == pytest.approx(smoothed) and len(plan.steps) >= 3 and plan.degenerate == ""
+    gaps = np.diff([s, *plan.steps])
+    assert gaps[0] < gaps[-1]                                   # dense early, sparse late
+    with pytest.raises(ConfigError, match="smooth"):
+        make_plan("adaptive", warm, s, e, cost, total, smooth=0)
+
+
+def test_degenerate_plans_say_why():
+    s, e = 216, 1000
+    warm = _exp3(np.arange(1, s + 1, dtype=float), 2.0, 0.003, 0.4)
+    cheap = CostModel(0.02, 0.002, 1e-9, 1e-9)
+    total = int((e - s) * cheap.t_train / cheap.t_infer)
+    every = make_plan("fixed", warm, s, e, cheap, total)    # publishing is free to the model: every step
+    assert every.interval == 1
+    why = every.degenerate
+    assert f"a publish at {len(every.steps)} of the {e - s} steps" in why and "t_p = 1e-09 s" in why
+    flat = make_plan("adaptive", np.full(s, 0.7), s, e, cheap, total)
+    assert flat.steps == () and "no publish after the warm-up" in flat.degenerate
+    assert "does not decrease" in flat.degenerate
+    high = make_plan("adaptive", warm, s, e, cheap, total, thresh=10.0)  # a threshold above the whole drop
+    assert high.steps == () and "less than the threshold 10" in high.degenerate
+    good = make_plan("fixed", warm, s, e, CostModel(0.02, 0.002, 0.004, 0.006), total)
+    assert good.degenerate == "" and 1 < good.interval < e - s
+    # the one-line summary every plan is logged with
+    line = good.summary()
+    assert line.startswith(f"fixed plan: {len(good.steps)} publishes expected in steps ({s}, {e}]")
+    assert f"interval {good.interval}" in line and "curve" in line and "predicted CIL" in line
+    a = make_plan("adaptive", warm, s, e, CostModel(0.02, 0.002, 0.004, 0.006), total)
+    assert "intervals " in a.summary() and "threshold " in a.summary()
+    # a plan without its range (an older JSON) is never called degenerate
+    assert Plan("fixed", (), None, math.nan, None).degenerate == ""
+    # round trip keeps what degenerate needs
+    back = Plan.from_json(json.loads(json.dumps(every.to_json())))
+    assert back == every and back.degenerate == why
 
 
 def test_module_imports_no_tensorflow():

@@ -1,11 +1,13 @@
-"""Rank, world size, one small all-gather (Horovod, else one rank) and the MPI communicator for DeepFreeze's own exchanges."""
+"""Rank, world size, one small all-gather (Horovod, else one rank), the ranks' shared vote (any_rank) and the MPI communicator for DeepFreeze's own exchanges."""
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StreamTimeoutError
 
 
 def _hvd():
@@ -72,6 +74,47 @@ def allreduce_mean(values: np.ndarray) -> np.ndarray:
     return hvd.allreduce(tf.constant(values), op=hvd.Average, name="deepfreeze_allreduce_mean").numpy()
 
 
+def any_rank(flag: bool, *, timeout: float = 300.0, what: str = "a vote") -> bool:
+    """True on every rank when ``flag`` is True on any rank (collective: every rank calls it at the
+    same point, from its training thread). An MPI all-reduce over a private duplicate of Horovod's
+    communicator (microseconds: the ranks are in step), else (Horovod over Gloo) Horovod's
+    all-reduce (milliseconds). The MPI wait is bounded: a non-blocking all-reduce, progressed by
+    polling it (Open MPI here has no progress thread), a warning every 60 s, and
+    :class:`~deepfreeze.errors.StreamTimeoutError` after ``timeout`` seconds (a rank died or left
+    ``fit``: this process must then exit)."""
+    global _VOTE
+    hvd = _hvd()
+    if hvd is None or hvd.size() < 2:
+        return bool(flag)
+    comm = mpi_comm()
+    if comm is None:
+        return float(allreduce_mean(np.array([1.0 if flag else 0.0]))[0]) > 0.0
+    if _VOTE is None or _VOTE[0] is not comm:
+        _VOTE = (comm, comm.comm.Dup())  # its own communicator: never interleaved with the writer thread's
+    from mpi4py import MPI
+    out = np.zeros(1, dtype=np.int32)
+    req = _VOTE[1].Iallreduce(np.array([1 if flag else 0], dtype=np.int32), out, op=MPI.MAX)
+    spins, t0 = 0, time.monotonic()
+    next_log = t0 + 60.0
+    while not req.Test():
+        spins += 1
+        if spins < 2000:  # the ranks are in step: done within microseconds
+            continue
+        now = time.monotonic()
+        if now - t0 >= timeout:
+            raise StreamTimeoutError(
+                f"rank {hvd.rank()}: the other ranks did not take part in {what} within {timeout:.0f} s (a rank "
+                "died or left fit); this process must exit (Open MPI cannot recover the job)")
+        if now >= next_log:
+            next_log += 60.0
+            logging.getLogger("deepfreeze").warning(
+                "DeepFreeze (rank %d): has waited %.0f s for the other ranks to take part in %s", hvd.rank(),
+                now - t0, what)
+        time.sleep(0.0002)
+    return bool(out[0])
+
+
+_VOTE = None  # (the MPIComm it was made from, a duplicate of its communicator for any_rank)
 _COMM = None  # (the communicator Horovod runs over, its duplicate: an MPIComm)
 _GLOO_WARNED = False
 

@@ -237,8 +237,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._riders: list[DeepFreezeCheckpoint] = []  # callbacks riding on this one (this fit)
         self._roles: list[DeepFreezeCheckpoint] = []  # who wanted the pending capture (self and/or riders)
         self._last_capture: int | None = None  # step of the newest capture handed on (checkpointed or not)
-        #: captures not checkpointed because the writer was busy and only a publisher wanted them
+        #: captures not checkpointed because a writer was busy and only a publisher wanted them
         self.coalesced = 0
+        self._held: tuple | None = None  # the newest coalesced capture (version, arrays, epoch, extra)
 
     # ------------------------------------------------------------------ keras events
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -377,6 +378,9 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         t1 = time.perf_counter()
         if arrays is not None:
             self._checkpoint(version, arrays, t0 - self._t_begin, t1)
+        else:  # a failed capture (on_error='warn'): still take part in the shared coalescing decision
+            self._coalesce(self._roles or [self], failed=True)
+            self._roles = []
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._primary is not None:
@@ -400,6 +404,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         _release_primary(self.model, self)
         self._riders = []
         try:
+            self._write_held()
             if self.engine is not None:
                 self._guard(self.engine.wait, persistent=False)  # committed at least on scratch
         finally:
@@ -621,6 +626,38 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
             log.warning("DeepFreeze (rank %d): checkpointing failed, training goes on (on_error='warn'): %s",
                         self.rank, e)
 
+    def _writer_busy(self) -> bool:
+        """This rank's vote in the coalescing decision: would a checkpoint now wait for its writer?"""
+        return self.engine is None or self.engine.saturated()
+
+    def _coalesce(self, roles: list, failed: bool = False) -> bool:
+        """Skip the persistent copy of a capture only a publisher wanted? One decision per version,
+        the same on every rank (so a version is written by all ranks or none): a rank's writer is
+        busy (or its capture failed) -> every rank skips. Decided by an all-reduce of the ranks'
+        votes (:func:`~deepfreeze.keras._dist.any_rank`, in the training thread; only for
+        publisher-only captures, which every rank makes at the same steps). A checkpoint
+        callback's own versions are never skipped."""
+        if any(c._checkpoints for c in roles):
+            return False
+        busy = failed or self._writer_busy()
+        if self.size > 1:
+            from ._dist import any_rank
+            busy = any_rank(busy, what=f"the skip decision of {self.name!r} v{self._last_capture}")
+        return busy
+
+    def _write_held(self) -> None:
+        """Train end: the newest capture was coalesced (the same on every rank): write it now, so
+        after ``wait()`` the newest published version is restorable."""
+        held, self._held = self._held, None
+        if held is None or self.engine is None:
+            return
+        version, arrays, epoch, extra = held
+        if self._last_version is not None and version <= self._last_version:
+            return
+        self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=epoch, extra=extra)
+        self._last_version = version
+        self.coalesced -= 1
+
     def _checkpoint(self, version: int, arrays: list, t0: float, t1: float, epoch_end: bool = False) -> None:
         if self._run is not None and self._run.lease is not None and self._run.lease.lost:
             self._guard(self._run.check)  # another run took the name over: this one's versions are fenced off
@@ -641,11 +678,13 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                     "deepfreeze.keras.receive_clone sets it ({'name': str or None, 'run': run id, 'step': int})"))
         roles, self._roles = self._roles or [self], []
         self._last_capture = version
-        if any(c._checkpoints for c in roles) or not self.engine.saturated():
+        if not self._coalesce(roles):
+            self._held = None  # a newer version is written: the held one is superseded (newer wins)
             self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch, extra=extra)
             self._last_version = version
-        else:  # only a publisher wanted it and the writer is busy: the persistent copy coalesces to a newer one
+        else:  # only a publisher wanted it and a writer is busy: the persistent copy coalesces to a newer one
             self.coalesced += 1
+            self._held = (version, arrays, self._epoch, extra)  # written at train end if nothing newer is
         for c in roles:
             c._captured(self, version, arrays)
         t2 = time.perf_counter()

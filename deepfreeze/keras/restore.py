@@ -26,17 +26,22 @@ def model_tensors(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
     return out
 
 
-def build_from_spec(model: Any, spec: Any, who: str) -> None:
+def build_from_spec(model: Any, spec: Any, who: str = "DeepFreezeCheckpoint", *,
+                    what: str = "the input shape", when: str = "first") -> None:
     """Build an unbuilt ``model`` from the shape of the data it will be fit on: ``spec`` is a
     ``tf.data.Dataset``, an iterator or anything with an ``element_spec``, or an element spec
-    itself (``(x, y)``, ``(x, y, sample_weight)`` or ``x``: ``tf.TensorSpec`` structures).
-    Nothing is drawn from the data. The one way DeepFreeze builds a model (the checkpoint
-    callback at the first step, ``receive_clone`` and ``restore`` with ``input_spec=``).
-    ``who`` starts the error messages. Raises :class:`ConfigError`."""
+    itself (``(x, y)``, ``(x, y, sample_weight)`` or ``x``: ``tf.TensorSpec`` structures), or a
+    bare shape such as ``(None, 28, 28)``. Nothing is drawn from the data. The one way DeepFreeze
+    builds a model (the checkpoint and clone callbacks at the first step, ``receive_clone``,
+    ``restore`` and ``ModelSubscriber`` with ``input_spec=``). ``who``/``what``/``when`` word the
+    :class:`ConfigError` raised when the model cannot be built from it."""
     import tensorflow as tf
     if model.built and model.weights:  # built already (e.g. by another callback's first-step set-up)
         return
     spec = getattr(spec, "element_spec", spec)
+    if isinstance(spec, tf.TensorShape) or isinstance(spec, (tuple, list)) and spec and \
+            all(d is None or isinstance(d, int) and not isinstance(d, bool) for d in spec):
+        spec = tf.TensorSpec(tf.TensorShape(spec))  # a bare shape
     if spec is None:
         raise ConfigError(f"{who}: the model is not built and fit's input does not tell its shape: give the model "
                           "an Input layer or call model.build(...) before fit")
@@ -45,11 +50,11 @@ def build_from_spec(model: Any, spec: Any, who: str) -> None:
         shapes = tf.nest.map_structure(lambda t: t.shape, x)
         model.build(shapes)
     except Exception as e:  # Keras raises several kinds here
-        raise ConfigError(f"{who}: building the model from the input shape {x} failed ({type(e).__name__}: {e}): "
-                          "give the model an Input layer or call model.build(...) first") from e
+        raise ConfigError(f"{who}: building the model from {what} {x} failed ({type(e).__name__}: {e}): "
+                          f"give the model an Input layer or call model.build(...) {when}") from e
     if not model.built or not model.weights:
         raise ConfigError(f"{who}: the model has no weights after model.build({shapes}): give it an Input layer "
-                          "or call it on a batch first")
+                          f"or call it on a batch {when}")
 
 
 def restore_model(model: Any, config: "str | Config | None" = None, *, name: str,

@@ -27,13 +27,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..config import Config
+from ..config import Config, did_you_mean
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError, StreamError, StreamTimeoutError
 from ..format import dtype_name
 from ..fused import FusedShard
 from ..run import Version
 from ..stream.core import Publisher, StreamOptions, Subscriber, Update
 from .callback import DeepFreezeCheckpoint
+from .restore import build_from_spec
 from ._dist import allreduce_mean, broadcast_bytes
 from .repo import _copy_into
 
@@ -74,8 +75,9 @@ class PublishCallback(DeepFreezeCheckpoint):
                  inference_interval_s: float | None = None, consumer_load_s: float | None = None,
                  stream: StreamOptions | None = None, **kwargs: Any) -> None:
         if isinstance(schedule, bool) or not (isinstance(schedule, int) and schedule >= 1 or schedule in SCHEDULES):
+            hint = did_you_mean(schedule.strip().lower(), SCHEDULES) if isinstance(schedule, str) else ""
             raise ConfigError(f"schedule = {schedule!r}: use 'adaptive', 'fixed', 'epoch' or a positive int "
-                              "(publish every n optimizer steps)")
+                              f"(publish every n optimizer steps).{hint}")
         if schedule in ("fixed", "adaptive"):
             for key, value in (("horizon_s", horizon_s), ("inference_interval_s", inference_interval_s)):
                 if value is None or not float(value) > 0:
@@ -231,9 +233,15 @@ class PublishCallback(DeepFreezeCheckpoint):
             return
         self.publish_plan = Plan.from_json(json.loads(data))
         self._plan_steps = sorted(int(s) for s in self.publish_plan.steps)
-        if self.verbose and owner.rank == 0:
-            log.warning("DeepFreeze: %s plan for %r: %d publishes in steps (%d, %d], curve %s", self.schedule,
-                        self.name, len(self._plan_steps), s_iter, e_iter, self.publish_plan.curve)
+        if owner.rank == 0:  # every plan logged once (rank 0), a degenerate one as a warning with the reason
+            plan = self.publish_plan
+            (log.warning if self.verbose else log.info)("DeepFreeze: channel %r: %s", self.name, plan.summary())
+            why = plan.degenerate
+            if why:
+                log.warning("DeepFreeze: the %s publish plan of channel %r does not do its job: %s", self.schedule,
+                            self.name, why)
+            elif plan.note:
+                log.warning("DeepFreeze: the %s publish plan of channel %r: %s", self.schedule, self.name, plan.note)
 
 
 class _Replica:
@@ -250,10 +258,15 @@ class ModelSubscriber:
       channel: the producer's channel name.
       config: VeloC INI path or :class:`~deepfreeze.Config` (its ``persistent`` directory holds the
         producer's endpoint files and the fallback checkpoint; its ``redis`` key, if set, is used).
-      build: a function returning a fresh (built) Keras model of the producer's architecture; it is
-        called twice (two replicas).
+      build: a function returning a fresh Keras model of the producer's architecture; it is
+        called twice (two replicas). A model that is not built yet is built from ``input_spec``
+        (as :class:`~deepfreeze.keras.DeepFreezeCheckpoint` builds one from fit's input).
+      input_spec: the input's spec for an unbuilt model: a ``tf.TensorSpec`` (or a nested
+        structure of them, or a dataset's ``element_spec``) or a shape such as ``(None, 28, 28)``.
       tier: ``"auto"``, ``"shm"``, ``"tcp"`` or ``"persistent"`` (see :class:`deepfreeze.stream.Subscriber`).
       token: token file for TCP (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
+      warn_after: seconds without any producer or committed version after which one warning says
+        that nobody publishes the channel, naming where the subscriber looked.
       **overrides: INI keys (``persistent=...``).
 
     Memory: two replicas of the model, one staging copy of its weights, and per producer rank a
@@ -261,17 +274,19 @@ class ModelSubscriber:
     """
 
     def __init__(self, channel: str, config: "str | Config | None" = None, *, build: Callable[[], Any],
-                 tier: str = "auto", token: str | None = None, io_timeout: float = 30.0, **overrides: Any) -> None:
+                 tier: str = "auto", token: str | None = None, io_timeout: float = 30.0, input_spec: Any = None,
+                 warn_after: float = 10.0, **overrides: Any) -> None:
         if not callable(build):
             raise ConfigError("build must be a function returning a new Keras model of the producer's architecture")
         cfg = Config.resolve(config, **overrides)
-        self.channel = channel
+        self.channel, self._input_spec = channel, input_spec
         self._sub = Subscriber(channel, cfg.persistent, tier=tier, token=token, redis=cfg.redis,
-                               io_timeout=io_timeout)
-        self._replicas = [_Replica(build()), _Replica(build())]
-        for r in self._replicas:
-            if not r.model.built or not r.model.weights:
-                raise ConfigError("build() must return a built model (give it an Input layer)")
+                               io_timeout=io_timeout, warn_after=warn_after)
+        try:
+            self._replicas = [_Replica(self._built(build)), _Replica(self._built(build))]
+        except BaseException:
+            self._sub.close()
+            raise
         self._live: _Replica | None = None
         self._cond = threading.Condition()
         self._callbacks: list[Callable[[Version], None]] = []
@@ -317,10 +332,12 @@ class ModelSubscriber:
                 self._raise_error()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    why = (f"nobody publishes it: no producer run and no committed version found in "
+                           f"{self._sub.where()}" if self.version is None and self._sub._conn is None else
+                           "is the producer running and publishing?")
                     raise StreamTimeoutError(
                         f"no version {'newer than ' + str(start) if version is None else '>= ' + str(version)} of "
-                        f"channel {self.channel!r} became live within {timeout}s (live: {self.version}); is the "
-                        "producer running and publishing?")
+                        f"channel {self.channel!r} became live within {timeout}s (live: {self.version}); {why}")
                 self._cond.wait(left if left is None else min(left, 1.0))
             return self.version
 
@@ -353,6 +370,17 @@ class ModelSubscriber:
         self.close()
 
     # -- internals
+    def _built(self, build: Callable[[], Any]) -> Any:
+        model = build()
+        if (not model.built or not model.weights) and self._input_spec is not None:
+            build_from_spec(model, self._input_spec, who=f"ModelSubscriber({self.channel!r})",
+                            what="input_spec", when="in build(), or pass input_spec=")
+        if not model.built or not model.weights:
+            raise ConfigError(f"ModelSubscriber({self.channel!r}): build() returned a model that is not built: give "
+                              "it an Input layer, or pass input_spec= (e.g. a tf.TensorSpec or a shape such as "
+                              "(None, 28, 28)) to build it from")
+        return model
+
     def _raise_error(self) -> None:
         e, self._error = self._error, None
         if e is not None:

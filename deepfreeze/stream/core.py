@@ -435,13 +435,22 @@ class Subscriber:
     ``"persistent"``. ``token``: token file (default ``$DEEPFREEZE_TOKEN``, else
     ``~/.deepfreeze/token``). ``redis``: find endpoints and notifications in Redis.
     ``rescan``: seconds between looks for a new producer run while none is connected.
+    ``warn_after``: seconds of finding neither a producer nor a committed version after which
+    one warning says so, naming the channel and where it looked (:meth:`where`); the subscriber
+    keeps looking.
     """
 
     def __init__(self, channel: str, persistent: str, *, tier: str = "auto", token: str | None = None,
                  redis: str | None = None, io_timeout: float = 30.0, rescan: float = 1.0,
-                 verify: bool = True) -> None:
+                 verify: bool = True, warn_after: float = 10.0) -> None:
         if tier not in TIERS:
             raise ConfigError(f"tier = {tier!r}: use one of {TIERS}")
+        if not float(warn_after) >= 0:
+            raise ConfigError(f"warn_after = {warn_after!r} must be >= 0 seconds")
+        self.warn_after = float(warn_after)
+        self._empty_since: float | None = None  # monotonic time since which nothing was found
+        #: True once :attr:`warn_after` seconds passed with no producer and no committed version
+        self.nobody_publishes = False
         self.channel, self.persistent = validate_name(channel, "channel"), os.path.abspath(persistent)
         self.tier, self.io_timeout, self.rescan, self.verify = tier, float(io_timeout), float(rescan), verify
         self.redis_url = redis
@@ -476,6 +485,7 @@ class Subscriber:
                 up = self._ready_update(out)
                 if up is not None:
                     return up
+            self._check_empty()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return None
@@ -488,6 +498,33 @@ class Subscriber:
                 continue
             self._take(item)
             self._drain_queue()  # every note already here counts: the newest complete version wins
+
+    def where(self) -> str:
+        """Where this subscriber looks for the channel's producers and versions (for messages)."""
+        if self.redis_url:
+            producers = f"Redis {self.redis_url} (hash deepfreeze:stream:{self.channel}:endpoints)"
+        else:
+            producers = f"endpoint files {endpoint_dir(self.persistent, self.channel)}/r<rank>.json"
+        if self.tier == "persistent":
+            return f"committed checkpoints in {os.path.join(self.persistent, self.channel)}"
+        if self.tier in ("shm", "tcp"):
+            return producers
+        return f"{producers} and committed checkpoints in {os.path.join(self.persistent, self.channel)}"
+
+    def _check_empty(self) -> None:
+        """One warning once nothing (no producer, no version) was found for ``warn_after`` seconds."""
+        if self._conn is not None or self.version is not None:
+            self._empty_since = None
+            return
+        now = time.monotonic()
+        if self._empty_since is None:
+            self._empty_since = now
+        if not self.nobody_publishes and now - self._empty_since >= self.warn_after:
+            self.nobody_publishes = True
+            log.warning("deepfreeze: nobody publishes channel %r: after %.0f s, no producer run and no committed "
+                        "version found (looked in %s); still looking every %g s. Is the producer running, with the "
+                        "same persistent directory%s and channel name?", self.channel, now - self._empty_since,
+                        self.where(), self.rescan, " and Redis" if self.redis_url else "")
 
     def _drain_queue(self) -> None:
         while self._conn is not None:

@@ -64,7 +64,11 @@ model is then optimistic).
    printed: the predicted drop since the *last publish* must exceed ``thresh``, so publishes
    are dense where the curve falls fast and sparse near convergence. The threshold
    (:func:`warmup_threshold`) is the mean plus the (population) standard deviation of the
-   absolute differences of consecutive per-batch warm-up losses.
+   absolute differences of consecutive warm-up losses, taken on the *smoothed* losses
+   (:func:`smooth_losses`, a moving average over about a quarter of the warm-up): the
+   threshold is compared with drops of the fitted (smooth) curve, so it must be in a smooth
+   curve's units. On raw per-batch losses (the printed rule, ``smooth=1``) per-batch noise
+   makes it larger than the curve's whole later drop and nothing is ever published.
 7. *Alg. 2 ties.* The printed ``t_l < min_loss`` keeps the first, i.e. the *smallest* interval
    on a flat curve (a publish every iteration for no gain); ties (relative 1e-9) go to the
    largest interval instead.
@@ -93,7 +97,7 @@ from ..errors import ConfigError, StreamError
 __all__ = [
     "FAMILIES", "per_batch_losses", "Curve", "fit_curve", "CostModel", "iteration_at", "cil_fixed",
     "fixed_interval_cils", "optimal_interval", "simulate_eq2", "warmup_threshold", "adaptive_schedule",
-    "optimal_threshold",
+    "optimal_threshold", "smooth_losses", "smoothing_window",
     "predicted_cil", "realized_cil", "Plan", "make_plan",
 ]
 
@@ -551,15 +555,46 @@ def simulate_eq2(curve: Curve, cost: CostModel, s_iter: int, e_iter: int, interv
     return acc
 
 
-def warmup_threshold(losses: Sequence[float]) -> float:
-    """Alg. 3's threshold: mean + std (population) of |Δ| of consecutive per-batch warm-up losses
-    (non-finite values dropped). Needs at least 2 finite losses (else :class:`StreamError`)."""
+def smoothing_window(n: int) -> int:
+    """The default smoothing window for ``n`` warm-up losses: odd, about a quarter of them
+    (``2·⌊n/8⌋ + 1``; 1, i.e. no smoothing, below 8 losses)."""
+    return 2 * (max(int(n), 0) // 8) + 1
+
+
+def smooth_losses(losses: Sequence[float], window: int | None = None) -> np.ndarray:
+    """The warm-up losses smoothed: the mean of every ``window`` consecutive finite losses (a
+    moving average over full windows only, so ``n − window + 1`` values; no shrunken, noisier
+    windows at the ends). ``window`` None: :func:`smoothing_window`; 1: the losses themselves.
+    A linear trend passes unchanged (its consecutive differences keep the slope) while
+    independent per-batch noise of standard deviation σ shrinks to σ/√window, and the noise in
+    consecutive differences to σ·√2/window."""
+    a = np.asarray(losses, dtype=np.float64).ravel()
+    a = a[np.isfinite(a)]
+    w = smoothing_window(a.size) if window is None else window
+    if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
+        raise ConfigError(f"smoothing window must be an integer >= 1, got {window!r}")
+    w = int(w)
+    if a.size < w:
+        w = max(1, a.size)
+    c = np.concatenate([[0.0], np.cumsum(a)])
+    return (c[w:] - c[:-w]) / w
+
+
+def warmup_threshold(losses: Sequence[float], window: int | None = None) -> float:
+    """Alg. 3's threshold, in the smoothed loss curve's units: mean + std (population) of |Δ| of
+    consecutive values of :func:`smooth_losses` of the per-batch warm-up losses (non-finite
+    values dropped). ``window=1`` is the paper's printed rule on the raw per-batch losses, which
+    per-batch noise dominates (it can exceed the fitted curve's whole later drop, so nothing is
+    ever published). Needs at least 2 finite losses (else :class:`StreamError`)."""
     a = np.asarray(losses, dtype=np.float64).ravel()
     a = a[np.isfinite(a)]
     if a.size < 2:
         raise StreamError(f"the adaptive threshold needs at least 2 finite warm-up losses, got {a.size}: "
                           f"use a longer warm-up or pass thresh= explicitly")
-    d = np.abs(np.diff(a))
+    sm = smooth_losses(a, window)
+    if sm.size < 2:  # window == n: one mean; fall back to the largest window with two values
+        sm = smooth_losses(a, a.size - 1)
+    d = np.abs(np.diff(sm))
     return float(d.mean() + d.std())
 
 
@@ -645,13 +680,62 @@ class Plan:
     interval: int | None            # fixed: the chosen interval
     thresh: float | None = None     # adaptive: the threshold used
     note: str = ""                  # why the plan is degenerate (flat/rising curve, no fit), else ""
+    s_iter: int | None = None       # the range planned: steps in (s_iter, e_iter]
+    e_iter: int | None = None
+    cost: "CostModel | None" = None  # the cost model it was made with (for the reasons it gives)
 
     def to_json(self) -> dict:
         pc = self.predicted_cil
         return {"kind": self.kind, "steps": [int(s) for s in self.steps],
                 "curve": self.curve.to_json() if self.curve is not None else None,
                 "predicted_cil": float(pc) if math.isfinite(pc) else None,
-                "interval": self.interval, "thresh": self.thresh, "note": self.note}
+                "interval": self.interval, "thresh": self.thresh, "note": self.note,
+                "s_iter": self.s_iter, "e_iter": self.e_iter,
+                "cost": self.cost.to_json() if self.cost is not None else None}
+
+    @property
+    def degenerate(self) -> str:
+        """Why this plan does not do a schedule's job, or ``""``: it publishes nothing after the
+        warm-up, or at (nearly) every step. Needs the planned range (``s_iter``, ``e_iter``)."""
+        if self.s_iter is None or self.e_iter is None or self.e_iter <= self.s_iter:
+            return ""
+        n_it = self.e_iter - self.s_iter
+        why = f" ({self.note})" if self.note else ""
+        if not self.steps:
+            if self.kind == "adaptive" and self.thresh is not None and self.curve is not None and not self.note:
+                drop = float(self.curve(float(self.s_iter))) - float(self.curve(float(self.e_iter)))
+                why = (f" (the fitted {self.curve.family} curve falls {drop:.4g} from step {self.s_iter} to "
+                       f"{self.e_iter}, less than the threshold {self.thresh:.4g}, or its publishes would serve no "
+                       "request)")
+            return f"no publish after the warm-up in steps ({self.s_iter}, {self.e_iter}]{why}"
+        if n_it >= 4 and len(self.steps) >= 0.5 * n_it:
+            cost = ""
+            if self.cost is not None:
+                cost = (f": the cost model charges t_p = {self.cost.t_p:.3g} s per publish against t_train = "
+                        f"{self.cost.t_train:.3g} s per step, so publishing looks nearly free and the densest plan "
+                        "minimises the predicted loss (give realistic publish/load costs, e.g. consumer_load_s)")
+            return f"a publish at {len(self.steps)} of the {n_it} steps in ({self.s_iter}, {self.e_iter}]{cost}"
+        return ""
+
+    def summary(self) -> str:
+        """One line: kind, range, publishes, intervals, threshold, curve, predicted CIL."""
+        st = list(self.steps)
+        rng = f"steps ({self.s_iter}, {self.e_iter}]" if self.s_iter is not None else "after the warm-up"
+        gaps = np.diff(np.array(([self.s_iter] if self.s_iter is not None else []) + st, dtype=np.int64))
+        parts = [f"{self.kind} plan: {len(st)} publish{'es' if len(st) != 1 else ''} expected in {rng}"]
+        if st:
+            parts.append(f"first at {st[0]}, last at {st[-1]}")
+        if self.interval is not None:
+            parts.append(f"interval {self.interval}")
+        elif gaps.size:
+            parts.append(f"intervals {int(gaps.min())}..{int(gaps.max())} (median {float(np.median(gaps)):g})")
+        if self.thresh is not None:
+            parts.append(f"threshold {self.thresh:.4g}")
+        if self.curve is not None:
+            parts.append(f"curve {self.curve.family}")
+        if math.isfinite(self.predicted_cil):
+            parts.append(f"predicted CIL {self.predicted_cil:.6g}")
+        return ", ".join(parts)
 
     @classmethod
     def from_json(cls, obj: Any) -> "Plan":
@@ -682,24 +766,39 @@ class Plan:
         note = obj.get("note", "")
         if not isinstance(note, str):
             raise bad("note must be a string")
+        rng = [obj.get("s_iter"), obj.get("e_iter")]
+        if any(v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0) for v in rng):
+            raise bad("s_iter/e_iter must be integers >= 0 or null")
+        cost = obj.get("cost")
+        if cost is not None:
+            keys = ("t_train", "t_infer", "t_p", "t_c")
+            if not isinstance(cost, Mapping) or not all(_is_num(cost.get(k)) for k in keys):
+                raise bad("cost must be a CostModel's JSON or null")
+            try:
+                cost = CostModel(**{k: float(cost[k]) for k in keys})
+            except ConfigError as e:
+                raise bad(f"cost: {e}") from e
         curve = obj.get("curve")
         return cls(kind, tuple(steps), Curve.from_json(curve) if curve is not None else None,
                    float(pc) if pc is not None else math.nan, interval,
-                   float(thresh) if thresh is not None else None, note)
+                   float(thresh) if thresh is not None else None, note, rng[0], rng[1], cost)
 
 
 def make_plan(kind: str, losses_warmup: Sequence[float], s_iter: int, e_iter: int, cost: CostModel,
               total_infers: int, *, thresh: "float | str | None" = None, families: Sequence[str] = FAMILIES,
-              max_interval: int | None = None) -> Plan:
+              max_interval: int | None = None, smooth: int | None = None) -> Plan:
     """The plan the producer follows after its warm-up (rank 0 calls this; others get the JSON).
 
     ``losses_warmup``: the per-batch losses of the warm-up, the last one at global iteration
     ``s_iter`` (so x runs ``s_iter − len + 1 .. s_iter``); steps are planned in ``(s_iter, e_iter]``.
     ``"fixed"``: the optimal interval (Alg. 2); ``"adaptive"``: the greedy schedule (Alg. 3) with
-    ``thresh`` (default :func:`warmup_threshold` of the warm-up losses, the paper's rule;
-    ``"optimal"``: :func:`optimal_threshold`, the one minimising the predicted CIL). A flat or rising fitted
+    ``thresh`` (default :func:`warmup_threshold` of the warm-up losses smoothed over ``smooth``
+    values, default :func:`smoothing_window`: the paper's rule in the smoothed curve's units;
+    ``smooth=1`` is the rule as printed, on raw per-batch losses; ``"optimal"``:
+    :func:`optimal_threshold`, the one minimising the predicted CIL). A flat or rising fitted
     curve, or none at all: adaptive plans nothing, fixed the largest interval (``note`` says
-    why). Raises only :class:`ConfigError` for invalid arguments, never for the data.
+    why; :attr:`Plan.degenerate` says when a plan publishes nothing after the warm-up or at
+    nearly every step). Raises only :class:`ConfigError` for invalid arguments, never for the data.
     """
     if kind not in ("fixed", "adaptive"):
         raise ConfigError(f"make_plan: kind must be 'fixed' or 'adaptive', got {kind!r}")
@@ -708,6 +807,9 @@ def make_plan(kind: str, losses_warmup: Sequence[float], s_iter: int, e_iter: in
     _check_range(s_iter, e_iter, total_infers)
     if max_interval is not None and (not isinstance(max_interval, int) or max_interval < 1):
         raise ConfigError(f"max_interval must be an integer >= 1, got {max_interval!r}")
+    if smooth is not None and (isinstance(smooth, bool) or not isinstance(smooth, (int, np.integer)) or smooth < 1):
+        raise ConfigError(f"make_plan: smooth must be an integer >= 1 (values per smoothing window), got {smooth!r}")
+    rng = (int(s_iter), int(e_iter), cost)
     y = np.asarray(list(losses_warmup), dtype=np.float64).ravel()
     x = np.arange(s_iter - y.size + 1, s_iter + 1, dtype=np.float64)
     notes: list[str] = []
@@ -730,18 +832,18 @@ def make_plan(kind: str, losses_warmup: Sequence[float], s_iter: int, e_iter: in
 
     if kind == "fixed":
         if n_it == 0:
-            return Plan("fixed", (), curve, cil([]), None, None, "; ".join(notes))
+            return Plan("fixed", (), curve, cil([]), None, None, "; ".join(notes), *rng)
         if flat:
             interval = n_it if max_interval is None else min(n_it, max_interval)
             notes.append(f"fixed takes the largest interval ({interval})")
         else:
             interval, _ = optimal_interval(curve, cost, s_iter, e_iter, total_infers, max_interval)
         steps = _fixed_steps(interval, cost, s_iter, e_iter, total_infers)
-        return Plan("fixed", tuple(steps), curve, cil(steps), interval, None, "; ".join(notes))
+        return Plan("fixed", tuple(steps), curve, cil(steps), interval, None, "; ".join(notes), *rng)
     th = thresh
     if th is None:
         try:
-            th = warmup_threshold(y)
+            th = warmup_threshold(y, smooth)
         except StreamError as e:
             notes.append(str(e))
             th = None
@@ -757,6 +859,6 @@ def make_plan(kind: str, losses_warmup: Sequence[float], s_iter: int, e_iter: in
     if n_it == 0 or flat or th is None:
         if flat and n_it > 0:
             notes.append("adaptive publishes nothing after the warm-up")
-        return Plan("adaptive", (), curve, cil([]), None, th, "; ".join(notes))
+        return Plan("adaptive", (), curve, cil([]), None, th, "; ".join(notes), *rng)
     steps = adaptive_schedule(curve, cost, s_iter, e_iter, total_infers, float(th))
-    return Plan("adaptive", tuple(steps), curve, cil(steps), None, float(th), "; ".join(notes))
+    return Plan("adaptive", tuple(steps), curve, cil(steps), None, float(th), "; ".join(notes), *rng)

@@ -9,6 +9,9 @@ Rank 0 saves the model's weights right after every published step to OUT/expecte
 (and after every checkpointed step to OUT/expected_ckpt/v<step>.npz): the references.
 ``sleep`` seconds per batch slow training down (a consumer has time to follow);
 ``hold`` seconds at the end keep the publisher serving before it closes.
+``slow_write=S`` (fault injection by subclassing): the last rank's scratch writer takes S more
+seconds per shard, so only that rank's writer is busy; each rank records, per publish-only capture,
+its own vote (writer busy) and the shared decision in producer<rank>.json ("votes").
 """
 import json
 import os
@@ -75,6 +78,31 @@ def dying_ring(step: int) -> type:
     return DyingRing
 
 
+def slow_scratch(seconds: float) -> type:
+    """Fault injection: a scratch level whose shard writes take ``seconds`` longer."""
+    from deepfreeze.levels import ScratchLevel
+
+    class SlowScratch(ScratchLevel):
+        def write_shard(self, *a, **kw):
+            time.sleep(seconds)
+            return super().write_shard(*a, **kw)
+
+    return SlowScratch
+
+
+class VotingPublish(PublishCallback):
+    """Records this rank's vote (writer busy) and the step it was cast for."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.votes = []  # [step, this rank's writer busy, time.time()]
+
+    def _writer_busy(self):
+        busy = super()._writer_busy()
+        self.votes.append([self._last_capture, bool(busy), time.time()])
+        return busy
+
+
 def main() -> None:
     out = sys.argv[1]
     opts = dict(a.split("=", 1) for a in sys.argv[2:])
@@ -101,12 +129,15 @@ def main() -> None:
     if schedule in ("fixed", "adaptive"):
         plan_kw = dict(warmup_epochs=int(opts.get("warmup", 1)), horizon_s=float(opts.get("horizon", 5)),
                        inference_interval_s=float(opts.get("interval", 0.01)))
-    pub = PublishCallback(name, schedule=int(schedule) if schedule.isdigit() else schedule, stream=stream, **plan_kw,
+    if "slow_write" in opts and rank == hvd.size() - 1:
+        common["scratch_cls"] = slow_scratch(float(opts["slow_write"]))
+    pub = VotingPublish(name, schedule=int(schedule) if schedule.isdigit() else schedule, stream=stream, **plan_kw,
                           overwrite=opts.get("overwrite") == "1", resume=opts.get("resume") == "1", **common)
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
     ckpt = None
     if "ckpt" in opts:
-        ckpt = DeepFreezeCheckpoint(name=name, every_n_batches=int(opts["ckpt"]), at_epoch_end=False, **common)
+        ckpt = DeepFreezeCheckpoint(name=name, every_n_batches=int(opts["ckpt"]), at_epoch_end=False,
+                                    **{k: v for k, v in common.items() if k != "scratch_cls"})
     pair = [pub, ckpt] if opts.get("order", "pub") == "pub" else [ckpt, pub]
     callbacks += [c for c in pair if c is not None]
     callbacks.append(Record(lambda s: bool(pub.published) and pub.published[-1].step == s, rank,
@@ -123,6 +154,7 @@ def main() -> None:
               if pub.published else None, "bytes_sent": p.bytes_sent, "prefix": p.prefix, "coalesced": pub.coalesced,
               "ring_skipped": p.ring.skipped, "run": pub.run_id,
               "plan": pub.publish_plan.to_json() if pub.publish_plan is not None else None,
+              "votes": pub.votes, "written": sorted((pub._owner or pub).engine.write_times),
               "steps_per_epoch": int(model.optimizer.iterations.numpy()) // int(opts.get("epochs", 2))}
     with open(f"{out}/producer{rank}.json", "w") as f:
         json.dump(report, f)
