@@ -670,7 +670,7 @@ def remove_stale_locks(directory: str | None = None) -> list[str]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.path.lexists(path[:-len(".lock")]) or os.lstat(path).st_ino != os.fstat(fd).st_ino:
                 continue  # a backend listens (or is starting), or the file was replaced meanwhile
-            os.unlink(path)
+            cp.unlink(path, "backend.lock.unlink")
             removed.append(n)
         except OSError:  # held by a client starting a backend (BlockingIOError), or gone
             continue

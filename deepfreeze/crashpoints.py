@@ -63,6 +63,9 @@ POINTS: dict[str, str] = {
     "run.lease.putback": "a lease moved aside that was not the stale one, about to be put back (a race of two takers)",
     "run.lease.release.rename": "the lease about to be marked released (a tombstone naming the run)",
     "run.lease.unlink": "a lease about to be released, or a moved-aside lease removed",
+    "run.job.fsync": "a name's first run: its job id being written under a temporary name",
+    "run.job.link": "a name's first run: its job id durable under a temporary name, about to be linked into place",
+    "backend.lock.unlink": "a backend at exit removing a stale start-lock file (no socket, nobody holds it)",
     "run.clock.unlink": "the file that gave the file system's clock about to be removed",
     # backend (backend.py)
     "backend.socket.unlink": "the backend removing a stale socket, or its own at exit",
@@ -80,7 +83,7 @@ POINTS: dict[str, str] = {
 #: the memory tier's points: killed at by its own tests (tests/test_memtier_*.py), not by the file-level suite
 MEMTIER = {"memtier.slot.active", "memtier.slot.data", "memtier.slot.done", "memtier.table.valid"}
 #: points outside the file-level checkpoint commit protocol (not part of its kill suite)
-PERIPHERAL = {"export.rename", "veloc.config.rename", "stream.endpoint.rename"} | MEMTIER
+PERIPHERAL = {"export.rename", "veloc.config.rename", "stream.endpoint.rename", "backend.lock.unlink"} | MEMTIER
 #: points only a race of two processes reaches (tested by their own race tests, not by a kill of one job)
 RACE_ONLY = {"persistent.lock.putback", "run.lease.putback"}
 
