@@ -129,6 +129,7 @@ def test_finished_jobs_are_evicted_when_space_is_needed_never_live_ones(tmp_path
         result = str(tmp_path / "z")
         p = subprocess.run([sys.executable, JOB, result, device, str(root), "5", "train", "1"], capture_output=True,
                            text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert os.path.exists(f"{result}.r0.json"), p.stderr[-3000:]
         with open(f"{result}.r0.json") as f:
             assert "MemtierFullError" in json.load(f)["error"]
         got, v = memtier.restore(device, "live")
@@ -142,7 +143,7 @@ def test_rm_and_repack_exit_codes(tmp_path):
         a1, _ = run_job(tmp_path, "a1", device, tmp_path / "a", 1, "train", [1])
         b, _ = run_job(tmp_path, "b", device, tmp_path / "b", 2, "train", [1])
         arrays = {"w": np.arange(10.0)}
-        with memtier.register(device, "m", arrays) as m:  # live: rm refuses it
+        with memtier.register(device, "m", arrays):  # live: rm refuses it
             p = cli("rm", device, "m")
             assert p.returncode == 1 and "live" in p.stderr
         p = cli("rm", device, "job", "--run", a1["run"], "--json")

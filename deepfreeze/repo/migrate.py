@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sqlite3
 import struct
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, Callable
 
-from ..errors import RepositoryError
+from ..errors import CorruptCheckpointError, RepositoryError
+from .graph import decode_graph, encode_graph, tensor_key
+from .ids import ID_SCHEME
+from .maintenance import SQL_CHUNK
 from .ids import Node, _base, _fold, build_graph, compute_ids, topological_order
 
-__all__ = ["scheme1_ids", "migrate_graph"]
+__all__ = ["scheme1_ids", "migrate_graph", "migrate_repository"]
 
 
 def scheme1_ids(nodes: Mapping[Hashable, Node], outputs: Sequence[Hashable]) -> dict[Hashable, str]:
@@ -136,3 +140,64 @@ def migrate_graph(graph: Mapping[str, Any], meta: Mapping[str, Mapping[str, Any]
     new = compute_ids(nodes, outputs, None)
     new_graph, _order = build_graph(nodes, outputs, new)
     return new_graph, {ids[i]: new[i] for i in nodes}
+
+
+def migrate_repository(conn: "sqlite3.Connection", db: str, rollback: Callable[[Any], None]) -> None:
+    """Rewrite the layer ids of a repository written with id scheme 1 (this module): each
+    live model's graph, tensor keys and layer metadata get scheme-2 ids recomputed from its
+    stored graph and metadata, in one transaction, once (settings ``id_scheme`` becomes the
+    current scheme). A model whose scheme-1 ids cannot be reproduced keeps its graph (scheme
+    1: loaded through ``mapping=`` or ``match="shape"`` only) and is listed in settings
+    ``id_migration_failed``."""
+    row = conn.execute("SELECT value FROM settings WHERE key='id_scheme'").fetchone()
+    if row is None or row[0] != "1" or ID_SCHEME == 1:
+        return
+    failed: list[str] = []
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        row = conn.execute("SELECT value FROM settings WHERE key='id_scheme'").fetchone()
+        if row is None or row[0] != "1":   # another process migrated meanwhile
+            conn.execute("COMMIT")
+            return
+        models = conn.execute("SELECT id, name, graph FROM models WHERE graph IS NOT NULL AND deleted=0").fetchall()
+        for mid, name, blob in models:
+            try:
+                graph = decode_graph(bytes(blob), f"{db}: graph of {name!r}")
+            except CorruptCheckpointError:   # a damaged row: reported by reads of that model, left as it is
+                failed.append(name)
+                continue
+            if graph["scheme"] != 1:
+                continue
+            ids = [layer["id"] for layer in graph["layers"]]
+            meta: dict[str, dict] = {}
+            texts: dict[str, str] = {}
+            for i in range(0, len(ids), SQL_CHUNK):
+                chunk = ids[i:i + SQL_CHUNK]
+                for lid, text in conn.execute(
+                        f"SELECT id, meta FROM layer_meta WHERE id IN ({','.join('?' * len(chunk))})", chunk):
+                    try:
+                        meta[lid] = json.loads(text)
+                        texts[lid] = text
+                    except ValueError:
+                        pass
+            try:
+                new_graph, remap = migrate_graph(graph, meta)
+            except RepositoryError:
+                failed.append(name)
+                continue
+            counts = {layer["id"]: layer["tensors"] for layer in graph["layers"]}
+            conn.executemany("UPDATE tensors SET key=? WHERE model=? AND key=?",
+                             [(tensor_key(new, k), mid, tensor_key(old, k))
+                              for old, new in remap.items() for k in range(counts[old])])
+            conn.execute("UPDATE models SET graph=? WHERE id=?", (encode_graph(new_graph), mid))
+            conn.executemany("INSERT OR IGNORE INTO layer_meta VALUES (?, ?)",
+                             [(new, texts[old]) for old, new in remap.items()])
+        conn.execute("UPDATE settings SET value=? WHERE key='id_scheme'", (str(ID_SCHEME),))
+        if failed:
+            conn.execute("INSERT OR REPLACE INTO settings VALUES ('id_migration_failed', ?)", (json.dumps(failed),))
+        conn.execute("COMMIT")
+    except sqlite3.DatabaseError as e:
+        rollback(conn)
+        raise RepositoryError(f"{db}: cannot migrate the repository's layer ids to scheme {ID_SCHEME} "
+                              f"({e}); nothing was changed. Open it with the DeepFreeze that wrote it, or "
+                              f"restore it from a backup") from e

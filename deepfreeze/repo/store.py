@@ -111,7 +111,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -120,7 +120,7 @@ from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatc
                       NameExistsError, RepositoryDatabaseError, RepositoryError, UnsafePathError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
                       dtype_itemsize, dtype_name, encode_index, layout, numpy_dtype, read_index)
-from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_key, tensor_keys
+from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
 from .maintenance import BUSY_TIMEOUT as _BUSY_TIMEOUT
 from .maintenance import PACK_SUFFIX as _PACK_SUFFIX
 from .maintenance import RESERVE_BYTES, RESERVE_FILE, Maintenance
@@ -901,15 +901,7 @@ class EmbeddedRepository(Maintenance):
     def specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         """key -> (dtype name, shape) of every tensor of ``name`` (each checked against its pack:
         :class:`CorruptCheckpointError` for a row the pack cannot hold)."""
-        for attempt in range(4):
-            try:
-                return self._bounded(name, self._rows(name))
-            except FileNotFoundError as e:  # gc moved the tensors meanwhile: look them up again
-                if attempt == 3:
-                    raise CorruptCheckpointError(
-                        f"{e.filename}: a pack of model {name!r} is missing from the repository (removed by hand?): "
-                        "restore it from a backup or delete the model") from e
-        raise AssertionError("unreachable")  # pragma: no cover
+        return _retry_moved(name, lambda: self._bounded(name, self._rows(name)))
 
     @_db_op("reading")
     def get(self, name: str, tensors: Iterable[str] | None = None, *,
@@ -923,15 +915,8 @@ class EmbeddedRepository(Maintenance):
         if isinstance(tensors, (str, bytes)):
             raise RepositoryError(f"tensors must be an iterable of tensor keys, not the string {tensors!r:.80} "
                                   "(write [key] for one)")
-        for attempt in range(4):
-            try:
-                return self._get(name, tensors if tensors is None else list(tensors), out, verify)
-            except FileNotFoundError as e:  # gc moved the tensors meanwhile: look them up again
-                if attempt == 3:
-                    raise CorruptCheckpointError(
-                        f"{e.filename}: a pack of model {name!r} is missing from the repository (removed by hand?): "
-                        "restore it from a backup or delete the model") from e
-        raise AssertionError("unreachable")  # pragma: no cover
+        keys = tensors if tensors is None else list(tensors)
+        return _retry_moved(name, lambda: self._get(name, keys, out, verify))
 
     def _get(self, name: str, tensors: list[str] | None, out: Mapping[str, np.ndarray] | None,
              verify: bool) -> dict[str, np.ndarray]:
@@ -1025,61 +1010,8 @@ class EmbeddedRepository(Maintenance):
         current scheme). A model whose scheme-1 ids cannot be reproduced keeps its graph (scheme
         1: loaded through ``mapping=`` or ``match="shape"`` only) and is listed in settings
         ``id_migration_failed``."""
-        from .ids import ID_SCHEME
-        from .migrate import migrate_graph
-        conn = self._conn()
-        row = conn.execute("SELECT value FROM settings WHERE key='id_scheme'").fetchone()
-        if row is None or row[0] != "1" or ID_SCHEME == 1:
-            return
-        failed: list[str] = []
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            row = conn.execute("SELECT value FROM settings WHERE key='id_scheme'").fetchone()
-            if row is None or row[0] != "1":   # another process migrated meanwhile
-                conn.execute("COMMIT")
-                return
-            models = conn.execute("SELECT id, name, graph FROM models WHERE graph IS NOT NULL AND deleted=0").fetchall()
-            for mid, name, blob in models:
-                try:
-                    graph = decode_graph(bytes(blob), f"{self._db}: graph of {name!r}")
-                except CorruptCheckpointError:   # a damaged row: reported by reads of that model, left as it is
-                    failed.append(name)
-                    continue
-                if graph["scheme"] != 1:
-                    continue
-                ids = [layer["id"] for layer in graph["layers"]]
-                meta: dict[str, dict] = {}
-                texts: dict[str, str] = {}
-                for i in range(0, len(ids), _SQL_CHUNK):
-                    chunk = ids[i:i + _SQL_CHUNK]
-                    for lid, text in conn.execute(
-                            f"SELECT id, meta FROM layer_meta WHERE id IN ({','.join('?' * len(chunk))})", chunk):
-                        try:
-                            meta[lid] = json.loads(text)
-                            texts[lid] = text
-                        except ValueError:
-                            pass
-                try:
-                    new_graph, remap = migrate_graph(graph, meta)
-                except RepositoryError:
-                    failed.append(name)
-                    continue
-                counts = {layer["id"]: layer["tensors"] for layer in graph["layers"]}
-                conn.executemany("UPDATE tensors SET key=? WHERE model=? AND key=?",
-                                 [(tensor_key(new, k), mid, tensor_key(old, k))
-                                  for old, new in remap.items() for k in range(counts[old])])
-                conn.execute("UPDATE models SET graph=? WHERE id=?", (encode_graph(new_graph), mid))
-                conn.executemany("INSERT OR IGNORE INTO layer_meta VALUES (?, ?)",
-                                 [(new, texts[old]) for old, new in remap.items()])
-            conn.execute("UPDATE settings SET value=? WHERE key='id_scheme'", (str(ID_SCHEME),))
-            if failed:
-                conn.execute("INSERT OR REPLACE INTO settings VALUES ('id_migration_failed', ?)", (json.dumps(failed),))
-            conn.execute("COMMIT")
-        except sqlite3.DatabaseError as e:
-            self._rollback(conn)
-            raise RepositoryError(f"{self._db}: cannot migrate the repository's layer ids to scheme {ID_SCHEME} "
-                                  f"({e}); nothing was changed. Open it with the DeepFreeze that wrote it, or "
-                                  f"restore it from a backup") from e
+        from .migrate import migrate_repository
+        migrate_repository(self._conn(), self._db, self._rollback)
 
     def graph(self, name: str) -> dict | None:
         """The plain-data layer graph stored with ``name`` (None if it was stored without one)."""
@@ -1347,3 +1279,17 @@ def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> str:
         _unlink(tmp)
         raise
     return "copied"
+
+
+def _retry_moved(name: str, read: "Callable[[], Any]") -> Any:
+    """``read()``, looked up again (up to 4 times) when a pack it needs is gone: gc moved the
+    tensors meanwhile. Still gone: :class:`CorruptCheckpointError` naming the pack."""
+    for attempt in range(4):
+        try:
+            return read()
+        except FileNotFoundError as e:
+            if attempt == 3:
+                raise CorruptCheckpointError(
+                    f"{e.filename}: a pack of model {name!r} is missing from the repository (removed by hand?): "
+                    "restore it from a backup or delete the model") from e
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -25,30 +25,12 @@ from deepfreeze.errors import (AuthenticationError, FrameAuthenticationError, Pr
 from deepfreeze.run import Version
 from deepfreeze.stream.wire import DEFAULT_HANDSHAKE_TIMEOUT, RankClient
 
-from test_stream_wire import CHANNEL, TOKEN, Producer, pattern
+import test_stream_wire as _wire
+from test_stream_wire import CHANNEL, TOKEN, _wait_for, pattern
+
+producers = _wire.producers  # the fixture of the stream-wire suite (spawned producer processes)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def producers():
-    made: list[Producer] = []
-
-    def make(**kw) -> Producer:
-        p = Producer(**kw)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.stop()
-
-
-def _wait_for(pred, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 class Recorder:
@@ -104,7 +86,7 @@ def test_planted_server_receives_no_token_and_is_refused(producers):
         for subscribe in (False, True):
             with pytest.raises(AuthenticationError, match="did not prove that it knows the token"):
                 RankClient(fake.address, TOKEN, channel=CHANNEL, timeout=5, subscribe=subscribe)
-        _wait_for(lambda: len(fake.received) == 2)
+        _wait_for(lambda: len(fake.received) == 2, 60)
     finally:
         fake.close()
     token_derived = {TOKEN.encode(), TOKEN.encode().hex().encode()}
@@ -394,7 +376,7 @@ def test_stalled_readers_cost_others_nothing(producers):
     for step in (1, 2, 3):  # each asks for the newest: three different slots
         assert p.publish(0, step, n) is not None
         greedy.append(_greedy(p.address))
-        _wait_for(lambda: p.stats()["stalled_copies"] == step)  # its pin released after PIN_TIMEOUT
+        _wait_for(lambda: p.stats()["stalled_copies"] == step, 60)  # its pin released after PIN_TIMEOUT
     skipped0 = p.stats()["skipped"]
     published, got = [1, 2, 3], []
     out = np.empty(n, np.uint8)
