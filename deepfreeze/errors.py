@@ -40,6 +40,7 @@ __all__ = [
     "StreamError",
     "StreamTimeoutError",
     "VersionGoneError",
+    "CaptureTornError",
 ]
 
 
@@ -190,3 +191,9 @@ class MemtierPermissionError(MemtierError, PermissionError):
 
 class MemtierBusyError(MemtierError, TimeoutError):
     """The device lock or a free slot did not become available within the bounded wait."""
+
+
+class CaptureTornError(DeepFreezeError, RuntimeError):
+    """A capture overlapped with training saw a tensor change while it was being copied (its
+    ``_version`` moved before the next optimizer step), or its copy failed: the version is not
+    written on any rank, never a wrong shard (``deepfreeze.torch``)."""
