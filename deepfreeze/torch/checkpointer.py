@@ -20,7 +20,9 @@ No change to the training loop: the checkpointer registers hooks on the optimize
   states of torch, numpy and Python of this rank, and the ``state=`` objects that are not
   schedulers or GradScalers; at the next pre-hook (or ``wait``/``close``), after the loop's
   ``scheduler.step()`` and ``scaler.update()`` that follow ``optimizer.step()``, the
-  optimizers' ``param_groups`` and non-tensor state, the LR schedulers and the GradScalers.
+  optimizers' ``param_groups`` and non-tensor state, the LR schedulers and the GradScalers
+  (taken at the model's next forward pre-hook: a step GradScaler skips never reaches a
+  pre-hook, while the loop steps the schedulers again).
   Both parts go into this rank's state record (:mod:`deepfreeze.torch._state`), which is one
   more piece of the rank's shard; then the buffer goes to the engine.
 * The **shard plan** is built at the first checkpoint (optimizers create their state lazily at
@@ -69,13 +71,14 @@ def _phase_b(obj: Any) -> bool:
 class _Pending:
     """A capture taken in a post-hook, finished at the next pre-hook."""
 
-    __slots__ = ("step", "buf", "future", "versions", "record_a", "error")
+    __slots__ = ("step", "buf", "future", "versions", "record_a", "record_b", "error")
 
     def __init__(self, step: int, buf: np.ndarray) -> None:
         self.step, self.buf = step, buf
         self.future: "concurrent.futures.Future | None" = None
         self.versions: list[tuple[torch.Tensor, int, str]] = []
         self.record_a = b""
+        self.record_b: "bytes | None" = None
         self.error: str = ""
 
 
@@ -183,6 +186,7 @@ class Checkpointer:
             for opt in opts:
                 self._hooks.append(opt.register_step_pre_hook(self._pre_hook))
             self._hooks.append(opts[-1].register_step_post_hook(self._post_hook))
+            self._hooks.append(model.register_forward_pre_hook(self._forward_hook))
         except BaseException:
             self._run.close()
             self._copier.shutdown(wait=False)
@@ -192,6 +196,15 @@ class Checkpointer:
     def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
         if self._pending is not None:
             self._finish()
+
+    def _forward_hook(self, module: Any, args: Any) -> None:
+        p = self._pending
+        if p is not None and p.record_b is None:
+            try:  # before the next step's forward (a step GradScaler skips never reaches a pre-hook)
+                p.record_b = _state.encode(self._record("b"), "state")
+            except DeepFreezeError as e:  # surfaced when the capture finishes, on every rank
+                p.error = f"rank {self.rank}: {e}"
+                p.record_b = b""
 
     def _post_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.step += 1
@@ -333,7 +346,8 @@ class Checkpointer:
         record = b""
         if not p.error:
             try:
-                record = _state.encode({"a": _state.decode(p.record_a), **self._record("b")}, "state")
+                b = _state.decode(p.record_b) if p.record_b is not None else self._record("b")
+                record = _state.encode({"a": _state.decode(p.record_a), **b}, "state")
             except DeepFreezeError as e:
                 p.error = f"rank {self.rank}: {e}"
         rid = self.plan.tensors[-self.size + self.rank].id
@@ -384,8 +398,8 @@ class Checkpointer:
                                   for r in range(self.size)]
         plan = ShardPlan.build(specs, self.size, min_shard_bytes=self.min_shard_bytes, pinned=st.pinned)
         records = {len(st.specs) + r: r for r in range(self.size)}
-        pieces = [Piece(p.tensor_id, records[p.tensor_id], 0, p.stop) if p.tensor_id in records else p
-                  for p in plan.pieces if p.tensor_id not in records or p.start == 0]
+        pieces = [Piece(p.tensor_id, records[p.tensor_id], 0, caps[records[p.tensor_id]]) if p.tensor_id in records
+                  else p for p in plan.pieces if p.tensor_id not in records or p.start == 0]  # record r: whole, rank r
         plan = ShardPlan(plan.tensors, plan.world_size, tuple(pieces), plan.min_shard_bytes)
         if self.rank == 0 and old is not None:
             why = ("the tensor list changed (optimizer state created lazily, add_param_group, or a model change): "

@@ -43,9 +43,10 @@ class TorchState:
     manifest: dict[str, Any]
 
 
-def _checkpoint(config: Any, name: str, version: int | None, comm: Any, trust_owners: Any) -> Checkpoint:
+def _checkpoint(config: Any, name: str, version: int | None, comm: Any, trust_owners: Any,
+                overrides: dict[str, Any]) -> Checkpoint:
     from ._dist import make_comm
-    cfg = Config.resolve(config)
+    cfg = Config.resolve(config, **overrides)
     own = comm is None
     comm = comm if comm is not None else make_comm()
     try:
@@ -85,18 +86,19 @@ def _split(ck: Checkpoint) -> TorchState:
 
 
 def load_state(config: "str | Config | None" = None, *, name: str, version: int | None = None,
-               comm: Any = None, trust_owners: "list[str | int] | None" = None) -> TorchState:
-    """The newest committed version (or ``version``) as a :class:`TorchState` of CPU tensors."""
-    return _split(_checkpoint(config, name, version, comm, trust_owners))
+               comm: Any = None, trust_owners: "list[str | int] | None" = None, **overrides: Any) -> TorchState:
+    """The newest committed version (or ``version``) as a :class:`TorchState` of CPU tensors.
+    ``overrides``: INI keys set in code (``scratch=``, ``persistent=`` ...)."""
+    return _split(_checkpoint(config, name, version, comm, trust_owners, overrides))
 
 
 def load(config: "str | Config | None" = None, *, name: str, version: int | None = None, comm: Any = None,
-         trust_owners: "list[str | int] | None" = None) -> dict[str, torch.Tensor]:
+         trust_owners: "list[str | int] | None" = None, **overrides: Any) -> dict[str, torch.Tensor]:
     """CPU tensors of a committed version keyed by ``get_state_dict(model, optimizer)``'s FQNs:
     the model's by FQN, the optimizers' state tensors as ``optim.state.<fqn>.<key>`` (DCP's
     flattened names). Works in any process at any world size (collective when
     ``torch.distributed`` is initialized)."""
-    st = load_state(config, name=name, version=version, comm=comm, trust_owners=trust_owners)
+    st = load_state(config, name=name, version=version, comm=comm, trust_owners=trust_owners, **overrides)
     out = dict(st.model)
     for fqn, kv in st.optim["state"].items():
         for key, v in kv.items():
@@ -108,13 +110,13 @@ def load(config: "str | Config | None" = None, *, name: str, version: int | None
 def restore(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None" = None,
             config: "str | Config | None" = None, *, name: str, version: int | None = None,
             state: "dict[str, Any] | None" = None, rng: bool = False,
-            trust_owners: "list[str | int] | None" = None) -> tuple[int, int]:
+            trust_owners: "list[str | int] | None" = None, **overrides: Any) -> tuple[int, int]:
     """Put a committed version into ``model`` (bit-exact) and, if given, its optimizers (and the
     ``state=`` objects; with ``rng``, this rank's RNG states); returns ``(version, step)``.
     Collective when ``torch.distributed`` is initialized; any world size."""
     from ._dist import rank_and_size
     opts = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    ck = _checkpoint(config, name, version, None, trust_owners)
+    ck = _checkpoint(config, name, version, None, trust_owners, overrides)
     rank, size = rank_and_size()
     apply(ck, model, opts, state=state or {}, rank=rank, world_size=size, rng=rng)
     return ck.version, ck.step
