@@ -77,7 +77,7 @@ def ddp_run(tmp_path_factory):
     """One uninterrupted 2-rank DDP run: BatchNorm, dropout, two optimizers and schedulers, a CPU
     GradScaler that skips steps, a Stateful data position; a checkpoint every 3 steps."""
     out = str(tmp_path_factory.mktemp("ddp"))
-    torchrun(2, TRAIN, out, "steps=14", "scaler=1")
+    torchrun(2, TRAIN, out, "steps=14", "scaler=1", "ec=1")
     return out
 
 
@@ -108,7 +108,7 @@ def test_load_keys_are_get_state_dict_fqns(ddp_run):
     assert set(got) == want
 
 
-@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_restore_at_other_world_sizes(ddp_run, tmp_path, n):
     out = str(tmp_path)
     torchrun(n, RESTORE, out, ddp_run, "version=6")
@@ -116,6 +116,23 @@ def test_restore_at_other_world_sizes(ddp_run, tmp_path, n):
     for r in range(n):
         assert info(out, r)["version"] == 6
         assert_same(npz(os.path.join(out, f"r{r}", "restored.npz")), want, f"restored at {n} ranks, rank {r}")
+
+
+def test_partner_copy_restores_a_lost_shard(ddp_run, tmp_path):
+    """The run exchanged partner copies over TorchComm (each rank its own failure domain): with
+    rank 1's own shard of v6 gone and nothing on persistent, a 2-rank restore reads the copy
+    rank 0 holds."""
+    src = str(tmp_path / "src")
+    shutil.copytree(ddp_run, src)
+    vdirs = glob.glob(os.path.join(src, "scratch1", "tt", "v*6"))
+    assert len(vdirs) == 1 and glob.glob(os.path.join(src, "scratch0", "tt", "v*6", "h000000.r000001.dfs"))
+    os.unlink(os.path.join(vdirs[0], "r000001.dfs"))
+    shutil.rmtree(glob.glob(os.path.join(src, "persistent", "tt", "v*6"))[0])
+    out = str(tmp_path / "out")
+    torchrun(2, RESTORE, out, src, "version=6")
+    want = npz(os.path.join(ddp_run, "r0", "v6.npz"))
+    for r in range(2):
+        assert_same(npz(os.path.join(out, f"r{r}", "restored.npz")), want, f"rank {r} restored from a partner copy")
 
 
 def test_restore_in_a_plain_process(ddp_run, tmp_path):
