@@ -206,3 +206,35 @@ def test_state_record_round_trip_and_bounds():
                                                                     b'"T":["bfloat16",[5],0,99999]')
     with pytest.raises(CorruptCheckpointError, match="outside the record"):
         _state.decode(data[:8] + len(js).to_bytes(8, "little") + js + data[16 + int.from_bytes(data[8:16], "little"):])
+
+
+def test_cli_on_torch_checkpoints(ddp_run, tmp_path):
+    """``deepfreeze ls/inspect/verify`` read torch checkpoints; ``export --format torch`` writes the
+    get_state_dict layout for ``torch.load(weights_only=True)``; safetensors leaves out the
+    per-rank state records."""
+    common = ["--name", "tt", "--set", "mode=sync", "--set", f"scratch={ddp_run}/scratch0",
+              "--set", f"persistent={ddp_run}/persistent"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        p = subprocess.run([sys.executable, "-m", "deepfreeze", *args, *common], capture_output=True, text=True,
+                           timeout=120, env=_env(), cwd=str(tmp_path))
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p
+
+    assert "committed" in cli("ls").stdout
+    assert "optim.state.body.0.weight.exp_avg" in cli("inspect", "--version", "6").stdout
+    assert "OK" in cli("verify", "--version", "6").stdout
+    cli("export", "--version", "6", "--format", "torch", "-o", str(tmp_path / "v6.pt"))
+    d = torch.load(str(tmp_path / "v6.pt"), weights_only=True)
+    want = npz(os.path.join(ddp_run, "r0", "v6.npz"))
+    flat = {**{k: v.numpy() for k, v in d["model"].items()},
+            **{f"optim.state.{f}.{k}": v.numpy() for f, kv in d["optim"]["state"].items() for k, v in kv.items()
+               if isinstance(v, torch.Tensor)}}
+    assert_same(flat, want, "export --format torch", lr=False)
+    assert [g["lr"] for g in d["optim"]["param_groups"]] == list(want["__lr__"])
+    assert d["deepfreeze"]["version"] == 6
+    cli("export", "--version", "6", "-o", str(tmp_path / "v6.safetensors"))
+    from safetensors.numpy import load_file
+    st = load_file(str(tmp_path / "v6.safetensors"))
+    assert not any(k.startswith("_deepfreeze/") for k in st)
+    assert_same(st, want, "export safetensors", lr=False)
