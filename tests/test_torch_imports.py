@@ -68,12 +68,23 @@ def test_no_core_module_imports_a_framework_statically():
 
 def test_importing_every_core_module_loads_no_framework():
     mods = sorted({_module_name(f) for f in _core_files()} - {"deepfreeze.__main__", "deepfreeze.cli.__main__"})
+    # a module needing an optional package that is not installed (or deepfreeze.bindings without the
+    # editable install) is left out and listed; a framework missing would be a failure
     code = ("import importlib, sys\n"
+            "skipped = []\n"
             f"for m in {mods!r}:\n"
-            "    importlib.import_module(m)\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except ModuleNotFoundError as e:\n"
+            f"        if (e.name or '').split('.')[0] in {FRAMEWORKS!r}:\n"
+            "            raise\n"
+            "        skipped.append(m)\n"
             f"loaded = sorted(k for k in sys.modules if k.split('.')[0] in {FRAMEWORKS!r})\n"
-            "print(','.join(loaded))\n")
+            "print(','.join(loaded))\n"
+            "print(','.join(skipped))\n")
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip() == "", f"importing the core loaded {r.stdout.strip()}"
+    loaded, skipped = (r.stdout.split("\n") + ["", ""])[:2]
+    assert loaded == "", f"importing the core loaded {loaded}"
+    assert not {"deepfreeze.engine", "deepfreeze.restore", "deepfreeze.run", "deepfreeze.cli"} & set(skipped.split(","))
