@@ -160,6 +160,7 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self._last_version: int | None = None
         self._closed = False
+        self._order_warned = False
         self._grow = False  # a state record outgrew its room: the next plan doubles every rank's
         self._pinned: set[int] = set()
         self._model_tensors = 0
@@ -194,8 +195,16 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ hooks
     def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
-        if self._pending is not None:
-            self._finish()
+        p = self._pending
+        if p is None:
+            return
+        if p.record_b is None and opt is not self.optimizers[-1] and not self._order_warned:
+            self._order_warned = True  # this optimizer steps after the counted one within an iteration
+            log.warning("DeepFreeze: optimizer %d (%s) stepped after the capture of v%d and before the model's next "
+                        "forward: the checkpoint holds its state before that step. Pass the optimizers to the "
+                        "Checkpointer in the order the loop steps them (the last one's steps are counted)",
+                        self.optimizers.index(opt), type(opt).__name__, p.step)
+        self._finish()
 
     def _forward_hook(self, module: Any, args: Any) -> None:
         p = self._pending
@@ -214,8 +223,8 @@ class Checkpointer:
     # ------------------------------------------------------------------ public
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (collective; outside the step)."""
-        if self._pending is not None and self._pending.step == self.step:
-            return
+        if (self._pending is not None and self._pending.step == self.step) or self._last_version == self.step:
+            return  # this step is captured already
         self._capture(self.step)
         self._finish()
 
