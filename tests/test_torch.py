@@ -238,3 +238,33 @@ def test_cli_on_torch_checkpoints(ddp_run, tmp_path):
     st = load_file(str(tmp_path / "v6.safetensors"))
     assert not any(k.startswith("_deepfreeze/") for k in st)
     assert_same(st, want, "export safetensors", lr=False)
+
+
+def test_unstorable_state_is_a_clear_error(tmp_path):
+    """A state object whose state_dict holds something that cannot be stored without pickling:
+    on_error='raise' raises ConfigError from optimizer.step naming it; 'warn' skips that version
+    and training goes on."""
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.torch import Checkpointer
+
+    class Bad:
+        def state_dict(self):
+            return {"fn": print}
+
+        def load_state_dict(self, sd):
+            pass
+
+    for on_error in ("raise", "warn"):
+        net = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        d = tmp_path / on_error
+        ck = Checkpointer(net, opt, name="bad", every_n_steps=1, state={"bad": Bad()}, on_error=on_error,
+                          mode="sync", scratch=str(d / "s"), persistent=str(d / "p"))
+        net(torch.ones(1, 4)).sum().backward()
+        if on_error == "raise":
+            with pytest.raises(ConfigError, match=r"record\['state'\]\['bad'\]\['fn'\] is a builtin_function_or_method"):
+                opt.step()
+        else:
+            opt.step()
+            assert ck.failures and ck.last_version is None
+        ck.close()

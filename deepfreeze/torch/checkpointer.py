@@ -286,14 +286,19 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self._pending is not None:
             self._finish()
+        err, key, need, rec_a = "", b"\0" * 16, 0, b""
         try:
             st = _state.train_state(self.model, self.optimizers)
-            rec_a = _state.encode(self._record("a"), "state")
-            need = len(rec_a) + len(_state.encode(self._record("b"), "state")) + 64
-        except DeepFreezeError as e:
-            self._guard(_raise, e)
+            key = st.key()
+            rec_a = _state.encode(self._record("a"), "record")
+            need = len(rec_a) + len(_state.encode(self._record("b"), "record")) + 64
+        except DeepFreezeError as e:  # still take part in the all-gather: no rank is left waiting
+            err = f"rank {self.rank}: {e}"
+        rows = self.comm.allgather(key + struct.pack("<Q", need) + err.encode()[:2000])
+        errors = [r[24:].decode(errors="replace") for r in rows if len(r) > 24]
+        if errors:
+            self._guard(_raise, ConfigError(f"checkpoint {self.name!r} v{step} is not taken: " + "; ".join(errors)))
             return
-        rows = self.comm.allgather(st.key() + struct.pack("<Q", need))
         keys = [r[:16] for r in rows]
         if any(k != keys[0] for k in keys):
             bad = next(r for r, k in enumerate(keys) if k != keys[self.rank])
