@@ -268,3 +268,54 @@ def test_unstorable_state_is_a_clear_error(tmp_path):
             opt.step()
             assert ck.failures and ck.last_version is None
         ck.close()
+
+
+# -- the crash-point suite on the torch path (deepfreeze.crashpoints: SIGKILL right before the
+# n-th file-system operation at a named point of the commit protocol), one plain process, sync mode
+CRASH_ARGS = ("steps=10", "every=2", "mode=sync")
+QUICK_POINTS = ["scratch.shard.rename", "persistent.marker.rename", "persistent.manifest.rename"]
+SLOW_POINTS = ["scratch.manifest.rename", "persistent.decision.link", "persistent.partial.fsync",
+               "persistent.marker.fsync", "persistent.marker.dirsync", "persistent.final.fsync",
+               "persistent.final.rename", "persistent.manifest.fsync", "persistent.manifest.dirsync",
+               "persistent.cleanup.unlink", "persistent.lock.link", "persistent.lock.unlink", "run.lease.link"]
+
+
+@pytest.fixture(scope="module")
+def crash_reference(tmp_path_factory):
+    """An uninterrupted run, tracing the crash points it passes (and how often)."""
+    out = str(tmp_path_factory.mktemp("crashref"))
+    trace = os.path.join(out, "trace")
+    p = subprocess.run([sys.executable, TRAIN, out, *CRASH_ARGS], capture_output=True, text=True, timeout=240,
+                       env=dict(_env(), DEEPFREEZE_CRASH_TRACE=trace))
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(trace) as f:
+        counts: dict[str, int] = {}
+        for line in f:
+            counts[line.strip()] = counts.get(line.strip(), 0) + 1
+    return out, counts
+
+
+@pytest.mark.parametrize("point", QUICK_POINTS + [pytest.param(p, marks=pytest.mark.slow) for p in SLOW_POINTS])
+def test_crash_point_then_resume(crash_reference, tmp_path, point):
+    """Killed (SIGKILL) at the middle occurrence of ``point``, then relaunched with resume=True:
+    the newest restorable version is one the run recorded, bit for bit, and the resumed run
+    ends bit-identical to the uninterrupted one."""
+    ref, counts = crash_reference
+    assert point in counts, f"the torch run never passes {point} (passes {sorted(counts)})"
+    out = str(tmp_path)
+    env = dict(_env(), DEEPFREEZE_CRASH_AT=f"{point}:{(counts[point] + 1) // 2}",
+               DEEPFREEZE_CRASH_ONCE=os.path.join(out, "crashed"))
+    p = subprocess.run([sys.executable, TRAIN, out, *CRASH_ARGS], capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == -9, f"not killed at {point}: rc {p.returncode}\n{p.stderr[-2000:]}"
+    from deepfreeze.config import Config
+    from deepfreeze.restore import list_versions
+    cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
+                         persistent=os.path.join(out, "persistent"))
+    versions = list_versions(cfg, "tt")
+    if versions:
+        newest = max(versions)
+        assert_same(loaded(out, newest), npz(os.path.join(ref, "r0", f"v{newest}.npz")), f"v{newest} after {point}",
+                    lr=False)
+    plain(TRAIN, out, *CRASH_ARGS, "resume=1")
+    assert_same(npz(os.path.join(out, "r0", "final.npz")), npz(os.path.join(ref, "r0", "final.npz")),
+                f"resumed after a crash at {point}")
