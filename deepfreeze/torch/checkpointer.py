@@ -48,7 +48,7 @@ import torch
 from ..config import Config, validate_name
 from ..engine import make_engine, resolve_engine
 from ..errors import CaptureTornError, CheckpointNotFoundError, ConfigError, DeepFreezeError, ModelMismatchError
-from ..fused import STAMP_BYTES, BufferPool, FusedLayout, FusedShard
+from ..fused import BufferPool, FusedLayout, FusedShard
 from ..levels import ScratchLevel
 from ..run import Run
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec
