@@ -41,6 +41,7 @@ __all__ = [
     "StreamTimeoutError",
     "VersionGoneError",
     "CaptureTornError",
+    "PeerLostError",
 ]
 
 
@@ -197,3 +198,8 @@ class CaptureTornError(DeepFreezeError, RuntimeError):
     """A capture overlapped with training saw a tensor change while it was being copied (its
     ``_version`` moved before the next optimizer step), or its copy failed: the version is not
     written on any rank, never a wrong shard (``deepfreeze.torch``)."""
+
+
+class PeerLostError(DeepFreezeError, ConnectionError):
+    """A collective of DeepFreeze's own process group failed: a peer died (its connection
+    closed) or did not answer within the group's timeout (``deepfreeze.torch.TorchComm``)."""

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import format as fmt
+from ..errors import PeerLostError
 
 __all__ = ["TorchComm", "rank_and_size", "node_domain", "make_comm"]
 
@@ -64,21 +65,30 @@ def _as_u8(data: Any) -> torch.Tensor:
     return torch.from_numpy(view)
 
 
+#: seconds one collective of DeepFreeze's group may wait for a peer (a hung peer; a dead one closes
+#: its connections and is reported at once)
+DEFAULT_TIMEOUT = 600.0
+
+
 class TorchComm:
     """A communicator over a dedicated gloo group of every rank of the default group. Build it
     on every rank (collective). Calls are collective and serialized per instance; use one
-    instance per thread that issues collectives."""
+    instance per thread that issues collectives. A peer that dies (its connection closes) or does
+    not answer within ``timeout`` seconds is a :class:`~deepfreeze.errors.PeerLostError`."""
 
-    def __init__(self, timeout: "float | None" = None) -> None:
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("TorchComm needs torch.distributed initialized (dist.init_process_group)")
-        kwargs = {}
-        if timeout is not None:
-            import datetime
-            kwargs["timeout"] = datetime.timedelta(seconds=timeout)
-        self.group = dist.new_group(backend="gloo", **kwargs)
+        import datetime
+        self.timeout = float(timeout)
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self._lock = threading.Lock()
+
+    def _lost(self, what: str, e: BaseException) -> PeerLostError:
+        return PeerLostError(f"rank {self.rank}: DeepFreeze's {what} over its gloo group of {self.size} ranks failed: "
+                             f"{type(e).__name__}: {str(e)[:500]} (a rank died, or did not answer within "
+                             f"{self.timeout:g} s)")
 
     def allgather(self, data: bytes) -> list[bytes]:
         return [b.tobytes() for b in self.allgather_buffers(np.frombuffer(bytes(data), dtype=np.uint8))]
@@ -87,6 +97,12 @@ class TorchComm:
         """Every rank's bytes: lengths first, then the bytes padded to the longest (views into one
         receive buffer)."""
         data = np.frombuffer(fmt.byte_view(data), dtype=np.uint8)
+        try:
+            return self._allgather_buffers(data)
+        except RuntimeError as e:
+            raise self._lost("all-gather", e) from e
+
+    def _allgather_buffers(self, data: np.ndarray) -> list[np.ndarray]:
         with self._lock:
             n = torch.tensor([data.size], dtype=torch.int64)
             lens = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
@@ -102,6 +118,12 @@ class TorchComm:
 
     def exchange(self, sends: dict[int, Any], recv_sizes: dict[int, int]) -> dict[int, np.ndarray]:
         """Send ``sends[dest]`` to each dest and receive ``recv_sizes[src]`` bytes from each src."""
+        try:
+            return self._exchange(sends, recv_sizes)
+        except RuntimeError as e:
+            raise self._lost("exchange", e) from e
+
+    def _exchange(self, sends: dict[int, Any], recv_sizes: dict[int, int]) -> dict[int, np.ndarray]:
         with self._lock:
             out = {src: np.empty(n, dtype=np.uint8) for src, n in recv_sizes.items()}
             ranks = dist.get_process_group_ranks(self.group)
