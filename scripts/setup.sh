@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-$PWD/.venv}
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
-STAMP="$VENV/.deepfreeze-setup-v3"
+STAMP="$VENV/.deepfreeze-setup-v2"
 TORCH_VERSION=2.13.0
 
 say() { echo "setup: $*"; }
