@@ -319,3 +319,20 @@ def test_crash_point_then_resume(crash_reference, tmp_path, point):
     plain(TRAIN, out, *CRASH_ARGS, "resume=1")
     assert_same(npz(os.path.join(out, "r0", "final.npz")), npz(os.path.join(ref, "r0", "final.npz")),
                 f"resumed after a crash at {point}")
+
+
+def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
+    from deepfreeze.torch import Checkpointer
+    net = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    ck = Checkpointer(net, opt, name="fresh", every_n_steps=2, resume=True, mode="sync",
+                      scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    assert ck.start_step == 0 and ck.resumed_from is None
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    for _ in range(2):
+        net(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    ck.close()
+    assert ck.last_version == 2

@@ -47,7 +47,7 @@ import torch
 
 from ..config import Config, validate_name
 from ..engine import make_engine, resolve_engine
-from ..errors import CaptureTornError, CheckpointNotFoundError, ConfigError, DeepFreezeError, ModelMismatchError
+from ..errors import CaptureTornError, ConfigError, DeepFreezeError, ModelMismatchError
 from ..fused import BufferPool, FusedLayout, FusedShard
 from ..levels import ScratchLevel
 from ..run import Run
@@ -450,15 +450,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ resume
     def _resume(self) -> None:
-        from ..restore import load
         from .restore import apply
-        try:
-            ck = load(self.config, self.name, comm=self.comm, trust_owners=self.trust_owners)
-        except CheckpointNotFoundError:
-            if self.rank == 0:
-                log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)
+        ck = self._run.pick_resume(self.comm, trust_owners=self.trust_owners)  # collective
+        if ck is None:
             return
-        self._run.resumed(ck.version)
         apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size, rng=True)
         self.start_step = ck.step
         self.resumed_from = ck.version
