@@ -254,8 +254,9 @@ class Checkpointer:
             finally:
                 self._copier.shutdown(wait=True)
                 self._run.close()
-                if self._bg_comm is not None:
-                    self._bg_comm.close()
+                for comm in (self._bg_comm, self.comm):
+                    if hasattr(comm, "close"):
+                        comm.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
