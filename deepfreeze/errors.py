@@ -43,6 +43,8 @@ __all__ = [
     "RepositoryDatabaseError",
     "FrameAuthenticationError",
     "ProtocolVersionError",
+    "CaptureTornError",
+    "PeerLostError",
 ]
 
 
@@ -211,3 +213,14 @@ class FrameAuthenticationError(ProviderError):
 class ProtocolVersionError(ProviderError):
     """The peer speaks another DeepFreeze network protocol version (both are named): run the
     same DeepFreeze version on both sides."""
+
+
+class CaptureTornError(DeepFreezeError, RuntimeError):
+    """A capture overlapped with training saw a tensor change while it was being copied (its
+    ``_version`` moved before the next optimizer step), or its copy failed: the version is not
+    written on any rank, never a wrong shard (``deepfreeze.torch``)."""
+
+
+class PeerLostError(DeepFreezeError, ConnectionError):
+    """A collective of DeepFreeze's own process group failed: a peer died (its connection
+    closed) or did not answer within the group's timeout (``deepfreeze.torch.TorchComm``)."""

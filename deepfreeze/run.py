@@ -600,6 +600,23 @@ class Run:
             raise DeepFreezeError(f"resume of {self.name!r} from v{step}: {bad[0]}")
         return self.info
 
+    def pick_resume(self, comm: Any = None, *, version: int | None = None,
+                    trust_owners: Any = None) -> Any:
+        """What ``resume=True`` does first, for every adapter (collective over ``comm``, or this
+        process alone): load the newest version every participant can recover (or ``version``),
+        record it with :meth:`resumed` and return the :class:`~deepfreeze.Checkpoint`; None, with
+        one warning (rank 0), when the name has no committed version (start fresh)."""
+        from .errors import CheckpointNotFoundError
+        from .restore import load
+        try:
+            ck = load(self.config, self.name, version, comm=comm, trust_owners=trust_owners)
+        except CheckpointNotFoundError:
+            if self.rank == 0:
+                log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)
+            return None
+        self.resumed(ck.version)  # retires what older runs left above it; recorded in every manifest
+        return ck
+
     def check(self) -> None:
         """Raise if this rank holds the lease and lost it (another run took the name over)."""
         if self.lease is not None and self.lease.lost:

@@ -9,6 +9,8 @@
 #   - Horovod 0.28.1 built from source against that TensorFlow (MPI only)
 #   - DeepFreeze's fused-copy TensorFlow op, compiled against the same headers (optional: without
 #     a compiler DeepFreeze warns and uses its pure-TensorFlow capture)
+#   - PyTorch's CPU build (torch==2.13.0, pinned: an unpinned torch pulls a CUDA build of several GB),
+#     installed with the numpy<2 constraint; only deepfreeze.torch imports it
 #   - deepfreeze itself, editable
 # TensorFlow is pinned to 2.15: Horovod 0.28.1 does not build against newer TF wheels
 # (TF 2.21's wheel lacks headers Horovod's TF ops include).
@@ -17,6 +19,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-$PWD/.venv}
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 STAMP="$VENV/.deepfreeze-setup-v2"
+TORCH_VERSION=2.13.0
 
 say() { echo "setup: $*"; }
 
@@ -34,7 +37,7 @@ native_op() {
 }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography") >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography, torch; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'") >/dev/null 2>&1; then
   native_op quick  # skips importing TensorFlow when the library is newer than its source
   say "already done (remove $STAMP to redo)"
   exit 0
@@ -85,6 +88,18 @@ if ! "$VPY" -c "import horovod.tensorflow as h; assert h.mpi_built()" >/dev/null
   HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_GLOO=1 \
   HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS=-j2 \
     "$VPY" -m pip install -q --no-cache-dir --no-build-isolation "horovod==0.28.1"
+fi
+
+# 3b. PyTorch, CPU build, pinned (deepfreeze.torch; the core never imports it). The numpy<2
+# constraint keeps pip from upgrading the numpy TensorFlow 2.15 and Horovod were built against.
+if ! "$VPY" -c "import torch, numpy as np; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'; assert int(np.__version__.split('.')[0]) < 2" >/dev/null 2>&1; then
+  say "installing torch==$TORCH_VERSION (CPU build) with numpy<2"
+  "$VPY" -m pip install -q "torch==$TORCH_VERSION" "numpy<2"
+  if "$VPY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" >/dev/null 2>&1; then
+    echo "setup: WARNING: pip installed a CUDA build of torch $TORCH_VERSION (several GB); DeepFreeze's" \
+         "tests need only the CPU build (install torch==$TORCH_VERSION from PyTorch's CPU-only wheel" \
+         "index where it is reachable)" >&2
+  fi
 fi
 
 # 4. the fused-copy op, against the TensorFlow headers Horovod was built with

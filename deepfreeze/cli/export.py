@@ -1,4 +1,4 @@
-"""``deepfreeze export``: write a committed version as h5, npz or safetensors."""
+"""``deepfreeze export``: write a committed version as h5, npz, safetensors or (PyTorch) torch."""
 from __future__ import annotations
 
 import argparse
@@ -16,7 +16,7 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
                        help="write a version as h5, npz or safetensors",
                        description="Load a committed version (checksums verified) and write it as a Keras HDF5 "
                                    "weights file, a NumPy .npz or a safetensors file.")
-    p.add_argument("--format", choices=["h5", "npz", "safetensors"],
+    p.add_argument("--format", choices=["h5", "npz", "safetensors", "torch"],
                    help="output format (default: from the --output suffix)")
     p.add_argument("--output", "-o", required=True, metavar="PATH", help="output file")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
@@ -27,7 +27,12 @@ def run(args: argparse.Namespace) -> int:
     from .. import export as ex
     fmt_name = args.format or ex.format_from_path(args.output)
     if fmt_name is None:
-        raise UsageError(f"cannot tell the format from {args.output!r}: pass --format h5|npz|safetensors")
+        raise UsageError(f"cannot tell the format from {args.output!r}: pass --format h5|npz|safetensors|torch")
+    if fmt_name == "torch":
+        try:
+            from ..torch.export import write_torch  # the adapter (imports PyTorch), only for this format
+        except ImportError as e:
+            raise UsageError(f"--format torch needs PyTorch ({e}): pip install 'deepfreeze[torch]'") from e
     cfg = load_config(args.config, args.overrides)
     name = resolve_name(args, cfg)
     progress = Progress()
@@ -39,7 +44,12 @@ def run(args: argparse.Namespace) -> int:
         meta = {"name": ck.name, "version": ck.version, "step": ck.step, "epoch": ck.epoch, "format": "deepfreeze"}
         # a Keras weights file holds the model's weights only; npz/safetensors also the optimizer state
         arrays = ck.model_arrays() if fmt_name == "h5" else ck.arrays
-        size = ex.export(arrays, fmt_name, args.output, metadata=meta, force=args.force)
+        if ck.manifest.get("framework") == "torch":  # the per-rank state records are DeepFreeze's own
+            arrays = {k: a for k, a in arrays.items() if not k.startswith("_deepfreeze/")}
+        if fmt_name == "torch":
+            size = write_torch(ck, args.output, force=args.force)
+        else:
+            size = ex.export(arrays, fmt_name, args.output, metadata=meta, force=args.force)
     finally:
         progress.done()
     print(f"exported {name!r} v{ck.version} (step {ck.step}, {len(arrays)} tensors, read from {ck.level}) "

@@ -491,26 +491,21 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         """Load the version to resume from (collective) and tell fit where to continue; the
         model is not touched. Returns the :class:`~deepfreeze.Checkpoint`, or None (nothing
         committed: start fresh)."""
-        from ..errors import CheckpointNotFoundError
-        from ..restore import list_versions, load
+        from ..restore import list_versions
         from ._dist import broadcast_int
         comm = mpi_comm()
-        try:
-            if comm is not None or self.size == 1:
-                ck = load(self.config, self.name, comm=comm, trust_owners=self.trust_owners)
-            else:  # several ranks without MPI (Horovod over Gloo): rank 0 picks, every rank reads it
-                versions = (list_versions(self.config, self.name, trust_owners=self.trust_owners)
-                            if self.rank == 0 else {})
-                picked = broadcast_int(max(versions) if versions else -1)
-                if picked < 0:
-                    raise CheckpointNotFoundError(self.name)
-                ck = load(self.config, self.name, picked, trust_owners=self.trust_owners)
-        except CheckpointNotFoundError:
-            if self.rank == 0:
+        if comm is not None or self.size == 1:
+            ck = self._run.pick_resume(comm, trust_owners=self.trust_owners)
+        else:  # several ranks without MPI (Horovod over Gloo): rank 0 picks, every rank reads it
+            versions = (list_versions(self.config, self.name, trust_owners=self.trust_owners)
+                        if self.rank == 0 else {})
+            picked = broadcast_int(max(versions) if versions else -1)
+            ck = self._run.pick_resume(None, version=picked, trust_owners=self.trust_owners) if picked >= 0 else None
+            if picked < 0 and self.rank == 0:
                 log.warning("DeepFreeze: resume=True but no committed version of %r: starting fresh", self.name)
+        if ck is None:
             return None
         version = ck.version
-        self._run.resumed(version)  # retires what older runs left above it; recorded in every manifest
         m = ck.manifest
         if m.get("epoch_complete") or "epoch_step" not in m:
             epoch, step = m["epoch"] + 1, 0

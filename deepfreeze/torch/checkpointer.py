@@ -1,0 +1,468 @@
+"""``Checkpointer``: DeepFreeze for PyTorch DDP, captured in the optimizer step.
+
+No change to the training loop: the checkpointer registers hooks on the optimizers.
+
+* A **step** is an ``optimizer.step()`` that ran: the post-hook of the *last* optimizer given
+  (the one the loop steps last) counts it. A step GradScaler skipped (inf/NaN gradients) never
+  calls ``optimizer.step()`` and is not counted; with gradient accumulation a step is one
+  ``optimizer.step()``. The version of a checkpoint is the step count after it.
+* **Capture** (post-hook of a checkpoint step): this rank's pieces of every replicated tensor
+  (parameters and optimizer state: every DDP rank holds them bit-identical after the step) are
+  copied into a pooled buffer laid out as the rank's shard file
+  (:class:`~deepfreeze.fused.FusedLayout`); with ``overlap=True`` by a background thread
+  ``deepfreeze-capture-r<rank>`` while the next forward and backward run. The next
+  ``optimizer.step()`` of any of the optimizers waits for that copy first (a pre-hook), then
+  checks each source tensor's ``_version``: a tensor changed in place during the copy (by
+  anything but the optimizer) makes the version *torn*: it is not written
+  (:class:`~deepfreeze.errors.CaptureTornError` under ``on_error``), never a wrong shard.
+* What is not written by the optimizer is snapshotted synchronously: in the post-hook the
+  module buffers (pinned to rank 0, whose buffers DDP broadcasts at the next forward), the RNG
+  states of torch, numpy and Python of this rank, and the ``state=`` objects that are not
+  schedulers or GradScalers; at the next pre-hook (or ``wait``/``close``), after the loop's
+  ``scheduler.step()`` and ``scaler.update()`` that follow ``optimizer.step()``, the
+  optimizers' ``param_groups`` and non-tensor state, the LR schedulers and the GradScalers
+  (taken at the model's next forward pre-hook: a step GradScaler skips never reaches a
+  pre-hook, while the loop steps the schedulers again).
+  Both parts go into this rank's state record (:mod:`deepfreeze.torch._state`), which is one
+  more piece of the rank's shard; then the buffer goes to the engine.
+* The **shard plan** is built at the first checkpoint (optimizers create their state lazily at
+  their first step) and checked at every checkpoint, collectively: a changed tensor list
+  (lazily created state, ``add_param_group``) or a state record outgrowing its reserved room
+  makes a new plan (and engine) from that version on, logged once per change.
+
+Every checkpoint step costs two small all-gathers over the checkpointer's own gloo group
+(plan check in the post-hook, write decision in the next pre-hook), so every rank writes a
+version or none does.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import struct
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..config import Config, validate_name
+from ..engine import make_engine, resolve_engine
+from ..errors import CaptureTornError, ConfigError, DeepFreezeError, ModelMismatchError
+from ..fused import BufferPool, FusedLayout, FusedShard
+from ..levels import ScratchLevel
+from ..run import Run
+from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec
+from . import _state
+from ._dist import TorchComm, make_comm, node_domain, rank_and_size
+
+__all__ = ["Checkpointer"]
+
+log = logging.getLogger("deepfreeze")
+_PAGE = 4096
+
+
+def _phase_b(obj: Any) -> bool:
+    """Objects the loop updates after ``optimizer.step()``: LR schedulers and GradScalers."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+    from torch.amp import GradScaler
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, GradScaler))
+
+
+class _Pending:
+    """A capture taken in a post-hook, finished at the next pre-hook."""
+
+    __slots__ = ("step", "buf", "future", "versions", "record_a", "record_b", "error")
+
+    def __init__(self, step: int, buf: np.ndarray) -> None:
+        self.step, self.buf = step, buf
+        self.future: "concurrent.futures.Future | None" = None
+        self.versions: list[tuple[torch.Tensor, int, str]] = []
+        self.record_a = b""
+        self.record_b: "bytes | None" = None
+        self.error: str = ""
+
+
+class Checkpointer:
+    """Asynchronous sharded checkpoints of a DDP model and its optimizers, captured in the step.
+
+    Args:
+      model: the model (``DistributedDataParallel`` or a plain module).
+      optimizer: an optimizer or a sequence of them, in the order the loop steps them (the last
+        one's steps are counted).
+      config: path of a VeloC INI file, or a :class:`~deepfreeze.Config`.
+      name: checkpoint name (``[a-zA-Z0-9_.]+``).
+      every_n_steps: checkpoint after every N optimizer steps (None: only :meth:`checkpoint`).
+      resume: restore the newest committed version now (collective: every rank's scratch,
+        partner copies, parity, then persistent) and continue from it; :attr:`start_step` is
+        its step (0 when there is none).
+      overwrite: start a new generation of ``name`` (every committed version is retired).
+      state: ``{name: object}`` of extra state with ``state_dict()``/``load_state_dict()``
+        (``torch.distributed.checkpoint.stateful.Stateful``): LR schedulers, GradScaler, a data
+        position. Saved per rank; restored on the same rank at the same world size (rank 0's
+        elsewhere).
+      overlap: copy the replicated pieces in a background thread while the next forward and
+        backward run (False: in the post-hook).
+      on_error: ``"raise"`` (the failing ``optimizer.step()`` raises) or ``"warn"`` (logged,
+        counted in :attr:`failures`, training goes on).
+      min_shard_bytes, lease_wait, trust_owners, engine, scratch_cls: as for
+        :class:`deepfreeze.keras.DeepFreezeCheckpoint`.
+      **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
+
+    Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]",
+                 config: "str | Config | None" = None, name: str = "model", *, every_n_steps: int | None = None,
+                 resume: bool = False, overwrite: bool = False, state: "dict[str, Any] | None" = None,
+                 overlap: bool = True, on_error: str = "raise", min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
+                 lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None, engine: str | None = None,
+                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, **overrides: Any) -> None:
+        opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+            raise ConfigError("Checkpointer: optimizer must be a torch.optim.Optimizer or a sequence of them")
+        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
+            raise ConfigError(f"every_n_steps = {every_n_steps!r}: use a positive integer or None")
+        if on_error not in ("raise", "warn"):
+            raise ConfigError(f"on_error = {on_error!r}: use 'raise' or 'warn'")
+        if not isinstance(min_shard_bytes, int) or min_shard_bytes < 0:
+            raise ConfigError(f"min_shard_bytes = {min_shard_bytes!r}: use an integer >= 0")
+        self.state = dict(state or {})
+        for k, obj in self.state.items():
+            if not isinstance(k, str) or not callable(getattr(obj, "state_dict", None)) \
+                    or not callable(getattr(obj, "load_state_dict", None)):
+                raise ConfigError(f"state[{k!r}] must have state_dict() and load_state_dict() (a Stateful), "
+                                  f"got {type(obj).__name__}")
+        if resume and overwrite:
+            raise ConfigError("resume=True and overwrite=True contradict each other: pick one")
+        self.model, self.optimizers = model, opts
+        self.name = validate_name(name)
+        self.every_n_steps, self.overlap, self.on_error = every_n_steps, bool(overlap), on_error
+        self.min_shard_bytes, self.verbose, self.scratch_cls = min_shard_bytes, verbose, scratch_cls
+        self.trust_owners = trust_owners
+        self.config = Config.resolve(config, **overrides)
+        self.config.check_directories()
+        self.engine_kind = resolve_engine(engine)
+        self.rank, self.size = rank_and_size()
+        #: failures under on_error='warn'
+        self.failures: list[str] = []
+        #: per checkpoint: version, seconds in the post-hook, waited in the next pre-hook, hand-off
+        self.timings: list[dict[str, float]] = []
+        #: versions not written because a tensor changed during its capture
+        self.torn: list[int] = []
+        self.plans = 0  # shard plans built (1 + changes)
+        self.engine: Any = None
+        self.plan: ShardPlan | None = None
+        self._key: bytes | None = None
+        self._caps: list[int] = []
+        self._layout: FusedLayout | None = None
+        self._pool: BufferPool | None = None
+        self._pending: _Pending | None = None
+        self._hooks: list[Any] = []
+        self._last_version: int | None = None
+        self._closed = False
+        self._order_warned = False
+        self._grow = False  # a state record outgrew its room: the next plan doubles every rank's
+        self._pinned: set[int] = set()
+        self._model_tensors = 0
+        self._t_post = 0.0
+        self.comm = make_comm()  # the training thread's group (collective)
+        self._bg_comm = None
+        explicit = any(k == "failure_domain" for k, _ in self.config.origins)
+        domain = node_domain(self.config.failure_domain, explicit)
+        self.domains = [b.decode() for b in self.comm.allgather(domain.encode()[:200])]
+        if self.size > 1 and self.config.ec_interval >= 0 and self.engine_kind == "builtin":
+            self._bg_comm = TorchComm()  # the writer thread's group (collective)
+        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-capture-r{self.rank}")
+        self._run = Run(self.config, self.name, self.rank, self.size, self.comm, resume=resume, overwrite=overwrite,
+                        lease_wait=lease_wait)
+        self._run.begin()
+        try:
+            #: the step to continue from (the resumed version's, or 0)
+            self.start_step = 0
+            #: the version restored by resume=True, or None
+            self.resumed_from: int | None = None
+            if resume:
+                self._resume()
+            self.step = self.start_step
+            for opt in opts:
+                self._hooks.append(opt.register_step_pre_hook(self._pre_hook))
+            self._hooks.append(opts[-1].register_step_post_hook(self._post_hook))
+            self._hooks.append(model.register_forward_pre_hook(self._forward_hook))
+        except BaseException:
+            self._run.close()
+            self._copier.shutdown(wait=False)
+            raise
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+        p = self._pending
+        if p is None:
+            return
+        if p.record_b is None and opt is not self.optimizers[-1] and not self._order_warned:
+            self._order_warned = True  # this optimizer steps after the counted one within an iteration
+            log.warning("DeepFreeze: optimizer %d (%s) stepped after the capture of v%d and before the model's next "
+                        "forward: the checkpoint holds its state before that step. Pass the optimizers to the "
+                        "Checkpointer in the order the loop steps them (the last one's steps are counted)",
+                        self.optimizers.index(opt), type(opt).__name__, p.step)
+        self._finish()
+
+    def _forward_hook(self, module: Any, args: Any) -> None:
+        p = self._pending
+        if p is not None and p.record_b is None:
+            try:  # before the next step's forward (a step GradScaler skips never reaches a pre-hook)
+                p.record_b = _state.encode(self._record("b"), "state")
+            except DeepFreezeError as e:  # surfaced when the capture finishes, on every rank
+                p.error = f"rank {self.rank}: {e}"
+                p.record_b = b""
+
+    def _post_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.step += 1
+        if self.every_n_steps and self.step % self.every_n_steps == 0:
+            self._capture(self.step)
+
+    # ------------------------------------------------------------------ public
+    def checkpoint(self) -> None:
+        """Checkpoint the state after the current step now (collective; outside the step)."""
+        if (self._pending is not None and self._pending.step == self.step) or self._last_version == self.step:
+            return  # this step is captured already
+        self._capture(self.step)
+        self._finish()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Finish a pending capture and block until every checkpoint is committed on persistent."""
+        if self._pending is not None:
+            self._finish()
+        if self.engine is not None:
+            self._guard(self.engine.wait, persistent=True, timeout=timeout)
+
+    def close(self) -> None:
+        """Finish a pending capture, wait for the flushes, release the hooks, threads and the lease."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._pending is not None:
+                self._finish()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            engine, self.engine = self.engine, None
+            try:
+                if engine is not None:
+                    engine.close(wait=True)
+            finally:
+                self._copier.shutdown(wait=True)
+                self._run.close()
+                for comm in (self._bg_comm, self.comm):
+                    if hasattr(comm, "close"):
+                        comm.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def last_version(self) -> int | None:
+        return self._last_version
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run.info.id if self._run.info is not None else None
+
+    # ------------------------------------------------------------------ capture
+    def _record(self, phase: str) -> Any:
+        """The part of this rank's state record taken in the post-hook (``"a"``) or at the next
+        pre-hook (``"b"``)."""
+        if phase == "a":
+            return {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
+                    "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
+        st = _state.train_state(self.model, self.optimizers)
+        return {"param_groups": st.groups, "optim_extra": st.extra,
+                "state": {k: o.state_dict() for k, o in self.state.items() if _phase_b(o)}}
+
+    def _capture(self, step: int) -> None:
+        t0 = time.perf_counter()
+        if self._pending is not None:
+            self._finish()
+        err, key, need, rec_a = "", b"\0" * 16, 0, b""
+        try:
+            st = _state.train_state(self.model, self.optimizers)
+            key = st.key()
+            rec_a = _state.encode(self._record("a"), "record")
+            need = len(rec_a) + len(_state.encode(self._record("b"), "record")) + 64
+        except DeepFreezeError as e:  # still take part in the all-gather: no rank is left waiting
+            err = f"rank {self.rank}: {e}"
+        rows = self.comm.allgather(key + struct.pack("<Q", need) + err.encode()[:2000])
+        errors = [r[24:].decode(errors="replace") for r in rows if len(r) > 24]
+        if errors:
+            self._guard(_raise, ConfigError(f"checkpoint {self.name!r} v{step} is not taken: " + "; ".join(errors)))
+            return
+        keys = [r[:16] for r in rows]
+        if any(k != keys[0] for k in keys):
+            bad = next(r for r, k in enumerate(keys) if k != keys[self.rank])
+            raise ModelMismatchError(f"rank {bad} checkpoints a different model or optimizer state than rank "
+                                     f"{self.rank} at step {step}: every rank must build the same model and optimizers")
+        needs = [struct.unpack("<Q", r[16:24])[0] for r in rows]
+        if self.plan is None or self._grow or keys[0] != self._key or any(n > c for n, c in zip(needs, self._caps)):
+            self._new_plan(st, needs, step)
+        assert self._layout is not None and self._pool is not None
+        buf = self._pool.acquire()
+        buf[:8].view("<i8")[0] = step
+        p = _Pending(step, buf)
+        p.record_a = rec_a
+        sync, background = [], []
+        for seg in self._layout.segments:
+            tid = seg.piece.tensor_id
+            if tid >= len(st.tensors) or seg.nbytes == 0:
+                continue  # a state record (filled when the capture finishes), or nothing to copy
+            t = st.tensors[tid]
+            if tid in self._pinned or not self.overlap:
+                sync.append((t, seg))  # copied now: buffers change in the next forward
+            else:
+                background.append((t, seg))
+                p.versions.append((t, t._version, self.plan.tensors[tid].name))
+        self._copy(sync, buf)
+        if background:
+            p.future = self._copier.submit(self._copy, background, buf)
+        self._pending = p
+        self._t_post = time.perf_counter() - t0
+
+    def _copy(self, items: list, buf: np.ndarray) -> None:
+        """Copy each (tensor, segment) piece into ``buf`` (one pass, bytes as they are)."""
+        for t, seg in items:
+            self._copy_piece(t, seg.piece, torch.from_numpy(buf[seg.offset:seg.offset + seg.nbytes]))
+
+    def _copy_piece(self, t: torch.Tensor, piece: Piece, dest: torch.Tensor) -> None:
+        src = t.detach()
+        if src.device.type != "cpu":
+            src = src.cpu()  # (a device-to-host copy; CUDA streams are not handled yet)
+        src = src.reshape(-1)[piece.start:piece.stop]
+        dest.copy_(src.contiguous().view(torch.uint8) if src.dtype != torch.uint8 else src)
+
+    def _finish(self) -> None:
+        """Wait for the pending capture, check it, add the state record, hand it to the engine
+        (collective: every rank writes the version or none does)."""
+        p, self._pending = self._pending, None
+        t0 = time.perf_counter()
+        if p.future is not None:
+            try:
+                p.future.result()
+            except Exception as e:  # surfaced below, on every rank
+                p.error = f"rank {self.rank}: the capture copy failed: {type(e).__name__}: {e}"
+        waited = time.perf_counter() - t0
+        changed = [name for t, v, name in p.versions if t._version != v]
+        if changed and not p.error:
+            p.error = (f"rank {self.rank}: {len(changed)} tensor(s) changed in place during the capture of v{p.step} "
+                       f"(first: {changed[0]!r}): only the optimizer may write parameters and optimizer state "
+                       "between two optimizer steps")
+        record = b""
+        if not p.error:
+            try:
+                b = _state.decode(p.record_b) if p.record_b is not None else self._record("b")
+                record = _state.encode({"a": _state.decode(p.record_a), **b}, "state")
+            except DeepFreezeError as e:
+                p.error = f"rank {self.rank}: {e}"
+        rid = self.plan.tensors[-self.size + self.rank].id
+        cap = self._caps[self.rank]
+        if not p.error and len(record) > cap:
+            p.error = (f"rank {self.rank}: the state record grew to {len(record)} bytes beyond its reserved {cap} "
+                       "bytes (the next checkpoint reserves more)")
+        rows = self.comm.allgather(p.error.encode()[:2000])
+        errors = [r.decode(errors="replace") for r in rows if r]
+        if errors:
+            if any("changed in place" in e for e in errors):
+                self.torn.append(p.step)
+            if any("grew to" in e for e in errors):
+                self._grow = True  # every rank: the next checkpoint builds a plan with more room
+            self._guard(_raise, CaptureTornError(f"checkpoint {self.name!r} v{p.step} is not written: "
+                                                 + "; ".join(errors)))
+            return
+        seg = next(s for s in self._layout.segments if s.piece.tensor_id == rid)
+        dest = p.buf[seg.offset:seg.offset + seg.nbytes]
+        dest[:len(record)] = np.frombuffer(record, dtype=np.uint8)
+        dest[len(record):] = 0
+        shard = FusedShard(self._layout, p.buf)
+        extra = {"model_tensors": self._model_tensors, "framework": "torch",
+                 "torch": {"version": torch.__version__, "optimizers": len(self.optimizers),
+                           "state_records": [t.name for t in self.plan.tensors[-self.size:]]}}
+        t1 = time.perf_counter()
+        self._guard(self._checkpoint, p.step, shard, extra)
+        del shard, dest, p
+        self.timings.append({"version": self._last_version or -1, "post_hook_s": self._t_post, "wait_s": waited,
+                             "handoff_s": time.perf_counter() - t1})
+
+    def _checkpoint(self, step: int, shard: FusedShard, extra: dict) -> None:
+        if self._run.lease is not None and self._run.lease.lost:
+            self._run.check()
+        self.engine.checkpoint(step, shard, step=step, epoch=0, extra=extra)
+        self._last_version = step
+        if self.verbose and self.rank == 0:
+            log.warning("DeepFreeze: checkpoint %s v%d handed off", self.name, step)
+
+    def _new_plan(self, st: "_state.TrainState", needs: list[int], step: int) -> None:
+        """A shard plan for ``st`` plus one state record per rank (room: twice what it needs now,
+        page-rounded; never less than before), and the engine and buffers for it."""
+        old = self.plan
+        caps = [max(c * (2 if self._grow else 1), -(-(2 * n + _PAGE) // _PAGE) * _PAGE) for n, c in
+                zip(needs, self._caps or [0] * self.size)]
+        self._grow = False
+        specs = list(st.specs) + [TensorSpec(len(st.specs) + r, f"{_state.RANK_PREFIX}{r}", "uint8", (caps[r],))
+                                  for r in range(self.size)]
+        plan = ShardPlan.build(specs, self.size, min_shard_bytes=self.min_shard_bytes, pinned=st.pinned)
+        records = {len(st.specs) + r: r for r in range(self.size)}
+        pieces = [Piece(p.tensor_id, records[p.tensor_id], 0, caps[records[p.tensor_id]]) if p.tensor_id in records
+                  else p for p in plan.pieces if p.tensor_id not in records or p.start == 0]  # record r: whole, rank r
+        plan = ShardPlan(plan.tensors, plan.world_size, tuple(pieces), plan.min_shard_bytes)
+        if self.rank == 0 and old is not None:
+            why = ("the tensor list changed (optimizer state created lazily, add_param_group, or a model change): "
+                   f"{len(old.tensors) - self.size} -> {len(st.specs)} tensors" if st.key() != self._key
+                   else "a state record outgrew its reserved room")
+            log.warning("DeepFreeze: %r: a new shard plan from v%d on: %s", self.name, step, why)
+        if self.engine is not None:
+            old_engine, self.engine = self.engine, None
+            self._guard(old_engine.close)
+        self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, self.domains,
+                                  scratch_cls=self.scratch_cls, comm=self._bg_comm, run=self._run.info)
+        if self._last_version is not None:
+            self.engine.last_version = self._last_version
+        self.plan, self._key, self._caps = plan, st.key(), caps
+        self._pinned = set(st.pinned)
+        self._model_tensors = st.model_tensors
+        self._layout = FusedLayout.build(plan, self.rank)
+        self._pool = BufferPool(self._layout.nbytes, self.config.max_inflight + 1)
+        self.plans += 1
+        if self.verbose and self.rank == 0:
+            log.warning("DeepFreeze: %d tensors, %.1f MB, %d ranks, %.1f MB per rank (max), mode %s",
+                        len(plan.tensors), plan.total_bytes / 1e6, self.size, max(plan.rank_bytes()) / 1e6,
+                        self.config.mode)
+
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except DeepFreezeError as e:
+            if self.on_error == "raise":
+                raise
+            self.failures.append(str(e))
+            log.warning("DeepFreeze (rank %d): checkpointing failed, training goes on (on_error='warn'): %s",
+                        self.rank, e)
+
+    # ------------------------------------------------------------------ resume
+    def _resume(self) -> None:
+        from .restore import apply
+        ck = self._run.pick_resume(self.comm, trust_owners=self.trust_owners)  # collective
+        if ck is None:
+            return
+        apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size, rng=True)
+        self.start_step = ck.step
+        self.resumed_from = ck.version
+        self._last_version = ck.version
+        if self.rank == 0:
+            log.warning("DeepFreeze: resumed %r from v%d (%s): continuing at step %d", self.name, ck.version,
+                        ck.level, ck.step)
+
+
+def _raise(e: BaseException) -> None:
+    raise e

@@ -1,0 +1,338 @@
+"""DeepFreeze for PyTorch: 2-rank DDP jobs under torchrun (gloo) and plain processes.
+
+Every check is against state the run itself recorded (tests/workers/torch_train.py writes the
+model and optimizer state right after each checkpointed iteration, per rank).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh installs torch==2.13.0, CPU)")
+
+from _util import ROOT, WORKERS  # noqa: E402
+
+TRAIN = os.path.join(WORKERS, "torch_train.py")
+RESTORE = os.path.join(WORKERS, "torch_restore.py")
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TORCHELASTIC_ERROR_FILE="",
+                PYTHONWARNINGS="ignore")
+
+
+def torchrun(n: int, script: str, *args: str, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node n script args`` (gloo; a free port each time)."""
+    exe = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    cmd = [exe or sys.executable, *([] if exe else ["-m", "torch.distributed.run"]), "--standalone",
+           "--nproc-per-node", str(n), script, *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    if check and p.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-6000:]}")
+    return p
+
+
+def plain(script: str, *args: str) -> None:
+    p = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=240, env=_env())
+    if p.returncode != 0:
+        pytest.fail(f"{script} exited {p.returncode}\n{p.stderr[-6000:]}")
+
+
+def npz(path: str) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
+def info(out: str, rank: int) -> dict:
+    with open(os.path.join(out, f"r{rank}", "info.json")) as f:
+        return json.load(f)
+
+
+def assert_same(got: dict, want: dict, what: str, lr: bool = True) -> None:
+    keys = set(want) - ({"__lr__"} if not lr else set())
+    assert set(got) >= keys, f"{what}: missing {sorted(keys - set(got))[:5]}"
+    for k in sorted(keys):
+        a, b = np.asarray(got[k]), want[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {k}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert a.tobytes() == b.tobytes(), f"{what}: {k} differs"
+
+
+def loaded(out: str, version: int, rank: int = 0) -> dict[str, np.ndarray]:
+    """``deepfreeze.torch.load`` in this (plain) process, as numpy arrays."""
+    import deepfreeze.torch as dft
+    got = dft.load(name="tt", version=version, mode="sync", scratch=os.path.join(out, f"scratch{rank}"),
+                   persistent=os.path.join(out, "persistent"))
+    return {k: v.numpy() for k, v in got.items()}
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    """One uninterrupted 2-rank DDP run: BatchNorm, dropout, two optimizers and schedulers, a CPU
+    GradScaler that skips steps, a Stateful data position; a checkpoint every 3 steps."""
+    out = str(tmp_path_factory.mktemp("ddp"))
+    torchrun(2, TRAIN, out, "steps=14", "scaler=1", "ec=1")
+    return out
+
+
+def test_ddp_versions_bit_exact(ddp_run):
+    out = ddp_run
+    i0, i1 = info(out, 0), info(out, 1)
+    assert i0["it"] == 14 and i0["step"] < 14, "the GradScaler skipped no step: the test does not test skipping"
+    assert i0["step"] == i1["step"] and i0["plans"] == 1
+    versions = sorted(int(os.path.basename(p)[1:-4]) for p in glob.glob(os.path.join(out, "r0", "v*.npz")))
+    assert versions == [v for v in range(3, i0["step"] + 1, 3)] and len(versions) >= 2
+    for v in versions:
+        want = npz(os.path.join(out, "r0", f"v{v}.npz"))
+        for r in (0, 1):  # each rank's recorded state (parameters and optimizer state are replicated)
+            rec = npz(os.path.join(out, f"r{r}", f"v{v}.npz"))
+            assert_same(loaded(out, v, r), {k: a for k, a in rec.items() if "running" not in k and
+                                            "num_batches" not in k}, f"v{v} vs rank {r}", lr=False)
+        assert_same(loaded(out, v), want, f"v{v}", lr=False)  # buffers: rank 0's (DDP broadcasts them)
+
+
+def test_load_keys_are_get_state_dict_fqns(ddp_run):
+    sys.path.insert(0, WORKERS)
+    from torch_train import build
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    net, opts = build()
+    got = loaded(ddp_run, 3)
+    model_sd, optim_sd = get_state_dict(net, opts)  # (initializes the optimizers' state)
+    want = set(model_sd) | {f"optim.state.{fqn}.{k}" for fqn, kv in optim_sd["state"].items() for k in kv}
+    assert set(got) == want
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_restore_at_other_world_sizes(ddp_run, tmp_path, n):
+    out = str(tmp_path)
+    torchrun(n, RESTORE, out, ddp_run, "version=6")
+    want = npz(os.path.join(ddp_run, "r0", "v6.npz"))
+    for r in range(n):
+        assert info(out, r)["version"] == 6
+        assert_same(npz(os.path.join(out, f"r{r}", "restored.npz")), want, f"restored at {n} ranks, rank {r}")
+
+
+def test_partner_copy_restores_a_lost_shard(ddp_run, tmp_path):
+    """The run exchanged partner copies over TorchComm (each rank its own failure domain): with
+    rank 1's own shard of v6 gone and nothing on persistent, a 2-rank restore reads the copy
+    rank 0 holds."""
+    src = str(tmp_path / "src")
+    shutil.copytree(ddp_run, src)
+    vdirs = glob.glob(os.path.join(src, "scratch1", "tt", "v*6"))
+    assert len(vdirs) == 1 and glob.glob(os.path.join(src, "scratch0", "tt", "v*6", "h000000.r000001.dfs"))
+    os.unlink(os.path.join(vdirs[0], "r000001.dfs"))
+    shutil.rmtree(glob.glob(os.path.join(src, "persistent", "tt", "v*6"))[0])
+    out = str(tmp_path / "out")
+    torchrun(2, RESTORE, out, src, "version=6")
+    want = npz(os.path.join(ddp_run, "r0", "v6.npz"))
+    for r in range(2):
+        assert_same(npz(os.path.join(out, f"r{r}", "restored.npz")), want, f"rank {r} restored from a partner copy")
+
+
+def test_restore_in_a_plain_process(ddp_run, tmp_path):
+    out = str(tmp_path)
+    plain(RESTORE, out, ddp_run)  # the newest version
+    newest = max(int(os.path.basename(p)[1:-4]) for p in glob.glob(os.path.join(ddp_run, "r0", "v*.npz")))
+    assert info(out, 0)["version"] == newest
+    assert_same(npz(os.path.join(out, "r0", "restored.npz")), npz(os.path.join(ddp_run, "r0", f"v{newest}.npz")),
+                "restored in a plain process")
+
+
+def test_kill9_then_resume_equals_uninterrupted(ddp_run, tmp_path):
+    """Rank 1 SIGKILLs itself at iteration 11; the relaunch resumes from the newest committed
+    version and ends bit-identical to the uninterrupted run (and writes the same versions)."""
+    out = str(tmp_path)
+    p = torchrun(2, TRAIN, out, "steps=14", "scaler=1", "kill_at=11", check=False)
+    assert p.returncode != 0
+    assert not os.path.exists(os.path.join(out, "r0", "final.npz"))
+    torchrun(2, TRAIN, out, "steps=14", "scaler=1", "resume=1")
+    i0 = info(out, 0)
+    assert i0["resumed_from"] is not None and i0["resumed_from"] >= 3 and i0["start_step"] == i0["resumed_from"]
+    for r in (0, 1):
+        assert_same(npz(os.path.join(out, f"r{r}", "final.npz")), npz(os.path.join(ddp_run, f"r{r}", "final.npz")),
+                    f"final state of rank {r} after kill -9 and resume")
+    last = i0["last_version"]
+    assert last > i0["resumed_from"]
+    assert_same(loaded(out, last), npz(os.path.join(ddp_run, "r0", f"v{last}.npz")), f"v{last} after resume",
+                lr=False)
+
+
+def test_plan_change_slow_copy_and_torn_capture(tmp_path):
+    """A plain process: add_param_group mid-run (a new plan, said once; later versions still
+    exact), a capture copy slowed while the next forward and backward run (the next step waits:
+    still exact), and an in-place change of a parameter during a capture (that version is torn:
+    not written, the others are)."""
+    out = str(tmp_path)
+    plain(TRAIN, out, "steps=13", "add_group_at=4", "slow=0.002", "mutate_at=9", "on_error=warn", "mode=sync")
+    i0 = info(out, 0)
+    assert i0["plans"] == 2, i0
+    assert i0["torn"] == [9] and len(i0["failures"]) == 1 and "changed in place" in i0["failures"][0]
+    from deepfreeze.restore import list_versions
+    from deepfreeze.config import Config
+    cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
+                         persistent=os.path.join(out, "persistent"))
+    assert sorted(list_versions(cfg, "tt")) == [3, 6, 12]
+    for v in (3, 6, 12):
+        assert_same(loaded(out, v), npz(os.path.join(out, "r0", f"v{v}.npz")), f"v{v}", lr=False)
+
+
+def test_state_record_round_trip_and_bounds():
+    import random
+    from deepfreeze.errors import ConfigError, CorruptCheckpointError
+    from deepfreeze.torch import _state
+    obj = {"a": (1, 2.5, float("inf"), None, True), 3: [torch.arange(5, dtype=torch.bfloat16), np.arange(3)],
+           "rng": _state.rng_state(), "b": b"\x00\x01", "s": "x", "dt": torch.float16}
+    data = _state.encode(obj)
+    back = _state.decode(data + b"\0" * 100)
+    assert back["a"] == (1, 2.5, float("inf"), None, True) and back["b"] == b"\x00\x01" and back["dt"] == torch.float16
+    assert torch.equal(back[3][0], obj[3][0]) and back[3][0].dtype == torch.bfloat16
+    assert np.array_equal(back[3][1], obj[3][1])
+    assert torch.equal(back["rng"]["torch"], obj["rng"]["torch"]) and back["rng"]["python"] == random.getstate()
+    with pytest.raises(ConfigError, match="no pickling"):
+        _state.encode({"f": lambda: 0})
+    with pytest.raises(CorruptCheckpointError, match="magic"):
+        _state.decode(b"x" * 32)
+    bad = bytearray(data)
+    bad[8:16] = (10 ** 9).to_bytes(8, "little")  # a JSON length beyond the record
+    with pytest.raises(CorruptCheckpointError, match="exceeds"):
+        _state.decode(bytes(bad))
+    js = data[16:16 + int.from_bytes(data[8:16], "little")].replace(b'"T":["bfloat16",[5],0,10]',
+                                                                    b'"T":["bfloat16",[5],0,99999]')
+    with pytest.raises(CorruptCheckpointError, match="outside the record"):
+        _state.decode(data[:8] + len(js).to_bytes(8, "little") + js + data[16 + int.from_bytes(data[8:16], "little"):])
+
+
+def test_cli_on_torch_checkpoints(ddp_run, tmp_path):
+    """``deepfreeze ls/inspect/verify`` read torch checkpoints; ``export --format torch`` writes the
+    get_state_dict layout for ``torch.load(weights_only=True)``; safetensors leaves out the
+    per-rank state records."""
+    common = ["--name", "tt", "--set", "mode=sync", "--set", f"scratch={ddp_run}/scratch0",
+              "--set", f"persistent={ddp_run}/persistent"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        p = subprocess.run([sys.executable, "-m", "deepfreeze", *args, *common], capture_output=True, text=True,
+                           timeout=120, env=_env(), cwd=str(tmp_path))
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p
+
+    assert "committed" in cli("ls").stdout
+    assert "optim.state.body.0.weight.exp_avg" in cli("inspect", "--version", "6").stdout
+    assert "OK" in cli("verify", "--version", "6").stdout
+    cli("export", "--version", "6", "--format", "torch", "-o", str(tmp_path / "v6.pt"))
+    d = torch.load(str(tmp_path / "v6.pt"), weights_only=True)
+    want = npz(os.path.join(ddp_run, "r0", "v6.npz"))
+    flat = {**{k: v.numpy() for k, v in d["model"].items()},
+            **{f"optim.state.{f}.{k}": v.numpy() for f, kv in d["optim"]["state"].items() for k, v in kv.items()
+               if isinstance(v, torch.Tensor)}}
+    assert_same(flat, want, "export --format torch", lr=False)
+    assert [g["lr"] for g in d["optim"]["param_groups"]] == list(want["__lr__"])
+    assert d["deepfreeze"]["version"] == 6
+    cli("export", "--version", "6", "-o", str(tmp_path / "v6.safetensors"))
+    from safetensors.numpy import load_file
+    st = load_file(str(tmp_path / "v6.safetensors"))
+    assert not any(k.startswith("_deepfreeze/") for k in st)
+    assert_same(st, want, "export safetensors", lr=False)
+
+
+def test_unstorable_state_is_a_clear_error(tmp_path):
+    """A state object whose state_dict holds something that cannot be stored without pickling:
+    on_error='raise' raises ConfigError from optimizer.step naming it; 'warn' skips that version
+    and training goes on."""
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.torch import Checkpointer
+
+    class Bad:
+        def state_dict(self):
+            return {"fn": print}
+
+        def load_state_dict(self, sd):
+            pass
+
+    for on_error in ("raise", "warn"):
+        net = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        d = tmp_path / on_error
+        ck = Checkpointer(net, opt, name="bad", every_n_steps=1, state={"bad": Bad()}, on_error=on_error,
+                          mode="sync", scratch=str(d / "s"), persistent=str(d / "p"))
+        net(torch.ones(1, 4)).sum().backward()
+        if on_error == "raise":
+            with pytest.raises(ConfigError, match=r"record\['state'\]\['bad'\]\['fn'\] is a builtin_function_or_method"):
+                opt.step()
+        else:
+            opt.step()
+            assert ck.failures and ck.last_version is None
+        ck.close()
+
+
+# -- the crash-point suite on the torch path (deepfreeze.crashpoints: SIGKILL right before the
+# n-th file-system operation at a named point of the commit protocol), one plain process, sync mode
+CRASH_ARGS = ("steps=10", "every=2", "mode=sync")
+QUICK_POINTS = ["scratch.shard.rename", "persistent.marker.rename", "persistent.manifest.rename"]
+SLOW_POINTS = ["scratch.manifest.rename", "persistent.decision.link", "persistent.partial.fsync",
+               "persistent.marker.fsync", "persistent.marker.dirsync", "persistent.final.fsync",
+               "persistent.final.rename", "persistent.manifest.fsync", "persistent.manifest.dirsync",
+               "persistent.cleanup.unlink", "persistent.lock.link", "persistent.lock.unlink", "run.lease.link"]
+
+
+@pytest.fixture(scope="module")
+def crash_reference(tmp_path_factory):
+    """An uninterrupted run, tracing the crash points it passes (and how often)."""
+    out = str(tmp_path_factory.mktemp("crashref"))
+    trace = os.path.join(out, "trace")
+    p = subprocess.run([sys.executable, TRAIN, out, *CRASH_ARGS], capture_output=True, text=True, timeout=240,
+                       env=dict(_env(), DEEPFREEZE_CRASH_TRACE=trace))
+    assert p.returncode == 0, p.stderr[-3000:]
+    with open(trace) as f:
+        counts: dict[str, int] = {}
+        for line in f:
+            counts[line.strip()] = counts.get(line.strip(), 0) + 1
+    return out, counts
+
+
+@pytest.mark.parametrize("point", QUICK_POINTS + [pytest.param(p, marks=pytest.mark.slow) for p in SLOW_POINTS])
+def test_crash_point_then_resume(crash_reference, tmp_path, point):
+    """Killed (SIGKILL) at the middle occurrence of ``point``, then relaunched with resume=True:
+    the newest restorable version is one the run recorded, bit for bit, and the resumed run
+    ends bit-identical to the uninterrupted one."""
+    ref, counts = crash_reference
+    assert point in counts, f"the torch run never passes {point} (passes {sorted(counts)})"
+    out = str(tmp_path)
+    env = dict(_env(), DEEPFREEZE_CRASH_AT=f"{point}:{(counts[point] + 1) // 2}",
+               DEEPFREEZE_CRASH_ONCE=os.path.join(out, "crashed"))
+    p = subprocess.run([sys.executable, TRAIN, out, *CRASH_ARGS], capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == -9, f"not killed at {point}: rc {p.returncode}\n{p.stderr[-2000:]}"
+    from deepfreeze.config import Config
+    from deepfreeze.restore import list_versions
+    cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
+                         persistent=os.path.join(out, "persistent"))
+    versions = list_versions(cfg, "tt")
+    if versions:
+        newest = max(versions)
+        assert_same(loaded(out, newest), npz(os.path.join(ref, "r0", f"v{newest}.npz")), f"v{newest} after {point}",
+                    lr=False)
+    plain(TRAIN, out, *CRASH_ARGS, "resume=1")
+    assert_same(npz(os.path.join(out, "r0", "final.npz")), npz(os.path.join(ref, "r0", "final.npz")),
+                f"resumed after a crash at {point}")
+
+
+def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
+    from deepfreeze.torch import Checkpointer
+    net = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    ck = Checkpointer(net, opt, name="fresh", every_n_steps=2, resume=True, mode="sync",
+                      scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    assert ck.start_step == 0 and ck.resumed_from is None
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    for _ in range(2):
+        net(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    ck.close()
+    assert ck.last_version == 2

@@ -1,0 +1,173 @@
+"""DeepFreeze-for-PyTorch training worker (one rank of ``torchrun``, or a plain process).
+
+    torchrun --standalone --nproc-per-node 2 tests/workers/torch_train.py OUT [key=value ...]
+
+keys: name, steps (loop iterations), every (every_n_steps), mode, resume=1, kill_at=IT (rank
+kill_rank SIGKILLs itself at the start of iteration IT), overlap=0, scaler=1 (CPU GradScaler
+whose first scales overflow, so steps are skipped), slow=SECONDS (the capture copy sleeps that
+long per piece), mutate_at=IT (an in-place change of a parameter right after the checkpoint
+step of iteration IT-1, while the capture copy runs), add_group_at=IT (add_param_group),
+ec=1 (partner copies across simulated nodes node<rank>, exchanged over the checkpointer's gloo
+group), scratch/persistent roots (default under OUT).
+
+The model has BatchNorm (buffers) and dropout (torch RNG); the data adds numpy and Python
+random noise (their RNG states), and its position is a Stateful object. Two optimizers
+(AdamW on the body, SGD with momentum on the head), an LR scheduler on each. Deterministic on
+CPU. Per rank it writes (numpy .npz, no pickles):
+
+  OUT/r<rank>/v<version>.npz   the state right after each checkpointed iteration (model, optimizer
+                               state tensors by their checkpoint names, lr of every group)
+  OUT/r<rank>/final.npz        the state at the end
+  OUT/r<rank>/info.json        start_step, resumed_from, torn versions, failures, plans
+"""
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from deepfreeze.torch import Checkpointer  # noqa: E402
+
+IN, HID, OUT_F = 16, 192, 4
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.BatchNorm1d(HID), torch.nn.ReLU(),
+                                        torch.nn.Dropout(0.3), torch.nn.Linear(HID, HID), torch.nn.ReLU())
+        self.head = torch.nn.Linear(HID, OUT_F)
+        self.extra = torch.nn.Linear(HID, OUT_F)  # joins the head's optimizer later (add_group_at)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h) + 0.1 * self.extra(h)
+
+
+class Data:
+    """The data position: a hand-written Stateful (state_dict/load_state_dict)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.it = rank, 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * self.it + self.rank)
+        x = torch.randn(32, IN, generator=g)
+        y = torch.randn(32, OUT_F, generator=g)
+        x = x + float(np.random.rand()) * 0.01 + random.random() * 0.01  # numpy and Python RNG
+        self.it += 1
+        return x, y
+
+    def state_dict(self) -> dict:
+        return {"it": self.it, "rank": self.rank}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.it = int(sd["it"])
+
+
+def build(seed: int = 0):
+    torch.manual_seed(seed)
+    net = Net()
+    body = torch.optim.AdamW(net.body.parameters(), lr=3e-3, weight_decay=0.01)
+    head = torch.optim.SGD(net.head.parameters(), lr=1e-2, momentum=0.9)
+    return net, [body, head]
+
+
+def snapshot(model: torch.nn.Module, opts, path: str) -> None:
+    """Model state, optimizer state tensors (checkpoint names) and every group's lr."""
+    from deepfreeze.torch._state import train_state
+    st = train_state(model, opts)
+    arrays = {s.name: t.detach().clone().reshape(s.shape).numpy() for s, t in zip(st.specs, st.tensors)}
+    arrays["__lr__"] = np.array([g["lr"] for o in opts for g in o.param_groups], dtype=np.float64)
+    np.savez(path, **arrays)
+
+
+def main() -> None:
+    out = sys.argv[1]
+    kw = dict(a.split("=", 1) for a in sys.argv[2:])
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    np.random.seed(7 + rank)
+    random.seed(11 + rank)
+    net, opts = build()
+    model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
+    scheds = [torch.optim.lr_scheduler.StepLR(opts[0], 3, 0.7), torch.optim.lr_scheduler.ExponentialLR(opts[1], 0.95)]
+    scaler = None
+    state = {"data": Data(rank), "sched0": scheds[0], "sched1": scheds[1]}
+    if kw.get("scaler") == "1":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=3)
+        state["scaler"] = scaler
+    cls = Checkpointer
+    if float(kw.get("slow", 0)) > 0:
+        delay = float(kw["slow"])
+
+        class SlowCopy(Checkpointer):  # fault injected by subclassing: a slowed capture copy
+            def _copy_piece(self, t, piece, dest):
+                time.sleep(delay)
+                super()._copy_piece(t, piece, dest)
+        cls = SlowCopy
+    mydir = os.path.join(out, f"r{rank}")
+    os.makedirs(mydir, exist_ok=True)
+    ckpt = cls(model, opts, name=kw.get("name", "tt"), every_n_steps=int(kw.get("every", 3)),
+               resume=kw.get("resume") == "1", state=state, overlap=kw.get("overlap", "1") == "1",
+               on_error=kw.get("on_error", "raise"), mode=kw.get("mode", "async"),
+               scratch=kw.get("scratch", os.path.join(out, f"scratch{rank}")),
+               persistent=kw.get("persistent", os.path.join(out, "persistent")), min_shard_bytes=4096,
+               **({"ec_interval": 0, "ec_scheme": "partner", "failure_domain": f"node{rank}"} if kw.get("ec") == "1"
+                  else {}))
+    data = state["data"]
+    steps = int(kw.get("steps", 12))
+    kill_at = int(kw.get("kill_at", -1))
+    mutate_at = int(kw.get("mutate_at", -1))
+    add_group_at = int(kw.get("add_group_at", -1))
+    every = int(kw.get("every", 3))
+    loss_fn = torch.nn.MSELoss()
+    while data.it < steps:
+        if data.it == kill_at and rank == int(kw.get("kill_rank", 1)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if data.it == add_group_at:
+            opts[1].add_param_group({"params": list(net.extra.parameters()), "lr": 5e-3})
+        if data.it == mutate_at:
+            with torch.no_grad():
+                net.head.weight.mul_(1.0)  # bumps _version while the capture copies
+        before = ckpt.step
+        x, y = data.next()
+        loss = loss_fn(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss * 8).backward()  # x8: the first scales overflow, so steps are skipped
+            for o in opts:
+                scaler.step(o)
+            scaler.update()
+        else:
+            loss.backward()
+            for o in opts:
+                o.step()
+        for o in opts:
+            o.zero_grad()
+        for s in scheds:
+            s.step()
+        if ckpt.step != before and ckpt.step % every == 0:
+            snapshot(net, opts, os.path.join(mydir, f"v{ckpt.step}.npz"))
+    snapshot(net, opts, os.path.join(mydir, "final.npz"))
+    ckpt.close()
+    info = {"start_step": ckpt.start_step, "resumed_from": ckpt.resumed_from, "torn": ckpt.torn,
+            "failures": ckpt.failures, "plans": ckpt.plans, "step": ckpt.step, "it": data.it,
+            "last_version": ckpt.last_version}
+    with open(os.path.join(mydir, "info.json"), "w") as f:
+        json.dump(info, f)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
