@@ -1,0 +1,88 @@
+"""Issue 23, adversarial review of the merged result: holes found by attacking the paths the
+per-part work left between its parts (each test failed before its fix).
+
+"Another user" is the existing unprivileged account ``nobody`` (as root: files chowned to it);
+tests that need it skip when not run as root. Real files, real devices under /dev/shm.
+"""
+import os
+import pwd
+import shutil
+import stat
+import tempfile
+import uuid
+
+import numpy as np
+import pytest
+
+from deepfreeze import memtier
+from deepfreeze.errors import UnsafePathError
+from deepfreeze.memtier import device as mdev
+from deepfreeze.memtier import level as mlevel
+from deepfreeze.run import new_job_id
+
+
+def nobody_ids():
+    if os.getuid() != 0:
+        pytest.skip("another user's files need root (chown to 'nobody'); running as uid "
+                    f"{os.getuid()}")
+    try:
+        pw = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' account on this host (tests never create OS users)")
+    return pw.pw_uid, pw.pw_gid
+
+
+@pytest.fixture
+def shared_dir():
+    """A sticky, world-writable directory (like /tmp) every user can reach."""
+    d = tempfile.mkdtemp(prefix="df-review-", dir="/tmp")
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def device():
+    path = f"/dev/shm/deepfreeze-test-review-{uuid.uuid4().hex[:10]}"
+    mdev.create(path, "16M").close()
+    yield path
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _plant(path, text, uid, gid):
+    with open(path, "w") as f:
+        f.write(text)
+    os.chown(path, uid, gid)
+
+
+def test_job_id_files_planted_by_another_user_are_refused(shared_dir, device, tmp_path):
+    """Two programs keep their job ids in files of a shared directory (memtier.job_id); nobody
+    plants both files first with one id: before, both programs used nobody's id, so program A
+    restored program B's newer model. Now a job id file of another user is refused naming it,
+    and a checkpoint job whose <persistent>/<name>/job is nobody's reads nothing from the tier."""
+    uid, gid = nobody_ids()
+    shared = new_job_id()
+    a, b = os.path.join(shared_dir, "a.job"), os.path.join(shared_dir, "b.job")
+    for p in (a, b):
+        _plant(p, shared + "\n", uid, gid)
+    with pytest.raises(UnsafePathError, match="owned by nobody"):
+        memtier.job_id(a)
+    with pytest.raises(UnsafePathError, match="owned by nobody"):
+        memtier.job_id(b)
+    # program B (its own id file) checkpoints; nobody's id never reaches program A's restore
+    jb = memtier.job_id(str(tmp_path / "b.job"))
+    sb = {"w": np.arange(100, dtype=np.float32)}
+    with memtier.register(device, "m", sb, job=jb) as mb:
+        memtier.checkpoint(mb, sb, 7)
+    # a checkpoint name whose directory nobody made in a sticky persistent root, with B's id in it
+    os.mkdir(os.path.join(shared_dir, "m"))
+    _plant(os.path.join(shared_dir, "m", "job"), jb + "\n", uid, gid)
+    os.chown(os.path.join(shared_dir, "m"), uid, gid)
+    assert mlevel.MemtierLevel(device, jb).committed("m")  # B's version, seen by B's job
+    got = mlevel.job_of(shared_dir, "m")
+    assert got is not jb and got != jb
+    assert mlevel.MemtierLevel(device, got).committed("m") == {}
+    assert stat.S_IMODE(os.lstat(a).st_mode) == 0o644 and open(a).read() == shared + "\n"  # untouched
