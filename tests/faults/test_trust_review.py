@@ -86,3 +86,25 @@ def test_job_id_files_planted_by_another_user_are_refused(shared_dir, device, tm
     assert got is not jb and got != jb
     assert mlevel.MemtierLevel(device, got).committed("m") == {}
     assert stat.S_IMODE(os.lstat(a).st_mode) == 0o644 and open(a).read() == shared + "\n"  # untouched
+
+
+def test_token_directories_are_created_private_and_a_writable_one_is_refused(tmp_path):
+    """The token's missing directories are made 0700 (before: only the last one; its parents got
+    0755 under umask 022), and an existing token directory others can write in is refused (before:
+    only its owner was checked, so another user could add or rename entries beside the secret)."""
+    from deepfreeze import net
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "a" / "b" / "token"
+        tok = net.ensure_token(str(path))
+        assert net.load_token(str(path)) == tok
+        for d in (tmp_path / "a", tmp_path / "a" / "b"):
+            assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700, d
+        loose = tmp_path / "loose"
+        loose.mkdir()
+        os.chmod(loose, 0o777)  # writable by every user, not sticky
+        with pytest.raises(UnsafePathError, match="writable by every user"):
+            net.create_token(str(loose / "token"))
+        assert os.listdir(loose) == []
+    finally:
+        os.umask(old)
