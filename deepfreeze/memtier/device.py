@@ -630,6 +630,14 @@ class Device:
             raise MemtierError(f"device {self.path} is closed")
         return self._mm
 
+    def fileno(self) -> int:
+        """The descriptor of the device file this object checked and mapped at open (valid until
+        :meth:`close`): read through it (``os.dup`` it to keep it longer), never by path again, so
+        a file put at the path since is never read."""
+        if self._fd < 0:
+            raise MemtierError(f"device {self.path} is closed")
+        return self._fd
+
     def close(self) -> None:
         """Unmap and close (views handed out keep the mapping alive until they are released)."""
         mm, self._mm = self._mm, None

@@ -108,3 +108,45 @@ def test_token_directories_are_created_private_and_a_writable_one_is_refused(tmp
         assert os.listdir(loose) == []
     finally:
         os.umask(old)
+
+
+def test_flush_source_reads_the_device_it_checked(device, tmp_path, monkeypatch):
+    """A flush from the memory tier (levels._open_source) checked the device (the user's own, a
+    regular file, through the one trust check) and then opened the path again, unchecked, to copy
+    the slot: a file another user put at the path in between (a device in a directory others can
+    write in, the user's device renamed away) was copied to persistent storage. Now the bytes come
+    from the descriptor that was checked. The test plays the attacker winning that race: right
+    after the check it moves the device away and puts nobody's copy, with forged weights, there."""
+    from deepfreeze import levels
+    uid, gid = nobody_ids()
+    s = {"w": np.arange(4096, dtype=np.float32)}
+    with memtier.register(device, "m", s, job=memtier.job_id(str(tmp_path / "m.job"))) as m:
+        memtier.checkpoint(m, s, 5)
+    with mdev.open(device, writable=False) as dev:
+        r = dev.find("m")[0]
+        k, h = r.restorable()[0]
+        real = bytes(r.read_image(k, verify=False))
+    src = levels.SlotSource(device, r.entry_no, k, h.version.step, r.run, r.rank)
+    opened = mdev.open
+
+    def open_then_swap(path, **kw):
+        got = opened(path, **kw)
+        os.rename(path, path + ".moved")
+        with open(path + ".moved", "rb") as f:
+            data = bytearray(f.read())
+        with opened(path + ".moved", writable=False) as d2:
+            base = d2.region(r.entry_no).image_offset(k)
+        data[base + len(real) - 64:base + len(real)] = b"\xff" * 64  # forged bytes at the slot's end
+        with open(path, "wb") as f:
+            f.write(data)
+        os.chown(path, uid, gid)
+        return got
+
+    monkeypatch.setattr(mdev, "open", open_then_swap)
+    try:
+        with levels._open_source(None, src) as (fd, base, _idx, _label, _recheck):
+            assert os.fstat(fd).st_uid == os.getuid()
+            assert os.pread(fd, len(real), base) == real
+    finally:
+        os.replace(device + ".moved", device)
+
