@@ -29,7 +29,14 @@ MAC is missing or does not verify is ignored, never used, with one warning per k
 (not one per message). The socket handshake (:mod:`deepfreeze.net`) independently refuses a
 server that does not know the token, so a forged record can at worst point to nothing; a
 replayed old record or note of the same channel points to an older run, which the consumer
-already tells apart by its run id and versions. A server that cannot be reached or that fails:
+already tells apart by its run id and versions.
+
+**Jobs.** A producer whose job has an id (``<persistent>/<channel>/job``,
+:func:`deepfreeze.run.read_job_id`) uses the keys ``deepfreeze:stream:<channel>:job:<id>``
+(:func:`key_prefix`), and a consumer reads the id from the same file: two jobs of one user with
+one channel name (and so one token) on one Redis never overwrite or read each other's records
+and notes (the MAC's context is the key, so a record cannot be moved from one job's keys to the
+other's either). Without a job id (no such file), ``deepfreeze:stream:<channel>``. A server that cannot be reached or that fails:
 :class:`~deepfreeze.errors.StreamError` naming the URL (timeouts:
 :class:`~deepfreeze.errors.StreamTimeoutError`), the cause chained.
 """
@@ -43,6 +50,7 @@ import time
 from typing import Any, Mapping
 
 from ..errors import ConfigError, StreamError, StreamTimeoutError
+from ..run import valid_job_id
 
 __all__ = ["RedisNotifier", "RedisListener", "key_prefix", "safe_url", "MAX_VALUE"]
 
@@ -54,12 +62,17 @@ _RANK_FIELD = re.compile(r"r(0|[1-9][0-9]{0,8})")
 _DEFAULT_TIMEOUT = 10.0
 
 
-def key_prefix(channel: str) -> str:
-    """``deepfreeze:stream:<channel>`` (the pub/sub channel; the hashes add ``:endpoints``/``:latest``)."""
+def key_prefix(channel: str, job: str | None = None) -> str:
+    """``deepfreeze:stream:<channel>``, and ``:job:<job>`` after it for a producer of a job (the
+    pub/sub channel; the hashes add ``:endpoints``/``:latest``). ``job``: the id of the job
+    (``<persistent>/<channel>/job``, :func:`deepfreeze.run.read_job_id`): two jobs of one user
+    with one channel name (and one token) on one Redis never see each other's records or notes."""
     if not isinstance(channel, str) or not 0 < len(channel) <= 200 or not channel.isprintable() or any(
             c.isspace() for c in channel):
         raise ConfigError(f"stream channel {channel!r:.100}: expected 1..200 printable characters without spaces")
-    return f"deepfreeze:stream:{channel}"
+    if job is not None and not valid_job_id(job):
+        raise ConfigError(f"stream job {job!r:.100}: not a job id (32 hex digits)")
+    return f"deepfreeze:stream:{channel}" + (f":job:{job}" if job is not None else "")
 
 
 def safe_url(url: Any) -> str:
@@ -176,8 +189,9 @@ class RedisNotifier:
     ``token``: the stream token (records and notes are MACed with it).
     ``timeout`` bounds every command (:class:`StreamTimeoutError`)."""
 
-    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT) -> None:
-        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel)
+    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT,
+                 job: str | None = None) -> None:
+        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel, job)
         self._key = _mac_key(token)
         self._redis, self._client = _connect(url, timeout)  # self.url: the URL without its password
 
@@ -244,8 +258,10 @@ class RedisListener:
     stream token; records and notes whose MAC does not verify under it are ignored (one warning
     per key and cause; :attr:`ignored` counts them)."""
 
-    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT) -> None:
-        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel)
+    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT,
+                 job: str | None = None) -> None:
+        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel, job)
+        self.job = job  #: the job whose records and notes this listener reads (None: no job id)
         self.timeout = timeout
         self._reader = _Reader(token)
         self._redis, self._client = _connect(url, timeout)  # self.url: the URL without its password

@@ -150,3 +150,44 @@ def test_flush_source_reads_the_device_it_checked(device, tmp_path, monkeypatch)
     finally:
         os.replace(device + ".moved", device)
 
+
+def test_two_jobs_one_channel_name_on_one_redis(tmp_path, monkeypatch):
+    """Two jobs of one user (one token) publish one channel name through one Redis, from different
+    persistent directories: before, they shared the Redis keys, so job A's consumer connected to
+    job B's producer (the one registered last) and received B's newer weights (v9 for A's v3).
+    Now each job's records and notes live under its job id (<persistent>/<channel>/job) and each
+    consumer gets its own job's versions, bit-exact."""
+    pytest.importorskip("redis", reason="the redis client is not installed (pip install redis)")
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from test_stream_core import MODEL, SPECS, arrays_of, check, shard_of
+    from test_stream_redis import RedisServer
+    from deepfreeze.run import RunInfo, Version, job_id
+    from deepfreeze.shardplan import ShardPlan
+    from deepfreeze.stream import Publisher, StreamOptions, Subscriber
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", "e" * 64)
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis")
+    plan = ShardPlan.build(SPECS, 1, min_shard_bytes=0)
+    opts = StreamOptions(shm_dir=str(tmp_path / "shm"), redis=server.url)
+    os.makedirs(opts.shm_dir)
+    pubs = {}
+    try:
+        for label, run in (("A", "aa" * 8), ("B", "bb" * 8)):
+            pers = tmp_path / label
+            os.makedirs(pers / "chan", mode=0o700)
+            job = job_id(str(pers), "chan")  # what the job's first run makes
+            pubs[label] = Publisher("chan", str(pers), rank=0, world=1, run=RunInfo(run, 0, job=job), plan=plan,
+                                    model_tensors=MODEL, options=opts)
+        for label, step in (("A", 3), ("B", 9)):  # B registered last, and newer
+            pubs[label].publish(Version(0, step), shard_of(plan, 0, arrays_of(step)))
+            pubs[label].wait(30)
+        for label, step in (("A", 3), ("B", 9)):
+            with Subscriber("chan", str(tmp_path / label), redis=server.url, tier="tcp") as sub:
+                up = sub.next(30)
+                assert up is not None and up.version == Version(0, step), (label, up and up.version)
+                check(up, arrays_of(step))
+    finally:
+        for p in pubs.values():
+            p.close()
+        server.stop()
