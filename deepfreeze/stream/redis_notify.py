@@ -36,9 +36,11 @@ already tells apart by its run id and versions.
 (:func:`key_prefix`), and a consumer reads the id from the same file: two jobs of one user with
 one channel name (and so one token) on one Redis never overwrite or read each other's records
 and notes (the MAC's context is the key, so a record cannot be moved from one job's keys to the
-other's either). Without a job id (no such file), ``deepfreeze:stream:<channel>``. A server that cannot be reached or that fails:
-:class:`~deepfreeze.errors.StreamError` naming the URL (timeouts:
-:class:`~deepfreeze.errors.StreamTimeoutError`), the cause chained.
+other's either). Without a job id (no such file), ``deepfreeze:stream:<channel>``. A consumer
+must therefore see the producer's persistent directory (as for its fallback) to find it here.
+
+A server that cannot be reached or that fails: :class:`~deepfreeze.errors.StreamError` naming
+the URL (timeouts: :class:`~deepfreeze.errors.StreamTimeoutError`), the cause chained.
 """
 from __future__ import annotations
 
