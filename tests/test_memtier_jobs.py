@@ -305,3 +305,21 @@ def test_repack_retires_only_runs_superseded_within_their_job(tmp_path, device):
     assert v.step == 2 and np.array_equal(got["w"], sa["w"])
     got, v = memtier.restore(device, "m", job=jb)
     assert v.step == 10 and np.array_equal(got["w"], sb["w"])
+
+
+def test_rm_with_an_ambiguous_job_prefix_retires_nothing(tmp_path, device):
+    """'memtier rm NAME --job PREFIX' takes an id or a *unique* prefix: a prefix two jobs share is
+    refused, naming both, and nothing is retired (before, both jobs' models were dropped)."""
+    ja, jb = "abcd" + "0" * 28, "abcd" + "1" * 28
+    s = {"w": np.arange(100, dtype=np.float32)}
+    for job in (ja, jb):
+        with memtier.register(device, "m", s, job=job) as m:
+            memtier.checkpoint(m, s, 1)
+    p = cli("memtier", "rm", device, "m", "--job", "abcd")
+    assert p.returncode != 0 and "more than one" in p.stderr and "abcd0000" in p.stderr, p.stderr
+    with mdev.open(device, writable=False) as dev:
+        assert sorted(r.job for r in dev.find("m")) == [ja, jb]
+    p = cli("memtier", "rm", device, "m", "--job", "abcd1")
+    assert p.returncode == 0, p.stderr
+    with mdev.open(device, writable=False) as dev:
+        assert [r.job for r in dev.find("m")] == [ja]
