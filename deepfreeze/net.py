@@ -74,7 +74,6 @@ frame format and the pre-authentication stage belong together with their protoco
 """
 from __future__ import annotations
 
-import errno
 import hmac
 import ipaddress
 import json
