@@ -18,7 +18,8 @@ slots, readers pin, the writer skips pinned slots: it never waits for a reader),
 With ``redis`` (``redis://host:port``) the endpoints and notifications also go through Redis,
 under keys of the producer's job (:func:`deepfreeze.stream.redis_notify.key_prefix`: the id in
 ``<persistent>/<channel>/job``, which the consumer reads too), so a consumer never finds another
-job's producer of the same channel name there.
+job's producer of the same channel name there (one that cannot read the id, such as a consumer
+of another account, uses the channel's keys: see :mod:`deepfreeze.stream.redis_notify`).
 :meth:`Publisher.publish` hands the buffer to the background thread ``deepfreeze-publish-r<rank>``
 and returns; that thread copies it into a slot (header written last), then notifies. If a
 version is handed over while the previous one is still being copied, the older *pending* one
@@ -534,12 +535,13 @@ class Subscriber:
         if self.redis_url:
             try:  # the producer's job (<persistent>/<channel>/job): only its records and notes are read
                 job = read_job_id(self.persistent, self.channel)
-            except DeepFreezeError as e:
+            except DeepFreezeError as e:  # e.g. another account's producer (its directory is 0700)
+                job = None
                 if self._job_warned != str(e):
-                    log.warning("deepfreeze: stream %s: the job id is unusable (%s): no producer is looked up in "
-                                "Redis", self.channel, e)
+                    log.warning("deepfreeze: stream %s: cannot read the producer's job id (%s): looking it up in "
+                                "Redis by channel name only (two jobs publishing this channel name there would "
+                                "be told apart only by their job id)", self.channel, e)
                     self._job_warned = str(e)
-                return {}
             if self._listener is not None and getattr(self._listener, "job", None) != job:
                 self._listener.close()  # the job's first run made its id since: that job's records from now on
                 self._listener = None
