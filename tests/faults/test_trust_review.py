@@ -203,3 +203,31 @@ def test_two_jobs_one_channel_name_on_one_redis(tmp_path, monkeypatch, caplog):
         for p in pubs.values():
             p.close()
         server.stop()
+
+
+def test_gc_never_rewrites_a_pack_of_another_user_into_one_of_yours(tmp_path):
+    """A pack of another user in the repository (e.g. copied in with its owner kept) is refused by
+    get; before, gc's compaction read it without the trust check and rewrote its bytes into a new
+    pack of yours, after which get returned them. Now gc's pack check goes through the one trust
+    check too: the pack is reported (naming its owner) and left as it is, and get still refuses it."""
+    from deepfreeze.repo.store import EmbeddedRepository
+    uid, gid = nobody_ids()
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(100).astype(np.float32)
+    big = rng.standard_normal(100_000).astype(np.float32)
+    d = str(tmp_path / "repo")
+    with EmbeddedRepository(d) as repo:
+        repo.put("m1", {"a": a, "big": big})
+        repo.put("m2", {"a": a})  # shares blob a: m1's pack stays, mostly dead once m1 is gone
+        repo.delete("m1")
+        packs = os.listdir(os.path.join(d, "packs"))
+        for p in packs:
+            os.chown(os.path.join(d, "packs", p), uid, gid)
+        with pytest.raises(UnsafePathError, match="owned by nobody"):
+            repo.get("m2")
+        out = repo.gc(grace=0)
+        assert out["packs_rewritten"] == 0 and any("owned by nobody" in x for x in out["damaged"]), out
+        assert sorted(os.listdir(os.path.join(d, "packs"))) == sorted(packs)
+        assert all(os.stat(os.path.join(d, "packs", p)).st_uid == uid for p in packs)
+        with pytest.raises(UnsafePathError, match="owned by nobody"):
+            repo.get("m2")
