@@ -232,3 +232,29 @@ def test_gc_never_rewrites_a_pack_of_another_user_into_one_of_yours(tmp_path):
         assert all(os.stat(os.path.join(d, "packs", p)).st_uid == uid for p in packs)
         with pytest.raises(UnsafePathError, match="owned by nobody"):
             repo.get("m2")
+
+
+def test_import_of_another_users_file_is_copied_not_linked(tmp_path):
+    """add_pack (the import of a checkpoint's assembled file) hard-linked the file into packs/
+    when it could: as root, a file of another (trusted) user became a pack owned by that user, so
+    the imported model could never be read (get refuses another user's pack) and that user could
+    still change its bytes. Now only a file of your own is linked; another owner's is copied into
+    a pack of yours, and get returns it bit-exact."""
+    from deepfreeze.repo.store import EmbeddedRepository, tensor_entries
+    uid, gid = nobody_ids()
+    w = {"w": np.arange(1000, dtype=np.float32), "b": np.ones(10, np.float32)}
+    with EmbeddedRepository(str(tmp_path / "r1")) as r1:
+        r1.put("m", w)
+    pack = os.listdir(tmp_path / "r1" / "packs")[0]
+    src = str(tmp_path / "theirs.dfz")  # a DeepFreeze-format file of another user
+    shutil.copy(tmp_path / "r1" / "packs" / pack, src)
+    os.chown(src, uid, gid)
+    entries = tensor_entries(src)
+    with EmbeddedRepository(str(tmp_path / "r2")) as r2:
+        out = r2.add_pack("imp", src, {f"t{i}": e for i, e in entries.items()})
+        assert out["how"] == "copied"
+        packs = os.listdir(tmp_path / "r2" / "packs")
+        assert all(os.stat(tmp_path / "r2" / "packs" / p).st_uid == os.getuid() for p in packs)
+        got = r2.get("imp")
+    assert got["t0"].tobytes() == w["w"].tobytes() and got["t1"].tobytes() == w["b"].tobytes()
+    assert os.stat(src).st_nlink == 1  # never linked
