@@ -957,7 +957,7 @@ def _open_source(shard_path: str | None, source: SlotSource | None
             idx = fmt.read_index(view[:head.image_len], label)  # copies the header and index only
         finally:
             view.release()
-        fd = os.open(source.device, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.dup(dev.fileno())  # the file checked at open, never the path again (it may be another file now)
 
         def recheck() -> None:
             if _slot_holds(region, source).raw != head.raw:

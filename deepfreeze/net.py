@@ -86,7 +86,6 @@ import os
 import secrets
 import select
 import socket
-import stat
 import struct
 import threading
 import time
@@ -196,15 +195,13 @@ def create_token(path: str | None = None) -> str:
     (``0600``, ``O_EXCL``) and then hard-linked into place (:func:`os.link` fails if the name
     exists), so a reader never sees a half-written file and an existing token is never
     overwritten: ``FileExistsError`` then (remove the file first to rotate the token; to load or
-    create, race-free, use :func:`ensure_token`)."""
+    create, race-free, use :func:`ensure_token`). The directory follows the directory rule of
+    :func:`deepfreeze.ownership.ensure_dir` (else :class:`~deepfreeze.errors.UnsafePathError`)."""
     path = os.path.abspath(os.path.expanduser(path or default_token_path()))
     d = os.path.dirname(path)
-    if not os.path.isdir(d):
-        os.makedirs(d, 0o700, exist_ok=True)
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise UntrustedOwnerError(f"{d} (the token's directory) is not a directory of yours: refusing to put a "
-                                  "secret there; choose another path")
+    # the one directory rule (deepfreeze.ownership.ensure_dir): missing directories are made 0700,
+    # an existing one must be a real directory that nobody else can write in (or a sticky one)
+    ownership.ensure_dir(d, d)
     token = secrets.token_hex(32)
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -21,8 +21,9 @@ will use, or plant symbolic links where its files go. The rules enforced here:
 * **Owners of checkpoint files**: scratch files are restored only when owned by the user (or
   root); persistent files also when their owner is in ``trust_owners`` (:func:`trusted_uids`).
 * **Files of the siblings** (issue 23): memory-tier devices, the repository's ``meta.db`` (and its
-  ``-wal``/``-shm``/``-journal``) and packs, stream rings in ``/dev/shm``, token files, the
-  backend log: DeepFreeze's own files. They are opened with :func:`open_trusted` (``O_NOFOLLOW``,
+  ``-wal``/``-shm``/``-journal``) and packs, stream rings in ``/dev/shm``, token files, job id
+  files (``<persistent>/<name>/job``, ``memtier.job_id``), the backend log: DeepFreeze's own
+  files. They are opened with :func:`open_trusted` (``O_NOFOLLOW``,
   never a hang on a FIFO, then ``fstat``): a regular file owned by the user, else a clear error
   naming the path, its owner and the way out; created ``0600``; one of the user's own that other
   users may read or write is tightened to ``0600`` with one log line (a token file is refused

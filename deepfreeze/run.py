@@ -49,6 +49,7 @@ import time
 from typing import Any, Callable
 
 from . import crashpoints as cp
+from . import ownership
 from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError
 from .fsafe import read_small
 
@@ -108,13 +109,25 @@ def valid_job_id(job: Any) -> bool:
 
 def read_job_id_at(path: str) -> str | None:
     """The job id kept in the file ``path``; None when there is no such file.
-    :class:`CorruptCheckpointError` when it holds something else (it is never replaced silently)."""
+    :class:`CorruptCheckpointError` when it holds something else (it is never replaced silently).
+    The file must be the user's own (:func:`deepfreeze.ownership.open_trusted`: a regular file,
+    no link; another user's is an :class:`~deepfreeze.errors.UnsafePathError` naming its owner:
+    one who planted the same id in two programs' job files would make them restore each other's
+    models)."""
     try:
-        data = read_small(path, 128)
+        fd = ownership.open_trusted(path, os.O_RDONLY, kind="job id file")
     except FileNotFoundError:
         return None
+    except DeepFreezeError:
+        raise
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot read the job id: {e}") from e
+    try:
+        data = os.read(fd, 129)
+    finally:
+        os.close(fd)
+    if len(data) > 128:
+        raise CorruptCheckpointError(f"{path} is larger than 128 bytes: not a job id file")
     text = data.decode("ascii", "replace").strip()
     if not valid_job_id(text):
         raise CorruptCheckpointError(f"{path}: {text[:40]!r} is not a job id (32 hex digits): the file is damaged. "

@@ -281,3 +281,45 @@ def test_keras_jobs_one_name_one_device(tmp_path, device):
     assert p.returncode == 0, p.stderr
     with np.load(full) as z:
         assert len(z.files) > len(want.files)
+
+
+def test_repack_retires_only_runs_superseded_within_their_job(tmp_path, device):
+    """Two jobs share a name; job B's second run is newer than everything of job A. Repack retires
+    B's first run (superseded by a newer run of its own job) and never A's, whose newest version
+    stays restorable for A, bit-exact."""
+    ja, jb = memtier.job_id(str(tmp_path / "a.job")), memtier.job_id(str(tmp_path / "b.job"))
+    sa = {"w": np.arange(1000, dtype=np.float32)}
+    sb = {"w": np.arange(1000, dtype=np.float32) * -1}
+    for job, state, steps in ((ja, sa, (1, 2)), (jb, sb, (8, 9)), (jb, sb, (10,))):
+        with memtier.register(device, "m", state, job=job) as m:
+            for step in steps:
+                memtier.checkpoint(m, state, step)
+    with mdev.open(device) as dev:
+        b_first = [r.run for r in dev.find("m")
+                   if r.job == jb and 9 in [h.version.step for _, h in r.restorable()]][0]
+        out = dev.repack(live=mdev.default_live)
+        left = {(r.job, r.run) for r in dev.find("m")}
+    assert out["retired"] >= 1 and (jb, b_first) not in left
+    assert sorted(j for j, _ in left) == sorted([ja, jb])
+    got, v = memtier.restore(device, "m", job=ja)
+    assert v.step == 2 and np.array_equal(got["w"], sa["w"])
+    got, v = memtier.restore(device, "m", job=jb)
+    assert v.step == 10 and np.array_equal(got["w"], sb["w"])
+
+
+def test_rm_with_an_ambiguous_job_prefix_retires_nothing(tmp_path, device):
+    """'memtier rm NAME --job PREFIX' takes an id or a *unique* prefix: a prefix two jobs share is
+    refused, naming both, and nothing is retired (before, both jobs' models were dropped)."""
+    ja, jb = "abcd" + "0" * 28, "abcd" + "1" * 28
+    s = {"w": np.arange(100, dtype=np.float32)}
+    for job in (ja, jb):
+        with memtier.register(device, "m", s, job=job) as m:
+            memtier.checkpoint(m, s, 1)
+    p = cli("memtier", "rm", device, "m", "--job", "abcd")
+    assert p.returncode != 0 and "more than one" in p.stderr and "abcd0000" in p.stderr, p.stderr
+    with mdev.open(device, writable=False) as dev:
+        assert sorted(r.job for r in dev.find("m")) == [ja, jb]
+    p = cli("memtier", "rm", device, "m", "--job", "abcd1")
+    assert p.returncode == 0, p.stderr
+    with mdev.open(device, writable=False) as dev:
+        assert [r.job for r in dev.find("m")] == [ja]

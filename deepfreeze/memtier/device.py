@@ -630,6 +630,14 @@ class Device:
             raise MemtierError(f"device {self.path} is closed")
         return self._mm
 
+    def fileno(self) -> int:
+        """The descriptor of the device file this object checked and mapped at open (valid until
+        :meth:`close`): read through it (``os.dup`` it to keep it longer), never by path again, so
+        a file put at the path since is never read."""
+        if self._fd < 0:
+            raise MemtierError(f"device {self.path} is closed")
+        return self._fd
+
     def close(self) -> None:
         """Unmap and close (views handed out keep the mapping alive until they are released)."""
         mm, self._mm = self._mm, None
@@ -1012,9 +1020,10 @@ class Device:
                 self.refresh()
                 return {"retired": 1, "freed_bytes": freed,
                         "models": [f"entry {entry}" + (f" ({r.name!r} run {r.run})" if r is not None else "")]}
-            match = [r for r in self._regions if r.name == name and (run is None or r.run == run)
-                     and (job is None or (r.job or "unknown") == job or (job != "unknown" and r.job is not None
-                                                                         and len(job) >= 4 and r.job.startswith(job)))]
+            match = [r for r in self._regions if r.name == name and (run is None or r.run == run)]
+            if job is not None and match:  # an id or a unique prefix: one that two jobs share drops nothing
+                job = _jobs.pick_job([r.job or "unknown" for r in match], job, f"{self.path}: {name!r}")
+                match = [r for r in match if (r.job or "unknown") == job]
             if not match:
                 raise CheckpointNotFoundError(f"{self.path} holds no model {name!r}"
                                               + (f" of run {run}" if run else "") + (f" of job {job}" if job else "")

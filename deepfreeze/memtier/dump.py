@@ -29,7 +29,7 @@ from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
 from ..export import ExportError, export, format_from_path
 from ..run import Version
 from . import device as mdev
-from .jobs import job_text
+from .jobs import job_text, pick_job
 from .api import _device, _ranges, assemble, select
 
 __all__ = ["dump"]
@@ -44,11 +44,8 @@ def _pick_job(regions: list, job: str | None, name: str, path: str) -> list:
             raise MemtierError(f"{path}: {name!r} is held by models of {len(jobs)} jobs ({', '.join(job_text(j) if j != 'unknown' else j for j in jobs)}): "
                                "pick one with job= (--job ID; 'deepfreeze memtier view' shows each model's job)")
         return regions
-    got = [j for j in jobs if j == job or (job != "unknown" and len(job) >= 4 and j.startswith(job))]
-    if len(got) != 1:
-        raise CheckpointNotFoundError(f"{path}: {'no' if not got else 'more than one'} job of {name!r} matches "
-                                      f"{job!r} (its jobs: {', '.join(jobs)})")
-    return [r for r in regions if (r.job or "unknown") == got[0]]
+    got = pick_job(jobs, job, f"{path}: {name!r}")
+    return [r for r in regions if (r.job or "unknown") == got]
 
 
 def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool = False,

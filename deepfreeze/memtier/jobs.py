@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from ..run import Version
 
-__all__ = ["job_text", "for_job", "say_ignored", "superseded_runs", "eviction_order"]
+__all__ = ["job_text", "pick_job", "for_job", "say_ignored", "superseded_runs", "eviction_order"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -24,6 +24,21 @@ log = logging.getLogger("deepfreeze")
 def job_text(job: str | None) -> str:
     """A job id as shown to people: its first 12 hex digits, or ``unknown``."""
     return "unknown" if job is None else job[:12]
+
+
+def pick_job(jobs: "Sequence[str]", job: str, what: str) -> str:
+    """The one of ``jobs`` (ids, or ``"unknown"``) that ``job`` names: itself, or a unique prefix of
+    at least 4 hex digits of an id (as ``memtier view`` shows it). None or several matching:
+    :class:`~deepfreeze.errors.CheckpointNotFoundError` naming ``what`` and the jobs (a command
+    given a prefix two jobs share must never act on both)."""
+    from ..errors import CheckpointNotFoundError
+    got = sorted({j for j in jobs if j == job or (job != "unknown" and j != "unknown" and len(job) >= 4
+                                                   and j.startswith(job))})
+    if len(got) != 1:
+        raise CheckpointNotFoundError(f"{what}: {'no' if not got else 'more than one'} job matches {job!r} (its jobs: "
+                                      f"{', '.join(sorted(set(jobs))) or 'none'}); give more digits of the id "
+                                      "('deepfreeze memtier view' shows each model's job)")
+    return got[0]
 
 
 def for_job(regions: Sequence[Any], job: str | None) -> tuple[list[Any], list[str]]:

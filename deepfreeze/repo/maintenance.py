@@ -58,8 +58,8 @@ import time
 import uuid
 from typing import Any, Sequence
 
-from .. import fsafe
-from ..errors import CorruptCheckpointError, RepositoryDatabaseError
+from .. import ownership
+from ..errors import CorruptCheckpointError, RepositoryDatabaseError, UnsafePathError, UntrustedOwnerError
 from .graph import ID_HEX_RE
 from .names import parse_name
 
@@ -324,7 +324,7 @@ class Maintenance:
             used = f"used by model {few(names)}" if names else "used by no live model"
             try:
                 path = self._pack_path(file)
-                with fsafe.open_regular_file(path) as f:
+                with ownership.open_trusted_file(path, kind="repository pack") as f:  # as get reads it
                     index = self._index(f, path)
                     for bid, dtype, shape, entry, n_entries, offset, length, crc in blobs:
                         try:
@@ -440,6 +440,9 @@ class Maintenance:
                 continue
             except CorruptCheckpointError as e:  # keep the pack as it is: the reads will say so
                 damaged.append(str(e))
+                continue
+            except (UnsafePathError, UntrustedOwnerError) as e:  # another user's pack: never rewritten as yours
+                warnings.append(f"{e} (not compacted: kept as it is)")
                 continue
             except OSError as e:  # no room for the new pack (a full disk): the old one stays
                 warnings.append(f"{self._pack_path(file)}: not compacted: writing its replacement failed "

@@ -1088,8 +1088,8 @@ class EmbeddedRepository(Maintenance):
         rows = conn.execute("SELECT id, dtype, shape, entry, n_entries, offset, length, crc FROM blobs WHERE pack=? "
                             "ORDER BY offset", (pid,)).fetchall()
         path = self._pack_path(file)
-        try:
-            with fsafe.open_regular_file(path) as f:
+        try:  # the one trust check, as for get: another user's pack is never copied into one of yours
+            with ownership.open_trusted_file(path, kind="repository pack") as f:
                 index = self._index(f, path)
                 items = []
                 for bid, dtype, shape, entry, n_entries, offset, length, crc in rows:
@@ -1243,9 +1243,12 @@ def tensor_entries(path: str) -> dict[int, list[int]]:
 def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> str:
     """Put the open file ``f`` (path ``src``) at ``dest``: a hard link on the same file system
     (returns ``"linked"``), else a copy (copy_file_range) under ``tmp`` renamed into place
-    (``"copied"``)."""
+    (``"copied"``). Only a file of the user's own is linked: a pack must be (deepfreeze.ownership),
+    so one of another (trusted) owner, e.g. imported by root with ``trust_owners``, is copied."""
     st = os.fstat(f.fileno())
     try:
+        if st.st_uid != os.getuid():
+            raise OSError(errno.EPERM, "not your file: copied, never linked into packs/")
         os.link(src, dest, follow_symlinks=False)
         dst = os.stat(dest)
         if (dst.st_ino, dst.st_dev) == (st.st_ino, st.st_dev):  # the file we checked, not a swapped one

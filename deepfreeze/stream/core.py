@@ -15,7 +15,11 @@ slots, readers pin, the writer skips pinned slots: it never waits for a reader),
 :class:`~deepfreeze.stream.wire.RankServer` (TCP via :mod:`deepfreeze.net`: token, loopback unless
 ``allow_remote``) serving the ring and pushing notifications, and an endpoint file
 ``<persistent>/<channel>/stream/r<rank>.json`` (mode 0600) telling consumers where all that is.
-With ``redis`` (``redis://host:port``) the endpoints and notifications also go through Redis.
+With ``redis`` (``redis://host:port``) the endpoints and notifications also go through Redis,
+under keys of the producer's job (:func:`deepfreeze.stream.redis_notify.key_prefix`: the id in
+``<persistent>/<channel>/job``, which the consumer reads too), so a consumer never finds another
+job's producer of the same channel name there (one that cannot read the id, such as a consumer
+of another account, uses the channel's keys: see :mod:`deepfreeze.stream.redis_notify`).
 :meth:`Publisher.publish` hands the buffer to the background thread ``deepfreeze-publish-r<rank>``
 and returns; that thread copies it into a slot (header written last), then notifies. If a
 version is handed over while the previous one is still being copied, the older *pending* one
@@ -57,7 +61,7 @@ from ..errors import (ConfigError, DeepFreezeError, StreamError, StreamTimeoutEr
                       UntrustedOwnerError, VersionGoneError)
 from ..fused import STAMP_BYTES, FusedLayout
 from ..levels import atomic_write
-from ..run import RunInfo, Version
+from ..run import RunInfo, Version, read_job_id
 from ..shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Publisher", "Subscriber", "Update", "StreamOptions", "endpoint_dir", "read_endpoints",
@@ -262,7 +266,10 @@ class Publisher:
             redis_url = self.options.redis
             if redis_url:
                 from .redis_notify import RedisNotifier
-                self.redis = RedisNotifier(redis_url, self.channel, token=token)
+                # keys of this job only (its id, as consumers read it: <persistent>/<channel>/job), so two
+                # jobs of one channel name on one Redis never overwrite or read each other's records
+                self.redis = RedisNotifier(redis_url, self.channel, token=token,
+                                           job=read_job_id(self.persistent, self.channel))
                 self.redis.register(rank, self.endpoint)
         except BaseException:
             self._close_parts()
@@ -463,6 +470,7 @@ class Subscriber:
         self._staging: dict[int, np.ndarray] = {}
         self._out: dict[str, np.ndarray] | None = None
         self._listener: Any = None
+        self._job_warned = ""
         self.bytes_by_tier: dict[str, int] = {"shm": 0, "tcp": 0, "persistent": 0}
         self.node = net.node_id()
 
@@ -562,9 +570,21 @@ class Subscriber:
 
     def _endpoints(self) -> dict[str, dict[int, dict[str, Any]]]:
         if self.redis_url:
+            try:  # the producer's job (<persistent>/<channel>/job): only its records and notes are read
+                job = read_job_id(self.persistent, self.channel)
+            except DeepFreezeError as e:  # e.g. another account's producer (its directory is 0700)
+                job = None
+                if self._job_warned != str(e):
+                    log.warning("deepfreeze: stream %s: cannot read the producer's job id (%s): looking it up in "
+                                "Redis by channel name only (two jobs publishing this channel name there would "
+                                "be told apart only by their job id)", self.channel, e)
+                    self._job_warned = str(e)
+            if self._listener is not None and getattr(self._listener, "job", None) != job:
+                self._listener.close()  # the job's first run made its id since: that job's records from now on
+                self._listener = None
             if self._listener is None:
                 from .redis_notify import RedisListener
-                self._listener = RedisListener(self.redis_url, self.channel, token=self._token_value())
+                self._listener = RedisListener(self.redis_url, self.channel, token=self._token_value(), job=job)
             out: dict[str, dict[int, dict[str, Any]]] = {}
             for rank, rec in self._listener.endpoints().items():
                 try:

@@ -29,9 +29,22 @@ MAC is missing or does not verify is ignored, never used, with one warning per k
 (not one per message). The socket handshake (:mod:`deepfreeze.net`) independently refuses a
 server that does not know the token, so a forged record can at worst point to nothing; a
 replayed old record or note of the same channel points to an older run, which the consumer
-already tells apart by its run id and versions. A server that cannot be reached or that fails:
-:class:`~deepfreeze.errors.StreamError` naming the URL (timeouts:
-:class:`~deepfreeze.errors.StreamTimeoutError`), the cause chained.
+already tells apart by its run id and versions.
+
+**Jobs.** A producer whose job has an id (``<persistent>/<channel>/job``,
+:func:`deepfreeze.run.read_job_id`) uses the keys ``deepfreeze:stream:<channel>:job:<id>``
+(:func:`key_prefix`), and a consumer reads the id from the same file: two jobs of one user with
+one channel name (and so one token) on one Redis never overwrite or read each other's records
+and notes (the MAC's context is the key, so a record cannot be moved from one job's keys to the
+other's either). A producer with a job id also writes everything under the channel's keys,
+``deepfreeze:stream:<channel>``, for consumers that cannot read the id (another account's, whose
+producer's persistent directory is ``0700``; a damaged ``job`` file): such a consumer reads the
+channel's keys, with one warning, and there, as before job ids, two jobs with one channel name
+on one Redis overwrite each other's records (it may reach either job's producer). Without a job
+id (no ``job`` file) the channel's keys only.
+
+A server that cannot be reached or that fails: :class:`~deepfreeze.errors.StreamError` naming
+the URL (timeouts: :class:`~deepfreeze.errors.StreamTimeoutError`), the cause chained.
 """
 from __future__ import annotations
 
@@ -43,6 +56,7 @@ import time
 from typing import Any, Mapping
 
 from ..errors import ConfigError, StreamError, StreamTimeoutError
+from ..run import valid_job_id
 
 __all__ = ["RedisNotifier", "RedisListener", "key_prefix", "safe_url", "MAX_VALUE"]
 
@@ -54,12 +68,17 @@ _RANK_FIELD = re.compile(r"r(0|[1-9][0-9]{0,8})")
 _DEFAULT_TIMEOUT = 10.0
 
 
-def key_prefix(channel: str) -> str:
-    """``deepfreeze:stream:<channel>`` (the pub/sub channel; the hashes add ``:endpoints``/``:latest``)."""
+def key_prefix(channel: str, job: str | None = None) -> str:
+    """``deepfreeze:stream:<channel>``, and ``:job:<job>`` after it for a producer of a job (the
+    pub/sub channel; the hashes add ``:endpoints``/``:latest``). ``job``: the id of the job
+    (``<persistent>/<channel>/job``, :func:`deepfreeze.run.read_job_id`): two jobs of one user
+    with one channel name (and one token) on one Redis never see each other's records or notes."""
     if not isinstance(channel, str) or not 0 < len(channel) <= 200 or not channel.isprintable() or any(
             c.isspace() for c in channel):
         raise ConfigError(f"stream channel {channel!r:.100}: expected 1..200 printable characters without spaces")
-    return f"deepfreeze:stream:{channel}"
+    if job is not None and not valid_job_id(job):
+        raise ConfigError(f"stream job {job!r:.100}: not a job id (32 hex digits)")
+    return f"deepfreeze:stream:{channel}" + (f":job:{job}" if job is not None else "")
 
 
 def safe_url(url: Any) -> str:
@@ -174,24 +193,32 @@ class RedisNotifier:
 
     ``url``: ``redis://host:port[/db]``; ``channel``: the stream's channel (checkpoint name);
     ``token``: the stream token (records and notes are MACed with it).
-    ``timeout`` bounds every command (:class:`StreamTimeoutError`)."""
+    ``timeout`` bounds every command (:class:`StreamTimeoutError`). ``job``: the producer's job
+    id: records and notes go under the job's keys, and also under the channel's keys for
+    consumers that cannot read the id (see the module docstring)."""
 
-    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT) -> None:
-        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel)
+    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT,
+                 job: str | None = None) -> None:
+        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel, job)
+        #: every prefix written: the job's, then the channel's (None: the channel's only)
+        self.prefixes = [self.prefix] + ([key_prefix(channel)] if job is not None else [])
         self._key = _mac_key(token)
         self._redis, self._client = _connect(url, timeout)  # self.url: the URL without its password
 
     def register(self, rank: int, endpoint: Mapping[str, Any]) -> None:
         """Store ``endpoint`` (a JSON-able mapping: address, node, ring path, ...) as rank ``rank``'s."""
         field = self._field(rank)
-        self._run("register", "hset", f"{self.prefix}:endpoints", field,
-                  _sealed(self._key, f"{self.prefix}:endpoints/{field}", endpoint))
+        pipe = self._client.pipeline(transaction=True)
+        for prefix in self.prefixes:
+            pipe.hset(f"{prefix}:endpoints", field, _sealed(self._key, f"{prefix}:endpoints/{field}", endpoint))
+        self._exec("register", pipe)
 
     def unregister(self, rank: int) -> None:
         """Remove rank ``rank``'s endpoint and latest note (at the producer's clean close)."""
         pipe = self._client.pipeline(transaction=True)
-        pipe.hdel(f"{self.prefix}:endpoints", self._field(rank))
-        pipe.hdel(f"{self.prefix}:latest", self._field(rank))
+        for prefix in self.prefixes:
+            pipe.hdel(f"{prefix}:endpoints", self._field(rank))
+            pipe.hdel(f"{prefix}:latest", self._field(rank))
         self._exec("unregister", pipe)
 
     def notify(self, note: Mapping[str, Any]) -> None:
@@ -199,10 +226,11 @@ class RedisNotifier:
         ``note["rank"]`` names the rank (the note of :meth:`RankServer.notify` has it)."""
         rank = note.get("rank")
         field = self._field(rank)
-        data = _sealed(self._key, f"{self.prefix}:note", note)
         pipe = self._client.pipeline(transaction=True)
-        pipe.hset(f"{self.prefix}:latest", field, data)
-        pipe.publish(self.prefix, data)
+        for prefix in self.prefixes:
+            data = _sealed(self._key, f"{prefix}:note", note)
+            pipe.hset(f"{prefix}:latest", field, data)
+            pipe.publish(prefix, data)
         self._exec("notify", pipe)
 
     def close(self) -> None:
@@ -244,8 +272,10 @@ class RedisListener:
     stream token; records and notes whose MAC does not verify under it are ignored (one warning
     per key and cause; :attr:`ignored` counts them)."""
 
-    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT) -> None:
-        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel)
+    def __init__(self, url: str, channel: str, *, token: str, timeout: float = _DEFAULT_TIMEOUT,
+                 job: str | None = None) -> None:
+        self.url, self.channel, self.prefix = safe_url(url), channel, key_prefix(channel, job)
+        self.job = job  #: the job whose records and notes this listener reads (None: no job id)
         self.timeout = timeout
         self._reader = _Reader(token)
         self._redis, self._client = _connect(url, timeout)  # self.url: the URL without its password
