@@ -357,10 +357,12 @@ class Cluster:
         self._started = False
 
     # ------------------------------------------------------------------ commands
-    def nsenter(self, name: str) -> list[str]:
-        """The command prefix that runs something on node ``name`` (or ``head``)."""
+    def nsenter(self, name: str, cwd: str | None = None) -> list[str]:
+        """The command prefix that runs something on node ``name`` (or ``head``) in directory
+        ``cwd`` (default: the current one; entering a mount namespace would otherwise start at /)."""
         kinds = ("net", "mnt", "uts") if name == "head" else _KINDS
-        return ["nsenter", *(f"{_NSENTER_FLAG[k]}={self._nsfile(name, k)}" for k in kinds), "--"]
+        return ["nsenter", *(f"{_NSENTER_FLAG[k]}={self._nsfile(name, k)}" for k in kinds),
+                f"--wd={os.path.abspath(cwd or os.getcwd())}", "--"]
 
     def env(self, extra: dict | None = None) -> dict:
         """The environment for commands on the cluster: Open MPI's launcher and interfaces, root allowed."""
@@ -387,16 +389,17 @@ class Cluster:
     def run(self, name: str, argv: list[str], *, timeout: float, env: dict | None = None, check: bool = True,
             cwd: str | None = None, input: str | None = None) -> subprocess.CompletedProcess:
         """Run ``argv`` on node ``name`` (or ``head``), bounded by ``timeout`` seconds."""
-        p = subprocess.run(self.nsenter(name) + list(argv), capture_output=True, text=True, timeout=timeout,
-                           env=self.env(env), cwd=cwd, input=input)
+        p = subprocess.run(self.nsenter(name, cwd) + list(argv), capture_output=True, text=True, timeout=timeout,
+                           env=self.env(env), input=input)
         if check and p.returncode != 0:
             raise ClusterError(f"on {name}: {' '.join(argv)} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}"
                                f"\nstderr:\n{p.stderr[-5000:]}")
         return p
 
-    def popen(self, name: str, argv: list[str], *, env: dict | None = None, **kw) -> subprocess.Popen:
+    def popen(self, name: str, argv: list[str], *, env: dict | None = None, cwd: str | None = None,
+              **kw) -> subprocess.Popen:
         """Start ``argv`` on node ``name`` in the background (the caller waits with a timeout)."""
-        return subprocess.Popen(self.nsenter(name) + list(argv), env=self.env(env), **kw)
+        return subprocess.Popen(self.nsenter(name, cwd) + list(argv), env=self.env(env), **kw)
 
     def mpirun(self, hosts: dict[str, int] | list[str], argv: list[str], *, timeout: float,
                env: dict | None = None, check: bool = True, cwd: str | None = None) -> subprocess.CompletedProcess:
