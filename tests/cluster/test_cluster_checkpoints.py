@@ -98,3 +98,29 @@ def test_without_protection_a_real_node_loss_loses_the_scratch_only_versions(mak
     p = _job(c, hosts, "restore", *opts, check=False)
     assert p.returncode != 0 and "no version of 'job' could be read whole" in p.stderr, p.stderr[-3000:]
     assert glob.glob(os.path.join(c.shared, "restore.rank*.json")) == []
+
+
+def test_per_node_memory_tier_devices_restored_bit_exact(make_cluster):
+    """A memory-tier device in each node's own /dev/shm (one path, three devices): each holds
+    its node's ranks only; restore reads them (level memtier), bit-exact; with the devices gone
+    (the nodes' /dev/shm dropped), from persistent."""
+    c = make_cluster(3)
+    dev = "/dev/shm/dfz-tier"
+    for n in c.names:
+        c.run(n, [PY, "-m", "deepfreeze", "memtier", "create", dev, "--size", "16M"], timeout=60, env=ENV)
+    hosts = {"n1": 1, "n2": 1, "n3": 1}
+    opts = [f"memtier={dev}", "ec_interval=-1", "persistent_interval=0"]
+    _job(c, hosts, "write", "1,2", *opts)
+    assert not os.path.exists(dev)  # the machine's own /dev/shm has none of it
+    for i, n in enumerate(c.names):
+        view = json.loads(c.run(n, [PY, "-m", "deepfreeze", "memtier", "view", dev, "--json"], timeout=60,
+                                env=ENV).stdout)
+        shards = [(m["name"], s["rank"], s["newest"]["version"]) for m in view["models"] for s in m["shards"]]
+        assert shards == [("job", i, 2)], (n, view)
+    got = _job(c, hosts, "restore", *opts)
+    assert {(g["version"], g["level"], g["bit_exact"]) for g in got} == {(2, "memtier", True)}, got
+    for n in c.names:
+        c.run(n, ["rm", "-f", dev], timeout=30)
+        c.run(n, ["rm", "-rf", f"{c.scratch}/ckpt"], timeout=30)
+    got = _job(c, hosts, "restore", "ec_interval=-1")
+    assert {(g["version"], g["level"], g["bit_exact"]) for g in got} == {(2, "persistent", True)}, got
