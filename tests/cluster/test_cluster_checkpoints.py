@@ -124,3 +124,37 @@ def test_per_node_memory_tier_devices_restored_bit_exact(make_cluster):
         c.run(n, ["rm", "-rf", f"{c.scratch}/ckpt"], timeout=30)
     got = _job(c, hosts, "restore", "ec_interval=-1")
     assert {(g["version"], g["level"], g["bit_exact"]) for g in got} == {(2, "persistent", True)}, got
+
+
+KERAS = os.path.join(HERE, "workers", "keras_job.py")
+
+
+def test_horovod_keras_job_resumes_bit_exact_after_a_real_node_loss(make_cluster):
+    """A Horovod Keras job launched by a plain ``mpirun -H n1:1,n2:1,n3:1``: XOR parity across
+    the nodes, only the first version on persistent (persistent_interval 1 h). n2 is lost and
+    comes back empty; ``resume=True`` on the three nodes resumes the newest version (rebuilt from
+    the survivors' shards and parity, not persistent's older one), bit-exact."""
+    import numpy as np
+    c = make_cluster(3)
+    opts = ["ec_interval=0", "ec_scheme=xor", "persistent_interval=3600"]
+    c.run("head", ["mpirun", "-H", "n1:1,n2:1,n3:1", "-np", "3", PY, KERAS, c.scratch, c.shared, "first", *opts],
+          timeout=400, env=ENV)
+    expected = sorted(glob.glob(os.path.join(c.shared, "expected", "*-v*.npz")),
+                      key=lambda p: int(p.rsplit("-v", 1)[1][:-4]))
+    newest = int(expected[-1].rsplit("-v", 1)[1][:-4])
+    from deepfreeze import Config, list_versions
+    committed = list_versions(Config.load(None, mode="async", scratch=c.scratch,
+                                          persistent=os.path.join(c.shared, "persistent")),
+                              "keras")
+    assert committed == {2: ["persistent"]}, committed  # the others on the nodes' scratch only
+    assert newest == 12
+    c.lose("n2")
+    c.start_node("n2")
+    c.run("head", ["mpirun", "-H", "n1:1,n2:1,n3:1", "-np", "3", PY, KERAS, c.scratch, c.shared, "resume", *opts],
+          timeout=400, env=ENV)
+    with open(os.path.join(c.shared, "resume.json")) as f:
+        assert json.load(f)["resumed_from"] == newest
+    want, got = np.load(expected[-1]), np.load(os.path.join(c.shared, "resumed.npz"))
+    assert len(want.files) == len(got.files)
+    for k in want.files:
+        assert want[k].tobytes() == got[k].tobytes(), k
