@@ -336,6 +336,20 @@ class Cluster:
             if os.path.exists(f):
                 os.unlink(f)
 
+    def signal(self, name: str, sig: int) -> list[int]:
+        """Send ``sig`` to every process of node ``name`` (``SIGSTOP``: the node's processes are
+        stopped, as a node that hangs; ``SIGCONT``: resumed). Returns the host pids signalled."""
+        ino = _ns_inode(self._nsfile(name, "pid"))
+        if ino is None:
+            raise ClusterError(f"no node {name}")
+        pids = pids_in({"pid": {ino}})
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
     def namespace_inodes(self) -> dict[str, set[int]]:
         """``{kind: {inode}}`` of every namespace of the cluster (to check that none is left)."""
         out: dict[str, set[int]] = {k: set() for k in _KINDS}

@@ -158,3 +158,64 @@ def test_horovod_keras_job_resumes_bit_exact_after_a_real_node_loss(make_cluster
     assert len(want.files) == len(got.files)
     for k in want.files:
         assert want[k].tobytes() == got[k].tobytes(), k
+
+
+LEASE = os.path.join(HERE, "workers", "lease_job.py")
+
+
+def _committed(c, name):
+    from deepfreeze.levels import PersistentLevel
+    out = {}
+    for v in PersistentLevel(os.path.join(c.shared, "persistent")).committed_versions(name):
+        v = getattr(v, "step", v)
+        with open(os.path.join(c.shared, "persistent", name, f"v{v:012d}", "manifest.json")) as f:
+            out[v] = json.load(f)["run"]["id"]
+    return out
+
+
+def test_lease_when_the_holders_node_is_stopped(make_cluster):
+    """Run A on n1 holds the lease; every process of n1 is stopped (SIGSTOP). ``resume=True`` on
+    n2 waits for A's heartbeat to go stale (lease_timeout), takes the name over and commits its
+    versions. n1 resumed (SIGCONT): A is fenced: it stops with an error and commits nothing more."""
+    import signal
+    import subprocess
+    import time
+    c = make_cluster(3)
+    logs = {t: open(os.path.join(c.base, f"{t}.log"), "w+") for t in ("A", "B")}
+    a = c.popen("head", ["mpirun", "-H", "n1:1", "-np", "1", PY, LEASE, c.scratch, c.shared, "A", "first"],
+                env=ENV, stdout=logs["A"], stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while len(_committed(c, "lease")) < 2:
+            assert a.poll() is None and time.monotonic() < deadline, open(logs["A"].name).read()[-3000:]
+            time.sleep(0.5)
+        c.signal("n1", signal.SIGSTOP)
+        before = _committed(c, "lease")
+        run_a = next(iter(before.values()))
+        b = c.run("head", ["mpirun", "-H", "n2:1", "-np", "1", PY, LEASE, c.scratch, c.shared, "B", "resume",
+                           "stop_after=2"], timeout=300, env=ENV)
+        with open(os.path.join(c.shared, "B.json")) as f:
+            rb = json.load(f)
+        assert rb["error"] is None and rb["resumed_from"] is not None and rb["run"] != run_a, rb
+        # taken over because its heartbeat went stale (B waits for that when it starts sooner than
+        # lease_timeout), never because A's pid, which means nothing on n2, looked dead there
+        assert "has had no heartbeat" in b.stderr and "taking it over" in b.stderr, b.stderr[-3000:]
+        assert "which is gone" not in b.stderr, b.stderr[-3000:]
+        c.signal("n1", signal.SIGCONT)
+        a.wait(timeout=240)
+        with open(os.path.join(c.shared, "A.json")) as f:
+            ra = json.load(f)
+        assert ra["run"] == run_a and ra["error"] is not None, ra
+        assert ra["error"][0] in ("LeaseHeldError", "FencedError") and "taken over" in ra["error"][1], ra
+        after = _committed(c, "lease")
+        by_a = {v for v, r in after.items() if r == run_a}
+        assert by_a <= set(before), (before, after)  # A committed nothing once its node was stopped
+        assert {v for v, r in after.items() if r == rb["run"]} and \
+            all(r == rb["run"] for v, r in after.items() if v > rb["resumed_from"]), after
+    finally:
+        if a.poll() is None:
+            c.signal("n1", signal.SIGCONT)
+            a.kill()
+            a.wait(timeout=30)
+        for f in logs.values():
+            f.close()
