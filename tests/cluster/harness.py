@@ -278,7 +278,10 @@ class Cluster:
             self._sh(["unshare", f"--net={self._nsfile('head', 'net')}", f"--mount={self._nsfile('head', 'mnt')}",
                       f"--uts={self._nsfile('head', 'uts')}", "sh", "-c",
                       f"hostname head && mount --bind {self.base}/hosts /etc/hosts && ip link set lo up"])
-            self._head_net("link", "add", BRIDGE, "type", "bridge")
+            # a fixed MAC: a bridge otherwise takes the lowest of its ports' and changes it when a
+            # node's link is replaced (lose, start_node), black-holing every node's packets to the
+            # head (mpirun) until their ARP entries go stale
+            self._head_net("link", "add", BRIDGE, "address", "02:df:00:00:ff:fe", "type", "bridge")
             self._head_net("addr", "add", f"{self.address('head')}/24", "dev", BRIDGE)
             self._head_net("link", "set", BRIDGE, "up")
             self._started = True
@@ -310,7 +313,12 @@ class Cluster:
                     raise ClusterError(f"node {name} did not come up: {f.read()[-2000:]}")
             time.sleep(0.02)
         veth = f"v{name}"
-        self._head_net("link", "add", veth, "type", "veth", "peer", "name", IFACE, "netns", files["net"])
+        # the same MAC address for a node that comes back (start_node after lose): the others' ARP
+        # caches still hold it, and a new one would black-hole their packets until the entry goes stale
+        i = int(name[1:])
+        mac = f"02:df:00:00:{i >> 8:02x}:{i & 0xff:02x}"
+        self._head_net("link", "add", veth, "address", f"02:df:00:01:{i >> 8:02x}:{i & 0xff:02x}", "type", "veth",
+                       "peer", "name", IFACE, "address", mac, "netns", files["net"])
         self._head_net("link", "set", veth, "master", BRIDGE, "up")
         self.run(name, ["sh", "-c", f"ip link set lo up && ip addr add {self.address(name)}/24 dev {IFACE} && "
                                     f"ip link set {IFACE} up"], timeout=30)
@@ -403,8 +411,13 @@ class Cluster:
     def run(self, name: str, argv: list[str], *, timeout: float, env: dict | None = None, check: bool = True,
             cwd: str | None = None, input: str | None = None) -> subprocess.CompletedProcess:
         """Run ``argv`` on node ``name`` (or ``head``), bounded by ``timeout`` seconds."""
-        p = subprocess.run(self.nsenter(name, cwd) + list(argv), capture_output=True, text=True, timeout=timeout,
-                           env=self.env(env), input=input)
+        try:
+            p = subprocess.run(self.nsenter(name, cwd) + list(argv), capture_output=True, text=True,
+                               timeout=timeout, env=self.env(env), input=input)
+        except subprocess.TimeoutExpired as e:
+            out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+            raise ClusterError(f"on {name}: {' '.join(argv)} did not end within {timeout} s\nstdout:\n{out[-3000:]}"
+                               f"\nstderr:\n{err[-5000:]}") from None
         if check and p.returncode != 0:
             raise ClusterError(f"on {name}: {' '.join(argv)} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}"
                                f"\nstderr:\n{p.stderr[-5000:]}")

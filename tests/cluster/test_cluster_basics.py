@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cluster.harness import Cluster, PREFIX, pids_in, sweep
+from cluster.harness import PREFIX, pids_in, sweep
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

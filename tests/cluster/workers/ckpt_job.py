@@ -10,9 +10,11 @@ that is the node. The tensors and their values are tests/workers/numpy_job.py's 
 version), so a restore is compared bit for bit with what was written. Keys: mode, ec_scheme and
 the INI keys persistent_interval, ec_interval, max_versions, scratch_versions, memtier.
 """
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -30,6 +32,7 @@ DEFAULTS = {"mode": "async", "ec_scheme": "xor", "persistent_interval": "0", "ec
 
 
 def main():
+    faulthandler.register(signal.SIGUSR1)  # a test that times out can ask where each rank is
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     cmd, scratch, shared = sys.argv[1], sys.argv[2], sys.argv[3]
     rest = sys.argv[4:]
