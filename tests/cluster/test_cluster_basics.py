@@ -139,6 +139,34 @@ def test_plain_mpirun_reports_three_distinct_node_ids(cluster3, tmp_path):
     assert len({r["pid_ns"] for r in ranks}) == 3 and len({r["net_ns"] for r in ranks}) == 3
 
 
+def test_a_lost_node_is_gone_and_comes_back_empty_and_reachable(cluster3):
+    """lose(): every process of the node killed, its /tmp, /dev/shm and scratch dropped;
+    start_node(): a fresh node at the same name and address, reachable at once from the other
+    nodes and from mpirun on the head (the bridge and links keep their MAC addresses)."""
+    s = cluster3.scratch
+    cluster3.run("n2", ["sh", "-c", f"echo x > /dev/shm/dfz-lost && echo x > {s}/dfz-lost && echo x > /tmp/dfz-lost"],
+                 timeout=30)
+    sleeper = cluster3.popen("n2", ["sleep", "600"])
+    pid_ns = os.stat(os.path.join(cluster3.ns, "n2.pid")).st_ino
+    cluster3.lose("n2")
+    sleeper.wait(timeout=30)
+    assert pids_in({"pid": {pid_ns}}) == []
+    cluster3.start_node("n2")
+    left = cluster3.run("n2", ["sh", "-c", f"ls /dev/shm /tmp {s}"], timeout=30).stdout
+    assert "dfz-lost" not in left
+    srv = cluster3.popen("n2", [PY, "-c", SERVE_TCP], stdout=subprocess.PIPE, text=True)
+    try:
+        port = srv.stdout.readline().strip()
+        got = cluster3.run("n1", [PY, "-c", CONNECT_TCP, "n2", port], timeout=30).stdout
+        assert got == f"got hello {cluster3.address('n1')}\n"
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+        srv.communicate(timeout=30)
+    p = cluster3.run("head", ["mpirun", "-H", "n1:1,n2:1,n3:1", "-np", "3", "hostname"], timeout=60)
+    assert sorted(p.stdout.split()) == ["n1", "n2", "n3"]
+
+
 def _machine_state():
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=30).stdout
     return sorted(line.split(":")[1].strip() for line in links.splitlines())
