@@ -358,6 +358,25 @@ class Cluster:
                 pass
         return pids
 
+    def partition(self, name: str) -> None:
+        """Cut node ``name`` off the network (its link on the bridge down): its processes live on,
+        nothing reaches it or leaves it. :meth:`heal` reconnects it."""
+        self._head_net("link", "set", f"v{name}", "down")
+
+    def heal(self, name: str) -> None:
+        """Undo :meth:`partition`."""
+        self._head_net("link", "set", f"v{name}", "up")
+
+    def limit(self, name: str, rate: str | None) -> None:
+        """Rate-limit node ``name``'s link in both directions with a token bucket (``tc ... tbf``;
+        ``rate`` as tc writes it, e.g. ``"8mbit"``); ``None`` removes the limit."""
+        for where, dev in (("head", f"v{name}"), (name, IFACE)):
+            if rate is None:
+                self.run(where, ["tc", "qdisc", "del", "dev", dev, "root"], timeout=30, check=False)
+            else:
+                self.run(where, ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                                 "burst", "32kb", "latency", "400ms"], timeout=30)
+
     def namespace_inodes(self) -> dict[str, set[int]]:
         """``{kind: {inode}}`` of every namespace of the cluster (to check that none is left)."""
         out: dict[str, set[int]] = {k: set() for k in _KINDS}

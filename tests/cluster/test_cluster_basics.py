@@ -167,6 +167,37 @@ def test_a_lost_node_is_gone_and_comes_back_empty_and_reachable(cluster3):
     assert sorted(p.stdout.split()) == ["n1", "n2", "n3"]
 
 
+def test_partition_and_rate_limit_of_a_node(cluster3):
+    """partition(): nothing reaches the node (connects time out), the others are unaffected;
+    heal() reconnects it. limit(): a tbf qdisc on both ends of its link; traffic still flows."""
+    servers = {n: cluster3.popen(n, [PY, "-c", SERVE_TCP], stdout=subprocess.PIPE, text=True) for n in ("n2", "n3")}
+    try:
+        ports = {n: s.stdout.readline().strip() for n, s in servers.items()}
+        cluster3.partition("n2")
+        try:
+            cut = cluster3.run("n1", [PY, "-c", CONNECT_TCP, "n2", ports["n2"]], timeout=30).stdout
+            assert cut.startswith("failed"), cut
+            ok = cluster3.run("n1", [PY, "-c", CONNECT_TCP, "n3", ports["n3"]], timeout=30).stdout
+            assert ok == f"got hello {cluster3.address('n1')}\n"
+        finally:
+            cluster3.heal("n2")
+        cluster3.limit("n2", "8mbit")
+        try:
+            for where in ("head", "n2"):
+                dev = "vn2" if where == "head" else "dfz0"
+                assert " tbf " in cluster3.run(where, ["tc", "qdisc", "show", "dev", dev], timeout=30).stdout
+            back = cluster3.run("n1", [PY, "-c", CONNECT_TCP, "n2", ports["n2"]], timeout=30).stdout
+            assert back == f"got hello {cluster3.address('n1')}\n"
+        finally:
+            cluster3.limit("n2", None)
+        assert " tbf " not in cluster3.run("head", ["tc", "qdisc", "show", "dev", "vn2"], timeout=30).stdout
+    finally:
+        for s in servers.values():
+            if s.poll() is None:
+                s.kill()
+            s.communicate(timeout=30)
+
+
 def _machine_state():
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=30).stdout
     return sorted(line.split(":")[1].strip() for line in links.splitlines())
