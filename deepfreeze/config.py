@@ -13,10 +13,10 @@ import dataclasses
 import difflib
 import os
 import re
-import socket
 import stat
 from typing import Any, Mapping
 
+from . import node as _node
 from .errors import ConfigError
 
 __all__ = ["Config", "KEYS", "VELOC_ONLY", "validate_name", "did_you_mean"]
@@ -88,7 +88,7 @@ class Config:
     scratch_versions: int = 0
     chksum: bool = True
     meta: str | None = None
-    failure_domain: str = dataclasses.field(default_factory=socket.gethostname)
+    failure_domain: str = dataclasses.field(default_factory=_node.host_name)
     watchdog_interval: float = 0.0
     max_inflight: int = 2
     lease_timeout: float = 30.0

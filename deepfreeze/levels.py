@@ -76,7 +76,6 @@ import logging
 import os
 import re
 import secrets
-import socket
 import stat
 import threading
 import time
@@ -91,6 +90,7 @@ from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeErro
 from .run import ANONYMOUS_RUN, _alive, describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .fsafe import open_regular, read_small
 from .fused import FusedShard
+from .node import host_name, node_id
 from .shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
@@ -113,7 +113,7 @@ class FencedError(DeepFreezeError, RuntimeError):
 
 def _uniq() -> str:
     """Suffix for temporary names, unique across hosts, processes and threads."""
-    return f"{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
+    return f"{host_name()}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
 
 
 def _fsync_dir(path: str, point: str) -> None:
@@ -531,14 +531,15 @@ class PersistentLevel(Level):
     @contextlib.contextmanager
     def locked(self, vdir: str, *, wait: float, stale_after: float) -> Iterator[bool]:
         """Hold ``commit.lock`` of a version directory. Yields False (not taken) when another
-        live holder keeps it longer than ``wait`` seconds. The lock holds ``host pid token``. A
-        lock of a dead (or zombie) process of this host is broken at once; a lock of another host
+        live holder keeps it longer than ``wait`` seconds. The lock holds ``node pid token``
+        (:func:`deepfreeze.node.node_id`; the host name in a lock of a DeepFreeze before node ids). A
+        lock of a dead (or zombie) process of this node is broken at once; a lock of another node
         once it is older than ``stale_after`` seconds by the file system's clock; a live holder on
-        this host is never broken. Breaking moves the lock aside (one breaker wins) and puts it back
+        this node is never broken. Breaking moves the lock aside (one breaker wins) and puts it back
         if what was moved is not the lock judged stale; release removes the lock only if it still
         holds this holder's token."""
         path = os.path.join(vdir, LOCK)
-        me = f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}".encode()
+        me = f"{node_id()} {os.getpid()} {secrets.token_hex(8)}".encode()
         deadline = time.monotonic() + wait
         taken = False
         while True:
@@ -554,7 +555,7 @@ class PersistentLevel(Level):
                 raw, mtime = None, 0.0  # cannot judge it: treated as live
             if raw is not None:
                 host, pid = (raw.decode(errors="replace").split(" ") + ["", ""])[:2]
-                here = host == socket.gethostname()
+                here = host in (node_id(), host_name())  # a host name: a lock of a DeepFreeze before node ids
                 dead = here and pid.isdigit() and not _alive(int(pid))
                 if dead or (not here and fs_now(vdir) - mtime > stale_after):
                     log.warning("deepfreeze: breaking stale lock %s of %s process %s", path,

@@ -93,6 +93,7 @@ from typing import Any, Iterable, Mapping
 
 from . import errors as _errors
 from . import ownership
+from .node import node_id  # re-exported: the one definition is deepfreeze.node
 from .errors import (AuthenticationError, ConfigError, DeepFreezeError, FrameAuthenticationError,
                      ProtocolVersionError, ProviderError, ProviderTimeoutError, UnsafePathError, UntrustedOwnerError)
 
@@ -174,15 +175,6 @@ _CHUNK = 64 << 20  # largest single send/recv call (keeps each call's wait short
 
 
 # ----------------------------------------------------------------------------- tokens
-
-def node_id() -> str:
-    """This machine's boot id (same node <=> same boot id; the host name where there is none)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read(100).strip()
-    except OSError:
-        return socket.gethostname()
-
 
 def default_token_path() -> str:
     """``~/.deepfreeze/token`` expanded."""

@@ -43,12 +43,12 @@ import json
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from typing import Any, Callable
 
 from . import crashpoints as cp
+from . import node as _node
 from . import ownership
 from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError
 from .fsafe import read_small
@@ -322,7 +322,7 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _content(self) -> bytes:
-        return json.dumps({"run": self.run, "host": socket.gethostname(), "pid": os.getpid(),
+        return json.dumps({"run": self.run, "host": _node.host_name(), "node": _node.node_id(), "pid": os.getpid(),
                            "seq": self.seq, "timeout": self.timeout}).encode()
 
     def _create(self) -> bool:
@@ -370,7 +370,7 @@ class Lease:
             if holder.get("released"):  # its run ended with close(): free
                 self._take_over(holder)
                 continue
-            here = holder.get("host") == socket.gethostname()
+            here = _node.is_here(holder)
             pid = holder.get("pid")
             now = fs_now(self.dir)
             age = now - mtime

@@ -69,6 +69,19 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 
+# 1c. iproute2 and util-linux (optional: `ip`, `unshare`, `nsenter` for the namespaced test cluster,
+#     tests/cluster/; its tests skip without them or without root)
+if ! command -v ip >/dev/null 2>&1 || ! command -v nsenter >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    say "installing iproute2 and util-linux from Debian packages (optional: the test cluster)"
+    export DEBIAN_FRONTEND=noninteractive
+    (apt-get update -qq && apt-get install -y -qq iproute2 util-linux >/dev/null) \
+      || echo "setup: WARNING: iproute2/util-linux did not install; the cluster tests will skip" >&2
+  else
+    say "ip/nsenter missing (optional; 'sudo apt-get install iproute2 util-linux' for the cluster tests, run as root)"
+  fi
+fi
+
 # 2. venv + Python packages
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV"

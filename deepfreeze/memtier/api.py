@@ -29,12 +29,12 @@ log line.
 from __future__ import annotations
 
 import logging
-import socket
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .. import format as fmt
+from ..node import host_name
 from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
 from ..run import RunInfo, Version, job_id_at, new_run_id, valid_job_id
 from ..shardplan import ShardPlan, TensorSpec
@@ -150,7 +150,7 @@ def register(device: "mdev.Device | str", name: str,
 
 def _manifest(name: str, version: Version, step: int, plan: ShardPlan, run: RunInfo) -> dict[str, Any]:
     from ..engine import build_manifest
-    return build_manifest(name, version.step, step, 0, plan, [socket.gethostname()], {"memtier": True}, run=run)
+    return build_manifest(name, version.step, step, 0, plan, [host_name()], {"memtier": True}, run=run)
 
 
 def checkpoint(model: Model, arrays: "Mapping[str, np.ndarray] | Sequence[np.ndarray]", step: int, *,

@@ -93,7 +93,6 @@ import math
 import mmap
 import os
 import re
-import socket
 import struct
 import threading
 import time
@@ -103,6 +102,7 @@ import numpy as np
 
 from .. import crashpoints as cp
 from .. import format as fmt
+from .. import node as _node
 from ..errors import (CorruptCheckpointError, MemtierBusyError, MemtierCorruptError, MemtierError,
                       MemtierFullError, UntrustedOwnerError)
 from ..run import Version, valid_job_id
@@ -370,7 +370,8 @@ def _index_problem(idx: Any, e: "_Entry | None") -> str | None:
         return "'job' malformed (null or 32 hex digits)"
     owner = idx.get("owner")
     if owner is not None and not (isinstance(owner, dict) and _int(owner.get("pid"), 1, 1 << 31)
-                                  and _int(owner.get("start"), 0, 1 << 62) and isinstance(owner.get("boot"), str)):
+                                  and _int(owner.get("start"), 0, 1 << 62) and isinstance(owner.get("boot"), str)
+                                  and isinstance(owner.get("node", ""), str)):
         return "'owner' malformed"
     data_offset, file_size, tensors = idx["data_offset"], idx["file_size"], idx["tensors"]
     if len(tensors) > fmt.MAX_ENTRIES:
@@ -1402,17 +1403,10 @@ def _proc_start(pid: int) -> int | None:
         return None
 
 
-def _boot_id() -> str:
-    try:
-        with builtins_open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            return f.read(64).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
-
-
 def owner_record() -> dict[str, Any]:
-    """This process as the owner of a standalone model (pid, start time, boot id)."""
-    return {"pid": os.getpid(), "start": _proc_start(os.getpid()) or 0, "boot": _boot_id()}
+    """This process as the owner of a standalone model (pid, start time, boot id, node)."""
+    return {"pid": os.getpid(), "start": _proc_start(os.getpid()) or 0, "boot": _node.boot_id(),
+            "node": _node.node_id()}
 
 
 def default_live(region: ShardRegion) -> bool:
@@ -1435,7 +1429,7 @@ def default_live(region: ShardRegion) -> bool:
         if got is None:
             return False
         holder, mtime = got
-        if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        if _node.is_here(holder) and isinstance(holder.get("pid"), int):
             from ..run import _alive
             if not _alive(holder["pid"]):  # a holder process of this host that no longer exists (run.py's rule)
                 return False
@@ -1443,8 +1437,10 @@ def default_live(region: ShardRegion) -> bool:
             and time.time() - mtime <= float(lease["timeout"])
     owner = idx.get("owner")
     if owner:
-        if owner["boot"] != _boot_id():
-            return False
+        if owner["boot"] != _node.boot_id():
+            return False  # the kernel rebooted since: its process is gone
+        if isinstance(owner.get("node"), str) and owner["node"] != _node.node_id():
+            return True  # another node on this kernel (its own pids): cannot be checked here
         return _proc_start(owner["pid"]) == owner["start"]
     return True
 

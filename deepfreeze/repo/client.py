@@ -35,6 +35,7 @@ from .. import net
 from ..errors import (ConfigError, CorruptCheckpointError, DeepFreezeError, ModelMismatchError, ModelNotFoundError,
                       ProviderError, RepositoryError)
 from ..format import byte_view, dtype_itemsize, dtype_name, numpy_dtype
+from ..node import node_id
 from .arena import close_mapping, create_staging_file, open_shared
 from .graph import check_graph, tensor_keys
 from .names import check_name
@@ -87,7 +88,7 @@ class _Provider:
         sock = net.connect(self.addr, r.timeout)
         try:
             ch, hello = net.client_handshake(sock, r.token, {"op": "hello", "providers": r.addresses,
-                                                             "index": self.index, "node": net.node_id(),
+                                                             "index": self.index, "node": node_id(),
                                                              "uid": os.getuid()}, deadline=deadline)
         except BaseException:
             sock.close()

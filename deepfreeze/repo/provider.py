@@ -82,6 +82,7 @@ from .. import net
 from ..errors import (AuthenticationError, ConfigError, CorruptCheckpointError, DeepFreezeError, ModelNotFoundError,
                       ProviderError, ProviderTimeoutError, RepositoryError)
 from ..format import MAX_NDIM, dtype_itemsize, numpy_dtype
+from ..node import node_id
 from .arena import DEFAULT_ARENA_BYTES, Arena, Extent, close_mapping, open_shared
 from .graph import ID_HEX_RE
 from .names import check_name
@@ -206,7 +207,7 @@ class Provider:
                  max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.repo, self.arena, self.token = repository, arena, token
         self.io_timeout, self.max_request_bytes = io_timeout, max_request_bytes
-        self.node, self.uid = net.node_id(), os.getuid()
+        self.node, self.uid = node_id(), os.getuid()
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self.connections = 0

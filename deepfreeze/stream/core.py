@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from typing import Any, Mapping, Sequence
@@ -61,6 +60,7 @@ from ..errors import (ConfigError, DeepFreezeError, StreamError, StreamTimeoutEr
                       UntrustedOwnerError, VersionGoneError)
 from ..fused import STAMP_BYTES, FusedLayout
 from ..levels import atomic_write
+from ..node import host_name, node_id
 from ..run import RunInfo, Version, read_job_id
 from ..shardplan import ShardPlan, TensorSpec
 
@@ -255,7 +255,7 @@ class Publisher:
                                      allow_remote=self.options.allow_remote, io_timeout=self.options.io_timeout)
             self.endpoint = {
                 "format": ENDPOINT_FORMAT, "channel": self.channel, "run": run.id, "generation": run.generation,
-                "rank": rank, "world": world, "node": net.node_id(), "host": socket.gethostname(),
+                "rank": rank, "world": world, "node": node_id(), "host": host_name(),
                 "pid": os.getpid(), "uid": os.getuid(), "ring": self.ring_path, "address": self.server.address,
                 "nbytes": self.prefix, "model_tensors": model_tensors, "t": time.time(),
                 "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json()}
@@ -472,7 +472,7 @@ class Subscriber:
         self._listener: Any = None
         self._job_warned = ""
         self.bytes_by_tier: dict[str, int] = {"shm": 0, "tcp": 0, "persistent": 0}
-        self.node = net.node_id()
+        self.node = node_id()
 
     # -- public
     def next(self, timeout: float | None = None, *, out: dict[str, np.ndarray] | None = None) -> Update | None:

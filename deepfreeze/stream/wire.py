@@ -75,6 +75,7 @@ from .. import net
 from ..errors import (AuthenticationError, ConfigError, DeepFreezeError, ProviderError, StreamError,
                       StreamTimeoutError, VersionGoneError)
 from ..format import crc32
+from ..node import node_id
 from ..run import RunInfo, Version
 
 if TYPE_CHECKING:  # the ring is duck-typed at run time (latest, pinned, capacity, path)
@@ -229,7 +230,7 @@ class RankServer:
         self._lock = threading.Lock()
         self._closed = False
         self._count = 0
-        self._node = net.node_id()
+        self._node = node_id()
         self._sock = net.listen(host, port, allow_remote=allow_remote)
         if advertise is None:  # a wildcard address is no address to connect to: name this machine
             advertise = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
