@@ -140,13 +140,19 @@ class _NoMac:
         return bytes(self.size)
 
 
+_POLY1305: Any = None
+
+
 def _poly1305(key: bytes) -> Any:
-    try:
-        from cryptography.hazmat.primitives.poly1305 import Poly1305
-    except ImportError as e:  # a declared dependency (pyproject, scripts/setup.sh)
-        raise ImportError("deepfreeze.net needs the 'cryptography' package for its payload MAC (Poly1305): "
-                          "pip install cryptography") from e
-    return Poly1305(key)
+    global _POLY1305
+    if _POLY1305 is None:
+        try:
+            from cryptography.hazmat.primitives.poly1305 import Poly1305
+        except ImportError as e:  # a declared dependency (pyproject, scripts/setup.sh)
+            raise ImportError("deepfreeze.net needs the 'cryptography' package for its payload MAC (Poly1305): "
+                              "pip install cryptography") from e
+        _POLY1305 = Poly1305
+    return _POLY1305(key)
 
 
 class _PayloadMac:
@@ -155,8 +161,8 @@ class _PayloadMac:
     frame's header tag and then the payload bytes. ``update``/``digest`` like hashlib's."""
 
     def __init__(self, key: bytes, direction: bytes, seq: int, header_tag: bytes) -> None:
-        otk = hmac.new(key, b"deepfreeze-net payload %d\0" % VERSION + direction + seq.to_bytes(8, "little"),
-                       _MAC_DIGEST).digest()
+        otk = hmac.digest(key, b"deepfreeze-net payload %d\0" % VERSION + direction + seq.to_bytes(8, "little"),
+                          _MAC_DIGEST)
         self._poly = _poly1305(otk)
         self._poly.update(header_tag)
         self._tag: bytes | None = None
@@ -427,20 +433,18 @@ class Channel:
         return _peer(self.sock)
 
     # -- sealing
-    def _start(self, direction: bytes, key: bytes, seq: int, fixed: bytes, hdr: Any) -> Any:
+    @staticmethod
+    def _header_tag(direction: bytes, key: bytes, seq: int, fixed: bytes, hdr: Any) -> bytes:
+        """``H(K_dir, dir + seq + fixed + header)`` (one-shot: a header is small)."""
         if not MAC:
-            return _NoMac()
-        mac = hmac.new(key, direction, _MAC_DIGEST)
-        mac.update(seq.to_bytes(8, "little"))
-        mac.update(fixed)
-        mac.update(hdr)
-        return mac
+            return bytes(_TAG)
+        return hmac.digest(key, b"".join((direction, seq.to_bytes(8, "little"), fixed, hdr)), _MAC_DIGEST)
 
     def _seal_header(self, header: Mapping[str, Any], total: int) -> tuple[bytes, Any]:
         hdr = json.dumps(header, separators=(",", ":")).encode()
         fixed = _FRAME.pack(MAGIC, VERSION, _FLAG_MAC, len(hdr), total)
         seq = self.send_seq
-        tag = self._start(self._send_dir, self._send_key, seq, fixed, hdr).digest()
+        tag = self._header_tag(self._send_dir, self._send_key, seq, fixed, hdr)
         self.send_seq += 1
         return fixed + hdr + tag, (self._payload_mac(self._send_dir, self._send_key, seq, tag) if total
                                    else _NoMac(_PTAG))
@@ -500,9 +504,9 @@ class Channel:
             raise _lost(FrameAuthenticationError, f"{_peer(sock)} sent a frame without a MAC on an authenticated "
                                                   "connection: injected by someone else? closing it")
         body = _read(sock, hlen + _TAG, deadline, "a message header")
-        mac = self._start(self._recv_dir, self._recv_key, self.recv_seq, bytes(raw), memoryview(body)[:hlen])
         tag = bytes(body[hlen:])
-        if not hmac.compare_digest(mac.digest(), tag):
+        if not hmac.compare_digest(self._header_tag(self._recv_dir, self._recv_key, self.recv_seq, bytes(raw),
+                                                    memoryview(body)[:hlen]), tag):
             raise _lost(FrameAuthenticationError,
                         f"frame {self.recv_seq} from {_peer(sock)} failed its MAC check: it was changed, replayed, "
                         "reordered or injected on the way (or does not come from the peer that authenticated): "

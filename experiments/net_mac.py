@@ -242,14 +242,40 @@ def plot(doc: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+class _HmacPayloadMac:
+    """The first design's payload tag: HMAC-SHA256 under the direction's key over the header tag
+    and the payload (for the comparison only; never used by the library)."""
+
+    def __init__(self, key: bytes, direction: bytes, seq: int, header_tag: bytes) -> None:
+        self._h = hmac.new(key, direction + seq.to_bytes(8, "little") + header_tag, "sha256")
+
+    def update(self, data) -> None:
+        self._h.update(data)
+
+    def digest(self) -> bytes:
+        return self._h.digest()
+
+
+def _use_hmac_payload_tags() -> None:
+    net._PayloadMac = _HmacPayloadMac
+    net._PTAG = 32
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--mib", type=int, default=64, help="large payload size in MiB")
     ap.add_argument("--count", type=int, default=16, help="large payloads per repetition")
     ap.add_argument("--small", type=int, default=2000, help="small messages per repetition")
-    ap.add_argument("--out", default=os.path.join(OUT, "net_mac.json"))
+    ap.add_argument("--payload-mac", choices=("poly1305", "hmac-sha256"), default="poly1305",
+                    help="hmac-sha256: the first design's payload tag (HMAC-SHA256 over the header tag and the "
+                         "payload, 32 bytes), to compare with; default: what deepfreeze.net uses")
+    ap.add_argument("--out", default=None, help="default experiments/results/net_mac[-hmac].json")
     a = ap.parse_args(argv)
+    if a.out is None:
+        a.out = os.path.join(OUT, "net_mac.json" if a.payload_mac == "poly1305" else "net_mac-hmac.json")
+    if a.payload_mac == "hmac-sha256":
+        _use_hmac_payload_tags()  # before the servers fork: both ends use it
     doc = run(a)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
