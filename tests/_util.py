@@ -1,8 +1,11 @@
 """Helpers shared by the test modules (importable from any test directory)."""
+import contextlib
 import os
+import pwd
 import shutil
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -28,3 +31,31 @@ def mpirun(np_: int, *args: str, timeout: float = 300, env: dict | None = None,
     if check and p.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-6000:]}")
     return p
+
+
+def nobody_ids() -> tuple[int, int]:
+    """(uid, gid) of ``nobody``, the other user of the tests; skips unless root (only root can give
+    files away or become nobody) or when the account does not exist (tests never create users)."""
+    if os.getuid() != 0:
+        pytest.skip("another user's files and processes need root (chown / setuid to 'nobody'); running as uid "
+                    f"{os.getuid()}")
+    try:
+        pw = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no 'nobody' account on this host (tests never create OS users)")
+    return pw.pw_uid, pw.pw_gid
+
+
+@contextlib.contextmanager
+def memtier_device(tag: str, size: str):
+    """A fresh memory-tier device in /dev/shm (``size`` as ``deepfreeze memtier create``), removed after."""
+    from deepfreeze.memtier import device as mdev
+    path = f"/dev/shm/deepfreeze-test-{tag}-{uuid.uuid4().hex[:10]}"
+    mdev.create(path, size).close()
+    try:
+        yield path
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -13,3 +15,12 @@ def _private_runtime_dir(tmp_path_factory, monkeypatch):
     d.mkdir(mode=0o700, exist_ok=True)
     monkeypatch.setenv("DEEPFREEZE_RUNTIME_DIR", str(d))
     monkeypatch.setenv("DEEPFREEZE_BACKEND_IDLE", "2")
+
+
+@pytest.fixture
+def shared_dir():
+    """A sticky, world-writable directory (like /tmp or /dev/shm) every user can reach."""
+    d = tempfile.mkdtemp(prefix="df-shared-", dir="/tmp")
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

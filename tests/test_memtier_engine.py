@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 import pytest
 
-from _util import WORKERS, mpirun
+from _util import memtier_device, WORKERS, mpirun
 from deepfreeze import Config
 from deepfreeze.backend import process_state
 from deepfreeze import format as fmt
@@ -57,13 +57,8 @@ def expected_pieces(arrays, plan, rank):
 
 @pytest.fixture
 def device():
-    path = f"/dev/shm/deepfreeze-test-h2-{uuid.uuid4().hex[:10]}"
-    mdev.create(path, "96M").close()
-    yield path
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    with memtier_device("h2", "96M") as path:
+        yield path
 
 
 def config(tmp_path, device, mode="async", **kw):

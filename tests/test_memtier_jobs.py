@@ -13,12 +13,11 @@ import logging
 import os
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
 
-from _util import ROOT, WORKERS, mpirun
+from _util import memtier_device, ROOT, WORKERS, mpirun
 from deepfreeze import memtier
 from deepfreeze.errors import CheckpointNotFoundError, MemtierError
 from deepfreeze.memtier import device as mdev
@@ -32,13 +31,8 @@ JOB = os.path.join(WORKERS, "memtier_job.py")
 
 @pytest.fixture
 def device():
-    path = f"/dev/shm/deepfreeze-test-jobs-{uuid.uuid4().hex[:10]}"
-    mdev.create(path, "48M").close()
-    yield path
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    with memtier_device("jobs", "48M") as path:
+        yield path
 
 
 def run_job(tmp_path, label, device, root, seed, role, versions=(), np_=1):

@@ -11,13 +11,11 @@ import hashlib
 import json
 import logging
 import os
-import pwd
 import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -34,17 +32,9 @@ from deepfreeze.stream import Publisher, StreamOptions, Subscriber, read_endpoin
 from deepfreeze.stream.core import endpoint_dir
 from deepfreeze.stream.slots import SlotRing
 
+from _util import nobody_ids
 
-def nobody_ids():
-    """(uid, gid) of ``nobody``; skips unless root (only root can give files away or become nobody)."""
-    if os.getuid() != 0:
-        pytest.skip("another user's files and processes need root (chown / setuid to 'nobody'); running as uid "
-                    f"{os.getuid()}")
-    try:
-        pw = pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("no 'nobody' account on this host (tests never create OS users)")
-    return pw.pw_uid, pw.pw_gid
+
 
 
 def chown_tree(path, uid, gid):
@@ -59,13 +49,6 @@ def digest(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-@pytest.fixture
-def shared_dir():
-    """A sticky, world-writable directory (like /tmp or /dev/shm) every user can reach."""
-    d = tempfile.mkdtemp(prefix="df-trust-", dir="/tmp")
-    os.chmod(d, 0o1777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def mode(path):

@@ -9,8 +9,6 @@ import os
 import pwd
 import shutil
 import stat
-import tempfile
-import uuid
 
 import numpy as np
 import pytest
@@ -21,36 +19,17 @@ from deepfreeze.memtier import device as mdev
 from deepfreeze.memtier import level as mlevel
 from deepfreeze.run import new_job_id
 
-
-def nobody_ids():
-    if os.getuid() != 0:
-        pytest.skip("another user's files need root (chown to 'nobody'); running as uid "
-                    f"{os.getuid()}")
-    try:
-        pw = pwd.getpwnam("nobody")
-    except KeyError:
-        pytest.skip("no 'nobody' account on this host (tests never create OS users)")
-    return pw.pw_uid, pw.pw_gid
+from _util import memtier_device, nobody_ids
 
 
-@pytest.fixture
-def shared_dir():
-    """A sticky, world-writable directory (like /tmp) every user can reach."""
-    d = tempfile.mkdtemp(prefix="df-review-", dir="/tmp")
-    os.chmod(d, 0o1777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+
+
 
 
 @pytest.fixture
 def device():
-    path = f"/dev/shm/deepfreeze-test-review-{uuid.uuid4().hex[:10]}"
-    mdev.create(path, "16M").close()
-    yield path
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    with memtier_device("review", "16M") as path:
+        yield path
 
 
 def _plant(path, text, uid, gid):
