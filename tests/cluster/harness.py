@@ -59,10 +59,16 @@ while True:  # pid 1 of the node: reap orphans (a backend in its own session end
 
 # run as pid 1 of a fresh node (inside its namespaces), then exec the reaper
 _SETUP = r"""set -e
-name=$1 base=$2 scratch=$3 size=$4 py=$5
+name=$1 base=$2 scratch=$3 size=$4 py=$5 keep=$6
 hostname "$name"
 umount -l "$base/ns" 2>/dev/null || true   # no references from this node to the other nodes' namespaces
+# directories under /tmp that every node must still see (the checkout and its venv, when a clone
+# lives there): held aside, then bound again at the same path inside the node's own /tmp
+i=0
+for k in $keep; do i=$((i+1)); mkdir -p "$base/keep/$name.$i"; mount --bind "$k" "$base/keep/$name.$i"; done
 mount -t tmpfs -o mode=1777,size=$size dfz-tmp /tmp
+i=0
+for k in $keep; do i=$((i+1)); mkdir -p "$k"; mount --bind "$base/keep/$name.$i" "$k"; umount -l "$base/keep/$name.$i"; done
 mount -t tmpfs -o mode=1777,size=$size dfz-shm /dev/shm
 mount -t tmpfs -o mode=0755,size=$size dfz-scratch "$scratch"
 mount --bind "$base/hosts" /etc/hosts
@@ -80,6 +86,22 @@ ns=%(ns)s
 exec nsenter --mount=/proc/%(owner)d/ns/mnt -- nsenter --net="$ns/$host.net" --mount="$ns/$host.mnt" --uts="$ns/$host.uts" --pid="$ns/$host.pid" \
     -- /bin/sh -c "$*"
 """
+
+
+def _kept_under_tmp() -> list[str]:
+    """The directories under ``/tmp`` every node must still see although it gets a ``/tmp`` of its
+    own: this checkout (tests, workers, the package) and the Python environment, when they live
+    there (e.g. a CI clone in ``/tmp``). Paths with spaces are not supported (ClusterError)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out: list[str] = []
+    for p in sorted({root, os.path.realpath(root), sys.prefix, os.path.realpath(sys.prefix)}):
+        if p == "/tmp" or not p.startswith("/tmp/") or any(p == q or p.startswith(q + "/") for q in out):
+            continue
+        if any(c.isspace() for c in p):
+            raise ClusterError(f"{p}: a path with spaces under /tmp cannot be kept on the test cluster's nodes; "
+                               "clone the repository elsewhere")
+        out.append(p)
+    return out
 
 
 class ClusterError(RuntimeError):
@@ -304,7 +326,8 @@ class Cluster:
         self._holders[name] = subprocess.Popen(
             ["unshare", *(f"{_NSENTER_FLAG[k]}={f}" for k, f in files.items()), "--fork", "--mount-proc",
              "sh", os.path.join(self.base, "setup.sh"), name, self.base, self.scratch, self.tmpfs_size,
-             sys.executable], stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+             sys.executable, " ".join(_kept_under_tmp())], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
         while not os.path.exists(ready):
