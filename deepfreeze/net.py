@@ -125,16 +125,14 @@ _PTAG = 16  # a payload tag (Poly1305)
 
 
 class _NoMac:
-    """The baseline of experiments/net_mac.py (``MAC = False``): the same frames, tags of zeros."""
+    """A payload tag of zeros: for a frame without payload, and the baseline of
+    experiments/net_mac.py (``MAC = False``: the same frames, tags of zeros)."""
 
-    def __init__(self, size: int = _TAG) -> None:
+    def __init__(self, size: int) -> None:
         self.size = size
 
     def update(self, data: Any) -> None:
         pass
-
-    def copy(self) -> "_NoMac":
-        return self
 
     def digest(self) -> bytes:
         return bytes(self.size)
