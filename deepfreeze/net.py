@@ -671,7 +671,8 @@ _POOL_LOCK = threading.Lock()
 
 def _mac_update(mac: Any, piece: memoryview) -> Any:
     """``mac.update(piece)``: inline for a small piece, else in the ``deepfreeze-net-mac`` threads
-    (hashlib releases the GIL), returning the future to wait for before the next update of the
+    (beside the caller's next socket call, which releases the GIL; Poly1305 itself holds it, so
+    two MAC updates never run at once), returning the future to wait for before the next update of the
     same MAC (so the updates of one MAC stay in order)."""
     global _POOL
     if piece.nbytes < _PARALLEL_MIN or not MAC:
