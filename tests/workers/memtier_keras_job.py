@@ -19,7 +19,7 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import RecordWeights, build  # noqa: E402
+from models import RecordWeights, SaveAfterResume, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 from deepfreeze.run import read_job_id  # noqa: E402
 
@@ -34,14 +34,9 @@ ckpt = DeepFreezeCheckpoint(name="job", every_n_batches=2, mode="async", resume=
                             scratch=f"{root}/scratch", persistent=f"{root}/pfs", lease_timeout=5)
 
 
-class SaveAfterResume(tf.keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        if phase == "resume":
-            np.savez(f"{out}/resumed.npz", *self.model.get_weights())
-
-
 model.fit(x, y, batch_size=16, epochs=epochs, verbose=0,
-          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt, SaveAfterResume(),
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt,
+                     SaveAfterResume(f"{out}/resumed.npz", phase == "resume"),
                      RecordWeights(ckpt, 0, lambda v: f"{out}/expected/{ckpt.run_id}-v{v}.npz")])
 ckpt.wait()
 run_id = ckpt.run_id

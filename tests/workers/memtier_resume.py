@@ -17,7 +17,7 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import RecordWeights, build  # noqa: E402
+from models import RecordWeights, SaveAfterResume, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
@@ -33,14 +33,9 @@ ckpt = DeepFreezeCheckpoint(name="mr", every_n_batches=2, mode="async", resume=p
                             persistent=f"{out}/persistent", failure_domain=f"node{rank}", lease_timeout=5)
 
 
-class SaveAfterResume(tf.keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        if rank == 0 and phase == "resume":
-            np.savez(f"{out}/resumed.npz", *self.model.get_weights())
-
-
 model.fit(x, y, batch_size=16, epochs=2 if phase == "first" else 3, verbose=0,
-          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt, SaveAfterResume(),
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt,
+                     SaveAfterResume(f"{out}/resumed.npz", rank == 0 and phase == "resume"),
                      RecordWeights(ckpt, rank, lambda v: f"{out}/expected/{ckpt.run_id}-v{v}.npz")])
 ckpt.wait()
 ckpt.close()

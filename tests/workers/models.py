@@ -37,3 +37,16 @@ class RecordWeights(tf.keras.callbacks.Callback):
             path = self.path_of(v)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             np.savez(path, *self.model.get_weights())
+
+
+class SaveAfterResume(tf.keras.callbacks.Callback):
+    """Saves the weights at train begin, i.e. right after a resume and before any step, to
+    ``path`` (``.npz``), when ``active`` (e.g. rank 0 of a resumed run)."""
+
+    def __init__(self, path: str, active: bool) -> None:
+        super().__init__()
+        self.path, self.active = path, active
+
+    def on_train_begin(self, logs=None):
+        if self.active:
+            np.savez(self.path, *self.model.get_weights())

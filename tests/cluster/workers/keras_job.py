@@ -20,7 +20,7 @@ import horovod.tensorflow.keras as hvd  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "workers"))
-from models import RecordWeights, build  # noqa: E402
+from models import RecordWeights, SaveAfterResume, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 
 scratch, shared, phase = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -47,14 +47,9 @@ ckpt = DeepFreezeCheckpoint(name="keras", every_n_batches=2, mode="async", resum
                             scratch=f"{scratch}/keras", persistent=f"{shared}/persistent", lease_timeout=5, **opts)
 
 
-class SaveAfterResume(tf.keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):
-        if rank == 0 and phase == "resume":
-            np.savez(f"{shared}/resumed.npz", *self.model.get_weights())
-
-
 model.fit(x, y, batch_size=16, epochs=2 if phase == "first" else 3, verbose=0,
-          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt, SaveAfterResume(),
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), ckpt,
+                     SaveAfterResume(f"{shared}/resumed.npz", rank == 0 and phase == "resume"),
                      RecordWeights(ckpt, rank, lambda v: f"{shared}/expected/{ckpt.run_id}-v{v}.npz")])
 ckpt.wait()
 ckpt.close()
