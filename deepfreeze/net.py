@@ -199,18 +199,8 @@ def create_token(path: str | None = None) -> str:
     # an existing one must be a real directory that nobody else can write in (or a sticky one)
     ownership.ensure_dir(d, d)
     token = secrets.token_hex(32)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            os.write(fd, (token + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.link(tmp, path)  # atomic; FileExistsError when another creator (or an old token) is there
-    finally:
-        os.unlink(tmp)
+    # whole or not at all; FileExistsError when another creator (or an old token) is there
+    ownership.create_whole(path, (token + "\n").encode())
     return token
 
 

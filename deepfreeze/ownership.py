@@ -63,7 +63,7 @@ from . import fsafe
 from .errors import ConfigError, UnsafePathError, UntrustedOwnerError
 
 __all__ = ["owner_name", "trusted_uids", "check_owner", "check_root", "ensure_dir", "open_dir_nofollow",
-           "open_private", "open_trusted", "open_trusted_file", "check_file", "check_dir", "check_existing",
+           "open_private", "create_whole", "open_trusted", "open_trusted_file", "check_file", "check_dir", "check_existing",
            "peer_cred", "check_peer", "remove_tree_nofollow"]
 
 log = logging.getLogger("deepfreeze.ownership")
@@ -270,6 +270,36 @@ def _is_link(path: str, dir_fd: int | None) -> bool:
         return stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+def create_whole(path: str, data: bytes, *, fsync_point: str | None = None, link_point: str | None = None) -> None:
+    """Create the small file ``path`` (``0600``, whatever the umask) holding ``data``, whole or not
+    at all: written and fsynced under a temporary name in the same directory (``O_EXCL``,
+    ``O_NOFOLLOW``), then hard-linked into place, so a reader never sees it half-written and an
+    existing file is never replaced (``FileExistsError``: a concurrent creator won, or the file was
+    there). ``fsync_point``/``link_point``: the :mod:`deepfreeze.crashpoints` of the two steps."""
+    d, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}-{threading.get_ident()}-{os.urandom(6).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, data)
+            if fsync_point:
+                cp.fsync(fd, fsync_point)
+            else:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if link_point:
+            cp.link(tmp, path, link_point)
+        else:
+            os.link(tmp, path)
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def open_private(path: str, flags: int) -> int:

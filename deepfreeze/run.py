@@ -144,26 +144,13 @@ def job_id_at(path: str) -> str:
     if got is not None:
         return got
     job = new_job_id()
-    tmp = f"{path}.tmp{_uniq()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        try:
-            os.write(fd, f"{job}\n".encode())
-            cp.fsync(fd, "run.job.fsync")
-        finally:
-            os.close(fd)
-        try:
-            cp.link(tmp, path, "run.job.link")
-        except FileExistsError:
-            got = read_job_id_at(path)
-            if got is None:  # pragma: no cover - linked, then removed at once by someone else
-                raise CorruptCheckpointError(f"{path}: the job id appeared and vanished: retry") from None
-            return got
-    finally:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        ownership.create_whole(path, f"{job}\n".encode(), fsync_point="run.job.fsync", link_point="run.job.link")
+    except FileExistsError:
+        got = read_job_id_at(path)
+        if got is None:  # pragma: no cover - linked, then removed at once by someone else
+            raise CorruptCheckpointError(f"{path}: the job id appeared and vanished: retry") from None
+        return got
     return job
 
 
