@@ -273,13 +273,13 @@ class Checkpointer:
         return self._run.info.id if self._run.info is not None else None
 
     # ------------------------------------------------------------------ capture
-    def _record(self, phase: str) -> Any:
+    def _record(self, phase: str, st: "_state.TrainState | None" = None) -> Any:
         """The part of this rank's state record taken in the post-hook (``"a"``) or at the next
-        pre-hook (``"b"``)."""
+        pre-hook (``"b"``; ``st``: the tensor list when the caller has it already)."""
         if phase == "a":
             return {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
                     "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
-        st = _state.train_state(self.model, self.optimizers)
+        st = st or _state.train_state(self.model, self.optimizers)
         return {"param_groups": st.groups, "optim_extra": st.extra,
                 "state": {k: o.state_dict() for k, o in self.state.items() if _phase_b(o)}}
 
@@ -292,7 +292,7 @@ class Checkpointer:
             st = _state.train_state(self.model, self.optimizers)
             key = st.key()
             rec_a = _state.encode(self._record("a"), "record")
-            need = len(rec_a) + len(_state.encode(self._record("b"), "record")) + 64
+            need = len(rec_a) + len(_state.encode(self._record("b", st), "record")) + 64
         except DeepFreezeError as e:  # still take part in the all-gather: no rank is left waiting
             err = f"rank {self.rank}: {e}"
         rows = self.comm.allgather(key + struct.pack("<Q", need) + err.encode()[:2000])
