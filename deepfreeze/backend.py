@@ -93,6 +93,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+from . import counters
 from . import crashpoints as cp
 from . import ownership
 from .errors import BackendError, BackendUnresponsiveError, UnsafePathError, UntrustedOwnerError
@@ -1030,7 +1031,10 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(10)  # flushes yield the CPU to training on the same node
     except OSError:
         pass
-    serve(args.socket, args.idle)
+    try:
+        serve(args.socket, args.idle)
+    finally:
+        counters.dump("backend")  # with DEEPFREEZE_COUNTERS set (deepfreeze.counters)
     return 0
 
 

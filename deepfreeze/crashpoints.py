@@ -19,6 +19,8 @@ import os
 import signal
 import threading
 
+from . import counters
+
 __all__ = ["POINTS", "PERIPHERAL", "MEMTIER", "RACE_ONLY", "replace", "rename", "link", "fsync", "unlink", "rmdir", "hit"]
 
 #: point name -> the state a crash right before the operation leaves behind
@@ -143,29 +145,35 @@ def hit(point: str) -> None:
 def replace(src: str, dst: str, point: str, *, src_dir_fd: int | None = None,
             dst_dir_fd: int | None = None) -> None:
     hit(point)
+    counters.fs("replace", point)
     os.replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
 
 def rename(src: str, dst: str, point: str) -> None:
     hit(point)
+    counters.fs("rename", point)
     os.rename(src, dst)
 
 
 def link(src: str, dst: str, point: str) -> None:
     hit(point)
+    counters.fs("link", point)
     os.link(src, dst)
 
 
 def fsync(fd: int, point: str) -> None:
     hit(point)
+    counters.fs("fsync", point)
     os.fsync(fd)
 
 
 def unlink(path: str, point: str, *, dir_fd: int | None = None) -> None:
     hit(point)
+    counters.fs("unlink", point)
     os.unlink(path, dir_fd=dir_fd)
 
 
 def rmdir(path: str, point: str, *, dir_fd: int | None = None) -> None:
     hit(point)
+    counters.fs("rmdir", point)
     os.rmdir(path, dir_fd=dir_fd)
