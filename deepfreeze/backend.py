@@ -125,7 +125,7 @@ def runtime_dir() -> str:
     base = os.environ.get("DEEPFREEZE_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     path = os.path.join(base, f"deepfreeze-{os.getuid()}")
     try:  # base may be sticky (/tmp); the directory itself must be ours, never a link (deepfreeze.ownership)
-        ownership.ensure_dir(path, base)
+        ownership.ensure_dir(path, base, site="runtime.mkdirs")
     except UnsafePathError as e:
         raise BackendError(f"unsafe backend runtime directory: {e}") from e
     st = os.lstat(path)

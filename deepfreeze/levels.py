@@ -651,6 +651,7 @@ class PersistentLevel(Level):
         d = read_decision(vdir)
         if d is not None and d["run"] == run and d["nonce"]:
             return d
+        counters.add("persistent.decide.locked")  # no decision of this run seen: the lock path
         self.makedirs(vdir)
         with self.locked(vdir, wait=stale_after + 5, stale_after=stale_after) as taken:
             if not taken:
@@ -757,9 +758,11 @@ class PersistentLevel(Level):
         done = self._markers(vdir, nonce)
         if set(done) != set(range(plan.world_size)):
             return False
+        counters.add("persistent.finalize.tries")  # every marker seen: try to finalize
         with self.locked(vdir, wait=0.0, stale_after=stale_after) as taken:
             if not taken:
                 return False  # another node finalizes
+            counters.add("persistent.finalize.locked")
             self._fence(name, run, f"commit of {name!r} v{version}")
             counters.fs("stat", "persistent.finalize.manifest")
             if os.path.lexists(os.path.join(vdir, MANIFEST)):
