@@ -9,6 +9,7 @@ like ``kill -9`` or a node failure) right *before* the n-th operation at that po
 ``DEEPFREEZE_CRASH_ONCE=<file>`` limits that to the first process that gets there (a
 restarted backend then runs through), and ``DEEPFREEZE_CRASH_TRACE=<file>`` appends every point passed to a file, so a test can
 first run a job to learn which points it passes and how often, then kill it at each.
+Each operation is also counted as ``fs.<op>:<point>`` when :mod:`deepfreeze.counters` is on.
 
 :data:`POINTS` lists every point with what is on disk when a crash happens there; a test
 checks that every call site uses a registered name and that every name is covered.
