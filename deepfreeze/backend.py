@@ -93,6 +93,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+from . import counters
 from . import crashpoints as cp
 from . import ownership
 from .errors import BackendError, BackendUnresponsiveError, UnsafePathError, UntrustedOwnerError
@@ -124,7 +125,7 @@ def runtime_dir() -> str:
     base = os.environ.get("DEEPFREEZE_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     path = os.path.join(base, f"deepfreeze-{os.getuid()}")
     try:  # base may be sticky (/tmp); the directory itself must be ours, never a link (deepfreeze.ownership)
-        ownership.ensure_dir(path, base)
+        ownership.ensure_dir(path, base, site="runtime.mkdirs")
     except UnsafePathError as e:
         raise BackendError(f"unsafe backend runtime directory: {e}") from e
     st = os.lstat(path)
@@ -1030,7 +1031,10 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(10)  # flushes yield the CPU to training on the same node
     except OSError:
         pass
-    serve(args.socket, args.idle)
+    try:
+        serve(args.socket, args.idle)
+    finally:
+        counters.dump("backend")  # with DEEPFREEZE_COUNTERS set (deepfreeze.counters)
     return 0
 
 

@@ -9,6 +9,7 @@ like ``kill -9`` or a node failure) right *before* the n-th operation at that po
 ``DEEPFREEZE_CRASH_ONCE=<file>`` limits that to the first process that gets there (a
 restarted backend then runs through), and ``DEEPFREEZE_CRASH_TRACE=<file>`` appends every point passed to a file, so a test can
 first run a job to learn which points it passes and how often, then kill it at each.
+Each operation is also counted as ``fs.<op>:<point>`` when :mod:`deepfreeze.counters` is on.
 
 :data:`POINTS` lists every point with what is on disk when a crash happens there; a test
 checks that every call site uses a registered name and that every name is covered.
@@ -18,6 +19,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+
+from . import counters
 
 __all__ = ["POINTS", "PERIPHERAL", "MEMTIER", "RACE_ONLY", "replace", "rename", "link", "fsync", "unlink", "rmdir", "hit"]
 
@@ -143,29 +146,35 @@ def hit(point: str) -> None:
 def replace(src: str, dst: str, point: str, *, src_dir_fd: int | None = None,
             dst_dir_fd: int | None = None) -> None:
     hit(point)
+    counters.fs("replace", point)
     os.replace(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
 
 def rename(src: str, dst: str, point: str) -> None:
     hit(point)
+    counters.fs("rename", point)
     os.rename(src, dst)
 
 
 def link(src: str, dst: str, point: str) -> None:
     hit(point)
+    counters.fs("link", point)
     os.link(src, dst)
 
 
 def fsync(fd: int, point: str) -> None:
     hit(point)
+    counters.fs("fsync", point)
     os.fsync(fd)
 
 
 def unlink(path: str, point: str, *, dir_fd: int | None = None) -> None:
     hit(point)
+    counters.fs("unlink", point)
     os.unlink(path, dir_fd=dir_fd)
 
 
 def rmdir(path: str, point: str, *, dir_fd: int | None = None) -> None:
     hit(point)
+    counters.fs("rmdir", point)
     os.rmdir(path, dir_fd=dir_fd)

@@ -80,6 +80,7 @@ import numpy as np
 
 from .backend import LOG_EVERY, BackendClient, process_state
 from .config import Config, validate_name
+from . import counters
 from . import format as fmt
 from .fused import FusedLayout, FusedShard
 from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError,
@@ -232,6 +233,7 @@ class Engine:
                 self.wait(persistent=True)
         finally:
             self._shutdown()
+            counters.dump(f"rank{self.rank}")  # with DEEPFREEZE_COUNTERS set (deepfreeze.counters)
 
     def _shutdown(self) -> None:
         """Stop the writer thread and let go of the backend (it exits when idle)."""

@@ -83,6 +83,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from . import counters
 from . import crashpoints as cp
 from . import format as fmt
 from . import ownership
@@ -147,6 +148,7 @@ def _replacing(final: str, *, fsync: bool, point: str) -> Iterator[int]:
     ends, fsync it (if asked; crash point ``<point>.fsync``), close it and rename it to
     ``final`` (``<point>.rename``, :func:`replacing_path`)."""
     with replacing_path(final, point + ".rename") as tmp:
+        counters.fs("create", point + ".create")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             yield fd
@@ -161,13 +163,20 @@ def atomic_write(path: str, data: Any, *, fsync: bool, point: str) -> None:
     ``fsync``, the file and its directory are flushed). ``point`` prefixes the crash points
     (``.fsync``, ``.rename``, ``.dirsync``; :mod:`deepfreeze.crashpoints`)."""
     with _replacing(path, fsync=fsync, point=point) as fd:
-        _write_all(fd, data, 0)
+        _write_all(fd, data, 0, _BYTES_OF.get(point) or f"bytes.{point.split('.')[0]}.meta")
     if fsync:
         _fsync_dir(os.path.dirname(path), point + ".dirsync")
 
 
-def _write_all(fd: int, buf: Any, offset: int) -> None:
+#: the byte counter (:mod:`deepfreeze.counters`) of an :func:`atomic_write` at these points
+_BYTES_OF = {"scratch.partner": "bytes.scratch.redundancy", "scratch.parity": "bytes.scratch.redundancy"}
+
+
+def _write_all(fd: int, buf: Any, offset: int, count: str | None = None) -> None:
+    """Write all of ``buf`` at ``offset`` (``count``: the byte counter to add it to)."""
     view = fmt.byte_view(buf)
+    if count is not None:
+        counters.add(count, len(view))
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
@@ -213,6 +222,7 @@ class Level:
         """Every version directory present (committed or not), ascending. A symbolic link named
         like a version is not one (never followed); ``<root>/<name>`` being a link is an error."""
         ndir = self.name_dir(name)
+        counters.fs("listdir", f"{self.kind}.versions")
         try:
             fd = ownership.open_dir_nofollow(ndir)
         except (FileNotFoundError, NotADirectoryError):
@@ -225,6 +235,7 @@ class Level:
 
     def read_manifest(self, name: str, version: int) -> dict[str, Any]:
         path = os.path.join(self.version_dir(name, version), MANIFEST)
+        counters.fs("open", f"{self.kind}.manifest.read")
         data = _read_regular(path, fmt.MAX_MANIFEST_BYTES + 1, self.trusted, self.kind)  # no link, no FIFO, owner
         m = fmt.decode_manifest(data, path)
         if m["name"] != name or m["version"] != version:
@@ -238,7 +249,7 @@ class Level:
         sticky or, with ``shared_group``, group-writable; every directory below must be a real
         directory of the user's, writable by nobody else). Raises
         :class:`~deepfreeze.errors.UnsafePathError`."""
-        ownership.ensure_dir(path, self.root, shared_group=self.shared_group)
+        ownership.ensure_dir(path, self.root, shared_group=self.shared_group, site=f"{self.kind}.mkdirs")
 
 
 class ScratchLevel(Level):
@@ -402,11 +413,11 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
         entries, data_offset, size = list(shard.layout.entries), shard.layout.data_offset, shard.layout.file_size
         spans = [(e.offset - data_offset, e.length) for e in entries]
         with _replacing(final, fsync=fsync, point=point) as fd:
-            crcs = _write_region(fd, shard.data, data_offset, spans, chksum)
+            crcs = _write_region(fd, shard.data, data_offset, spans, chksum, f"bytes.{point.split('.')[0]}.data")
             if chksum:
                 entries = [dataclasses.replace(e, crc=c) for e, c in zip(entries, crcs)]
             _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                            data_offset, size, chksum, run), 0)
+                                            data_offset, size, chksum, run), 0, f"bytes.{point.split('.')[0]}.meta")
             os.ftruncate(fd, size)
         return
     pieces = plan.for_rank(rank)
@@ -420,12 +431,13 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
         entries.append(e)
     entries, data_offset, size = fmt.layout(entries)
     with _replacing(final, fsync=fsync, point=point) as fd:
-        crcs = [_write_region(fd, fmt.byte_view(a), e.offset, [(0, e.length)], chksum)[0] if e.length else 0
+        crcs = [_write_region(fd, fmt.byte_view(a), e.offset, [(0, e.length)], chksum,
+                              f"bytes.{point.split('.')[0]}.data")[0] if e.length else 0
                 for e, a in zip(entries, arrays)]
         if chksum:
             entries = [dataclasses.replace(e, crc=c) for e, c in zip(entries, crcs)]
         _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                        data_offset, size, chksum, run), 0)
+                                        data_offset, size, chksum, run), 0, f"bytes.{point.split('.')[0]}.meta")
         os.ftruncate(fd, size)
 
 
@@ -437,7 +449,8 @@ _CHUNK = 1 << 20
 _WRITEBACK_BATCH = 8 << 20
 
 
-def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]], chksum: bool) -> list[int]:
+def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]], chksum: bool,
+                  count: str | None = None) -> list[int]:
     """Write ``data`` (a byte buffer) at file offset ``base`` in writes of at most ``_CHUNK`` bytes and
     return the CRC32 of each ``(offset, length)`` span of it (sorted by offset, not overlapping; 0s
     without ``chksum``), each chunk checksummed right before it is written."""
@@ -455,7 +468,7 @@ def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]
                 if off + length > c1:
                     break  # the span goes on in the next chunk
                 k += 1
-        _write_all(fd, view[c0:c1], base + c0)
+        _write_all(fd, view[c0:c1], base + c0, count)
     return crcs
 
 
@@ -478,6 +491,7 @@ def read_decision(vdir: str) -> dict[str, str] | None:
     A format-1 decision (the bare word) has no nonce and run ``""``; an unreadable one is
     reported as decision ``"corrupt"``."""
     path = os.path.join(vdir, DECISION)
+    counters.fs("open", "persistent.decision.read")
     try:
         data = _read_regular(path, 4096)
     except FileNotFoundError:
@@ -546,8 +560,11 @@ class PersistentLevel(Level):
             if _create_exclusive(path, me, "persistent.lock.link"):
                 taken = True
                 break
+            counters.add("persistent.lock.busy")  # the lock was held: one more round of reads
+            counters.fs("open", "persistent.lock.read")
             try:
                 raw = _read_regular(path, 300)
+                counters.fs("stat", "persistent.lock.stat")
                 mtime = os.lstat(path).st_mtime
             except FileNotFoundError:
                 continue
@@ -569,6 +586,7 @@ class PersistentLevel(Level):
             yield taken
         finally:
             if taken:
+                counters.fs("open", "persistent.lock.read")
                 try:
                     if _read_regular(path, 300) == me:  # not a lock someone else took after breaking ours
                         cp.unlink(path, "persistent.lock.unlink")
@@ -633,6 +651,7 @@ class PersistentLevel(Level):
         d = read_decision(vdir)
         if d is not None and d["run"] == run and d["nonce"]:
             return d
+        counters.add("persistent.decide.locked")  # no decision of this run seen: the lock path
         self.makedirs(vdir)
         with self.locked(vdir, wait=stale_after + 5, stale_after=stale_after) as taken:
             if not taken:
@@ -642,6 +661,7 @@ class PersistentLevel(Level):
             d = read_decision(vdir)
             if d is not None and d["run"] == run and d["nonce"]:
                 return d
+            counters.fs("stat", "persistent.decide.manifest")
             if d is not None or os.path.lexists(os.path.join(vdir, MANIFEST)):
                 log.warning("deepfreeze: %s v%d on persistent holds work of another run (%s): retiring it before "
                             "this run (%s) writes the version", name, version, (d or {}).get("run") or "unknown",
@@ -685,10 +705,12 @@ class PersistentLevel(Level):
             decision = self.decide(name, version, 0, run, stale_after=stale_after)
         nonce = decision["nonce"]
         vdir = self.version_dir(name, version)
+        counters.fs("stat", "persistent.flush.manifest")
         if os.path.lexists(os.path.join(vdir, MANIFEST)):
             return False  # already committed (a re-sent flush after a backend restart): nothing to do
         plan = plan_of(manifest)
         layout, _, size = self.assembled_layout(plan)
+        counters.fs("stat", "persistent.flush.assembled")
         if not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
             where = {(e.tensor_id, e.start): e for e in layout}
             with _open_source(shard_path, source) as (fd, base, idx, shard_path, recheck):
@@ -698,6 +720,7 @@ class PersistentLevel(Level):
                 if (idx.run or ANONYMOUS_RUN) != run:
                     raise CorruptCheckpointError(f"{shard_path}: shard written by run {idx.run or 'unknown'}, the "
                                                  f"manifest is run {run}'s: not flushing a mixture of two runs")
+                counters.fs("create", "persistent.partial.create")
                 dst = os.open(os.path.join(vdir, f"{ASSEMBLED}.partial.{nonce}"),
                               os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 try:
@@ -705,6 +728,8 @@ class PersistentLevel(Level):
                                                                for e in idx.entries], idx.has_crc, shard_path,
                                         base=base)
                     recheck()  # the source still holds what was read (a memory-tier slot not rewritten)
+                    for e in idx.entries:
+                        counters.record("offsets.persistent", [where[(e.tensor_id, e.start)].offset, e.length])
                     crcs = [[e.tensor_id, e.start, c] for e, c in zip(idx.entries, got)]
                     if fsync:
                         cp.fsync(dst, "persistent.partial.fsync")
@@ -719,6 +744,7 @@ class PersistentLevel(Level):
 
     def _markers(self, vdir: str, nonce: str) -> dict[int, str]:
         out = {}
+        counters.fs("listdir", "persistent.finalize.markers")
         for n in _listdir(vdir):
             m = _MARKER.match(n)
             if m and m.group(2) == nonce:
@@ -732,10 +758,13 @@ class PersistentLevel(Level):
         done = self._markers(vdir, nonce)
         if set(done) != set(range(plan.world_size)):
             return False
+        counters.add("persistent.finalize.tries")  # every marker seen: try to finalize
         with self.locked(vdir, wait=0.0, stale_after=stale_after) as taken:
             if not taken:
                 return False  # another node finalizes
+            counters.add("persistent.finalize.locked")
             self._fence(name, run, f"commit of {name!r} v{version}")
+            counters.fs("stat", "persistent.finalize.manifest")
             if os.path.lexists(os.path.join(vdir, MANIFEST)):
                 return False
             d = read_decision(vdir)
@@ -745,6 +774,7 @@ class PersistentLevel(Level):
             has_crc = True
             for r, n in done.items():
                 path = os.path.join(vdir, n)
+                counters.fs("open", "persistent.finalize.marker")
                 try:
                     marker = json.loads(_read_regular(path, _MAX_MARKER_BYTES))
                     ok = (isinstance(marker, dict) and marker.get("rank") == r and marker.get("run") == run
@@ -758,6 +788,7 @@ class PersistentLevel(Level):
                 if not ok:
                     raise CorruptCheckpointError(f"{path}: done marker of another run, nonce or rank")
             assembled = os.path.join(vdir, ASSEMBLED)
+            counters.fs("stat", "persistent.finalize.assembled")
             if not os.path.lexists(assembled):
                 entries = [dataclasses.replace(e, crc=crc.get((e.tensor_id, e.start), 0) if has_crc else 0)
                            for e in layout]
@@ -765,9 +796,10 @@ class PersistentLevel(Level):
                 head = fmt.encode_index(fmt.KIND_ASSEMBLED, 0, 1, version, entries, data_offset, size, has_crc,
                                         run)
                 partial = os.path.join(vdir, f"{ASSEMBLED}.partial.{nonce}")
+                counters.fs("open", "persistent.final.open")
                 fd = os.open(partial, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never created empty here
                 try:
-                    _write_all(fd, head, 0)
+                    _write_all(fd, head, 0, "bytes.persistent.meta")
                     os.ftruncate(fd, size)
                     if fsync:
                         cp.fsync(fd, "persistent.final.fsync")
@@ -1034,7 +1066,7 @@ def _copy_checked(src: int, dst: int, entries: Sequence[fmt.Entry], dst_offsets:
                 if check:
                     crcs[k] = fmt.crc32(chunk, crcs[k])
                 at = dst_offsets[k] + lo - p.offset
-                _write_all(dst, chunk, at)
+                _write_all(dst, chunk, at, "bytes.persistent.data")
                 lo_dst = at if lo_dst is None else min(lo_dst, at)
                 hi_dst = max(hi_dst, at + len(chunk))
                 written += len(chunk)
@@ -1106,11 +1138,13 @@ def _create_exclusive(path: str, data: bytes, point: str) -> bool:
     """Create ``path`` holding ``data`` unless it exists; atomic, and never visible empty:
     the content is written to an owner-only temporary file first, then hard-linked into place."""
     tmp = f"{path}.tmp{_uniq()}"
+    site = point.rsplit(".", 1)[0]
     # owner-only from the start; the name is unique (host, pid, thread, random), never left by another
+    counters.fs("create", site + ".create")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
-            _write_all(fd, data, 0)
+            _write_all(fd, data, 0, "bytes.persistent.meta")
         finally:
             os.close(fd)
         cp.link(tmp, path, point)
@@ -1118,6 +1152,7 @@ def _create_exclusive(path: str, data: bytes, point: str) -> bool:
     except FileExistsError:
         return False
     finally:
+        counters.fs("unlink", site + ".tmp")
         try:
             os.unlink(tmp)  # on every outcome: no decision.tmp* left behind (ENOSPC, EIO, ...)
         except FileNotFoundError:

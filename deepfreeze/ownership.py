@@ -58,6 +58,7 @@ import struct
 import threading
 from typing import BinaryIO, Iterable
 
+from . import counters
 from . import crashpoints as cp
 from . import fsafe
 from .errors import ConfigError, UnsafePathError, UntrustedOwnerError
@@ -219,7 +220,7 @@ def _check_own_dir(path: str) -> None:
                               f"Run 'chmod go-w {path}', or remove it")
 
 
-def ensure_dir(path: str, root: str, *, shared_group: bool = False) -> None:
+def ensure_dir(path: str, root: str, *, shared_group: bool = False, site: str = "mkdirs") -> None:
     """Create ``path`` and every missing parent owner-only (0700) and check them: ``root`` (a
     level's root; ``path`` itself when ``path`` is not below it) follows :func:`check_root`
     (its nearest existing parent, when it does not exist), every directory below follows the
@@ -230,22 +231,28 @@ def ensure_dir(path: str, root: str, *, shared_group: bool = False) -> None:
     below = [] if path == root else os.path.relpath(path, root).split(os.sep)
     missing = []
     p = root
-    while not os.path.lexists(p):
+    while True:
+        counters.fs("stat", site)
+        if os.path.lexists(p):
+            break
         missing.append(p)
         parent = os.path.dirname(p)
         if parent == p:
             break
         p = parent
+    counters.fs("stat", site + ".root")  # check_root: lstat of the root and of each parent up to /
     check_root(p, shared_group=shared_group)
     for d in reversed(missing):
-        _mkdir(d)
+        _mkdir(d, site)
     d = root
     for part in below:
         d = os.path.join(d, part)
-        _mkdir(d)
+        _mkdir(d, site)
 
 
-def _mkdir(path: str) -> None:
+def _mkdir(path: str, site: str = "mkdirs") -> None:
+    counters.fs("mkdir", site)
+    counters.fs("stat", site)  # _check_own_dir
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

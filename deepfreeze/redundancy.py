@@ -49,6 +49,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from . import counters
 from . import format as fmt
 from .errors import CorruptCheckpointError
 from .fsafe import read_whole
@@ -98,6 +99,16 @@ class LocalComm:
         return {0: np.frombuffer(fmt.byte_view(sends[0]), dtype=np.uint8).copy()} if 0 in recv_sizes else {}
 
 
+def count_exchange(sends: dict[int, Any], got: dict[int, Any]) -> None:
+    """Count one :meth:`Comm.exchange` (:mod:`deepfreeze.counters`): its messages and bytes each way."""
+    if counters.ENABLED:
+        counters.add("comm.exchange")
+        counters.add("comm.send", len(sends))
+        counters.add("comm.send.bytes", sum(len(fmt.byte_view(d)) for d in sends.values()))
+        counters.add("comm.recv", len(got))
+        counters.add("comm.recv.bytes", sum(len(b) for b in got.values()))
+
+
 class MPIComm:
     """A private duplicate of ``comm`` (an mpi4py communicator; default ``MPI.COMM_WORLD``),
     safe to use from the writer thread (Horovod and mpi4py initialize MPI with
@@ -118,6 +129,8 @@ class MPIComm:
         return [b.tobytes() for b in self.allgather_buffers(np.frombuffer(data, dtype=np.uint8))]
 
     def allgather_buffers(self, data: np.ndarray) -> list[np.ndarray]:
+        counters.add("comm.allgather")
+        counters.add("comm.allgather.bytes", len(data))
         with self._lock:
             counts = np.zeros(self.size, dtype=np.int64)
             self.comm.Allgather(np.array([len(data)], dtype=np.int64), counts)
@@ -148,6 +161,7 @@ class MPIComm:
                 for i, o in enumerate(range(0, len(view), _MSG)):
                     reqs.append(self.comm.Isend(view[o:o + _MSG], dest=dest, tag=100 + i))
             self._MPI.Request.Waitall(reqs)
+            count_exchange(sends, out)
             return out
 
     def close(self) -> None:

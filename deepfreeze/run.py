@@ -47,6 +47,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from . import counters
 from . import crashpoints as cp
 from . import node as _node
 from . import ownership
@@ -176,6 +177,7 @@ def fs_now(directory: str) -> float:
     """The file system's clock: the mtime of a file freshly created in ``directory``. On a
     shared file system every node sees the same clock this way, whatever its own says."""
     path = os.path.join(directory, f".clock.{_uniq()}")
+    counters.fs("create", "run.clock.create")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         return os.fstat(fd).st_mtime
@@ -219,6 +221,7 @@ def _write_replace(path: str, data: bytes, point: str, *, fsync: bool = True) ->
 def read_generation(persistent: str, name: str) -> int:
     """The current generation of ``name`` (0 when none was ever started by ``overwrite``)."""
     path = os.path.join(persistent, name, GENERATION)
+    counters.fs("open", "run.generation.read")
     try:
         data = read_small(path, 32)
     except FileNotFoundError:
@@ -247,6 +250,7 @@ def read_lease(persistent: str, name: str) -> tuple[dict[str, Any], float] | Non
     """(holder, mtime) of the lease on ``name``, or None when nobody holds it. A damaged
     lease file is reported as a holder named ``?`` (it is never silently ignored)."""
     path = os.path.join(persistent, name, LEASE)
+    counters.fs("open", "run.lease.read")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

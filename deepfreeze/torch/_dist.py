@@ -30,8 +30,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import counters
 from .. import format as fmt
 from ..errors import PeerLostError
+from ..redundancy import count_exchange
 
 __all__ = ["TorchComm", "rank_and_size", "node_domain", "make_comm"]
 
@@ -103,6 +105,8 @@ class TorchComm:
             raise self._lost("all-gather", e) from e
 
     def _allgather_buffers(self, data: np.ndarray) -> list[np.ndarray]:
+        counters.add("comm.allgather")  # deepfreeze.counters: 2 collectives (lengths, bytes)
+        counters.add("comm.allgather.bytes", int(data.size))
         with self._lock:
             n = torch.tensor([data.size], dtype=torch.int64)
             lens = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
@@ -138,6 +142,7 @@ class TorchComm:
                     works.append(dist.isend(t[o:o + _MSG], dst=ranks[dest], group=self.group, tag=100 + i))
             for w in works:
                 w.wait()
+            count_exchange(sends, out)
             return out
 
     def broadcast_bytes(self, data: bytes, root: int = 0) -> bytes:

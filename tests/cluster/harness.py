@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["PREFIX", "Cluster", "ClusterError", "cannot_make_namespaces", "sweep"]
+__all__ = ["PREFIX", "Cluster", "ClusterError", "cannot_make_namespaces", "sweep", "torchrun_nodes"]
 
 #: every directory the harness makes is ``<BASE_DIR>/<PREFIX>-<pid>-<random>``
 PREFIX = "dfz-cluster"
@@ -478,3 +478,52 @@ class Cluster:
         spec = ",".join(f"{h}:{k}" for h, k in hosts.items())
         cmd = ["mpirun", "-H", spec, "-np", str(sum(hosts.values())), *argv]
         return self.run("head", cmd, timeout=timeout, env=env, check=check, cwd=cwd)
+
+
+# ---------------------------------------------------------------------- torchrun across nodes
+#: the c10d rendezvous port on the first node (every node has a network of its own: no clash)
+TORCHRUN_PORT = 29400
+
+
+def torchrun_nodes(cluster: Cluster, nodes: list[str], argv: list[str], *, timeout: float,
+                   env: dict | None = None, nproc: int = 1) -> list[subprocess.CompletedProcess]:
+    """``torchrun --nnodes len(nodes) --node-rank i --nproc-per-node nproc`` on each of ``nodes`` at
+    once, c10d rendezvous on the first node's address on the cluster link, gloo on the node's link
+    (``GLOO_SOCKET_IFNAME``); ``argv`` is the training script and its arguments. Every node's
+    command must end within ``timeout`` seconds with status 0 (:class:`ClusterError` otherwise,
+    with every node's output; the others are killed)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    base = [exe] if os.path.exists(exe) else [sys.executable, "-m", "torch.distributed.run"]
+    extra = {"GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": "1", "TORCHELASTIC_ERROR_FILE": "",
+             "PYTHONWARNINGS": "ignore", **(env or {})}
+    procs = []
+    for i, name in enumerate(nodes):
+        cmd = [*base, "--nnodes", str(len(nodes)), "--node-rank", str(i), "--nproc-per-node", str(nproc),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.address(nodes[0])}:{TORCHRUN_PORT}",
+               "--rdzv-id", "dfz", "--max-restarts", "0", *argv]
+        procs.append(cluster.popen(name, cmd, env=extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    outs: list[tuple[str, str] | None] = [None] * len(procs)
+    failed = False
+    for k, p in enumerate(procs):
+        try:
+            outs[k] = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            failed = True
+            break
+        if p.returncode != 0:
+            failed = True
+            break
+    if failed:
+        for k, p in enumerate(procs):
+            if p.poll() is None:
+                p.kill()
+            if outs[k] is None:
+                try:
+                    outs[k] = p.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    outs[k] = ("", "(no output)")
+        raise ClusterError("torchrun across " + ", ".join(nodes) + " failed:\n" + "\n".join(
+            f"--- {n}: exit {p.returncode}\nstdout:\n{o[0][-2000:]}\nstderr:\n{o[1][-4000:]}"
+            for n, p, o in zip(nodes, procs, outs)))
+    return [subprocess.CompletedProcess(p.args, p.returncode, o[0], o[1]) for p, o in zip(procs, outs)]
