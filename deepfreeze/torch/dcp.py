@@ -48,10 +48,10 @@ import logging
 import os
 import shutil
 import tempfile
-from concurrent.futures import Future
 from typing import Any
 
 import torch
+from torch.futures import Future
 from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    TensorProperties, TensorStorageMetadata)
@@ -259,7 +259,7 @@ def _byte_range(ri: ReadItem, size: int) -> tuple[int, int]:
     o = offs[0] if offs else 0
     n = lens[0] if lens else 0
     if len(offs) > 1 or len(lens) > 1 or not (type(o) is int and type(n) is int and 0 <= o <= size and n >= 0):
-        raise ConfigError(f"{ri.storage_index.fqn!r}: a bytes read at {offs} of {lens} does not fit its {size} bytes")
+        raise ConfigError(f"{ri.storage_index.fqn!r}: a bytes read at {offs} of {lens} lies outside its {size} bytes")
     n = n or size - o
     if o + n > size:
         raise ConfigError(f"{ri.storage_index.fqn!r}: a bytes read at {o} of {n} bytes lies outside its {size} bytes")
