@@ -81,13 +81,24 @@ def test_reader_in_a_plain_process(run):
 
 
 def test_reader_under_torchrun(run, tmp_path):
-    """Two ranks (DDP) each dcp.load through a collective reader: both equal the recorded v6."""
-    out = str(tmp_path)
+    """Two ranks (DDP) each dcp.load through a collective reader: both equal the recorded v6 (the
+    same plan on both ranks: one pooled read). Then rank 1 asks for the model only (other plans:
+    each rank reads its own tensors), newest version."""
+    out = str(tmp_path / "same")
     torchrun(2, LOAD, out, run, "version=6")
     want = npz(os.path.join(run, "r0", "v6.npz"))
     for r in (0, 1):
         assert info(out, r) == {"version": 6, "world_size": 2}
         assert_same(npz(os.path.join(out, f"r{r}", "loaded.npz")), want, f"rank {r} loaded through DCP")
+    out = str(tmp_path / "differ")
+    torchrun(2, LOAD, out, run, "model_only_rank=1")
+    assert info(out, 0)["version"] == info(out, 1)["version"] == 6
+    assert_same(npz(os.path.join(out, "r0", "loaded.npz")), want, "rank 0 (everything)")
+    got1 = npz(os.path.join(out, "r1", "loaded.npz"))
+    model_keys = [k for k in want if not k.startswith(("optim.", "__"))]
+    assert_same({k: got1[k] for k in model_keys}, {k: want[k] for k in model_keys}, "rank 1 (the model only)")
+    assert any(not np.array_equal(got1[k], want[k]) for k in want if k.startswith("optim.")), \
+        "rank 1's optimizer state equals the checkpoint's though it did not load it: the test does not test"
 
 
 def test_reader_newest_in_a_plain_worker(run, tmp_path):

@@ -4,7 +4,8 @@
     torchrun --standalone --nproc-per-node N tests/workers/torch_dcp_load.py OUT SRC version=V [name=tt]
     python tests/workers/torch_dcp_load.py OUT SRC ...
 
-SRC is the training job's OUT (scratch<rank>, persistent). Writes OUT/r<rank>/loaded.npz (the
+SRC is the training job's OUT (scratch<rank>, persistent). ``model_only_rank=R``: rank R loads
+the model's entries only (its plan asks for other tensors than the other ranks'). Writes OUT/r<rank>/loaded.npz (the
 state, as torch_train.snapshot) and OUT/r<rank>/info.json ({"version", "world_size"}).
 """
 import json
@@ -34,14 +35,18 @@ def main() -> None:
     net, opts = build(seed=123)  # other initial values: everything must come from the checkpoint
     model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
     model_sd, optim_sd = get_state_dict(model, opts)
-    sd = {**model_sd, "optim": optim_sd}
+    model_only = int(kw.get("model_only_rank", -1)) == rank
+    sd = {**model_sd} if model_only else {**model_sd, "optim": optim_sd}
     reader = Reader(name=kw.get("name", "tt"), version=int(kw["version"]) if "version" in kw else None,
                     mode="sync", scratch=os.path.join(src, f"scratch{rank}"), persistent=os.path.join(src, "persistent"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(sd, storage_reader=reader)
-    optim_sd = sd.pop("optim")
-    set_state_dict(model, opts, model_state_dict=sd, optim_state_dict=optim_sd)
+    if model_only:
+        net.load_state_dict(sd)
+    else:
+        optim_sd = sd.pop("optim")
+        set_state_dict(model, opts, model_state_dict=sd, optim_state_dict=optim_sd)
     mydir = os.path.join(out, f"r{rank}")
     os.makedirs(mydir, exist_ok=True)
     snapshot(net, opts, os.path.join(mydir, "loaded.npz"))
