@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -64,8 +63,6 @@ from . import _state
 from ._dist import TorchComm, rank_and_size
 
 __all__ = ["Reader", "write_dcp", "dcp_state_dict"]
-
-log = logging.getLogger("deepfreeze")
 
 
 def _prefixed(prefix: str, *parts: Any) -> tuple[tuple[Any, ...], str]:
