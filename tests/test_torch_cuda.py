@@ -83,6 +83,45 @@ def test_uncapturable_devices_are_refused(tmp_path):
             _cuda.PinnedBufferPool(4096, 1)
 
 
+def test_pinned_pool_unregisters_only_free_buffers():
+    """The lifetime rule of PinnedBufferPool, with registration recorded by a subclass (no CUDA
+    needed): a released pool unregisters at once the buffers nothing holds; a buffer still held
+    stays registered until a later release finds it free; each is unregistered exactly once; a
+    pool whose construction fails unregisters what it registered."""
+    from deepfreeze.fused import BufferPool
+    from deepfreeze.torch._cuda import PinnedBufferPool
+
+    class Recorded(PinnedBufferPool):
+        _linger: list = []
+        pinned: set = set()
+        fail_at = -1
+
+        def _pin(self, buf):
+            if len(self.pinned) == self.fail_at:
+                raise MemoryError("injected: no lockable memory")
+            self.pinned.add(BufferPool.address(buf))
+
+        def _unpin(self, buf):
+            self.pinned.remove(BufferPool.address(buf))  # KeyError: unregistered twice
+
+    pool = Recorded(8192, 2)
+    assert len(Recorded.pinned) == 2
+    held = pool.acquire()[:16]  # a view keeps its buffer held (as a FusedShard in the write queue)
+    addr = BufferPool.address(held)
+    pool.release()
+    assert Recorded.pinned == {addr} and len(Recorded._linger) == 1
+    grown = Recorded(8192, 1)
+    one, two = grown.acquire(), grown.acquire()  # all held: one more allocated, registered too
+    assert grown.grown == 1 and len(Recorded.pinned) == 3
+    del held, one, two
+    grown.release()
+    assert Recorded.pinned == set() and Recorded._linger == []
+    Recorded.fail_at = 1
+    with pytest.raises(MemoryError, match="injected"):
+        Recorded(8192, 3)
+    assert Recorded.pinned == set()
+
+
 @needs_cuda
 def test_cuda_versions_bit_exact(tmp_path):
     """Side-stream copies into pinned buffers; a 64 MiB parameter keeps the copy in flight while the

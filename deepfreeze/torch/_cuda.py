@@ -27,8 +27,8 @@ size, page-aligned, pre-faulted) registered with ``cudaHostRegister`` (portable 
 ``torch.cuda.cudart()``, so the numpy buffer the engine writes *is* the page-locked memory
 (``torch.empty(pin_memory=True)`` would round every buffer up to a power of two). A buffer is
 unregistered before its mapping can go away: :meth:`PinnedBufferPool.release` unregisters the
-buffers nothing else holds and keeps the others (in a module list, which keeps their mapping
-alive) until a later release finds them free.
+buffers nothing else holds and keeps the others (in a class-level list, which keeps their
+mapping alive) until a later release finds them free.
 """
 from __future__ import annotations
 
@@ -151,48 +151,58 @@ class CudaCapture:
 
 # -- page-locked pool buffers
 
-_LINGER: list[np.ndarray] = []  # released while still held: unregistered once nothing holds them
-_LOCK = threading.Lock()
-
-
-def _register(buf: np.ndarray) -> None:
-    err = int(torch.cuda.cudart().cudaHostRegister(BufferPool.address(buf), buf.nbytes, 1))  # 1: portable
-    if err != 0:
-        raise ConfigError(f"cudaHostRegister of a {buf.nbytes}-byte capture buffer failed (cudaError {err}): "
-                          "not enough lockable memory (ulimit -l, or the GPU driver's limit)")
-
-
-def _unregister(buf: np.ndarray) -> None:
-    torch.cuda.cudart().cudaHostUnregister(BufferPool.address(buf))
-
-
 class PinnedBufferPool(BufferPool):
     """A :class:`~deepfreeze.fused.BufferPool` whose buffers are page-locked (``cudaHostRegister``
-    of the pool's own mappings). Call :meth:`release` when the pool is replaced or closed."""
+    of the pool's own mappings, portable flag). Call :meth:`release` when the pool is replaced or
+    closed. Registration is :meth:`_pin`/:meth:`_unpin` (a subclass may record it instead)."""
+
+    #: buffers of released pools still held (by the write queue): unregistered once nothing holds them
+    _linger: list[np.ndarray] = []
+    _lock = threading.Lock()
 
     def __init__(self, nbytes: int, count: int) -> None:
+        self._made: "list[np.ndarray] | None" = []  # pinned while the pool is built (undone if that fails)
+        try:
+            super().__init__(nbytes, count)
+        except BaseException:
+            for buf in self._made:
+                self._unpin(buf)
+            raise
+        finally:
+            self._made = None  # (a list would keep every buffer held: never free again)
+
+    def _pin(self, buf: np.ndarray) -> None:
         if not torch.cuda.is_available():
             raise ConfigError(f"pinned capture buffers: {_NO_CUDA}")
-        super().__init__(nbytes, count)
+        err = int(torch.cuda.cudart().cudaHostRegister(BufferPool.address(buf), buf.nbytes, 1))  # 1: portable
+        if err != 0:
+            raise ConfigError(f"cudaHostRegister of a {buf.nbytes}-byte capture buffer failed (cudaError {err}): "
+                              "not enough lockable memory (ulimit -l, or the GPU driver's limit)")
+
+    def _unpin(self, buf: np.ndarray) -> None:
+        torch.cuda.cudart().cudaHostUnregister(BufferPool.address(buf))
 
     def _allocate(self) -> np.ndarray:
-        buf = super()._allocate()
-        _register(buf)
+        buf = super()._allocate()  # (kept mapped by ``buf`` itself: unpinned before it can be unmapped)
+        self._pin(buf)
+        if self._made is not None:
+            self._made.append(buf)
         return buf
 
     def release(self) -> None:
         """Unregister every buffer of this pool (and of pools released before) that nothing holds;
         the others stay registered (and mapped) until a later release finds them free."""
-        with _LOCK:
-            _LINGER.extend(self.buffers)
+        with self._lock:
+            linger = self._linger
+            linger.extend(self.buffers)
             self.buffers = []
             keep = []
-            for i in range(len(_LINGER)):
-                if sys.getrefcount(_LINGER[i]) <= 2:  # the list's reference and getrefcount's argument
-                    _unregister(_LINGER[i])
+            for i in range(len(linger)):
+                if sys.getrefcount(linger[i]) <= 2:  # the list's reference and getrefcount's argument
+                    self._unpin(linger[i])
                 else:
-                    keep.append(_LINGER[i])
-            _LINGER[:] = keep
+                    keep.append(linger[i])
+            linger[:] = keep
 
 
 def release_pool(pool: Any) -> None:
