@@ -10,7 +10,9 @@ No change to the training loop: the checkpointer registers hooks on the optimize
   (parameters and optimizer state: every DDP rank holds them bit-identical after the step) are
   copied into a pooled buffer laid out as the rank's shard file
   (:class:`~deepfreeze.fused.FusedLayout`); with ``overlap=True`` by a background thread
-  ``deepfreeze-capture-r<rank>`` while the next forward and backward run. The next
+  ``deepfreeze-capture-r<rank>`` while the next forward and backward run (CUDA tensors: by
+  device-to-host copies on a side stream into pinned buffers, :mod:`deepfreeze.torch._cuda`,
+  whose event the next pre-hook makes the stream and the host wait for). The next
   ``optimizer.step()`` of any of the optimizers waits for that copy first (a pre-hook), then
   checks each source tensor's ``_version``: a tensor changed in place during the copy (by
   anything but the optimizer) makes the version *torn*: it is not written
