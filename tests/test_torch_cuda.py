@@ -130,6 +130,9 @@ def test_cuda_versions_bit_exact(tmp_path):
     ck, rec = _train("cuda", tmp_path, steps=6, big=16 << 20)
     assert isinstance(ck._pool, PinnedBufferPool) and ck._cuda is not None
     assert ck.pinned and all(ck.pinned)  # the pool's own numpy buffers are page-locked
+    import deepfreeze.torch as dft
+    st = dft.load_state(name="cu", version=6, mode="sync", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    assert len(st.records[0]["a"]["rng"]["cuda"]) == torch.cuda.device_count()  # the CUDA RNG states too
     _check(ck, rec, tmp_path, [2, 4, 6])
 
 
