@@ -1,4 +1,5 @@
-"""``deepfreeze export``: write a committed version as h5, npz, safetensors or (PyTorch) torch."""
+"""``deepfreeze export``: write a committed version as h5, npz, safetensors or (PyTorch) torch or
+a DCP checkpoint directory (``--format dcp``)."""
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,10 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
                        help="write a version as h5, npz or safetensors",
                        description="Load a committed version (checksums verified) and write it as a Keras HDF5 "
                                    "weights file, a NumPy .npz or a safetensors file.")
-    p.add_argument("--format", choices=["h5", "npz", "safetensors", "torch"],
-                   help="output format (default: from the --output suffix)")
-    p.add_argument("--output", "-o", required=True, metavar="PATH", help="output file")
+    p.add_argument("--format", choices=["h5", "npz", "safetensors", "torch", "dcp"],
+                   help="output format (default: from the --output suffix); dcp: a torch.distributed.checkpoint "
+                        "directory at --output")
+    p.add_argument("--output", "-o", required=True, metavar="PATH", help="output file (a directory for --format dcp)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=run)
 
@@ -27,12 +29,14 @@ def run(args: argparse.Namespace) -> int:
     from .. import export as ex
     fmt_name = args.format or ex.format_from_path(args.output)
     if fmt_name is None:
-        raise UsageError(f"cannot tell the format from {args.output!r}: pass --format h5|npz|safetensors|torch")
-    if fmt_name == "torch":
-        try:
-            from ..torch.export import write_torch  # the adapter (imports PyTorch), only for this format
+        raise UsageError(f"cannot tell the format from {args.output!r}: pass --format h5|npz|safetensors|torch|dcp")
+    if fmt_name in ("torch", "dcp"):
+        try:  # the adapter (imports PyTorch), only for these formats
+            from ..torch.export import write_torch
+            if fmt_name == "dcp":
+                from ..torch.dcp import write_dcp
         except ImportError as e:
-            raise UsageError(f"--format torch needs PyTorch ({e}): pip install 'deepfreeze[torch]'") from e
+            raise UsageError(f"--format {fmt_name} needs PyTorch ({e}): pip install 'deepfreeze[torch]'") from e
     cfg = load_config(args.config, args.overrides)
     name = resolve_name(args, cfg)
     progress = Progress()
@@ -48,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
             arrays = {k: a for k, a in arrays.items() if not k.startswith("_deepfreeze/")}
         if fmt_name == "torch":
             size = write_torch(ck, args.output, force=args.force)
+        elif fmt_name == "dcp":
+            size = write_dcp(ck, args.output, force=args.force)
         else:
             size = ex.export(arrays, fmt_name, args.output, metadata=meta, force=args.force)
     finally:

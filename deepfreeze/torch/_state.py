@@ -164,13 +164,21 @@ def train_state(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimiz
 # -- RNG states of this process
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """torch's CPU, numpy's and Python's RNG states, and every CUDA device's when this process
+    has initialized CUDA (dropout on a GPU draws from those)."""
+    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
 
 
 def set_rng_state(st: dict[str, Any]) -> None:
     torch.set_rng_state(st["torch"])
     np.random.set_state(st["numpy"])
     random.setstate(st["python"])
+    cuda = st.get("cuda")  # (restored only onto as many CUDA devices as it was taken from)
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 # -- the state record codec

@@ -10,7 +10,9 @@ No change to the training loop: the checkpointer registers hooks on the optimize
   (parameters and optimizer state: every DDP rank holds them bit-identical after the step) are
   copied into a pooled buffer laid out as the rank's shard file
   (:class:`~deepfreeze.fused.FusedLayout`); with ``overlap=True`` by a background thread
-  ``deepfreeze-capture-r<rank>`` while the next forward and backward run. The next
+  ``deepfreeze-capture-r<rank>`` while the next forward and backward run (CUDA tensors: by
+  device-to-host copies on a side stream into pinned buffers, :mod:`deepfreeze.torch._cuda`,
+  whose event the next pre-hook makes the stream and the host wait for). The next
   ``optimizer.step()`` of any of the optimizers waits for that copy first (a pre-hook), then
   checks each source tensor's ``_version``: a tensor changed in place during the copy (by
   anything but the optimizer) makes the version *torn*: it is not written
@@ -52,7 +54,7 @@ from ..fused import BufferPool, FusedLayout, FusedShard
 from ..levels import ScratchLevel
 from ..run import Run
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec
-from . import _state
+from . import _cuda, _state
 from ._dist import TorchComm, make_comm, node_domain, rank_and_size
 
 __all__ = ["Checkpointer"]
@@ -71,7 +73,7 @@ def _phase_b(obj: Any) -> bool:
 class _Pending:
     """A capture taken in a post-hook, finished at the next pre-hook."""
 
-    __slots__ = ("step", "buf", "future", "versions", "record_a", "record_b", "error")
+    __slots__ = ("step", "buf", "future", "versions", "record_a", "record_b", "error", "cuda")
 
     def __init__(self, step: int, buf: np.ndarray) -> None:
         self.step, self.buf = step, buf
@@ -80,6 +82,7 @@ class _Pending:
         self.record_a = b""
         self.record_b: "bytes | None" = None
         self.error: str = ""
+        self.cuda: "_cuda.InFlight | None" = None  # device-to-host copies on the side stream
 
 
 class Checkpointer:
@@ -156,6 +159,8 @@ class Checkpointer:
         self._caps: list[int] = []
         self._layout: FusedLayout | None = None
         self._pool: BufferPool | None = None
+        self._cuda: "_cuda.CudaCapture | None" = None  # CUDA tensors: the side-stream capture (_cuda.py)
+        _cuda.check_devices([*model.parameters(), *model.buffers()], "the model")  # refused: meta, mps ...
         self._pending: _Pending | None = None
         self._hooks: list[Any] = []
         self._last_version: int | None = None
@@ -254,6 +259,7 @@ class Checkpointer:
             finally:
                 self._copier.shutdown(wait=True)
                 self._run.close()
+                _cuda.release_pool(self._pool)
                 for comm in (self._bg_comm, self.comm):
                     if hasattr(comm, "close"):
                         comm.close()
@@ -324,6 +330,8 @@ class Checkpointer:
             else:
                 background.append((t, seg))
                 p.versions.append((t, t._version, self.plan.tensors[tid].name))
+        if self._cuda is not None:  # CUDA pieces: device-to-host on a side stream (deepfreeze/torch/_cuda.py)
+            sync, background, p.cuda = self._cuda.start(sync, background, buf)
         self._copy(sync, buf)
         if background:
             p.future = self._copier.submit(self._copy, background, buf)
@@ -338,7 +346,7 @@ class Checkpointer:
     def _copy_piece(self, t: torch.Tensor, piece: Piece, dest: torch.Tensor) -> None:
         src = t.detach()
         if src.device.type != "cpu":
-            src = src.cpu()  # (a device-to-host copy; CUDA streams are not handled yet)
+            src = src.cpu()  # (CUDA pieces go through _cuda.CudaCapture; this is a fallback)
         src = src.reshape(-1)[piece.start:piece.stop]
         dest.copy_(src.contiguous().view(torch.uint8) if src.dtype != torch.uint8 else src)
 
@@ -352,6 +360,11 @@ class Checkpointer:
                 p.future.result()
             except Exception as e:  # surfaced below, on every rank
                 p.error = f"rank {self.rank}: the capture copy failed: {type(e).__name__}: {e}"
+        if p.cuda is not None:  # the current stream, then the host, wait for the side stream's copies
+            try:
+                p.cuda.wait()
+            except Exception as e:  # surfaced below, on every rank
+                p.error = p.error or f"rank {self.rank}: the CUDA capture copy failed: {type(e).__name__}: {e}"
         waited = time.perf_counter() - t0
         changed = [name for t, v, name in p.versions if t._version != v]
         if changed and not p.error:
@@ -432,7 +445,10 @@ class Checkpointer:
         self._pinned = set(st.pinned)
         self._model_tensors = st.model_tensors
         self._layout = FusedLayout.build(plan, self.rank)
-        self._pool = BufferPool(self._layout.nbytes, self.config.max_inflight + 1)
+        self._cuda = _cuda.capture_for(st.tensors, self._cuda)
+        _cuda.release_pool(self._pool)
+        self._pool = (self._cuda.pool if self._cuda is not None else BufferPool)(self._layout.nbytes,
+                                                                                  self.config.max_inflight + 1)
         self.plans += 1
         if self.verbose and self.rank == 0:
             log.warning("DeepFreeze: %d tensors, %.1f MB, %d ranks, %.1f MB per rank (max), mode %s",
