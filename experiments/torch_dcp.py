@@ -8,7 +8,6 @@ Models (``experiments/torch_models.py``, written by hand): ``gpt2`` (124 M param
 and 2 (gloo, CPU, DDP). One ``torchrun`` per (model, world size) runs every approach in turn in
 the same processes (same model, same steps, same disk):
 
-* ``none``: no checkpoint (the baseline iteration; run first and again last, ``none-end``);
 * ``torch-save``: rank 0 ``torch.save({"model", "optim"})`` + fsync (synchronous);
 * ``dcp-save``: ``dcp.save(get_state_dict(model, opt))`` (synchronous; DCP fsyncs its files);
   every DCP call gets its own gloo group (``dist.new_group(backend="gloo")``, as torchtitan does):
@@ -29,12 +28,16 @@ Every DCP approach waits for the previous checkpoint's upload before the next ``
 (DCP allows one in flight); DeepFreeze waits the same way on its own (``max_inflight``). Those
 waits are inside the measured iterations.
 
-Schedule of a checkpointing approach: a checkpoint after iterations ``every-1, 2*every-1, ...``;
+Schedule of an approach: first ``none_steps`` plain iterations (its own baseline: iteration
+times drift on this machine; they also let the previous approach's background work end), then a
+checkpoint after iterations ``every-1, 2*every-1, ...``;
 the first is warm-up (plans, buffers, processes) and excluded, then ``measured`` checkpoints each
 followed by ``every-1`` plain iterations, then a final checkpoint (not timed) whose state is
 recorded (BLAKE2b of every tensor of ``get_state_dict``) for the restore test.
 
-Figures (the same way for every approach; iteration times averaged over the ranks):
+Figures (the same way for every approach; iteration times averaged over the ranks; CPU and memory
+of each rank's process tree: the rank, its threads, the DCP checkpoint process and the node's
+DeepFreeze backend, which the ranks start, so other work on the machine does not count):
 
 * **stall**: time of the checkpoint iteration plus the next one, minus two baseline iterations
   (the waits before state is mutated fall in the next one);
@@ -44,12 +47,11 @@ Figures (the same way for every approach; iteration times averaged over the rank
   save call) until the checkpoint is complete on the persistent directory: the call's end
   (synchronous), the upload future's completion (DCP async), the manifest's ``committed`` time
   (DeepFreeze);
-* **CPU-seconds per checkpoint**: busy CPU of the whole machine (``/proc/stat``: every rank,
-  thread, checkpoint process and backend) from the end of the warm-up interval until the final
-  checkpoint is durable, minus the baseline's busy CPU per iteration times the iterations, over
-  the checkpoints in that window;
-* **peak memory**: the machine's used memory (MemTotal - MemAvailable, sampled every 20 ms)
-  at its peak in that window minus the peak of the ``none`` run;
+* **CPU-seconds per checkpoint**: CPU seconds of the process trees from the end of the warm-up
+  interval until the final checkpoint is durable, minus the baseline's CPU per iteration times
+  the iterations, over the checkpoints in that window;
+* **extra memory**: the peak resident memory of the process trees in that window (sampled every
+  20 ms) minus their peak during the baseline iterations, summed over the ranks;
 * **restore**: a later ``torchrun`` at the same and at the other world size restores the final
   checkpoint of every approach into a fresh model and optimizer after dropping the page cache
   (cold, as after a restart), checks it bit-exact against the recorded digests, and times it.
@@ -73,7 +75,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from experiments.bench import commit_times, finish_doc, machine_cpu, mean, var, write_doc  # noqa: E402
+from experiments.bench import commit_times, finish_doc, mean, var, write_doc  # noqa: E402
 
 APPROACHES = ["torch-save", "dcp-save", "dcp-async-thread", "dcp-async-process", "dcp-async-thread-staged",
               "dcp-async-process-staged", "deepfreeze"]
@@ -85,26 +87,78 @@ NAME = "bench"
 
 
 # ---------------------------------------------------------------------------------------------- rank side
-def used_memory() -> int:
-    with open("/proc/meminfo") as f:
-        kv = {ln.split(":")[0]: int(ln.split()[1]) for ln in f}
-    return (kv["MemTotal"] - kv["MemAvailable"]) << 10
+_HZ = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-class MemPeak(threading.Thread):
-    """The machine's peak used memory since the last ``reset``."""
+def tree(root: int) -> list[int]:
+    """``root`` and every process descended from it (the DCP checkpoint process, the node's
+    DeepFreeze backend: both are started by a rank)."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def tree_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) of ``pids`` so far."""
+    total = 0.0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                v = f.read().rsplit(")", 1)[1].split()
+            total += (int(v[11]) + int(v[12])) / _HZ
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def tree_rss(pids: list[int]) -> int:
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * _PAGE
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+class Tree(threading.Thread):
+    """This rank's process tree: its CPU seconds and its peak resident memory since ``reset``
+    (RSS summed over the tree every 20 ms; the tree itself re-read every 0.5 s)."""
 
     def __init__(self) -> None:
-        super().__init__(name="mempeak", daemon=True)
-        self.peak, self.stop = used_memory(), threading.Event()
+        super().__init__(name="tree", daemon=True)
+        self.pids = tree(os.getpid())
+        self.peak, self.stop = tree_rss(self.pids), threading.Event()
+
+    def cpu(self) -> float:
+        self.pids = tree(os.getpid())
+        return tree_cpu(self.pids)
 
     def reset(self) -> int:
-        p, self.peak = self.peak, used_memory()
+        p, self.peak = self.peak, tree_rss(self.pids)
         return p
 
     def run(self) -> None:
+        n = 0
         while not self.stop.wait(0.02):
-            self.peak = max(self.peak, used_memory())
+            n += 1
+            if n % 25 == 0:
+                self.pids = tree(os.getpid())
+            self.peak = max(self.peak, tree_rss(self.pids))
 
 
 def digests(model, opt) -> dict[str, str]:
@@ -233,7 +287,7 @@ def worker(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     work = args.work
     pg = dist.new_group(backend="gloo")  # for DCP (as torchtitan does for async_save)
-    mem = MemPeak()
+    mem = Tree()
     mem.start()
     gstep = [0]
 
@@ -254,43 +308,44 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(2):  # warm-up: DDP buckets, AdamW state
         iterate(None, None)
     approaches = args.approaches.split(",")
-    for approach in ["none"] + approaches + ["none-end"]:
+    for approach in approaches:
+        # a plain run right before each approach: its own baseline (iteration times drift on this
+        # machine), which also lets the previous approach's background work end
         dist.barrier()
-        rec: dict = {"rank": rank, "approach": approach, "iters": []}
-        if approach.startswith("none"):
-            mem.reset()
-            c0, t0 = machine_cpu()["busy_s"], time.perf_counter()
-            rec["iters"] = [iterate(None, None) for _ in range(args.none_steps)]
-            rec.update(cpu_s=machine_cpu()["busy_s"] - c0, wall_s=time.perf_counter() - t0, mem_peak=mem.reset())
-        else:
-            every, measured = args.every, args.measured
-            saver = Saver(approach, model, opt, work, rank, every, pg)
-            n_ck = measured + 2
-            window = None
-            for i in range(n_ck * every):
-                ck = (i + 1) // every if (i + 1) % every == 0 else None
-                if i == every:  # end of the warm-up interval: its checkpoint durable, then the window opens
-                    saver.finish()
-                    dist.barrier()
-                    mem.reset()
-                    window = (machine_cpu()["busy_s"], time.perf_counter(), gstep[0])
-                rec["iters"].append(iterate(saver, ck))
-            saver.finish()
-            dist.barrier()
-            rec.update(cpu_s=machine_cpu()["busy_s"] - window[0], wall_s=time.perf_counter() - window[1],
-                       window_iters=gstep[0] - window[2], window_ckpts=n_ck - 1, mem_peak=mem.reset(),
-                       durable=saver.durable, final=saver.paths[-1] if saver.paths else None)
-            if approach == "deepfreeze":
-                rec["committed"] = commit_times(f"{work}/df/persistent/{NAME}")
-                rec["starts"] = saver.starts
-            rec.update(saver.close())
-            if rank == 0:
-                with open(f"{work}/res/{approach}.digests.json", "w") as f:
-                    json.dump({"step": gstep[0], "digests": digests(model, opt)}, f)
+        mem.reset()
+        c0, t0 = mem.cpu(), time.perf_counter()
+        rec: dict = {"rank": rank, "approach": approach}
+        rec["base_iters"] = [iterate(None, None) for _ in range(args.none_steps)]
+        rec.update(base_cpu_s=mem.cpu() - c0, base_wall_s=time.perf_counter() - t0, base_mem_peak=mem.reset())
+        every, measured = args.every, args.measured
+        saver = Saver(approach, model, opt, work, rank, every, pg)
+        n_ck = measured + 2
+        window = None
+        rec["iters"] = []
+        for i in range(n_ck * every):
+            ck = (i + 1) // every if (i + 1) % every == 0 else None
+            if i == every:  # end of the warm-up interval: its checkpoint durable, then the window opens
+                saver.finish()
+                dist.barrier()
+                mem.reset()
+                window = (mem.cpu(), time.perf_counter(), gstep[0])
+            rec["iters"].append(iterate(saver, ck))
+        saver.finish()
+        dist.barrier()
+        rec.update(cpu_s=mem.cpu() - window[0], wall_s=time.perf_counter() - window[1],
+                   window_iters=gstep[0] - window[2], window_ckpts=n_ck - 1, mem_peak=mem.reset(),
+                   durable=saver.durable, final=saver.paths[-1] if saver.paths else None)
+        if approach == "deepfreeze":
+            rec["committed"] = commit_times(f"{work}/df/persistent/{NAME}")
+            rec["starts"] = saver.starts
+        rec.update(saver.close())
+        if rank == 0:
+            with open(f"{work}/res/{approach}.digests.json", "w") as f:
+                json.dump({"step": gstep[0], "digests": digests(model, opt)}, f)
         with open(f"{work}/res/{approach}.r{rank}.json", "w") as f:
             json.dump(rec, f)
         # the older checkpoints of this approach are not needed any more (disk); the final one is kept
-        if rank == 0 and not approach.startswith("none"):
+        if rank == 0:
             for p in saver.paths[:-1]:
                 shutil.rmtree(p, ignore_errors=True)
                 if os.path.exists(p + ".pt"):
@@ -386,17 +441,13 @@ def stat(v: list[float]) -> dict:
 def summarize(model: str, ranks: int, work: str, approaches: list[str], every: int, measured: int) -> list[dict]:
     def load(a: str) -> list[dict]:
         return [json.load(open(f"{work}/res/{a}.r{r}.json")) for r in range(ranks)]
-    nones = load("none") + load("none-end")
-    base_iters = [t for r in nones for t in r["iters"]]
-    base = mean(base_iters)
-    base_cpu = mean([r["cpu_s"] / len(r["iters"]) for r in load("none") + load("none-end") if r["rank"] == 0])
-    base_mem = max(r["mem_peak"] for r in nones)
-    rows = [{"model": model, "ranks": ranks, "approach": "none", "baseline_iter_s": base,
-             "baseline_se_s": se(base_iters), "baseline_start_s": mean([t for r in load("none") for t in r["iters"]]),
-             "baseline_end_s": mean([t for r in load("none-end") for t in r["iters"]])}]
+    rows = []
     for a in approaches:
         rs = load(a)
         iters = [mean(col) for col in zip(*[r["iters"] for r in rs])]  # mean over ranks
+        base_iters = [mean(col) for col in zip(*[r["base_iters"] for r in rs])]
+        base = mean(base_iters)
+        base_cpu = sum(r["base_cpu_s"] for r in rs) / len(base_iters)  # every rank's tree, per iteration
         cks = [k * every - 1 for k in range(2, measured + 2)]  # measured checkpoint iterations
         stall = [iters[i] + iters[i + 1] - 2 * base for i in cks]
         slow = [(sum(iters[i:i + every]) - every * base) / (every * base) for i in cks]
@@ -406,10 +457,10 @@ def summarize(model: str, ranks: int, work: str, approaches: list[str], every: i
                        for k in range(2, measured + 2)] if r0.get("starts") else []
         else:
             durable = [max(r["durable"][k - 1] for r in rs) for k in range(2, measured + 2)]
-        cpu = (r0["cpu_s"] - base_cpu * r0["window_iters"]) / r0["window_ckpts"]
-        row = {"model": model, "ranks": ranks, "approach": a, "stall_s": stat(stall), "slowdown": stat(slow),
-               "durable_s": stat(durable), "cpu_s_per_ckpt": cpu,
-               "mem_extra_GB": (max(r["mem_peak"] for r in rs) - base_mem) / 1e9, "iter_s": iters}
+        cpu = (sum(r["cpu_s"] for r in rs) - base_cpu * r0["window_iters"]) / r0["window_ckpts"]
+        row = {"model": model, "ranks": ranks, "approach": a, "baseline_iter_s": base, "baseline_se_s": se(base_iters),
+               "stall_s": stat(stall), "slowdown": stat(slow), "durable_s": stat(durable), "cpu_s_per_ckpt": cpu,
+               "mem_extra_GB": sum(r["mem_peak"] - r["base_mem_peak"] for r in rs) / 1e9, "iter_s": iters}
         if "df_timings" in r0:
             row["df_in_step_ms"] = [1e3 * (x["post_hook_s"] + x["wait_s"] + x["handoff_s"]) for x in r0["df_timings"]]
         rows.append(row)
@@ -498,20 +549,19 @@ def table(doc: dict) -> str:
     for m in dict.fromkeys(r["model"] for r in doc["runs"]):
         for n in sorted({r["ranks"] for r in doc["runs"] if r["model"] == m}):
             rows = [r for r in doc["runs"] if r["model"] == m and r["ranks"] == n]
-            b = rows[0]
-            lines += [f"#### {m}, {n} rank{'s' if n > 1 else ''} (baseline iteration {b['baseline_iter_s']:.3f} s; "
-                      f"start {b['baseline_start_s']:.3f}, end {b['baseline_end_s']:.3f})", "",
-                      "| approach | stall (s) | slowdown / interval | to durable (s) | CPU-s / ckpt | extra memory (GB) "
-                      f"| restore x{n} (s) | restore x{2 if n == 1 else 1} (s) |",
-                      "|---|---|---|---|---|---|---|---|"]
-            for r in rows[1:]:
+            lines += [f"#### {m}, {n} rank{'s' if n > 1 else ''}", "",
+                      "| approach | baseline iteration (s) | stall (s) | slowdown / interval | to durable (s) | CPU-s / ckpt "
+                      f"| extra memory (GB) | restore x{n} (s) | restore x{2 if n == 1 else 1} (s) |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for r in rows:
                 rs = {x["restore_ranks"]: x for x in doc["restore"]
                       if x["model"] == m and x["ranks"] == n and x["approach"] == r["approach"]}
 
                 def rst(k: int) -> str:
                     x = rs.get(k)
                     return "–" if x is None else f"{x['restore_s']:.3f}" + ("" if x["bit_exact"] else " (NOT exact)")
-                lines.append(f"| {r['approach']} | {fmt(r['stall_s'])} | {fmt(r['slowdown'], 100, 1)} % "
+                lines.append(f"| {r['approach']} | {fmt({'mean': r['baseline_iter_s'], 'se': r['baseline_se_s']})} "
+                             f"| {fmt(r['stall_s'])} | {fmt(r['slowdown'], 100, 1)} % "
                              f"| {fmt(r['durable_s'])} | {fmt(r['cpu_s_per_ckpt'], 1, 2)} | {fmt(r['mem_extra_GB'], 1, 2)} "
                              f"| {rst(n)} | {rst(2 if n == 1 else 1)} |")
             lines.append("")
