@@ -1,7 +1,10 @@
 """DeepFreeze for PyTorch against torch.distributed.checkpoint (DCP), side by side in one run.
 
     python -m experiments.torch_dcp --out experiments/results/torch_dcp.json          # the grid
-    python -m experiments.torch_dcp --quick --out /tmp/q.json                         # smoke, ~3 min
+    python -m experiments.torch_dcp --quick --out /tmp/q.json                         # smoke, ~4 min
+    python -m experiments.torch_dcp --models gpt2 --ranks 2 --approaches dcp-async-process-staged,\
+        deepfreeze,deepfreeze-shm,deepfreeze-shm-nocrc,deepfreeze-if1 --out experiments/results/torch_dcp_bounds.json
+    python -m experiments.torch_dcp plot --out experiments/results/torch_dcp.json     # tables + PNG again
 
 Models (``experiments/torch_models.py``, written by hand): ``gpt2`` (124 M parameters, AdamW:
 1.5 GB of state), ``resnet50`` (25.6 M, BatchNorm), ``mlp`` (1000 small tensors). World sizes 1
@@ -202,12 +205,12 @@ class Saver:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory="process" in approach,
                                                        use_async_staging=True, use_non_blocking_copy=False))
-        if approach == "deepfreeze":
+        if approach.startswith("deepfreeze"):
             from deepfreeze.torch import Checkpointer
+            opts = df_options(approach, work, rank)
             self.ckpt = Checkpointer(model, opt, config=os.path.join(ROOT, "veloc_cfg", "local.cfg"), name=NAME,
                                      every_n_steps=every, overwrite=True, ec_interval=-1, max_versions=0,
-                                     scratch_versions=2, scratch=f"{work}/df/node{rank}/scratch",
-                                     persistent=f"{work}/df/persistent", failure_domain=f"node{rank}")
+                                     scratch_versions=2, failure_domain=f"node{rank}", **opts)
 
     def before_step(self) -> None:
         """Before ``optimizer.step()``: DCP's staged copy must be complete before state is mutated."""
@@ -275,6 +278,21 @@ class Saver:
         return out
 
 
+def df_options(approach: str, work: str, rank: int) -> dict:
+    """DeepFreeze's settings for ``approach``: ``deepfreeze`` (scratch on the same disk as the
+    persistent directory) and variants that show what bounds a figure: ``-shm`` (node-local
+    scratch in memory, /dev/shm, as on nodes with a tmpfs or an NVMe scratch), ``-nocrc``
+    (``chksum = false``: no CRC32 per piece), ``-if1`` (``max_inflight = 1``: a pool of two
+    buffers instead of three)."""
+    root = f"/dev/shm/torch_dcp-{os.path.basename(work)}" if "-shm" in approach else work
+    opts: dict = {"scratch": f"{root}/{approach}/node{rank}/scratch", "persistent": f"{work}/{approach}/persistent"}
+    if "-nocrc" in approach:
+        opts["chksum"] = False
+    if "-if1" in approach:
+        opts["max_inflight"] = 1
+    return opts
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -335,8 +353,8 @@ def worker(args: argparse.Namespace) -> None:
         rec.update(cpu_s=mem.cpu() - window[0], wall_s=time.perf_counter() - window[1],
                    window_iters=gstep[0] - window[2], window_ckpts=n_ck - 1, mem_peak=mem.reset(),
                    durable=saver.durable, final=saver.paths[-1] if saver.paths else None)
-        if approach == "deepfreeze":
-            rec["committed"] = commit_times(f"{work}/df/persistent/{NAME}")
+        if approach.startswith("deepfreeze"):
+            rec["committed"] = commit_times(f"{work}/{approach}/persistent/{NAME}")
             rec["starts"] = saver.starts
         rec.update(saver.close())
         if rank == 0:
@@ -390,10 +408,10 @@ def restore_worker(args: argparse.Namespace) -> None:
             sd = torch.load(final + ".pt", weights_only=True)
             model.module.load_state_dict(sd["model"])
             opt.load_state_dict(sd["optim"])
-        elif approach == "deepfreeze":
+        elif approach.startswith("deepfreeze"):
             deepfreeze.torch.restore(model, opt, os.path.join(ROOT, "veloc_cfg", "local.cfg"), name=NAME,
-                                     scratch=f"{work}/df/restore{size}/node{rank}/scratch",
-                                     persistent=f"{work}/df/persistent")
+                                     scratch=f"{work}/{approach}/restore{size}/node{rank}/scratch",
+                                     persistent=f"{work}/{approach}/persistent")
         else:
             msd, osd = get_state_dict(model, opt)
             sd = {"model": msd, "optim": osd}
@@ -452,7 +470,7 @@ def summarize(model: str, ranks: int, work: str, approaches: list[str], every: i
         stall = [iters[i] + iters[i + 1] - 2 * base for i in cks]
         slow = [(sum(iters[i:i + every]) - every * base) / (every * base) for i in cks]
         r0 = rs[0]
-        if a == "deepfreeze":
+        if a.startswith("deepfreeze"):
             durable = [r0["committed"].get(str(k * every), math.nan) - r0["starts"][k - 1]
                        for k in range(2, measured + 2)] if r0.get("starts") else []
         else:
@@ -469,7 +487,7 @@ def summarize(model: str, ranks: int, work: str, approaches: list[str], every: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("mode", nargs="?", default="drive", choices=["drive", "worker", "restore"])
+    ap.add_argument("mode", nargs="?", default="drive", choices=["drive", "worker", "restore", "plot"])
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--approaches", default=",".join(APPROACHES))
     ap.add_argument("--every", type=int, default=3)
@@ -486,6 +504,12 @@ def main() -> None:
         return worker(args)
     if args.mode == "restore":
         return restore_worker(args)
+    if args.mode == "plot":  # the tables and the PNG again from --out's JSON
+        with open(args.out) as f:
+            doc = json.load(f)
+        doc["table_md"] = table(doc)
+        write_doc(doc, args.out)
+        return plot(doc, os.path.splitext(args.out)[0] + ".png")
     t_start = time.time()
     grid = QUICK if args.quick else FULL
     models = args.models.split(",") if args.models else list(grid)
@@ -529,6 +553,7 @@ def main() -> None:
                                            "mismatch": rr[0][a]["mismatch"]})
             print(f"[torch_dcp] {m} x{n}: {time.time() - t0:.0f} s", flush=True)
             shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(f"/dev/shm/torch_dcp-{os.path.basename(work)}", ignore_errors=True)
             write_doc(doc, args.out)
     shutil.rmtree(base, ignore_errors=True)
     finish_doc(doc, args.out, t_start, table, plot)
@@ -576,7 +601,7 @@ def targets(doc: dict) -> list[str]:
            "CPU-s: DF <= async | restore: DF <= dcp.load |", "|---|---|---|---|---|---|"]
     for m in dict.fromkeys(r["model"] for r in doc["runs"]):
         rows = {r["approach"]: r for r in doc["runs"] if r["model"] == m and r["ranks"] == 2}
-        df = rows.get("deepfreeze")
+        df = rows.get("deepfreeze") or next((r for a, r in rows.items() if a.startswith("deepfreeze")), None)
         asyncs = [rows[a] for a in DCP_ASYNC if a in rows and rows[a]["stall_s"].get("mean") is not None]
         if not df or not asyncs:
             continue
@@ -625,7 +650,8 @@ def plot(doc: dict, path: str) -> None:
             ax.set_xticks([x + 0.4 - w / 2 for x in range(len(ranks))], [f"{n} rank(s)" for n in ranks])
             ax.set_title(f"{m}: {label}", fontsize=9)
             if key != "cpu_s_per_ckpt":
-                ax.set_yscale("symlog", linthresh=1e-3)
+                ax.set_yscale("symlog", linthresh=0.05)  # linear below 50 ms: values within noise of 0
+                ax.set_ylim(bottom=0)
     axes[0][0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
