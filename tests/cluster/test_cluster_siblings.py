@@ -52,7 +52,7 @@ def _until(what, pred, timeout, procs=()):
             if p.poll() is not None:
                 raise AssertionError(f"{what}: a worker ended early (exit {p.returncode}): {_tail(p)}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
+            raise AssertionError(f"{what}: not within {timeout} s\n" + "\n".join(_tail(p) for p in procs))
         time.sleep(0.2)
 
 
@@ -196,14 +196,16 @@ def _check_stream(out, report):
     return versions
 
 
-def test_stream_consumer_on_another_node_through_a_producer_node_loss(cluster3):
-    """Producer run A on n1, consumer on n2, Redis on n3 (endpoints and notifications), data over
-    TCP. n1 is lost mid-stream; the consumer serves on (``next`` keeps returning within its
-    bound), and when run B starts on the replaced n1 it follows B from its next version. Every
-    version delivered equals what its producer recorded."""
+@pytest.mark.parametrize("where", ["redis", "files"])
+def test_stream_consumer_on_another_node_through_a_producer_node_loss(cluster3, where):
+    """Producer run A on n1, consumer on n2, data over TCP; endpoints and notifications in Redis
+    on n3 (or, ``files``, endpoint files on the shared directory and notes from the producer's
+    own server). n1 is lost mid-stream; the consumer serves on (``next`` keeps returning within
+    its bound), and when run B starts on the replaced n1 it follows B from its next version.
+    Every version delivered equals what its producer recorded."""
     c = cluster3
     out = _fresh(c, "stream-loss")
-    redis_proc, url = _redis(c, "n3")
+    redis_proc, url = _redis(c, "n3") if where == "redis" else (None, "")
     a = b = cons = None
     run_a, run_b = secrets.token_hex(8), secrets.token_hex(8)
     try:
@@ -231,3 +233,121 @@ def test_stream_consumer_on_another_node_through_a_producer_node_loss(cluster3):
     assert len(from_a) >= 3 and all(u["t"] < lost_at for u in rep["updates"] if u["step"] < 100000)
     assert rep["longest_next"] < 60, rep["longest_next"]  # bounded: never a hang
     assert {e[1] for e in rep["errors"]} <= {"StreamError", "StreamTimeoutError"}, rep["errors"]
+
+
+def test_stream_consumer_through_partitions_of_the_producer_and_of_the_consumer(cluster3):
+    """Producer on n1 (its link rate-limited, so a version's bytes take about a second on the
+    wire), consumer on n2, Redis on n3. The producer's node is cut off while it serves, then
+    healed; then the consumer's. Each partition lands while bytes flow: the consumer's waits end
+    within their bounds with DeepFreeze's stream errors or nothing, it never delivers a version
+    other than as recorded, and after each heal it goes on with the next versions. The producer
+    records its own errors (Redis out of reach) and publishes on."""
+    c = cluster3
+    out = _fresh(c, "stream-cut")
+    redis_proc, url = _redis(c, "n3")
+    prod = cons = None
+    run = secrets.token_hex(8)
+    healed = {}
+    try:
+        c.limit("n1", "16mbit")
+        cons = _consumer(c, "n2", out, "c", url, "io_timeout=3")
+        prod = _producer(c, "n1", out, run, 0, 1, url, "gap=0.2", "io_timeout=3")
+        _until("2 versions delivered", lambda: len(_updates(out, "c")) >= 2, 120, [cons, prod])
+        for who in ("n1", "n2"):
+            c.partition(who)
+            try:
+                time.sleep(8)
+            finally:
+                c.heal(who)
+            healed[who] = time.time()
+            _until(f"2 versions delivered after {who} healed",
+                   lambda: len([u for u in _updates(out, "c") if u["t"] > healed[who]]) >= 2, 120, [cons, prod])
+        open(f"{out}/stop-c", "w").close()
+        open(f"{out}/stop-{run}", "w").close()
+        _end(cons, 60)
+        _end(prod, 60)
+    finally:
+        c.heal("n1")
+        c.heal("n2")
+        c.limit("n1", None)
+        _kill(prod, cons, redis_proc)
+    rep = _read(f"{out}/consumer-c.json")
+    _check_stream(out, rep)
+    assert rep["longest_next"] < 60, rep["longest_next"]  # bounded: never a hang
+    assert {e[1] for e in rep["errors"]} <= {"StreamError", "StreamTimeoutError"}, rep["errors"]
+    prod_rep = _read(f"{out}/producer-{run}.json")
+    assert {e[1] for e in prod_rep["errors"]} <= {"StreamError", "StreamTimeoutError"}, prod_rep["errors"]
+    print(f"\nconsumer: {len(rep['updates'])} versions, errors {[e[1:] for e in rep['errors']]}, longest next() "
+          f"{rep['longest_next']:.1f} s; producer errors {[e[1:] for e in prod_rep['errors']]}")
+    with open(os.path.join(c.base, "consumer-c.log")) as f:
+        log = f.read()
+    # the premise: a partition cut a version's bytes off mid-transfer (the rate limit keeps the link busy)
+    assert "and then nothing in time" in log, log[-5000:]
+
+
+# ------------------------------------------------------------------------------------------ repository
+
+REPO = os.path.join(WORKERS, "repo_job.py")
+
+
+def _provider(c, name):
+    p = c.popen(name, [PY, "-m", "deepfreeze.repo.provider", "--dir", "/tmp/repo", "--listen",
+                       f"{c.address(name)}:0", "--allow-remote", "--arena-size", str(64 << 20)], env=ENV,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()  # "listening on HOST:PORT" (bounded: a provider that fails exits)
+    if not line.startswith("listening on "):
+        p.kill()
+        raise ClusterError(f"provider on {name} did not start: {line!r} {p.stderr.read()[-3000:]}")
+    return p, line.split()[-1]
+
+
+def test_repository_provider_partitioned_mid_load(cluster3):
+    """Providers on n1 and n2, a client on n3 (TCP staging: another node). A model lives whole on
+    one provider (no replicas, so no fallback is promised): n1's link is slowed, and cut while
+    the client loads n1's model: the load ends within the client's timeout with a
+    ProviderTimeoutError naming the provider, nothing half-loaded is returned; n2's model loads
+    meanwhile, bit-exact; after the heal, n1's model loads again, bit-exact."""
+    c = cluster3
+    out = _fresh(c, "repo")
+    provs = {}
+    client = None
+    try:
+        for n in ("n1", "n2"):
+            c.run(n, ["rm", "-rf", "/tmp/repo"], timeout=30)
+            provs[n] = _provider(c, n)
+        location = "dstore://" + ",".join(provs[n][1] for n in ("n1", "n2"))
+        c.run("n3", [PY, REPO, "store", out, location], timeout=120, env=ENV)
+        want = _read(f"{out}/repo-expected.json")
+        assert want["staging"] == ["tcp", "tcp"]
+        c.limit("n1", "16mbit")  # ~8 MB: about 4 s on the wire
+        client = _start(c, "n3", [PY, REPO, "load", out, location, "10"], "repo-load")
+        _until("the client loading", lambda: os.path.exists(f"{out}/repo-loading"), 60, [client])
+        time.sleep(1.5)
+        c.partition("n1")
+        try:
+            _until("the cut load ended", lambda: len((_read(f"{out}/repo-load.json") or {"steps": []})["steps"]) >= 2,
+                   60, [client])
+        finally:
+            c.heal("n1")
+            c.limit("n1", None)
+        open(f"{out}/repo-healed", "w").close()
+        _end(client, 120)
+    finally:
+        _kill(client)
+        for p, _ in provs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(30)
+    rep = _read(f"{out}/repo-load.json")
+    m0, m1 = want["names"]
+    cut, other, again = rep["steps"]
+    assert cut["name"] == m0 and "digests" not in cut, cut
+    assert cut["error"][0] == "ProviderTimeoutError" and provs["n1"][1] in cut["error"][1], cut
+    assert cut["seconds"] < 60, cut  # bounded by the client's timeout (10 s), never a hang
+    assert other["name"] == m1 and other["digests"] == want["digests"][m1], other
+    assert again["name"] == m0 and again["digests"] == want["digests"][m0], again
+    print(f"\ncut load: {cut['error'][0]} after {cut['seconds']:.1f} s: {cut['error'][1]}")

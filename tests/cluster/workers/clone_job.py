@@ -56,6 +56,7 @@ def train(seed: int, rank: int, steps: int = 3):
     rng = np.random.default_rng(seed)
     state = [rng.standard_normal(s).astype(d) if d.startswith("float") else rng.integers(-9, 9, s).astype(d)
              for _, d, s in SHAPES]
+    state[2][...] = 0  # the step counter
     for k in range(steps):
         g = np.random.default_rng([seed, k])
         state[0] -= np.float32(0.01) * g.standard_normal(state[0].shape).astype(np.float32)

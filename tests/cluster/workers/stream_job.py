@@ -119,6 +119,7 @@ def consume(shared: str, tag: str, opts: dict) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    logging.getLogger("deepfreeze").setLevel(logging.INFO)
     cmd, shared = sys.argv[1], sys.argv[2]
     if cmd == "produce":
         run, generation, first = sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
