@@ -39,6 +39,10 @@ fetched over TCP from that rank (all ranks in parallel), CRC-checked, and assemb
 tensors. When no producer is reachable (none running, or its node unreachable) the persistent
 level (the channel's DeepFreeze checkpoint) is the fallback; only then, and to find a new
 producer run, are the endpoint files and the persistent level re-read (every ``rescan`` s).
+While connected, the registered endpoints are checked every ``5 * rescan`` s (endpoint files:
+a ``stat`` of their directory first; Redis: also at once on another run's note): a newer run,
+or none, replaces the connection (:meth:`Subscriber._check_superseded`), since a producer whose
+node vanished fails no connection of the consumer's.
 """
 from __future__ import annotations
 
@@ -442,7 +446,8 @@ class Subscriber:
     TCP; the persistent level when no producer is reachable), or force ``"shm"``, ``"tcp"``,
     ``"persistent"``. ``token``: token file (default ``$DEEPFREEZE_TOKEN``, else
     ``~/.deepfreeze/token``). ``redis``: find endpoints and notifications in Redis.
-    ``rescan``: seconds between looks for a new producer run while none is connected.
+    ``rescan``: seconds between looks for a new producer run while none is connected (while
+    one is, every ``5 * rescan`` s: a newer run registered replaces it).
     ``warn_after``: seconds of finding neither a producer nor a committed version after which
     one warning says so, naming the channel and where it looked (:meth:`where`); the subscriber
     keeps looking.

@@ -321,7 +321,8 @@ def test_repository_provider_partitioned_mid_load(cluster3):
     one provider (no replicas, so no fallback is promised): n1's link is slowed, and cut while
     the client loads n1's model: the load ends within the client's timeout with a
     ProviderTimeoutError naming the provider, nothing half-loaded is returned; n2's model loads
-    meanwhile, bit-exact; after the heal, n1's model loads again, bit-exact."""
+    meanwhile, bit-exact; a new client cannot start while n1 is cut off (a clear error: it
+    connects to every provider); after the heal, n1's model loads again, bit-exact."""
     c = cluster3
     out = _fresh(c, "repo")
     provs = {}
@@ -340,7 +341,7 @@ def test_repository_provider_partitioned_mid_load(cluster3):
         time.sleep(1.5)
         c.partition("n1")
         try:
-            _until("the cut load ended", lambda: len((_read(f"{out}/repo-load.json") or {"steps": []})["steps"]) >= 2,
+            _until("the cut load ended", lambda: len((_read(f"{out}/repo-load.json") or {"steps": []})["steps"]) >= 3,
                    60, [client])
         finally:
             c.heal("n1")
@@ -359,10 +360,14 @@ def test_repository_provider_partitioned_mid_load(cluster3):
             _kill(p)
     rep = _read(f"{out}/repo-load.json")
     m0, m1 = want["names"]
-    cut, other, again = rep["steps"]
+    cut, other, opened, again = rep["steps"]
     assert cut["name"] == m0 and "digests" not in cut, cut
     assert cut["error"][0] == "ProviderTimeoutError" and provs["n1"][1] in cut["error"][1], cut
     assert cut["seconds"] < 60, cut  # bounded by the client's timeout (10 s), never a hang
     assert other["name"] == m1 and other["digests"] == want["digests"][m1], other
+    # a client made while a provider is cut off cannot start (it needs every provider: placement is
+    # by the full list): a clear error naming that provider, within its timeout
+    assert opened["error"][0] == "ProviderTimeoutError" and provs["n1"][1] in opened["error"][1], opened
     assert again["name"] == m0 and again["digests"] == want["digests"][m0], again
-    print(f"\ncut load: {cut['error'][0]} after {cut['seconds']:.1f} s: {cut['error'][1]}")
+    print(f"\ncut load: {cut['error'][0]} after {cut['seconds']:.1f} s: {cut['error'][1]}\n"
+          f"new client: {opened['error'][0]} after {opened['seconds']:.1f} s: {opened['error'][1]}")

@@ -16,7 +16,8 @@ it took):
 1. ``SHARED/repo-loading`` is written, then ``m0`` is loaded from provider 0 (the test cuts
    provider 0's node off while the bytes flow);
 2. ``m1`` from provider 1 (the one not cut off);
-3. once ``SHARED/repo-healed`` exists, ``m0`` again.
+3. a new client is made (it connects to every provider: provider 0 is still cut off);
+4. once ``SHARED/repo-healed`` exists, ``m0`` again.
 """
 import hashlib
 import json
@@ -86,6 +87,13 @@ def load(shared: str, location: str, timeout: float) -> None:
         f.write("m0")
     step("cut", m0)
     step("other", m1)
+    t0 = time.monotonic()  # a new client while provider 0 is still cut off: it connects to every provider
+    try:
+        RemoteRepository(location, timeout=timeout).close()
+        report["steps"].append({"what": "open", "opened": True, "seconds": time.monotonic() - t0})
+    except DeepFreezeError as e:
+        report["steps"].append({"what": "open", "error": [type(e).__name__, str(e)], "seconds": time.monotonic() - t0})
+    atomic_json(f"{shared}/repo-load.json", report)
     deadline = time.monotonic() + 120
     while not os.path.exists(f"{shared}/repo-healed") and time.monotonic() < deadline:
         time.sleep(0.1)
