@@ -155,6 +155,23 @@ def test_deepclone_job_ends_when_the_clone_node_is_lost(cluster3):
             c.start_node("n3")
 
 
+@pytest.mark.slow
+def test_keras_deepclone_from_a_two_node_group_to_a_one_node_group(cluster3):
+    """The Keras side (tests/workers/clone_keras.py: Conv1D, BatchNormalization, Adam; the in-graph
+    sends of step 10) by a plain ``mpirun -H n1:1,n2:1,n3:1``: source group on n1 and n2, clone on
+    n3; the clone's weights and optimizer state equal source rank 0's at step 10, bit for bit."""
+    c = cluster3
+    out = _fresh(c, "clone-keras")
+    c.mpirun(["n1", "n2", "n3"], [PY, os.path.join(os.path.dirname(HERE), "workers", "clone_keras.py"), out, "2,1",
+                                  "10"], timeout=500, env=ENV)
+    with np.load(f"{out}/source_r0_K.npz") as src, np.load(f"{out}/clone1_r0_K.npz") as got:
+        assert len(src.files) == len(got.files) > 10
+        for k in src.files:
+            assert got[k].dtype == src[k].dtype and got[k].tobytes() == src[k].tobytes(), k
+    info = _read(f"{out}/clone1_r0.json")
+    assert info["info"]["step"] == 10 and info.get("error") is None, info
+
+
 # ------------------------------------------------------------------------------------------ stream
 
 STREAM = os.path.join(WORKERS, "stream_job.py")
@@ -206,9 +223,9 @@ def _check_stream(out, report):
 def test_stream_consumer_on_another_node_through_a_producer_node_loss(cluster3, where):
     """Producer run A on n1, consumer on n2, data over TCP; endpoints and notifications in Redis
     on n3 (or, ``files``, endpoint files on the shared directory and notes from the producer's
-    own server). n1 is lost mid-stream, silently (its link cut first); the consumer serves on (``next`` keeps returning within
-    its bound), and when run B starts on the replaced n1 it follows B from its next version.
-    Every version delivered equals what its producer recorded."""
+    own server). n1 is lost mid-stream, silently (its link cut first); the consumer serves on
+    (``next`` keeps returning within its bound), and when run B starts on the replaced n1 it
+    follows B from its next version. Every version delivered equals what its producer recorded."""
     c = cluster3
     out = _fresh(c, "stream-loss")
     redis_proc, url = _redis(c, "n3") if where == "redis" else (None, "")
