@@ -249,8 +249,8 @@ def test_stream_consumer_on_another_node_through_a_producer_node_loss(cluster3, 
         b_started = time.time()
         # within 45 s: before TCP keepalive (60 s idle) could have told the consumer that A's node is
         # gone; before the fix, the consumer followed B only then (files) or never (Redis)
-        _until("2 versions of run B delivered", lambda: len([u for u in _updates(out, "c") if u["step"] >= 100000]) >= 2,
-               45, [cons, b])
+        _until("2 versions of run B delivered",
+               lambda: len([u for u in _updates(out, "c") if u["step"] >= 100000]) >= 2, 45, [cons, b])
         open(f"{out}/stop-c", "w").close()
         open(f"{out}/stop-{run_b}", "w").close()
         _end(cons, 60)

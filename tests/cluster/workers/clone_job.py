@@ -62,8 +62,8 @@ def train(seed: int, rank: int, steps: int = 3):
         state[0] -= np.float32(0.01) * g.standard_normal(state[0].shape).astype(np.float32)
         state[1] -= 0.01 * g.standard_normal(state[1].shape)
         state[2] += 1
-        state[5] = np.float32(0.9) * state[5] + np.float32(0.1) * np.random.default_rng([seed, k, rank]).standard_normal(
-            state[5].shape).astype(np.float32)
+        own = np.random.default_rng([seed, k, rank]).standard_normal(state[5].shape).astype(np.float32)
+        state[5] = np.float32(0.9) * state[5] + np.float32(0.1) * own
     return state
 
 
