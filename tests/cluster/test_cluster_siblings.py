@@ -155,7 +155,6 @@ def test_deepclone_job_ends_when_the_clone_node_is_lost(cluster3):
             c.start_node("n3")
 
 
-@pytest.mark.slow
 def test_keras_deepclone_from_a_two_node_group_to_a_one_node_group(cluster3):
     """The Keras side (tests/workers/clone_keras.py: Conv1D, BatchNormalization, Adam; the in-graph
     sends of step 10) by a plain ``mpirun -H n1:1,n2:1,n3:1``: source group on n1 and n2, clone on
