@@ -167,6 +167,42 @@ def test_a_new_generation_is_followed(tmp_path, token):
             p.close()
 
 
+@pytest.mark.parametrize("where", ["files", "redis"])
+def test_a_new_run_replacing_a_silent_one_is_followed(tmp_path, token, where):
+    """Run A stays open but goes silent (as a producer whose node vanished: no connection of the
+    consumer ever fails); run B of the same channel starts and its records replace A's. The
+    consumer, connected to A, follows B from its next version (it re-reads the registered
+    endpoints every 5 x rescan while waiting; with Redis at once on B's note). Before, it stayed
+    on A until a connection failed (files: TCP keepalive, minutes across nodes; Redis: never).
+    tests/cluster/test_cluster_siblings.py does it across real nodes."""
+    server = None
+    opts = {}
+    if where == "redis":
+        pytest.importorskip("redis", reason="the redis client is not installed (pip install redis)")
+        from test_stream_redis import RedisServer
+        (tmp_path / "redis").mkdir()
+        server = RedisServer(tmp_path / "redis")
+        opts = {"redis": server.url}
+    plan, pubs_a = publishers(tmp_path, 1, run="a1" * 8, **opts)
+    pubs_b = []
+    sub = Subscriber("chan", str(tmp_path / "p"), rescan=0.1, **opts)
+    try:
+        publish(plan, pubs_a, Version(0, 5), arrays_of(5))
+        assert sub.next(30).version == Version(0, 5)
+        plan, pubs_b = publishers(tmp_path, 1, run="b2" * 8, **opts)  # resumed: same generation, later steps
+        full = arrays_of(9)
+        publish(plan, pubs_b, Version(0, 9), full)
+        up = sub.next(30)
+        assert up is not None and up.version == Version(0, 9)
+        check(up, full)
+    finally:
+        sub.close()
+        for p in pubs_a + pubs_b:
+            p.close()
+        if server is not None:
+            server.stop()
+
+
 def test_endpoint_files_are_private_and_hostile_ones_are_skipped(tmp_path, token):
     plan, pubs = publishers(tmp_path, 2)
     d = endpoint_dir(str(tmp_path / "p"), "chan")

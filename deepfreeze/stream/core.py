@@ -39,6 +39,10 @@ fetched over TCP from that rank (all ranks in parallel), CRC-checked, and assemb
 tensors. When no producer is reachable (none running, or its node unreachable) the persistent
 level (the channel's DeepFreeze checkpoint) is the fallback; only then, and to find a new
 producer run, are the endpoint files and the persistent level re-read (every ``rescan`` s).
+While connected, the registered endpoints are checked every ``5 * rescan`` s (endpoint files:
+a ``stat`` of their directory first; Redis: also at once on another run's note): a newer run,
+or none, replaces the connection (:meth:`Subscriber._check_superseded`), since a producer whose
+node vanished fails no connection of the consumer's.
 """
 from __future__ import annotations
 
@@ -431,6 +435,7 @@ class _Conn:
         self.rings: dict[int, Any] = {}
         self.threads: list[threading.Thread] = []
         self.stop = threading.Event()
+        self.signature: tuple | None = None  # of the endpoint files when last checked (Subscriber._check_superseded)
 
 
 class Subscriber:
@@ -441,7 +446,8 @@ class Subscriber:
     TCP; the persistent level when no producer is reachable), or force ``"shm"``, ``"tcp"``,
     ``"persistent"``. ``token``: token file (default ``$DEEPFREEZE_TOKEN``, else
     ``~/.deepfreeze/token``). ``redis``: find endpoints and notifications in Redis.
-    ``rescan``: seconds between looks for a new producer run while none is connected.
+    ``rescan``: seconds between looks for a new producer run while none is connected (while
+    one is, every ``5 * rescan`` s: a newer run registered replaces it).
     ``warn_after``: seconds of finding neither a producer nor a committed version after which
     one warning says so, naming the channel and where it looked (:meth:`where`); the subscriber
     keeps looking.
@@ -467,6 +473,7 @@ class Subscriber:
         self._conn: _Conn | None = None
         self._queue: "queue.Queue[dict[str, Any]]" = queue.Queue()
         self._next_scan = 0.0
+        self._next_check = 0.0  # when to check next that the connected run is still the newest registered
         self._staging: dict[int, np.ndarray] = {}
         self._out: dict[str, np.ndarray] | None = None
         self._listener: Any = None
@@ -493,6 +500,9 @@ class Subscriber:
                 up = self._ready_update(out)
                 if up is not None:
                     return up
+                self._check_superseded()
+                if self._conn is None:
+                    continue  # another run took over: connect to it (or fall back) at once
             self._check_empty()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -500,6 +510,9 @@ class Subscriber:
             wait = left
             if self._conn is None or self.tier == "persistent":
                 wait = self.rescan if left is None else min(left, self.rescan)
+            else:  # wake up for the next check of the connected run
+                until = max(self._next_check - time.monotonic(), 0.05)
+                wait = until if left is None else min(left, until)
             try:
                 item = self._queue.get(timeout=wait)
             except queue.Empty:
@@ -601,17 +614,77 @@ class Subscriber:
         if now < self._next_scan:
             return
         self._next_scan = now + self.rescan
-        runs = {run: recs for run, recs in self._endpoints().items()
-                if len(recs) == next(iter(recs.values()))["world"] and set(recs) == set(range(len(recs)))}
-        # newest run first: (generation, start time)
-        order = sorted(runs, key=lambda r: (runs[r][0]["generation"], max(x["t"] for x in runs[r].values())),
-                       reverse=True)
-        for run in order:
+        runs = self._complete_runs()
+        for run in self._newest_first(runs):
             try:
                 self._conn = self._open(run, runs[run])
                 return
             except (DeepFreezeError, OSError) as e:
                 log.info("deepfreeze: stream %s: producer run %s not reachable (%s)", self.channel, run, e)
+
+    def _complete_runs(self) -> dict[str, dict[int, dict[str, Any]]]:
+        """The producer runs whose every rank has an endpoint: run id -> rank -> record."""
+        return {run: recs for run, recs in self._endpoints().items()
+                if len(recs) == next(iter(recs.values()))["world"] and set(recs) == set(range(len(recs)))}
+
+    @staticmethod
+    def _newest_first(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> list[str]:
+        """Run ids, newest first: (generation, start time)."""
+        return sorted(runs, key=lambda r: (runs[r][0]["generation"], max(x["t"] for x in runs[r].values())),
+                      reverse=True)
+
+    def _check_superseded(self, now: float | None = None) -> None:
+        """Drop the connected run once it is no longer the newest complete run registered.
+
+        Before, a consumer looked for producer runs only while it had none, and learnt that its
+        run was gone only from a connection failing. Across nodes that is not enough: a producer
+        whose node vanished sends no FIN, so (endpoint files) the notification socket stays
+        silent until TCP keepalive gives up (about two minutes), and (Redis) the consumer holds no
+        connection of its own that would ever fail (notes come from Redis; a fetch connection is
+        used only to fetch); a new run of the channel, whose records replace the old run's and
+        whose notes are ignored as another run's, was not followed: with Redis, never. Now,
+        every ``5 * rescan`` seconds while waiting (with Redis also at once, at most every
+        ``rescan`` s, when a note of another run arrives), the registered endpoints are read
+        again (endpoint files: only when a ``stat`` of the directory's entries changed): a newer
+        run, or none (the producer closed and unregistered), drops the connection, and the next
+        look connects to the newest run or falls back to the persistent level. Endpoints that
+        cannot be read (Redis not answering) keep the connection: the data path may still work."""
+        conn = self._conn
+        if conn is None:
+            return
+        now = time.monotonic() if now is None else now
+        if now < self._next_check:
+            return
+        self._next_check = now + 5 * self.rescan
+        if not self.redis_url:  # endpoint files: a cheap stat of the directory first
+            sig = self._endpoint_files_signature()
+            if sig is None or sig == conn.signature:
+                return
+            conn.signature = sig
+        try:
+            runs = self._complete_runs()
+        except (DeepFreezeError, OSError) as e:
+            log.info("deepfreeze: stream %s: cannot check the producer runs (%s)", self.channel, e)
+            return
+        order = self._newest_first(runs)
+        if order and order[0] == conn.run:
+            return
+        log.info("deepfreeze: stream %s: producer run %s is %s: looking for a producer", self.channel,
+                 conn.run, f"superseded by run {order[0]}" if order else "no longer registered")
+        self._drop_conn()
+        self._next_scan = 0.0
+
+    def _endpoint_files_signature(self) -> tuple | None:
+        """(name, inode, mtime, size) of every entry of the endpoint directory (None: unreadable)."""
+        try:
+            with os.scandir(endpoint_dir(self.persistent, self.channel)) as it:
+                out = []
+                for e in it:
+                    st = e.stat(follow_symlinks=False)
+                    out.append((e.name, st.st_ino, st.st_mtime_ns, st.st_size))
+            return tuple(sorted(out))
+        except OSError:
+            return None
 
     def _open(self, run: str, recs: dict[int, dict[str, Any]]) -> _Conn:
         from .wire import RankClient
@@ -692,7 +765,11 @@ class Subscriber:
 
     def _take(self, item: dict[str, Any]) -> None:
         conn = self._conn
-        if conn is None or item.get("run") != conn.run:
+        if conn is None:
+            return
+        if item.get("run") != conn.run:
+            if self.redis_url and item.get("op") == "ready":  # another run publishes: check soon
+                self._next_check = min(self._next_check, max(time.monotonic(), self._next_check - 4 * self.rescan))
             return
         if item.get("op") == "lost":
             log.info("deepfreeze: stream %s: lost producer rank %s of run %s (%s): looking for a producer",
