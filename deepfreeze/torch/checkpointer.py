@@ -37,6 +37,7 @@ version or none does.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import struct
 import time
@@ -134,6 +135,8 @@ class Checkpointer:
                                   f"got {type(obj).__name__}")
         if resume and overwrite:
             raise ConfigError("resume=True and overwrite=True contradict each other: pick one")
+        #: how many model tensors are FSDP2 shards (HSDP and tensor parallelism are refused here)
+        self.sharded = _state.check_layout(model)
         self.model, self.optimizers = model, opts
         self.name = validate_name(name)
         self.every_n_steps, self.overlap, self.on_error = every_n_steps, bool(overlap), on_error
@@ -163,6 +166,7 @@ class Checkpointer:
         self._order_warned = False
         self._grow = False  # a state record outgrew its room: the next plan doubles every rank's
         self._pinned: set[int] = set()
+        self._fqn_of: dict[int, str] = {}  # id() of a parameter -> FQN, from the last capture's train_state
         self._model_tensors = 0
         self._t_post = 0.0
         self.comm = make_comm()  # the training thread's group (collective)
@@ -279,8 +283,8 @@ class Checkpointer:
         if phase == "a":
             return {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
                     "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
-        st = _state.train_state(self.model, self.optimizers)
-        return {"param_groups": st.groups, "optim_extra": st.extra,
+        groups, extra = _state.optimizer_groups(self.optimizers, self._fqn_of)  # no state_dict: FSDP2's forward
+        return {"param_groups": groups, "optim_extra": extra,
                 "state": {k: o.state_dict() for k, o in self.state.items() if _phase_b(o)}}
 
     def _capture(self, step: int) -> None:
@@ -290,6 +294,7 @@ class Checkpointer:
         err, key, need, rec_a = "", b"\0" * 16, 0, b""
         try:
             st = _state.train_state(self.model, self.optimizers)
+            self._fqn_of = st.fqn_of
             key = st.key()
             rec_a = _state.encode(self._record("a"), "record")
             need = len(rec_a) + len(_state.encode(self._record("b"), "record")) + 64
@@ -319,11 +324,18 @@ class Checkpointer:
             if tid >= len(st.tensors) or seg.nbytes == 0:
                 continue  # a state record (filled when the capture finishes), or nothing to copy
             t = st.tensors[tid]
+            if tid in st.bounds:  # an FSDP2 shard: the plan's offsets are global, the local tensor starts at ours
+                base = st.bounds[tid][self.rank]
+                seg = dataclasses.replace(seg, piece=dataclasses.replace(seg.piece, start=seg.piece.start - base,
+                                                                         stop=seg.piece.stop - base))
             if tid in self._pinned or not self.overlap:
                 sync.append((t, seg))  # copied now: buffers change in the next forward
             else:
                 background.append((t, seg))
                 p.versions.append((t, t._version, self.plan.tensors[tid].name))
+                if tid in st.dtensors:  # the optimizer's in-place updates count on the DTensor, not its local shard
+                    d = st.dtensors[tid]
+                    p.versions.append((d, d._version, self.plan.tensors[tid].name))
         self._copy(sync, buf)
         if background:
             p.future = self._copier.submit(self._copy, background, buf)
@@ -411,7 +423,8 @@ class Checkpointer:
         self._grow = False
         specs = list(st.specs) + [TensorSpec(len(st.specs) + r, f"{_state.RANK_PREFIX}{r}", "uint8", (caps[r],))
                                   for r in range(self.size)]
-        plan = ShardPlan.build(specs, self.size, min_shard_bytes=self.min_shard_bytes, pinned=st.pinned)
+        plan = ShardPlan.build(specs, self.size, min_shard_bytes=self.min_shard_bytes, pinned=st.pinned,
+                               given=st.bounds)
         records = {len(st.specs) + r: r for r in range(self.size)}
         pieces = [Piece(p.tensor_id, records[p.tensor_id], 0, caps[records[p.tensor_id]]) if p.tensor_id in records
                   else p for p in plan.pieces if p.tensor_id not in records or p.start == 0]  # record r: whole, rank r
