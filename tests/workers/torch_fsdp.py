@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 tests/workers/torch_fsdp.py train OUT [key=value ...]
     torchrun ... tests/workers/torch_fsdp.py restore OUT SRC layout=fsdp|ddp|plain [version=V]
-    torchrun ... tests/workers/torch_fsdp.py refuse OUT kind=hsdp|tp
+    torchrun ... tests/workers/torch_fsdp.py refuse OUT [kind=hsdp,tp]
 
 ``train``: a model sharded with ``fully_shard`` (per submodule, then the root) on a 1-D mesh of
 every rank, whose parameters shard unevenly and, for some ranks, empty (``head.weight`` has one
@@ -20,8 +20,9 @@ itself at iteration IT). Per rank it writes (numpy .npz, no pickles):
 restored with ``deepfreeze.torch.restore``; writes OUT/r<rank>/restored.npz (as above) and
 OUT/r<rank>/info.json ({"version", "step", "world_size", "rows": {fqn: [start, stop]}}).
 
-``refuse``: HSDP (a 2-D mesh) or tensor parallelism (RowwiseParallel: Shard(1)); writes
-OUT/r<rank>/refused.json with the error's type and message.
+``refuse``: a Checkpointer of an HSDP model (a 2-D mesh) and of a tensor-parallel one
+(RowwiseParallel: Shard(1)); writes OUT/r<rank>/refused.json: {kind: {"type", "message"}} of
+the error each raised.
 """
 import json
 import os
@@ -159,23 +160,24 @@ def refuse(out: str, kw: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     rank, world = dist.get_rank(), dist.get_world_size()
-    net = build()
-    if kw["kind"] == "hsdp":
-        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-        fully_shard(net, mesh=mesh)
-    else:
-        from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
-        mesh = init_device_mesh("cpu", (world,))
-        parallelize_module(net, mesh, {"mid": RowwiseParallel()})
-    opts = optimizers(net)
     mydir = os.path.join(out, f"r{rank}")
     os.makedirs(mydir, exist_ok=True)
-    try:
-        Checkpointer(net, opts, name="ff", mode="sync", scratch=os.path.join(out, f"scratch{rank}"),
-                     persistent=os.path.join(out, "persistent"))
-        got = {"type": None, "message": ""}
-    except Exception as e:
-        got = {"type": type(e).__name__, "message": str(e)}
+    got = {}
+    for kind in kw.get("kind", "hsdp,tp").split(","):
+        net = build()
+        if kind == "hsdp":
+            mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+            fully_shard(net, mesh=mesh)
+        else:
+            from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+            mesh = init_device_mesh("cpu", (world,))
+            parallelize_module(net, mesh, {"mid": RowwiseParallel()})
+        try:
+            Checkpointer(net, optimizers(net), name="ff", mode="sync", scratch=os.path.join(out, f"scratch{rank}"),
+                         persistent=os.path.join(out, "persistent"))
+            got[kind] = {"type": None, "message": ""}
+        except Exception as e:
+            got[kind] = {"type": type(e).__name__, "message": str(e)}
     with open(os.path.join(mydir, "refused.json"), "w") as f:
         json.dump(got, f)
 
