@@ -509,20 +509,7 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
                             "trying the next source", name, version, kind, key, p, why, more)
             continue
         if comm.size > 1 and ranged and not rebuild:  # each participant gets only the bytes of its own rows
-            try:
-                got = _exchange_ranges(comm, items, wants, manifest, version)
-                ck = _assemble_ranges(manifest, got, wanted, rows, version)
-            except _UNREADABLE as e:
-                err = str(e) or type(e).__name__
-            else:
-                err = ""
-            errs = [b.decode() for b in comm.allgather(err.encode())]
-            if any(errs):
-                errors.append(f"v{version} scratch: {next(filter(None, errs))}")
-                log.warning("deepfreeze: %s v%d cannot be assembled from scratch (%s)", name, version,
-                            next(filter(None, errs)))
-                return None
-            return ck
+            return _load_ranged(comm, items, wants, manifest, version, wanted, rows, recheck, name, errors)
         if comm.size > 1:
             for blob in comm.allgather_buffers(_pack(items)):
                 items.update(_unpack(blob))
@@ -560,14 +547,49 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
             return None
 
 
-def _exchange_ranges(comm: Comm, items: dict[tuple[str, int], np.ndarray], wants: list[dict[int, tuple[int, int]]],
-                     manifest: dict[str, Any], version: int) -> list[tuple[int, int, int, np.ndarray]]:
-    """Collective: send every participant the elements of its ``wants`` (tensor id -> flat range)
-    that the shard files this participant read (``items``, checked when read) hold; returns
-    ``(tensor_id, start, stop, bytes)`` of what this participant receives (its own included)."""
+def _load_ranged(comm: Comm, items: dict[tuple[str, int], np.ndarray], wants: list[dict[int, tuple[int, int]]],
+                 manifest: dict[str, Any], version: int, wanted: Sequence[str] | None, rows: "Rows | None",
+                 recheck: bool, name: str, errors: list[str]) -> Checkpoint | None:
+    """Collective: every participant sends each other one the elements of its ``wants`` (tensor
+    id -> flat range) that the files it read (``items``, checked when read) hold, and assembles
+    its own rows from what it receives; None (on every participant) if any of them fails."""
+    me = comm.rank
+    try:
+        blobs, err = _slices(items, wants, manifest, version), ""
+    except _UNREADABLE as e:
+        blobs, err = [], f"participant {me}: {str(e) or type(e).__name__}"
+    told = [json.loads(b) for b in comm.allgather(json.dumps({"err": err, "sizes": [int(x.size) for x in blobs]})
+                                                  .encode())]
+    err = next((t["err"] for t in told if t["err"]), "")
+    ck = None
+    if not err:
+        got = comm.exchange({q: blobs[q] for q in range(comm.size) if q != me},
+                            {p: int(told[p]["sizes"][me]) for p in range(comm.size) if p != me})
+        got[me] = blobs[me]
+        try:
+            parts = [x for p in sorted(got) for x in _unpack_ranges(got[p], wants[me], manifest, p)]
+            ck = _assemble_ranges(manifest, parts, wanted, rows, version)
+        except _UNREADABLE as e:
+            err = f"participant {me}: {str(e) or type(e).__name__}"
+        changed = memtier_level.changed() if recheck else []  # the seqlock's second half, as _load_scratch
+        told = [json.loads(b) for b in comm.allgather(json.dumps({"err": err, "changed": changed}).encode())]
+        err = next((t["err"] for t in told if t["err"]), "")
+        if not err and any(t["changed"] for t in told):
+            err = f"memory-tier slot(s) {sum((t['changed'] for t in told), [])} rewritten while they were read"
+    if err:
+        errors.append(f"v{version} scratch: {err}")
+        log.warning("deepfreeze: %s v%d cannot be assembled from scratch (%s)", name, version, err)
+        return None
+    return ck
+
+
+def _slices(items: dict[tuple[str, int], np.ndarray], wants: list[dict[int, tuple[int, int]]],
+            manifest: dict[str, Any], version: int) -> list[np.ndarray]:
+    """Per participant q, one buffer of the elements of ``wants[q]`` the shard files ``items``
+    hold: uint32 header length, JSON ``[[tensor_id, start, stop], ...]``, their bytes."""
     plan = plan_of(manifest)
-    heads: list[list[list[int]]] = [[] for _ in range(comm.size)]
-    parts: list[list[np.ndarray]] = [[] for _ in range(comm.size)]
+    heads: list[list[list[int]]] = [[] for _ in wants]
+    parts: list[list[np.ndarray]] = [[] for _ in wants]
     for (kind, key), data in items.items():
         if kind == "parity":
             continue
@@ -577,8 +599,8 @@ def _exchange_ranges(comm: Comm, items: dict[tuple[str, int], np.ndarray], wants
         for e in idx.entries:
             raw = np.frombuffer(fmt.byte_view(data), dtype=np.uint8)[e.offset:e.offset + e.length]
             item = fmt.dtype_itemsize(e.dtype)
-            for q in range(comm.size):
-                span = wants[q].get(e.tensor_id)
+            for q, want in enumerate(wants):
+                span = want.get(e.tensor_id)
                 if span is None:
                     continue
                 a, b = max(span[0], e.start), min(span[1], e.stop)
@@ -586,7 +608,7 @@ def _exchange_ranges(comm: Comm, items: dict[tuple[str, int], np.ndarray], wants
                     heads[q].append([e.tensor_id, a, b])
                     parts[q].append(raw[(a - e.start) * item:(b - e.start) * item])
     blobs = []
-    for q in range(comm.size):
+    for q in range(len(wants)):
         head = json.dumps(heads[q]).encode()
         blob = np.empty(4 + len(head) + sum(x.nbytes for x in parts[q]), dtype=np.uint8)
         blob[:4] = np.frombuffer(struct.pack("<I", len(head)), dtype=np.uint8)
@@ -596,20 +618,12 @@ def _exchange_ranges(comm: Comm, items: dict[tuple[str, int], np.ndarray], wants
             blob[pos:pos + x.nbytes] = x
             pos += x.nbytes
         blobs.append(blob)
-    sizes = [json.loads(b) for b in comm.allgather(json.dumps([int(b.size) for b in blobs]).encode())]
-    me = comm.rank
-    got = comm.exchange({q: blobs[q] for q in range(comm.size) if q != me},
-                        {p: int(sizes[p][me]) for p in range(comm.size) if p != me})
-    got[me] = blobs[me]
-    out = []
-    for p in sorted(got):
-        out.extend(_unpack_ranges(got[p], wants[me], manifest, p))
-    return out
+    return blobs
 
 
 def _unpack_ranges(blob: np.ndarray, want: dict[int, tuple[int, int]], manifest: dict[str, Any], src: int
                    ) -> list[tuple[int, int, int, np.ndarray]]:
-    """The ranges participant ``src`` sent (:func:`_exchange_ranges`), each checked against what
+    """The ranges participant ``src`` sent (:func:`_slices`), each checked against what
     was asked for and against the blob's length."""
     what = f"the rows participant {src} sent"
     if blob.size < 4:
