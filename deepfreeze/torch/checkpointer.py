@@ -33,6 +33,17 @@ No change to the training loop: the checkpointer registers hooks on the optimize
 Every checkpoint step costs two small all-gathers over the checkpointer's own gloo group
 (plan check in the post-hook, write decision in the next pre-hook), so every rank writes a
 version or none does.
+
+**FSDP2** (``fully_shard`` on a 1-D mesh of every rank): parameters and the optimizer state
+shaped like them are DTensors sharded on dim 0 (``torch.chunk``: uneven, some shards empty).
+Each rank captures its own local shard as it is: the plan takes the shards' flat bounds as given
+(:meth:`~deepfreeze.shardplan.ShardPlan.build`'s ``given``), the manifest records global shapes
+and offsets, and the copy translates the piece's global offsets to the local tensor; the
+``_version`` guard watches the DTensor too (the optimizer's in-place updates count there).
+Phase-b records never call the model's ``state_dict()`` (FSDP2's forward has unsharded
+parameters in place; FQNs come from the last capture). HSDP and tensor parallelism raise
+:class:`~deepfreeze.errors.ConfigError` when the checkpointer is built
+(:func:`deepfreeze.torch._state.check_layout`).
 """
 from __future__ import annotations
 
@@ -84,10 +95,11 @@ class _Pending:
 
 
 class Checkpointer:
-    """Asynchronous sharded checkpoints of a DDP model and its optimizers, captured in the step.
+    """Asynchronous sharded checkpoints of a DDP or FSDP2 model and its optimizers, captured in the step.
 
     Args:
-      model: the model (``DistributedDataParallel`` or a plain module).
+      model: the model (``DistributedDataParallel``, a module sharded with FSDP2's ``fully_shard``
+        on a 1-D mesh of every rank, or a plain module).
       optimizer: an optimizer or a sequence of them, in the order the loop steps them (the last
         one's steps are counted).
       config: path of a VeloC INI file, or a :class:`~deepfreeze.Config`.
