@@ -99,7 +99,7 @@ def test_fsdp_versions_bit_exact(fsdp_run):
 
 def test_manifest_records_global_shapes_and_offsets(fsdp_run, tmp_path):
     """The manifest holds global tensors and every piece's global flat offsets (rank 1's empty
-    shard of head.weight makes no piece); ``deepfreeze inspect/verify`` read it as any other."""
+    shard of head.weight makes no piece); ``deepfreeze ls/inspect/verify`` read it as any other."""
     import subprocess
     import sys
     from deepfreeze.levels import PersistentLevel
@@ -117,9 +117,16 @@ def test_manifest_records_global_shapes_and_offsets(fsdp_run, tmp_path):
     assert pieces["body.3.running_mean"] == [(0, 0, 64)]  # a buffer: whole, from rank 0
     common = ["--name", "ff", "--set", "mode=sync", "--set", f"scratch={tmp_path}",  # (rank 0's scratch: half of it)
               "--set", f"persistent={fsdp_run}/persistent"]
-    p = subprocess.run([sys.executable, "-m", "deepfreeze", "verify", "--version", "9", *common], capture_output=True,
-                       text=True, timeout=120, env=_env(), cwd=str(tmp_path))
-    assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr
+
+    def cli(*args: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "deepfreeze", *args, *common], capture_output=True, text=True,
+                           timeout=120, env=_env(), cwd=str(tmp_path))
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p.stdout
+    assert "committed" in cli("ls")
+    shown = cli("inspect", "--version", "9")
+    assert any("body.0.weight" in line and "[5, 8]" in line for line in shown.splitlines()), shown
+    assert "OK" in cli("verify", "--version", "9")
 
 
 def test_ranged_read_reads_only_the_rows(fsdp_run, monkeypatch):
