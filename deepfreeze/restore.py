@@ -410,17 +410,22 @@ def _read_owned(path: str, trusted: frozenset[int], level: str, limit: int | Non
     return read_whole(path, check)
 
 
-def _pack(items: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
-    """One buffer: uint32 header length, JSON ``[[kind, key, length], ...]``, the files' bytes."""
-    head = json.dumps([[k, key, int(a.nbytes)] for (k, key), a in items.items()]).encode()
-    out = np.empty(4 + len(head) + sum(a.nbytes for a in items.values()), dtype=np.uint8)
-    out[:4] = np.frombuffer(struct.pack("<I", len(head)), dtype=np.uint8)
-    out[4:4 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-    pos = 4 + len(head)
-    for a in items.values():
-        out[pos:pos + a.nbytes] = a
+def _frame(head: Any, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """One buffer: uint32 length of the JSON ``head``, the JSON, then the ``parts``' bytes."""
+    js = json.dumps(head).encode()
+    out = np.empty(4 + len(js) + sum(a.nbytes for a in parts), dtype=np.uint8)
+    out[:4] = np.frombuffer(struct.pack("<I", len(js)), dtype=np.uint8)
+    out[4:4 + len(js)] = np.frombuffer(js, dtype=np.uint8)
+    pos = 4 + len(js)
+    for a in parts:
+        out[pos:pos + a.nbytes] = a.reshape(-1).view(np.uint8)
         pos += a.nbytes
     return out
+
+
+def _pack(items: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
+    """One buffer (:func:`_frame`): header ``[[kind, key, length], ...]``, the files' bytes."""
+    return _frame([[k, key, int(a.nbytes)] for (k, key), a in items.items()], list(items.values()))
 
 
 def _unpack(blob: np.ndarray) -> dict[tuple[str, int], np.ndarray]:
@@ -585,8 +590,8 @@ def _load_ranged(comm: Comm, items: dict[tuple[str, int], np.ndarray], wants: li
 
 def _slices(items: dict[tuple[str, int], np.ndarray], wants: list[dict[int, tuple[int, int]]],
             manifest: dict[str, Any], version: int) -> list[np.ndarray]:
-    """Per participant q, one buffer of the elements of ``wants[q]`` the shard files ``items``
-    hold: uint32 header length, JSON ``[[tensor_id, start, stop], ...]``, their bytes."""
+    """Per participant q, one buffer (:func:`_frame`) of the elements of ``wants[q]`` the shard
+    files ``items`` hold: header ``[[tensor_id, start, stop], ...]``, their bytes."""
     plan = plan_of(manifest)
     heads: list[list[list[int]]] = [[] for _ in wants]
     parts: list[list[np.ndarray]] = [[] for _ in wants]
@@ -607,18 +612,7 @@ def _slices(items: dict[tuple[str, int], np.ndarray], wants: list[dict[int, tupl
                 if a < b:
                     heads[q].append([e.tensor_id, a, b])
                     parts[q].append(raw[(a - e.start) * item:(b - e.start) * item])
-    blobs = []
-    for q in range(len(wants)):
-        head = json.dumps(heads[q]).encode()
-        blob = np.empty(4 + len(head) + sum(x.nbytes for x in parts[q]), dtype=np.uint8)
-        blob[:4] = np.frombuffer(struct.pack("<I", len(head)), dtype=np.uint8)
-        blob[4:4 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-        pos = 4 + len(head)
-        for x in parts[q]:
-            blob[pos:pos + x.nbytes] = x
-            pos += x.nbytes
-        blobs.append(blob)
-    return blobs
+    return [_frame(heads[q], parts[q]) for q in range(len(wants))]
 
 
 def _unpack_ranges(blob: np.ndarray, want: dict[int, tuple[int, int]], manifest: dict[str, Any], src: int

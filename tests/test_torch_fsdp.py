@@ -40,9 +40,10 @@ def recorded(out: str, rank: int, version: int, buffers: bool = True) -> dict[st
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     """One uninterrupted 2-rank FSDP2 run: two optimizers (AdamW, SGD with momentum), a
-    scheduler, BatchNorm buffers, dropout; a checkpoint every 3 steps, asynchronous."""
+    scheduler, BatchNorm buffers, dropout; a checkpoint every 3 steps, asynchronous; a sharded
+    parameter changed in place (by 1.0: values unchanged) while v3 is captured (torn, not written)."""
     out = str(tmp_path_factory.mktemp("fsdp"))
-    torchrun(2, FSDP, "train", out, "steps=10")
+    torchrun(2, FSDP, "train", out, "steps=10", "mutate_at=3", "on_error=warn")
     return out
 
 
@@ -76,18 +77,44 @@ def test_dim0_rows_is_torch_chunk(world):
         assert [b[r + 1] - b[r] for r in range(world)] == want and b[0] == 0 and b[-1] == n
 
 
+def test_received_ranges_are_bounds_checked():
+    """What a participant receives in the ranged scratch exchange is checked against what it
+    asked for and against the buffer's length before a byte is used."""
+    from deepfreeze.errors import CorruptCheckpointError
+    from deepfreeze.restore import _frame, _unpack_ranges
+    manifest = {"tensors": [{"id": 0, "name": "w", "dtype": "float32", "shape": [10]}]}
+    want = {0: (0, 10)}
+    ok = _unpack_ranges(_frame([[0, 2, 5]], [np.arange(3, dtype=np.float32)]), want, manifest, 1)
+    assert [(t, a, b, x.view(np.float32).tolist()) for t, a, b, x in ok] == [(0, 2, 5, [0.0, 1.0, 2.0])]
+    for head, data, match in (([[0, 8, 12]], np.zeros(4, np.float32), "not asked for"),
+                              ([[1, 0, 1]], np.zeros(1, np.float32), "not asked for"),
+                              ([[0, 3, 3]], np.zeros(0, np.float32), "not asked for"),
+                              ([[0, 0, 10]], np.zeros(8, np.float32), "runs past")):
+        with pytest.raises(CorruptCheckpointError, match=match):
+            _unpack_ranges(_frame(head, [data]), want, manifest, 1)
+    with pytest.raises(CorruptCheckpointError, match="header"):
+        _unpack_ranges(_frame([[0, 0, 1]], [])[:6], want, manifest, 1)
+
+
 # -- a 2-rank FSDP2 job
 
 def test_fsdp_versions_bit_exact(fsdp_run):
     out = fsdp_run
     i0, i1 = info(out, 0), info(out, 1)
-    assert i0["step"] == i1["step"] == 10 and i0["plans"] == 1 and i0["sharded"] == 10 and not i0["torn"]
+    assert i0["step"] == i1["step"] == 10 and i0["plans"] == 1 and i0["sharded"] == 10
+    # the in-place change of mid.weight (a DTensor) during the capture of v3 tore it: v3 is not written
+    assert i0["torn"] == i1["torn"] == [3] and "changed in place" in i0["failures"][0]
+    from deepfreeze.config import Config
+    from deepfreeze.restore import list_versions
+    cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
+                         persistent=os.path.join(out, "persistent"))
+    assert sorted(list_versions(cfg, "ff")) == [6, 9]
     # uneven and empty local shards, as FSDP2 cut them
     assert i0["rows"]["body.0.weight"] == [0, [3, 8]] and i1["rows"]["body.0.weight"] == [1, [2, 8]]
     assert i0["rows"]["head.weight"] == [0, [1, 3]] and i1["rows"]["head.weight"] == [1, [0, 3]]
     versions = sorted(int(os.path.basename(p)[1:-4]) for p in glob.glob(os.path.join(out, "r0", "v*.npz")))
     assert versions == [3, 6, 9]
-    for v in versions:
+    for v in (6, 9):
         for r in (0, 1):  # from each rank's scratch (pooled: a plain process reads its own, then persistent)
             got = load(out, v, r)
             assert_same(got, recorded(out, 0, v), f"v{v} (scratch{r}) vs rank 0", lr=False)

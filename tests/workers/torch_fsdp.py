@@ -7,7 +7,8 @@
 ``train``: a model sharded with ``fully_shard`` (per submodule, then the root) on a 1-D mesh of
 every rank, whose parameters shard unevenly and, for some ranks, empty (``head.weight`` has one
 row; ``body.0.weight`` five); keys steps, every, mode, resume=1, kill_at=IT (rank 1 SIGKILLs
-itself at iteration IT). Per rank it writes (numpy .npz, no pickles):
+itself at iteration IT), mutate_at=IT (an in-place change of a sharded parameter at the start
+of iteration IT, while the capture of the step before copies), on_error. Per rank it writes (numpy .npz, no pickles):
 
   OUT/r<rank>/v<version>.npz   the full state right after each checkpointed iteration, gathered
                                with get_state_dict(full_state_dict=True): model by FQN, optimizer
@@ -106,15 +107,19 @@ def train(out: str, kw: dict) -> None:
     os.makedirs(mydir, exist_ok=True)
     every = int(kw.get("every", 3))
     ckpt = Checkpointer(net, opts, name="ff", every_n_steps=every, resume=kw.get("resume") == "1",
-                        state={"sched": sched}, mode=kw.get("mode", "async"),
+                        state={"sched": sched}, mode=kw.get("mode", "async"), on_error=kw.get("on_error", "raise"),
                         scratch=os.path.join(out, f"scratch{rank}"), persistent=os.path.join(out, "persistent"),
                         min_shard_bytes=1024)
     steps = int(kw.get("steps", 10))
     kill_at = int(kw.get("kill_at", -1))
+    mutate_at = int(kw.get("mutate_at", -1))
     it = ckpt.start_step
     while it < steps:
         if it == kill_at and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        if it == mutate_at:  # an in-place change of a sharded parameter while the capture of step `it` copies
+            with torch.no_grad():
+                net.mid.weight.mul_(1.0)
         g = torch.Generator().manual_seed(1000 * it + rank)
         x, y = torch.randn(16, IN, generator=g), torch.randn(16, 1, generator=g)
         loss = torch.nn.functional.mse_loss(net(x), y)
@@ -132,7 +137,7 @@ def train(out: str, kw: dict) -> None:
     with open(os.path.join(mydir, "info.json"), "w") as f:
         json.dump({"start_step": ckpt.start_step, "resumed_from": ckpt.resumed_from, "plans": ckpt.plans,
                    "step": ckpt.step, "last_version": ckpt.last_version, "sharded": ckpt.sharded,
-                   "rows": local_rows(net), "torn": ckpt.torn}, f)
+                   "rows": local_rows(net), "torn": ckpt.torn, "failures": ckpt.failures}, f)
 
 
 def restore(out: str, src: str, kw: dict) -> None:
