@@ -453,7 +453,7 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
     try:  # the same bytes on every participant: they all take the same branch
         manifest = json.loads(blob)
         plan_of(manifest)
-        for t in manifest["tensors"]:
+        for t in manifest["tensors"]:  # (numbers: the row ranges below cannot fail on some participants only)
             math.prod(t["shape"])
     except _UNREADABLE as e:
         errors.append(f"v{version} scratch: {e}")
@@ -467,12 +467,11 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
     ranged = rows is not None
     if comm.size > 1:
         asks = [json.loads(b) for b in comm.allgather(json.dumps(
-            {"need": need, "bad": bad, "spans": [[k, *v] for k, v in spans.items()] if ranged else None}).encode())]
+            {"need": need, "bad": bad, "ranged": ranged, "spans": [[k, *v] for k, v in spans.items()]}).encode())]
         bad = next((a["bad"] for a in asks if a["bad"]), "")
         need = sorted({r for a in asks for r in a["need"]})
-        ranged = any(a["spans"] is not None for a in asks)
-        wants = [{k: (a, b) for k, a, b in (x["spans"] if x["spans"] is not None else
-                  [[i, 0, math.prod(t["shape"])] for i, t in enumerate(manifest["tensors"])])} for x in asks]
+        ranged = any(a["ranged"] for a in asks)
+        wants = [{k: (a, b) for k, a, b in x["spans"]} for x in asks]
     if bad:
         raise ConfigError(bad)
     while True:
@@ -643,18 +642,21 @@ def _assemble_ranges(manifest: dict[str, Any], got: list[tuple[int, int, int, np
                      wanted: Sequence[str] | None, rows: "Rows | None",
                      version: int) -> Checkpoint:
     """This participant's arrays (its ``rows``) from the ranges it received; every wanted element
-    must have come exactly once."""
+    must have come exactly once (the ranges tile what was asked for)."""
     flats, named, spans = _empty_arrays(manifest, wanted, sum(int(x.nbytes) for *_, x in got),
                                         "the rows received", rows)
-    filled = {tid: 0 for tid in spans}
+    came: dict[int, list[tuple[int, int]]] = {tid: [] for tid in spans}
     for tid, a, b, raw in got:
         out, (lo, _) = flats[tid], spans[tid]
         out[a - lo:b - lo] = raw.view(out.dtype)
-        filled[tid] += b - a
+        came[tid].append((a, b))
     for tid, (lo, hi) in spans.items():
-        if filled[tid] != hi - lo:
-            raise CorruptCheckpointError(f"tensor {manifest['tensors'][tid]['name']!r}: {filled[tid]} of the "
-                                         f"{hi - lo} elements asked for were received")
+        pos = lo
+        for a, b in sorted(came[tid]):
+            pos = b if a == pos else -1  # a gap or an overlap: never tiles
+        if pos != hi:
+            raise CorruptCheckpointError(f"tensor {manifest['tensors'][tid]['name']!r}: elements [{lo}, {hi}) "
+                                         f"were asked for, {sorted(came[tid])[:8]} received")
     return Checkpoint(manifest["name"], version, manifest["step"], manifest["epoch"], "scratch", named, manifest)
 
 

@@ -94,6 +94,15 @@ def test_received_ranges_are_bounds_checked():
             _unpack_ranges(_frame(head, [data]), want, manifest, 1)
     with pytest.raises(CorruptCheckpointError, match="header"):
         _unpack_ranges(_frame([[0, 0, 1]], [])[:6], want, manifest, 1)
+    # what arrives must tile what was asked for: a gap or a range sent twice is refused
+    from deepfreeze.restore import _assemble_ranges
+    manifest.update(name="x", version=1, step=1, epoch=0)
+    x = np.arange(10, dtype=np.float32).view(np.uint8)
+    whole = _assemble_ranges(manifest, [(0, 0, 4, x[:16]), (0, 4, 10, x[16:])], None, None, 1)
+    assert whole.arrays["w"].tolist() == list(range(10))
+    for got in ([(0, 0, 4, x[:16])], [(0, 0, 4, x[:16]), (0, 4, 10, x[16:]), (0, 4, 10, x[16:])]):
+        with pytest.raises(CorruptCheckpointError, match="asked for|hold only"):
+            _assemble_ranges(manifest, got, None, None, 1)
 
 
 # -- a 2-rank FSDP2 job
