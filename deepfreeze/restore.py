@@ -14,6 +14,16 @@ all-gathered inventory, on which of them supplies which file, read and check
 their files, report failures (all-gathered, so every participant takes the same
 next step), then exchange the files; every participant ends with the whole
 checkpoint. Without one, the process uses its own scratch directory.
+
+Ranged reads (``rows=``, a resharding restore: each rank of an FSDP job takes its own dim-0 row
+range of each tensor): the output array of such a tensor holds only those rows. From persistent
+exactly those bytes are read from the assembled file (a piece read whole is checked against its
+checksum; a piece read in part is not: its checksum covers the whole piece). From pooled
+scratch, only the shard files holding wanted rows are read (each whole, and checked, by the
+participant holding it), and each participant receives from the others only the byte ranges of
+its own rows (one point-to-point exchange: a header ``[[tensor_id, start, stop], ...]`` of flat
+element ranges, then their bytes; every range is checked against what the receiver asked for).
+A shard rebuilt from parity is exchanged whole, as without ``rows``.
 """
 from __future__ import annotations
 
@@ -30,19 +40,21 @@ import numpy as np
 from . import format as fmt
 from .config import Config, validate_name
 from . import ownership
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, DeepFreezeError, UntrustedOwnerError
+from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError, UntrustedOwnerError
 from .fsafe import open_regular_file, read_whole
 from .levels import ASSEMBLED, PersistentLevel, ScratchLevel, plan_of
 from .memtier import level as memtier_level
 from .redundancy import Comm, LocalComm, group_of, read_parity, xor_reconstruct
 
-__all__ = ["Checkpoint", "load", "list_versions"]
+__all__ = ["Checkpoint", "load", "list_versions", "Rows"]
 
 log = logging.getLogger("deepfreeze")
 # what reading a hostile or vanishing file can raise: the source is unreadable, the next one is tried
 # (MemoryError is not here: sizes are checked against the files before anything is allocated)
 T = TypeVar("T")
 _UNREADABLE = (OSError, DeepFreezeError, ValueError, KeyError, IndexError, TypeError)
+#: ``rows(name, shape)``: the dim-0 row range ``(start, stop)`` of a tensor to read, or None for all of it
+Rows = Callable[[str, "tuple[int, ...]"], "tuple[int, int] | None"]
 
 
 @dataclasses.dataclass
@@ -105,7 +117,7 @@ def list_versions(config: "str | os.PathLike | Config | None", name: str, *,
 
 def load(config: "str | os.PathLike | Config | None", name: str, version: int | None = None, *,
          verify: bool = True, tensors: Sequence[str] | None = None, comm: Comm | None = None,
-         trust_owners: "Sequence[str | int] | None" = None) -> Checkpoint:
+         trust_owners: "Sequence[str | int] | None" = None, rows: "Rows | None" = None) -> Checkpoint:
     """Load version ``version`` (default: the newest that can be read whole) of ``name``.
 
     ``config``: a :class:`Config`, or a VeloC INI path (``None``: the ``VELOC_<KEY>``
@@ -113,6 +125,11 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
 
     ``tensors`` restricts the read to those tensor names (the index locates each
     piece, so nothing else is read); by default every tensor is loaded.
+
+    ``rows(name, shape)`` returns the dim-0 row range ``(start, stop)`` of a tensor to read (or
+    None: all of it): that tensor's array then holds only those rows (shape ``(stop - start,
+    *shape[1:])``) and only their bytes are read (module docstring: what is checksummed).
+    Collective with ``comm``: each participant may ask for other rows.
 
     ``comm`` (collective; e.g. :class:`deepfreeze.redundancy.MPIComm` on every rank of a
     restarted job) pools the scratch directories of all participants: each reads the
@@ -133,7 +150,8 @@ def load(config: "str | os.PathLike | Config | None", name: str, version: int | 
     Symbolic links in version directories are never followed.
     """
     with memtier_level.reading():  # memory-tier slots are read as views, copied once, then rechecked
-        return _load(config, name, version, verify=verify, tensors=tensors, comm=comm, trust_owners=trust_owners)
+        return _load(config, name, version, verify=verify, tensors=tensors, comm=comm, trust_owners=trust_owners,
+                     rows=rows)
 
 
 def apply_loaded(config: "str | os.PathLike | Config | None", name: str, version: int | None,
@@ -160,7 +178,7 @@ def apply_loaded(config: "str | os.PathLike | Config | None", name: str, version
 
 def _load(config: "str | os.PathLike | Config | None", name: str, version: int | None, *, verify: bool,
           tensors: Sequence[str] | None, comm: Comm | None, trust_owners: "Sequence[str | int] | None",
-          views: bool = False) -> Checkpoint:
+          views: bool = False, rows: "Rows | None" = None) -> Checkpoint:
     config = Config.resolve(config)
     validate_name(name)
     comm = comm or LocalComm()
@@ -211,17 +229,17 @@ def _load(config: "str | os.PathLike | Config | None", name: str, version: int |
     errors: list[str] = []
     for v in candidates:
         if have.get(v):  # a manifest with no file of the version on any participant: not on scratch
-            ck = _load_scratch(comm, local.get(v), have[v], name, v, verify, tensors, errors, views)
+            ck = _load_scratch(comm, local.get(v), have[v], name, v, verify, tensors, errors, views, rows)
             if ck is not None:
                 return ck
         if v in untrusted and v not in on_persistent:
             raise UntrustedOwnerError(f"{name!r} v{v} on persistent: {untrusted[v]}")
         if v in on_persistent:
             try:
-                ck = _load_persistent(persistent, name, v, verify, tensors)
+                ck = _load_persistent(persistent, name, v, verify, tensors, rows)
                 err = ""
-            except (CheckpointNotFoundError, UntrustedOwnerError):
-                raise  # a tensor name the checkpoint does not have / an owner not trusted: no fallback
+            except (CheckpointNotFoundError, UntrustedOwnerError, ConfigError):
+                raise  # a tensor name the checkpoint does not have / an owner not trusted / bad rows: no fallback
             except _UNREADABLE as e:  # also a file that vanished (retention) since the listing
                 ck, err = None, str(e) or type(e).__name__
             errs = [b.decode() for b in comm.allgather(err.encode())]
@@ -277,12 +295,39 @@ def _recovery_plan(manifest: dict[str, Any], have: dict[tuple[str, int], list[in
     return fetch, rebuild
 
 
-def _needed_ranks(manifest: dict[str, Any], wanted: Sequence[str] | None) -> list[int]:
+def _needed_ranks(manifest: dict[str, Any], wanted: Sequence[str] | None, rows: "Rows | None" = None) -> list[int]:
     plan = plan_of(manifest)
-    if wanted is None:
+    if wanted is None and rows is None:
         return list(range(plan.world_size))
-    ids = {t["id"] for t in manifest["tensors"] if t["name"] in set(wanted)}
-    return [r for r in range(plan.world_size) if any(p.tensor_id in ids for p in plan.for_rank(r))]
+    spans = _spans(manifest, wanted, rows)
+    return [r for r in range(plan.world_size)
+            if any(p.tensor_id in spans and _overlap(spans[p.tensor_id], (p.start, p.stop)) for p in plan.for_rank(r))]
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1]) or (a[0] == a[1] == b[0] == b[1] == 0)
+
+
+def _spans(manifest: dict[str, Any], wanted: Sequence[str] | None, rows: "Rows | None") -> dict[int, tuple[int, int]]:
+    """Tensor id -> the flat element range ``[start, stop)`` to read, for every wanted tensor.
+    ConfigError for a row range outside the tensor (checked before anything is read)."""
+    want = None if wanted is None else set(wanted)
+    out = {}
+    for t in manifest["tensors"]:
+        if want is not None and t["name"] not in want:
+            continue
+        shape, size = tuple(t["shape"]), math.prod(t["shape"])
+        r = rows(t["name"], shape) if rows is not None else None
+        if r is None:
+            out[t["id"]] = (0, size)
+            continue
+        if not (len(shape) >= 1 and isinstance(r, tuple) and len(r) == 2 and all(type(x) is int for x in r)
+                and 0 <= r[0] <= r[1] <= shape[0]):
+            raise ConfigError(f"rows of tensor {t['name']!r} {list(shape)}: {r!r} is not a (start, stop) range of "
+                              "its first dimension")
+        per_row = size // shape[0] if shape[0] else 0
+        out[t["id"]] = (r[0] * per_row, r[1] * per_row)
+    return out
 
 
 def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int, verify: bool,
@@ -365,17 +410,22 @@ def _read_owned(path: str, trusted: frozenset[int], level: str, limit: int | Non
     return read_whole(path, check)
 
 
-def _pack(items: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
-    """One buffer: uint32 header length, JSON ``[[kind, key, length], ...]``, the files' bytes."""
-    head = json.dumps([[k, key, int(a.nbytes)] for (k, key), a in items.items()]).encode()
-    out = np.empty(4 + len(head) + sum(a.nbytes for a in items.values()), dtype=np.uint8)
-    out[:4] = np.frombuffer(struct.pack("<I", len(head)), dtype=np.uint8)
-    out[4:4 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-    pos = 4 + len(head)
-    for a in items.values():
-        out[pos:pos + a.nbytes] = a
+def _frame(head: Any, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """One buffer: uint32 length of the JSON ``head``, the JSON, then the ``parts``' bytes."""
+    js = json.dumps(head).encode()
+    out = np.empty(4 + len(js) + sum(a.nbytes for a in parts), dtype=np.uint8)
+    out[:4] = np.frombuffer(struct.pack("<I", len(js)), dtype=np.uint8)
+    out[4:4 + len(js)] = np.frombuffer(js, dtype=np.uint8)
+    pos = 4 + len(js)
+    for a in parts:
+        out[pos:pos + a.nbytes] = a.reshape(-1).view(np.uint8)
         pos += a.nbytes
     return out
+
+
+def _pack(items: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
+    """One buffer (:func:`_frame`): header ``[[kind, key, length], ...]``, the files' bytes."""
+    return _frame([[k, key, int(a.nbytes)] for (k, key), a in items.items()], list(items.values()))
 
 
 def _unpack(blob: np.ndarray) -> dict[tuple[str, int], np.ndarray]:
@@ -389,7 +439,8 @@ def _unpack(blob: np.ndarray) -> dict[tuple[str, int], np.ndarray]:
 
 def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, str]]] | None,
                   have: dict[tuple[str, int], list[int]], name: str, version: int, verify: bool,
-                  wanted: Sequence[str] | None, errors: list[str], views: bool = False) -> Checkpoint | None:
+                  wanted: Sequence[str] | None, errors: list[str], views: bool = False,
+                  rows: "Rows | None" = None) -> Checkpoint | None:
     """Collective: recover ``version`` from the participants' scratch files, or None.
     ``local``: this participant's (manifest, files) of the version, if it holds any. ``views``:
     tensors held whole in one memory-tier slot read here are views of it (:func:`apply_loaded`)."""
@@ -401,11 +452,28 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
     blob = comm.allgather(mine if comm.rank == owners[0] else b"")[owners[0]]
     try:  # the same bytes on every participant: they all take the same branch
         manifest = json.loads(blob)
-        need = _needed_ranks(manifest, wanted)
+        plan_of(manifest)
+        for t in manifest["tensors"]:  # (numbers: the row ranges below cannot fail on some participants only)
+            math.prod(t["shape"])
     except _UNREADABLE as e:
         errors.append(f"v{version} scratch: {e}")
         log.warning("deepfreeze: %s v%d on scratch has an unusable manifest (%s)", name, version, e)
         return None
+    bad = ""
+    try:  # each participant may ask for other rows: the files needed are those any of them needs
+        spans, need = _spans(manifest, wanted, rows), _needed_ranks(manifest, wanted, rows)
+    except ConfigError as e:
+        spans, need, bad = {}, [], str(e)
+    ranged = rows is not None
+    if comm.size > 1:
+        asks = [json.loads(b) for b in comm.allgather(json.dumps(
+            {"need": need, "bad": bad, "ranged": ranged, "spans": [[k, *v] for k, v in spans.items()]}).encode())]
+        bad = next((a["bad"] for a in asks if a["bad"]), "")
+        need = sorted({r for a in asks for r in a["need"]})
+        ranged = any(a["ranged"] for a in asks)
+        wants = [{k: (a, b) for k, a, b in x["spans"]} for x in asks]
+    if bad:
+        raise ConfigError(bad)
     while True:
         planned = _recovery_plan(manifest, have, need)
         if planned is None:
@@ -444,6 +512,8 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
                 log.warning("deepfreeze: %s v%d: %s of rank %d on participant %d is unreadable (%s)%s; "
                             "trying the next source", name, version, kind, key, p, why, more)
             continue
+        if comm.size > 1 and ranged and not rebuild:  # each participant gets only the bytes of its own rows
+            return _load_ranged(comm, items, wants, manifest, version, wanted, rows, recheck, name, errors)
         if comm.size > 1:
             for blob in comm.allgather_buffers(_pack(items)):
                 items.update(_unpack(blob))
@@ -466,14 +536,14 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
                                 name, version, r)
             viewable = {r for r in files if r in mine_tier} if views else set()
             ck = _assemble(manifest, files, wanted, verify, version, rebuilt=set(rebuild), level=source,
-                           views=viewable)
+                           views=viewable, rows=rows)
             if recheck:  # the seqlock's second half: a slot a writer began to rewrite meanwhile is not trusted
                 rewritten = [json.loads(b) for b in comm.allgather(json.dumps(memtier_level.changed()).encode())]
                 if any(rewritten):
                     raise CorruptCheckpointError(f"memory-tier slot(s) {sum(rewritten, [])} rewritten while they "
                                                  "were read")
             return ck
-        except CheckpointNotFoundError:
+        except (CheckpointNotFoundError, ConfigError):
             raise  # a tensor name the checkpoint does not have
         except _UNREADABLE as e:  # e.g. a rebuilt shard failing its checksums
             errors.append(f"v{version} scratch: {e}")
@@ -481,15 +551,124 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
             return None
 
 
+def _load_ranged(comm: Comm, items: dict[tuple[str, int], np.ndarray], wants: list[dict[int, tuple[int, int]]],
+                 manifest: dict[str, Any], version: int, wanted: Sequence[str] | None, rows: "Rows | None",
+                 recheck: bool, name: str, errors: list[str]) -> Checkpoint | None:
+    """Collective: every participant sends each other one the elements of its ``wants`` (tensor
+    id -> flat range) that the files it read (``items``, checked when read) hold, and assembles
+    its own rows from what it receives; None (on every participant) if any of them fails."""
+    me = comm.rank
+    try:
+        blobs, err = _slices(items, wants, manifest, version), ""
+    except _UNREADABLE as e:
+        blobs, err = [], f"participant {me}: {str(e) or type(e).__name__}"
+    told = [json.loads(b) for b in comm.allgather(json.dumps({"err": err, "sizes": [int(x.size) for x in blobs]})
+                                                  .encode())]
+    err = next((t["err"] for t in told if t["err"]), "")
+    ck = None
+    if not err:
+        got = comm.exchange({q: blobs[q] for q in range(comm.size) if q != me},
+                            {p: int(told[p]["sizes"][me]) for p in range(comm.size) if p != me})
+        got[me] = blobs[me]
+        try:
+            parts = [x for p in sorted(got) for x in _unpack_ranges(got[p], wants[me], manifest, p)]
+            ck = _assemble_ranges(manifest, parts, wanted, rows, version)
+        except _UNREADABLE as e:
+            err = f"participant {me}: {str(e) or type(e).__name__}"
+        changed = memtier_level.changed() if recheck else []  # the seqlock's second half, as _load_scratch
+        told = [json.loads(b) for b in comm.allgather(json.dumps({"err": err, "changed": changed}).encode())]
+        err = next((t["err"] for t in told if t["err"]), "")
+        if not err and any(t["changed"] for t in told):
+            err = f"memory-tier slot(s) {sum((t['changed'] for t in told), [])} rewritten while they were read"
+    if err:
+        errors.append(f"v{version} scratch: {err}")
+        log.warning("deepfreeze: %s v%d cannot be assembled from scratch (%s)", name, version, err)
+        return None
+    return ck
+
+
+def _slices(items: dict[tuple[str, int], np.ndarray], wants: list[dict[int, tuple[int, int]]],
+            manifest: dict[str, Any], version: int) -> list[np.ndarray]:
+    """Per participant q, one buffer (:func:`_frame`) of the elements of ``wants[q]`` the shard
+    files ``items`` hold: header ``[[tensor_id, start, stop], ...]``, their bytes."""
+    plan = plan_of(manifest)
+    heads: list[list[list[int]]] = [[] for _ in wants]
+    parts: list[list[np.ndarray]] = [[] for _ in wants]
+    for (kind, key), data in items.items():
+        if kind == "parity":
+            continue
+        path = f"{kind} of rank {key}"
+        idx = fmt.read_index(data, path)
+        _check_index(idx, [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(key)], manifest, version, path)
+        for e in idx.entries:
+            raw = np.frombuffer(fmt.byte_view(data), dtype=np.uint8)[e.offset:e.offset + e.length]
+            item = fmt.dtype_itemsize(e.dtype)
+            for q, want in enumerate(wants):
+                span = want.get(e.tensor_id)
+                if span is None:
+                    continue
+                a, b = max(span[0], e.start), min(span[1], e.stop)
+                if a < b:
+                    heads[q].append([e.tensor_id, a, b])
+                    parts[q].append(raw[(a - e.start) * item:(b - e.start) * item])
+    return [_frame(heads[q], parts[q]) for q in range(len(wants))]
+
+
+def _unpack_ranges(blob: np.ndarray, want: dict[int, tuple[int, int]], manifest: dict[str, Any], src: int
+                   ) -> list[tuple[int, int, int, np.ndarray]]:
+    """The ranges participant ``src`` sent (:func:`_slices`), each checked against what
+    was asked for and against the blob's length."""
+    what = f"the rows participant {src} sent"
+    if blob.size < 4:
+        raise CorruptCheckpointError(f"{what}: {blob.size} bytes, no header")
+    (n,) = struct.unpack_from("<I", blob[:4].tobytes(), 0)
+    if 4 + n > blob.size:
+        raise CorruptCheckpointError(f"{what}: a header of {n} bytes in {blob.size}")
+    head = json.loads(blob[4:4 + n].tobytes())
+    pos, out = 4 + n, []
+    for tid, a, b in head:
+        span = want.get(tid) if type(tid) is int else None
+        if span is None or not (type(a) is int and type(b) is int and span[0] <= a < b <= span[1]):
+            raise CorruptCheckpointError(f"{what}: elements [{a}, {b}) of tensor {tid}, not asked for")
+        nb = (b - a) * fmt.dtype_itemsize(manifest["tensors"][tid]["dtype"])
+        if pos + nb > blob.size:
+            raise CorruptCheckpointError(f"{what}: runs past its {blob.size} bytes")
+        out.append((tid, a, b, blob[pos:pos + nb]))
+        pos += nb
+    return out
+
+
+def _assemble_ranges(manifest: dict[str, Any], got: list[tuple[int, int, int, np.ndarray]],
+                     wanted: Sequence[str] | None, rows: "Rows | None",
+                     version: int) -> Checkpoint:
+    """This participant's arrays (its ``rows``) from the ranges it received; every wanted element
+    must have come exactly once (the ranges tile what was asked for)."""
+    flats, named, spans = _empty_arrays(manifest, wanted, sum(int(x.nbytes) for *_, x in got),
+                                        "the rows received", rows)
+    came: dict[int, list[tuple[int, int]]] = {tid: [] for tid in spans}
+    for tid, a, b, raw in got:
+        out, (lo, _) = flats[tid], spans[tid]
+        out[a - lo:b - lo] = raw.view(out.dtype)
+        came[tid].append((a, b))
+    for tid, (lo, hi) in spans.items():
+        pos = lo
+        for a, b in sorted(came[tid]):
+            pos = b if a == pos else -1  # a gap or an overlap: never tiles
+        if pos != hi:
+            raise CorruptCheckpointError(f"tensor {manifest['tensors'][tid]['name']!r}: elements [{lo}, {hi}) "
+                                         f"were asked for, {sorted(came[tid])[:8]} received")
+    return Checkpoint(manifest["name"], version, manifest["step"], manifest["epoch"], "scratch", named, manifest)
+
+
 def _assemble(manifest: dict[str, Any], files: dict[int, np.ndarray], wanted: Sequence[str] | None,
               verify: bool, version: int, rebuilt: set[int], level: str = "scratch",
-              views: "set[int] | None" = None) -> Checkpoint:
+              views: "set[int] | None" = None, rows: "Rows | None" = None) -> Checkpoint:
     """Fill the output arrays from whole shard files in memory. Files read from disk were
     verified by their reader; rebuilt ones are verified here. A tensor held whole by one piece of
     a shard in ``views`` (ranks) is returned as a view of that shard's buffer, not a copy."""
     plan = plan_of(manifest)
-    flats, named = _empty_arrays(manifest, wanted, sum(int(d.nbytes) for d in files.values()),
-                                 f"the shard files of ranks {sorted(files)}")
+    flats, named, spans = _empty_arrays(manifest, wanted, sum(int(d.nbytes) for d in files.values()),
+                                        f"the shard files of ranks {sorted(files)}", rows)
     for r, data in files.items():
         path = f"shard of rank {r}"
         idx = fmt.read_index(data, path)
@@ -498,18 +677,25 @@ def _assemble(manifest: dict[str, Any], files: dict[int, np.ndarray], wanted: Se
         for e in idx.entries:
             if flats[e.tensor_id] is None:
                 continue
+            lo, hi = spans[e.tensor_id]
+            if max(lo, e.start) >= min(hi, e.stop):
+                continue  # none of the wanted rows
             piece = fmt.entry_view(data, e, verify=verify and idx.has_crc and r in rebuilt, path=path)
-            if views and r in views and e.start == 0 and e.stop == flats[e.tensor_id].size:
+            if views and r in views and e.start == 0 and e.stop == flats[e.tensor_id].size \
+                    and (lo, hi) == (0, e.stop):
                 t = manifest["tensors"][e.tensor_id]
                 named[t["name"]] = piece.reshape(t["shape"])  # the slot's bytes, not copied (apply_loaded)
                 continue
-            flats[e.tensor_id][e.start:e.stop] = piece
+            a, b = max(lo, e.start), min(hi, e.stop)
+            flats[e.tensor_id][a - lo:b - lo] = piece[a - e.start:b - e.start]
     return Checkpoint(manifest["name"], version, manifest["step"], manifest["epoch"], level, named, manifest)
 
 
-def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None, available: int, source: str
-                  ) -> tuple[list[np.ndarray | None], dict[str, np.ndarray]]:
-    """Output arrays for the wanted tensors (None for the others), flat views and by name.
+def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None, available: int, source: str,
+                  rows: "Rows | None" = None
+                  ) -> tuple[list[np.ndarray | None], dict[str, np.ndarray], dict[int, tuple[int, int]]]:
+    """Output arrays for the wanted tensors (None for the others), flat views and by name, and
+    the flat element range each one holds (all of the tensor, or its ``rows``).
 
     ``available`` is how many bytes the files the tensors are read from hold (``source`` names
     them): a manifest declaring more tensor bytes than that is corrupt (a hostile 4 TiB shape),
@@ -521,8 +707,9 @@ def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None, availa
             raise CheckpointNotFoundError(f"{manifest['name']!r} v{manifest['version']} has no tensor named "
                                           f"{missing[0]!r}; it has {len(names)} tensors, e.g. {names[:3]}")
     want = None if wanted is None else set(wanted)
-    declared = sum(math.prod(t["shape"]) * fmt.dtype_itemsize(t["dtype"]) for t in manifest["tensors"]
-                   if want is None or t["name"] in want)
+    spans = _spans(manifest, wanted, rows)
+    declared = sum((spans[t["id"]][1] - spans[t["id"]][0]) * fmt.dtype_itemsize(t["dtype"])
+                   for t in manifest["tensors"] if t["id"] in spans)
     if declared > available:
         raise CorruptCheckpointError(f"{manifest['name']!r} v{manifest['version']}: the manifest declares "
                                      f"{declared} bytes of tensors but {source} hold only {available} bytes: "
@@ -533,10 +720,13 @@ def _empty_arrays(manifest: dict[str, Any], wanted: Sequence[str] | None, availa
         if want is not None and t["name"] not in want:
             flats.append(None)
             continue
-        a = np.empty(t["shape"], dtype=fmt.numpy_dtype(t["dtype"]))
+        lo, hi = spans[t["id"]]
+        shape = t["shape"] if (lo, hi) == (0, math.prod(t["shape"])) else \
+            [(hi - lo) // (math.prod(t["shape"][1:]) or 1), *t["shape"][1:]]
+        a = np.empty(shape, dtype=fmt.numpy_dtype(t["dtype"]))
         flats.append(a.reshape(-1))
         named[t["name"]] = a
-    return flats, named
+    return flats, named, spans
 
 
 def _check_index(idx: fmt.ShardIndex, expected: list[tuple[int, int, int]], manifest: dict[str, Any],
@@ -555,20 +745,41 @@ def _check_index(idx: fmt.ShardIndex, expected: list[tuple[int, int, int]], mani
                                          f"file but {t['dtype']}{t['shape']} in the manifest")
 
 
-def _fill(f: Any, path: str, idx: fmt.ShardIndex, flats: list[np.ndarray | None], verify: bool) -> None:
+def _fill(f: Any, path: str, idx: fmt.ShardIndex, flats: list[np.ndarray | None], verify: bool,
+          spans: "dict[int, tuple[int, int]] | None" = None) -> None:
+    """Read the wanted elements of every entry: a whole piece with :func:`fmt.read_entry` (its
+    checksum checked), part of one (``spans``: rows) with one bounded read of just those bytes."""
     for e in idx.entries:
-        if flats[e.tensor_id] is not None:
-            fmt.read_entry(f, e, flats[e.tensor_id][e.start:e.stop], verify=verify and idx.has_crc, path=path)
+        out = flats[e.tensor_id]
+        if out is None:
+            continue
+        lo, hi = spans[e.tensor_id] if spans is not None else (0, out.size)
+        a, b = max(lo, e.start), min(hi, e.stop)
+        if (a, b) == (e.start, e.stop):
+            fmt.read_entry(f, e, out[a - lo:b - lo], verify=verify and idx.has_crc, path=path)
+        elif a < b:  # (the entry lies within the file: read_index checked it)
+            item = fmt.dtype_itemsize(e.dtype)
+            _pread_into(f, out[a - lo:b - lo], e.offset + (a - e.start) * item, path)
+
+
+def _pread_into(f: Any, out: np.ndarray, offset: int, path: str) -> None:
+    view = memoryview(out.view(np.uint8))
+    got = 0
+    while got < len(view):  # preadv may return short reads
+        n = os.preadv(f.fileno(), [view[got:]], offset + got)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path}: unexpected end of file at offset {offset + got}")
+        got += n
 
 
 def _load_persistent(level: PersistentLevel, name: str, version: int, verify: bool,
-                     wanted: Sequence[str] | None) -> Checkpoint:
+                     wanted: Sequence[str] | None, rows: "Rows | None" = None) -> Checkpoint:
     m = level.read_manifest(name, version)
     plan = plan_of(m)
     path = os.path.join(level.version_dir(name, version), (m.get("assembled") or {}).get("file", ASSEMBLED))
     with open_regular_file(path, lambda st: ownership.check_owner(st, path, level.trusted, "persistent")) as f:  # a FIFO or symlink is refused, never waited on
         idx = fmt.read_index(f, path)   # every entry within the file
         _check_index(idx, [(p.tensor_id, p.start, p.stop) for p in plan.pieces], m, version, path)
-        flats, named = _empty_arrays(m, wanted, idx.file_size, path)
-        _fill(f, path, idx, flats, verify)
+        flats, named, spans = _empty_arrays(m, wanted, idx.file_size, path, rows)
+        _fill(f, path, idx, flats, verify, spans)
     return Checkpoint(name, version, m["step"], m["epoch"], "persistent", named, m)

@@ -18,6 +18,13 @@ rank: largest first to the rank with the fewest bytes so far, so every rank
 writes about the same number of bytes. Tensors ``pinned`` to rank 0 (variables
 the optimizer does not update, e.g. BatchNormalization moving statistics,
 which may differ across ranks) are assigned whole to rank 0 first.
+
+Tensors already sharded by the framework (FSDP2's dim-0 shards) come with *given* bounds:
+``given[id]`` lists ``world_size + 1`` flat element bounds, rank ``r`` holding
+``[bounds[r], bounds[r + 1])`` (a dim-0 row range of a C-order tensor is one flat range); the
+plan takes them as they are (uneven, some empty: an empty range makes no piece) instead of its
+own split. Offsets are always global: the manifest records every piece's place in the whole
+tensor, so readers see whole tensors whatever the layout that wrote them.
 """
 from __future__ import annotations
 
@@ -97,7 +104,9 @@ class ShardPlan:
     @classmethod
     def build(cls, tensors: Sequence[TensorSpec], world_size: int, *,
               min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
-              pinned: Iterable[int] = ()) -> "ShardPlan":
+              pinned: Iterable[int] = (), given: "dict[int, Sequence[int]] | None" = None) -> "ShardPlan":
+        """The plan of ``tensors`` over ``world_size`` ranks (module docstring); ``given``: tensor
+        id -> ``world_size + 1`` flat element bounds of the framework's own shards."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if min_shard_bytes < 0:
@@ -107,6 +116,15 @@ class ShardPlan:
             if t.id != i:
                 raise ValueError(f"tensor ids must be 0..n-1 in order; tensor {t.name!r} has id {t.id} at {i}")
         pinned = set(pinned)
+        given = dict(given or {})
+        for tid, b in given.items():
+            if not 0 <= tid < len(tensors) or tid in pinned:
+                raise ValueError(f"given bounds for tensor id {tid}: not a tensor of the list, or pinned")
+            b = list(b)
+            if len(b) != world_size + 1 or b[0] != 0 or b[-1] != tensors[tid].size \
+                    or any(b[r + 1] < b[r] for r in range(world_size)):
+                raise ValueError(f"given bounds {b} of tensor {tensors[tid].name!r} ({tensors[tid].size} elements) "
+                                 f"are not {world_size + 1} non-decreasing bounds from 0 to its size")
         load = [0] * world_size
         pieces: list[Piece] = []
         whole: list[TensorSpec] = []
@@ -114,6 +132,12 @@ class ShardPlan:
             if t.id in pinned:
                 pieces.append(Piece(t.id, 0, 0, t.size))
                 load[0] += t.nbytes
+            elif t.id in given and t.size > 0:
+                b = list(given[t.id])
+                for r in range(world_size):
+                    if b[r + 1] > b[r]:
+                        pieces.append(Piece(t.id, r, b[r], b[r + 1]))
+                        load[r] += (b[r + 1] - b[r]) * dtype_itemsize(t.dtype)
             elif world_size > 1 and t.nbytes >= max(min_shard_bytes, 1) and t.size >= world_size:
                 bounds = _split(t.size, world_size, dtype_itemsize(t.dtype))
                 for r in range(world_size):

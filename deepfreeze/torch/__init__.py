@@ -1,6 +1,6 @@
 """PyTorch adapter of DeepFreeze (imports torch; the core does not).
 
-``Checkpointer`` captures DDP checkpoints in the optimizer step; ``load`` returns a committed
+``Checkpointer`` captures DDP and FSDP2 checkpoints in the optimizer step; ``load`` returns a committed
 version as CPU tensors keyed by ``get_state_dict`` FQNs in any process; ``restore`` puts one
 into a model and its optimizers; ``Reader`` is a ``torch.distributed.checkpoint``
 StorageReader over DeepFreeze checkpoints (imported on first use: it imports DCP). See

@@ -5,12 +5,17 @@ Tensor list, in this order (one definition for the checkpointer, ``load`` and ``
 
 1. the model's ``state_dict`` (DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.``
    prefixes removed: the keys of ``torch.distributed.checkpoint.state_dict.get_state_dict``),
-   named by their FQN. Parameters are *replicated* (every DDP rank holds them bit-identical
+   named by their FQN, with global shapes. Parameters are *replicated* (every DDP rank holds them bit-identical
    after each step) and split across ranks; buffers (BatchNorm running statistics) are updated
    by each rank's forward pass and broadcast from rank 0 by DDP at the next one, so they are
-   *pinned*: taken whole from rank 0;
+   *pinned*: taken whole from rank 0. Under FSDP2 (``fully_shard``) parameters are DTensors
+   sharded on dim 0 by ``torch.chunk`` over a 1-D mesh of every rank: each rank captures its
+   own local shard, whose flat element range in the global tensor is given to the shard plan
+   (:attr:`TrainState.bounds`); HSDP (a 2-D mesh) and tensor parallelism (any other placement)
+   are refused with a :class:`~deepfreeze.errors.ConfigError`;
 2. every tensor of every optimizer's state, ``optim.state.<fqn>.<key>`` (DCP's flattened name
-   of ``get_state_dict``'s optimizer state), replicated, in the optimizers' parameter order;
+   of ``get_state_dict``'s optimizer state), replicated (DDP) or sharded as its parameter
+   (FSDP2), in the optimizers' parameter order;
 3. per rank ``r``, ``_deepfreeze/rank<r>`` (uint8, a reserved capacity), written whole by rank
    ``r``: its *state record*: the optimizers' ``param_groups`` and non-tensor state, the
    schedulers, the GradScaler, the ``state=`` objects and the rank's RNG states.
@@ -40,7 +45,8 @@ from ..errors import ConfigError, CorruptCheckpointError, ModelMismatchError
 from ..shardplan import TensorSpec
 
 __all__ = ["TrainState", "train_state", "unwrap", "model_entries", "encode", "decode", "dtype_of", "torch_dtype",
-           "RANK_PREFIX", "rng_state", "set_rng_state", "as_tensor"]
+           "RANK_PREFIX", "rng_state", "set_rng_state", "as_tensor", "dim0_rows", "local_rows", "is_dtensor",
+           "check_layout", "optimizer_groups"]
 
 RANK_PREFIX = "_deepfreeze/rank"
 MAGIC = b"DFTS0001"
@@ -103,11 +109,83 @@ def model_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]
     return out
 
 
+# -- FSDP2: DTensors sharded on dim 0
+
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def dim0_rows(n: int, world_size: int) -> list[int]:
+    """Row bounds of ``torch.chunk(n rows, world_size)`` as FSDP2 shards dim 0: rank r holds rows
+    ``[b[r], b[r + 1])`` (chunks of ``ceil(n / world_size)`` rows; trailing ranks may hold none)."""
+    c = -(-n // world_size) if n else 0
+    return [min(r * c, n) for r in range(world_size)] + [n]
+
+
+def local_rows(t: torch.Tensor, what: str) -> "tuple[int, int] | None":
+    """This rank's dim-0 row range of ``t`` when it is a DTensor FSDP2 shards (``Shard(0)`` on a
+    1-D mesh of every rank in order, local shard as ``torch.chunk`` cuts it); None for a plain
+    tensor. ConfigError (what, why, what to do) for a layout DeepFreeze does not capture yet."""
+    if not is_dtensor(t):
+        return None
+    from torch.distributed.tensor import Shard
+    import torch.distributed as dist
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    if mesh.ndim != 1:
+        raise ConfigError(f"{what} is a DTensor on a {mesh.ndim}-D device mesh {tuple(mesh.shape)} (HSDP or a "
+                          "multi-dimensional parallelism): DeepFreeze captures FSDP2 shards on a 1-D mesh of every "
+                          "rank only, not yet replicated shard groups. Use fully_shard with a 1-D mesh "
+                          "(init_device_mesh(device, (world_size,))) or checkpoint this model with DCP")
+    if placements != (Shard(0),):
+        raise ConfigError(f"{what} is a DTensor placed {placements}: DeepFreeze captures FSDP2's dim-0 shards "
+                          "(Shard(0)) only, not tensor parallelism or other placements yet. Shard the model with "
+                          "fully_shard alone (no parallelize_module, no shard_placement_fn) or checkpoint it with DCP")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ranks = mesh.mesh.reshape(-1).tolist()
+    if ranks != list(range(world)):
+        raise ConfigError(f"{what} is sharded over ranks {ranks[:8]} of a job of {world}: DeepFreeze captures "
+                          "shards over a mesh of every rank in order (init_device_mesh(device, (world_size,)))")
+    if t.dim() == 0:
+        raise ConfigError(f"{what} is a 0-d DTensor sharded on dim 0")
+    b = dim0_rows(t.shape[0], world)
+    r = mesh.get_local_rank()
+    local = t.to_local()
+    if tuple(local.shape) != (b[r + 1] - b[r], *t.shape[1:]):
+        raise ConfigError(f"{what}: the local shard of rank {r} is {tuple(local.shape)}, not rows [{b[r]}, "
+                          f"{b[r + 1]}) of {tuple(t.shape)} as torch.chunk cuts dim 0: DeepFreeze captures "
+                          "FSDP2's even chunking only (no shard_placement_fn, no uneven custom sharding)")
+    return b[r], b[r + 1]
+
+
+def _dtensor_buffer(fqn: str) -> ConfigError:
+    return ConfigError(f"model buffer {fqn!r} is a DTensor: DeepFreeze captures sharded parameters (and their "
+                       "optimizer state) and takes buffers whole from rank 0; keep buffers plain tensors")
+
+
+def check_layout(model: torch.nn.Module) -> int:
+    """ConfigError for a model tensor DeepFreeze cannot capture as laid out (HSDP, tensor
+    parallelism: :func:`local_rows`); returns how many are FSDP2-sharded."""
+    n = 0
+    for fqn, t, is_param in model_entries(model):
+        if not is_param and is_dtensor(t):
+            raise _dtensor_buffer(fqn)
+        n += local_rows(t, f"model tensor {fqn!r}") is not None
+    return n
+
+
 @dataclasses.dataclass
 class TrainState:
-    """``tensors[i]`` is tensor ``specs[i]``; ``pinned``: ids taken whole from rank 0;
-    ``model_tensors``: how many leading tensors are the model's; ``groups[k]``: optimizer k's
-    param_groups with FQNs for params; ``extra[k]``: its non-tensor state, by FQN."""
+    """``tensors[i]`` is tensor ``specs[i]`` (for a DTensor: this rank's local shard, a plain
+    tensor); ``pinned``: ids taken whole from rank 0; ``model_tensors``: how many leading tensors
+    are the model's; ``groups[k]``: optimizer k's param_groups with FQNs for params; ``extra[k]``:
+    its non-tensor state, by FQN; ``bounds``: id -> flat element bounds of every rank's shard of
+    a DTensor (the shard plan's ``given``); ``dtensors``: id -> the DTensor itself (its
+    ``_version`` counts the optimizer's in-place updates); ``fqn_of``: id() of a parameter ->
+    its FQN."""
 
     tensors: list[torch.Tensor]
     specs: list[TensorSpec]
@@ -115,26 +193,57 @@ class TrainState:
     model_tensors: int
     groups: list[list[dict[str, Any]]]
     extra: list[dict[str, dict[str, Any]]]
+    bounds: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    dtensors: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    fqn_of: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def key(self) -> bytes:
-        """16 bytes naming the tensor list (names, dtypes, shapes, pinned): equal on every rank."""
-        obj = [[s.name, s.dtype, list(s.shape)] for s in self.specs] + [sorted(self.pinned)]
+        """16 bytes naming the tensor list (names, dtypes, shapes, pinned, sharded): equal on every rank."""
+        obj = [[s.name, s.dtype, list(s.shape)] for s in self.specs] + [sorted(self.pinned), sorted(self.bounds)]
         return hashlib.sha256(json.dumps(obj).encode()).digest()[:16]
 
 
 def train_state(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> TrainState:
-    """The tensor list (module docstring) of ``model`` and ``optimizers``, with live tensors."""
-    tensors, specs, pinned = [], [], []
-    fqn_of: dict[int, str] = {}
+    """The tensor list (module docstring) of ``model`` and ``optimizers``, with live tensors.
+    Call it while the model's parameters are sharded (outside forward and backward: FSDP2 swaps
+    unsharded parameters in during them)."""
+    st = TrainState([], [], [], 0, [], [])
     for fqn, t, is_param in model_entries(model):
         if t.layout != torch.strided:
             raise ConfigError(f"model tensor {fqn!r} is {t.layout}: DeepFreeze checkpoints dense tensors")
         if not is_param:
-            pinned.append(len(specs))
-        fqn_of.setdefault(id(t), fqn)
-        specs.append(TensorSpec(len(specs), fqn, dtype_of(t, f"model tensor {fqn!r}"), tuple(t.shape)))
-        tensors.append(t)
-    n_model = len(specs)
+            if is_dtensor(t):
+                raise _dtensor_buffer(fqn)
+            st.pinned.append(len(st.specs))
+        st.fqn_of.setdefault(id(t), fqn)
+        _add(st, fqn, t, f"model tensor {fqn!r}")
+    st.model_tensors = len(st.specs)
+    st.groups, st.extra = optimizer_groups(optimizers, st.fqn_of, st)
+    return st
+
+
+def _add(st: TrainState, name: str, t: torch.Tensor, what: str) -> None:
+    tid = len(st.specs)
+    rows = local_rows(t, what)
+    st.specs.append(TensorSpec(tid, name, dtype_of(t, what), tuple(t.shape)))
+    if rows is None:
+        st.tensors.append(t)
+        return
+    import torch.distributed as dist
+    per_row = math.prod(t.shape[1:])
+    st.bounds[tid] = [b * per_row for b in dim0_rows(t.shape[0], dist.get_world_size())]
+    st.dtensors[tid] = t
+    with torch.no_grad():
+        st.tensors.append(t.to_local())
+
+
+def optimizer_groups(optimizers: Sequence[torch.optim.Optimizer], fqn_of: dict[int, str],
+                     st: "TrainState | None" = None
+                     ) -> tuple[list[list[dict[str, Any]]], list[dict[str, dict[str, Any]]]]:
+    """Every optimizer's ``param_groups`` with FQNs for params, and its non-tensor state by FQN;
+    with ``st``, its state tensors are added to ``st``'s tensor list. ``fqn_of``: id() of a
+    parameter -> FQN (from :func:`train_state`: the model's ``state_dict`` is not called here,
+    so this runs inside FSDP2's forward too)."""
     groups, extra = [], []
     for k, opt in enumerate(optimizers):
         gs, ex = [], {}
@@ -149,16 +258,15 @@ def train_state(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimiz
                 names.append(fqn)
                 for key, v in opt.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
-                        name = f"optim.state.{fqn}.{key}"
-                        specs.append(TensorSpec(len(specs), name, dtype_of(v, f"optimizer state {name!r}"),
-                                                tuple(v.shape)))
-                        tensors.append(v)
+                        if st is not None:
+                            name = f"optim.state.{fqn}.{key}"
+                            _add(st, name, v, f"optimizer state {name!r}")
                     else:
                         ex.setdefault(fqn, {})[str(key)] = v
             gs.append({**{k2: v for k2, v in g.items() if k2 != "params"}, "params": names})
         groups.append(gs)
         extra.append(ex)
-    return TrainState(tensors, specs, pinned, n_model, groups, extra)
+    return groups, extra
 
 
 # -- RNG states of this process

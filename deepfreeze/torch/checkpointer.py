@@ -35,10 +35,22 @@ No change to the training loop: the checkpointer registers hooks on the optimize
 Every checkpoint step costs two small all-gathers over the checkpointer's own gloo group
 (plan check in the post-hook, write decision in the next pre-hook), so every rank writes a
 version or none does.
+
+**FSDP2** (``fully_shard`` on a 1-D mesh of every rank): parameters and the optimizer state
+shaped like them are DTensors sharded on dim 0 (``torch.chunk``: uneven, some shards empty).
+Each rank captures its own local shard as it is: the plan takes the shards' flat bounds as given
+(:meth:`~deepfreeze.shardplan.ShardPlan.build`'s ``given``), the manifest records global shapes
+and offsets, and the copy translates the piece's global offsets to the local tensor; the
+``_version`` guard watches the DTensor too (the optimizer's in-place updates count there).
+Phase-b records never call the model's ``state_dict()`` (FSDP2's forward has unsharded
+parameters in place; FQNs come from the last capture). HSDP and tensor parallelism raise
+:class:`~deepfreeze.errors.ConfigError` when the checkpointer is built
+(:func:`deepfreeze.torch._state.check_layout`).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import struct
 import time
@@ -86,10 +98,11 @@ class _Pending:
 
 
 class Checkpointer:
-    """Asynchronous sharded checkpoints of a DDP model and its optimizers, captured in the step.
+    """Asynchronous sharded checkpoints of a DDP or FSDP2 model and its optimizers, captured in the step.
 
     Args:
-      model: the model (``DistributedDataParallel`` or a plain module).
+      model: the model (``DistributedDataParallel``, a module sharded with FSDP2's ``fully_shard``
+        on a 1-D mesh of every rank, or a plain module).
       optimizer: an optimizer or a sequence of them, in the order the loop steps them (the last
         one's steps are counted).
       config: path of a VeloC INI file, or a :class:`~deepfreeze.Config`.
@@ -137,6 +150,8 @@ class Checkpointer:
                                   f"got {type(obj).__name__}")
         if resume and overwrite:
             raise ConfigError("resume=True and overwrite=True contradict each other: pick one")
+        #: how many model tensors are FSDP2 shards (HSDP and tensor parallelism are refused here)
+        self.sharded = _state.check_layout(model)
         self.model, self.optimizers = model, opts
         self.name = validate_name(name)
         self.every_n_steps, self.overlap, self.on_error = every_n_steps, bool(overlap), on_error
@@ -168,6 +183,7 @@ class Checkpointer:
         self._order_warned = False
         self._grow = False  # a state record outgrew its room: the next plan doubles every rank's
         self._pinned: set[int] = set()
+        self._fqn_of: dict[int, str] = {}  # id() of a parameter -> FQN, from the last capture's train_state
         self._model_tensors = 0
         self._t_post = 0.0
         self.comm = make_comm()  # the training thread's group (collective)
@@ -279,14 +295,14 @@ class Checkpointer:
         return self._run.info.id if self._run.info is not None else None
 
     # ------------------------------------------------------------------ capture
-    def _record(self, phase: str, st: "_state.TrainState | None" = None) -> Any:
+    def _record(self, phase: str) -> Any:
         """The part of this rank's state record taken in the post-hook (``"a"``) or at the next
-        pre-hook (``"b"``; ``st``: the tensor list when the caller has it already)."""
+        pre-hook (``"b"``)."""
         if phase == "a":
             return {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
                     "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
-        st = st or _state.train_state(self.model, self.optimizers)
-        return {"param_groups": st.groups, "optim_extra": st.extra,
+        groups, extra = _state.optimizer_groups(self.optimizers, self._fqn_of)  # no state_dict: FSDP2's forward
+        return {"param_groups": groups, "optim_extra": extra,
                 "state": {k: o.state_dict() for k, o in self.state.items() if _phase_b(o)}}
 
     def _capture(self, step: int) -> None:
@@ -296,9 +312,10 @@ class Checkpointer:
         err, key, need, rec_a = "", b"\0" * 16, 0, b""
         try:
             st = _state.train_state(self.model, self.optimizers)
+            self._fqn_of = st.fqn_of
             key = st.key()
             rec_a = _state.encode(self._record("a"), "record")
-            need = len(rec_a) + len(_state.encode(self._record("b", st), "record")) + 64
+            need = len(rec_a) + len(_state.encode(self._record("b"), "record")) + 64
         except DeepFreezeError as e:  # still take part in the all-gather: no rank is left waiting
             err = f"rank {self.rank}: {e}"
         rows = self.comm.allgather(key + struct.pack("<Q", need) + err.encode()[:2000])
@@ -325,11 +342,18 @@ class Checkpointer:
             if tid >= len(st.tensors) or seg.nbytes == 0:
                 continue  # a state record (filled when the capture finishes), or nothing to copy
             t = st.tensors[tid]
+            if tid in st.bounds:  # an FSDP2 shard: the plan's offsets are global, the local tensor starts at ours
+                base = st.bounds[tid][self.rank]
+                seg = dataclasses.replace(seg, piece=dataclasses.replace(seg.piece, start=seg.piece.start - base,
+                                                                         stop=seg.piece.stop - base))
             if tid in self._pinned or not self.overlap:
                 sync.append((t, seg))  # copied now: buffers change in the next forward
             else:
                 background.append((t, seg))
                 p.versions.append((t, t._version, self.plan.tensors[tid].name))
+                if tid in st.dtensors:  # the optimizer's in-place updates count on the DTensor, not its local shard
+                    d = st.dtensors[tid]
+                    p.versions.append((d, d._version, self.plan.tensors[tid].name))
         if self._cuda is not None:  # CUDA pieces: device-to-host on a side stream (deepfreeze/torch/_cuda.py)
             sync, background, p.cuda = self._cuda.start(sync, background, buf)
         self._copy(sync, buf)
@@ -424,7 +448,8 @@ class Checkpointer:
         self._grow = False
         specs = list(st.specs) + [TensorSpec(len(st.specs) + r, f"{_state.RANK_PREFIX}{r}", "uint8", (caps[r],))
                                   for r in range(self.size)]
-        plan = ShardPlan.build(specs, self.size, min_shard_bytes=self.min_shard_bytes, pinned=st.pinned)
+        plan = ShardPlan.build(specs, self.size, min_shard_bytes=self.min_shard_bytes, pinned=st.pinned,
+                               given=st.bounds)
         records = {len(st.specs) + r: r for r in range(self.size)}
         pieces = [Piece(p.tensor_id, records[p.tensor_id], 0, caps[records[p.tensor_id]]) if p.tensor_id in records
                   else p for p in plan.pieces if p.tensor_id not in records or p.start == 0]  # record r: whole, rank r

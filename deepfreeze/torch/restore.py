@@ -6,6 +6,12 @@ by FQN, optimizer state as ``optim.state.<fqn>.<key>``) in any process, at any w
 version into a model and its optimizers. With ``torch.distributed`` initialized the load is
 collective (every rank's scratch directory, partner copies and parity are pooled over a
 dedicated gloo group); without it, a plain process reads its own scratch and persistent.
+
+Into an FSDP2 model (``fully_shard``, any world size) ``restore`` reads only this rank's dim-0
+rows of each sharded parameter and of the optimizer state shaped like it (the core's ranged
+read, :mod:`deepfreeze.restore`), and puts them into the local shards; the optimizer state
+becomes DTensors placed as their parameters. A checkpoint written by FSDP2 restores into DDP
+or a plain model (and a DDP one into FSDP2) as any other: the manifest holds global tensors.
 """
 from __future__ import annotations
 
@@ -44,13 +50,13 @@ class TorchState:
 
 
 def _checkpoint(config: Any, name: str, version: int | None, comm: Any, trust_owners: Any,
-                overrides: dict[str, Any]) -> Checkpoint:
+                overrides: dict[str, Any], rows: Any = None) -> Checkpoint:
     from ._dist import make_comm
     cfg = Config.resolve(config, **overrides)
     own = comm is None
     comm = comm if comm is not None else make_comm()
     try:
-        return _core_load(cfg, name, version, comm=comm, trust_owners=trust_owners)
+        return _core_load(cfg, name, version, comm=comm, trust_owners=trust_owners, rows=rows)
     finally:
         if own and hasattr(comm, "close"):
             comm.close()
@@ -116,10 +122,43 @@ def restore(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
     Collective when ``torch.distributed`` is initialized; any world size."""
     from ._dist import rank_and_size
     opts = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    ck = _checkpoint(config, name, version, None, trust_owners, overrides)
+    ck = _checkpoint(config, name, version, None, trust_owners, overrides, rows=_rows_of(model))
     rank, size = rank_and_size()
     apply(ck, model, opts, state=state or {}, rank=rank, world_size=size, rng=rng)
     return ck.version, ck.step
+
+
+def _sharded(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
+    """FQN -> (global shape, this rank's dim-0 rows) of every FSDP2-sharded model tensor."""
+    out = {}
+    for fqn, t, _ in _state.model_entries(model):
+        rows = _state.local_rows(t, f"model tensor {fqn!r}")
+        if rows is not None:
+            out[fqn] = (tuple(t.shape), rows)
+    return out
+
+
+def _rows_of(model: torch.nn.Module) -> Any:
+    """The ranged read of an FSDP2 model (None for another): a sharded parameter's rows, and the
+    same rows of its optimizer state of the same shape (``optim.state.<fqn>.<key>``)."""
+    sharded = _sharded(model)
+    if not sharded:
+        return None
+
+    def rows(name: str, shape: tuple[int, ...]) -> "tuple[int, int] | None":
+        fqn = name[len("optim.state."):].rpartition(".")[0] if name.startswith("optim.state.") else name
+        hit = sharded.get(fqn)
+        return hit[1] if hit is not None and hit[0] == tuple(shape) else None
+    return rows
+
+
+def _local(a: torch.Tensor, shape: tuple[int, ...], rows: tuple[int, int]) -> torch.Tensor:
+    """Rows ``rows`` of a tensor of global ``shape``: ``a`` is the whole tensor or those rows."""
+    if tuple(a.shape) == shape:
+        return a[rows[0]:rows[1]]
+    if tuple(a.shape) != (rows[1] - rows[0], *shape[1:]):
+        raise ModelMismatchError(f"a loaded part {tuple(a.shape)} is not rows {rows} of {shape}")
+    return a
 
 
 def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
@@ -130,9 +169,13 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
     st = _split(ck)
     where = f"checkpoint {ck.name!r} v{ck.version}"
     _state.check_model(model, ck.manifest["tensors"], int(ck.manifest.get("model_tensors", 0)), where)
+    sharded = _sharded(model)
     with torch.no_grad():
         for fqn, t, _ in _state.model_entries(model):
-            t.copy_(st.model[fqn])
+            if fqn in sharded:  # an FSDP2 parameter: this rank's rows into its local shard
+                t.to_local().copy_(_local(st.model[fqn], *sharded[fqn]))
+            else:
+                t.copy_(st.model[fqn])
     same = world_size == st.world_size and rank < len(st.records)
     rec = st.records[rank] if same else (st.records[0] if st.records else {})
     if optimizers:
@@ -140,13 +183,15 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
         if len(saved_groups) != len(optimizers):
             raise ModelMismatchError(f"{where} holds {len(saved_groups)} optimizer(s), {len(optimizers)} given")
         cur = _state.train_state(model, optimizers)
+        params = {fqn: t for fqn, t, is_param in _state.model_entries(model) if is_param}
         for k, opt in enumerate(optimizers):
             mine, saved = cur.groups[k], saved_groups[k]
             if [g["params"] for g in mine] != [g["params"] for g in saved]:
                 raise ModelMismatchError(f"{where}: optimizer {k}'s parameter groups differ from the checkpoint's "
                                          "(other parameters or another grouping): build the optimizer that was trained")
             index = {fqn: i for i, fqn in enumerate(f for g in mine for f in g["params"])}
-            sd_state = {index[fqn]: dict(st.optim["state"][fqn]) for fqn in index if fqn in st.optim["state"]}
+            sd_state = {index[fqn]: _placed(dict(st.optim["state"][fqn]), params.get(fqn), sharded.get(fqn))
+                        for fqn in index if fqn in st.optim["state"]}
             groups = [{**{a: b for a, b in g.items() if a != "params"}, "params": [index[f] for f in g["params"]]}
                       for g in saved]
             opt.load_state_dict({"state": sd_state, "param_groups": groups})
@@ -162,3 +207,20 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
         elif rank == 0:
             log.warning("DeepFreeze: %s was written by %d ranks, this job has %d: RNG states are not restored",
                         where, st.world_size, world_size)
+
+
+def _placed(state: dict[str, Any], param: "torch.Tensor | None", sharded: Any) -> dict[str, Any]:
+    """An optimizer state entry of ``param``: under FSDP2 each tensor shaped as the parameter
+    becomes a DTensor of this rank's rows placed as the parameter (others stay as they are)."""
+    if param is None or sharded is None:
+        return state
+    from torch.distributed.tensor import DTensor
+    shape, rows = sharded
+    out = {}
+    for key, v in state.items():
+        if isinstance(v, torch.Tensor) and tuple(v.shape) in (shape, (rows[1] - rows[0], *shape[1:])) and v.dim():
+            local = _local(v, shape, rows).contiguous().clone()
+            v = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                   stride=param.stride())
+        out[key] = v
+    return out
