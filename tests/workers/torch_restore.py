@@ -16,19 +16,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from torch_train import build, snapshot  # noqa: E402
+from torch_train import restore_setup, snapshot  # noqa: E402
 import deepfreeze.torch  # noqa: E402
 
 
 def main() -> None:
-    out, src = sys.argv[1], sys.argv[2]
-    kw = dict(a.split("=", 1) for a in sys.argv[3:])
-    distributed = "WORLD_SIZE" in os.environ
-    if distributed:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
-    size = dist.get_world_size() if distributed else 1
-    net, opts = build(seed=123)  # other initial values: everything must come from the checkpoint
+    out, src, kw, distributed, rank, size, net, opts = restore_setup()
     if kw.get("extra_group") == "1":
         opts[1].add_param_group({"params": list(net.extra.parameters()), "lr": 5e-3})
     model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net

@@ -88,6 +88,44 @@ def snapshot(model: torch.nn.Module, opts, path: str) -> None:
     np.savez(path, **arrays)
 
 
+def train_step(model, opts, scheds, data, ckpt, every: int, mydir: str, net, scaler=None) -> None:
+    """One iteration of the test loop (forward, backward, every optimizer's step, through the
+    GradScaler if given, zero_grad, every scheduler's step); the state right after a
+    checkpointed step goes to ``mydir/v<step>.npz``."""
+    before = ckpt.step
+    x, y = data.next()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    if scaler is not None:
+        scaler.scale(loss * 8).backward()  # x8: the first scales overflow, so steps are skipped
+        for o in opts:
+            scaler.step(o)
+        scaler.update()
+    else:
+        loss.backward()
+        for o in opts:
+            o.step()
+    for o in opts:
+        o.zero_grad()
+    for s in scheds:
+        s.step()
+    if ckpt.step != before and ckpt.step % every == 0:
+        snapshot(net, opts, os.path.join(mydir, f"v{ckpt.step}.npz"))
+
+
+def restore_setup():
+    """The common start of the restore workers: ``(out, src, kw, distributed, rank, size, net,
+    opts)``, the model built with other initial values (everything must come from the checkpoint)."""
+    out, src = sys.argv[1], sys.argv[2]
+    kw = dict(a.split("=", 1) for a in sys.argv[3:])
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    size = dist.get_world_size() if distributed else 1
+    net, opts = build(seed=123)
+    return out, src, kw, distributed, rank, size, net, opts
+
+
 def main() -> None:
     out = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
@@ -131,7 +169,6 @@ def main() -> None:
     mutate_at = int(kw.get("mutate_at", -1))
     add_group_at = int(kw.get("add_group_at", -1))
     every = int(kw.get("every", 3))
-    loss_fn = torch.nn.MSELoss()
     while data.it < steps:
         if data.it == kill_at and rank == int(kw.get("kill_rank", 1)):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -140,24 +177,7 @@ def main() -> None:
         if data.it == mutate_at:
             with torch.no_grad():
                 net.head.weight.mul_(1.0)  # bumps _version while the capture copies
-        before = ckpt.step
-        x, y = data.next()
-        loss = loss_fn(model(x), y)
-        if scaler is not None:
-            scaler.scale(loss * 8).backward()  # x8: the first scales overflow, so steps are skipped
-            for o in opts:
-                scaler.step(o)
-            scaler.update()
-        else:
-            loss.backward()
-            for o in opts:
-                o.step()
-        for o in opts:
-            o.zero_grad()
-        for s in scheds:
-            s.step()
-        if ckpt.step != before and ckpt.step % every == 0:
-            snapshot(net, opts, os.path.join(mydir, f"v{ckpt.step}.npz"))
+        train_step(model, opts, scheds, data, ckpt, every, mydir, net, scaler)
     snapshot(net, opts, os.path.join(mydir, "final.npz"))
     ckpt.close()
     info = {"start_step": ckpt.start_step, "resumed_from": ckpt.resumed_from, "torn": ckpt.torn,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "workers"))  # tests/workers
 
-from torch_train import Data, build, snapshot  # noqa: E402
+from torch_train import Data, build, snapshot, train_step  # noqa: E402
 
 from deepfreeze.torch import Checkpointer  # noqa: E402
 
@@ -51,20 +51,8 @@ def main() -> None:
                         ec_scheme="partner", persistent_interval=float(kw.get("persistent_interval", 0)))
     data = state["data"]
     steps = int(kw["steps"])
-    loss_fn = torch.nn.MSELoss()
     while data.it < steps:
-        before = ckpt.step
-        x, y = data.next()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        for o in opts:
-            o.step()
-        for o in opts:
-            o.zero_grad()
-        for s in scheds:
-            s.step()
-        if ckpt.step != before and ckpt.step % every == 0:
-            snapshot(net, opts, os.path.join(mydir, f"v{ckpt.step}.npz"))
+        train_step(model, opts, scheds, data, ckpt, every, mydir, net)
     snapshot(net, opts, os.path.join(mydir, "final.npz"))
     ckpt.close()
     info = {"rank": rank, "size": dist.get_world_size(), "host": socket.gethostname(),
