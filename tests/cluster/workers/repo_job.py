@@ -19,27 +19,17 @@ it took):
 3. a new client is made (it connects to every provider: provider 0 is still cut off);
 4. once ``SHARED/repo-healed`` exists, ``m0`` again.
 """
-import hashlib
-import json
 import os
 import sys
 import time
 
 import numpy as np
 
+from results import atomic_json, digests  # tests/cluster/workers/results.py
+
 from deepfreeze.errors import DeepFreezeError
 from deepfreeze.repo.client import RemoteRepository
 from deepfreeze.repo.provider import placement
-
-
-def atomic_json(path: str, obj) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
-
-
-def digests(arrays) -> dict:
-    return {k: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for k, a in arrays.items()}
 
 
 def names(n: int = 2) -> list:

@@ -21,14 +21,14 @@ tier, time), every error (type, message) and the longest ``next`` call; errors d
 loop. The report ``SHARED/consumer-<TAG>.json`` is rewritten after every event (the test polls
 it).
 """
-import hashlib
-import json
 import logging
 import os
 import sys
 import time
 
 import numpy as np
+
+from results import atomic_json, digests  # tests/cluster/workers/results.py
 
 from deepfreeze import node
 from deepfreeze.errors import DeepFreezeError
@@ -40,16 +40,6 @@ from deepfreeze.stream import Publisher, StreamOptions, Subscriber
 SPECS = [TensorSpec(0, "dense/kernel", "float32", (512, 1024)), TensorSpec(1, "dense/bias", "float16", (1021,)),
          TensorSpec(2, "emb", "int64", (300, 7)), TensorSpec(3, "dense/kernel/momentum", "float32", (512, 1024))]
 MODEL = 3  # the first three are the model's weights (published); the last is optimizer state
-
-
-def atomic_json(path: str, obj) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
-
-
-def digests(arrays) -> dict:
-    return {k: hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for k, a in arrays.items()}
 
 
 def produce(shared: str, run: str, generation: int, first: int, opts: dict) -> None:
