@@ -428,10 +428,20 @@ def _pack(items: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
     return _frame([[k, key, int(a.nbytes)] for (k, key), a in items.items()], list(items.values()))
 
 
-def _unpack(blob: np.ndarray) -> dict[tuple[str, int], np.ndarray]:
+def _unframe(blob: np.ndarray, what: str) -> tuple[Any, int]:
+    """The JSON header of a :func:`_frame` buffer and where its parts begin (its lengths checked)."""
+    if blob.size < 4:
+        raise CorruptCheckpointError(f"{what}: {blob.size} bytes, no header")
     (n,) = struct.unpack_from("<I", blob[:4].tobytes(), 0)
-    pos, out = 4 + n, {}
-    for kind, key, length in json.loads(blob[4:4 + n].tobytes()):
+    if 4 + n > blob.size:
+        raise CorruptCheckpointError(f"{what}: a header of {n} bytes in {blob.size}")
+    return json.loads(blob[4:4 + n].tobytes()), 4 + n
+
+
+def _unpack(blob: np.ndarray) -> dict[tuple[str, int], np.ndarray]:
+    head, pos = _unframe(blob, "the files a participant sent")
+    out = {}
+    for kind, key, length in head:
         out[(kind, key)] = blob[pos:pos + length]
         pos += length
     return out
@@ -619,13 +629,8 @@ def _unpack_ranges(blob: np.ndarray, want: dict[int, tuple[int, int]], manifest:
     """The ranges participant ``src`` sent (:func:`_slices`), each checked against what
     was asked for and against the blob's length."""
     what = f"the rows participant {src} sent"
-    if blob.size < 4:
-        raise CorruptCheckpointError(f"{what}: {blob.size} bytes, no header")
-    (n,) = struct.unpack_from("<I", blob[:4].tobytes(), 0)
-    if 4 + n > blob.size:
-        raise CorruptCheckpointError(f"{what}: a header of {n} bytes in {blob.size}")
-    head = json.loads(blob[4:4 + n].tobytes())
-    pos, out = 4 + n, []
+    head, pos = _unframe(blob, what)
+    out = []
     for tid, a, b in head:
         span = want.get(tid) if type(tid) is int else None
         if span is None or not (type(a) is int and type(b) is int and span[0] <= a < b <= span[1]):

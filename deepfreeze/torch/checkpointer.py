@@ -295,13 +295,14 @@ class Checkpointer:
         return self._run.info.id if self._run.info is not None else None
 
     # ------------------------------------------------------------------ capture
-    def _record(self, phase: str) -> Any:
+    def _record(self, phase: str, st: "_state.TrainState | None" = None) -> Any:
         """The part of this rank's state record taken in the post-hook (``"a"``) or at the next
-        pre-hook (``"b"``)."""
+        pre-hook (``"b"``; ``st``: the post-hook's tensor list, whose optimizer groups serve)."""
         if phase == "a":
             return {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
                     "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
-        groups, extra = _state.optimizer_groups(self.optimizers, self._fqn_of)  # no state_dict: FSDP2's forward
+        groups, extra = (st.groups, st.extra) if st is not None else \
+            _state.optimizer_groups(self.optimizers, self._fqn_of)  # no state_dict: FSDP2's forward
         return {"param_groups": groups, "optim_extra": extra,
                 "state": {k: o.state_dict() for k, o in self.state.items() if _phase_b(o)}}
 
@@ -315,7 +316,7 @@ class Checkpointer:
             self._fqn_of = st.fqn_of
             key = st.key()
             rec_a = _state.encode(self._record("a"), "record")
-            need = len(rec_a) + len(_state.encode(self._record("b"), "record")) + 64
+            need = len(rec_a) + len(_state.encode(self._record("b", st), "record")) + 64
         except DeepFreezeError as e:  # still take part in the all-gather: no rank is left waiting
             err = f"rank {self.rank}: {e}"
         rows = self.comm.allgather(key + struct.pack("<Q", need) + err.encode()[:2000])
