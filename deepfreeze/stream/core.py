@@ -42,7 +42,8 @@ producer run, are the endpoint files and the persistent level re-read (every ``r
 While connected, the registered endpoints are checked every ``5 * rescan`` s (endpoint files:
 a ``stat`` of their directory first; Redis: also at once on another run's note): a newer run,
 or none, replaces the connection (:meth:`Subscriber._check_superseded`), since a producer whose
-node vanished fails no connection of the consumer's.
+node vanished fails no connection of the consumer's; records that are there but none of them
+usable (forged, planted) keep it.
 """
 from __future__ import annotations
 
@@ -134,10 +135,11 @@ class StreamOptions:
                               "consumers on other nodes (the token is then what keeps others out)")
 
 
-def read_endpoints(persistent: str, channel: str, *,
-                   trusted: "frozenset[int] | None" = None) -> dict[str, dict[int, dict[str, Any]]]:
+def read_endpoints(persistent: str, channel: str, *, trusted: "frozenset[int] | None" = None,
+                   skipped: "list[str] | None" = None) -> dict[str, dict[int, dict[str, Any]]]:
     """Endpoint records under ``<persistent>/<channel>/stream``: run id -> rank -> record.
-    Malformed files are skipped with a log line (a producer may be writing one). Trust
+    Malformed files are skipped with a log line (a producer may be writing one); the path of
+    every file skipped (malformed or untrusted) is appended to ``skipped`` when given. Trust
     (:mod:`deepfreeze.ownership`): the directory and every file must be owned by one of
     ``trusted`` (default: the user and root; endpoint files are ``0600`` in a ``0700`` directory,
     so another user's producer is reached through Redis, not files), not writable by anyone
@@ -167,9 +169,13 @@ def read_endpoints(persistent: str, channel: str, *,
             continue
         except (UnsafePathError, UntrustedOwnerError) as e:
             log.warning("deepfreeze: stream endpoint not used: %s", e)
+            if skipped is not None:
+                skipped.append(path)
             continue
         except (OSError, ValueError, StreamError) as e:
             log.warning("deepfreeze: stream endpoint %s is unreadable (%s); skipped", path, e)
+            if skipped is not None:
+                skipped.append(path)
             continue
         out.setdefault(rec["run"], {})[rec["rank"]] = rec
     return out
@@ -474,6 +480,7 @@ class Subscriber:
         self._queue: "queue.Queue[dict[str, Any]]" = queue.Queue()
         self._next_scan = 0.0
         self._next_check = 0.0  # when to check next that the connected run is still the newest registered
+        self._endpoints_skipped = 0  # records present but not usable at the last _endpoints()
         self._staging: dict[int, np.ndarray] = {}
         self._out: dict[str, np.ndarray] | None = None
         self._listener: Any = None
@@ -582,6 +589,9 @@ class Subscriber:
         return self._token
 
     def _endpoints(self) -> dict[str, dict[int, dict[str, Any]]]:
+        """The registered endpoint records (run id -> rank -> record) that pass every check;
+        ``self._endpoints_skipped`` counts those present but not usable (reset here)."""
+        self._endpoints_skipped = 0
         if self.redis_url:
             try:  # the producer's job (<persistent>/<channel>/job): only its records and notes are read
                 job = read_job_id(self.persistent, self.channel)
@@ -599,15 +609,21 @@ class Subscriber:
                 from .redis_notify import RedisListener
                 self._listener = RedisListener(self.redis_url, self.channel, token=self._token_value(), job=job)
             out: dict[str, dict[int, dict[str, Any]]] = {}
+            ignored = self._listener.ignored
             for rank, rec in self._listener.endpoints().items():
                 try:
                     rec = _check_endpoint(rec, f"redis endpoint r{rank}")
                 except StreamError as e:
                     log.warning("deepfreeze: %s", e)
+                    self._endpoints_skipped += 1
                     continue
                 out.setdefault(rec["run"], {})[rec["rank"]] = rec
+            self._endpoints_skipped += self._listener.ignored - ignored
             return out
-        return read_endpoints(self.persistent, self.channel)
+        skipped: list[str] = []
+        out = read_endpoints(self.persistent, self.channel, skipped=skipped)
+        self._endpoints_skipped += len(skipped)
+        return out
 
     def _connect(self) -> None:
         now = time.monotonic()
@@ -648,7 +664,9 @@ class Subscriber:
         again (endpoint files: only when a ``stat`` of the directory's entries changed): a newer
         run, or none (the producer closed and unregistered), drops the connection, and the next
         look connects to the newest run or falls back to the persistent level. Endpoints that
-        cannot be read (Redis not answering) keep the connection: the data path may still work."""
+        cannot be read (Redis not answering), or records that are there but none of them usable
+        (forged: no valid MAC; planted; half-written), keep the connection: the data path may
+        still work, and its connection authenticated both ends."""
         conn = self._conn
         if conn is None:
             return
@@ -668,6 +686,14 @@ class Subscriber:
             return
         order = self._newest_first(runs)
         if order and order[0] == conn.run:
+            return
+        if not order and self._endpoints_skipped:
+            # Records are there but none is usable (a MAC that does not verify, an untrusted or
+            # half-written file): no sign that the connected run went away. Whoever wrote them
+            # could as well delete the records (the consumer then falls back to the persistent
+            # level) but never redirects it: its connection authenticated both ends.
+            log.info("deepfreeze: stream %s: no usable endpoint record registered (%d ignored): staying with "
+                     "producer run %s", self.channel, self._endpoints_skipped, conn.run)
             return
         log.info("deepfreeze: stream %s: producer run %s is %s: looking for a producer", self.channel,
                  conn.run, f"superseded by run {order[0]}" if order else "no longer registered")

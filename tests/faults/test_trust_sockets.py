@@ -474,7 +474,8 @@ def test_redis_record_and_notes_without_the_token_are_ignored(tmp_path, monkeypa
         plan, pubs = publishers(tmp_path, 1, redis=server.url)
         try:
             publish(plan, pubs, Version(0, 1), arrays_of(1))
-            with Subscriber("chan", str(tmp_path / "p"), redis=server.url, tier="tcp") as sub:
+            # rescan=0.2: the consumer re-reads the registered endpoints every second while connected
+            with Subscriber("chan", str(tmp_path / "p"), redis=server.url, tier="tcp", rescan=0.2) as sub:
                 assert sub.next(30).version == Version(0, 1)
                 prefix = "deepfreeze:stream:chan"
                 rec = json.loads(server.client.hget(f"{prefix}:endpoints", "r0"))
@@ -487,6 +488,9 @@ def test_redis_record_and_notes_without_the_token_are_ignored(tmp_path, monkeypa
                         note["mac"] = "ab" * 32
                     server.client.publish(prefix, json.dumps(note))
                     server.client.hset(f"{prefix}:latest", "r0", json.dumps(note))
+                # past the next check of the registered endpoints, which finds only the forged
+                # record: the connection stays (it is no sign the producer went away)
+                assert sub.next(1.5) is None
                 for step in (2, 3):
                     full = arrays_of(step)
                     publish(plan, pubs, Version(0, step), full)
