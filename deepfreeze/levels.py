@@ -31,7 +31,11 @@ crash at any point (every file operation below passes a named crash point of
   is created exclusively (temporary file hard-linked into place: never seen empty). A decision of
   another run (an attempt abandoned by a crash) is retired first, manifest first. ``skip`` when
   ``persistent_interval`` has not passed since the newest earlier ``flush`` decision, judged by the
-  file system's clock (a future mtime is due, and warned once). Every node then follows it.
+  file system's clock (a future mtime is due, and warned once). Every node then follows it. A
+  node that finds no decision and the lock held does not queue on the lock: it re-reads the
+  decision with a growing, jittered pause (10 ms doubling to 200 ms) and follows it once it is
+  there, taking the lock only when it is free (so at N nodes the lock passes to a few of them,
+  not to all N in turn while the rest poll it).
 * **Flush** of one rank: its pieces are copied into ``model.dfz.partial.<nonce>`` at offsets
   computed from the manifest alone, each piece's CRC32 computed from the bytes as they are copied
   and compared with the shard's index (no second read); the shard's run id must be the
@@ -105,11 +109,19 @@ MANIFEST = "manifest.json"
 ASSEMBLED = "model.dfz"
 DECISION = "decision"
 LOCK = "commit.lock"
+_POLL_FIRST, _POLL_MAX = 0.01, 0.2  # waits on the version lock: 10 ms, doubling to 200 ms, jittered
 _MAX_MARKER_BYTES = 64 << 20
 
 
 class FencedError(DeepFreezeError, RuntimeError):
     """The work belongs to a run that no longer holds the lease on its name: abandoned."""
+
+
+def _pause(delay: float) -> float:
+    """Sleep about ``delay`` seconds (jittered down to half, so nodes that collided spread out);
+    return the next, doubled, delay (at most ``_POLL_MAX``)."""
+    time.sleep(delay * (0.5 + secrets.randbelow(1 << 16) / (1 << 17)))
+    return min(2 * delay, _POLL_MAX)
 
 
 def _uniq() -> str:
@@ -556,6 +568,7 @@ class PersistentLevel(Level):
         me = f"{node_id()} {os.getpid()} {secrets.token_hex(8)}".encode()
         deadline = time.monotonic() + wait
         taken = False
+        delay = _POLL_FIRST
         while True:
             if _create_exclusive(path, me, "persistent.lock.link"):
                 taken = True
@@ -581,7 +594,7 @@ class PersistentLevel(Level):
                     continue
             if time.monotonic() >= deadline:
                 break
-            time.sleep(0.01)
+            delay = _pause(delay)
         try:
             yield taken
         finally:
@@ -644,7 +657,10 @@ class PersistentLevel(Level):
         first node to flush it (exclusive creation, under the version lock), followed by all.
         A decision of another run (an abandoned attempt, or a version an older run committed
         above this run's resume point) is retired first, if ``run`` holds the lease; if another
-        run holds it, :class:`FencedError`. None when ``interval < 0`` (no persistent level)."""
+        run holds it, :class:`FencedError`. None when ``interval < 0`` (no persistent level).
+        A node that finds the lock held waits for the decision (re-read with a growing pause)
+        instead of queuing on the lock; :class:`CheckpointWriteError` (``ETIMEDOUT``) when the lock
+        stays held by a live process for ``stale_after + 5`` s with no decision made."""
         if interval < 0:
             return None
         vdir = self.version_dir(name, version)
@@ -653,27 +669,43 @@ class PersistentLevel(Level):
             return d
         counters.add("persistent.decide.locked")  # no decision of this run seen: the lock path
         self.makedirs(vdir)
-        with self.locked(vdir, wait=stale_after + 5, stale_after=stale_after) as taken:
-            if not taken:
+        deadline = time.monotonic() + stale_after + 5
+        delay = _POLL_FIRST
+        while True:
+            with self.locked(vdir, wait=0.0, stale_after=stale_after) as taken:
+                if taken:
+                    return self._decide_locked(name, version, vdir, interval, run)
+            # Held (by the node deciding, most likely): wait for its decision rather than queue on
+            # the lock; take the lock only if it comes free with no decision of this run made.
+            if time.monotonic() >= deadline:
                 raise CheckpointWriteError(errno.ETIMEDOUT, f"{vdir}/{LOCK} stayed locked for {stale_after + 5:.0f} s "
                                            "by a live process: cannot decide the version")
-            self._fence(name, run, f"flush of {name!r} v{version}")
+            delay = _pause(delay)
+            counters.add("persistent.decide.waited")
             d = read_decision(vdir)
             if d is not None and d["run"] == run and d["nonce"]:
                 return d
-            counters.fs("stat", "persistent.decide.manifest")
-            if d is not None or os.path.lexists(os.path.join(vdir, MANIFEST)):
-                log.warning("deepfreeze: %s v%d on persistent holds work of another run (%s): retiring it before "
-                            "this run (%s) writes the version", name, version, (d or {}).get("run") or "unknown",
-                            run)
-                # shard files VeloC flushed here are kept: flush_shard checks their run id
-                self._clear(vdir, keep=(LOCK,), keep_re=_SCRATCH_FILE)
-            flush = self._due(name, version, interval)
-            d = {"decision": "flush" if flush else "skip", "nonce": secrets.token_hex(8), "run": run}
-            if not _create_exclusive(os.path.join(vdir, DECISION), json.dumps(d).encode(),
-                                     "persistent.decision.link"):
-                raise CheckpointWriteError(errno.EEXIST, f"{vdir}/{DECISION} appeared while holding {LOCK}")
+
+    def _decide_locked(self, name: str, version: int, vdir: str, interval: float, run: str) -> dict[str, str]:
+        """:meth:`decide` under the version's lock: the decision of this run, found or made."""
+        counters.add("persistent.decide.taken")
+        self._fence(name, run, f"flush of {name!r} v{version}")
+        d = read_decision(vdir)
+        if d is not None and d["run"] == run and d["nonce"]:
             return d
+        counters.fs("stat", "persistent.decide.manifest")
+        if d is not None or os.path.lexists(os.path.join(vdir, MANIFEST)):
+            log.warning("deepfreeze: %s v%d on persistent holds work of another run (%s): retiring it before "
+                        "this run (%s) writes the version", name, version, (d or {}).get("run") or "unknown",
+                        run)
+            # shard files VeloC flushed here are kept: flush_shard checks their run id
+            self._clear(vdir, keep=(LOCK,), keep_re=_SCRATCH_FILE)
+        flush = self._due(name, version, interval)
+        d = {"decision": "flush" if flush else "skip", "nonce": secrets.token_hex(8), "run": run}
+        if not _create_exclusive(os.path.join(vdir, DECISION), json.dumps(d).encode(),
+                                 "persistent.decision.link"):
+            raise CheckpointWriteError(errno.EEXIST, f"{vdir}/{DECISION} appeared while holding {LOCK}")
+        return d
 
     def mark_skipped(self, name: str, version: int, run: str = ANONYMOUS_RUN) -> None:
         """Record ``skip`` for a version some node will not flush (unless a decision exists), so

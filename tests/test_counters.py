@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from _util import ROOT
 
@@ -58,7 +59,76 @@ def test_a_one_process_job_is_counted(tmp_path):
                  "listdir:persistent.finalize.markers", "open:run.generation.read"):
         assert k["fs." + site] == V, site
     # one process: every flush decides under the lock and finalizes; nobody else ever holds the lock
-    assert k["persistent.decide.locked"] == k["persistent.finalize.locked"] == V and "persistent.lock.busy" not in k
+    assert k["persistent.decide.locked"] == k["persistent.decide.taken"] == k["persistent.finalize.locked"] == V
+    assert "persistent.lock.busy" not in k and "persistent.decide.waited" not in k
     assert k["fs.open:persistent.decision.read"] == V + V + 2 * V
     assert k["fs.create:persistent.lock.create"] == k["fs.unlink:persistent.lock.unlink"] == 2 * V
     assert "comm.exchange" not in k  # no communicator, no redundancy
+
+
+HERD = r"""
+import json, os, sys, time
+from deepfreeze import counters
+from deepfreeze.levels import PersistentLevel
+root, role, out = sys.argv[1], sys.argv[2], sys.argv[3]
+
+class SlowDecider(PersistentLevel):
+    # the deciding node's metadata operations are slow: it holds the version lock until released
+    def _due(self, name, version, interval):
+        while not os.path.exists(os.path.join(root, "release")):
+            time.sleep(0.005)
+        return super()._due(name, version, interval)
+
+level = (SlowDecider if role == "decider" else PersistentLevel)(os.path.join(root, "p"))
+open(out + ".ready", "w").close()
+d = level.decide("job", 1, 0, "run-a")
+with open(out + ".tmp", "w") as f:
+    json.dump({"decision": d, "counters": counters.snapshot()["counters"]}, f)
+os.rename(out + ".tmp", out)
+"""
+
+
+def test_flushes_wait_for_the_decision_instead_of_queuing_on_the_lock(tmp_path):
+    """The decide herd (docs/cluster.md, "At 1000 nodes"): while one node holds a version's lock
+    to make its decision, the other nodes' flushes re-read the decision with a growing pause and
+    follow it, instead of queuing on the lock (each taking it in turn) while polling it every
+    10 ms. Six followers start while the decider (its metadata made slow by subclassing) holds
+    the lock, and wait ~0.6 s for it."""
+    env = dict(os.environ, PYTHONPATH=ROOT, DEEPFREEZE_COUNTERS=str(tmp_path / "counters"))
+    out = {who: str(tmp_path / f"{who}.json") for who in ["decider"] + [f"f{i}" for i in range(6)]}
+    procs = {"decider": subprocess.Popen([sys.executable, "-c", HERD, str(tmp_path), "decider", out["decider"]],
+                                         env=env)}
+    lock = tmp_path / "p" / "job" / f"v{1:012d}" / "commit.lock"
+    try:
+        deadline = time.monotonic() + 60
+        while not lock.exists():
+            assert procs["decider"].poll() is None and time.monotonic() < deadline, "the decider never took the lock"
+            time.sleep(0.01)
+        for who in out:
+            if who != "decider":
+                procs[who] = subprocess.Popen([sys.executable, "-c", HERD, str(tmp_path), "follower", out[who]],
+                                              env=env)
+        while not all(os.path.exists(out[w] + ".ready") for w in out):
+            assert time.monotonic() < deadline, "the followers did not start"
+            time.sleep(0.01)
+        time.sleep(0.6)  # every follower is in decide() now, finding the lock held
+        (tmp_path / "release").touch()
+        for p in procs.values():
+            assert p.wait(60) == 0
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    res = {w: json.load(open(f)) for w, f in out.items()}
+    made = res["decider"]["decision"]
+    took = "fs.unlink:persistent.lock.unlink"  # a release: one per take of the lock
+    assert res["decider"]["counters"][took] == 1 and made["decision"] == "flush"
+    followers = [r for w, r in res.items() if w != "decider"]
+    assert all(r["decision"] == made for r in followers)  # one decision, its nonce, followed by all
+    taken = [r["counters"].get(took, 0) for r in followers]
+    waited = [r["counters"].get("persistent.decide.waited", 0) for r in followers]
+    busy = [r["counters"].get("persistent.lock.busy", 0) for r in followers]
+    # queuing on the lock, every follower would take it in turn (6) after ~60 busy rounds each
+    print(json.dumps({"taken": taken, "waited": waited, "busy": busy}))
+    assert sum(taken) <= 1, taken  # (one may find the lock free in the instant after the release)
+    assert all(1 <= w <= 20 for w in waited) and all(b <= w + 1 for b, w in zip(busy, waited)), (waited, busy)

@@ -8,9 +8,11 @@ The formulas below are derived from the protocol (docs/cluster.md, "Counts again
 gives the derivation and evaluates them at 1000 nodes). Four quantities depend on timing, not
 only on N; the library counts them too, and the formulas are exact given them:
 
-* L (``persistent.decide.locked``): flushes of a version that found no decision yet and took the
-  version's lock to make it (1 <= L per version <= N: the first one makes it, the others that
-  raced it find it made under the lock);
+* L (``persistent.decide.locked``): flushes of a version that found no decision yet (1 <= L per
+  version <= N); Lt of them (``persistent.decide.taken``) took the version's lock (the first one
+  makes the decision, others that got the lock after it find it made under the lock), and the
+  rest found the lock held and waited for the decision: W (``persistent.decide.waited``) re-reads
+  of it in all, each after a pause, never queuing on the lock (1 <= Lt <= L);
 * Kf (``persistent.finalize.locked``), F (``persistent.finalize.tries``): nodes that saw every done
   marker and tried / got the lock to finalize (1 <= Kf <= F <= N per version; one commits);
 * Bz (``persistent.lock.busy``): rounds that found a version's lock held by another node.
@@ -70,26 +72,27 @@ def _shared(counts):
             if k.startswith("fs.") and k.split(":", 1)[1].split(".")[0] in ("persistent", "run")}
 
 
-def expected_shared(n, L, Kf, Bz, R):
+def expected_shared(n, L, Lt, W, Kf, Bz, R):
     """Every file-system call the job issues on the shared directory, summed over the nodes, for
     V versions on n nodes (R of the first flushes found the persistent root missing: each one more
     lstat of its parent, one more mkdir and the lstat after it)."""
     return {
-        # decide: every flush reads the decision; L take the lock (makedirs: the root's lstat,
-        # mkdir + lstat of the name and version directories), read it again under the lock
-        # after the fence (the lease), and V of them make it (exclusive create: temp, link, unlink)
-        "open:persistent.decision.read": n * V + L + 2 * V,
+        # decide: every flush reads the decision; L find none (makedirs: the root's lstat, mkdir +
+        # lstat of the name and version directories); Lt take the lock and read it again under
+        # the lock after the fence (the lease), W re-reads while waiting for it; V make it
+        # (exclusive create: temp, link, unlink)
+        "open:persistent.decision.read": n * V + Lt + W + 2 * V,
         "stat:persistent.mkdirs": 3 * L + 2 * R, "stat:persistent.mkdirs.root": L, "mkdir:persistent.mkdirs": 2 * L + R,
         "stat:persistent.decide.manifest": V,
         "create:persistent.decision.create": V, "link:persistent.decision.link": V,
         "unlink:persistent.decision.tmp": V,
         # the version lock: one round per take and per busy round (temp, link, unlink the temp; a
         # busy round reads the holder), released by read + unlink
-        "create:persistent.lock.create": L + Kf + Bz, "link:persistent.lock.link": L + Kf + Bz,
-        "unlink:persistent.lock.tmp": L + Kf + Bz, "open:persistent.lock.read": L + Kf + Bz,
-        "unlink:persistent.lock.unlink": L + Kf,
+        "create:persistent.lock.create": Lt + Kf + Bz, "link:persistent.lock.link": Lt + Kf + Bz,
+        "unlink:persistent.lock.tmp": Lt + Kf + Bz, "open:persistent.lock.read": Lt + Kf + Bz,
+        "unlink:persistent.lock.unlink": Lt + Kf,
         # the fence: under the decide lock, under the finalize lock, before the commit, before retention
-        "open:run.lease.read": L + Kf + 2 * V,
+        "open:run.lease.read": Lt + Kf + 2 * V,
         # flush of each rank: 2 stats, the partial opened with O_CREAT, fsync; its done marker
         # (temp create, fsync, rename, directory fsync); the marker listing
         "stat:persistent.flush.manifest": n * V, "stat:persistent.flush.assembled": n * V,
@@ -119,11 +122,14 @@ def test_counts_against_node_count(make_cluster, n):
     P = B // n                   # one piece: each rank holds one piece of each tensor
     D = T * P                    # a rank's payload
     S = HEAD + D                 # its shard file (header and index in the first 4096 bytes)
-    L, F, Kf, Bz = (total[f"persistent.{k}"] for k in ("decide.locked", "finalize.tries", "finalize.locked",
-                                                         "lock.busy"))
-    assert V <= L <= n * V and V <= Kf <= F <= n * V and Bz >= 0, (L, F, Kf, Bz)
-    # the lost finalize tries each found the lock held once (wait 0): part of the busy rounds
-    assert Bz >= F - Kf
+    L, Lt, W, F, Kf, Bz = (total[f"persistent.{k}"] for k in ("decide.locked", "decide.taken", "decide.waited",
+                                                                "finalize.tries", "finalize.locked", "lock.busy"))
+    assert V <= Lt <= L <= n * V and V <= Kf <= F <= n * V and Bz >= 0, (L, Lt, F, Kf, Bz)
+    # every lock attempt that did not take the lock found it held once (wait 0): a lost finalize
+    # try, and each round of a flush waiting for the decision (one attempt before each re-read,
+    # one more if the lock came free but a decision was there by the time it was read)
+    assert Bz >= (F - Kf) + (L - Lt), (Bz, F, Kf, L, Lt)
+    assert W >= L - Lt, (W, L, Lt)  # each flush that never took the lock re-read the decision at least once
     shared = _shared(total)
     # retention after the commit of version w reads the manifest of every version directory present:
     # 1..w (committed in order: a version is committed before every marker of the next one exists),
@@ -139,7 +145,7 @@ def test_counts_against_node_count(make_cluster, n):
     # R: the first flushes that found the persistent root missing (they raced to create it)
     R = shared["mkdir:persistent.mkdirs"] - 2 * L
     assert 1 <= R <= n
-    assert shared == expected_shared(n, L, Kf, Bz, R), (n, L, F, Kf, Bz, R)
+    assert shared == expected_shared(n, L, Lt, W, Kf, Bz, R), (n, L, Lt, W, F, Kf, Bz, R)
 
     for h, x in nodes.items():
         r, k = int(h[1:]) - 1, x["counters"]
@@ -172,5 +178,5 @@ def test_counts_against_node_count(make_cluster, n):
         assert k["comm.send.bytes"] == k["comm.recv.bytes"] == V * (n - 1) * c_
         # the parity file: 12 bytes of magic and length, a JSON header, the c parity bytes
         assert V * (c_ + 12) < k["bytes.scratch.redundancy"] < V * (c_ + 12 + 1024)
-    print(json.dumps({"n": n, "L": L, "F": F, "Kf": Kf, "busy": Bz, "R": R, "manifest_reads": m,
+    print(json.dumps({"n": n, "L": L, "Lt": Lt, "W": W, "F": F, "Kf": Kf, "busy": Bz, "R": R, "manifest_reads": m,
                       "judged": judged, "clock": clock, "shared_ops": sum(shared.values()) + m + judged + 2 * clock}))
