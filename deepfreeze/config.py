@@ -29,6 +29,8 @@ KEYS: dict[str, str] = {
     "persistent_interval": "seconds between versions flushed to persistent; 0 = every version, -1 = never",
     "ec_interval": "seconds between versions protected by partner/erasure coding; 0 = every version, -1 = off",
     "ec_scheme": "xor | partner: how the built-in engine protects scratch across failure domains (DeepFreeze key)",
+    "ec_group_size": "xor: at most this many ranks, each of another failure domain, per parity group (>= 3; "
+                     "0 = all domains in one group) (DeepFreeze key)",
     "max_versions": "versions kept per level; 0 = keep all",
     "scratch_versions": "versions kept on scratch (overrides max_versions there); 0 = use max_versions",
     "chksum": "true | false: CRC32 of every shard piece, verified on restore",
@@ -84,6 +86,7 @@ class Config:
     persistent_interval: float = 0.0
     ec_interval: float = -1.0
     ec_scheme: str = "xor"
+    ec_group_size: int = 8
     max_versions: int = 0
     scratch_versions: int = 0
     chksum: bool = True
@@ -133,6 +136,10 @@ class Config:
         if self.ec_scheme not in ("xor", "partner"):
             raise ConfigError(f"{w('ec_scheme')}: ec_scheme = {self.ec_scheme!r} is invalid: use 'xor' "
                               "(parity, 1/(k-1) space) or 'partner' (a full copy on the next node)")
+        if self.ec_group_size != 0 and self.ec_group_size < 3:
+            raise ConfigError(f"{w('ec_group_size')}: ec_group_size = {self.ec_group_size} is invalid: use 3 or more "
+                              "ranks per XOR parity group (parity takes 1/(k-1) of a shard; a group of 2 is a full "
+                              "copy: use ec_scheme = partner), or 0 for one group of all failure domains")
         if self.max_inflight < 1:
             raise ConfigError(f"{w('max_inflight')}: max_inflight = {self.max_inflight} must be >= 1 (1: a "
                               "checkpoint waits until the previous shard is on scratch; 2: one more may wait "
@@ -327,7 +334,7 @@ def _convert(key: str, value: Any, where: str) -> Any:
     try:
         if key in ("persistent_interval", "ec_interval", "watchdog_interval", "lease_timeout", "backend_timeout"):
             return float(value)
-        if key in ("max_versions", "scratch_versions", "max_inflight", "memtier_slots"):
+        if key in ("max_versions", "scratch_versions", "max_inflight", "memtier_slots", "ec_group_size"):
             if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):
                 raise ValueError("not an integer")
             return int(value)

@@ -171,7 +171,7 @@ class Engine:
                 log.warning("deepfreeze: ec_interval = %g but no communicator of %d ranks was given: scratch "
                             "checkpoints are not partner/parity protected", config.ec_interval, plan.world_size)
             else:
-                self.redundancy = plan_redundancy(self.domains, config.ec_scheme)
+                self.redundancy = plan_redundancy(self.domains, config.ec_scheme, config.ec_group_size)
                 if self.redundancy["unprotected"] and rank == 0:
                     log.warning("deepfreeze: ranks %s cannot be protected by %s across failure domains %s "
                                 "(one failure domain, or more ranks in one domain than in the others)",

@@ -15,8 +15,13 @@ version stays recoverable from scratch when one domain is lost:
     in ``k - 1`` chunks and member ``s`` keeps the parity (XOR) of stripe ``s``,
     RAID-5 style. Space: ``1 / (k - 1)`` of the shard size per rank (e.g. 33 %
     for ``k = 4``). Survives the loss of one member per group, i.e. of any one
-    failure domain. Groups of one member (more ranks in one domain than in the
-    others) cannot be protected; that is logged once.
+    failure domain (and of several, one per group). A row longer than
+    ``ec_group_size`` (default 8, as SCR's set size; 0: no limit) is cut into
+    the fewest groups of at most that many, their sizes differing by at most
+    one, so a job of 1000 nodes has 125 groups of 8 (7 messages of 1/7 of a
+    shard each way per rank, parity 14 % of a shard), not one of 1000. Groups
+    of one member (more ranks in one domain than in the others) cannot be
+    protected; that is logged once.
 
 Scratch files (all under ``<scratch>/<name>/v<version>/``, next to the shards)::
 
@@ -184,13 +189,16 @@ def _rows(domains: Sequence[str]) -> tuple[list[str], dict[str, list[int]]]:
     return order, members
 
 
-def plan_redundancy(domains: Sequence[str], scheme: str) -> dict[str, Any]:
+def plan_redundancy(domains: Sequence[str], scheme: str, group_size: int = 0) -> dict[str, Any]:
     """Who protects whom: ``{"scheme", "holder": {src: holder}}`` (partner) or
-    ``{"scheme", "groups": [[ranks]]}`` (xor); ``unprotected`` lists ranks left out.
+    ``{"scheme", "groups": [[ranks]]}`` (xor, groups of at most ``group_size`` ranks when it is
+    not 0); ``unprotected`` lists ranks left out.
 
-    Raises ValueError for an unknown scheme."""
+    Raises ValueError for an unknown scheme or a ``group_size`` of 1 or 2."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown redundancy scheme {scheme!r}: use one of {SCHEMES}")
+    if group_size != 0 and group_size < 3:
+        raise ValueError(f"group_size = {group_size}: XOR groups need 3 or more members (0: no limit)")
     order, members = _rows(domains)
     if scheme == "partner":
         holder: dict[int, int] = {}
@@ -204,7 +212,16 @@ def plan_redundancy(domains: Sequence[str], scheme: str) -> dict[str, Any]:
     groups, alone = [], []
     for j in range(max((len(m) for m in members.values()), default=0)):
         row = [members[d][j] for d in order if j < len(members[d])]
-        (groups if len(row) > 1 else alone).append(row)
+        if len(row) < 2:
+            alone.append(row)
+            continue
+        n = -(-len(row) // group_size) if group_size else 1  # the fewest groups of at most group_size
+        q, extra = divmod(len(row), n)  # sizes q or q + 1 (>= 2 since group_size >= 3)
+        start = 0
+        for i in range(n):
+            size = q + (i < extra)
+            groups.append(row[start:start + size])
+            start += size
     return {"scheme": "xor", "groups": groups, "unprotected": sorted(r for row in alone for r in row)}
 
 

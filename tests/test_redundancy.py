@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from deepfreeze import Config, CorruptCheckpointError, list_versions, load
+from deepfreeze import Config, ConfigError, CorruptCheckpointError, list_versions, load
 from deepfreeze.redundancy import plan_redundancy, read_parity
 
 from _util import WORKERS, mpirun
@@ -48,6 +48,31 @@ def test_xor_groups_hold_one_rank_per_domain():
     assert uneven["groups"] == [[0, 3]] and uneven["unprotected"] == [1, 2]
     # partner still protects every rank of an uneven layout (holders take several copies)
     assert plan_redundancy(["a", "a", "a", "b"], "partner")["holder"] == {"0": 3, "1": 3, "2": 3, "3": 0}
+
+
+def test_xor_groups_are_cut_to_ec_group_size():
+    """One rank per domain on 10 domains: groups of at most 4, sizes differing by at most one
+    (never a member left alone); 2 ranks per domain on 5 domains with 3: each row cut the same way."""
+    ten = [f"n{i}" for i in range(10)]
+    assert plan_redundancy(ten, "xor", 4)["groups"] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert plan_redundancy(ten, "xor", 0)["groups"] == [list(range(10))]  # 0: no limit
+    assert plan_redundancy(ten, "xor", 10)["groups"] == [list(range(10))]
+    red = plan_redundancy([d for d in "abcde" for _ in range(2)], "xor", 3)
+    assert red["groups"] == [[0, 2, 4], [6, 8], [1, 3, 5], [7, 9]] and red["unprotected"] == []
+    thousand = plan_redundancy([f"n{i}" for i in range(1000)], "xor", 8)["groups"]
+    assert len(thousand) == 125 and {len(g) for g in thousand} == {8}
+    assert sorted(r for g in thousand for r in g) == list(range(1000))
+    with pytest.raises(ValueError, match="3 or more"):
+        plan_redundancy(ten, "xor", 2)
+
+
+def test_ec_group_size_is_validated_when_the_config_is_built(tmp_path):
+    base = dict(mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    assert Config.load(None, **base).ec_group_size == 8  # SCR's default set size
+    assert Config.load(None, **base, ec_group_size="0").ec_group_size == 0
+    for bad, why in (("2", "use 3 or more"), ("1", "use 3 or more"), ("-1", "use 3 or more"), ("x", "not an integer")):
+        with pytest.raises(ConfigError, match=why):
+            Config.load(None, **base, ec_group_size=bad)
 
 
 def test_one_failure_domain_protects_nothing():
@@ -97,6 +122,22 @@ def test_xor_parity_rebuilds_a_lost_node_at_the_same_and_another_world_size(tmp_
     # a restarted job of 3 ranks (one per node, node 1 replaced by an empty one) pools the same files
     _, got = restore(tmp_path, 3, 3)
     assert got == {"version": 3, "level": "scratch", "bit_exact": True, "size": 3}
+
+
+@pytest.mark.mpi
+def test_xor_groups_of_ec_group_size_survive_a_lost_node_in_each(tmp_path):
+    """6 nodes, one rank each, ec_group_size = 3: groups {0,1,2} and {3,4,5}. Nodes 1 and 4 are
+    lost (one per group): both shards are rebuilt from parity (one group of 6 could not)."""
+    write(tmp_path, "xor", 6, 6, "1,2", "ec_group_size=3")
+    with open(tmp_path / "node0/scratch/job/v000000000002/x000000.dfx", "rb") as f:
+        header, _ = read_parity(f.read())
+    assert header["group"] == [0, 1, 2]
+    shutil.rmtree(tmp_path / "node1")
+    shutil.rmtree(tmp_path / "node4")
+    p, got = restore(tmp_path, 6, 6)
+    assert got == {"version": 2, "level": "scratch", "bit_exact": True, "size": 6}
+    for r in (1, 4):
+        assert f"rebuilt the shard of rank {r} from XOR parity" in p.stderr + p.stdout
 
 
 @pytest.mark.mpi
