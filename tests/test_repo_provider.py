@@ -183,6 +183,44 @@ def test_stopped_provider_is_a_bounded_error(env, providers):
     repo.close()
 
 
+def test_a_client_starts_with_a_provider_down_and_uses_the_others(env, providers, tmp_path, caplog):
+    """One of two providers is stopped when a client is made: the client starts (one warning
+    naming it), loads the model on the live provider bit-exact, gets a clear ProviderError naming
+    the dead one for a model placed there, and uses it once it is back on the same address. With
+    every provider down, the constructor raises."""
+    p0, p1 = providers(2)
+    location = [p0.addr, p1.addr]
+    names = {}
+    with RemoteRepository(location) as repo:
+        for j in range(40):
+            names.setdefault(placement(f"m{j}@v1", 2), f"m{j}@v1")
+        want = {i: make_tensors(i) for i in (0, 1)}
+        for i, name in names.items():
+            repo.put(name, want[i])
+    d0, port0 = tmp_path / "p0", p0.port
+    assert p0.stop() == 0
+    caplog.set_level("WARNING", logger="deepfreeze")
+    repo = RemoteRepository(location, timeout=5.0)
+    try:
+        assert repo.unreachable == [p0.addr] and repo.staging[0] is None
+        assert sum(f"provider {p0.addr} cannot be reached" in r.getMessage() for r in caplog.records) == 1
+        got = repo.get(names[1])
+        assert all(got[k].tobytes() == want[1][k].tobytes() for k in want[1])
+        with pytest.raises(ProviderError, match=p0.addr.replace(".", r"\.")):
+            repo.get(names[0])
+        back = ProviderProc(env, d0, port=port0)  # the same directory and address
+        try:
+            got = repo.get(names[0])  # the next request connects
+            assert all(got[k].tobytes() == want[0][k].tobytes() for k in want[0]) and repo.unreachable == []
+        finally:
+            back.stop()
+    finally:
+        repo.close()
+    assert p1.stop() == 0
+    with pytest.raises(ProviderError, match="cannot connect"):
+        RemoteRepository(location, timeout=5.0)
+
+
 def test_client_with_another_provider_list_refused(env, providers):
     p0, p1 = providers(2)
     RemoteRepository([p0.addr, p1.addr]).close()  # fixes the list on both

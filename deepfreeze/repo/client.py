@@ -22,6 +22,7 @@ write-once in a repository (names are never reused), so the client caches them.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import mmap
 import os
@@ -46,6 +47,7 @@ __all__ = ["RemoteRepository", "parse_location", "STAGINGS"]
 STAGINGS = ("arena", "ondemand", "tcp")
 _ALIGN = 64
 _MAX_REPLY_HEADER = 256 << 20
+log = logging.getLogger("deepfreeze")
 
 
 def parse_location(addresses: "str | Iterable[str]") -> list[str]:
@@ -70,7 +72,7 @@ def _round_up(n: int) -> int:
 class _Provider:
     """One provider connection (a lock serializes its requests)."""
 
-    def __init__(self, repo: "RemoteRepository", index: int) -> None:
+    def __init__(self, repo: "RemoteRepository", index: int, *, connect: bool = True) -> None:
         self.repo, self.index, self.addr = repo, index, repo.addresses[index]
         self.lock = threading.RLock()  # held across an arena sequence (alloc, put / get, release)
         self.sock: net.Channel | None = None
@@ -78,9 +80,10 @@ class _Provider:
         self.arena_np: np.ndarray | None = None
         self.arena_path: str | None = None
         self.max_extent = 0
-        self.staging = "tcp"
+        self.staging: str | None = None  # until the first connection
         self.bytes_read = 0
-        self._connect()
+        if connect:
+            self._connect()
 
     def _connect(self) -> None:
         r = self.repo
@@ -203,7 +206,12 @@ class RemoteRepository:
     order. ``token``: the shared secret (default :func:`deepfreeze.net.load_token`). ``timeout``:
     seconds any request may take. ``staging``: ``"arena"``, ``"ondemand"``, ``"tcp"`` or None
     (arena for providers on this node, TCP for the others). Connects to every provider at once:
-    a provider that does not answer, refuses the token or has another provider list raises here.
+    one that refuses the token or has another provider list raises here. One that cannot be
+    reached (refused, unreachable, no answer within ``timeout``) is warned about and tried again
+    by each request placed on it, which raises :class:`ProviderError` or
+    :class:`ProviderTimeoutError` naming it until it answers: the models on the other providers
+    stay usable (``unreachable`` lists it meanwhile). When none can be reached, the first
+    provider's error is raised here.
     """
 
     def __init__(self, addresses: "str | Iterable[str]", *, token: str | None = None, timeout: float = 60.0,
@@ -222,9 +230,21 @@ class RemoteRepository:
         self._graphs: dict[str, Any] = {}
         self._meta: dict[str, dict] = {}
         self._providers: list[_Provider] = []
+        errors: list[DeepFreezeError] = []
         try:
             for i in range(len(self.addresses)):
-                self._providers.append(_Provider(self, i))
+                try:
+                    self._providers.append(_Provider(self, i))
+                except DeepFreezeError as e:
+                    if not net.is_transport_error(e):
+                        raise  # it answered: a refused token, another provider list, a bad staging
+                    errors.append(e)
+                    self._providers.append(_Provider(self, i, connect=False))
+                    log.warning("deepfreeze: repository %s: provider %s cannot be reached (%s): the models placed "
+                                "on it raise until it answers; the other providers are in use", self.location,
+                                self.addresses[i], e)
+            if len(errors) == len(self.addresses):
+                raise errors[0]
         except BaseException:
             self.close()
             raise
@@ -234,9 +254,15 @@ class RemoteRepository:
         return self._providers[placement(name, len(self._providers))]
 
     @property
-    def staging(self) -> list[str]:
-        """The staging each provider's transfers use (``"arena"``, ``"ondemand"`` or ``"tcp"``)."""
+    def staging(self) -> list[str | None]:
+        """The staging each provider's transfers use (``"arena"``, ``"ondemand"`` or ``"tcp"``;
+        None for a provider not reached yet)."""
         return [p.staging for p in self._providers]
+
+    @property
+    def unreachable(self) -> list[str]:
+        """The providers with no connection now (not reached yet, or dropped after an error)."""
+        return [p.addr for p in self._providers if p.sock is None]
 
     @property
     def bytes_read(self) -> int:
