@@ -135,6 +135,42 @@ def test_partner_copy_restores_a_lost_shard(ddp_run, tmp_path):
         assert_same(npz(os.path.join(out, f"r{r}", "restored.npz")), want, f"rank {r} restored from a partner copy")
 
 
+def test_memory_tier_with_torch_bit_exact_and_resume(tmp_path):
+    """The memory tier under the torch adapter: a 2-rank DDP job whose shards go to one memory-tier
+    device (the node's), every version flushed from it to persistent. Each version loads
+    bit-exact from the device (the newest) and from persistent (all); a job killed at iteration
+    8 resumes from the device's newest version and ends equal to the uninterrupted run."""
+    import deepfreeze.torch as dft
+    from _util import memtier_device
+    with memtier_device("torch", "64M") as device:
+        out = str(tmp_path / "run")
+        torchrun(2, TRAIN, out, "steps=9", f"memtier={device}")
+        i0 = info(out, 0)
+        versions = sorted(int(os.path.basename(p)[1:-4]) for p in glob.glob(os.path.join(out, "r0", "v*.npz")))
+        assert versions == [3, 6, 9] and i0["failures"] == []
+        for v in versions:
+            want = npz(os.path.join(out, "r0", f"v{v}.npz"))
+            assert_same(loaded(out, v), want, f"v{v} from persistent", lr=False)
+        st = dft.load_state(name="tt", mode="sync", scratch=os.path.join(out, "scratch0"),
+                            persistent=os.path.join(out, "persistent"), memtier=device)
+        assert (st.version, st.level) == (9, "memtier"), (st.version, st.level)
+        assert len(st.model) >= 8  # every parameter and buffer of the model, compared below
+        assert_same({k: v.numpy() for k, v in st.model.items()},
+                    {k: a for k, a in npz(os.path.join(out, "r0", "v9.npz")).items() if k in st.model},
+                    "the newest from the memory tier", lr=False)
+    with memtier_device("torch2", "64M") as device:
+        ref, crashed = str(tmp_path / "ref"), str(tmp_path / "crashed")
+        torchrun(2, TRAIN, ref, "steps=11", f"memtier={device}", "name=ref")
+        p = torchrun(2, TRAIN, crashed, "steps=11", "kill_at=8", f"memtier={device}", check=False)
+        assert p.returncode != 0
+        torchrun(2, TRAIN, crashed, "steps=11", "resume=1", f"memtier={device}")
+        i0 = info(crashed, 0)
+        assert i0["resumed_from"] in (3, 6) and i0["start_step"] == i0["resumed_from"], i0
+        for r in (0, 1):
+            assert_same(npz(os.path.join(crashed, f"r{r}", "final.npz")), npz(os.path.join(ref, f"r{r}", "final.npz")),
+                        f"rank {r} resumed vs uninterrupted")
+
+
 def test_restore_in_a_plain_process(ddp_run, tmp_path):
     out = str(tmp_path)
     plain(RESTORE, out, ddp_run)  # the newest version

@@ -8,7 +8,8 @@ whose first scales overflow, so steps are skipped), slow=SECONDS (the capture co
 long per piece), mutate_at=IT (an in-place change of a parameter right after the checkpoint
 step of iteration IT-1, while the capture copy runs), add_group_at=IT (add_param_group),
 ec=1 (partner copies across simulated nodes node<rank>, exchanged over the checkpointer's gloo
-group), scratch/persistent roots (default under OUT).
+group), memtier=PATH (shards go to that memory-tier device, ranks sharing it as one node's do),
+scratch/persistent roots (default under OUT).
 
 The model has BatchNorm (buffers) and dropout (torch RNG); the data adds numpy and Python
 random noise (their RNG states), and its position is a Stateful object. Two optimizers
@@ -162,7 +163,7 @@ def main() -> None:
                scratch=kw.get("scratch", os.path.join(out, f"scratch{rank}")),
                persistent=kw.get("persistent", os.path.join(out, "persistent")), min_shard_bytes=4096,
                **({"ec_interval": 0, "ec_scheme": "partner", "failure_domain": f"node{rank}"} if kw.get("ec") == "1"
-                  else {}))
+                  else {}), **({"memtier": kw["memtier"]} if kw.get("memtier") else {}))
     data = state["data"]
     steps = int(kw.get("steps", 12))
     kill_at = int(kw.get("kill_at", -1))
