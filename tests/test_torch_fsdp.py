@@ -221,6 +221,23 @@ def test_restore_into_fsdp_at_other_world_sizes(fsdp_run, tmp_path, n):
         assert [info(out, r)["rows"]["head.weight"][1][0] for r in range(3)] == [1, 0, 0]
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_dcp_load_through_the_reader_into_fsdp_reads_each_ranks_rows(fsdp_run, tmp_path, n):
+    """DCP's own ``dcp.load`` of a fresh FSDP2 model's sharded state dict (DTensors) through
+    ``deepfreeze.torch.Reader`` at n ranks: the gathered state equals the run's, bit for bit, and
+    each rank got from the checkpoint only the bytes of its own shards (plus the unsharded
+    scalars), not whole tensors."""
+    out = str(tmp_path)
+    torchrun(n, FSDP, "restore", out, fsdp_run, "layout=fsdp-dcp", "version=6")
+    want = recorded(fsdp_run, 0, 6)  # buffers: rank 0's (unsharded, as the checkpoint holds them)
+    whole = sum(a.nbytes for k, a in want.items() if k != "__lr__")
+    for r in range(n):
+        i = info(out, r)
+        assert i["version"] == 6 and i["world_size"] == n
+        assert_same(npz(os.path.join(out, f"r{r}", "restored.npz")), want, f"dcp.load into FSDP at {n} ranks, rank {r}")
+        assert i["bytes_loaded"] == i["local_bytes"] < whole, (i, whole)
+
+
 def test_restore_into_ddp_and_a_plain_process(fsdp_run, tmp_path):
     want = recorded(fsdp_run, 0, 9)
     torchrun(2, FSDP, "restore", str(tmp_path / "ddp"), fsdp_run, "layout=ddp", "version=9")

@@ -31,11 +31,14 @@ with :class:`~deepfreeze.errors.ConfigError` when a plan asks for it.
 
 Reading: ``read_metadata`` reads rank 0's state record (and, with ``version=None``, fixes the
 newest committed version: every later read is of that version). ``read_data`` reads only the
-tensors its plan asks for. Under ``torch.distributed`` with several ranks the reader is
-*collective* (build it on every rank; a dedicated gloo group, :class:`TorchComm`): the metadata
-read pools every rank's scratch (partner copies, parity) and agrees on the version; when every
-rank's plan asks for the same tensors (DDP-style loads) the data read is pooled likewise, else
-each rank reads its own tensors from its scratch directory and persistent. ``collective=False``
+tensors its plan asks for, and of each only the dim-0 rows its items cover (their union): an
+FSDP2 load (DTensors ``Shard(0)``) reads each rank's own rows, as ``deepfreeze.torch.restore``
+does (:func:`deepfreeze.restore.load` with ``rows=``). Under ``torch.distributed`` with several
+ranks the reader is *collective* (build it on every rank; a dedicated gloo group,
+:class:`TorchComm`): the metadata read pools every rank's scratch (partner copies, parity) and
+agrees on the version; when every rank's plan asks for the same tensors (DDP-style and FSDP2
+loads) the data read is pooled likewise (with rows: each rank receives only its rows' bytes),
+else each rank reads its own tensors from its scratch directory and persistent. ``collective=False``
 (e.g. ``dcp.load(..., no_dist=True)`` in one rank of a job) makes every read this process's own.
 Every ``ReadItem``'s storage offsets and lengths are checked against the tensor (and a bytes
 item's against its bytes) before anything is copied.
@@ -110,8 +113,10 @@ class Reader(StorageReader):
         self._comm = TorchComm() if collective and size > 1 else None  # collective construction
         #: the version read (set by read_metadata)
         self.loaded_version: int | None = None
+        #: tensor bytes this process got from the checkpoint for its plans (rows only, when ranged)
+        self.bytes_loaded = 0
         self._meta: Metadata | None = None
-        self._tensors: dict[str, tuple[str, str]] = {}  # key -> (checkpoint tensor name, dtype)
+        self._tensors: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # key -> (checkpoint name, dtype, shape)
         self._values: dict[str, Any] = {}  # key -> value decoded from rank 0's state record
         self.is_coordinator = False
 
@@ -160,7 +165,7 @@ class Reader(StorageReader):
                 raise ModelMismatchError(f"checkpoint tensor {tname!r} is neither a model nor an optimizer tensor")
             md[key] = TensorStorageMetadata(TensorProperties(dtype=_state.torch_dtype(dtype)), torch.Size(shape),
                                             [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))])
-            paths[key], tensors[key] = path, (tname, dtype)
+            paths[key], tensors[key] = path, (tname, dtype, shape)
         for ex in record.get("optim_extra", []):
             for fqn, kv in ex.items():
                 for k, v in kv.items():
@@ -195,14 +200,34 @@ class Reader(StorageReader):
             if key not in (self._tensors if ri.type != LoadItemType.BYTE_IO else self._values):
                 raise ConfigError(f"the load plan asks for {key!r} ({ri.type.name}), which {self.name!r} "
                                   f"v{self.loaded_version} does not hold as such")
-        wanted = sorted({self._tensors[ri.storage_index.fqn][0] for ri in plan.items
-                         if ri.type != LoadItemType.BYTE_IO})
+        spans: dict[str, tuple[int, int] | None] = {}  # checkpoint tensor -> dim-0 rows read (None: all)
+        for ri in plan.items:
+            if ri.type == LoadItemType.BYTE_IO:
+                continue
+            key = ri.storage_index.fqn
+            tname, _, shape = self._tensors[key]
+            _check_item(ri, shape, key)  # before anything is read
+            if not shape:
+                spans[tname] = None
+                continue
+            lo, hi = ri.storage_offsets[0], ri.storage_offsets[0] + ri.lengths[0]
+            if tname in spans:
+                if spans[tname] is None:
+                    continue
+                lo, hi = min(lo, spans[tname][0]), max(hi, spans[tname][1])
+            spans[tname] = None if (lo, hi) == (0, shape[0]) else (lo, hi)
+        wanted = sorted(spans)
+        ranged = any(s is not None for s in spans.values())
         comm = self._comm
         if comm is not None:  # pooled when every rank asks for the same tensors, else each reads its own
-            rows = comm.allgather(json.dumps(wanted).encode())
-            if any(r != rows[0] for r in rows):
+            views = [json.loads(b) for b in comm.allgather(json.dumps([wanted, ranged]).encode())]
+            if any(w != views[0][0] for w, _ in views):
                 comm = None
-        arrays = self._load(self.loaded_version, wanted, comm).arrays if wanted else {}  # (equal on all ranks when pooled)
+            else:
+                ranged = any(r for _, r in views)  # every participant of a pooled read passes rows, or none
+        rows = (lambda name, shape: spans.get(name)) if ranged else None
+        arrays = self._load(self.loaded_version, wanted, comm, rows).arrays if wanted else {}
+        self.bytes_loaded += sum(arrays[t].nbytes for t in wanted)
         for ri in plan.items:
             key = ri.storage_index.fqn
             if ri.type == LoadItemType.BYTE_IO:
@@ -210,9 +235,10 @@ class Reader(StorageReader):
                 off, n = _byte_range(ri, len(data))
                 planner.load_bytes(ri, io.BytesIO(data[off:off + n]))
                 continue
-            tname, dtype = self._tensors[key]
+            tname, dtype, _ = self._tensors[key]
             src = _state.as_tensor(arrays[tname], dtype)
-            src = _narrow(src, ri, key)
+            span = spans[tname]
+            src = _narrow(src, ri, key, 0 if span is None else span[0])
             target = planner.resolve_tensor(ri).detach()
             if target.size() != src.size():
                 raise ConfigError(f"{key!r}: the load plan's destination is {list(target.size())}, the read is "
@@ -224,10 +250,10 @@ class Reader(StorageReader):
         return fut
 
     # ------------------------------------------------------------------ helpers
-    def _load(self, version: int | None, tensors: list[str], comm: Any) -> Checkpoint:
+    def _load(self, version: int | None, tensors: list[str], comm: Any, rows: Any = None) -> Checkpoint:
         from ..redundancy import LocalComm
         return _core_load(self.config, self.name, version, tensors=tensors, comm=comm or LocalComm(),
-                          trust_owners=self.trust_owners)
+                          trust_owners=self.trust_owners, rows=rows)
 
     def close(self) -> None:
         """Release the reader's gloo group (collective when the reader is)."""
@@ -236,17 +262,23 @@ class Reader(StorageReader):
             comm.close()
 
 
-def _narrow(src: torch.Tensor, ri: ReadItem, key: str) -> torch.Tensor:
-    """``src`` cut to the item's storage offsets and lengths, each checked against its shape."""
+def _check_item(ri: ReadItem, shape: tuple[int, ...], key: str) -> None:
+    """The item's storage offsets and lengths lie within a tensor of ``shape`` (else ConfigError)."""
     offs, lens = list(ri.storage_offsets), list(ri.lengths)
-    if len(offs) != src.dim() or len(lens) != src.dim():
+    if len(offs) != len(shape) or len(lens) != len(shape):
         raise ConfigError(f"{key!r}: a read of {len(lens)} dimension(s) at offsets {offs} of a tensor of shape "
-                          f"{list(src.shape)}: the request does not fit the tensor")
+                          f"{list(shape)}: the request does not fit the tensor")
     for d, (o, n) in enumerate(zip(offs, lens)):
-        if not (type(o) is int and type(n) is int and 0 <= o and 0 <= n and o + n <= src.shape[d]):
+        if not (type(o) is int and type(n) is int and 0 <= o and 0 <= n and o + n <= shape[d]):
             raise ConfigError(f"{key!r}: a read of {lens} at offsets {offs} lies outside the tensor of shape "
-                              f"{list(src.shape)} (dimension {d})")
-        src = src.narrow(d, o, n)
+                              f"{list(shape)} (dimension {d})")
+
+
+def _narrow(src: torch.Tensor, ri: ReadItem, key: str, first_row: int = 0) -> torch.Tensor:
+    """``src`` (the tensor's rows from ``first_row`` on, checked by :func:`_check_item`) cut to the
+    item's storage offsets and lengths."""
+    for d, (o, n) in enumerate(zip(ri.storage_offsets, ri.lengths)):
+        src = src.narrow(d, o - first_row if d == 0 else o, n)
     return src
 
 

@@ -1,7 +1,7 @@
 """DeepFreeze-for-PyTorch FSDP2 worker (one rank of ``torchrun``, gloo, CPU; or a plain process).
 
     torchrun --standalone --nproc-per-node 2 tests/workers/torch_fsdp.py train OUT [key=value ...]
-    torchrun ... tests/workers/torch_fsdp.py restore OUT SRC layout=fsdp|ddp|plain [version=V]
+    torchrun ... tests/workers/torch_fsdp.py restore OUT SRC layout=fsdp|fsdp-dcp|ddp|plain [version=V]
     torchrun ... tests/workers/torch_fsdp.py refuse OUT [kind=hsdp,tp]
 
 ``train``: a model sharded with ``fully_shard`` (per submodule, then the root) on a 1-D mesh of
@@ -18,8 +18,11 @@ of iteration IT, while the capture of the step before copies), on_error. Per ran
   OUT/r<rank>/info.json        start_step, resumed_from, plans, step, last_version, local shard rows
 
 ``restore``: a fresh model (other initial values) laid out as ``layout`` at this job's world size
-restored with ``deepfreeze.torch.restore``; writes OUT/r<rank>/restored.npz (as above) and
-OUT/r<rank>/info.json ({"version", "step", "world_size", "rows": {fqn: [start, stop]}}).
+restored with ``deepfreeze.torch.restore`` (``fsdp-dcp``: FSDP2, loaded with DCP's ``dcp.load``
+through ``deepfreeze.torch.Reader``); writes OUT/r<rank>/restored.npz (as above) and
+OUT/r<rank>/info.json ({"version", "step", "world_size", "rows": {fqn: [start, stop]}}, and for
+``fsdp-dcp`` the reader's ``bytes_loaded`` and this rank's ``local_bytes``: the bytes of its
+local shards of every tensor).
 
 ``refuse``: a Checkpointer of an HSDP model (a 2-D mesh) and of a tensor-parallel one
 (RowwiseParallel: Shard(1)); writes OUT/r<rank>/refused.json: {kind: {"type", "message"}} of
@@ -146,19 +149,39 @@ def restore(out: str, src: str, kw: dict) -> None:
     net = build(seed=123)  # other initial values: everything must come from the checkpoint
     layout = kw.get("layout", "fsdp")
     model = net
-    if layout == "fsdp":
+    if layout in ("fsdp", "fsdp-dcp"):
         shard(net, world)
     elif layout == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(net)
     opts = optimizers(net)
-    version, step = deepfreeze.torch.restore(
-        model, opts, name="ff", version=int(kw["version"]) if "version" in kw else None, mode="sync",
-        scratch=os.path.join(src, f"scratch{rank}"), persistent=os.path.join(src, "persistent"))
+    where = dict(mode="sync", scratch=os.path.join(src, f"scratch{rank}"), persistent=os.path.join(src, "persistent"))
+    version = int(kw["version"]) if "version" in kw else None
+    extra = {}
+    if layout == "fsdp-dcp":
+        import warnings
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        model_sd, optim_sd = get_state_dict(net, opts)  # DTensors: each rank's own rows
+        sd = {**model_sd, "optim": optim_sd}
+        extra["local_bytes"] = sum((v.to_local() if hasattr(v, "to_local") else v).nbytes for v in model_sd.values()) \
+            + sum((x.to_local() if hasattr(x, "to_local") else x).nbytes for kv in optim_sd["state"].values()
+                  for x in kv.values() if isinstance(x, torch.Tensor))
+        reader = deepfreeze.torch.Reader(name="ff", version=version, **where)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(sd, storage_reader=reader)
+        optim_sd = sd.pop("optim")
+        set_state_dict(net, opts, model_state_dict=sd, optim_state_dict=optim_sd)
+        version, step = reader.loaded_version, None
+        extra["bytes_loaded"] = reader.bytes_loaded
+        reader.close()
+    else:
+        version, step = deepfreeze.torch.restore(model, opts, name="ff", version=version, **where)
     mydir = os.path.join(out, f"r{rank}")
     os.makedirs(mydir, exist_ok=True)
-    np.savez(os.path.join(mydir, "restored.npz"), **full_state(net, opts, layout == "fsdp"))
+    np.savez(os.path.join(mydir, "restored.npz"), **full_state(net, opts, layout in ("fsdp", "fsdp-dcp")))
     with open(os.path.join(mydir, "info.json"), "w") as f:
-        json.dump({"version": version, "step": step, "world_size": world, "rows": local_rows(net)}, f)
+        json.dump({"version": version, "step": step, "world_size": world, "rows": local_rows(net), **extra}, f)
 
 
 def refuse(out: str, kw: dict) -> None:
