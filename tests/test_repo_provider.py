@@ -208,9 +208,13 @@ def test_a_client_starts_with_a_provider_down_and_uses_the_others(env, providers
         assert all(got[k].tobytes() == want[1][k].tobytes() for k in want[1])
         with pytest.raises(ProviderError, match=p0.addr.replace(".", r"\.")):
             repo.get(names[0])
+        with pytest.raises(ProviderError, match=p0.addr.replace(".", r"\.")):
+            repo.put(next(f"n{j}@v1" for j in range(99) if placement(f"n{j}@v1", 2) == 0), want[0])  # a put there too
         back = ProviderProc(env, d0, port=port0)  # the same directory and address
         try:
-            got = repo.get(names[0])  # the next request connects
+            assert repo.staging[0] is None
+            got = repo.get(names[0])  # the next request connects, through the arena (this node, this user)
+            assert repo.staging[0] == "arena"
             assert all(got[k].tobytes() == want[0][k].tobytes() for k in want[0]) and repo.unreachable == []
         finally:
             back.stop()

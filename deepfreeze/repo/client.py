@@ -251,7 +251,14 @@ class RemoteRepository:
 
     # ------------------------------------------------------------------ helpers
     def _at(self, name: str) -> _Provider:
-        return self._providers[placement(name, len(self._providers))]
+        """The provider of ``name``, connected first if it was never reached (so its staging is
+        known; it raises naming the provider while it cannot be reached)."""
+        p = self._providers[placement(name, len(self._providers))]
+        if p.staging is None:
+            with p.lock:
+                if p.sock is None:
+                    p._connect()
+        return p
 
     @property
     def staging(self) -> list[str | None]:
