@@ -383,11 +383,13 @@ def test_repository_provider_partitioned_mid_load(cluster3):
     assert other["name"] == m1 and other["digests"] == want["digests"][m1], other
     # a client made while a provider is cut off starts with the other one (after the cut one's
     # connect timeout): the other's model bit-exact; the cut one's a clear error naming it, bounded
+    # (a timeout, or "no route to host" once the kernel has given up resolving n1's address)
     assert opened.get("opened") and opened["unreachable"] == [provs["n1"][1]], opened
     assert opened["seconds"] < 60 and opened["m1"].get("digests") == want["digests"][m1], opened
-    assert opened["m0"]["error"][0] == "ProviderTimeoutError" and provs["n1"][1] in opened["m0"]["error"][1], opened
+    assert opened["m0"]["error"][0] in ("ProviderTimeoutError", "ProviderError"), opened
+    assert provs["n1"][1] in opened["m0"]["error"][1], opened
     assert opened["m0"]["seconds"] < 60, opened
     assert again["name"] == m0 and again["digests"] == want["digests"][m0], again
     print(f"\ncut load: {cut['error'][0]} after {cut['seconds']:.1f} s: {cut['error'][1]}\n"
           f"new client: started after {opened['seconds']:.1f} s without {opened['unreachable']}; its model: "
-          f"{opened['m0']['error'][0]} after {opened['m0']['seconds']:.1f} s")
+          f"{opened['m0']['error'][0]} after {opened['m0']['seconds']:.1f} s: {opened['m0']['error'][1]}")
