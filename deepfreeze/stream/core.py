@@ -480,7 +480,6 @@ class Subscriber:
         self._queue: "queue.Queue[dict[str, Any]]" = queue.Queue()
         self._next_scan = 0.0
         self._next_check = 0.0  # when to check next that the connected run is still the newest registered
-        self._endpoints_skipped = 0  # records present but not usable at the last _endpoints()
         self._staging: dict[int, np.ndarray] = {}
         self._out: dict[str, np.ndarray] | None = None
         self._listener: Any = None
@@ -588,10 +587,9 @@ class Subscriber:
             self._token = net.load_token(self._token_path)
         return self._token
 
-    def _endpoints(self) -> dict[str, dict[int, dict[str, Any]]]:
-        """The registered endpoint records (run id -> rank -> record) that pass every check;
-        ``self._endpoints_skipped`` counts those present but not usable (reset here)."""
-        self._endpoints_skipped = 0
+    def _endpoints(self) -> tuple[dict[str, dict[int, dict[str, Any]]], int]:
+        """The registered endpoint records that pass every check (run id -> rank -> record), and
+        how many records are there but not usable (forged, untrusted, malformed)."""
         if self.redis_url:
             try:  # the producer's job (<persistent>/<channel>/job): only its records and notes are read
                 job = read_job_id(self.persistent, self.channel)
@@ -610,27 +608,26 @@ class Subscriber:
                 self._listener = RedisListener(self.redis_url, self.channel, token=self._token_value(), job=job)
             out: dict[str, dict[int, dict[str, Any]]] = {}
             ignored = self._listener.ignored
+            bad = 0
             for rank, rec in self._listener.endpoints().items():
                 try:
                     rec = _check_endpoint(rec, f"redis endpoint r{rank}")
                 except StreamError as e:
                     log.warning("deepfreeze: %s", e)
-                    self._endpoints_skipped += 1
+                    bad += 1
                     continue
                 out.setdefault(rec["run"], {})[rec["rank"]] = rec
-            self._endpoints_skipped += self._listener.ignored - ignored
-            return out
+            return out, bad + self._listener.ignored - ignored
         skipped: list[str] = []
         out = read_endpoints(self.persistent, self.channel, skipped=skipped)
-        self._endpoints_skipped += len(skipped)
-        return out
+        return out, len(skipped)
 
     def _connect(self) -> None:
         now = time.monotonic()
         if now < self._next_scan:
             return
         self._next_scan = now + self.rescan
-        runs = self._complete_runs()
+        runs, _ = self._complete_runs()
         for run in self._newest_first(runs):
             try:
                 self._conn = self._open(run, runs[run])
@@ -638,10 +635,12 @@ class Subscriber:
             except (DeepFreezeError, OSError) as e:
                 log.info("deepfreeze: stream %s: producer run %s not reachable (%s)", self.channel, run, e)
 
-    def _complete_runs(self) -> dict[str, dict[int, dict[str, Any]]]:
-        """The producer runs whose every rank has an endpoint: run id -> rank -> record."""
-        return {run: recs for run, recs in self._endpoints().items()
-                if len(recs) == next(iter(recs.values()))["world"] and set(recs) == set(range(len(recs)))}
+    def _complete_runs(self) -> tuple[dict[str, dict[int, dict[str, Any]]], int]:
+        """The producer runs whose every rank has an endpoint (run id -> rank -> record), and the
+        number of records there but not usable (:meth:`_endpoints`)."""
+        endpoints, unusable = self._endpoints()
+        return {run: recs for run, recs in endpoints.items()
+                if len(recs) == next(iter(recs.values()))["world"] and set(recs) == set(range(len(recs)))}, unusable
 
     @staticmethod
     def _newest_first(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> list[str]:
@@ -680,20 +679,20 @@ class Subscriber:
                 return
             conn.signature = sig
         try:
-            runs = self._complete_runs()
+            runs, unusable = self._complete_runs()
         except (DeepFreezeError, OSError) as e:
             log.info("deepfreeze: stream %s: cannot check the producer runs (%s)", self.channel, e)
             return
         order = self._newest_first(runs)
         if order and order[0] == conn.run:
             return
-        if not order and self._endpoints_skipped:
+        if not order and unusable:
             # Records are there but none is usable (a MAC that does not verify, an untrusted or
             # half-written file): no sign that the connected run went away. Whoever wrote them
             # could as well delete the records (the consumer then falls back to the persistent
             # level) but never redirects it: its connection authenticated both ends.
             log.info("deepfreeze: stream %s: no usable endpoint record registered (%d ignored): staying with "
-                     "producer run %s", self.channel, self._endpoints_skipped, conn.run)
+                     "producer run %s", self.channel, unusable, conn.run)
             return
         log.info("deepfreeze: stream %s: producer run %s is %s: looking for a producer", self.channel,
                  conn.run, f"superseded by run {order[0]}" if order else "no longer registered")
