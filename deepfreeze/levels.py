@@ -498,6 +498,11 @@ def _read_regular(path: str, limit: int, trusted: frozenset[int] | None = None, 
                       (lambda st: ownership.check_owner(st, path, trusted, level)))
 
 
+def _of_run(d: dict[str, str] | None, run: str) -> bool:
+    """Whether ``d`` (:func:`read_decision`) is a decision of ``run`` with a nonce."""
+    return d is not None and d["run"] == run and bool(d["nonce"])
+
+
 def read_decision(vdir: str) -> dict[str, str] | None:
     """The version's decision ``{"decision": "flush"|"skip", "nonce", "run"}``, or None.
     A format-1 decision (the bare word) has no nonce and run ``""``; an unreadable one is
@@ -665,7 +670,7 @@ class PersistentLevel(Level):
             return None
         vdir = self.version_dir(name, version)
         d = read_decision(vdir)
-        if d is not None and d["run"] == run and d["nonce"]:
+        if _of_run(d, run):
             return d
         counters.add("persistent.decide.locked")  # no decision of this run seen: the lock path
         self.makedirs(vdir)
@@ -683,7 +688,7 @@ class PersistentLevel(Level):
             delay = _pause(delay)
             counters.add("persistent.decide.waited")
             d = read_decision(vdir)
-            if d is not None and d["run"] == run and d["nonce"]:
+            if _of_run(d, run):
                 return d
 
     def _decide_locked(self, name: str, version: int, vdir: str, interval: float, run: str) -> dict[str, str]:
@@ -691,7 +696,7 @@ class PersistentLevel(Level):
         counters.add("persistent.decide.taken")
         self._fence(name, run, f"flush of {name!r} v{version}")
         d = read_decision(vdir)
-        if d is not None and d["run"] == run and d["nonce"]:
+        if _of_run(d, run):
             return d
         counters.fs("stat", "persistent.decide.manifest")
         if d is not None or os.path.lexists(os.path.join(vdir, MANIFEST)):
