@@ -200,22 +200,18 @@ class Reader(StorageReader):
             if key not in (self._tensors if ri.type != LoadItemType.BYTE_IO else self._values):
                 raise ConfigError(f"the load plan asks for {key!r} ({ri.type.name}), which {self.name!r} "
                                   f"v{self.loaded_version} does not hold as such")
-        spans: dict[str, tuple[int, int] | None] = {}  # checkpoint tensor -> dim-0 rows read (None: all)
+        cover: dict[str, list[int]] = {}  # checkpoint tensor -> [first row, end row, its rows] the items cover
         for ri in plan.items:
             if ri.type == LoadItemType.BYTE_IO:
                 continue
             key = ri.storage_index.fqn
             tname, _, shape = self._tensors[key]
             _check_item(ri, shape, key)  # before anything is read
-            if not shape:
-                spans[tname] = None
-                continue
-            lo, hi = ri.storage_offsets[0], ri.storage_offsets[0] + ri.lengths[0]
-            if tname in spans:
-                if spans[tname] is None:
-                    continue
-                lo, hi = min(lo, spans[tname][0]), max(hi, spans[tname][1])
-            spans[tname] = None if (lo, hi) == (0, shape[0]) else (lo, hi)
+            lo, hi, n = (ri.storage_offsets[0], ri.storage_offsets[0] + ri.lengths[0], shape[0]) if shape else (0, 1, 1)
+            c = cover.setdefault(tname, [lo, hi, n])
+            c[0], c[1] = min(c[0], lo), max(c[1], hi)
+        # dim-0 rows read of each tensor (None: all of it)
+        spans = {t: None if (lo, hi) == (0, n) else (lo, hi) for t, (lo, hi, n) in cover.items()}
         wanted = sorted(spans)
         ranged = any(s is not None for s in spans.values())
         comm = self._comm
@@ -238,7 +234,7 @@ class Reader(StorageReader):
             tname, dtype, _ = self._tensors[key]
             src = _state.as_tensor(arrays[tname], dtype)
             span = spans[tname]
-            src = _narrow(src, ri, key, 0 if span is None else span[0])
+            src = _narrow(src, ri, 0 if span is None else span[0])
             target = planner.resolve_tensor(ri).detach()
             if target.size() != src.size():
                 raise ConfigError(f"{key!r}: the load plan's destination is {list(target.size())}, the read is "
@@ -274,7 +270,7 @@ def _check_item(ri: ReadItem, shape: tuple[int, ...], key: str) -> None:
                               f"{list(shape)} (dimension {d})")
 
 
-def _narrow(src: torch.Tensor, ri: ReadItem, key: str, first_row: int = 0) -> torch.Tensor:
+def _narrow(src: torch.Tensor, ri: ReadItem, first_row: int = 0) -> torch.Tensor:
     """``src`` (the tensor's rows from ``first_row`` on, checked by :func:`_check_item`) cut to the
     item's storage offsets and lengths."""
     for d, (o, n) in enumerate(zip(ri.storage_offsets, ri.lengths)):
