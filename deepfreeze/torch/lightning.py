@@ -1,0 +1,212 @@
+"""DeepFreeze in a PyTorch Lightning ``Trainer``: one callback, no change to the LightningModule.
+
+    from deepfreeze.torch.lightning import DeepFreezeCallback
+    cb = DeepFreezeCallback(config="veloc_cfg/local.cfg", name="gpt", every_n_train_steps=50, resume=True)
+    trainer = pl.Trainer(strategy="ddp", callbacks=[cb], ...)
+    trainer.fit(model, datamodule)
+
+Imports ``pytorch_lightning`` (the ``pytorch-lightning`` package, 2.6.6 in ``scripts/setup.sh``);
+``import deepfreeze.torch`` does not import this module.
+
+* **Capture.** When fit starts (``on_fit_start``: after the strategy wrapped the model in DDP and
+  built the optimizers), every rank builds a :class:`~deepfreeze.torch.Checkpointer` on the
+  wrapped model and ``trainer.optimizers`` with ``every_n_steps=every_n_train_steps``: the
+  tensors are captured in the optimizer step by its hooks, as in a plain loop. At every
+  ``on_train_batch_end`` (after the optimizer step, the step-interval LR schedulers and Lightning's
+  own batch bookkeeping, where Lightning's ``ModelCheckpoint`` saves too) the callback calls
+  ``Checkpointer.end_iteration()``: the state record of a checkpoint step is taken there.
+* **What the state record holds for Lightning** (the ``state=`` object ``"lightning"``): the
+  parts of Lightning's own checkpoint dict that are not tensors of the model or the optimizers:
+  ``loops`` (``fit_loop.state_dict()``: epoch, global step, batch within the epoch, and the
+  state of every stateful data loader, e.g. torchdata's ``StatefulDataLoader``),
+  ``lr_schedulers``, ``callbacks`` (every other callback's ``state_dict()``), the precision
+  plugin's state (GradScaler), the datamodule's ``state_dict()``, ``epoch``/``global_step``, and
+  the torch/numpy/Python RNG states taken at the same boundary. No pickling: values are what
+  :mod:`deepfreeze.torch._state` encodes (numbers, strings, lists, dicts, tensors, arrays).
+* **Resume** (``resume=True``, collective, every rank): the checkpointer loads the newest version
+  every rank can recover and puts it into the model and the optimizers (bit-exact); the
+  Lightning part goes back through Lightning's own ``load_state_dict`` methods, in the order of
+  ``Trainer``'s restore of a checkpoint file: precision plugin, ``fit_loop`` (Lightning then
+  resumes mid-epoch itself: it fast-forwards its progress counters and a stateful loader), LR
+  schedulers, callbacks, datamodule. The RNG states are set again at the first
+  ``on_train_epoch_start`` after the resume (Lightning has made the epoch's data iterator by then,
+  which draws a seed; the next draw is the next batch's, as in the uninterrupted run). Do not
+  also pass ``ckpt_path`` to ``fit``: that is a :class:`~deepfreeze.errors.ConfigError`.
+* **Refused** when the callback is set up (``setup``, before anything is loaded or captured), with
+  a :class:`~deepfreeze.errors.ConfigError`: ``FSDPStrategy`` (FSDP1: flat parameters DeepFreeze
+  does not capture; FSDP2 through a plain module sharded with ``fully_shard`` is what the
+  checkpointer takes) and ``DeepSpeedStrategy`` (ZeRO partitions the optimizer state itself).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+try:
+    import pytorch_lightning as pl
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError("deepfreeze.torch.lightning needs PyTorch Lightning: pip install 'pytorch-lightning==2.6.6' "
+                      "(scripts/setup.sh installs it)") from e
+
+from ..errors import ConfigError, ModelMismatchError
+from . import _state
+from .checkpointer import Checkpointer
+
+__all__ = ["DeepFreezeCallback"]
+
+log = logging.getLogger("deepfreeze")
+STATE_KEY = "lightning"  # the key of Lightning's state among the checkpointer's state= objects
+
+
+def _refuse(strategy: Any) -> None:
+    """A :class:`ConfigError` for the strategies DeepFreeze does not capture."""
+    from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
+    if isinstance(strategy, DeepSpeedStrategy):
+        raise ConfigError("DeepFreezeCallback: DeepSpeedStrategy is not supported (ZeRO partitions and saves the "
+                          "optimizer state itself): use strategy='ddp', or DeepSpeed's own checkpoints")
+    if isinstance(strategy, FSDPStrategy):
+        raise ConfigError("DeepFreezeCallback: FSDPStrategy (FSDP1, flat parameters) is not supported: use "
+                          "strategy='ddp', or shard the model with FSDP2's fully_shard (which deepfreeze.torch."
+                          "Checkpointer takes in a plain loop)")
+
+
+class _LightningState:
+    """The ``state=`` object that carries Lightning's own state through the checkpointer (a Stateful)."""
+
+    def __init__(self, trainer: "pl.Trainer", owner: "DeepFreezeCallback") -> None:
+        self.trainer, self.owner = trainer, owner
+        self.loaded: "dict[str, Any] | None" = None
+
+    def state_dict(self) -> dict[str, Any]:
+        t = self.trainer
+        d: dict[str, Any] = {
+            "pytorch-lightning_version": pl.__version__,
+            "epoch": t.current_epoch,
+            "global_step": t.global_step,
+            "loops": {"fit_loop": t.fit_loop.state_dict()},
+            "lr_schedulers": [c.scheduler.state_dict() for c in t.lr_scheduler_configs],
+            "callbacks": {cb.state_key: sd for cb in t.callbacks if cb is not self.owner and (sd := cb.state_dict())},
+            "rng": _state.rng_state(),
+        }
+        prec = t.precision_plugin.state_dict()
+        if prec:
+            d["precision"] = prec
+        dm = t.datamodule
+        if dm is not None and (sd := dm.state_dict()):
+            d["datamodule"] = sd
+        return d
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.loaded = d  # put into Lightning by DeepFreezeCallback.on_fit_start, once the checkpointer is built
+
+
+class DeepFreezeCallback(pl.Callback):
+    """DeepFreeze checkpoints of a Lightning fit: captured in the step, resumed through Lightning's own state.
+
+    Args:
+      config: path of a VeloC INI file, or a :class:`~deepfreeze.Config` (None: ``VELOC_*`` and ``overrides``).
+      name: checkpoint name (``[a-zA-Z0-9_.]+``).
+      every_n_train_steps: checkpoint after every N optimizer steps (None: never on its own).
+      resume: continue from the newest committed version (model, optimizers, LR schedulers,
+        Lightning's loop state, callbacks, RNG); a fresh start when there is none.
+      overwrite: start a new generation of ``name`` (every committed version is retired).
+      state: more ``{name: Stateful}`` objects to checkpoint with it (the key ``"lightning"`` is taken).
+      **kwargs: the :class:`~deepfreeze.torch.Checkpointer`'s other arguments (``overlap``,
+        ``on_error``, ``lease_wait`` ...) and INI keys set in code (``scratch=``, ``persistent=``, ``mode=``).
+
+    :attr:`checkpointer` is the :class:`~deepfreeze.torch.Checkpointer` while a fit runs (and
+    after it, closed); :attr:`resumed_from` the version a resume started from.
+    """
+
+    def __init__(self, config: Any = None, name: str = "model", *, every_n_train_steps: "int | None" = None,
+                 resume: bool = False, overwrite: bool = False, state: "dict[str, Any] | None" = None,
+                 **kwargs: Any) -> None:
+        super().__init__()
+        if every_n_train_steps is not None and (isinstance(every_n_train_steps, bool)
+                                                or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1):
+            raise ConfigError(f"every_n_train_steps = {every_n_train_steps!r}: use a positive integer or None")
+        if resume and overwrite:
+            raise ConfigError("resume=True and overwrite=True contradict each other: pick one")
+        if state and STATE_KEY in state:
+            raise ConfigError(f"state[{STATE_KEY!r}] is DeepFreezeCallback's own (Lightning's state): use another key")
+        if "every_n_steps" in kwargs:
+            raise ConfigError("DeepFreezeCallback takes every_n_train_steps=, not every_n_steps=")
+        self.config, self.name, self.every_n_train_steps = config, name, every_n_train_steps
+        self.resume, self.overwrite, self.extra_state, self.kwargs = resume, overwrite, dict(state or {}), kwargs
+        self.checkpointer: "Checkpointer | None" = None
+        self.resumed_from: "int | None" = None
+        self._lstate: "_LightningState | None" = None
+        self._rng: "dict[str, Any] | None" = None  # set again at the first on_train_epoch_start after a resume
+
+    @property
+    def state_key(self) -> str:
+        return f"DeepFreezeCallback[{self.name}]"
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        _refuse(trainer.strategy)
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        _refuse(trainer.strategy)
+        if self.resume and trainer.ckpt_path:
+            raise ConfigError(f"DeepFreezeCallback(resume=True) and fit(ckpt_path={trainer.ckpt_path!r}) both restore "
+                              "the run: drop one of them")
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # a second fit with the same callback: a new checkpointer
+        self._lstate = _LightningState(trainer, self)
+        self.checkpointer = Checkpointer(trainer.strategy.model, list(trainer.optimizers), self.config, self.name,
+                                         every_n_steps=self.every_n_train_steps, resume=self.resume,
+                                         overwrite=self.overwrite, state={**self.extra_state, STATE_KEY: self._lstate},
+                                         **self.kwargs)
+        self.resumed_from = self.checkpointer.resumed_from
+        if self._lstate.loaded is not None:
+            self._restore(trainer, self._lstate.loaded)
+            self._lstate.loaded = None
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._rng is not None:
+            _state.set_rng_state(self._rng)
+            self._rng = None
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        ckpt = self.checkpointer
+        if ckpt is not None and hasattr(ckpt, "end_iteration"):
+            ckpt.end_iteration()
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._close()
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            self._close()
+
+    # ------------------------------------------------------------------ internals
+    def _close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # idempotent: finishes a pending capture, waits for the flushes
+
+    def _restore(self, trainer: "pl.Trainer", d: dict[str, Any]) -> None:
+        """Put Lightning's part of a resumed version back, in the order of Lightning's own restore
+        of a checkpoint (``_CheckpointConnector.restore_training_state``)."""
+        where = f"checkpoint {self.name!r} v{self.resumed_from}"
+        if "precision" in d:
+            trainer.precision_plugin.load_state_dict(d["precision"])
+        trainer.fit_loop.load_state_dict(d["loops"]["fit_loop"])
+        configs = trainer.lr_scheduler_configs
+        if len(configs) != len(d["lr_schedulers"]):
+            raise ModelMismatchError(f"{where} holds {len(d['lr_schedulers'])} LR scheduler(s), this LightningModule "
+                                     f"configures {len(configs)}: build the schedulers that were trained")
+        for c, sd in zip(configs, d["lr_schedulers"]):
+            c.scheduler.load_state_dict(sd)
+        for cb in trainer.callbacks:
+            sd = d.get("callbacks", {}).get(cb.state_key)
+            if sd and cb is not self:
+                cb.load_state_dict(copy.deepcopy(sd))
+        if trainer.datamodule is not None and d.get("datamodule"):
+            trainer.datamodule.load_state_dict(d["datamodule"])
+        self._rng = d.get("rng")
+        if trainer.global_rank == 0:
+            log.warning("DeepFreeze: Lightning resumes %r from v%d: epoch %d, global step %d", self.name,
+                        self.resumed_from, trainer.current_epoch, trainer.global_step)
