@@ -29,8 +29,8 @@ Imports ``pytorch_lightning`` (the ``pytorch-lightning`` package, 2.6.6 in ``scr
   ``Trainer``'s restore of a checkpoint file: precision plugin, ``fit_loop`` (Lightning then
   resumes mid-epoch itself: it fast-forwards its progress counters and a stateful loader), LR
   schedulers, callbacks, datamodule. The RNG states are set again at the first
-  ``on_train_epoch_start`` after the resume (Lightning has made the epoch's data iterator by then,
-  which draws a seed; the next draw is the next batch's, as in the uninterrupted run). Do not
+  ``on_train_start`` after the resume (Lightning has made the epoch's data iterator and restored a
+  stateful loader by then; the next draw is the next batch's, as in the uninterrupted run). Do not
   also pass ``ckpt_path`` to ``fit``: that is a :class:`~deepfreeze.errors.ConfigError`.
 * **Refused** when the callback is set up (``setup``, before anything is loaded or captured), with
   a :class:`~deepfreeze.errors.ConfigError`: ``FSDPStrategy`` (FSDP1: flat parameters DeepFreeze
@@ -69,6 +69,25 @@ def _refuse(strategy: Any) -> None:
         raise ConfigError("DeepFreezeCallback: FSDPStrategy (FSDP1, flat parameters) is not supported: use "
                           "strategy='ddp', or shard the model with FSDP2's fully_shard (which deepfreeze.torch."
                           "Checkpointer takes in a plain loop)")
+
+
+def _check_samplers(trainer: "pl.Trainer") -> None:
+    """Warn about a resumed epoch > 0 whose loader restores its position over a plain
+    ``DistributedSampler``: a restored ``StatefulDataLoader`` computes the sampler's permutation
+    when Lightning makes the iterator, before Lightning calls ``set_epoch`` (Lightning 2.6.6,
+    torchdata 0.11), so the rest of that epoch would be shuffled as epoch 0."""
+    from torch.utils.data.distributed import DistributedSampler
+    if trainer.current_epoch == 0 or not trainer.fit_loop.restarting:
+        return
+    loaders = trainer.train_dataloader
+    for dl in (loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple))
+               else [loaders]):
+        sampler = getattr(dl, "sampler", None)
+        if callable(getattr(dl, "load_state_dict", None)) and type(sampler) is DistributedSampler:
+            log.warning("DeepFreeze: the resumed epoch %d's loader restores its position over a plain "
+                        "DistributedSampler, whose permutation is computed before Lightning sets the epoch: the "
+                        "rest of the epoch is shuffled as epoch 0. Use torchdata's StatefulDistributedSampler and "
+                        "Trainer(use_distributed_sampler=False)", trainer.current_epoch)
 
 
 class _LightningState:
@@ -137,7 +156,7 @@ class DeepFreezeCallback(pl.Callback):
         self.checkpointer: "Checkpointer | None" = None
         self.resumed_from: "int | None" = None
         self._lstate: "_LightningState | None" = None
-        self._rng: "dict[str, Any] | None" = None  # set again at the first on_train_epoch_start after a resume
+        self._rng: "dict[str, Any] | None" = None  # set again at on_train_start after a resume
 
     @property
     def state_key(self) -> str:
@@ -164,10 +183,11 @@ class DeepFreezeCallback(pl.Callback):
             self._restore(trainer, self._lstate.loaded)
             self._lstate.loaded = None
 
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._rng is not None:
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._rng is not None:  # after a resume: Lightning has made the data iterator (a seed drawn) by now
             _state.set_rng_state(self._rng)
             self._rng = None
+            _check_samplers(trainer)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:

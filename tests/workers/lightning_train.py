@@ -7,8 +7,8 @@ kill_rank, default 1, SIGKILLs itself when global step S starts), mode, plain=1 
 callback: Lightning alone).
 
 A hand-written LightningModule (Linear, BatchNorm, dropout, Linear), AdamW with a StepLR stepped
-every optimizer step; the data: torchdata's ``StatefulDataLoader`` (Lightning puts its
-DistributedSampler in, shuffling) over a dataset whose items add torch, numpy and Python random
+every optimizer step; the data: torchdata's ``StatefulDataLoader`` with its
+``StatefulDistributedSampler`` (shuffling; ``use_distributed_sampler=False``) over a dataset whose items add torch, numpy and Python random
 noise (a random transform: the RNG states matter). Deterministic on CPU. Per rank it writes (no
 pickles):
 
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import pytorch_lightning as pl  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
 from deepfreeze.torch.lightning import DeepFreezeCallback  # noqa: E402
 
@@ -68,7 +69,8 @@ class Module(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
-        return StatefulDataLoader(Noisy(), batch_size=BATCH, shuffle=True)
+        ds = Noisy()  # the sampler restores its own position; Lightning calls its set_epoch before the first item
+        return StatefulDataLoader(ds, batch_size=BATCH, sampler=StatefulDistributedSampler(ds, shuffle=True, seed=0))
 
 
 class Kill(pl.Callback):
@@ -124,7 +126,7 @@ def main() -> None:
     trainer = pl.Trainer(strategy="ddp" if world > 1 else "auto", accelerator="cpu", devices=world, num_nodes=1,
                          max_epochs=int(kw.get("epochs", 3)), callbacks=callbacks, default_root_dir=out,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)
+                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False, deterministic=True)
     module = Module()
     trainer.fit(module)
     record(trainer, module, cb, mydir)
