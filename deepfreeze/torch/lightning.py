@@ -53,14 +53,15 @@ from ..errors import ConfigError, ModelMismatchError
 from . import _state
 from .checkpointer import Checkpointer
 
-__all__ = ["DeepFreezeCallback"]
+__all__ = ["DeepFreezeCallback", "check_strategy"]
 
 log = logging.getLogger("deepfreeze")
 STATE_KEY = "lightning"  # the key of Lightning's state among the checkpointer's state= objects
 
 
-def _refuse(strategy: Any) -> None:
-    """A :class:`ConfigError` for the strategies DeepFreeze does not capture."""
+def check_strategy(strategy: Any) -> None:
+    """Raise a :class:`~deepfreeze.errors.ConfigError` for a Lightning strategy DeepFreeze does not
+    capture (``FSDPStrategy``: FSDP1; ``DeepSpeedStrategy``); called by the callback's ``setup``."""
     from pytorch_lightning.strategies import DeepSpeedStrategy, FSDPStrategy
     if isinstance(strategy, DeepSpeedStrategy):
         raise ConfigError("DeepFreezeCallback: DeepSpeedStrategy is not supported (ZeRO partitions and saves the "
@@ -164,10 +165,10 @@ class DeepFreezeCallback(pl.Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        _refuse(trainer.strategy)
+        check_strategy(trainer.strategy)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        _refuse(trainer.strategy)
+        check_strategy(trainer.strategy)
         if self.resume and trainer.ckpt_path:
             raise ConfigError(f"DeepFreezeCallback(resume=True) and fit(ckpt_path={trainer.ckpt_path!r}) both restore "
                               "the run: drop one of them")
