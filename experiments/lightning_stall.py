@@ -22,7 +22,10 @@ time in DeepFreeze per checkpoint (``post_hook_s + wait_s + handoff_s`` of
 ``Checkpointer.timings``): the stall without the background threads' and processes' contention,
 which on a loaded machine dominates the iteration-time difference. The first checkpoint of a run (plan,
 pooled buffers, engine start) and the last (finished by ``close``) are excluded. The two loops
-alternate, ``--reps`` runs each; the JSON holds every sample, the median and quartiles, and
+alternate, ``--reps`` runs each, with a third, ``lightning-deferred``: a prototype (a
+``Checkpointer`` subclass here, not in the library) whose optimizer pre-hook leaves the pending
+capture alone and finishes it at Lightning's ``on_before_optimizer_step`` (after the closure's
+forward and backward, before the update), as a plain loop's pre-hook does; the JSON holds every sample, the median and quartiles, and
 each run's ``Checkpointer.timings``.
 """
 from __future__ import annotations
@@ -77,10 +80,30 @@ def run_plain(a: argparse.Namespace, root: str, tag: str) -> tuple[list[float], 
     return list(np.diff(stamps)), ckpt.timings
 
 
-def run_lightning(a: argparse.Namespace, root: str, tag: str) -> tuple[list[float], list[dict]]:
+def run_lightning(a: argparse.Namespace, root: str, tag: str, deferred: bool = False) -> tuple[list[float], list[dict]]:
     import pytorch_lightning as pl
 
+    from deepfreeze.torch import Checkpointer
     from deepfreeze.torch.lightning import DeepFreezeCallback
+
+    class Deferred(Checkpointer):
+        """A prototype (not in the library): the optimizer pre-hook leaves a pending capture alone;
+        it is finished at Lightning's ``on_before_optimizer_step``, after the closure's forward and
+        backward, before the update."""
+
+        def _pre_hook(self, opt, args, kwargs):
+            if not getattr(self, "_from_lightning", False):
+                return
+            super()._pre_hook(opt, args, kwargs)
+
+    class FinishBeforeUpdate(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            ck = cb.checkpointer
+            ck._from_lightning = True
+            try:
+                ck._pre_hook(trainer.optimizers[0], (), {})
+            finally:
+                ck._from_lightning = False
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -106,8 +129,11 @@ def run_lightning(a: argparse.Namespace, root: str, tag: str) -> tuple[list[floa
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.stamps.append(time.perf_counter())
 
-    cb, stamp = DeepFreezeCallback(name="stall", every_n_train_steps=a.every, **_dirs(root, tag)), Stamp()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=a.steps, callbacks=[cb, stamp], logger=False,
+    cb = DeepFreezeCallback(name="stall", every_n_train_steps=a.every, checkpointer_cls=Deferred if deferred else
+                            Checkpointer, **_dirs(root, tag))
+    stamp = Stamp()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=a.steps,
+                         callbacks=[cb, stamp] + ([FinishBeforeUpdate()] if deferred else []), logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     trainer.fit(Module(), train_dataloaders=_loader(a.width, a.steps, a.batch))
@@ -123,7 +149,12 @@ def stalls(times: list[float], every: int) -> tuple[list[float], float]:
     return [times[s - 1] + times[s] - 2 * base for s in ck], base
 
 
+KINDS = ("lightning", "plain", "lightning-deferred")
+
+
 def _q(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0}
     q = np.percentile(xs, [25, 50, 75]) * 1e3
     return {"n": len(xs), "p25_ms": round(q[0], 2), "median_ms": round(q[1], 2), "p75_ms": round(q[2], 2)}
 
@@ -146,7 +177,8 @@ def main(argv: "list[str] | None" = None) -> None:
                             "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]}, "runs": []}
     with tempfile.TemporaryDirectory(prefix="df-lstall-") as root:
         for r in range(a.reps):
-            for kind, fn in (("lightning", run_lightning), ("plain", run_plain)):
+            for kind, fn in (("lightning", run_lightning), ("plain", run_plain),
+                             ("lightning-deferred", lambda *x: run_lightning(*x, deferred=True))):
                 times, timings = fn(a, root, f"{kind}{r}")
                 st, base = stalls(times, a.every)
                 res["runs"].append({"kind": kind, "rep": r, "iter_s": times, "median_iter_s": base, "stalls_s": st,
@@ -154,7 +186,7 @@ def main(argv: "list[str] | None" = None) -> None:
                 print(f"{kind} rep {r}: median iteration {base * 1e3:.1f} ms, stalls "
                       f"{', '.join(f'{s * 1e3:.1f}' for s in st)} ms", file=sys.stderr)
     res["load_avg_end"] = os.getloadavg()[0]
-    for kind in ("lightning", "plain"):
+    for kind in KINDS:
         runs = [x for x in res["runs"] if x["kind"] == kind]
         res[kind] = {"stall": _q([s for x in runs for s in x["stalls_s"]]),
                      "iteration": _q([x["median_iter_s"] for x in runs]),
@@ -165,7 +197,7 @@ def main(argv: "list[str] | None" = None) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(json.dumps({k: res[k] for k in ("lightning", "plain")}, indent=1))
+    print(json.dumps({k: res[k] for k in KINDS}, indent=1))
 
 
 if __name__ == "__main__":

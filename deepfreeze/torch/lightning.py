@@ -132,6 +132,8 @@ class DeepFreezeCallback(pl.Callback):
         Lightning's loop state, callbacks, RNG); a fresh start when there is none.
       overwrite: start a new generation of ``name`` (every committed version is retired).
       state: more ``{name: Stateful}`` objects to checkpoint with it (the key ``"lightning"`` is taken).
+      checkpointer_cls: the class built at ``on_fit_start`` (a :class:`~deepfreeze.torch.Checkpointer`
+        subclass: faults injected by subclassing, experiments).
       **kwargs: the :class:`~deepfreeze.torch.Checkpointer`'s other arguments (``overlap``,
         ``on_error``, ``lease_wait`` ...) and INI keys set in code (``scratch=``, ``persistent=``, ``mode=``).
 
@@ -141,7 +143,7 @@ class DeepFreezeCallback(pl.Callback):
 
     def __init__(self, config: Any = None, name: str = "model", *, every_n_train_steps: "int | None" = None,
                  resume: bool = False, overwrite: bool = False, state: "dict[str, Any] | None" = None,
-                 **kwargs: Any) -> None:
+                 checkpointer_cls: type[Checkpointer] = Checkpointer, **kwargs: Any) -> None:
         super().__init__()
         if every_n_train_steps is not None and (isinstance(every_n_train_steps, bool)
                                                 or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1):
@@ -150,10 +152,13 @@ class DeepFreezeCallback(pl.Callback):
             raise ConfigError("resume=True and overwrite=True contradict each other: pick one")
         if state and STATE_KEY in state:
             raise ConfigError(f"state[{STATE_KEY!r}] is DeepFreezeCallback's own (Lightning's state): use another key")
+        if not (isinstance(checkpointer_cls, type) and issubclass(checkpointer_cls, Checkpointer)):
+            raise ConfigError(f"checkpointer_cls = {checkpointer_cls!r}: use deepfreeze.torch.Checkpointer or a subclass")
         if "every_n_steps" in kwargs:
             raise ConfigError("DeepFreezeCallback takes every_n_train_steps=, not every_n_steps=")
         self.config, self.name, self.every_n_train_steps = config, name, every_n_train_steps
         self.resume, self.overwrite, self.extra_state, self.kwargs = resume, overwrite, dict(state or {}), kwargs
+        self.checkpointer_cls = checkpointer_cls
         self.checkpointer: "Checkpointer | None" = None
         self.resumed_from: "int | None" = None
         self._lstate: "_LightningState | None" = None
@@ -175,10 +180,10 @@ class DeepFreezeCallback(pl.Callback):
         if self.checkpointer is not None:
             self.checkpointer.close()  # a second fit with the same callback: a new checkpointer
         self._lstate = _LightningState(trainer, self)
-        self.checkpointer = Checkpointer(trainer.strategy.model, list(trainer.optimizers), self.config, self.name,
-                                         every_n_steps=self.every_n_train_steps, resume=self.resume,
-                                         overwrite=self.overwrite, state={**self.extra_state, STATE_KEY: self._lstate},
-                                         **self.kwargs)
+        self.checkpointer = self.checkpointer_cls(trainer.strategy.model, list(trainer.optimizers), self.config, self.name,
+                                                  every_n_steps=self.every_n_train_steps, resume=self.resume,
+                                                  overwrite=self.overwrite,
+                                                  state={**self.extra_state, STATE_KEY: self._lstate}, **self.kwargs)
         self.resumed_from = self.checkpointer.resumed_from
         if self._lstate.loaded is not None:
             self._restore(trainer, self._lstate.loaded)
