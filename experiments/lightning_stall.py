@@ -25,8 +25,8 @@ pooled buffers, engine start) and the last (finished by ``close``) are excluded.
 alternate, ``--reps`` runs each, with a third, ``lightning-deferred``: a prototype (a
 ``Checkpointer`` subclass here, not in the library) whose optimizer pre-hook leaves the pending
 capture alone and finishes it at Lightning's ``on_before_optimizer_step`` (after the closure's
-forward and backward, before the update), as a plain loop's pre-hook does; the JSON holds every sample, the median and quartiles, and
-each run's ``Checkpointer.timings``.
+forward and backward, before the update), as a plain loop's pre-hook does. The JSON holds every
+sample, the median and quartiles, and each run's ``Checkpointer.timings``.
 """
 from __future__ import annotations
 

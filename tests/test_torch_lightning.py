@@ -74,7 +74,7 @@ def test_kill9_mid_epoch_then_resume_equals_uninterrupted(reference, tmp_path):
     assert p.returncode != 0 and not os.path.exists(os.path.join(out, "r0", "final.json"))
     torchrun(2, TRAIN, out, "epochs=2", "resume=1")
     _, info = _final(out, 0)
-    assert info["resumed_from"] in (4, 8), info["resumed_from"]  # v8, or v4 if v8 was not yet on scratch: both mid-epoch
+    assert info["resumed_from"] in (4, 8), info["resumed_from"]  # v4 if v8 was not on scratch yet: both mid-epoch
     assert min(_losses(out, 0)) == 0 and 8 in _losses(out, 0)
     assert info["last_version"] == 12
     assert_equal_runs(out, reference)

@@ -153,7 +153,8 @@ class DeepFreezeCallback(pl.Callback):
         if state and STATE_KEY in state:
             raise ConfigError(f"state[{STATE_KEY!r}] is DeepFreezeCallback's own (Lightning's state): use another key")
         if not (isinstance(checkpointer_cls, type) and issubclass(checkpointer_cls, Checkpointer)):
-            raise ConfigError(f"checkpointer_cls = {checkpointer_cls!r}: use deepfreeze.torch.Checkpointer or a subclass")
+            raise ConfigError(f"checkpointer_cls = {checkpointer_cls!r}: use deepfreeze.torch.Checkpointer or a "
+                              "subclass")
         if "every_n_steps" in kwargs:
             raise ConfigError("DeepFreezeCallback takes every_n_train_steps=, not every_n_steps=")
         self.config, self.name, self.every_n_train_steps = config, name, every_n_train_steps
@@ -180,10 +181,11 @@ class DeepFreezeCallback(pl.Callback):
         if self.checkpointer is not None:
             self.checkpointer.close()  # a second fit with the same callback: a new checkpointer
         self._lstate = _LightningState(trainer, self)
-        self.checkpointer = self.checkpointer_cls(trainer.strategy.model, list(trainer.optimizers), self.config, self.name,
-                                                  every_n_steps=self.every_n_train_steps, resume=self.resume,
-                                                  overwrite=self.overwrite,
-                                                  state={**self.extra_state, STATE_KEY: self._lstate}, **self.kwargs)
+        state = {**self.extra_state, STATE_KEY: self._lstate}
+        self.checkpointer = self.checkpointer_cls(trainer.strategy.model, list(trainer.optimizers), self.config,
+                                                  self.name, every_n_steps=self.every_n_train_steps,
+                                                  resume=self.resume, overwrite=self.overwrite, state=state,
+                                                  **self.kwargs)
         self.resumed_from = self.checkpointer.resumed_from
         if self._lstate.loaded is not None:
             self._restore(trainer, self._lstate.loaded)
@@ -197,9 +199,8 @@ class DeepFreezeCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        ckpt = self.checkpointer
-        if ckpt is not None and hasattr(ckpt, "end_iteration"):
-            ckpt.end_iteration()
+        if self.checkpointer is not None:
+            self.checkpointer.end_iteration()  # the loop's boundary: the state record of a checkpoint step is taken
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         self._close()

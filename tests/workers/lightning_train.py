@@ -8,8 +8,9 @@ callback: Lightning alone).
 
 A hand-written LightningModule (Linear, BatchNorm, dropout, Linear), AdamW with a StepLR stepped
 every optimizer step; the data: torchdata's ``StatefulDataLoader`` with its
-``StatefulDistributedSampler`` (shuffling; ``use_distributed_sampler=False``) over a dataset whose items add torch, numpy and Python random
-noise (a random transform: the RNG states matter). Deterministic on CPU. Per rank it writes (no
+``StatefulDistributedSampler`` (shuffling; ``use_distributed_sampler=False``) over a dataset
+whose items add torch, numpy and Python random noise (a random transform: the RNG states
+matter). Deterministic on CPU. Per rank it writes (no
 pickles):
 
   OUT/r<rank>/final.npz     model state dict, optimizer state tensors (opt.<fqn>.<key>), torch's RNG state
@@ -126,7 +127,8 @@ def main() -> None:
     trainer = pl.Trainer(strategy="ddp" if world > 1 else "auto", accelerator="cpu", devices=world, num_nodes=1,
                          max_epochs=int(kw.get("epochs", 3)), callbacks=callbacks, default_root_dir=out,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False, deterministic=True)
+                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                         deterministic=True)
     module = Module()
     trainer.fit(module)
     record(trainer, module, cb, mydir)
