@@ -123,3 +123,39 @@ def test_fsdp1_and_deepspeed_refused_and_bad_arguments():
                      ({"every_n_steps": 3}, "every_n_train_steps")]:
         with pytest.raises(ConfigError, match=what):
             DeepFreezeCallback(name="x", **kw)
+
+
+def test_resume_and_ckpt_path_together_refused(tmp_path):
+    """fit(ckpt_path=...) with DeepFreezeCallback(resume=True): two restores, a ConfigError at
+    on_fit_start, before the checkpointer is built (nothing written under scratch or persistent)."""
+    import pytorch_lightning as pl
+    import torch
+
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.torch.lightning import DeepFreezeCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
+
+    module = Tiny()
+    path = str(tmp_path / "lightning.ckpt")
+    torch.save({"pytorch-lightning_version": pl.__version__, "state_dict": module.state_dict()}, path)
+    cb = DeepFreezeCallback(name="both", every_n_train_steps=1, resume=True, mode="sync",
+                            scratch=str(tmp_path / "scratch"), persistent=str(tmp_path / "persistent"))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[cb], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="ckpt_path"):
+        trainer.fit(module, ckpt_path=path)
+    assert cb.checkpointer is None and not os.path.exists(tmp_path / "persistent")
