@@ -220,7 +220,15 @@ class DeepFreezeCallback(pl.Callback):
         where = f"checkpoint {self.name!r} v{self.resumed_from}"
         if "precision" in d:
             trainer.precision_plugin.load_state_dict(d["precision"])
-        trainer.fit_loop.load_state_dict(d["loops"]["fit_loop"])
+        fit_loop = d["loops"]["fit_loop"]
+        last = bool(fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"))
+        if last and "combined_loader" in fit_loop.get("state_dict", {}):
+            # Taken at the last batch of an epoch: Lightning counts that epoch done, then reuses the iterator it
+            # made at the start of the fit for the next epoch, which a restored loader state leaves exhausted (the
+            # next epoch would run no batch; Lightning 2.6.6). Without it that iterator is a new epoch's.
+            loop_sd = {k: v for k, v in fit_loop["state_dict"].items() if k != "combined_loader"}
+            fit_loop = {**fit_loop, "state_dict": loop_sd}
+        trainer.fit_loop.load_state_dict(fit_loop)
         configs = trainer.lr_scheduler_configs
         if len(configs) != len(d["lr_schedulers"]):
             raise ModelMismatchError(f"{where} holds {len(d['lr_schedulers'])} LR scheduler(s), this LightningModule "
@@ -233,7 +241,11 @@ class DeepFreezeCallback(pl.Callback):
                 cb.load_state_dict(copy.deepcopy(sd))
         if trainer.datamodule is not None and d.get("datamodule"):
             trainer.datamodule.load_state_dict(d["datamodule"])
-        self._rng = d.get("rng")
+        # RNG: the checkpointer set the states of the boundary already. Mid-epoch, Lightning's new iterator draws a seed
+        # before the first batch, which the uninterrupted run drew at the epoch's start: set them again at
+        # on_train_start. At an epoch's end that iterator is the next epoch's, whose seed the uninterrupted run draws
+        # from the boundary's states too: leave them.
+        self._rng = None if last else d.get("rng")
         if trainer.global_rank == 0:
             log.warning("DeepFreeze: Lightning resumes %r from v%d: epoch %d, global step %d", self.name,
                         self.resumed_from, trainer.current_epoch, trainer.global_step)
