@@ -310,24 +310,33 @@ class Maintenance:
         a name that is not ``<32 hex>.dfz``, a missing file (saying so when gc put it in the
         quarantine), not a regular file, a size other than the row's, and with ``full`` each live
         blob's row against the pack's index (entries, byte range, dtype, shape, CRC of the index
-        entry). Returns (messages, ids of the packs concerned). Only ``lstat`` of names that pass
-        the name check, so a row naming ``../../etc/passwd`` touches nothing outside the repository."""
+        entry; a missing file is then left to the check without ``full`` that gc runs under its write
+        lock, since a concurrent gc may have moved it since this snapshot). Returns (messages, ids
+        of the packs concerned). Only ``lstat`` of names that pass the name check, so a row naming
+        ``../../etc/passwd`` touches nothing outside the repository."""
         rows = conn.execute("SELECT id, file, size, data_bytes FROM packs ORDER BY id").fetchall()
         blobs: dict[int, list[tuple]] = {}
         users: dict[int, list[str]] = {}
-        for bid, name in conn.execute("SELECT t.blob, m.name FROM tensors t JOIN models m ON m.id=t.model "
-                                      "WHERE m.deleted=0"):
-            users.setdefault(bid, []).append(name)
-        for r in conn.execute("SELECT pack, id, dtype, shape, entry, n_entries, offset, length, crc FROM blobs"):
-            blobs.setdefault(r[0], []).append(r[1:])
+        if full:  # (under the write lock only the rows: these two reads grow with the repository)
+            for bid, name in conn.execute("SELECT t.blob, m.name FROM tensors t JOIN models m ON m.id=t.model "
+                                          "WHERE m.deleted=0"):
+                users.setdefault(bid, []).append(name)
+            for r in conn.execute("SELECT pack, id, dtype, shape, entry, n_entries, offset, length, crc FROM blobs"):
+                blobs.setdefault(r[0], []).append(r[1:])
         out: list[str] = []
         bad: set[int] = set()
         qdir = os.path.join(self.directory, quarantine.QUARANTINE_DIR)
+
+        def used_by(pid: int) -> str:
+            names = [n for (n,) in conn.execute(
+                "SELECT DISTINCT m.name FROM blobs b JOIN tensors t ON t.blob=b.id JOIN models m ON m.id=t.model "
+                "WHERE b.pack=? AND m.deleted=0 ORDER BY m.name", (pid,))]
+            return f"used by model {few(names)}" if names else "used by no live model"
+
         for pid, file, size, data in rows:
             mine = blobs.get(pid, [])
-            names = sorted({n for b in mine for n in users.get(b[0], ())})
-            used = f"used by model {few(names)}" if names else "used by no live model"
             if not valid_pack_name(file):
+                used = used_by(pid)
                 out.append(f"{self._db}: pack row {pid} ({used}) names the file {file!r:.80}, not '<32 hex>.dfz': the "
                            "database is damaged or was tampered with; restore meta.db from a backup (or set the "
                            "row's file back); no file was touched")
@@ -337,6 +346,9 @@ class Maintenance:
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
+                if full:
+                    continue
+                used = used_by(pid)
                 q = quarantine.find(qdir, file)
                 if q is not None:
                     where = (f"gc moved it into the quarantine as {os.path.join(qdir, q['entry'])} at "
@@ -350,11 +362,13 @@ class Maintenance:
                 bad.add(pid)
                 continue
             if not stat.S_ISREG(st.st_mode):
+                used = used_by(pid)
                 out.append(f"{path}: pack row {pid} ({used}) names something that is not a regular file: remove it "
                            "and restore the pack from a backup; its rows were kept")
                 bad.add(pid)
                 continue
             if type(size) is not int or size != st.st_size or type(data) is not int or not 0 <= data <= size:
+                used = used_by(pid)
                 out.append(f"{path}: pack row {pid} ({used}) says {size!r:.40} bytes ({data!r:.40} of tensor data), "
                            f"the file has {st.st_size}: the row or the file was changed; restore meta.db or the "
                            "pack from a backup (or set the row back); kept as it is")
@@ -377,12 +391,13 @@ class Maintenance:
             except FileNotFoundError:  # moved by a concurrent gc since the lstat: checked by that gc
                 continue
             except (OSError, CorruptCheckpointError) as e:  # (a symbolic link: UnsafePathError)
-                out.append(f"{e} (pack {used}; kept as it is)")
+                out.append(f"{e} (pack {used_by(pid)}; kept as it is)")
                 bad.add(pid)
         return out, bad
 
     def _damaged_packs(self) -> tuple[list[str], set[int]]:
-        """:meth:`_pack_damage` (full) in a read transaction of its own."""
+        """:meth:`_pack_damage` (full: it reads every pack's index) in a read transaction of its
+        own, so that the write lock is not held while it runs."""
         conn = self._conn()
         try:
             conn.execute("BEGIN")
@@ -473,6 +488,9 @@ class Maintenance:
             damaged, lost = self._damaged_rows(conn)
             count = "(SELECT count(*) FROM tensors t WHERE t.blob=blobs.id)"
             repaired = conn.execute(f"UPDATE blobs SET refs={count} WHERE refs IS NOT {count}").rowcount
+            now_msgs, now_bad = self._pack_damage(conn, False)  # the rows again, under the write lock
+            pre = now_msgs + [m for m in pre if m not in now_msgs]
+            bad |= now_bad
             if lost:  # a live model's tensor points nowhere: the blob or pack it meant may look unused
                 conn.execute("COMMIT")
                 why = (f"{self.location}: gc removed nothing: a model's tensor rows point to rows that do not "
@@ -482,11 +500,9 @@ class Maintenance:
                 return self._gc_result(refs_repaired=repaired, damaged=damaged + pre + [why])
             blobs_removed = conn.execute("DELETE FROM blobs WHERE refs=0 AND NOT EXISTS (SELECT 1 FROM tensors t "
                                          "WHERE t.blob=blobs.id)").rowcount
-            now_msgs, now_bad = self._pack_damage(conn, False)  # the rows again, under the write lock
-            if bad or now_bad:
+            if bad:
                 conn.execute("COMMIT")
-                msgs = pre + [m for m in now_msgs if m not in pre]
-                n = len(bad | now_bad)
+                n = len(bad)
                 rows_do = "a pack row (above) does not match its file" if n == 1 else \
                     f"the rows of {n} packs (above) do not match their files"
                 why = (f"{self.location}: gc removed no pack (none moved into the quarantine, none unlinked): "
@@ -494,7 +510,7 @@ class Maintenance:
                        "restore meta.db (or the pack) from a backup, then run gc again")
                 log.warning("%s", why)
                 return self._gc_result(refs_repaired=repaired, blobs_removed=blobs_removed,
-                                       damaged=damaged + msgs + [why], warnings=warnings)
+                                       damaged=damaged + pre + [why], warnings=warnings)
             purged, freed = quarantine.purge(os.path.join(self.directory, quarantine.QUARANTINE_DIR), period)
             dead = [(pid, file) for pid, file in conn.execute(
                 "SELECT id, file FROM packs WHERE NOT EXISTS (SELECT 1 FROM blobs b WHERE b.pack=packs.id)")]
