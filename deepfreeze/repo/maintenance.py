@@ -14,24 +14,45 @@ commit it unlinks those packs. Packs shared with other models are compacted by g
 
 Garbage collection (:meth:`~Maintenance.gc`)
 --------------------------------------------
-References are recomputed from the live rows (names -> tensors -> blobs -> packs), never taken
-from the stored counts. In one write transaction: check the rows (a tensor row of a live model
-pointing to a blob or pack row that does not exist, a model with fewer tensor rows than it was
-stored with: "damaged"; then gc only repairs the counts and removes nothing, because the blob the
-row meant cannot be told from an unused one); set every stored count to the recount
-(``refs_repaired``); drop blobs no tensor row points to, drop packs left without blobs, remove
-orphan packs (not in the database, older than the grace period); after the commit, unlink the
-dead packs. Then every pack that still holds blobs is checked against the database (the file
-exists, its index, each blob's entries, byte range, dtype and shape): a mismatch is reported
-(``damaged``) and that pack is neither removed nor rewritten. Then rewrite each pack whose live
-bytes are below ``rewrite_below`` (default 0.5) of its data (no room for the new pack: a
-``warnings`` entry, the old pack stays): the live tensors are streamed (CRC-checked) into a new pack written as above, and one
-transaction moves their blobs to it (blob ids are unchanged, so a concurrent store that
-de-duplicated against them stays valid); the old pack is unlinked. An imported file still
-hard-linked from its checkpoint is not rewritten (a copy would free nothing), and ``freed``
-counts only bytes really released (not a link of a file that has others). A pack whose live
-tensor fails its CRC is kept as it is and reported (``damaged``). A crash during gc leaves
-either the old or the new pack referenced, and at most an orphan.
+gc never destroys what a repair of the database could reach. References are recomputed from the
+live rows (names -> tensors -> blobs -> packs), never taken from the stored counts.
+
+1. Outside the write lock (it reads every pack's index): each pack row's blobs that a live model
+   uses are checked against the pack file (its index, each blob's entries, byte range, dtype,
+   shape, CRC of the index entry).
+2. In one write transaction: check the rows (a tensor row of a live model pointing to a blob or
+   pack row that does not exist, a model with fewer tensor rows than it was stored with: then gc
+   only repairs the counts and removes nothing, because the blob the row meant cannot be told
+   from an unused one); check every pack row against its file with ``lstat`` only (a name that is
+   not ``<32 hex>.dfz``: never used as a path; a missing file, saying when it is in the
+   quarantine; not a regular file; a size other than the row's; ``data_bytes`` outside
+   [0, size]); set every stored count to the recount (``refs_repaired``); drop blobs no tensor
+   row points to. If step 1 or this check found anything, gc commits that and stops: it moves,
+   unlinks and rewrites no pack (a pack that looks unused may be the one a repaired row names,
+   e.g. a row whose file was changed leaves its real pack looking orphan), and says so in
+   ``damaged`` and a warning of the ``deepfreeze.repo`` logger.
+3. Otherwise, still under the lock: unlink the quarantine entries older than the quarantine
+   period (moved by an earlier gc: the ones this gc moves wait a period whatever it is), drop the
+   pack rows left without blobs, move the orphan packs (``*.dfz`` no row names, older than the
+   grace period) into the quarantine and unlink the ``tmp-*`` files of crashed stores older than
+   it; commit; move the dead packs into the quarantine.
+4. Rewrite each pack whose live bytes are below ``rewrite_below`` (default 0.5) of its data (no
+   room for the new pack: a ``warnings`` entry, the old pack stays): the live tensors are streamed
+   (CRC-checked) into a new pack, and one transaction moves their blobs to it (blob ids are
+   unchanged, so a concurrent store that de-duplicated against them stays valid); the old pack
+   goes into the quarantine. An imported file still hard-linked from its checkpoint is not
+   rewritten (a copy would free nothing). A pack whose live tensor fails its CRC is kept as it is
+   and reported (``damaged``). A crash during gc leaves either the old or the new pack
+   referenced, and at most an orphan.
+
+The quarantine (:mod:`deepfreeze.repo.quarantine`): ``<repository>/quarantine/<seconds>-<32
+hex>.dfz``, the time the pack was moved and its own name; kept ``quarantine_period`` seconds
+(:data:`~deepfreeze.repo.quarantine.DEFAULT_QUARANTINE_PERIOD`, 7 days), listed by
+:meth:`~Maintenance.quarantined` and in gc's result, moved back by :meth:`~Maintenance.restore_pack`
+(``deepfreeze repo gc REPO --restore PACK``). ``freed`` counts only bytes really released (purged
+entries, ``tmp-*`` files; a file with other hard links releases none), ``quarantined`` the bytes
+moved into the quarantine. ``delete`` still unlinks the packs only its model used at once: it is
+how space is freed, on a full disk too.
 
 Full disk
 ---------
@@ -357,6 +378,9 @@ class Maintenance:
                 else:
                     where = ("it is not in the quarantine either (removed by hand?): restore it from a backup, or "
                              "set the row back if it was changed")
+                    if used == "used by no live model":
+                        where += (f"; if no model needs this pack, drop the row (sqlite3 {self._db} 'DELETE FROM "
+                                  f"packs WHERE id={pid}') and gc goes on")
                 out.append(f"{path}: pack row {pid} ({used}) names a file that is missing: {where}; its rows were "
                            "kept")
                 bad.add(pid)

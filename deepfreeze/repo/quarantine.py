@@ -110,7 +110,7 @@ def purge(qdir: str, period: float, now: float | None = None) -> tuple[list[str]
         try:
             st = os.lstat(p)
             os.unlink(p)
-        except FileNotFoundError:
+        except OSError:  # gone, or not ours to unlink: the next gc tries again
             continue
         gone.append(e["entry"])
         freed += st.st_size if st.st_nlink == 1 else 0

@@ -50,10 +50,14 @@ Commit protocol (put)
 
 Crash safety: nothing is visible before the ``COMMIT`` (SQLite's WAL makes it atomic and, with
 ``fsync=True``, durable). A store killed anywhere before it leaves at most an unreferenced
-``tmp-*`` or ``*.dfz`` file in ``packs/``, which :meth:`~EmbeddedRepository.gc` removes once it
-is older than the grace period (default one hour; a store still running is never disturbed: gc
-removes orphans while holding the write lock and a store checks its pack is still there inside
-its commit transaction). Of two concurrent stores of one name, the first ``COMMIT`` wins; the
+``tmp-*`` or ``*.dfz`` file in ``packs/``, which :meth:`~EmbeddedRepository.gc` removes (a
+``*.dfz`` into the quarantine) once it is older than the grace period (default one hour; a store
+still running is never disturbed: gc removes orphans while holding the write lock and a store
+checks its pack is still there inside its commit transaction). A gc run with a grace period
+shorter than a store takes can still take the store's pack: the store then fails with an error
+that names gc (the ``tmp-*`` file removed mid-write: :class:`~deepfreeze.errors.CheckpointWriteError`;
+the pack moved into the quarantine before the commit: :class:`~deepfreeze.errors.RepositoryError`),
+and nothing is stored. Of two concurrent stores of one name, the first ``COMMIT`` wins; the
 other finds the name taken inside its own transaction, rolls back, unlinks its pack and raises
 ``NameExistsError``.
 
@@ -87,7 +91,8 @@ tensors coalesced into one call, and checks each tensor's CRC32 (``verify``). On
 tensors' bytes are read (plus the < 64-byte alignment gaps between adjacent ones);
 ``bytes_read`` counts them (reads of :meth:`~EmbeddedRepository.get` only, not the
 confirmation reads of de-duplication). A get whose pack was moved by a concurrent gc looks its
-rows up again.
+rows up again (4 times); a pack still missing is a :class:`~deepfreeze.errors.CorruptCheckpointError`
+that says whether a gc moved it into the quarantine (when, and the command that restores it).
 
 Import (:meth:`~EmbeddedRepository.add_pack`)
 ---------------------------------------------
