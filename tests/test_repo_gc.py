@@ -203,6 +203,32 @@ def test_quarantine_is_listed_restorable_and_purged_after_its_period(tmp_path):
         assert res["purged"] == 1 and res["freed"] == 100 and quarantine(root) == []
 
 
+def test_links_are_never_followed_in_packs_or_as_the_quarantine(tmp_path):
+    """A link with a pack's name in packs/ is unlinked as a link; a quarantine directory that is a
+    link is refused (no purge, no restore through it); the files they point to stay."""
+    from deepfreeze.errors import UnsafePathError
+    root = str(tmp_path / "r")
+    out = tmp_path / "elsewhere"
+    out.mkdir()
+    target = out / ("1" * 32 + ".dfz")
+    target.write_bytes(b"keep me")
+    old_entry = out / ("1000-" + "1" * 32 + ".dfz")  # looks like a quarantine entry of 1970
+    old_entry.write_bytes(b"keep me too")
+    with EmbeddedRepository(root) as repo:
+        repo.put("m", {"w": np.arange(10.0)})
+        os.symlink(target, os.path.join(root, "packs", "2" * 32 + ".dfz"))
+        res = repo.gc(grace=0)
+        assert res["orphans_removed"] == 1 and res["quarantine"] == [] and target.read_bytes() == b"keep me"
+        assert not os.path.lexists(os.path.join(root, "packs", "2" * 32 + ".dfz"))
+        os.symlink(out, os.path.join(root, QUARANTINE_DIR))
+        res = repo.gc(grace=0, quarantine_period=0)
+        assert res["purged"] == 0 and any("not purged" in w for w in res["warnings"]) and res["quarantine"] == []
+        with pytest.raises(UnsafePathError):
+            repo.restore_pack(old_entry.name)
+        assert old_entry.read_bytes() == b"keep me too" and target.read_bytes() == b"keep me"
+        assert same_bits(repo.get("m")["w"], np.arange(10.0))
+
+
 # --------------------------------------------------------------------------- gc named in the failures it causes
 
 

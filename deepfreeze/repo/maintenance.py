@@ -460,7 +460,8 @@ class Maintenance:
         entry plus ``"referenced"``: whether a pack row names it (if not, it is an orphan again, and
         a gc after the grace period quarantines it again: repair the row or restore ``meta.db``
         first). :class:`RepositoryError` when there is no such entry or ``packs/`` has that file."""
-        e = quarantine.restore(self._packs, os.path.join(self.directory, quarantine.QUARANTINE_DIR), name)
+        e = quarantine.restore(self._packs, os.path.join(self.directory, quarantine.QUARANTINE_DIR), self.directory,
+                               name)
         row = self._conn().execute("SELECT id FROM packs WHERE file=?", (e["file"],)).fetchone()
         log.warning("repository %s: pack %s restored from the quarantine (%s)", self.location, e["file"], e["entry"])
         return {**e, "referenced": row is not None}
@@ -535,7 +536,11 @@ class Maintenance:
                 log.warning("%s", why)
                 return self._gc_result(refs_repaired=repaired, blobs_removed=blobs_removed,
                                        damaged=damaged + pre + [why], warnings=warnings)
-            purged, freed = quarantine.purge(os.path.join(self.directory, quarantine.QUARANTINE_DIR), period)
+            try:
+                purged, freed = quarantine.purge(os.path.join(self.directory, quarantine.QUARANTINE_DIR),
+                                                 self.directory, period)
+            except OSError as e:  # (UnsafePathError: a quarantine that is a link or not ours)
+                warnings.append(f"the quarantine was not purged: {e}")
             dead = [(pid, file) for pid, file in conn.execute(
                 "SELECT id, file FROM packs WHERE NOT EXISTS (SELECT 1 FROM blobs b WHERE b.pack=packs.id)")]
             conn.executemany("DELETE FROM packs WHERE id=?", [(pid,) for pid, _ in dead])
@@ -551,12 +556,13 @@ class Maintenance:
                     st = os.lstat(p)
                 except FileNotFoundError:
                     continue
-                if now - max(st.st_mtime, st.st_ctime) < grace:  # ctime: a hard link made now
-                    continue
-                if is_tmp:  # a pack a crashed store was writing: never named by a row
+                if now - max(st.st_mtime, st.st_ctime) < grace or stat.S_ISDIR(st.st_mode):  # ctime: a hard
+                    continue  # link made now
+                if is_tmp or not stat.S_ISREG(st.st_mode):  # a crashed store's half-written pack, or a link
+                    # with a pack's name: never data a row could name (unlinked, not followed)
                     if unlink(p):
                         orphans_removed += 1
-                        freed += st.st_size if st.st_nlink == 1 else 0
+                        freed += st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
                 else:
                     orphans.append(fn)
             moved = 0

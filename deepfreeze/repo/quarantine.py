@@ -23,7 +23,8 @@ import time
 from .. import ownership
 from ..errors import RepositoryError
 
-__all__ = ["DEFAULT_QUARANTINE_PERIOD", "QUARANTINE_DIR", "entries", "move_in", "purge", "restore", "find"]
+__all__ = ["DEFAULT_QUARANTINE_PERIOD", "QUARANTINE_DIR", "parse_entry", "entries", "move_in", "purge", "restore",
+           "find"]
 
 #: seconds a pack removed by gc stays in the quarantine before a later gc unlinks it (7 days)
 DEFAULT_QUARANTINE_PERIOD = 7 * 86400.0
@@ -41,7 +42,10 @@ def parse_entry(name: str) -> tuple[int, str] | None:
 
 def entries(qdir: str, period: float) -> list[dict]:
     """The quarantine's entries, oldest first: ``{"file": pack name, "entry": name in the quarantine,
-    "bytes": size, "since": time moved, "purge_after": since + period}`` (an absent directory: [])."""
+    "bytes": size, "since": time moved, "purge_after": since + period}`` (an absent directory, or a
+    link in its place, which is never followed: [])."""
+    if os.path.islink(qdir):
+        return []
     try:
         names = os.listdir(qdir)
     except FileNotFoundError:
@@ -97,9 +101,20 @@ def move_in(packs: str, qdir: str, root: str, file: str, now: float | None = Non
     raise FileExistsError(errno.EEXIST, "no free quarantine entry name", os.path.join(qdir, file))
 
 
-def purge(qdir: str, period: float, now: float | None = None) -> tuple[list[str], int]:
+def _checked(qdir: str, root: str) -> bool:
+    """Whether the quarantine exists; if so it must be an own directory of the user's (not a link:
+    :class:`~deepfreeze.errors.UnsafePathError` otherwise), checked before anything in it changes."""
+    if not os.path.lexists(qdir):
+        return False
+    ownership.ensure_dir(qdir, root)
+    return True
+
+
+def purge(qdir: str, root: str, period: float, now: float | None = None) -> tuple[list[str], int]:
     """Unlink the entries moved ``period`` seconds ago or earlier: (entries unlinked, bytes this
     released: a file with other hard links releases none)."""
+    if not _checked(qdir, root):
+        return [], 0
     now = time.time() if now is None else now
     gone: list[str] = []
     freed = 0
@@ -123,14 +138,14 @@ def find(qdir: str, name: str) -> dict | None:
     return found[-1] if found else None
 
 
-def restore(packs: str, qdir: str, name: str) -> dict:
+def restore(packs: str, qdir: str, root: str, name: str) -> dict:
     """Move the quarantine entry ``name`` (an entry name, or a pack name: its newest entry) back
     to ``packs/<pack name>``; returns the entry (as :func:`entries` lists it). RepositoryError
     if there is no such entry, or a pack of that name is in ``packs/`` already."""
     if not isinstance(name, str) or not (_ENTRY_RE.fullmatch(name) or _PACK_RE.fullmatch(name)):
         raise RepositoryError(f"{name!r:.80} is neither a pack name '<32 hex>.dfz' nor a quarantine entry "
                               "'<seconds>-<32 hex>.dfz': give one that 'deepfreeze repo gc REPO' lists")
-    e = find(qdir, name)
+    e = find(qdir, name) if _checked(qdir, root) else None
     if e is None:
         raise RepositoryError(f"{name} is not in the quarantine {qdir} (entries older than the quarantine period are "
                               "unlinked by gc): 'deepfreeze repo gc REPO' lists what it holds")
