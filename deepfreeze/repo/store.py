@@ -454,9 +454,10 @@ class EmbeddedRepository(Maintenance):
                 f"than its grace period, {self.orphan_grace:g} s by default here: a gc(grace=...) shorter than a "
                 "store takes does this)")
 
-    def _gone_why(self, file: str) -> str:
-        """Why the pack ``file`` named by a row is not in ``packs/``, and what to do: a gc moved it
-        into the quarantine (when, and how to restore it), or nobody knows (removed by hand)."""
+    def _gone_why(self, file: str, reading: bool = True) -> str:
+        """Why the pack ``file`` (named by a row, or being stored: ``reading=False``) is not in
+        ``packs/``, and what to do: a gc moved it into the quarantine (when, and how to restore
+        it), or nobody knows (removed by hand)."""
         q = quarantine.find(os.path.join(self.directory, QUARANTINE_DIR), file) if _valid_pack_name(file) else None
         if q is not None:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q["since"]))
@@ -464,6 +465,9 @@ class EmbeddedRepository(Maintenance):
                     f"at {when}, because no row of the database named it then (a concurrent gc whose grace period "
                     "was shorter than the store took, a deletion, or a database restored or repaired since): if a "
                     f"model needs it, restore it with 'deepfreeze repo gc {self.location} --restore {file}'")
+        if not reading:
+            return ("it is not in the quarantine either: removed by hand or by another program (a gc moves such a "
+                    "pack into the quarantine)")
         return ("it is not in the quarantine either: a concurrent gc moved this model's tensors to new packs each "
                 "time it was looked up, or the pack was removed by hand; retry, or restore the pack from a backup "
                 "or delete the model")
@@ -831,7 +835,7 @@ class EmbeddedRepository(Maintenance):
                 raise _Retry()
             if pack is not None and not os.path.exists(os.path.join(self._packs, pack[0])):
                 raise RepositoryError(f"storing {name!r} in {self.location}: its pack {pack[0]} disappeared before "
-                                      f"the commit: {self._gone_why(pack[0])}; nothing was stored; store it again")
+                                      f"the commit: {self._gone_why(pack[0], False)}; nothing was stored; store it again")
             self._record_scheme(conn, graph)
             refs: dict[int, int] = {}
             for t in items:
@@ -1249,7 +1253,7 @@ class EmbeddedRepository(Maintenance):
             self._begin_commit(conn, name)
             if not os.path.exists(dest):
                 raise RepositoryError(f"importing {name!r} into {self.location}: its pack {file} disappeared before "
-                                      f"the commit: {self._gone_why(file)}; nothing was stored; import it again")
+                                      f"the commit: {self._gone_why(file, False)}; nothing was stored; import it again")
             self._record_scheme(conn, graph)
             data = sum(e.length for e in index.entries)
             pid = conn.execute("INSERT INTO packs(file, size, data_bytes, created) VALUES (?,?,?,?)",
