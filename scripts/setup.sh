@@ -117,10 +117,10 @@ fi
 
 # 3c. what the PyTorch integrations and their tests use, pinned beside torch and numpy<2 (only
 # deepfreeze.torch.lightning / deepfreeze.torch.hf import the frameworks): Lightning, Hugging Face
-# transformers, torchdata's StatefulDataLoader, and hypothesis (the fuzz harness)
-if ! "$VPY" -c "import pytorch_lightning, transformers, torchdata, hypothesis" >/dev/null 2>&1; then
-  say "installing pytorch-lightning==2.6.6 transformers==5.23.0 torchdata==0.11.0 hypothesis (with torch==$TORCH_VERSION, numpy<2)"
-  "$VPY" -m pip install -q "pytorch-lightning==2.6.6" "transformers==5.23.0" "torchdata==0.11.0" "hypothesis==6.170.*" \
+# transformers and torchdata's StatefulDataLoader
+if ! "$VPY" -c "import pytorch_lightning, transformers, torchdata" >/dev/null 2>&1; then
+  say "installing pytorch-lightning==2.6.6 transformers==5.23.0 torchdata==0.11.0 (with torch==$TORCH_VERSION, numpy<2)"
+  "$VPY" -m pip install -q "pytorch-lightning==2.6.6" "transformers==5.23.0" "torchdata==0.11.0" \
     "torch==$TORCH_VERSION" "numpy<2"
 fi
 
