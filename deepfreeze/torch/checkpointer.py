@@ -56,6 +56,7 @@ import logging
 import struct
 import threading
 import time
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -255,7 +256,7 @@ class Checkpointer:
             self._run.close()
             self._copier.shutdown(wait=False)
             raise
-        atexit.register(self._at_exit)  # after Run's lease release (atexit runs last-registered first)
+        _register_exit(self)
 
     # ------------------------------------------------------------------ hooks
     def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -390,7 +391,6 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._at_exit)
         lost = None
         try:
             if self._pending is not None:
@@ -712,3 +712,22 @@ class Checkpointer:
 
 def _raise(e: BaseException) -> None:
     raise e
+
+
+def _register_exit(ck: Checkpointer) -> None:
+    """Run ``ck._at_exit`` when the interpreter exits, while thread pools still take work: on the
+    hooks ``concurrent.futures`` itself uses (run before its executors shut down and before the
+    ``atexit`` handlers, among them the lease's release), else ``atexit``. Holds ``ck`` weakly."""
+    ref = weakref.ref(ck)
+
+    def at_exit() -> None:
+        c = ref()
+        if c is not None:
+            c._at_exit()
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(at_exit)
+    except RuntimeError:
+        atexit.register(at_exit)
