@@ -547,6 +547,8 @@ class Run:
         got = self._gather0(payload)
         if got["err"]:
             self.close()
+            if got["kind"] == "NodeIdConflictError":
+                raise NodeIdConflictError(got["err"])
             if got["kind"] == "LeaseHeldError":
                 raise LeaseHeldError(got["err"])
             raise DeepFreezeError(f"cannot start a run of {self.name!r} (rank 0: {got['kind']}): {got['err']}")
