@@ -156,3 +156,31 @@ def test_a_forgotten_close(tmp_path, ending):
                                                "torch.distributed.destroy_process_group(): 'end' v8 was captured "
                                                "but not written"), i
             assert "\n" not in i["close_error"]
+
+
+@pytest.mark.parametrize("loop", [[], {"pass": -1, "yielded": 0}, {"pass": 0, "yielded": "3"},
+                                  {"pass": True, "yielded": 0}, {"pass": 0, "yielded": 1 << 70},
+                                  {"pass": 0, "yielded": 2}, {"pass": 0, "yielded": 2, "rng": {"process": {}}},
+                                  {"pass": 0, "yielded": 2, "rng": {"process": {"torch": 1, "numpy": 2, "python": 3},
+                                                                    "generator": "x"}}])
+def test_a_damaged_loop_record_is_a_clear_error(loop):
+    """The loop position of a state record (a hostile or damaged one) is type-checked before use."""
+    from deepfreeze.errors import CorruptCheckpointError
+    from deepfreeze.torch._loop import Passes
+    with pytest.raises(CorruptCheckpointError, match="loop position is damaged"):
+        Passes().resume_from(loop, "checkpoint 'x' v3")
+
+
+def test_rng_states_that_cannot_be_set_are_a_clear_error():
+    import torch
+
+    from deepfreeze.errors import CorruptCheckpointError
+    from deepfreeze.torch import _state
+    from deepfreeze.torch._loop import Passes
+    before = _state.rng_state()
+    passes = Passes()
+    passes.resume_from({"pass": 1, "yielded": 2, "rng": {"process": {"torch": torch.zeros(3, dtype=torch.uint8),
+                                                                     "numpy": 0, "python": 0}}}, "v3")
+    with pytest.raises(CorruptCheckpointError, match="RNG states of its pass's start cannot be set"):
+        next(passes.iterate(range(4), lambda: None, "x"))
+    assert torch.equal(torch.get_rng_state(), before["torch"])
