@@ -29,8 +29,9 @@ SHAPES = {
     "plateau": (4, 16, 10),   # checkpoint on an epoch's last step, validation + ReduceLROnPlateau after it
     "end_hooks": (3, 16, 11),  # the 'end' loop without end_iteration(): the hooks' timing
     "fsdp": (3, 16, 11),      # FSDP2, the 'end' loop
+    "closure": (3, 16, 11),   # the 'end' loop, optimizer.step(closure) runs forward and backward
 }
-FAST = ["end", "dl", "sdl", "accum", "plateau"]
+FAST = ["end", "dl", "sdl", "accum", "plateau", "closure"]
 SLOW = ["fsdp", "end_hooks"]
 
 

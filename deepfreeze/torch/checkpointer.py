@@ -230,10 +230,28 @@ class Checkpointer:
         _register_exit(self)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+    def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
         p = self._pending
         if p is None:
-            return
+            return None
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
+            self._finish_before_update(opt, p)
+            return None
+
+        def finish_after(*a: Any, **k: Any) -> Any:
+            # optimizer.step(closure): the forward and backward run inside it (Lightning, LBFGS); the
+            # copy overlaps them and is waited for after them, before the update
+            out = closure(*a, **k)
+            if self._pending is p:
+                self._finish_before_update(opt, p)
+            return out
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": finish_after}
+        return (finish_after, *args[1:]), kwargs
+
+    def _finish_before_update(self, opt: Any, p: _Pending) -> None:
+        """Finish ``p`` before ``opt`` updates its tensors (warnings about the loop's order first)."""
         if p.record_b is None and opt is not self.optimizers[-1] and not self._order_warned:
             self._order_warned = True  # this optimizer steps after the counted one within an iteration
             log.warning("DeepFreeze: optimizer %d (%s) stepped after the capture of v%d and before the model's next "
@@ -258,6 +276,8 @@ class Checkpointer:
                 p.record_b = b""
 
     def _post_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if self._pending is not None and self._pending.step == self.step:
+            self._finish()  # an optimizer that did not call its closure: updated during the capture (torn)
         self.step += 1
         if self.every_n_steps and self.step % self.every_n_steps == 0:
             self._capture(self.step)
