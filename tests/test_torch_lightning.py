@@ -81,19 +81,24 @@ def test_kill9_mid_epoch_then_resume_equals_uninterrupted(reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_at,kill_rank,mode", [(13, 0, "async"), (5, 1, "sync")])
-def test_kill9_other_points_then_resume(tmp_path, kill_at, kill_rank, mode):
-    """Slow: 3 epochs; rank 0 killed at step 13 (the newest version, v12, ends epoch 1: the resume
-    starts at an epoch boundary) and rank 1 killed at step 5 in epoch 0 (sync mode)."""
+@pytest.mark.parametrize("args,kill_at,kill_rank,versions", [
+    (("mode=async",), 13, 0, (12, 8)),
+    (("mode=sync",), 5, 1, (4,)),
+    (("accum=2", "every=2"), 6, 1, (4, 2)),
+], ids=["epoch-end", "sync", "accumulation"])
+def test_kill9_other_points_then_resume(tmp_path, args, kill_at, kill_rank, versions):
+    """Slow, 3 epochs each: rank 0 killed at step 13 (the newest version, v12, is the last batch of
+    epoch 1: a resume at an epoch's end); rank 1 killed at step 5 in epoch 0 (sync mode); gradient
+    accumulation over 2 batches (3 optimizer steps per epoch, a checkpoint every 2), rank 1 killed
+    at step 6 (v4 is epoch 1, batch 2)."""
     ref = str(tmp_path / "ref")
-    torchrun(2, TRAIN, ref, "epochs=3", f"mode={mode}")
+    torchrun(2, TRAIN, ref, "epochs=3", *args)
     out = str(tmp_path / "crash")
-    p = torchrun(2, TRAIN, out, "epochs=3", f"kill_at={kill_at}", f"kill_rank={kill_rank}", f"mode={mode}",
-                 check=False)
+    p = torchrun(2, TRAIN, out, "epochs=3", f"kill_at={kill_at}", f"kill_rank={kill_rank}", *args, check=False)
     assert p.returncode != 0
-    torchrun(2, TRAIN, out, "epochs=3", "resume=1", f"mode={mode}")
+    torchrun(2, TRAIN, out, "epochs=3", "resume=1", *args)
     _, info = _final(out, 0)
-    assert info["resumed_from"] in (4 * ((kill_at - 1) // 4), 4 * ((kill_at - 1) // 4) - 4)
+    assert info["resumed_from"] in versions, info["resumed_from"]
     assert_equal_runs(out, ref)
 
 

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 tests/workers/lightning_train.py OUT [key=value ...]
 
-keys: name, epochs (max_epochs), every (every_n_train_steps), resume=1, kill_at=S (rank
+keys: name, epochs (max_epochs), every (every_n_train_steps), accum (accumulate_grad_batches), resume=1, kill_at=S (rank
 kill_rank, default 1, SIGKILLs itself when global step S starts), mode, plain=1 (no DeepFreeze
 callback: Lightning alone).
 
@@ -128,7 +128,7 @@ def main() -> None:
                          max_epochs=int(kw.get("epochs", 3)), callbacks=callbacks, default_root_dir=out,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
-                         deterministic=True)
+                         deterministic=True, accumulate_grad_batches=int(kw.get("accum", 1)))
     module = Module()
     trainer.fit(module)
     record(trainer, module, cb, mydir)
