@@ -195,15 +195,23 @@ def test_version_without_classes_checked_by_groups(tmp_path):
     dft.restore(net2, torch.optim.AdamW(net2.parameters(), lr=1e-2), name="o", **where(tmp_path))  # the right one
 
 
-def test_resume_with_sgd_on_adamw_ddp(tmp_path):
-    """Finding 3 under torchrun: a 2-rank DDP run (tests/workers/torch_train.py: AdamW + SGD),
-    then a 2-rank resume whose first optimizer is SGD. Strict: ModelMismatchError on every rank,
-    nothing changed; strict=False: the model and the second optimizer (which matches) restored,
-    the first listed as skipped."""
-    src = str(tmp_path / "src")
+@pytest.fixture(scope="module")
+def ddp_checks(tmp_path_factory):
+    """A 2-rank DDP run (tests/workers/torch_train.py: AdamW + SGD, a checkpoint at step 6), then
+    one 2-rank job of tests/workers/torch_checks.py 'mismatch' over it (one torchrun start for
+    the two findings: the Checkpointer before init_process_group, then the resume checks)."""
+    d = tmp_path_factory.mktemp("ddpchecks")
+    src, out = str(d / "src"), str(d / "out")
     torchrun(2, TRAIN, src, "steps=6", "mode=sync")
-    out = str(tmp_path / "out")
     torchrun(2, CHECKS, "mismatch", out, src)
+    return src, out
+
+
+def test_resume_with_sgd_on_adamw_ddp(ddp_checks):
+    """Finding 3 under torchrun: resuming the 2-rank run with SGD as its first optimizer. Strict:
+    ModelMismatchError on every rank, nothing changed; strict=False: the model and the second
+    optimizer (which matches) restored, the first listed as skipped."""
+    src, out = ddp_checks
     for r, res in enumerate(results(out)):
         assert res["strict"][0] == "ModelMismatchError", res
         assert "AdamW in the checkpoint, torch.optim.sgd.SGD in this run" in res["strict"][1]
@@ -211,20 +219,23 @@ def test_resume_with_sgd_on_adamw_ddp(tmp_path):
         assert res["resumed_from"] == 6 and res["data_it"] == 6
         assert len(res["skipped"]) == 1 and "optimizer 0's state" in res["skipped"][0]
         assert res["sgd_state"] == 0 and res["head_state"] == 2  # SGD's momentum buffers: loaded for the head
-        got, want = npz(os.path.join(out, f"r{r}", "model.npz")), npz(os.path.join(src, f"r{r}", "v6.npz"))
+        # (buffers are rank 0's: DDP broadcasts them from rank 0 at the next forward)
+        got, want = npz(os.path.join(out, f"r{r}", "model.npz")), npz(os.path.join(src, "r0", "v6.npz"))
         for k, v in got.items():
             assert v.tobytes() == want[k].tobytes(), k
 
 
 # ---------------------------------------------------------------------------- init_process_group
 
-def test_checkpointer_before_init_process_group(tmp_path):
+def test_checkpointer_before_init_process_group(ddp_checks):
     """Finding 4: under torchrun (WORLD_SIZE=2) a Checkpointer built before init_process_group.
-    Before: LeaseHeldError about two jobs on one rank. After: ConfigError naming
-    init_process_group on every rank, nothing written."""
-    out = str(tmp_path / "o")
-    torchrun(2, CHECKS, "preinit", out)
-    for r, res in enumerate(results(out)):
+    Before: each rank acted as rank 0 of a one-process job on the same name (no error here, where
+    the two closed at once; LeaseHeldError about two jobs when they overlap). After: ConfigError
+    naming init_process_group on every rank, nothing written."""
+    _, out = ddp_checks
+    for r in range(2):
+        with open(os.path.join(out, f"r{r}", "preinit.json")) as f:
+            res = json.load(f)
         assert res["error"] == "ConfigError", res
         assert "before torch.distributed.init_process_group" in res["message"]
         assert f"rank {r} of a job of WORLD_SIZE=2" in res["message"]
@@ -235,7 +246,7 @@ def test_restore_before_init_process_group(tmp_path, monkeypatch):
     """The same check in restore (WORLD_SIZE set as torchrun sets it, no process group)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ConfigError, match="deepfreeze.torch.restore was built in rank 1 .*init_process_group"):
+    with pytest.raises(ConfigError, match="deepfreeze.torch.restore in rank 1 of a job of WORLD_SIZE=2 came before .*init_process_group"):
         dft.restore(Tied(), name="w", **where(tmp_path))
 
 

@@ -50,11 +50,11 @@ def rank_and_size(user: "str | None" = None) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     ws = os.environ.get("WORLD_SIZE", "")
     if user is not None and ws.isdigit() and int(ws) > 1:
-        raise ConfigError(f"{user} was built in rank {os.environ.get('RANK', '?')} of a job of WORLD_SIZE={ws} "
+        raise ConfigError(f"{user} in rank {os.environ.get('RANK', '?')} of a job of WORLD_SIZE={ws} came "
                           "before torch.distributed.init_process_group: without the process group every rank would "
                           "act alone as rank 0 of a one-process job (one checkpoint written by several processes). "
                           "Call torch.distributed.init_process_group(...) on every rank first (and wrap the model "
-                          "in DDP or fully_shard), then build it")
+                          "in DDP or fully_shard), then call it")
     return 0, 1
 
 

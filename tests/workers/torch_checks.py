@@ -4,11 +4,11 @@ Checkpointer built before ``init_process_group``, tied weights under DDP.
     torchrun --standalone --nproc-per-node 2 tests/workers/torch_checks.py MODE OUT [SRC]
 
 MODE:
-  preinit   build a Checkpointer *before* dist.init_process_group; write the error
-            (type and message) to OUT/r<rank>/result.json
-  mismatch  SRC is a finished tests/workers/torch_train.py run: resume it with SGD in place of
-            its AdamW (strict: the error, and whether the model, the optimizers and the state=
-            objects are unchanged after it), then with strict=False (what was skipped, and the
+  mismatch  first build a Checkpointer *before* dist.init_process_group (the error, type and
+            message: OUT/r<rank>/preinit.json); then, with the process group, resume SRC, a
+            finished tests/workers/torch_train.py run, with SGD in place of its AdamW (strict: the
+            error, and whether the model, the optimizers and the state= objects are unchanged
+            after it), then with strict=False (what was skipped; OUT/r<rank>/result.json, and the
             model as restored, OUT/r<rank>/model.npz)
   tied      train a model with tied weights (lm_head.weight is wte.weight) under DDP, a checkpoint
             every 2 steps (OUT/r<rank>/v<step>.npz: the state right after), then restore the newest
@@ -69,17 +69,18 @@ def write(out: str, rank: int, name: str, obj: dict) -> None:
 
 def preinit(out: str) -> None:
     rank = int(os.environ["RANK"])
-    net, opts = build()
+    net, opts = build(seed=7)
     try:
         ck = deepfreeze.torch.Checkpointer(net, opts, name="pre", **where(out, rank))
         ck.close()
         res = {"error": None}
     except DeepFreezeError as e:
         res = {"error": type(e).__name__, "message": str(e)}
-    write(out, rank, "result.json", res)
+    write(out, rank, "preinit.json", res)
 
 
 def mismatch(out: str, src: str) -> None:
+    preinit(out)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     net, opts = build(seed=123)
@@ -100,9 +101,9 @@ def mismatch(out: str, src: str) -> None:
     res.update(resumed_from=ck.resumed_from, skipped=ck.skipped, data_it=state["data"].it,
                sgd_state=len(opts[0].state), head_state=len(opts[1].state))
     ck.close()
+    write(out, rank, "result.json", res)
     np.savez(os.path.join(out, f"r{rank}", "model.npz"),
              **{k: v.detach().numpy() for k, v in net.state_dict().items()})
-    write(out, rank, "result.json", res)
     dist.destroy_process_group()
 
 
@@ -139,9 +140,7 @@ def tied(out: str) -> None:
 if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
-    if mode == "preinit":
-        preinit(out)
-    elif mode == "mismatch":
+    if mode == "mismatch":
         mismatch(out, sys.argv[3])
     else:
         tied(out)
