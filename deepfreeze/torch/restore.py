@@ -116,7 +116,7 @@ def _split(ck: Checkpoint) -> TorchState:
                for k in names if k.startswith(_state.RANK_PREFIX)]
     rec0 = records[0] if records else {}
     for alias, target in _aliases(rec0).items():  # tied weights: one tensor under both FQNs
-        if target in model:
+        if target in model and alias not in model:
             model[alias] = model[target]
     state: dict[str, dict[str, Any]] = {}
     for k in names[n_model:]:
