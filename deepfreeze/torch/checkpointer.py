@@ -123,9 +123,10 @@ class Checkpointer:
       min_shard_bytes, lease_wait, trust_owners, engine, scratch_cls: the smallest piece of the
         shard plan, seconds to wait for another run's lease on ``name``, the owners trusted when
         reading, the flush engine, the scratch level's class (docs/api.md).
-      strict: with ``resume``, a checkpoint whose optimizers (classes, parameter groups) or
-        ``state=`` keys differ from this run's is a ModelMismatchError before anything is loaded
-        (True), or loads what matches and lists the rest in :attr:`skipped` (False).
+      strict: with ``resume``, a checkpoint whose model tensors, optimizers (number, classes,
+        parameter groups) or ``state=`` keys differ from this run's is a ModelMismatchError before
+        anything is loaded (True), or loads what matches and lists the rest in :attr:`skipped`
+        (False).
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).

@@ -170,7 +170,7 @@ class Reader(StorageReader):
         for alias, target in _aliases(record).items():  # tied weights: both FQNs read the tensor stored once
             path, key = _prefixed(self.model_prefix, alias)
             tkey = _prefixed(self.model_prefix, target)[1]
-            if tkey in tensors:
+            if tkey in tensors and key not in tensors:
                 md[key], paths[key], tensors[key] = md[tkey], path, tensors[tkey]
         for ex in record.get("optim_extra", []):
             for fqn, kv in ex.items():
