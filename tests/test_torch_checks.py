@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh installs torch==2.13.0, CPU)")
@@ -164,6 +163,24 @@ def test_strict_false_loads_what_matches(written, caplog):
         assert net2.lm_head.weight is net2.wte.weight
     finally:
         ck.close()
+
+
+def test_strict_false_model_tensors(written):
+    """A model with a layer the checkpoint lacks: strict, ModelMismatchError naming it and
+    nothing written; strict=False, every other tensor loaded and the two listed."""
+    d, trained, _ = written
+    torch.manual_seed(5)
+    net = Tied()
+    net.extra = torch.nn.Linear(2, 2)
+    before = state_bytes(net, [], {})
+    with pytest.raises(ModelMismatchError, match=r"not in the checkpoint: \['extra.bias', 'extra.weight'\]"):
+        dft.restore(net, name="w", **where(d))
+    assert state_bytes(net, [], {}) == before
+    r = dft.restore(net, name="w", strict=False, **where(d))
+    assert r.skipped == ["model tensor 'extra.bias'", "model tensor 'extra.weight'"]
+    for k, v in trained.state_dict().items():
+        assert net.state_dict()[k].numpy().tobytes() == v.numpy().tobytes(), k
+    assert net.lm_head.weight is net.wte.weight
 
 
 def test_version_without_classes_checked_by_groups(tmp_path):
