@@ -124,8 +124,13 @@ class Checkpointer:
         backward run (False: in the post-hook).
       on_error: ``"raise"`` (the failing ``optimizer.step()`` raises) or ``"warn"`` (logged,
         counted in :attr:`failures`, training goes on).
-      min_shard_bytes, lease_wait, trust_owners, engine, scratch_cls: as for
-        :class:`deepfreeze.keras.DeepFreezeCheckpoint`.
+      min_shard_bytes, lease_wait, trust_owners, engine, scratch_cls: the smallest piece of the
+        shard plan, seconds to wait for another run's lease on ``name``, the owners trusted when
+        reading, the flush engine, the scratch level's class (docs/api.md).
+      strict: with ``resume``, a checkpoint whose model tensors, optimizers (number, classes,
+        parameter groups) or ``state=`` keys differ from this run's is a ModelMismatchError before
+        anything is loaded (True), or loads what matches and lists the rest in :attr:`skipped`
+        (False).
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
@@ -136,7 +141,8 @@ class Checkpointer:
                  resume: bool = False, overwrite: bool = False, state: "dict[str, Any] | None" = None,
                  overlap: bool = True, on_error: str = "raise", min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
                  lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None, engine: str | None = None,
-                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, close_timeout: float = 60.0,
+                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, strict: bool = True,
+                 close_timeout: float = 60.0,
                  **overrides: Any) -> None:
         opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
@@ -165,10 +171,13 @@ class Checkpointer:
         self.every_n_steps, self.overlap, self.on_error = every_n_steps, bool(overlap), on_error
         self.min_shard_bytes, self.verbose, self.scratch_cls = min_shard_bytes, verbose, scratch_cls
         self.trust_owners = trust_owners
+        self.strict = bool(strict)
+        #: what resume=True with strict=False left out of the checkpoint (empty: everything restored)
+        self.skipped: list[str] = []
         self.config = Config.resolve(config, **overrides)
         self.config.check_directories()
         self.engine_kind = resolve_engine(engine)
-        self.rank, self.size = rank_and_size()
+        self.rank, self.size = rank_and_size("deepfreeze.torch.Checkpointer")
         #: failures under on_error='warn'
         self.failures: list[str] = []
         #: per checkpoint: version, seconds in the post-hook, waited in the next pre-hook, hand-off
@@ -432,6 +441,7 @@ class Checkpointer:
         pre-hook (``"b"``; ``st``: the post-hook's tensor list, whose optimizer groups serve)."""
         if phase == "a":
             rec = {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
+                   "optimizers": [_state.class_name(o) for o in self.optimizers], "aliases": _state.tied(self.model),
                    "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
             if self._loop.current is not None:
                 rec["loop"] = self._loop.current.record()
@@ -645,8 +655,10 @@ class Checkpointer:
         ck = self._run.pick_resume(self.comm, trust_owners=self.trust_owners)  # collective
         if ck is None:
             return
-        rec = apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size, rng=True)
-        loop = (rec or {}).get("a", {}).get("loop")
+        applied = apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size,
+                        rng=True, strict=self.strict)
+        self.skipped = applied.skipped
+        loop = (applied.record or {}).get("a", {}).get("loop")
         if loop is not None:  # the checkpoint was taken inside iterate(): its next pass resumes there
             self.start_epoch = self._loop.resume_from(loop, f"checkpoint {self.name!r} v{ck.version}")
         self.start_step = ck.step
