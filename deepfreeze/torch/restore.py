@@ -197,13 +197,24 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
             opt.load_state_dict({"state": sd_state, "param_groups": groups})
     if state:
         saved_state = {**rec.get("a", {}).get("state", {}), **rec.get("state", {})}
+        imported = rec.get("a", {}).get("imported")
+        missing = [key for key in state if key not in saved_state]
+        if missing and imported:  # a version imported from elsewhere (import_dcp) holds only what was there
+            log.warning("DeepFreeze: %s was imported from %s (%s): it holds no state object %s (it has %s): those "
+                        "are not restored; restore them yourself, or import their dicts with import_dcp(state=...)",
+                        where, imported.get("format"), imported.get("path"), missing, sorted(saved_state))
         for key, obj in state.items():
             if key not in saved_state:
+                if imported:
+                    continue
                 raise ModelMismatchError(f"{where} holds no state object {key!r} (it has {sorted(saved_state)})")
             obj.load_state_dict(saved_state[key])
     if rng:
         if same and "rng" in rec.get("a", {}):
             _state.set_rng_state(rec["a"]["rng"])
+        elif rank == 0 and rec.get("a", {}).get("imported"):
+            log.warning("DeepFreeze: %s was imported (%s): it holds no RNG states; they are not restored", where,
+                        rec["a"]["imported"].get("format"))
         elif rank == 0:
             log.warning("DeepFreeze: %s was written by %d ranks, this job has %d: RNG states are not restored",
                         where, st.world_size, world_size)
