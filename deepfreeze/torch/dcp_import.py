@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..config import Config
-from ..errors import ConfigError, CorruptCheckpointError, DeepFreezeError
+from ..errors import ConfigError, CorruptCheckpointError, ExistingCheckpointError
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES
 from .checkpointer import Checkpointer
 
@@ -530,8 +530,12 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
             raise CorruptCheckpointError(f"{where}: optimizer state of {fqn!r}, which no param group holds")
         owner = next(o for o in opts if any(p is q for g in o.param_groups for q in g["params"]))
         owner.state[p] = dict(kv)
-    ck = _Importer(root, opts, config, name, overwrite=overwrite, state={k: _Held(v) for k, v in sdicts.items()},
-             overlap=False, min_shard_bytes=min_shard_bytes, engine=engine, start_step=step, **overrides)
+    try:
+        ck = _Importer(root, opts, config, name, overwrite=overwrite, state={k: _Held(v) for k, v in sdicts.items()},
+                       overlap=False, min_shard_bytes=min_shard_bytes, engine=engine, start_step=step, **overrides)
+    except ExistingCheckpointError as e:
+        raise ExistingCheckpointError(f"{e}. An import writes a new run: import into a new name, or pass "
+                                      "overwrite=True (--overwrite) to retire the name's versions") from e
     ck.imported = {"format": "dcp", "path": path}
     try:
         ck.checkpoint()
