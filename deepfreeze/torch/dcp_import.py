@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..config import Config
-from ..errors import ConfigError, CorruptCheckpointError, ExistingCheckpointError
+from ..errors import ConfigError, CorruptCheckpointError, DeepFreezeError, ExistingCheckpointError
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES
 from .checkpointer import Checkpointer
 
@@ -504,8 +504,12 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
         with warnings.catch_warnings():  # "torch.distributed is disabled ...": a local read, as intended
             warnings.simplefilter("ignore")
             dcp.load(sd, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
-    except CheckpointException as e:
-        raise CorruptCheckpointError(f"{where}: DCP could not read it: {' '.join(str(e).split())[:600]}") from e
+    except CheckpointException as e:  # (a BaseException) holding each rank's (exception, traceback)
+        inner = next((pair[0] for pair in e.failures.values()), None)
+        if isinstance(inner, DeepFreezeError):
+            raise inner from e
+        raise CorruptCheckpointError(f"{where}: DCP could not read it: {type(inner).__name__}: "
+                                     f"{' '.join(str(inner).split())[:400]}") from e
     model, ostate, groups, sdicts = _parse(md, sd, model_prefix, optim_prefix, state, where)
     if not model:
         raise ConfigError(f"{where}: no model tensor under {model_prefix!r}")
@@ -534,8 +538,9 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
         ck = _Importer(root, opts, config, name, overwrite=overwrite, state={k: _Held(v) for k, v in sdicts.items()},
                        overlap=False, min_shard_bytes=min_shard_bytes, engine=engine, start_step=step, **overrides)
     except ExistingCheckpointError as e:
-        raise ExistingCheckpointError(f"{e}. An import writes a new run: import into a new name, or pass "
-                                      "overwrite=True (--overwrite) to retire the name's versions") from e
+        raise ExistingCheckpointError(f"{str(e).split('; a new run')[0]}: an import starts a new run of it. "
+                                      "Import into a new name, or pass overwrite=True (--overwrite) to retire "
+                                      "its versions") from e
     ck.imported = {"format": "dcp", "path": path}
     try:
         ck.checkpoint()
