@@ -74,27 +74,40 @@ def test_import_then_resume_at_two_ranks_ends_as_the_uninterrupted_run(saved, tm
 
 
 def test_cli_import_of_an_app_state_wrapper_resumes_at_one_rank(saved, tmp_path):
-    """``deepfreeze import --format dcp`` of DCP's {"app": AppState} layout (a wrong prefix first:
-    the error names the keys found and the prefixes to pass); a plain-process Checkpointer
-    (resume=True) starts at step 6 with the model, optimizer state and lrs recorded, and numbers
-    its versions 9, 12. The same name again needs --overwrite."""
+    """``deepfreeze import --format dcp`` of DCP's {"app": AppState} layout (the default prefixes
+    first: the error names the keys found and the prefixes to pass); a Checkpointer(resume=True)
+    in this plain process (1 rank) starts at step 6 with the model, optimizer state and lrs
+    recorded, and numbers its next version 8 (every 2 steps). The same import again needs
+    --overwrite (exit 1, one line)."""
+    sys.path.insert(0, WORKERS)
+    from torch_train import build, snapshot
+    import deepfreeze.torch as dft
     out = str(tmp_path)
-    common = ["--name", "app", "--step", str(S), "--optimizer-groups", "1,1", "--set", f"scratch={out}/scratch0",
-              "--set", f"persistent={out}/persistent"]
     src = os.path.join(saved, "dcp_app")
-    p = _cli("import", "--format", "dcp", src, *common, cwd=out)
-    assert p.returncode == 2 and "model_prefix='app.model'" in p.stderr and "['app']" in p.stderr, p.stderr
-    prefixes = ["--model-prefix", "app.model", "--optim-prefix", "app.optim"]
-    p = _cli("import", "--format", "dcp", src, *common, *prefixes, cwd=out)
+    with pytest.raises(ConfigError, match=r"top-level keys are \['app'\].*model_prefix='app.model', "
+                                          r"optim_prefix='app.optim'"):
+        dft.import_dcp(src, None, "app", S, **_levels(out))
+    args = ["import", "--format", "dcp", src, "--name", "app", "--step", str(S), "--optimizer-groups", "1,1",
+            "--model-prefix", "app.model", "--optim-prefix", "app.optim", "--set", f"scratch={out}/scratch0",
+            "--set", f"persistent={out}/persistent"]
+    p = _cli(*args, cwd=out)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "'app' v6" in p.stdout and "param groups [1, 1]" in p.stdout
-    p = _cli("import", "--format", "dcp", src, *common, *prefixes, cwd=out)
+    p = _cli(*args, cwd=out)
     assert p.returncode == 1 and "--overwrite" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    plain(WORKER, out, "mode=resume", "name=app", "steps=6")
-    i = info(out, 0)
-    assert (i["start_step"], i["resumed_from"], i["step"], i["last_version"]) == (S, S, 12, 12)
-    assert_same(npz(os.path.join(out, "r0", "start.npz")), npz(os.path.join(saved, "r0", f"v{S}.npz")),
-                "resumed at 1 rank from the CLI import")
+    net, opts = build(seed=123)
+    with dft.Checkpointer(net, opts, None, "app", resume=True, every_n_steps=2, **_levels(out)) as ck:
+        assert (ck.start_step, ck.resumed_from, ck.step) == (S, S, S)
+        snapshot(net, opts, str(tmp_path / "start.npz"))
+        assert_same(npz(str(tmp_path / "start.npz")), npz(os.path.join(saved, "r0", f"v{S}.npz")),
+                    "resumed at 1 rank from the CLI import")
+        for _ in range(2):
+            net(torch.randn(8, 16)).sum().backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    assert ck.last_version == S + 2
+    assert dft.load_state(name="app", **_levels(out)).step == S + 2
 
 
 def test_restore_lists_the_state_objects_an_import_lacks(saved, tmp_path, caplog):
