@@ -73,6 +73,27 @@ def test_import_then_resume_at_two_ranks_ends_as_the_uninterrupted_run(saved, tm
     assert st.step == 9 and st.world_size == 2
 
 
+@pytest.mark.slow
+def test_collective_import_under_torchrun(saved, tmp_path):
+    """Every rank of a 2-rank job calls import_dcp (a version of 2 ranks), then resumes from it:
+    as the single-process import, it ends bit-identical to the uninterrupted run; the version
+    loads at 1 rank in this process."""
+    import deepfreeze.torch as dft
+    out = str(tmp_path)
+    torchrun(2, WORKER, out, "mode=resume", f"src={saved}", "steps=10", f"import_step={S}")
+    want = npz(os.path.join(saved, "r0", f"v{S}.npz"))
+    for rank in (0, 1):
+        i = info(out, rank)
+        assert (i["start_step"], i["resumed_from"], i["last_version"]) == (S, S, 9)
+        assert_same(npz(os.path.join(out, f"r{rank}", "start.npz")), want, f"rank {rank} resumed")
+        assert_same(npz(os.path.join(out, f"r{rank}", "final.npz")), npz(os.path.join(saved, f"r{rank}", "final.npz")),
+                    f"rank {rank} at the end vs the uninterrupted run")
+    st = dft.load_state(name="imp", version=S, **_levels(out))
+    assert st.world_size == 2
+    got = {k: v.numpy() for k, v in dft.load(name="imp", version=S, **_levels(out)).items()}
+    assert_same(got, want, "the collective import loaded at 1 rank", lr=False)
+
+
 def test_cli_import_of_an_app_state_wrapper_resumes_at_one_rank(saved, tmp_path):
     """``deepfreeze import --format dcp`` of DCP's {"app": AppState} layout (the default prefixes
     first: the error names the keys found and the prefixes to pass); a Checkpointer(resume=True)

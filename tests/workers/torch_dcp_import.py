@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 tests/workers/torch_dcp_import.py OUT mode=save steps=N save_at=S
     torchrun ... tests/workers/torch_dcp_import.py OUT mode=resume src=SAVE_OUT steps=N [every=3] [name=imp]
+                 [import_step=S]
     python tests/workers/torch_dcp_import.py OUT mode=resume ...      (one plain process)
 
 The loop of tests/workers/torch_train.py (its model, two optimizers, two LR schedulers, the
@@ -16,7 +17,8 @@ OUT/r<rank>/v<S>.npz (the state then, as torch_train.snapshot), OUT/r<rank>/rng<
 rank's RNG states: the user's own file, as DCP holds none) and, at the end, final.npz.
 
 mode=resume: ``Checkpointer(..., resume=True, state={data, sched0, sched1}, every_n_steps=every)``
-on the name the test imported (scratch/persistent under OUT, or scratch=/persistent= given); the
+on the name the test imported, or (import_step=S) that every rank imports from SRC/dcp first with
+``import_dcp`` (collective) (scratch/persistent under OUT, or scratch=/persistent= given); the
 RNG states from SRC/r<rank>/rng<S>.npz when src= is given and the world size is the same (the
 user's own restore of what DCP does not hold). Writes OUT/r<rank>/start.npz (the state right after
 the Checkpointer was built), final.npz and info.json {start_step, resumed_from, last_version, step, it}.
@@ -118,11 +120,15 @@ def main() -> None:
                              planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
         snapshot(net, opts, os.path.join(mydir, "final.npz"))
     else:
-        from deepfreeze.torch import Checkpointer
+        from deepfreeze.torch import Checkpointer, import_dcp
+        levels = {"mode": "sync", "scratch": kw.get("scratch", os.path.join(out, f"scratch{rank}")),
+                  "persistent": kw.get("persistent", os.path.join(out, "persistent"))}
+        if "import_step" in kw:  # every rank imports SRC/dcp first (collective)
+            import_dcp(os.path.join(kw["src"], "dcp"), None, kw.get("name", "imp"), int(kw["import_step"]),
+                       optimizer_groups=[1, 1], state={"data": "data", "sched0": "sched0", "sched1": "sched1"},
+                       **levels)
         ckpt = Checkpointer(model, opts, name=kw.get("name", "imp"), resume=True, every_n_steps=int(kw.get("every", 3)),
-                            state={"data": data, "sched0": scheds[0], "sched1": scheds[1]}, mode="sync",
-                            scratch=kw.get("scratch", os.path.join(out, f"scratch{rank}")),
-                            persistent=kw.get("persistent", os.path.join(out, "persistent")))
+                            state={"data": data, "sched0": scheds[0], "sched1": scheds[1]}, **levels)
         snapshot(net, opts, os.path.join(mydir, "start.npz"))
         src = kw.get("src")
         if src and size == int(kw.get("src_size", 2)):
