@@ -53,7 +53,6 @@ that does not match) becomes a :class:`~deepfreeze.errors.CorruptCheckpointError
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import io
 import logging
@@ -73,6 +72,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..config import Config
 from ..errors import ConfigError, CorruptCheckpointError, DeepFreezeError, ExistingCheckpointError
+from ..fsafe import read_small
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES
 from .checkpointer import Checkpointer
 
@@ -131,19 +131,13 @@ def read_dcp_metadata(path: str) -> dmd.Metadata:
     """The checked :class:`~torch.distributed.checkpoint.metadata.Metadata` of the DCP directory
     ``path`` (module docstring: the allow-list unpickler, then every field and bound checked)."""
     where = os.path.join(path, ".metadata")
-    try:
-        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # a regular file (no link, a FIFO never waited on), at most MAX_METADATA_BYTES
+        data = read_small(where, MAX_METADATA_BYTES)
     except FileNotFoundError:
         raise ConfigError(f"{path} is not a DCP checkpoint directory (no .metadata): give the directory "
                           "dcp.save wrote (its checkpoint_id)") from None
     except OSError as e:
-        raise CorruptCheckpointError(f"{where}: cannot open: {e}") from e
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise CorruptCheckpointError(f"{where} is not a regular file")
-        data = f.read(MAX_METADATA_BYTES + 1)
-    if len(data) > MAX_METADATA_BYTES:
-        raise CorruptCheckpointError(f"{where} is larger than {MAX_METADATA_BYTES >> 20} MiB: not read")
+        raise CorruptCheckpointError(f"{where}: cannot read: {e}") from e
     try:
         md = _MetadataUnpickler(io.BytesIO(data), where).load()
     except CorruptCheckpointError:
@@ -199,7 +193,7 @@ def _check_metadata(md: Any, path: str, where: str) -> None:
                 and isinstance(m.properties.dtype, torch.dtype) and isinstance(m.chunks, list)):
             raise CorruptCheckpointError(f"{where}: {key!r} is described by a {type(m).__name__}")
         shape = _check_size(m.size, f"{where}: tensor {key!r}")
-        itemsize = torch.empty(0, dtype=m.properties.dtype).element_size()
+        itemsize = m.properties.dtype.itemsize
         if len(m.chunks) > _MAX_CHUNKS:
             raise CorruptCheckpointError(f"{where}: tensor {key!r} has {len(m.chunks)} chunks")
         boxes, covered = [], 0
