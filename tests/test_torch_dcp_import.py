@@ -282,3 +282,36 @@ def test_start_step(tmp_path):
         assert (ck.start_step, ck.resumed_from) == (18, 18)
     with Checkpointer(*build(), None, "fresh", resume=True, start_step=4, **lv) as ck:
         assert (ck.start_step, ck.resumed_from, ck.step) == (4, None, 4)
+
+
+def test_top_level_model_and_flattened_optimizer_layout(tmp_path):
+    """``{**model_sd, "optim": ...}`` with ``flatten_optimizer_state_dict=True`` (param_groups keyed
+    by FQN; two groups of different lr) and a stray top-level value: model_prefix='' imports the
+    tensors, leaves the value out (named), and restore() puts back both groups bit-exact."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    import deepfreeze.torch as dft
+
+    def build(lr):
+        net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        return net, torch.optim.AdamW([{"params": net[0].parameters()}, {"params": net[1].parameters(), "lr": 0.5}],
+                                      lr=lr)
+    torch.manual_seed(0)
+    net, opt = build(1e-3)
+    net(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    m, o = get_state_dict(net, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert any(k.startswith("param_groups.1.weight.") for k in o), "not the flattened layout: the test does not test"
+    src = str(tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({**m, "optim": o, "step": 7}, checkpoint_id=src, no_dist=True)
+    r = dft.import_dcp(src, None, "flat", 1, model_prefix="", **_levels(str(tmp_path)))
+    assert (r.model_tensors, r.param_groups, r.ignored) == (4, [2], ["step"])
+    net2, opt2 = build(1.0)
+    assert dft.restore(net2, opt2, name="flat", **_levels(str(tmp_path))) == (1, 1)
+    for (k, a), (k2, b) in zip(net.state_dict().items(), net2.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    assert all(torch.equal(s1["state"][i][k], s2["state"][i][k]) for i in s1["state"] for k in s1["state"][i])

@@ -485,8 +485,8 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
                    f"optim_prefix='{hint[0]}.optim' (--model-prefix/--optim-prefix)" if hint else
                    "Pass the prefixes of the dicts dcp.save was given (model_prefix='' for a model at the top "
                    "level)"))
-    wanted = [k for k in keys if any(belongs(k, p) for p in owned) or not model_prefix
-              and not any(belongs(k, p) for p in owned)]
+    wanted = [k for k in keys if any(belongs(k, p) for p in owned)  # (model_prefix '': every other tensor)
+              or not model_prefix and isinstance(md.state_dict_metadata[k], dmd.TensorStorageMetadata)]
     ignored = _top(k for k in keys if k not in set(wanted))
     if ignored:
         log.warning("DeepFreeze: %s: keys under %s are not imported (not the model, the optimizer or a state= "
