@@ -315,3 +315,37 @@ def test_top_level_model_and_flattened_optimizer_layout(tmp_path):
     s1, s2 = opt.state_dict(), opt2.state_dict()
     assert s1["param_groups"] == s2["param_groups"]
     assert all(torch.equal(s1["state"][i][k], s2["state"][i][k]) for i in s1["state"] for k in s1["state"][i])
+
+
+def test_mutated_metadata_never_escapes_as_another_error(tmp_path):
+    """600 random byte mutations of a real .metadata (seeded): read_dcp_metadata either returns
+    checked metadata or raises a DeepFreezeError (CorruptCheckpointError, ConfigError), never
+    another exception; nothing the bytes could name runs."""
+    import random
+    from deepfreeze.errors import DeepFreezeError
+    from deepfreeze.torch.dcp_import import read_dcp_metadata
+    src = str(tmp_path / "dcp")
+    _small_dcp(src)
+    with open(os.path.join(src, ".metadata"), "rb") as f:
+        data = f.read()
+    rng = random.Random(31)
+    outcomes = {"ok": 0, "refused": 0}
+    for _ in range(600):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            pos = rng.randrange(len(b))
+            op = rng.random()
+            if op < 0.6:
+                b[pos] = rng.randrange(256)
+            elif op < 0.8:
+                del b[pos:pos + rng.randint(1, 8)]
+            else:
+                b[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
+        with open(os.path.join(src, ".metadata"), "wb") as f:
+            f.write(bytes(b))
+        try:
+            read_dcp_metadata(src)
+            outcomes["ok"] += 1
+        except DeepFreezeError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 500, outcomes

@@ -34,7 +34,8 @@ the job's world size). Either restores at any world size. The name must have no 
 version (``overwrite=True``: a new generation, the older versions retired), as for a new run.
 
 **Safety: no byte of the directory reaches an unrestricted unpickler.** ``.metadata`` (a pickle)
-is read, at most 256 MiB, by an allow-list unpickler: only DCP's metadata classes
+is read, at most 256 MiB, by an allow-list unpickler (the pure-Python one, whose memo is a
+dict: no index a pickle names makes it allocate): only DCP's metadata classes
 (``torch.distributed.checkpoint.metadata``: ``Metadata``, ``TensorStorageMetadata``,
 ``TensorProperties``, ``ChunkStorageMetadata``, ``BytesStorageMetadata``, ``MetadataIndex``,
 ``StorageMeta``, ``_MEM_FORMAT_ENCODING``; ``filesystem._StorageInfo``), ``torch.Size``, torch
@@ -93,9 +94,11 @@ _ALLOWED = {(_MD, n) for n in ("Metadata", "TensorStorageMetadata", "TensorPrope
 _DTYPE_NAMES = frozenset(k for k, v in vars(torch).items() if isinstance(v, torch.dtype))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """An unpickler that may name only DCP's metadata classes, ``torch.Size``, torch dtypes and
-    layouts, ``OrderedDict`` and ``pathlib`` paths (module docstring)."""
+    layouts, ``OrderedDict`` and ``pathlib`` paths (module docstring). The pure-Python one: its
+    memo is a dict, while C's ``_pickle`` grows an array to any index a ``LONG_BINPUT`` names (a
+    mutated index made it allocate and clear gigabytes for 40 s), and its reads stop at the data."""
 
     def __init__(self, f: Any, where: str) -> None:
         super().__init__(f)
@@ -145,7 +148,12 @@ def read_dcp_metadata(path: str) -> dmd.Metadata:
     except Exception as e:  # any damage: truncated, wrong opcodes, a class called with bad arguments
         raise CorruptCheckpointError(f"{where}: not a readable DCP metadata pickle ({type(e).__name__}: "
                                      f"{str(e)[:200]})") from e
-    _check_metadata(md, path, where)
+    try:
+        _check_metadata(md, path, where)
+    except DeepFreezeError:
+        raise
+    except Exception as e:  # an allowed class built without its fields, a field of another type ...
+        raise CorruptCheckpointError(f"{where}: malformed DCP metadata ({type(e).__name__}: {str(e)[:200]})") from e
     return md
 
 
