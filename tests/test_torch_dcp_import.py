@@ -349,3 +349,30 @@ def test_mutated_metadata_never_escapes_as_another_error(tmp_path):
         except DeepFreezeError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 500, outcomes
+
+
+def test_mutated_data_file_is_refused_or_read_never_another_error(tmp_path):
+    """100 seeded byte flips in a real data file (.distcp: torch.save zips of tensors and bytes
+    items): reading either succeeds (a flip inside a tensor's bytes: DCP files carry no checksum)
+    or raises a DeepFreezeError, never another exception."""
+    import random
+    from deepfreeze.errors import DeepFreezeError
+    from deepfreeze.torch.dcp_import import _read
+    src = str(tmp_path / "dcp")
+    _small_dcp(src)
+    (name,) = [f for f in os.listdir(src) if f.endswith(".distcp")]
+    with open(os.path.join(src, name), "rb") as f:
+        data = f.read()
+    rng = random.Random(5)
+    refused = 0
+    for _ in range(100):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        with open(os.path.join(src, name), "wb") as f:
+            f.write(bytes(b))
+        try:
+            _read(src, "model", "optim", {})
+        except DeepFreezeError:
+            refused += 1
+    assert refused > 20, refused

@@ -423,6 +423,57 @@ def _check_prefix(p: Any, what: str) -> str:
     return p
 
 
+def _read(path: str, model_prefix: str, optim_prefix: str, state: Mapping[str, str]) -> tuple[
+        dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]], dict[str, Any], list[str]]:
+    """Read the DCP directory ``path`` (checked metadata, then DCP's reader with the safe planner):
+    :func:`_parse`'s four parts and the top-level keys left out."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path} is not a directory: give the DCP checkpoint directory (dcp.save's "
+                          "checkpoint_id)")
+    where = f"DCP checkpoint {path}"
+    reader = SafeFileSystemReader(path)
+    md = reader.read_metadata()
+    keys = list(md.state_dict_metadata)
+    owned = [p for p in [optim_prefix, *state.values(), model_prefix] if p]
+
+    def belongs(k: str, p: str) -> bool:
+        return k == p or k.startswith(p + ".")
+    for what, p in (("model_prefix", model_prefix), ("optim_prefix", optim_prefix), *(
+            (f"state[{k!r}]", v) for k, v in state.items())):
+        if p and not any(belongs(k, p) for k in keys):
+            hint = sorted({k.split(".model.", 1)[0] for k in keys if ".model." in k and k.index(".model.") > 0})
+            raise ConfigError(
+                f"{where} has no key under {p!r} ({what}): its top-level keys are {_top(keys)[:12]}. "
+                + (f"For a wrapper such as {{'{hint[0]}': AppState}} pass model_prefix='{hint[0]}.model', "
+                   f"optim_prefix='{hint[0]}.optim' (--model-prefix/--optim-prefix)" if hint else
+                   "Pass the prefixes of the dicts dcp.save was given (model_prefix='' for a model at the top "
+                   "level)"))
+    wanted = [k for k in keys if any(belongs(k, p) for p in owned)  # (model_prefix '': every other tensor)
+              or not model_prefix and isinstance(md.state_dict_metadata[k], dmd.TensorStorageMetadata)]
+    taken = set(wanted)
+    ignored = _top(k for k in keys if k not in taken)
+    if ignored:
+        log.warning("DeepFreeze: %s: keys under %s are not imported (not the model, the optimizer or a state= "
+                    "entry); map one to a state object with state={name: key} (--state NAME=KEY)", where, ignored)
+    sd: dict[str, Any] = {}
+    for k in wanted:  # sizes checked against the files by read_dcp_metadata before this allocation
+        m = md.state_dict_metadata[k]
+        sd[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, dmd.TensorStorageMetadata) \
+            else None
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": a local read, as intended
+            warnings.simplefilter("ignore")
+            dcp.load(sd, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
+    except CheckpointException as e:  # (a BaseException) holding each rank's (exception, traceback)
+        inner = next((pair[0] for pair in e.failures.values()), None)
+        if isinstance(inner, DeepFreezeError):
+            raise inner from e
+        raise CorruptCheckpointError(f"{where}: DCP could not read it: {type(inner).__name__}: "
+                                     f"{' '.join(str(inner).split())[:400]}") from e
+    return (*_parse(md, sd, model_prefix, optim_prefix, state, where), ignored)
+
+
 def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = None, name: str = "model",
                step: int = 0, *, model_prefix: str = "model", optim_prefix: str = "optim",
                optimizer_groups: "Sequence[int] | None" = None, state: "Mapping[str, str] | None" = None,
@@ -472,50 +523,8 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
         raise ConfigError(f"optimizer_groups = {optimizer_groups!r}: a list of positive group counts, one per "
                           "optimizer")
     path = os.path.abspath(os.fspath(dcp_dir))
-    if not os.path.isdir(path):
-        raise ConfigError(f"{path} is not a directory: give the DCP checkpoint directory (dcp.save's "
-                          "checkpoint_id)")
     where = f"DCP checkpoint {path}"
-    reader = SafeFileSystemReader(path)
-    md = reader.read_metadata()
-    keys = list(md.state_dict_metadata)
-    owned = [p for p in [optim_prefix, *state.values(), model_prefix] if p]
-
-    def belongs(k: str, p: str) -> bool:
-        return k == p or k.startswith(p + ".")
-    for what, p in (("model_prefix", model_prefix), ("optim_prefix", optim_prefix), *(
-            (f"state[{k!r}]", v) for k, v in state.items())):
-        if p and not any(belongs(k, p) for k in keys):
-            hint = sorted({k.split(".model.", 1)[0] for k in keys if ".model." in k and k.index(".model.") > 0})
-            raise ConfigError(
-                f"{where} has no key under {p!r} ({what}): its top-level keys are {_top(keys)[:12]}. "
-                + (f"For a wrapper such as {{'{hint[0]}': AppState}} pass model_prefix='{hint[0]}.model', "
-                   f"optim_prefix='{hint[0]}.optim' (--model-prefix/--optim-prefix)" if hint else
-                   "Pass the prefixes of the dicts dcp.save was given (model_prefix='' for a model at the top "
-                   "level)"))
-    wanted = [k for k in keys if any(belongs(k, p) for p in owned)  # (model_prefix '': every other tensor)
-              or not model_prefix and isinstance(md.state_dict_metadata[k], dmd.TensorStorageMetadata)]
-    ignored = _top(k for k in keys if k not in set(wanted))
-    if ignored:
-        log.warning("DeepFreeze: %s: keys under %s are not imported (not the model, the optimizer or a state= "
-                    "entry); map one to a state object with state={name: key} (--state NAME=KEY)", where, ignored)
-    sd: dict[str, Any] = {}
-    for k in wanted:  # sizes checked against the files by read_dcp_metadata before this allocation
-        m = md.state_dict_metadata[k]
-        sd[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype) if isinstance(m, dmd.TensorStorageMetadata) \
-            else None
-    from torch.distributed.checkpoint.api import CheckpointException
-    try:
-        with warnings.catch_warnings():  # "torch.distributed is disabled ...": a local read, as intended
-            warnings.simplefilter("ignore")
-            dcp.load(sd, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
-    except CheckpointException as e:  # (a BaseException) holding each rank's (exception, traceback)
-        inner = next((pair[0] for pair in e.failures.values()), None)
-        if isinstance(inner, DeepFreezeError):
-            raise inner from e
-        raise CorruptCheckpointError(f"{where}: DCP could not read it: {type(inner).__name__}: "
-                                     f"{' '.join(str(inner).split())[:400]}") from e
-    model, ostate, groups, sdicts = _parse(md, sd, model_prefix, optim_prefix, state, where)
+    model, ostate, groups, sdicts, ignored = _read(path, model_prefix, optim_prefix, state)
     if not model:
         raise ConfigError(f"{where}: no model tensor under {model_prefix!r}")
     if not groups:
