@@ -376,3 +376,26 @@ def test_mutated_data_file_is_refused_or_read_never_another_error(tmp_path):
         except DeepFreezeError:
             refused += 1
     assert refused > 20, refused
+
+
+@pytest.mark.slow
+def test_import_of_an_fsdp2_dcp_checkpoint(tmp_path):
+    """A 2-rank FSDP2 job's dcp.save (parameters and optimizer state as DTensor chunks, uneven and
+    empty shards) imports in one process: ``load`` gives the full tensors the job gathered, and
+    ``restore`` puts them, with both optimizers' groups, into a plain model."""
+    sys.path.insert(0, WORKERS)
+    from torch_fsdp import build, optimizers
+    import deepfreeze.torch as dft
+    out = str(tmp_path)
+    torchrun(2, os.path.join(WORKERS, "torch_fsdp_dcp_save.py"), out)
+    r = dft.import_dcp(os.path.join(out, "dcp"), None, "fs", 3, optimizer_groups=[1, 1], **_levels(out))
+    assert r.param_groups == [1, 1]
+    want = npz(os.path.join(out, "r0", "v3.npz"))
+    got = {k: v.numpy() for k, v in dft.load(name="fs", **_levels(out)).items()}
+    assert_same(got, want, "the FSDP2 DCP import", lr=False)
+    net = build(seed=5)
+    opts = optimizers(net)
+    dft.restore(net, opts, name="fs", **_levels(out))
+    assert [g["lr"] for o in opts for g in o.param_groups] == list(want["__lr__"])
+    for k, v in net.state_dict().items():
+        assert v.numpy().tobytes() == want[k].tobytes(), k
