@@ -162,10 +162,10 @@ def _local(a: torch.Tensor, shape: tuple[int, ...], rows: tuple[int, int]) -> to
 
 
 def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
-          state: dict[str, Any], rank: int, world_size: int, rng: bool) -> None:
+          state: dict[str, Any], rank: int, world_size: int, rng: bool) -> "dict[str, Any] | None":
     """Put ``ck`` into the model, optimizers, ``state`` objects and (``rng``) RNG states of this
     process (rank ``rank`` of ``world_size``: its own state record at the checkpoint's world
-    size, else rank 0's)."""
+    size, else rank 0's). Returns this rank's own state record (None at another world size)."""
     st = _split(ck)
     where = f"checkpoint {ck.name!r} v{ck.version}"
     _state.check_model(model, ck.manifest["tensors"], int(ck.manifest.get("model_tensors", 0)), where)
@@ -178,6 +178,13 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
                 t.copy_(st.model[fqn])
     same = world_size == st.world_size and rank < len(st.records)
     rec = st.records[rank] if same else (st.records[0] if st.records else {})
+    own_buffers = rec.get("a", {}).get("buffers") if same else None
+    if own_buffers:  # FSDP2: this rank's buffers as they were on it (rank 0's are in the tensor list)
+        with torch.no_grad():
+            for fqn, t, is_param in _state.model_entries(model):
+                if not is_param and isinstance(own_buffers.get(fqn), torch.Tensor) \
+                        and own_buffers[fqn].shape == t.shape and own_buffers[fqn].dtype == t.dtype:
+                    t.copy_(own_buffers[fqn])
     if optimizers:
         saved_groups = rec.get("param_groups", [])
         if len(saved_groups) != len(optimizers):
@@ -218,6 +225,7 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
         elif rank == 0:
             log.warning("DeepFreeze: %s was written by %d ranks, this job has %d: RNG states are not restored",
                         where, st.world_size, world_size)
+    return rec if same else None
 
 
 def _placed(state: dict[str, Any], param: "torch.Tensor | None", sharded: Any) -> dict[str, Any]:
