@@ -98,8 +98,7 @@ def test_cli_import_of_an_app_state_wrapper_resumes_at_one_rank(saved, tmp_path)
     """``deepfreeze import --format dcp`` of DCP's {"app": AppState} layout (the default prefixes
     first: the error names the keys found and the prefixes to pass); a Checkpointer(resume=True)
     in this plain process (1 rank) starts at step 6 with the model, optimizer state and lrs
-    recorded, and numbers its next version 8 (every 2 steps). The same import again needs
-    --overwrite (exit 1, one line)."""
+    recorded, and numbers its next version 8 (every 2 steps)."""
     sys.path.insert(0, WORKERS)
     from torch_train import build, snapshot
     import deepfreeze.torch as dft
@@ -114,8 +113,6 @@ def test_cli_import_of_an_app_state_wrapper_resumes_at_one_rank(saved, tmp_path)
     p = _cli(*args, cwd=out)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "'app' v6" in p.stdout and "param groups [1, 1]" in p.stdout
-    p = _cli(*args, cwd=out)
-    assert p.returncode == 1 and "--overwrite" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     net, opts = build(seed=123)
     with dft.Checkpointer(net, opts, None, "app", resume=True, every_n_steps=2, **_levels(out)) as ck:
         assert (ck.start_step, ck.resumed_from, ck.step) == (S, S, S)
@@ -247,6 +244,11 @@ def test_bad_arguments(tmp_path):
         kw = {"step": 1, **bad}
         with pytest.raises(ConfigError, match=match):
             dft.import_dcp(src, None, "x", **kw, **lv)
+    assert dft.import_dcp(src, None, "again", 1, **lv).version == 1
+    with pytest.raises(ExistingCheckpointError, match=r"'again' already has committed versions.*overwrite=True"):
+        dft.import_dcp(src, None, "again", 2, **lv)
+    assert dft.import_dcp(src, None, "again", 2, overwrite=True, **lv).version == 2
+    assert dft.load_state(name="again", **lv).step == 2
     with pytest.raises(ConfigError, match="no .metadata"):
         dft.import_dcp(str(tmp_path), None, "x", 1, **lv)
     with open(os.path.join(src, ".metadata"), "wb") as f:
