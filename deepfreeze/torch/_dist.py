@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import counters
+from .. import counters, peerloss
 from .. import format as fmt
 from ..errors import PeerLostError
 from ..redundancy import count_exchange
@@ -88,9 +88,11 @@ class TorchComm:
         self._lock = threading.Lock()
 
     def _lost(self, what: str, e: BaseException) -> PeerLostError:
-        return PeerLostError(f"rank {self.rank}: DeepFreeze's {what} over its gloo group of {self.size} ranks failed: "
-                             f"{type(e).__name__}: {str(e)[:500]} (a rank died, or did not answer within "
-                             f"{self.timeout:g} s)")
+        err = PeerLostError(f"rank {self.rank}: DeepFreeze's {what} over its gloo group of {self.size} ranks failed: "
+                            f"{type(e).__name__}: {str(e)[:500]} (a rank died, or did not answer within "
+                            f"{self.timeout:g} s)")
+        peerloss.peer_lost(err, f"the torch adapter's {what}")  # DEEPFREEZE_ON_PEER_LOSS=exit ends the process
+        return err
 
     def allgather(self, data: bytes) -> list[bytes]:
         return [b.tobytes() for b in self.allgather_buffers(np.frombuffer(bytes(data), dtype=np.uint8))]

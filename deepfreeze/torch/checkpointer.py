@@ -56,6 +56,7 @@ import logging
 import struct
 import threading
 import time
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -68,7 +69,7 @@ from ..fused import BufferPool, FusedLayout, FusedShard
 from ..levels import ScratchLevel
 from ..run import Run
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec
-from . import _cuda, _state
+from . import _cuda, _loop, _state
 from ._dist import TorchComm, make_comm, node_domain, rank_and_size
 
 __all__ = ["Checkpointer"]
@@ -98,33 +99,6 @@ class _Pending:
         self.record_b: "bytes | None" = None
         self.error: str = ""
         self.cuda: "_cuda.InFlight | None" = None  # device-to-host copies on the side stream
-
-
-class _Pass:
-    """One pass of :meth:`Checkpointer.iterate` over an iterable (an epoch of a DataLoader)."""
-
-    __slots__ = ("index", "yielded", "rng", "loader", "done")
-
-    def __init__(self, index: int, rng: "dict[str, Any] | None", loader: Any) -> None:
-        self.index, self.yielded, self.rng, self.loader, self.done = index, 0, rng, loader, False
-
-    def record(self) -> dict[str, Any]:
-        """What the state record keeps of it (taken at a boundary)."""
-        out: dict[str, Any] = {"pass": self.index, "yielded": self.yielded, "done": self.done}
-        if self.loader is not None:
-            out["loader"] = self.loader.state_dict()
-        else:
-            out["rng"] = self.rng
-        return out
-
-
-def _stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _generator_of(iterable: Any) -> "torch.Generator | None":
-    g = getattr(iterable, "generator", None)
-    return g if isinstance(g, torch.Generator) else None
 
 
 class Checkpointer:
@@ -225,9 +199,7 @@ class Checkpointer:
         self._order_warned = False
         self._boundary = False  # the loop marks its iterations' ends (end_iteration/iterate): records are taken there
         self._boundary_warned = False
-        self._pass: _Pass | None = None  # the current (or last) pass of iterate()
-        self._passes = 0  # passes of iterate() begun (the resumed checkpoint's count included)
-        self._loop_resume: "dict[str, Any] | None" = None  # the resumed record's pass, for the next iterate()
+        self._loop = _loop.Passes()  # the passes of iterate()
         #: the pass of :meth:`iterate` (an epoch, counted from 0) the resumed checkpoint was taken in
         #: (0 without resume, or when that checkpoint was not taken inside ``iterate``)
         self.start_epoch = 0
@@ -269,7 +241,7 @@ class Checkpointer:
             self._run.close()
             self._copier.shutdown(wait=False)
             raise
-        atexit.register(self._at_exit)  # after Run's lease release (atexit runs last-registered first)
+        _register_exit(self)
 
     # ------------------------------------------------------------------ hooks
     def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -340,50 +312,7 @@ class Checkpointer:
         ``persistent_workers=True`` cannot be replayed this way (its workers' RNG carries over
         from earlier epochs): use ``StatefulDataLoader``."""
         self._boundary = True
-        return self._iterate(iterable)
-
-    def _iterate(self, iterable: Any) -> Any:
-        resume, self._loop_resume = self._loop_resume, None
-        stateful = _stateful(iterable)
-        gen = _generator_of(iterable)
-        skip, at_boundary = 0, None
-        if resume is not None:
-            at_boundary = _state.rng_state()  # the checkpoint's, restored by resume: set again once the pass is placed
-            if stateful and "loader" in resume:
-                iterable.load_state_dict(resume["loader"])  # (its iter() draws a seed again: undone below)
-            elif not stateful and resume.get("rng") is not None:
-                skip = int(resume["yielded"])
-                _state.set_rng_state(resume["rng"]["process"])
-                if gen is not None and "generator" in resume["rng"]:
-                    gen.set_state(resume["rng"]["generator"])
-            self._passes = int(resume["pass"])
-        start = None
-        if not stateful:
-            start = {"process": _state.rng_state()}
-            if gen is not None:
-                start["generator"] = gen.get_state()
-        p = self._pass = _Pass(self._passes, start, iterable if stateful else None)
-        self._passes += 1
-        it = iter(iterable)
-        for k in range(skip):
-            try:
-                next(it)
-            except StopIteration:
-                raise ModelMismatchError(
-                    f"checkpoint {self.name!r}: its pass {p.index} had fetched {skip} items, this iterable has {k}: "
-                    "resume with the same data, batch size and sampler (or a StatefulDataLoader)") from None
-        p.yielded = skip
-        if at_boundary is not None:
-            _state.set_rng_state(at_boundary)
-        while True:
-            try:
-                item = next(it)
-            except StopIteration:
-                break
-            p.yielded += 1
-            yield item
-            self.end_iteration()
-        p.done = True
+        return self._loop.iterate(iterable, self.end_iteration, self.name)
 
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (collective; outside the step)."""
@@ -404,7 +333,6 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._at_exit)
         lost = None
         try:
             if self._pending is not None:
@@ -499,8 +427,8 @@ class Checkpointer:
         if phase == "a":
             rec = {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
                    "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
-            if self._pass is not None:
-                rec["loop"] = self._pass.record()
+            if self._loop.current is not None:
+                rec["loop"] = self._loop.current.record()
             if self.sharded:  # FSDP2 does not broadcast buffers: each rank's own, restored on it (same world size)
                 rec["buffers"] = {fqn: t.detach().cpu().clone() for fqn, t, is_param in
                                   _state.model_entries(self.model) if not is_param}
@@ -713,9 +641,8 @@ class Checkpointer:
             return
         rec = apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size, rng=True)
         loop = (rec or {}).get("a", {}).get("loop")
-        if isinstance(loop, dict):  # the checkpoint was taken inside iterate(): its next pass resumes there
-            self._loop_resume = loop
-            self.start_epoch = int(loop.get("pass", 0))
+        if loop is not None:  # the checkpoint was taken inside iterate(): its next pass resumes there
+            self.start_epoch = self._loop.resume_from(loop, f"checkpoint {self.name!r} v{ck.version}")
         self.start_step = ck.step
         self.resumed_from = ck.version
         self._last_version = ck.version
@@ -726,3 +653,22 @@ class Checkpointer:
 
 def _raise(e: BaseException) -> None:
     raise e
+
+
+def _register_exit(ck: Checkpointer) -> None:
+    """Run ``ck._at_exit`` when the interpreter exits, while thread pools still take work: on the
+    hooks ``concurrent.futures`` itself uses (run before its executors shut down and before the
+    ``atexit`` handlers, among them the lease's release), else ``atexit``. Holds ``ck`` weakly."""
+    ref = weakref.ref(ck)
+
+    def at_exit() -> None:
+        c = ref()
+        if c is not None:
+            c._at_exit()
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(at_exit)
+    except RuntimeError:
+        atexit.register(at_exit)

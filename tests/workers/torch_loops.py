@@ -20,6 +20,8 @@ shapes (each a loop a user writes; ``Checkpointer(every_n_steps=every)``):
   fsdp      FSDP2 (``fully_shard``) with the ``end`` loop
 
 ``shape=a,b,...`` runs several shapes one after the other in the same job (uninterrupted runs).
+``exit=noclose|destroy|close_after_destroy``: the job ends without ``close()`` (after
+``destroy_process_group()``, then ``close()``).
 keys: steps (total training iterations), every (``steps_<shape>``, ``every_<shape>``: for one
 shape of several), kill_at=IT (rank 1 SIGKILLs itself when IT
 iterations are done), resume=1, name. Writes OUT/<shape>/r<rank>/final.npz: every leaf of the
@@ -270,6 +272,20 @@ def run(out: str, shape: str, kw: dict) -> None:
     leaves(np.random.get_state(), "rng.numpy", final)
     leaves(random.getstate(), "rng.python", final)
     np.savez(os.path.join(mydir, "final.npz"), **final)
+    ending = kw.get("exit", "close")
+    if ending != "close":  # a run that forgets close(): exit=noclose|destroy|close_after_destroy
+        info = {"last_version": ckpt.last_version, "pending": ckpt._pending.step if ckpt._pending else None}
+        if ending in ("destroy", "close_after_destroy"):
+            dist.barrier()
+            dist.destroy_process_group()
+        if ending == "close_after_destroy":
+            try:
+                ckpt.close()
+            except Exception as e:  # the one-line error, recorded
+                info["close_error"] = f"{type(e).__name__}: {e}"
+        with open(os.path.join(mydir, "info.json"), "w") as f:
+            json.dump(info, f)
+        sys.exit(0)
     ckpt.close()
     with open(os.path.join(mydir, "info.json"), "w") as f:
         json.dump({"start_step": ckpt.start_step, "resumed_from": ckpt.resumed_from, "start_epoch": ckpt.start_epoch,
