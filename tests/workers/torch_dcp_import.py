@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from torch_train import Data, build, snapshot  # noqa: E402
+from torch_train import Data, begin, build, snapshot  # noqa: E402
 
 
 class AppState:
@@ -81,17 +81,7 @@ def step(model, opts, scheds, data) -> None:
 
 
 def main() -> None:
-    out = sys.argv[1]
-    kw = dict(a.split("=", 1) for a in sys.argv[2:])
-    distributed = "WORLD_SIZE" in os.environ
-    if distributed:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if distributed else 0
-    size = dist.get_world_size() if distributed else 1
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
-    np.random.seed(7 + rank)
-    random.seed(11 + rank)
+    out, kw, distributed, rank, size = begin()
     net, opts = build(seed=0 if kw["mode"] == "save" else 123)  # resume: everything must come from the import
     model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
     scheds = [torch.optim.lr_scheduler.StepLR(opts[0], 3, 0.7), torch.optim.lr_scheduler.ExponentialLR(opts[1], 0.95)]

@@ -127,17 +127,26 @@ def restore_setup():
     return out, src, kw, distributed, rank, size, net, opts
 
 
-def main() -> None:
+def begin() -> tuple[str, dict, bool, int, int]:
+    """The common start of the torch test workers: ``(OUT, {key: value}, distributed, rank,
+    size)``; torch.distributed (gloo) under torchrun, deterministic CPU algorithms on one
+    thread, numpy's and Python's RNGs seeded per rank."""
     out = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
+    size = dist.get_world_size() if distributed else 1
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     np.random.seed(7 + rank)
     random.seed(11 + rank)
+    return out, kw, distributed, rank, size
+
+
+def main() -> None:
+    out, kw, distributed, rank, _ = begin()
     net, opts = build()
     model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
     scheds = [torch.optim.lr_scheduler.StepLR(opts[0], 3, 0.7), torch.optim.lr_scheduler.ExponentialLR(opts[1], 0.95)]
