@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from torch_train import Data, begin, build, snapshot  # noqa: E402
+from torch_train import Data, begin, build, optimize, snapshot  # noqa: E402
 
 
 class AppState:
@@ -72,12 +72,7 @@ def load_rng(path: str) -> None:
 def step(model, opts, scheds, data) -> None:
     x, y = data.next()
     torch.nn.functional.mse_loss(model(x), y).backward()
-    for o in opts:
-        o.step()
-    for o in opts:
-        o.zero_grad()
-    for s in scheds:
-        s.step()
+    optimize(opts, scheds)
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from deepfreeze.torch import Checkpointer  # noqa: E402
 
-from torch_train import IN, OUT_F, Net, begin  # noqa: E402  (the test model, the workers' common start)
+from torch_train import IN, OUT_F, Net, begin, optimize  # noqa: E402  (the test model, the workers' common start)
 
 BATCH = 4
 
@@ -218,17 +218,7 @@ def run(out: str, shape: str, kw: dict) -> None:
             torch.nn.functional.mse_loss(model(x), y).backward()
         if (micro + 1) % accum:
             return  # accumulating
-        if scaler is not None:
-            for o in opts:
-                scaler.step(o)
-            scaler.update()
-        else:
-            for o in opts:
-                o.step()
-        for o in opts:
-            o.zero_grad()
-        for s in scheds:
-            s.step()
+        optimize(opts, scheds, scaler)
 
     if shape in ("end", "end_hooks", "fsdp", "closure"):
         while pos.it < steps:

@@ -89,6 +89,22 @@ def snapshot(model: torch.nn.Module, opts, path: str) -> None:
     np.savez(path, **arrays)
 
 
+def optimize(opts, scheds, scaler=None) -> None:
+    """Every optimizer's step (through the GradScaler if given, then its update), every
+    optimizer's zero_grad, every scheduler's step."""
+    for o in opts:
+        if scaler is not None:
+            scaler.step(o)
+        else:
+            o.step()
+    if scaler is not None:
+        scaler.update()
+    for o in opts:
+        o.zero_grad()
+    for s in scheds:
+        s.step()
+
+
 def train_step(model, opts, scheds, data, ckpt, every: int, mydir: str, net, scaler=None) -> None:
     """One iteration of the test loop (forward, backward, every optimizer's step, through the
     GradScaler if given, zero_grad, every scheduler's step); the state right after a
@@ -98,17 +114,9 @@ def train_step(model, opts, scheds, data, ckpt, every: int, mydir: str, net, sca
     loss = torch.nn.functional.mse_loss(model(x), y)
     if scaler is not None:
         scaler.scale(loss * 8).backward()  # x8: the first scales overflow, so steps are skipped
-        for o in opts:
-            scaler.step(o)
-        scaler.update()
     else:
         loss.backward()
-        for o in opts:
-            o.step()
-    for o in opts:
-        o.zero_grad()
-    for s in scheds:
-        s.step()
+    optimize(opts, scheds, scaler)
     if ckpt.step != before and ckpt.step % every == 0:
         snapshot(net, opts, os.path.join(mydir, f"v{ckpt.step}.npz"))
 
