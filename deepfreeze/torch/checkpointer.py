@@ -53,6 +53,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import struct
 import threading
 import time
@@ -689,12 +690,15 @@ def _raise(e: BaseException) -> None:
 def _register_exit(ck: Checkpointer) -> None:
     """Run ``ck._at_exit`` when the interpreter exits, while thread pools still take work: on the
     hooks ``concurrent.futures`` itself uses (run before its executors shut down and before the
-    ``atexit`` handlers, among them the lease's release), else ``atexit``. Holds ``ck`` weakly."""
+    ``atexit`` handlers, among them the lease's release), else ``atexit``. Holds ``ck`` weakly;
+    does nothing in a forked child (``multiprocessing`` runs threading's exit hooks in the
+    children it forks: DataLoader workers)."""
     ref = weakref.ref(ck)
+    pid = os.getpid()
 
     def at_exit() -> None:
         c = ref()
-        if c is not None:
+        if c is not None and os.getpid() == pid:  # never in a fork (a DataLoader worker runs these hooks at its exit)
             c._at_exit()
     register = getattr(threading, "_register_atexit", None)
     try:
