@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .. import counters, peerloss
 from .. import format as fmt
-from ..errors import PeerLostError
+from ..errors import ConfigError, PeerLostError
 from ..redundancy import count_exchange
 
 __all__ = ["TorchComm", "rank_and_size", "node_domain", "make_comm"]
@@ -40,10 +40,21 @@ __all__ = ["TorchComm", "rank_and_size", "node_domain", "make_comm"]
 _MSG = 1 << 30
 
 
-def rank_and_size() -> tuple[int, int]:
-    """This process's rank and the world size of the default group (0, 1 without one)."""
+def rank_and_size(user: "str | None" = None) -> tuple[int, int]:
+    """This process's rank and the world size of the default group (0, 1 without one). With
+    ``user`` (what is asking, e.g. ``"deepfreeze.torch.Checkpointer"``), a process of a launcher's
+    job of several ranks (``WORLD_SIZE`` > 1, as torchrun sets it) whose default group is not
+    initialized yet is a :class:`~deepfreeze.errors.ConfigError`: every rank would act as rank 0
+    of a one-process job."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    ws = os.environ.get("WORLD_SIZE", "")
+    if user is not None and ws.isdigit() and int(ws) > 1:
+        raise ConfigError(f"{user} in rank {os.environ.get('RANK', '?')} of a job of WORLD_SIZE={ws} came "
+                          "before torch.distributed.init_process_group: without the process group every rank would "
+                          "act alone as rank 0 of a one-process job (one checkpoint written by several processes). "
+                          "Call torch.distributed.init_process_group(...) on every rank first (and wrap the model "
+                          "in DDP or fully_shard), then call it")
     return 0, 1
 
 

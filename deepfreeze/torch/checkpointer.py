@@ -53,6 +53,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import struct
 import threading
 import time
@@ -124,8 +125,18 @@ class Checkpointer:
         backward run (False: in the post-hook).
       on_error: ``"raise"`` (the failing ``optimizer.step()`` raises) or ``"warn"`` (logged,
         counted in :attr:`failures`, training goes on).
-      min_shard_bytes, lease_wait, trust_owners, engine, scratch_cls: as for
-        :class:`deepfreeze.keras.DeepFreezeCheckpoint`.
+      min_shard_bytes, lease_wait, trust_owners, engine, scratch_cls: the smallest piece of the
+        shard plan, seconds to wait for another run's lease on ``name``, the owners trusted when
+        reading, the flush engine, the scratch level's class (docs/api.md).
+      strict: with ``resume``, a checkpoint whose model tensors, optimizers (number, classes,
+        parameter groups) or ``state=`` keys differ from this run's is a ModelMismatchError before
+        anything is loaded (True), or loads what matches and lists the rest in :attr:`skipped`
+        (False).
+      start_step: the step counter starts at this step (an int >= 0) instead of 0, for a model
+        and optimizers restored from elsewhere (``dcp.load``, a ``torch.load`` file): the steps,
+        and so the versions, continue from it (:attr:`start_step`). With ``resume=True`` the
+        resumed version's step wins when the name has one (a warning when it differs from
+        ``start_step``); ``start_step`` serves when it has none.
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
@@ -136,8 +147,11 @@ class Checkpointer:
                  resume: bool = False, overwrite: bool = False, state: "dict[str, Any] | None" = None,
                  overlap: bool = True, on_error: str = "raise", min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
                  lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None, engine: str | None = None,
-                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, close_timeout: float = 60.0,
-                 **overrides: Any) -> None:
+                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, strict: bool = True,
+                 close_timeout: float = 60.0, start_step: int | None = None, **overrides: Any) -> None:
+        if start_step is not None and (type(start_step) is not int or start_step < 0):
+            raise ConfigError(f"start_step = {start_step!r}: use the step the restored state was saved at (an int "
+                              ">= 0), or None")
         opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
             raise ConfigError("Checkpointer: optimizer must be a torch.optim.Optimizer or a sequence of them")
@@ -165,10 +179,13 @@ class Checkpointer:
         self.every_n_steps, self.overlap, self.on_error = every_n_steps, bool(overlap), on_error
         self.min_shard_bytes, self.verbose, self.scratch_cls = min_shard_bytes, verbose, scratch_cls
         self.trust_owners = trust_owners
+        self.strict = bool(strict)
+        #: what resume=True with strict=False left out of the checkpoint (empty: everything restored)
+        self.skipped: list[str] = []
         self.config = Config.resolve(config, **overrides)
         self.config.check_directories()
         self.engine_kind = resolve_engine(engine)
-        self.rank, self.size = rank_and_size()
+        self.rank, self.size = rank_and_size("deepfreeze.torch.Checkpointer")
         #: failures under on_error='warn'
         self.failures: list[str] = []
         #: per checkpoint: version, seconds in the post-hook, waited in the next pre-hook, hand-off
@@ -212,12 +229,18 @@ class Checkpointer:
                         lease_wait=lease_wait)
         self._run.begin()
         try:
-            #: the step to continue from (the resumed version's, or 0)
+            #: the step to continue from (the resumed version's, else ``start_step``, else 0)
             self.start_step = 0
             #: the version restored by resume=True, or None
             self.resumed_from: int | None = None
             if resume:
                 self._resume()
+            if start_step is not None:
+                if self.resumed_from is None:
+                    self.start_step = start_step
+                elif start_step != self.start_step and self.rank == 0:
+                    log.warning("DeepFreeze: %r resumed from v%d (step %d): start_step=%d is not used (a resumed "
+                                "version's step wins)", self.name, self.resumed_from, self.start_step, start_step)
             self.step = self.start_step
             for opt in opts:
                 self._hooks.append(opt.register_step_pre_hook(self._pre_hook))
@@ -432,6 +455,7 @@ class Checkpointer:
         pre-hook (``"b"``; ``st``: the post-hook's tensor list, whose optimizer groups serve)."""
         if phase == "a":
             rec = {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
+                   "optimizers": [_state.class_name(o) for o in self.optimizers], "aliases": _state.tied(self.model),
                    "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
             if self._loop.current is not None:
                 rec["loop"] = self._loop.current.record()
@@ -645,8 +669,10 @@ class Checkpointer:
         ck = self._run.pick_resume(self.comm, trust_owners=self.trust_owners)  # collective
         if ck is None:
             return
-        rec = apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size, rng=True)
-        loop = (rec or {}).get("a", {}).get("loop")
+        applied = apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size,
+                        rng=True, strict=self.strict)
+        self.skipped = applied.skipped
+        loop = (applied.record or {}).get("a", {}).get("loop")
         if loop is not None:  # the checkpoint was taken inside iterate(): its next pass resumes there
             self.start_epoch = self._loop.resume_from(loop, f"checkpoint {self.name!r} v{ck.version}")
         self.start_step = ck.step
@@ -664,12 +690,15 @@ def _raise(e: BaseException) -> None:
 def _register_exit(ck: Checkpointer) -> None:
     """Run ``ck._at_exit`` when the interpreter exits, while thread pools still take work: on the
     hooks ``concurrent.futures`` itself uses (run before its executors shut down and before the
-    ``atexit`` handlers, among them the lease's release), else ``atexit``. Holds ``ck`` weakly."""
+    ``atexit`` handlers, among them the lease's release), else ``atexit``. Holds ``ck`` weakly;
+    does nothing in a forked child (``multiprocessing`` runs threading's exit hooks in the
+    children it forks: DataLoader workers)."""
     ref = weakref.ref(ck)
+    pid = os.getpid()
 
     def at_exit() -> None:
         c = ref()
-        if c is not None:
+        if c is not None and os.getpid() == pid:  # never in a fork (a DataLoader worker runs these hooks at its exit)
             c._at_exit()
     register = getattr(threading, "_register_atexit", None)
     try:
