@@ -37,7 +37,7 @@ native_op() {
 }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography, torch; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'") >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography, torch, pytorch_lightning, transformers, torchdata, hypothesis; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'") >/dev/null 2>&1; then
   native_op quick  # skips importing TensorFlow when the library is newer than its source
   say "already done (remove $STAMP to redo)"
   exit 0
@@ -113,6 +113,15 @@ if ! "$VPY" -c "import torch, numpy as np; assert torch.__version__.split('+')[0
          "tests need only the CPU build (install torch==$TORCH_VERSION from PyTorch's CPU-only wheel" \
          "index where it is reachable)" >&2
   fi
+fi
+
+# 3c. what the PyTorch integrations and their tests use, pinned beside torch and numpy<2 (only
+# deepfreeze.torch.lightning / deepfreeze.torch.hf import the frameworks): Lightning, Hugging Face
+# transformers, torchdata's StatefulDataLoader, and hypothesis (the fuzz harness)
+if ! "$VPY" -c "import pytorch_lightning, transformers, torchdata, hypothesis" >/dev/null 2>&1; then
+  say "installing pytorch-lightning==2.6.6 transformers==5.23.0 torchdata==0.11.0 hypothesis (with torch==$TORCH_VERSION, numpy<2)"
+  "$VPY" -m pip install -q "pytorch-lightning==2.6.6" "transformers==5.23.0" "torchdata==0.11.0" "hypothesis==6.170.*" \
+    "torch==$TORCH_VERSION" "numpy<2"
 fi
 
 # 4. the fused-copy op, against the TensorFlow headers Horovod was built with

@@ -49,10 +49,12 @@ parameters in place; FQNs come from the last capture). HSDP and tensor paralleli
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import logging
 import struct
+import threading
 import time
 from typing import Any, Sequence
 
@@ -85,16 +87,44 @@ def _phase_b(obj: Any) -> bool:
 class _Pending:
     """A capture taken in a post-hook, finished at the next pre-hook."""
 
-    __slots__ = ("step", "buf", "future", "versions", "record_a", "record_b", "error", "cuda")
+    __slots__ = ("step", "buf", "future", "versions", "record_a", "record_b", "error", "cuda", "at_boundary")
 
     def __init__(self, step: int, buf: np.ndarray) -> None:
         self.step, self.buf = step, buf
+        self.at_boundary = False  # its state record was taken at the loop's boundary (end_iteration)
         self.future: "concurrent.futures.Future | None" = None
         self.versions: list[tuple[torch.Tensor, int, str]] = []
         self.record_a = b""
         self.record_b: "bytes | None" = None
         self.error: str = ""
         self.cuda: "_cuda.InFlight | None" = None  # device-to-host copies on the side stream
+
+
+class _Pass:
+    """One pass of :meth:`Checkpointer.iterate` over an iterable (an epoch of a DataLoader)."""
+
+    __slots__ = ("index", "yielded", "rng", "loader", "done")
+
+    def __init__(self, index: int, rng: "dict[str, Any] | None", loader: Any) -> None:
+        self.index, self.yielded, self.rng, self.loader, self.done = index, 0, rng, loader, False
+
+    def record(self) -> dict[str, Any]:
+        """What the state record keeps of it (taken at a boundary)."""
+        out: dict[str, Any] = {"pass": self.index, "yielded": self.yielded, "done": self.done}
+        if self.loader is not None:
+            out["loader"] = self.loader.state_dict()
+        else:
+            out["rng"] = self.rng
+        return out
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _generator_of(iterable: Any) -> "torch.Generator | None":
+    g = getattr(iterable, "generator", None)
+    return g if isinstance(g, torch.Generator) else None
 
 
 class Checkpointer:
@@ -132,7 +162,8 @@ class Checkpointer:
                  resume: bool = False, overwrite: bool = False, state: "dict[str, Any] | None" = None,
                  overlap: bool = True, on_error: str = "raise", min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
                  lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None, engine: str | None = None,
-                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, **overrides: Any) -> None:
+                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, close_timeout: float = 60.0,
+                 **overrides: Any) -> None:
         opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
             raise ConfigError("Checkpointer: optimizer must be a torch.optim.Optimizer or a sequence of them")
@@ -150,6 +181,9 @@ class Checkpointer:
                                   f"got {type(obj).__name__}")
         if resume and overwrite:
             raise ConfigError("resume=True and overwrite=True contradict each other: pick one")
+        if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or not close_timeout > 0:
+            raise ConfigError(f"close_timeout = {close_timeout!r}: use a positive number of seconds")
+        self.close_timeout = float(close_timeout)
         #: how many model tensors are FSDP2 shards (HSDP and tensor parallelism are refused here)
         self.sharded = _state.check_layout(model)
         self.model, self.optimizers = model, opts
@@ -181,6 +215,14 @@ class Checkpointer:
         self._last_version: int | None = None
         self._closed = False
         self._order_warned = False
+        self._boundary = False  # the loop marks its iterations' ends (end_iteration/iterate): records are taken there
+        self._boundary_warned = False
+        self._pass: _Pass | None = None  # the current (or last) pass of iterate()
+        self._passes = 0  # passes of iterate() begun (the resumed checkpoint's count included)
+        self._loop_resume: "dict[str, Any] | None" = None  # the resumed record's pass, for the next iterate()
+        #: the pass of :meth:`iterate` (an epoch, counted from 0) the resumed checkpoint was taken in
+        #: (0 without resume, or when that checkpoint was not taken inside ``iterate``)
+        self.start_epoch = 0
         self._grow = False  # a state record outgrew its room: the next plan doubles every rank's
         self._pinned: set[int] = set()
         self._fqn_of: dict[int, str] = {}  # id() of a parameter -> FQN, from the last capture's train_state
@@ -213,6 +255,7 @@ class Checkpointer:
             self._run.close()
             self._copier.shutdown(wait=False)
             raise
+        atexit.register(self._at_exit)  # after Run's lease release (atexit runs last-registered first)
 
     # ------------------------------------------------------------------ hooks
     def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -225,11 +268,17 @@ class Checkpointer:
                         "forward: the checkpoint holds its state before that step. Pass the optimizers to the "
                         "Checkpointer in the order the loop steps them (the last one's steps are counted)",
                         self.optimizers.index(opt), type(opt).__name__, p.step)
+        if self._boundary and not p.at_boundary and not self._boundary_warned:
+            self._boundary_warned = True  # end_iteration() was called before, but not after this checkpoint step
+            log.warning("DeepFreeze: %r v%d: the next optimizer.step() came before end_iteration(): its state "
+                        "record (state= objects, schedulers, RNG) is taken now, in the next iteration. Call "
+                        "end_iteration() at the end of every iteration, or iterate over ckpt.iterate(loader)",
+                        self.name, p.step)
         self._finish()
 
     def _forward_hook(self, module: Any, args: Any) -> None:
         p = self._pending
-        if p is not None and p.record_b is None:
+        if p is not None and p.record_b is None and not self._boundary:
             try:  # before the next step's forward (a step GradScaler skips never reaches a pre-hook)
                 p.record_b = _state.encode(self._record("b"), "state")
             except DeepFreezeError as e:  # surfaced when the capture finishes, on every rank
@@ -242,6 +291,86 @@ class Checkpointer:
             self._capture(self.step)
 
     # ------------------------------------------------------------------ public
+    def end_iteration(self) -> None:
+        """Mark the end of a training iteration: call it after ``optimizer.step()``,
+        ``scheduler.step()``, ``scaler.update()`` and the loop's own bookkeeping (a data position
+        advanced at the end of the iteration), before the next batch is fetched.
+
+        From the first call on, the state record of a checkpoint step (``state=`` objects, LR
+        schedulers, GradScalers, RNG states, ``param_groups``, the position of :meth:`iterate`)
+        is taken at the end of that step's iteration instead of in the hooks; the weights and
+        optimizer tensors stay those of the checkpoint step. Cheap when nothing is pending
+        (one attribute test); not collective."""
+        self._boundary = True
+        p = self._pending
+        if p is not None and not p.at_boundary:
+            self._take_records(p)
+
+    def iterate(self, iterable: Any) -> Any:
+        """Iterate over ``iterable`` (one pass: an epoch of a ``DataLoader``) with
+        :meth:`end_iteration` called before each next item is fetched and when it is exhausted::
+
+            for epoch in range(ckpt.start_epoch, epochs):
+                sampler.set_epoch(epoch)
+                for x, y in ckpt.iterate(loader):
+                    ...  # forward, backward, optimizer.step(), scheduler.step()
+
+        The checkpoint holds the pass's position (items fetched so far). On resume, the first
+        pass skips what the checkpoint's pass had fetched: a loader with ``state_dict()`` and
+        ``load_state_dict()`` (torchdata's ``StatefulDataLoader``) is restored to its saved state
+        and skips by itself; any other iterable is replayed from the start of its pass (RNG
+        states, and the loader's ``generator``, set to what they were when the pass began, so
+        the same seeds, shuffle and worker seeds are drawn) and the items already seen are
+        fetched and dropped (loaded again: that costs their loading time), then the RNG states
+        of the checkpoint are set again. Wrap only the training loader; a ``DataLoader`` with
+        ``persistent_workers=True`` cannot be replayed this way (its workers' RNG carries over
+        from earlier epochs): use ``StatefulDataLoader``."""
+        self._boundary = True
+        return self._iterate(iterable)
+
+    def _iterate(self, iterable: Any) -> Any:
+        resume, self._loop_resume = self._loop_resume, None
+        stateful = _stateful(iterable)
+        gen = _generator_of(iterable)
+        skip, at_boundary = 0, None
+        if resume is not None:
+            if stateful and "loader" in resume:
+                iterable.load_state_dict(resume["loader"])
+            elif not stateful and resume.get("rng") is not None:
+                skip = int(resume["yielded"])
+                at_boundary = _state.rng_state()  # the checkpoint's, restored by resume
+                _state.set_rng_state(resume["rng"]["process"])
+                if gen is not None and "generator" in resume["rng"]:
+                    gen.set_state(resume["rng"]["generator"])
+            self._passes = int(resume["pass"])
+        start = None
+        if not stateful:
+            start = {"process": _state.rng_state()}
+            if gen is not None:
+                start["generator"] = gen.get_state()
+        p = self._pass = _Pass(self._passes, start, iterable if stateful else None)
+        self._passes += 1
+        it = iter(iterable)
+        for k in range(skip):
+            try:
+                next(it)
+            except StopIteration:
+                raise ModelMismatchError(
+                    f"checkpoint {self.name!r}: its pass {p.index} had fetched {skip} items, this iterable has {k}: "
+                    "resume with the same data, batch size and sampler (or a StatefulDataLoader)") from None
+        p.yielded = skip
+        if at_boundary is not None:
+            _state.set_rng_state(at_boundary)
+        while True:
+            try:
+                item = next(it)
+            except StopIteration:
+                break
+            p.yielded += 1
+            yield item
+            self.end_iteration()
+        p.done = True
+
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (collective; outside the step)."""
         if (self._pending is not None and self._pending.step == self.step) or self._last_version == self.step:
@@ -252,7 +381,7 @@ class Checkpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Finish a pending capture and block until every checkpoint is committed on persistent."""
         if self._pending is not None:
-            self._finish()
+            self._finish_at_boundary()
         if self.engine is not None:
             self._guard(self.engine.wait, persistent=True, timeout=timeout)
 
@@ -261,9 +390,14 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._at_exit)
+        lost = None
         try:
             if self._pending is not None:
-                self._finish()
+                if self.size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                    lost, self._pending = self._pending.step, None  # its hand-off is collective: too late
+                else:
+                    self._finish_at_boundary()
         finally:
             for h in self._hooks:
                 h.remove()
@@ -279,6 +413,56 @@ class Checkpointer:
                 for comm in (self._bg_comm, self.comm):
                     if hasattr(comm, "close"):
                         comm.close()
+        if lost is not None:
+            raise ConfigError(f"Checkpointer.close() after torch.distributed.destroy_process_group(): {self.name!r} "
+                              f"v{lost} was captured but not written (its hand-off needs every rank's process "
+                              "group); call ckpt.close() before destroy_process_group()")
+
+    def _finish_at_boundary(self) -> None:
+        """Finish the pending capture from ``wait``/``close``: with a loop that marks its
+        boundaries, the iteration of the checkpoint step is over, so its records are taken now."""
+        p = self._pending
+        if p is not None and self._boundary and not p.at_boundary:
+            self._take_records(p)
+        self._finish()
+
+    def _at_exit(self) -> None:
+        """A run that exits without :meth:`close`: hand the pending capture off (every rank
+        exiting normally does this collectively) within ``close_timeout``, or say what was lost."""
+        if self._closed:
+            return
+        pending = self._pending.step if self._pending is not None else None
+        alive = self.size == 1 or (torch.distributed.is_available() and torch.distributed.is_initialized())
+        if not alive:
+            self._closed = True  # nothing collective can run any more
+            if pending is not None:
+                log.warning("DeepFreeze (rank %d): %r v%d was captured but not written: the process group was "
+                            "destroyed before Checkpointer.close(); call ckpt.close() before "
+                            "destroy_process_group()", self.rank, self.name, pending)
+            return
+        err: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.close()
+            except BaseException as e:  # reported below
+                err.append(e)
+        t = threading.Thread(target=run, name=f"deepfreeze-atexit-close-r{self.rank}", daemon=True)
+        t.start()
+        t.join(self.close_timeout)
+        what = f"v{pending}" if pending is not None else "its last versions"
+        if t.is_alive():
+            log.warning("DeepFreeze (rank %d): %r: Checkpointer.close() was not called and closing at exit did not "
+                        "finish within close_timeout=%gs (another rank did not exit normally?): %s may not be "
+                        "written; call ckpt.close() at the end of training", self.rank, self.name,
+                        self.close_timeout, what)
+        elif err:
+            log.warning("DeepFreeze (rank %d): %r: Checkpointer.close() was not called and closing at exit failed "
+                        "(%s: %s): %s may not be written; call ckpt.close() at the end of training", self.rank,
+                        self.name, type(err[0]).__name__, err[0], what)
+        elif pending is not None and self.rank == 0:
+            log.warning("DeepFreeze: %r: Checkpointer.close() was not called: v%d was handed off and flushed at "
+                        "exit; call ckpt.close() at the end of training", self.name, pending)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -299,12 +483,25 @@ class Checkpointer:
         """The part of this rank's state record taken in the post-hook (``"a"``) or at the next
         pre-hook (``"b"``; ``st``: the post-hook's tensor list, whose optimizer groups serve)."""
         if phase == "a":
-            return {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
-                    "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
+            rec = {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
+                   "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
+            if self._pass is not None:
+                rec["loop"] = self._pass.record()
+            return rec
         groups, extra = (st.groups, st.extra) if st is not None else \
             _state.optimizer_groups(self.optimizers, self._fqn_of)  # no state_dict: FSDP2's forward
         return {"param_groups": groups, "optim_extra": extra,
                 "state": {k: o.state_dict() for k, o in self.state.items() if _phase_b(o)}}
+
+    def _take_records(self, p: _Pending) -> None:
+        """Both parts of the state record of ``p``, now (the loop's boundary)."""
+        p.at_boundary = True
+        try:
+            p.record_a = _state.encode(self._record("a"), "record")
+            p.record_b = _state.encode(self._record("b"), "state")
+        except DeepFreezeError as e:  # surfaced when the capture finishes, on every rank
+            p.error = f"rank {self.rank}: {e}"
+            p.record_b = b""
 
     def _capture(self, step: int) -> None:
         t0 = time.perf_counter()
@@ -497,7 +694,11 @@ class Checkpointer:
         ck = self._run.pick_resume(self.comm, trust_owners=self.trust_owners)  # collective
         if ck is None:
             return
-        apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size, rng=True)
+        rec = apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size, rng=True)
+        loop = (rec or {}).get("a", {}).get("loop")
+        if isinstance(loop, dict):  # the checkpoint was taken inside iterate(): its next pass resumes there
+            self._loop_resume = loop
+            self.start_epoch = int(loop.get("pass", 0))
         self.start_step = ck.step
         self.resumed_from = ck.version
         self._last_version = ck.version

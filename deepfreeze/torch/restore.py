@@ -162,10 +162,10 @@ def _local(a: torch.Tensor, shape: tuple[int, ...], rows: tuple[int, int]) -> to
 
 
 def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
-          state: dict[str, Any], rank: int, world_size: int, rng: bool) -> None:
+          state: dict[str, Any], rank: int, world_size: int, rng: bool) -> "dict[str, Any] | None":
     """Put ``ck`` into the model, optimizers, ``state`` objects and (``rng``) RNG states of this
     process (rank ``rank`` of ``world_size``: its own state record at the checkpoint's world
-    size, else rank 0's)."""
+    size, else rank 0's). Returns this rank's own state record (None at another world size)."""
     st = _split(ck)
     where = f"checkpoint {ck.name!r} v{ck.version}"
     _state.check_model(model, ck.manifest["tensors"], int(ck.manifest.get("model_tensors", 0)), where)
@@ -207,6 +207,7 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
         elif rank == 0:
             log.warning("DeepFreeze: %s was written by %d ranks, this job has %d: RNG states are not restored",
                         where, st.world_size, world_size)
+    return rec if same else None
 
 
 def _placed(state: dict[str, Any], param: "torch.Tensor | None", sharded: Any) -> dict[str, Any]:
