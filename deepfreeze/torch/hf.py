@@ -90,9 +90,18 @@ class _TrainerStateful:
         return {"trainer_state": json.dumps(d, indent=2, sort_keys=True) + "\n"}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        loaded = type(self.trainer_state)(**json.loads(sd["trainer_state"]))
-        for f in dataclasses.fields(loaded):
-            setattr(self.trainer_state, f.name, getattr(loaded, f.name))
+        """A check, not a load: Trainer has read ``trainer_state.json`` of the same version
+        (:func:`checkpoint_dir`); the version resumed must be at Trainer's ``global_step``."""
+        try:
+            step = int(json.loads(sd["trainer_state"])["global_step"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelMismatchError(f"the recorded Trainer state is unreadable: {type(e).__name__}: {e}") from e
+        if step != int(self.trainer_state.global_step):
+            raise ModelMismatchError(
+                f"the DeepFreeze version this run continues was taken at global step {step}, but Trainer resumed at "
+                f"step {self.trainer_state.global_step}: resume with trainer.train(resume_from_checkpoint="
+                "deepfreeze.torch.hf.checkpoint_dir(...)) of the name's newest version, or give the callback a new "
+                "name")
 
 
 class DeepFreezeCallback(TrainerCallback):
@@ -151,8 +160,18 @@ class DeepFreezeCallback(TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)  # AcceleratedOptimizer's GradScaler (fp16)
         if scaler is not None:
             objects[SCALER] = scaler
-        self.checkpointer = Checkpointer(model, opt, self.config, self.name, every_n_steps=every,
-                                         start_step=int(state.global_step), state=objects, **self.kwargs)
+        step = int(state.global_step)
+        # A resumed Trainer (global_step > 0) continues the name: resume=True takes the newest version every
+        # rank can recover (the one checkpoint_dir made the directory from: the same bytes Trainer loaded) and
+        # checks it is at global_step (_TrainerStateful.load_state_dict); a name with no version starts there.
+        ck = Checkpointer(model, opt, self.config, self.name, every_n_steps=every, resume=step > 0,
+                          state=objects, **self.kwargs)
+        if ck.start_step != step:
+            ck.close()
+            raise ModelMismatchError(f"DeepFreezeCallback: {self.name!r} continues at step {ck.start_step}, Trainer "
+                                     f"at global step {step}: resume through deepfreeze.torch.hf.checkpoint_dir(...) "
+                                     "of the name's newest version, or give the callback a new name")
+        self.checkpointer = ck
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.checkpointer is not None:

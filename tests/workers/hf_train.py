@@ -12,10 +12,10 @@ warm-up. Every RUN is one ``trainer.train()`` in this process (a fresh model and
                callback sets should_training_stop), or rank ``kill_rank`` SIGKILLs itself at
                the start of step ``kill_at``
   own          resumed from Trainer's own OUT/own/checkpoint-``at``
-  df           resumed from deepfreeze.torch.hf.checkpoint_dir(...) (version ``at``, or the newest
-               with at=0) in OUT/df, with DeepFreezeCallback continuing the name
+  df           resumed from deepfreeze.torch.hf.checkpoint_dir(...) (version ``df_at``, default
+               ``at``; the newest with df_at=0) in OUT/df, with DeepFreezeCallback continuing the name
 
-keys: steps, every, stop, at, accum (gradient_accumulation_steps), kill_at, kill_rank.
+keys: steps, every, stop, at, df_at, accum (gradient_accumulation_steps), kill_at, kill_rank.
 Per rank and RUN it writes OUT/<RUN>_rank<r>.pt (torch.save: model state dict, optimizer state
 dict, scheduler state dict, global step; read back with weights_only=True).
 """
@@ -70,6 +70,7 @@ def main() -> None:
     kv = dict(a.split("=", 1) for a in rest if "=" in a)
     steps, every = int(kv.get("steps", 12)), int(kv.get("every", 6))
     stop, at, accum = int(kv.get("stop", 0)), int(kv.get("at", 6)), int(kv.get("accum", 1))
+    df_at = int(kv.get("df_at", at))
     kill_at, kill_rank = int(kv.get("kill_at", 0)), int(kv.get("kill_rank", 1))
     df = dict(config=None, name="hf", mode="sync", scratch=os.path.join(out, "scratch"),
               persistent=os.path.join(out, "persistent"))
@@ -90,7 +91,7 @@ def main() -> None:
         if run == "own":
             resume = os.path.join(out, "own", f"checkpoint-{at}")
         elif run == "df":
-            resume = dfhf.checkpoint_dir(**df, output_dir=os.path.join(out, "df"), version=at or None)
+            resume = dfhf.checkpoint_dir(**df, output_dir=os.path.join(out, "df"), version=df_at or None)
         trainer.train(resume_from_checkpoint=resume)
         result = {"model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
                   "optim": trainer.optimizer.state_dict(), "sched": trainer.lr_scheduler.state_dict(),

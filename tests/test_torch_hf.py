@@ -1,0 +1,134 @@
+"""DeepFreeze in Hugging Face ``transformers.Trainer`` (deepfreeze/torch/hf.py): real 2-rank
+torchrun jobs of Trainer on CPU (DDP from torchrun's environment), a tiny GPT-2 built from its
+config, a hand-made dataset (tests/workers/hf_train.py).
+
+A run resumed from the ``checkpoint-<step>`` directory that ``checkpoint_dir`` makes from a
+DeepFreeze version must end bit-identical (model, optimizer state, scheduler, global step) to a
+run resumed from Trainer's own ``checkpoint-<step>`` at the same step, and to the uninterrupted
+run (Trainer's own resume is exact here: checked in the same job).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh installs torch==2.13.0, CPU)")
+pytest.importorskip("transformers", reason="transformers is not installed (scripts/setup.sh installs it, pinned)")
+pytest.importorskip("accelerate", reason="accelerate is not installed (Trainer needs it; scripts/setup.sh installs it)")
+
+from _util import ROOT, WORKERS  # noqa: E402
+from test_torch import _env, torchrun  # noqa: E402
+
+WORKER = os.path.join(WORKERS, "hf_train.py")
+OWN_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth",
+             "rng_state_1.pth")
+
+
+def _leaves(x, path=""):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, f"{path}/{k}")
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{path}/{i}")
+    else:
+        yield path, x
+
+
+def differences(a, b) -> list[str]:
+    """Paths where two nested states differ (tensors: dtype, shape and bytes)."""
+    la, lb = dict(_leaves(a)), dict(_leaves(b))
+    out = [f"{k}: only on one side" for k in sorted(set(la) ^ set(lb))]
+    for k in sorted(set(la) & set(lb)):
+        x, y = la[k], lb[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                    and x.shape == y.shape and x.contiguous().view(-1).view(torch.uint8).equal(
+                        y.contiguous().view(-1).view(torch.uint8)))
+        elif hasattr(x, "tobytes"):  # numpy arrays (RNG states)
+            same = type(x) is type(y) and x.dtype == y.dtype and x.tobytes() == y.tobytes()
+        else:
+            same = x == y
+        if not same:
+            out.append(k)
+    return out
+
+
+def result(out: str, run: str, rank: int) -> dict:
+    return torch.load(os.path.join(out, f"{run}_rank{rank}.pt"), weights_only=True)
+
+
+def check_resumes(out: str, at: int, runs: tuple[str, ...] = ("own", "df")) -> None:
+    for r in (0, 1):
+        full = result(out, "full", r)
+        got = {run: result(out, run, r) for run in runs}
+        assert all(g["resumed"] for g in got.values()), "a run that should have resumed did not"
+        keys = ("model", "optim", "sched", "global_step")
+        if "own" in got:  # the DeepFreeze route against Trainer's own checkpoint at the same step
+            diff = {k: differences(got["df"][k], got["own"][k]) for k in keys}
+            assert not any(diff.values()), f"rank {r}: DeepFreeze resume != Trainer's own resume at step {at}: {diff}"
+            own_exact = not any(differences(got["own"][k], full[k]) for k in keys)
+            assert own_exact, f"rank {r}: Trainer's own resume at step {at} is not exact here: the uninterrupted " \
+                              "comparison below would not be meaningful"
+        diff = {k: differences(got["df"][k], full[k]) for k in keys}
+        assert not any(diff.values()), f"rank {r}: DeepFreeze resume != the uninterrupted run: {diff}"
+        assert got["df"]["global_step"] == full["global_step"] > at
+
+
+def check_dir_equals_trainers(own: str, df: str) -> None:
+    """The directory checkpoint_dir made holds what Trainer's own checkpoint holds, bit for bit."""
+    from safetensors.torch import load_file
+    from transformers.trainer_pt_utils import safe_globals
+    assert set(OWN_FILES) <= set(os.listdir(df)), sorted(os.listdir(df))
+    mo, md = load_file(os.path.join(own, "model.safetensors")), load_file(os.path.join(df, "model.safetensors"))
+    assert set(mo) <= set(md)  # Trainer's save_pretrained leaves out tied copies (lm_head.weight)
+    assert not differences(mo, {k: md[k] for k in mo})
+    for f in OWN_FILES[1:]:
+        if f.endswith("json"):
+            so, sd = (json.load(open(os.path.join(d, f))) for d in (own, df))
+            # what Trainer updates after on_step_end, at its own save: total_flos (store_flos)
+            diff = sorted(k for k in so if so[k] != sd.get(k) and k != "total_flos")
+            assert not diff, {k: (so[k], sd.get(k)) for k in diff}
+            continue
+        with safe_globals():
+            a, b = (torch.load(os.path.join(d, f), weights_only=True) for d in (own, df))
+        assert not differences(a, b), f"{f}: {differences(a, b)[:5]}"
+
+
+def test_trainer_resume_from_deepfreeze_equals_trainers_own(tmp_path):
+    """One job, four trainings (a fresh model and Trainer each): a run interrupted after step 6
+    with Trainer's own checkpoints and DeepFreezeCallback; the uninterrupted run to step 12;
+    resumed from Trainer's checkpoint-6; resumed from checkpoint_dir's checkpoint-6 (the
+    callback continuing the name). Dropout on, linear schedule with warm-up, AdamW."""
+    out = str(tmp_path)
+    torchrun(2, WORKER, out, "first", "full", "own", "df", "steps=12", "every=6", "stop=6", "at=6", timeout=400)
+    check_dir_equals_trainers(os.path.join(out, "own", "checkpoint-6"), os.path.join(out, "df", "checkpoint-6"))
+    check_resumes(out, 6)
+    with open(os.path.join(out, "df", "checkpoint-6", "deepfreeze.json")) as f:
+        assert json.load(f)["version"] == 6
+
+
+@pytest.mark.slow
+def test_trainer_kill9_gradient_accumulation_then_resume(tmp_path):
+    """Gradient accumulation (2 micro-batches per step), rank 1 SIGKILLed at the start of step 9
+    (DeepFreeze's v8 is the newest), the job relaunched through checkpoint_dir(newest): ends
+    equal to the uninterrupted run and to Trainer's own resume from checkpoint-8."""
+    out = str(tmp_path)
+    common = ("steps=14", "every=4", "accum=2")
+    p = torchrun(2, WORKER, out, "first", *common, "kill_at=9", check=False, timeout=400)
+    assert p.returncode != 0
+    torchrun(2, WORKER, out, "full", "own", "df", *common, "at=8", "df_at=0", timeout=400)  # df_at=0: the newest
+    check_resumes(out, 8)
+
+
+def test_import_deepfreeze_torch_does_not_import_transformers():
+    code = ("import sys, deepfreeze.torch; bad = [m for m in ('transformers', 'accelerate', 'pytorch_lightning', "
+            "'lightning') if m in sys.modules]; assert not bad, bad; import deepfreeze.torch.hf; "
+            "assert 'transformers' in sys.modules")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=_env(),
+                       cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
