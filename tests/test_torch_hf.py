@@ -99,17 +99,83 @@ def check_dir_equals_trainers(own: str, df: str) -> None:
         assert not differences(a, b), f"{f}: {differences(a, b)[:5]}"
 
 
-def test_trainer_resume_from_deepfreeze_equals_trainers_own(tmp_path):
+@pytest.fixture(scope="module")
+def hf_job(tmp_path_factory):
     """One job, four trainings (a fresh model and Trainer each): a run interrupted after step 6
-    with Trainer's own checkpoints and DeepFreezeCallback; the uninterrupted run to step 12;
-    resumed from Trainer's checkpoint-6; resumed from checkpoint_dir's checkpoint-6 (the
-    callback continuing the name). Dropout on, linear schedule with warm-up, AdamW."""
-    out = str(tmp_path)
+    with Trainer's own checkpoints and DeepFreezeCallback (every 6 steps); the uninterrupted run
+    to step 12; resumed from Trainer's checkpoint-6; resumed from checkpoint_dir's checkpoint-6
+    (the callback continuing the name: v12 at the end). Dropout on, linear schedule with
+    warm-up, AdamW."""
+    out = str(tmp_path_factory.mktemp("hf"))
     torchrun(2, WORKER, out, "first", "full", "own", "df", "steps=12", "every=6", "stop=6", "at=6", timeout=400)
+    return out
+
+
+def df_keys(out: str) -> dict:
+    return dict(config=None, name="hf", mode="sync", scratch=os.path.join(out, "scratch"),
+                persistent=os.path.join(out, "persistent"))
+
+
+def test_trainer_resume_from_deepfreeze_equals_trainers_own(hf_job):
+    out = hf_job
     check_dir_equals_trainers(os.path.join(out, "own", "checkpoint-6"), os.path.join(out, "df", "checkpoint-6"))
     check_resumes(out, 6)
     with open(os.path.join(out, "df", "checkpoint-6", "deepfreeze.json")) as f:
         assert json.load(f)["version"] == 6
+    from deepfreeze import Config, list_versions
+    kw = df_keys(out)
+    cfg = Config.resolve(None, mode="sync", scratch=kw["scratch"], persistent=kw["persistent"])
+    assert sorted(list_versions(cfg, "hf")) == [6, 12]  # the resumed run continued the name at step 6
+
+
+def test_checkpoint_dir_in_a_plain_process(hf_job, tmp_path, caplog):
+    """At another world size (1 process, a 2-rank version): the shared files, no RNG file (logged);
+    the newest version by default; a directory made before is replaced; Trainer's own (or any
+    other) directory is refused; a missing version raises; a name without versions gives None."""
+    from deepfreeze.errors import CheckpointNotFoundError, ExistingCheckpointError
+    from deepfreeze.torch.hf import checkpoint_dir
+    kw = df_keys(hf_job)
+    path = checkpoint_dir(**kw, output_dir=str(tmp_path))
+    assert path == os.path.join(str(tmp_path), "checkpoint-12")
+    assert sorted(os.listdir(path)) == ["deepfreeze.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
+                                        "trainer_state.json"]
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        assert json.load(f)["global_step"] == 12
+    assert "no RNG files" in caplog.text
+    stamp = os.stat(os.path.join(path, "optimizer.pt")).st_ino
+    assert checkpoint_dir(**kw, output_dir=str(tmp_path), version=12) == path  # replaced
+    assert os.stat(os.path.join(path, "optimizer.pt")).st_ino != stamp
+    assert not [n for n in os.listdir(str(tmp_path)) if "deepfreeze-" in n]  # no temporary left
+    with pytest.raises(ExistingCheckpointError, match="not made by checkpoint_dir"):
+        checkpoint_dir(**kw, output_dir=os.path.join(hf_job, "own"), version=6)
+    assert set(os.listdir(os.path.join(hf_job, "own", "checkpoint-6"))) >= set(OWN_FILES)  # untouched
+    with pytest.raises(CheckpointNotFoundError):
+        checkpoint_dir(**kw, output_dir=str(tmp_path), version=7)
+    assert checkpoint_dir(**{**kw, "name": "nothing_here"}, output_dir=str(tmp_path)) is None
+
+
+def test_callback_refuses_fsdp_deepspeed_and_bad_arguments(tmp_path):
+    """FSDP and DeepSpeed are refused when the callback is attached (Trainer's on_init_end), with
+    a ConfigError naming them; arguments the callback sets itself, and a bad interval, too."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.torch.hf import DeepFreezeCallback
+    with pytest.raises(ConfigError, match="every_n_steps"):
+        DeepFreezeCallback(name="x", every_n_steps=0)
+    with pytest.raises(ConfigError, match="resume"):
+        DeepFreezeCallback(name="x", resume=True)
+    cb = DeepFreezeCallback(name="x", every_n_steps=2, scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[])
+    Trainer(model=model, args=args, callbacks=[cb])  # DDP-less CPU: accepted
+    args.deepspeed = {"zero_optimization": {"stage": 2}}  # as TrainingArguments keeps it (building it needs deepspeed)
+    with pytest.raises(ConfigError, match="DeepSpeed"):
+        cb.on_init_end(args, None, None)
+    args.deepspeed, args.fsdp = None, True  # what TrainingArguments makes of fsdp="full_shard" (FSDP1 or 2)
+    with pytest.raises(ConfigError, match="FSDP"):
+        cb.on_init_end(args, None, None)
+    with pytest.raises(ConfigError, match="FSDP"):
+        cb.on_train_begin(args, None, None)
 
 
 @pytest.mark.slow
@@ -127,8 +193,7 @@ def test_trainer_kill9_gradient_accumulation_then_resume(tmp_path):
 
 def test_import_deepfreeze_torch_does_not_import_transformers():
     code = ("import sys, deepfreeze.torch; bad = [m for m in ('transformers', 'accelerate', 'pytorch_lightning', "
-            "'lightning') if m in sys.modules]; assert not bad, bad; import deepfreeze.torch.hf; "
-            "assert 'transformers' in sys.modules")
+            "'lightning') if m in sys.modules]; assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=_env(),
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -246,11 +246,19 @@ def _write(path: str, kind: str, payload: Any) -> None:
         _atomic(path, False, text)
 
 
+def _describe(rank: int, e: BaseException) -> str:
+    return f"{type(e).__name__}\0rank {rank}: {e}"
+
+
 def _agree(comm: Any, error: str, what: str) -> None:
-    """Every rank raises when any rank failed (collective)."""
-    errors = [r.decode(errors="replace") for r in comm.allgather(error.encode()[:2000]) if r]
-    if errors:
-        raise ConfigError(f"checkpoint_dir: {what}: " + "; ".join(errors))
+    """Every rank raises when any rank failed (collective): the first failure's DeepFreeze error
+    class (ConfigError for another), naming every failed rank."""
+    from .. import errors as _errors
+    rows = [r.decode(errors="replace").partition("\0") for r in comm.allgather(error.encode()[:2000]) if r]
+    if rows:
+        cls = getattr(_errors, rows[0][0], None)
+        cls = cls if isinstance(cls, type) and issubclass(cls, DeepFreezeError) else ConfigError
+        raise cls(f"checkpoint_dir: {what}: " + "; ".join(r[2] for r in rows))
 
 
 def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_dir: str, version: int | None = None,
@@ -281,7 +289,8 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                 log.warning("DeepFreeze: no committed version of %r (%s): Trainer starts from scratch", name, e)
             return None
         final = os.path.join(os.path.abspath(output_dir), f"checkpoint-{st.step}")
-        tmp, err = "", ""
+        tmp = f"{final}.deepfreeze-tmp-{os.getpid()}"  # rank 0's pid: every rank gets rank 0's name below
+        err = ""
         if rank == 0:
             try:
                 if os.path.lexists(final) and not os.path.isfile(os.path.join(final, _MARKER)):
@@ -289,33 +298,28 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                                                   "checkpoint?): give another output_dir (a directory of its own)")
                 files = _trainer_files(st)
                 os.makedirs(os.path.dirname(final), exist_ok=True)
-                tmp = f"{final}.deepfreeze-tmp-{os.getpid()}"
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.mkdir(tmp, 0o700)
                 for fname, (kind, payload) in files.items():
                     _write(os.path.join(tmp, fname), kind, payload)
             except (DeepFreezeError, OSError) as e:
-                err = f"rank 0: {type(e).__name__}: {e}"
-        rows = comm.allgather((err or tmp).encode()[:4000])
-        if rows[0].decode().startswith("rank 0:"):
-            if tmp:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise ConfigError(f"checkpoint_dir: {rows[0].decode()}")
-        tmp = rows[0].decode()
-        err = ""
+                err = _describe(rank, e)
         try:
-            if size == st.world_size and rank < len(st.records):
-                _, rng = _saved(st.records[rank])
-                if rng is not None:
-                    fname = f"rng_state_{rank}.pth" if size > 1 else "rng_state.pth"
-                    _write(os.path.join(tmp, fname), "torch", _rng_file(rng))
-            elif rank == 0:
-                log.warning("DeepFreeze: %r v%d was written by %d ranks, this job has %d: no RNG files (Trainer "
-                            "resumes without them)", name, st.version, st.world_size, size)
-        except (DeepFreezeError, OSError) as e:
-            err = f"rank {rank}: {type(e).__name__}: {e} (output_dir must be a directory every rank sees)"
-        try:
-            _agree(comm, err, f"RNG files of v{st.version} in {tmp}")
+            _agree(comm, err, f"v{st.version} into {final}")
+            tmp = comm.allgather(tmp.encode() if rank == 0 else b"")[0].decode()
+            err = ""
+            try:
+                if size == st.world_size and rank < len(st.records):
+                    _, rng = _saved(st.records[rank])
+                    if rng is not None:
+                        fname = f"rng_state_{rank}.pth" if size > 1 else "rng_state.pth"
+                        _write(os.path.join(tmp, fname), "torch", _rng_file(rng))
+                elif rank == 0:
+                    log.warning("DeepFreeze: %r v%d was written by %d ranks, this job has %d: no RNG files (Trainer "
+                                "resumes without them)", name, st.version, st.world_size, size)
+            except (DeepFreezeError, OSError) as e:
+                err = _describe(rank, OSError(f"{e} (output_dir must be a directory every rank sees)"))
+            _agree(comm, err, f"the RNG files of v{st.version} in {tmp}")
             if rank == 0:
                 try:
                     if os.path.lexists(final):  # made by checkpoint_dir before (checked above): replaced
@@ -329,7 +333,7 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                     finally:
                         os.close(fd)
                 except OSError as e:
-                    err = f"rank 0: {type(e).__name__}: {e}"
+                    err = _describe(rank, e)
             _agree(comm, err, f"renaming {tmp} to {final}")
         except BaseException:
             if rank == 0:
