@@ -334,11 +334,11 @@ class Checkpointer:
         gen = _generator_of(iterable)
         skip, at_boundary = 0, None
         if resume is not None:
+            at_boundary = _state.rng_state()  # the checkpoint's, restored by resume: set again once the pass is placed
             if stateful and "loader" in resume:
-                iterable.load_state_dict(resume["loader"])
+                iterable.load_state_dict(resume["loader"])  # (its iter() draws a seed again: undone below)
             elif not stateful and resume.get("rng") is not None:
                 skip = int(resume["yielded"])
-                at_boundary = _state.rng_state()  # the checkpoint's, restored by resume
                 _state.set_rng_state(resume["rng"]["process"])
                 if gen is not None and "generator" in resume["rng"]:
                     gen.set_state(resume["rng"]["generator"])
