@@ -23,7 +23,10 @@ import os
 import signal
 import sys
 
-import torch
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing from a hub: any attempt fails the run
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
