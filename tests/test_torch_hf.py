@@ -198,3 +198,23 @@ def test_import_deepfreeze_torch_does_not_import_transformers():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=_env(),
                        cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_resumed_trainer_with_a_newer_deepfreeze_version_is_refused(hf_job, tmp_path):
+    """A Trainer resumed from its own checkpoint-6 while the callback's name has v12: the
+    Checkpointer the callback builds continues v12, which is not Trainer's step: a
+    ModelMismatchError before the first step (a plain process, the 2-rank job's files)."""
+    sys.path.insert(0, WORKERS)
+    from hf_train import SEQ, VOCAB, Tokens
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from deepfreeze.errors import ModelMismatchError
+    from deepfreeze.torch.hf import DeepFreezeCallback
+    kw = df_keys(hf_job)
+    cb = DeepFreezeCallback(**kw, every_n_steps=6)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=12,
+                             per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb])
+    with pytest.raises(ModelMismatchError, match="global step 12, but Trainer resumed at step 6"):
+        trainer.train(resume_from_checkpoint=os.path.join(hf_job, "own", "checkpoint-6"))
+    assert cb.checkpointer is None
