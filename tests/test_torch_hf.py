@@ -181,8 +181,8 @@ def test_callback_refuses_fsdp_deepspeed_and_bad_arguments(tmp_path):
 @pytest.mark.slow
 def test_trainer_kill9_gradient_accumulation_then_resume(tmp_path):
     """Gradient accumulation (2 micro-batches per step), rank 1 SIGKILLed at the start of step 10
-    (v8, captured in step 8, is handed off in step 9: the newest), the job relaunched through checkpoint_dir(newest): ends
-    equal to the uninterrupted run and to Trainer's own resume from checkpoint-8."""
+    (v8, captured in step 8, is handed off in step 9: the newest), the job relaunched through
+    checkpoint_dir(newest): ends equal to the uninterrupted run and to Trainer's own resume from checkpoint-8."""
     out = str(tmp_path)
     common = ("steps=14", "every=4", "accum=2")
     p = torchrun(2, WORKER, out, "first", *common, "kill_at=10", check=False, timeout=400)

@@ -35,7 +35,6 @@ from ..config import Config, validate_name
 from ..errors import (CheckpointNotFoundError, ConfigError, DeepFreezeError, ExistingCheckpointError,
                       ModelMismatchError)
 from ..export import _atomic
-from . import _state
 from ._dist import make_comm, rank_and_size
 from .checkpointer import Checkpointer
 from .restore import TorchState, load_state

@@ -30,7 +30,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed  # noqa: E402
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,  # noqa: E402
+                          TrainingArguments, set_seed)
 
 import deepfreeze.torch.hf as dfhf  # noqa: E402
 
