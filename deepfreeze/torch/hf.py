@@ -173,8 +173,11 @@ class DeepFreezeCallback(TrainerCallback):
         self.checkpointer = ck
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.end_iteration()
+        ck = self.checkpointer
+        if ck is not None:
+            if ck.step != state.global_step:  # a step fp16's GradScaler skipped: Trainer counted it, no hook ran
+                ck.step = int(state.global_step)  # versions stay Trainer's global_step
+            ck.end_iteration()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         ck, self.checkpointer = self.checkpointer, None
