@@ -210,11 +210,12 @@ def _trainer_files(st: TorchState) -> dict[str, Any]:
              "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
                                "params": [index[f] for f in g["params"]]} for g in groups[0]]}
     model: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for fqn, t in st.model.items():  # one copy of a tensor shared by several names (save_pretrained's rule)
-        if t.numel() and t.untyped_storage().data_ptr() in seen:
+    seen: set[tuple] = set()
+    for fqn, t in st.model.items():  # one copy of a tensor stored under several names (save_pretrained's rule)
+        same = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if t.numel() and same in seen:
             continue
-        seen.add(t.untyped_storage().data_ptr())
+        seen.add(same)
         model[fqn] = t.contiguous()
     out = {"model.safetensors": ("safetensors", model), "optimizer.pt": ("torch", optim),
            "trainer_state.json": ("text", saved[TRAINER_STATE]["trainer_state"])}
