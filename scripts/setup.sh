@@ -89,10 +89,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip wheel setuptools
 fi
 VPY="$VENV/bin/python"
-if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib, isal, scipy, redis, safetensors, cryptography; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
+if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib, isal, scipy, redis, safetensors, cryptography, hypothesis; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
   say "installing tensorflow-cpu==2.15.1 numpy<2 isal mpi4py h5py pytest matplotlib scipy redis safetensors cryptography"
   "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" isal mpi4py h5py pytest pytest-timeout matplotlib cmake \
-    packaging "scipy<1.14" "redis>=5" safetensors cryptography
+    packaging "scipy<1.14" "redis>=5" safetensors cryptography "hypothesis==6.*"
 fi
 
 # 3. Horovod from source
@@ -117,10 +117,10 @@ fi
 
 # 3c. what the PyTorch integrations and their tests use, pinned beside torch and numpy<2 (only
 # deepfreeze.torch.lightning / deepfreeze.torch.hf import the frameworks): Lightning, Hugging Face
-# transformers, torchdata's StatefulDataLoader, and hypothesis (the fuzz harness)
-if ! "$VPY" -c "import pytorch_lightning, transformers, torchdata, hypothesis" >/dev/null 2>&1; then
-  say "installing pytorch-lightning==2.6.6 transformers==5.23.0 torchdata==0.11.0 hypothesis (with torch==$TORCH_VERSION, numpy<2)"
-  "$VPY" -m pip install -q "pytorch-lightning==2.6.6" "transformers==5.23.0" "torchdata==0.11.0" "hypothesis==6.170.*" \
+# transformers and torchdata's StatefulDataLoader
+if ! "$VPY" -c "import pytorch_lightning, transformers, torchdata" >/dev/null 2>&1; then
+  say "installing pytorch-lightning==2.6.6 transformers==5.23.0 torchdata==0.11.0 (with torch==$TORCH_VERSION, numpy<2)"
+  "$VPY" -m pip install -q "pytorch-lightning==2.6.6" "transformers==5.23.0" "torchdata==0.11.0" \
     "torch==$TORCH_VERSION" "numpy<2"
 fi
 

@@ -99,6 +99,41 @@ def test_gc_recounts_reports_what_it_removed_and_damage(tmp_path):
         assert r.get("mlp@v2", ["w"])["w"].tobytes() == a["w"].tobytes()
 
 
+def test_gc_removes_no_pack_for_a_damaged_row_lists_the_quarantine_and_restores(tmp_path):
+    """A pack row naming ../../../../etc/passwd: ``repo gc`` removes no pack, says why, exits 1;
+    repaired, gc moves the dead pack into the quarantine and lists it; ``--restore`` takes it back."""
+    import sqlite3
+    repo = str(tmp_path / "repo")
+    a = fill(repo)
+    with sqlite3.connect(os.path.join(repo, "meta.db")) as db:
+        (mid,) = db.execute("SELECT id FROM models WHERE name='cnn'").fetchone()
+        db.execute("DELETE FROM tensors WHERE model=?", (mid,))  # cnn deleted the old way: its pack is dead
+        db.execute("UPDATE models SET deleted=1 WHERE id=?", (mid,))
+        (pid, file) = db.execute("SELECT p.id, p.file FROM packs p JOIN blobs b ON b.pack=p.id JOIN tensors t ON "
+                                 "t.blob=b.id JOIN models m ON m.id=t.model WHERE m.name='mlp@v1'").fetchone()
+        db.execute("UPDATE packs SET file='../../../../etc/passwd' WHERE id=?", (pid,))
+    before = sorted(os.listdir(os.path.join(repo, "packs")))
+    p = cli("gc", repo)
+    assert p.returncode == 1 and "removed no pack" in p.stderr and "etc/passwd" in p.stderr
+    assert "Traceback" not in p.stderr and sorted(os.listdir(os.path.join(repo, "packs"))) == before
+    with sqlite3.connect(os.path.join(repo, "meta.db")) as db:
+        db.execute("UPDATE packs SET file=? WHERE id=?", (file, pid))
+    p = cli("gc", repo)
+    assert p.returncode == 0, p.stderr
+    assert "into the quarantine" in p.stdout and "quarantine: 1 pack" in p.stdout
+    (dead,) = set(before) - set(os.listdir(os.path.join(repo, "packs")))
+    assert dead in p.stdout
+    p = cli("gc", repo, "--restore", dead)
+    assert p.returncode == 0 and f"restored {dead}" in p.stdout and "no row" in p.stderr
+    assert dead in os.listdir(os.path.join(repo, "packs")) and os.listdir(os.path.join(repo, "quarantine")) == []
+    p = cli("gc", repo, "--restore", "../meta.db")
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+    p = cli("gc", "dstore://127.0.0.1:9", "--restore", dead)
+    assert p.returncode == 2 and "repository directory" in p.stderr
+    with Repository(repo) as r:
+        assert r.get("mlp@v1")["w"].tobytes() == a["w"].tobytes()
+
+
 def test_import_checkpoint_and_load_bit_exact(tmp_path):
     """A real 2-rank fit with checkpoints; the newest version imports with no model at hand
     (the manifest records the layer graph) and loads bit-exact into a model built with other

@@ -470,7 +470,7 @@ def test_store_killed_midway_leaves_nothing(tmp_path, stage):
         assert packs(root) == sorted(before + orphans)
         size = os.path.getsize(root / "packs" / orphans[0])
         res = repo.gc(grace=0)
-        assert res["orphans_removed"] == 1 and res["freed"] == size
+        assert res["orphans_removed"] == 1 and res["freed" if stage == "write" else "quarantined"] == size
         assert packs(root) == before
         # the name was never taken; the repository works
         repo.put("victim@1", worker_data(2))
@@ -587,14 +587,15 @@ def test_gc_rewrites_a_mostly_dead_pack(repo):
     assert res["packs_rewritten"] == 1 and res["blobs_removed"] == 0
     new = packs(repo.directory)
     assert len(new) == 1 and new != old
-    assert res["freed"] == old_size - os.path.getsize(os.path.join(repo.directory, "packs", new[0]))
-    assert res["freed"] > sum(a.nbytes for a in big.values()) - 8192
+    assert res["quarantined"] == old_size and res["freed"] == 0  # the old copy waits in the quarantine
+    assert [(e["file"], e["bytes"]) for e in res["quarantine"]] == [(old[0], old_size)]
     got = repo.get("keeper")
     assert same_bits(got["k0"], small["s0"]) and same_bits(got["k1"], small["s1"])
     # the moved blobs still de-duplicate, and a second gc has nothing left to do
     assert repo.put("again", {"x": small["s0"]})["written"] == 0
     assert repo.gc(grace=0) == {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
-                                "orphans_removed": 0, "refs_repaired": 0, "warnings": [], "damaged": []}
+                                "orphans_removed": 0, "refs_repaired": 0, "warnings": [], "damaged": [],
+                                "quarantined": 0, "purged": 0, "quarantine": res["quarantine"]}
 
 
 # --------------------------------------------------------------------------- import of a DeepFreeze file
@@ -833,11 +834,12 @@ def test_gc_rewrites_an_imported_pack_of_pieces(repo, tmp_path):
     repo.add_pack("imp", src, {"w": [0, 1, 2, 3]})  # the two big tensors (optimizer slots) are not taken
     # while the checkpoint's own link exists, a rewrite would only add a copy: gc leaves it
     assert repo.gc(grace=0) == {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
-                                "orphans_removed": 0, "refs_repaired": 0, "warnings": [], "damaged": []}
+                                "orphans_removed": 0, "refs_repaired": 0, "warnings": [], "damaged": [],
+                                "quarantined": 0, "purged": 0, "quarantine": []}
     assert open(src, "rb").read() == before  # the checkpoint file itself is untouched
     os.unlink(src)  # the checkpoint's retention removes it: now the repository's link is the only one
     res = repo.gc(grace=0)
-    assert res["packs_rewritten"] == 1 and res["freed"] > 2 * ts[1].nbytes - 8192
+    assert res["packs_rewritten"] == 1 and res["quarantined"] > 2 * ts[1].nbytes
     assert same_bits(repo.get("imp")["w"], ts[0])
     assert repo.put("dup", {"x": ts[0].copy()})["written"] == 0  # its whole-tensor CRC de-duplicates
 

@@ -3,7 +3,7 @@
     deepfreeze repo ls     REPO [--json]
     deepfreeze repo info   REPO [NAME] [--json]
     deepfreeze repo rm     REPO NAME
-    deepfreeze repo gc     REPO [--json]
+    deepfreeze repo gc     REPO [--json] [--quarantine-days DAYS] [--restore PACK]
     deepfreeze repo import REPO NAME [--config F] [--name CKPT] [--set K=V] [--version V] [--model MODULE:FN]
     deepfreeze repo serve  --dir DIR [--listen HOST:PORT] [--allow-remote] [--token-file F] [--arena-size BYTES] [--fsync]
     deepfreeze repo token  [--file F]
@@ -39,6 +39,16 @@ def _size(text: str) -> int:
     return n
 
 
+def _days(text: str) -> float:
+    try:
+        d = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of days") from None
+    if not d >= 0 or d == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of days >= 0")
+    return d
+
+
 def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     p = sub.add_parser("repo", help="the model repository: ls, info, rm, gc, import, serve, token",
                        description="Manage a DeepFreeze model repository (docs/repository.md). REPO is a "
@@ -58,7 +68,16 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     q.add_argument("model", metavar="NAME")
     q.set_defaults(func=_rm)
     q = rs.add_parser("gc", parents=[repo_arg, parents["json"]],
-                      help="compact: drop unreferenced tensors and what crashed stores left")
+                      help="compact: drop unreferenced tensors and what crashed stores left",
+                      description="Compact the repository. The packs it removes are moved into REPO/quarantine "
+                                  "and unlinked by a later gc after the quarantine period (7 days); it lists them. "
+                                  "Any damaged row: it removes no pack and says why.")
+    q.add_argument("--quarantine-days", type=_days, metavar="DAYS",
+                   help="unlink the quarantined packs older than DAYS (default: the repository's 7 days; "
+                        "0: all those there before this gc); a repository directory only")
+    q.add_argument("--restore", metavar="PACK",
+                   help="instead of a gc: move PACK (a pack name or quarantine entry it lists) back into "
+                        "REPO/packs; a repository directory only")
     q.set_defaults(func=_gc)
     q = rs.add_parser("import", parents=[repo_arg, parents["common"], parents["trust"]],
                       help="a DeepFreeze checkpoint version as a repository model, without re-serializing",
@@ -164,16 +183,48 @@ def gc_summary(out: dict) -> list[str]:
             done.append(f"removed {_plural(out[key], what)}")
     if out.get("packs_rewritten"):
         done.append(f"compacted {_plural(out['packs_rewritten'], 'pack')}")
-    lines = [f"{', '.join(done)}: freed {mb(out.get('freed', 0))}" if done else "nothing to remove"]
+    freed = f": freed {mb(out['freed'])}" if out.get("freed") else ""
+    lines = [f"{', '.join(done)}{freed}" if done else "nothing to remove"]
     if out.get("refs_repaired"):
         lines.append(f"repaired {_plural(out['refs_repaired'], 'stored reference count')} (recounted from the "
                      "models' rows)")
+    if out.get("quarantined"):
+        lines.append(f"moved {mb(out['quarantined'])} into the quarantine (unlinked by a later gc after the "
+                     "quarantine period; --restore PACK takes one back)")
+    if out.get("purged"):
+        lines.append(f"unlinked {_plural(out['purged'], 'quarantined pack')} older than the quarantine period"
+                     f"{'' if done else freed}")
+    held = out.get("quarantine") or []
+    if held:
+        lines.append(f"quarantine: {_plural(len(held), 'pack')}, {mb(sum(e.get('bytes', 0) for e in held))}:")
+        lines += table(["PACK", "SIZE", "MOVED", "UNLINKED AFTER"],
+                       [[e.get("file"), mb(e.get("bytes", 0)), _when(e.get("since")), _when(e.get("purge_after"))]
+                        for e in held], right=(1,))
     return lines
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from ..repo import SCHEME
+    if (args.restore is not None or args.quarantine_days is not None) and args.repo.startswith(SCHEME):
+        raise UsageError("--restore and --quarantine-days work on a repository directory: run them on the "
+                         "provider's node with the directory it serves (deepfreeze repo serve --dir)")
+    if args.restore is not None:
+        with _open(args) as repo:
+            got = repo.restore_pack(args.restore)
+        if args.json:
+            emit_json(got)
+            return EXIT_OK
+        print(f"restored {got['file']} from the quarantine ({got['entry']}) into {args.repo}/packs")
+        if not got["referenced"]:
+            sys.stderr.write(f"deepfreeze: warning: no row of {args.repo}/meta.db names {got['file']}: repair the row "
+                             "or restore meta.db from a backup before the next gc (after its grace period it would "
+                             "move the pack into the quarantine again)\n")
+        return EXIT_OK
     with _open(args) as repo:
-        out = repo.gc()
+        if args.quarantine_days is not None:
+            out = repo.gc(quarantine_period=args.quarantine_days * 86400.0)
+        else:
+            out = repo.gc()
     damaged = out.get("damaged") or []
     if args.json:
         emit_json(out)

@@ -14,24 +14,45 @@ commit it unlinks those packs. Packs shared with other models are compacted by g
 
 Garbage collection (:meth:`~Maintenance.gc`)
 --------------------------------------------
-References are recomputed from the live rows (names -> tensors -> blobs -> packs), never taken
-from the stored counts. In one write transaction: check the rows (a tensor row of a live model
-pointing to a blob or pack row that does not exist, a model with fewer tensor rows than it was
-stored with: "damaged"; then gc only repairs the counts and removes nothing, because the blob the
-row meant cannot be told from an unused one); set every stored count to the recount
-(``refs_repaired``); drop blobs no tensor row points to, drop packs left without blobs, remove
-orphan packs (not in the database, older than the grace period); after the commit, unlink the
-dead packs. Then every pack that still holds blobs is checked against the database (the file
-exists, its index, each blob's entries, byte range, dtype and shape): a mismatch is reported
-(``damaged``) and that pack is neither removed nor rewritten. Then rewrite each pack whose live
-bytes are below ``rewrite_below`` (default 0.5) of its data (no room for the new pack: a
-``warnings`` entry, the old pack stays): the live tensors are streamed (CRC-checked) into a new pack written as above, and one
-transaction moves their blobs to it (blob ids are unchanged, so a concurrent store that
-de-duplicated against them stays valid); the old pack is unlinked. An imported file still
-hard-linked from its checkpoint is not rewritten (a copy would free nothing), and ``freed``
-counts only bytes really released (not a link of a file that has others). A pack whose live
-tensor fails its CRC is kept as it is and reported (``damaged``). A crash during gc leaves
-either the old or the new pack referenced, and at most an orphan.
+gc never destroys what a repair of the database could reach. References are recomputed from the
+live rows (names -> tensors -> blobs -> packs), never taken from the stored counts.
+
+1. Outside the write lock (it reads every pack's index): each pack row's blobs that a live model
+   uses are checked against the pack file (its index, each blob's entries, byte range, dtype,
+   shape, CRC of the index entry).
+2. In one write transaction: check the rows (a tensor row of a live model pointing to a blob or
+   pack row that does not exist, a model with fewer tensor rows than it was stored with: then gc
+   only repairs the counts and removes nothing, because the blob the row meant cannot be told
+   from an unused one); check every pack row against its file with ``lstat`` only (a name that is
+   not ``<32 hex>.dfz``: never used as a path; a missing file, saying when it is in the
+   quarantine; not a regular file; a size other than the row's; ``data_bytes`` outside
+   [0, size]); set every stored count to the recount (``refs_repaired``); drop blobs no tensor
+   row points to. If step 1 or this check found anything, gc commits that and stops: it moves,
+   unlinks and rewrites no pack (a pack that looks unused may be the one a repaired row names,
+   e.g. a row whose file was changed leaves its real pack looking orphan), and says so in
+   ``damaged`` and a warning of the ``deepfreeze.repo`` logger.
+3. Otherwise, still under the lock: unlink the quarantine entries older than the quarantine
+   period (moved by an earlier gc: the ones this gc moves wait a period whatever it is), drop the
+   pack rows left without blobs, move the orphan packs (``*.dfz`` no row names, older than the
+   grace period) into the quarantine and unlink the ``tmp-*`` files of crashed stores older than
+   it; commit; move the dead packs into the quarantine.
+4. Rewrite each pack whose live bytes are below ``rewrite_below`` (default 0.5) of its data (no
+   room for the new pack: a ``warnings`` entry, the old pack stays): the live tensors are streamed
+   (CRC-checked) into a new pack, and one transaction moves their blobs to it (blob ids are
+   unchanged, so a concurrent store that de-duplicated against them stays valid); the old pack
+   goes into the quarantine. An imported file still hard-linked from its checkpoint is not
+   rewritten (a copy would free nothing). A pack whose live tensor fails its CRC is kept as it is
+   and reported (``damaged``). A crash during gc leaves either the old or the new pack
+   referenced, and at most an orphan.
+
+The quarantine (:mod:`deepfreeze.repo.quarantine`): ``<repository>/quarantine/<seconds>-<32
+hex>.dfz``, the time the pack was moved and its own name; kept ``quarantine_period`` seconds
+(:data:`~deepfreeze.repo.quarantine.DEFAULT_QUARANTINE_PERIOD`, 7 days), listed by
+:meth:`~Maintenance.quarantined` and in gc's result, moved back by :meth:`~Maintenance.restore_pack`
+(``deepfreeze repo gc REPO --restore PACK``). ``freed`` counts only bytes really released (purged
+entries, ``tmp-*`` files; a file with other hard links releases none), ``quarantined`` the bytes
+moved into the quarantine. ``delete`` still unlinks the packs only its model used at once: it is
+how space is freed, on a full disk too.
 
 Full disk
 ---------
@@ -51,6 +72,7 @@ past the busy timeout, read-only, damaged) and what to do.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sqlite3
 import stat
@@ -60,10 +82,13 @@ from typing import Any, Sequence
 
 from .. import ownership
 from ..errors import CorruptCheckpointError, RepositoryDatabaseError, UnsafePathError, UntrustedOwnerError
+from . import quarantine
 from .graph import ID_HEX_RE
 from .names import parse_name
 
 __all__ = ["Maintenance", "RESERVE_FILE", "RESERVE_BYTES"]
+
+log = logging.getLogger("deepfreeze.repo")
 
 PACK_SUFFIX = ".dfz"
 SQL_CHUNK = 500  # ids per "IN (...)" query
@@ -140,6 +165,7 @@ class Maintenance:
     directory: str
     location: str
     orphan_grace: float
+    quarantine_period: float
     _db: str
     _packs: str
 
@@ -300,99 +326,228 @@ class Maintenance:
             lost = True
         return out, lost
 
-    def _damaged_packs(self) -> tuple[list[str], set[int]]:
-        """Check every referenced blob's row against its pack file (exists, index, byte range,
-        dtype, shape, CRC of the index entry): (messages, ids of the packs concerned)."""
-        conn = self._conn()
-        try:
-            conn.execute("BEGIN")
-            rows = conn.execute("SELECT p.id, p.file, b.id, b.dtype, b.shape, b.entry, b.n_entries, b.offset, "
-                                "b.length, b.crc FROM packs p JOIN blobs b ON b.pack=p.id ORDER BY p.id").fetchall()
-            users: dict[int, list[str]] = {}
+    def _pack_damage(self, conn: sqlite3.Connection, full: bool) -> tuple[list[str], set[int]]:
+        """Every pack row checked against its file (inside the caller's transaction on ``conn``):
+        a name that is not ``<32 hex>.dfz``, a missing file (saying so when gc put it in the
+        quarantine), not a regular file, a size other than the row's, and with ``full`` each live
+        blob's row against the pack's index (entries, byte range, dtype, shape, CRC of the index
+        entry; a missing file is then left to the check without ``full`` that gc runs under its write
+        lock, since a concurrent gc may have moved it since this snapshot). Returns (messages, ids
+        of the packs concerned). Only ``lstat`` of names that pass the name check, so a row naming
+        ``../../etc/passwd`` touches nothing outside the repository."""
+        rows = conn.execute("SELECT id, file, size, data_bytes FROM packs ORDER BY id").fetchall()
+        blobs: dict[int, list[tuple]] = {}
+        users: dict[int, list[str]] = {}
+        if full:  # (under the write lock only the rows: these two reads grow with the repository)
             for bid, name in conn.execute("SELECT t.blob, m.name FROM tensors t JOIN models m ON m.id=t.model "
                                           "WHERE m.deleted=0"):
                 users.setdefault(bid, []).append(name)
-        finally:
-            self._rollback(conn)
-        by_pack: dict[tuple[int, str], list[tuple]] = {}
-        for r in rows:
-            by_pack.setdefault((r[0], r[1]), []).append(r[2:])
+            for r in conn.execute("SELECT pack, id, dtype, shape, entry, n_entries, offset, length, crc FROM blobs"):
+                blobs.setdefault(r[0], []).append(r[1:])
         out: list[str] = []
         bad: set[int] = set()
-        for (pid, file), blobs in by_pack.items():
-            names = sorted({n for b in blobs for n in users.get(b[0], ())})
-            used = f"used by model {few(names)}" if names else "used by no live model"
+        qdir = os.path.join(self.directory, quarantine.QUARANTINE_DIR)
+
+        def used_by(pid: int) -> str:
+            names = [n for (n,) in conn.execute(
+                "SELECT DISTINCT m.name FROM blobs b JOIN tensors t ON t.blob=b.id JOIN models m ON m.id=t.model "
+                "WHERE b.pack=? AND m.deleted=0 ORDER BY m.name", (pid,))]
+            return f"used by model {few(names)}" if names else "used by no live model"
+
+        for pid, file, size, data in rows:
+            mine = blobs.get(pid, [])
+            if not valid_pack_name(file):
+                used = used_by(pid)
+                out.append(f"{self._db}: pack row {pid} ({used}) names the file {file!r:.80}, not '<32 hex>.dfz': the "
+                           "database is damaged or was tampered with; restore meta.db from a backup (or set the "
+                           "row's file back); no file was touched")
+                bad.add(pid)
+                continue
+            path = os.path.join(self._packs, file)
             try:
-                path = self._pack_path(file)
+                st = os.lstat(path)
+            except FileNotFoundError:
+                if full:
+                    continue
+                used = used_by(pid)
+                q = quarantine.find(qdir, file)
+                if q is not None:
+                    where = (f"gc moved it into the quarantine as {os.path.join(qdir, q['entry'])} at "
+                             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(q['since']))} (no row named it "
+                             f"then): restore it with 'deepfreeze repo gc {self.location} --restore {file}'")
+                else:
+                    where = ("it is not in the quarantine either (removed by hand?): restore it from a backup, or "
+                             "set the row back if it was changed")
+                    if used == "used by no live model":
+                        where += (f"; if no model needs this pack, drop the row (sqlite3 {self._db} 'DELETE FROM "
+                                  f"packs WHERE id={pid}') and gc goes on")
+                out.append(f"{path}: pack row {pid} ({used}) names a file that is missing: {where}; its rows were "
+                           "kept")
+                bad.add(pid)
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                used = used_by(pid)
+                out.append(f"{path}: pack row {pid} ({used}) names something that is not a regular file: remove it "
+                           "and restore the pack from a backup; its rows were kept")
+                bad.add(pid)
+                continue
+            if type(size) is not int or size != st.st_size or type(data) is not int or not 0 <= data <= size:
+                used = used_by(pid)
+                out.append(f"{path}: pack row {pid} ({used}) says {size!r:.40} bytes ({data!r:.40} of tensor data), "
+                           f"the file has {st.st_size}: the row or the file was changed; restore meta.db or the "
+                           "pack from a backup (or set the row back); kept as it is")
+                bad.add(pid)
+                continue
+            live = [b for b in mine if b[0] in users]
+            if not full or not live:
+                continue
+            try:
                 with ownership.open_trusted_file(path, kind="repository pack") as f:  # as get reads it
                     index = self._index(f, path)
-                    for bid, dtype, shape, entry, n_entries, offset, length, crc in blobs:
+                    for bid, dtype, shape, entry, n_entries, offset, length, crc in live:
                         try:
                             _, dims = self._parse_spec(dtype, shape, f"blob {bid}")
                             self._resolve(index, path, f"blob {bid}", entry, n_entries, offset, length, crc, dtype,
                                           dims)
                         except CorruptCheckpointError as e:
-                            who = few(sorted(set(users.get(bid, ())))) or "no live model"
-                            out.append(f"{e} (blob {bid}, model {who}; kept as it is)")
+                            out.append(f"{e} (blob {bid}, model {few(sorted(set(users[bid])))}; kept as it is)")
                             bad.add(pid)
-            except FileNotFoundError:
-                out.append(f"{os.path.join(self._packs, file)}: pack {used} is missing (removed by hand?): its "
-                           "tensors cannot be read; restore it from a backup or delete the models; its rows were kept")
-                bad.add(pid)
+            except FileNotFoundError:  # moved by a concurrent gc since the lstat: checked by that gc
+                continue
             except (OSError, CorruptCheckpointError) as e:  # (a symbolic link: UnsafePathError)
-                out.append(f"{e} (pack {used}; kept as it is)")
+                out.append(f"{e} (pack {used_by(pid)}; kept as it is)")
                 bad.add(pid)
         return out, bad
 
-    @db_op("garbage-collecting")
-    def gc(self, *, grace: float | None = None, rewrite_below: float = 0.5) -> dict:
-        """Compact, trusting no stored count: references are recounted from the live rows (names ->
-        tensors -> blobs -> packs); blobs no tensor row points to are dropped, packs left without
-        blobs unlinked, orphan packs of crashed stores older than ``grace`` seconds (default: the
-        repository's ``orphan_grace``) removed, and packs whose live bytes are below
-        ``rewrite_below`` of their data rewritten. A blob a model reaches is never dropped.
+    def _damaged_packs(self) -> tuple[list[str], set[int]]:
+        """:meth:`_pack_damage` (full: it reads every pack's index) in a read transaction of its
+        own, so that the write lock is not held while it runs."""
+        conn = self._conn()
+        try:
+            conn.execute("BEGIN")
+            return self._pack_damage(conn, True)
+        finally:
+            self._rollback(conn)
 
-        Returns ``{"freed": bytes freed on disk, "blobs_removed", "packs_removed",
-        "packs_rewritten", "orphans_removed", "refs_repaired", "warnings": [messages], "damaged":
-        [messages]}``: counts of what was removed or rewritten; ``refs_repaired``: stored reference
+    def _quarantine(self, file: str, what: str, warnings: list[str]) -> int:
+        """Move ``packs/<file>`` into the quarantine; the bytes it holds there (0: gone already, a
+        file with other links, or not moved: a ``warnings`` entry, the file stays)."""
+        path = os.path.join(self._packs, file)
+        try:
+            st = os.lstat(path)
+            entry = quarantine.move_in(self._packs, os.path.join(self.directory, quarantine.QUARANTINE_DIR),
+                                       self.directory, file)
+        except FileNotFoundError:
+            return 0
+        except OSError as e:  # (UnsafePathError: a quarantine directory that is not ours)
+            warnings.append(f"{path}: {what} not moved into the quarantine ({e}); it stays in packs/ (nothing was "
+                            "lost); fix the cause and run gc again")
+            return 0
+        finally:
+            with self._lock:
+                self._index_cache.pop(path, None)
+        return st.st_size if entry is not None and st.st_nlink == 1 else 0
+
+    def quarantined(self) -> list[dict]:
+        """The packs gc moved into ``<repository>/quarantine/``, oldest first: ``{"file": pack name,
+        "entry": name in the quarantine, "bytes", "since": when moved, "purge_after": when a gc
+        unlinks it (with this repository's ``quarantine_period``)}``."""
+        return quarantine.entries(os.path.join(self.directory, quarantine.QUARANTINE_DIR), self.quarantine_period)
+
+    def restore_pack(self, name: str) -> dict:
+        """Move a pack gc quarantined back into ``packs/`` under its own name: ``name`` is a pack
+        name (its newest entry) or an entry name, as :meth:`quarantined` lists them. Returns the
+        entry plus ``"referenced"``: whether a pack row names it (if not, it is an orphan again, and
+        a gc after the grace period quarantines it again: repair the row or restore ``meta.db``
+        first). :class:`RepositoryError` when there is no such entry or ``packs/`` has that file."""
+        e = quarantine.restore(self._packs, os.path.join(self.directory, quarantine.QUARANTINE_DIR), self.directory,
+                               name)
+        row = self._conn().execute("SELECT id FROM packs WHERE file=?", (e["file"],)).fetchone()
+        log.warning("repository %s: pack %s restored from the quarantine (%s)", self.location, e["file"], e["entry"])
+        return {**e, "referenced": row is not None}
+
+    def _gc_result(self, **done: Any) -> dict:
+        out = {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0, "orphans_removed": 0,
+               "refs_repaired": 0, "warnings": [], "damaged": [], "quarantined": 0, "purged": 0}
+        out.update(done)
+        out["quarantine"] = self.quarantined()
+        return out
+
+    @db_op("garbage-collecting")
+    def gc(self, *, grace: float | None = None, rewrite_below: float = 0.5,
+           quarantine_period: float | None = None) -> dict:
+        """Compact, trusting no stored count and destroying nothing a repair of the database could
+        reach: references are recounted from the live rows (names -> tensors -> blobs -> packs);
+        blobs no tensor row points to are dropped, packs left without blobs, orphan packs of crashed
+        stores older than ``grace`` seconds (default: the repository's ``orphan_grace``) and the
+        old copies of packs whose live bytes are below ``rewrite_below`` of their data (rewritten)
+        are moved into the quarantine (``<repository>/quarantine/``, :mod:`deepfreeze.repo.quarantine`),
+        and quarantined packs older than ``quarantine_period`` seconds (default: the repository's,
+        7 days) are unlinked. A blob a model reaches is never dropped. Any damaged row (a tensor
+        pointing to a missing blob or pack row, a pack row naming no valid file, a missing file or
+        one of another size, a live blob outside its pack): that gc moves and unlinks no pack at all
+        (it repairs counts and drops only blob rows no tensor points to) and says why.
+
+        Returns ``{"freed": bytes released on disk (quarantine entries purged, files of crashed
+        stores), "blobs_removed", "packs_removed", "packs_rewritten", "orphans_removed",
+        "refs_repaired", "warnings": [messages], "damaged": [messages], "quarantined": bytes moved
+        into the quarantine (released when purged), "purged": quarantine entries unlinked,
+        "quarantine": [the entries now held, as :meth:`quarantined` lists them]}``: counts of what
+        was removed (moved into the quarantine) or rewritten; ``refs_repaired``: stored reference
         counts that differed from the recount and were set to it; ``warnings``: compactions not
-        done (no room for the new pack; nothing lost); ``damaged``: rows that do not resolve (a tensor
-        pointing to a missing blob or pack, a blob outside its pack, a missing pack file) and
-        packs whose live tensor failed its CRC. Damaged rows and their packs are reported, never
-        removed or rewritten."""
+        done (no room for the new pack; nothing lost); ``damaged``: rows that do not resolve and
+        packs whose live tensor failed its CRC, then the line saying that gc removed nothing.
+        Damaged rows and their packs are reported, never removed or rewritten."""
         grace = self.orphan_grace if grace is None else float(grace)
+        period = self.quarantine_period if quarantine_period is None else float(quarantine_period)
         conn = self._conn()
         dead: list[tuple[int, str]] = []
-        orphans = 0
+        orphans: list[str] = []
+        orphans_removed = 0
         freed = 0
+        purged: list[str] = []
+        warnings: list[str] = []
+        pre, bad = self._damaged_packs()  # the full check, before the write lock (it reads every index)
         try:
             conn.execute("BEGIN IMMEDIATE")
             damaged, lost = self._damaged_rows(conn)
             count = "(SELECT count(*) FROM tensors t WHERE t.blob=blobs.id)"
             repaired = conn.execute(f"UPDATE blobs SET refs={count} WHERE refs IS NOT {count}").rowcount
+            now_msgs, now_bad = self._pack_damage(conn, False)  # the rows again, under the write lock
+            pre = now_msgs + [m for m in pre if m not in now_msgs]
+            bad |= now_bad
             if lost:  # a live model's tensor points nowhere: the blob or pack it meant may look unused
                 conn.execute("COMMIT")
-                more, _bad = self._damaged_packs()
-                return {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
-                        "orphans_removed": 0, "refs_repaired": repaired, "warnings": [],
-                        "damaged": damaged + more + [
-                            f"{self.location}: gc removed nothing: a model's tensor rows point to rows that do not "
-                            "exist (above), so the data they meant cannot be told from unused data; restore meta.db "
-                            "from a backup, or delete those models (deepfreeze repo rm), then run gc again"]}
+                why = (f"{self.location}: gc removed nothing: a model's tensor rows point to rows that do not "
+                       "exist (above), so the data they meant cannot be told from unused data; restore meta.db "
+                       "from a backup, or delete those models (deepfreeze repo rm), then run gc again")
+                log.warning("%s", why)
+                return self._gc_result(refs_repaired=repaired, damaged=damaged + pre + [why])
             blobs_removed = conn.execute("DELETE FROM blobs WHERE refs=0 AND NOT EXISTS (SELECT 1 FROM tensors t "
                                          "WHERE t.blob=blobs.id)").rowcount
-            for pid, file in conn.execute("SELECT id, file FROM packs WHERE NOT EXISTS (SELECT 1 FROM blobs b "
-                                          "WHERE b.pack=packs.id)").fetchall():
-                if valid_pack_name(file):
-                    dead.append((pid, file))
-                else:
-                    damaged.append(f"{self._db}: pack row {pid} names the file {file!r:.80}, not '<32 hex>.dfz': "
-                                   "the database was tampered with; the row was kept and no file removed")
+            if bad:
+                conn.execute("COMMIT")
+                n = len(bad)
+                rows_do = "a pack row (above) does not match its file" if n == 1 else \
+                    f"the rows of {n} packs (above) do not match their files"
+                why = (f"{self.location}: gc removed no pack (none moved into the quarantine, none unlinked): "
+                       f"{rows_do}, so a pack that looks unused may be one a repaired row names; repair the row or "
+                       "restore meta.db (or the pack) from a backup, then run gc again")
+                log.warning("%s", why)
+                return self._gc_result(refs_repaired=repaired, blobs_removed=blobs_removed,
+                                       damaged=damaged + pre + [why], warnings=warnings)
+            try:
+                purged, freed = quarantine.purge(os.path.join(self.directory, quarantine.QUARANTINE_DIR),
+                                                 self.directory, period)
+            except OSError as e:  # (UnsafePathError: a quarantine that is a link or not ours)
+                warnings.append(f"the quarantine was not purged: {e}")
+            dead = [(pid, file) for pid, file in conn.execute(
+                "SELECT id, file FROM packs WHERE NOT EXISTS (SELECT 1 FROM blobs b WHERE b.pack=packs.id)")]
             conn.executemany("DELETE FROM packs WHERE id=?", [(pid,) for pid, _ in dead])
             known = {r[0] for r in conn.execute("SELECT file FROM packs")} | {f for _, f in dead}
             now = time.time()
-            for fn in os.listdir(self._packs):  # orphans: removed under the write lock (see put)
-                is_pack = len(fn) == 36 and fn.endswith(PACK_SUFFIX) and ID_HEX_RE.fullmatch(fn[:32])
+            for fn in os.listdir(self._packs):  # orphans: moved under the write lock (see put)
+                is_pack = valid_pack_name(fn)
                 is_tmp = len(fn) == 36 and fn.startswith("tmp-") and ID_HEX_RE.fullmatch(fn[4:])
                 if not (is_pack or is_tmp) or fn in known:
                     continue
@@ -401,10 +556,21 @@ class Maintenance:
                     st = os.lstat(p)
                 except FileNotFoundError:
                     continue
-                if now - max(st.st_mtime, st.st_ctime) >= grace:  # ctime: a hard link made now
+                if now - max(st.st_mtime, st.st_ctime) < grace or stat.S_ISDIR(st.st_mode):  # ctime: a hard
+                    continue  # link made now
+                if is_tmp or not stat.S_ISREG(st.st_mode):  # a crashed store's half-written pack, or a link
+                    # with a pack's name: never data a row could name (unlinked, not followed)
                     if unlink(p):
-                        orphans += 1
-                        freed += st.st_size if st.st_nlink == 1 else 0
+                        orphans_removed += 1
+                        freed += st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else 0
+                else:
+                    orphans.append(fn)
+            moved = 0
+            for fn in orphans:
+                got = self._quarantine(fn, "orphan pack (no row names it)", warnings)
+                if got or not os.path.lexists(os.path.join(self._packs, fn)):
+                    orphans_removed += 1
+                moved += got
             conn.execute("COMMIT")
         finally:
             self._rollback(conn)
@@ -413,20 +579,14 @@ class Maintenance:
                 p = os.path.join(self.directory, fn)
                 try:
                     if time.time() - os.lstat(p).st_mtime >= grace and unlink(p):
-                        orphans += 1
+                        orphans_removed += 1
                 except FileNotFoundError:
                     pass
         packs_removed = 0
         for _pid, file in dead:
-            path = os.path.join(self._packs, file)
             packs_removed += 1
-            freed += unlink_freed(path)
-            with self._lock:
-                self._index_cache.pop(path, None)
-        more, bad = self._damaged_packs()
-        damaged += more
+            moved += self._quarantine(file, "pack left without blobs", warnings)
         rewritten = 0
-        warnings: list[str] = []
         rows = conn.execute("SELECT p.id, p.file, p.size, p.data_bytes, SUM(b.length) FROM packs p JOIN blobs b "
                             "ON b.pack=p.id GROUP BY p.id").fetchall()
         for pid, file, size, data, live in rows:
@@ -435,7 +595,7 @@ class Maintenance:
             try:
                 if os.lstat(self._pack_path(file)).st_nlink > 1:
                     continue  # an imported file still linked from its checkpoint: a copy frees nothing
-                delta = self._rewrite(pid, file, size)
+                got = self._rewrite(pid, file, size, warnings)
             except FileNotFoundError:
                 continue
             except CorruptCheckpointError as e:  # keep the pack as it is: the reads will say so
@@ -448,10 +608,10 @@ class Maintenance:
                 warnings.append(f"{self._pack_path(file)}: not compacted: writing its replacement failed "
                                 f"({e.strerror or e}); free space and run gc again (nothing was lost)")
                 continue
-            if delta is not None:
-                freed += delta
+            if got is not None:
+                moved += got
                 rewritten += 1
         self._ensure_reserve()
-        return {"freed": freed, "blobs_removed": blobs_removed, "packs_removed": packs_removed,
-                "packs_rewritten": rewritten, "orphans_removed": orphans, "refs_repaired": repaired,
-                "warnings": warnings, "damaged": damaged}
+        return self._gc_result(freed=freed, blobs_removed=blobs_removed, packs_removed=packs_removed,
+                               packs_rewritten=rewritten, orphans_removed=orphans_removed, refs_repaired=repaired,
+                               warnings=warnings, damaged=damaged, quarantined=moved, purged=len(purged))

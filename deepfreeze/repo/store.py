@@ -50,10 +50,14 @@ Commit protocol (put)
 
 Crash safety: nothing is visible before the ``COMMIT`` (SQLite's WAL makes it atomic and, with
 ``fsync=True``, durable). A store killed anywhere before it leaves at most an unreferenced
-``tmp-*`` or ``*.dfz`` file in ``packs/``, which :meth:`~EmbeddedRepository.gc` removes once it
-is older than the grace period (default one hour; a store still running is never disturbed: gc
-removes orphans while holding the write lock and a store checks its pack is still there inside
-its commit transaction). Of two concurrent stores of one name, the first ``COMMIT`` wins; the
+``tmp-*`` or ``*.dfz`` file in ``packs/``, which :meth:`~EmbeddedRepository.gc` removes (a
+``*.dfz`` into the quarantine) once it is older than the grace period (default one hour; a store
+still running is never disturbed: gc removes orphans while holding the write lock and a store
+checks its pack is still there inside its commit transaction). A gc run with a grace period
+shorter than a store takes can still take the store's pack: the store then fails with an error
+that names gc (the ``tmp-*`` file removed mid-write: :class:`~deepfreeze.errors.CheckpointWriteError`;
+the pack moved into the quarantine before the commit: :class:`~deepfreeze.errors.RepositoryError`),
+and nothing is stored. Of two concurrent stores of one name, the first ``COMMIT`` wins; the
 other finds the name taken inside its own transaction, rolls back, unlinks its pack and raises
 ``NameExistsError``.
 
@@ -87,7 +91,8 @@ tensors coalesced into one call, and checks each tensor's CRC32 (``verify``). On
 tensors' bytes are read (plus the < 64-byte alignment gaps between adjacent ones);
 ``bytes_read`` counts them (reads of :meth:`~EmbeddedRepository.get` only, not the
 confirmation reads of de-duplication). A get whose pack was moved by a concurrent gc looks its
-rows up again.
+rows up again (4 times); a pack still missing is a :class:`~deepfreeze.errors.CorruptCheckpointError`
+that says whether a gc moved it into the quarantine (when, and the command that restores it).
 
 Import (:meth:`~EmbeddedRepository.add_pack`)
 ---------------------------------------------
@@ -128,12 +133,13 @@ from .maintenance import SQL_CHUNK as _SQL_CHUNK
 from .maintenance import db_op as _db_op
 from .maintenance import few as _few
 from .maintenance import unlink as _unlink
-from .maintenance import unlink_freed as _unlink_freed
 from .maintenance import valid_pack_name as _valid_pack_name
 from .names import parse_name
+from . import quarantine
+from .quarantine import DEFAULT_QUARANTINE_PERIOD, QUARANTINE_DIR
 
 __all__ = ["EmbeddedRepository", "tensor_entries", "SCHEMA_VERSION", "DEFAULT_ORPHAN_GRACE", "RESERVE_FILE",
-           "RESERVE_BYTES"]
+           "RESERVE_BYTES", "DEFAULT_QUARANTINE_PERIOD", "QUARANTINE_DIR"]
 
 #: version of the database schema (``settings.schema_version``)
 SCHEMA_VERSION = 1
@@ -212,6 +218,14 @@ class _Retry(Exception):
     """A de-duplicated blob vanished (gc) between planning and commit: store again."""
 
 
+class _RemovedByGc(FileNotFoundError):
+    """The ``tmp-`` file of a pack being written vanished before its rename: a gc whose grace
+    period was shorter than the write took removed it as a crashed store's leftover."""
+
+    def __init__(self, tmp: str) -> None:
+        super().__init__(errno.ENOENT, "removed by a concurrent gc while being written", tmp)
+
+
 class _Copy:
     """Bytes of another pack to stream into a new one (gc), CRC-checked on the way."""
 
@@ -256,16 +270,19 @@ class EmbeddedRepository(Maintenance):
     ``verify``: check each tensor's CRC32 on :meth:`get` (overridable per call).
     ``create``: create the repository when ``directory`` is missing or empty (a non-empty
     directory that is not a repository is refused). ``orphan_grace``: seconds an unreferenced
-    pack must be old before :meth:`gc` removes it.
+    pack must be old before :meth:`gc` removes it. ``quarantine_period``: seconds a pack gc removed
+    stays in ``<directory>/quarantine/`` (restorable) before a later gc unlinks it.
     """
 
     def __init__(self, directory: str | os.PathLike, *, fsync: bool = False, verify: bool = True,
-                 create: bool = True, orphan_grace: float = DEFAULT_ORPHAN_GRACE) -> None:
+                 create: bool = True, orphan_grace: float = DEFAULT_ORPHAN_GRACE,
+                 quarantine_period: float = DEFAULT_QUARANTINE_PERIOD) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
         self.location = self.directory
         self.fsync = bool(fsync)
         self.verify = bool(verify)
         self.orphan_grace = float(orphan_grace)
+        self.quarantine_period = float(quarantine_period)
         self.bytes_read = 0
         self._db = os.path.join(self.directory, "meta.db")
         self._packs = os.path.join(self.directory, "packs")
@@ -431,6 +448,30 @@ class EmbeddedRepository(Maintenance):
                                          "database is damaged or was tampered with; restore it from a backup")
         return os.path.join(self._packs, file)
 
+    @property
+    def _gc_removed_tmp(self) -> str:
+        return (f"a concurrent gc removed it as a crashed store's leftover (a gc removes unnamed files of packs/ older "
+                f"than its grace period, {self.orphan_grace:g} s by default here: a gc(grace=...) shorter than a "
+                "store takes does this)")
+
+    def _gone_why(self, file: str, reading: bool = True) -> str:
+        """Why the pack ``file`` (named by a row, or being stored: ``reading=False``) is not in
+        ``packs/``, and what to do: a gc moved it into the quarantine (when, and how to restore
+        it), or nobody knows (removed by hand)."""
+        q = quarantine.find(os.path.join(self.directory, QUARANTINE_DIR), file) if _valid_pack_name(file) else None
+        if q is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q["since"]))
+            return (f"a gc moved it into the quarantine as {os.path.join(self.directory, QUARANTINE_DIR, q['entry'])} "
+                    f"at {when}, because no row of the database named it then (a concurrent gc whose grace period "
+                    "was shorter than the store took, a deletion, or a database restored or repaired since): if a "
+                    f"model needs it, restore it with 'deepfreeze repo gc {self.location} --restore {file}'")
+        if not reading:
+            return ("it is not in the quarantine either: removed by hand or by another program (a gc moves such a "
+                    "pack into the quarantine)")
+        return ("it is not in the quarantine either: a concurrent gc moved this model's tensors to new packs each "
+                "time it was looked up, or the pack was removed by hand; retry, or restore the pack from a backup "
+                "or delete the model")
+
     def _parse_spec(self, dtype: str, shape: str, where: str) -> tuple[str, tuple[int, ...]]:
         try:
             if dtype not in DTYPES.values():
@@ -572,7 +613,10 @@ class EmbeddedRepository(Maintenance):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, os.path.join(self._packs, file))
+            try:
+                os.rename(tmp, os.path.join(self._packs, file))
+            except FileNotFoundError as e:  # our tmp- file is gone: only gc removes those
+                raise _RemovedByGc(tmp) from e
         except BaseException:
             _unlink(tmp)
             raise
@@ -677,6 +721,10 @@ class EmbeddedRepository(Maintenance):
             new = self._plan(items)
             try:
                 pack = self._write_pack([(t.view, t.dtype, tuple(t.arr.shape), t.crc) for t in new]) if new else None
+            except _RemovedByGc as e:
+                raise CheckpointWriteError(errno.ENOENT, f"storing {name!r} in {self.location}: its pack {e.filename} "
+                                           f"was removed while it was being written: {self._gc_removed_tmp}; nothing "
+                                           "was stored; store it again") from e
             except OSError as e:
                 raise CheckpointWriteError(e.errno, f"storing {name!r} in {self.location}: writing its pack failed "
                                            f"({e.strerror or e}); nothing was stored") from e
@@ -786,8 +834,8 @@ class EmbeddedRepository(Maintenance):
             if found != len(shared):
                 raise _Retry()
             if pack is not None and not os.path.exists(os.path.join(self._packs, pack[0])):
-                raise RepositoryError(f"storing {name!r}: its pack {pack[0]} disappeared before the commit (a gc "
-                                      f"with a grace period shorter than the store took?); nothing was stored")
+                raise RepositoryError(f"storing {name!r} in {self.location}: its pack {pack[0]} disappeared before "
+                                      f"the commit: {self._gone_why(pack[0], False)}; nothing was stored; store it again")
             self._record_scheme(conn, graph)
             refs: dict[int, int] = {}
             for t in items:
@@ -901,7 +949,7 @@ class EmbeddedRepository(Maintenance):
     def specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         """key -> (dtype name, shape) of every tensor of ``name`` (each checked against its pack:
         :class:`CorruptCheckpointError` for a row the pack cannot hold)."""
-        return _retry_moved(name, lambda: self._bounded(name, self._rows(name)))
+        return _retry_moved(name, lambda: self._bounded(name, self._rows(name)), self._gone_why)
 
     @_db_op("reading")
     def get(self, name: str, tensors: Iterable[str] | None = None, *,
@@ -916,7 +964,7 @@ class EmbeddedRepository(Maintenance):
             raise RepositoryError(f"tensors must be an iterable of tensor keys, not the string {tensors!r:.80} "
                                   "(write [key] for one)")
         keys = tensors if tensors is None else list(tensors)
-        return _retry_moved(name, lambda: self._get(name, keys, out, verify))
+        return _retry_moved(name, lambda: self._get(name, keys, out, verify), self._gone_why)
 
     def _get(self, name: str, tensors: list[str] | None, out: Mapping[str, np.ndarray] | None,
              verify: bool) -> dict[str, np.ndarray]:
@@ -1082,8 +1130,9 @@ class EmbeddedRepository(Maintenance):
                 "id_scheme": int(settings["id_scheme"]) if settings.get("id_scheme", "").isdigit() else None,
                 "schema_version": SCHEMA_VERSION, "format_version": FORMAT_VERSION, "providers": providers}
 
-    def _rewrite(self, pid: int, file: str, size: int) -> int | None:
-        """Move the live blobs of pack ``pid`` into a new pack; the bytes freed, None if skipped."""
+    def _rewrite(self, pid: int, file: str, size: int, warnings: list[str]) -> int | None:
+        """Move the live blobs of pack ``pid`` into a new pack and the old pack into the quarantine;
+        the bytes that moved there, None if skipped."""
         conn = self._conn()
         rows = conn.execute("SELECT id, dtype, shape, entry, n_entries, offset, length, crc FROM blobs WHERE pack=? "
                             "ORDER BY offset", (pid,)).fetchall()
@@ -1119,10 +1168,7 @@ class EmbeddedRepository(Maintenance):
             self._rollback(conn)
             if not committed:
                 _unlink(os.path.join(self._packs, new_file))
-        freed = _unlink_freed(path)
-        with self._lock:
-            self._index_cache.pop(path, None)
-        return freed - new_size
+        return self._quarantine(file, "old copy of a compacted pack", warnings)
 
     # ------------------------------------------------------------------ import
 
@@ -1194,14 +1240,20 @@ class EmbeddedRepository(Maintenance):
             file = uid + _PACK_SUFFIX
             dest = os.path.join(self._packs, file)
             size = index.file_size
-            how = _place(f, path, dest, os.path.join(self._packs, f"tmp-{uid}"), self.fsync)
+            try:
+                how = _place(f, path, dest, os.path.join(self._packs, f"tmp-{uid}"), self.fsync)
+            except _RemovedByGc as e:
+                raise CheckpointWriteError(errno.ENOENT, f"importing {name!r} into {self.location}: its copy "
+                                           f"{e.filename} was removed while it was being written: "
+                                           f"{self._gc_removed_tmp}; nothing was stored; import it again") from e
         if self.fsync:
             self._fsync_dir()
         committed = False
         try:
             self._begin_commit(conn, name)
             if not os.path.exists(dest):
-                raise RepositoryError(f"importing {name!r}: its pack disappeared before the commit; nothing was stored")
+                raise RepositoryError(f"importing {name!r} into {self.location}: its pack {file} disappeared before "
+                                      f"the commit: {self._gone_why(file, False)}; nothing was stored; import it again")
             self._record_scheme(conn, graph)
             data = sum(e.length for e in index.entries)
             pid = conn.execute("INSERT INTO packs(file, size, data_bytes, created) VALUES (?,?,?,?)",
@@ -1277,22 +1329,27 @@ def _place(f: Any, src: str, dest: str, tmp: str, fsync: bool) -> str:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, dest)
+        try:
+            os.rename(tmp, dest)
+        except FileNotFoundError as e:  # our tmp- file is gone: only gc removes those
+            raise _RemovedByGc(tmp) from e
     except BaseException:
         _unlink(tmp)
         raise
     return "copied"
 
 
-def _retry_moved(name: str, read: "Callable[[], Any]") -> Any:
+def _retry_moved(name: str, read: "Callable[[], Any]", why: "Callable[[str], str]") -> Any:
     """``read()``, looked up again (up to 4 times) when a pack it needs is gone: gc moved the
-    tensors meanwhile. Still gone: :class:`CorruptCheckpointError` naming the pack."""
+    tensors meanwhile. Still gone: :class:`CorruptCheckpointError` naming the pack and, from
+    ``why(pack file name)``, who removed it (a gc, into the quarantine) and what to do."""
     for attempt in range(4):
         try:
             return read()
         except FileNotFoundError as e:
             if attempt == 3:
+                path = str(e.filename)
                 raise CorruptCheckpointError(
-                    f"{e.filename}: a pack of model {name!r} is missing from the repository (removed by hand?): "
-                    "restore it from a backup or delete the model") from e
+                    f"{path}: a pack of model {name!r} is missing from the repository: "
+                    f"{why(os.path.basename(path))}") from e
     raise AssertionError("unreachable")  # pragma: no cover

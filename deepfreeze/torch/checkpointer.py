@@ -487,6 +487,9 @@ class Checkpointer:
                    "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
             if self._pass is not None:
                 rec["loop"] = self._pass.record()
+            if self.sharded:  # FSDP2 does not broadcast buffers: each rank's own, restored on it (same world size)
+                rec["buffers"] = {fqn: t.detach().cpu().clone() for fqn, t, is_param in
+                                  _state.model_entries(self.model) if not is_param}
             return rec
         groups, extra = (st.groups, st.extra) if st is not None else \
             _state.optimizer_groups(self.optimizers, self._fqn_of)  # no state_dict: FSDP2's forward

@@ -178,6 +178,13 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
                 t.copy_(st.model[fqn])
     same = world_size == st.world_size and rank < len(st.records)
     rec = st.records[rank] if same else (st.records[0] if st.records else {})
+    own_buffers = rec.get("a", {}).get("buffers") if same else None
+    if own_buffers:  # FSDP2: this rank's buffers as they were on it (rank 0's are in the tensor list)
+        with torch.no_grad():
+            for fqn, t, is_param in _state.model_entries(model):
+                if not is_param and isinstance(own_buffers.get(fqn), torch.Tensor) \
+                        and own_buffers[fqn].shape == t.shape and own_buffers[fqn].dtype == t.dtype:
+                    t.copy_(own_buffers[fqn])
     if optimizers:
         saved_groups = rec.get("param_groups", [])
         if len(saved_groups) != len(optimizers):

@@ -75,7 +75,7 @@ def test_gc_with_tampered_counts_keeps_every_live_model(tmp_path, refs):
         res = repo.gc(grace=0)
         check_all(repo, put)  # no live model lost a byte
         assert res["damaged"] == []
-        assert res["blobs_removed"] == 2 and res["packs_removed"] == 1 and res["freed"] > 0
+        assert res["blobs_removed"] == 2 and res["packs_removed"] == 1 and res["quarantined"] > 0
         assert res["refs_repaired"] == (n_blobs - 2 if refs == 0 else n_blobs)  # (0 is right for b's two)
         assert len(packs(repo)) == len(before) - 1
         with db(repo) as c:  # the counts now say what the rows say
@@ -84,7 +84,8 @@ def test_gc_with_tampered_counts_keeps_every_live_model(tmp_path, refs):
         assert repo.put("b2", gone)["written"] == sum(gone[k].nbytes for k in ("head", "bias"))  # trunk shared
         again = repo.gc(grace=0)
         assert again == {"freed": 0, "blobs_removed": 0, "packs_removed": 0, "packs_rewritten": 0,
-                         "orphans_removed": 0, "refs_repaired": 0, "warnings": [], "damaged": []}
+                         "orphans_removed": 0, "refs_repaired": 0, "warnings": [], "damaged": [], "quarantined": 0,
+                         "purged": 0, "quarantine": res["quarantine"]}
         check_all(repo, dict(put, b2=gone))
 
 
@@ -118,7 +119,7 @@ def test_gc_with_dangling_rows_removes_nothing_and_says_so(tmp_path):
         repo.delete("a@1")
         repo.delete("a@2")
         res = repo.gc(grace=0)
-        assert res["damaged"] == [] and res["blobs_removed"] >= 2 and res["freed"] > 0
+        assert res["damaged"] == [] and res["blobs_removed"] >= 2 and res["quarantined"] > 0
         check_all(repo, {"b": put["b"]})
 
 
@@ -131,9 +132,11 @@ def test_gc_reports_a_blob_outside_its_pack_and_keeps_it(tmp_path):
                                "t.key='bias'").fetchone()
             c.execute("UPDATE blobs SET offset=offset+100000000, refs=-1 WHERE id=?", (bid,))
             row = c.execute("SELECT * FROM blobs WHERE id=?", (bid,)).fetchone()
+        files = packs(repo)
         res = repo.gc(grace=0)
-        assert len(res["damaged"]) == 1 and "'b'" in res["damaged"][0] and "disagree" in res["damaged"][0]
-        assert res["blobs_removed"] == 2 and res["packs_removed"] == 1  # c@x's own head and bias, its pack
+        assert len(res["damaged"]) == 2 and "'b'" in res["damaged"][0] and "disagree" in res["damaged"][0]
+        assert "removed no pack" in res["damaged"][1]  # (c@x's pack too: the damage may be a swapped pack row)
+        assert res["blobs_removed"] == 2 and res["packs_removed"] == 0 and packs(repo) == files
         with db(repo) as c:
             assert c.execute("SELECT * FROM blobs WHERE id=?", (bid,)).fetchone()[:-1] == row[:-1]
         with pytest.raises(CorruptCheckpointError):
@@ -154,7 +157,8 @@ def test_gc_reports_a_missing_pack_and_keeps_its_rows(tmp_path):
                              (file,)).fetchone()[0]
         os.unlink(os.path.join(repo.directory, "packs", file))
         res = repo.gc(grace=0)
-        assert len(res["damaged"]) == 1 and "'b'" in res["damaged"][0] and "missing" in res["damaged"][0]
+        assert len(res["damaged"]) == 2 and "'b'" in res["damaged"][0] and "missing" in res["damaged"][0]
+        assert "removed no pack" in res["damaged"][1]
         assert res["blobs_removed"] == 0 and res["packs_removed"] == 0
         with db(repo) as c:
             assert c.execute("SELECT count(*) FROM blobs b JOIN packs p ON p.id=b.pack WHERE p.file=?",
@@ -313,7 +317,10 @@ def test_gc_on_a_full_disk_warns_and_loses_nothing(small_fs):
         assert not [f for f in packs(repo) if f.startswith("tmp-")]  # the half-written replacement is gone
         repo.delete("z")  # room again
         res = repo.gc(grace=0)
-        assert res["packs_rewritten"] == 1 and res["warnings"] == [] and res["freed"] > big.nbytes - 8192
+        assert res["packs_rewritten"] == 1 and res["warnings"] == [] and res["quarantined"] > big.nbytes
+        assert res["freed"] == 0 and res["quarantine"][-1]["bytes"] == res["quarantined"]  # kept a while
+        res = repo.gc(grace=0, quarantine_period=0)  # an operator short of space: the quarantine is purged
+        assert res["purged"] == 1 and res["freed"] > big.nbytes and res["quarantine"] == []
         assert same_bits(repo.get("y")["s"], small)
 
 

@@ -19,7 +19,9 @@ shapes (each a loop a user writes; ``Checkpointer(every_n_steps=every)``):
             loss; checkpoints land on the last step of an epoch (before validation)
   fsdp      FSDP2 (``fully_shard``) with the ``end`` loop
 
-keys: steps (total training iterations), every, kill_at=IT (rank 1 SIGKILLs itself when IT
+``shape=a,b,...`` runs several shapes one after the other in the same job (uninterrupted runs).
+keys: steps (total training iterations), every (``steps_<shape>``, ``every_<shape>``: for one
+shape of several), kill_at=IT (rank 1 SIGKILLs itself when IT
 iterations are done), resume=1, name. Writes OUT/<shape>/r<rank>/final.npz: every leaf of the
 model, optimizers, schedulers, GradScaler, RNG states and the loop's counters (exact: floats as
 their repr), and info.json.
@@ -136,11 +138,17 @@ def leaves(obj, prefix: str, out: dict) -> None:
 def main() -> None:
     out = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
-    shape = kw["shape"]
     dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
+    for shape in kw["shape"].split(","):  # several shapes one after the other (the uninterrupted runs)
+        run(out, shape, kw)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(out: str, shape: str, kw: dict) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     np.random.seed(7 + rank)
     random.seed(11 + rank)
@@ -156,7 +164,8 @@ def main() -> None:
     body = torch.optim.AdamW(net.body.parameters(), lr=3e-3, weight_decay=0.01)
     head = torch.optim.SGD(net.head.parameters(), lr=1e-2, momentum=0.9)
     opts = [body, head]
-    steps, every = int(kw.get("steps", 16)), int(kw.get("every", 4))
+    steps = int(kw.get(f"steps_{shape}", kw.get("steps", 16)))
+    every = int(kw.get(f"every_{shape}", kw.get("every", 4)))
     per_epoch = 4  # batches per rank and epoch (the loader shapes)
     accum = 2 if shape == "accum" else 1
     pos = Position(rank)
@@ -265,8 +274,6 @@ def main() -> None:
     with open(os.path.join(mydir, "info.json"), "w") as f:
         json.dump({"start_step": ckpt.start_step, "resumed_from": ckpt.resumed_from, "start_epoch": ckpt.start_epoch,
                    "step": ckpt.step, "it": pos.it, "last_version": ckpt.last_version}, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
