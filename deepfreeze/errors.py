@@ -45,6 +45,7 @@ __all__ = [
     "ProtocolVersionError",
     "CaptureTornError",
     "PeerLostError",
+    "NodeIdConflictError",
 ]
 
 
@@ -224,3 +225,10 @@ class CaptureTornError(DeepFreezeError, RuntimeError):
 class PeerLostError(DeepFreezeError, ConnectionError):
     """A collective of DeepFreeze's own process group failed: a peer died (its connection
     closed) or did not answer within the group's timeout (``deepfreeze.torch.TorchComm``)."""
+
+
+class NodeIdConflictError(LeaseHeldError):
+    """The lease is held by a live run carrying this process's node id, but of another kernel boot
+    or PID namespace: two jobs share one node id (``DEEPFREEZE_NODE_ID``, or the default host name
+    and boot id of containers that share both). Its pid cannot be checked here, so the lease is
+    only taken over once its heartbeat is stale; the id must be unique per node."""

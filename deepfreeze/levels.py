@@ -43,8 +43,8 @@ crash at any point (every file operation below passes a named crash point of
   ``done.r<rank>.<nonce>.json`` (run, nonce, piece CRCs) is published by temp + fsync + rename +
   directory fsync.
 * **Finalize**: whoever sees done markers of the *current nonce* for exactly ranks 0..N-1 takes
-  ``commit.lock`` (a lock of a dead or zombie process of this host is broken at once, one of
-  another host once it is older than ``lease_timeout``), checks the fence and that the decision
+  ``commit.lock`` (a lock whose holder is provably gone, :func:`~deepfreeze.node.holder_gone`, is
+  broken at once; any other once it is older than ``lease_timeout``), checks the fence and that the decision
   still has this nonce, writes header and index into the partial, fsyncs, renames it to
   ``model.dfz``, writes ``manifest.json`` (temp + fsync + rename + directory fsync) and removes the
   markers. A ``model.dfz`` already in place without a manifest (a finalizer killed after its rename)
@@ -92,14 +92,14 @@ from . import crashpoints as cp
 from . import format as fmt
 from . import ownership
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
-from .run import ANONYMOUS_RUN, _alive, describe_holder, fence_holder, fs_now, read_generation, warn_skew
+from .run import ANONYMOUS_RUN, describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .fsafe import open_regular, read_small
 from .fused import FusedShard
-from .node import host_name, node_id
+from .node import holder_gone, host_name, in_this_pid_space, node_id, process_identity
 from .shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
-           "read_decision", "FencedError", "SlotSource"]
+           "read_decision", "FencedError", "SlotSource", "lock_record", "parse_lock"]
 
 log = logging.getLogger("deepfreeze")
 _VDIR = re.compile(r"^v(\d{12})$")
@@ -498,6 +498,32 @@ def _read_regular(path: str, limit: int, trusted: frozenset[int] | None = None, 
                       (lambda st: ownership.check_owner(st, path, trusted, level)))
 
 
+_MAX_LOCK_BYTES = 512
+
+
+def lock_record(token: str) -> bytes:
+    """The content of a ``commit.lock`` taken by this process: ``node pid token boot pidns start``
+    (:func:`deepfreeze.node.node_id`, :func:`deepfreeze.node.process_identity`; ``-`` for a start
+    time ``/proc`` cannot show), one line of fields without white space."""
+    me = process_identity()
+    start = "-" if me["start"] is None else me["start"]
+    return f"{node_id()} {me['pid']} {token} {me['boot'] or '-'} {me['pidns']} {start}".encode()
+
+
+def parse_lock(raw: bytes) -> dict[str, Any]:
+    """A ``commit.lock``'s content as a holder record (``node``, ``pid``, ``boot``, ``pidns``,
+    ``start``) for :func:`deepfreeze.node.holder_gone`; fields it lacks (an older DeepFreeze's
+    lock) or that are not numbers are left out, so such a holder is never judged by its pid."""
+    f = raw.decode("ascii", "replace").split(" ")
+    rec: dict[str, Any] = {"node": f[0]}
+    for i, key in ((1, "pid"), (4, "pidns"), (5, "start")):
+        if len(f) > i and f[i].isdigit() and len(f[i]) <= 20:
+            rec[key] = int(f[i])
+    if len(f) > 3:
+        rec["boot"] = f[3]
+    return rec
+
+
 def _of_run(d: dict[str, str] | None, run: str) -> bool:
     """Whether ``d`` (:func:`read_decision`) is a decision of ``run`` with a nonce."""
     return d is not None and d["run"] == run and bool(d["nonce"])
@@ -562,15 +588,17 @@ class PersistentLevel(Level):
     @contextlib.contextmanager
     def locked(self, vdir: str, *, wait: float, stale_after: float) -> Iterator[bool]:
         """Hold ``commit.lock`` of a version directory. Yields False (not taken) when another
-        live holder keeps it longer than ``wait`` seconds. The lock holds ``node pid token``
-        (:func:`deepfreeze.node.node_id`; the host name in a lock of a DeepFreeze before node ids). A
-        lock of a dead (or zombie) process of this node is broken at once; a lock of another node
-        once it is older than ``stale_after`` seconds by the file system's clock; a live holder on
-        this node is never broken. Breaking moves the lock aside (one breaker wins) and puts it back
-        if what was moved is not the lock judged stale; release removes the lock only if it still
-        holds this holder's token."""
+        live holder keeps it longer than ``wait`` seconds. The lock holds :func:`lock_record`
+        (``node pid token boot pidns start``; an older DeepFreeze wrote ``node pid token`` or
+        ``host pid token``). A lock whose holder is provably gone (this boot and PID namespace, pid
+        free, zombie or reused: :func:`deepfreeze.node.holder_gone`) is broken at once; a live holder
+        of this PID namespace is never broken; any other lock (another node, another PID namespace
+        under the same node id, an older DeepFreeze's) once it is older than ``stale_after`` seconds
+        by the file system's clock. Breaking moves the lock aside (one breaker wins) and puts it
+        back if what was moved is not the lock judged stale; release removes the lock only if it
+        still holds this holder's token."""
         path = os.path.join(vdir, LOCK)
-        me = f"{node_id()} {os.getpid()} {secrets.token_hex(8)}".encode()
+        me = lock_record(secrets.token_hex(8))
         deadline = time.monotonic() + wait
         taken = False
         delay = _POLL_FIRST
@@ -581,7 +609,7 @@ class PersistentLevel(Level):
             counters.add("persistent.lock.busy")  # the lock was held: one more round of reads
             counters.fs("open", "persistent.lock.read")
             try:
-                raw = _read_regular(path, 300)
+                raw = _read_regular(path, _MAX_LOCK_BYTES)
                 counters.fs("stat", "persistent.lock.stat")
                 mtime = os.lstat(path).st_mtime
             except FileNotFoundError:
@@ -589,10 +617,9 @@ class PersistentLevel(Level):
             except (OSError, DeepFreezeError):
                 raw, mtime = None, 0.0  # cannot judge it: treated as live
             if raw is not None:
-                host, pid = (raw.decode(errors="replace").split(" ") + ["", ""])[:2]
-                here = host in (node_id(), host_name())  # a host name: a lock of a DeepFreeze before node ids
-                dead = here and pid.isdigit() and not _alive(int(pid))
-                if dead or (not here and fs_now(vdir) - mtime > stale_after):
+                holder = parse_lock(raw)
+                dead = holder_gone(holder)
+                if dead or (not in_this_pid_space(holder) and fs_now(vdir) - mtime > stale_after):
                     log.warning("deepfreeze: breaking stale lock %s of %s process %s", path,
                                 "dead" if dead else "silent", raw.decode(errors="replace")[:100])
                     self._break(path, raw)
@@ -606,7 +633,7 @@ class PersistentLevel(Level):
             if taken:
                 counters.fs("open", "persistent.lock.read")
                 try:
-                    if _read_regular(path, 300) == me:  # not a lock someone else took after breaking ours
+                    if _read_regular(path, _MAX_LOCK_BYTES) == me:  # not a lock someone else took after breaking ours
                         cp.unlink(path, "persistent.lock.unlink")
                 except FileNotFoundError:
                     pass
@@ -621,7 +648,7 @@ class PersistentLevel(Level):
         except FileNotFoundError:
             return
         try:
-            if _read_regular(aside_tmp, 300) != judged:
+            if _read_regular(aside_tmp, _MAX_LOCK_BYTES) != judged:
                 try:
                     cp.link(aside_tmp, path, "persistent.lock.putback")
                 except FileExistsError:

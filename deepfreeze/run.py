@@ -18,7 +18,12 @@
   tombstone naming the run, taken over at once by the next run), and is also the fencing token: every flush and finalize compares its run id with the lease's under the
   version's ``commit.lock`` and abandons the work of any other run. A holder is *stale* when
   its heartbeat is older than ``lease_timeout`` by the file system's clock (:func:`fs_now`),
-  or at once when it is a process of this host that no longer exists.
+  or at once when its process is provably gone: the lease records the holder's
+  :func:`~deepfreeze.node.process_identity` (pid, boot id, PID-namespace inode, start time), and
+  only a holder of this boot and PID namespace whose pid is free, a zombie or reused counts
+  (:func:`~deepfreeze.node.holder_gone`). A lease of an older DeepFreeze (no such fields), or of
+  another PID namespace, waits for its heartbeat to go stale; one with this process's node id
+  but another boot or PID namespace is a :class:`~deepfreeze.errors.NodeIdConflictError`.
 
 Lease takeover (a stale or released holder): the lease is renamed aside (only one renamer can
 succeed), the moved file is checked to be the one judged stale (else it is put back), then removed,
@@ -51,7 +56,7 @@ from . import counters
 from . import crashpoints as cp
 from . import node as _node
 from . import ownership
-from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError
+from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError, NodeIdConflictError
 from .fsafe import read_small
 
 __all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
@@ -285,21 +290,6 @@ def describe_holder(h: dict[str, Any]) -> str:
             + (" (released)" if h.get("released") else ""))
 
 
-def _alive(pid: int) -> bool:
-    """Is process ``pid`` of this host running (a zombie, killed but not yet reaped, is not)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read(512).rpartition(b")")[2].split()[:1] != [b"Z"]
-    except OSError:
-        return True
-
-
 class Lease:
     """The lease on ``<persistent>/<name>`` held by one run (rank 0 of it)."""
 
@@ -313,8 +303,8 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     def _content(self) -> bytes:
-        return json.dumps({"run": self.run, "host": _node.host_name(), "node": _node.node_id(), "pid": os.getpid(),
-                           "seq": self.seq, "timeout": self.timeout}).encode()
+        return json.dumps({"run": self.run, "host": _node.host_name(), "node": _node.node_id(),
+                           **_node.process_identity(), "seq": self.seq, "timeout": self.timeout}).encode()
 
     def _create(self) -> bool:
         tmp = f"{self.path}.tmp{_uniq()}"
@@ -340,10 +330,12 @@ class Lease:
                 sleep: Callable[[float], None] = time.sleep) -> None:
         """Take the lease, or raise :class:`LeaseHeldError` naming the live holder.
 
-        A holder on this host whose process is gone is replaced at once; a holder whose
-        heartbeat is older than the timeout (file-system clock) is replaced; ``resume``
-        waits up to the timeout for a holder on another host whose heartbeat stopped;
-        ``wait`` seconds are granted to a live holder to go away."""
+        A holder whose process is provably gone (:func:`~deepfreeze.node.holder_gone`: this boot
+        and PID namespace) is replaced at once; a holder whose heartbeat is older than the timeout
+        (file-system clock) is replaced; ``resume`` waits up to the timeout for a holder outside
+        this PID namespace whose heartbeat stopped; ``wait`` seconds are granted to a live holder
+        to go away. A live holder with this node id in another boot or PID namespace is a
+        :class:`~deepfreeze.errors.NodeIdConflictError` (a :class:`LeaseHeldError`)."""
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         start = time.monotonic()
         said_waiting = False
@@ -361,15 +353,15 @@ class Lease:
             if holder.get("released"):  # its run ended with close(): free
                 self._take_over(holder)
                 continue
-            here = _node.is_here(holder)
+            here = _node.in_this_pid_space(holder)  # its pid can be checked here
             pid = holder.get("pid")
             now = fs_now(self.dir)
             age = now - mtime
             if age < 0:
                 warn_skew(f"the lease heartbeat {self.path}", -age)
-            if here and isinstance(pid, int) and pid > 0 and not _alive(pid):
-                log.warning("deepfreeze: %r was held by process %d on this host, which is gone: taking over "
-                            "its lease (run %s)", self.name, pid, holder.get("run"))
+            if _node.holder_gone(holder):
+                log.warning("deepfreeze: %r was held by process %d in this PID namespace of this node, which is "
+                            "gone: taking over its lease (run %s)", self.name, pid, holder.get("run"))
                 self._take_over(holder)
                 continue
             if age > self.timeout:
@@ -392,6 +384,15 @@ class Lease:
                 sleep(min(1.0, wait - waited))
                 continue
             mine = here and pid == os.getpid()
+            if _node.shares_node_id(holder):
+                raise NodeIdConflictError(
+                    f"checkpoint name {self.name!r} is leased by a live run with this process's node id "
+                    f"{_node.node_id()!r} but in another PID namespace or kernel boot ({describe_holder(holder)}, "
+                    f"last heartbeat {max(0.0, age):.0f} s ago; lease {self.path}): two jobs use one node id, so "
+                    f"its pid cannot be checked here and it is only taken over once its heartbeat is older than "
+                    f"lease_timeout. The node id must be unique per node: give each PID namespace or container "
+                    f"its own {_node.NODE_ENV} (or unset it where host name and boot id tell nodes apart); and "
+                    "two jobs must not write one name")
             raise LeaseHeldError(
                 f"checkpoint name {self.name!r} is in use by a live run ({describe_holder(holder)}, last heartbeat "
                 f"{max(0.0, age):.0f} s ago; lease {self.path}): two jobs must not write one name. "
@@ -546,6 +547,8 @@ class Run:
         got = self._gather0(payload)
         if got["err"]:
             self.close()
+            if got["kind"] == "NodeIdConflictError":
+                raise NodeIdConflictError(got["err"])
             if got["kind"] == "LeaseHeldError":
                 raise LeaseHeldError(got["err"])
             raise DeepFreezeError(f"cannot start a run of {self.name!r} (rank 0: {got['kind']}): {got['err']}")

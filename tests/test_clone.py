@@ -4,6 +4,7 @@ Every clone is compared bit for bit with the state the source recorded at the cl
 import glob
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -110,7 +111,9 @@ def test_a_dead_rank_leaves_no_survivor_waiting_in_deepfreeze(tmp_path, dead):
     """Open MPI 4.1 has no fault-tolerant MPI; under ``--enable-recovery`` the job outlives a
     dead rank (rank 1 of one group, SIGKILLed after the hello). Every survivor ends its waits
     (timeout 4 s: the clone group's agreement waits at most 2 x that) with an error naming
-    what it waited for, writes its result and exits: mpirun returns (its own timeout: 120 s)."""
+    what it waited for, writes its result and exits: mpirun returns (its own timeout: 120 s).
+    The surviving source rank learns it too (the source agreement), not only in Horovod's next
+    all-reduce (issue 32 case 6)."""
     p = mpirun(4, f"{WORKERS}/clone_numpy.py", str(tmp_path), "2,2", f"dead={dead}", timeout=120, check=False,
                options=("--enable-recovery",))
     res = {k: json.load(open(f"{tmp_path}/g{k[0]}r{k[1]}.json")) for k in [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -119,7 +122,8 @@ def test_a_dead_rank_leaves_no_survivor_waiting_in_deepfreeze(tmp_path, dead):
     assert set(res) == {(0, 0), (0, 1), (1, 0), (1, 1)} - {died}, (res, p.stdout, p.stderr)
     assert all(r["seconds"] < 8 + 5 for r in res.values()), res  # bounded: 2 x timeout, plus slack
     if dead == "source":
-        assert not res[(0, 0)]["errors"] and res[(0, 0)]["sent"] > 0  # its own sends completed
+        (kind, msg, _), = res[(0, 0)]["errors"]  # its own sends completed; the source agreement names the dead
+        assert kind == "CloneTimeoutError" and "source rank(s) [1] did not finish the clone" in msg, msg
         (kind, msg, _), = res[(1, 1)]["errors"]  # waited for the dead source rank's data: names it
         assert kind == "CloneTimeoutError" and "source parent rank(s) [1]" in msg, msg
         (kind, msg, _), = res[(1, 0)]["errors"]  # had all its data; learns that its peer failed
@@ -305,3 +309,41 @@ def test_clone_example_runs_as_documented():
     assert "source: cloned at step 10 (" in p.stdout and ", trained to step 16, loss " in p.stdout, p.stdout
     assert "clone: received step 10 (epoch 1, batch 2) from run " in p.stdout, p.stdout
     assert "trained to step 16 with lr 0.0005" in p.stdout, p.stdout
+
+
+@pytest.mark.mpi
+def test_on_peer_loss_exit_ends_every_survivor_with_exit_code_75_within_the_bound(tmp_path):
+    """Issue 32 case 6: under ``--enable-recovery`` a surviving source rank hung in Horovod's next
+    all-reduce after a source rank died during the clone. With DEEPFREEZE_ON_PEER_LOSS=exit every
+    rank that sees the loss ends its own process: exit code 75, within the wait's bound (the
+    source agreement: clone_timeout = 4 s; the clone group's agreement: 2 x that), with the
+    named error logged. A wrapper per rank (workers/exit_code.py) records how each ended."""
+    from deepfreeze import peerloss
+    p = mpirun(4, f"{WORKERS}/exit_code.py", str(tmp_path), sys.executable, f"{WORKERS}/clone_numpy.py",
+               str(tmp_path), "2,2", "dead=source", timeout=120, check=False, options=("--enable-recovery",),
+               env={"DEEPFREEZE_ON_PEER_LOSS": "exit"})
+    ends = {}
+    for w in range(4):
+        path = tmp_path / f"exit{w}.json"
+        assert path.exists(), (w, p.stdout[-3000:], p.stderr[-3000:])
+        ends[w] = json.loads(path.read_text())
+    assert ends[1]["rc"] == -9, ends  # source rank 1 SIGKILLed itself after the hello
+    for w in (0, 2, 3):  # source rank 0 (source agreement), clone ranks 0 and 1 (the clone group's agreement)
+        assert ends[w]["rc"] == peerloss.EXIT_CODE and ends[w]["seconds"] < 2 * 4 + 10, (w, ends)
+        err = (tmp_path / f"stderr{w}.txt").read_text()
+        assert "a peer is lost: Clone" in err and "DEEPFREEZE_ON_PEER_LOSS=exit" in err and "exit code 75" in err, err
+    assert "source rank(s) [1] did not finish the clone" in (tmp_path / "stderr0.txt").read_text()
+    # none of them got as far as writing its result: each ended inside DeepFreeze, at the loss
+    assert not list(tmp_path.glob("g*r*.json")), list(tmp_path.glob("g*r*.json"))
+
+
+def test_on_peer_loss_is_checked_when_a_transfer_starts(monkeypatch):
+    from deepfreeze import peerloss
+    from deepfreeze.errors import ConfigError
+    monkeypatch.setenv(peerloss.ENV, "exit")
+    assert peerloss.policy() == "exit"
+    monkeypatch.setenv(peerloss.ENV, "")
+    assert peerloss.policy() == "raise"
+    monkeypatch.setenv(peerloss.ENV, "quit")
+    with pytest.raises(ConfigError, match="DEEPFREEZE_ON_PEER_LOSS='quit'"):
+        peerloss.policy()

@@ -12,7 +12,7 @@ from deepfreeze.backend import BackendClient, socket_path
 from deepfreeze.engine import Engine
 from deepfreeze.errors import (CheckpointNotFoundError, CheckpointWriteError, ConfigError,
                                CorruptCheckpointError)
-from deepfreeze.levels import PersistentLevel, ScratchLevel
+from deepfreeze.levels import PersistentLevel, ScratchLevel, lock_record
 from deepfreeze.restore import load
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
@@ -315,7 +315,7 @@ def test_stale_commit_lock_of_dead_process_is_broken(tmp_path):
     os.makedirs(vdir)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     with open(os.path.join(vdir, "commit.lock"), "w") as f:
-        f.write(f"{__import__('socket').gethostname()} {int(dead.stdout)}")
+        f.write(lock_record("0123456789abcdef").decode().replace(f" {os.getpid()} ", f" {int(dead.stdout)} "))
     e = Engine(cfg, "job", 0, plan)
     e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
     e.close()

@@ -324,3 +324,64 @@ def test_a_channel_nobody_publishes_is_reported_once(tmp_path, caplog):
         assert sub.where() in lines[0]
     with pytest.raises(ConfigError):
         Subscriber("ghost", str(tmp_path / "p"), warn_after=-1)
+
+
+class _CountingSubscriber(Subscriber):
+    """Counts its looks for producers (each reads the endpoint files)."""
+
+    scans = 0
+
+    def _endpoints(self):
+        self.scans += 1
+        return super()._endpoints()
+
+
+def _warnings_naming(caplog, path):
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and path in r.getMessage()]
+
+
+def test_an_unusable_endpoint_file_is_warned_about_once_per_path_and_cause(tmp_path, caplog, token):
+    """Issue 32 case 5: an unusable endpoint was warned about at every rescan. Now once per
+    (path, cause) per consumer: a new cause (the file rewritten) is one more warning."""
+    import logging
+    persistent = str(tmp_path / "p")
+    d = endpoint_dir(persistent, "chan")
+    os.makedirs(d, mode=0o700)
+    os.chmod(os.path.dirname(d), 0o700)
+    bad = os.path.join(d, "r0.json")
+    with open(os.open(bad, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write("{not json")
+    with caplog.at_level(logging.WARNING, logger="deepfreeze"):
+        with _CountingSubscriber("chan", persistent, tier="tcp", rescan=0.05, warn_after=1000) as sub:
+            assert sub.next(1.0) is None
+            assert sub.scans >= 5, sub.scans  # several rescans, each of which read the file
+            assert len(_warnings_naming(caplog, bad)) == 1, _warnings_naming(caplog, bad)
+            with open(bad, "w") as f:
+                f.write("[]")  # valid JSON, not an endpoint: another cause
+            seen = sub.scans
+            assert sub.next(0.6) is None and sub.scans >= seen + 3
+    msgs = _warnings_naming(caplog, bad)
+    assert len(msgs) == 2 and "Expecting property name" in msgs[0] and "not a DeepFreeze stream endpoint" in msgs[1], msgs
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="deepfreeze"):  # one-off calls: each one says it
+        read_endpoints(persistent, "chan")
+        read_endpoints(persistent, "chan")
+    assert len(_warnings_naming(caplog, bad)) == 2
+
+
+def test_a_planted_endpoint_directory_is_warned_about_once(tmp_path, caplog, token):
+    """The probe's case: an endpoint directory of another user, warned about 6 times in 10 s."""
+    import logging
+    from _util import nobody_ids
+    uid, gid = nobody_ids()
+    persistent = str(tmp_path / "p")
+    d = endpoint_dir(persistent, "chan")
+    os.makedirs(d, mode=0o700)
+    os.chmod(os.path.dirname(d), 0o700)
+    os.chown(d, uid, gid)
+    with caplog.at_level(logging.WARNING, logger="deepfreeze"):
+        with _CountingSubscriber("chan", persistent, tier="tcp", rescan=0.05, warn_after=1000) as sub:
+            assert sub.next(1.0) is None
+            assert sub.scans >= 5, sub.scans
+    msgs = _warnings_naming(caplog, d)
+    assert len(msgs) == 1 and "owned by nobody" in msgs[0], msgs

@@ -29,8 +29,9 @@ SHAPES = {
     "plateau": (4, 16, 10),   # checkpoint on an epoch's last step, validation + ReduceLROnPlateau after it
     "end_hooks": (3, 16, 11),  # the 'end' loop without end_iteration(): the hooks' timing
     "fsdp": (3, 16, 11),      # FSDP2, the 'end' loop
+    "closure": (3, 16, 11),   # the 'end' loop, optimizer.step(closure) runs forward and backward
 }
-FAST = ["end", "dl", "sdl", "accum", "plateau"]
+FAST = ["end", "dl", "sdl", "accum", "plateau", "closure"]
 SLOW = ["fsdp", "end_hooks"]
 
 
@@ -125,3 +126,62 @@ def test_iterate_refuses_a_shorter_loader_on_resume(tmp_path):
         with pytest.raises(ModelMismatchError, match="had fetched 4 items, this iterable has 2"):
             list(ck3.iterate(range(2)))
     assert np.isfinite(net2.weight.detach().numpy()).all()
+
+
+@pytest.mark.parametrize("ending", ["noclose", "destroy", "close_after_destroy"])
+def test_a_forgotten_close(tmp_path, ending):
+    """No close(): the pending v8 is handed off at exit (bit-exact); after destroy_process_group()
+    it is lost with one warning per rank naming it, and close() then is a one-line ConfigError."""
+    import deepfreeze.torch as dft
+    out = str(tmp_path)
+    p = torchrun(2, LOOPS, out, "shape=end", "every=4", "steps=8", f"exit={ending}")
+    infos = [_info(out, "end", r) for r in (0, 1)]
+    assert all(i["pending"] == 8 and i["last_version"] == 4 for i in infos), infos
+    kw = dict(name="end", mode="sync", scratch=os.path.join(out, "end", "scratch0"),
+              persistent=os.path.join(out, "end", "persistent"))
+    if ending == "noclose":
+        assert "v8 was handed off and flushed at exit" in p.stderr
+        got = dft.load(version=8, **kw)
+        want = npz(os.path.join(out, "end", "r0", "final.npz"))
+        for fqn, t in got.items():
+            if not fqn.startswith("optim."):
+                assert t.numpy().tobytes() == want[f"model.{fqn}"].tobytes(), fqn
+        return
+    assert p.stderr.count("'end' v8 was captured but not written") == (2 if ending == "destroy" else 0), p.stderr[-3000:]
+    from deepfreeze.errors import CheckpointNotFoundError
+    with pytest.raises(CheckpointNotFoundError):
+        dft.load(version=8, **kw)
+    if ending == "close_after_destroy":
+        for i in infos:
+            assert i["close_error"].startswith("ConfigError: Checkpointer.close() after "
+                                               "torch.distributed.destroy_process_group(): 'end' v8 was captured "
+                                               "but not written"), i
+            assert "\n" not in i["close_error"]
+
+
+@pytest.mark.parametrize("loop", [[], {"pass": -1, "yielded": 0}, {"pass": 0, "yielded": "3"},
+                                  {"pass": True, "yielded": 0}, {"pass": 0, "yielded": 1 << 70},
+                                  {"pass": 0, "yielded": 2}, {"pass": 0, "yielded": 2, "rng": {"process": {}}},
+                                  {"pass": 0, "yielded": 2, "rng": {"process": {"torch": 1, "numpy": 2, "python": 3},
+                                                                    "generator": "x"}}])
+def test_a_damaged_loop_record_is_a_clear_error(loop):
+    """The loop position of a state record (a hostile or damaged one) is type-checked before use."""
+    from deepfreeze.errors import CorruptCheckpointError
+    from deepfreeze.torch._loop import Passes
+    with pytest.raises(CorruptCheckpointError, match="loop position is damaged"):
+        Passes().resume_from(loop, "checkpoint 'x' v3")
+
+
+def test_rng_states_that_cannot_be_set_are_a_clear_error():
+    import torch
+
+    from deepfreeze.errors import CorruptCheckpointError
+    from deepfreeze.torch import _state
+    from deepfreeze.torch._loop import Passes
+    before = _state.rng_state()
+    passes = Passes()
+    passes.resume_from({"pass": 1, "yielded": 2, "rng": {"process": {"torch": torch.zeros(3, dtype=torch.uint8),
+                                                                     "numpy": 0, "python": 0}}}, "v3")
+    with pytest.raises(CorruptCheckpointError, match="RNG states of its pass's start cannot be set"):
+        next(passes.iterate(range(4), lambda: None, "x"))
+    assert torch.equal(torch.get_rng_state(), before["torch"])

@@ -13,8 +13,8 @@
 A package of thin command modules (``ls``, ``inspect``, ``verify``, ``export``,
 ``gc``, ``backend``, ``repo``, ``memtier``; shared helpers in ``_common``) over the core: scanning,
 describing, verifying and gc planning live in :mod:`deepfreeze.inventory`,
-reading in :mod:`deepfreeze.restore`. The configuration is built as the Keras
-callback builds it: ``Config.resolve(--config, **--set)``, so ``VELOC_<KEY>``
+reading in :mod:`deepfreeze.restore`. The configuration is built as the training
+side builds it: ``Config.resolve(--config, **--set)``, so ``VELOC_<KEY>``
 environment variables apply between the file and ``--set``. Imports no
 TensorFlow. Exit codes: 0 success, 1 damaged / not found / I/O error, 2 usage
 or configuration error; every error is one line on stderr, never a traceback.
@@ -39,11 +39,12 @@ _COMMANDS = (ls, inspect, verify, export, gc, backend, repo, memtier)
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command (each command module adds its own subparser)."""
     common = Parser(add_help=False)
-    g = common.add_argument_group("configuration (as the Keras callback)")
+    g = common.add_argument_group("configuration (as in training)")
     g.add_argument("--config", metavar="FILE",
                    help="VeloC INI file (optional; VELOC_<KEY> environment variables apply on top)")
     g.add_argument("--name", metavar="NAME",
-                   help="checkpoint name (as DeepFreezeCheckpoint(name=...)); default: the only one found")
+                   help="checkpoint name (as DeepFreezeCheckpoint(name=...) or Checkpointer(name=...)); "
+                        "default: the only one found")
     g.add_argument("--set", metavar="KEY=VALUE", action="append", default=[], dest="overrides",
                    help="override an INI key, e.g. --set scratch=/local/ssd/ckpt (repeatable)")
     as_json = Parser(add_help=False)

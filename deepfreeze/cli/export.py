@@ -14,9 +14,10 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     p = sub.add_parser("export", parents=[parents["common"], parents["version"], parents["trust"]],
-                       help="write a version as h5, npz or safetensors",
+                       help="write a version as h5, npz, safetensors, torch or dcp",
                        description="Load a committed version (checksums verified) and write it as a Keras HDF5 "
-                                   "weights file, a NumPy .npz or a safetensors file.")
+                                   "weights file, a NumPy .npz or a safetensors file, or (a PyTorch checkpoint) a "
+                                   "torch.save file or a torch.distributed.checkpoint directory.")
     p.add_argument("--format", choices=["h5", "npz", "safetensors", "torch", "dcp"],
                    help="output format (default: from the --output suffix); dcp: a torch.distributed.checkpoint "
                         "directory at --output")

@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     ec = d["epoch_complete"]
     run = d["run"]
-    lines = [f"checkpoint {d['name']!r} version {d['version']}: step {d['step']}, epoch {d['epoch'] + 1}"
-             + ("" if ec is None else f" ({'end of epoch' if ec else 'within the epoch'})"),
+    torch = manifest.get("framework") == "torch"  # (steps only: no epoch)
+    lines = [f"checkpoint {d['name']!r} version {d['version']}: step {d['step']}"
+             + ("" if torch else f", epoch {d['epoch'] + 1}")
+             + ("" if ec is None or torch else f" ({'end of epoch' if ec else 'within the epoch'})"),
              f"run {run['id'] or '(none: written before runs had ids)'}, generation {run['generation']}"
              + ("" if run["resumed_from"] is None else f", resumed from v{run['resumed_from']}")
              + ("" if d["parent"] is None else f", {parent_text(d['parent'])}"),

@@ -15,10 +15,18 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ls", parents=[parents["common"], parents["json"], parents["trust"]], help="versions per level with their status",
                        description="List the versions of a checkpoint (all checkpoints without --name) on scratch "
-                                   "and persistent: step, epoch (counted from 1, as Keras prints it), size on disk (MB), "
+                                   "and persistent: step, epoch (counted from 1; '-' for PyTorch "
+                                   "checkpoints, which count steps only), size on disk (MB), "
                                    "status, the run that wrote it and the step that run resumed from, directory; "
                                    "below a clone's version, the checkpoint it was cloned from.")
     p.set_defaults(func=run)
+
+
+def _epoch(c: Any) -> "int | str | None":
+    """The EPOCH cell: counted from 1; '-' for a version of deepfreeze.torch (steps only)."""
+    if (c.manifest or {}).get("framework") == "torch":
+        return "-"
+    return None if c.epoch is None else c.epoch + 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         lines.append(f"checkpoint {name!r}  (scratch {cfg.scratch}, persistent {cfg.persistent})")
         rows, notes = [], {}
         for c in copies:
-            rows.append([c.level, c.version, c.step, None if c.epoch is None else c.epoch + 1, mb_number(c.bytes),
+            rows.append([c.level, c.version, c.step, _epoch(c), mb_number(c.bytes),
                          c.status, c.run if c.run is None else (c.run or "(none)"),
                          None if c.resumed_from is None else f"v{c.resumed_from}", c.path])
             note = "; ".join(x for x in (parent_text(c.parent), c.detail) if x)

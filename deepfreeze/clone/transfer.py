@@ -22,7 +22,12 @@ Protocol, on ``Group.bridge`` (a duplicate of the parent communicator, never Hor
    A clone rank that gives up (its timeout, a malformed message, a failed group) tells
    every source rank the same way; the source raises ``CloneError`` at its next check
    (the next batch, or its wait for the sends).
-5. **Agreement** (clone group only, on its own duplicate of ``Group.comm``, made with a
+5. **Source agreement** (``TAG_DONE``): once its sends completed, every source rank tells every
+   other source rank (``1``; ``0`` from :meth:`Sender.close` of a rank that failed first) and
+   waits, bounded by ``timeout``, for each one's word. Silence names the source ranks that died
+   or are stuck (:class:`~deepfreeze.errors.CloneTimeoutError`): without it a surviving source
+   rank would only find out in the framework's next collective, which never ends.
+6. **Agreement** (clone group only, on its own duplicate of ``Group.comm``, made with a
    nonblocking ``Idup`` when the receive starts): after receiving, every clone rank
    all-gathers whether it received everything (a nonblocking ``Iallgather``, polled),
    before any all-gather of data: one rank that failed or died never leaves the others
@@ -35,7 +40,11 @@ overlap the rest of the step (on one node the receiver pulls large messages itse
 single-copy, through the shared-memory transport). Every wait is bounded
 (``timeout``) and names the ranks still awaited: Open MPI 4.1 here has no fault-tolerant
 MPI, so a dead peer is seen only as a wait that does not end; the process that raised
-must exit (docs/clone.md, "Failures").
+must exit (docs/clone.md, "Failures"). With ``DEEPFREEZE_ON_PEER_LOSS=exit``
+(:mod:`deepfreeze.peerloss`) a rank that sees a peer lost ends its process itself, with exit
+code 75: a :class:`~deepfreeze.errors.CloneTimeoutError` of a source rank's hello wait, send wait
+or source agreement, and a clone rank's agreement that ends with a timeout (its own, or another
+rank's silence) or names clone ranks that failed.
 """
 from __future__ import annotations
 
@@ -48,15 +57,16 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import peerloss
 from ..errors import CloneError, CloneTimeoutError, ModelMismatchError
 from .group import Group
 from .plan import ClonePlan, Route, first_difference
 
-__all__ = ["Sender", "Receiver", "TAG_HELLO", "TAG_HEADER", "TAG_ABORT", "DATA_TAG0", "DEFAULT_TIMEOUT"]
+__all__ = ["Sender", "Receiver", "TAG_HELLO", "TAG_HEADER", "TAG_ABORT", "TAG_DONE", "DATA_TAG0", "DEFAULT_TIMEOUT"]
 
 log = logging.getLogger("deepfreeze")
 
-TAG_HELLO, TAG_HEADER, TAG_ABORT = 1, 2, 3
+TAG_HELLO, TAG_HEADER, TAG_ABORT, TAG_DONE = 1, 2, 3, 4
 DATA_TAG0 = 16
 CHUNK = 1 << 30  # bytes per message piece (MPI counts are C ints)
 MAX_CONTROL_BYTES = 64 << 20  # a hello with a very large tensor list is still far below this
@@ -164,6 +174,7 @@ class Sender:
                  poll: float = 0.0005) -> None:
         if not group.is_source:
             raise ValueError("Sender runs on the source group (group index 0)")
+        peerloss.policy()  # a bad DEEPFREEZE_ON_PEER_LOSS: an error now, not at a peer's loss
         self.group, self.plans, self.timeout, self.poll_s = group, dict(plans), float(timeout), poll
         self.comm = group.bridge
         self._sends = {g: p.sends_of(group.rank) for g, p in self.plans.items()}
@@ -178,6 +189,9 @@ class Sender:
         self.posted: list[tuple[int, float, int]] = []  # (tensor id, time, bytes)
         self.bytes_sent = 0
         self._closed = False
+        me = group.members(0)[group.rank]
+        self._source_peers = {w: j for j, w in enumerate(group.members(0)) if w != me}  # parent rank -> source rank
+        self._done: tuple[Any, list, dict] | None = None  # this rank's word, its sends, the peers' receives
         self._thread = threading.Thread(target=self._progress, name="deepfreeze-clone-progress", daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)  # runs before mpi4py finalizes MPI (registered earlier)
@@ -202,8 +216,12 @@ class Sender:
         return self._hello.poll()
 
     def wait_hello(self, timeout: float | None = None) -> None:
-        self._hello.wait(self.timeout if timeout is None else timeout,
-                         f"source rank {self.group.rank} waiting for the clone groups' hello", abort=self.check_abort)
+        try:
+            self._hello.wait(self.timeout if timeout is None else timeout,
+                             f"source rank {self.group.rank} waiting for the clone groups' hello", abort=self.check_abort)
+        except CloneTimeoutError as e:
+            peerloss.peer_lost(e, f"clone: source rank {self.group.rank}")
+            raise
 
     def check_abort(self) -> None:
         """Raise :class:`CloneError` if a clone rank said it gave up the clone."""
@@ -290,16 +308,63 @@ class Sender:
                 if self._error is not None:
                     e, self._error = self._error, None
                     raise CloneError(f"clone progress thread failed: {e}") from e
-                if not self._reqs or MPI.Request.Testall(self._reqs):
+                sent = not self._reqs or MPI.Request.Testall(self._reqs)
+                if sent:
                     self._reqs, self._keep = [], []
-                    return
+            if sent:
+                self._agree_sources(limit)
+                return
             self.check_abort()
             if time.monotonic() > deadline:
                 dests = sorted({w for g in self.plans for w in self.group.members(g)})
-                raise CloneTimeoutError(
+                e = CloneTimeoutError(
                     f"source rank {self.group.rank}: clone sends not received within clone_timeout="
                     f"{limit:g} s by the clone ranks (parent ranks "
                     f"{dests}): they stopped receiving or died")
+                peerloss.peer_lost(e, f"clone: source rank {self.group.rank}")
+                raise e
+            time.sleep(self.poll_s)
+
+    def _post_done(self, ok: bool) -> None:
+        """Tell every other source rank whether this one finished its sends (once); a rank that
+        finished also posts the receives of their words (a failed one takes none)."""
+        if self._done is not None:
+            return
+        word = np.array([1 if ok else 0], np.uint8)
+        with self._lock:
+            sends = [self.comm.Isend(word, dest=w, tag=TAG_DONE) for w in self._source_peers]
+            recvs = {w: (buf, self.comm.Irecv(buf, source=w, tag=TAG_DONE))
+                     for w, buf in ((w, np.zeros(1, np.uint8)) for w in self._source_peers if ok)}
+        self._done = (word, sends, recvs)
+
+    def _agree_sources(self, limit: float) -> None:
+        """The source agreement (module docstring, step 5): after this rank's sends completed,
+        every other source rank's word within ``limit`` seconds, else
+        :class:`CloneTimeoutError` naming the silent ones (they died, or are stuck)."""
+        from mpi4py import MPI
+        if self._done is not None or not self._source_peers:
+            return
+        self._post_done(True)
+        _, sends, recvs = self._done
+        deadline = time.monotonic() + limit
+        while True:
+            with self._lock:
+                pending = [w for w, (_, rq) in recvs.items() if not rq.Test()]
+                delivered = MPI.Request.Testall(sends)
+            if not pending and delivered:
+                return
+            if time.monotonic() > deadline:
+                silent = sorted(self._source_peers[w] for w in pending)
+                with self._lock:
+                    for w in pending:
+                        recvs[w][1].Cancel()
+                e = CloneTimeoutError(
+                    f"source rank {self.group.rank}: source rank(s) {silent or '(none: its word was not taken)'} "
+                    f"did not finish the clone within clone_timeout={limit:g} s after this rank's sends completed "
+                    "(they died, or are stuck): the framework's next collective over the source group would "
+                    "wait for them forever")
+                peerloss.peer_lost(e, f"clone: source rank {self.group.rank}")
+                raise e
             time.sleep(self.poll_s)
 
     def _progress(self) -> None:
@@ -319,7 +384,18 @@ class Sender:
                 self._error = e
 
     def close(self) -> None:
-        """Stop the progress thread (the clone is sent, or abandoned)."""
+        """Stop the progress thread (the clone is sent, or abandoned). A rank that did not reach
+        the source agreement tells the other source ranks that it failed (at most 1 s), so they
+        do not take it for dead."""
+        from mpi4py import MPI
+        if self._done is None and self._source_peers:
+            self._post_done(False)
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if MPI.Request.Testall(self._done[1]):
+                        break
+                time.sleep(0.002)
         self._closed = True
         atexit.unregister(self._at_exit)
         with self._wake:
@@ -335,6 +411,7 @@ class Receiver:
     def __init__(self, group: Group, plan: ClonePlan, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         if group.is_source:
             raise ValueError("Receiver runs on a clone group (group index >= 1)")
+        peerloss.policy()  # a bad DEEPFREEZE_ON_PEER_LOSS: an error now, not at a peer's loss
         self.group, self.plan, self.timeout = group, plan, float(timeout)
         self.comm = group.bridge
         self.source = group.members(0)
@@ -384,7 +461,17 @@ class Receiver:
         naming the clone ranks that failed, or :class:`CloneTimeoutError` when one never
         answered within ``2 * timeout`` (it died or is stuck; the others may still be receiving,
         each bounded by ``timeout``). A rank that failed waits too (bounded), so that its
-        answer reaches the others."""
+        answer reaches the others. With ``DEEPFREEZE_ON_PEER_LOSS=exit`` every one of these
+        except an error of the source's own making (an abort, a mismatch) ends the process
+        (:func:`deepfreeze.peerloss.peer_lost`) once the others were told."""
+        try:
+            return self._agree(error)
+        except CloneError as e:
+            if isinstance(e, CloneTimeoutError) or getattr(e, "_peer_failed", False):
+                peerloss.peer_lost(e, f"clone: clone group {self.group.index} rank {self.group.rank}")
+            raise
+
+    def _agree(self, error: BaseException | None) -> Any:
         if self.gcomm is None:
             self.open_group()
         if error is not None:
@@ -415,8 +502,10 @@ class Receiver:
         bad = [j for j in range(self.group.size) if not every[j]]
         if bad:
             self.give_up(f"clone rank(s) {bad} of its group failed")
-            raise CloneError(f"{me}: clone rank(s) {bad} of this clone group did not receive the clone (see their "
-                             "error); the model holds a partial clone")
+            e = CloneError(f"{me}: clone rank(s) {bad} of this clone group did not receive the clone (see their "
+                           "error); the model holds a partial clone")
+            e._peer_failed = True  # a peer of this group failed: its next collective would wait for it
+            raise e
         return self.gcomm
 
     def hello(self, info: dict | None = None) -> None:

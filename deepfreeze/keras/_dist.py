@@ -81,7 +81,8 @@ def any_rank(flag: bool, *, timeout: float = 300.0, what: str = "a vote") -> boo
     all-reduce (milliseconds). The MPI wait is bounded: a non-blocking all-reduce, progressed by
     polling it (Open MPI here has no progress thread), a warning every 60 s, and
     :class:`~deepfreeze.errors.StreamTimeoutError` after ``timeout`` seconds (a rank died or left
-    ``fit``: this process must then exit)."""
+    ``fit``: this process must then exit; with ``DEEPFREEZE_ON_PEER_LOSS=exit`` it does so itself,
+    :mod:`deepfreeze.peerloss`)."""
     global _VOTE
     hvd = _hvd()
     if hvd is None or hvd.size() < 2:
@@ -102,9 +103,12 @@ def any_rank(flag: bool, *, timeout: float = 300.0, what: str = "a vote") -> boo
             continue
         now = time.monotonic()
         if now - t0 >= timeout:
-            raise StreamTimeoutError(
+            e = StreamTimeoutError(
                 f"rank {hvd.rank()}: the other ranks did not take part in {what} within {timeout:.0f} s (a rank "
                 "died or left fit); this process must exit (Open MPI cannot recover the job)")
+            from .. import peerloss
+            peerloss.peer_lost(e, f"rank {hvd.rank()}: {what}")  # DEEPFREEZE_ON_PEER_LOSS=exit: ends here
+            raise e
         if now >= next_log:
             next_log += 60.0
             logging.getLogger("deepfreeze").warning(

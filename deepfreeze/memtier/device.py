@@ -1395,12 +1395,7 @@ class SlotWriter:
 # --------------------------------------------------------------------------- liveness and view
 
 def _proc_start(pid: int) -> int | None:
-    try:
-        with builtins_open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read(2048).rpartition(b")")[2].split()
-        return int(fields[19])  # field 22 (starttime), counting after the ")"
-    except (OSError, ValueError, IndexError):
-        return None
+    return _node.process_start(pid)
 
 
 def owner_record() -> dict[str, Any]:
@@ -1429,10 +1424,8 @@ def default_live(region: ShardRegion) -> bool:
         if got is None:
             return False
         holder, mtime = got
-        if _node.is_here(holder) and isinstance(holder.get("pid"), int):
-            from ..run import _alive
-            if not _alive(holder["pid"]):  # a holder process of this host that no longer exists (run.py's rule)
-                return False
+        if _node.holder_gone(holder):  # its process provably no longer exists (run.py's rule)
+            return False
         return holder.get("run") == region.run and not holder.get("released") \
             and time.time() - mtime <= float(lease["timeout"])
     owner = idx.get("owner")

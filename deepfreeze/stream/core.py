@@ -135,15 +135,33 @@ class StreamOptions:
                               "consumers on other nodes (the token is then what keeps others out)")
 
 
+_MAX_WARNED = 4096  # (path, cause) pairs a consumer remembers having warned about
+
+
+def _warn_once(warned: "set[tuple[str, str]] | None", path: str, cause: str, msg: str, *args: Any) -> None:
+    """Log ``msg % args`` unless ``warned`` (a consumer's memory) already holds ``(path, cause)``;
+    without ``warned`` (a one-off call), always. The memory is bounded: when full it starts over."""
+    if warned is not None:
+        if (path, cause) in warned:
+            return
+        if len(warned) >= _MAX_WARNED:
+            warned.clear()
+        warned.add((path, cause))
+    log.warning(msg, *args)
+
+
 def read_endpoints(persistent: str, channel: str, *, trusted: "frozenset[int] | None" = None,
-                   skipped: "list[str] | None" = None) -> dict[str, dict[int, dict[str, Any]]]:
+                   skipped: "list[str] | None" = None,
+                   warned: "set[tuple[str, str]] | None" = None) -> dict[str, dict[int, dict[str, Any]]]:
     """Endpoint records under ``<persistent>/<channel>/stream``: run id -> rank -> record.
     Malformed files are skipped with a log line (a producer may be writing one); the path of
     every file skipped (malformed or untrusted) is appended to ``skipped`` when given. Trust
     (:mod:`deepfreeze.ownership`): the directory and every file must be owned by one of
     ``trusted`` (default: the user and root; endpoint files are ``0600`` in a ``0700`` directory,
     so another user's producer is reached through Redis, not files), not writable by anyone
-    else, never a link: a planted directory or file is skipped with one warning."""
+    else, never a link: a planted directory or file is skipped with one warning. ``warned``: a
+    set kept by the caller across calls (a :class:`Subscriber` rescanning): a warning is logged once
+    per (path, cause) in it, not at every call."""
     trusted = ownership.trusted_uids() if trusted is None else trusted
     d = endpoint_dir(persistent, channel)
     out: dict[str, dict[int, dict[str, Any]]] = {}
@@ -152,7 +170,7 @@ def read_endpoints(persistent: str, channel: str, *, trusted: "frozenset[int] | 
     except FileNotFoundError:
         return out
     except (UnsafePathError, UntrustedOwnerError) as e:
-        log.warning("deepfreeze: stream endpoints in %s not used: %s", d, e)
+        _warn_once(warned, d, f"{type(e).__name__}: {e}", "deepfreeze: stream endpoints in %s not used: %s", d, e)
         return out
     for n in names:
         if not (n.startswith("r") and n.endswith(".json") and n[1:-5].isdigit()):
@@ -168,12 +186,13 @@ def read_endpoints(persistent: str, channel: str, *, trusted: "frozenset[int] | 
         except FileNotFoundError:
             continue
         except (UnsafePathError, UntrustedOwnerError) as e:
-            log.warning("deepfreeze: stream endpoint not used: %s", e)
+            _warn_once(warned, path, f"{type(e).__name__}: {e}", "deepfreeze: stream endpoint not used: %s", e)
             if skipped is not None:
                 skipped.append(path)
             continue
         except (OSError, ValueError, StreamError) as e:
-            log.warning("deepfreeze: stream endpoint %s is unreadable (%s); skipped", path, e)
+            _warn_once(warned, path, f"{type(e).__name__}: {e}", "deepfreeze: stream endpoint %s is unreadable (%s); "
+                       "skipped", path, e)
             if skipped is not None:
                 skipped.append(path)
             continue
@@ -484,6 +503,8 @@ class Subscriber:
         self._out: dict[str, np.ndarray] | None = None
         self._listener: Any = None
         self._job_warned = ""
+        #: (path, cause) of every endpoint directory, file or record warned about: once each
+        self._endpoint_warned: set[tuple[str, str]] = set()
         self.bytes_by_tier: dict[str, int] = {"shm": 0, "tcp": 0, "persistent": 0}
         self.node = node_id()
 
@@ -613,13 +634,13 @@ class Subscriber:
                 try:
                     rec = _check_endpoint(rec, f"redis endpoint r{rank}")
                 except StreamError as e:
-                    log.warning("deepfreeze: %s", e)
+                    _warn_once(self._endpoint_warned, f"redis endpoint r{rank}", str(e), "deepfreeze: %s", e)
                     bad += 1
                     continue
                 out.setdefault(rec["run"], {})[rec["rank"]] = rec
             return out, bad + self._listener.ignored - ignored
         skipped: list[str] = []
-        out = read_endpoints(self.persistent, self.channel, skipped=skipped)
+        out = read_endpoints(self.persistent, self.channel, skipped=skipped, warned=self._endpoint_warned)
         return out, len(skipped)
 
     def _connect(self) -> None:

@@ -12,9 +12,9 @@ from typing import Any
 
 from ._dist import TorchComm
 from .checkpointer import Checkpointer
-from .restore import TorchState, load, load_state, restore
+from .restore import Restored, TorchState, load, load_state, restore
 
-__all__ = ["Checkpointer", "load", "load_state", "restore", "TorchState", "TorchComm", "Reader"]
+__all__ = ["Checkpointer", "load", "load_state", "restore", "TorchState", "Restored", "TorchComm", "Reader"]
 
 
 def __getattr__(name: str) -> Any:

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import counters
+from .. import counters, peerloss
 from .. import format as fmt
-from ..errors import PeerLostError
+from ..errors import ConfigError, PeerLostError
 from ..redundancy import count_exchange
 
 __all__ = ["TorchComm", "rank_and_size", "node_domain", "make_comm"]
@@ -40,10 +40,21 @@ __all__ = ["TorchComm", "rank_and_size", "node_domain", "make_comm"]
 _MSG = 1 << 30
 
 
-def rank_and_size() -> tuple[int, int]:
-    """This process's rank and the world size of the default group (0, 1 without one)."""
+def rank_and_size(user: "str | None" = None) -> tuple[int, int]:
+    """This process's rank and the world size of the default group (0, 1 without one). With
+    ``user`` (what is asking, e.g. ``"deepfreeze.torch.Checkpointer"``), a process of a launcher's
+    job of several ranks (``WORLD_SIZE`` > 1, as torchrun sets it) whose default group is not
+    initialized yet is a :class:`~deepfreeze.errors.ConfigError`: every rank would act as rank 0
+    of a one-process job."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    ws = os.environ.get("WORLD_SIZE", "")
+    if user is not None and ws.isdigit() and int(ws) > 1:
+        raise ConfigError(f"{user} in rank {os.environ.get('RANK', '?')} of a job of WORLD_SIZE={ws} came "
+                          "before torch.distributed.init_process_group: without the process group every rank would "
+                          "act alone as rank 0 of a one-process job (one checkpoint written by several processes). "
+                          "Call torch.distributed.init_process_group(...) on every rank first (and wrap the model "
+                          "in DDP or fully_shard), then call it")
     return 0, 1
 
 
@@ -88,9 +99,11 @@ class TorchComm:
         self._lock = threading.Lock()
 
     def _lost(self, what: str, e: BaseException) -> PeerLostError:
-        return PeerLostError(f"rank {self.rank}: DeepFreeze's {what} over its gloo group of {self.size} ranks failed: "
-                             f"{type(e).__name__}: {str(e)[:500]} (a rank died, or did not answer within "
-                             f"{self.timeout:g} s)")
+        err = PeerLostError(f"rank {self.rank}: DeepFreeze's {what} over its gloo group of {self.size} ranks failed: "
+                            f"{type(e).__name__}: {str(e)[:500]} (a rank died, or did not answer within "
+                            f"{self.timeout:g} s)")
+        peerloss.peer_lost(err, f"the torch adapter's {what}")  # DEEPFREEZE_ON_PEER_LOSS=exit ends the process
+        return err
 
     def allgather(self, data: bytes) -> list[bytes]:
         return [b.tobytes() for b in self.allgather_buffers(np.frombuffer(bytes(data), dtype=np.uint8))]

@@ -5,7 +5,9 @@ Tensor list, in this order (one definition for the checkpointer, ``load`` and ``
 
 1. the model's ``state_dict`` (DDP's ``module.`` and ``torch.compile``'s ``_orig_mod.``
    prefixes removed: the keys of ``torch.distributed.checkpoint.state_dict.get_state_dict``),
-   named by their FQN, with global shapes. Parameters are *replicated* (every DDP rank holds them bit-identical
+   named by their FQN, with global shapes; a tensor the state dict holds under several FQNs (tied
+   weights: ``lm_head.weight`` is ``wte.weight``) is stored once, under its first FQN, and the
+   state record's ``a.aliases`` maps each other FQN to it (:func:`tied`). Parameters are *replicated* (every DDP rank holds them bit-identical
    after each step) and split across ranks; buffers (BatchNorm running statistics) are updated
    by each rank's forward pass and broadcast from rank 0 by DDP at the next one, so they are
    *pinned*: taken whole from rank 0. Under FSDP2 (``fully_shard``) parameters are DTensors
@@ -46,7 +48,7 @@ from ..shardplan import TensorSpec
 
 __all__ = ["TrainState", "train_state", "unwrap", "model_entries", "encode", "decode", "dtype_of", "torch_dtype",
            "RANK_PREFIX", "rng_state", "set_rng_state", "as_tensor", "dim0_rows", "local_rows", "is_dtensor",
-           "check_layout", "optimizer_groups"]
+           "check_layout", "optimizer_groups", "tied", "class_name", "check_model"]
 
 RANK_PREFIX = "_deepfreeze/rank"
 MAGIC = b"DFTS0001"
@@ -196,6 +198,8 @@ class TrainState:
     bounds: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     dtensors: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     fqn_of: dict[int, str] = dataclasses.field(default_factory=dict)
+    #: FQN of a tied tensor's other name -> the FQN it is stored under (:func:`tied`)
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def key(self) -> bytes:
         """16 bytes naming the tensor list (names, dtypes, shapes, pinned, sharded): equal on every rank."""
@@ -208,7 +212,11 @@ def train_state(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimiz
     Call it while the model's parameters are sharded (outside forward and backward: FSDP2 swaps
     unsharded parameters in during them)."""
     st = TrainState([], [], [], 0, [], [])
-    for fqn, t, is_param in model_entries(model):
+    entries = model_entries(model)
+    st.aliases = _tied(entries)
+    for fqn, t, is_param in entries:
+        if fqn in st.aliases:  # tied weights: stored once, under the first FQN
+            continue
         if t.layout != torch.strided:
             raise ConfigError(f"model tensor {fqn!r} is {t.layout}: DeepFreeze checkpoints dense tensors")
         if not is_param:
@@ -220,6 +228,29 @@ def train_state(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimiz
     st.model_tensors = len(st.specs)
     st.groups, st.extra = optimizer_groups(optimizers, st.fqn_of, st)
     return st
+
+
+def _tied(entries: list[tuple[str, torch.Tensor, bool]]) -> dict[str, str]:
+    first: dict[int, str] = {}
+    out = {}
+    for fqn, t, _ in entries:
+        f = first.setdefault(id(t), fqn)
+        if f != fqn:
+            out[fqn] = f
+    return out
+
+
+def tied(model: torch.nn.Module) -> dict[str, str]:
+    """Tied weights of ``model``: ``{FQN: the FQN it is stored under}`` for every state-dict entry
+    that is the same tensor object as an earlier one (``lm_head.weight`` -> ``wte.weight``). The
+    first FQN in ``state_dict`` order is also the name ``get_state_dict`` gives the parameter's
+    optimizer state (``named_parameters`` order)."""
+    return _tied(model_entries(model))
+
+
+def class_name(obj: Any) -> str:
+    """The module-qualified class name of ``obj`` (``torch.optim.adamw.AdamW``)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _add(st: TrainState, name: str, t: torch.Tensor, what: str) -> None:
@@ -418,19 +449,31 @@ def _hashable(k: Any) -> Any:
     return k
 
 
-def check_model(model: torch.nn.Module, manifest_tensors: list[dict], n_model: int, where: str) -> None:
-    """ModelMismatchError naming the first model tensor that differs from the checkpoint's."""
-    mine = [(f, dtype_of(t, f), tuple(t.shape)) for f, t, _ in model_entries(model)]
-    saved = [(t["name"], t["dtype"], tuple(t["shape"])) for t in manifest_tensors[:n_model]]
+def check_model(model: torch.nn.Module, manifest_tensors: list[dict], n_model: int, where: str,
+                aliases: "dict[str, str] | None" = None, strict: bool = True) -> list[str]:
+    """Compare the model's state dict (every FQN, tied ones too) with the checkpoint's model
+    tensors (``manifest_tensors[:n_model]``, each alias of ``aliases`` standing for the tensor it
+    names). ``strict``: ModelMismatchError naming the first difference; else the sorted FQNs of
+    the model that cannot be loaded (absent from the checkpoint, or another dtype or shape)."""
+    mine = {f: (dtype_of(t, f), tuple(t.shape)) for f, t, _ in model_entries(model)}
+    saved = {t["name"]: (t["dtype"], tuple(t["shape"])) for t in manifest_tensors[:n_model]}
+    for alias, target in (aliases or {}).items():
+        if target in saved:
+            saved[alias] = saved[target]
     if mine == saved:
-        return
-    names = {m[0] for m in mine}, {s[0] for s in saved}
-    if names[0] != names[1]:
-        missing, extra = sorted(names[1] - names[0]), sorted(names[0] - names[1])
+        return []
+    if not strict:
+        return sorted(f for f, spec in mine.items() if saved.get(f) != spec)
+    if set(mine) != set(saved):
+        missing, extra = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
         raise ModelMismatchError(f"{where}: the model's state dict does not match: the checkpoint has "
                                  f"{len(saved)} model tensors, the model {len(mine)}; not in the model: {missing[:5]}; "
-                                 f"not in the checkpoint: {extra[:5]}. Build the architecture that was trained.")
-    for m, s in zip(mine, sorted(saved, key=lambda s: [x[0] for x in mine].index(s[0]))):
+                                 f"not in the checkpoint: {extra[:5]}. Build the architecture that was trained "
+                                 "(or pass strict=False to load the tensors that match).")
+    for f, m in mine.items():
+        s = saved[f]
         if m != s:
-            raise ModelMismatchError(f"{where}: model tensor {m[0]!r} is {m[1]}{list(m[2])} in the model, "
-                                     f"{s[1]}{list(s[2])} in the checkpoint")
+            raise ModelMismatchError(f"{where}: model tensor {f!r} is {m[0]}{list(m[1])} in the model, "
+                                     f"{s[0]}{list(s[1])} in the checkpoint (strict=False loads the tensors that "
+                                     "match)")
+    return []

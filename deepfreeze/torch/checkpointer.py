@@ -56,6 +56,7 @@ import logging
 import struct
 import threading
 import time
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -68,7 +69,7 @@ from ..fused import BufferPool, FusedLayout, FusedShard
 from ..levels import ScratchLevel
 from ..run import Run
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec
-from . import _cuda, _state
+from . import _cuda, _loop, _state
 from ._dist import TorchComm, make_comm, node_domain, rank_and_size
 
 __all__ = ["Checkpointer"]
@@ -100,33 +101,6 @@ class _Pending:
         self.cuda: "_cuda.InFlight | None" = None  # device-to-host copies on the side stream
 
 
-class _Pass:
-    """One pass of :meth:`Checkpointer.iterate` over an iterable (an epoch of a DataLoader)."""
-
-    __slots__ = ("index", "yielded", "rng", "loader", "done")
-
-    def __init__(self, index: int, rng: "dict[str, Any] | None", loader: Any) -> None:
-        self.index, self.yielded, self.rng, self.loader, self.done = index, 0, rng, loader, False
-
-    def record(self) -> dict[str, Any]:
-        """What the state record keeps of it (taken at a boundary)."""
-        out: dict[str, Any] = {"pass": self.index, "yielded": self.yielded, "done": self.done}
-        if self.loader is not None:
-            out["loader"] = self.loader.state_dict()
-        else:
-            out["rng"] = self.rng
-        return out
-
-
-def _stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _generator_of(iterable: Any) -> "torch.Generator | None":
-    g = getattr(iterable, "generator", None)
-    return g if isinstance(g, torch.Generator) else None
-
-
 class Checkpointer:
     """Asynchronous sharded checkpoints of a DDP or FSDP2 model and its optimizers, captured in the step.
 
@@ -150,8 +124,13 @@ class Checkpointer:
         backward run (False: in the post-hook).
       on_error: ``"raise"`` (the failing ``optimizer.step()`` raises) or ``"warn"`` (logged,
         counted in :attr:`failures`, training goes on).
-      min_shard_bytes, lease_wait, trust_owners, engine, scratch_cls: as for
-        :class:`deepfreeze.keras.DeepFreezeCheckpoint`.
+      min_shard_bytes, lease_wait, trust_owners, engine, scratch_cls: the smallest piece of the
+        shard plan, seconds to wait for another run's lease on ``name``, the owners trusted when
+        reading, the flush engine, the scratch level's class (docs/api.md).
+      strict: with ``resume``, a checkpoint whose model tensors, optimizers (number, classes,
+        parameter groups) or ``state=`` keys differ from this run's is a ModelMismatchError before
+        anything is loaded (True), or loads what matches and lists the rest in :attr:`skipped`
+        (False).
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
@@ -162,7 +141,8 @@ class Checkpointer:
                  resume: bool = False, overwrite: bool = False, state: "dict[str, Any] | None" = None,
                  overlap: bool = True, on_error: str = "raise", min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
                  lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None, engine: str | None = None,
-                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, close_timeout: float = 60.0,
+                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, strict: bool = True,
+                 close_timeout: float = 60.0,
                  **overrides: Any) -> None:
         opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
@@ -191,10 +171,13 @@ class Checkpointer:
         self.every_n_steps, self.overlap, self.on_error = every_n_steps, bool(overlap), on_error
         self.min_shard_bytes, self.verbose, self.scratch_cls = min_shard_bytes, verbose, scratch_cls
         self.trust_owners = trust_owners
+        self.strict = bool(strict)
+        #: what resume=True with strict=False left out of the checkpoint (empty: everything restored)
+        self.skipped: list[str] = []
         self.config = Config.resolve(config, **overrides)
         self.config.check_directories()
         self.engine_kind = resolve_engine(engine)
-        self.rank, self.size = rank_and_size()
+        self.rank, self.size = rank_and_size("deepfreeze.torch.Checkpointer")
         #: failures under on_error='warn'
         self.failures: list[str] = []
         #: per checkpoint: version, seconds in the post-hook, waited in the next pre-hook, hand-off
@@ -217,9 +200,7 @@ class Checkpointer:
         self._order_warned = False
         self._boundary = False  # the loop marks its iterations' ends (end_iteration/iterate): records are taken there
         self._boundary_warned = False
-        self._pass: _Pass | None = None  # the current (or last) pass of iterate()
-        self._passes = 0  # passes of iterate() begun (the resumed checkpoint's count included)
-        self._loop_resume: "dict[str, Any] | None" = None  # the resumed record's pass, for the next iterate()
+        self._loop = _loop.Passes()  # the passes of iterate()
         #: the pass of :meth:`iterate` (an epoch, counted from 0) the resumed checkpoint was taken in
         #: (0 without resume, or when that checkpoint was not taken inside ``iterate``)
         self.start_epoch = 0
@@ -255,13 +236,31 @@ class Checkpointer:
             self._run.close()
             self._copier.shutdown(wait=False)
             raise
-        atexit.register(self._at_exit)  # after Run's lease release (atexit runs last-registered first)
+        _register_exit(self)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+    def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
         p = self._pending
         if p is None:
-            return
+            return None
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
+            self._finish_before_update(opt, p)
+            return None
+
+        def finish_after(*a: Any, **k: Any) -> Any:
+            # optimizer.step(closure): the forward and backward run inside it (Lightning, LBFGS); the
+            # copy overlaps them and is waited for after them, before the update
+            out = closure(*a, **k)
+            if self._pending is p:
+                self._finish_before_update(opt, p)
+            return out
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": finish_after}
+        return (finish_after, *args[1:]), kwargs
+
+    def _finish_before_update(self, opt: Any, p: _Pending) -> None:
+        """Finish ``p`` before ``opt`` updates its tensors (warnings about the loop's order first)."""
         if p.record_b is None and opt is not self.optimizers[-1] and not self._order_warned:
             self._order_warned = True  # this optimizer steps after the counted one within an iteration
             log.warning("DeepFreeze: optimizer %d (%s) stepped after the capture of v%d and before the model's next "
@@ -286,6 +285,8 @@ class Checkpointer:
                 p.record_b = b""
 
     def _post_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if self._pending is not None and self._pending.step == self.step:
+            self._finish()  # an optimizer that did not call its closure: updated during the capture (torn)
         self.step += 1
         if self.every_n_steps and self.step % self.every_n_steps == 0:
             self._capture(self.step)
@@ -326,50 +327,7 @@ class Checkpointer:
         ``persistent_workers=True`` cannot be replayed this way (its workers' RNG carries over
         from earlier epochs): use ``StatefulDataLoader``."""
         self._boundary = True
-        return self._iterate(iterable)
-
-    def _iterate(self, iterable: Any) -> Any:
-        resume, self._loop_resume = self._loop_resume, None
-        stateful = _stateful(iterable)
-        gen = _generator_of(iterable)
-        skip, at_boundary = 0, None
-        if resume is not None:
-            at_boundary = _state.rng_state()  # the checkpoint's, restored by resume: set again once the pass is placed
-            if stateful and "loader" in resume:
-                iterable.load_state_dict(resume["loader"])  # (its iter() draws a seed again: undone below)
-            elif not stateful and resume.get("rng") is not None:
-                skip = int(resume["yielded"])
-                _state.set_rng_state(resume["rng"]["process"])
-                if gen is not None and "generator" in resume["rng"]:
-                    gen.set_state(resume["rng"]["generator"])
-            self._passes = int(resume["pass"])
-        start = None
-        if not stateful:
-            start = {"process": _state.rng_state()}
-            if gen is not None:
-                start["generator"] = gen.get_state()
-        p = self._pass = _Pass(self._passes, start, iterable if stateful else None)
-        self._passes += 1
-        it = iter(iterable)
-        for k in range(skip):
-            try:
-                next(it)
-            except StopIteration:
-                raise ModelMismatchError(
-                    f"checkpoint {self.name!r}: its pass {p.index} had fetched {skip} items, this iterable has {k}: "
-                    "resume with the same data, batch size and sampler (or a StatefulDataLoader)") from None
-        p.yielded = skip
-        if at_boundary is not None:
-            _state.set_rng_state(at_boundary)
-        while True:
-            try:
-                item = next(it)
-            except StopIteration:
-                break
-            p.yielded += 1
-            yield item
-            self.end_iteration()
-        p.done = True
+        return self._loop.iterate(iterable, self.end_iteration, self.name)
 
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (collective; outside the step)."""
@@ -390,7 +348,6 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self._at_exit)
         lost = None
         try:
             if self._pending is not None:
@@ -484,9 +441,10 @@ class Checkpointer:
         pre-hook (``"b"``; ``st``: the post-hook's tensor list, whose optimizer groups serve)."""
         if phase == "a":
             rec = {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
+                   "optimizers": [_state.class_name(o) for o in self.optimizers], "aliases": _state.tied(self.model),
                    "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
-            if self._pass is not None:
-                rec["loop"] = self._pass.record()
+            if self._loop.current is not None:
+                rec["loop"] = self._loop.current.record()
             if self.sharded:  # FSDP2 does not broadcast buffers: each rank's own, restored on it (same world size)
                 rec["buffers"] = {fqn: t.detach().cpu().clone() for fqn, t, is_param in
                                   _state.model_entries(self.model) if not is_param}
@@ -697,11 +655,12 @@ class Checkpointer:
         ck = self._run.pick_resume(self.comm, trust_owners=self.trust_owners)  # collective
         if ck is None:
             return
-        rec = apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size, rng=True)
-        loop = (rec or {}).get("a", {}).get("loop")
-        if isinstance(loop, dict):  # the checkpoint was taken inside iterate(): its next pass resumes there
-            self._loop_resume = loop
-            self.start_epoch = int(loop.get("pass", 0))
+        applied = apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size,
+                        rng=True, strict=self.strict)
+        self.skipped = applied.skipped
+        loop = (applied.record or {}).get("a", {}).get("loop")
+        if loop is not None:  # the checkpoint was taken inside iterate(): its next pass resumes there
+            self.start_epoch = self._loop.resume_from(loop, f"checkpoint {self.name!r} v{ck.version}")
         self.start_step = ck.step
         self.resumed_from = ck.version
         self._last_version = ck.version
@@ -712,3 +671,22 @@ class Checkpointer:
 
 def _raise(e: BaseException) -> None:
     raise e
+
+
+def _register_exit(ck: Checkpointer) -> None:
+    """Run ``ck._at_exit`` when the interpreter exits, while thread pools still take work: on the
+    hooks ``concurrent.futures`` itself uses (run before its executors shut down and before the
+    ``atexit`` handlers, among them the lease's release), else ``atexit``. Holds ``ck`` weakly."""
+    ref = weakref.ref(ck)
+
+    def at_exit() -> None:
+        c = ref()
+        if c is not None:
+            c._at_exit()
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(at_exit)
+    except RuntimeError:
+        atexit.register(at_exit)

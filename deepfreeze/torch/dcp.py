@@ -64,6 +64,7 @@ from ..errors import ConfigError, ModelMismatchError
 from ..restore import Checkpoint, load as _core_load
 from . import _state
 from ._dist import TorchComm, rank_and_size
+from .restore import _aliases, read_config
 
 __all__ = ["Reader", "write_dcp", "dcp_state_dict"]
 
@@ -101,7 +102,7 @@ class Reader(StorageReader):
         super().__init__()
         if version is not None and (type(version) is not int or version < 0):
             raise ConfigError(f"version = {version!r}: use a committed version number (an int >= 0) or None")
-        self.config = Config.resolve(config, **overrides)
+        self.config = read_config(config, **overrides)
         self.name = validate_name(name)
         self.version = version
         self.model_prefix = _check_prefix(model_prefix, "model_prefix")
@@ -166,6 +167,11 @@ class Reader(StorageReader):
             md[key] = TensorStorageMetadata(TensorProperties(dtype=_state.torch_dtype(dtype)), torch.Size(shape),
                                             [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))])
             paths[key], tensors[key] = path, (tname, dtype, shape)
+        for alias, target in _aliases(record).items():  # tied weights: both FQNs read the tensor stored once
+            path, key = _prefixed(self.model_prefix, alias)
+            tkey = _prefixed(self.model_prefix, target)[1]
+            if tkey in tensors and key not in tensors:
+                md[key], paths[key], tensors[key] = md[tkey], path, tensors[tkey]
         for ex in record.get("optim_extra", []):
             for fqn, kv in ex.items():
                 for k, v in kv.items():

@@ -20,7 +20,7 @@ from deepfreeze import Config, backend
 from deepfreeze.backend import BackendClient, process_state, socket_path
 from deepfreeze.engine import Engine
 from deepfreeze.errors import BackendError, BackendUnresponsiveError, ConfigError
-from deepfreeze.levels import PersistentLevel
+from deepfreeze.levels import PersistentLevel, lock_record
 
 from test_engine import assert_version, make_plan, model_arrays, pieces
 
@@ -76,7 +76,7 @@ def test_wait_with_timeout_returns_on_a_stopped_backend(tmp_path):
     lock = os.path.join(PersistentLevel(cfg.persistent).version_dir("job", 2), "commit.lock")
     os.makedirs(os.path.dirname(lock))
     with open(lock, "w") as f:
-        f.write(f"{socket.gethostname()} {os.getpid()}")
+        f.write(lock_record("0123456789abcdef").decode())
     e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
     e.wait(persistent=False)  # the writer handed v2 to the backend
     assert e._pending, "the flush of v2 should not be known done yet"
@@ -462,7 +462,7 @@ def test_wait_with_timeout_keeps_its_bound_when_the_backend_died(tmp_path):
     lock = os.path.join(PersistentLevel(cfg.persistent).version_dir("job", 2), "commit.lock")
     os.makedirs(os.path.dirname(lock))
     with open(lock, "w") as f:  # held by this live process: the flush of v2 stays pending
-        f.write(f"{socket.gethostname()} {os.getpid()} 0123456789abcdef")
+        f.write(lock_record("0123456789abcdef").decode())
     e.checkpoint(2, pieces(model_arrays(2), plan, 0), step=2, epoch=0)
     e.wait(persistent=False)
     assert e._pending

@@ -17,7 +17,7 @@ import pytest
 from deepfreeze.config import Config
 from deepfreeze.engine import Engine
 from deepfreeze.errors import LeaseHeldError
-from deepfreeze.levels import PersistentLevel, flush_job, read_decision
+from deepfreeze.levels import PersistentLevel, flush_job, lock_record, read_decision
 from deepfreeze.restore import list_versions, load
 from deepfreeze.run import Lease, Run, RunInfo, new_run_id, read_generation, read_lease
 from deepfreeze.shardplan import ShardPlan, TensorSpec
@@ -101,11 +101,17 @@ def test_run_refuses_resume_with_overwrite(tmp_path):
 
 # --------------------------------------------------------------------------- the lease
 
-def _fake_lease(pers, name, *, host, pid, run="feedfacefeedface", age=0.0):
+def _fake_lease(pers, name, *, host, pid, run="feedfacefeedface", age=0.0, here=False):
+    """A lease of ``host``/``pid``; ``here``: with this process's node id, boot and PID namespace
+    (and its start time: a dead ``pid`` is gone whatever the start time)."""
     os.makedirs(os.path.join(pers, name), exist_ok=True)
     path = os.path.join(pers, name, "lease")
+    rec = {"run": run, "host": host, "pid": pid, "seq": 0}
+    if here:
+        from deepfreeze import node
+        rec.update(node.process_identity(), node=node.node_id(), pid=pid)
     with open(path + ".fake", "w") as f:  # replaced atomically, as DeepFreeze does (a heartbeat may read it)
-        json.dump({"run": run, "host": host, "pid": pid, "seq": 0}, f)
+        json.dump(rec, f)
     os.replace(path + ".fake", path)
     if age:
         t = time.time() - age
@@ -116,7 +122,7 @@ def _fake_lease(pers, name, *, host, pid, run="feedfacefeedface", age=0.0):
 def test_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path, caplog):
     pers = str(tmp_path)
     p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    _fake_lease(pers, "n", host=socket.gethostname(), pid=int(p.stdout))
+    _fake_lease(pers, "n", host=socket.gethostname(), pid=int(p.stdout), here=True)
     lease = Lease(pers, "n", new_run_id(), timeout=3600)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, "deepfreeze"):
@@ -355,7 +361,7 @@ def test_commit_lock_of_a_live_holder_is_never_broken_and_release_keeps_a_foreig
     os.makedirs(vdir)
     lock = os.path.join(vdir, "commit.lock")
     with open(lock, "w") as f:
-        f.write(f"{socket.gethostname()} {os.getpid()} feedfacefeedface")
+        f.write(lock_record("feedfacefeedface").decode())
     old = time.time() - 3600
     os.utime(lock, (old, old))
     with pers.locked(vdir, wait=0.2, stale_after=1.0) as taken:

@@ -18,8 +18,11 @@ shapes (each a loop a user writes; ``Checkpointer(every_n_steps=every)``):
   plateau   ``iterate``, a validation pass after every epoch and ReduceLROnPlateau stepped on its
             loss; checkpoints land on the last step of an epoch (before validation)
   fsdp      FSDP2 (``fully_shard``) with the ``end`` loop
+  closure   the ``end`` loop with ``optimizer.step(closure)`` running forward and backward
 
 ``shape=a,b,...`` runs several shapes one after the other in the same job (uninterrupted runs).
+``exit=noclose|destroy|close_after_destroy``: the job ends without ``close()`` (after
+``destroy_process_group()``, then ``close()``).
 keys: steps (total training iterations), every (``steps_<shape>``, ``every_<shape>``: for one
 shape of several), kill_at=IT (rank 1 SIGKILLs itself when IT
 iterations are done), resume=1, name. Writes OUT/<shape>/r<rank>/final.npz: every leaf of the
@@ -208,6 +211,18 @@ def run(out: str, shape: str, kw: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def step_on(x, y, micro: int) -> None:
+        if shape == "closure":  # the first optimizer's step runs forward and backward (as Lightning, LBFGS)
+            def closure():
+                for o in opts:
+                    o.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+            opts[0].step(closure)
+            opts[1].step()
+            for s in scheds:
+                s.step()
+            return
         if scaler is not None:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = torch.nn.functional.mse_loss(model(x).float(), y)
@@ -228,7 +243,7 @@ def run(out: str, shape: str, kw: dict) -> None:
         for s in scheds:
             s.step()
 
-    if shape in ("end", "end_hooks", "fsdp"):
+    if shape in ("end", "end_hooks", "fsdp", "closure"):
         while pos.it < steps:
             maybe_die()
             x, y = pos.batch()
@@ -270,10 +285,25 @@ def run(out: str, shape: str, kw: dict) -> None:
     leaves(np.random.get_state(), "rng.numpy", final)
     leaves(random.getstate(), "rng.python", final)
     np.savez(os.path.join(mydir, "final.npz"), **final)
+    ending = kw.get("exit", "close")
+    if ending != "close":  # a run that forgets close(): exit=noclose|destroy|close_after_destroy
+        info = {"last_version": ckpt.last_version, "pending": ckpt._pending.step if ckpt._pending else None}
+        if ending in ("destroy", "close_after_destroy"):
+            dist.barrier()
+            dist.destroy_process_group()
+        if ending == "close_after_destroy":
+            try:
+                ckpt.close()
+            except Exception as e:  # the one-line error, recorded
+                info["close_error"] = f"{type(e).__name__}: {e}"
+        with open(os.path.join(mydir, "info.json"), "w") as f:
+            json.dump(info, f)
+        sys.exit(0)
     ckpt.close()
     with open(os.path.join(mydir, "info.json"), "w") as f:
         json.dump({"start_step": ckpt.start_step, "resumed_from": ckpt.resumed_from, "start_epoch": ckpt.start_epoch,
-                   "step": ckpt.step, "it": pos.it, "last_version": ckpt.last_version}, f)
+                   "step": ckpt.step, "it": pos.it, "last_version": ckpt.last_version,
+                   "torn": ckpt.torn, "waits": [t["wait_s"] for t in ckpt.timings]}, f)
 
 
 if __name__ == "__main__":
