@@ -9,6 +9,7 @@
     deepfreeze backend  status|stop [...]
     deepfreeze repo     ls|info|rm|gc|import|serve|token ...   (the model repository)
     deepfreeze memtier  create|view|dump|repack ...             (the memory tier)
+    deepfreeze import   --format dcp DIR --name NAME --step S [...] (PyTorch: from a DCP checkpoint)
 
 A package of thin command modules (``ls``, ``inspect``, ``verify``, ``export``,
 ``gc``, ``backend``, ``repo``, ``memtier``; shared helpers in ``_common``) over the core: scanning,
@@ -28,12 +29,13 @@ import sys
 
 from ..errors import ConfigError, DeepFreezeError
 from . import backend, export, gc, inspect, ls, memtier, repo, verify
+from . import importer
 from ._common import (EXIT_FAIL, EXIT_OK, EXIT_USAGE, Parser, UsageError, err, load_config, package_version,
                       version_arg)
 
 __all__ = ["main", "build_parser", "load_config", "EXIT_OK", "EXIT_FAIL", "EXIT_USAGE"]
 
-_COMMANDS = (ls, inspect, verify, export, gc, backend, repo, memtier)
+_COMMANDS = (ls, inspect, verify, export, gc, backend, repo, memtier, importer)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -131,6 +131,11 @@ class Checkpointer:
         parameter groups) or ``state=`` keys differ from this run's is a ModelMismatchError before
         anything is loaded (True), or loads what matches and lists the rest in :attr:`skipped`
         (False).
+      start_step: the step counter starts at this step (an int >= 0) instead of 0, for a model
+        and optimizers restored from elsewhere (``dcp.load``, a ``torch.load`` file): the steps,
+        and so the versions, continue from it (:attr:`start_step`). With ``resume=True`` the
+        resumed version's step wins when the name has one (a warning when it differs from
+        ``start_step``); ``start_step`` serves when it has none.
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
@@ -142,8 +147,10 @@ class Checkpointer:
                  overlap: bool = True, on_error: str = "raise", min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
                  lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None, engine: str | None = None,
                  scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, strict: bool = True,
-                 close_timeout: float = 60.0,
-                 **overrides: Any) -> None:
+                 close_timeout: float = 60.0, start_step: int | None = None, **overrides: Any) -> None:
+        if start_step is not None and (type(start_step) is not int or start_step < 0):
+            raise ConfigError(f"start_step = {start_step!r}: use the step the restored state was saved at (an int "
+                              ">= 0), or None")
         opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
         if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
             raise ConfigError("Checkpointer: optimizer must be a torch.optim.Optimizer or a sequence of them")
@@ -221,12 +228,18 @@ class Checkpointer:
                         lease_wait=lease_wait)
         self._run.begin()
         try:
-            #: the step to continue from (the resumed version's, or 0)
+            #: the step to continue from (the resumed version's, else ``start_step``, else 0)
             self.start_step = 0
             #: the version restored by resume=True, or None
             self.resumed_from: int | None = None
             if resume:
                 self._resume()
+            if start_step is not None:
+                if self.resumed_from is None:
+                    self.start_step = start_step
+                elif start_step != self.start_step and self.rank == 0:
+                    log.warning("DeepFreeze: %r resumed from v%d (step %d): start_step=%d is not used (a resumed "
+                                "version's step wins)", self.name, self.resumed_from, self.start_step, start_step)
             self.step = self.start_step
             for opt in opts:
                 self._hooks.append(opt.register_step_pre_hook(self._pre_hook))

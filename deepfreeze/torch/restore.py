@@ -238,8 +238,14 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
     skipped = [f"model tensor {f!r}" for f in sorted(skip_model)]
     loads = _check_optimizers(where, rec, model, optimizers, strict, skipped)
     saved_state = {**rec.get("a", {}).get("state", {}), **rec.get("state", {})}
+    imported = rec.get("a", {}).get("imported")
     if state is not None and set(state) != set(saved_state):
         gone, new = sorted(set(saved_state) - set(state)), sorted(set(state) - set(saved_state))
+        if strict and isinstance(imported, dict):  # a version imported from elsewhere holds only what was there
+            raise ModelMismatchError(f"{where} was imported from {imported.get('format')} ({imported.get('path')}): it "
+                                     f"holds no state object {new} (it has {sorted(saved_state)}): resume with "
+                                     "strict=False to restore what it holds (those objects keep their current "
+                                     "state), or import their dicts too with import_dcp(state=...)")
         if strict:
             raise ModelMismatchError(f"{where}: the state= objects differ: the checkpoint holds {sorted(saved_state)}, "
                                      f"this run gives {sorted(state)} (not given: {gone}; not in the checkpoint: "
@@ -284,6 +290,9 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
     if rng:
         if same and "rng" in rec.get("a", {}):
             _state.set_rng_state(rec["a"]["rng"])
+        elif rank == 0 and rec.get("a", {}).get("imported"):
+            log.warning("DeepFreeze: %s was imported (%s): it holds no RNG states; they are not restored", where,
+                        rec["a"]["imported"].get("format"))
         elif rank == 0:
             log.warning("DeepFreeze: %s was written by %d ranks, this job has %d: RNG states are not restored",
                         where, st.world_size, world_size)

@@ -42,18 +42,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from deepfreeze.torch import Checkpointer  # noqa: E402
 
-IN, HID, OUT_F, BATCH = 8, 32, 2, 4
+from torch_train import IN, OUT_F, Net, begin, optimize  # noqa: E402  (the test model, the workers' common start)
 
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.BatchNorm1d(HID), torch.nn.ReLU(),
-                                        torch.nn.Dropout(0.2), torch.nn.Linear(HID, HID), torch.nn.ReLU())
-        self.head = torch.nn.Linear(HID, OUT_F)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
+BATCH = 4
 
 
 class Noisy(torch.utils.data.Dataset):
@@ -139,11 +130,7 @@ def leaves(obj, prefix: str, out: dict) -> None:
 
 
 def main() -> None:
-    out = sys.argv[1]
-    kw = dict(a.split("=", 1) for a in sys.argv[2:])
-    dist.init_process_group("gloo")
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
+    out, kw, _, _, _ = begin()
     for shape in kw["shape"].split(","):  # several shapes one after the other (the uninterrupted runs)
         run(out, shape, kw)
     dist.barrier()
@@ -231,17 +218,7 @@ def run(out: str, shape: str, kw: dict) -> None:
             torch.nn.functional.mse_loss(model(x), y).backward()
         if (micro + 1) % accum:
             return  # accumulating
-        if scaler is not None:
-            for o in opts:
-                scaler.step(o)
-            scaler.update()
-        else:
-            for o in opts:
-                o.step()
-        for o in opts:
-            o.zero_grad()
-        for s in scheds:
-            s.step()
+        optimize(opts, scheds, scaler)
 
     if shape in ("end", "end_hooks", "fsdp", "closure"):
         while pos.it < steps:

@@ -89,6 +89,22 @@ def snapshot(model: torch.nn.Module, opts, path: str) -> None:
     np.savez(path, **arrays)
 
 
+def optimize(opts, scheds, scaler=None) -> None:
+    """Every optimizer's step (through the GradScaler if given, then its update), every
+    optimizer's zero_grad, every scheduler's step."""
+    for o in opts:
+        if scaler is not None:
+            scaler.step(o)
+        else:
+            o.step()
+    if scaler is not None:
+        scaler.update()
+    for o in opts:
+        o.zero_grad()
+    for s in scheds:
+        s.step()
+
+
 def train_step(model, opts, scheds, data, ckpt, every: int, mydir: str, net, scaler=None) -> None:
     """One iteration of the test loop (forward, backward, every optimizer's step, through the
     GradScaler if given, zero_grad, every scheduler's step); the state right after a
@@ -98,17 +114,9 @@ def train_step(model, opts, scheds, data, ckpt, every: int, mydir: str, net, sca
     loss = torch.nn.functional.mse_loss(model(x), y)
     if scaler is not None:
         scaler.scale(loss * 8).backward()  # x8: the first scales overflow, so steps are skipped
-        for o in opts:
-            scaler.step(o)
-        scaler.update()
     else:
         loss.backward()
-        for o in opts:
-            o.step()
-    for o in opts:
-        o.zero_grad()
-    for s in scheds:
-        s.step()
+    optimize(opts, scheds, scaler)
     if ckpt.step != before and ckpt.step % every == 0:
         snapshot(net, opts, os.path.join(mydir, f"v{ckpt.step}.npz"))
 
@@ -127,17 +135,26 @@ def restore_setup():
     return out, src, kw, distributed, rank, size, net, opts
 
 
-def main() -> None:
+def begin() -> tuple[str, dict, bool, int, int]:
+    """The common start of the torch test workers: ``(OUT, {key: value}, distributed, rank,
+    size)``; torch.distributed (gloo) under torchrun, deterministic CPU algorithms on one
+    thread, numpy's and Python's RNGs seeded per rank."""
     out = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
+    size = dist.get_world_size() if distributed else 1
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     np.random.seed(7 + rank)
     random.seed(11 + rank)
+    return out, kw, distributed, rank, size
+
+
+def main() -> None:
+    out, kw, distributed, rank, _ = begin()
     net, opts = build()
     model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
     scheds = [torch.optim.lr_scheduler.StepLR(opts[0], 3, 0.7), torch.optim.lr_scheduler.ExponentialLR(opts[1], 0.95)]
