@@ -218,3 +218,22 @@ def test_resumed_trainer_with_a_newer_deepfreeze_version_is_refused(hf_job, tmp_
     with pytest.raises(ModelMismatchError, match="global step 12, but Trainer resumed at step 6"):
         trainer.train(resume_from_checkpoint=os.path.join(hf_job, "own", "checkpoint-6"))
     assert cb.checkpointer is None
+
+
+def test_new_name_under_a_trainer_resumed_from_its_own_checkpoint(hf_job, tmp_path):
+    """A Trainer resumed from its own checkpoint-6 with the callback on a name without versions:
+    the versions start at global step 6 (start_step), the next at 9 (a plain process)."""
+    sys.path.insert(0, WORKERS)
+    from hf_train import SEQ, VOCAB, Tokens
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from deepfreeze import Config, list_versions
+    from deepfreeze.torch.hf import DeepFreezeCallback
+    kw = dict(mode="sync", scratch=str(tmp_path / "scratch"), persistent=str(tmp_path / "persistent"))
+    cb = DeepFreezeCallback(name="fresh", every_n_steps=3, **kw)
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], max_steps=9,
+                             per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb])
+    trainer.train(resume_from_checkpoint=os.path.join(hf_job, "own", "checkpoint-6"))
+    assert trainer.state.global_step == 9 and cb.checkpointer is None
+    assert sorted(list_versions(Config.resolve(None, **kw), "fresh")) == [9]

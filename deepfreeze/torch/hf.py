@@ -162,9 +162,10 @@ class DeepFreezeCallback(TrainerCallback):
         step = int(state.global_step)
         # A resumed Trainer (global_step > 0) continues the name: resume=True takes the newest version every
         # rank can recover (the one checkpoint_dir made the directory from: the same bytes Trainer loaded) and
-        # checks it is at global_step (_TrainerStateful.load_state_dict); a name with no version starts there.
+        # checks it is at global_step (_TrainerStateful.load_state_dict); a name with no version starts there
+        # (start_step: a Trainer resumed from its own checkpoint).
         ck = Checkpointer(model, opt, self.config, self.name, every_n_steps=every, resume=step > 0,
-                          state=objects, **self.kwargs)
+                          start_step=step, state=objects, **self.kwargs)
         if ck.start_step != step:
             ck.close()
             raise ModelMismatchError(f"DeepFreezeCallback: {self.name!r} continues at step {ck.start_step}, Trainer "
