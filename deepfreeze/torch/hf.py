@@ -306,7 +306,7 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                 os.mkdir(tmp, 0o700)
                 for fname, (kind, payload) in files.items():
                     _write(os.path.join(tmp, fname), kind, payload)
-            except (DeepFreezeError, OSError) as e:
+            except Exception as e:  # any failure: reported on every rank (none is left waiting)
                 err = _describe(rank, e)
         try:
             _agree(comm, err, f"v{st.version} into {final}")
@@ -321,7 +321,7 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                 elif rank == 0:
                     log.warning("DeepFreeze: %r v%d was written by %d ranks, this job has %d: no RNG files (Trainer "
                                 "resumes without them)", name, st.version, st.world_size, size)
-            except (DeepFreezeError, OSError) as e:
+            except Exception as e:
                 err = _describe(rank, OSError(f"{e} (output_dir must be a directory every rank sees)"))
             _agree(comm, err, f"the RNG files of v{st.version} in {tmp}")
             if rank == 0:
@@ -336,7 +336,7 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                         os.fsync(fd)
                     finally:
                         os.close(fd)
-                except OSError as e:
+                except Exception as e:
                     err = _describe(rank, e)
             _agree(comm, err, f"renaming {tmp} to {final}")
         except BaseException:
