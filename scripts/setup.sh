@@ -37,7 +37,7 @@ native_op() {
 }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography, torch, pytorch_lightning, transformers, torchdata, hypothesis; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'") >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography, torch, pytorch_lightning, transformers, torchdata, hypothesis, accelerate; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'") >/dev/null 2>&1; then
   native_op quick  # skips importing TensorFlow when the library is newer than its source
   say "already done (remove $STAMP to redo)"
   exit 0
@@ -122,6 +122,13 @@ if ! "$VPY" -c "import pytorch_lightning, transformers, torchdata" >/dev/null 2>
   say "installing pytorch-lightning==2.6.6 transformers==5.23.0 torchdata==0.11.0 (with torch==$TORCH_VERSION, numpy<2)"
   "$VPY" -m pip install -q "pytorch-lightning==2.6.6" "transformers==5.23.0" "torchdata==0.11.0" \
     "torch==$TORCH_VERSION" "numpy<2"
+fi
+
+# 3d. accelerate, which transformers.Trainer needs (deepfreeze.torch.hf's tests), pinned with the same
+# constraints (transformers does not install it by itself)
+if ! (cd / && "$VPY" -c "import accelerate, transformers.trainer") >/dev/null 2>&1; then
+  say "installing accelerate==1.15.0 (transformers.Trainer) with torch==$TORCH_VERSION, numpy<2"
+  "$VPY" -m pip install -q "accelerate==1.15.0" "torch==$TORCH_VERSION" "numpy<2"
 fi
 
 # 4. the fused-copy op, against the TensorFlow headers Horovod was built with
