@@ -22,11 +22,11 @@ time in DeepFreeze per checkpoint (``post_hook_s + wait_s + handoff_s`` of
 ``Checkpointer.timings``): the stall without the background threads' and processes' contention,
 which on a loaded machine dominates the iteration-time difference. The first checkpoint of a run (plan,
 pooled buffers, engine start) and the last (finished by ``close``) are excluded. The two loops
-alternate, ``--reps`` runs each, with a third, ``lightning-deferred``: a prototype (a
-``Checkpointer`` subclass here, not in the library) whose optimizer pre-hook leaves the pending
-capture alone and finishes it at Lightning's ``on_before_optimizer_step`` (after the closure's
-forward and backward, before the update), as a plain loop's pre-hook does. The JSON holds every
-sample, the median and quartiles, and each run's ``Checkpointer.timings``.
+alternate, ``--reps`` runs each. Lightning calls ``optimizer.step(closure)`` with the forward and
+backward inside the closure: the Checkpointer finishes a pending capture after the closure, before
+the update (earlier versions waited for the copy in the pre-hook, before the forward: 43 ms per
+checkpoint at load 8-10, ``results/lightning_stall_load10.json``). The JSON holds every sample,
+the median and quartiles, and each run's ``Checkpointer.timings``.
 """
 from __future__ import annotations
 
@@ -80,30 +80,10 @@ def run_plain(a: argparse.Namespace, root: str, tag: str) -> tuple[list[float], 
     return list(np.diff(stamps)), ckpt.timings
 
 
-def run_lightning(a: argparse.Namespace, root: str, tag: str, deferred: bool = False) -> tuple[list[float], list[dict]]:
+def run_lightning(a: argparse.Namespace, root: str, tag: str) -> tuple[list[float], list[dict]]:
     import pytorch_lightning as pl
 
-    from deepfreeze.torch import Checkpointer
     from deepfreeze.torch.lightning import DeepFreezeCallback
-
-    class Deferred(Checkpointer):
-        """A prototype (not in the library): the optimizer pre-hook leaves a pending capture alone;
-        it is finished at Lightning's ``on_before_optimizer_step``, after the closure's forward and
-        backward, before the update."""
-
-        def _pre_hook(self, opt, args, kwargs):
-            if not getattr(self, "_from_lightning", False):
-                return
-            super()._pre_hook(opt, args, kwargs)
-
-    class FinishBeforeUpdate(pl.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            ck = cb.checkpointer
-            ck._from_lightning = True
-            try:
-                ck._pre_hook(trainer.optimizers[0], (), {})
-            finally:
-                ck._from_lightning = False
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -129,11 +109,10 @@ def run_lightning(a: argparse.Namespace, root: str, tag: str, deferred: bool = F
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.stamps.append(time.perf_counter())
 
-    cb = DeepFreezeCallback(name="stall", every_n_train_steps=a.every, checkpointer_cls=Deferred if deferred else
-                            Checkpointer, **_dirs(root, tag))
+    cb = DeepFreezeCallback(name="stall", every_n_train_steps=a.every, **_dirs(root, tag))
     stamp = Stamp()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=a.steps,
-                         callbacks=[cb, stamp] + ([FinishBeforeUpdate()] if deferred else []), logger=False,
+                         callbacks=[cb, stamp], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     trainer.fit(Module(), train_dataloaders=_loader(a.width, a.steps, a.batch))
@@ -149,7 +128,7 @@ def stalls(times: list[float], every: int) -> tuple[list[float], float]:
     return [times[s - 1] + times[s] - 2 * base for s in ck], base
 
 
-KINDS = ("lightning", "plain", "lightning-deferred")
+KINDS = ("lightning", "plain")
 
 
 def _q(xs: list[float]) -> dict:
@@ -177,8 +156,7 @@ def main(argv: "list[str] | None" = None) -> None:
                             "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]}, "runs": []}
     with tempfile.TemporaryDirectory(prefix="df-lstall-") as root:
         for r in range(a.reps):
-            for kind, fn in (("lightning", run_lightning), ("plain", run_plain),
-                             ("lightning-deferred", lambda *x: run_lightning(*x, deferred=True))):
+            for kind, fn in (("lightning", run_lightning), ("plain", run_plain)):
                 times, timings = fn(a, root, f"{kind}{r}")
                 st, base = stalls(times, a.every)
                 res["runs"].append({"kind": kind, "rep": r, "iter_s": times, "median_iter_s": base, "stalls_s": st,
