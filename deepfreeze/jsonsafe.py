@@ -26,9 +26,11 @@ from typing import Any, Callable
 
 from .errors import CorruptCheckpointError, DeepFreezeError
 
-__all__ = ["MAX_JSON_DEPTH", "json_depth", "loads"]
+__all__ = ["MAX_JSON_DEPTH", "MAX_CONFIG_DEPTH", "json_depth", "loads"]
 
 MAX_JSON_DEPTH = 32
+#: for JSON that holds a user's own structures (a Keras layer config, wrapped layers in it)
+MAX_CONFIG_DEPTH = 200
 
 # A JSON string: possessive repeats, so the scan is linear on any input (an unterminated string runs
 # to the end of the data). The parser's strings are the same up to the first byte it refuses, so the

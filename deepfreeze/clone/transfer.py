@@ -49,6 +49,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import CloneError, CloneTimeoutError, ModelMismatchError
+from ..jsonsafe import loads as bounded_loads
 from .group import Group
 from .plan import ClonePlan, Route, first_difference
 
@@ -82,7 +83,7 @@ def _recv_control(comm: Any, source: int, tag: int, status: Any) -> dict:
     buf = np.empty(n, np.uint8)
     comm.Recv([buf, MPI.BYTE], source=source, tag=tag)
     try:
-        obj = json.loads(buf.tobytes().decode("utf-8"))
+        obj = bounded_loads(buf.tobytes(), "clone control message", max_bytes=MAX_CONTROL_BYTES)
     except (UnicodeDecodeError, ValueError) as e:
         raise CloneError(f"malformed clone control message from rank {source} (tag {tag}): {e}") from e
     if not isinstance(obj, dict):

@@ -116,6 +116,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import fsafe, ownership
+from ..jsonsafe import MAX_CONFIG_DEPTH, loads as bounded_loads
 from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
                       NameExistsError, RepositoryDatabaseError, RepositoryError, UnsafePathError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
@@ -1032,7 +1033,7 @@ class EmbeddedRepository(Maintenance):
                 try:
                     if len(text) > _MAX_META:
                         raise ValueError(f"{len(text)} bytes")
-                    m = json.loads(text)
+                    m = bounded_loads(text, "layer meta", max_bytes=_MAX_META, max_depth=MAX_CONFIG_DEPTH)
                     if not isinstance(m, dict):
                         raise ValueError("not an object")
                 except (ValueError, TypeError) as e:
@@ -1073,7 +1074,7 @@ class EmbeddedRepository(Maintenance):
         providers = settings.get("providers")
         if providers is not None:
             try:
-                providers = json.loads(providers)
+                providers = bounded_loads(providers, "providers", max_bytes=1 << 20)
             except ValueError:
                 pass
         return {"location": self.location, "names": names, "models": models, "deleted_names": deleted,
