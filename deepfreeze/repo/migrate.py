@@ -163,7 +163,7 @@ def migrate_repository(conn: "sqlite3.Connection", db: str, rollback: Callable[[
         models = conn.execute("SELECT id, name, graph FROM models WHERE graph IS NOT NULL AND deleted=0").fetchall()
         for mid, name, blob in models:
             try:
-                graph = decode_graph(bytes(blob), f"{db}: graph of {name!r}")
+                graph = decode_graph(blob, f"{db}: graph of {name!r}")
             except CorruptCheckpointError:   # a damaged row: reported by reads of that model, left as it is
                 failed.append(name)
                 continue

@@ -1019,7 +1019,7 @@ class EmbeddedRepository(Maintenance):
         row = self._model_row(self._conn(), name)
         if row[6] is None:
             return None
-        return decode_graph(bytes(row[6]), f"{self._db}: graph of {name!r}")
+        return decode_graph(row[6], f"{self._db}: graph of {name!r}")
 
     def layer_meta(self, ids: Iterable[str]) -> dict[str, dict]:
         """The stored metadata of the given layer ids (ids not stored are left out)."""
@@ -1056,7 +1056,7 @@ class EmbeddedRepository(Maintenance):
             _mid, _d, created, nbytes, n, dedup, gbytes, model, tag = self._model_row(conn, name)
             layers = None
             if gbytes is not None:
-                layers = len(decode_graph(bytes(gbytes), f"{self._db}: graph of {name!r}")["layers"])
+                layers = len(decode_graph(gbytes, f"{self._db}: graph of {name!r}")["layers"])
             return {"name": name, "model": model, "tag": tag, "bytes": nbytes, "tensors": n, "created": created,
                     "layers": layers, "deduplicated": dedup}
         try:
