@@ -316,6 +316,9 @@ def _read_ini(path: str) -> dict[str, tuple[int, str]]:
                           "(see veloc_cfg/local.cfg)") from e
     except OSError as e:
         raise ConfigError(f"config file {path!r} cannot be read: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text ({e}): pass the path of a VeloC INI file "
+                          "(see veloc_cfg/local.cfg)") from e
     out: dict[str, tuple[int, str]] = {}
     for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
