@@ -439,7 +439,7 @@ class EmbeddedRepository(Maintenance):
             dims = tuple(int(x) for x in shape.split(",")) if shape else ()
             if len(dims) > MAX_NDIM or any(not 0 <= x <= 1 << 48 for x in dims) or math.prod(dims) > 1 << 48:
                 raise ValueError(f"shape {shape!r}")
-        except (ValueError, AttributeError) as e:
+        except (ValueError, AttributeError, TypeError) as e:  # any type a row may hold
             raise CorruptCheckpointError(f"{self._db}: {where}: invalid {e}: the database is damaged or was "
                                          "tampered with; restore it from a backup or delete the model") from e
         return dtype, dims
@@ -464,6 +464,8 @@ class EmbeddedRepository(Maintenance):
             return CorruptCheckpointError(
                 f"{path}: {what}: the repository database and the pack disagree ({why}); meta.db or the pack "
                 "is damaged or was tampered with: restore from a backup, or delete the model and run gc")
+        if not all(type(v) is int for v in (offset, length, crc)):  # a row may hold any type
+            raise bad(f"offset {offset!r}, length {length!r} or CRC {crc!r} is not an integer")
         if not (type(entry) is int and type(n_entries) is int and 0 <= entry and 1 <= n_entries
                 and entry + n_entries <= len(index.entries)):
             raise bad(f"entries [{entry}, {entry}+{n_entries}) but the pack has {len(index.entries)}")
