@@ -48,8 +48,8 @@ def json_depth(data: "bytes | bytearray | memoryview") -> int:
     """The largest number of arrays/objects open at once in ``data`` (brackets inside strings not
     counted); any bytes are accepted. Linear in ``len(data)``."""
     data = bytes(data)
-    if data.count(b"[") + data.count(b"{") <= 1:
-        return min(1, data.count(b"[") + data.count(b"{"))
+    if not data.count(b"[") and not data.count(b"{"):
+        return 0
     brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
     return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
 
