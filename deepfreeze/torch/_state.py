@@ -25,8 +25,11 @@ bytes of the tensors and arrays it refers to; zero padding up to the reserved ca
 tree tags every non-JSON value: ``{"d": [[key, value], ...]}`` a dict (any keys), ``{"t":
 [...]}`` a tuple, ``{"T": [dtype, shape, offset, nbytes]}`` a CPU tensor, ``{"N": [...]}`` a
 numpy array, ``{"b": [offset, nbytes]}`` bytes, ``{"f": "inf"|"-inf"|"nan"}`` a non-finite
-float; lists, strings, ints, finite floats, booleans and null are JSON's. Decoding checks the
-magic, every length and every (offset, nbytes) against the record before it reads a byte.
+float, ``{"dt": name}`` a torch dtype (one of torch's ``torch.dtype`` objects by canonical name:
+a fixed allow-list, never another attribute of ``torch``); lists, strings, ints, finite floats,
+booleans and null are JSON's. Decoding checks the magic, every length and every (offset,
+nbytes) against the record before it reads a byte, the JSON's size and nesting (at most 100
+levels) before parsing it, and each tag's shape; any failure is a CorruptCheckpointError.
 """
 from __future__ import annotations
 

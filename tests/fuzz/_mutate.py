@@ -63,6 +63,7 @@ def corpus(decoder: str) -> list[bytes]:
     return out
 
 
+# (drawn values are deep-copied: a later edit must not change this list, or hypothesis' replays differ)
 _HOSTILE_SCALARS = [None, True, False, 0, -1, 1, 2 ** 31, 2 ** 32 - 1, 2 ** 62, 2 ** 63, 2 ** 64, -2 ** 63,
                     10 ** 30, 1.5, -0.0, 1e308, "", "x", "nope", "save", "__builtins__", "../../etc/passwd",
                     "\u0000", "a" * 300, [], {}, [1, 2], {"a": 1}, ["x"], [-1], [2 ** 40, 2 ** 40]]
@@ -106,7 +107,7 @@ def mutate_json(data: Any, obj: Any, label: str = "json") -> Any:
         op = data.draw(st.sampled_from(["deep", "scalar", "int", "drop", "swap", "add", "grow", "str"]),
                        label="op")
         if op == "scalar":
-            new = data.draw(st.sampled_from(_HOSTILE_SCALARS))
+            new = copy.deepcopy(data.draw(st.sampled_from(_HOSTILE_SCALARS)))
         elif op == "int":
             new = data.draw(st.one_of(st.integers(-2 ** 70, 2 ** 70), st.sampled_from([-1, 0, 2 ** 63, 2 ** 64])))
         elif op == "deep":
@@ -125,9 +126,9 @@ def mutate_json(data: Any, obj: Any, label: str = "json") -> Any:
             v = _get(obj, path)
             if isinstance(v, dict):
                 v[data.draw(st.sampled_from(["x", "format", "shape", "d", "T", "dt", "mac", ""]))] = \
-                    data.draw(st.sampled_from(_HOSTILE_SCALARS))
+                    copy.deepcopy(data.draw(st.sampled_from(_HOSTILE_SCALARS)))
             elif isinstance(v, list):
-                v.append(data.draw(st.sampled_from(_HOSTILE_SCALARS)))
+                v.append(copy.deepcopy(data.draw(st.sampled_from(_HOSTILE_SCALARS))))
         elif op == "swap":
             v = parent[key]
             parent[key] = (list(v.values()) if isinstance(v, dict) else {str(i): x for i, x in enumerate(v)}
@@ -135,7 +136,7 @@ def mutate_json(data: Any, obj: Any, label: str = "json") -> Any:
         elif op == "grow":
             v = parent[key]
             if isinstance(v, list) and v:
-                parent[key] = v * data.draw(st.sampled_from([0, 2, 50]))
+                parent[key] = copy.deepcopy(v * data.draw(st.sampled_from([0, 2, 50])))  # no shared parts
             elif isinstance(v, str):
                 parent[key] = v * 3
         else:
