@@ -156,7 +156,7 @@ class _Reader:
             self.skip(what, "size", "%s is not a string of at most %d bytes: ignored", what, MAX_VALUE)
             return None
         try:  # size and nesting bounded before parsing
-            obj = bounded_loads(raw, what, max_bytes=MAX_VALUE, error=StreamError, advice="ignored")
+            obj = bounded_loads(raw, what, max_bytes=MAX_VALUE, error=StreamError, advice="damaged or not DeepFreeze's")
         except StreamError as e:
             self.skip(what, "json", "%s is not valid JSON (%s): ignored", what, e)
             return None

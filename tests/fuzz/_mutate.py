@@ -13,12 +13,14 @@ callers recompute the CRCs and MACs over the mutated bytes before handing them o
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import struct
+import sys
 import tracemalloc
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -27,7 +29,7 @@ from deepfreeze.errors import DeepFreezeError
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")
 
 #: examples per decoder in `make test` (a few seconds each) and in the slow campaign
-SHORT = int(os.environ.get("DEEPFREEZE_FUZZ_SHORT", "60"))
+SHORT = int(os.environ.get("DEEPFREEZE_FUZZ_SHORT", "50"))
 LONG = int(os.environ.get("DEEPFREEZE_FUZZ_LONG", "2000"))
 
 #: how many inputs each decoder was fed in this process (the campaign prints it)
@@ -144,15 +146,21 @@ def mutate_json(data: Any, obj: Any, label: str = "json") -> Any:
     return obj
 
 
-def dumps(obj: Any) -> bytes:
-    """``obj`` as compact JSON bytes (deep nests included: json.dumps recursion is raised for it)."""
-    import sys
+@contextlib.contextmanager
+def deep_encoding() -> Iterator[None]:
+    """A recursion limit that lets json.dumps encode the deep nests the mutations make."""
     old = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old, 20000))
+    sys.setrecursionlimit(max(old, 40000))
     try:
-        return json.dumps(obj, separators=(",", ":")).encode()
+        yield
     finally:
         sys.setrecursionlimit(old)
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` as compact JSON bytes (deep nests included)."""
+    with deep_encoding():
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 _INTS = [0, 1, 0xFF, 0xFFFF, 0x7FFFFFFF, 0xFFFFFFFF, 1 << 31, 1 << 40, 1 << 62, (1 << 63) - 1, (1 << 64) - 1]
