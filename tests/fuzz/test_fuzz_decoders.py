@@ -826,3 +826,34 @@ def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtie
     run_ini(tmp_path, LONG)
     print("fuzz campaign, inputs per decoder:", json.dumps(TRIED, sort_keys=True))
     assert all(v >= LONG // 20 for v in TRIED.values()), TRIED
+
+
+def test_deep_ring_meta_and_endpoint_file_are_stream_errors(ring_file, tmp_path, caplog):
+    """The probe's cases: a ring whose meta is nested 5000 deep (header CRC valid) is a
+    StreamError from SlotRing.open; an endpoint file nested 3000 deep is skipped by
+    read_endpoints with a warning (RecursionError before issue 32)."""
+    from deepfreeze.errors import StreamError
+    from deepfreeze.stream import slots
+    from deepfreeze.stream.core import endpoint_dir, read_endpoints
+    meta = b"[" * 5000 + b"]" * 5000
+    slots_n, capacity = struct.unpack_from("<IxxxxQ", ring_file, 8)
+    lay = slots._layout(slots_n, capacity, len(meta))
+    head = bytearray(ring_file[:128])
+    head[12:16] = struct.pack("<I", len(meta))
+    head[24:64] = struct.pack("<QQQQQ", *lay)
+    raw = bytearray(bytes(head) + meta + b"\0" * (lay[4] - 128 - len(meta)))
+    raw[64:68] = struct.pack("<I", zlib.crc32(bytes(raw[:64]) + meta))
+    path = tmp_path / "ring"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, bytes(raw))
+    os.close(fd)
+    with pytest.raises(StreamError, match="nested deeper than 32"):
+        slots.SlotRing.open(str(path), prefault=False)
+    d = endpoint_dir(str(tmp_path / "p"), "chan")
+    os.makedirs(d, mode=0o700)
+    fd = os.open(os.path.join(d, "r0.json"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, corpus("endpoint")[0])
+    os.close(fd)
+    skipped = []
+    assert read_endpoints(str(tmp_path / "p"), "chan", skipped=skipped) == {} and len(skipped) == 1
+    assert "nested deeper than 32" in caplog.text
