@@ -124,6 +124,8 @@ class Config:
             value = getattr(self, key)
             if not value:
                 raise ConfigError(f"{w(key)}: '{key}' is empty: set it to a directory path")
+            if "\0" in str(value):  # os.path would raise ValueError
+                raise ConfigError(f"{w(key)}: '{key}' holds a NUL byte: set it to a directory path")
             object.__setattr__(self, key, os.path.abspath(os.path.expanduser(value)))
         if os.path.realpath(self.scratch) == os.path.realpath(self.persistent):
             raise ConfigError(

@@ -650,7 +650,7 @@ def _memtier(bounded, base, path, data):
     if part == "superblock":
         f = list(D._SB.unpack_from(b, 0))
         i = data.draw(st.integers(1, len(f) - 1), label="field")
-        f[i] = data.draw(st.sampled_from([0, 1, 4095, 1 << 16, 1 << 31, (1 << 32) - 1]) if i in (1, 5, 6)
+        f[i] = data.draw(st.sampled_from([0, 1, 4095, 1 << 16, 1 << 31, (1 << 32) - 1]) if i in (1, 2, 5, 6)
                          else st.sampled_from([0, 1, 1 << 40, (1 << 63) - 1, (1 << 64) - 1])
                          if i in (3, 4) else st.sampled_from([0.0, -1.0, 1e300]))
         sb = D._SB.pack(*f)
