@@ -97,6 +97,7 @@ from . import counters
 from . import crashpoints as cp
 from . import ownership
 from .errors import BackendError, BackendUnresponsiveError, UnsafePathError, UntrustedOwnerError
+from .jsonsafe import loads as bounded_loads
 from .levels import ScratchLevel, flush_job
 
 __all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "remove_stale_locks",
@@ -157,6 +158,11 @@ def _send(sock: socket.socket, obj: dict[str, Any], deadline: float | None = Non
     sock.sendall(json.dumps(obj).encode() + b"\n")
 
 
+class _BadMessage(BackendError, ValueError):
+    """A backend message that is not a JSON object within the limits (a ValueError, as the
+    other protocol errors the connection handlers catch)."""
+
+
 class _Lines:
     def __init__(self, sock: socket.socket) -> None:
         self.sock, self.buf = sock, b""
@@ -174,7 +180,7 @@ class _Lines:
             if len(self.buf) > _MAX_LINE:
                 raise ValueError("message too long")
         line, self.buf = self.buf.split(b"\n", 1)
-        obj = json.loads(line)
+        obj = bounded_loads(line, "backend message", max_bytes=_MAX_LINE, error=_BadMessage, advice="refused")
         if not isinstance(obj, dict):
             raise ValueError("message is not an object")
         return obj

@@ -124,6 +124,8 @@ class Config:
             value = getattr(self, key)
             if not value:
                 raise ConfigError(f"{w(key)}: '{key}' is empty: set it to a directory path")
+            if "\0" in str(value):  # os.path would raise ValueError
+                raise ConfigError(f"{w(key)}: '{key}' holds a NUL byte: set it to a directory path")
             object.__setattr__(self, key, os.path.abspath(os.path.expanduser(value)))
         if os.path.realpath(self.scratch) == os.path.realpath(self.persistent):
             raise ConfigError(
@@ -316,6 +318,9 @@ def _read_ini(path: str) -> dict[str, tuple[int, str]]:
                           "(see veloc_cfg/local.cfg)") from e
     except OSError as e:
         raise ConfigError(f"config file {path!r} cannot be read: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text ({e}): pass the path of a VeloC INI file "
+                          "(see veloc_cfg/local.cfg)") from e
     out: dict[str, tuple[int, str]] = {}
     for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()

@@ -46,7 +46,8 @@ Manifest limits (enforced by :func:`decode_manifest`; a manifest beyond them is
 * every tensor at most 2**48 elements, at most ``MAX_NDIM`` dimensions;
 * the decode is linear in the size: one pass of the C JSON parser with the
   hooks above, schema checks linear in the number of tensors, pieces and ranks,
-  the size limit, then the nesting depth counted over the bytes (C speed).
+  the size limit; the nesting depth is counted over the bytes before parsing
+  (:func:`deepfreeze.jsonsafe.json_depth`, linear, C speed).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ from typing import Any, BinaryIO, Sequence
 import numpy as np
 
 from .errors import CorruptCheckpointError
+from .jsonsafe import MAX_JSON_DEPTH, json_depth, loads as _bounded_loads
 
 __all__ = [
     "MAGIC", "FORMAT_VERSION", "KIND_SHARD", "KIND_ASSEMBLED", "Entry", "ShardIndex",
@@ -89,7 +91,6 @@ PIECE_ALIGN = 64
 MAX_NDIM = 32
 MAX_ENTRIES = 1 << 22
 MAX_MANIFEST_BYTES = 64 << 20  # hard cap before parsing (a parsed manifest costs ~25x its size in memory)
-MAX_JSON_DEPTH = 32
 MAX_TENSOR_ELEMENTS = 1 << 48
 _MANIFEST_BASE, _PER_TENSOR, _PER_PIECE, _PER_RANK = 64 << 10, 2 << 10, 128, 1 << 10
 _MAX_INT_DIGITS = 20  # 2**63 has 19 digits; a sign makes 20 characters
@@ -426,19 +427,7 @@ def _parse_constant(s: str) -> Any:
 
 
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: one fast repeat per run of plain bytes
-
-
-def _json_depth(data: bytes) -> int:
-    """Maximum nesting of arrays/objects in ``data``, which must be valid JSON (the string regex is
-    linear only then). Strings are cut out, then a cumulative sum over the brackets: C speed."""
-    a = np.frombuffer(_JSON_STRING.sub(b"", data), dtype=np.uint8)
-    opening = (a == ord("[")) | (a == ord("{"))
-    brackets = a[opening | (a == ord("]")) | (a == ord("}"))]
-    if not brackets.size:
-        return 0
-    step = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
-    return int(np.cumsum(step, dtype=np.int32).max())
+_json_depth = json_depth  # the name memtier/device.py used
 
 
 def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
@@ -448,20 +437,14 @@ def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
     another exception): the caller treats the version as not committed there."""
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: invalid DeepFreeze manifest: {why}")
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise bad(f"{len(data)} bytes is larger than the {MAX_MANIFEST_BYTES}-byte limit")
     data = bytes(data)
     hooks: dict[str, Any] = {"parse_float": _parse_float, "parse_constant": _parse_constant}
     if _LONG_DIGITS.search(data):  # numbers of 19+ digits (or digits in names): convert with checks
         hooks["parse_int"] = _parse_int  # (the fast path's ints have at most 18 digits: below 2**63)
-    try:
-        obj = json.loads(data.decode("utf-8"), **hooks)
-    except _Refused as e:
-        raise bad(str(e)) from e
-    except RecursionError as e:
-        raise bad(f"nested deeper than {MAX_JSON_DEPTH} levels") from e
-    except Exception as e:  # UnicodeDecodeError, JSONDecodeError, anything else: not a manifest
-        raise bad(f"not JSON ({e})") from e
+    # size, then nesting depth (a linear scan), checked before the parser runs; any refusal says "invalid"
+    obj = _bounded_loads(data, f"{path}: invalid DeepFreeze manifest", max_bytes=MAX_MANIFEST_BYTES, hooks=hooks,
+                         advice="the version is not committed in this place (restore falls back to another "
+                                "level or version)")
     try:
         obj = _check_manifest(obj, bad)
     except CorruptCheckpointError:
@@ -475,8 +458,6 @@ def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
     if len(data) > limit:
         raise bad(f"{len(data)} bytes is larger than the {limit}-byte limit for {len(obj['tensors'])} tensors "
                   f"and {obj['world_size']} ranks (64 KiB + 2 KiB per tensor + 128 bytes per piece + 1 KiB per rank)")
-    if _json_depth(data) > MAX_JSON_DEPTH:  # after the size check: bounded by what the content justifies
-        raise bad(f"nested deeper than {MAX_JSON_DEPTH} levels")
     return obj
 
 
@@ -524,6 +505,16 @@ def _check_manifest(obj: Any, bad: Any) -> dict[str, Any]:
     if red is not None and not _valid_redundancy(red, obj["world_size"]):
         raise bad("'redundancy' malformed (scheme partner with holder ranks, or xor with disjoint groups "
                   "of at least 2 ranks, all below world_size)")
+    # optional keys the readers use: their documented types (a wrong type would surface later as a raw error)
+    mt = obj.get("model_tensors", len(obj["tensors"]))
+    if type(mt) is not int or not 0 <= mt <= len(obj["tensors"]):
+        raise bad(f"'model_tensors' {str(mt)[:40]!r} is not an int in [0, {len(obj['tensors'])}]")
+    tb = obj.get("total_bytes", 0)
+    if type(tb) is not int or not 0 <= tb < 1 << 62:
+        raise bad(f"'total_bytes' {str(tb)[:40]!r} is not a non-negative int")
+    for key, typ in (("framework", str), ("epoch_complete", bool), ("layers", dict)):
+        if obj.get(key) is not None and not isinstance(obj[key], typ):
+            raise bad(f"'{key}' is not a {typ.__name__}")
     parent = obj.get("parent")
     if parent is not None:
         why = parent_problem(parent)

@@ -94,6 +94,7 @@ from . import ownership
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
 from .run import ANONYMOUS_RUN, describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .fsafe import open_regular, read_small
+from .jsonsafe import loads as bounded_loads
 from .fused import FusedShard
 from .node import holder_gone, host_name, in_this_pid_space, node_id, process_identity
 from .shardplan import ShardPlan, TensorSpec
@@ -544,7 +545,7 @@ def read_decision(vdir: str) -> dict[str, str] | None:
     if data in (b"flush", b"skip"):
         return {"decision": data.decode(), "nonce": "", "run": ""}
     try:
-        d = json.loads(data.decode("utf-8"))
+        d = bounded_loads(data, path, max_bytes=4096)
         if (isinstance(d, dict) and d.get("decision") in ("flush", "skip")
                 and isinstance(d.get("nonce"), str) and re.fullmatch(r"[0-9a-f]{16}", d["nonce"])
                 and isinstance(d.get("run"), str)):
@@ -840,7 +841,7 @@ class PersistentLevel(Level):
                 path = os.path.join(vdir, n)
                 counters.fs("open", "persistent.finalize.marker")
                 try:
-                    marker = json.loads(_read_regular(path, _MAX_MARKER_BYTES))
+                    marker = bounded_loads(_read_regular(path, _MAX_MARKER_BYTES), path, max_bytes=_MAX_MARKER_BYTES)
                     ok = (isinstance(marker, dict) and marker.get("rank") == r and marker.get("run") == run
                           and marker.get("nonce") == nonce and isinstance(marker.get("crcs"), list))
                     if ok:

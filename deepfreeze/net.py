@@ -93,6 +93,7 @@ from typing import Any, Iterable, Mapping
 
 from . import errors as _errors
 from . import ownership
+from .jsonsafe import loads as bounded_loads
 from .node import node_id  # re-exported: the one definition is deepfreeze.node
 from .errors import (AuthenticationError, ConfigError, DeepFreezeError, FrameAuthenticationError,
                      ProtocolVersionError, ProviderError, ProviderTimeoutError, UnsafePathError, UntrustedOwnerError)
@@ -605,9 +606,9 @@ def _read(sock: socket.socket, n: int, deadline: float | None, what: str) -> byt
 
 
 def _parse_header(sock: socket.socket, raw: Any) -> dict[str, Any]:
-    try:
-        header = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    try:  # size and nesting bounded before parsing (the frame's length was bounded when it was read)
+        header = bounded_loads(raw, "message header", max_bytes=len(raw), error=ProviderError, advice="refused")
+    except ProviderError as e:
         raise _lost(ProviderError, f"{_peer(sock)} sent a message header that is not valid JSON: {e}") from e
     if not isinstance(header, dict):
         raise _lost(ProviderError, f"{_peer(sock)} sent a message header that is not a JSON object")
@@ -913,8 +914,9 @@ class _ServerAuth:
             if len(self.buf) < self.need:
                 return b""
         try:
-            header = json.loads(bytes(self.buf[_FRAME.size:self.need]).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
+            header = bounded_loads(self.buf[_FRAME.size:self.need], "handshake", max_bytes=_MAX_AUTH_HEADER,
+                                   error=ProviderError)
+        except ProviderError:
             header = None
         rest = self.buf[self.need:]
         self.buf, self.need = bytearray(), _FRAME.size

@@ -58,6 +58,7 @@ from . import counters
 from . import format as fmt
 from .errors import CorruptCheckpointError
 from .fsafe import read_whole
+from .jsonsafe import loads as bounded_loads
 from .levels import atomic_write
 
 __all__ = ["Comm", "LocalComm", "MPIComm", "plan_redundancy", "protect", "read_parity", "xor_reconstruct",
@@ -318,7 +319,7 @@ def read_parity(raw: Any, path: str = "<parity>") -> tuple[dict[str, Any], np.nd
     if n > 1 << 20 or 12 + n > len(raw):
         raise bad(f"header length {n} out of bounds")
     try:
-        h = json.loads(bytes(raw[12:12 + n]))
+        h = bounded_loads(bytes(raw[12:12 + n]), "parity header", max_bytes=1 << 20, kind=dict)
         group, sizes, c, crc = h["group"], h["sizes"], h["chunk"], h["crc"]
         ok = (isinstance(group, list) and isinstance(sizes, list) and len(group) == len(sizes) >= 2
               and all(isinstance(x, int) and x >= 0 for x in group + sizes + [c, crc]))

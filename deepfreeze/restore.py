@@ -42,6 +42,7 @@ from .config import Config, validate_name
 from . import ownership
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError, UntrustedOwnerError
 from .fsafe import open_regular_file, read_whole
+from .jsonsafe import loads as bounded_loads
 from .levels import ASSEMBLED, PersistentLevel, ScratchLevel, plan_of
 from .memtier import level as memtier_level
 from .redundancy import Comm, LocalComm, group_of, read_parity, xor_reconstruct
@@ -435,7 +436,7 @@ def _unframe(blob: np.ndarray, what: str) -> tuple[Any, int]:
     (n,) = struct.unpack_from("<I", blob[:4].tobytes(), 0)
     if 4 + n > blob.size:
         raise CorruptCheckpointError(f"{what}: a header of {n} bytes in {blob.size}")
-    return json.loads(blob[4:4 + n].tobytes()), 4 + n
+    return bounded_loads(blob[4:4 + n].tobytes(), what, max_bytes=n), 4 + n
 
 
 def _unpack(blob: np.ndarray) -> dict[tuple[str, int], np.ndarray]:

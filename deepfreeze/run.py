@@ -58,6 +58,7 @@ from . import node as _node
 from . import ownership
 from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError, NodeIdConflictError
 from .fsafe import read_small
+from .jsonsafe import loads as bounded_loads
 
 __all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
            "read_job_id_at", "valid_job_id", "JOB", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
@@ -266,7 +267,7 @@ def read_lease(persistent: str, name: str) -> tuple[dict[str, Any], float] | Non
     finally:
         os.close(fd)
     try:
-        holder = json.loads(data.decode("utf-8"))
+        holder = bounded_loads(data, "lease", max_bytes=_MAX_LEASE_BYTES)
         if not isinstance(holder, dict) or not isinstance(holder.get("run"), str):
             raise ValueError("not a lease")
     except (ValueError, UnicodeDecodeError):
@@ -414,7 +415,7 @@ class Lease:
         except FileNotFoundError:
             return
         try:
-            moved = json.loads(read_small(aside, _MAX_LEASE_BYTES).decode("utf-8"))
+            moved = bounded_loads(read_small(aside, _MAX_LEASE_BYTES), aside, max_bytes=_MAX_LEASE_BYTES, kind=dict)
         except (OSError, ValueError, DeepFreezeError):
             moved = {"run": "?", "seq": -1}
         if moved.get("run") != judged.get("run") or bool(moved.get("released")) != bool(judged.get("released")):
@@ -447,7 +448,7 @@ class Lease:
         if fd is not None:
             try:
                 try:
-                    holder = json.loads(os.read(fd, _MAX_LEASE_BYTES + 1).decode("utf-8"))
+                    holder = bounded_loads(os.read(fd, _MAX_LEASE_BYTES + 1), "lease", max_bytes=_MAX_LEASE_BYTES)
                 except (ValueError, UnicodeDecodeError):
                     holder = None
                 if isinstance(holder, dict) and holder.get("run") == self.run and not holder.get("released"):

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("\n")
         return 130
-    except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError, AttributeError, RuntimeError) as e:
         # a damaged or hostile file that slipped past the readers' checks: still one line, no traceback
         err(f"unexpected {type(e).__name__}: {e} (please report this, with the command, as a DeepFreeze bug)")
         return EXIT_FAIL

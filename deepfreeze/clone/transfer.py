@@ -59,6 +59,7 @@ import numpy as np
 
 from .. import peerloss
 from ..errors import CloneError, CloneTimeoutError, ModelMismatchError
+from ..jsonsafe import loads as bounded_loads
 from .group import Group
 from .plan import ClonePlan, Route, first_difference
 
@@ -92,7 +93,7 @@ def _recv_control(comm: Any, source: int, tag: int, status: Any) -> dict:
     buf = np.empty(n, np.uint8)
     comm.Recv([buf, MPI.BYTE], source=source, tag=tag)
     try:
-        obj = json.loads(buf.tobytes().decode("utf-8"))
+        obj = bounded_loads(buf.tobytes(), "clone control message", max_bytes=MAX_CONTROL_BYTES)
     except (UnicodeDecodeError, ValueError) as e:
         raise CloneError(f"malformed clone control message from rank {source} (tag {tag}): {e}") from e
     if not isinstance(obj, dict):

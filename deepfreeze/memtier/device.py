@@ -103,6 +103,7 @@ import numpy as np
 from .. import crashpoints as cp
 from .. import format as fmt
 from .. import node as _node
+from ..jsonsafe import loads as bounded_loads
 from ..errors import (CorruptCheckpointError, MemtierBusyError, MemtierCorruptError, MemtierError,
                       MemtierFullError, UntrustedOwnerError)
 from ..run import Version, valid_job_id
@@ -186,13 +187,8 @@ def _decode_json(data: bytes, what: str) -> Any:
     hooks: dict[str, Any] = {"parse_float": fmt._parse_float, "parse_constant": fmt._parse_constant}
     if fmt._LONG_DIGITS.search(data):
         hooks["parse_int"] = fmt._parse_int
-    try:
-        obj = json.loads(data.decode("utf-8"), **hooks)
-    except Exception as e:  # _Refused, RecursionError, UnicodeDecodeError, JSONDecodeError
-        raise MemtierCorruptError(f"{what}: not valid JSON within the limits ({type(e).__name__}: {e})") from None
-    if fmt._json_depth(data) > fmt.MAX_JSON_DEPTH:
-        raise MemtierCorruptError(f"{what}: nested deeper than {fmt.MAX_JSON_DEPTH} levels")
-    return obj
+    return bounded_loads(data, what, max_bytes=len(data), error=MemtierCorruptError, hooks=hooks,
+                         advice="the memory-tier entry is damaged: it is not used")
 
 
 def _int(v: Any, lo: int = 0, hi: int = 1 << 62) -> bool:

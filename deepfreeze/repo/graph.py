@@ -104,6 +104,8 @@ def decode_graph(data: bytes, where: str = "<graph>") -> dict[str, Any]:
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: not a valid layer graph ({why}); the repository's metadata "
                                       f"is damaged: restore it from a backup or delete the model")
+    if not isinstance(data, (bytes, bytearray, memoryview)):  # a database row may hold any type
+        raise bad(f"a {type(data).__name__}, not bytes")
     mv = memoryview(data)
     if len(mv) < _HEAD.size:
         raise bad("truncated header")

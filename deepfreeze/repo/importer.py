@@ -48,8 +48,8 @@ def checkpoint_layers(manifest: dict[str, Any], where: str = "<manifest>") -> di
         keys = tensor_keys(graph)
         ids = rec["tensors"]
         n = manifest.get("model_tensors", len(manifest["tensors"]))
-        if not isinstance(ids, list) or len(ids) != len(keys) or len(set(ids)) != len(ids) or not all(
-                type(i) is int and 0 <= i < min(n, len(manifest["tensors"])) for i in ids):
+        if not isinstance(ids, list) or len(ids) != len(keys) or not all(  # types first: set() needs hashables
+                type(i) is int and 0 <= i < min(n, len(manifest["tensors"])) for i in ids) or len(set(ids)) != len(ids):
             raise RepositoryError(f"'tensors' must be {len(keys)} distinct model tensor ids")
     except RepositoryError as e:
         raise RepositoryError(f"{where}: the recorded layer graph is malformed ({e}); import the version with "

@@ -26,6 +26,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Callable
 
 from ..errors import CorruptCheckpointError, RepositoryError
+from ..jsonsafe import MAX_CONFIG_DEPTH, loads as bounded_loads
 from .graph import decode_graph, encode_graph, tensor_key
 from .ids import ID_SCHEME
 from .maintenance import SQL_CHUNK
@@ -162,7 +163,7 @@ def migrate_repository(conn: "sqlite3.Connection", db: str, rollback: Callable[[
         models = conn.execute("SELECT id, name, graph FROM models WHERE graph IS NOT NULL AND deleted=0").fetchall()
         for mid, name, blob in models:
             try:
-                graph = decode_graph(bytes(blob), f"{db}: graph of {name!r}")
+                graph = decode_graph(blob, f"{db}: graph of {name!r}")
             except CorruptCheckpointError:   # a damaged row: reported by reads of that model, left as it is
                 failed.append(name)
                 continue
@@ -176,7 +177,7 @@ def migrate_repository(conn: "sqlite3.Connection", db: str, rollback: Callable[[
                 for lid, text in conn.execute(
                         f"SELECT id, meta FROM layer_meta WHERE id IN ({','.join('?' * len(chunk))})", chunk):
                     try:
-                        meta[lid] = json.loads(text)
+                        meta[lid] = bounded_loads(text, "layer meta", max_bytes=len(text.encode()), max_depth=MAX_CONFIG_DEPTH)
                         texts[lid] = text
                     except ValueError:
                         pass

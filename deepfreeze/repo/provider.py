@@ -81,6 +81,7 @@ import numpy as np
 from .. import net
 from ..errors import (AuthenticationError, ConfigError, CorruptCheckpointError, DeepFreezeError, ModelNotFoundError,
                       ProviderError, ProviderTimeoutError, RepositoryError)
+from ..jsonsafe import loads as bounded_loads
 from ..format import MAX_NDIM, dtype_itemsize, numpy_dtype
 from ..node import node_id
 from .arena import DEFAULT_ARENA_BYTES, Arena, Extent, close_mapping, open_shared
@@ -304,9 +305,9 @@ class Provider:
         if type(index) is not int or not 0 <= index < len(providers):
             raise _bad("'index' must be this provider's position in 'providers'")
         recorded = self.repo.set_setting_once("providers", json.dumps(providers))
-        if recorded is not None and json.loads(recorded) != providers:
+        if recorded is not None and bounded_loads(recorded, "the providers setting", max_bytes=1 << 20) != providers:
             raise RepositoryError(
-                f"this repository's provider list is {json.loads(recorded)} (fixed when it was first used: it "
+                f"this repository's provider list is {recorded} (fixed when it was first used: it "
                 f"decides which provider holds which model); the client gave {providers}. Use the same "
                 "dstore://host:port,... address, in the same order, on every client")
         st.index, st.n = index, len(providers)

@@ -121,6 +121,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import fsafe, ownership
+from ..jsonsafe import MAX_CONFIG_DEPTH, loads as bounded_loads
 from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
                       NameExistsError, RepositoryDatabaseError, RepositoryError, UnsafePathError)
 from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, ShardIndex, crc32,
@@ -479,7 +480,7 @@ class EmbeddedRepository(Maintenance):
             dims = tuple(int(x) for x in shape.split(",")) if shape else ()
             if len(dims) > MAX_NDIM or any(not 0 <= x <= 1 << 48 for x in dims) or math.prod(dims) > 1 << 48:
                 raise ValueError(f"shape {shape!r}")
-        except (ValueError, AttributeError) as e:
+        except (ValueError, AttributeError, TypeError) as e:  # any type a row may hold
             raise CorruptCheckpointError(f"{self._db}: {where}: invalid {e}: the database is damaged or was "
                                          "tampered with; restore it from a backup or delete the model") from e
         return dtype, dims
@@ -504,6 +505,8 @@ class EmbeddedRepository(Maintenance):
             return CorruptCheckpointError(
                 f"{path}: {what}: the repository database and the pack disagree ({why}); meta.db or the pack "
                 "is damaged or was tampered with: restore from a backup, or delete the model and run gc")
+        if not all(type(v) is int for v in (offset, length, crc)):  # a row may hold any type
+            raise bad(f"offset {offset!r}, length {length!r} or CRC {crc!r} is not an integer")
         if not (type(entry) is int and type(n_entries) is int and 0 <= entry and 1 <= n_entries
                 and entry + n_entries <= len(index.entries)):
             raise bad(f"entries [{entry}, {entry}+{n_entries}) but the pack has {len(index.entries)}")
@@ -1066,7 +1069,7 @@ class EmbeddedRepository(Maintenance):
         row = self._model_row(self._conn(), name)
         if row[6] is None:
             return None
-        return decode_graph(bytes(row[6]), f"{self._db}: graph of {name!r}")
+        return decode_graph(row[6], f"{self._db}: graph of {name!r}")
 
     def layer_meta(self, ids: Iterable[str]) -> dict[str, dict]:
         """The stored metadata of the given layer ids (ids not stored are left out)."""
@@ -1080,7 +1083,7 @@ class EmbeddedRepository(Maintenance):
                 try:
                     if len(text) > _MAX_META:
                         raise ValueError(f"{len(text)} bytes")
-                    m = json.loads(text)
+                    m = bounded_loads(text, "layer meta", max_bytes=_MAX_META, max_depth=MAX_CONFIG_DEPTH)
                     if not isinstance(m, dict):
                         raise ValueError("not an object")
                 except (ValueError, TypeError) as e:
@@ -1103,7 +1106,7 @@ class EmbeddedRepository(Maintenance):
             _mid, _d, created, nbytes, n, dedup, gbytes, model, tag = self._model_row(conn, name)
             layers = None
             if gbytes is not None:
-                layers = len(decode_graph(bytes(gbytes), f"{self._db}: graph of {name!r}")["layers"])
+                layers = len(decode_graph(gbytes, f"{self._db}: graph of {name!r}")["layers"])
             return {"name": name, "model": model, "tag": tag, "bytes": nbytes, "tensors": n, "created": created,
                     "layers": layers, "deduplicated": dedup}
         try:
@@ -1121,7 +1124,7 @@ class EmbeddedRepository(Maintenance):
         providers = settings.get("providers")
         if providers is not None:
             try:
-                providers = json.loads(providers)
+                providers = bounded_loads(providers, "providers", max_bytes=1 << 20)
             except ValueError:
                 pass
         return {"location": self.location, "names": names, "models": models, "deleted_names": deleted,

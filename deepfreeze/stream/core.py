@@ -64,6 +64,7 @@ from ..config import validate_name
 from ..errors import (ConfigError, DeepFreezeError, StreamError, StreamTimeoutError, UnsafePathError,
                       UntrustedOwnerError, VersionGoneError)
 from ..fused import STAMP_BYTES, FusedLayout
+from ..jsonsafe import loads as bounded_loads
 from ..levels import atomic_write
 from ..node import host_name, node_id
 from ..run import RunInfo, Version, read_job_id
@@ -182,7 +183,8 @@ def read_endpoints(persistent: str, channel: str, *, trusted: "frozenset[int] | 
                 data = f.read(_MAX_ENDPOINT_BYTES + 1)
             if len(data) > _MAX_ENDPOINT_BYTES:
                 raise StreamError(f"larger than {_MAX_ENDPOINT_BYTES} bytes")
-            rec = _check_endpoint(json.loads(data), path)
+            rec = _check_endpoint(bounded_loads(data, path, max_bytes=_MAX_ENDPOINT_BYTES, error=StreamError,
+                                                advice="not a DeepFreeze stream endpoint: ignored"), path)
         except FileNotFoundError:
             continue
         except (UnsafePathError, UntrustedOwnerError) as e:

@@ -56,6 +56,7 @@ import time
 from typing import Any, Mapping
 
 from ..errors import ConfigError, StreamError, StreamTimeoutError
+from ..jsonsafe import loads as bounded_loads
 from ..run import valid_job_id
 
 __all__ = ["RedisNotifier", "RedisListener", "key_prefix", "safe_url", "MAX_VALUE"]
@@ -154,9 +155,9 @@ class _Reader:
         if not isinstance(raw, (bytes, str)) or len(raw) > MAX_VALUE:
             self.skip(what, "size", "%s is not a string of at most %d bytes: ignored", what, MAX_VALUE)
             return None
-        try:
-            obj = json.loads(raw)
-        except (ValueError, RecursionError) as e:
+        try:  # size and nesting bounded before parsing
+            obj = bounded_loads(raw, what, max_bytes=MAX_VALUE, error=StreamError, advice="damaged or not DeepFreeze's")
+        except StreamError as e:
             self.skip(what, "json", "%s is not valid JSON (%s): ignored", what, e)
             return None
         if not isinstance(obj, dict):

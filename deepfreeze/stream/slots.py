@@ -94,6 +94,7 @@ import numpy as np
 
 from ..errors import ConfigError, StreamError, UnsafePathError, UntrustedOwnerError, VersionGoneError
 from ..format import crc32
+from ..jsonsafe import MAX_JSON_DEPTH, json_depth, loads as bounded_loads
 from ..ownership import open_trusted
 from ..repo.arena import close_mapping
 from ..run import Version
@@ -260,6 +261,8 @@ class SlotRing:
             meta_b = json.dumps(meta_d, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError) as e:
             raise ConfigError(f"SlotRing meta: must be a JSON object of strings, numbers, lists and objects ({e})") from e
+        if json_depth(meta_b) > MAX_JSON_DEPTH:  # never write what open() refuses
+            raise ConfigError(f"SlotRing meta: nested deeper than {MAX_JSON_DEPTH} JSON levels")
         if len(meta_b) > MAX_META:
             raise ConfigError(f"SlotRing meta: {len(meta_b)} bytes of JSON, at most {MAX_META} allowed")
         stride, records, locks, data, size = _layout(slots, capacity, len(meta_b))
@@ -349,10 +352,9 @@ class SlotRing:
             if size > st.st_size:
                 raise StreamError(f"slot ring {path}: {st.st_size} bytes, its header needs {size} ({slots} slots of "
                                   f"{capacity} bytes): truncated or hostile file, refused")
-            try:
-                meta = json.loads(meta_b.decode()) if meta_len else {}
-            except (UnicodeDecodeError, ValueError) as e:
-                raise StreamError(f"slot ring {path}: meta is not JSON: refused") from e
+            # size and nesting bounded before parsing: a hostile meta is a StreamError, never a RecursionError
+            meta = bounded_loads(meta_b, f"slot ring {path}: meta", max_bytes=MAX_META, error=StreamError,
+                                 advice="refused (a damaged or hostile ring file)") if meta_len else {}
             if not isinstance(meta, dict):
                 raise StreamError(f"slot ring {path}: meta is not a JSON object: refused")
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)

@@ -27,8 +27,11 @@ bytes of the tensors and arrays it refers to; zero padding up to the reserved ca
 tree tags every non-JSON value: ``{"d": [[key, value], ...]}`` a dict (any keys), ``{"t":
 [...]}`` a tuple, ``{"T": [dtype, shape, offset, nbytes]}`` a CPU tensor, ``{"N": [...]}`` a
 numpy array, ``{"b": [offset, nbytes]}`` bytes, ``{"f": "inf"|"-inf"|"nan"}`` a non-finite
-float; lists, strings, ints, finite floats, booleans and null are JSON's. Decoding checks the
-magic, every length and every (offset, nbytes) against the record before it reads a byte.
+float, ``{"dt": name}`` a torch dtype (one of torch's ``torch.dtype`` objects by canonical name:
+a fixed allow-list, never another attribute of ``torch``); lists, strings, ints, finite floats,
+booleans and null are JSON's. Decoding checks the magic, every length and every (offset,
+nbytes) against the record before it reads a byte, the JSON's size and nesting (at most 100
+levels) before parsing it, and each tag's shape; any failure is a CorruptCheckpointError.
 """
 from __future__ import annotations
 
@@ -43,12 +46,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import ConfigError, CorruptCheckpointError, ModelMismatchError
+from ..errors import ConfigError, CorruptCheckpointError, DeepFreezeError, ModelMismatchError
+from ..jsonsafe import json_depth, loads as bounded_loads
 from ..shardplan import TensorSpec
 
 __all__ = ["TrainState", "train_state", "unwrap", "model_entries", "encode", "decode", "dtype_of", "torch_dtype",
            "RANK_PREFIX", "rng_state", "set_rng_state", "as_tensor", "dim0_rows", "local_rows", "is_dtensor",
-           "check_layout", "optimizer_groups", "tied", "class_name", "check_model"]
+           "check_layout", "optimizer_groups", "tied", "class_name", "check_model",
+           "decode_record"]
 
 RANK_PREFIX = "_deepfreeze/rank"
 MAGIC = b"DFTS0001"
@@ -61,6 +66,10 @@ for _n in ("uint16", "uint32", "uint64"):
     if hasattr(torch, _n):
         _DTYPES[getattr(torch, _n)] = _n
 _TORCH = {v: k for k, v in _DTYPES.items()}
+# the ``{"dt": NAME}`` tag: every real torch dtype by its canonical name (str(dtype) without "torch."),
+# a fixed allow-list: never getattr(torch, NAME) of a name read from a record
+_ALL_DTYPES = {str(v).replace("torch.", ""): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+_MAX_DEPTH = 100  # nesting of a record's JSON tree (a dict costs 3 levels: {"d": [[k, v]]})
 
 
 def dtype_of(t: torch.Tensor, what: str) -> str:
@@ -312,12 +321,19 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(st: dict[str, Any]) -> None:
-    torch.set_rng_state(st["torch"])
-    np.random.set_state(st["numpy"])
-    random.setstate(st["python"])
-    cuda = st.get("cuda")  # (restored only onto as many CUDA devices as it was taken from)
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
+    """Set the RNG states :func:`rng_state` took; a state of the wrong kind (a damaged record)
+    raises :class:`CorruptCheckpointError` (the states set before it stay set)."""
+    try:
+        torch.set_rng_state(st["torch"])
+        np.random.set_state(st["numpy"])
+        random.setstate(st["python"])
+        cuda = st.get("cuda")  # (restored only onto as many CUDA devices as it was taken from)
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"the recorded RNG states are malformed ({type(e).__name__}: "
+                                     f"{str(e)[:200]}); the state record is damaged: restore without rng=True "
+                                     "or another version") from e
 
 
 # -- the state record codec
@@ -367,7 +383,7 @@ def encode(obj: Any, where: str = "state") -> bytes:
             return [enc(x, f"{path}[{i}]") for i, x in enumerate(v)]
         if isinstance(v, dict):
             return {"d": [[enc(k, f"{path} key"), enc(x, f"{path}[{k!r}]")] for k, x in v.items()]}
-        if isinstance(v, torch.dtype):
+        if isinstance(v, torch.dtype) and str(v).replace("torch.", "") in _ALL_DTYPES:
             return {"dt": str(v).replace("torch.", "")}
         raise ConfigError(f"{path} is a {type(v).__name__}, which DeepFreeze does not store (no pickling): a "
                           "state_dict may hold tensors, numpy arrays, numbers, strings, bytes, None, and lists, "
@@ -375,6 +391,9 @@ def encode(obj: Any, where: str = "state") -> bytes:
 
     tree = enc(obj, where)
     js = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
+    if len(js) > _MAX_JSON or json_depth(js) > _MAX_DEPTH:  # never write what decode refuses
+        raise ConfigError(f"{where}: the state is nested more than {_MAX_DEPTH} JSON levels deep or its structure "
+                          f"takes more than {_MAX_JSON} bytes of JSON: DeepFreeze would not read it back")
     return MAGIC + struct.pack("<Q", len(js)) + js + b"".join(payload)
 
 
@@ -386,10 +405,8 @@ def decode(data: "bytes | np.ndarray", what: str = "state record") -> Any:
     (n,) = struct.unpack_from("<Q", buf, 8)
     if n > min(_MAX_JSON, len(buf) - 16):
         raise CorruptCheckpointError(f"{what}: JSON length {n} exceeds the record ({len(buf)} bytes)")
-    try:
-        tree = json.loads(buf[16:16 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{what}: malformed JSON: {e}") from e
+    tree = bounded_loads(buf[16:16 + n], f"{what}: the JSON tree", max_bytes=_MAX_JSON, max_depth=_MAX_DEPTH,
+                         advice="the state record is damaged: restore another version")
     payload = memoryview(buf)[16 + n:]
 
     def span(off: Any, nb: Any) -> memoryview:
@@ -413,18 +430,28 @@ def decode(data: "bytes | np.ndarray", what: str = "state record") -> Any:
             raise CorruptCheckpointError(f"{what}: malformed value {str(v)[:80]}")
         (tag, x), = v.items()
         if tag == "d":
+            if not (isinstance(x, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in x)):
+                raise CorruptCheckpointError(f"{what}: a dict is not a list of [key, value] pairs")
             return {_hashable(dec(k)): dec(val) for k, val in x}
         if tag == "t":
+            if not isinstance(x, list):
+                raise CorruptCheckpointError(f"{what}: a tuple is not a list")
             return tuple(dec(e) for e in x)
         if tag == "f":
             if x not in ("inf", "-inf", "nan"):
                 raise CorruptCheckpointError(f"{what}: bad float {x!r}")
             return float(x)
         if tag == "b":
+            if not (isinstance(x, list) and len(x) == 2):
+                raise CorruptCheckpointError(f"{what}: bytes are not [offset, nbytes]")
             return bytes(span(*x))
-        if tag == "dt":
-            return torch_dtype(x) if x in _TORCH else getattr(torch, str(x))
+        if tag == "dt":  # a real torch dtype only (never another attribute of torch)
+            if type(x) is not str or x not in _ALL_DTYPES:
+                raise CorruptCheckpointError(f"{what}: {str(x)[:40]!r} is not a torch dtype")
+            return _ALL_DTYPES[x]
         if tag in ("T", "N"):
+            if not (isinstance(x, list) and len(x) == 4 and type(x[0]) is str):
+                raise CorruptCheckpointError(f"{what}: an array is not [dtype, shape, offset, nbytes]")
             d, s, off, nb = x
             from ..format import dtype_itemsize, numpy_dtype
             raw = span(off, nb)
@@ -437,10 +464,44 @@ def decode(data: "bytes | np.ndarray", what: str = "state record") -> Any:
 
     try:
         return dec(tree)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, CorruptCheckpointError):
-            raise
-        raise CorruptCheckpointError(f"{what}: malformed value: {e}") from e
+    except DeepFreezeError:
+        raise
+    except Exception as e:  # TypeError (an unhashable key), ValueError, RuntimeError (torch's view/reshape)
+        raise CorruptCheckpointError(f"{what}: malformed value ({type(e).__name__}: {str(e)[:200]})") from e
+
+
+def decode_record(data: "bytes | np.ndarray", what: str = "state record") -> dict[str, Any]:
+    """A rank's state record (:func:`decode`), its schema checked: a dict whose ``param_groups``
+    (a list per optimizer of groups, each a dict with string keys and a ``params`` list of FQNs),
+    ``optim_extra`` (a list per optimizer of ``{fqn: {key: value}}``), ``state`` (a dict by
+    name) and ``a`` (a dict: ``rank``, ``world_size``, ``rng``, ``state``) have those types.
+    Anything else is a :class:`CorruptCheckpointError`, before a reader trips over it."""
+    rec = decode(data, what)
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{what}: {why}; the state record is damaged: restore another version")
+
+    def str_keys(d: Any) -> bool:
+        return isinstance(d, dict) and all(isinstance(k, str) for k in d)
+    if not str_keys(rec):
+        raise bad(f"a {type(rec).__name__}, not a dict with string keys")
+    pg = rec.get("param_groups", [])
+    if not (isinstance(pg, list) and all(
+            isinstance(gs, list) and all(str_keys(g) and isinstance(g.get("params"), list)
+                                         and all(isinstance(p, str) for p in g["params"]) for g in gs) for gs in pg)):
+        raise bad("'param_groups' is not a list of lists of groups with a 'params' list of names")
+    ex = rec.get("optim_extra", [])
+    if not (isinstance(ex, list) and all(str_keys(e) and all(str_keys(kv) for kv in e.values()) for e in ex)):
+        raise bad("'optim_extra' is not a list of {fqn: {key: value}}")
+    a = rec.get("a", {})
+    if not str_keys(a):
+        raise bad("'a' is not a dict")
+    for part in (rec, a):
+        if not str_keys(part.get("state", {})):
+            raise bad("'state' is not a dict by name")
+        if not isinstance(part.get("rng", {}), dict):
+            raise bad("'rng' is not a dict")
+    return rec
 
 
 def _hashable(k: Any) -> Any:

@@ -147,7 +147,7 @@ class Reader(StorageReader):
             raise ModelMismatchError(f"checkpoint {ck.name!r} v{ck.version} was not written by deepfreeze.torch "
                                      f"(framework {m.get('framework', 'keras')!r}): a DCP reader serves torch "
                                      "checkpoints only")
-        record = _state.decode(ck.arrays[rec0], f"{ck.name} v{ck.version} {rec0}")
+        record = _state.decode_record(ck.arrays[rec0], f"{ck.name} v{ck.version} {rec0}")
         n_model = int(m.get("model_tensors", 0))
         md: dict[str, Any] = {}
         paths: dict[str, tuple[Any, ...]] = {}

@@ -9,18 +9,34 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..export import ExportError, _atomic
+from ..format import dtype_name
 from ..restore import Checkpoint
+from ._state import as_tensor
 from .restore import _split
 
 __all__ = ["write_torch", "torch_payload"]
 
 
+def _weights_only(v: Any) -> Any:
+    """``v`` with every numpy array (a state record may hold some: its ``{"N": ...}`` tag) as a CPU
+    tensor: ``torch.load(weights_only=True)`` refuses numpy objects. Everything else a decoded
+    record holds (tensors, torch dtypes, numbers, strings, bytes, None, lists, tuples, dicts) it reads."""
+    if isinstance(v, np.ndarray):
+        return as_tensor(np.ascontiguousarray(v), dtype_name(v.dtype))
+    if isinstance(v, (list, tuple)):
+        return type(v)(_weights_only(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _weights_only(x) for k, x in v.items()}
+    return v
+
+
 def torch_payload(ck: Checkpoint) -> dict[str, Any]:
     st = _split(ck)
-    return {"model": st.model, "optim": st.optim,
+    return {"model": st.model, "optim": _weights_only(st.optim),
             "deepfreeze": {"name": st.name, "version": st.version, "step": st.step, "world_size": st.world_size}}
 
 

@@ -112,7 +112,7 @@ def _split(ck: Checkpoint) -> TorchState:
     n_model = int(m.get("model_tensors", 0))
     names = list(ck.arrays)
     model = {k: _state.as_tensor(ck.arrays[k], dtypes[k]) for k in names[:n_model]}
-    records = [_state.decode(ck.arrays[k], f"{ck.name} v{ck.version} {k}")
+    records = [_state.decode_record(ck.arrays[k], f"{ck.name} v{ck.version} {k}")
                for k in names if k.startswith(_state.RANK_PREFIX)]
     rec0 = records[0] if records else {}
     for alias, target in _aliases(rec0).items():  # tied weights: one tensor under both FQNs
