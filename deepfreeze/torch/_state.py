@@ -474,7 +474,9 @@ def decode_record(data: "bytes | np.ndarray", what: str = "state record") -> dic
     """A rank's state record (:func:`decode`), its schema checked: a dict whose ``param_groups``
     (a list per optimizer of groups, each a dict with string keys and a ``params`` list of FQNs),
     ``optim_extra`` (a list per optimizer of ``{fqn: {key: value}}``), ``state`` (a dict by
-    name) and ``a`` (a dict: ``rank``, ``world_size``, ``rng``, ``state``) have those types.
+    name) and ``a`` (a dict: ``rank``, ``world_size``, ``rng``, ``state``; ``optimizers`` a list
+    of class names, ``aliases`` a dict of FQN to FQN, ``buffers`` a dict of FQN to tensor,
+    ``loop`` and ``imported`` dicts, each checked further where it is used) have those types.
     Anything else is a :class:`CorruptCheckpointError`, before a reader trips over it."""
     rec = decode(data, what)
 
@@ -501,6 +503,18 @@ def decode_record(data: "bytes | np.ndarray", what: str = "state record") -> dic
             raise bad("'state' is not a dict by name")
         if not isinstance(part.get("rng", {}), dict):
             raise bad("'rng' is not a dict")
+    opts = a.get("optimizers", [])
+    if not (isinstance(opts, list) and all(isinstance(c, str) for c in opts)):
+        raise bad("'a.optimizers' is not a list of class names")
+    al = a.get("aliases", {})
+    if not (str_keys(al) and all(isinstance(v, str) for v in al.values())):
+        raise bad("'a.aliases' is not a dict of FQN to FQN")
+    buffers = a.get("buffers", {})
+    if not (str_keys(buffers) and all(isinstance(v, torch.Tensor) for v in buffers.values())):
+        raise bad("'a.buffers' is not a dict of FQN to tensor")
+    for key in ("loop", "imported"):
+        if not isinstance(a.get(key, {}), dict):
+            raise bad(f"'a.{key}' is not a dict")
     return rec
 
 

@@ -88,7 +88,7 @@ def torch_ck(tmp_path_factory):
 
     ck = Checkpointer(net, opt, name="fz", every_n_steps=1, state={"sched": sched, "c": Counter()}, mode="sync",
                       scratch=str(d / "s"), persistent=str(d / "p"))
-    for _ in range(2):
+    for _ in ck.iterate(range(2)):  # (the record then holds the loop position: pass, items, RNG at its start)
         opt.zero_grad()
         net(torch.ones(5, 4)).sum().backward()
         opt.step()
@@ -201,6 +201,12 @@ def _torch(bounded, bases, data):
 
     def decode():
         rec = _state.decode_record(raw, "fuzz record")
+        # the readers of issue 31's fields: the loop position (resume), tied FQNs, optimizer classes
+        import importlib
+        from deepfreeze.torch import _loop
+        if "loop" in rec.get("a", {}):
+            _loop.check_record(rec["a"]["loop"], "fuzz record")
+        importlib.import_module("deepfreeze.torch.restore")._aliases(rec)  # (the package's name is the function)
         # what export --format torch writes of it is readable with weights_only=True
         buf = io.BytesIO()
         torch.save({"optim": _weights_only({"param_groups": rec.get("param_groups"),
@@ -804,10 +810,50 @@ def test_fuzz_ini_file(tmp_path):
     run_ini(tmp_path, SHORT)
 
 
+# --------------------------------------------------------------------------- a DCP directory (import_dcp)
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory):
+    """A real ``dcp.save`` directory (model and SGD-momentum state): its ``.metadata`` and data file."""
+    pytest.importorskip("torch")
+    from test_torch_dcp_import import _small_dcp
+    d = str(tmp_path_factory.mktemp("dcp") / "src")
+    _small_dcp(d)
+    return {name: open(os.path.join(d, name), "rb").read() for name in sorted(os.listdir(d))}
+
+
+def _dcp(bounded, files, root, data):
+    import importlib
+    reader = importlib.import_module("deepfreeze.torch.dcp_import")
+    name = data.draw(st.sampled_from(sorted(files)), label="file")  # .metadata (a pickle) or a .distcp file
+    raw = mutate_bytes(data, files[name], label=name)
+    d = os.path.join(root, "d")
+    if os.path.isdir(d):
+        for f in os.listdir(d):
+            os.unlink(os.path.join(d, f))
+    else:
+        os.makedirs(d)
+    for f, b in files.items():
+        with open(os.path.join(d, f), "wb") as out:
+            out.write(raw if f == name else b)
+    bounded(lambda: reader._read(d, "model", "optim", {}), len(raw))
+
+
+def run_dcp(dcp_dir, root, n):
+    with Bounded("dcp_import") as b:
+        fuzz(_dcp, n, b, dcp_dir, str(root))
+
+
+def test_fuzz_dcp_import(dcp_dir, tmp_path):
+    """import_dcp's reading of a DCP directory (the metadata through the allow-list unpickler and
+    its checks, then DCP's reader with weights_only loads): only DeepFreezeErrors, bounded memory."""
+    run_dcp(dcp_dir, tmp_path, SHORT)
+
+
 # --------------------------------------------------------------------------- the long campaign
 
 @pytest.mark.slow
-def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtier_image, tmp_path):
+def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtier_image, dcp_dir, tmp_path):
     """Every decoder with :data:`_mutate.LONG` examples (``DEEPFREEZE_FUZZ_LONG``); prints the
     inputs fed to each."""
     TRIED.clear()
@@ -824,6 +870,7 @@ def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtie
     run_memtier(memtier_image, LONG)
     run_lease(tmp_path, LONG)
     run_ini(tmp_path, LONG)
+    run_dcp(dcp_dir, tmp_path / "dcp", LONG)
     print("fuzz campaign, inputs per decoder:", json.dumps(TRIED, sort_keys=True))
     assert all(v >= LONG // 20 for v in TRIED.values()), TRIED
 
