@@ -672,7 +672,7 @@ def _memtier(bounded, base, path, data):
             f[i] = data.draw(st.sampled_from([0.0, -1.0, 1e300]))
         else:
             width = (1 << 16) - 1 if i == 0 else (1 << 32) - 1 if i in (3, 4, 5) else (1 << 64) - 1
-            f[i] = data.draw(st.sampled_from([0, 1, 7, 4096, 1 << 20, width]))
+            f[i] = min(data.draw(st.sampled_from([0, 1, 7, 4096, 1 << 20, width])), width)  # (the field's width)
         nb = D._BODY.pack(*f)
         b[off + 4:off + 4 + len(nb) + 4] = nb + struct.pack("<I", zlib.crc32(nb))
     elif part == "index":
