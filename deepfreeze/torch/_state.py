@@ -7,7 +7,7 @@ Tensor list, in this order (one definition for the checkpointer, ``load`` and ``
    prefixes removed: the keys of ``torch.distributed.checkpoint.state_dict.get_state_dict``),
    named by their FQN, with global shapes; a tensor the state dict holds under several FQNs (tied
    weights: ``lm_head.weight`` is ``wte.weight``) is stored once, under its first FQN, and the
-   state record's ``a.aliases`` maps each other FQN to it (:func:`tied`). Parameters are *replicated* (every DDP rank holds them bit-identical
+   state record's ``a.aliases`` maps each other FQN to it (:attr:`TrainState.aliases`). Parameters are *replicated* (every DDP rank holds them bit-identical
    after each step) and split across ranks; buffers (BatchNorm running statistics) are updated
    by each rank's forward pass and broadcast from rank 0 by DDP at the next one, so they are
    *pinned*: taken whole from rank 0. Under FSDP2 (``fully_shard``) parameters are DTensors
@@ -52,7 +52,7 @@ from ..shardplan import TensorSpec
 
 __all__ = ["TrainState", "train_state", "unwrap", "model_entries", "encode", "decode", "dtype_of", "torch_dtype",
            "RANK_PREFIX", "rng_state", "set_rng_state", "as_tensor", "dim0_rows", "local_rows", "is_dtensor",
-           "check_layout", "optimizer_groups", "tied", "class_name", "check_model",
+           "check_layout", "optimizer_groups", "class_name", "check_model",
            "decode_record"]
 
 RANK_PREFIX = "_deepfreeze/rank"
@@ -207,7 +207,7 @@ class TrainState:
     bounds: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     dtensors: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     fqn_of: dict[int, str] = dataclasses.field(default_factory=dict)
-    #: FQN of a tied tensor's other name -> the FQN it is stored under (:func:`tied`)
+    #: FQN of a tied tensor's other name -> the FQN it is stored under (:func:`_tied`)
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def key(self) -> bytes:
@@ -240,6 +240,10 @@ def train_state(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimiz
 
 
 def _tied(entries: list[tuple[str, torch.Tensor, bool]]) -> dict[str, str]:
+    """Tied weights among a model's state-dict ``entries``: ``{FQN: the FQN it is stored under}``
+    for every entry that is the same tensor object as an earlier one (``lm_head.weight`` ->
+    ``wte.weight``). The first FQN in ``state_dict`` order is also the name ``get_state_dict``
+    gives the parameter's optimizer state (``named_parameters`` order)."""
     first: dict[int, str] = {}
     out = {}
     for fqn, t, _ in entries:
@@ -247,14 +251,6 @@ def _tied(entries: list[tuple[str, torch.Tensor, bool]]) -> dict[str, str]:
         if f != fqn:
             out[fqn] = f
     return out
-
-
-def tied(model: torch.nn.Module) -> dict[str, str]:
-    """Tied weights of ``model``: ``{FQN: the FQN it is stored under}`` for every state-dict entry
-    that is the same tensor object as an earlier one (``lm_head.weight`` -> ``wte.weight``). The
-    first FQN in ``state_dict`` order is also the name ``get_state_dict`` gives the parameter's
-    optimizer state (``named_parameters`` order)."""
-    return _tied(model_entries(model))
 
 
 def class_name(obj: Any) -> str:

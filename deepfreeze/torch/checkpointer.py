@@ -215,6 +215,7 @@ class Checkpointer:
         self._grow = False  # a state record outgrew its room: the next plan doubles every rank's
         self._pinned: set[int] = set()
         self._fqn_of: dict[int, str] = {}  # id() of a parameter -> FQN, from the last capture's train_state
+        self._aliases: dict[str, str] = {}  # tied FQN -> the FQN stored, from the last capture's train_state
         self._model_tensors = 0
         self._t_post = 0.0
         self.comm = make_comm()  # the training thread's group (collective)
@@ -365,7 +366,7 @@ class Checkpointer:
         lost = None
         try:
             if self._pending is not None:
-                if self.size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                if not self._group_alive():
                     lost, self._pending = self._pending.step, None  # its hand-off is collective: too late
                 else:
                     self._finish_at_boundary()
@@ -389,6 +390,10 @@ class Checkpointer:
                               f"v{lost} was captured but not written (its hand-off needs every rank's process "
                               "group); call ckpt.close() before destroy_process_group()")
 
+    def _group_alive(self) -> bool:
+        """Whether the collective hand-off can still run (one process, or a live process group)."""
+        return self.size == 1 or (torch.distributed.is_available() and torch.distributed.is_initialized())
+
     def _finish_at_boundary(self) -> None:
         """Finish the pending capture from ``wait``/``close``: with a loop that marks its
         boundaries, the iteration of the checkpoint step is over, so its records are taken now."""
@@ -403,8 +408,7 @@ class Checkpointer:
         if self._closed:
             return
         pending = self._pending.step if self._pending is not None else None
-        alive = self.size == 1 or (torch.distributed.is_available() and torch.distributed.is_initialized())
-        if not alive:
+        if not self._group_alive():
             self._closed = True  # nothing collective can run any more
             if pending is not None:
                 log.warning("DeepFreeze (rank %d): %r v%d was captured but not written: the process group was "
@@ -455,7 +459,7 @@ class Checkpointer:
         pre-hook (``"b"``; ``st``: the post-hook's tensor list, whose optimizer groups serve)."""
         if phase == "a":
             rec = {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
-                   "optimizers": [_state.class_name(o) for o in self.optimizers], "aliases": _state.tied(self.model),
+                   "optimizers": [_state.class_name(o) for o in self.optimizers], "aliases": self._aliases,
                    "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
             if self._loop.current is not None:
                 rec["loop"] = self._loop.current.record()
@@ -486,6 +490,7 @@ class Checkpointer:
         try:
             st = _state.train_state(self.model, self.optimizers)
             self._fqn_of = st.fqn_of
+            self._aliases = st.aliases  # tied weights, found by train_state (the record names them)
             key = st.key()
             rec_a = _state.encode(self._record("a"), "record")
             need = len(rec_a) + len(_state.encode(self._record("b", st), "record")) + 64

@@ -99,6 +99,15 @@ def torch_ck(tmp_path_factory):
     return ckpt.arrays["_deepfreeze/rank0"].tobytes(), d, ckpt.version
 
 
+def _write_new(path: str, data: bytes) -> None:
+    """``data`` as a new owner-only file at ``path`` (what was there is removed first)."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, data)
+    os.close(fd)
+
+
 def _tree(raw: bytes) -> Any:
     """The JSON of a seed input, None when it is not JSON (a hostile seed): then only bytes are mutated."""
     try:
@@ -368,11 +377,7 @@ def _ring(bounded, base, d, data):
         ml = struct.unpack_from("<I", raw, 12)[0]
         raw[64:68] = struct.pack("<I", zlib.crc32(bytes(raw[:64]) + bytes(raw[128:128 + ml])))
     path = os.path.join(d, "ring")
-    if os.path.lexists(path):
-        os.unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, bytes(raw))
-    os.close(fd)
+    _write_new(path, bytes(raw))
 
     def decode():
         r = slots.SlotRing.open(path, prefault=False)
@@ -699,11 +704,7 @@ def _memtier(bounded, base, path, data):
         b[off:off + len(sh) + 4] = sh + struct.pack("<I", zlib.crc32(sh))
     else:
         b = bytearray(mutate_bytes(data, bytes(b)))
-    if os.path.lexists(path):
-        os.unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, bytes(b))
-    os.close(fd)
+    _write_new(path, bytes(b))
 
     def decode():
         with D.Device(path, writable=False) as dev:
@@ -891,9 +892,7 @@ def test_deep_ring_meta_and_endpoint_file_are_stream_errors(ring_file, tmp_path,
     raw = bytearray(bytes(head) + meta + b"\0" * (lay[4] - 128 - len(meta)))
     raw[64:68] = struct.pack("<I", zlib.crc32(bytes(raw[:64]) + meta))
     path = tmp_path / "ring"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, bytes(raw))
-    os.close(fd)
+    _write_new(str(path), bytes(raw))
     with pytest.raises(StreamError, match="nested deeper than 32"):
         slots.SlotRing.open(str(path), prefault=False)
     d = endpoint_dir(str(tmp_path / "p"), "chan")
