@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from deepfreeze.errors import CheckpointWriteError, CorruptCheckpointError, RepositoryError
 from deepfreeze.repo.store import QUARANTINE_DIR, EmbeddedRepository
+from test_repo_store import GcDuringStore  # noqa: E402  (the injected concurrent gc, one definition)
 
 
 def same_bits(a, b):
@@ -243,14 +244,8 @@ class GcDuringWrite(EmbeddedRepository):
         EmbeddedRepository._pwritev_all(fd, iovs, offset)
 
 
-class GcBeforeCommit(EmbeddedRepository):
-    """Runs ``action`` (once) between writing the pack and committing: a concurrent gc."""
-    action = None
-
-    def _before_commit(self, name):
-        action, GcBeforeCommit.action = GcBeforeCommit.action, None
-        if action is not None:
-            action()
+# runs ``action`` (once) between writing the pack and committing: a concurrent gc (test_repo_store's)
+GcBeforeCommit = GcDuringStore
 
 
 class GcAtEveryLookup(EmbeddedRepository):
