@@ -13,7 +13,7 @@ DeepFreezeCheckpoint in the source's fit and, for clones continuing, in theirs; 
 rank a node), ``mismatch=1`` (clone groups build another model), ``kill=clone|source``
 (a rank dies mid-transfer), ``timeout=`` (clone_timeout), ``hvd=world`` (the mistake:
 ``hvd.init()`` without ``comm=group.comm``), ``late=source|clone`` (that group reaches the
-clone ``timeout`` + 4 s late), ``stall=clone`` (the clone ranks take the hello, then no data
+clone ``timeout`` + 4 s late; ``late=clone`` counts from the source's end of step K - 1), ``stall=clone`` (the clone ranks take the hello, then no data
 for ``timeout`` + 4 s), ``unbuilt=1`` (a Sequential model without Input: the source's fit
 builds it, the clones pass ``input_spec=``).
 
@@ -131,6 +131,30 @@ class Late(tf.keras.callbacks.Callback):
             time.sleep(TIMEOUT + 4)
 
 
+class AtStepK(tf.keras.callbacks.Callback):
+    """Marks (OUT/source_r<rank>.at_k) that the source ends step K - 1: its wait for the clones'
+    hello starts at the next batch. ``late=clone`` counts its lateness from this mark, not from
+    its own start (under load the source may take seconds to reach K)."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) == self.k - 1:
+            open(f"{out}/source_r{group.rank}.at_k", "w").close()
+
+
+def wait_for_source_at_k(limit: float = 240.0) -> None:
+    """The clone side of ``late=clone``: wait (bounded) until the source rank of the same group
+    rank marked step K - 1, so that sleeping ``timeout + 4`` s makes the clone late for certain."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(f"{out}/source_r{group.rank}.at_k"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"test: the source did not reach step K - 1 within {limit} s")
+        time.sleep(0.05)
+
+
 class DieMidTransfer(dfc.Receiver):
     """Fault injection: this clone rank dies by SIGKILL once the first data message arrived."""
 
@@ -183,6 +207,8 @@ try:
             callbacks.append(DieAfterPosting())
         if opts.get("late") == "source":
             callbacks.append(Late(clone.at_step))
+        if opts.get("late") == "clone":
+            callbacks.append(AtStepK(clone.at_step))
         callbacks.append(Record(k=None))  # K recorded by step below (at_epoch_end: known after fit)
         k_step = clone.at_step if clone.at_step else (int(at[1:]) + 1) * STEPS
         callbacks[-1].k = k_step
@@ -196,6 +222,7 @@ try:
         cls = DieMidTransfer if opts.get("kill") == "clone" and group.rank == int(opts.get("kill_rank", 0)) \
             else Stall if opts.get("stall") == "clone" else dfc.Receiver
         if opts.get("late") == "clone":
+            wait_for_source_at_k()
             time.sleep(TIMEOUT + 4)
         spec = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH) if opts.get("unbuilt") == "1" else None
         t0 = time.time()
