@@ -1,20 +1,28 @@
 """DeepFreeze: asynchronous, sharded, multi-level checkpoints for data-parallel training.
 
-The core (this package) is framework-neutral and imports no TensorFlow; the
-Keras/Horovod adapter lives in :mod:`deepfreeze.keras`.
+The core (this package) is framework-neutral and imports no TensorFlow; the Keras/Horovod
+adapter lives in :mod:`deepfreeze.keras`, the PyTorch one in :mod:`deepfreeze.torch`.
+
+This module is a lazy facade (PEP 562, layer L8 of docs/architecture.md): importing any
+``deepfreeze.<module>`` runs it, and it imports nothing at that time, so a low module never
+pulls in a higher one through the package. Its public names are loaded on first use.
 """
 from __future__ import annotations
 
-from typing import Any
-
-from .config import Config
-from .errors import (BackendError, CheckpointNotFoundError, CheckpointWriteError, ConfigError,
-                     CaptureMissedError, CorruptCheckpointError, DeepFreezeError, ModelMismatchError, UnsafePathError,
-                     UntrustedOwnerError,
-                     VelocError, VelocNotFoundError)
-from .restore import Checkpoint, list_versions, load
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module (relative to this package) that defines it
+_LAZY = {
+    "Config": "config",
+    "Checkpoint": "loader", "load": "loader", "list_versions": "loader",
+    **{n: "errors" for n in (
+        "DeepFreezeError", "ConfigError", "CheckpointNotFoundError", "CorruptCheckpointError",
+        "ModelMismatchError", "BackendError", "CheckpointWriteError", "VelocNotFoundError", "VelocError",
+        "UnsafePathError", "UntrustedOwnerError", "CaptureMissedError")},
+}
 
 __all__ = [
     "Config", "Checkpoint", "load", "list_versions", "restore",
@@ -22,6 +30,27 @@ __all__ = [
     "ModelMismatchError", "BackendError", "CheckpointWriteError", "VelocNotFoundError", "VelocError",
     "UnsafePathError", "UntrustedOwnerError", "CaptureMissedError",
 ]
+
+if TYPE_CHECKING:  # for type checkers and IDEs only: at run time these load on first use
+    from .config import Config
+    from .errors import (BackendError, CaptureMissedError, CheckpointNotFoundError, CheckpointWriteError,
+                         ConfigError, CorruptCheckpointError, DeepFreezeError, ModelMismatchError, UnsafePathError,
+                         UntrustedOwnerError, VelocError, VelocNotFoundError)
+    from .loader import Checkpoint, list_versions, load
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name from the module that defines it on first use (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deepfreeze' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
 def restore(model: Any, config: "str | Config | None" = None, *, name: str, version: int | None = None,
@@ -42,8 +71,12 @@ def restore(model: Any, config: "str | Config | None" = None, *, name: str, vers
     ``tf.data.Dataset`` or its ``element_spec``), as the checkpoint callback does at the first step.
     """
     from .engine import ENGINES
+    from .errors import ConfigError
     from .keras.restore import restore_model  # the only TensorFlow-dependent step
     if engine is not None and engine not in ENGINES:
         raise ConfigError(f"engine = {engine!r}: use one of {ENGINES} (restore reads the same files for all)")
     return restore_model(model, config, name=name, version=version, trust_owners=trust_owners,
                          input_spec=input_spec, **overrides)
+
+
+_restore_function = restore  # the function, for the callable alias module deepfreeze.restore

@@ -416,7 +416,7 @@ class _Server:
         a bad request or a failed copy (the connection stays up)."""
         from .errors import MemtierError, MemtierPermissionError
         from .memtier.copy import VmReadvCopier
-        from .run import Version
+        from .lease import Version
         try:
             path, entry = str(req["device"]), int(req["entry"])
             name, run, rank = str(req["name"]), str(req["run"]), int(req["rank"])

@@ -21,7 +21,7 @@ Names (``docs/cluster.md`` "Counts against node count" derives their values from
     (partner copies and parity files), ``bytes.persistent.data`` (a rank's pieces copied into the
     assembled file), ``bytes.persistent.meta`` (header and index, markers, decision, manifest).
 ``comm.<call>`` and ``comm.<what>.bytes``
-    calls of the communicator wrappers (:class:`deepfreeze.redundancy.MPIComm`,
+    calls of the communicator wrappers (:class:`deepfreeze.comm.MPIComm`,
     ``deepfreeze.torch``'s ``TorchComm``): ``comm.allgather`` (one call: two MPI collectives,
     sizes then data), ``comm.exchange`` (one round of point-to-point messages), ``comm.send``/
     ``comm.recv`` (messages), ``comm.send.bytes``/``comm.recv.bytes``.

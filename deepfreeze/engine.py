@@ -86,8 +86,9 @@ from .fused import FusedLayout, FusedShard
 from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError,
                      MemtierBusyError, MemtierError, MemtierFullError)
 from .levels import ScratchLevel, SlotSource, flush_job
-from .redundancy import Comm, plan_redundancy, protect
-from .run import ANONYMOUS_RUN, RunInfo, Version
+from .comm import Comm
+from .redundancy import plan_redundancy, protect
+from .lease import ANONYMOUS_RUN, RunInfo, Version
 from .shardplan import ShardPlan
 
 __all__ = ["Engine", "build_manifest", "make_engine", "resolve_engine", "ENGINES"]
@@ -261,7 +262,7 @@ class Engine:
         layout = FusedLayout.build(self.plan, self.rank)
         job = self.run.job
         if job is None and self.run.id == ANONYMOUS_RUN:  # an engine built without a Run: the name's job, if any
-            from .run import read_job_id
+            from .lease import read_job_id
             job = read_job_id(cfg.persistent, self.name)
         # the region records its job: restore, ls and resume of another job sharing the name never read it
         index = mdev.make_index(self.plan, self.rank, self.name, self.run.id,

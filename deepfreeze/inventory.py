@@ -32,8 +32,8 @@ from .fsafe import open_regular_file
 from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of, read_decision
 from .memtier.level import MemtierLevel, job_of as memtier_job_of, read_item as read_memtier_item, region_address
 from .memtier.level import changed as memtier_changed, forget as memtier_forget, reading as memtier_reading
-from .restore import list_versions, scratch_recoverable
-from .run import fs_now, read_lease
+from .loader import list_versions, scratch_recoverable
+from .lease import fs_now, read_lease
 
 __all__ = ["VersionCopy", "Verdict", "Removal", "checkpoint_names", "scan_scratch", "scan_persistent", "scan", "parent_text",
            "newest_restorable", "restorable", "scan_memtier", "verify_memtier", "memtier_names", "memtier_ignored", "declared_bytes", "pick_manifest", "describe", "verify_scratch", "verify_persistent", "verify_copy",

@@ -92,7 +92,7 @@ from . import crashpoints as cp
 from . import format as fmt
 from . import ownership
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
-from .run import ANONYMOUS_RUN, describe_holder, fence_holder, fs_now, read_generation, warn_skew
+from .lease import ANONYMOUS_RUN, describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .fsafe import open_regular, read_small
 from .jsonsafe import loads as bounded_loads
 from .fused import FusedShard

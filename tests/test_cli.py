@@ -15,7 +15,7 @@ from deepfreeze import Config
 from deepfreeze.backend import BackendClient
 from deepfreeze.engine import Engine
 from deepfreeze.levels import PersistentLevel, ScratchLevel
-from deepfreeze.restore import load
+from deepfreeze.loader import load
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

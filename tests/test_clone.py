@@ -186,7 +186,7 @@ def test_keras_clone_2_to_2_bitexact_continues_identically_and_overlaps_backprop
     # both groups' checkpoints: every committed version equals the weights recorded in the run
     from deepfreeze import Config
     from deepfreeze.levels import PersistentLevel
-    from deepfreeze.restore import load
+    from deepfreeze.loader import load
     cfg = Config.load(None, mode="async", scratch=f"{out}/g0r0/scratch", persistent=f"{out}/persistent")
     for name, ref in (("src", "expected"), ("clone1", "expected_clone1")):
         committed = PersistentLevel(f"{out}/persistent").committed_versions(name)
@@ -248,7 +248,7 @@ def test_rank_killed_mid_transfer_ends_the_job_with_an_error_and_no_corrupt_chec
     # the source's checkpoints: whatever was committed is bit-exact what the run recorded
     from deepfreeze import Config
     from deepfreeze.levels import PersistentLevel
-    from deepfreeze.restore import load
+    from deepfreeze.loader import load
     cfg = Config.load(None, mode="async", scratch=f"{out}/g0r0/scratch", persistent=f"{out}/persistent")
     for v in PersistentLevel(f"{out}/persistent").committed_versions("src"):
         assert not _same(list(load(cfg, "src", v).model_arrays().values()), _load(f"{out}/expected/v{v}.npz"))

@@ -21,7 +21,7 @@ from deepfreeze import Config, ConfigError
 from deepfreeze.errors import CorruptCheckpointError
 from deepfreeze.format import decode_manifest, encode_manifest, parent_problem
 from deepfreeze.levels import PersistentLevel, ScratchLevel
-from deepfreeze.restore import load
+from deepfreeze.loader import load
 
 from _util import ROOT, WORKERS, mpirun
 

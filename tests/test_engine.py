@@ -13,7 +13,7 @@ from deepfreeze.engine import Engine
 from deepfreeze.errors import (CheckpointNotFoundError, CheckpointWriteError, ConfigError,
                                CorruptCheckpointError)
 from deepfreeze.levels import PersistentLevel, ScratchLevel, lock_record
-from deepfreeze.restore import load
+from deepfreeze.loader import load
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 RNG = np.random.default_rng(11)

@@ -13,7 +13,7 @@ from deepfreeze.engine import build_manifest
 from deepfreeze.errors import CorruptCheckpointError
 from deepfreeze.fused import FusedLayout, FusedShard
 from deepfreeze.levels import ScratchLevel, flush_job, write_shard_file
-from deepfreeze.restore import load
+from deepfreeze.loader import load
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 RNG = np.random.default_rng(12)

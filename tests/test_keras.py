@@ -14,7 +14,7 @@ from deepfreeze import ConfigError, ModelMismatchError  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 from deepfreeze.levels import PersistentLevel, ScratchLevel  # noqa: E402
 from deepfreeze.fused import FusedLayout  # noqa: E402
-from deepfreeze.restore import load  # noqa: E402
+from deepfreeze.loader import load  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 from models import build  # noqa: E402

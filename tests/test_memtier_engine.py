@@ -26,7 +26,7 @@ from deepfreeze.fused import FusedLayout, FusedShard
 from deepfreeze.levels import PersistentLevel, plan_of
 from deepfreeze.memtier import device as mdev
 from deepfreeze.memtier.device import SlotState
-from deepfreeze.restore import load
+from deepfreeze.loader import load
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 sys.path.insert(0, WORKERS)

@@ -123,7 +123,7 @@ def test_ls_and_verify_show_the_tier(trained):
 def test_apply_loaded_one_copy_from_the_slot_and_a_rewrite_is_detected(trained):
     """apply_loaded hands whole tensors as read-only views of the slot (one copy: apply's); a slot
     rewritten while apply runs is detected and the version is applied again from copies."""
-    from deepfreeze.restore import apply_loaded
+    from deepfreeze.loader import apply_loaded
     out = trained
     expected = _expected(out)
     (run,) = {r for r, _ in expected}

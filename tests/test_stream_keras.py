@@ -97,7 +97,7 @@ def test_published_versions_are_bit_exact_and_no_prediction_mixes_versions(out):
     # every rank, the same steps (not step 1: it precedes the Horovod broadcast of the weights)
     assert reps[0]["published"] == reps[1]["published"] == list(range(2, 65))
     # the checkpoint callback's versions: never skipped, each equal to the weights at its step
-    from deepfreeze.restore import list_versions, load as df_load
+    from deepfreeze.loader import list_versions, load as df_load
     cfg = dict(mode="async", scratch=str(tmp_path / "node0" / "scratch"), persistent=str(tmp_path / "persistent"))
     from deepfreeze.config import Config
     config = Config(**cfg)
@@ -207,7 +207,7 @@ def test_planned_schedules_publish_at_the_same_steps_on_every_rank(out, schedule
     # the persistent copy: published versions only (dense ones may coalesce while the writer is
     # busy), each the weights at its step
     from deepfreeze.config import Config
-    from deepfreeze.restore import list_versions, load as df_load
+    from deepfreeze.loader import list_versions, load as df_load
     config = Config(mode="async", scratch=str(tmp_path / "node0" / "scratch"), persistent=str(tmp_path / "persistent"))
     committed = sorted(list_versions(config, "chan"))
     assert committed and set(committed) <= set(expected) and spe in committed
@@ -241,7 +241,7 @@ def test_one_rank_with_a_slow_writer_never_leaves_the_checkpoint_stale(out):
     assert written[0] >= {s for s in published if s % 8 == 0} | {published[-1]}
     # persistent: every version directory committed (none half-written), each equal to the weights then
     from deepfreeze.config import Config
-    from deepfreeze.restore import list_versions, load as df_load
+    from deepfreeze.loader import list_versions, load as df_load
     config = Config(mode="async", scratch=str(tmp_path / "node0" / "scratch"), persistent=str(tmp_path / "persistent"))
     vdirs = sorted(glob.glob(str(tmp_path / "persistent" / "chan" / "v*")))
     half = [d for d in vdirs if not os.path.exists(os.path.join(d, "manifest.json"))]

@@ -209,7 +209,7 @@ def test_plan_change_slow_copy_and_torn_capture(tmp_path):
     i0 = info(out, 0)
     assert i0["plans"] == 2, i0
     assert i0["torn"] == [9] and len(i0["failures"]) == 1 and "changed in place" in i0["failures"][0]
-    from deepfreeze.restore import list_versions
+    from deepfreeze.loader import list_versions
     from deepfreeze.config import Config
     cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
                          persistent=os.path.join(out, "persistent"))
@@ -344,7 +344,7 @@ def test_crash_point_then_resume(crash_reference, tmp_path, point):
     p = subprocess.run([sys.executable, TRAIN, out, *CRASH_ARGS], capture_output=True, text=True, timeout=240, env=env)
     assert p.returncode == -9, f"not killed at {point}: rc {p.returncode}\n{p.stderr[-2000:]}"
     from deepfreeze.config import Config
-    from deepfreeze.restore import list_versions
+    from deepfreeze.loader import list_versions
     cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
                          persistent=os.path.join(out, "persistent"))
     versions = list_versions(cfg, "tt")

@@ -81,7 +81,7 @@ def test_received_ranges_are_bounds_checked():
     """What a participant receives in the ranged scratch exchange is checked against what it
     asked for and against the buffer's length before a byte is used."""
     from deepfreeze.errors import CorruptCheckpointError
-    from deepfreeze.restore import _frame, _unpack_ranges
+    from deepfreeze.loader import _frame, _unpack_ranges
     manifest = {"tensors": [{"id": 0, "name": "w", "dtype": "float32", "shape": [10]}]}
     want = {0: (0, 10)}
     ok = _unpack_ranges(_frame([[0, 2, 5]], [np.arange(3, dtype=np.float32)]), want, manifest, 1)
@@ -95,7 +95,7 @@ def test_received_ranges_are_bounds_checked():
     with pytest.raises(CorruptCheckpointError, match="header"):
         _unpack_ranges(_frame([[0, 0, 1]], [])[:6], want, manifest, 1)
     # what arrives must tile what was asked for: a gap or a range sent twice is refused
-    from deepfreeze.restore import _assemble_ranges
+    from deepfreeze.loader import _assemble_ranges
     manifest.update(name="x", version=1, step=1, epoch=0)
     x = np.arange(10, dtype=np.float32).view(np.uint8)
     whole = _assemble_ranges(manifest, [(0, 0, 4, x[:16]), (0, 4, 10, x[16:])], None, None, 1)
@@ -114,7 +114,7 @@ def test_fsdp_versions_bit_exact(fsdp_run):
     # the in-place change of mid.weight (a DTensor) during the capture of v3 tore it: v3 is not written
     assert i0["torn"] == i1["torn"] == [3] and "changed in place" in i0["failures"][0]
     from deepfreeze.config import Config
-    from deepfreeze.restore import list_versions
+    from deepfreeze.loader import list_versions
     cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
                          persistent=os.path.join(out, "persistent"))
     assert sorted(list_versions(cfg, "ff")) == [6, 9]
@@ -169,7 +169,7 @@ def test_ranged_read_reads_only_the_rows(fsdp_run, monkeypatch):
     """The core's ``rows=`` read from persistent (a plain process, no scratch): arrays of those
     rows only, equal to the recorded rows, and the bytes read from the assembled file are the
     rows' (plus its header and index), not the tensors'."""
-    from deepfreeze.restore import load as core_load
+    from deepfreeze.loader import load as core_load
     from deepfreeze.config import Config
     from deepfreeze.errors import ConfigError
     cfg = Config.resolve(None, mode="sync", scratch=os.path.join(fsdp_run, "empty"),

@@ -14,7 +14,7 @@
 A package of thin command modules (``ls``, ``inspect``, ``verify``, ``export``,
 ``gc``, ``backend``, ``repo``, ``memtier``; shared helpers in ``_common``) over the core: scanning,
 describing, verifying and gc planning live in :mod:`deepfreeze.inventory`,
-reading in :mod:`deepfreeze.restore`. The configuration is built as the training
+reading in :mod:`deepfreeze.loader`. The configuration is built as the training
 side builds it: ``Config.resolve(--config, **--set)``, so ``VELOC_<KEY>``
 environment variables apply between the file and ``--set``. Imports no
 TensorFlow. Exit codes: 0 success, 1 damaged / not found / I/O error, 2 usage

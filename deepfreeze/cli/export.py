@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from ..restore import load
+from ..loader import load
 from ._common import EXIT_OK, Progress, UsageError, load_config, resolve_name
 
 __all__ = ["add_parser", "run"]

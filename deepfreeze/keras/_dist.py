@@ -156,7 +156,7 @@ def _horovod_mpi_comm(hvd: Any) -> Any:
 
 
 def mpi_comm() -> Any:
-    """A :class:`deepfreeze.redundancy.MPIComm` over Horovod's MPI world: a duplicate of the
+    """A :class:`deepfreeze.comm.MPIComm` over Horovod's MPI world: a duplicate of the
     communicator given to ``hvd.init(comm=...)`` (``MPI.COMM_WORLD`` when none was), never
     of COMM_WORLD when Horovod runs over fewer ranks. Created once per Horovod
     communicator, collectively; None when Horovod is not running over MPI with several ranks.
@@ -178,7 +178,7 @@ def mpi_comm() -> Any:
         return None
     base = _horovod_mpi_comm(hvd)
     if _COMM is None or _COMM[0] is not base:  # first use, or Horovod re-initialized over another one
-        from ..redundancy import MPIComm
+        from ..comm import MPIComm
         _COMM = (base, MPIComm(base))
     return _COMM[1]
 
@@ -201,6 +201,6 @@ def run_comm():
         return comm
     hvd = _hvd()
     if hvd is None or hvd.size() < 2:
-        from ..redundancy import LocalComm
+        from ..comm import LocalComm
         return LocalComm()
     return _HorovodComm()

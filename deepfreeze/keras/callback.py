@@ -491,7 +491,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         """Load the version to resume from (collective) and tell fit where to continue; the
         model is not touched. Returns the :class:`~deepfreeze.Checkpoint`, or None (nothing
         committed: start fresh)."""
-        from ..restore import list_versions
+        from ..loader import list_versions
         from ._dist import broadcast_int
         comm = mpi_comm()
         if comm is not None or self.size == 1:

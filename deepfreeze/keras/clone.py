@@ -30,7 +30,7 @@ from ..clone import CloneInfo, Group, Receiver, Sender, plans_for
 from ..clone.plan import DEFAULT_THRESHOLD, ClonePlan
 from ..clone.transfer import DEFAULT_TIMEOUT, TAG_HEADER
 from ..errors import CloneError, ConfigError, ModelMismatchError
-from ..run import new_run_id
+from ..lease import new_run_id
 from . import hook as _hook
 from ._dist import _hvd, rank_and_size
 from ._state import TrainState, train_state

@@ -8,7 +8,7 @@ from typing import Any
 from ..config import Config
 from ..errors import ConfigError, ModelMismatchError
 from ..format import dtype_name
-from ..restore import Checkpoint, apply_loaded
+from ..loader import Checkpoint, apply_loaded
 
 __all__ = ["restore_model", "apply_checkpoint", "model_tensors", "build_from_spec"]
 
@@ -61,7 +61,7 @@ def restore_model(model: Any, config: "str | Config | None" = None, *, name: str
                   version: int | None = None, trust_owners: "list[str | int] | None" = None,
                   input_spec: Any = None, **overrides: Any) -> tuple[int, int]:
     """Load a committed version's weights into ``model`` (bit-exact); returns ``(version, step)``.
-    ``trust_owners``: also read persistent files of these users (:func:`deepfreeze.restore.load`).
+    ``trust_owners``: also read persistent files of these users (:func:`deepfreeze.loader.load`).
     ``input_spec``: builds an unbuilt model first (a dataset or its element spec, see
     :func:`build_from_spec`)."""
     from ._dist import mpi_comm

@@ -31,7 +31,7 @@ from ..config import Config, did_you_mean
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError, StreamError, StreamTimeoutError
 from ..format import dtype_name
 from ..fused import FusedShard
-from ..run import Version
+from ..lease import Version
 from ..stream.core import Publisher, StreamOptions, Subscriber, Update
 from .callback import DeepFreezeCheckpoint
 from .restore import build_from_spec

@@ -36,7 +36,7 @@ import numpy as np
 from .. import format as fmt
 from ..node import host_name
 from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
-from ..run import RunInfo, Version, job_id_at, new_run_id, valid_job_id
+from ..lease import RunInfo, Version, job_id_at, new_run_id, valid_job_id
 from ..shardplan import ShardPlan, TensorSpec
 from . import device as mdev
 from . import jobs

@@ -106,7 +106,7 @@ from .. import node as _node
 from ..jsonsafe import loads as bounded_loads
 from ..errors import (CorruptCheckpointError, MemtierBusyError, MemtierCorruptError, MemtierError,
                       MemtierFullError, UntrustedOwnerError)
-from ..run import Version, valid_job_id
+from ..lease import Version, valid_job_id
 from . import jobs as _jobs
 
 __all__ = ["PAGE", "create", "open", "view", "parse_size", "Device", "ShardRegion", "SlotHeader", "SlotState",
@@ -1410,7 +1410,7 @@ def default_live(region: ShardRegion) -> bool:
     idx = region.index
     lease = idx.get("lease")
     if lease:
-        from ..run import read_lease
+        from ..lease import read_lease
         if not os.path.isdir(os.path.join(lease["persistent"], region.name)):
             return not os.path.isdir(lease["persistent"])  # reachable persistent without the name: not live
         try:

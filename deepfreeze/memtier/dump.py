@@ -27,7 +27,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
 from ..export import ExportError, export, format_from_path
-from ..run import Version
+from ..lease import Version
 from . import device as mdev
 from .jobs import job_text, pick_job
 from .api import _device, _ranges, assemble, select

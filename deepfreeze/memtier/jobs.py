@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import Any, Callable, Sequence
 
-from ..run import Version
+from ..lease import Version
 
 __all__ = ["job_text", "pick_job", "for_job", "say_ignored", "superseded_runs", "eviction_order"]
 

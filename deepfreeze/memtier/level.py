@@ -1,6 +1,6 @@
 """The memory tier as a restore level (framework-neutral): what a node's device holds of a
 checkpoint name, in the shape :meth:`deepfreeze.levels.ScratchLevel.committed` gives, so
-:func:`deepfreeze.restore.load` pools it across nodes, checks run identity and falls back
+:func:`deepfreeze.loader.load` pools it across nodes, checks run identity and falls back
 exactly as it does for scratch files.
 
 A slot's payload is a format.py shard image, so an item of the inventory is not a path but a
@@ -70,7 +70,7 @@ _NO_JOB = object()
 def job_of(persistent: str, name: str) -> "str | None | object":
     """The job id of ``name`` in ``persistent`` (None: no run made one yet), or a marker meaning
     "unreadable" (a damaged ``job`` file: logged; then no region of the device matches)."""
-    from ..run import read_job_id
+    from ..lease import read_job_id
     try:
         return read_job_id(persistent, name)
     except (OSError, DeepFreezeError) as e:

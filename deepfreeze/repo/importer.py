@@ -79,7 +79,7 @@ def import_checkpoint(repo: Any, name: str, config: "str | os.PathLike[str] | Co
     checkpoint). Returns ``{"name", "version", "step", "how", "bytes"}``: ``how`` is ``"linked"`` or ``"copied"``
     (the assembled file added as a pack: a hard link, or a copy across file systems) or ``"stored"``
     (read and put)."""
-    from ..restore import list_versions, load
+    from ..loader import list_versions, load
 
     check_name(name)
     cfg = Config.resolve(config)

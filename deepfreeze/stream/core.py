@@ -67,7 +67,7 @@ from ..fused import STAMP_BYTES, FusedLayout
 from ..jsonsafe import loads as bounded_loads
 from ..levels import atomic_write
 from ..node import host_name, node_id
-from ..run import RunInfo, Version, read_job_id
+from ..lease import RunInfo, Version, read_job_id
 from ..shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Publisher", "Subscriber", "Update", "StreamOptions", "endpoint_dir", "read_endpoints",
@@ -958,7 +958,7 @@ class Subscriber:
         if self.tier not in ("auto", "persistent"):
             return None
         from ..levels import PersistentLevel
-        from ..restore import _load_persistent
+        from ..loader import _load_persistent
         level = PersistentLevel(self.persistent)
         try:
             gen = level.generation(self.channel)

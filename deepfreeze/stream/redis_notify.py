@@ -57,7 +57,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError, StreamError, StreamTimeoutError
 from ..jsonsafe import loads as bounded_loads
-from ..run import valid_job_id
+from ..lease import valid_job_id
 
 __all__ = ["RedisNotifier", "RedisListener", "key_prefix", "safe_url", "MAX_VALUE"]
 

@@ -97,7 +97,7 @@ from ..format import crc32
 from ..jsonsafe import MAX_JSON_DEPTH, json_depth, loads as bounded_loads
 from ..ownership import open_trusted
 from ..repo.arena import close_mapping
-from ..run import Version
+from ..lease import Version
 
 __all__ = ["SlotRing", "MAGIC", "FORMAT", "SHM_DIR", "MIN_SLOTS", "MAX_SLOTS", "MAX_META", "MAX_CAPACITY",
            "CHUNK", "ring_bytes", "sweep_stale"]

@@ -76,7 +76,7 @@ from ..errors import (AuthenticationError, ConfigError, DeepFreezeError, Provide
                       StreamTimeoutError, VersionGoneError)
 from ..format import crc32
 from ..node import node_id
-from ..run import RunInfo, Version
+from ..lease import RunInfo, Version
 
 if TYPE_CHECKING:  # the ring is duck-typed at run time (latest, pinned, capacity, path)
     from .slots import SlotRing

@@ -1,7 +1,7 @@
 """DeepFreeze's communicator over ``torch.distributed`` and the launcher's node layout.
 
 :class:`TorchComm` implements what the core asks of a communicator
-(:class:`deepfreeze.redundancy.Comm`: ``rank``, ``size``, ``allgather``,
+(:class:`deepfreeze.comm.Comm`: ``rank``, ``size``, ``allgather``,
 ``allgather_buffers``, ``exchange``) on a *dedicated* process group created with
 ``dist.new_group(backend="gloo")`` when it is built (collectively, on every rank): the
 training group is never used (NCCL cannot carry host bytes, and DeepFreeze's collectives must
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .. import counters, peerloss
 from .. import format as fmt
 from ..errors import ConfigError, PeerLostError
-from ..redundancy import count_exchange
+from ..comm import count_exchange
 
 __all__ = ["TorchComm", "rank_and_size", "node_domain", "make_comm"]
 
@@ -174,9 +174,9 @@ class TorchComm:
 
 def make_comm() -> Any:
     """A :class:`TorchComm` when torch.distributed runs with several ranks, else a one-process
-    :class:`~deepfreeze.redundancy.LocalComm`."""
+    :class:`~deepfreeze.comm.LocalComm`."""
     rank, size = rank_and_size()
     if size > 1:
         return TorchComm()
-    from ..redundancy import LocalComm
+    from ..comm import LocalComm
     return LocalComm()

@@ -21,7 +21,7 @@ Keys (the flattened keys of DCP's ``DefaultLoadPlanner``) are those of
 its path, so DCP's planners that rebuild a state dict from the metadata work too.
 
 No pickle is ever read. Tensor items are copied from the checkpoint's arrays (read by
-:func:`deepfreeze.restore.load`, which checks sizes and checksums). A bytes item is a value that
+:func:`deepfreeze.loader.load`, which checks sizes and checksums). A bytes item is a value that
 DeepFreeze's state record decoded *without* pickle (numbers, strings, booleans, None, lists,
 tuples, dicts, tensors); the reader serializes it with ``torch.save`` in this process and checks
 that ``torch.load(..., weights_only=True)`` (the restricted unpickler) reads it back, then hands
@@ -33,7 +33,7 @@ Reading: ``read_metadata`` reads rank 0's state record (and, with ``version=None
 newest committed version: every later read is of that version). ``read_data`` reads only the
 tensors its plan asks for, and of each only the dim-0 rows its items cover (their union): an
 FSDP2 load (DTensors ``Shard(0)``) reads each rank's own rows, as ``deepfreeze.torch.restore``
-does (:func:`deepfreeze.restore.load` with ``rows=``). Under ``torch.distributed`` with several
+does (:func:`deepfreeze.loader.load` with ``rows=``). Under ``torch.distributed`` with several
 ranks the reader is *collective* (build it on every rank; a dedicated gloo group,
 :class:`TorchComm`): the metadata read pools every rank's scratch (partner copies, parity) and
 agrees on the version; when every rank's plan asks for the same tensors (DDP-style and FSDP2
@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..config import Config, validate_name
 from ..errors import ConfigError, ModelMismatchError
-from ..restore import Checkpoint, load as _core_load
+from ..loader import Checkpoint, load as _core_load
 from . import _state
 from ._dist import TorchComm, rank_and_size
 from .restore import _aliases, read_config
@@ -93,7 +93,7 @@ class Reader(StorageReader):
         build the reader on every rank); False: this process reads alone.
       model_prefix, optim_prefix: where the model's and the optimizers' entries sit in the
         flattened state dict (defaults: the keys of ``deepfreeze.torch.load``).
-      trust_owners: as for :func:`deepfreeze.restore.load`.
+      trust_owners: as for :func:`deepfreeze.loader.load`.
     """
 
     def __init__(self, config: "str | Config | None" = None, name: str = "model", version: int | None = None, *,
@@ -253,7 +253,7 @@ class Reader(StorageReader):
 
     # ------------------------------------------------------------------ helpers
     def _load(self, version: int | None, tensors: list[str], comm: Any, rows: Any = None) -> Checkpoint:
-        from ..redundancy import LocalComm
+        from ..comm import LocalComm
         return _core_load(self.config, self.name, version, tensors=tensors, comm=comm or LocalComm(),
                           trust_owners=self.trust_owners, rows=rows)
 

@@ -14,7 +14,7 @@ import torch
 
 from ..export import ExportError, _atomic
 from ..format import dtype_name
-from ..restore import Checkpoint
+from ..loader import Checkpoint
 from ._state import as_tensor
 from .restore import _split
 

@@ -1,4 +1,4 @@
-"""Restore a committed version into PyTorch (the torch side of :mod:`deepfreeze.restore`).
+"""Restore a committed version into PyTorch (the torch side of :mod:`deepfreeze.loader`).
 
 ``load`` gives CPU tensors keyed by ``get_state_dict(model, optimizer)``'s FQNs (model tensors
 by FQN, optimizer state as ``optim.state.<fqn>.<key>``) in any process, at any world size;
@@ -19,7 +19,7 @@ gives both keys, ``restore`` copies into the model's tensors, so a tied model st
 
 Into an FSDP2 model (``fully_shard``, any world size) ``restore`` reads only this rank's dim-0
 rows of each sharded parameter and of the optimizer state shaped like it (the core's ranged
-read, :mod:`deepfreeze.restore`), and puts them into the local shards; the optimizer state
+read, :mod:`deepfreeze.loader`), and puts them into the local shards; the optimizer state
 becomes DTensors placed as their parameters. A checkpoint written by FSDP2 restores into DDP
 or a plain model (and a DDP one into FSDP2) as any other: the manifest holds global tensors.
 """
@@ -34,7 +34,7 @@ import torch
 
 from ..config import Config
 from ..errors import ModelMismatchError
-from ..restore import Checkpoint, load as _core_load
+from ..loader import Checkpoint, load as _core_load
 from . import _state
 
 __all__ = ["load", "load_state", "restore", "TorchState", "Restored", "apply", "read_config"]

@@ -10,7 +10,7 @@ import pytest
 
 from deepfreeze import Config
 from deepfreeze.levels import PersistentLevel, ScratchLevel
-from deepfreeze.restore import load
+from deepfreeze.loader import load
 
 from _util import WORKERS, mpirun
 

@@ -22,7 +22,7 @@ import pytest
 import deepfreeze
 from deepfreeze import crashpoints
 from deepfreeze.config import Config
-from deepfreeze.restore import list_versions, load
+from deepfreeze.loader import list_versions, load
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "workers"))
 import crash_job  # noqa: E402

@@ -24,7 +24,7 @@ from deepfreeze.engine import Engine
 from deepfreeze.errors import CorruptCheckpointError
 from deepfreeze.fsafe import open_regular, open_regular_file
 from deepfreeze.levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel
-from deepfreeze.restore import load
+from deepfreeze.loader import load
 
 from _util import WORKERS, mpirun
 from test_engine import assert_version, make_plan, model_arrays, pieces, run_job
@@ -346,8 +346,8 @@ def test_shards_vanishing_between_listing_and_reading(tmp_path, monkeypatch):
                     os.unlink(path)
             return inv
 
-    # deepfreeze.restore the module (the package attribute of that name is the function)
-    monkeypatch.setattr(sys.modules["deepfreeze.restore"], "ScratchLevel", Racing)
+    # deepfreeze.loader, the module that reads versions back
+    monkeypatch.setattr(sys.modules["deepfreeze.loader"], "ScratchLevel", Racing)
     ck = load(cfg, "job")
     assert ck.version == 6 and ck.level == "persistent"
     assert all(a.tobytes() == b.tobytes() for a, b in zip(ck.arrays.values(), model_arrays(6)))

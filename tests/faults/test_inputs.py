@@ -10,7 +10,7 @@ import pytest
 from deepfreeze import Config, list_versions
 from deepfreeze.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from deepfreeze.levels import MANIFEST, PersistentLevel, ScratchLevel
-from deepfreeze.restore import load
+from deepfreeze.loader import load
 
 from test_engine import assert_version, model_arrays, run_job
 

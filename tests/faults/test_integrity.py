@@ -18,7 +18,7 @@ from deepfreeze.config import Config
 from deepfreeze.engine import Engine
 from deepfreeze.errors import LeaseHeldError
 from deepfreeze.levels import PersistentLevel, flush_job, lock_record, read_decision
-from deepfreeze.restore import list_versions, load
+from deepfreeze.loader import list_versions, load
 from deepfreeze.run import Lease, Run, RunInfo, new_run_id, read_generation, read_lease
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
@@ -268,7 +268,7 @@ def test_backend_killed_between_model_rename_and_manifest_without_checksums(tmp_
 # --------------------------------------------------------------------------- case 9: clock skew
 
 def test_future_decision_mtime_is_due_and_warned_once(tmp_path, caplog):
-    import deepfreeze.run as runmod
+    import deepfreeze.lease as runmod
     monkey = pytest.MonkeyPatch()
     monkey.setattr(runmod, "_skew_warned", False)
     pers = PersistentLevel(str(tmp_path))

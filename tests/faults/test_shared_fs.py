@@ -24,7 +24,7 @@ from deepfreeze.config import Config
 from deepfreeze.engine import Engine
 from deepfreeze.errors import (ConfigError, CorruptCheckpointError, DeepFreezeError, UnsafePathError,
                                UntrustedOwnerError)
-from deepfreeze.restore import list_versions, load
+from deepfreeze.loader import list_versions, load
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 NAME = "job"

@@ -67,7 +67,7 @@ def torch_ck(tmp_path_factory):
     """A real per-rank state record: a torch Checkpointer (one process, sync) with Adam, a
     scheduler and a state object, read back as the checkpoint's ``_deepfreeze/rank0`` bytes."""
     torch = pytest.importorskip("torch")
-    from deepfreeze.restore import load
+    from deepfreeze.loader import load
     from deepfreeze.torch import Checkpointer
     d = tmp_path_factory.mktemp("torch")
     torch.manual_seed(0)

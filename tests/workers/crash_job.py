@@ -22,7 +22,7 @@ from deepfreeze.config import Config
 from deepfreeze.engine import Engine
 from deepfreeze.errors import CheckpointNotFoundError, CheckpointWriteError
 from deepfreeze.levels import ScratchLevel, replacing_path
-from deepfreeze.restore import load
+from deepfreeze.loader import load
 from deepfreeze.run import Run
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 

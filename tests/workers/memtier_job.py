@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from deepfreeze import Config  # noqa: E402
 from deepfreeze.engine import Engine  # noqa: E402
 from deepfreeze.errors import CheckpointNotFoundError  # noqa: E402
-from deepfreeze.restore import load  # noqa: E402
+from deepfreeze.loader import load  # noqa: E402
 from deepfreeze.run import Run, read_job_id  # noqa: E402
 from deepfreeze.shardplan import ShardPlan, TensorSpec  # noqa: E402
 

@@ -1,0 +1,412 @@
+"""The layer order of the package (docs/architecture.md, "Floor plan"), checked on the source.
+
+Every module of ``deepfreeze`` and ``bindings`` has a layer in :data:`LAYERS`; a module imports
+only modules of its own layer or below. Counted: every import statement anywhere in a file
+(module level, inside functions and class bodies, under ``if TYPE_CHECKING:``), the dynamic
+imports listed in :data:`DYNAMIC`, and what an import of a submodule runs first: its packages'
+``__init__`` (their import-time imports count as imports of the importing module). Third-party
+imports (TensorFlow, torch, lightning, transformers, numpy, ...) are not part of the graph.
+
+Also checked: no import cycle (Tarjan's strongly connected components over the same graph);
+no ``_private`` name imported or used across units (a unit is one module of the flat core, or
+one subpackage); the adapters (``deepfreeze.keras``, ``deepfreeze.torch``) reach the write path
+(engine, backend, VeloC engine, levels) only through :class:`deepfreeze.run.Run`; the table here
+and the one in docs/architecture.md are the same; a new module fails until it is placed.
+
+``python tests/test_layers.py`` prints the graph's findings (cycles, upward imports, private
+names) without asserting, for working on them.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import sys
+from collections import defaultdict
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("deepfreeze", "bindings")
+
+# The layer table, bottom to top (a prefix ending in "." places every module of that subpackage).
+LAYERS: dict[int, tuple[str, ...]] = {
+    0: ("bindings.", "deepfreeze._native", "deepfreeze.errors", "deepfreeze.counters", "deepfreeze.crashpoints",
+        "deepfreeze.jsonsafe", "deepfreeze.ownership", "deepfreeze.config", "deepfreeze.format",
+        "deepfreeze.shardplan", "deepfreeze.fused", "deepfreeze.net", "deepfreeze.node", "deepfreeze.fsafe",
+        "deepfreeze.comm", "deepfreeze.peerloss"),
+    1: ("deepfreeze.lease",),
+    2: ("deepfreeze.memtier.", "deepfreeze.export"),
+    3: ("deepfreeze.levels", "deepfreeze.redundancy"),
+    4: ("deepfreeze.backend", "deepfreeze.engine", "deepfreeze.veloc_engine", "deepfreeze.loader",
+        "deepfreeze.inventory"),
+    5: ("deepfreeze.run",),
+    6: ("deepfreeze.clone.", "deepfreeze.stream.", "deepfreeze.repo."),
+    7: ("deepfreeze.keras.", "deepfreeze.torch."),
+    8: ("deepfreeze.cli.", "deepfreeze.__main__", "deepfreeze.restore", "deepfreeze"),
+}
+LAYER_NAMES = {0: "primitives", 1: "run identity and leases", 2: "memory tier, export", 3: "levels, redundancy",
+               4: "engines, backend, reading back", 5: "the run", 6: "siblings", 7: "adapters",
+               8: "facade, CLI, entry points"}
+
+# Imports the AST cannot see (importlib.import_module with a computed name): module -> targets.
+DYNAMIC: dict[str, tuple[str, ...]] = {
+    "deepfreeze": ("deepfreeze.config", "deepfreeze.loader", "deepfreeze.errors"),
+}
+
+# The write path: the adapters reach it only through deepfreeze.run.Run.
+WRITE_PATH = ("deepfreeze.engine", "deepfreeze.backend", "deepfreeze.veloc_engine", "deepfreeze.levels")
+ADAPTERS = ("deepfreeze.keras", "deepfreeze.torch")
+
+
+def _modules() -> dict[str, str]:
+    """Every module of the packages: dotted name -> file."""
+    out = {}
+    for pkg in PACKAGES:
+        for d, dirs, files in os.walk(os.path.join(ROOT, pkg)):
+            dirs[:] = [x for x in dirs if not x.startswith((".", "_")) or x == "__pycache__" and False]
+            rel = os.path.relpath(d, ROOT).replace(os.sep, ".")
+            for f in files:
+                if f.endswith(".py"):
+                    out[rel if f == "__init__.py" else f"{rel}.{f[:-3]}"] = os.path.join(d, f)
+    return out
+
+
+MODULES = _modules()
+
+
+def layer_of(mod: str) -> int | None:
+    best, length = None, -1
+    for layer, names in LAYERS.items():
+        for n in names:
+            if (mod == n or (n.endswith(".") and (mod + ".").startswith(n))) and len(n) > length:
+                best, length = layer, len(n)
+    return best
+
+
+def _is_pkg(mod: str) -> bool:
+    return MODULES.get(mod, "").endswith("__init__.py")
+
+
+def _resolve(mod: str, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = mod.split(".") if _is_pkg(mod) else mod.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+class _Imports(ast.NodeVisitor):
+    """Every import of one module: (target module, names, line, module level?, type checking?)."""
+
+    def __init__(self, mod: str):
+        self.mod, self.found, self.depth, self.typing = mod, [], 0, 0
+        self.dynamic = []
+
+    def _add(self, target: str, names: list[str], line: int) -> None:
+        if target.split(".")[0] in PACKAGES:
+            self.found.append((target, names, line, self.depth == 0, self.typing > 0))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for a in node.names:
+            self._add(a.name, [], node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        self._add(_resolve(self.mod, node.level, node.module), [a.name for a in node.names], node.lineno)
+
+    def _scope(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _scope
+
+    def visit_If(self, node: ast.If) -> None:
+        t = node.test
+        tc = (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+            isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+        if tc:
+            self.typing += 1
+            for n in node.body:
+                self.visit(n)
+            self.typing -= 1
+            for n in node.orelse:
+                self.visit(n)
+        else:
+            self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name in ("import_module", "__import__"):
+            self.dynamic.append(node.lineno)
+        self.generic_visit(node)
+
+
+def _parse(mod: str) -> _Imports:
+    with open(MODULES[mod]) as f:
+        tree = ast.parse(f.read(), MODULES[mod])
+    v = _Imports(mod)
+    v.visit(tree)
+    v.tree = tree
+    return v
+
+
+PARSED = {m: _parse(m) for m in MODULES}
+
+
+def _targets(target: str, names: list[str]) -> list[str]:
+    """The modules an import statement loads: ``from pkg import sub`` loads pkg.sub."""
+    out = []
+    subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+    if target in MODULES and (len(subs) < len(names) or not names):
+        out.append(target)
+    out.extend(subs)
+    if not out and target not in MODULES:  # a name that is not a module of ours: its nearest package
+        parts = target.split(".")
+        while parts and ".".join(parts) not in MODULES:
+            parts.pop()
+        if parts:
+            out.append(".".join(parts))
+    return out
+
+
+def _parents(mod: str) -> list[str]:
+    parts = mod.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _init_time(pkg: str) -> set[str]:
+    """What a package's ``__init__`` imports when it runs (module level, outside TYPE_CHECKING)."""
+    return {t for target, names, _, top, typing in PARSED[pkg].found if top and not typing
+            for t in _targets(target, names)}
+
+
+def graph() -> dict[str, dict[str, tuple[int, str]]]:
+    """module -> {imported module: (line, how)}; how is "import", "dynamic" or "package <p>"."""
+    g: dict[str, dict[str, tuple[int, str]]] = defaultdict(dict)
+    for mod, v in PARSED.items():
+        for target, names, line, _, _ in v.found:
+            for t in _targets(target, names):
+                if t != mod:
+                    g[mod].setdefault(t, (line, "import"))
+        for t in DYNAMIC.get(mod, ()):
+            g[mod].setdefault(t, (0, "dynamic"))
+        for p in _parents(mod):  # importing mod runs its packages' __init__ first
+            for t in _init_time(p):
+                if t != mod and not mod.startswith(t + "."):
+                    g[mod].setdefault(t, (0, f"package {p}"))
+        g.setdefault(mod, {})
+    return g
+
+
+def tarjan(g: dict[str, dict[str, object]]) -> list[list[str]]:
+    """Strongly connected components with more than one member (iterative Tarjan)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(g):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(g[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in g:
+                    continue
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(g[w]))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def unit_of(mod: str) -> str:
+    """A subpackage of deepfreeze is one unit; each module of the flat core is its own."""
+    parts = mod.split(".")
+    if parts[0] == "bindings":
+        return "bindings"
+    if len(parts) >= 2 and _is_pkg(".".join(parts[:2])):
+        return ".".join(parts[:2])
+    return mod
+
+
+def upward() -> list[str]:
+    out = []
+    for mod, edges in graph().items():
+        lm = layer_of(mod)
+        for t, (line, how) in sorted(edges.items()):
+            lt = layer_of(t)
+            if lm is not None and lt is not None and lt > lm:
+                out.append(f"{mod} (L{lm}) imports {t} (L{lt}) at line {line} ({how})")
+    return out
+
+
+def private_crossings() -> list[str]:
+    out = []
+    for mod, v in PARSED.items():
+        bound = {}  # local name -> our module it is bound to
+        for node in ast.walk(v.tree):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(mod, node.level, node.module)
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    if sub in MODULES:
+                        bound[a.asname or a.name] = sub
+                        if a.name.startswith("_") and unit_of(sub) != unit_of(mod) and unit_of(target) != unit_of(mod):
+                            out.append(f"{mod}:{node.lineno} imports the private module {sub}")
+                    elif target in MODULES and a.name.startswith("_") and not a.name.startswith("__") \
+                            and unit_of(target) != unit_of(mod):
+                        out.append(f"{mod}:{node.lineno} imports {target}.{a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in MODULES and a.asname:
+                        bound[a.asname] = a.name
+        for node in ast.walk(v.tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                t = bound[node.value.id]
+                if unit_of(t) != unit_of(mod):
+                    out.append(f"{mod}:{node.lineno} uses {t}.{node.attr}")
+    return sorted(set(out))
+
+
+def adapter_write_path() -> list[str]:
+    return [f"{mod} imports {t} at line {line} ({how})" for mod, edges in graph().items()
+            if mod.startswith(ADAPTERS) for t, (line, how) in edges.items() if t in WRITE_PATH]
+
+
+def unplaced() -> list[str]:
+    return sorted(m for m in MODULES if layer_of(m) is None)
+
+
+def undeclared_dynamic() -> list[str]:
+    return [f"{m}:{line}" for m, v in PARSED.items() for line in v.dynamic if m not in DYNAMIC]
+
+
+# ----------------------------------------------------------------------------------- the tests
+
+def test_every_module_is_placed_in_a_layer():
+    assert not unplaced(), f"place these modules in LAYERS (and in docs/architecture.md's table): {unplaced()}"
+
+
+def test_imports_go_only_down_or_sideways():
+    assert not upward(), "\n".join(upward())
+
+
+def test_no_import_cycle():
+    cycles = tarjan(graph())
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_private_name_crosses_a_unit():
+    assert not private_crossings(), "\n".join(private_crossings())
+
+
+def test_adapters_reach_the_write_path_only_through_run():
+    assert not adapter_write_path(), "\n".join(adapter_write_path())
+
+
+def test_dynamic_imports_are_declared():
+    assert not undeclared_dynamic(), f"list these dynamic imports in DYNAMIC: {undeclared_dynamic()}"
+
+
+def test_the_docs_table_is_this_table():
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = f.read()
+    rows = re.findall(r"^\| L(\d) \| [^|]+ \| ([^|]+) \|", text, re.M)
+    assert rows, "docs/architecture.md has no layer table (rows '| L<n> | name | `module`, ... |')"
+    doc = {int(n): tuple(sorted(re.findall(r"`([\w.]+)`", mods))) for n, mods in rows}
+    ours = {n: tuple(sorted(names)) for n, names in LAYERS.items()}
+    assert doc == ours
+
+
+def test_the_graph_sees_function_local_and_package_imports():
+    """The checker itself: a function-local import and a package's import-time import are edges."""
+    g = graph()
+    assert "deepfreeze.config" in g["deepfreeze"]  # the facade's lazy import (declared dynamic)
+    local = [m for m, v in PARSED.items() if any(not top for _, _, _, top, _ in v.found)]
+    assert local, "no function-local import found: the visitor is broken"
+    m = local[0]
+    t = next(t for t, names, _, top, _ in PARSED[m].found if not top)
+    assert any(x in g[m] for x in _targets(t, next(n for tt, n, _, top, _ in PARSED[m].found if tt == t)))
+    assert tarjan({"a": {"b": 1}, "b": {"a": 1}, "c": {}}) == [["a", "b"]]
+
+
+@pytest.mark.parametrize("first", ["module", "function"])
+def test_deepfreeze_restore_is_the_function_whatever_was_imported_first(first):
+    """``deepfreeze.restore`` is the public function, the old module an alias that warns."""
+    import subprocess
+    imp = "import deepfreeze.restore as m; from deepfreeze.restore import load" if first == "module" \
+        else "import deepfreeze; f = deepfreeze.restore"
+    code = ("import warnings, sys; warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n    " + imp.replace("; ", "\n    ") + "\n"
+            "except DeprecationWarning as e:\n    print('warned', e)\n"
+            "import warnings; warnings.simplefilter('ignore')\n" + imp.replace("; ", "\n") + "\n"
+            "import deepfreeze, deepfreeze.loader\n"
+            "try:\n    deepfreeze.restore(None, name='x', engine='nope')\n"
+            "except deepfreeze.ConfigError as e:\n    print('called', e)\n"
+            "print('load', load is deepfreeze.loader.load)\n" if first == "module" else
+            "import deepfreeze\n"
+            "try:\n    deepfreeze.restore(None, name='x', engine='nope')\n"
+            "except deepfreeze.ConfigError as e:\n    print('called', e)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "called engine = 'nope'" in out.stdout, out.stdout
+    if first == "module":
+        assert "warned the module deepfreeze.restore is renamed deepfreeze.loader" in out.stdout
+        assert "load True" in out.stdout
+
+
+def test_importing_a_low_module_runs_nothing_above_it():
+    """``import deepfreeze.errors`` loads only the facade and errors (the facade is lazy)."""
+    import subprocess
+    code = "import sys, deepfreeze.errors; print(sorted(m for m in sys.modules if m.startswith('deepfreeze')))"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == "['deepfreeze', 'deepfreeze.errors']", out.stdout + out.stderr
+
+
+if __name__ == "__main__":
+    g = graph()
+    print("modules:", len(MODULES), "edges:", sum(len(e) for e in g.values()))
+    print("unplaced:", unplaced())
+    cyc = tarjan(g)
+    print(f"cycles: {len(cyc)}")
+    for c in cyc:
+        print("  ", len(c), c)
+    up = upward()
+    print(f"upward imports: {len(up)}")
+    for u in up:
+        print("  ", u)
+    pv = private_crossings()
+    print(f"private crossings: {len(pv)}")
+    for p in pv:
+        print("  ", p)
+    aw = adapter_write_path()
+    print(f"adapter write-path imports: {len(aw)}")
+    for a in aw:
+        print("  ", a)
+    print("undeclared dynamic:", undeclared_dynamic())
