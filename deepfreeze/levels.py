@@ -91,6 +91,7 @@ from . import counters
 from . import crashpoints as cp
 from . import format as fmt
 from . import ownership
+from ._native import SYNC_FILE_RANGE_WRITE, available, sync_file_range
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
 from .lease import ANONYMOUS_RUN, describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .fsafe import open_regular, read_small
@@ -1164,22 +1165,8 @@ def _read_full(fd: int, view: memoryview, offset: int, path: str) -> int:
     return done
 
 
-def _load_sync_file_range() -> Any:
-    """libc's ``sync_file_range`` (Linux), or None."""
-    try:
-        import ctypes
-        import ctypes.util
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        f = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    f.restype = ctypes.c_int
-    return f
-
-
-_sync_file_range = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
+# the write-back hint (None where the C library has none; tests set it to None for the fallback)
+_sync_file_range = sync_file_range if available("sync_file_range") else None
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
@@ -1191,8 +1178,11 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     if length <= 0:
         return
     if _sync_file_range is not None:
-        if _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) == 0:
+        try:
+            _sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE)
             return
+        except OSError:
+            pass
     try:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except (OSError, AttributeError):

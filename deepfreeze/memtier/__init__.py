@@ -19,7 +19,7 @@ Standalone use for any numpy state (no engine, no TensorFlow)::
 
 Modules: :mod:`~deepfreeze.memtier.device` (on-device format, commit protocol, repack),
 :mod:`~deepfreeze.memtier.copy` (``process_vm_readv`` and in-process copiers, the memtier's only
-ctypes), :mod:`~deepfreeze.memtier.api` (standalone use), :mod:`~deepfreeze.memtier.jobs` (whose regions a
+native calls, through :mod:`deepfreeze._native`), :mod:`~deepfreeze.memtier.api` (standalone use), :mod:`~deepfreeze.memtier.jobs` (whose regions a
 job reads; which runs are reclaimed or evicted), :mod:`~deepfreeze.memtier.dump`
 (export to .npz/.h5/.safetensors), :mod:`~deepfreeze.memtier.level` (the tier as a restore
 level). docs/memtier.md has the details.

@@ -106,7 +106,6 @@ mapped (optimizer slots) are dead bytes of that pack: gc rewrites it if they are
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import math
@@ -121,6 +120,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import fsafe, ownership
+from .._native import available, memcmp
 from ..jsonsafe import MAX_CONFIG_DEPTH, loads as bounded_loads
 from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
                       NameExistsError, RepositoryDatabaseError, RepositoryError, UnsafePathError)
@@ -173,13 +173,7 @@ CREATE INDEX IF NOT EXISTS tensors_blob ON tensors(blob);
 CREATE TABLE IF NOT EXISTS layer_meta(id TEXT PRIMARY KEY, meta TEXT NOT NULL) WITHOUT ROWID;
 """
 
-try:
-    _libc = ctypes.CDLL(None)
-    _memcmp = _libc.memcmp
-    _memcmp.restype = ctypes.c_int
-    _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-except (OSError, AttributeError):  # pragma: no cover - glibc/musl both have memcmp
-    _memcmp = None
+_HAS_MEMCMP = available("memcmp")
 
 
 def _equal(a: memoryview, b: memoryview) -> bool:
@@ -188,10 +182,10 @@ def _equal(a: memoryview, b: memoryview) -> bool:
         return False
     if not len(a):
         return True
-    if _memcmp is not None:
+    if _HAS_MEMCMP:
         pa = np.frombuffer(a, dtype=np.uint8).ctypes.data
         pb = np.frombuffer(b, dtype=np.uint8).ctypes.data
-        return _memcmp(pa, pb, len(a)) == 0
+        return memcmp(pa, pb, len(a)) == 0
     return bool(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))  # pragma: no cover
 
 
