@@ -75,6 +75,8 @@ by at most the start timeout. A backend that exits removes the start locks
 nobody holds (:func:`remove_stale_locks`: each locked before it is unlinked; a
 client that locked a lock file checks it is still the one at the path). :func:`status` and :func:`stop` are what
 ``deepfreeze backend status|stop`` call: they answer within their timeouts.
+
+Long because: one IPC protocol, its server and client ends with the start election and status/stop.
 """
 from __future__ import annotations
 

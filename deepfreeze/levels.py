@@ -69,6 +69,8 @@ crash at any point (every file operation below passes a named crash point of
   deleting only its own files, the manifest with the last of them.
 
 Levels are classes so faults can be injected by subclassing one.
+
+Long because: one protocol (the commit protocol above), whose steps share one set of file helpers.
 """
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ superseded (a newer verified DONE version on every region of the newer run) are 
 (:meth:`Device.reclaim`, :meth:`Device.repack`); a registration that does not fit may evict
 finished models (:meth:`Device._evict_for`: never a live one, each job's newest version last);
 :meth:`Device.drop` is ``deepfreeze memtier rm``.
+
+Long because: one protocol (the model table under one flock) in the one class owning the file.
 """
 from __future__ import annotations
 

@@ -44,6 +44,8 @@ a ``stat`` of their directory first; Redis: also at once on another run's note):
 or none, replaces the connection (:meth:`Subscriber._check_superseded`), since a producer whose
 node vanished fails no connection of the consumer's; records that are there but none of them
 usable (forged, planted) keep it.
+
+Long because: one protocol (publish/subscribe), its two ends sharing the endpoint and layout helpers.
 """
 from __future__ import annotations
 
