@@ -1,7 +1,8 @@
 """A memory-tier region's slots: the slot commit protocol and the readers of a slot.
 
 A :class:`ShardRegion` is one (model, run, rank) region of an open
-:class:`~deepfreeze.memtier.device.Device` (which creates them, :meth:`Device.shards`); its slots
+:class:`~deepfreeze.memtier.device.Device` (which creates them:
+:meth:`~deepfreeze.memtier.device.Device.shards`); its slots
 are written with :meth:`ShardRegion.put` (or :meth:`ShardRegion.begin` and a :class:`SlotWriter`)
 and read with :meth:`ShardRegion.newest` / :meth:`ShardRegion.read_image`. The bytes of a slot
 header and of the region's index are specified in :mod:`deepfreeze.memtier.layout`.
