@@ -96,9 +96,11 @@ from typing import Any, Iterator
 from . import counters
 from . import crashpoints as cp
 from . import ownership
-from .errors import BackendError, BackendUnresponsiveError, UnsafePathError, UntrustedOwnerError
+from .errors import BackendError, BackendUnresponsiveError, UntrustedOwnerError
 from .jsonsafe import loads as bounded_loads
 from .levels import ScratchLevel, flush_job
+from .node import process_state  # noqa: F401  (re-exported: defined here before)
+from .ownership import runtime_dir  # noqa: F401  (re-exported: defined here before)
 
 __all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "remove_stale_locks",
            "DEFAULT_TIMEOUT",
@@ -120,20 +122,6 @@ _MAX_WAIT = 3600.0
 _MAX_SLOT_WAIT = 30.0
 #: most source regions one ``memtier_put`` may name
 _MAX_REGIONS = 1 << 22
-
-
-def runtime_dir() -> str:
-    base = os.environ.get("DEEPFREEZE_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    path = os.path.join(base, f"deepfreeze-{os.getuid()}")
-    try:  # base may be sticky (/tmp); the directory itself must be ours, never a link (deepfreeze.ownership)
-        ownership.ensure_dir(path, base, site="runtime.mkdirs")
-    except UnsafePathError as e:
-        raise BackendError(f"unsafe backend runtime directory: {e}") from e
-    st = os.lstat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise BackendError(f"{path} must be a directory owned by you with mode 0700 (it holds the backend "
-                           "socket); remove it or set DEEPFREEZE_RUNTIME_DIR to a private directory")
-    return path
 
 
 def socket_path(scratch: str) -> str:
@@ -570,24 +558,6 @@ def _socket_inode(path: str) -> int | None:
         return None
 
 
-_PROC_STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible I/O wait", "T": "stopped",
-                "t": "stopped by a debugger", "Z": "exited (zombie)", "X": "exited", "I": "idle"}
-
-
-def process_state(pid: int | None) -> str | None:
-    """The kernel's state of process ``pid`` (``"T (stopped)"``, ``"D (uninterruptible I/O wait)"``...),
-    or None if it is gone or unknown."""
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            raw = f.read(4096).decode(errors="replace")
-        letter = raw[raw.rindex(")") + 2]
-    except (OSError, ValueError, IndexError):
-        return None
-    return f"{letter} ({_PROC_STATES.get(letter, 'unknown')})"
-
-
 def _gone(pid: int | None) -> bool:
     state = process_state(pid)
     return state is None or state[0] in "ZX"
@@ -909,10 +879,7 @@ class BackendClient:
 
 def _veloc_status() -> dict[str, Any] | None:
     """This user's VeloC daemon (VeloC keeps one per user and machine), or None."""
-    try:
-        from .veloc_engine import veloc_daemon_status
-    except ImportError:  # pragma: no cover - a partial install
-        return None
+    from .veloc_daemon import veloc_daemon_status
     return veloc_daemon_status()
 
 
@@ -1018,12 +985,8 @@ def stop(scratch: str, timeout: float = 60.0, *, answer_timeout: float = 2.0, ve
     info["running"] = info["state"] == "draining"
     info["veloc"] = None
     if veloc:
-        try:
-            from .veloc_engine import stop_veloc_daemon
-        except ImportError:  # pragma: no cover - a partial install
-            stop_veloc_daemon = None
-        if stop_veloc_daemon is not None:
-            info["veloc"] = stop_veloc_daemon(timeout=min(timeout, 10.0))
+        from .veloc_daemon import stop_veloc_daemon
+        info["veloc"] = stop_veloc_daemon(timeout=min(timeout, 10.0))
     return info
 
 

@@ -89,25 +89,12 @@ from .levels import ScratchLevel, SlotSource, flush_job
 from .comm import Comm
 from .redundancy import plan_redundancy, protect
 from .lease import ANONYMOUS_RUN, RunInfo, Version
+from .format import build_manifest  # noqa: F401  (re-exported: defined here before)
 from .shardplan import ShardPlan
 
-__all__ = ["Engine", "build_manifest", "make_engine", "resolve_engine", "ENGINES"]
+__all__ = ["Engine", "build_manifest", "resolve_engine", "ENGINES"]
 
 log = logging.getLogger("deepfreeze")
-
-
-def build_manifest(name: str, version: int, step: int, epoch: int, plan: ShardPlan,
-                   domains: Sequence[str], extra: dict[str, Any] | None = None,
-                   run: RunInfo | None = None) -> dict[str, Any]:
-    run = run or RunInfo(ANONYMOUS_RUN)
-    return {
-        "format": "deepfreeze-manifest", "format_version": 2, "run": run.to_json(), "name": name, "version": version,
-        "step": step, "epoch": epoch, "world_size": plan.world_size,
-        "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json(),
-        "shards": [{"rank": r, "file": f"r{r:06d}.dfs", "domain": domains[r], "bytes": b}
-                   for r, b in enumerate(plan.rank_bytes())],
-        "total_bytes": plan.total_bytes, **(extra or {}),
-    }
 
 
 class Engine:
@@ -737,23 +724,3 @@ def resolve_engine(engine: str | None) -> str:
         if why is not None:
             raise VelocNotFoundError(why)
     return engine
-
-
-def make_engine(engine: str | None, config: Config, name: str, rank: int, plan: ShardPlan,
-                domains: Sequence[str] | None = None, *, comm: Comm | None = None, mpi_comm: Any = None,
-                scratch_cls: type = ScratchLevel, run: RunInfo | None = None) -> Engine:
-    """The engine of one rank: :class:`Engine` or :class:`~deepfreeze.veloc_engine.VelocEngine`.
-    ``comm`` carries the built-in redundancy exchange; ``mpi_comm`` (mpi4py) is VeloC's."""
-    if config.memtier is not None:  # the memory tier is the built-in engine's: decided before looking for VeloC
-        requested = engine or os.environ.get("DEEPFREEZE_ENGINE") or "builtin"
-        if requested == "veloc":
-            raise ConfigError(f"memtier = {config.memtier} ({config.where('memtier')}) needs the built-in engine: "
-                              "with engine='veloc' the shards go through VeloC's files; leave memtier out or use "
-                              "engine='builtin'")
-        if requested == "auto":
-            log.info("deepfreeze: engine='auto' uses the built-in engine: memtier is set")
-            engine = "builtin"
-    if resolve_engine(engine) == "veloc":
-        from .veloc_engine import VelocEngine
-        return VelocEngine(config, name, rank, plan, domains, mpi_comm=mpi_comm, scratch_cls=scratch_cls, run=run)
-    return Engine(config, name, rank, plan, domains, scratch_cls=scratch_cls, comm=comm, run=run)

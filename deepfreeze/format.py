@@ -70,6 +70,7 @@ __all__ = [
     "DTYPES", "dtype_itemsize", "numpy_dtype", "dtype_name", "layout", "encode_index",
     "read_index", "read_entry", "crc32", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
     "manifest_run", "run_id_bytes", "MAX_JSON_DEPTH", "manifest_size_limit", "parent_problem", "manifest_parent",
+    "build_manifest", "ANONYMOUS_RUN", "json_hooks", "ITEMSIZE",
 ]
 
 MAGIC = b"DEEPFRZ\0"
@@ -103,16 +104,16 @@ DTYPES: dict[int, str] = {
     13: "bool", 14: "complex64", 15: "complex128",
 }
 _CODES = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2,
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2,
              "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
              "bool": 1, "complex64": 8, "complex128": 16}
 
 
 def dtype_itemsize(name: str) -> int:
     try:
-        return _ITEMSIZE[name]
+        return ITEMSIZE[name]
     except KeyError:
-        raise CorruptCheckpointError(f"unsupported dtype {name!r}; supported: {sorted(_ITEMSIZE)}") from None
+        raise CorruptCheckpointError(f"unsupported dtype {name!r}; supported: {sorted(ITEMSIZE)}") from None
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -296,7 +297,7 @@ def read_index(f: "BinaryIO | bytes | memoryview | np.ndarray", path: str = "<fi
         if any(d > 1 << 48 for d in shape):
             raise bad(f"entry {i}: absurd shape {shape}")
         total = math.prod(shape)
-        if not start <= stop <= total or length != (stop - start) * _ITEMSIZE[dtype] \
+        if not start <= stop <= total or length != (stop - start) * ITEMSIZE[dtype] \
                 or not data_offset <= off or off + length > file_size:
             raise bad(f"entry {i} (tensor {tid}): range [{start},{stop}) of {total}, bytes "
                       f"[{off},{off + length}) do not fit the tensor or the file")
@@ -430,6 +431,16 @@ _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 _json_depth = json_depth  # the name memtier/device.py used
 
 
+def json_hooks(data: bytes) -> dict[str, Any]:
+    """The parser hooks of a manifest's JSON (for :func:`deepfreeze.jsonsafe.loads`): no NaN or
+    infinity, long integers converted with checks. Used for every JSON DeepFreeze keeps beside
+    tensors (manifests; the memory tier's entries)."""
+    hooks: dict[str, Any] = {"parse_float": _parse_float, "parse_constant": _parse_constant}
+    if _LONG_DIGITS.search(data):  # numbers of 19+ digits (or digits in names): convert with checks
+        hooks["parse_int"] = _parse_int  # (the fast path's ints have at most 18 digits: below 2**63)
+    return hooks
+
+
 def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
     """Parse and validate a manifest (JSON, strict schema, the limits of the module docstring).
 
@@ -438,9 +449,7 @@ def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: invalid DeepFreeze manifest: {why}")
     data = bytes(data)
-    hooks: dict[str, Any] = {"parse_float": _parse_float, "parse_constant": _parse_constant}
-    if _LONG_DIGITS.search(data):  # numbers of 19+ digits (or digits in names): convert with checks
-        hooks["parse_int"] = _parse_int  # (the fast path's ints have at most 18 digits: below 2**63)
+    hooks = json_hooks(data)
     # size, then nesting depth (a linear scan), checked before the parser runs; any refusal says "invalid"
     obj = _bounded_loads(data, f"{path}: invalid DeepFreeze manifest", max_bytes=MAX_MANIFEST_BYTES, hooks=hooks,
                          advice="the version is not committed in this place (restore falls back to another "
@@ -488,7 +497,7 @@ def _check_manifest(obj: Any, bad: Any) -> dict[str, Any]:
                 and math.prod(t["shape"]) <= MAX_TENSOR_ELEMENTS):
             raise bad(f"tensor entry {i} malformed (id, name, dtype, or a shape of at most {MAX_NDIM} "
                       "dimensions and 2**48 elements)")
-        if t["dtype"] not in _ITEMSIZE:
+        if t["dtype"] not in ITEMSIZE:
             raise bad(f"tensor {t['name']!r} has unsupported dtype {t['dtype']!r}")
         if t["name"] in names:
             raise bad(f"duplicate tensor name {t['name']!r}")
@@ -539,3 +548,26 @@ def _valid_redundancy(red: Any, world: int) -> bool:
         flat = [r for x in g for r in x]
         return len(flat) == len(set(flat))
     return False
+
+
+#: the run id of work done without a run (an Engine built directly, without
+#: :class:`~deepfreeze.run.Run`): such work is never combined with a real run's, and is fenced off
+#: while a real run holds the lease (:mod:`deepfreeze.lease`)
+ANONYMOUS_RUN = "0" * 16
+
+
+def build_manifest(name: str, version: int, step: int, epoch: int, plan: Any,
+                   domains: Sequence[str], extra: dict[str, Any] | None = None,
+                   run: Any = None) -> dict[str, Any]:
+    """A version's manifest (docs/format.md) before the commit adds what the writers report:
+    ``plan`` a :class:`~deepfreeze.shardplan.ShardPlan`, ``domains`` every rank's failure domain,
+    ``run`` the :class:`~deepfreeze.lease.RunInfo` writing it (None: the anonymous run)."""
+    run_json = run.to_json() if run is not None else {"id": ANONYMOUS_RUN, "generation": 0, "resumed_from": None}
+    return {
+        "format": "deepfreeze-manifest", "format_version": 2, "run": run_json, "name": name, "version": version,
+        "step": step, "epoch": epoch, "world_size": plan.world_size,
+        "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json(),
+        "shards": [{"rank": r, "file": f"r{r:06d}.dfs", "domain": domains[r], "bytes": b}
+                   for r, b in enumerate(plan.rank_bytes())],
+        "total_bytes": plan.total_bytes, **(extra or {}),
+    }

@@ -48,7 +48,7 @@ from .memtier import level as memtier_level
 from .comm import Comm, LocalComm
 from .redundancy import group_of, read_parity, xor_reconstruct
 
-__all__ = ["Checkpoint", "load", "list_versions", "Rows"]
+__all__ = ["Checkpoint", "load", "list_versions", "Rows", "load_persistent"]
 
 log = logging.getLogger("deepfreeze")
 # what reading a hostile or vanishing file can raise: the source is unreadable, the next one is tried
@@ -238,7 +238,7 @@ def _load(config: "str | os.PathLike | Config | None", name: str, version: int |
             raise UntrustedOwnerError(f"{name!r} v{v} on persistent: {untrusted[v]}")
         if v in on_persistent:
             try:
-                ck = _load_persistent(persistent, name, v, verify, tensors, rows)
+                ck = load_persistent(persistent, name, v, verify, tensors, rows)
                 err = ""
             except (CheckpointNotFoundError, UntrustedOwnerError, ConfigError):
                 raise  # a tensor name the checkpoint does not have / an owner not trusted / bad rows: no fallback
@@ -779,7 +779,7 @@ def _pread_into(f: Any, out: np.ndarray, offset: int, path: str) -> None:
         got += n
 
 
-def _load_persistent(level: PersistentLevel, name: str, version: int, verify: bool,
+def load_persistent(level: PersistentLevel, name: str, version: int, verify: bool,
                      wanted: Sequence[str] | None, rows: "Rows | None" = None) -> Checkpoint:
     m = level.read_manifest(name, version)
     plan = plan_of(m)

@@ -58,7 +58,7 @@ from .errors import CorruptCheckpointError
 from .fsafe import read_whole
 from .jsonsafe import loads as bounded_loads
 from .comm import Comm, LocalComm, MPIComm, count_exchange  # noqa: F401  re-exported: their home before comm.py
-from .levels import atomic_write
+from .fsafe import atomic_write
 
 __all__ = ["Comm", "LocalComm", "MPIComm", "plan_redundancy", "protect", "read_parity", "xor_reconstruct",
            "SCHEMES"]

@@ -7,7 +7,7 @@ to ask another what it holds.
 Layout choice: a tensor is split into ``world_size`` *flat contiguous* element
 ranges of its C-order buffer (``reshape(-1)[start:stop]``). The paper slices
 along the largest dimension; a flat split is never worse for balance (pieces
-differ by at most 64 bytes: split points are 64-byte aligned, see ``_split``), its in-graph copy is one contiguous memcpy
+differ by at most 64 bytes: split points are 64-byte aligned, see ``split_bounds``), its in-graph copy is one contiguous memcpy
 instead of a strided gather when the largest dimension is not the first
 (``experiments/shard_layout.py`` measures both), and every piece lands in the
 assembled file with a single contiguous write.
@@ -35,13 +35,13 @@ from typing import Any, Iterable, Sequence
 from .errors import CorruptCheckpointError
 from .format import dtype_itemsize
 
-__all__ = ["TensorSpec", "Piece", "ShardPlan", "DEFAULT_MIN_SHARD_BYTES", "SPLIT_ALIGN"]
+__all__ = ["TensorSpec", "Piece", "ShardPlan", "DEFAULT_MIN_SHARD_BYTES", "SPLIT_ALIGN", "split_bounds"]
 
 DEFAULT_MIN_SHARD_BYTES = 64 * 1024
-SPLIT_ALIGN = 64  # bytes: split points of a tensor fall on multiples of this (see _split)
+SPLIT_ALIGN = 64  # bytes: split points of a tensor fall on multiples of this (see split_bounds)
 
 
-def _split(size: int, world_size: int, itemsize: int) -> list[int]:
+def split_bounds(size: int, world_size: int, itemsize: int) -> list[int]:
     """Element bounds of ``world_size`` flat pieces of a tensor of ``size`` elements.
 
     Every inner bound is rounded down to a multiple of ``SPLIT_ALIGN`` bytes (when the
@@ -139,7 +139,7 @@ class ShardPlan:
                         pieces.append(Piece(t.id, r, b[r], b[r + 1]))
                         load[r] += (b[r + 1] - b[r]) * dtype_itemsize(t.dtype)
             elif world_size > 1 and t.nbytes >= max(min_shard_bytes, 1) and t.size >= world_size:
-                bounds = _split(t.size, world_size, dtype_itemsize(t.dtype))
+                bounds = split_bounds(t.size, world_size, dtype_itemsize(t.dtype))
                 for r in range(world_size):
                     pieces.append(Piece(t.id, r, bounds[r], bounds[r + 1]))
                     load[r] += (bounds[r + 1] - bounds[r]) * dtype_itemsize(t.dtype)
