@@ -107,6 +107,13 @@ backend that accepts but does not answer as ``unresponsive``, with its pid (know
 (uninterruptible I/O wait)``); ``stop`` never signals it. Both also report this user's VeloC
 daemon (:func:`deepfreeze.veloc_engine.veloc_daemon_status`), and ``stop`` stops that daemon if
 DeepFreeze started it and no DeepFreeze job uses it.
+
+Socket details: ``connect`` also has the ``answer_timeout`` (it blocks once a stopped backend's
+listen backlog is full); :class:`~deepfreeze.errors.BackendUnresponsiveError` carries the
+backend's pid (from ``SO_PEERCRED``) and the inode of the socket file; a timed-out connection is
+closed (a late answer would be read as the next request's). The server gives a client 30 s to
+take each answer and drops one that stops reading; its wait for a client's next request is not
+bounded (ranks checkpoint every few minutes).
 """
 from __future__ import annotations
 

@@ -63,7 +63,12 @@ stuck process is left running, never killed) and re-sends every pending flush.
 If that fails too, the call raises :class:`BackendError` (in the writer thread:
 surfaced at the next ``checkpoint``/``wait``, under the callback's ``on_error``).
 ``wait(timeout=T)`` returns or raises :class:`BackendError` within about T seconds
-whatever the backend does.
+whatever the backend does. An unanswered request is sent again on a new connection, to whatever
+listens on the path then: a rank that finds the socket's inode changed uses the backend another
+rank started and re-sends its pending flushes to it; only one new backend is started per
+replacement (under the spawn lock). A checkpoint blocked on the backend (the writer's flush
+request, or the ``max_pending_flushes`` wait, which also logs every 10 s) is thus bounded by about
+``backend_timeout`` plus a backend start.
 
 Engine choice: :func:`make_engine` returns an :class:`Engine` or a
 :class:`~deepfreeze.veloc_engine.VelocEngine` by :func:`resolve_engine` (``None``:
