@@ -87,7 +87,9 @@ decided ``flush`` (committed or not); with no such version, or an interval of 0,
 ``flush``; with a negative interval no decision is written and nothing goes to persistent.
 Deciding ``skip`` still creates the version directory on persistent (it holds the decision);
 :meth:`PersistentLevel.retain` runs in the flush job that commits a version and in every flush
-job of a version decided ``skip``. Scratch retention runs after every flush job, whether or not
+job of a version decided ``skip``; it leaves alone the directories of versions decided ``flush``
+that never committed (an interrupted flush): ``deepfreeze gc`` removes those abandoned flushes.
+Scratch retention runs after every flush job, whether or not
 the version went to persistent, counting only versions up to the one just flushed (newer ones
 are not flushed yet), and removes a version directory once no file of any rank is left in it.
 The engine takes the scratch level's class (``scratch_cls=``), :func:`flush_job` both.
