@@ -75,6 +75,45 @@ by at most the start timeout. A backend that exits removes the start locks
 nobody holds (:func:`remove_stale_locks`: each locked before it is unlinked; a
 client that locked a lock file checks it is still the one at the path). :func:`status` and :func:`stop` are what
 ``deepfreeze backend status|stop`` call: they answer within their timeouts.
+
+Where and how it starts. The socket is
+``<runtime>/deepfreeze-<uid>/backend-<sha1(realpath(scratch))[:16]>.sock``, ``<runtime>`` being
+``$DEEPFREEZE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``; the directory must be the
+user's with mode ``0700`` (else :class:`~deepfreeze.errors.BackendError`). A
+:class:`BackendClient` (made by the engine in async mode) connects and says ``hello``; if
+nothing listens it takes the ``flock`` on ``<socket>.lock``, checks again, and the first to get
+the lock spawns ``python -m deepfreeze.backend --socket <path>`` in a new session (so it finishes
+queued flushes after the ranks have exited), logging to ``<scratch>/.deepfreeze-backend.log``,
+and waits up to 60 s for the socket. A holder that keeps the spawn lock for 60 s is logged with
+its pid (from ``/proc/locks``) and the newcomer goes on without it. The backend raises its nice
+value by 10 before it starts any thread, so its flusher and connection threads inherit it (the
+``memtier_put`` copies run at normal priority in the connection's thread, as said above). The
+engine itself uses ``flush``, ``poll`` and ``memtier_put``; a job's result is handed out until
+acknowledged.
+
+Watchdog (``watchdog_interval`` > 0, VeloC's semantics: report a client that stopped
+checkpointing): every flush job carries the interval; the backend remembers, per client
+connection, the time of its newest job, and the thread ``deepfreeze-watchdog`` checks every
+0.5 s and, once per silence, logs an error (``watchdog: rank <r> of '<name>' sent no checkpoint
+for <t>s ...``) and adds it to ``status``'s ``overdue`` list. A new job re-arms it; a closed
+connection is no longer watched. It only reports.
+
+Unresponsive backends, seen from each caller: the engine's retries and replacement are in
+:mod:`deepfreeze.engine`'s docstring. ``wait(timeout=T)`` replaces a backend silent for
+``backend_timeout`` only if at least 5 s are left (the new backend gets the rest, minus 1 s, to
+start); otherwise the next call with time for it does. ``status(scratch, timeout=2)`` reports a
+backend that accepts but does not answer as ``unresponsive``, with its pid (known from
+``SO_PEERCRED`` even when it never answers) and kernel state (``T (stopped)``, ``D
+(uninterruptible I/O wait)``); ``stop`` never signals it. Both also report this user's VeloC
+daemon (:func:`deepfreeze.veloc_engine.veloc_daemon_status`), and ``stop`` stops that daemon if
+DeepFreeze started it and no DeepFreeze job uses it.
+
+Socket details: ``connect`` also has the ``answer_timeout`` (it blocks once a stopped backend's
+listen backlog is full); :class:`~deepfreeze.errors.BackendUnresponsiveError` carries the
+backend's pid (from ``SO_PEERCRED``) and the inode of the socket file; a timed-out connection is
+closed (a late answer would be read as the next request's). The server gives a client 30 s to
+take each answer and drops one that stops reading; its wait for a client's next request is not
+bounded (ranks checkpoint every few minutes).
 """
 from __future__ import annotations
 

@@ -63,7 +63,42 @@ stuck process is left running, never killed) and re-sends every pending flush.
 If that fails too, the call raises :class:`BackendError` (in the writer thread:
 surfaced at the next ``checkpoint``/``wait``, under the callback's ``on_error``).
 ``wait(timeout=T)`` returns or raises :class:`BackendError` within about T seconds
-whatever the backend does.
+whatever the backend does. An unanswered request is sent again on a new connection, to whatever
+listens on the path then: a rank that finds the socket's inode changed uses the backend another
+rank started and re-sends its pending flushes to it; only one new backend is started per
+replacement (under the spawn lock). A checkpoint blocked on the backend (the writer's flush
+request, or the ``max_pending_flushes`` wait, which also logs every 10 s) is thus bounded by about
+``backend_timeout`` plus a backend start.
+
+Engine choice: :func:`make_engine` returns an :class:`Engine` or a
+:class:`~deepfreeze.veloc_engine.VelocEngine` by :func:`resolve_engine` (``None``:
+``$DEEPFREEZE_ENGINE``, default ``builtin``; ``auto``: VeloC when its library loads; with
+``memtier`` set always the built-in one). ``comm`` carries the built-in redundancy exchange,
+``mpi_comm`` (mpi4py) is VeloC's. An engine is called from one thread (the training thread); it
+is not thread-safe. Both modes run the same :func:`deepfreeze.levels.flush_job`: ``async`` in
+the node's backend, ``sync`` inline in the calling thread (no backend process is started).
+
+Priority: the writer thread lowers itself to nice +10 when it starts (:func:`lower_priority`:
+``setpriority`` on the thread's native id, which on Linux affects that thread only; capped at 19;
+failures ignored), so shard writes and CRC32 computation yield the CPU to training (the paper:
+"background operations can run with low priority"). In sync mode the write runs in the training
+thread at its normal priority.
+
+Errors, in detail: an exception of the writer thread is stored and raised once; one that is not
+a ``DeepFreezeError`` is wrapped in one. Flush errors the backend reports (to the writer's polls,
+its wait for the oldest jobs, or ``wait(persistent=True)``) are joined into one
+:class:`BackendError`; while a writer error is pending it goes first and the flush errors are
+kept for the next call. In sync mode errors raise from ``checkpoint`` itself. A write that fails
+with ``OSError`` removes its temporary file and raises a :class:`CheckpointWriteError`
+(:func:`write_error`: the level, the path and where its directory's value came from); nothing
+partial is committed. ``wait(persistent=False)`` waits until every version is on scratch (its
+errors and the flush errors polled so far surface), ``wait()`` for every flush to persistent.
+
+Timings: :attr:`Engine.stats` holds per checkpoint ``version`` and ``blocking_s`` (time spent in
+``checkpoint``); :attr:`Engine.write_times` maps each version to the seconds taken to commit this
+rank's shard and manifest on scratch (the flush to persistent not included). Redundancy's
+exchange adds to the writer's time per version, not to the training thread's blocking time in
+async mode, unless the writer is still busy at the next checkpoint.
 """
 from __future__ import annotations
 

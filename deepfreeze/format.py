@@ -48,6 +48,54 @@ Manifest limits (enforced by :func:`decode_manifest`; a manifest beyond them is
   hooks above, schema checks linear in the number of tensors, pieces and ranks,
   the size limit; the nesting depth is counted over the bytes before parsing
   (:func:`deepfreeze.jsonsafe.json_depth`, linear, C speed).
+
+Why these limits: a manifest is read from a directory anyone with write access to the level
+could have planted a file in. A parsed manifest costs about 25 times its size in memory (hence
+the cap before parsing); what DeepFreeze writes takes about 200 bytes per tensor, 50 per piece
+and 100 per rank (far below the limit after parsing); Python's parser recurses (hence the
+depth); ``int()`` of a long digit string is quadratic and refused above 4300 digits (the
+integer hook runs only when a run of 19+ digits occurs). The world size must be 1 to 2**20
+ranks. A manifest beyond a limit is *invalid*: the version is not committed at that place
+(restore tries the next level or version, retention leaves the directory alone, the command
+reports it ``damaged`` in one line); no exception other than ``CorruptCheckpointError`` leaves
+the decoder, whatever the bytes. A decoded manifest is not yet trusted for sizes: before
+allocating its output arrays, restore checks that the tensors it declares fit in the files they
+are read from (the assembled file's size; the shard files' total), so a manifest declaring a
+4 TiB tensor is a ``CorruptCheckpointError`` and a fallback, not numpy's ``MemoryError``.
+Every checkpoint file is opened with :func:`deepfreeze.fsafe.open_regular` (no FIFO wait, no
+symlink followed; a file removed between listing and opening is a missing source).
+
+Checksums and dtypes. Every checksum is zlib's CRC32 (:func:`crc32`), computed with ISA-L (the
+``isal`` package, a dependency: about 17 GB/s against zlib's 2.2 GB/s on the test machine, the
+same values); without it zlib's is used, and files stay compatible either way. The dtypes are
+those of :data:`DTYPES`: float16/32/64, bfloat16 (``ml_dtypes``, imported only for bfloat16
+tensors), signed and unsigned 8-64-bit integers, bool, complex64/128.
+
+Pieces. In a shard file each piece starts at a ``PIECE_ALIGN`` (64-byte) aligned offset. In the
+assembled file (``layout(..., contiguous_tensors=True)``) consecutive pieces of one tensor are
+packed back to back, so a whole tensor is one contiguous byte range (each tensor starts 64-byte
+aligned, and every piece lands with one positional write); it has exactly one index entry per
+piece of the plan and ``rank = 0``, ``world_size = 1`` in its header. One tensor or piece is read
+alone with :func:`read_index` then :func:`read_entry` (``deepfreeze.load(..., tensors=[...])``).
+
+Manifest keys (``manifest.json``, built by ``build_manifest``, decoded by :func:`decode_manifest`
+with a strict schema): ``format``, ``format_version``, ``run`` (``id``, ``generation``,
+``resumed_from``: :func:`manifest_run`), ``name``, ``version``, ``step``, ``epoch``,
+``world_size``, ``tensors`` (id, name, dtype, shape), ``plan`` (the shard plan, validated on read:
+its pieces must tile every tensor), ``shards`` (per rank: file name, failure domain, bytes),
+``total_bytes``. Optional: ``model_tensors`` (how many leading tensors are model weights, the rest
+optimizer state; a manifest without it is weights only), ``epoch_step`` (the step within the
+epoch after the checkpointed batch) and ``epoch_complete`` (whether that was the epoch's last
+step; false when Keras did not know the epoch's length), ``layers`` (``{"graph": the compact
+layer graph of docs/repository.md, "tensors": the tensor id of each layer weight}``: lets
+``deepfreeze repo import`` make a repository model without the model at hand), ``framework``
+(``"torch"`` for the PyTorch adapter), ``parent`` (the checkpoint a clone was forked from:
+:func:`parent_problem`), ``redundancy`` (the partner or XOR plan the version was protected with,
+:mod:`deepfreeze.redundancy`, identical on every rank). On persistent the committing node adds
+``assembled`` (file, bytes, whether checksums are present) and ``committed`` (time of the commit).
+None of the scratch manifest's keys depends on the writing rank or the time, and
+:func:`encode_manifest` sorts the keys, so the scratch manifest has the same bytes on every rank.
+File names in a manifest are plain names, never paths.
 """
 from __future__ import annotations
 

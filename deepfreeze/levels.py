@@ -69,6 +69,30 @@ crash at any point (every file operation below passes a named crash point of
   deleting only its own files, the manifest with the last of them.
 
 Levels are classes so faults can be injected by subclassing one.
+
+Details behind these statements. Directories are created with mode ``0700``, files with
+``0600``; temporary names carry the host, pid and thread id. With ``ec_interval`` due, the
+partner/parity exchange (:mod:`deepfreeze.redundancy`) runs between the shard's rename and the
+scratch manifest, so on scratch the order is shard, partner copies or parity block, manifest;
+scratch retention deletes the partner copies and parity block a rank holds with its own shard.
+The unit of flushing is one rank's shard (:func:`flush_job`: one job per rank and version; "a
+node flushes" means the jobs of its ranks). A shard, on scratch and into the partial, goes out
+in writes of at most 1 MiB through one reused buffer (consecutive small pieces in one read),
+each piece's CRC32 computed on the chunk right before it goes out; the write-back of every
+8 MiB is started at once (``sync_file_range``, else ``posix_fadvise``), so the final fsync finds
+little left; a scratch shard's header and index are written last, then the rename. O_DIRECT was
+measured and not adopted (docs/performance.md). The ``persistent_interval`` decision compares
+the file system's clock with the mtime of the ``decision`` file of the newest earlier version
+decided ``flush`` (committed or not); with no such version, or an interval of 0, the decision is
+``flush``; with a negative interval no decision is written and nothing goes to persistent.
+Deciding ``skip`` still creates the version directory on persistent (it holds the decision);
+:meth:`PersistentLevel.retain` runs in the flush job that commits a version and in every flush
+job of a version decided ``skip``; it leaves alone the directories of versions decided ``flush``
+that never committed (an interrupted flush): ``deepfreeze gc`` removes those abandoned flushes.
+Scratch retention runs after every flush job, whether or not
+the version went to persistent, counting only versions up to the one just flushed (newer ones
+are not flushed yet), and removes a version directory once no file of any rank is left in it.
+The engine takes the scratch level's class (``scratch_cls=``), :func:`flush_job` both.
 """
 from __future__ import annotations
 

@@ -38,6 +38,21 @@ another configuration. Stale files of a dead daemon (its ready file, its socket)
 and VeloC's dangling ``<persistent>/<name>-<rank>-<version>.dat`` symlinks are
 removed (:func:`clean_veloc_leftovers`). :func:`veloc_daemon_status` and
 :func:`stop_veloc_daemon` are what ``deepfreeze backend status|stop`` report.
+
+Construction (every rank): creates ``scratch``, ``persistent`` and ``meta``; writes the resolved
+configuration as VeloC's INI file ``<scratch>/.deepfreeze-veloc-<digest>.cfg``
+(:func:`write_veloc_config`, docs/configuration.md); loads the library
+(``deepfreeze.bindings.veloc.Veloc()``); in ``sync`` (or ``threaded``) mode refuses a running
+``veloc-backend`` daemon (:class:`~deepfreeze.errors.BackendError`: VeloC's in-process backend
+would take over its socket), in ``async`` mode starts it if needed (:func:`start_backend`); then
+``VELOC_Init`` collectively over ``mpi_comm`` (the adapter's ``MPIComm``'s duplicate of MPI's
+world) or, at world size 1, ``VELOC_Init_single(rank)``. ``VELOC_Checkpoint_end(success)`` always
+closes VeloC's phase of a version. ``wait()`` runs the finish step (1.) of the last version on the
+writer thread (every VeloC call stays on that thread); ``close()`` waits, then calls
+``VELOC_Finalize(1)`` there. Assembling a version also removes older uncommitted version
+directories without a ``decision`` file and applies scratch retention. There is no DeepFreeze
+partner/XOR exchange with this engine (it is made without ``comm``); VeloC's own erasure coding
+acts only in its ``sync``/``threaded`` modes on two or more nodes, and restore does not read it.
 """
 from __future__ import annotations
 

@@ -1,4 +1,15 @@
-"""Restore a committed version into a Keras model (the TensorFlow side of restore)."""
+"""Restore a committed version into a Keras model (the TensorFlow side of restore).
+
+:func:`apply_checkpoint` is the one function both ``deepfreeze.restore`` (weights only) and
+``resume=True`` (weights and optimizer state) use. The model is matched by position, dtype and
+shape (not by name) against the first ``model_tensors`` tensors of the manifest; a difference
+raises :class:`~deepfreeze.errors.ModelMismatchError` naming the first mismatching tensor. With
+``optimizer=True`` it then calls ``optimizer.build(model.trainable_variables)``, matches
+``optimizer.variables()`` against the remaining tensors the same way (the weights are already
+set then) and assigns them by position; it returns whether optimizer state was restored (False
+when not asked or when the checkpoint has none). Restore needs no MPI (without a communicator)
+and works at any world size: the manifest's plan says where every piece is.
+"""
 from __future__ import annotations
 
 import logging
