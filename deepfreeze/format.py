@@ -448,7 +448,7 @@ def encode_manifest(obj: dict[str, Any]) -> bytes:
     if len(data) > limit:  # never write a manifest restore would refuse
         raise ValueError(f"the manifest of {obj.get('name')!r} v{obj.get('version')} would be {len(data)} bytes, "
                          f"above the {limit}-byte limit for its tensors, pieces and ranks (tensor names "
-                         "too long?): see 'Manifest limits' in docs/architecture.md")
+                         "too long?): see 'Manifest limits' in the docstring of deepfreeze/format.py")
     return data
 
 
