@@ -28,9 +28,30 @@ native calls, through :mod:`deepfreeze._native`), :mod:`~deepfreeze.memtier.api`
 """
 from __future__ import annotations
 
-from .api import Model, checkpoint, job_id, register, restore, view
-from .device import Device, ShardRegion, SlotHeader, SlotState, create, open  # noqa: A004 - the documented name
-from .dump import dump
+from typing import TYPE_CHECKING
+
+from .._lazy import facade
 
 __all__ = ["create", "open", "register", "checkpoint", "restore", "view", "dump", "job_id",
            "Device", "Model", "ShardRegion", "SlotHeader", "SlotState"]
+
+__getattr__, __dir__ = facade(__name__, {
+    "register": ".api",
+    "checkpoint": ".api",
+    "restore": ".api",
+    "view": ".api",
+    "job_id": ".api",
+    "Model": ".api",
+    "create": ".device",
+    "open": ".device",
+    "Device": ".device",
+    "ShardRegion": ".device",
+    "SlotHeader": ".device",
+    "SlotState": ".device",
+    "dump": ".dump",
+})
+
+if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
+    from .api import Model, checkpoint, job_id, register, restore, view
+    from .device import Device, ShardRegion, SlotHeader, SlotState, create, open  # noqa: A004 - the documented name
+    from .dump import dump

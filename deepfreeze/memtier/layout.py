@@ -90,10 +90,7 @@ def _check_name(name: Any) -> str | None:
 
 def _decode_json(data: bytes, what: str) -> Any:
     """JSON with the manifest limits of format.py (long integers, NaN, nesting depth); never pickle."""
-    hooks: dict[str, Any] = {"parse_float": fmt._parse_float, "parse_constant": fmt._parse_constant}
-    if fmt._LONG_DIGITS.search(data):
-        hooks["parse_int"] = fmt._parse_int
-    return bounded_loads(data, what, max_bytes=len(data), error=MemtierCorruptError, hooks=hooks,
+    return bounded_loads(data, what, max_bytes=len(data), error=MemtierCorruptError, hooks=fmt.json_hooks(data),
                          advice="the memory-tier entry is damaged: it is not used")
 
 
@@ -227,14 +224,14 @@ def _index_problem(idx: Any, e: "_Entry | None") -> str | None:
     head = 72
     pos = data_offset
     for i, t in enumerate(tensors):
-        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and t.get("dtype") in fmt._ITEMSIZE
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and t.get("dtype") in fmt.ITEMSIZE
                 and isinstance(t.get("shape"), list) and len(t["shape"]) <= fmt.MAX_NDIM
                 and all(_int(d, 0, 1 << 48) for d in t["shape"])
                 and all(_int(t.get(k)) for k in ("size", "offset", "tensor_id", "start", "stop"))):
             return f"piece {i} malformed"
         total = math.prod(t["shape"])
         if not (total <= fmt.MAX_TENSOR_ELEMENTS and t["start"] <= t["stop"] <= total
-                and t["size"] == (t["stop"] - t["start"]) * fmt._ITEMSIZE[t["dtype"]] and t["tensor_id"] < 1 << 32):
+                and t["size"] == (t["stop"] - t["start"]) * fmt.ITEMSIZE[t["dtype"]] and t["tensor_id"] < 1 << 32):
             return f"piece {i} ({t['name']!r}): range, size or shape inconsistent"
         if not (pos <= t["offset"] and t["offset"] + t["size"] <= file_size):
             return f"piece {i} ({t['name']!r}): bytes [{t['offset']}, {t['offset'] + t['size']}) overlap another " \

@@ -64,7 +64,8 @@ import numpy as np
 import torch
 
 from ..config import Config, validate_name
-from ..engine import make_engine, resolve_engine
+from ..engine import resolve_engine
+from ..run import make_engine
 from ..errors import CaptureTornError, ConfigError, DeepFreezeError, ModelMismatchError
 from ..fused import BufferPool, FusedLayout, FusedShard
 from ..levels import ScratchLevel
