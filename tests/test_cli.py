@@ -357,7 +357,7 @@ def test_export_npz_and_safetensors_bit_exact(tmp_path):
 
 
 def test_export_bfloat16_to_safetensors_only(tmp_path):
-    # In-process: the engine cannot write bfloat16 shards yet (format.crc32 and levels._write_all take a
+    # In-process: the engine cannot write bfloat16 shards yet (format.crc32 and fsafe.write_all take a
     # memoryview of the array, which numpy refuses for ml_dtypes' bfloat16), so the writers are tested alone.
     ml_dtypes = pytest.importorskip("ml_dtypes")
     from deepfreeze.export import ExportError, write_h5, write_npz, write_safetensors

@@ -21,7 +21,8 @@ import numpy as np
 from deepfreeze.config import Config
 from deepfreeze.engine import Engine
 from deepfreeze.errors import CheckpointNotFoundError, CheckpointWriteError
-from deepfreeze.levels import ScratchLevel, replacing_path
+from deepfreeze.fsafe import replacing_path
+from deepfreeze.levels import ScratchLevel
 from deepfreeze.loader import load
 from deepfreeze.run import Run
 from deepfreeze.shardplan import ShardPlan, TensorSpec
