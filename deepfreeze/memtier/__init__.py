@@ -45,13 +45,15 @@ __getattr__, __dir__ = facade(__name__, {
     "create": ".device",
     "open": ".device",
     "Device": ".device",
-    "ShardRegion": ".device",
-    "SlotHeader": ".device",
-    "SlotState": ".device",
+    "ShardRegion": ".slot",
+    "SlotHeader": ".layout",
+    "SlotState": ".layout",
     "dump": ".dump",
 })
 
 if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
     from .api import Model, checkpoint, job_id, register, restore, view
-    from .device import Device, ShardRegion, SlotHeader, SlotState, create, open  # noqa: A004 - the documented name
+    from .device import Device, create, open  # noqa: A004 - the documented name
+    from .layout import SlotHeader, SlotState
+    from .slot import ShardRegion
     from .dump import dump
