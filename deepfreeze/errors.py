@@ -67,6 +67,8 @@ class DeepFreezeError(Exception):
     #: attributes carried with the message in a cross-rank record (:func:`deepfreeze.comm.error_record`), each
     #: with the types its value may have (JSON scalars: int, float, str, bool, None)
     record_fields: "dict[str, tuple[type, ...]]" = {}
+    #: the sender's class name when this error was rebuilt from another rank's record, else None
+    sender_type: "str | None" = None
 
 
 class ConfigError(DeepFreezeError, ValueError):
