@@ -266,3 +266,43 @@ def test_records_over_mpi(tmp_path):
     out = str(tmp_path)
     mpirun(2, os.path.join(WORKERS, "errors_xrank.py"), "mpi", out, timeout=240, env={"PYTHONPATH": ROOT})
     _check_job(out, 2)
+
+
+def test_torch_state_record_overflow_is_typed_not_torn(tmp_path):
+    """A plain process: a scheduler (state taken before the next forward) whose state grows by
+    200 kB right after the checkpoint step's optimizer step: that version is not written (its
+    StateRecordOverflowError, "grew to", under on_error='warn'), it is not counted as torn (a
+    ChangedInPlaceError is), and the next checkpoint step writes on a plan with more room."""
+    torch = pytest.importorskip("torch")
+    import deepfreeze.torch as dft
+    from deepfreeze.config import Config
+    from deepfreeze.loader import list_versions
+
+    class Growing(torch.optim.lr_scheduler.LambdaLR):
+        def __init__(self, opt):
+            self.pad = ""
+            super().__init__(opt, lambda s: 1.0)
+
+        def step(self, *a, **k):
+            super().step(*a, **k)
+            if self.last_epoch == 4:
+                self.pad = "x" * 200000
+
+        def state_dict(self):
+            return {**super().state_dict(), "pad": self.pad}
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = Growing(opt)
+    where = {"mode": "sync", "scratch": str(tmp_path / "s"), "persistent": str(tmp_path / "p")}
+    ck = dft.Checkpointer(net, opt, name="grow", every_n_steps=2, state={"sched": sched}, on_error="warn", **where)
+    for _ in range(7):
+        net(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    ck.close()
+    assert len(ck.failures) == 1 and "v4 is not written" in ck.failures[0], ck.failures
+    assert "rank 0: the state record grew to" in ck.failures[0] and ck.torn == []
+    assert sorted(list_versions(Config.resolve(None, **where), "grow")) == [2, 6]
