@@ -172,7 +172,10 @@ def error_record(exc: BaseException) -> bytes:
     ``record_fields`` that are JSON scalars (text of at most 200 characters; others are left out)."""
     cls = next((c for c in type(exc).__mro__ if isinstance(c, type) and error_class(c.__name__) is c),
                DeepFreezeError)
-    message = str(exc)
+    try:
+        message = str(exc)
+    except Exception:  # an exception whose __str__ fails: its class name, rather than no record
+        message = type(exc).__name__
     if len(message) > MAX_MESSAGE:
         message = message[:MAX_MESSAGE - 3] + "..."
     fields = {k: getattr(exc, k, None) for k in _fields_of(cls)}
