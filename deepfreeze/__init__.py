@@ -9,20 +9,11 @@ pulls in a higher one through the package. Its public names are loaded on first 
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._lazy import facade
 
-# public name -> the module (relative to this package) that defines it
-_LAZY = {
-    "Config": "config",
-    "Checkpoint": "loader", "load": "loader", "list_versions": "loader",
-    **{n: "errors" for n in (
-        "DeepFreezeError", "ConfigError", "CheckpointNotFoundError", "CorruptCheckpointError",
-        "ModelMismatchError", "BackendError", "CheckpointWriteError", "VelocNotFoundError", "VelocError",
-        "UnsafePathError", "UntrustedOwnerError", "CaptureMissedError")},
-}
+__version__ = "0.1.0"
 
 __all__ = [
     "Config", "Checkpoint", "load", "list_versions", "restore",
@@ -31,26 +22,18 @@ __all__ = [
     "UnsafePathError", "UntrustedOwnerError", "CaptureMissedError",
 ]
 
+__getattr__, __dir__ = facade(__name__, {
+    "Config": ".config",
+    "Checkpoint": ".loader", "load": ".loader", "list_versions": ".loader",
+    **{n: ".errors" for n in __all__ if n.endswith("Error")},
+})
+
 if TYPE_CHECKING:  # for type checkers and IDEs only: at run time these load on first use
     from .config import Config
     from .errors import (BackendError, CaptureMissedError, CheckpointNotFoundError, CheckpointWriteError,
                          ConfigError, CorruptCheckpointError, DeepFreezeError, ModelMismatchError, UnsafePathError,
                          UntrustedOwnerError, VelocError, VelocNotFoundError)
     from .loader import Checkpoint, list_versions, load
-
-
-def __getattr__(name: str) -> Any:
-    """Load a public name from the module that defines it on first use (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'deepfreeze' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
 
 
 def restore(model: Any, config: "str | Config | None" = None, *, name: str, version: int | None = None,

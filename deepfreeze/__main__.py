@@ -1,6 +1,6 @@
 """``python -m deepfreeze``: the ``deepfreeze`` command (:mod:`deepfreeze.cli`)."""
 import sys
 
-from .cli import main
+from .cli.app import main
 
 sys.exit(main())

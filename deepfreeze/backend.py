@@ -75,6 +75,47 @@ by at most the start timeout. A backend that exits removes the start locks
 nobody holds (:func:`remove_stale_locks`: each locked before it is unlinked; a
 client that locked a lock file checks it is still the one at the path). :func:`status` and :func:`stop` are what
 ``deepfreeze backend status|stop`` call: they answer within their timeouts.
+
+Where and how it starts. The socket is
+``<runtime>/deepfreeze-<uid>/backend-<sha1(realpath(scratch))[:16]>.sock``, ``<runtime>`` being
+``$DEEPFREEZE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``; the directory must be the
+user's with mode ``0700`` (else :class:`~deepfreeze.errors.BackendError`). A
+:class:`BackendClient` (made by the engine in async mode) connects and says ``hello``; if
+nothing listens it takes the ``flock`` on ``<socket>.lock``, checks again, and the first to get
+the lock spawns ``python -m deepfreeze.backend --socket <path>`` in a new session (so it finishes
+queued flushes after the ranks have exited), logging to ``<scratch>/.deepfreeze-backend.log``,
+and waits up to 60 s for the socket. A holder that keeps the spawn lock for 60 s is logged with
+its pid (from ``/proc/locks``) and the newcomer goes on without it. The backend raises its nice
+value by 10 before it starts any thread, so its flusher and connection threads inherit it (the
+``memtier_put`` copies run at normal priority in the connection's thread, as said above). The
+engine itself uses ``flush``, ``poll`` and ``memtier_put``; a job's result is handed out until
+acknowledged.
+
+Watchdog (``watchdog_interval`` > 0, VeloC's semantics: report a client that stopped
+checkpointing): every flush job carries the interval; the backend remembers, per client
+connection, the time of its newest job, and the thread ``deepfreeze-watchdog`` checks every
+0.5 s and, once per silence, logs an error (``watchdog: rank <r> of '<name>' sent no checkpoint
+for <t>s ...``) and adds it to ``status``'s ``overdue`` list. A new job re-arms it; a closed
+connection is no longer watched. It only reports.
+
+Unresponsive backends, seen from each caller: the engine's retries and replacement are in
+:mod:`deepfreeze.engine`'s docstring. ``wait(timeout=T)`` replaces a backend silent for
+``backend_timeout`` only if at least 5 s are left (the new backend gets the rest, minus 1 s, to
+start); otherwise the next call with time for it does. ``status(scratch, timeout=2)`` reports a
+backend that accepts but does not answer as ``unresponsive``, with its pid (known from
+``SO_PEERCRED`` even when it never answers) and kernel state (``T (stopped)``, ``D
+(uninterruptible I/O wait)``); ``stop`` never signals it. Both also report this user's VeloC
+daemon (:func:`deepfreeze.veloc_engine.veloc_daemon_status`), and ``stop`` stops that daemon if
+DeepFreeze started it and no DeepFreeze job uses it.
+
+Socket details: ``connect`` also has the ``answer_timeout`` (it blocks once a stopped backend's
+listen backlog is full); :class:`~deepfreeze.errors.BackendUnresponsiveError` carries the
+backend's pid (from ``SO_PEERCRED``) and the inode of the socket file; a timed-out connection is
+closed (a late answer would be read as the next request's). The server gives a client 30 s to
+take each answer and drops one that stops reading; its wait for a client's next request is not
+bounded (ranks checkpoint every few minutes).
+
+Long because: one IPC protocol, its server and client ends with the start election and status/stop.
 """
 from __future__ import annotations
 
@@ -96,9 +137,11 @@ from typing import Any, Iterator
 from . import counters
 from . import crashpoints as cp
 from . import ownership
-from .errors import BackendError, BackendUnresponsiveError, UnsafePathError, UntrustedOwnerError
+from .errors import BackendError, BackendUnresponsiveError, UntrustedOwnerError
 from .jsonsafe import loads as bounded_loads
 from .levels import ScratchLevel, flush_job
+from .node import process_state  # noqa: F401  (re-exported: defined here before)
+from .ownership import runtime_dir  # noqa: F401  (re-exported: defined here before)
 
 __all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "remove_stale_locks",
            "DEFAULT_TIMEOUT",
@@ -120,20 +163,6 @@ _MAX_WAIT = 3600.0
 _MAX_SLOT_WAIT = 30.0
 #: most source regions one ``memtier_put`` may name
 _MAX_REGIONS = 1 << 22
-
-
-def runtime_dir() -> str:
-    base = os.environ.get("DEEPFREEZE_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    path = os.path.join(base, f"deepfreeze-{os.getuid()}")
-    try:  # base may be sticky (/tmp); the directory itself must be ours, never a link (deepfreeze.ownership)
-        ownership.ensure_dir(path, base, site="runtime.mkdirs")
-    except UnsafePathError as e:
-        raise BackendError(f"unsafe backend runtime directory: {e}") from e
-    st = os.lstat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise BackendError(f"{path} must be a directory owned by you with mode 0700 (it holds the backend "
-                           "socket); remove it or set DEEPFREEZE_RUNTIME_DIR to a private directory")
-    return path
 
 
 def socket_path(scratch: str) -> str:
@@ -570,24 +599,6 @@ def _socket_inode(path: str) -> int | None:
         return None
 
 
-_PROC_STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible I/O wait", "T": "stopped",
-                "t": "stopped by a debugger", "Z": "exited (zombie)", "X": "exited", "I": "idle"}
-
-
-def process_state(pid: int | None) -> str | None:
-    """The kernel's state of process ``pid`` (``"T (stopped)"``, ``"D (uninterruptible I/O wait)"``...),
-    or None if it is gone or unknown."""
-    if not pid:
-        return None
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            raw = f.read(4096).decode(errors="replace")
-        letter = raw[raw.rindex(")") + 2]
-    except (OSError, ValueError, IndexError):
-        return None
-    return f"{letter} ({_PROC_STATES.get(letter, 'unknown')})"
-
-
 def _gone(pid: int | None) -> bool:
     state = process_state(pid)
     return state is None or state[0] in "ZX"
@@ -909,10 +920,7 @@ class BackendClient:
 
 def _veloc_status() -> dict[str, Any] | None:
     """This user's VeloC daemon (VeloC keeps one per user and machine), or None."""
-    try:
-        from .veloc_engine import veloc_daemon_status
-    except ImportError:  # pragma: no cover - a partial install
-        return None
+    from .veloc_daemon import veloc_daemon_status
     return veloc_daemon_status()
 
 
@@ -1018,12 +1026,8 @@ def stop(scratch: str, timeout: float = 60.0, *, answer_timeout: float = 2.0, ve
     info["running"] = info["state"] == "draining"
     info["veloc"] = None
     if veloc:
-        try:
-            from .veloc_engine import stop_veloc_daemon
-        except ImportError:  # pragma: no cover - a partial install
-            stop_veloc_daemon = None
-        if stop_veloc_daemon is not None:
-            info["veloc"] = stop_veloc_daemon(timeout=min(timeout, 10.0))
+        from .veloc_daemon import stop_veloc_daemon
+        info["veloc"] = stop_veloc_daemon(timeout=min(timeout, 10.0))
     return info
 
 

@@ -6,6 +6,18 @@ duplicate of an mpi4py communicator, safe from a background thread. The torch ad
 communicator (:class:`deepfreeze.torch.TorchComm`) implements the same protocol. Every call is
 counted (:mod:`deepfreeze.counters`: ``comm.*``).
 
+:class:`MPIComm` (``comm=None``: ``MPI.COMM_WORLD``) duplicates the mpi4py communicator, so
+DeepFreeze's messages never mix with Horovod's or the application's, and requires
+``MPI_THREAD_MULTIPLE`` (Horovod and mpi4py request it): the redundancy exchange runs in the
+writer thread while the training thread runs the framework's collectives. ``allgather_buffers``
+gathers with one ``Allgatherv`` into one receive buffer and returns views into it (one
+broadcast per participant, in pieces of 1 GiB, beyond MPI's ``int`` counts); ``allgather`` is the
+same for ``bytes``; ``exchange`` posts ``Isend``/``Irecv`` in pieces of 1 GiB and waits for all.
+A lock serializes the calls of one process. The Keras adapter makes its ``MPIComm`` through
+``deepfreeze.keras._dist.mpi_comm()`` (Horovod over MPI with more than one rank, a duplicate of
+the communicator given to ``hvd.init``; over Gloo it logs that protection and pooled restore are
+off).
+
 A rank's failure travels to the other ranks as an *error record* (:func:`error_record`,
 :func:`error_from_record`, :func:`allgather_failures`), the same over gloo and MPI: UTF-8 JSON
 ``{"type": NAME, "message": TEXT, "fields": {...}}`` (plus ``"sent_as"``, the sender's own class,

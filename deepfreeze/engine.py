@@ -63,7 +63,42 @@ stuck process is left running, never killed) and re-sends every pending flush.
 If that fails too, the call raises :class:`BackendError` (in the writer thread:
 surfaced at the next ``checkpoint``/``wait``, under the callback's ``on_error``).
 ``wait(timeout=T)`` returns or raises :class:`BackendError` within about T seconds
-whatever the backend does.
+whatever the backend does. An unanswered request is sent again on a new connection, to whatever
+listens on the path then: a rank that finds the socket's inode changed uses the backend another
+rank started and re-sends its pending flushes to it; only one new backend is started per
+replacement (under the spawn lock). A checkpoint blocked on the backend (the writer's flush
+request, or the ``max_pending_flushes`` wait, which also logs every 10 s) is thus bounded by about
+``backend_timeout`` plus a backend start.
+
+Engine choice: :func:`make_engine` returns an :class:`Engine` or a
+:class:`~deepfreeze.veloc_engine.VelocEngine` by :func:`resolve_engine` (``None``:
+``$DEEPFREEZE_ENGINE``, default ``builtin``; ``auto``: VeloC when its library loads; with
+``memtier`` set always the built-in one). ``comm`` carries the built-in redundancy exchange,
+``mpi_comm`` (mpi4py) is VeloC's. An engine is called from one thread (the training thread); it
+is not thread-safe. Both modes run the same :func:`deepfreeze.levels.flush_job`: ``async`` in
+the node's backend, ``sync`` inline in the calling thread (no backend process is started).
+
+Priority: the writer thread lowers itself to nice +10 when it starts (:func:`lower_priority`:
+``setpriority`` on the thread's native id, which on Linux affects that thread only; capped at 19;
+failures ignored), so shard writes and CRC32 computation yield the CPU to training (the paper:
+"background operations can run with low priority"). In sync mode the write runs in the training
+thread at its normal priority.
+
+Errors, in detail: an exception of the writer thread is stored and raised once; one that is not
+a ``DeepFreezeError`` is wrapped in one. Flush errors the backend reports (to the writer's polls,
+its wait for the oldest jobs, or ``wait(persistent=True)``) are joined into one
+:class:`BackendError`; while a writer error is pending it goes first and the flush errors are
+kept for the next call. In sync mode errors raise from ``checkpoint`` itself. A write that fails
+with ``OSError`` removes its temporary file and raises a :class:`CheckpointWriteError`
+(:func:`write_error`: the level, the path and where its directory's value came from); nothing
+partial is committed. ``wait(persistent=False)`` waits until every version is on scratch (its
+errors and the flush errors polled so far surface), ``wait()`` for every flush to persistent.
+
+Timings: :attr:`Engine.stats` holds per checkpoint ``version`` and ``blocking_s`` (time spent in
+``checkpoint``); :attr:`Engine.write_times` maps each version to the seconds taken to commit this
+rank's shard and manifest on scratch (the flush to persistent not included). Redundancy's
+exchange adds to the writer's time per version, not to the training thread's blocking time in
+async mode, unless the writer is still busy at the next checkpoint.
 """
 from __future__ import annotations
 
@@ -89,25 +124,12 @@ from .levels import ScratchLevel, SlotSource, flush_job
 from .comm import Comm
 from .redundancy import plan_redundancy, protect
 from .lease import ANONYMOUS_RUN, RunInfo, Version
+from .format import build_manifest  # noqa: F401  (re-exported: defined here before)
 from .shardplan import ShardPlan
 
-__all__ = ["Engine", "build_manifest", "make_engine", "resolve_engine", "ENGINES"]
+__all__ = ["Engine", "build_manifest", "resolve_engine", "ENGINES"]
 
 log = logging.getLogger("deepfreeze")
-
-
-def build_manifest(name: str, version: int, step: int, epoch: int, plan: ShardPlan,
-                   domains: Sequence[str], extra: dict[str, Any] | None = None,
-                   run: RunInfo | None = None) -> dict[str, Any]:
-    run = run or RunInfo(ANONYMOUS_RUN)
-    return {
-        "format": "deepfreeze-manifest", "format_version": 2, "run": run.to_json(), "name": name, "version": version,
-        "step": step, "epoch": epoch, "world_size": plan.world_size,
-        "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json(),
-        "shards": [{"rank": r, "file": f"r{r:06d}.dfs", "domain": domains[r], "bytes": b}
-                   for r, b in enumerate(plan.rank_bytes())],
-        "total_bytes": plan.total_bytes, **(extra or {}),
-    }
 
 
 class Engine:
@@ -737,23 +759,3 @@ def resolve_engine(engine: str | None) -> str:
         if why is not None:
             raise VelocNotFoundError(why)
     return engine
-
-
-def make_engine(engine: str | None, config: Config, name: str, rank: int, plan: ShardPlan,
-                domains: Sequence[str] | None = None, *, comm: Comm | None = None, mpi_comm: Any = None,
-                scratch_cls: type = ScratchLevel, run: RunInfo | None = None) -> Engine:
-    """The engine of one rank: :class:`Engine` or :class:`~deepfreeze.veloc_engine.VelocEngine`.
-    ``comm`` carries the built-in redundancy exchange; ``mpi_comm`` (mpi4py) is VeloC's."""
-    if config.memtier is not None:  # the memory tier is the built-in engine's: decided before looking for VeloC
-        requested = engine or os.environ.get("DEEPFREEZE_ENGINE") or "builtin"
-        if requested == "veloc":
-            raise ConfigError(f"memtier = {config.memtier} ({config.where('memtier')}) needs the built-in engine: "
-                              "with engine='veloc' the shards go through VeloC's files; leave memtier out or use "
-                              "engine='builtin'")
-        if requested == "auto":
-            log.info("deepfreeze: engine='auto' uses the built-in engine: memtier is set")
-            engine = "builtin"
-    if resolve_engine(engine) == "veloc":
-        from .veloc_engine import VelocEngine
-        return VelocEngine(config, name, rank, plan, domains, mpi_comm=mpi_comm, scratch_cls=scratch_cls, run=run)
-    return Engine(config, name, rank, plan, domains, scratch_cls=scratch_cls, comm=comm, run=run)

@@ -34,10 +34,10 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .errors import DeepFreezeError
-from .levels import replacing_path
+from .fsafe import replacing_path
 
 __all__ = ["FORMATS", "SAFETENSORS_DTYPES", "ExportError", "export", "write_npz", "write_safetensors",
-           "write_h5", "h5_layers", "format_from_path"]
+           "write_h5", "h5_layers", "format_from_path", "atomic_output"]
 
 FORMATS = ("h5", "npz", "safetensors")
 _SUFFIXES = {".h5": "h5", ".hdf5": "h5", ".npz": "npz", ".safetensors": "safetensors"}
@@ -73,7 +73,7 @@ def _dtype_name(a: np.ndarray) -> str:
     return a.dtype.name  # "bfloat16" for ml_dtypes' bfloat16
 
 
-def _atomic(path: str, force: bool, write: Callable[[str], None]) -> int:
+def atomic_output(path: str, force: bool, write: Callable[[str], None]) -> int:
     """Run ``write(tmp)`` then rename ``tmp`` to ``path``; returns the size written."""
     path = os.path.abspath(path)
     if os.path.isdir(path):
@@ -108,7 +108,7 @@ def write_npz(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = Fals
             for name, a in arrays.items():
                 with zf.open(name + ".npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
-    return _atomic(path, force, write)
+    return atomic_output(path, force, write)
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -158,7 +158,7 @@ def write_safetensors(arrays: Mapping[str, np.ndarray], path: str, metadata: Map
             save_file(ready, tmp, metadata=meta)
         except (SafetensorError, ValueError, TypeError) as e:
             raise ExportError(f"the safetensors library refused to write {path}: {e}") from e
-    return _atomic(path, force, write)
+    return atomic_output(path, force, write)
 
 
 # --------------------------------------------------------------------------- Keras HDF5 weights
@@ -232,7 +232,7 @@ def write_h5(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = False
                 _save_weights(g, [(n, arrays[n]) for n in per[layer]])
             g = f.create_group(TOP_LEVEL_GROUP)
             _save_weights(g, [(n, arrays[n]) for n in top])
-    return _atomic(path, force, write)
+    return atomic_output(path, force, write)
 
 
 def export(arrays: Mapping[str, np.ndarray], fmt: str, path: str, *, metadata: Mapping[str, Any] | None = None,

@@ -48,6 +48,54 @@ Manifest limits (enforced by :func:`decode_manifest`; a manifest beyond them is
   hooks above, schema checks linear in the number of tensors, pieces and ranks,
   the size limit; the nesting depth is counted over the bytes before parsing
   (:func:`deepfreeze.jsonsafe.json_depth`, linear, C speed).
+
+Why these limits: a manifest is read from a directory anyone with write access to the level
+could have planted a file in. A parsed manifest costs about 25 times its size in memory (hence
+the cap before parsing); what DeepFreeze writes takes about 200 bytes per tensor, 50 per piece
+and 100 per rank (far below the limit after parsing); Python's parser recurses (hence the
+depth); ``int()`` of a long digit string is quadratic and refused above 4300 digits (the
+integer hook runs only when a run of 19+ digits occurs). The world size must be 1 to 2**20
+ranks. A manifest beyond a limit is *invalid*: the version is not committed at that place
+(restore tries the next level or version, retention leaves the directory alone, the command
+reports it ``damaged`` in one line); no exception other than ``CorruptCheckpointError`` leaves
+the decoder, whatever the bytes. A decoded manifest is not yet trusted for sizes: before
+allocating its output arrays, restore checks that the tensors it declares fit in the files they
+are read from (the assembled file's size; the shard files' total), so a manifest declaring a
+4 TiB tensor is a ``CorruptCheckpointError`` and a fallback, not numpy's ``MemoryError``.
+Every checkpoint file is opened with :func:`deepfreeze.fsafe.open_regular` (no FIFO wait, no
+symlink followed; a file removed between listing and opening is a missing source).
+
+Checksums and dtypes. Every checksum is zlib's CRC32 (:func:`crc32`), computed with ISA-L (the
+``isal`` package, a dependency: about 17 GB/s against zlib's 2.2 GB/s on the test machine, the
+same values); without it zlib's is used, and files stay compatible either way. The dtypes are
+those of :data:`DTYPES`: float16/32/64, bfloat16 (``ml_dtypes``, imported only for bfloat16
+tensors), signed and unsigned 8-64-bit integers, bool, complex64/128.
+
+Pieces. In a shard file each piece starts at a ``PIECE_ALIGN`` (64-byte) aligned offset. In the
+assembled file (``layout(..., contiguous_tensors=True)``) consecutive pieces of one tensor are
+packed back to back, so a whole tensor is one contiguous byte range (each tensor starts 64-byte
+aligned, and every piece lands with one positional write); it has exactly one index entry per
+piece of the plan and ``rank = 0``, ``world_size = 1`` in its header. One tensor or piece is read
+alone with :func:`read_index` then :func:`read_entry` (``deepfreeze.load(..., tensors=[...])``).
+
+Manifest keys (``manifest.json``, built by ``build_manifest``, decoded by :func:`decode_manifest`
+with a strict schema): ``format``, ``format_version``, ``run`` (``id``, ``generation``,
+``resumed_from``: :func:`manifest_run`), ``name``, ``version``, ``step``, ``epoch``,
+``world_size``, ``tensors`` (id, name, dtype, shape), ``plan`` (the shard plan, validated on read:
+its pieces must tile every tensor), ``shards`` (per rank: file name, failure domain, bytes),
+``total_bytes``. Optional: ``model_tensors`` (how many leading tensors are model weights, the rest
+optimizer state; a manifest without it is weights only), ``epoch_step`` (the step within the
+epoch after the checkpointed batch) and ``epoch_complete`` (whether that was the epoch's last
+step; false when Keras did not know the epoch's length), ``layers`` (``{"graph": the compact
+layer graph of docs/repository.md, "tensors": the tensor id of each layer weight}``: lets
+``deepfreeze repo import`` make a repository model without the model at hand), ``framework``
+(``"torch"`` for the PyTorch adapter), ``parent`` (the checkpoint a clone was forked from:
+:func:`parent_problem`), ``redundancy`` (the partner or XOR plan the version was protected with,
+:mod:`deepfreeze.redundancy`, identical on every rank). On persistent the committing node adds
+``assembled`` (file, bytes, whether checksums are present) and ``committed`` (time of the commit).
+None of the scratch manifest's keys depends on the writing rank or the time, and
+:func:`encode_manifest` sorts the keys, so the scratch manifest has the same bytes on every rank.
+File names in a manifest are plain names, never paths.
 """
 from __future__ import annotations
 
@@ -70,6 +118,7 @@ __all__ = [
     "DTYPES", "dtype_itemsize", "numpy_dtype", "dtype_name", "layout", "encode_index",
     "read_index", "read_entry", "crc32", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
     "manifest_run", "run_id_bytes", "MAX_JSON_DEPTH", "manifest_size_limit", "parent_problem", "manifest_parent",
+    "build_manifest", "ANONYMOUS_RUN", "json_hooks", "ITEMSIZE",
 ]
 
 MAGIC = b"DEEPFRZ\0"
@@ -103,16 +152,16 @@ DTYPES: dict[int, str] = {
     13: "bool", 14: "complex64", 15: "complex128",
 }
 _CODES = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2,
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int16": 2,
              "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4, "uint64": 8,
              "bool": 1, "complex64": 8, "complex128": 16}
 
 
 def dtype_itemsize(name: str) -> int:
     try:
-        return _ITEMSIZE[name]
+        return ITEMSIZE[name]
     except KeyError:
-        raise CorruptCheckpointError(f"unsupported dtype {name!r}; supported: {sorted(_ITEMSIZE)}") from None
+        raise CorruptCheckpointError(f"unsupported dtype {name!r}; supported: {sorted(ITEMSIZE)}") from None
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -296,7 +345,7 @@ def read_index(f: "BinaryIO | bytes | memoryview | np.ndarray", path: str = "<fi
         if any(d > 1 << 48 for d in shape):
             raise bad(f"entry {i}: absurd shape {shape}")
         total = math.prod(shape)
-        if not start <= stop <= total or length != (stop - start) * _ITEMSIZE[dtype] \
+        if not start <= stop <= total or length != (stop - start) * ITEMSIZE[dtype] \
                 or not data_offset <= off or off + length > file_size:
             raise bad(f"entry {i} (tensor {tid}): range [{start},{stop}) of {total}, bytes "
                       f"[{off},{off + length}) do not fit the tensor or the file")
@@ -399,7 +448,7 @@ def encode_manifest(obj: dict[str, Any]) -> bytes:
     if len(data) > limit:  # never write a manifest restore would refuse
         raise ValueError(f"the manifest of {obj.get('name')!r} v{obj.get('version')} would be {len(data)} bytes, "
                          f"above the {limit}-byte limit for its tensors, pieces and ranks (tensor names "
-                         "too long?): see 'Manifest limits' in docs/architecture.md")
+                         "too long?): see 'Manifest limits' in the docstring of deepfreeze/format.py")
     return data
 
 
@@ -430,6 +479,16 @@ _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 _json_depth = json_depth  # the name memtier/device.py used
 
 
+def json_hooks(data: bytes) -> dict[str, Any]:
+    """The parser hooks of a manifest's JSON (for :func:`deepfreeze.jsonsafe.loads`): no NaN or
+    infinity, long integers converted with checks. Used for every JSON DeepFreeze keeps beside
+    tensors (manifests; the memory tier's entries)."""
+    hooks: dict[str, Any] = {"parse_float": _parse_float, "parse_constant": _parse_constant}
+    if _LONG_DIGITS.search(data):  # numbers of 19+ digits (or digits in names): convert with checks
+        hooks["parse_int"] = _parse_int  # (the fast path's ints have at most 18 digits: below 2**63)
+    return hooks
+
+
 def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
     """Parse and validate a manifest (JSON, strict schema, the limits of the module docstring).
 
@@ -438,9 +497,7 @@ def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{path}: invalid DeepFreeze manifest: {why}")
     data = bytes(data)
-    hooks: dict[str, Any] = {"parse_float": _parse_float, "parse_constant": _parse_constant}
-    if _LONG_DIGITS.search(data):  # numbers of 19+ digits (or digits in names): convert with checks
-        hooks["parse_int"] = _parse_int  # (the fast path's ints have at most 18 digits: below 2**63)
+    hooks = json_hooks(data)
     # size, then nesting depth (a linear scan), checked before the parser runs; any refusal says "invalid"
     obj = _bounded_loads(data, f"{path}: invalid DeepFreeze manifest", max_bytes=MAX_MANIFEST_BYTES, hooks=hooks,
                          advice="the version is not committed in this place (restore falls back to another "
@@ -488,7 +545,7 @@ def _check_manifest(obj: Any, bad: Any) -> dict[str, Any]:
                 and math.prod(t["shape"]) <= MAX_TENSOR_ELEMENTS):
             raise bad(f"tensor entry {i} malformed (id, name, dtype, or a shape of at most {MAX_NDIM} "
                       "dimensions and 2**48 elements)")
-        if t["dtype"] not in _ITEMSIZE:
+        if t["dtype"] not in ITEMSIZE:
             raise bad(f"tensor {t['name']!r} has unsupported dtype {t['dtype']!r}")
         if t["name"] in names:
             raise bad(f"duplicate tensor name {t['name']!r}")
@@ -539,3 +596,26 @@ def _valid_redundancy(red: Any, world: int) -> bool:
         flat = [r for x in g for r in x]
         return len(flat) == len(set(flat))
     return False
+
+
+#: the run id of work done without a run (an Engine built directly, without
+#: :class:`~deepfreeze.run.Run`): such work is never combined with a real run's, and is fenced off
+#: while a real run holds the lease (:mod:`deepfreeze.lease`)
+ANONYMOUS_RUN = "0" * 16
+
+
+def build_manifest(name: str, version: int, step: int, epoch: int, plan: Any,
+                   domains: Sequence[str], extra: dict[str, Any] | None = None,
+                   run: Any = None) -> dict[str, Any]:
+    """A version's manifest (docs/format.md) before the commit adds what the writers report:
+    ``plan`` a :class:`~deepfreeze.shardplan.ShardPlan`, ``domains`` every rank's failure domain,
+    ``run`` the :class:`~deepfreeze.lease.RunInfo` writing it (None: the anonymous run)."""
+    run_json = run.to_json() if run is not None else {"id": ANONYMOUS_RUN, "generation": 0, "resumed_from": None}
+    return {
+        "format": "deepfreeze-manifest", "format_version": 2, "run": run_json, "name": name, "version": version,
+        "step": step, "epoch": epoch, "world_size": plan.world_size,
+        "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json(),
+        "shards": [{"rank": r, "file": f"r{r:06d}.dfs", "domain": domains[r], "bytes": b}
+                   for r, b in enumerate(plan.rank_bytes())],
+        "total_bytes": plan.total_bytes, **(extra or {}),
+    }

@@ -18,16 +18,24 @@ no effect on regular files anyway).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import secrets
 import stat
-from typing import BinaryIO, Callable
+import threading
+from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
+from . import counters
+from . import crashpoints as cp
+from . import format as fmt
 from .errors import CorruptCheckpointError
+from .node import host_name
 
-__all__ = ["open_regular", "open_regular_file", "read_small", "read_whole", "describe_mode"]
+__all__ = ["open_regular", "open_regular_file", "read_small", "read_whole", "describe_mode", "temp_suffix", "fsync_dir",
+           "replacing_path", "replacing_file", "atomic_write", "write_all"]
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink"))
@@ -124,3 +132,75 @@ def read_whole(path: str, check: Callable[[os.stat_result], None] | None = None)
                 raise CorruptCheckpointError(f"{path}: shrank while being read ({got} of {size} bytes)")
             got += n
     return data
+
+
+# ------------------------------------------------- temporary names and replacing writes
+
+def temp_suffix() -> str:
+    """Suffix for temporary names, unique across hosts, processes and threads."""
+    return f"{host_name()}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
+
+
+def fsync_dir(path: str, point: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        cp.fsync(fd, point)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def replacing_path(final: str, point: str = "export.rename") -> Iterator[str]:
+    """Yield a temporary path beside ``final``; when the block ends, rename it to ``final``
+    (crash point ``point``). On an error the temporary file is removed and nothing is left
+    under ``final``."""
+    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp{temp_suffix()}")
+    try:
+        yield tmp
+        cp.replace(tmp, final, point)
+    except BaseException:
+        try:
+            cp.unlink(tmp, "tmp.cleanup")
+        except OSError:
+            pass
+        raise
+
+
+@contextlib.contextmanager
+def replacing_file(final: str, *, fsync: bool, point: str) -> Iterator[int]:
+    """Yield the descriptor of an owner-only temporary file beside ``final``; when the block
+    ends, fsync it (if asked; crash point ``<point>.fsync``), close it and rename it to
+    ``final`` (``<point>.rename``, :func:`replacing_path`)."""
+    with replacing_path(final, point + ".rename") as tmp:
+        counters.fs("create", point + ".create")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            yield fd
+            if fsync:
+                cp.fsync(fd, point + ".fsync")
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: str, data: Any, *, fsync: bool, point: str) -> None:
+    """Write ``data`` (bytes or an array) to ``path`` by temporary file and rename (and with
+    ``fsync``, the file and its directory are flushed). ``point`` prefixes the crash points
+    (``.fsync``, ``.rename``, ``.dirsync``; :mod:`deepfreeze.crashpoints`)."""
+    with replacing_file(path, fsync=fsync, point=point) as fd:
+        write_all(fd, data, 0, _BYTES_OF.get(point) or f"bytes.{point.split('.')[0]}.meta")
+    if fsync:
+        fsync_dir(os.path.dirname(path), point + ".dirsync")
+
+
+#: the byte counter (:mod:`deepfreeze.counters`) of an :func:`atomic_write` at these points
+_BYTES_OF = {"scratch.partner": "bytes.scratch.redundancy", "scratch.parity": "bytes.scratch.redundancy"}
+
+
+def write_all(fd: int, buf: Any, offset: int, count: str | None = None) -> None:
+    """Write all of ``buf`` at ``offset`` (``count``: the byte counter to add it to)."""
+    view = fmt.byte_view(buf)
+    if count is not None:
+        counters.add(count, len(view))
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)

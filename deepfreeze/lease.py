@@ -57,6 +57,7 @@ from . import crashpoints as cp
 from . import node as _node
 from . import ownership
 from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError, NodeIdConflictError
+from .format import ANONYMOUS_RUN
 from .fsafe import read_small
 from .jsonsafe import loads as bounded_loads
 
@@ -68,9 +69,6 @@ log = logging.getLogger("deepfreeze")
 GENERATION = "generation"
 LEASE = "lease"
 JOB = "job"
-#: the run id of work done without a run (an Engine built directly, without :class:`Run`):
-#: such work is never combined with a real run's, and is fenced off while a real run holds the lease
-ANONYMOUS_RUN = "0" * 16
 _MAX_LEASE_BYTES = 4096
 
 

@@ -69,6 +69,32 @@ crash at any point (every file operation below passes a named crash point of
   deleting only its own files, the manifest with the last of them.
 
 Levels are classes so faults can be injected by subclassing one.
+
+Details behind these statements. Directories are created with mode ``0700``, files with
+``0600``; temporary names carry the host, pid and thread id. With ``ec_interval`` due, the
+partner/parity exchange (:mod:`deepfreeze.redundancy`) runs between the shard's rename and the
+scratch manifest, so on scratch the order is shard, partner copies or parity block, manifest;
+scratch retention deletes the partner copies and parity block a rank holds with its own shard.
+The unit of flushing is one rank's shard (:func:`flush_job`: one job per rank and version; "a
+node flushes" means the jobs of its ranks). A shard, on scratch and into the partial, goes out
+in writes of at most 1 MiB through one reused buffer (consecutive small pieces in one read),
+each piece's CRC32 computed on the chunk right before it goes out; the write-back of every
+8 MiB is started at once (``sync_file_range``, else ``posix_fadvise``), so the final fsync finds
+little left; a scratch shard's header and index are written last, then the rename. O_DIRECT was
+measured and not adopted (docs/performance.md). The ``persistent_interval`` decision compares
+the file system's clock with the mtime of the ``decision`` file of the newest earlier version
+decided ``flush`` (committed or not); with no such version, or an interval of 0, the decision is
+``flush``; with a negative interval no decision is written and nothing goes to persistent.
+Deciding ``skip`` still creates the version directory on persistent (it holds the decision);
+:meth:`PersistentLevel.retain` runs in the flush job that commits a version and in every flush
+job of a version decided ``skip``; it leaves alone the directories of versions decided ``flush``
+that never committed (an interrupted flush): ``deepfreeze gc`` removes those abandoned flushes.
+Scratch retention runs after every flush job, whether or not
+the version went to persistent, counting only versions up to the one just flushed (newer ones
+are not flushed yet), and removes a version directory once no file of any rank is left in it.
+The engine takes the scratch level's class (``scratch_cls=``), :func:`flush_job` both.
+
+Long because: one protocol (the commit protocol above), whose steps share one set of file helpers.
 """
 from __future__ import annotations
 
@@ -81,7 +107,6 @@ import os
 import re
 import secrets
 import stat
-import threading
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -91,12 +116,14 @@ from . import counters
 from . import crashpoints as cp
 from . import format as fmt
 from . import ownership
+from ._native import SYNC_FILE_RANGE_WRITE, available, sync_file_range
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
 from .lease import ANONYMOUS_RUN, describe_holder, fence_holder, fs_now, read_generation, warn_skew
+from .fsafe import atomic_write, replacing_file, temp_suffix, write_all
 from .fsafe import open_regular, read_small
 from .jsonsafe import loads as bounded_loads
 from .fused import FusedShard
-from .node import holder_gone, host_name, in_this_pid_space, node_id, process_identity
+from .node import holder_gone, in_this_pid_space, node_id, process_identity
 from .shardplan import ShardPlan, TensorSpec
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
@@ -123,76 +150,6 @@ def _pause(delay: float) -> float:
     return the next, doubled, delay (at most ``_POLL_MAX``)."""
     time.sleep(delay * (0.5 + secrets.randbelow(1 << 16) / (1 << 17)))
     return min(2 * delay, _POLL_MAX)
-
-
-def _uniq() -> str:
-    """Suffix for temporary names, unique across hosts, processes and threads."""
-    return f"{host_name()}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
-
-
-def _fsync_dir(path: str, point: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        cp.fsync(fd, point)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def replacing_path(final: str, point: str = "export.rename") -> Iterator[str]:
-    """Yield a temporary path beside ``final``; when the block ends, rename it to ``final``
-    (crash point ``point``). On an error the temporary file is removed and nothing is left
-    under ``final``."""
-    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.tmp{_uniq()}")
-    try:
-        yield tmp
-        cp.replace(tmp, final, point)
-    except BaseException:
-        try:
-            cp.unlink(tmp, "tmp.cleanup")
-        except OSError:
-            pass
-        raise
-
-
-@contextlib.contextmanager
-def _replacing(final: str, *, fsync: bool, point: str) -> Iterator[int]:
-    """Yield the descriptor of an owner-only temporary file beside ``final``; when the block
-    ends, fsync it (if asked; crash point ``<point>.fsync``), close it and rename it to
-    ``final`` (``<point>.rename``, :func:`replacing_path`)."""
-    with replacing_path(final, point + ".rename") as tmp:
-        counters.fs("create", point + ".create")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            yield fd
-            if fsync:
-                cp.fsync(fd, point + ".fsync")
-        finally:
-            os.close(fd)
-
-
-def atomic_write(path: str, data: Any, *, fsync: bool, point: str) -> None:
-    """Write ``data`` (bytes or an array) to ``path`` by temporary file and rename (and with
-    ``fsync``, the file and its directory are flushed). ``point`` prefixes the crash points
-    (``.fsync``, ``.rename``, ``.dirsync``; :mod:`deepfreeze.crashpoints`)."""
-    with _replacing(path, fsync=fsync, point=point) as fd:
-        _write_all(fd, data, 0, _BYTES_OF.get(point) or f"bytes.{point.split('.')[0]}.meta")
-    if fsync:
-        _fsync_dir(os.path.dirname(path), point + ".dirsync")
-
-
-#: the byte counter (:mod:`deepfreeze.counters`) of an :func:`atomic_write` at these points
-_BYTES_OF = {"scratch.partner": "bytes.scratch.redundancy", "scratch.parity": "bytes.scratch.redundancy"}
-
-
-def _write_all(fd: int, buf: Any, offset: int, count: str | None = None) -> None:
-    """Write all of ``buf`` at ``offset`` (``count``: the byte counter to add it to)."""
-    view = fmt.byte_view(buf)
-    if count is not None:
-        counters.add(count, len(view))
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
 
 
 def plan_of(manifest: dict[str, Any]) -> ShardPlan:
@@ -425,11 +382,11 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
                              f"the one written (rank {rank}): build it with FusedLayout.build(plan, rank)")
         entries, data_offset, size = list(shard.layout.entries), shard.layout.data_offset, shard.layout.file_size
         spans = [(e.offset - data_offset, e.length) for e in entries]
-        with _replacing(final, fsync=fsync, point=point) as fd:
+        with replacing_file(final, fsync=fsync, point=point) as fd:
             crcs = _write_region(fd, shard.data, data_offset, spans, chksum, f"bytes.{point.split('.')[0]}.data")
             if chksum:
                 entries = [dataclasses.replace(e, crc=c) for e, c in zip(entries, crcs)]
-            _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
+            write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
                                             data_offset, size, chksum, run), 0, f"bytes.{point.split('.')[0]}.meta")
             os.ftruncate(fd, size)
         return
@@ -443,13 +400,13 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
                              f"[{p.start},{p.stop}) has {a.size} {a.dtype} elements")
         entries.append(e)
     entries, data_offset, size = fmt.layout(entries)
-    with _replacing(final, fsync=fsync, point=point) as fd:
+    with replacing_file(final, fsync=fsync, point=point) as fd:
         crcs = [_write_region(fd, fmt.byte_view(a), e.offset, [(0, e.length)], chksum,
                               f"bytes.{point.split('.')[0]}.data")[0] if e.length else 0
                 for e, a in zip(entries, arrays)]
         if chksum:
             entries = [dataclasses.replace(e, crc=c) for e, c in zip(entries, crcs)]
-        _write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
+        write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
                                         data_offset, size, chksum, run), 0, f"bytes.{point.split('.')[0]}.meta")
         os.ftruncate(fd, size)
 
@@ -481,7 +438,7 @@ def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]
                 if off + length > c1:
                     break  # the span goes on in the next chunk
                 k += 1
-        _write_all(fd, view[c0:c1], base + c0, count)
+        write_all(fd, view[c0:c1], base + c0, count)
     return crcs
 
 
@@ -643,7 +600,7 @@ class PersistentLevel(Level):
     def _break(path: str, judged: bytes) -> None:
         """Move the lock judged stale aside and remove it; if what was moved is another lock (the
         holder was replaced meanwhile), put it back."""
-        aside_tmp = f"{path}.tmp{_uniq()}"
+        aside_tmp = f"{path}.tmp{temp_suffix()}"
         try:
             cp.rename(path, aside_tmp, "persistent.lock.break")
         except FileNotFoundError:
@@ -864,7 +821,7 @@ class PersistentLevel(Level):
                 counters.fs("open", "persistent.final.open")
                 fd = os.open(partial, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never created empty here
                 try:
-                    _write_all(fd, head, 0, "bytes.persistent.meta")
+                    write_all(fd, head, 0, "bytes.persistent.meta")
                     os.ftruncate(fd, size)
                     if fsync:
                         cp.fsync(fd, "persistent.final.fsync")
@@ -1131,7 +1088,7 @@ def _copy_checked(src: int, dst: int, entries: Sequence[fmt.Entry], dst_offsets:
                 if check:
                     crcs[k] = fmt.crc32(chunk, crcs[k])
                 at = dst_offsets[k] + lo - p.offset
-                _write_all(dst, chunk, at, "bytes.persistent.data")
+                write_all(dst, chunk, at, "bytes.persistent.data")
                 lo_dst = at if lo_dst is None else min(lo_dst, at)
                 hi_dst = max(hi_dst, at + len(chunk))
                 written += len(chunk)
@@ -1164,22 +1121,8 @@ def _read_full(fd: int, view: memoryview, offset: int, path: str) -> int:
     return done
 
 
-def _load_sync_file_range() -> Any:
-    """libc's ``sync_file_range`` (Linux), or None."""
-    try:
-        import ctypes
-        import ctypes.util
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        f = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    f.restype = ctypes.c_int
-    return f
-
-
-_sync_file_range = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
+# the write-back hint (None where the C library has none; tests set it to None for the fallback)
+_sync_file_range = sync_file_range if available("sync_file_range") else None
 
 
 def _start_writeback(fd: int, offset: int, length: int) -> None:
@@ -1191,8 +1134,11 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     if length <= 0:
         return
     if _sync_file_range is not None:
-        if _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) == 0:
+        try:
+            _sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE)
             return
+        except OSError:
+            pass
     try:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except (OSError, AttributeError):
@@ -1202,14 +1148,14 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 def _create_exclusive(path: str, data: bytes, point: str) -> bool:
     """Create ``path`` holding ``data`` unless it exists; atomic, and never visible empty:
     the content is written to an owner-only temporary file first, then hard-linked into place."""
-    tmp = f"{path}.tmp{_uniq()}"
+    tmp = f"{path}.tmp{temp_suffix()}"
     site = point.rsplit(".", 1)[0]
     # owner-only from the start; the name is unique (host, pid, thread, random), never left by another
     counters.fs("create", site + ".create")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
-            _write_all(fd, data, 0, "bytes.persistent.meta")
+            write_all(fd, data, 0, "bytes.persistent.meta")
         finally:
             os.close(fd)
         cp.link(tmp, path, point)

@@ -24,6 +24,30 @@ participant holding it), and each participant receives from the others only the 
 its own rows (one point-to-point exchange: a header ``[[tensor_id, start, stop], ...]`` of flat
 element ranges, then their bytes; every range is checked against what the receiver asked for).
 A shard rebuilt from parity is exchanged whole, as without ``rows``.
+
+What is checked before a file is used: it must be readable whole: header, index, the index
+matching the manifest's plan (version, rank, pieces) and run, dtypes and shapes, and (when the
+file has checksums and ``verify`` is true) every piece's CRC32; a parity block is checked against
+its header and CRC32, a shard rebuilt from parity against its own index and CRC32s. A file that
+fails is logged (rank 0) and the next source is tried, then the next older version. Nothing
+readable: :class:`~deepfreeze.errors.CorruptCheckpointError`; nothing committed:
+:class:`~deepfreeze.errors.CheckpointNotFoundError`; with an explicit ``version`` only that
+version is tried. With a communicator, the plan of which participant supplies which file is
+computed identically on every participant from the all-gathered inventory (own shard, else a
+partner copy, else an XOR rebuild), failures are all-gathered so every participant drops the same
+files and re-plans the same way, the files are then all-gathered (``allgather_buffers``: one
+buffer per participant, no extra copy) and every participant assembles the tensors; if scratch
+cannot give the version whole, every participant reads the assembled file on persistent and its
+errors are all-gathered too, so all return the same version or move on together (the algorithm
+step by step: docs/guarantees.md, "Redundancy across failure domains"). ``tensors=[names]``
+reads from scratch only the shards of the ranks holding a piece of them (so only those ranks'
+shards, partner copies or parity are needed) and from the assembled file only their pieces; the
+indexes of the files opened are validated, and only the pieces read are CRC-checked.
+:func:`list_versions` reports ``scratch`` when this process's scratch directory alone can give a
+version whole by the same recovery plan (:func:`scratch_recoverable`, which ``deepfreeze ls``
+also uses) and ``persistent`` when it is committed there, reading only manifests and directory
+entries. The memory tier (:mod:`deepfreeze.memtier.level`) is a level before scratch, pooled the
+same way.
 """
 from __future__ import annotations
 
@@ -48,7 +72,7 @@ from .memtier import level as memtier_level
 from .comm import Comm, LocalComm
 from .redundancy import group_of, read_parity, xor_reconstruct
 
-__all__ = ["Checkpoint", "load", "list_versions", "Rows"]
+__all__ = ["Checkpoint", "load", "list_versions", "Rows", "load_persistent"]
 
 log = logging.getLogger("deepfreeze")
 # what reading a hostile or vanishing file can raise: the source is unreadable, the next one is tried
@@ -238,7 +262,7 @@ def _load(config: "str | os.PathLike | Config | None", name: str, version: int |
             raise UntrustedOwnerError(f"{name!r} v{v} on persistent: {untrusted[v]}")
         if v in on_persistent:
             try:
-                ck = _load_persistent(persistent, name, v, verify, tensors, rows)
+                ck = load_persistent(persistent, name, v, verify, tensors, rows)
                 err = ""
             except (CheckpointNotFoundError, UntrustedOwnerError, ConfigError):
                 raise  # a tensor name the checkpoint does not have / an owner not trusted / bad rows: no fallback
@@ -779,7 +803,7 @@ def _pread_into(f: Any, out: np.ndarray, offset: int, path: str) -> None:
         got += n
 
 
-def _load_persistent(level: PersistentLevel, name: str, version: int, verify: bool,
+def load_persistent(level: PersistentLevel, name: str, version: int, verify: bool,
                      wanted: Sequence[str] | None, rows: "Rows | None" = None) -> Checkpoint:
     m = level.read_manifest(name, version)
     plan = plan_of(m)

@@ -76,6 +76,8 @@ other side (only classes of that module; any other name becomes a ``ProviderErro
 
 (The module is past 800 lines because the handshake's blocking and readiness-driven forms, the
 frame format and the pre-authentication stage belong together with their protocol description.)
+
+Long because: one protocol (token to handshake), each part built on the frame and MAC helpers below it.
 """
 from __future__ import annotations
 

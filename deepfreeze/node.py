@@ -39,7 +39,7 @@ import socket
 from .errors import ConfigError
 
 __all__ = ["NODE_ENV", "node_id", "host_name", "boot_id", "is_here", "pid_namespace", "process_start",
-           "process_identity", "in_this_pid_space", "holder_gone", "shares_node_id"]
+           "process_identity", "in_this_pid_space", "holder_gone", "shares_node_id", "process_state"]
 
 #: environment variable that replaces the node id
 NODE_ENV = "DEEPFREEZE_NODE_ID"
@@ -194,3 +194,21 @@ def shares_node_id(record: dict) -> bool:
     if not (isinstance(boot, str) and boot and _int(ns) and ns):
         return False
     return boot != boot_id() or ns != pid_namespace()
+
+
+_PROC_STATES = {"R": "running", "S": "sleeping", "D": "uninterruptible I/O wait", "T": "stopped",
+                "t": "stopped by a debugger", "Z": "exited (zombie)", "X": "exited", "I": "idle"}
+
+
+def process_state(pid: int | None) -> str | None:
+    """The kernel's state of process ``pid`` (``"T (stopped)"``, ``"D (uninterruptible I/O wait)"``...),
+    or None if it is gone or unknown."""
+    if not pid:
+        return None
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            raw = f.read(4096).decode(errors="replace")
+        letter = raw[raw.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        return None
+    return f"{letter} ({_PROC_STATES.get(letter, 'unknown')})"

@@ -61,7 +61,7 @@ from typing import BinaryIO, Iterable
 from . import counters
 from . import crashpoints as cp
 from . import fsafe
-from .errors import ConfigError, UnsafePathError, UntrustedOwnerError
+from .errors import BackendError, ConfigError, UnsafePathError, UntrustedOwnerError
 
 __all__ = ["owner_name", "trusted_uids", "check_owner", "check_root", "ensure_dir", "open_dir_nofollow",
            "open_private", "create_whole", "open_trusted", "open_trusted_file", "check_file", "check_dir", "check_existing",
@@ -499,3 +499,20 @@ def _remove_below(parent_fd: int, name: str, st: os.stat_result, unlink_point: s
                 pass
     finally:
         os.close(fd)
+
+
+def runtime_dir() -> str:
+    """This user's private runtime directory on this node (``$DEEPFREEZE_RUNTIME_DIR``, else
+    ``$XDG_RUNTIME_DIR``, else ``/tmp``, then ``deepfreeze-<uid>``; mode 0700, never a link): the
+    backend's sockets live there. ``BackendError`` when it is not safe."""
+    base = os.environ.get("DEEPFREEZE_RUNTIME_DIR") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    path = os.path.join(base, f"deepfreeze-{os.getuid()}")
+    try:  # base may be sticky (/tmp); the directory itself must be ours, never a link (deepfreeze.ownership)
+        ensure_dir(path, base, site="runtime.mkdirs")
+    except UnsafePathError as e:
+        raise BackendError(f"unsafe backend runtime directory: {e}") from e
+    st = os.lstat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise BackendError(f"{path} must be a directory owned by you with mode 0700 (it holds the backend "
+                           "socket); remove it or set DEEPFREEZE_RUNTIME_DIR to a private directory")
+    return path

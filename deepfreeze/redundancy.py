@@ -41,6 +41,28 @@ The exchange runs in each rank's writer thread, collectively, through a
 for one process; both in :mod:`deepfreeze.comm`). Every rank takes part for every version it writes, even when its own
 shard write failed (it then says so and nobody exchanges), so a failure never
 leaves the others waiting.
+
+Plan: :func:`plan_redundancy` is a pure function of the failure domains the adapter gathered
+(``failure_domain``, default the host name), computed identically on every rank when the engine
+is made: ``{"scheme": "partner", "holder": {src: holder}}`` or ``{"scheme": "xor", "groups":
+[[ranks]]}``, plus ``unprotected`` (every rank with one failure domain; with ``xor``, ranks
+alone in their row); rank 0 logs the unprotected ranks once. When: after its shard is renamed on
+scratch, each rank's writer calls :func:`protect` with ``want`` (its view of ``ec_interval``
+since the last protected version); one all-gather of a small JSON (``ok``, ``want``, shard
+``size``) per version; rank 0's ``want`` decides for all; if any rank's shard write failed,
+nobody exchanges (a warning) and the failing rank raises its own error afterwards. *Partner*:
+one ``exchange``: each rank sends its whole shard file to its holder and writes what it receives
+as ``h<holder>.r<src>.dfs`` (temporary name, rename). *XOR*: in a group of ``k`` each shard file
+is cut into ``k - 1`` chunks of ``c = ceil(largest shard in the group / (k - 1))`` bytes
+(zero-padded); stripe ``s`` is one chunk of every member except member ``s`` (member ``p``'s
+chunk ``s`` if ``s < p``, else ``s - 1``); member ``s`` receives the others' chunks of stripe
+``s`` and XORs them into its parity block. The exchange runs in segments of 64 MiB and every
+rank runs the same number of rounds (groups may differ in chunk size). :func:`xor_reconstruct`
+rebuilds a lost member's shard file from the other members' shard files and parity blocks.
+When :func:`protect` returns true the manifest written next gets ``redundancy`` (the plan),
+identical on every rank; restore uses it to find a rank's XOR group and uses partner copies
+whenever they are present. ``ScratchLevel.retain`` deletes with a rank's own shard of an old
+version the partner copies (``h<rank>.r*.dfs``) and the parity block (``x<rank>.dfx``) it holds.
 """
 from __future__ import annotations
 
@@ -58,7 +80,7 @@ from .errors import CorruptCheckpointError
 from .fsafe import read_whole
 from .jsonsafe import loads as bounded_loads
 from .comm import Comm, LocalComm, MPIComm, count_exchange  # noqa: F401  re-exported: their home before comm.py
-from .levels import atomic_write
+from .fsafe import atomic_write
 
 __all__ = ["Comm", "LocalComm", "MPIComm", "plan_redundancy", "protect", "read_parity", "xor_reconstruct",
            "SCHEMES"]

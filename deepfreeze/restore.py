@@ -8,10 +8,9 @@ calls that function: ``deepfreeze.restore(model, ...)`` works whatever was impor
 from __future__ import annotations
 
 import sys
-import types
 import warnings
-from typing import Any
 
+from ._lazy import callable_module
 from .loader import *  # noqa: F401,F403  the names the module had
 from .loader import __all__  # noqa: F401
 
@@ -20,12 +19,4 @@ warnings.warn("the module deepfreeze.restore is renamed deepfreeze.loader: impor
               DeprecationWarning, stacklevel=2)
 
 
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`deepfreeze.restore` (the function it shadows on the package)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from . import _restore_function
-        return _restore_function(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+callable_module(__name__, lambda: sys.modules["deepfreeze"]._restore_function)

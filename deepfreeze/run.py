@@ -12,16 +12,22 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
+from .comm import Comm
+from .config import Config
+from .engine import Engine, resolve_engine
 from .errors import CheckpointNotFoundError, ConfigError, DeepFreezeError, ExistingCheckpointError, LeaseHeldError, NodeIdConflictError
 from .lease import (ANONYMOUS_RUN, GENERATION, JOB, LEASE, Lease, RunInfo, Version, fence_holder, fs_now,  # noqa: F401
                     job_id, job_id_at, new_job_id, new_run_id, read_generation, read_job_id, read_job_id_at,
                     read_lease, valid_job_id, write_generation)
+from .levels import ScratchLevel
+from .shardplan import ShardPlan
+from .veloc_engine import VelocEngine
 
 __all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
            "read_job_id_at", "valid_job_id", "JOB", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
-           "fence_holder", "Run", "GENERATION", "LEASE"]
+           "fence_holder", "Run", "GENERATION", "LEASE", "make_engine"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -177,3 +183,23 @@ class Run:
             self.lease.release()
             atexit.unregister(self.lease.release)
             self.lease = None
+
+
+def make_engine(engine: str | None, config: Config, name: str, rank: int, plan: ShardPlan,
+                domains: Sequence[str] | None = None, *, comm: Comm | None = None, mpi_comm: Any = None,
+                scratch_cls: type = ScratchLevel, run: RunInfo | None = None) -> Engine:
+    """The engine of one rank: :class:`~deepfreeze.engine.Engine` or
+    :class:`~deepfreeze.veloc_engine.VelocEngine` (the engine factory is here, above both).
+    ``comm`` carries the built-in redundancy exchange; ``mpi_comm`` (mpi4py) is VeloC's."""
+    if config.memtier is not None:  # the memory tier is the built-in engine's: decided before looking for VeloC
+        requested = engine or os.environ.get("DEEPFREEZE_ENGINE") or "builtin"
+        if requested == "veloc":
+            raise ConfigError(f"memtier = {config.memtier} ({config.where('memtier')}) needs the built-in engine: "
+                              "with engine='veloc' the shards go through VeloC's files; leave memtier out or use "
+                              "engine='builtin'")
+        if requested == "auto":
+            log.info("deepfreeze: engine='auto' uses the built-in engine: memtier is set")
+            engine = "builtin"
+    if resolve_engine(engine) == "veloc":
+        return VelocEngine(config, name, rank, plan, domains, mpi_comm=mpi_comm, scratch_cls=scratch_cls, run=run)
+    return Engine(config, name, rank, plan, domains, scratch_cls=scratch_cls, comm=comm, run=run)

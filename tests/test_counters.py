@@ -14,7 +14,7 @@ JOB = r"""
 import sys
 import numpy as np
 from deepfreeze import Config, counters
-from deepfreeze.engine import make_engine
+from deepfreeze.run import make_engine
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 root, T, E, V = sys.argv[1], 4, 1 << 14, 3
 cfg = Config.load(None, mode="sync", scratch=root + "/s", persistent=root + "/p", persistent_interval=0,

@@ -27,18 +27,19 @@ from collections import defaultdict
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("deepfreeze", "bindings")
+# The packages and the directory each is in: bindings/ installs as deepfreeze.bindings (pyproject.toml).
+PACKAGES = {"deepfreeze": "deepfreeze", "deepfreeze.bindings": "bindings"}
 
 # The layer table, bottom to top (a prefix ending in "." places every module of that subpackage).
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("bindings.", "deepfreeze._native", "deepfreeze.errors", "deepfreeze.counters", "deepfreeze.crashpoints",
+    0: ("deepfreeze.bindings.", "deepfreeze._lazy", "deepfreeze._native", "deepfreeze.errors", "deepfreeze.counters", "deepfreeze.crashpoints",
         "deepfreeze.jsonsafe", "deepfreeze.ownership", "deepfreeze.config", "deepfreeze.format",
         "deepfreeze.shardplan", "deepfreeze.fused", "deepfreeze.net", "deepfreeze.node", "deepfreeze.fsafe",
         "deepfreeze.comm", "deepfreeze.peerloss"),
     1: ("deepfreeze.lease",),
     2: ("deepfreeze.memtier.", "deepfreeze.export"),
     3: ("deepfreeze.levels", "deepfreeze.redundancy"),
-    4: ("deepfreeze.backend", "deepfreeze.engine", "deepfreeze.veloc_engine", "deepfreeze.loader",
+    4: ("deepfreeze.backend", "deepfreeze.engine", "deepfreeze.veloc_engine", "deepfreeze.veloc_daemon", "deepfreeze.loader",
         "deepfreeze.inventory"),
     5: ("deepfreeze.run",),
     6: ("deepfreeze.clone.", "deepfreeze.stream.", "deepfreeze.repo."),
@@ -49,9 +50,12 @@ LAYER_NAMES = {0: "primitives", 1: "run identity and leases", 2: "memory tier, e
                4: "engines, backend, reading back", 5: "the run", 6: "siblings", 7: "adapters",
                8: "facade, CLI, entry points"}
 
-# Imports the AST cannot see (importlib.import_module with a computed name): module -> targets.
+# Imports the AST cannot see (importlib.import_module with a computed name): module -> our modules it
+# may load that way. A package facade's table (deepfreeze._lazy.facade(__name__, {...})) is read from
+# the source as imports of the package, so the facade machinery itself loads nothing of its own.
 DYNAMIC: dict[str, tuple[str, ...]] = {
-    "deepfreeze": ("deepfreeze.config", "deepfreeze.loader", "deepfreeze.errors"),
+    "deepfreeze._lazy": (),  # facade() and callable_module(): the modules named in each package's table
+    "deepfreeze.cli.repo": (),  # `deepfreeze repo import --model MODULE:FUNCTION`: the user's module
 }
 
 # The write path: the adapters reach it only through deepfreeze.run.Run.
@@ -62,10 +66,11 @@ ADAPTERS = ("deepfreeze.keras", "deepfreeze.torch")
 def _modules() -> dict[str, str]:
     """Every module of the packages: dotted name -> file."""
     out = {}
-    for pkg in PACKAGES:
-        for d, dirs, files in os.walk(os.path.join(ROOT, pkg)):
-            dirs[:] = [x for x in dirs if not x.startswith((".", "_")) or x == "__pycache__" and False]
-            rel = os.path.relpath(d, ROOT).replace(os.sep, ".")
+    for pkg, top in PACKAGES.items():
+        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [x for x in dirs if not x.startswith(".") and x != "__pycache__"]
+            sub = os.path.relpath(d, os.path.join(ROOT, top))
+            rel = pkg if sub == "." else f"{pkg}.{sub.replace(os.sep, '.')}"
             for f in files:
                 if f.endswith(".py"):
                     out[rel if f == "__init__.py" else f"{rel}.{f[:-3]}"] = os.path.join(d, f)
@@ -103,9 +108,9 @@ class _Imports(ast.NodeVisitor):
         self.mod, self.found, self.depth, self.typing = mod, [], 0, 0
         self.dynamic = []
 
-    def _add(self, target: str, names: list[str], line: int) -> None:
-        if target.split(".")[0] in PACKAGES:
-            self.found.append((target, names, line, self.depth == 0, self.typing > 0))
+    def _add(self, target: str, names: list[str], line: int, lazy: bool = False) -> None:
+        if target.split(".")[0] == "deepfreeze":  # (top: runs when the module is imported)
+            self.found.append((target, names, line, self.depth == 0 and not lazy, self.typing > 0))
 
     def visit_Import(self, node: ast.Import) -> None:
         for a in node.names:
@@ -140,6 +145,12 @@ class _Imports(ast.NodeVisitor):
         name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
         if name in ("import_module", "__import__"):
             self.dynamic.append(node.lineno)
+        if name == "facade":  # a lazy package facade (deepfreeze._lazy): its table's modules are imports
+            for c in ast.walk(node):
+                if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith("."):
+                    module = c.value.partition(":")[0]
+                    level = len(module) - len(module.lstrip("."))
+                    self._add(_resolve(self.mod, level, module.lstrip(".") or None), [], node.lineno, lazy=True)
         self.generic_visit(node)
 
 
@@ -245,8 +256,6 @@ def tarjan(g: dict[str, dict[str, object]]) -> list[list[str]]:
 def unit_of(mod: str) -> str:
     """A subpackage of deepfreeze is one unit; each module of the flat core is its own."""
     parts = mod.split(".")
-    if parts[0] == "bindings":
-        return "bindings"
     if len(parts) >= 2 and _is_pkg(".".join(parts[:2])):
         return ".".join(parts[:2])
     return mod
@@ -345,7 +354,7 @@ def test_the_docs_table_is_this_table():
 def test_the_graph_sees_function_local_and_package_imports():
     """The checker itself: a function-local import and a package's import-time import are edges."""
     g = graph()
-    assert "deepfreeze.config" in g["deepfreeze"]  # the facade's lazy import (declared dynamic)
+    assert "deepfreeze.config" in g["deepfreeze"]  # the facade's lazy import (read from its table)
     local = [m for m, v in PARSED.items() if any(not top for _, _, _, top, _ in v.found)]
     assert local, "no function-local import found: the visitor is broken"
     m = local[0]
@@ -381,12 +390,12 @@ def test_deepfreeze_restore_is_the_function_whatever_was_imported_first(first):
 
 
 def test_importing_a_low_module_runs_nothing_above_it():
-    """``import deepfreeze.errors`` loads only the facade and errors (the facade is lazy)."""
+    """``import deepfreeze.errors`` loads only the facade (with its L0 helper) and errors."""
     import subprocess
     code = "import sys, deepfreeze.errors; print(sorted(m for m in sys.modules if m.startswith('deepfreeze')))"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    assert out.stdout.strip() == "['deepfreeze', 'deepfreeze.errors']", out.stdout + out.stderr
+    assert out.stdout.strip() == "['deepfreeze', 'deepfreeze._lazy', 'deepfreeze.errors']", out.stdout + out.stderr
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from _util import memtier_device, WORKERS, mpirun
 from deepfreeze import Config
 from deepfreeze.backend import process_state
 from deepfreeze import format as fmt
-from deepfreeze.engine import Engine, make_engine
+from deepfreeze.engine import Engine
+from deepfreeze.run import make_engine
 from deepfreeze.errors import ConfigError, MemtierCorruptError, MemtierFullError
 from deepfreeze.fused import FusedLayout, FusedShard
 from deepfreeze.levels import PersistentLevel, plan_of

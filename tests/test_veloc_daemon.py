@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from deepfreeze import Config, backend
-from deepfreeze.veloc_engine import (READY_FILE, clean_veloc_leftovers, stop_veloc_daemon, veloc_backend,
+from deepfreeze.veloc_daemon import (READY_FILE, clean_veloc_leftovers, stop_veloc_daemon, veloc_backend,
                                      veloc_daemon_status)
 
 

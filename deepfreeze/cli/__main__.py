@@ -1,6 +1,6 @@
 """``python -m deepfreeze.cli``: the ``deepfreeze`` command."""
 import sys
 
-from . import main
+from .app import main
 
 sys.exit(main())

@@ -12,7 +12,7 @@ lets them check that before any data moves.
   message per non-empty intersection (tensor, source range, clone range): with N == M
   it is the paper's 1:1 "shard r to clone r"; with N != M each clone rank receives its
   own 1/M from the source ranks that hold it. Split points are 64-byte aligned
-  (:func:`deepfreeze.shardplan._split`) so every range is a view of the variable.
+  (:func:`deepfreeze.shardplan.split_bounds`) so every range is a view of the variable.
 * A *small* replicated tensor goes whole, from one source rank to one clone rank,
   both chosen to balance bytes (largest first to the least loaded).
 * A *whole* tensor (not replicated across the source ranks: BatchNormalization's
@@ -35,7 +35,7 @@ import json
 from typing import Iterable, Sequence
 
 from ..format import dtype_itemsize
-from ..shardplan import TensorSpec, _split
+from ..shardplan import TensorSpec, split_bounds
 
 __all__ = ["Route", "ClonePlan", "DEFAULT_THRESHOLD"]
 
@@ -88,7 +88,7 @@ class ClonePlan:
                 small.append((nbytes, t.id))
             else:
                 item = dtype_itemsize(t.dtype)
-                sb, cb = _split(size, n_src, item), _split(size, n_clone, item)
+                sb, cb = split_bounds(size, n_src, item), split_bounds(size, n_clone, item)
                 self.partition[t.id] = [(cb[j], cb[j + 1]) for j in range(n_clone)]
                 for r in range(n_src):
                     for j in range(n_clone):

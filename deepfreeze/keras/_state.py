@@ -7,6 +7,28 @@ weights and their optimizer slots: every rank applies the same all-reduced gradi
 the others (non-trainable weights such as BatchNormalization's moving statistics,
 updated locally by each rank's forward pass, and optimizer variables that are not a
 slot of one weight, e.g. the iteration counter) are *pinned*: taken whole from rank 0.
+
+What is checkpointed, in this order: (1) ``model.weights`` (trainable and non-trainable, in the
+order Keras lists them), named by :func:`deepfreeze.keras.restore.model_tensors` (the variable
+name without ``:0``, ``_<n>`` appended to repeated names); (2) with ``save_optimizer=True`` (the
+default) the optimizer's variables, ``optimizer.variables()`` in its order after
+``optimizer.build(model.trainable_variables)`` (the callback builds it in ``on_train_begin``, so
+the slots exist before the train step is traced), named ``optimizer/<name without :0>``: for SGD
+with momentum ``optimizer/iteration`` and ``optimizer/m/<weight>`` per trainable weight, for Adam
+also ``optimizer/v/<weight>``; a name already used gets ``_<n>``. The manifest's
+``model_tensors`` says how many leading tensors are model weights (``Checkpoint.model_arrays()``
+and ``optimizer_arrays()`` split there); with ``save_optimizer=False`` the list is the weights
+alone. (The paper checkpoints the weights only; here the optimizer state travels in the same
+checkpoint, sharded and captured the same way.) A *slot* is an optimizer variable whose shared
+name is ``<slot>/<shared name of a trainable weight>`` and whose shape is that weight's
+(momentum, Adam's ``m`` and ``v``): updated in the same ``_update_step`` as its weight, it is
+captured in the graph right after that update and placed by the shard plan like any tensor.
+Every other optimizer variable is pinned to rank 0 and read eagerly when the callback captures.
+
+The version number of a checkpoint is the optimizer step (``optimizer.iterations``) after the
+checkpointed batch, also its manifest's ``step``. Not checkpointed: random-number generator state
+outside ``model.weights``, the input pipeline's position, metric accumulators and other callbacks'
+state.
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 from ..config import KEYS, Config, did_you_mean, validate_name
-from ..engine import Engine, make_engine, resolve_engine
+from ..engine import Engine, resolve_engine
+from ..run import make_engine
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
 from ..levels import ScratchLevel
 from ..run import Run

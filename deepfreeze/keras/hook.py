@@ -9,8 +9,9 @@ loads without DeepFreeze. Every consumer of the train step's state is a
 :class:`Sink` registered on it: the checkpoint callback's :class:`FusedSink`
 today; clone transfers, stream publishers and the memory tier later. Adding or
 removing sinks costs one retrace (``model.make_train_function(force=True)``,
-traced at the next step), whatever their number. Sink interface:
-docs/architecture.md, "One hook, many sinks".
+traced at the next step), whatever their number. Registering two sinks of one
+name is a ``ValueError``; the last :func:`detach` removes both wrappers. The sink
+interface is below.
 
 Two kinds of sinks:
 
@@ -38,6 +39,50 @@ A step whose trigger is not armed pays one comparison per sink. Trigger,
 control and buffers are held by non-trackable objects, so they are not in
 ``optimizer.variables()`` (Horovod's broadcast would send them) nor in any
 checkpoint of the model or optimizer.
+
+What a sink gets. A per-variable sink's ``ops_for(variable)`` returns a builder (or ``None``)
+whose ops run right after that variable's update, while back-propagation of lower layers may
+still run; ``end_of_step()`` adds ops after every update of the step (cloning:
+``deepfreeze.keras.clone.CloneSink`` posts sends right after each update and waits for all of
+them at the end of the step, docs/clone.md). A fused sink is read with ``FusedSink.read(step)``,
+a :class:`~deepfreeze.fused.FusedShard`: ``layout`` (a pure function of the shard plan and rank),
+``buffer`` (flat ``uint8``), ``step``, ``data`` (the shard file's data region) and ``pieces()``
+(typed zero-copy views in plan order); a framework-neutral consumer (the engine, a publisher)
+may hold it, or any view of it, as long as it likes: the capture never writes into a buffer
+something still refers to. A reader checks the stamp, so a step that did not capture (a bypassed
+apply path) is a :class:`~deepfreeze.errors.CaptureMissedError`, never stale data. The trigger
+is ``control = [step, address, capacity]``, set in one assign by ``arm`` (``disarm`` sets -1);
+the graph compares ``optimizer.iterations`` with ``control[0]``, so a batch that captures
+nothing runs no DeepFreeze op outside the graph (the callback arms in ``on_train_batch_begin``
+of a checkpoint batch only).
+
+The two capture paths. *Native*: the buffers come from a ``BufferPool`` of ``max_inflight + 1``
+page-aligned, pre-faulted anonymous mappings; ``arm`` takes a free one (no ``FusedShard`` or view
+of it alive), so the copy goes to memory already faulted in and nothing a queued write holds is
+overwritten; the pool buffer is the numpy array the engine reads (no read op). *Graph* (no
+compiled code): one ``tf.concat`` of the stamp, the gaps and an aligned contiguous slice of every
+variable (a view: split points are 64-byte aligned), bitcast to bytes and assigned to a
+``tf.Variable`` whose buffer TF adopts from the concat (no second copy); its memory is a fresh TF
+allocation each time, read with one ``value()`` op, zero-copy. Either way a capture is one op and
+one pass over the shard, whatever the number of tensors (a copy op per piece cost 2.5-5.4x the
+memcpy for ResNet-50; a ``ReadVariableOp`` per tensor 3-10 us each, 1-4 ms for its 320 tensors).
+For epoch-end checkpoints whose step was not known in advance (a dataset of unknown length), and
+for an execution that ended before the armed step, the callback slices the pieces from the
+variables eagerly. With more than one rank, a checkpoint due in the first batch of a ``fit``
+call is skipped: Horovod's ``BroadcastGlobalVariablesCallback`` broadcasts rank 0's weights at
+the end of that batch, so pieces captured in it would come from different replicas.
+
+Every rank builds the same graph. The fused capture has an input (and, in the graph path, a
+slice, a bitcast and a gap constant) for *every* tensor of the plan, zero-length where the rank
+holds no piece; ``PieceCopySink`` has a buffer and a copy for every trainable tensor and slot.
+The ranks' graphs therefore differ only in attributes and shapes. Horovod requires it: it
+matches collectives across ranks by name, and its ``DistributedOptimizer`` places each allreduce
+inside a ``tf.cond`` (``horovod/tensorflow/__init__.py:_allreduce_cond``) whose lowered branch
+name contains a graph node id (``.../cond/then/_40/...``). With different numbers of ops the
+node ids, hence the allreduce names, differ, and each rank waits for a collective the others
+never submit. Observed twice: per-piece copies only for the tensors a rank holds (``_40`` vs
+``_31``), and a first fused capture that concatenated only the rank's own pieces (``_44`` vs
+``_45``, a 2-rank test hung).
 """
 from __future__ import annotations
 

@@ -20,6 +20,14 @@ The kernel copies on the calling thread with non-temporal stores for pieces of 6
 ``DEEPFREEZE_FUSED_COPY_THREADS=0`` (or ``n``) spreads copies of >= 4 MiB over TensorFlow's CPU
 worker threads in 2 MiB chunks, ``DEEPFREEZE_FUSED_COPY_NT=0`` uses ``memcpy`` only. Both are
 read when a kernel is built (a function's first run).
+
+Two ops: ``DeepFreezeFusedCopyVars(dest, step, vars, src_offsets, dst_offsets, lengths)`` takes
+a reference to each resource variable's current buffer under its lock (as ``ReadVariableOp``
+does, no copy) and copies every piece, one graph node for all the variables (a
+``ReadVariableOp`` per tensor cost 3-10 us each); ``DeepFreezeFusedCopy`` is the same copy over
+tensors. ``dest`` is ``[address, capacity]`` of the caller's buffer (the sink's ``control[1:]``);
+the kernel validates every offset and length against the value sizes and the capacity before it
+writes a byte.
 """
 from __future__ import annotations
 

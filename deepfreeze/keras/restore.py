@@ -1,10 +1,22 @@
-"""Restore a committed version into a Keras model (the TensorFlow side of restore)."""
+"""Restore a committed version into a Keras model (the TensorFlow side of restore).
+
+:func:`apply_checkpoint` is the one function both ``deepfreeze.restore`` (weights only) and
+``resume=True`` (weights and optimizer state) use. The model is matched by position, dtype and
+shape (not by name) against the first ``model_tensors`` tensors of the manifest; a difference
+raises :class:`~deepfreeze.errors.ModelMismatchError` naming the first mismatching tensor. With
+``optimizer=True`` it then calls ``optimizer.build(model.trainable_variables)``, matches
+``optimizer.variables()`` against the remaining tensors the same way (the weights are already
+set then) and assigns them by position; it returns whether optimizer state was restored (False
+when not asked or when the checkpoint has none). Restore needs no MPI (without a communicator)
+and works at any world size: the manifest's plan says where every piece is.
+"""
 from __future__ import annotations
 
 import logging
 import re
 from typing import Any
 
+from .._lazy import callable_module
 from ..config import Config
 from ..errors import ConfigError, ModelMismatchError
 from ..format import dtype_name
@@ -139,3 +151,8 @@ _KERAS_NUMBER = re.compile(r"_\d+(?=/|$)")
 def _base(name: str) -> str:
     """``name`` without Keras' uniquifying suffixes: ``sequential_3/dense_1/kernel`` -> ``sequential/dense/kernel``."""
     return _KERAS_NUMBER.sub("", name)
+
+
+# deepfreeze.keras.restore(...) is restore_model, whether the name on the package is the function or this
+# module (set by the import system when it is first imported): the module is callable.
+callable_module(__name__, lambda: restore_model)

@@ -17,18 +17,41 @@ Standalone use for any numpy state (no engine, no TensorFlow)::
     arrays, version = memtier.restore(dev, "state")    # newest DONE version, bit-exact
     memtier.view(dev.path)                             # models, shards, slots, free space
 
-Modules: :mod:`~deepfreeze.memtier.device` (on-device format, commit protocol, repack),
+Modules: :mod:`~deepfreeze.memtier.device` (the device file, its model table protocol, repack),
+:mod:`~deepfreeze.memtier.layout` (the on-device format: records and their checks),
+:mod:`~deepfreeze.memtier.slot` (a region's slots: the slot commit protocol, readers),
 :mod:`~deepfreeze.memtier.copy` (``process_vm_readv`` and in-process copiers, the memtier's only
-ctypes), :mod:`~deepfreeze.memtier.api` (standalone use), :mod:`~deepfreeze.memtier.jobs` (whose regions a
-job reads; which runs are reclaimed or evicted), :mod:`~deepfreeze.memtier.dump`
-(export to .npz/.h5/.safetensors), :mod:`~deepfreeze.memtier.level` (the tier as a restore
-level). docs/memtier.md has the details.
+native calls, through :mod:`deepfreeze._native`), :mod:`~deepfreeze.memtier.api` (standalone use),
+:mod:`~deepfreeze.memtier.jobs` (whose regions a job reads; which runs are reclaimed or evicted),
+:mod:`~deepfreeze.memtier.dump` (export to .npz/.h5/.safetensors), :mod:`~deepfreeze.memtier.level`
+(the tier as a restore level). docs/memtier.md has the details.
 """
 from __future__ import annotations
 
-from .api import Model, checkpoint, job_id, register, restore, view
-from .device import Device, ShardRegion, SlotHeader, SlotState, create, open  # noqa: A004 - the documented name
-from .dump import dump
+from typing import TYPE_CHECKING
+
+from .._lazy import facade
 
 __all__ = ["create", "open", "register", "checkpoint", "restore", "view", "dump", "job_id",
            "Device", "Model", "ShardRegion", "SlotHeader", "SlotState"]
+
+__getattr__, __dir__ = facade(__name__, {
+    "register": ".api",
+    "checkpoint": ".api",
+    "restore": ".api",
+    "view": ".api",
+    "job_id": ".api",
+    "Model": ".api",
+    "create": ".device",
+    "open": ".device",
+    "Device": ".device",
+    "ShardRegion": ".device",
+    "SlotHeader": ".device",
+    "SlotState": ".device",
+    "dump": ".dump",
+})
+
+if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
+    from .api import Model, checkpoint, job_id, register, restore, view
+    from .device import Device, ShardRegion, SlotHeader, SlotState, create, open  # noqa: A004 - the documented name
+    from .dump import dump

@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .. import format as fmt
+from ..format import build_manifest
 from ..node import host_name
 from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
 from ..lease import RunInfo, Version, job_id_at, new_run_id, valid_job_id
@@ -149,7 +150,6 @@ def register(device: "mdev.Device | str", name: str,
 
 
 def _manifest(name: str, version: Version, step: int, plan: ShardPlan, run: RunInfo) -> dict[str, Any]:
-    from ..engine import build_manifest
     return build_manifest(name, version.step, step, 0, plan, [host_name()], {"memtier": True}, run=run)
 
 

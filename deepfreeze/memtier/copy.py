@@ -1,4 +1,5 @@
-"""Copying tensor bytes between processes for the memory tier (the only ctypes module of it).
+"""Copying tensor bytes between processes for the memory tier (the memtier's only native calls, made
+through :mod:`deepfreeze._native`; ctypes here is only the ``iovec`` layout).
 
 The backend pulls a rank's capture buffer straight into a device slot with ``process_vm_readv``
 (the local stand-in for Portus's one-sided RDMA read: no copy in the rank, no file, no
@@ -30,6 +31,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import format as fmt
+from .._native import PR_SET_PTRACER, available, memmove, prctl, process_vm_readv, process_vm_writev
+from .._native import PR_SET_PTRACER_ANY  # noqa: F401 - defined here before deepfreeze._native
 from ..errors import MemtierError, MemtierPermissionError
 
 __all__ = ["Copier", "VmReadvCopier", "LocalCopier", "CopyStats", "allow_ptracer", "ptrace_scope",
@@ -42,24 +45,13 @@ IOV_MAX = 1024
 #: seconds slept after every batch (test-only: ``DEEPFREEZE_MEMTIER_COPY_DELAY``; 0 otherwise)
 COPY_DELAY = float(os.environ.get("DEEPFREEZE_MEMTIER_COPY_DELAY") or 0)
 
-PR_SET_PTRACER = 0x59616D61
-PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
-
 
 class _Iovec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_readv = getattr(_libc, "process_vm_readv", None)
-_writev = getattr(_libc, "process_vm_writev", None)
-for _f in (_readv, _writev):
-    if _f is not None:
-        _f.restype = ctypes.c_ssize_t
-        _f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-_prctl = _libc.prctl
-_prctl.restype = ctypes.c_int
-_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_readv = process_vm_readv if available("process_vm_readv") else None
+_writev = process_vm_writev if available("process_vm_writev") else None
 
 
 def ptrace_scope() -> int | None:
@@ -81,7 +73,11 @@ def allow_ptracer(pid: int) -> bool:
         return True
     if scope >= 2:
         return False
-    return _prctl(PR_SET_PTRACER, pid, 0, 0, 0) == 0
+    try:
+        prctl(PR_SET_PTRACER, pid, 0, 0, 0)
+    except OSError:
+        return False
+    return True
 
 
 @dataclasses.dataclass
@@ -252,9 +248,9 @@ class LocalCopier(Copier):
         n = 0
         for addr, off, length in batch:
             if out:
-                ctypes.memmove(addr, base + off, length)
+                memmove(addr, base + off, length)
             else:
-                ctypes.memmove(base + off, addr, length)
+                memmove(base + off, addr, length)
             n += length
         return n, 1
 
@@ -278,14 +274,14 @@ class VmReadvCopier(Copier):
         done = calls = 0
         i = 0  # first iovec not completely moved (local and remote have the same lengths)
         while done < want:
-            got = self._syscall(fn, ctypes.addressof(local) + i * ctypes.sizeof(_Iovec),
-                                ctypes.addressof(remote) + i * ctypes.sizeof(_Iovec), n - i)
             calls += 1
-            if got < 0:
-                err = ctypes.get_errno()
-                if err == errno.EINTR:
+            try:
+                got = self._syscall(fn, ctypes.addressof(local) + i * ctypes.sizeof(_Iovec),
+                                    ctypes.addressof(remote) + i * ctypes.sizeof(_Iovec), n - i)
+            except OSError as e:
+                if e.errno == errno.EINTR:
                     continue
-                raise self._error(err, out)
+                raise self._error(e.errno, out) from e
             if got == 0:
                 raise MemtierError(f"{'process_vm_writev' if out else 'process_vm_readv'} of {self.source} made no "
                                    f"progress ({done} of {want} bytes of a batch): the peer's memory changed under "
@@ -307,7 +303,8 @@ class VmReadvCopier(Copier):
 
     def _syscall(self, fn: Any, local: int, remote: int, count: int) -> int:
         """One ``process_vm_readv``/``writev`` call over ``count`` iovecs at addresses ``local`` and
-        ``remote`` (a seam for tests that inject partial returns by subclassing)."""
+        ``remote``: the bytes moved, or ``OSError`` (a seam for tests that inject partial returns by
+        subclassing)."""
         return fn(self.pid, local, count, remote, count, 0)
 
     def _error(self, err: int, out: bool) -> Exception:

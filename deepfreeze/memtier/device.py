@@ -5,29 +5,10 @@ written through this module. Per (model, shard) it holds an *index* (MIndex) and
 *slots*; a slot's image is exactly a :mod:`deepfreeze.format` shard file (header + index + data),
 so everything that reads shard files reads a slot image unchanged.
 
-Layout (little-endian, every offset from the file start, ``PAGE`` = 4096)::
-
-    superblock [0, 4096)
-      magic b"DFMEMTR\\0", format u32 = 1, page u32, size u64, table_off u64 (= 4096),
-      table_cap u32, entry_size u32 (= 1024), created f64, crc u32 (CRC32 of the bytes before it)
-    model table at table_off: table_cap entries of entry_size bytes, append-only
-      state u32 (0 FREE: never written, 1 WRITING, 2 VALID, 3 RETIRED, 4 FINISHED: valid, and the
-      model's job has finished so repack may compact it), then the body:
-      name (u16 len + 255 bytes utf-8), run 16s (hex), rank u32, world_size u32, nslots u32,
-      region_off, region_len, index_off, index_len, slot_off, slot_stride, meta_cap, image_size
-      (all u64), created f64, body_crc u32 (CRC32 of the body; the state word is outside it)
-    data area from data_start = align(table_off + table_cap * entry_size, PAGE): the regions
-    region of an entry (page aligned): index, then the slots
-      MIndex at index_off: index_len bytes of JSON + u32 CRC32 trailer (see :func:`make_index`); its
-        ``job`` is the id of the job the region belongs to (``deepfreeze.run.job_id``; absent or
-        null: "job unknown", a region written before job ids existed)
-      slot k at slot_off + k * slot_stride:
-        header page: magic b"DFSLOT\\0\\0", state u32 (0 EMPTY, 1 ACTIVE, 2 DONE), pad u32, run 16s,
-          generation u64, step u64 (the checkpoint version number), meta_len u32, pad u32,
-          image_len u64, image_crc u32 (0: not computed), pad u32, written f64, hdr_crc u32
-          (CRC32 of the header bytes before it)
-        manifest [PAGE, PAGE + meta_cap): meta_len bytes, the version's checkpoint manifest (JSON)
-        image [PAGE + meta_cap, + image_size): the format.py shard image of the version
+The on-device layout (superblock, model table, regions, slot headers) is specified in
+:mod:`deepfreeze.memtier.layout`, which also decodes and checks every record read; the slot
+commit protocol and the readers of a region are in :mod:`deepfreeze.memtier.slot`. This module
+owns the file and its model table.
 
 **Model table protocol.** Every change of the table happens under an exclusive ``flock`` of the
 device file (bounded wait, :class:`MemtierBusyError` naming the holder). Register: take the
@@ -37,33 +18,6 @@ then flip the state to VALID (one aligned 4-byte store) and msync. A crash befor
 a WRITING entry, which nothing reads and the next :meth:`Device.repack` retires. Retire: state
 RETIRED. There is no allocator state on the device: free space is computed at open from the VALID
 regions (first fit, page aligned).
-
-**Slot commit protocol** (one writer per region; :meth:`ShardRegion.begin` and
-:meth:`SlotWriter.finish`):
-
-1. header <- ACTIVE(run, generation, version number) with its CRC; msync the header page;
-2. the data is copied into the image's data region (:attr:`SlotWriter.data`; the pieces' CRCs are
-   computed while copying, :mod:`deepfreeze.memtier.copy`), then the image header
-   (``format.encode_index``, holding those CRCs) and the manifest are written; msync the slot;
-3. header <- DONE(..., image_crc, meta_len) with its CRC; msync the header page.
-
-A header torn by a crash fails its CRC and reads as invalid, an ACTIVE slot is never restorable:
-``kill -9`` at any moment leaves the previous DONE version intact, because a new version never
-goes into the newest valid DONE slot (:meth:`ShardRegion.choose_slot`). Readers take the DONE
-slot with a valid header and the newest ``Version(generation, version)``, verify the image (its
-header, index and every piece's CRC) and fall back to the next DONE slot on damage. A reader's
-copy is checked like a seqlock: the slot header is compared before and after the copy, so a slot
-rewritten during the read is detected (:meth:`ShardRegion.read_image`).
-
-Limit of the choice: it looks at headers only, so if the newest DONE image was damaged in memory
-after it was written, the older one may be overwritten next (media damage, not a crash).
-
-**What a DONE slot survives, per medium.** tmpfs (``/dev/shm``): any process crash, ``kill -9``
-included (the pages belong to the file), not a reboot or power loss. A file on a disk or NVMe
-file system: power loss too, because every step above msyncs its page-aligned range before the
-next. DAX (persistent memory mapped directly): msync is not enough on every platform, cache-line
-flushes (``clwb``) and a fence would be needed, which Python cannot issue: correctness on DAX
-needs a native flush and is not claimed.
 
 Every offset and size read from the device is bounds-checked before use. A damaged superblock
 raises :class:`MemtierCorruptError`; a damaged or hostile table entry (or index) is
@@ -78,36 +32,38 @@ superseded (a newer verified DONE version on every region of the newer run) are 
 (:meth:`Device.reclaim`, :meth:`Device.repack`); a registration that does not fit may evict
 finished models (:meth:`Device._evict_for`: never a live one, each job's newest version last);
 :meth:`Device.drop` is ``deepfreeze memtier rm``.
+
+Long because: one protocol (the model table under one flock) in the one class owning the file.
 """
 from __future__ import annotations
 
 import builtins
 import contextlib
 import dataclasses
-import enum
 import errno
 import fcntl
 import json
 import logging
-import math
 import mmap
 import os
 import re
-import struct
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
-
-import numpy as np
+from typing import Any, Callable, Iterator
 
 from .. import crashpoints as cp
 from .. import format as fmt
 from .. import node as _node
-from ..jsonsafe import loads as bounded_loads
 from ..errors import (CorruptCheckpointError, MemtierBusyError, MemtierCorruptError, MemtierError,
                       MemtierFullError, UntrustedOwnerError)
-from ..lease import Version, valid_job_id
+from ..lease import Version
 from . import jobs as _jobs
+from .layout import (_BODY, _LIVE_STATES, _RUN_RE, _SB, _STATE_NAMES, _U32, DEFAULT_TABLE_CAP, DEVICE_FORMAT,
+                     ENTRY_SIZE, FINISHED, FREE, MAX_INDEX_BYTES, MAX_SLOTS, PAGE, RETIRED, SB_MAGIC, VALID, WRITING,
+                     SlotHeader, SlotState, _align, _check_name, _decode_json, _entry_problem, _Entry, _index_problem,
+                     _parse_entry, _touch, index_for_entries, make_index, manifest_capacity)
+from .layout import _SLOT  # noqa: F401 - defined here before the layout module (tests read it here)
+from .slot import ShardRegion, SlotWriter, _slot_header_bytes
 
 __all__ = ["PAGE", "create", "open", "view", "parse_size", "Device", "ShardRegion", "SlotHeader", "SlotState",
            "SlotWriter", "make_index", "index_for_entries", "manifest_capacity", "default_live",
@@ -115,40 +71,9 @@ __all__ = ["PAGE", "create", "open", "view", "parse_size", "Device", "ShardRegio
 
 log = logging.getLogger("deepfreeze")
 
-PAGE = 4096
-SB_MAGIC = b"DFMEMTR\0"
-SLOT_MAGIC = b"DFSLOT\0\0"
-DEVICE_FORMAT = 1
-ENTRY_SIZE = 1024
-DEFAULT_TABLE_CAP = 1024
-MAX_INDEX_BYTES = 64 << 20
-MAX_SLOTS = 64
-MAX_NAME_BYTES = 255
 #: seconds to wait for the device's flock before :class:`MemtierBusyError`
 FLOCK_TIMEOUT = 30.0
-
-_SB = struct.Struct("<8sIIQQIId")  # + crc u32
-_BODY = struct.Struct("<H255s16sIIIQQQQQQQQd")  # + body_crc u32
-_SLOT = struct.Struct("<8sII16sQQIIQIId")  # + hdr_crc u32
-_U32 = struct.Struct("<I")
-assert _SB.size + 4 <= PAGE and 4 + _BODY.size + 4 <= ENTRY_SIZE and _SLOT.size + 4 <= PAGE
-
-FREE, WRITING, VALID, RETIRED, FINISHED = 0, 1, 2, 3, 4
-_LIVE_STATES = (VALID, FINISHED)
 builtins_open = builtins.open  # this module defines open()
-_STATE_NAMES = {FREE: "free", WRITING: "writing", VALID: "valid", RETIRED: "retired", FINISHED: "finished"}
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.]{1,200}$")  # config.validate_name's rule
-_RUN_RE = re.compile(r"^[0-9a-f]{16}$")
-
-
-class SlotState(enum.IntEnum):
-    EMPTY = 0
-    ACTIVE = 1
-    DONE = 2
-
-
-def _align(n: int, a: int = PAGE) -> int:
-    return (n + a - 1) // a * a
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
@@ -175,25 +100,6 @@ def parse_size(size: "int | str") -> int:
 
 
 # --------------------------------------------------------------------------- small helpers
-
-def _check_name(name: Any) -> str | None:
-    if not isinstance(name, str) or not _NAME_RE.match(name) or name in (".", ".."):
-        return f"name {str(name)[:60]!r} is not a checkpoint name ([A-Za-z0-9_.], at most 200 characters)"
-    return None
-
-
-def _decode_json(data: bytes, what: str) -> Any:
-    """JSON with the manifest limits of format.py (long integers, NaN, nesting depth); never pickle."""
-    hooks: dict[str, Any] = {"parse_float": fmt._parse_float, "parse_constant": fmt._parse_constant}
-    if fmt._LONG_DIGITS.search(data):
-        hooks["parse_int"] = fmt._parse_int
-    return bounded_loads(data, what, max_bytes=len(data), error=MemtierCorruptError, hooks=hooks,
-                         advice="the memory-tier entry is damaged: it is not used")
-
-
-def _int(v: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
-    return type(v) is int and lo <= v <= hi
-
 
 def _mem_available() -> int | None:
     try:
@@ -249,198 +155,6 @@ def _flock_holder(fd: int) -> str:
 
 _said_lock = threading.Lock()
 _said_quarantine: set[tuple[str, int, str]] = set()
-
-
-# --------------------------------------------------------------------------- records
-
-@dataclasses.dataclass(frozen=True)
-class SlotHeader:
-    """A slot's header as read (only headers with the right magic and a matching CRC are returned)."""
-
-    state: SlotState
-    run: str
-    version: Version  #: (generation, checkpoint version number)
-    meta_len: int
-    image_len: int
-    image_crc: int
-    written: float
-    raw: bytes = dataclasses.field(repr=False, compare=False, default=b"")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    entry_no: int
-    state: int
-    name: str
-    run: str
-    rank: int
-    world_size: int
-    nslots: int
-    region_off: int
-    region_len: int
-    index_off: int
-    index_len: int
-    slot_off: int
-    slot_stride: int
-    meta_cap: int
-    image_size: int
-    created: float
-    body: bytes = dataclasses.field(repr=False, default=b"")
-
-    def pack_body(self) -> bytes:
-        name = self.name.encode("utf-8")
-        body = _BODY.pack(len(name), name, self.run.encode("ascii"), self.rank, self.world_size, self.nslots,
-                          self.region_off, self.region_len, self.index_off, self.index_len, self.slot_off,
-                          self.slot_stride, self.meta_cap, self.image_size, self.created)
-        return body + _U32.pack(fmt.crc32(body))
-
-
-def _parse_entry(no: int, raw: bytes) -> "_Entry | str":
-    """The entry in ``raw`` (entry_size bytes), or what is wrong with it."""
-    state = _U32.unpack_from(raw, 0)[0]
-    body = raw[4:4 + _BODY.size]
-    crc = _U32.unpack_from(raw, 4 + _BODY.size)[0]
-    if fmt.crc32(body) != crc:
-        return "body checksum mismatch (torn or damaged entry)"
-    f = _BODY.unpack(body)
-    nlen, nraw, run = f[0], f[1], f[2]
-    if nlen > MAX_NAME_BYTES:
-        return f"name length {nlen} above {MAX_NAME_BYTES}"
-    try:
-        name, run_s = nraw[:nlen].decode("utf-8"), run.decode("ascii")
-    except UnicodeDecodeError:
-        return "name or run is not text"
-    return _Entry(no, state, name, run_s, *f[3:], body=body)  # type: ignore[arg-type]
-
-
-def _entry_problem(e: _Entry, data_start: int, size: int) -> str | None:
-    why = _check_name(e.name)
-    if why:
-        return why
-    if not _RUN_RE.match(e.run):
-        return f"run {e.run!r} is not 16 hex digits"
-    if not (1 <= e.world_size <= 1 << 20 and e.rank < e.world_size):
-        return f"rank {e.rank} / world size {e.world_size} out of range"
-    if not 1 <= e.nslots <= MAX_SLOTS:
-        return f"{e.nslots} slots (1..{MAX_SLOTS} allowed)"
-    if any(v % PAGE for v in (e.region_off, e.region_len, e.slot_off, e.slot_stride, e.meta_cap)):
-        return "region, slot offsets, stride or manifest capacity not page aligned"
-    if not (data_start <= e.region_off and e.region_len > 0 and e.region_off + e.region_len <= size):
-        return (f"region [{e.region_off}, {e.region_off + e.region_len}) outside the data area "
-                f"[{data_start}, {size})")
-    if e.index_len > MAX_INDEX_BYTES:
-        return f"index of {e.index_len} bytes (at most {MAX_INDEX_BYTES})"
-    if not (e.region_off <= e.index_off and e.index_off + e.index_len + 4 <= e.slot_off):
-        return "index outside the region or overlapping the slots"
-    if not 0 < e.image_size <= 1 << 50:
-        return f"image size {e.image_size} out of range"
-    if e.slot_stride < PAGE + e.meta_cap + _align(e.image_size):
-        return f"slot stride {e.slot_stride} smaller than header + manifest + image"
-    if e.slot_off + e.nslots * e.slot_stride > e.region_off + e.region_len:
-        return "slots run past the region"
-    return None
-
-
-def _index_problem(idx: Any, e: "_Entry | None") -> str | None:
-    """What is wrong with an MIndex (dict), checked against its table entry when given."""
-    if not isinstance(idx, dict):
-        return "not an object"
-    for k, typ in (("name", str), ("run", str), ("rank", int), ("world_size", int), ("tensors", list),
-                   ("data_offset", int), ("file_size", int), ("standalone", bool)):
-        if not isinstance(idx.get(k), typ) or (typ is int and isinstance(idx.get(k), bool)):
-            return f"'{k}' missing or not {typ.__name__}"
-    if e is not None and (idx["name"], idx["run"], idx["rank"], idx["world_size"]) != \
-            (e.name, e.run, e.rank, e.world_size):
-        return "name, run, rank or world size differ from the table entry"
-    if _check_name(idx["name"]) or not _RUN_RE.match(idx["run"]):
-        return "name or run malformed"
-    if not (1 <= idx["world_size"] <= 1 << 20 and 0 <= idx["rank"] < idx["world_size"]):
-        return "rank / world size out of range"
-    lease = idx.get("lease")
-    if lease is not None and not (isinstance(lease, dict) and isinstance(lease.get("persistent"), str)
-                                  and isinstance(lease.get("timeout"), (int, float))
-                                  and not isinstance(lease.get("timeout"), bool)):
-        return "'lease' malformed (null or {persistent: str, timeout: number})"
-    job = idx.get("job")
-    if job is not None and not valid_job_id(job):
-        return "'job' malformed (null or 32 hex digits)"
-    owner = idx.get("owner")
-    if owner is not None and not (isinstance(owner, dict) and _int(owner.get("pid"), 1, 1 << 31)
-                                  and _int(owner.get("start"), 0, 1 << 62) and isinstance(owner.get("boot"), str)
-                                  and isinstance(owner.get("node", ""), str)):
-        return "'owner' malformed"
-    data_offset, file_size, tensors = idx["data_offset"], idx["file_size"], idx["tensors"]
-    if len(tensors) > fmt.MAX_ENTRIES:
-        return f"{len(tensors)} pieces"
-    if e is not None and file_size != e.image_size:
-        return f"file_size {file_size} differs from the entry's image size {e.image_size}"
-    if not (data_offset % PAGE == 0 and 0 < data_offset <= file_size <= 1 << 50):
-        return f"data_offset {data_offset} / file_size {file_size} out of range"
-    head = 72
-    pos = data_offset
-    for i, t in enumerate(tensors):
-        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and t.get("dtype") in fmt._ITEMSIZE
-                and isinstance(t.get("shape"), list) and len(t["shape"]) <= fmt.MAX_NDIM
-                and all(_int(d, 0, 1 << 48) for d in t["shape"])
-                and all(_int(t.get(k)) for k in ("size", "offset", "tensor_id", "start", "stop"))):
-            return f"piece {i} malformed"
-        total = math.prod(t["shape"])
-        if not (total <= fmt.MAX_TENSOR_ELEMENTS and t["start"] <= t["stop"] <= total
-                and t["size"] == (t["stop"] - t["start"]) * fmt._ITEMSIZE[t["dtype"]] and t["tensor_id"] < 1 << 32):
-            return f"piece {i} ({t['name']!r}): range, size or shape inconsistent"
-        if not (pos <= t["offset"] and t["offset"] + t["size"] <= file_size):
-            return f"piece {i} ({t['name']!r}): bytes [{t['offset']}, {t['offset'] + t['size']}) overlap another " \
-                   f"piece or lie outside the data region [{data_offset}, {file_size})"
-        pos = t["offset"] + t["size"]
-        head += 48 + 8 * len(t["shape"])
-    if head > data_offset:
-        return f"the image header and index ({head} bytes) do not fit before data_offset {data_offset}"
-    return None
-
-
-def index_for_entries(name: str, run: str, rank: int, world_size: int, names: Sequence[str],
-                      entries: Sequence[fmt.Entry], data_offset: int, file_size: int, *,
-                      lease: dict[str, Any] | None = None, standalone: bool = False,
-                      owner: dict[str, Any] | None = None, job: str | None = None) -> dict[str, Any]:
-    """The MIndex of a shard laid out by ``format.layout`` (``entries`` with offsets; ``names[i]``
-    is the tensor name of ``entries[i]``), e.g. from ``FusedLayout.build(plan, rank)``; ``job``:
-    the id of the job it belongs to (:func:`deepfreeze.run.job_id`), None: job unknown."""
-    if job is not None and not valid_job_id(job):
-        raise ValueError(f"job {job!r} is not a job id (32 hex digits: deepfreeze.run.new_job_id)")
-    tensors = [{"name": n, "dtype": e.dtype, "shape": list(e.shape), "size": e.length, "offset": e.offset,
-                "tensor_id": e.tensor_id, "start": e.start, "stop": e.stop} for n, e in zip(names, entries)]
-    idx = {"name": name, "run": run, "rank": rank, "world_size": world_size, "tensors": tensors,
-           "data_offset": data_offset, "file_size": file_size, "lease": lease, "standalone": standalone}
-    if owner is not None:
-        idx["owner"] = owner
-    if job is not None:
-        idx["job"] = job
-    return idx
-
-
-def make_index(plan: Any, rank: int, name: str, run: str, *, lease: dict[str, Any] | None = None,
-               standalone: bool = False, owner: dict[str, Any] | None = None,
-               job: str | None = None) -> dict[str, Any]:
-    """The MIndex of rank ``rank``'s shard of a :class:`~deepfreeze.shardplan.ShardPlan` (the image
-    is laid out exactly like the shard file and the fused capture buffer of that rank)."""
-    pieces = plan.for_rank(rank)
-    raw = [fmt.Entry(p.tensor_id, plan.tensors[p.tensor_id].dtype, plan.tensors[p.tensor_id].shape, p.start, p.stop)
-           for p in pieces]
-    entries, data_offset, file_size = fmt.layout(raw)
-    return index_for_entries(name, run, rank, plan.world_size, [plan.tensors[p.tensor_id].name for p in pieces],
-                             entries, data_offset, file_size, lease=lease, standalone=standalone, owner=owner,
-                             job=job)
-
-
-def manifest_capacity(n_tensors: int, n_pieces: int, world_size: int) -> int:
-    """Bytes to reserve per slot for the version's manifest: the largest one restore accepts for
-    that shape (``format.manifest_size_limit``), page aligned."""
-    return _align(fmt.manifest_size_limit(n_tensors, n_pieces, world_size))
-
-
-def _index_entries(idx: dict[str, Any]) -> list[fmt.Entry]:
-    return [fmt.Entry(t["tensor_id"], t["dtype"], tuple(t["shape"]), t["start"], t["stop"], t["offset"], t["size"])
-            for t in idx["tensors"]]
 
 
 # --------------------------------------------------------------------------- device
@@ -533,15 +247,6 @@ def create(path: str, size: "int | str", *, force: bool = False, table_cap: int 
         raise
     return open(path)
 
-
-def _touch(mm: mmap.mmap, off: int, length: int) -> None:
-    """Pre-fault [off, off + length) for writing: one read-modify-write of a byte per page
-    (contents unchanged), so the first checkpoint does not pay for the page faults."""
-    if length <= 0:
-        return
-    a = np.frombuffer(mm, dtype=np.uint8, count=length, offset=off)
-    a[::PAGE] |= 0
-    del a
 
 
 def open(path: str, *, writable: bool = True) -> "Device":  # noqa: A001 - the documented name
@@ -1111,281 +816,6 @@ class Device:
                 kept[key] = (head.version, new)
             self.refresh()
         return {"retired": retired, "moved": moved, "freed_bytes": freed}
-
-
-# --------------------------------------------------------------------------- regions and slots
-
-def _slot_header_bytes(state: SlotState, run: str, version: Version, meta_len: int, image_len: int,
-                       image_crc: int, written: float) -> bytes:
-    raw = _SLOT.pack(SLOT_MAGIC, int(state), 0, run.encode("ascii"), version.generation, version.step,
-                     meta_len, 0, image_len, image_crc, 0, written)
-    return raw + _U32.pack(fmt.crc32(raw))
-
-
-class ShardRegion:
-    """One (model, run, rank) region of a device: its index and slots."""
-
-    def __init__(self, device: Device, e: _Entry, index: dict[str, Any]) -> None:
-        self.device, self._e, self.index = device, e, index
-        self.name, self.run, self.rank, self.world_size = e.name, e.run, e.rank, e.world_size
-        self.nslots, self.entry_no, self.region_off = e.nslots, e.entry_no, e.region_off
-        self.region_len, self.meta_cap, self.image_size = e.region_len, e.meta_cap, e.image_size
-        self.finished = e.state == FINISHED
-        #: the id of the job this region belongs to (its MIndex ``job``); None: job unknown
-        self.job: str | None = index.get("job")
-        self.data_offset, self.file_size = index["data_offset"], index["file_size"]
-        #: the image's index entries (offsets in the image; CRCs 0: the written ones are in the image)
-        self.entries = _index_entries(index)
-        self.names = [t["name"] for t in index["tensors"]]
-
-    def __repr__(self) -> str:
-        return (f"ShardRegion({self.name!r}, run={self.run}, rank={self.rank}/{self.world_size}, "
-                f"slots={self.nslots}, entry={self.entry_no})")
-
-    def _slot_off(self, k: int) -> int:
-        if not 0 <= k < self.nslots:
-            raise IndexError(f"slot {k} of {self.nslots}")
-        return self._e.slot_off + k * self._e.slot_stride
-
-    def image_offset(self, k: int) -> int:
-        return self._slot_off(k) + PAGE + self.meta_cap
-
-    def raw_header(self, k: int) -> bytes:
-        """Slot ``k``'s header bytes as they are now (compared by seqlock readers)."""
-        off = self._slot_off(k)
-        return bytes(self.device.mm[off:off + _SLOT.size + 4])
-
-    def slot_header(self, k: int) -> SlotHeader | None:
-        """Slot ``k``'s header, or None if it is invalid (wrong magic, checksum, state or bounds:
-        a torn or damaged header)."""
-        return self._parse_header(self.raw_header(k))
-
-    def _parse_header(self, raw: bytes) -> SlotHeader | None:
-        magic, state, _, run, gen, step, meta_len, _, image_len, image_crc, _, written = _SLOT.unpack_from(raw)
-        if magic != SLOT_MAGIC or _U32.unpack_from(raw, _SLOT.size)[0] != fmt.crc32(raw[:_SLOT.size]):
-            return None
-        if state not in (0, 1, 2) or meta_len > self.meta_cap or image_len > self.image_size:
-            return None
-        try:
-            run_s = run.decode("ascii")
-        except UnicodeDecodeError:
-            return None
-        if not _RUN_RE.match(run_s) or gen >= 1 << 62 or step >= 1 << 62:
-            return None
-        return SlotHeader(SlotState(state), run_s, Version(gen, step), meta_len, image_len, image_crc, written, raw)
-
-    def _done(self) -> list[tuple[int, SlotHeader]]:
-        """DONE slots of this run with a valid header, newest first."""
-        out = []
-        for k in range(self.nslots):
-            h = self.slot_header(k)
-            if h is not None and h.state == SlotState.DONE and h.run == self.run and h.image_len == self.image_size:
-                out.append((k, h))
-        out.sort(key=lambda kh: (kh[1].version, -kh[0]), reverse=True)
-        return out
-
-    def holding(self, k: int, run: str, step: int) -> SlotHeader | None:
-        """Slot ``k``'s header if it is DONE (valid checksum) and holds version ``step`` of ``run``; else None."""
-        h = self.slot_header(k)
-        if h is None or h.state != SlotState.DONE or h.run != run or h.version.step != step:
-            return None
-        return h
-
-    def put(self, k: int, version: Version, copier: Any, regions: Sequence[tuple[int, int]],
-            manifest: dict[str, Any], *, dest_offsets: Sequence[int] | None = None) -> Any:
-        """The whole slot protocol for one version: header ACTIVE (:meth:`begin`), ``copier``
-        (:class:`~deepfreeze.memtier.copy.Copier`) copies the source ``regions`` into the data region
-        with every piece's CRC32, then image header, manifest and header DONE
-        (:meth:`SlotWriter.finish`). A failed copy leaves the slot ACTIVE (never restorable). Without
-        ``dest_offsets`` the regions must fill the data region exactly (:class:`MemtierError` before
-        anything is written otherwise). Returns the copier's ``CopyStats``."""
-        if dest_offsets is None and sum(n for _, n in regions) != self.file_size - self.data_offset:
-            raise MemtierError(f"{self.device.path} {self.name!r} rank {self.rank}: {sum(n for _, n in regions)} "
-                               f"bytes to copy into a slot data region of {self.file_size - self.data_offset}: "
-                               "not the registered layout")
-        writer = self.begin(k, version)
-        try:
-            stats = copier.copy_in(regions, writer.data, writer.spans, dest_offsets=dest_offsets)
-            writer.finish(list(stats.crcs), manifest)
-        finally:
-            writer.release()
-        return stats
-
-    def choose_slot(self, busy: "set[int] | Sequence[int]" = ()) -> int | None:
-        """The slot to write a new version into: never the newest valid DONE slot nor one in
-        ``busy`` (versions waiting for their flush); EMPTY, invalid or ACTIVE (a crashed write)
-        slots first, then the oldest DONE one. None when there is none (the caller waits)."""
-        busy = set(busy)
-        done = self._done()
-        newest = done[0][0] if done else None
-        done_k = {k for k, _ in done}
-        free = [k for k in range(self.nslots) if k not in done_k and k not in busy]
-        if free:
-            return free[0]
-        for k, _ in reversed(done):
-            if k != newest and k not in busy:
-                return k
-        return None
-
-    def begin(self, k: int, version: Version) -> "SlotWriter":
-        """Step 1 of the slot protocol: slot ``k``'s header goes ACTIVE (``version``) and is msynced.
-        Returns the writer (write :attr:`SlotWriter.data`, then :meth:`SlotWriter.finish`)."""
-        self.device._need_writable()
-        if not isinstance(version, Version):
-            raise TypeError("version must be a deepfreeze.run.Version(generation, version number)")
-        off = self._slot_off(k)
-        cp.hit("memtier.slot.active")
-        raw = _slot_header_bytes(SlotState.ACTIVE, self.run, version, 0, 0, 0, time.time())
-        self.device.mm[off:off + len(raw)] = raw
-        self.device._flush(off, PAGE)
-        return SlotWriter(self, k, version)
-
-    def newest(self, verify: bool = True) -> tuple[int, SlotHeader] | None:
-        """The newest DONE slot with a valid header (and, with ``verify``, an image whose header,
-        index, manifest and every piece's CRC check out: a damaged one is skipped with a log line)."""
-        for k, h in self._done():
-            if not verify:
-                return k, h
-            why = self.verify_slot(k, h)
-            if why is None:
-                return k, h
-            log.warning("deepfreeze memtier: %s rank %d slot %d (%s) is damaged (%s): falling back to an older "
-                        "slot", self.name, self.rank, k, h.version, why)
-        return None
-
-    def restorable(self) -> list[tuple[int, SlotHeader]]:
-        """Every DONE slot with a valid header, newest first (images not verified)."""
-        return self._done()
-
-    def image(self, k: int) -> memoryview:
-        """Read-only view of slot ``k``'s image (``image_size`` bytes; valid while the device is open;
-        not protected against a concurrent rewrite: see :meth:`read_image`)."""
-        off = self.image_offset(k)
-        return memoryview(self.device.mm).toreadonly()[off:off + self.image_size]
-
-    def check_image(self, buf: Any, h: SlotHeader, *, verify_data: bool = True) -> fmt.ShardIndex:
-        """Check an image (slot view or copy) against this region and header ``h``: format.py header
-        and index valid and matching (kind shard, rank, world size, run, version number, the
-        index's layout), and with ``verify_data`` every piece's CRC. :class:`MemtierCorruptError`."""
-        where = f"{self.device.path} {self.name!r} rank {self.rank}"
-        try:
-            si = fmt.read_index(buf, where)
-            if (si.kind, si.rank, si.world_size, si.run, si.version, si.has_crc) != \
-                    (fmt.KIND_SHARD, self.rank, self.world_size, self.run, h.version.step, True):
-                raise MemtierCorruptError(f"{where}: the image's header (rank {si.rank}/{si.world_size}, run {si.run}, "
-                                          f"version {si.version}) does not match the slot")
-            if (si.data_offset, si.file_size) != (self.data_offset, self.file_size) or \
-                    [(e.tensor_id, e.dtype, e.shape, e.start, e.stop, e.offset, e.length) for e in si.entries] != \
-                    [(e.tensor_id, e.dtype, e.shape, e.start, e.stop, e.offset, e.length) for e in self.entries]:
-                raise MemtierCorruptError(f"{where}: the image's index differs from the registered layout")
-            if verify_data:
-                for e in si.entries:
-                    fmt.entry_view(buf, e, verify=True, path=where)
-        except CorruptCheckpointError as e:
-            raise MemtierCorruptError(str(e)) from None
-        return si
-
-    def verify_slot(self, k: int, h: SlotHeader | None = None) -> str | None:
-        """What is wrong with DONE slot ``k`` (None: restorable), reading it in place."""
-        h = h or self.slot_header(k)
-        if h is None or h.state != SlotState.DONE:
-            return "not DONE"
-        try:
-            self.check_image(self.image(k), h)
-            self.manifest(k, h)
-        except MemtierCorruptError as e:
-            return str(e)
-        return None if self.raw_header(k) == h.raw else "rewritten while verified"
-
-    def read_image(self, k: int, *, verify: bool = True) -> np.ndarray:
-        """A copy of DONE slot ``k``'s image, taken like a seqlock read: the header is read before
-        and compared after the copy (a slot rewritten meanwhile raises :class:`MemtierCorruptError`;
-        take another slot). With ``verify``, the copy's header, index and CRCs are checked."""
-        h = self.slot_header(k)
-        if h is None or h.state != SlotState.DONE or h.run != self.run:
-            raise MemtierCorruptError(f"{self.device.path} {self.name!r} rank {self.rank} slot {k} is not a valid "
-                                      f"DONE slot ({'invalid header' if h is None else h.state.name})")
-        out = np.empty(self.image_size, dtype=np.uint8)
-        out[:] = np.frombuffer(self.image(k), dtype=np.uint8)
-        if self.raw_header(k) != h.raw:
-            raise MemtierCorruptError(f"{self.device.path} {self.name!r} rank {self.rank} slot {k} was rewritten "
-                                      "while it was read: read another slot or retry")
-        if verify:
-            self.check_image(out, h)
-        return out
-
-    def manifest(self, k: int, h: SlotHeader | None = None) -> dict[str, Any]:
-        """The manifest of slot ``k``'s version (``format.decode_manifest``); MemtierCorruptError."""
-        h = h or self.slot_header(k)
-        if h is None or h.state != SlotState.DONE:
-            raise MemtierCorruptError(f"{self.device.path} {self.name!r} rank {self.rank} slot {k} is not DONE")
-        off = self._slot_off(k) + PAGE
-        try:
-            m = fmt.decode_manifest(bytes(self.device.mm[off:off + h.meta_len]),
-                                    f"{self.device.path} {self.name!r} rank {self.rank} slot {k}")
-        except CorruptCheckpointError as e:
-            raise MemtierCorruptError(str(e)) from None
-        if m.get("name") != self.name or fmt.manifest_run(m)[0] != self.run or m.get("version") != h.version.step \
-                or m.get("world_size") != self.world_size:
-            raise MemtierCorruptError(f"{self.device.path} {self.name!r} rank {self.rank} slot {k}: the manifest "
-                                      "names another model, run, version or world size")
-        return m
-
-    def prefault(self) -> None:
-        """Touch every page of the region (pre-fault in this process before the first copy)."""
-        _touch(self.device.mm, self.region_off, self.region_len)
-
-
-class SlotWriter:
-    """A slot being written (after step 1 of the protocol): fill :attr:`data`, then :meth:`finish`."""
-
-    def __init__(self, region: ShardRegion, k: int, version: Version) -> None:
-        self.region, self.slot, self.version = region, k, version
-        off = region.image_offset(k)
-        mv = memoryview(region.device.mm)
-        #: the whole image (writable)
-        self.image = mv[off:off + region.image_size]
-        #: the image's data region, from ``data_offset``: the capture buffer's bytes go here
-        self.data = self.image[region.data_offset:]
-        #: (offset, length) of every piece relative to :attr:`data` (the CRC spans)
-        self.spans = [(e.offset - region.data_offset, e.length) for e in region.entries]
-
-    def finish(self, crcs: Sequence[int], manifest: dict[str, Any], *, image_crc: int = 0) -> SlotHeader:
-        """Steps 2-3: write the image header (``crcs``: each piece's CRC32, in index order) and the
-        manifest, msync the slot, then the DONE header (msynced). Returns the DONE header."""
-        r = self.region
-        dev = r.device
-        if len(crcs) != len(r.entries):
-            raise ValueError(f"{len(crcs)} CRCs for {len(r.entries)} pieces")
-        if manifest.get("name") != r.name or fmt.manifest_run(manifest)[0] != r.run \
-                or manifest.get("version") != self.version.step:
-            raise ValueError(f"the manifest (name {manifest.get('name')!r}, run {fmt.manifest_run(manifest)[0]}, "
-                             f"version {manifest.get('version')}) is not {r.name!r} run {r.run} "
-                             f"version {self.version.step}")
-        meta = fmt.encode_manifest(manifest)
-        if len(meta) > r.meta_cap:
-            raise ValueError(f"the manifest is {len(meta)} bytes, the slot holds {r.meta_cap}: register with a "
-                             "larger meta_cap")
-        cp.hit("memtier.slot.data")
-        entries = [dataclasses.replace(e, crc=int(c) & 0xFFFFFFFF) for e, c in zip(r.entries, crcs)]
-        head = fmt.encode_index(fmt.KIND_SHARD, r.rank, r.world_size, self.version.step, entries, r.data_offset,
-                                r.file_size, True, r.run)
-        self.image[:len(head)] = head
-        off = r._slot_off(self.slot)
-        dev.mm[off + PAGE:off + PAGE + len(meta)] = meta
-        dev._flush(off, r._e.slot_stride)
-        cp.hit("memtier.slot.done")
-        raw = _slot_header_bytes(SlotState.DONE, r.run, self.version, len(meta), r.image_size, image_crc, time.time())
-        dev.mm[off:off + len(raw)] = raw
-        dev._flush(off, PAGE)
-        h = r.slot_header(self.slot)
-        assert h is not None
-        return h
-
-    def release(self) -> None:
-        """Drop the views into the mapping (so the device can be unmapped)."""
-        self.data.release()
-        self.image.release()
 
 
 # --------------------------------------------------------------------------- liveness and view

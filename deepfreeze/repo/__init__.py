@@ -9,13 +9,21 @@ layer graph from a model. Documented in docs/repository.md.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .._lazy import facade
 from ..errors import RepositoryError
-from .graph import decode_graph, encode_graph, tensor_key, tensor_keys
-from .names import parse_name
 
 __all__ = ["Repository", "SCHEME", "parse_name", "tensor_key", "tensor_keys", "encode_graph", "decode_graph"]
+
+__getattr__, __dir__ = facade(__name__, {
+    **{n: ".graph" for n in ("decode_graph", "encode_graph", "tensor_key", "tensor_keys")},
+    "parse_name": ".names",
+})
+
+if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
+    from .graph import decode_graph, encode_graph, tensor_key, tensor_keys
+    from .names import parse_name
 
 #: URL scheme of a repository served by provider processes
 SCHEME = "dstore://"

@@ -102,11 +102,12 @@ its chosen index entries mapped to tensor keys (a tensor may be several contiguo
 mapping, contiguity and bounds are checked, each piece's CRC verified and the whole tensor's CRC32
 computed by reading it once), then the same commit transaction as a store. The entries not
 mapped (optimizer slots) are dead bytes of that pack: gc rewrites it if they are most of it.
+
+Long because: one class over one schema; put, get and add_pack share its connection and pack helpers.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import math
@@ -121,6 +122,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from .. import fsafe, ownership
+from .._native import available, memcmp
 from ..jsonsafe import MAX_CONFIG_DEPTH, loads as bounded_loads
 from ..errors import (CheckpointWriteError, CorruptCheckpointError, ModelMismatchError, ModelNotFoundError,
                       NameExistsError, RepositoryDatabaseError, RepositoryError, UnsafePathError)
@@ -173,13 +175,7 @@ CREATE INDEX IF NOT EXISTS tensors_blob ON tensors(blob);
 CREATE TABLE IF NOT EXISTS layer_meta(id TEXT PRIMARY KEY, meta TEXT NOT NULL) WITHOUT ROWID;
 """
 
-try:
-    _libc = ctypes.CDLL(None)
-    _memcmp = _libc.memcmp
-    _memcmp.restype = ctypes.c_int
-    _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-except (OSError, AttributeError):  # pragma: no cover - glibc/musl both have memcmp
-    _memcmp = None
+_HAS_MEMCMP = available("memcmp")
 
 
 def _equal(a: memoryview, b: memoryview) -> bool:
@@ -188,10 +184,10 @@ def _equal(a: memoryview, b: memoryview) -> bool:
         return False
     if not len(a):
         return True
-    if _memcmp is not None:
+    if _HAS_MEMCMP:
         pa = np.frombuffer(a, dtype=np.uint8).ctypes.data
         pb = np.frombuffer(b, dtype=np.uint8).ctypes.data
-        return _memcmp(pa, pb, len(a)) == 0
+        return memcmp(pa, pb, len(a)) == 0
     return bool(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))  # pragma: no cover
 
 

@@ -9,6 +9,19 @@ Redis). :mod:`.predict` fits the learning curve and plans when to publish. The K
 """
 from __future__ import annotations
 
-from .core import Publisher, StreamOptions, Subscriber, Update, read_endpoints
+from typing import TYPE_CHECKING
+
+from .._lazy import facade
 
 __all__ = ["Publisher", "Subscriber", "Update", "StreamOptions", "read_endpoints"]
+
+__getattr__, __dir__ = facade(__name__, {
+    "Publisher": ".core",
+    "Subscriber": ".core",
+    "Update": ".core",
+    "StreamOptions": ".core",
+    "read_endpoints": ".core",
+})
+
+if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
+    from .core import Publisher, StreamOptions, Subscriber, Update, read_endpoints

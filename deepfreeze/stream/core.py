@@ -44,6 +44,8 @@ a ``stat`` of their directory first; Redis: also at once on another run's note):
 or none, replaces the connection (:meth:`Subscriber._check_superseded`), since a producer whose
 node vanished fails no connection of the consumer's; records that are there but none of them
 usable (forged, planted) keep it.
+
+Long because: one protocol (publish/subscribe), its two ends sharing the endpoint and layout helpers.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ from ..errors import (ConfigError, DeepFreezeError, StreamError, StreamTimeoutEr
                       UntrustedOwnerError, VersionGoneError)
 from ..fused import STAMP_BYTES, FusedLayout
 from ..jsonsafe import loads as bounded_loads
-from ..levels import atomic_write
+from ..fsafe import atomic_write
 from ..node import host_name, node_id
 from ..lease import RunInfo, Version, read_job_id
 from ..shardplan import ShardPlan, TensorSpec
@@ -958,7 +960,7 @@ class Subscriber:
         if self.tier not in ("auto", "persistent"):
             return None
         from ..levels import PersistentLevel
-        from ..loader import _load_persistent
+        from ..loader import load_persistent
         level = PersistentLevel(self.persistent)
         try:
             gen = level.generation(self.channel)
@@ -975,7 +977,7 @@ class Subscriber:
                 m = level.read_manifest(self.channel, step)
                 n = m.get("model_tensors", len(m["tensors"]))
                 names = [t["name"] for t in m["tensors"][:n]]
-                ck = _load_persistent(level, self.channel, step, self.verify, names)
+                ck = load_persistent(level, self.channel, step, self.verify, names)
             except (OSError, DeepFreezeError, KeyError, TypeError, ValueError) as e:
                 log.warning("deepfreeze: stream %s: %s on persistent unreadable (%s)", self.channel, v, e)
                 continue

@@ -82,6 +82,8 @@ an independent request-by-request simulation the tests compare it with.
 publish at ``e_iter``, unless it would serve no request). When no curve can be fitted at all
 (too few finite losses), :func:`make_plan` returns the same flat plan with ``curve=None`` and
 says why in ``Plan.note`` (it never raises for data).
+
+Long because: one algorithm (Viper 4.3): curve fit, cost model and schedules all feed make_plan.
 """
 from __future__ import annotations
 

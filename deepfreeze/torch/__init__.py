@@ -8,21 +8,26 @@ checkpoint directory (both imported on first use: they import DCP). See docs/tor
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ._dist import TorchComm
-from .checkpointer import Checkpointer
-from .restore import Restored, TorchState, load, load_state, restore
+from .._lazy import facade
 
 __all__ = ["Checkpointer", "load", "load_state", "restore", "TorchState", "Restored", "TorchComm", "Reader",
            "import_dcp"]
 
+# Reader and import_dcp import torch.distributed.checkpoint (~0.5 s): they, like every name here,
+# load on first use.
+__getattr__, __dir__ = facade(__name__, {
+    "TorchComm": "._dist",
+    "Checkpointer": ".checkpointer",
+    **{n: ".restore" for n in ("Restored", "TorchState", "load", "load_state", "restore")},
+    "Reader": ".dcp",
+    "import_dcp": ".dcp_import",
+})
 
-def __getattr__(name: str) -> Any:
-    if name == "Reader":  # torch.distributed.checkpoint costs ~0.5 s to import: only when asked for
-        from .dcp import Reader
-        return Reader
-    if name == "import_dcp":  # imports DCP too
-        from .dcp_import import import_dcp
-        return import_dcp
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
+    from ._dist import TorchComm
+    from .checkpointer import Checkpointer
+    from .dcp import Reader
+    from .dcp_import import import_dcp
+    from .restore import Restored, TorchState, load, load_state, restore

@@ -64,7 +64,8 @@ import numpy as np
 import torch
 
 from ..config import Config, validate_name
-from ..engine import make_engine, resolve_engine
+from ..engine import resolve_engine
+from ..run import make_engine
 from ..comm import allgather_failures
 from ..errors import (CaptureTornError, ChangedInPlaceError, ConfigError, DeepFreezeError, ModelMismatchError,
                       RanksFailedError, StateRecordOverflowError)

@@ -3,7 +3,7 @@
 The file holds ``{"model": {fqn: tensor}, "optim": {"state": {fqn: {key: value}},
 "param_groups": [...]}, "deepfreeze": {"name", "version", "step", "world_size"}}`` (the
 ``get_state_dict`` layout, CPU tensors), readable with ``torch.load(path, weights_only=True)``.
-Written to a temporary name and renamed into place (:func:`deepfreeze.export._atomic`).
+Written to a temporary name and renamed into place (:func:`deepfreeze.export.atomic_output`).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..export import ExportError, _atomic
+from ..export import ExportError, atomic_output
 from ..format import dtype_name
 from ..loader import Checkpoint
 from ._state import as_tensor
@@ -46,4 +46,4 @@ def write_torch(ck: Checkpoint, path: str, *, force: bool = False) -> int:
         raise ExportError(f"checkpoint {ck.name!r} v{ck.version} was not written by deepfreeze.torch: export it as "
                           "npz, safetensors or h5")
     payload = torch_payload(ck)
-    return _atomic(path, force, lambda tmp: torch.save(payload, tmp))
+    return atomic_output(path, force, lambda tmp: torch.save(payload, tmp))

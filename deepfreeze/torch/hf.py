@@ -34,7 +34,7 @@ from transformers import TrainerCallback
 from ..config import Config, validate_name
 from ..errors import (CheckpointNotFoundError, ConfigError, DeepFreezeError, ExistingCheckpointError,
                       ModelMismatchError)
-from ..export import _atomic
+from ..export import atomic_output
 from ._dist import make_comm, rank_and_size
 from .checkpointer import Checkpointer
 from .restore import TorchState, load_state
@@ -240,14 +240,14 @@ def _rng_file(rng: dict[str, Any]) -> dict[str, Any]:
 def _write(path: str, kind: str, payload: Any) -> None:
     if kind == "safetensors":
         from safetensors.torch import save_file
-        _atomic(path, False, lambda tmp: save_file(payload, tmp, metadata={"format": "pt"}))
+        atomic_output(path, False, lambda tmp: save_file(payload, tmp, metadata={"format": "pt"}))
     elif kind == "torch":
-        _atomic(path, False, lambda tmp: torch.save(payload, tmp))
+        atomic_output(path, False, lambda tmp: torch.save(payload, tmp))
     else:
         def text(tmp: str) -> None:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(payload)
-        _atomic(path, False, text)
+        atomic_output(path, False, text)
 
 
 def _describe(rank: int, e: BaseException) -> str:

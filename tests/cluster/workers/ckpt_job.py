@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 from numpy_job import arrays, tensors  # noqa: E402
 
 from deepfreeze import Config, load, node  # noqa: E402
-from deepfreeze.engine import make_engine  # noqa: E402
+from deepfreeze.run import make_engine  # noqa: E402
 from deepfreeze.redundancy import MPIComm  # noqa: E402
 from deepfreeze.shardplan import ShardPlan  # noqa: E402
 

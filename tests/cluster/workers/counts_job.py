@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from deepfreeze import Config
-from deepfreeze.engine import make_engine
+from deepfreeze.run import make_engine
 from deepfreeze.redundancy import MPIComm
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
