@@ -17,9 +17,18 @@ A lock serializes the calls of one process. The Keras adapter makes its ``MPICom
 ``deepfreeze.keras._dist.mpi_comm()`` (Horovod over MPI with more than one rank, a duplicate of
 the communicator given to ``hvd.init``; over Gloo it logs that protection and pooled restore are
 off).
+
+A rank's failure travels to the other ranks as an *error record* (:func:`error_record`,
+:func:`error_from_record`, :func:`allgather_failures`), the same over gloo and MPI: UTF-8 JSON
+``{"type": NAME, "message": TEXT, "fields": {...}}`` (plus ``"sent_as"``, the sender's own class,
+when it is not registered), at most :data:`MAX_RECORD_BYTES` bytes, never a pickle. ``NAME`` is a
+class of the registry (:func:`deepfreeze.errors.error_classes`); the receiver rebuilds that class
+with the same message, so it decides on ``isinstance`` and fields, never on the text.
 """
 from __future__ import annotations
 
+import json
+import math
 import threading
 from typing import Any, Protocol
 
@@ -27,8 +36,11 @@ import numpy as np
 
 from . import counters
 from . import format as fmt
+from .errors import DeepFreezeError, ErrorRecordError, error_class
+from .jsonsafe import loads as bounded_loads
 
-__all__ = ["Comm", "LocalComm", "MPIComm", "count_exchange"]
+__all__ = ["Comm", "LocalComm", "MPIComm", "count_exchange", "MAX_RECORD_BYTES", "error_record",
+           "error_from_record", "allgather_failures"]
 
 _MSG = 1 << 30  # point-to-point messages are cut at 1 GiB (MPI counts are int)
 
@@ -137,3 +149,119 @@ class MPIComm:
             self.comm.Free()
         except Exception:  # MPI already finalized at interpreter exit
             pass
+
+
+#: the largest error record sent or accepted (a message of MAX_MESSAGE characters always fits, escaped)
+MAX_RECORD_BYTES = 16384
+#: characters of an error's message a record carries (the rest is cut, "..." appended)
+MAX_MESSAGE = 2000
+_MAX_FIELD_TEXT = 200  # characters of a text field; the class names of "type" and "sent_as" too
+_RECORD_ADVICE = "the rank that sent it runs another version of DeepFreeze, or it is not DeepFreeze's: refused"
+
+
+_ERRNO = {"errno": (int, type(None))}  # carried for every OSError subclass
+
+
+def _fields_of(cls: type) -> "dict[str, tuple[type, ...]]":
+    return {**getattr(cls, "record_fields", {}), **(_ERRNO if issubclass(cls, OSError) else {})}
+
+
+def _field_ok(v: Any, types: "tuple[type, ...]") -> bool:
+    """``v`` is of one of ``types`` exactly (a bool is no int), a finite number or a short text."""
+    if type(v) not in types:
+        return False
+    if type(v) is int:
+        return -(1 << 63) <= v < 1 << 64
+    if type(v) is float:
+        return math.isfinite(v)
+    return type(v) is not str or len(v) <= _MAX_FIELD_TEXT
+
+
+def error_record(exc: BaseException) -> bytes:
+    """``exc`` as an error record (module docstring), at most :data:`MAX_RECORD_BYTES` bytes: the
+    nearest registered class of its type (:class:`~deepfreeze.errors.DeepFreezeError` for any other
+    exception), ``str(exc)`` (cut at :data:`MAX_MESSAGE` characters) and the values of that class's
+    ``record_fields`` that are JSON scalars (text of at most 200 characters; others are left out)."""
+    cls = next((c for c in type(exc).__mro__ if isinstance(c, type) and error_class(c.__name__) is c),
+               DeepFreezeError)
+    try:
+        message = str(exc)
+    except Exception:  # an exception whose __str__ fails: its class name, rather than no record
+        message = type(exc).__name__
+    if len(message) > MAX_MESSAGE:
+        message = message[:MAX_MESSAGE - 3] + "..."
+    fields = {k: getattr(exc, k, None) for k in _fields_of(cls)}
+    rec: dict[str, Any] = {"type": cls.__name__, "message": message,
+                           "fields": {k: v for k, v in fields.items() if _field_ok(v, _fields_of(cls)[k])}}
+    if type(exc) is not cls:
+        rec["sent_as"] = f"{type(exc).__module__}.{type(exc).__qualname__}"[-_MAX_FIELD_TEXT:]
+    # ensure_ascii: any text (lone surrogates of undecodable file names too) is valid UTF-8 JSON
+    raw = json.dumps(rec, ensure_ascii=True, allow_nan=False).encode()
+    while len(raw) > MAX_RECORD_BYTES:  # a message of escapes (6 bytes a character) with long fields: cut both
+        rec["fields"], rec["message"] = {}, rec["message"][:len(rec["message"]) // 2] + "..."
+        raw = json.dumps(rec, ensure_ascii=True, allow_nan=False).encode()
+    return raw
+
+
+def error_from_record(raw: "bytes | bytearray | memoryview") -> DeepFreezeError:
+    """The error an :func:`error_record` describes: its registered class, built with its message,
+    the class's ``record_fields`` set from its fields (other field names are ignored: a newer
+    sender may send more), ``sender_type`` set to the sender's class name. A type not in the
+    registry (another version's class) gives a plain :class:`~deepfreeze.errors.DeepFreezeError`
+    with the same message, ``sender_type`` naming it.
+
+    Anything else (larger than :data:`MAX_RECORD_BYTES`, not UTF-8 JSON, nested deeper than the
+    record's two levels, missing or mistyped keys, a field that is not a JSON scalar) raises
+    :class:`~deepfreeze.errors.ErrorRecordError`, never another exception."""
+    what = "an error record from another rank"
+    rec = bounded_loads(raw, what, max_bytes=MAX_RECORD_BYTES, max_depth=2, kind=dict, error=ErrorRecordError,
+                        advice=_RECORD_ADVICE)
+    name, message, fields, sent_as = rec.get("type"), rec.get("message"), rec.get("fields", {}), rec.get("sent_as")
+
+    def bad(why: str) -> ErrorRecordError:
+        return ErrorRecordError(f"{what}: {why}; {_RECORD_ADVICE}")
+    if not isinstance(name, str) or not 0 < len(name) <= _MAX_FIELD_TEXT:
+        raise bad("its 'type' is not a class name")
+    if not isinstance(message, str):
+        raise bad(f"the message of a {name:.100} is not text")
+    if sent_as is not None and (not isinstance(sent_as, str) or len(sent_as) > _MAX_FIELD_TEXT):
+        raise bad(f"the 'sent_as' of a {name:.100} is not a class name")
+    cls = error_class(name) or DeepFreezeError
+    types = _fields_of(cls)
+    if not isinstance(fields, dict):
+        raise bad(f"the fields of a {name:.100} are not a JSON object")
+    wrong = next((k for k, v in fields.items() if k in types and not _field_ok(v, types[k])), None)
+    if wrong is not None:
+        raise bad(f"field {wrong!r} of a {name} is not of a type it may have "
+                  f"({' or '.join(t.__name__ for t in types[wrong])}; text of at most {_MAX_FIELD_TEXT} characters)")
+    try:
+        err = cls(message)
+        for k in types:
+            if k in fields:
+                setattr(err, k, fields[k])
+    except Exception as e:  # a registered class that cannot be built from its message (a bug: tested for each)
+        raise bad(f"a {name} cannot be built from it ({type(e).__name__}: {e})") from e
+    err.sender_type = sent_as or name
+    return err
+
+
+def allgather_failures(comm: Comm, error: "BaseException | None") -> dict[int, DeepFreezeError]:
+    """Collective (one :meth:`Comm.allgather`): every rank's failure of a step that all of them take
+    part in, ``error`` being this rank's (None: it succeeded, and sends no bytes). Returns the
+    errors of the ranks that failed, in rank order, each rebuilt from its :func:`error_record`
+    (this rank's own too): the same classes, messages and fields on every rank, so that every
+    rank takes the same decision on them. A record that cannot be read counts as that rank's
+    failure (an :class:`~deepfreeze.errors.ErrorRecordError` naming the rank). Wrap the result in
+    a :class:`~deepfreeze.errors.RanksFailedError` (``RanksFailedError.of``) to raise or chain it."""
+    rows = comm.allgather(error_record(error) if error is not None else b"")
+    out: dict[int, DeepFreezeError] = {}
+    for rank, raw in enumerate(rows):
+        if len(raw):
+            try:
+                out[rank] = error_from_record(raw)
+            except ErrorRecordError as e:
+                bad = ErrorRecordError(f"rank {rank} failed, but {e}")
+                bad.__cause__ = e
+                out[rank] = bad
+    return out
+

@@ -4,6 +4,11 @@ Every error DeepFreeze raises is a :class:`DeepFreezeError`; each subclass also
 subclasses the built-in exception a caller would naturally catch, so
 ``except FileNotFoundError`` keeps working around ``restore``.
 Messages say what went wrong, why, and what to do.
+
+The classes named in ``__all__`` are the *registry* (:func:`error_class`, :func:`error_classes`):
+the only classes a failure sent by another rank (:func:`deepfreeze.comm.error_record`) or
+another process can be rebuilt as. A class's ``record_fields`` name the attributes (JSON
+scalars, with their types) that travel with its message.
 """
 from __future__ import annotations
 
@@ -46,11 +51,24 @@ __all__ = [
     "CaptureTornError",
     "PeerLostError",
     "NodeIdConflictError",
+    "PeerClosedError",
+    "ChangedInPlaceError",
+    "StateRecordOverflowError",
+    "RanksFailedError",
+    "ErrorRecordError",
+    "error_class",
+    "error_classes",
 ]
 
 
 class DeepFreezeError(Exception):
     """Base class of every error raised by DeepFreeze."""
+
+    #: attributes carried with the message in a cross-rank record (:func:`deepfreeze.comm.error_record`), each
+    #: with the types its value may have (JSON scalars: int, float, str, bool, None)
+    record_fields: "dict[str, tuple[type, ...]]" = {}
+    #: the sender's class name when this error was rebuilt from another rank's record, else None
+    sender_type: "str | None" = None
 
 
 class ConfigError(DeepFreezeError, ValueError):
@@ -78,6 +96,8 @@ class BackendUnresponsiveError(BackendError):
     stopped (SIGSTOP), or stuck in uninterruptible I/O (a hung file system). It may still be alive;
     DeepFreeze never kills it. ``pid`` is its process id when known, ``inode`` the inode of the
     socket file it listened on (to tell it from a successor on the same path)."""
+
+    record_fields = {"pid": (int, type(None)), "inode": (int, type(None))}
 
     def __init__(self, message: str, pid: int | None = None, inode: int | None = None) -> None:
         super().__init__(message)
@@ -232,3 +252,75 @@ class NodeIdConflictError(LeaseHeldError):
     or PID namespace: two jobs share one node id (``DEEPFREEZE_NODE_ID``, or the default host name
     and boot id of containers that share both). Its pid cannot be checked here, so the lease is
     only taken over once its heartbeat is stale; the id must be unique per node."""
+
+
+class PeerClosedError(ProviderError):
+    """The peer of a :mod:`deepfreeze.net` connection closed it (end of file) before a whole frame
+    arrived: ``received`` of ``expected`` bytes of the part being read. ``between_messages``: it
+    closed at a message boundary, with nothing of a next message sent (an orderly end of the
+    connection, not a truncated message)."""
+
+    record_fields = {"received": (int,), "expected": (int,), "between_messages": (bool,)}
+
+    def __init__(self, message: str, received: int = 0, expected: int = 0, between_messages: bool = False) -> None:
+        super().__init__(message)
+        self.received, self.expected, self.between_messages = received, expected, between_messages
+
+
+class ChangedInPlaceError(CaptureTornError):
+    """An overlapped capture saw ``count`` tensor(s) change in place while they were copied
+    (``first``: the first one's name): something other than the optimizer's step wrote them."""
+
+    record_fields = {"count": (int,), "first": (str,)}
+
+    def __init__(self, message: str, count: int = 0, first: str = "") -> None:
+        super().__init__(message)
+        self.count, self.first = count, first
+
+
+class StateRecordOverflowError(CaptureTornError):
+    """A rank's state record (RNG, loop and scheduler state) grew to ``size`` bytes, beyond the
+    ``reserved`` bytes its shard plan holds for it: the next checkpoint builds a plan with more room."""
+
+    record_fields = {"size": (int,), "reserved": (int,)}
+
+    def __init__(self, message: str, size: int = 0, reserved: int = 0) -> None:
+        super().__init__(message)
+        self.size, self.reserved = size, reserved
+
+
+class RanksFailedError(DeepFreezeError, RuntimeError):
+    """Some ranks of a collective step failed: ``failures`` maps each failed rank to its error as it
+    arrived (:func:`deepfreeze.comm.allgather_failures`: a registered class, its message and
+    fields), the same on every rank. The message joins theirs, in rank order."""
+
+    def __init__(self, message: str, failures: "dict[int, DeepFreezeError] | None" = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, DeepFreezeError] = dict(failures or {})
+
+    @classmethod
+    def of(cls, failures: "dict[int, DeepFreezeError]") -> "RanksFailedError":
+        """The error of ``failures`` (rank -> error), its message theirs joined with "; " in rank order."""
+        ordered = dict(sorted(failures.items()))
+        return cls("; ".join(str(e) for e in ordered.values()), ordered)
+
+
+class ErrorRecordError(DeepFreezeError, ValueError):
+    """A cross-rank error record (:func:`deepfreeze.comm.error_from_record`) is not one: too large,
+    not JSON, nested, of the wrong types, or of a class that cannot be built from it. Sent by
+    another version of DeepFreeze, or not by DeepFreeze."""
+
+
+def error_classes() -> dict[str, type[DeepFreezeError]]:
+    """The registry: every :class:`DeepFreezeError` class named in this module's ``__all__``, by name."""
+    found = {name: globals().get(name) for name in __all__}
+    return {name: cls for name, cls in found.items() if isinstance(cls, type) and issubclass(cls, DeepFreezeError)}
+
+
+def error_class(name: object) -> "type[DeepFreezeError] | None":
+    """The registered class called ``name`` (:func:`error_classes`), else None (any other name or
+    object, a private or a non-error name included)."""
+    if not isinstance(name, str) or name not in __all__:
+        return None
+    cls = globals().get(name)
+    return cls if isinstance(cls, type) and issubclass(cls, DeepFreezeError) else None

@@ -93,12 +93,12 @@ import threading
 import time
 from typing import Any, Iterable, Mapping
 
-from . import errors as _errors
 from . import ownership
 from .jsonsafe import loads as bounded_loads
 from .node import node_id  # re-exported: the one definition is deepfreeze.node
-from .errors import (AuthenticationError, ConfigError, DeepFreezeError, FrameAuthenticationError,
-                     ProtocolVersionError, ProviderError, ProviderTimeoutError, UnsafePathError, UntrustedOwnerError)
+from .errors import (AuthenticationError, ConfigError, DeepFreezeError, FrameAuthenticationError, PeerClosedError,
+                     ProtocolVersionError, ProviderError, ProviderTimeoutError, UnsafePathError, UntrustedOwnerError,
+                     error_class)
 
 __all__ = ["TOKEN_ENV", "DEFAULT_TOKEN_PATH", "MAGIC", "VERSION", "MAX_HEADER", "default_token_path",
            "create_token", "ensure_token", "load_token", "check_token", "parse_address", "format_address",
@@ -354,9 +354,9 @@ def connect(addr: str, timeout: float) -> socket.socket:
 
 # ----------------------------------------------------------------------------- frames
 
-def _lost(cls: type, message: str) -> DeepFreezeError:
-    """An error of the connection itself (see :func:`is_transport_error`)."""
-    e = cls(message)
+def _lost(cls: type, message: str, **fields: Any) -> DeepFreezeError:
+    """An error of the connection itself (see :func:`is_transport_error`); ``fields``: the class's own."""
+    e = cls(message, **fields)
     e.transport = True
     return e
 
@@ -485,7 +485,7 @@ class Channel:
         self._open = None
         sock = self.sock
         raw = bytearray(_FRAME.size)
-        _recv_exact(sock, memoryview(raw), deadline, "a message")
+        _recv_exact(sock, memoryview(raw), deadline, "a message", boundary=True)
         magic, version, flags, hlen, plen = _check_fixed(sock, raw, max_header, max_payload)
         if not flags & _FLAG_MAC:
             if self.recv_seq == 0 and hlen <= _MAX_AUTH_HEADER and plen == 0:  # a refusal sent before the session
@@ -624,15 +624,18 @@ def send_msg(ch: Channel, header: Mapping[str, Any], payload: Iterable[Any] = ()
 
 
 def _recv_exact(sock: socket.socket, mv: memoryview, deadline: float | None, what: str,
-                mac: Any = None) -> None:
+                mac: Any = None, boundary: bool = False) -> None:
+    """Fill ``mv`` from ``sock``. An end of file is a :class:`PeerClosedError`, its
+    ``between_messages`` true when nothing arrived and ``boundary`` (``mv`` starts a message)."""
     pos, n, hashed, job = 0, mv.nbytes, 0, None
     try:
         while pos < n:
             sock.settimeout(_left(deadline, sock, f"waiting for {what} from"))
             got = sock.recv_into(mv[pos:pos + _CHUNK])
             if not got:
-                raise _lost(ProviderError, f"{_peer(sock)} closed the connection in the middle of {what} "
-                                           f"({pos} of {n} bytes)")
+                raise _lost(PeerClosedError, f"{_peer(sock)} closed the connection in the middle of {what} "
+                                             f"({pos} of {n} bytes)",
+                            received=pos, expected=n, between_messages=boundary and pos == 0)
             pos += got
             if mac is not None and (pos - hashed >= _WINDOW or pos == n):
                 # MAC the bytes as they land (no second pass later), beside the next window's receive
@@ -773,9 +776,7 @@ def raise_for_reply(header: Mapping[str, Any], where: str = "") -> Mapping[str, 
     if header.get("ok") is True:
         return header
     name, msg = header.get("type"), header.get("error")
-    cls = getattr(_errors, name, None) if isinstance(name, str) and name in _errors.__all__ else None
-    if not (isinstance(cls, type) and issubclass(cls, DeepFreezeError)):
-        cls = ProviderError
+    cls = error_class(name) or ProviderError
     raise cls(f"{where}{msg if isinstance(msg, str) else 'error without a message'}")
 
 
@@ -855,11 +856,10 @@ def client_handshake(sock: socket.socket, token: str, hello: Mapping[str, Any], 
     _send_plain(sock, {"df": "auth", "protocol": VERSION, "nonce": nc.hex()}, deadline)
     try:
         rep = _recv_plain(sock, deadline)
-    except ProviderError as e:
-        if "closed the connection" in str(e):  # an older server closes on a frame version it does not know
-            raise _lost(ProviderError, f"{peer} closed the connection in the handshake (protocol version {VERSION} "
-                                       "here: an older DeepFreeze there? or it refused this connection)") from e
-        raise
+    except PeerClosedError as e:  # an older server closes on a frame version it does not know
+        raise _lost(PeerClosedError, f"{peer} closed the connection in the handshake (protocol version {VERSION} "
+                                     "here: an older DeepFreeze there? or it refused this connection)",
+                    received=e.received, expected=e.expected) from e
     if rep.get("ok") is False:
         raise_for_reply(rep, f"{peer}: ")
     ns = _nonce_of(rep, "nonce")

@@ -102,6 +102,8 @@ _LOW_SPACE = 256 << 10  # below this many free bytes an I/O error of SQLite coun
 
 def _is_full(e: BaseException) -> bool:
     """Whether a sqlite3 error says the disk is full (SQLITE_FULL)."""
+    # text matched on purpose: sqlite3 raises one OperationalError class for every cause and names the cause
+    # only in its text and in sqlite_errorname (Python 3.11+; absent before, and on errors raised by the module)
     return getattr(e, "sqlite_errorname", "").startswith("SQLITE_FULL") or "full" in str(e).lower()
 
 
@@ -209,6 +211,8 @@ class Maintenance:
     def _db_error(self, doing: str, e: BaseException) -> RepositoryDatabaseError:
         """What / why / what to do for a ``sqlite3`` error raised while ``doing``."""
         name = getattr(e, "sqlite_errorname", "") or ""
+        # the cause is read from sqlite_errorname and, where that is absent (Python < 3.11, errors raised by the
+        # sqlite3 module itself), from the text: sqlite3 has no exception class per cause, only these two
         text = str(e)
         if _is_full(e) or ((name.startswith("SQLITE_IOERR") or "I/O error" in text) and self._disk_full()):
             why = "the disk holding it is full"

@@ -80,7 +80,7 @@ import numpy as np
 
 from .. import net
 from ..errors import (AuthenticationError, ConfigError, CorruptCheckpointError, DeepFreezeError, ModelNotFoundError,
-                      ProviderError, ProviderTimeoutError, RepositoryError)
+                      PeerClosedError, ProviderError, ProviderTimeoutError, RepositoryError)
 from ..jsonsafe import loads as bounded_loads
 from ..format import MAX_NDIM, dtype_itemsize, numpy_dtype
 from ..node import node_id
@@ -242,7 +242,7 @@ class Provider:
                     msg = net.recv_msg(conn, max_header=MAX_HEADER, max_payload=self.max_request_bytes,
                                        deadline=time.monotonic() + self.io_timeout)
                 except ProviderError as e:  # tell the client why (if it still listens), then close
-                    if not isinstance(e, TimeoutError) and "closed the connection" not in str(e):
+                    if not isinstance(e, (TimeoutError, PeerClosedError)):
                         try:
                             net.send_msg(conn, net.error_reply(RepositoryError(f"request refused: {e}")),
                                          deadline=time.monotonic() + 1.0)
@@ -272,7 +272,7 @@ class Provider:
         except AuthenticationError as e:
             log.warning("client %s refused: %s", peer, e)
         except (ProviderError, OSError) as e:
-            if "in the middle of a message (0 of" not in str(e):  # not a plain close between requests
+            if not (isinstance(e, PeerClosedError) and e.between_messages):  # not a plain close between requests
                 log.warning("connection of %s dropped: %s", peer, e)
         finally:
             self._after_send(st)

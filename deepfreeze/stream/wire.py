@@ -72,8 +72,8 @@ import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .. import net
-from ..errors import (AuthenticationError, ConfigError, DeepFreezeError, ProviderError, StreamError,
-                      StreamTimeoutError, VersionGoneError)
+from ..errors import (AuthenticationError, ConfigError, DeepFreezeError, PeerClosedError, ProviderError,
+                      StreamError, StreamTimeoutError, VersionGoneError)
 from ..format import crc32
 from ..node import node_id
 from ..lease import RunInfo, Version
@@ -383,7 +383,7 @@ class RankServer:
         except AuthenticationError as e:
             log.warning("stream %s rank %d: client %s refused: %s", self.channel, self.rank, peer, e)
         except (DeepFreezeError, OSError) as e:
-            if not self._closed and "in the middle of a message (0 of" not in str(e):
+            if not self._closed and not (isinstance(e, PeerClosedError) and e.between_messages):
                 log.warning("stream %s rank %d: connection of %s dropped: %s", self.channel, self.rank, peer, e)
         except Exception:  # a bug: say so, keep the server serving the others
             log.exception("stream %s rank %d: connection of %s failed", self.channel, self.rank, peer)

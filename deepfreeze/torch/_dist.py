@@ -13,7 +13,8 @@ Wire format (no pickling): gloo all-gathers tensors of equal size, so an all-gat
 gathers every rank's byte length (one int64 each), then every rank's bytes padded with zeros
 to the longest; each row is cut back to its length. Point-to-point exchanges send raw
 ``uint8`` tensors of the sizes both sides computed from the same plan, in pieces of at most
-1 GiB (tags 100, 101, ...).
+1 GiB (tags 100, 101, ...). A rank's failure crosses this all-gather as an error record
+(:func:`deepfreeze.comm.allgather_failures`: JSON naming a registered error class, as over MPI).
 
 Nodes and failure domains come from the launcher (``torchrun``): ``GROUP_RANK`` is the node's
 index, ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` the process's place on it; a ``failure_domain`` set

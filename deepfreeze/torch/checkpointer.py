@@ -66,7 +66,9 @@ import torch
 from ..config import Config, validate_name
 from ..engine import resolve_engine
 from ..run import make_engine
-from ..errors import CaptureTornError, ConfigError, DeepFreezeError, ModelMismatchError
+from ..comm import allgather_failures
+from ..errors import (CaptureTornError, ChangedInPlaceError, ConfigError, DeepFreezeError, ModelMismatchError,
+                      RanksFailedError, StateRecordOverflowError)
 from ..fused import BufferPool, FusedLayout, FusedShard
 from ..levels import ScratchLevel
 from ..run import Run
@@ -569,32 +571,36 @@ class Checkpointer:
             except Exception as e:  # surfaced below, on every rank
                 p.error = p.error or f"rank {self.rank}: the CUDA capture copy failed: {type(e).__name__}: {e}"
         waited = time.perf_counter() - t0
+        err: "CaptureTornError | None" = CaptureTornError(p.error) if p.error else None  # typed: sent as a record
         changed = [name for t, v, name in p.versions if t._version != v]
-        if changed and not p.error:
-            p.error = (f"rank {self.rank}: {len(changed)} tensor(s) changed in place during the capture of v{p.step} "
-                       f"(first: {changed[0]!r}): only the optimizer may write parameters and optimizer state "
-                       "between two optimizer steps")
+        if changed and err is None:
+            err = ChangedInPlaceError(
+                f"rank {self.rank}: {len(changed)} tensor(s) changed in place during the capture of v{p.step} "
+                f"(first: {changed[0]!r}): only the optimizer may write parameters and optimizer state "
+                "between two optimizer steps", count=len(changed), first=changed[0][:200])
         record = b""
-        if not p.error:
+        if err is None:
             try:
                 b = _state.decode(p.record_b) if p.record_b is not None else self._record("b")
                 record = _state.encode({"a": _state.decode(p.record_a), **b}, "state")
             except DeepFreezeError as e:
-                p.error = f"rank {self.rank}: {e}"
+                err = CaptureTornError(f"rank {self.rank}: {e}")
         rid = self.plan.tensors[-self.size + self.rank].id
         cap = self._caps[self.rank]
-        if not p.error and len(record) > cap:
-            p.error = (f"rank {self.rank}: the state record grew to {len(record)} bytes beyond its reserved {cap} "
-                       "bytes (the next checkpoint reserves more)")
-        rows = self.comm.allgather(p.error.encode()[:2000])
-        errors = [r.decode(errors="replace") for r in rows if r]
-        if errors:
-            if any("changed in place" in e for e in errors):
+        if err is None and len(record) > cap:
+            err = StateRecordOverflowError(f"rank {self.rank}: the state record grew to {len(record)} bytes beyond its "
+                                           f"reserved {cap} bytes (the next checkpoint reserves more)",
+                                           size=len(record), reserved=cap)
+        failures = allgather_failures(self.comm, err)  # every rank's typed failure, the same on each rank
+        if failures:
+            if any(isinstance(e, ChangedInPlaceError) for e in failures.values()):
                 self.torn.append(p.step)
-            if any("grew to" in e for e in errors):
+            if any(isinstance(e, StateRecordOverflowError) for e in failures.values()):
                 self._grow = True  # every rank: the next checkpoint builds a plan with more room
-            self._guard(_raise, CaptureTornError(f"checkpoint {self.name!r} v{p.step} is not written: "
-                                                 + "; ".join(errors)))
+            ranks = RanksFailedError.of(failures)
+            torn = CaptureTornError(f"checkpoint {self.name!r} v{p.step} is not written: {ranks}")
+            torn.__cause__ = ranks  # .failures: each failed rank's error (class, message, fields)
+            self._guard(_raise, torn)
             return
         seg = next(s for s in self._layout.segments if s.piece.tensor_id == rid)
         dest = p.buf[seg.offset:seg.offset + seg.nbytes]
