@@ -33,7 +33,8 @@ from transformers import TrainerCallback
 
 from ..config import Config, validate_name
 from ..errors import (CheckpointNotFoundError, ConfigError, DeepFreezeError, ExistingCheckpointError,
-                      ModelMismatchError)
+                      ModelMismatchError, RanksFailedError)
+from ..comm import allgather_failures
 from ..export import atomic_output
 from ._dist import make_comm, rank_and_size
 from .checkpointer import Checkpointer
@@ -250,19 +251,16 @@ def _write(path: str, kind: str, payload: Any) -> None:
         atomic_output(path, False, text)
 
 
-def _describe(rank: int, e: BaseException) -> str:
-    return f"{type(e).__name__}\0rank {rank}: {e}"
-
-
-def _agree(comm: Any, error: str, what: str) -> None:
-    """Every rank raises when any rank failed (collective): the first failure's DeepFreeze error
-    class (ConfigError for another), naming every failed rank."""
-    from .. import errors as _errors
-    rows = [r.decode(errors="replace").partition("\0") for r in comm.allgather(error.encode()[:2000]) if r]
-    if rows:
-        cls = getattr(_errors, rows[0][0], None)
-        cls = cls if isinstance(cls, type) and issubclass(cls, DeepFreezeError) else ConfigError
-        raise cls(f"checkpoint_dir: {what}: " + "; ".join(r[2] for r in rows))
+def _agree(comm: Any, error: "BaseException | None", what: str) -> None:
+    """Every rank raises when any rank failed (collective, one all-gather of typed error records,
+    :func:`deepfreeze.comm.allgather_failures`): the first failure's DeepFreeze error class
+    (ConfigError for another exception), naming every failed rank, the ranks' errors its cause."""
+    failures = allgather_failures(comm, error)
+    if failures:
+        first = next(iter(failures.values()))
+        cls = type(first) if type(first) is not DeepFreezeError else ConfigError
+        raise cls(f"checkpoint_dir: {what}: " + "; ".join(f"rank {r}: {e}" for r, e in failures.items())) \
+            from RanksFailedError.of(failures)
 
 
 def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_dir: str, version: int | None = None,
@@ -294,7 +292,7 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
             return None
         final = os.path.join(os.path.abspath(output_dir), f"checkpoint-{st.step}")
         tmp = f"{final}.deepfreeze-tmp-{os.getpid()}"  # rank 0's pid: every rank gets rank 0's name below
-        err = ""
+        err: BaseException | None = None
         if rank == 0:
             try:
                 if os.path.lexists(final) and not os.path.isfile(os.path.join(final, _MARKER)):
@@ -307,11 +305,11 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                 for fname, (kind, payload) in files.items():
                     _write(os.path.join(tmp, fname), kind, payload)
             except Exception as e:  # any failure: reported on every rank (none is left waiting)
-                err = _describe(rank, e)
+                err = e
         try:
             _agree(comm, err, f"v{st.version} into {final}")
             tmp = comm.allgather(tmp.encode() if rank == 0 else b"")[0].decode()
-            err = ""
+            err = None
             try:
                 if size == st.world_size and rank < len(st.records):
                     _, rng = _saved(st.records[rank])
@@ -322,7 +320,7 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                     log.warning("DeepFreeze: %r v%d was written by %d ranks, this job has %d: no RNG files (Trainer "
                                 "resumes without them)", name, st.version, st.world_size, size)
             except Exception as e:
-                err = _describe(rank, OSError(f"{e} (output_dir must be a directory every rank sees)"))
+                err = OSError(f"{e} (output_dir must be a directory every rank sees)")
             _agree(comm, err, f"the RNG files of v{st.version} in {tmp}")
             if rank == 0:
                 try:
@@ -337,7 +335,7 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                     finally:
                         os.close(fd)
                 except Exception as e:
-                    err = _describe(rank, e)
+                    err = e
             _agree(comm, err, f"renaming {tmp} to {final}")
         except BaseException:
             if rank == 0:
