@@ -78,8 +78,7 @@ class Run:
         if comm is None:
             from .comm import LocalComm
             comm = LocalComm()
-        self.config: Config = config if isinstance(config, Config) and not overrides else \
-            Config.resolve(config, **overrides)
+        self.config: Config = Config.resolve(config, **overrides)
         from .engine import resolve_engine
         self.engine_kind = resolve_engine(engine)
         self.name, self.rank, self.size, self.comm = name, rank, size, comm

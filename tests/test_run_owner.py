@@ -229,3 +229,49 @@ def test_keras_callback_not_closed_is_closed_at_exit(tmp_path):
     got = list_versions(Config.resolve(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p")),
                         "k")
     assert {v: "persistent" in where_ for v, where_ in got.items()} == {2: True, 4: True, 6: True}, got
+
+
+# ---------------------------------------------------------------------------- one torch capture, many sinks
+def test_torch_step_hook_shared_by_sinks(tmp_path):
+    """Two checkpointers of one model and optimizer (two names) and a third sink share one set of
+    torch hooks; both names get the same bit-exact versions; the hooks go with the last sink."""
+    torch = _torch()
+    from deepfreeze.torch import Checkpointer, load
+    from deepfreeze.torch.hook import Sink, hook_for
+
+    class Steps(Sink):
+        def __init__(self) -> None:
+            self.n = 0
+
+        def after_step(self, optimizer) -> None:
+            self.n += 1
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(net.parameters(), lr=0.1)
+    a = Checkpointer(net, opt, name="a", every_n_steps=2, **where(tmp_path))
+    b = Checkpointer(net, opt, name="b", every_n_steps=2, **where(tmp_path))
+    steps = Steps()
+    hook = hook_for(net, [opt])
+    hook.subscribe(steps)
+    assert a.hook is b.hook is hook and hook.sinks == [a, b, steps]
+    assert len(opt._optimizer_step_pre_hooks) == 1 and len(opt._optimizer_step_post_hooks) == 1
+    assert len(net._forward_pre_hooks) == 1
+    want = {}
+    for i in range(4):
+        net(torch.ones(2, 3) * i).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 3:
+            want = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    assert steps.n == 4 and a.step == b.step == 4
+    a.close()
+    b.close()
+    assert hook.sinks == [steps] and len(opt._optimizer_step_pre_hooks) == 1
+    hook.unsubscribe(steps)
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks and not net._forward_pre_hooks
+    assert hook_for(net, [opt]) is not hook  # a new one once the last sink left
+    for name in ("a", "b"):
+        got = load(name=name, version=4, **where(tmp_path))
+        for k, v in want.items():
+            assert got[k].numpy().tobytes() == v.numpy().tobytes(), (name, k)

@@ -1,6 +1,9 @@
 """``Checkpointer``: DeepFreeze for PyTorch DDP, captured in the optimizer step.
 
-No change to the training loop: the checkpointer registers hooks on the optimizers.
+No change to the training loop: the checkpointer is a sink of the model's and optimizers'
+:class:`~deepfreeze.torch.hook.StepHook` (one set of torch hooks, shared with any other sink of the
+same model and optimizers). What a run owns (argument checks, ``on_error``, the engine, the lease,
+``wait``/``close``, the exit hand-off) is :class:`deepfreeze.run.Run`'s.
 
 * A **step** is an ``optimizer.step()`` that ran: the post-hook of the *last* optimizer given
   (the one the loop steps last) counts it. A step GradScaler skipped (inf/NaN gradients) never
@@ -65,6 +68,7 @@ from ..fused import BufferPool, FusedLayout, FusedShard
 from ..run import Run
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec
 from . import _cuda, _loop, _state
+from .hook import Sink, hook_for
 from ._dist import TorchComm, make_comm, node_domain, rank_and_size
 
 __all__ = ["Checkpointer"]
@@ -96,7 +100,7 @@ class _Pending:
         self.cuda: "_cuda.InFlight | None" = None  # device-to-host copies on the side stream
 
 
-class Checkpointer:
+class Checkpointer(Sink):
     """Asynchronous sharded checkpoints of a DDP or FSDP2 model and its optimizers, captured in the step.
 
     Args:
@@ -191,7 +195,8 @@ class Checkpointer:
         self._cuda: "_cuda.CudaCapture | None" = None  # CUDA tensors: the side-stream capture (_cuda.py)
         _cuda.check_devices([*model.parameters(), *model.buffers()], "the model")  # refused: meta, mps ...
         self._pending: _Pending | None = None
-        self._hooks: list[Any] = []
+        #: the capture points on the model and optimizers, shared with other sinks (deepfreeze.torch.hook)
+        self.hook = hook_for(model, opts)
         self._closed = False
         self._order_warned = False
         self._boundary = False  # the loop marks its iterations' ends (end_iteration/iterate): records are taken there
@@ -229,10 +234,7 @@ class Checkpointer:
                     log.warning("DeepFreeze: %r resumed from v%d (step %d): start_step=%d is not used (a resumed "
                                 "version's step wins)", self.name, self.resumed_from, self.start_step, start_step)
             self.step = self.start_step
-            for opt in opts:
-                self._hooks.append(opt.register_step_pre_hook(self._pre_hook))
-            self._hooks.append(opts[-1].register_step_post_hook(self._post_hook))
-            self._hooks.append(model.register_forward_pre_hook(self._forward_hook))
+            self.hook.subscribe(self)
         except BaseException:
             self._run.close()
             self._copier.shutdown(wait=False)
@@ -240,7 +242,7 @@ class Checkpointer:
         self._run.at_exit(self._at_exit)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
+    def before_step(self, opt: Any, args: Any, kwargs: Any) -> Any:
         p = self._pending
         if p is None:
             return None
@@ -276,7 +278,7 @@ class Checkpointer:
                         self.name, p.step)
         self._finish()
 
-    def _forward_hook(self, module: Any, args: Any) -> None:
+    def before_forward(self, module: Any, args: Any) -> None:
         p = self._pending
         if p is not None and p.record_b is None and not self._boundary:
             try:  # before the next step's forward (a step GradScaler skips never reaches a pre-hook)
@@ -285,7 +287,7 @@ class Checkpointer:
                 p.error = f"rank {self.rank}: {e}"
                 p.record_b = b""
 
-    def _post_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+    def after_step(self, opt: Any) -> None:
         if self._pending is not None and self._pending.step == self.step:
             self._finish()  # an optimizer that did not call its closure: updated during the capture (torn)
         self.step += 1
@@ -356,9 +358,7 @@ class Checkpointer:
                 else:
                     self._finish_at_boundary()
         finally:
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
+            self.hook.unsubscribe(self)
             try:
                 self._run.close()  # the engine (its flushes), then the lease
             finally:
