@@ -24,7 +24,7 @@ from .lease import (ANONYMOUS_RUN, GENERATION, JOB, LEASE, Lease, RunInfo, Versi
 
 __all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
            "read_job_id_at", "valid_job_id", "JOB", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
-           "fence_holder", "Run", "GENERATION", "LEASE", "ON_ERROR"]
+           "fence_holder", "Run", "RunView", "GENERATION", "LEASE", "ON_ERROR"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -351,3 +351,24 @@ class Run:
         elif pending is not None and self.rank == 0:
             log.warning("DeepFreeze: %r: %s was not called: v%d was handed off and flushed at exit; call %s "
                         "at the end of training", self.name, who, pending, hint)
+
+
+def _view(attr: str, doc: str) -> property:
+    return property(lambda self: getattr(self._run, attr), doc=doc)
+
+
+class RunView:
+    """The read-only attributes an adapter shows of its :class:`Run` (held as ``self._run``)."""
+
+    _run: Run
+    engine = _view("engine", "This rank's engine (:func:`deepfreeze.engine.make_engine`) for the current shard "
+                             "plan; None before the first plan and after ``close()``.")
+    failures = _view("failures", "Messages of the checkpoint errors tolerated under ``on_error='warn'``.")
+    last_version = _view("last_version", "Version (the optimizer step) of the newest checkpoint taken, or None.")
+    on_error = _view("on_error", "``'raise'`` or ``'warn'``.")
+    engine_kind = _view("engine_kind", "The resolved engine: ``'builtin'`` or ``'veloc'``.")
+    scratch_cls = _view("scratch_cls", "The ScratchLevel subclass that writes shards.")
+    trust_owners = _view("trust_owners", "Owners (names or uids) trusted when reading, or None.")
+    resume = _view("resume", "Whether the run resumes the name's newest version.")
+    overwrite = _view("overwrite", "Whether the run starts a new generation of the name.")
+    lease_wait = _view("lease_wait", "Seconds to wait for another run's lease on the name.")

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from ..config import KEYS, Config, did_you_mean, validate_name
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
-from ..run import Run
+from ..run import Run, RunView
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
 from . import hook as _hook
 from ._dist import allgather_bytes, mpi_comm, rank_and_size, run_comm
@@ -132,7 +132,7 @@ class CaptureOptions:
             raise ConfigError("nothing would ever be checkpointed: set every_n_batches or at_epoch_end=True")
 
 
-class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
+class DeepFreezeCheckpoint(RunView, tf.keras.callbacks.Callback):
     """Asynchronous sharded checkpoints during ``model.fit``; add it to ``callbacks``.
 
     Args:
@@ -410,50 +410,6 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if self._owner is not None:
             return self._owner.run_id
         return self._run.info.id if self._run.begun and self._run.info is not None else None
-
-    @property
-    def last_version(self) -> int | None:
-        """Version number (= optimizer step) of the newest checkpoint taken, or None."""
-        return self._run.last_version
-
-    @property
-    def engine(self) -> Any:
-        """This rank's engine (:func:`deepfreeze.engine.make_engine`): made in ``on_train_begin``, None
-        before and after :meth:`close`."""
-        return self._run.engine
-
-    @property
-    def failures(self) -> list[str]:
-        """Messages of the checkpoint errors tolerated under ``on_error="warn"``."""
-        return self._run.failures
-
-    @property
-    def on_error(self) -> str:
-        return self._run.on_error
-
-    @property
-    def engine_kind(self) -> str:
-        return self._run.engine_kind
-
-    @property
-    def scratch_cls(self) -> type:
-        return self._run.scratch_cls
-
-    @property
-    def trust_owners(self) -> "list[str | int] | None":
-        return self._run.trust_owners
-
-    @property
-    def resume(self) -> bool:
-        return self._run.resume
-
-    @property
-    def overwrite(self) -> bool:
-        return self._run.overwrite
-
-    @property
-    def lease_wait(self) -> float:
-        return self._run.lease_wait
 
     # ------------------------------------------------------------------ roles (shared capture)
     #: every capture this callback wants must be checkpointed (a publisher's may be coalesced)

@@ -65,7 +65,7 @@ import torch
 from ..config import Config, validate_name
 from ..errors import CaptureTornError, ConfigError, DeepFreezeError, ModelMismatchError
 from ..fused import BufferPool, FusedLayout, FusedShard
-from ..run import Run
+from ..run import Run, RunView
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec
 from . import _cuda, _loop, _state
 from .hook import Sink, hook_for
@@ -100,7 +100,7 @@ class _Pending:
         self.cuda: "_cuda.InFlight | None" = None  # device-to-host copies on the side stream
 
 
-class Checkpointer(Sink):
+class Checkpointer(RunView, Sink):
     """Asynchronous sharded checkpoints of a DDP or FSDP2 model and its optimizers, captured in the step.
 
     Args:
@@ -405,36 +405,6 @@ class Checkpointer(Sink):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    @property
-    def last_version(self) -> int | None:
-        return self._run.last_version
-
-    @property
-    def engine(self) -> Any:
-        """The engine of the current shard plan (None before the first checkpoint and after close)."""
-        return self._run.engine
-
-    @property
-    def failures(self) -> list[str]:
-        """Failures under ``on_error='warn'`` (their messages)."""
-        return self._run.failures
-
-    @property
-    def on_error(self) -> str:
-        return self._run.on_error
-
-    @property
-    def engine_kind(self) -> str:
-        return self._run.engine_kind
-
-    @property
-    def scratch_cls(self) -> type:
-        return self._run.scratch_cls
-
-    @property
-    def trust_owners(self) -> "list[str | int] | None":
-        return self._run.trust_owners
 
     @property
     def run_id(self) -> str | None:
