@@ -24,7 +24,8 @@ from .lease import (ANONYMOUS_RUN, GENERATION, JOB, LEASE, Lease, RunInfo, Versi
 
 __all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
            "read_job_id_at", "valid_job_id", "JOB", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
-           "fence_holder", "Run", "RunView", "GENERATION", "LEASE", "ON_ERROR"]
+           "fence_holder", "Run", "RunView", "GENERATION", "LEASE",
+           "ON_ERROR"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -326,9 +327,10 @@ class Run:
     def close_at_exit(self, close: Callable[[], None], timeout: float, *, who: str, pending: int | None,
                       hint: str = "close()") -> None:
         """The exit hand-off of an adapter whose ``close`` (named ``who``, e.g.
-        ``"Checkpointer.close()"``; ``hint``: how the user calls it) was not called: run it in a thread for at most ``timeout``
-        seconds (every rank exiting normally does this collectively), then say what happened
-        to ``pending`` (the version captured but not handed off yet, if any)."""
+        ``"Checkpointer.close()"``; ``hint``: how the user calls it) was not called: run it in a
+        thread for at most ``timeout`` seconds (every rank exiting normally does this
+        collectively), then say what happened to ``pending`` (the version captured but not
+        handed off yet, if any)."""
         err: list[BaseException] = []
 
         def run() -> None:

@@ -6,8 +6,8 @@ one the loop steps last: its steps are counted) and a forward pre-hook on the mo
 :class:`Sink` objects subscribed to it (:meth:`StepHook.subscribe`): the
 :class:`~deepfreeze.torch.Checkpointer` today; a stream publisher can share the same capture points
 (:func:`hook_for` returns the hook already on a model and its optimizers). The hook is removed from
-the model and the optimizers when its last sink unsubscribes. As :mod:`deepfreeze.keras.hook` is
-for Keras.
+the model and the optimizers when its last sink unsubscribes (the counterpart of
+:mod:`deepfreeze.keras.hook`).
 
 Each sink sees, in the order it subscribed:
 
