@@ -12,7 +12,9 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Sequence
+import threading
+import weakref
+from typing import Any, Callable, Sequence
 
 from .comm import Comm
 from .config import Config
@@ -27,43 +29,91 @@ from .veloc_engine import VelocEngine
 
 __all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
            "read_job_id_at", "valid_job_id", "JOB", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
-           "fence_holder", "Run", "GENERATION", "LEASE", "make_engine"]
+           "fence_holder", "Run", "RunView", "GENERATION", "LEASE", "ON_ERROR", "make_engine"]
 
 log = logging.getLogger("deepfreeze")
 
+#: the ``on_error`` policies: ``"raise"`` stops training at a failed checkpoint, ``"warn"`` logs it,
+#: counts it in :attr:`Run.failures` and training goes on
+ON_ERROR = ("raise", "warn")
+
 
 class Run:
-    """One run of a checkpoint name as seen by one rank: :meth:`begin` (collective) makes the
-    run id on rank 0, takes the lease, applies ``overwrite`` (a new generation) and refuses a
-    new run on a name that already has committed versions; :meth:`resumed` (collective)
-    records the step restored and retires what older runs left above it; :meth:`close`
-    releases the lease. ``comm`` is anything with ``rank``, ``size`` and ``allgather(bytes)``
-    (:class:`deepfreeze.comm.MPIComm`, :class:`~deepfreeze.comm.LocalComm`)."""
+    """One run of a checkpoint name as seen by one rank, and everything both adapters
+    (:class:`deepfreeze.keras.DeepFreezeCheckpoint`, :class:`deepfreeze.torch.Checkpointer`) share
+    about it; an adapter keeps only its framework's hooks, its capture, its tensor list and the
+    ranks' agreement on the shard plan.
 
-    def __init__(self, config: Any, name: str, rank: int, size: int, comm: Any = None, *,
-                 resume: bool = False, overwrite: bool = False, lease_wait: float = 0.0) -> None:
+    * Arguments, checked once with one wording each (not collective): ``on_error``, ``scratch_cls``,
+      ``trust_owners``, ``resume``/``overwrite``, ``lease_wait``, ``engine``; ``config`` resolved
+      with ``overrides`` (:meth:`deepfreeze.Config.resolve`).
+    * :meth:`begin` (collective) makes the run id on rank 0, takes the lease, applies ``overwrite``
+      (a new generation) and refuses a new run on a name that already has committed versions;
+      :meth:`pick_resume` / :meth:`resumed` (collective) restore and record the step restored and
+      retire what older runs left above it.
+    * :meth:`guard`: the ``on_error`` policy (:attr:`failures`).
+    * :meth:`new_engine`: the engine for a new shard plan (the old one closed, the newest version
+      carried); :meth:`hand_off` (the lease checked first), :meth:`wait`, :meth:`close` (the
+      engine, then the lease); :meth:`at_exit`: the hand-off when the interpreter exits without
+      ``close()``.
+
+    ``comm`` is anything with ``rank``, ``size`` and ``allgather(bytes)``
+    (:class:`deepfreeze.comm.MPIComm`, :class:`~deepfreeze.comm.LocalComm`); an adapter that learns
+    its ranks later passes it to :meth:`begin`."""
+
+    def __init__(self, config: Any, name: str, rank: int = 0, size: int = 1, comm: Any = None, *,
+                 resume: bool = False, overwrite: bool = False, lease_wait: float = 0.0, on_error: str = "raise",
+                 engine: str | None = None, scratch_cls: type | None = None, trust_owners: Any = None,
+                 verbose: int = 0, **overrides: Any) -> None:
+        from .levels import ScratchLevel
+        from .ownership import trusted_uids
+        if on_error not in ON_ERROR:
+            raise ConfigError(f"on_error = {on_error!r}: use 'raise' (stop training) or 'warn' (log and go on)")
+        scratch_cls = ScratchLevel if scratch_cls is None else scratch_cls
+        if not (isinstance(scratch_cls, type) and issubclass(scratch_cls, ScratchLevel)):
+            raise ConfigError("scratch_cls must be a subclass of deepfreeze.levels.ScratchLevel")
+        trust = ([trust_owners] if isinstance(trust_owners, (str, int)) else
+                 list(trust_owners) if trust_owners else None)
+        trusted_uids(trust)  # an unknown user name is a ConfigError now, not at resume
         if resume and overwrite:
             raise ConfigError("resume=True and overwrite=True contradict each other: resume continues the "
                               "name's newest version, overwrite starts a new generation; pick one")
-        if lease_wait < 0:
+        if isinstance(lease_wait, bool) or not isinstance(lease_wait, (int, float)) or lease_wait < 0:
             raise ConfigError(f"lease_wait = {lease_wait} must be >= 0 seconds")
         if comm is None:
             from .comm import LocalComm
             comm = LocalComm()
-        self.config, self.name, self.rank, self.size, self.comm = config, name, rank, size, comm
-        self.resume, self.overwrite, self.lease_wait = resume, overwrite, float(lease_wait)
+        self.config: Config = Config.resolve(config, **overrides)
+        from .engine import resolve_engine
+        self.engine_kind = resolve_engine(engine)
+        self.name, self.rank, self.size, self.comm = name, rank, size, comm
+        self.resume, self.overwrite, self.lease_wait = bool(resume), bool(overwrite), float(lease_wait)
+        self.on_error, self.scratch_cls, self.trust_owners, self.verbose = on_error, scratch_cls, trust, verbose
         self.lease: Lease | None = None
         self.info: RunInfo | None = None
+        #: between :meth:`begin` and :meth:`close`
+        self.begun = False
+        #: the engine of the current shard plan (:meth:`new_engine`), None before and after :meth:`close`
+        self.engine: Any = None
+        #: the newest version handed off (the adapter decides what counts); carried into a new engine
+        self.last_version: int | None = None
+        #: failures under ``on_error='warn'`` (their messages), in order
+        self.failures: list[str] = []
+        #: called before :meth:`guard` re-raises under ``on_error='raise'`` (an adapter's clean-up)
+        self.before_raise: Callable[[], None] | None = None
 
     def _gather0(self, payload: dict[str, Any] | None) -> dict[str, Any]:
         rows = self.comm.allgather(json.dumps(payload).encode() if self.rank == 0 else b"")
         return json.loads(rows[0])
 
-    def begin(self) -> RunInfo:
-        """Start the run (collective). Raises :class:`LeaseHeldError`,
+    def begin(self, comm: Any = None) -> RunInfo:
+        """Start the run (collective; over ``comm`` when given, which sets :attr:`rank` and
+        :attr:`size`). Raises :class:`LeaseHeldError`,
         :class:`~deepfreeze.errors.ExistingCheckpointError` or another DeepFreezeError on
         every rank when rank 0 cannot start it."""
         from .levels import PersistentLevel, ScratchLevel
+        if comm is not None:
+            self.comm, self.rank, self.size = comm, comm.rank, comm.size
         cfg = self.config
         pers = PersistentLevel(cfg.persistent, shared_group=cfg.shared_group)
         payload = None
@@ -126,6 +176,7 @@ class Run:
                 "resume=True (continue from the newest), another name, or overwrite=True (start a new generation: "
                 "the old versions are retired)")
         self.info = RunInfo(got["id"], gen, job=got.get("job"))
+        self.begun = True
         return self.info
 
     def resumed(self, step: int) -> RunInfo:
@@ -177,12 +228,155 @@ class Run:
         if self.lease is not None and self.lease.lost:
             raise LeaseHeldError(self.lease.lost)
 
+    # ------------------------------------------------------------------ the write path
+    def guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """Call ``fn`` under the ``on_error`` policy: a DeepFreezeError is raised (after
+        :attr:`before_raise`) with ``"raise"``, or logged and counted in :attr:`failures` with
+        ``"warn"``. Returns whether ``fn`` returned."""
+        try:
+            fn(*args, **kwargs)
+        except DeepFreezeError as e:
+            if self.on_error == "raise":
+                if self.before_raise is not None:
+                    self.before_raise()
+                raise
+            self.failures.append(str(e))
+            log.warning("DeepFreeze (rank %d): checkpointing failed, training goes on (on_error='warn'): %s",
+                        self.rank, e)
+            return False
+        return True
+
+    def fail(self, error: DeepFreezeError) -> None:
+        """``error`` under the ``on_error`` policy (a failure the adapter found itself)."""
+        def throw() -> None:
+            raise error
+        self.guard(throw)
+
+    def new_engine(self, plan: Any, domains: Any = None, comm: Any = None) -> Any:
+        """The engine of this rank for a new shard ``plan`` (the previous one closed first, its
+        background error under ``on_error``), numbering on from :attr:`last_version`. ``comm``
+        carries the built-in engine's redundancy exchange, or (its ``comm`` attribute, mpi4py)
+        VeloC's."""
+        assert self.info is not None, "begin() first"
+        if self.engine is not None:
+            old, self.engine = self.engine, None
+            self.guard(old.close)
+        veloc = self.engine_kind == "veloc"
+        self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, domains,
+                                  scratch_cls=self.scratch_cls, comm=None if veloc else comm,
+                                  mpi_comm=comm.comm if veloc and comm is not None else None, run=self.info)
+        if self.last_version is not None:
+            self.engine.last_version = self.last_version  # versions keep growing within the run
+        return self.engine
+
+    def summary(self, plan: Any, tensors: int) -> None:
+        """Log the shard plan's size (rank 0, ``verbose``)."""
+        if self.verbose and self.rank == 0:
+            log.warning("DeepFreeze: %d tensors, %.1f MB, %d ranks, %.1f MB per rank (max), mode %s",
+                        tensors, plan.total_bytes / 1e6, self.size, max(plan.rank_bytes()) / 1e6, self.config.mode)
+
+    def hand_off(self, version: int, data: Any, **meta: Any) -> bool:
+        """Hand ``version`` to the engine (``meta``: the manifest's ``step``, ``epoch``, ``extra``)
+        under ``on_error``, unless the lease was lost (another run took the name over: this
+        run's versions are fenced off; a :class:`LeaseHeldError` under ``on_error``). Returns
+        whether the engine took it."""
+        if self.lease is not None and self.lease.lost and not self.guard(self.check):
+            return False
+        return self.guard(self.engine.checkpoint, version, data, **meta)
+
+    def wait(self, timeout: float | None = None, *, persistent: bool = True, engine: Any = None) -> None:
+        """Wait for the engine (``engine``: another run's, which this one shares) under
+        ``on_error``: every version handed off committed on persistent (or on scratch)."""
+        engine = self.engine if engine is None else engine
+        if engine is not None:
+            self.guard(engine.wait, persistent=persistent, timeout=timeout)
+
     def close(self) -> None:
-        """Release the lease (rank 0)."""
-        if self.lease is not None:
-            self.lease.release()
-            atexit.unregister(self.lease.release)
-            self.lease = None
+        """Close the engine (waits for its flushes; raises a pending background error once,
+        shuts down either way), then release the lease (rank 0): the run ends here."""
+        engine, self.engine = self.engine, None
+        try:
+            if engine is not None:
+                engine.close(wait=True)
+        finally:
+            self.begun = False
+            if self.lease is not None:
+                self.lease.release()
+                atexit.unregister(self.lease.release)
+                self.lease = None
+
+    # ------------------------------------------------------------------ the exit hand-off
+    def at_exit(self, hand_off: Callable[[], None]) -> None:
+        """Call the bound method ``hand_off`` when the interpreter exits, while thread pools
+        still take work: on the hooks ``concurrent.futures`` itself uses (run before its executors
+        shut down and before the ``atexit`` handlers, among them the lease's release), else
+        ``atexit``. Holds its object weakly; does nothing in a forked child (``multiprocessing``
+        runs threading's exit hooks in the children it forks: DataLoader workers)."""
+        ref = weakref.WeakMethod(hand_off)  # type: ignore[arg-type]
+        pid = os.getpid()
+
+        def run_at_exit() -> None:
+            fn = ref()
+            if fn is not None and os.getpid() == pid:  # never in a fork (a DataLoader worker runs these hooks)
+                fn()
+        register = getattr(threading, "_register_atexit", None)
+        try:
+            if register is None:
+                raise RuntimeError("no threading._register_atexit")
+            register(run_at_exit)
+        except RuntimeError:
+            atexit.register(run_at_exit)
+
+    def close_at_exit(self, close: Callable[[], None], timeout: float, *, who: str, pending: int | None,
+                      hint: str = "close()") -> None:
+        """The exit hand-off of an adapter whose ``close`` (named ``who``, e.g.
+        ``"Checkpointer.close()"``; ``hint``: how the user calls it) was not called: run it in a
+        thread for at most ``timeout`` seconds (every rank exiting normally does this
+        collectively), then say what happened to ``pending`` (the version captured but not
+        handed off yet, if any)."""
+        err: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                close()
+            except BaseException as e:  # reported below
+                err.append(e)
+        t = threading.Thread(target=run, name=f"deepfreeze-atexit-close-r{self.rank}", daemon=True)
+        t.start()
+        t.join(timeout)
+        what = f"v{pending}" if pending is not None else "its last versions"
+        if t.is_alive():
+            log.warning("DeepFreeze (rank %d): %r: %s was not called and closing at exit did not finish within "
+                        "close_timeout=%gs (another rank did not exit normally?): %s may not be written; call "
+                        "%s at the end of training", self.rank, self.name, who, timeout, what, hint)
+        elif err:
+            log.warning("DeepFreeze (rank %d): %r: %s was not called and closing at exit failed (%s: %s): %s may "
+                        "not be written; call %s at the end of training", self.rank, self.name, who,
+                        type(err[0]).__name__, err[0], what, hint)
+        elif pending is not None and self.rank == 0:
+            log.warning("DeepFreeze: %r: %s was not called: v%d was handed off and flushed at exit; call %s "
+                        "at the end of training", self.name, who, pending, hint)
+
+
+def _view(attr: str, doc: str) -> property:
+    return property(lambda self: getattr(self._run, attr), doc=doc)
+
+
+class RunView:
+    """The read-only attributes an adapter shows of its :class:`Run` (held as ``self._run``)."""
+
+    _run: Run
+    engine = _view("engine", "This rank's engine (:func:`make_engine`) for the current shard "
+                             "plan; None before the first plan and after ``close()``.")
+    failures = _view("failures", "Messages of the checkpoint errors tolerated under ``on_error='warn'``.")
+    last_version = _view("last_version", "Version (the optimizer step) of the newest checkpoint taken, or None.")
+    on_error = _view("on_error", "``'raise'`` or ``'warn'``.")
+    engine_kind = _view("engine_kind", "The resolved engine: ``'builtin'`` or ``'veloc'``.")
+    scratch_cls = _view("scratch_cls", "The ScratchLevel subclass that writes shards.")
+    trust_owners = _view("trust_owners", "Owners (names or uids) trusted when reading, or None.")
+    resume = _view("resume", "Whether the run resumes the name's newest version.")
+    overwrite = _view("overwrite", "Whether the run starts a new generation of the name.")
+    lease_wait = _view("lease_wait", "Seconds to wait for another run's lease on the name.")
 
 
 def make_engine(engine: str | None, config: Config, name: str, rank: int, plan: ShardPlan,

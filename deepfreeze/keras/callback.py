@@ -16,11 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 from ..config import KEYS, Config, did_you_mean, validate_name
-from ..engine import Engine, resolve_engine
-from ..run import make_engine
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
-from ..levels import ScratchLevel
-from ..run import Run
+from ..run import Run, RunView
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
 from . import hook as _hook
 from ._dist import allgather_bytes, mpi_comm, rank_and_size, run_comm
@@ -135,7 +132,7 @@ class CaptureOptions:
             raise ConfigError("nothing would ever be checkpointed: set every_n_batches or at_epoch_end=True")
 
 
-class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
+class DeepFreezeCheckpoint(RunView, tf.keras.callbacks.Callback):
     """Asynchronous sharded checkpoints during ``model.fit``; add it to ``callbacks``.
 
     Args:
@@ -181,42 +178,30 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                  every_n_batches: int | None = None, at_epoch_end: bool = True,
                  min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES, verbose: int = 0, on_error: str = "raise",
                  resume: bool = False, save_optimizer: bool = True, engine: str | None = None,
-                 scratch_cls: type[ScratchLevel] = ScratchLevel, overwrite: bool = False,
+                 scratch_cls: "type | None" = None, overwrite: bool = False,
                  lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None,
                  capture: str = "auto", **overrides: Any) -> None:
         super().__init__()
-        if on_error not in ("raise", "warn"):
-            raise ConfigError(f"on_error = {on_error!r}: use 'raise' (stop training) or 'warn' (log and go on)")
-        if not (isinstance(scratch_cls, type) and issubclass(scratch_cls, ScratchLevel)):
-            raise ConfigError("scratch_cls must be a subclass of deepfreeze.levels.ScratchLevel")
-        self.on_error, self.scratch_cls = on_error, scratch_cls
-        self.resume, self.save_optimizer = bool(resume), bool(save_optimizer)
-        self.overwrite, self.lease_wait = bool(overwrite), float(lease_wait)
-        self.trust_owners = ([trust_owners] if isinstance(trust_owners, (str, int)) else
-                             list(trust_owners) if trust_owners else None)
-        from ..ownership import trusted_uids
-        trusted_uids(self.trust_owners)  # an unknown user name is a ConfigError now, not at resume
-        if self.resume and self.overwrite:
-            raise ConfigError("resume=True and overwrite=True contradict each other: resume continues the name's "
-                              "newest version, overwrite starts a new generation; pick one")
-        if self.lease_wait < 0:
-            raise ConfigError(f"lease_wait = {lease_wait} must be >= 0 seconds")
-        self._run: Run | None = None  # from the first on_train_begin to close()
+        self.name = validate_name(name)
+        _check_overrides(overrides)
+        #: the run: argument checks, the on_error policy, the engine, the lease (deepfreeze.run.Run);
+        #: begun at the first on_train_begin, ended by close()
+        self._run = Run(config, self.name, resume=resume, overwrite=overwrite, lease_wait=lease_wait,
+                        on_error=on_error, engine=engine, scratch_cls=scratch_cls, trust_owners=trust_owners,
+                        verbose=verbose, **overrides)
+        self._run.before_raise = self._remove_hook  # Keras skips on_train_end when a callback raises
+        self._exit_registered = False
+        self.save_optimizer = bool(save_optimizer)
         self._resume_pending = False  # resume once, when the run begins
         self.resumed_from: int | None = None  # version restored by resume=True, if any
         self._skip_steps = 0
         self._rebase = False
         self._deferred: _SetUpAtFirstStep | None = None  # set-up waits for the first step (unbuilt model)
         self._preloaded: tuple[Any] | None = None  # (Checkpoint or None,) picked by resume for a deferred set-up
-        self.failures: list[str] = []
-        self.name = validate_name(name)
         self.options = CaptureOptions(every_n_batches, at_epoch_end, min_shard_bytes, capture)
-        _check_overrides(overrides)
-        self.config = Config.resolve(config, **overrides)
-        self.engine_kind = resolve_engine(engine)
+        self.config = self._run.config
         self.verbose = verbose
         self.rank, self.size = 0, 1
-        self.engine: Engine | None = None
         self.sink: _hook.FusedSink | None = None
         self.plan: ShardPlan | None = None
         self.timings: list[dict[str, float]] = []
@@ -228,7 +213,6 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._epoch = 0
         self._epoch_base = 0
         self._spe = 1
-        self._last_version: int | None = None
         self._model_tensors = 0  # how many leading checkpointed tensors are model weights
         self._layers: dict | None = None  # the model's layer graph for `deepfreeze repo import` (manifest "layers")
         #: another callback of this fit on the same name and persistent directory, whose run, engine and
@@ -261,14 +245,13 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 self._attached(primary)
             return
         self._primary = self._owner = None
-        started = self._run is None
+        started = not self._run.begun
         self._begin_run()
         try:
             self._set_up(model)
         except BaseException:
-            if started and self._run is not None:  # this call started the run: end it (release the lease)
+            if started:  # this call started the run: end it (release the lease)
                 self._run.close()
-                self._run = None
             raise
 
     def _set_up(self, model: Any) -> None:
@@ -290,18 +273,10 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
                 raise ModelMismatchError(f"rank {r} built a different model or shard plan than rank {self.rank}: "
                                          "every rank must build the same architecture")
         domains = [row[16:].decode(errors="replace") for row in rows]
-        if self.engine is None or self.plan != plan:
-            if self.engine is not None:
-                old, self.engine = self.engine, None
-                self._guard(old.close)  # a background error of the last fit is under on_error too
-            veloc = self.engine_kind == "veloc"
+        if self.engine is None or self.plan != plan:  # (the last fit's engine is closed under on_error)
+            veloc = self._run.engine_kind == "veloc"
             comm = mpi_comm() if (self.config.ec_interval >= 0 or veloc) and self.size > 1 else None
-            self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, domains,
-                                      scratch_cls=self.scratch_cls, comm=None if veloc else comm,
-                                      mpi_comm=comm.comm if veloc and comm is not None else None,
-                                      run=self._run.info)
-            if self._last_version is not None:
-                self.engine.last_version = self._last_version  # versions keep growing within the run
+            self._run.new_engine(plan, domains, comm)
         self.plan = plan
         if self.sink is not None:  # a previous fit's sink (removed at its end, unless that failed)
             _hook.detach(model.optimizer, self.sink)
@@ -318,10 +293,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         for rider in self._riders:
             rider._attached(self)
         self._attached(self)
-        if self.verbose and self.rank == 0:
-            log.warning("DeepFreeze: %d tensors, %.1f MB, %d ranks, %.1f MB per rank (max), mode %s",
-                        len(tensors), plan.total_bytes / 1e6, self.size, max(plan.rank_bytes()) / 1e6,
-                        self.config.mode)
+        self._run.summary(plan, len(tensors))
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         if self._primary is not None:
@@ -406,8 +378,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._riders = []
         try:
             self._write_held()
-            if self.engine is not None:
-                self._guard(self.engine.wait, persistent=False)  # committed at least on scratch
+            self._run.wait(persistent=False)  # committed at least on scratch
         finally:
             self._remove_hook()
             if isinstance(getattr(self.model, "train_function", None), _SetUpAtFirstStep):
@@ -418,33 +389,27 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         """Block until every checkpoint taken so far is committed on persistent (or skipped by
         ``persistent_interval``); raises the first background error, once. With ``timeout``
         (seconds), raises :class:`~deepfreeze.BackendError` if that is not done by then."""
-        engine = self.engine if self.engine is not None else getattr(self._owner, "engine", None)
-        if engine is not None:
-            self._guard(engine.wait, persistent=True, timeout=timeout)
+        self._run.wait(timeout, engine=self.engine if self.engine is not None else getattr(self._owner, "engine", None))
 
     def close(self) -> None:
         """Wait for the flushes, then release the writer thread, the backend connection and the
-        lease on the name (the run ends here)."""
-        engine, self.engine = self.engine, None
-        try:
-            if engine is not None:
-                engine.close(wait=True)  # raises a pending background error once; shuts down either way
-        finally:
-            if self._run is not None:
-                self._run.close()
-                self._run = None
+        lease on the name (the run ends here). A callback not closed when the interpreter exits
+        is closed then (within 60 s)."""
+        self._run.close()  # raises a pending background error once; shuts down and releases either way
+
+    def _at_exit(self) -> None:
+        """The exit hand-off: a run not closed is closed at exit (its flushes waited for, at most
+        60 s), as :meth:`deepfreeze.torch.Checkpointer.close` is (:meth:`deepfreeze.run.Run.at_exit`)."""
+        if self._run.begun:
+            self._run.close_at_exit(self.close, 60.0, who="DeepFreezeCheckpoint.close()", pending=None,
+                                    hint="callback.close()")
 
     @property
     def run_id(self) -> str | None:
         """Id of this callback's run (made at the first ``on_train_begin``), or None before."""
         if self._owner is not None:
             return self._owner.run_id
-        return self._run.info.id if self._run is not None and self._run.info is not None else None
-
-    @property
-    def last_version(self) -> int | None:
-        """Version number (= optimizer step) of the newest checkpoint taken, or None."""
-        return self._last_version
+        return self._run.info.id if self._run.begun and self._run.info is not None else None
 
     # ------------------------------------------------------------------ roles (shared capture)
     #: every capture this callback wants must be checkpointed (a publisher's may be coalesced)
@@ -496,7 +461,7 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         from ._dist import broadcast_int
         comm = mpi_comm()
         if comm is not None or self.size == 1:
-            ck = self._run.pick_resume(comm, trust_owners=self.trust_owners)
+            ck = self._run.pick_resume(comm, trust_owners=self._run.trust_owners)
         else:  # several ranks without MPI (Horovod over Gloo): rank 0 picks, every rank reads it
             versions = (list_versions(self.config, self.name, trust_owners=self.trust_owners)
                         if self.rank == 0 else {})
@@ -534,12 +499,12 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
     def _begin_run(self) -> None:
         """Start the run at the first ``on_train_begin`` (collective): its id, the lease on the
         name, ``overwrite``; several ``fit`` calls are one run, resumed (if asked) once."""
-        if self._run is None:
-            run = Run(self.config, self.name, self.rank, self.size, run_comm(), resume=self.resume,
-                      overwrite=self.overwrite, lease_wait=self.lease_wait)
-            run.begin()
-            self._run = run
+        if not self._run.begun:
+            self._run.begin(run_comm())
             self._resume_pending = self.resume
+            if not self._exit_registered:
+                self._exit_registered = True
+                self._run.at_exit(self._at_exit)
 
     def _defer_setup(self) -> None:
         """The model is not built yet: set up at the first step (:class:`_SetUpAtFirstStep`).
@@ -610,17 +575,10 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self.model.make_train_function(force=True)
         self.sink = None
 
-    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        """Run an engine call under the ``on_error`` policy."""
-        try:
-            fn(*args, **kwargs)
-        except DeepFreezeError as e:
-            if self.on_error == "raise":
-                self._remove_hook()  # Keras skips on_train_end when a callback raises
-                raise
-            self.failures.append(str(e))
-            log.warning("DeepFreeze (rank %d): checkpointing failed, training goes on (on_error='warn'): %s",
-                        self.rank, e)
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> bool:
+        """``fn`` under the run's ``on_error`` policy (:meth:`deepfreeze.run.Run.guard`; the hook is
+        removed before a raise)."""
+        return self._run.guard(fn, *args, **kwargs)
 
     def _writer_busy(self) -> bool:
         """This rank's vote in the coalescing decision: would a checkpoint now wait for its writer?"""
@@ -648,15 +606,13 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         if held is None or self.engine is None:
             return
         version, arrays, epoch, extra = held
-        if self._last_version is not None and version <= self._last_version:
+        if self._run.last_version is not None and version <= self._run.last_version:
             return
-        self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=epoch, extra=extra)
-        self._last_version = version
+        self._run.hand_off(version, arrays, step=version, epoch=epoch, extra=extra)
+        self._run.last_version = version
         self.coalesced -= 1
 
     def _checkpoint(self, version: int, arrays: list, t0: float, t1: float, epoch_end: bool = False) -> None:
-        if self._run is not None and self._run.lease is not None and self._run.lease.lost:
-            self._guard(self._run.check)  # another run took the name over: this one's versions are fenced off
         epoch_step = version - self._epoch_base
         epoch_complete = epoch_end or (bool(self.params.get("steps")) and epoch_step >= self.params["steps"])
         extra = {"epoch_complete": epoch_complete, "epoch_step": epoch_step, "model_tensors": self._model_tensors}
@@ -676,8 +632,8 @@ class DeepFreezeCheckpoint(tf.keras.callbacks.Callback):
         self._last_capture = version
         if not self._coalesce(roles):
             self._held = None  # a newer version is written: the held one is superseded (newer wins)
-            self._guard(self.engine.checkpoint, version, arrays, step=version, epoch=self._epoch, extra=extra)
-            self._last_version = version
+            self._run.hand_off(version, arrays, step=version, epoch=self._epoch, extra=extra)  # the lease first
+            self._run.last_version = version
         else:  # only a publisher wanted it and a writer is busy: the persistent copy coalesces to a newer one
             self.coalesced += 1
             self._held = (version, arrays, self._epoch, extra)  # written at train end if nothing newer is

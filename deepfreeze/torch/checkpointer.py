@@ -1,6 +1,9 @@
 """``Checkpointer``: DeepFreeze for PyTorch DDP, captured in the optimizer step.
 
-No change to the training loop: the checkpointer registers hooks on the optimizers.
+No change to the training loop: the checkpointer is a sink of the model's and optimizers'
+:class:`~deepfreeze.torch.hook.StepHook` (one set of torch hooks, shared with any other sink of the
+same model and optimizers). What a run owns (argument checks, ``on_error``, the engine, the lease,
+``wait``/``close``, the exit hand-off) is :class:`deepfreeze.run.Run`'s.
 
 * A **step** is an ``optimizer.step()`` that ran: the post-hook of the *last* optimizer given
   (the one the loop steps last) counts it. A step GradScaler skipped (inf/NaN gradients) never
@@ -49,31 +52,25 @@ parameters in place; FQNs come from the last capture). HSDP and tensor paralleli
 """
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import struct
-import threading
 import time
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from ..config import Config, validate_name
-from ..engine import resolve_engine
-from ..run import make_engine
 from ..comm import allgather_failures
 from ..errors import (CaptureTornError, ChangedInPlaceError, ConfigError, DeepFreezeError, ModelMismatchError,
                       RanksFailedError, StateRecordOverflowError)
 from ..fused import BufferPool, FusedLayout, FusedShard
-from ..levels import ScratchLevel
-from ..run import Run
+from ..run import Run, RunView
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec
 from . import _cuda, _loop, _state
+from .hook import Sink, hook_for
 from ._dist import TorchComm, make_comm, node_domain, rank_and_size
 
 __all__ = ["Checkpointer"]
@@ -105,7 +102,7 @@ class _Pending:
         self.cuda: "_cuda.InFlight | None" = None  # device-to-host copies on the side stream
 
 
-class Checkpointer:
+class Checkpointer(RunView, Sink):
     """Asynchronous sharded checkpoints of a DDP or FSDP2 model and its optimizers, captured in the step.
 
     Args:
@@ -150,7 +147,7 @@ class Checkpointer:
                  resume: bool = False, overwrite: bool = False, state: "dict[str, Any] | None" = None,
                  overlap: bool = True, on_error: str = "raise", min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
                  lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None, engine: str | None = None,
-                 scratch_cls: type[ScratchLevel] = ScratchLevel, verbose: int = 0, strict: bool = True,
+                 scratch_cls: "type | None" = None, verbose: int = 0, strict: bool = True,
                  close_timeout: float = 60.0, start_step: int | None = None, **overrides: Any) -> None:
         if start_step is not None and (type(start_step) is not int or start_step < 0):
             raise ConfigError(f"start_step = {start_step!r}: use the step the restored state was saved at (an int "
@@ -160,8 +157,6 @@ class Checkpointer:
             raise ConfigError("Checkpointer: optimizer must be a torch.optim.Optimizer or a sequence of them")
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ConfigError(f"every_n_steps = {every_n_steps!r}: use a positive integer or None")
-        if on_error not in ("raise", "warn"):
-            raise ConfigError(f"on_error = {on_error!r}: use 'raise' or 'warn'")
         if not isinstance(min_shard_bytes, int) or min_shard_bytes < 0:
             raise ConfigError(f"min_shard_bytes = {min_shard_bytes!r}: use an integer >= 0")
         self.state = dict(state or {})
@@ -170,33 +165,30 @@ class Checkpointer:
                     or not callable(getattr(obj, "load_state_dict", None)):
                 raise ConfigError(f"state[{k!r}] must have state_dict() and load_state_dict() (a Stateful), "
                                   f"got {type(obj).__name__}")
-        if resume and overwrite:
-            raise ConfigError("resume=True and overwrite=True contradict each other: pick one")
         if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or not close_timeout > 0:
             raise ConfigError(f"close_timeout = {close_timeout!r}: use a positive number of seconds")
         self.close_timeout = float(close_timeout)
+        self.name = validate_name(name)
+        #: the run: argument checks, the on_error policy, the engine, the lease (deepfreeze.run.Run)
+        self._run = Run(config, self.name, resume=resume, overwrite=overwrite, lease_wait=lease_wait,
+                        on_error=on_error, engine=engine, scratch_cls=scratch_cls, trust_owners=trust_owners,
+                        verbose=verbose, **overrides)
         #: how many model tensors are FSDP2 shards (HSDP and tensor parallelism are refused here)
         self.sharded = _state.check_layout(model)
         self.model, self.optimizers = model, opts
-        self.name = validate_name(name)
-        self.every_n_steps, self.overlap, self.on_error = every_n_steps, bool(overlap), on_error
-        self.min_shard_bytes, self.verbose, self.scratch_cls = min_shard_bytes, verbose, scratch_cls
-        self.trust_owners = trust_owners
+        self.every_n_steps, self.overlap = every_n_steps, bool(overlap)
+        self.min_shard_bytes, self.verbose = min_shard_bytes, verbose
         self.strict = bool(strict)
         #: what resume=True with strict=False left out of the checkpoint (empty: everything restored)
         self.skipped: list[str] = []
-        self.config = Config.resolve(config, **overrides)
+        self.config = self._run.config
         self.config.check_directories()
-        self.engine_kind = resolve_engine(engine)
         self.rank, self.size = rank_and_size("deepfreeze.torch.Checkpointer")
-        #: failures under on_error='warn'
-        self.failures: list[str] = []
         #: per checkpoint: version, seconds in the post-hook, waited in the next pre-hook, hand-off
         self.timings: list[dict[str, float]] = []
         #: versions not written because a tensor changed during its capture
         self.torn: list[int] = []
         self.plans = 0  # shard plans built (1 + changes)
-        self.engine: Any = None
         self.plan: ShardPlan | None = None
         self._key: bytes | None = None
         self._caps: list[int] = []
@@ -205,8 +197,8 @@ class Checkpointer:
         self._cuda: "_cuda.CudaCapture | None" = None  # CUDA tensors: the side-stream capture (_cuda.py)
         _cuda.check_devices([*model.parameters(), *model.buffers()], "the model")  # refused: meta, mps ...
         self._pending: _Pending | None = None
-        self._hooks: list[Any] = []
-        self._last_version: int | None = None
+        #: the capture points on the model and optimizers, shared with other sinks (deepfreeze.torch.hook)
+        self.hook = hook_for(model, opts)
         self._closed = False
         self._order_warned = False
         self._boundary = False  # the loop marks its iterations' ends (end_iteration/iterate): records are taken there
@@ -226,12 +218,10 @@ class Checkpointer:
         explicit = any(k == "failure_domain" for k, _ in self.config.origins)
         domain = node_domain(self.config.failure_domain, explicit)
         self.domains = [b.decode() for b in self.comm.allgather(domain.encode()[:200])]
-        if self.size > 1 and self.config.ec_interval >= 0 and self.engine_kind == "builtin":
+        if self.size > 1 and self.config.ec_interval >= 0 and self._run.engine_kind == "builtin":
             self._bg_comm = TorchComm()  # the writer thread's group (collective)
         self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-capture-r{self.rank}")
-        self._run = Run(self.config, self.name, self.rank, self.size, self.comm, resume=resume, overwrite=overwrite,
-                        lease_wait=lease_wait)
-        self._run.begin()
+        self._run.begin(self.comm)
         try:
             #: the step to continue from (the resumed version's, else ``start_step``, else 0)
             self.start_step = 0
@@ -246,18 +236,15 @@ class Checkpointer:
                     log.warning("DeepFreeze: %r resumed from v%d (step %d): start_step=%d is not used (a resumed "
                                 "version's step wins)", self.name, self.resumed_from, self.start_step, start_step)
             self.step = self.start_step
-            for opt in opts:
-                self._hooks.append(opt.register_step_pre_hook(self._pre_hook))
-            self._hooks.append(opts[-1].register_step_post_hook(self._post_hook))
-            self._hooks.append(model.register_forward_pre_hook(self._forward_hook))
+            self.hook.subscribe(self)
         except BaseException:
             self._run.close()
             self._copier.shutdown(wait=False)
             raise
-        _register_exit(self)
+        self._run.at_exit(self._at_exit)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, opt: Any, args: Any, kwargs: Any) -> Any:
+    def before_step(self, opt: Any, args: Any, kwargs: Any) -> Any:
         p = self._pending
         if p is None:
             return None
@@ -293,7 +280,7 @@ class Checkpointer:
                         self.name, p.step)
         self._finish()
 
-    def _forward_hook(self, module: Any, args: Any) -> None:
+    def before_forward(self, module: Any, args: Any) -> None:
         p = self._pending
         if p is not None and p.record_b is None and not self._boundary:
             try:  # before the next step's forward (a step GradScaler skips never reaches a pre-hook)
@@ -302,7 +289,7 @@ class Checkpointer:
                 p.error = f"rank {self.rank}: {e}"
                 p.record_b = b""
 
-    def _post_hook(self, opt: Any, args: Any, kwargs: Any) -> None:
+    def after_step(self, opt: Any) -> None:
         if self._pending is not None and self._pending.step == self.step:
             self._finish()  # an optimizer that did not call its closure: updated during the capture (torn)
         self.step += 1
@@ -349,7 +336,7 @@ class Checkpointer:
 
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (collective; outside the step)."""
-        if (self._pending is not None and self._pending.step == self.step) or self._last_version == self.step:
+        if (self._pending is not None and self._pending.step == self.step) or self._run.last_version == self.step:
             return  # this step is captured already
         self._capture(self.step)
         self._finish()
@@ -358,8 +345,7 @@ class Checkpointer:
         """Finish a pending capture and block until every checkpoint is committed on persistent."""
         if self._pending is not None:
             self._finish_at_boundary()
-        if self.engine is not None:
-            self._guard(self.engine.wait, persistent=True, timeout=timeout)
+        self._run.wait(timeout)
 
     def close(self) -> None:
         """Finish a pending capture, wait for the flushes, release the hooks, threads and the lease."""
@@ -374,16 +360,11 @@ class Checkpointer:
                 else:
                     self._finish_at_boundary()
         finally:
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
-            engine, self.engine = self.engine, None
+            self.hook.unsubscribe(self)
             try:
-                if engine is not None:
-                    engine.close(wait=True)
+                self._run.close()  # the engine (its flushes), then the lease
             finally:
                 self._copier.shutdown(wait=True)
-                self._run.close()
                 _cuda.release_pool(self._pool)
                 for comm in (self._bg_comm, self.comm):
                     if hasattr(comm, "close"):
@@ -418,39 +399,14 @@ class Checkpointer:
                             "destroyed before Checkpointer.close(); call ckpt.close() before "
                             "destroy_process_group()", self.rank, self.name, pending)
             return
-        err: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                self.close()
-            except BaseException as e:  # reported below
-                err.append(e)
-        t = threading.Thread(target=run, name=f"deepfreeze-atexit-close-r{self.rank}", daemon=True)
-        t.start()
-        t.join(self.close_timeout)
-        what = f"v{pending}" if pending is not None else "its last versions"
-        if t.is_alive():
-            log.warning("DeepFreeze (rank %d): %r: Checkpointer.close() was not called and closing at exit did not "
-                        "finish within close_timeout=%gs (another rank did not exit normally?): %s may not be "
-                        "written; call ckpt.close() at the end of training", self.rank, self.name,
-                        self.close_timeout, what)
-        elif err:
-            log.warning("DeepFreeze (rank %d): %r: Checkpointer.close() was not called and closing at exit failed "
-                        "(%s: %s): %s may not be written; call ckpt.close() at the end of training", self.rank,
-                        self.name, type(err[0]).__name__, err[0], what)
-        elif pending is not None and self.rank == 0:
-            log.warning("DeepFreeze: %r: Checkpointer.close() was not called: v%d was handed off and flushed at "
-                        "exit; call ckpt.close() at the end of training", self.name, pending)
+        self._run.close_at_exit(self.close, self.close_timeout, who="Checkpointer.close()", pending=pending,
+                                hint="ckpt.close()")
 
     def __enter__(self) -> "Checkpointer":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    @property
-    def last_version(self) -> int | None:
-        return self._last_version
 
     @property
     def run_id(self) -> str | None:
@@ -611,16 +567,15 @@ class Checkpointer:
                  "torch": {"version": torch.__version__, "optimizers": len(self.optimizers),
                            "state_records": [t.name for t in self.plan.tensors[-self.size:]]}}
         t1 = time.perf_counter()
-        self._guard(self._checkpoint, p.step, shard, extra)
+        self._checkpoint(p.step, shard, extra)
         del shard, dest, p
-        self.timings.append({"version": self._last_version or -1, "post_hook_s": self._t_post, "wait_s": waited,
+        self.timings.append({"version": self._run.last_version or -1, "post_hook_s": self._t_post, "wait_s": waited,
                              "handoff_s": time.perf_counter() - t1})
 
     def _checkpoint(self, step: int, shard: FusedShard, extra: dict) -> None:
-        if self._run.lease is not None and self._run.lease.lost:
-            self._run.check()
-        self.engine.checkpoint(step, shard, step=step, epoch=0, extra=extra)
-        self._last_version = step
+        if not self._run.hand_off(step, shard, step=step, epoch=0, extra=extra):
+            return
+        self._run.last_version = step
         if self.verbose and self.rank == 0:
             log.warning("DeepFreeze: checkpoint %s v%d handed off", self.name, step)
 
@@ -644,13 +599,7 @@ class Checkpointer:
                    f"{len(old.tensors) - self.size} -> {len(st.specs)} tensors" if st.key() != self._key
                    else "a state record outgrew its reserved room")
             log.warning("DeepFreeze: %r: a new shard plan from v%d on: %s", self.name, step, why)
-        if self.engine is not None:
-            old_engine, self.engine = self.engine, None
-            self._guard(old_engine.close)
-        self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, self.domains,
-                                  scratch_cls=self.scratch_cls, comm=self._bg_comm, run=self._run.info)
-        if self._last_version is not None:
-            self.engine.last_version = self._last_version
+        self._run.new_engine(plan, self.domains, self._bg_comm)
         self.plan, self._key, self._caps = plan, st.key(), caps
         self._pinned = set(st.pinned)
         self._model_tensors = st.model_tensors
@@ -660,25 +609,16 @@ class Checkpointer:
         self._pool = (self._cuda.pool if self._cuda is not None else BufferPool)(self._layout.nbytes,
                                                                                   self.config.max_inflight + 1)
         self.plans += 1
-        if self.verbose and self.rank == 0:
-            log.warning("DeepFreeze: %d tensors, %.1f MB, %d ranks, %.1f MB per rank (max), mode %s",
-                        len(plan.tensors), plan.total_bytes / 1e6, self.size, max(plan.rank_bytes()) / 1e6,
-                        self.config.mode)
+        self._run.summary(plan, len(plan.tensors))
 
-    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except DeepFreezeError as e:
-            if self.on_error == "raise":
-                raise
-            self.failures.append(str(e))
-            log.warning("DeepFreeze (rank %d): checkpointing failed, training goes on (on_error='warn'): %s",
-                        self.rank, e)
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> bool:
+        """``fn`` under the run's ``on_error`` policy (:meth:`deepfreeze.run.Run.guard`)."""
+        return self._run.guard(fn, *args, **kwargs)
 
     # ------------------------------------------------------------------ resume
     def _resume(self) -> None:
         from .restore import apply
-        ck = self._run.pick_resume(self.comm, trust_owners=self.trust_owners)  # collective
+        ck = self._run.pick_resume(self.comm, trust_owners=self._run.trust_owners)  # collective
         if ck is None:
             return
         applied = apply(ck, self.model, self.optimizers, state=self.state, rank=self.rank, world_size=self.size,
@@ -689,7 +629,7 @@ class Checkpointer:
             self.start_epoch = self._loop.resume_from(loop, f"checkpoint {self.name!r} v{ck.version}")
         self.start_step = ck.step
         self.resumed_from = ck.version
-        self._last_version = ck.version
+        self._run.last_version = ck.version
         if self.rank == 0:
             log.warning("DeepFreeze: resumed %r from v%d (%s): continuing at step %d", self.name, ck.version,
                         ck.level, ck.step)
@@ -697,25 +637,3 @@ class Checkpointer:
 
 def _raise(e: BaseException) -> None:
     raise e
-
-
-def _register_exit(ck: Checkpointer) -> None:
-    """Run ``ck._at_exit`` when the interpreter exits, while thread pools still take work: on the
-    hooks ``concurrent.futures`` itself uses (run before its executors shut down and before the
-    ``atexit`` handlers, among them the lease's release), else ``atexit``. Holds ``ck`` weakly;
-    does nothing in a forked child (``multiprocessing`` runs threading's exit hooks in the
-    children it forks: DataLoader workers)."""
-    ref = weakref.ref(ck)
-    pid = os.getpid()
-
-    def at_exit() -> None:
-        c = ref()
-        if c is not None and os.getpid() == pid:  # never in a fork (a DataLoader worker runs these hooks at its exit)
-            c._at_exit()
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is None:
-            raise RuntimeError("no threading._register_atexit")
-        register(at_exit)
-    except RuntimeError:
-        atexit.register(at_exit)
