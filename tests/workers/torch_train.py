@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 tests/workers/torch_train.py OUT [key=value ...]
 
 keys: name, steps (loop iterations), every (every_n_steps), mode, resume=1, kill_at=IT (rank
-kill_rank SIGKILLs itself at the start of iteration IT), overlap=0, scaler=1 (CPU GradScaler
+kill_rank SIGKILLs itself at the start of iteration IT, once a version is committed), overlap=0, scaler=1 (CPU GradScaler
 whose first scales overflow, so steps are skipped), slow=SECONDS (the capture copy sleeps that
 long per piece), mutate_at=IT (an in-place change of a parameter right after the checkpoint
 step of iteration IT-1, while the capture copy runs), add_group_at=IT (add_param_group),
@@ -36,6 +36,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from deepfreeze.torch import Checkpointer  # noqa: E402
 
 IN, HID, OUT_F = 16, 192, 4
+
+
+def committed_before_kill(ckpt, limit: float = 120.0) -> None:
+    """Before ``kill_at`` kills this rank: wait (bounded) until some version is committed on
+    persistent, so "the job resumes from a version taken before the kill" does not depend on
+    how fast the first checkpoint's backend process started against how fast the loop runs (an
+    idle machine reached the kill before anything was committed). The other rank waits in its
+    collective meanwhile; nothing of this rank's state changes."""
+    from deepfreeze.loader import list_versions
+    deadline = time.monotonic() + limit
+    while not any("persistent" in levels for levels in list_versions(ckpt.config, ckpt.name).values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"test: no version of {ckpt.name!r} committed within {limit} s before kill_at")
+        time.sleep(0.05)
 
 
 class Net(torch.nn.Module):
@@ -189,6 +203,7 @@ def main() -> None:
     every = int(kw.get("every", 3))
     while data.it < steps:
         if data.it == kill_at and rank == int(kw.get("kill_rank", 1)):
+            committed_before_kill(ckpt)
             os.kill(os.getpid(), signal.SIGKILL)
         if data.it == add_group_at:
             opts[1].add_param_group({"params": list(net.extra.parameters()), "lr": 5e-3})
