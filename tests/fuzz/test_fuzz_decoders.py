@@ -732,7 +732,7 @@ def test_fuzz_memtier_device(memtier_image):
 # --------------------------------------------------------------------------- job-id and lease files
 
 def _lease(bounded, persistent, data):
-    from deepfreeze import run as R
+    from deepfreeze import lease as R
     d = os.path.join(persistent, "job")
     os.makedirs(d, mode=0o700, exist_ok=True)
     for n in os.listdir(d):
