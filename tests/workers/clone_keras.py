@@ -13,13 +13,15 @@ DeepFreezeCheckpoint in the source's fit and, for clones continuing, in theirs; 
 rank a node), ``mismatch=1`` (clone groups build another model), ``kill=clone|source``
 (a rank dies mid-transfer), ``timeout=`` (clone_timeout), ``hvd=world`` (the mistake:
 ``hvd.init()`` without ``comm=group.comm``), ``late=source|clone`` (that group reaches the
-clone ``timeout`` + 4 s late; ``late=clone`` counts from the source's end of step K - 1), ``stall=clone`` (the clone ranks take the hello, then no data
-for ``timeout`` + 4 s), ``unbuilt=1`` (a Sequential model without Input: the source's fit
+clone late: ``late=source`` once the clone gave up, ``late=clone`` ``timeout`` + 4 s after the
+source's end of step K - 1), ``stall=clone`` (the clone ranks take the hello, then no data until
+the source gave up), ``unbuilt=1`` (a Sequential model without Input: the source's fit
 builds it, the clones pass ``input_spec=``).
 
 Every rank writes OUT/<who>_r<rank>.json: ``error`` ("Type: message" of what the clone call
 or fit raised, any exception), ``configerrors`` (bad=1), ``info``, ``timings``, ``ok``.
 """
+import glob
 import json
 import os
 import signal
@@ -111,16 +113,31 @@ def checkpoint(name: str) -> DeepFreezeCheckpoint:
                                 persistent=f"{out}/persistent", failure_domain=node, min_shard_bytes=1024)
 
 
+def wait_for_result(pattern: str, limit: float = 240.0) -> None:
+    """Wait (bounded) until the other side's result file (OUT/<who>_r<rank>.json) exists: it has
+    given up. The faults below count from that, not from this process's clock: under load the
+    other side may start seconds later, and a fixed ``timeout + 4`` s was then not late enough."""
+    deadline = time.monotonic() + limit
+    while not glob.glob(os.path.join(out, pattern)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"test: no {pattern} within {limit} s")
+        time.sleep(0.05)
+
+
 class Stall(dfc.Receiver):
-    """Fault injection: a clone rank that took the hello, then takes no data for timeout + 4 s."""
+    """Fault injection: a clone rank that took the hello, then takes no data until the source gave
+    up (its clone_timeout passed: it wrote its result), and at least timeout + 4 s."""
 
     def receive(self, buffers):
-        time.sleep(TIMEOUT + 4)
+        t0 = time.monotonic()
+        wait_for_result(f"source_r{group.rank}.json")
+        time.sleep(max(0.0, TIMEOUT + 4 - (time.monotonic() - t0)))
         raise CloneTimeoutError("test: this clone rank stalled")
 
 
 class Late(tf.keras.callbacks.Callback):
-    """The source reaches the clone step K timeout + 4 s late (sleeps after step K - 1)."""
+    """The source reaches the clone step K late: after step K - 1 it waits until the clone gave up
+    (the clone's result file), and at least timeout + 4 s."""
 
     def __init__(self, k):
         super().__init__()
@@ -128,7 +145,9 @@ class Late(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if int(self.model.optimizer.iterations.numpy()) == self.k - 1:
-            time.sleep(TIMEOUT + 4)
+            t0 = time.monotonic()  # late for certain: the clone gave up (wrote its result) first
+            wait_for_result(f"clone*_r{group.rank}.json")
+            time.sleep(max(0.0, TIMEOUT + 4 - (time.monotonic() - t0)))
 
 
 class AtStepK(tf.keras.callbacks.Callback):
