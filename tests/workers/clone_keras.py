@@ -164,16 +164,6 @@ class AtStepK(tf.keras.callbacks.Callback):
             open(f"{out}/source_r{group.rank}.at_k", "w").close()
 
 
-def wait_for_source_at_k(limit: float = 240.0) -> None:
-    """The clone side of ``late=clone``: wait (bounded) until the source rank of the same group
-    rank marked step K - 1, so that sleeping ``timeout + 4`` s makes the clone late for certain."""
-    deadline = time.monotonic() + limit
-    while not os.path.exists(f"{out}/source_r{group.rank}.at_k"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"test: the source did not reach step K - 1 within {limit} s")
-        time.sleep(0.05)
-
-
 class DieMidTransfer(dfc.Receiver):
     """Fault injection: this clone rank dies by SIGKILL once the first data message arrived."""
 
@@ -241,7 +231,7 @@ try:
         cls = DieMidTransfer if opts.get("kill") == "clone" and group.rank == int(opts.get("kill_rank", 0)) \
             else Stall if opts.get("stall") == "clone" else dfc.Receiver
         if opts.get("late") == "clone":
-            wait_for_source_at_k()
+            wait_for_result(f"source_r{group.rank}.at_k")  # the source ended step K - 1
             time.sleep(TIMEOUT + 4)
         spec = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH) if opts.get("unbuilt") == "1" else None
         t0 = time.time()
