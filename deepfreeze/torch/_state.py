@@ -122,12 +122,17 @@ def model_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]
 
 # -- FSDP2: DTensors sharded on dim 0
 
+_DTENSOR: "list[Any]" = []  # [DTensor class or None], imported once (an import per tensor cost 2 us each)
+
+
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # a torch without distributed
+            DTensor = None
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0] is not None and isinstance(t, _DTENSOR[0])
 
 
 def dim0_rows(n: int, world_size: int) -> list[int]:
@@ -209,11 +214,15 @@ class TrainState:
     fqn_of: dict[int, str] = dataclasses.field(default_factory=dict)
     #: FQN of a tied tensor's other name -> the FQN it is stored under (:func:`_tied`)
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    _key: "bytes | None" = dataclasses.field(default=None, repr=False, compare=False)
 
     def key(self) -> bytes:
-        """16 bytes naming the tensor list (names, dtypes, shapes, pinned, sharded): equal on every rank."""
-        obj = [[s.name, s.dtype, list(s.shape)] for s in self.specs] + [sorted(self.pinned), sorted(self.bounds)]
-        return hashlib.sha256(json.dumps(obj).encode()).digest()[:16]
+        """16 bytes naming the tensor list (names, dtypes, shapes, pinned, sharded): equal on every rank.
+        Computed once per tensor list (the list is not changed after :func:`train_state`)."""
+        if self._key is None:
+            obj = [[s.name, s.dtype, list(s.shape)] for s in self.specs] + [sorted(self.pinned), sorted(self.bounds)]
+            self._key = hashlib.sha256(json.dumps(obj).encode()).digest()[:16]
+        return self._key
 
 
 def train_state(model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> TrainState:

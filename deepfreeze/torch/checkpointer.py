@@ -193,6 +193,9 @@ class Checkpointer(RunView, Sink):
         self._key: bytes | None = None
         self._caps: list[int] = []
         self._layout: FusedLayout | None = None
+        self._segments: list = []
+        self._src_views: dict = {}
+        self._dest_split: tuple = ([], {})
         self._pool: BufferPool | None = None
         self._cuda: "_cuda.CudaCapture | None" = None  # CUDA tensors: the side-stream capture (_cuda.py)
         _cuda.check_devices([*model.parameters(), *model.buffers()], "the model")  # refused: meta, mps ...
@@ -474,23 +477,17 @@ class Checkpointer(RunView, Sink):
         p = _Pending(step, buf)
         p.record_a = rec_a
         sync, background = [], []
-        for seg in self._layout.segments:
-            tid = seg.piece.tensor_id
-            if tid >= len(st.tensors) or seg.nbytes == 0:
-                continue  # a state record (filled when the capture finishes), or nothing to copy
-            t = st.tensors[tid]
-            if tid in st.bounds:  # an FSDP2 shard: the plan's offsets are global, the local tensor starts at ours
-                base = st.bounds[tid][self.rank]
-                seg = dataclasses.replace(seg, piece=dataclasses.replace(seg.piece, start=seg.piece.start - base,
-                                                                         stop=seg.piece.stop - base))
-            if tid in self._pinned or not self.overlap:
+        tensors, dtensors, versions = st.tensors, st.dtensors, p.versions
+        for tid, seg, now, name in self._segments:  # this plan's pieces of this rank (_new_plan)
+            t = tensors[tid]
+            if now:
                 sync.append((t, seg))  # copied now: buffers change in the next forward
             else:
                 background.append((t, seg))
-                p.versions.append((t, t._version, self.plan.tensors[tid].name))
-                if tid in st.dtensors:  # the optimizer's in-place updates count on the DTensor, not its local shard
-                    d = st.dtensors[tid]
-                    p.versions.append((d, d._version, self.plan.tensors[tid].name))
+                versions.append((t, t._version, name))
+                if tid in dtensors:  # the optimizer's in-place updates count on the DTensor, not its local shard
+                    d = dtensors[tid]
+                    versions.append((d, d._version, name))
         if self._cuda is not None:  # CUDA pieces: device-to-host on a side stream (deepfreeze/torch/_cuda.py)
             sync, background, p.cuda = self._cuda.start(sync, background, buf)
         self._copy(sync, buf)
@@ -500,16 +497,40 @@ class Checkpointer(RunView, Sink):
         self._t_post = time.perf_counter() - t0
 
     def _copy(self, items: list, buf: np.ndarray) -> None:
-        """Copy each (tensor, segment) piece into ``buf`` (one pass, bytes as they are)."""
+        """Copy each (tensor, segment) piece into ``buf`` (one pass, bytes as they are), in one
+        ``torch._foreach_copy_``. The byte views of both sides are built once per plan and kept:
+        a source per segment while it is the same tensor
+        object on the same memory (``data_ptr``) and contiguous on the CPU (the view of a
+        non-contiguous tensor would be a copy: rebuilt each time); the destinations are one
+        ``split`` of the buffer (no view of the pool's buffers is kept: the pool counts references).
+        With 1000s of small tensors the views, not the copies, were the capture's cost."""
+        if not items:
+            return
+        sizes, where = self._dest_split
+        parts = torch.from_numpy(buf[:sum(sizes)]).split(sizes)  # every segment's view, in one call
+        cache = self._src_views
+        dst, src = [], []
         for t, seg in items:
-            self._copy_piece(t, seg.piece, torch.from_numpy(buf[seg.offset:seg.offset + seg.nbytes]))
+            dst.append(parts[where[seg.offset]])
+            hit = cache.get(seg.offset)
+            if hit is not None and hit[0] is t and hit[1] == t.data_ptr():
+                v = hit[2]
+            else:
+                v = self._source_view(t, seg.piece)
+                if t.device.type == "cpu" and t.is_contiguous():
+                    cache[seg.offset] = (t, t.data_ptr(), v)
+            src.append(v)
+        torch._foreach_copy_(dst, src)
+        del parts, dst  # views of the pool buffer: the pool sees it free once the engine is done
 
-    def _copy_piece(self, t: torch.Tensor, piece: Piece, dest: torch.Tensor) -> None:
+    @staticmethod
+    def _source_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """The bytes of ``piece`` of ``t`` as a flat uint8 tensor (a view when ``t`` is contiguous on the CPU)."""
         src = t.detach()
         if src.device.type != "cpu":
             src = src.cpu()  # (CUDA pieces go through _cuda.CudaCapture; this is a fallback)
         src = src.reshape(-1)[piece.start:piece.stop]
-        dest.copy_(src.contiguous().view(torch.uint8) if src.dtype != torch.uint8 else src)
+        return src.contiguous().view(torch.uint8) if src.dtype != torch.uint8 else src.contiguous()
 
     def _finish(self) -> None:
         """Wait for the pending capture, check it, add the state record, hand it to the engine
@@ -604,6 +625,26 @@ class Checkpointer(RunView, Sink):
         self._pinned = set(st.pinned)
         self._model_tensors = st.model_tensors
         self._layout = FusedLayout.build(plan, self.rank)
+        self._segments = []  # (tensor id, segment, copied in the hook, name): the capture's loop, built once
+        self._src_views = {}  # _copy's byte views of this plan's tensors, and the split of a buffer
+        cuts, sizes, at = {}, [], 0
+        for seg in sorted(self._layout.segments, key=lambda g: g.offset):
+            if seg.nbytes and seg.offset >= at:
+                if seg.offset > at:
+                    sizes.append(seg.offset - at)  # a gap (padding) between segments
+                cuts[seg.offset] = len(sizes)
+                sizes.append(seg.nbytes)
+                at = seg.offset + seg.nbytes
+        self._dest_split = (sizes, cuts)
+        for seg in self._layout.segments:
+            tid = seg.piece.tensor_id
+            if tid >= len(st.tensors) or seg.nbytes == 0:
+                continue  # a state record (filled when the capture finishes), or nothing to copy
+            if tid in st.bounds:  # an FSDP2 shard: the plan's offsets are global, the local tensor starts at ours
+                base = st.bounds[tid][self.rank]
+                seg = dataclasses.replace(seg, piece=dataclasses.replace(seg.piece, start=seg.piece.start - base,
+                                                                         stop=seg.piece.stop - base))
+            self._segments.append((tid, seg, tid in self._pinned or not self.overlap, plan.tensors[tid].name))
         self._cuda = _cuda.capture_for(st.tensors, self._cuda)
         _cuda.release_pool(self._pool)
         self._pool = (self._cuda.pool if self._cuda is not None else BufferPool)(self._layout.nbytes,

@@ -182,9 +182,9 @@ def main() -> None:
         delay = float(kw["slow"])
 
         class SlowCopy(Checkpointer):  # fault injected by subclassing: a slowed capture copy
-            def _copy_piece(self, t, piece, dest):
-                time.sleep(delay)
-                super()._copy_piece(t, piece, dest)
+            def _copy(self, items, buf):
+                time.sleep(delay * len(items))  # as slow as `delay` per piece
+                super()._copy(items, buf)
         cls = SlowCopy
     mydir = os.path.join(out, f"r{rank}")
     os.makedirs(mydir, exist_ok=True)
