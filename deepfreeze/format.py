@@ -138,6 +138,7 @@ assert _ENTRY.size == 48
 DATA_ALIGN = 4096
 PIECE_ALIGN = 64
 MAX_NDIM = 32
+_DIMS = [struct.Struct(f"<{n}Q") for n in range(MAX_NDIM + 1)]  # an entry's shape, by its number of dims
 MAX_ENTRIES = 1 << 22
 MAX_MANIFEST_BYTES = 64 << 20  # hard cap before parsing (a parsed manifest costs ~25x its size in memory)
 MAX_TENSOR_ELEMENTS = 1 << 48
@@ -230,14 +231,18 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def index_data_offset(entries: Sequence[Entry]) -> int:
+    """Where the data region of a file of ``entries`` starts: after the header and index, aligned."""
+    return _align(_HEADER.size + sum(_ENTRY.size + 8 * len(e.shape) for e in entries), DATA_ALIGN)
+
+
 def layout(entries: Sequence[Entry], *, contiguous_tensors: bool = False) -> tuple[list[Entry], int, int]:
     """Assign offsets to ``entries`` (in order). Returns (entries, data_offset, file_size).
 
     With ``contiguous_tensors`` (assembled files), consecutive pieces of one tensor
     are packed back to back so the whole tensor is one contiguous byte range.
     """
-    index_bytes = sum(_ENTRY.size + 8 * len(e.shape) for e in entries)
-    data_offset = _align(_HEADER.size + index_bytes, DATA_ALIGN)
+    data_offset = index_data_offset(entries)
     pos = data_offset
     out = []
     prev: Entry | None = None
@@ -263,16 +268,21 @@ def run_id_bytes(run: str) -> bytes:
 
 
 def encode_index(kind: int, rank: int, world_size: int, version: int, entries: Sequence[Entry],
-                 data_offset: int, file_size: int, has_crc: bool, run: str) -> bytes:
+                 data_offset: int, file_size: int, has_crc: bool, run: str,
+                 crcs: "Sequence[int] | None" = None) -> bytes:
     """Header + index bytes (to be written at offset 0, padded up to ``data_offset``);
-    ``run`` is the writing run's id."""
+    ``run`` is the writing run's id. ``crcs``: the entries' CRCs, in their order, instead of
+    each entry's ``crc`` (no new :class:`Entry` per piece: ``dataclasses.replace`` of thousands of
+    small pieces cost more than their write)."""
     parts = []
-    for e in entries:
-        if len(e.shape) > MAX_NDIM:
-            raise ValueError(f"tensor {e.tensor_id} has {len(e.shape)} dims; at most {MAX_NDIM} supported")
-        parts.append(_ENTRY.pack(e.tensor_id, _CODES[e.dtype], len(e.shape), 0, e.start, e.stop,
-                                 e.offset, e.length, e.crc, 0))
-        parts.append(struct.pack(f"<{len(e.shape)}Q", *e.shape))
+    pack, code = _ENTRY.pack, _CODES
+    for k, e in enumerate(entries):
+        nd = len(e.shape)
+        if nd > MAX_NDIM:
+            raise ValueError(f"tensor {e.tensor_id} has {nd} dims; at most {MAX_NDIM} supported")
+        parts.append(pack(e.tensor_id, code[e.dtype], nd, 0, e.start, e.stop, e.offset, e.length,
+                          e.crc if crcs is None else crcs[k], 0))
+        parts.append(_DIMS[nd].pack(*e.shape))
     index = b"".join(parts)
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, FLAG_CRC if has_crc else 0, rank, world_size,
                         version, len(entries), len(index), data_offset, file_size, run_id_bytes(run),

@@ -139,6 +139,9 @@ DECISION = "decision"
 LOCK = "commit.lock"
 _POLL_FIRST, _POLL_MAX = 0.01, 0.2  # waits on the version lock: 10 ms, doubling to 200 ms, jittered
 _MAX_MARKER_BYTES = 64 << 20
+#: Level.manifest_run's memory: file identity -> (run id, generation, resumed from), per process
+_RUN_OF: dict[tuple, tuple[str, int, "int | None"]] = {}
+_RUN_OF_MAX = 4096
 
 
 class FencedError(DeepFreezeError, RuntimeError):
@@ -202,6 +205,28 @@ class Level:
                 return sorted(int(m.group(1)) for e in it if (m := _VDIR.match(e.name)) and e.is_dir(follow_symlinks=False))
         finally:
             os.close(fd)
+
+    def manifest_run(self, name: str, version: int) -> tuple[str, int, "int | None"]:
+        """:func:`deepfreeze.format.manifest_run` of the version's manifest here: read, checked and
+        decoded whole (:meth:`read_manifest`) the first time this process sees that file, then
+        remembered by the file's identity (device, inode, size, mtime and ctime, from an
+        ``lstat`` that must still find a regular file of a trusted owner). Committed manifests
+        are never rewritten in place (a new commit is a new file), so retention, which asks this
+        of every version present at every flush, decodes each manifest once, not once per flush
+        (with 1000s of tensors that decode was most of a flush's CPU). Raises what
+        :meth:`read_manifest` raises."""
+        path = os.path.join(self.version_dir(name, version), MANIFEST)
+        st = os.lstat(path)
+        key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = _RUN_OF.get(key)
+        if hit is not None and stat.S_ISREG(st.st_mode) and (self.trusted is None or st.st_uid in self.trusted):
+            counters.add(f"{self.kind}.manifest.remembered")
+            return hit
+        run = fmt.manifest_run(self.read_manifest(name, version))
+        if len(_RUN_OF) >= _RUN_OF_MAX:
+            _RUN_OF.pop(next(iter(_RUN_OF)))  # the oldest first (dicts keep insertion order)
+        _RUN_OF[key] = run
+        return run
 
     def read_manifest(self, name: str, version: int) -> dict[str, Any]:
         path = os.path.join(self.version_dir(name, version), MANIFEST)
@@ -384,10 +409,9 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
         spans = [(e.offset - data_offset, e.length) for e in entries]
         with replacing_file(final, fsync=fsync, point=point) as fd:
             crcs = _write_region(fd, shard.data, data_offset, spans, chksum, f"bytes.{point.split('.')[0]}.data")
-            if chksum:
-                entries = [dataclasses.replace(e, crc=c) for e, c in zip(entries, crcs)]
             write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                            data_offset, size, chksum, run), 0, f"bytes.{point.split('.')[0]}.meta")
+                                            data_offset, size, chksum, run, crcs if chksum else None),
+                      0, f"bytes.{point.split('.')[0]}.meta")
             os.ftruncate(fd, size)
         return
     pieces = plan.for_rank(rank)
@@ -404,10 +428,9 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
         crcs = [_write_region(fd, fmt.byte_view(a), e.offset, [(0, e.length)], chksum,
                               f"bytes.{point.split('.')[0]}.data")[0] if e.length else 0
                 for e, a in zip(entries, arrays)]
-        if chksum:
-            entries = [dataclasses.replace(e, crc=c) for e, c in zip(entries, crcs)]
         write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                        data_offset, size, chksum, run), 0, f"bytes.{point.split('.')[0]}.meta")
+                                        data_offset, size, chksum, run, crcs if chksum else None),
+                  0, f"bytes.{point.split('.')[0]}.meta")
         os.ftruncate(fd, size)
 
 
@@ -812,11 +835,10 @@ class PersistentLevel(Level):
             assembled = os.path.join(vdir, ASSEMBLED)
             counters.fs("stat", "persistent.finalize.assembled")
             if not os.path.lexists(assembled):
-                entries = [dataclasses.replace(e, crc=crc.get((e.tensor_id, e.start), 0) if has_crc else 0)
-                           for e in layout]
-                _, data_offset, _ = fmt.layout(entries, contiguous_tensors=True)
-                head = fmt.encode_index(fmt.KIND_ASSEMBLED, 0, 1, version, entries, data_offset, size, has_crc,
-                                        run)
+                crcs = [crc.get((e.tensor_id, e.start), 0) if has_crc else 0 for e in layout]
+                data_offset = fmt.index_data_offset(layout)
+                head = fmt.encode_index(fmt.KIND_ASSEMBLED, 0, 1, version, layout, data_offset, size, has_crc,
+                                        run, crcs)
                 partial = os.path.join(vdir, f"{ASSEMBLED}.partial.{nonce}")
                 counters.fs("open", "persistent.final.open")
                 fd = os.open(partial, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never created empty here
@@ -911,10 +933,10 @@ class PersistentLevel(Level):
         committed, other_gen = [], []
         for v in self.versions(name):
             try:
-                m = self.read_manifest(name, v)
+                run = self.manifest_run(name, v)
             except (OSError, DeepFreezeError, ValueError):
                 continue
-            (committed if fmt.manifest_run(m)[1] == gen else other_gen).append(v)
+            (committed if run[1] == gen else other_gen).append(v)
         for v in other_gen:  # under the version's lock: never half-way through another node's decision
             vdir = self.version_dir(name, v)
             with self.locked(vdir, wait=0.0, stale_after=60.0) as taken:

@@ -131,11 +131,15 @@ def test_counts_against_node_count(make_cluster, n):
     assert Bz >= (F - Kf) + (L - Lt), (Bz, F, Kf, L, Lt)
     assert W >= L - Lt, (W, L, Lt)  # each flush that never took the lock re-read the decision at least once
     shared = _shared(total)
-    # retention after the commit of version w reads the manifest of every version directory present:
+    # retention after the commit of version w asks the generation of every version directory present:
     # 1..w (committed in order: a version is committed before every marker of the next one exists),
-    # plus those a faster node already made for later versions (at most V in all)
+    # plus those a faster node already made for later versions (at most V in all); each node's
+    # process decodes a manifest once (Level.manifest_run) and remembers it after: at least the
+    # committing node's read of each version, at most one read per node and version
     m = shared.pop("open:persistent.manifest.read", 0)
-    assert V * (V + 1) // 2 <= m <= V * V, m
+    kept = total["persistent.manifest.remembered"]
+    assert V * (V + 1) // 2 <= m + kept <= V * V, (m, kept)
+    assert V <= m <= n * V, (m, n, V)
     # a busy round that could read the lock judges its age: lstat, then (unless the lock went away
     # in between) the file system's clock, a file created and removed (the holder is on another node)
     judged = shared.pop("stat:persistent.lock.stat", 0)
