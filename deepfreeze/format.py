@@ -246,12 +246,14 @@ def layout(entries: Sequence[Entry], *, contiguous_tensors: bool = False) -> tup
     pos = data_offset
     out = []
     prev: Entry | None = None
-    for e in entries:
+    size = ITEMSIZE
+    for e in entries:  # (Entry(...), not dataclasses.replace: 5x less CPU for 1000s of pieces)
         if not (contiguous_tensors and prev is not None and prev.tensor_id == e.tensor_id
                 and prev.stop == e.start):
-            pos = _align(pos, PIECE_ALIGN)
-        out.append(dataclasses.replace(e, offset=pos, length=e.nbytes))
-        pos += e.nbytes
+            pos = -(-pos // PIECE_ALIGN) * PIECE_ALIGN
+        n = (e.stop - e.start) * size[e.dtype] if e.dtype in size else e.nbytes
+        out.append(Entry(e.tensor_id, e.dtype, e.shape, e.start, e.stop, pos, n, e.crc))
+        pos += n
         prev = e
     return out, data_offset, pos
 
@@ -488,7 +490,8 @@ def _parse_constant(s: str) -> Any:
     raise _Refused(f"{s} is not a JSON number")
 
 
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+_DIGITS_TO_0 = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_19_ZEROS = b"0" * 19
 _json_depth = json_depth  # the name memtier/device.py used
 
 
@@ -497,7 +500,9 @@ def json_hooks(data: bytes) -> dict[str, Any]:
     infinity, long integers converted with checks. Used for every JSON DeepFreeze keeps beside
     tensors (manifests; the memory tier's entries)."""
     hooks: dict[str, Any] = {"parse_float": _parse_float, "parse_constant": _parse_constant}
-    if _LONG_DIGITS.search(data):  # numbers of 19+ digits (or digits in names): convert with checks
+    # 19 digits in a row, found by a translation (digits to "0", the rest to " ") and a substring
+    # search: both C loops, ~10x faster than the regular expression's search on a large manifest
+    if _19_ZEROS in bytes(data).translate(_DIGITS_TO_0):  # numbers of 19+ digits (or digits in names): convert with checks
         hooks["parse_int"] = _parse_int  # (the fast path's ints have at most 18 digits: below 2**63)
     return hooks
 

@@ -12,6 +12,7 @@ restored bit-exact, never a traceback, a hang, a MemoryError or a stopped traini
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -48,7 +49,9 @@ def deep_manifest():
 def bigint_manifest(good):
     """A manifest that is valid but for ``step``: a 5000-digit integer."""
     text = fmt.encode_manifest(dict(good, step=1))
-    return text.replace(b'"step": 1', b'"step": ' + b"7" * 5000)
+    out = re.sub(rb'"step": ?1(?=[,}\s])', b'"step": ' + b"7" * 5000, text, count=1)
+    assert out != text, "the manifest's step was not found"
+    return out
 
 
 def huge_manifest(good):
