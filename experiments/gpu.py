@@ -8,8 +8,8 @@ Runs with the system Python of a bare GPU machine: nothing of the project is ins
 ``deepfreeze`` is imported from this tree (the script puts the repository root first on
 ``sys.path`` and in ``PYTHONPATH`` for the processes it starts), numpy and torch are the
 machine's own. pytest is the machine's, else the one in ``<repo>/.gpu-deps`` (made here with
-``pip install --target .gpu-deps pytest`` and carried), else the test phase is recorded as
-not run. It never needs the network.
+``python experiments/gpu.py --prepare-deps``: ``pip install --target .gpu-deps pytest``, pure
+Python, 15 MB; carried to the device), else the test phase is recorded as not run. It never needs the network.
 
 Phases, each written to ``<out>/gpu.json`` (atomically) as soon as it ends, so a run cut short
 still leaves what it measured; the time of every phase is in ``phases[*].wall_s``:
@@ -33,7 +33,9 @@ still leaves what it measured; the time of every phase is in ``phases[*].wall_s`
      shared memory (gpt2 only by default). One save in flight (DCP's rule): the next save
      waits for the previous upload; staging is waited for before the next ``optimizer.step()``.
      Every DCP checkpoint but the newest durable one and the one in flight is removed (a
-     background thread), so a round holds at most two on disk.
+     background thread), so a round holds at most two on disk. torch 2.11's ``DefaultStager``
+     closes itself after one stage (a second raises ``KeyError: <class 'type'>``; 2.13 keeps it
+     and its cached buffers): there a new stager is made per checkpoint (``stagers`` counts them).
 
    Schedule of an approach: 2 warm-up iterations, ``base`` plain iterations (its baseline),
    then a checkpoint every ``every`` iterations, ``every`` = the interval (``--interval``
@@ -51,8 +53,9 @@ device, so DeepFreeze's side-stream copy is not waited for unless the next step 
 * **slowdown per interval**: the ``every`` iterations from a checkpoint on over ``every`` baseline
   iterations, minus 1;
 * **time to durable**: from just before the checkpoint step's ``optimizer.step()`` to complete on
-  persistent: the upload future (DCP), the manifest's ``committed`` time (DeepFreeze, read as
-  versions appear: one directory listing per iteration);
+  persistent: the upload future (DCP), the manifest's ``committed`` time (DeepFreeze, read by a
+  thread that lists persistent every 10 ms, since retention 1 removes a version's manifest when
+  the next one commits; that thread's CPU is left out of the CPU figure);
 * **CPU-seconds per checkpoint**: CPU (user + system) of this process's tree from ``/proc``
   (every live descendant: DeepFreeze's backend, DCP's checkpoint process; plus ``cutime`` and
   ``cstime``: reaped children) from the end of the warm-up interval to the final checkpoint
@@ -95,8 +98,10 @@ _HZ = os.sysconf("SC_CLK_TCK")
 
 
 def _paths() -> None:
-    """The tree's deepfreeze (and .gpu-deps, if present) first, here and in every child process."""
-    extra = [ROOT] + ([DEPS] if os.path.isdir(DEPS) else [])
+    """The tree's deepfreeze first, here and in every child process; .gpu-deps too when it exists
+    and this Python has no pytest of its own."""
+    import importlib.util
+    extra = [ROOT] + ([DEPS] if os.path.isdir(DEPS) and importlib.util.find_spec("pytest") is None else [])
     for p in reversed(extra):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -319,11 +324,18 @@ class Saver:
             self.ckpt = Checkpointer(model, opt, name=NAME, every_n_steps=every, overwrite=True, mode="async",
                                      scratch=self.scratch, persistent=self.persistent, max_versions=1,
                                      scratch_versions=1)
+            # commit times: a version's manifest is gone once the next one commits (retention 1), so
+            # a thread lists persistent every 10 ms; its own CPU (watch_cpu) is left out of the figure
+            self.watch_cpu, self._stop = 0.0, threading.Event()
+            self._watcher = threading.Thread(target=self._watch, name="gpu-commit-watch", daemon=True)
+            self._watcher.start()
         else:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             self.options = {"use_pinned_memory": cuda, "use_shared_memory": "process" in approach,
                             "use_async_staging": True, "use_non_blocking_copy": cuda}
-            self.stager = DefaultStager(StagingOptions(**self.options))
+            self._new_stager = lambda: DefaultStager(StagingOptions(**self.options))
+            self.stager = self._new_stager()
+            self.stagers = 1
 
     def before_step(self) -> None:
         """Before ``optimizer.step()``: DCP's staged copy complete before state is mutated."""
@@ -343,6 +355,13 @@ class Saver:
             self.future.result()  # one in flight
             self._remove(self.paths[:-1])  # keep the newest durable one only
             self.paths = self.paths[-1:]
+        if self._spent(self.stager):
+            # torch 2.11's DefaultStager closes its StateDictStager after every stage (its copy table
+            # and cached buffers cleared: a second stage raises KeyError: <class 'type'>), so there a
+            # stager serves one checkpoint; 2.13 keeps it (and its buffers) for the run
+            self.stager.close()
+            self.stager = self._new_stager()
+            self.stagers += 1
         path = f"{self.work}/dcp/v{version}"
         self.paths.append(path)
         msd, osd = get_state_dict(self.model, self.opt)
@@ -355,10 +374,21 @@ class Saver:
             self.durable[version] = time.time() - t0
         self.future.add_done_callback(done)
 
+    @staticmethod
+    def _spent(stager) -> bool:
+        """Whether ``stager`` closed itself after staging (torch 2.11): its copy table is empty."""
+        table = getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+        return isinstance(table, dict) and not table
+
     def _remove(self, paths: list[str]) -> None:
         t = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths], daemon=True)
         t.start()
         self._gc.append(t)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01):
+            self.poll()
+            self.watch_cpu = time.thread_time()
 
     def poll(self) -> None:
         """DeepFreeze: the ``committed`` time of every manifest new on persistent (one listing)."""
@@ -396,8 +426,10 @@ class Saver:
         out: dict = {}
         if self.stager is not None:
             self.stager.close()
-            out["stager_options"] = self.options
+            out["stager_options"], out["stagers"] = self.options, self.stagers
         if self.ckpt is not None:
+            self._stop.set()
+            self._watcher.join()
             out["df_timings"] = self.ckpt.timings
             self.ckpt.close()
         for t in self._gc:
@@ -455,8 +487,6 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
         if saver is not None and version is not None:
             saver.save(version, t0)
         sync()
-        if saver is not None:
-            saver.poll()
         step[0] += 1
         return time.perf_counter() - t
 
@@ -489,7 +519,7 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
     for _ in range(every - 2):  # the interval: every iterations from the checkpoint on
         iters.append(iterate(saver))
     saver.finish()
-    cpu0, w0, it0 = tree_cpu(me), time.monotonic(), step[0]
+    cpu0, w0, it0, watch0 = tree_cpu(me), time.monotonic(), step[0], getattr(saver, "watch_cpu", 0.0)
     # measured checkpoints while the time allows (the final one and the restore must still fit)
     per_ck = every * b
     d_first = saver.durable.get(first, math.nan)
@@ -512,7 +542,8 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
     assert saver.ckpt is None or saver.ckpt.step == vfinal, (saver.ckpt.step, vfinal)  # same versions
     saver.finish()
     n_ck = len(done_ck) + 1
-    cpu = tree_cpu(me) - cpu0
+    rec["watch_cpu_s"] = getattr(saver, "watch_cpu", 0.0) - watch0
+    cpu = tree_cpu(me) - cpu0 - rec["watch_cpu_s"]
     window_iters = step[0] - it0
     base_cpu_per_iter = rec["base_cpu_s"] / nbase
     rec["cpu_s_per_ckpt"] = (cpu - base_cpu_per_iter * window_iters) / n_ck
@@ -522,6 +553,10 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
     rec["slowdown"] = stat([sum(iters[s:s + every]) / (every * b) - 1 for _, s in done_ck])
     rec["durable_s"] = stat([saver.durable.get(v, math.nan) for v, _ in done_ck] + [saver.durable.get(vfinal, math.nan)])
     rec["durable_by_version"] = {str(k): v for k, v in sorted(saver.durable.items())}
+    # DeepFreeze: a version committed and removed by the next one's commit between two listings
+    # (the backend a whole interval behind) has no time
+    rec["durable_missing"] = [v for v, _ in done_ck if v not in saver.durable] + \
+        ([vfinal] if vfinal not in saver.durable else [])
     rec["iters"] = iters
     t = time.monotonic()
     ref = digests(model, opt)
@@ -587,8 +622,9 @@ def table(doc: dict) -> str:
              "| model | approach | baseline iteration (s) | first stall (s) | stall (s) | slowdown / interval "
              "| to durable (s) | CPU-s / ckpt | restore (s) | bit-exact |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["runs"]:
-        if r.get("skipped"):
-            lines.append(f"| {r['model']} | {r['approach']} | skipped: {r['skipped']} |||||||| ")
+        if r.get("skipped") or r.get("error"):
+            why = f"skipped: {r['skipped']}" if r.get("skipped") else f"error: {r['error']}"
+            lines.append(f"| {r['model']} | {r['approach']} | {why.replace('|', '/')[:200]} | | | | | | | |")
             continue
         lines.append(f"| {r['model']} | {r['approach']} | {fmt(r['baseline_iter_s'], 1, 4)} | {fmt(r['first_stall_s'])} "
                      f"| {fmt(r['stall_s'])} | {fmt(r['slowdown'], 100, 1)} % | {fmt(r['durable_s'])} "
@@ -599,7 +635,7 @@ def table(doc: dict) -> str:
 # ------------------------------------------------------------------------------------ driver
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="directory for gpu.json and the logs (on the device: $OUT)")
+    ap.add_argument("--out", default=None, help="directory for gpu.json and the logs (on the device: $OUT)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     ap.add_argument("--scale", choices=["full", "small"], default="full", help="small: tiny models (CPU smoke)")
     ap.add_argument("--models", default="gpt2,gpt-1.3b")
@@ -612,7 +648,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="checkpoint directory (default: new dir in $TMPDIR or /var/tmp)")
     ap.add_argument("--scratch", default=None, help="DeepFreeze's scratch (default: /dev/shm when it fits)")
     ap.add_argument("--skip-tests", action="store_true", help="skip the cuda_tests phase")
+    ap.add_argument("--prepare-deps", action="store_true",
+                    help="only install pytest into <repo>/.gpu-deps (pure Python; carry it to a machine without pytest)")
     args = ap.parse_args(argv)
+    if args.prepare_deps:
+        return subprocess.call([sys.executable, "-m", "pip", "install", "-q", "--target", DEPS, "pytest"])
+    if not args.out:
+        ap.error("--out is required")
     t_start = time.monotonic()
     deadline = t_start + args.budget
     os.makedirs(args.out, exist_ok=True)
@@ -689,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
         shutil.rmtree(SHM, ignore_errors=True)
+        if os.path.exists(pgfile):
+            os.unlink(pgfile)
         if not args.work:
             shutil.rmtree(base, ignore_errors=True)
     doc["total_s"] = time.monotonic() - t_start
