@@ -20,8 +20,9 @@ still leaves what it measured; the time of every phase is in ``phases[*].wall_s`
    skip counts from its JUnit XML, the output's tail in ``cuda_tests.log``).
 3. ``gpt2`` (124.4 M parameters, experiments/torch_models.py) and ``gpt-1.3b`` (the same code,
    24 layers, d_model 2048, 16 heads: 1.31 B parameters, 15.8 GB of fp32 state with AdamW's
-   two moments), one process (world size 1; a process group of gloo, plus NCCL for CUDA
-   tensors, as DCP wants one), every approach in turn on a fresh model and optimizer:
+   two moments), one process (world size 1; a gloo process group, as DCP wants one,
+   rendezvous through a file: no port, no NCCL), every approach in turn on a fresh model and
+   optimizer:
 
    * ``deepfreeze``: :class:`deepfreeze.torch.Checkpointer`, async mode, the default
      configuration but retention 1 (``max_versions = scratch_versions = 1``), capture in the
@@ -442,10 +443,13 @@ class Saver:
 
 def place_scratch(sbytes: int, work: str, forced: str | None, tag: str) -> tuple[str | None, str]:
     """Where DeepFreeze's scratch goes for ``sbytes`` of state (scratch_versions = 1: up to two
-    versions at once), and why; None: nowhere fits."""
+    versions at once), and why: a path, None (under ``work``), or "" (nowhere fits). tmpfs only
+    when the memory left after DeepFreeze's pool (max_inflight + 1 = 3 buffers of the state,
+    pinned on CUDA) and 8 GB more still holds it."""
     if forced:
         return forced, "--scratch"
-    if free_bytes("/dev/shm") >= 2.2 * sbytes:
+    ram_left = meminfo("MemAvailable") - 3 * sbytes - 8e9
+    if free_bytes("/dev/shm") >= 2.2 * sbytes and ram_left >= 2.2 * sbytes:
         return f"{SHM}/{tag}", "/dev/shm (tmpfs) has 2.2x the state free"
     if free_bytes(work) >= 4.4 * sbytes:  # scratch and persistent both on this disk
         return None, "under --work: /dev/shm too small, the disk has 4.4x the state free"
@@ -690,10 +694,10 @@ def main(argv: list[str] | None = None) -> int:
     print("[gpu] cuda_tests: " + json.dumps({k: v for k, v in doc["cuda_tests"].items() if k != "tail"}), flush=True)
     phase("cuda_tests", t0)
 
-    # one process, world size 1: a process group for DCP (gloo for CPU tensors, NCCL for CUDA ones)
+    # one process, world size 1: a gloo process group (DCP gathers its plans over it; DeepFreeze
+    # makes its own gloo group), rendezvous through a file: no port, no NCCL
     pgfile = os.path.join(base, "pg")
-    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", init_method=f"file://{pgfile}",
-                            rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{pgfile}", rank=0, world_size=1)
     pg = dist.new_group(backend="gloo")  # DCP's own group, as in experiments/torch_dcp.py
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     try:
