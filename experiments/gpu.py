@@ -80,6 +80,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -130,9 +131,10 @@ APPROACHES = {"gpt2": ["deepfreeze", "dcp-async-thread-staged", "dcp-async-proce
 def write_json(doc: dict, out: str) -> None:
     """``<out>/gpu.json``, atomically (a run killed mid-write leaves the previous one)."""
     path = os.path.join(out, "gpu.json")
-    with open(path + ".tmp", "w") as f:
+    tmp = f"{path}.{threading.get_ident()}.tmp"  # the watchdog thread may write too
+    with open(tmp, "w") as f:
         json.dump(doc, f, indent=1, default=str)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def mean(v: list[float]) -> float | None:
@@ -147,9 +149,9 @@ def stat(v: list) -> dict:
     return {"mean": m, "se": se, "n": len(v)}
 
 
-def tree_cpu(root: int) -> float:
-    """CPU seconds (user + system, every thread, plus reaped children's) of ``root`` and every
-    live process descended from it."""
+def tree(root: int) -> dict[int, list[str]]:
+    """``/proc/<pid>/stat`` fields (after the command name) of ``root`` and every live process
+    descended from it (DeepFreeze's backend, DCP's checkpoint process)."""
     kids: dict[int, list[int]] = {}
     stats: dict[int, list[str]] = {}
     for d in os.listdir("/proc"):
@@ -161,14 +163,18 @@ def tree_cpu(root: int) -> float:
                 continue
             stats[int(d)] = v
             kids.setdefault(int(v[1]), []).append(int(d))
-    total, todo = 0.0, [root]
+    out, todo = {}, [root]
     while todo:
         p = todo.pop()
-        v = stats.get(p)
-        if v is not None:
-            total += sum(int(x) for x in v[11:15]) / _HZ  # utime stime cutime cstime
+        if p in stats:
+            out[p] = stats[p]
         todo += kids.get(p, [])
-    return total
+    return out
+
+
+def tree_cpu(root: int) -> float:
+    """CPU seconds (user + system, every thread, plus reaped children's) of ``root``'s tree."""
+    return sum(sum(int(x) for x in v[11:15]) for v in tree(root).values()) / _HZ  # utime stime cutime cstime
 
 
 def free_bytes(path: str) -> int:
@@ -226,9 +232,8 @@ def versions(device: str, work: str) -> dict:
 # ------------------------------------------------------------------------------------ phase: tests
 def cuda_tests(out: str, timeout: float) -> dict:
     """tests/test_torch_cuda.py under pytest in a subprocess; counts from its JUnit XML."""
-    try:
-        import pytest  # noqa: F401
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("pytest") is None:
         return {"ran": False, "reason": "pytest is not importable (neither installed nor in .gpu-deps: "
                                         "pip install --target .gpu-deps pytest, and carry .gpu-deps)"}
     xml, log = os.path.join(out, "cuda_tests.xml"), os.path.join(out, "cuda_tests.log")
@@ -461,7 +466,6 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
     """One approach on a fresh model: baseline, checkpoints, final durable, restore, compare."""
     import torch
     import torch.nn.functional as F
-    from experiments import torch_models as tm  # noqa: F401 (GPT2)
     cuda = device == "cuda"
     interval, measured, nbase = SCHEDULE[args.scale][mname]
     if args.interval:
@@ -513,62 +517,69 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
     t0 = time.monotonic()
     saver = Saver(approach, model, opt, work, scratch, every, pg, cuda)
     rec.update(every=every, interval_s=interval, setup_s=time.monotonic() - t0)
-    iters: list[float] = []
-    # warm-up checkpoint + its interval
-    for j in range(1, every + 1):  # DeepFreeze captures where its own step count reaches every (1-based)
-        iters.append(iterate(saver, j if j == every else None))
-    first = every
-    iters.append(iterate(saver))  # the iteration after it (the first checkpoint's stall)
-    rec["first_stall_s"] = iters[-2] + iters[-1] - 2 * b
-    for _ in range(every - 2):  # the interval: every iterations from the checkpoint on
-        iters.append(iterate(saver))
-    saver.finish()
-    cpu0, w0, it0, watch0 = tree_cpu(me), time.monotonic(), step[0], getattr(saver, "watch_cpu", 0.0)
-    # measured checkpoints while the time allows (the final one and the restore must still fit)
-    per_ck = every * b
-    d_first = saver.durable.get(first, math.nan)
-    rec["first_durable_s"] = d_first
-    # what must still fit after the measured checkpoints: the final one durable, digests, restore
-    reserve = 3 * (d_first if math.isfinite(d_first) else interval) + 5.0
-    done_ck = []
-    while len(done_ck) < measured:
-        if time.monotonic() + per_ck + reserve > deadline:
-            rec["measured_cut"] = f"time budget: {len(done_ck)} of {measured} measured checkpoints"
-            break
-        v = first + (len(done_ck) + 1) * every
-        start = len(iters)
-        iters.append(iterate(saver, v))
-        for _ in range(every - 1):
+    try:
+        iters: list[float] = []
+        # warm-up checkpoint + its interval
+        for j in range(1, every + 1):  # DeepFreeze captures where its own step count reaches every (1-based)
+            iters.append(iterate(saver, j if j == every else None))
+        first = every
+        iters.append(iterate(saver))  # the iteration after it (the first checkpoint's stall)
+        rec["first_stall_s"] = iters[-2] + iters[-1] - 2 * b
+        for _ in range(every - 2):  # the interval: every iterations from the checkpoint on
             iters.append(iterate(saver))
-        done_ck.append((v, start))
-    vfinal = first + (len(done_ck) + 1) * every
-    iters.append(iterate(saver, vfinal))
-    assert saver.ckpt is None or saver.ckpt.step == vfinal, (saver.ckpt.step, vfinal)  # same versions
-    saver.finish()
-    n_ck = len(done_ck) + 1
-    rec["watch_cpu_s"] = getattr(saver, "watch_cpu", 0.0) - watch0
-    cpu = tree_cpu(me) - cpu0 - rec["watch_cpu_s"]
-    window_iters = step[0] - it0
-    base_cpu_per_iter = rec["base_cpu_s"] / nbase
-    rec["cpu_s_per_ckpt"] = (cpu - base_cpu_per_iter * window_iters) / n_ck
-    rec.update(window_cpu_s=cpu, window_iters=window_iters, window_wall_s=time.monotonic() - w0, window_ckpts=n_ck)
-    rec["baseline_iter_s"] = stat(base)
-    rec["stall_s"] = stat([iters[s] + iters[s + 1] - 2 * b for _, s in done_ck])
-    rec["slowdown"] = stat([sum(iters[s:s + every]) / (every * b) - 1 for _, s in done_ck])
-    rec["durable_s"] = stat([saver.durable.get(v, math.nan) for v, _ in done_ck] + [saver.durable.get(vfinal, math.nan)])
-    rec["durable_by_version"] = {str(k): v for k, v in sorted(saver.durable.items())}
-    # DeepFreeze: a version committed and removed by the next one's commit between two listings
-    # (the backend a whole interval behind) has no time
-    rec["durable_missing"] = [v for v, _ in done_ck if v not in saver.durable] + \
-        ([vfinal] if vfinal not in saver.durable else [])
-    rec["iters"] = iters
-    t = time.monotonic()
-    ref = digests(model, opt)
-    rec["digest_s"] = time.monotonic() - t
-    final = saver.final_path()
+        saver.finish()
+        cpu0, w0, it0, watch0 = tree_cpu(me), time.monotonic(), step[0], getattr(saver, "watch_cpu", 0.0)
+        # measured checkpoints while the time allows (the final one and the restore must still fit)
+        per_ck = every * b
+        d_first = saver.durable.get(first, math.nan)
+        rec["first_durable_s"] = d_first
+        # what must still fit after the measured checkpoints: the final one durable, digests, restore
+        reserve = 3 * (d_first if math.isfinite(d_first) else interval) + 5.0
+        done_ck = []
+        while len(done_ck) < measured:
+            if time.monotonic() + per_ck + reserve > deadline:
+                rec["measured_cut"] = f"time budget: {len(done_ck)} of {measured} measured checkpoints"
+                break
+            v = first + (len(done_ck) + 1) * every
+            start = len(iters)
+            iters.append(iterate(saver, v))
+            for _ in range(every - 1):
+                iters.append(iterate(saver))
+            done_ck.append((v, start))
+        vfinal = first + (len(done_ck) + 1) * every
+        iters.append(iterate(saver, vfinal))
+        assert saver.ckpt is None or saver.ckpt.step == vfinal, (saver.ckpt.step, vfinal)  # same versions
+        saver.finish()
+        n_ck = len(done_ck) + 1
+        rec["watch_cpu_s"] = getattr(saver, "watch_cpu", 0.0) - watch0
+        cpu = tree_cpu(me) - cpu0 - rec["watch_cpu_s"]
+        window_iters = step[0] - it0
+        base_cpu_per_iter = rec["base_cpu_s"] / nbase
+        rec["cpu_s_per_ckpt"] = (cpu - base_cpu_per_iter * window_iters) / n_ck
+        rec.update(window_cpu_s=cpu, window_iters=window_iters, window_wall_s=time.monotonic() - w0, window_ckpts=n_ck)
+        rec["baseline_iter_s"] = stat(base)
+        rec["stall_s"] = stat([iters[s] + iters[s + 1] - 2 * b for _, s in done_ck])
+        rec["slowdown"] = stat([sum(iters[s:s + every]) / (every * b) - 1 for _, s in done_ck])
+        rec["durable_s"] = stat([saver.durable.get(v, math.nan) for v, _ in done_ck] + [saver.durable.get(vfinal, math.nan)])
+        rec["durable_by_version"] = {str(k): v for k, v in sorted(saver.durable.items())}
+        # DeepFreeze: a version committed and removed by the next one's commit between two listings
+        # (the backend a whole interval behind) has no time
+        rec["durable_missing"] = [v for v, _ in done_ck if v not in saver.durable] + \
+            ([vfinal] if vfinal not in saver.durable else [])
+        rec["iters"] = iters
+        t = time.monotonic()
+        ref = digests(model, opt)
+        rec["digest_s"] = time.monotonic() - t
+        final = saver.final_path()
+    except BaseException:
+        try:  # its hooks, threads, backend process and pinned buffers must not outlive it
+            saver.close()
+        except Exception:
+            pass
+        raise
     rec.update(saver.close())
     # restore into a fresh model and optimizer (the trained ones freed first: GPU memory)
-    del saver, model, opt
+    saver = model = opt = None  # (the loop's closure holds these names)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -599,7 +610,7 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
     rec["bit_exact"] = not bad and set(got_d) == set(ref) and rec["restored_version"] == vfinal
     rec["mismatch"] = bad[:5]
     rec["final_version"] = vfinal
-    del model, opt
+    model = opt = None
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -645,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="gpt2,gpt-1.3b")
     ap.add_argument("--approaches", default=None, help="comma list for every model (default: per model)")
     ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run (default 450)")
+    ap.add_argument("--grace", type=float, default=60.0,
+                    help="seconds past the budget after which a hung run writes its JSON and exits 3 (default 60)")
     ap.add_argument("--big-min", type=float, default=200.0,
                     help="seconds the 1.3 B phase needs left, else it is skipped (default 200)")
     ap.add_argument("--interval", type=float, default=None, help="seconds between checkpoints (default per model)")
@@ -681,6 +694,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu] phase {name}: {time.monotonic() - t0:.1f} s (elapsed {time.monotonic() - t_start:.1f} s)",
               flush=True)
 
+    def watchdog() -> None:
+        """Past the budget by ``--grace`` seconds (a hang): record where, write the JSON, exit 3."""
+        if not stop.wait(max(0.0, deadline + args.grace - time.monotonic())):
+            doc["errors"].append(f"watchdog: still running {args.grace:.0f} s past the budget, in "
+                                 f"{doc.get('running')}: exited")
+            try:
+                write_json(doc, args.out)
+            finally:
+                print(f"[gpu] {doc['errors'][-1]}", flush=True)
+                for pid in tree(os.getpid()):  # the processes this run started (backend, DCP's, pytest)
+                    if pid != os.getpid():
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except OSError:
+                            pass
+                shutil.rmtree(SHM, ignore_errors=True)
+                if not args.work:
+                    shutil.rmtree(base, ignore_errors=True)
+                os._exit(3)
+    stop = threading.Event()
+    threading.Thread(target=watchdog, name="gpu-watchdog", daemon=True).start()
+
     t0 = time.monotonic()
     doc["versions"] = versions(device, base)
     print("[gpu] versions: " + json.dumps(doc["versions"]), flush=True)
@@ -690,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_tests:
         doc["cuda_tests"] = {"ran": False, "reason": "--skip-tests"}
     else:
+        doc["running"] = "cuda_tests"
         doc["cuda_tests"] = cuda_tests(args.out, timeout=max(30.0, min(240.0, deadline - time.monotonic() - 60)))
     print("[gpu] cuda_tests: " + json.dumps({k: v for k, v in doc["cuda_tests"].items() if k != "tail"}), flush=True)
     phase("cuda_tests", t0)
@@ -713,6 +749,7 @@ def main(argv: list[str] | None = None) -> int:
             approaches = args.approaches.split(",") if args.approaches else APPROACHES[mname]
             for i, a in enumerate(approaches):
                 ta = time.monotonic()
+                doc["running"] = f"{mname}/{a}"
                 # an even share of what is left for each approach still to run
                 share = (deadline - ta) / (len(approaches) - i)
                 if share < (20.0 if args.scale == "full" else 3.0):
@@ -739,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
             os.unlink(pgfile)
         if not args.work:
             shutil.rmtree(base, ignore_errors=True)
+    stop.set()
+    doc["running"] = None
     doc["total_s"] = time.monotonic() - t_start
     doc["table_md"] = table(doc)
     write_json(doc, args.out)
