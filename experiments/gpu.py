@@ -31,16 +31,19 @@ still leaves what it measured; the time of every phase is in ``phases[*].wall_s`
      use_pinned_memory, use_async_staging, use_non_blocking_copy))`` kept for the run (the
      fastest DCP configuration; pinned memory and non-blocking copies only on CUDA), thread
      checkpointer; ``dcp-async-process-staged``: the same with the process checkpointer and
-     shared memory (gpt2 only by default). One save in flight (DCP's rule): the next save
+     shared memory (only with ``--approaches``). One save in flight (DCP's rule): the next save
      waits for the previous upload; staging is waited for before the next ``optimizer.step()``.
      Every DCP checkpoint but the newest durable one and the one in flight is removed (a
      background thread), so a round holds at most two on disk. torch 2.11's ``DefaultStager``
      closes itself after one stage (a second raises ``KeyError: <class 'type'>``; 2.13 keeps it
      and its cached buffers): there a new stager is made per checkpoint (``stagers`` counts them).
 
-   Schedule of an approach: 2 warm-up iterations, ``base`` plain iterations (its baseline),
-   then a checkpoint every ``every`` iterations, ``every`` = the interval (``--interval``
-   seconds) over the baseline iteration: the first checkpoint is warm-up (reported as
+   Schedule of an approach: 5 warm-up iterations, ``base`` plain iterations (its baseline),
+   then a checkpoint every ``every`` iterations, ``every`` = the interval over the median
+   baseline iteration. The interval (``--interval`` overrides): gpt2 3 s; gpt-1.3b 1.25x the
+   time to durable predicted from the slowest approach's bytes per second on gpt2 (so a
+   checkpoint is durable before the next), at least 10 s, at most what lets every approach fit
+   its share of the time left (``settings.big_interval_why``). The first checkpoint is warm-up (reported as
    ``first_stall_s``), then ``measured`` checkpoints, then a final one (waited until durable)
    whose state is recorded (BLAKE2b of every tensor of ``get_state_dict``) and restored into a
    fresh model and optimizer (DeepFreeze: from persistent, its scratch removed first; DCP:
@@ -120,10 +123,10 @@ MODELS = {
 }
 #: per scale and model: (interval seconds, measured checkpoints, baseline iterations)
 SCHEDULE = {
-    "full": {"gpt2": (2.0, 5, 20), "gpt-1.3b": (15.0, 3, 10)},
+    "full": {"gpt2": (3.0, 5, 20), "gpt-1.3b": (10.0, 2, 10)},
     "small": {"gpt2": (0.15, 3, 6), "gpt-1.3b": (0.15, 3, 6)},
 }
-APPROACHES = {"gpt2": ["deepfreeze", "dcp-async-thread-staged", "dcp-async-process-staged"],
+APPROACHES = {"gpt2": ["deepfreeze", "dcp-async-thread-staged"],
               "gpt-1.3b": ["deepfreeze", "dcp-async-thread-staged"]}
 
 
@@ -298,6 +301,12 @@ def digests(model, opt, threads: int = 8) -> dict[str, str]:
         return dict(zip(keys, ex.map(one, [items[k] for k in keys])))
 
 
+def big_state_bytes(spec: tuple) -> int:
+    """fp32 bytes of a GPT2 ``spec``'s parameters and AdamW's two moments (12 per parameter)."""
+    vocab, ctx, d, layers, _ = spec
+    return 12 * (vocab * d + ctx * d + layers * (12 * d * d + 13 * d) + 2 * d)
+
+
 def state_bytes(model, opt) -> int:
     import torch
     seen, n = set(), 0
@@ -462,14 +471,31 @@ def place_scratch(sbytes: int, work: str, forced: str | None, tag: str) -> tuple
                 f"free, {sbytes / 1e9:.1f} GB of state")
 
 
-def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str, args, deadline: float, pg) -> dict:
+def big_interval(doc: dict, big_bytes: int, default: float, measured: int, left: float, n_approaches: int) -> tuple[float, str]:
+    """The 1.3 B model's checkpoint interval: long enough that a checkpoint is durable before the
+    next (1.25x the time to durable predicted from the slowest approach's bytes per second on
+    gpt2), short enough that every approach fits its share of ``left``; never under ``default``."""
+    rates = [r["state_bytes"] / r["durable_s"]["mean"] for r in doc["runs"]
+             if r.get("model") == "gpt2" and not r.get("skipped") and not r.get("error")
+             and (r.get("durable_s") or {}).get("mean")]
+    if not rates:
+        return default, "no gpt2 time to durable: the default"
+    est = big_bytes / min(rates)
+    fit = (left / n_approaches - 2 * est - 40) / (measured + 2)  # setup, restore: ~40 s + 2x durable
+    want = 1.25 * est
+    interval = max(default, min(want, fit))
+    return interval, (f"predicted time to durable {est:.1f} s ({min(rates) / 1e9:.2f} GB/s on gpt2, the slowest); "
+                      f"1.25x that is {want:.1f} s, the budget allows {fit:.1f} s, the floor is {default:.1f} s")
+
+
+def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str, args, deadline: float, pg,
+                 interval: float | None = None) -> dict:
     """One approach on a fresh model: baseline, checkpoints, final durable, restore, compare."""
     import torch
     import torch.nn.functional as F
     cuda = device == "cuda"
-    interval, measured, nbase = SCHEDULE[args.scale][mname]
-    if args.interval:
-        interval = args.interval
+    default, measured, nbase = SCHEDULE[args.scale][mname]
+    interval = args.interval or interval or default
     if args.measured:
         measured = args.measured
     rec: dict = {"model": mname, "approach": approach}
@@ -498,7 +524,7 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
         step[0] += 1
         return time.perf_counter() - t
 
-    for _ in range(2):
+    for _ in range(5):  # warm-up: AdamW's state, allocator, kernels / cuBLAS
         iterate()
     rec["state_bytes"] = sbytes = state_bytes(model, opt)
     scratch = None
@@ -534,7 +560,7 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
         d_first = saver.durable.get(first, math.nan)
         rec["first_durable_s"] = d_first
         # what must still fit after the measured checkpoints: the final one durable, digests, restore
-        reserve = 3 * (d_first if math.isfinite(d_first) else interval) + 5.0
+        reserve = 1.5 * (d_first if math.isfinite(d_first) else interval) + 5.0
         done_ck = []
         while len(done_ck) < measured:
             if time.monotonic() + per_ck + reserve > deadline:
@@ -747,6 +773,12 @@ def main(argv: list[str] | None = None) -> int:
                 phase(mname, t0, skipped=True)
                 continue
             approaches = args.approaches.split(",") if args.approaches else APPROACHES[mname]
+            interval = None
+            if mname == "gpt-1.3b" and not args.interval:
+                default, measured, _ = SCHEDULE[args.scale][mname]
+                interval, why = big_interval(doc, big_state_bytes(spec), default, args.measured or measured,
+                                             deadline - t0, len(approaches))
+                doc["settings"]["big_interval_s"], doc["settings"]["big_interval_why"] = interval, why
             for i, a in enumerate(approaches):
                 ta = time.monotonic()
                 doc["running"] = f"{mname}/{a}"
@@ -756,7 +788,8 @@ def main(argv: list[str] | None = None) -> int:
                     rec = {"model": mname, "approach": a, "skipped": f"time budget: {deadline - ta:.0f} s left"}
                 else:
                     try:
-                        rec = run_approach(a, mname, spec, device, f"{base}/{mname}-{a}", args, ta + share, pg)
+                        rec = run_approach(a, mname, spec, device, f"{base}/{mname}-{a}", args, ta + share, pg,
+                                           interval)
                     except Exception as e:  # recorded; the other approaches still run
                         import traceback
                         rec = {"model": mname, "approach": a, "error": f"{type(e).__name__}: {e}",
