@@ -461,7 +461,7 @@ def place_scratch(sbytes: int, work: str, forced: str | None, tag: str) -> tuple
     when the memory left after DeepFreeze's pool (max_inflight + 1 = 3 buffers of the state,
     pinned on CUDA) and 8 GB more still holds it."""
     if forced:
-        return forced, "--scratch"
+        return f"{forced}/deepfreeze-gpu-{os.getpid()}-{tag}", "--scratch (a directory made in it)"
     ram_left = meminfo("MemAvailable") - 3 * sbytes - 8e9
     if free_bytes("/dev/shm") >= 2.2 * sbytes and ram_left >= 2.2 * sbytes:
         return f"{SHM}/{tag}", "/dev/shm (tmpfs) has 2.2x the state free"
@@ -533,7 +533,15 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
         rec["scratch"], rec["scratch_why"] = scratch or f"{work}/scratch", why
         if scratch == "":
             rec["skipped"] = why
+            shutil.rmtree(work, ignore_errors=True)
             return rec
+    # persistent (DeepFreeze, retention 1) and DCP (the newest durable + the one in flight) hold up
+    # to two checkpoints on the work directory's disk at once; scratch there too when not on tmpfs
+    need = 2.2 * sbytes * (2 if approach == "deepfreeze" and not scratch else 1)
+    if free_bytes(work) < need:
+        rec["skipped"] = f"no room: {work} has {free_bytes(work) / 1e9:.1f} GB free, needs {need / 1e9:.1f} GB"
+        shutil.rmtree(work, ignore_errors=True)
+        return rec
     me = os.getpid()
     c0 = tree_cpu(me)
     rec["base_iters"] = base = [iterate() for _ in range(nbase)]
@@ -689,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=None, help="seconds between checkpoints (default per model)")
     ap.add_argument("--measured", type=int, default=None, help="measured checkpoints (default per model)")
     ap.add_argument("--work", default=None, help="checkpoint directory (default: new dir in $TMPDIR or /var/tmp)")
-    ap.add_argument("--scratch", default=None, help="DeepFreeze's scratch (default: /dev/shm when it fits)")
+    ap.add_argument("--scratch", default=None,
+                    help="where DeepFreeze's scratch directories go (default: /dev/shm when it fits, else --work)")
     ap.add_argument("--skip-tests", action="store_true", help="skip the cuda_tests phase")
     ap.add_argument("--prepare-deps", action="store_true",
                     help="only install pytest into <repo>/.gpu-deps (pure Python; carry it to a machine without pytest)")
