@@ -11,67 +11,30 @@ machine's own. pytest is the machine's, else the one in ``<repo>/.gpu-deps`` (ma
 ``python experiments/gpu.py --prepare-deps``: ``pip install --target .gpu-deps pytest``, pure
 Python, 15 MB; carried to the device), else the test phase is recorded as not run. It never needs the network.
 
-Phases, each written to ``<out>/gpu.json`` (atomically) as soon as it ends, so a run cut short
-still leaves what it measured; the time of every phase is in ``phases[*].wall_s``:
+Phases, each written to ``<out>/gpu.json`` (atomically) as it ends, so a run cut short keeps what
+it measured (``phases[*].wall_s`` times each): ``versions`` (printed first), ``cuda_tests``
+(``tests/test_torch_cuda.py`` under pytest in a subprocess; counts from its JUnit XML), then
+``gpt2`` (124.4 M parameters) and ``gpt-1.3b`` (the same ``GPT2`` of experiments/torch_models.py,
+24 layers, d_model 2048: 1.31 B parameters, 15.8 GB of fp32 state with AdamW), one process
+(world size 1, a gloo group through a file), each approach on a fresh model and optimizer:
+``deepfreeze`` (``Checkpointer``, async, the default configuration with retention 1) and
+``dcp-async-thread-staged`` (``dcp.async_save``, thread checkpointer, a ``DefaultStager`` with
+pinned memory and non-blocking copies on CUDA, async staging; torch 2.11's stager closes itself
+after one stage, so there one is made per checkpoint: ``stagers``); ``--approaches`` can add
+``dcp-async-process-staged``. DCP keeps one save in flight and at most two checkpoints on disk.
 
-1. ``versions``: Python, torch, CUDA, numpy, GPU name, driver, CPUs, RAM, disk and /dev/shm
-   free, the tree's commit; printed first.
-2. ``cuda_tests``: ``tests/test_torch_cuda.py`` under pytest in a subprocess (pass / fail /
-   skip counts from its JUnit XML, the output's tail in ``cuda_tests.log``).
-3. ``gpt2`` (124.4 M parameters, experiments/torch_models.py) and ``gpt-1.3b`` (the same code,
-   24 layers, d_model 2048, 16 heads: 1.31 B parameters, 15.8 GB of fp32 state with AdamW's
-   two moments), one process (world size 1; a gloo process group, as DCP wants one,
-   rendezvous through a file: no port, no NCCL), every approach in turn on a fresh model and
-   optimizer:
-
-   * ``deepfreeze``: :class:`deepfreeze.torch.Checkpointer`, async mode, the default
-     configuration but retention 1 (``max_versions = scratch_versions = 1``), capture in the
-     optimizer step (CUDA: side-stream copies into pinned pool buffers);
-   * ``dcp-async-thread-staged``: ``dcp.async_save`` with one ``DefaultStager(StagingOptions(
-     use_pinned_memory, use_async_staging, use_non_blocking_copy))`` kept for the run (the
-     fastest DCP configuration; pinned memory and non-blocking copies only on CUDA), thread
-     checkpointer; ``dcp-async-process-staged``: the same with the process checkpointer and
-     shared memory (only with ``--approaches``). One save in flight (DCP's rule): the next save
-     waits for the previous upload; staging is waited for before the next ``optimizer.step()``.
-     Every DCP checkpoint but the newest durable one and the one in flight is removed (a
-     background thread), so a round holds at most two on disk. torch 2.11's ``DefaultStager``
-     closes itself after one stage (a second raises ``KeyError: <class 'type'>``; 2.13 keeps it
-     and its cached buffers): there a new stager is made per checkpoint (``stagers`` counts them).
-
-   Schedule of an approach: 5 warm-up iterations, ``base`` plain iterations (its baseline),
-   then a checkpoint every ``every`` iterations, ``every`` = the interval over the median
-   baseline iteration. The interval (``--interval`` overrides): gpt2 3 s; gpt-1.3b 1.25x the
-   time to durable predicted from the slowest approach's bytes per second on gpt2 (so a
-   checkpoint is durable before the next), at least 10 s, at most what lets every approach fit
-   its share of the time left (``settings.big_interval_why``). The first checkpoint is warm-up (reported as
-   ``first_stall_s``), then ``measured`` checkpoints, then a final one (waited until durable)
-   whose state is recorded (BLAKE2b of every tensor of ``get_state_dict``) and restored into a
-   fresh model and optimizer (DeepFreeze: from persistent, its scratch removed first; DCP:
-   ``dcp.load``) and compared. The phase's time budget shortens ``measured`` (recorded) or skips
-   an approach or the 1.3 B model (recorded with the reason) rather than overrun.
-
-Figures per approach (iteration times end with a sync of the current CUDA stream, not of the
-device, so DeepFreeze's side-stream copy is not waited for unless the next step waits):
-
-* **stall**: checkpoint iteration + next iteration - 2 x the baseline iteration;
-* **slowdown per interval**: the ``every`` iterations from a checkpoint on over ``every`` baseline
-  iterations, minus 1;
-* **time to durable**: from just before the checkpoint step's ``optimizer.step()`` to complete on
-  persistent: the upload future (DCP), the manifest's ``committed`` time (DeepFreeze, read by a
-  thread that lists persistent every 10 ms, since retention 1 removes a version's manifest when
-  the next one commits; that thread's CPU is left out of the CPU figure);
-* **CPU-seconds per checkpoint**: CPU (user + system) of this process's tree from ``/proc``
-  (every live descendant: DeepFreeze's backend, DCP's checkpoint process; plus ``cutime`` and
-  ``cstime``: reaped children) from the end of the warm-up interval to the final checkpoint
-  durable, minus the baseline's CPU per iteration times the iterations, over the checkpoints;
-* **restore**: seconds and ``bit_exact`` (every digest equal, same key set).
-
-Statistics: mean +- standard error over the measured checkpoints of one run (no interleaved
-repetitions: one call must stay under 8 minutes). Sizing of the 1.3 B model (128 GiB RAM, 64
-GiB disk): DeepFreeze's scratch goes to /dev/shm when it has 2.2x the state free, else under
-``--work`` when the disk has 4.4x free, else DeepFreeze is skipped with the reason; persistent
-and DCP's checkpoints go under ``--work`` (default: a new directory in ``$TMPDIR`` or /var/tmp),
-removed at the end of each approach.
+Per approach: baseline iterations, a warm-up checkpoint (``first_stall_s``), ``measured``
+checkpoints every ``every`` iterations (the interval over the median baseline iteration), a
+final one waited until durable, whose state (BLAKE2b of every tensor of ``get_state_dict``) is
+restored into a fresh model and optimizer and compared (``bit_exact``). Figures: stall
+(checkpoint iteration + next - 2 x baseline; iterations end with a sync of the current CUDA
+stream only), slowdown per interval, time to durable (DCP's upload future; DeepFreeze's
+manifest ``committed`` time, read by a 10 ms watcher thread whose CPU is left out), CPU-seconds
+per checkpoint (this process's tree from ``/proc``, with reaped children, minus the baseline's
+CPU per iteration), restore seconds; mean +- standard error over the measured checkpoints.
+A time budget (``--budget``) shortens ``measured`` or skips an approach or the 1.3 B model (with
+the reason in the JSON); a watchdog ends a hung run ``--grace`` seconds past it. Sizing, the
+intervals and the device command: docs/performance.md, "GPU run (experiments/gpu.py)".
 """
 from __future__ import annotations
 
