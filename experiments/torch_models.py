@@ -51,7 +51,7 @@ class GPT2(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for blk in self.h:
             x = blk(x)
         return self.lm_head(self.ln_f(x))
