@@ -79,14 +79,34 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from experiments.bench import commit_times, finish_doc, mean, var, write_doc  # noqa: E402
+from experiments.cpuload import BUSY_MODES, CkptCPU, Load, backend_threads  # noqa: E402
 
 APPROACHES = ["torch-save", "dcp-save", "dcp-async-thread", "dcp-async-process", "dcp-async-thread-staged",
               "dcp-async-process-staged", "deepfreeze"]
 DCP_ASYNC = [a for a in APPROACHES if a.startswith("dcp-async")]
-#: every / measured / none_steps per model
-FULL = {"gpt2": (3, 3, 5), "resnet50": (5, 4, 8), "mlp": (5, 4, 8)}
-QUICK = {"mlp": (3, 2, 4)}
+#: the default approaches: torch.save, the two DCP async configurations best by stall in issue 25's
+#: run (the other three are kept for --approaches), DeepFreeze with the shipped defaults
+DEFAULT = ["torch-save", "dcp-async-thread-staged", "dcp-async-process-staged", "deepfreeze"]
+#: every / measured checkpoints per repetition (idle; busy: at least min_busy_checkpoints() - 1) /
+#: baseline iterations per repetition
+FULL = {"gpt2": (3, 2, 2), "resnet50": (4, 2, 3), "mlp": (5, 2, 3)}
+QUICK = {"mlp": (3, 2, 2)}
+REPS, QUICK_REPS = 5, 2
+#: the modes run by default per model at the largest world size (the others: idle only); gpt2's
+#: busy modes are left to --busy: at >= 7 consecutive checkpoints of ~6 s each, 5 repetitions and
+#: 3 approaches they add ~15 min per mode, past the pass's hour
+MODES = {"gpt2": ["none"], "resnet50": BUSY_MODES, "mlp": BUSY_MODES}
+QUICK_MODES, QUICK_APPROACHES = ["none", "spin"], ["torch-save", "dcp-async-thread-staged", "deepfreeze"]
+SCRATCH_VERSIONS = 2
 NAME = "bench"
+
+
+def min_busy_checkpoints() -> int:
+    """``max_inflight + max_pending_flushes + 3`` with DeepFreeze's defaults (``max_inflight``
+    from deepfreeze/config.py; ``max_pending_flushes = max(2, scratch_versions)``, engine.py):
+    the consecutive checkpoints (warm-up included) of one busy repetition."""
+    from deepfreeze.config import Config
+    return Config.__dataclass_fields__["max_inflight"].default + max(2, SCRATCH_VERSIONS) + 3
 
 
 # ---------------------------------------------------------------------------------------------- rank side
@@ -114,19 +134,6 @@ def tree(root: int) -> list[int]:
     return out
 
 
-def tree_cpu(pids: list[int]) -> float:
-    """CPU seconds (user + system, every thread) of ``pids`` so far."""
-    total = 0.0
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                v = f.read().rsplit(")", 1)[1].split()
-            total += (int(v[11]) + int(v[12])) / _HZ
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
-
-
 def tree_rss(pids: list[int]) -> int:
     total = 0
     for p in pids:
@@ -139,17 +146,13 @@ def tree_rss(pids: list[int]) -> int:
 
 
 class Tree(threading.Thread):
-    """This rank's process tree: its CPU seconds and its peak resident memory since ``reset``
+    """This rank's process tree: its peak resident memory since ``reset``
     (RSS summed over the tree every 20 ms; the tree itself re-read every 0.5 s)."""
 
     def __init__(self) -> None:
         super().__init__(name="tree", daemon=True)
         self.pids = tree(os.getpid())
         self.peak, self.stop = tree_rss(self.pids), threading.Event()
-
-    def cpu(self) -> float:
-        self.pids = tree(os.getpid())
-        return tree_cpu(self.pids)
 
     def reset(self) -> int:
         p, self.peak = self.peak, tree_rss(self.pids)
@@ -190,12 +193,15 @@ def fsync_tree(path: str) -> None:
 
 
 class Saver:
-    """One approach's checkpoint call and waits, in the training loop."""
+    """One approach's checkpoint calls and waits, in the training loop, for one repetition. Every
+    call adds the training thread's CPU inside it to ``cpu`` (:meth:`CkptCPU.incall`); DeepFreeze's
+    hooks do the same (:func:`timed_checkpointer`)."""
 
-    def __init__(self, approach: str, model, opt, work: str, rank: int, every: int, pg) -> None:
+    def __init__(self, approach: str, model, opt, work: str, rank: int, every: int, pg, cpu: CkptCPU,
+                 rep: int, prof: "Prof | None" = None) -> None:
         self.pg = pg  # DCP's own gloo group: its upload thread must not share the training group
         self.approach, self.model, self.opt, self.work, self.rank = approach, model, opt, work, rank
-        self.every = every
+        self.every, self.cpu, self.rep = every, cpu, rep
         self.future = self.staging = self.stager = self.ckpt = None
         self.durable: list[float] = []  # per checkpoint: seconds from its start to durable
         self.t_start = 0.0
@@ -206,25 +212,37 @@ class Saver:
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory="process" in approach,
                                                        use_async_staging=True, use_non_blocking_copy=False))
         if approach.startswith("deepfreeze"):
-            from deepfreeze.torch import Checkpointer
             opts = df_options(approach, work, rank)
-            self.ckpt = Checkpointer(model, opt, config=os.path.join(ROOT, "veloc_cfg", "local.cfg"), name=NAME,
-                                     every_n_steps=every, overwrite=True, ec_interval=-1, max_versions=0,
-                                     scratch_versions=2, failure_domain=f"node{rank}", **opts)
+            # a new run per repetition (overwrite: the older versions are retired); the first
+            # optimizer step is the warm-up checkpoint (start_step = every - 1)
+            self.ckpt = timed_checkpointer()(model, opt, config=os.path.join(ROOT, "veloc_cfg", "local.cfg"),
+                                             name=NAME, every_n_steps=every, overwrite=True, ec_interval=-1,
+                                             max_versions=0, scratch_versions=SCRATCH_VERSIONS,
+                                             failure_domain=f"node{rank}", start_step=every - 1, **opts)
+            self.ckpt.cpu, self.ckpt.prof = cpu, prof
 
     def before_step(self) -> None:
         """Before ``optimizer.step()``: DCP's staged copy must be complete before state is mutated."""
         if self.staging is not None:
+            c = time.thread_time()
             self.staging.result()
             self.staging = None
+            self.cpu.incall(time.thread_time() - c)
 
     def save(self, k: int) -> None:
         """After ``optimizer.step()`` of checkpoint ``k``."""
+        c = time.thread_time()
+        try:
+            self._save(k)
+        finally:
+            self.cpu.incall(time.thread_time() - c)
+
+    def _save(self, k: int) -> None:
         import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
         a, t0 = self.approach, self.t_start
-        path = f"{self.work}/{a}/ckpt{k}"
+        path = f"{self.work}/{a}/rep{self.rep}/ckpt{k}"
         self.paths.append(path)
         if a == "torch-save":
             if self.rank == 0:
@@ -261,12 +279,19 @@ class Saver:
 
     def finish(self) -> None:
         """Wait until every checkpoint is durable."""
+        c = time.thread_time()
         if self.staging is not None:
             self.staging.result()
+            self.staging = None
         if self.future is not None:
             self.future.result()
         if self.ckpt is not None:
             self.ckpt.wait()
+        self.cpu.incall(time.thread_time() - c)
+
+    def engine(self):
+        """DeepFreeze's engine of this rank (its ``write_waits``, ``writer_cpu``), or None."""
+        return None if self.ckpt is None else getattr(getattr(self.ckpt, "_run", None), "engine", None)
 
     def close(self) -> dict:
         out: dict = {}
@@ -274,26 +299,178 @@ class Saver:
             self.stager.close()
         if self.ckpt is not None:
             out["df_timings"] = self.ckpt.timings
+            eng = self.engine()
+            if eng is not None:
+                out["write_waits"] = eng.write_waits
+                out["writer_cpu"] = {str(v): c for v, c in eng.writer_cpu.items()}
             self.ckpt.close()
         return out
 
 
+_TIMED = None
+
+
+def timed_checkpointer():
+    """:class:`deepfreeze.torch.Checkpointer` whose step and forward hooks and ``wait`` add the
+    training thread's CPU inside them to ``self.cpu`` (and, with ``self.prof``, run under its
+    training-thread profiler): a subclass, the library unchanged."""
+    global _TIMED
+    if _TIMED is None:
+        from deepfreeze.torch import Checkpointer
+
+        class Timed(Checkpointer):
+            cpu: "CkptCPU | None" = None
+            prof: "Prof | None" = None
+
+            def _timed(self, fn, *a):
+                c = time.thread_time()
+                p = self.prof.hooks if self.prof is not None and self.prof.on else None
+                if p is not None:
+                    p.enable()
+                try:
+                    return fn(*a)
+                finally:
+                    if p is not None:
+                        p.disable()
+                    if self.cpu is not None:
+                        self.cpu.incall(time.thread_time() - c)
+
+            def before_step(self, opt, args, kwargs):
+                return self._timed(super().before_step, opt, args, kwargs)
+
+            def after_step(self, opt):
+                return self._timed(super().after_step, opt)
+
+            def before_forward(self, module, args):
+                return self._timed(super().before_forward, module, args)
+
+            def wait(self, timeout=None):
+                return self._timed(super().wait, timeout)
+        _TIMED = Timed
+    return _TIMED
+
+
+class Prof:
+    """``--profile``: cProfile of DeepFreeze's training-thread hooks, capture thread and writer
+    thread (each enabled in its own thread: the pools run ``enable``), and the CPU of every
+    thread of the node's backend, over one repetition's window."""
+
+    def __init__(self) -> None:
+        import cProfile
+        self.hooks, self.capture, self.writer = cProfile.Profile(), cProfile.Profile(), cProfile.Profile()
+        self.on = False
+        self.backend_pid: int | None = None
+        self.backend0: dict[int, float] = {}
+
+    def start(self, saver: Saver) -> None:
+        eng = saver.engine()
+        saver.ckpt._copier.submit(self.capture.enable).result()
+        if eng is not None:
+            eng._pool.submit(self.writer.enable).result()
+            b = getattr(eng, "_backend", None)
+            self.backend_pid = getattr(b, "pid", None)
+        if self.backend_pid:
+            self.backend0 = backend_threads(self.backend_pid)
+        self.on = True
+
+    def stop(self, saver: Saver) -> dict:
+        self.on = False
+        eng = saver.engine()
+        saver.ckpt._copier.submit(self.capture.disable).result()
+        if eng is not None:
+            eng._pool.submit(self.writer.disable).result()
+        out = {name: top(p) for name, p in [("training-hooks", self.hooks), ("capture", self.capture),
+                                              ("writer", self.writer)]}
+        if self.backend_pid:
+            b1 = backend_threads(self.backend_pid)
+            out["backend_threads_cpu_s"] = {("main" if t == self.backend_pid else str(t)): round(c - self.backend0.get(t, 0.0), 3)
+                                            for t, c in sorted(b1.items())}
+        return out
+
+
+def top(prof, n: int = 25) -> dict:
+    """The ``n`` functions of ``prof`` with the most own time: total CPU and ``[name, calls, tottime_s, cumtime_s]``."""
+    import pstats
+    st = pstats.Stats(prof)
+    rows = sorted(((f"{os.path.relpath(k[0], ROOT) if k[0].startswith(ROOT) else os.path.basename(k[0])}:{k[1]}"
+                    f"({k[2]})", v[1], v[2], v[3]) for k, v in st.stats.items()), key=lambda r: -r[2])
+    return {"total_s": round(st.total_tt, 4), "top": [[r[0], r[1], round(r[2], 4), round(r[3], 4)] for r in rows[:n]]}
+
+
 def df_options(approach: str, work: str, rank: int) -> dict:
-    """DeepFreeze's settings for ``approach``: ``deepfreeze`` (scratch on the same disk as the
-    persistent directory) and variants that show what bounds a figure: ``-shm`` (node-local
-    scratch in memory, /dev/shm, as on nodes with a tmpfs or an NVMe scratch), ``-nocrc``
-    (``chksum = false``: no CRC32 per piece), ``-if1`` (``max_inflight = 1``: a pool of two
-    buffers instead of three)."""
+    """DeepFreeze's settings for ``approach``: ``deepfreeze`` (the shipped defaults, ``chksum`` on;
+    scratch on the same disk as the persistent directory) and variants that show what bounds a
+    figure: ``-shm`` (node-local scratch in memory, /dev/shm, as on nodes with a tmpfs or an NVMe
+    scratch), ``-nocrc`` (``chksum = false``: no CRC32 per piece), ``-if1`` (``max_inflight = 1``:
+    a pool of two buffers instead of three), ``-sync`` (``mode = sync``: the scratch write and the
+    flush run inside the checkpoint call, in the training thread; with ``--profile`` the backend's
+    work is then profiled in-process)."""
     root = f"/dev/shm/torch_dcp-{os.path.basename(work)}" if "-shm" in approach else work
     opts: dict = {"scratch": f"{root}/{approach}/node{rank}/scratch", "persistent": f"{work}/{approach}/persistent"}
     if "-nocrc" in approach:
         opts["chksum"] = False
     if "-if1" in approach:
         opts["max_inflight"] = 1
+    if "-sync" in approach:
+        opts["mode"] = "sync"
     return opts
 
 
+class Decode:
+    """``--busy loader``: an endless stream of batches, each decoded in a DataLoader worker:
+    ``items`` times zlib-decompress 1 MiB and normalise it as float32 (numpy). Iterated by a
+    ``torch.utils.data.DataLoader(batch_size=None, num_workers=2)``; the training loop takes one
+    batch per iteration."""
+
+    def __init__(self, items: int) -> None:
+        self.items = items
+
+    @staticmethod
+    def blob() -> bytes:
+        import zlib
+        import numpy as np
+        rng = np.random.default_rng(0)
+        img = (np.arange(1 << 20) % 251 + rng.integers(0, 24, 1 << 20)).astype(np.uint8)
+        return zlib.compress(img.tobytes(), 6)
+
+    @staticmethod
+    def decode(blob: bytes):
+        import zlib
+        import numpy as np
+        a = np.frombuffer(zlib.decompress(blob), np.uint8).astype(np.float32)
+        return (a - a.mean()) / (a.std() + 1e-6)
+
+    def __iter__(self):
+        import torch
+        blob = self.blob()
+        while True:
+            out = None
+            for _ in range(self.items):
+                out = self.decode(blob)
+            yield torch.from_numpy(out[:16].copy())
+
+
+def make_loader(iter_s: float):
+    """The ``loader`` busy mode's DataLoader, sized so that one batch costs about half of
+    ``iter_s`` (a baseline iteration) of CPU in a worker."""
+    import torch
+    blob = Decode.blob()
+    Decode.decode(blob)
+    t = time.thread_time()
+    for _ in range(3):
+        Decode.decode(blob)
+    item_s = max(1e-4, (time.thread_time() - t) / 3)
+    items = max(1, round(0.5 * iter_s / item_s))
+
+    class DS(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(Decode(items))
+    return torch.utils.data.DataLoader(DS(), batch_size=None, num_workers=2, prefetch_factor=2), items, item_s
+
+
 def worker(args: argparse.Namespace) -> None:
+    """One (model, world size, busy mode): ``reps`` repetitions, each running every approach in
+    turn (interleaved: A, B, C, then A, B, C again)."""
     import torch
     import torch.distributed as dist
     from experiments import torch_models as tm
@@ -307,10 +484,14 @@ def worker(args: argparse.Namespace) -> None:
     pg = dist.new_group(backend="gloo")  # for DCP (as torchtitan does for async_save)
     mem = Tree()
     mem.start()
+    cpu = CkptCPU()
     gstep = [0]
+    batches = [None]
 
     def iterate(saver: "Saver | None", ck: "int | None") -> float:
         t = time.perf_counter()
+        if batches[0] is not None:
+            next(batches[0])  # the loader mode: a decoded batch per iteration (the workers run ahead)
         x, y = tm.batch(args.model, gstep[0], rank)
         tm.loss_of(args.model, model(x), y).backward()
         if saver is not None:
@@ -323,53 +504,83 @@ def worker(args: argparse.Namespace) -> None:
         gstep[0] += 1
         return time.perf_counter() - t
 
-    for _ in range(2):  # warm-up: DDP buckets, AdamW state
-        iterate(None, None)
+    warm = [iterate(None, None) for _ in range(2)]  # warm-up: DDP buckets, AdamW state
+    info: dict = {}
+    if args.busy == "loader":
+        loader, items, item_s = make_loader(min(warm))
+        batches[0] = iter(loader)
+        info = {"loader_items_per_batch": items, "loader_item_cpu_s": item_s}
+    every, measured = args.every, args.measured
     approaches = args.approaches.split(",")
-    for approach in approaches:
-        # a plain run right before each approach: its own baseline (iteration times drift on this
-        # machine), which also lets the previous approach's background work end
-        dist.barrier()
-        mem.reset()
-        c0, t0 = mem.cpu(), time.perf_counter()
-        rec: dict = {"rank": rank, "approach": approach}
-        rec["base_iters"] = [iterate(None, None) for _ in range(args.none_steps)]
-        rec.update(base_cpu_s=mem.cpu() - c0, base_wall_s=time.perf_counter() - t0, base_mem_peak=mem.reset())
-        every, measured = args.every, args.measured
-        saver = Saver(approach, model, opt, work, rank, every, pg)
-        n_ck = measured + 2
-        window = None
-        rec["iters"] = []
-        for i in range(n_ck * every):
-            ck = (i + 1) // every if (i + 1) % every == 0 else None
-            if i == every:  # end of the warm-up interval: its checkpoint durable, then the window opens
-                saver.finish()
-                dist.barrier()
-                mem.reset()
-                window = (mem.cpu(), time.perf_counter(), gstep[0])
-            rec["iters"].append(iterate(saver, ck))
-        saver.finish()
-        dist.barrier()
-        rec.update(cpu_s=mem.cpu() - window[0], wall_s=time.perf_counter() - window[1],
-                   window_iters=gstep[0] - window[2], window_ckpts=n_ck - 1, mem_peak=mem.reset(),
-                   durable=saver.durable, final=saver.paths[-1] if saver.paths else None)
-        if approach.startswith("deepfreeze"):
-            rec["committed"] = commit_times(f"{work}/{approach}/persistent/{NAME}")
-            rec["starts"] = saver.starts
-        rec.update(saver.close())
-        if rank == 0:
-            with open(f"{work}/res/{approach}.digests.json", "w") as f:
-                json.dump({"step": gstep[0], "digests": digests(model, opt)}, f)
-        with open(f"{work}/res/{approach}.r{rank}.json", "w") as f:
+    recs = {a: {"rank": rank, "approach": a, "mode": args.busy, "reps": [], **info} for a in approaches}
+    for rep in range(args.reps):
+        for approach in approaches:
+            prof = Prof() if args.profile and approach.startswith("deepfreeze") else None
+            recs[approach]["reps"].append(
+                one_rep(approach, rep, rep == args.reps - 1, every, measured, args.none_steps, iterate, mem, cpu,
+                        model, opt, work, rank, pg, prof))
+            recs[approach]["final_step"] = gstep[0]
+    for a, rec in recs.items():
+        with open(f"{work}/res/{a}.r{rank}.json", "w") as f:
             json.dump(rec, f)
-        # the older checkpoints of this approach are not needed any more (disk); the final one is kept
-        if rank == 0:
-            for p in saver.paths[:-1]:
-                shutil.rmtree(p, ignore_errors=True)
-                if os.path.exists(p + ".pt"):
-                    os.unlink(p + ".pt")
     mem.stop.set()
     dist.destroy_process_group()
+
+
+def one_rep(approach: str, rep: int, last: bool, every: int, measured: int, none_steps: int, iterate, mem: Tree,
+            cpu: CkptCPU, model, opt, work: str, rank: int, pg, prof: "Prof | None") -> dict:
+    """One repetition of ``approach``: ``none_steps`` plain iterations (its baseline), a new
+    checkpointer, the warm-up checkpoint at its first iteration (``every`` iterations), the
+    window: ``measured`` checkpoints every ``every`` iterations, until all are durable; in the
+    last repetition a final checkpoint (not timed) whose state is recorded for the restore check."""
+    import torch.distributed as dist
+    dist.barrier()
+    mem.reset()
+    rec: dict = {"base_iters": [iterate(None, None) for _ in range(none_steps)]}
+    rec["base_mem_peak"] = mem.reset()
+    cpu.training_set()  # every thread alive now is training-side
+    t = time.perf_counter()
+    saver = Saver(approach, model, opt, work, rank, every, pg, cpu, rep, prof)
+    rec["setup_s"] = time.perf_counter() - t
+    rec["warm_iters"] = [iterate(saver, 1 if i == 0 else None) for i in range(every)]
+    saver.finish()
+    dist.barrier()
+    mem.reset()
+    if prof is not None:
+        prof.start(saver)
+    cpu.open()
+    iters = []
+    for i in range(measured * every):
+        ck = i // every + 2 if i % every == 0 else None
+        iters.append(iterate(saver, ck))
+        if ck is not None:
+            cpu.sample()
+    saver.finish()
+    dist.barrier()
+    rec["cpu"] = cpu.close()
+    if prof is not None:
+        rec["profile"] = prof.stop(saver)
+    rec.update(iters=iters, mem_peak=mem.reset(), durable=list(saver.durable))
+    if approach.startswith("deepfreeze"):
+        rec["committed"] = commit_times(f"{work}/{approach}/persistent/{NAME}")
+        rec["starts"] = list(saver.starts)
+        eng = saver.engine()
+        rec["write_waits_window"] = None if eng is None else eng.write_waits
+    if last:  # the final checkpoint: the state after it is recorded for the restore check
+        iterate(saver, measured + 2)
+        saver.finish()
+        dist.barrier()
+    rec.update(saver.close())
+    rec["final"] = saver.paths[-1] if saver.paths else None
+    if last and rank == 0:
+        with open(f"{work}/res/{approach}.digests.json", "w") as f:
+            json.dump({"digests": digests(model, opt)}, f)
+    if rank == 0:  # older checkpoints are not needed any more (disk): the last repetition's final one is kept
+        for p in saver.paths[:-1] if last else saver.paths:
+            shutil.rmtree(p, ignore_errors=True)
+            if os.path.exists(p + ".pt"):
+                os.unlink(p + ".pt")
+    return rec
 
 
 def restore_worker(args: argparse.Namespace) -> None:
@@ -389,7 +600,7 @@ def restore_worker(args: argparse.Namespace) -> None:
         with open(f"{work}/res/{approach}.digests.json") as f:
             ref = json.load(f)["digests"]
         with open(f"{work}/res/{approach}.r0.json") as f:
-            final = json.load(f)["final"]
+            final = json.load(f)["reps"][-1]["final"]
         net = tm.build(args.model)
         torch.manual_seed(123)
         with torch.no_grad():
@@ -456,46 +667,94 @@ def stat(v: list[float]) -> dict:
     return {"mean": mean(v), "se": se(v), "n": len(v)}
 
 
-def summarize(model: str, ranks: int, work: str, approaches: list[str], every: int, measured: int) -> list[dict]:
-    def load(a: str) -> list[dict]:
-        return [json.load(open(f"{work}/res/{a}.r{r}.json")) for r in range(ranks)]
+def summarize(model: str, ranks: int, mode: str, work: str, approaches: list[str], every: int,
+              measured: int) -> list[dict]:
+    """One row per approach: each figure per repetition (the mean over its measured checkpoints,
+    iteration times averaged over the ranks, CPU summed over the ranks), then the mean over the
+    repetitions +- its standard error."""
     rows = []
     for a in approaches:
-        rs = load(a)
-        iters = [mean(col) for col in zip(*[r["iters"] for r in rs])]  # mean over ranks
-        base_iters = [mean(col) for col in zip(*[r["base_iters"] for r in rs])]
-        base = mean(base_iters)
-        base_cpu = sum(r["base_cpu_s"] for r in rs) / len(base_iters)  # every rank's tree, per iteration
-        cks = [k * every - 1 for k in range(2, measured + 2)]  # measured checkpoint iterations
-        stall = [iters[i] + iters[i + 1] - 2 * base for i in cks]
-        slow = [(sum(iters[i:i + every]) - every * base) / (every * base) for i in cks]
-        r0 = rs[0]
+        rs = [json.load(open(f"{work}/res/{a}.r{r}.json")) for r in range(ranks)]
+        per: dict[str, list] = {k: [] for k in ("base", "stall", "slow", "durable", "cpu", "threads", "incall", "procs",
+                                                "first", "mem", "waits", "writer")}
+        cks = [j * every for j in range(measured)]  # measured checkpoint iterations in the window
+        for i in range(len(rs[0]["reps"])):
+            reps = [r["reps"][i] for r in rs]
+            iters = [mean(c) for c in zip(*[x["iters"] for x in reps])]
+            warm = [mean(c) for c in zip(*[x["warm_iters"] for x in reps])]
+            base = mean([mean(x["base_iters"]) for x in reps])
+            nxt = 1 if every > 1 else 0
+            per["base"].append(base)
+            per["stall"].append(mean([iters[c] + iters[c + nxt] - (1 + nxt) * base for c in cks]))
+            per["slow"].append(mean([(sum(iters[c:c + every]) - every * base) / (every * base) for c in cks]))
+            per["first"].append(warm[0] + warm[nxt] - (1 + nxt) * base)
+            r0 = reps[0]
+            if a.startswith("deepfreeze"):
+                dur = [r0["committed"].get(str(k * every), math.nan) - r0["starts"][k - 1] for k in range(2, measured + 2)]
+                per["waits"].append(sum(x.get("write_waits_window") or 0 for x in reps))
+                per["writer"].append(sum(c for x in reps for v, c in x.get("writer_cpu", {}).items()
+                                         if int(v) in {k * every for k in range(2, measured + 2)}) / measured)
+            else:
+                dur = [max(x["durable"][k - 1] for x in reps) for k in range(2, measured + 2)]
+            per["durable"].append(mean([d for d in dur if not math.isnan(d)]))
+            parts = {p: sum(x["cpu"][f"{p}_s"] for x in reps) / measured for p in ("threads", "incall", "procs")}
+            for p, v in parts.items():
+                per[p].append(v)
+            per["cpu"].append(sum(parts.values()))
+            per["mem"].append(sum(x["mem_peak"] - x["base_mem_peak"] for x in reps) / 1e9)
+        row = {"model": model, "ranks": ranks, "mode": mode, "approach": a, "reps": len(per["base"]),
+               "measured_per_rep": measured, "every": every, "baseline_iter_s": stat(per["base"]),
+               "stall_s": stat(per["stall"]), "slowdown": stat(per["slow"]), "durable_s": stat(per["durable"]),
+               "cpu_s_per_ckpt": stat(per["cpu"]),
+               "cpu_parts": {p: stat(per[p]) for p in ("threads", "incall", "procs")},
+               "first_stall_s": stat(per["first"]), "first_stall_first_rep_s": per["first"][0],
+               "mem_extra_GB": mean(per["mem"]), "iter_s": iters,
+               "cpu_per_rep": per["cpu"], "lost_training_threads": sum(x["cpu"]["lost_training_threads"]
+                                                                       for r in rs for x in r["reps"])}
         if a.startswith("deepfreeze"):
-            durable = [r0["committed"].get(str(k * every), math.nan) - r0["starts"][k - 1]
-                       for k in range(2, measured + 2)] if r0.get("starts") else []
-        else:
-            durable = [max(r["durable"][k - 1] for r in rs) for k in range(2, measured + 2)]
-        cpu = (sum(r["cpu_s"] for r in rs) - base_cpu * r0["window_iters"]) / r0["window_ckpts"]
-        row = {"model": model, "ranks": ranks, "approach": a, "baseline_iter_s": base, "baseline_se_s": se(base_iters),
-               "stall_s": stat(stall), "slowdown": stat(slow), "durable_s": stat(durable), "cpu_s_per_ckpt": cpu,
-               "mem_extra_GB": sum(r["mem_peak"] - r["base_mem_peak"] for r in rs) / 1e9, "iter_s": iters}
-        if "df_timings" in r0:
-            row["df_in_step_ms"] = [1e3 * (x["post_hook_s"] + x["wait_s"] + x["handoff_s"]) for x in r0["df_timings"]]
+            row.update(write_waits=per["waits"], writer_cpu_s_per_ckpt=stat(per["writer"]),
+                       df_in_step_ms=[1e3 * (x["post_hook_s"] + x["wait_s"] + x["handoff_s"])
+                                      for x in rs[0]["reps"][-1].get("df_timings", [])])
+        if "loader_items_per_batch" in rs[0]:
+            row["loader"] = {"items_per_batch": [r["loader_items_per_batch"] for r in rs],
+                             "item_cpu_s": [r["loader_item_cpu_s"] for r in rs]}
+        prof = {f"rank{r['rank']}": x["profile"] for r in rs for x in r["reps"] if "profile" in x}
+        if prof:
+            row["profile"] = prof
         rows.append(row)
     return rows
+
+
+def cells(models: list[str], ranks: list[int], busy: "list[str] | None", quick: bool) -> list[tuple[str, int, str]]:
+    """(model, world size, mode) in run order: per model the largest world size idle first (its
+    run picks the busy modes' DCP configuration), its busy modes, then the other world sizes idle."""
+    out = []
+    top = max(ranks)
+    for m in models:
+        modes = busy if busy is not None else (QUICK_MODES if quick else MODES.get(m, BUSY_MODES))
+        out += [(m, top, "none")] + [(m, top, b) for b in modes if b != "none"]
+        out += [(m, n, "none") for n in sorted(ranks, reverse=True) if n != top]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("mode", nargs="?", default="drive", choices=["drive", "worker", "restore", "plot"])
     ap.add_argument("--model", default="mlp")
-    ap.add_argument("--approaches", default=",".join(APPROACHES))
+    ap.add_argument("--approaches", default=None, help=f"comma list (default: {','.join(DEFAULT)}; busy modes: "
+                    "torch-save, the idle run's best dcp-async by stall, deepfreeze)")
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--measured", type=int, default=2)
-    ap.add_argument("--none-steps", type=int, default=4)
+    ap.add_argument("--none-steps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=None, help=f"interleaved repetitions (default {REPS}; --quick "
+                    f"{QUICK_REPS})")
+    ap.add_argument("--busy", default=None, help="comma list of modes, none,spin,disk,loader (default: per model, "
+                    "at the largest world size; see MODES)")
+    ap.add_argument("--profile", action="store_true", help="cProfile DeepFreeze's threads and read its backend's "
+                    "threads over one repetition (default approaches: deepfreeze,deepfreeze-sync; no restore)")
     ap.add_argument("--work", default="")
     ap.add_argument("--models", default=None, help="comma list (default: gpt2,resnet50,mlp)")
-    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--ranks", default=None, help="comma list (default 1,2; --quick 2)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--base", default=None, help="directory for checkpoints (default: a temp dir under /var/tmp)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "torch_dcp.json"))
@@ -513,48 +772,74 @@ def main() -> None:
     t_start = time.time()
     grid = QUICK if args.quick else FULL
     models = args.models.split(",") if args.models else list(grid)
-    ranks = [int(r) for r in args.ranks.split(",")]
-    approaches = args.approaches.split(",")
+    ranks = [int(r) for r in (args.ranks or ("2" if args.quick else "1,2")).split(",")]
+    reps = args.reps or (1 if args.profile else QUICK_REPS if args.quick else REPS)
+    explicit = args.approaches is not None
+    approaches = (args.approaches or ("deepfreeze,deepfreeze-sync" if args.profile else
+                                      ",".join(QUICK_APPROACHES if args.quick else DEFAULT))).split(",")
+    busy = args.busy.split(",") if args.busy else None
+    for b in busy or []:
+        if b not in BUSY_MODES:
+            raise SystemExit(f"--busy {b!r}: use a comma list of {','.join(BUSY_MODES)}")
+    min_busy = min_busy_checkpoints()
     doc = {"settings": {"approaches": approaches, "grid": {m: grid.get(m, FULL.get(m)) for m in models},
-                        "ranks": ranks, "torch": __import__("torch").__version__, "cpus": os.cpu_count(),
-                        "statistic": "mean over measured checkpoints (each the mean over ranks) +- standard error"},
+                        "grid_fields": "every, measured checkpoints per repetition (idle), baseline iterations "
+                                       "per repetition", "reps": reps, "ranks": ranks,
+                        "busy_checkpoints_per_rep": min_busy, "profile": args.profile,
+                        "load": {b: Load(b, "").describe() for b in BUSY_MODES},
+                        "torch": __import__("torch").__version__, "cpus": os.cpu_count(),
+                        "statistic": "per repetition: the mean over its measured checkpoints (iteration times "
+                                     "averaged over the ranks, CPU summed over the ranks); reported: the mean over "
+                                     "the interleaved repetitions +- its standard error"},
            "runs": [], "restore": [], "errors": []}
     base = args.base or tempfile.mkdtemp(prefix="torch_dcp-", dir="/var/tmp")
-    for m in models:
+    best: dict[str, str] = {}
+    for m, n, mode in cells(models, ranks, busy, args.quick):
         every, measured, none_steps = grid.get(m, FULL.get(m))
-        for n in ranks:
-            work = f"{base}/{m}-{n}"
-            shutil.rmtree(work, ignore_errors=True)
-            os.makedirs(f"{work}/res")
-            t0 = time.time()
-            err = torchrun(n, ["worker", "--model", m, "--approaches", ",".join(approaches), "--every", str(every),
-                               "--measured", str(measured), "--none-steps", str(none_steps), "--work", work],
-                           f"{work}/train.log", timeout=3600)
-            if err:
-                doc["errors"].append({"model": m, "ranks": n, "error": err})
-                print(f"[torch_dcp] {m} x{n}: {err}", flush=True)
-                continue
-            rows = summarize(m, n, work, approaches, every, measured)
-            doc["runs"].extend(rows)
-            for row in rows:
-                print(json.dumps({k: v for k, v in row.items() if k != "iter_s"}), flush=True)
-            for rn in (n, 2 if n == 1 else 1):
-                err = torchrun(rn, ["restore", "--model", m, "--approaches", ",".join(approaches), "--work", work],
+        apps = approaches
+        if mode != "none":
+            measured = max(measured, min_busy - 1)
+            if not explicit and m in best:  # busy: torch.save, the idle run's best DCP async, DeepFreeze
+                apps = [a for a in approaches if a not in DCP_ASYNC or a == best[m]]
+        work = f"{base}/{m}-{n}-{mode}"
+        shutil.rmtree(work, ignore_errors=True)
+        os.makedirs(f"{work}/res")
+        t0 = time.time()
+        argv = ["worker", "--model", m, "--approaches", ",".join(apps), "--every", str(every), "--measured",
+                str(measured), "--none-steps", str(none_steps), "--work", work, "--reps", str(reps), "--busy", mode]
+        with Load(mode, base):
+            err = torchrun(n, argv + (["--profile"] if args.profile else []), f"{work}/train.log", timeout=3600)
+        if err:
+            doc["errors"].append({"model": m, "ranks": n, "mode": mode, "error": err})
+            print(f"[torch_dcp] {m} x{n} {mode}: {err}", flush=True)
+            continue
+        rows = summarize(m, n, mode, work, apps, every, measured)
+        doc["runs"].extend(rows)
+        for row in rows:
+            print(json.dumps({k: v for k, v in row.items() if k not in ("iter_s", "profile")}), flush=True)
+        if mode == "none" and n == max(ranks):
+            asyncs = [r for r in rows if r["approach"] in DCP_ASYNC and r["stall_s"]["mean"] is not None]
+            if asyncs:
+                best[m] = min(asyncs, key=lambda r: r["stall_s"]["mean"])["approach"]
+            for rn in ([] if args.profile else [n] + [x for x in (1, 2) if x != n][:1]):
+                err = torchrun(rn, ["restore", "--model", m, "--approaches", ",".join(apps), "--work", work],
                                f"{work}/restore{rn}.log", timeout=1800)
                 if err:
                     doc["errors"].append({"model": m, "ranks": n, "restore_ranks": rn, "error": err})
                     print(f"[torch_dcp] restore {m} x{n} -> {rn}: {err}", flush=True)
                     continue
                 rr = [json.load(open(f"{work}/res/restore{rn}.r{r}.json")) for r in range(rn)]
-                for a in approaches:
+                for a in apps:
                     doc["restore"].append({"model": m, "ranks": n, "restore_ranks": rn, "approach": a,
                                            "restore_s": max(x[a]["restore_all_s"] for x in rr),
                                            "bit_exact": all(x[a]["bit_exact"] for x in rr),
                                            "mismatch": rr[0][a]["mismatch"]})
-            print(f"[torch_dcp] {m} x{n}: {time.time() - t0:.0f} s", flush=True)
-            shutil.rmtree(work, ignore_errors=True)
-            shutil.rmtree(f"/dev/shm/torch_dcp-{os.path.basename(work)}", ignore_errors=True)
-            write_doc(doc, args.out)
+        doc.setdefault("cell_wall_s", []).append({"model": m, "ranks": n, "mode": mode,
+                                                  "wall_s": round(time.time() - t0, 1)})
+        print(f"[torch_dcp] {m} x{n} {mode}: {time.time() - t0:.0f} s", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(f"/dev/shm/torch_dcp-{os.path.basename(work)}", ignore_errors=True)
+        write_doc(doc, args.out)
     shutil.rmtree(base, ignore_errors=True)
     finish_doc(doc, args.out, t_start, table, plot)
 
@@ -569,57 +854,132 @@ def fmt(s: "dict | float | None", scale: float = 1.0, digits: int = 3) -> str:
     return "–" if s is None else f"{s * scale:.{digits}f}"
 
 
+def _cells(doc: dict) -> list[tuple[str, int, str]]:
+    return list(dict.fromkeys((r["model"], r["ranks"], r.get("mode", "none")) for r in doc["runs"]))
+
+
+def _rows(doc: dict, m: str, n: int, mode: str) -> dict[str, dict]:
+    return {r["approach"]: r for r in doc["runs"] if r["model"] == m and r["ranks"] == n and r.get("mode", "none") == mode}
+
+
 def table(doc: dict) -> str:
     lines = []
-    for m in dict.fromkeys(r["model"] for r in doc["runs"]):
-        for n in sorted({r["ranks"] for r in doc["runs"] if r["model"] == m}):
-            rows = [r for r in doc["runs"] if r["model"] == m and r["ranks"] == n]
-            lines += [f"#### {m}, {n} rank{'s' if n > 1 else ''}", "",
-                      "| approach | baseline iteration (s) | stall (s) | slowdown / interval | to durable (s) | CPU-s / ckpt "
-                      f"| extra memory (GB) | restore x{n} (s) | restore x{2 if n == 1 else 1} (s) |",
-                      "|---|---|---|---|---|---|---|---|---|"]
-            for r in rows:
-                rs = {x["restore_ranks"]: x for x in doc["restore"]
-                      if x["model"] == m and x["ranks"] == n and x["approach"] == r["approach"]}
+    for m, n, mode in _cells(doc):
+        rows = _rows(doc, m, n, mode)
+        other = 2 if n == 1 else 1
+        r0 = next(iter(rows.values()))
+        lines += [f"#### {m}, {n} rank{'s' if n > 1 else ''}, {'idle' if mode == 'none' else 'busy: ' + mode} "
+                  f"({r0.get('reps', 1)} repetitions x {r0.get('measured_per_rep', '?')} checkpoints, every "
+                  f"{r0.get('every', '?')} iterations)", "",
+                  "| approach | baseline iteration (s) | stall (s) | first ckpt stall (s) | slowdown / interval "
+                  "| to durable (s) | CPU-s / ckpt | write waits | extra memory (GB) "
+                  f"| restore x{n} (s) | restore x{other} (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for a, r in rows.items():
+            rs = {x["restore_ranks"]: x for x in doc["restore"]
+                  if x["model"] == m and x["ranks"] == n and x["approach"] == a and mode == "none"}
 
-                def rst(k: int) -> str:
-                    x = rs.get(k)
-                    return "–" if x is None else f"{x['restore_s']:.3f}" + ("" if x["bit_exact"] else " (NOT exact)")
-                lines.append(f"| {r['approach']} | {fmt({'mean': r['baseline_iter_s'], 'se': r['baseline_se_s']})} "
-                             f"| {fmt(r['stall_s'])} | {fmt(r['slowdown'], 100, 1)} % "
-                             f"| {fmt(r['durable_s'])} | {fmt(r['cpu_s_per_ckpt'], 1, 2)} | {fmt(r['mem_extra_GB'], 1, 2)} "
-                             f"| {rst(n)} | {rst(2 if n == 1 else 1)} |")
-            lines.append("")
-    lines += targets(doc)
+            def rst(k: int) -> str:
+                x = rs.get(k)
+                return "–" if x is None else f"{x['restore_s']:.3f}" + ("" if x["bit_exact"] else " (NOT exact)")
+            waits = "–" if "write_waits" not in r else "+".join(str(w) for w in r["write_waits"])
+            lines.append(f"| {a} | {fmt(r['baseline_iter_s'])} | {fmt(r['stall_s'])} | {fmt(r.get('first_stall_s'))} "
+                         f"| {fmt(r['slowdown'], 100, 1)} % | {fmt(r['durable_s'])} | {fmt(r['cpu_s_per_ckpt'], 1, 2)} "
+                         f"| {waits} | {fmt(r['mem_extra_GB'], 1, 2)} | {rst(n)} | {rst(other)} |")
+        lines.append("")
+    lines += side_by_side(doc) + targets(doc)
     return "\n".join(lines)
 
 
-def targets(doc: dict) -> list[str]:
-    """The issue's targets at 2 ranks: DeepFreeze against dcp.async_save's best configuration."""
-    out = ["#### Targets (2 ranks; DeepFreeze vs the best `dcp.async_save` configuration by stall)", "",
-           "| model | best async | stall: async / DeepFreeze (target >= 2) | to durable: DF <= async | "
-           "CPU-s: DF <= async | restore: DF <= dcp.load |", "|---|---|---|---|---|---|"]
+def side_by_side(doc: dict) -> list[str]:
+    """Idle and busy modes next to each other, per model (largest world size)."""
+    out = []
     for m in dict.fromkeys(r["model"] for r in doc["runs"]):
-        rows = {r["approach"]: r for r in doc["runs"] if r["model"] == m and r["ranks"] == 2}
-        df = rows.get("deepfreeze") or next((r for a, r in rows.items() if a.startswith("deepfreeze")), None)
-        asyncs = [rows[a] for a in DCP_ASYNC if a in rows and rows[a]["stall_s"].get("mean") is not None]
-        if not df or not asyncs:
+        n = max(r["ranks"] for r in doc["runs"] if r["model"] == m)
+        modes = [c[2] for c in _cells(doc) if c[0] == m and c[1] == n]
+        if len(modes) < 2:
             continue
-        best = min(asyncs, key=lambda r: r["stall_s"]["mean"])
-        s_a, s_d = best["stall_s"], df["stall_s"]
-        err = math.hypot(s_a.get("se") or 0, s_d.get("se") or 0)
-        if s_d["mean"] <= (s_d.get("se") or 0):
-            ratio = f">= {s_a['mean'] / max(s_d['mean'] + (s_d.get('se') or 0), 1e-9):.1f}x (DF stall within 1 SE of 0)"
-        else:
-            ratio = f"{s_a['mean'] / s_d['mean']:.1f}x"
-        if abs(s_a["mean"] - s_d["mean"]) < err:
-            ratio += " (not resolvable)"
-        rest = {x["approach"]: x["restore_s"] for x in doc["restore"] if x["model"] == m and x["ranks"] == 2
-                and x["restore_ranks"] == 2}
-        dcp_load = min((rest[a] for a in ["dcp-save"] + DCP_ASYNC if a in rest), default=None)
-        out.append(f"| {m} | {best['approach']} | {ratio} | {fmt(df['durable_s'])} vs {fmt(best['durable_s'])} "
-                   f"| {df['cpu_s_per_ckpt']:.2f} vs {best['cpu_s_per_ckpt']:.2f} "
-                   f"| {fmt(rest.get('deepfreeze'))} vs {fmt(dcp_load)} |")
+        out += [f"#### {m}, {n} ranks: idle and busy side by side (mean ± SE over repetitions)", "",
+                "| figure | approach | " + " | ".join("idle" if x == "none" else x for x in modes) + " |",
+                "|---|---|" + "---|" * len(modes)]
+        for key, label, scale, digits in [("cpu_s_per_ckpt", "CPU-s / ckpt", 1, 2), ("stall_s", "stall (s)", 1, 3),
+                                          ("slowdown", "slowdown (%)", 100, 1), ("durable_s", "to durable (s)", 1, 3)]:
+            for a in dict.fromkeys(a for x in modes for a in _rows(doc, m, n, x)):
+                cells_ = [_rows(doc, m, n, x).get(a) for x in modes]
+                out.append(f"| {label} | {a} | " + " | ".join("–" if c is None else fmt(c[key], scale, digits)
+                                                               for c in cells_) + " |")
+        out.append("")
+    return out
+
+
+def verdict(d: "dict | None", r: "dict | None", factor: float = 1.0) -> str:
+    """``d <= factor * r`` for two ``{mean, se}``: met, missed, or not resolvable (the difference
+    within one standard error of it)."""
+    if not d or not r or d.get("mean") is None or r.get("mean") is None:
+        return "–"
+    diff = d["mean"] - factor * r["mean"]
+    err = math.hypot(d.get("se") or 0.0, factor * (r.get("se") or 0.0))
+    if abs(diff) < err:
+        return "not resolvable"
+    return "met" if diff <= 0 else "missed"
+
+
+def ratio(d: dict, r: dict, limit: float) -> str:
+    """``d / r`` ± its SE, and whether it is at most ``limit`` (within one SE: not resolvable)."""
+    if not d or not r or not d.get("mean") or not r.get("mean"):
+        return "–"
+    q = d["mean"] / r["mean"]
+    e = abs(q) * math.hypot((d.get("se") or 0) / d["mean"], (r.get("se") or 0) / r["mean"])
+    v = "not resolvable" if abs(q - limit) < e else ("met" if q <= limit else "missed")
+    return f"{q:.2f} ± {e:.2f}x: {v}"
+
+
+def targets(doc: dict) -> list[str]:
+    """Issue 34's targets at the largest world size, each on the per-repetition statistic."""
+    out = ["#### Targets (issue 34; mean ± SE over repetitions; not resolvable: the difference is within one SE)",
+           "", "| model | mode | target | DeepFreeze | reference | verdict |", "|---|---|---|---|---|---|"]
+
+    def row(m, mode, what, d, r, factor=1.0, label=None):
+        out.append(f"| {m} | {'idle' if mode == 'none' else mode} | {what} | {fmt(d)} | {fmt(r)}"
+                   f"{'' if label is None else ' (' + label + ')'} | {verdict(d, r, factor)} |")
+    for m in dict.fromkeys(r["model"] for r in doc["runs"]):
+        n = max(r["ranks"] for r in doc["runs"] if r["model"] == m)
+        idle = _rows(doc, m, n, "none")
+        for mode in [c[2] for c in _cells(doc) if c[0] == m and c[1] == n]:
+            rows = _rows(doc, m, n, mode)
+            df, ts = rows.get("deepfreeze"), rows.get("torch-save")
+            if df is None:
+                continue
+            if ts:
+                row(m, mode, "CPU-s / ckpt <= torch.save's", df["cpu_s_per_ckpt"], ts["cpu_s_per_ckpt"])
+            if mode != "none" and idle.get("deepfreeze"):
+                out.append(f"| {m} | {mode} | CPU-s / ckpt busy <= 1.2 x idle | {fmt(df['cpu_s_per_ckpt'])} "
+                           f"| {fmt(idle['deepfreeze']['cpu_s_per_ckpt'])} (idle) "
+                           f"| {ratio(df['cpu_s_per_ckpt'], idle['deepfreeze']['cpu_s_per_ckpt'], 1.2)} |")
+            asyncs = [rows[a] for a in DCP_ASYNC if a in rows and rows[a]["stall_s"].get("mean") is not None]
+            if mode != "none" or m == "mlp":
+                for key, what in [("stall_s", "stall"), ("slowdown", "slowdown")]:
+                    if mode != "none" and asyncs:
+                        b = min(asyncs, key=lambda r: r[key]["mean"])
+                        row(m, mode, f"{what} <= best DCP async's", df[key], b[key], label=b["approach"])
+                    if ts:
+                        row(m, mode, f"{what} <= torch.save's", df[key], ts[key])
+            if m == "gpt2" and mode == "none":
+                dcps = [r for a, r in rows.items() if a.startswith("dcp") and r["durable_s"].get("mean") is not None]
+                if dcps:
+                    b = min(dcps, key=lambda r: r["durable_s"]["mean"])
+                    row(m, mode, "time to durable <= DCP's", df["durable_s"], b["durable_s"], label=b["approach"])
+            if mode != "none":
+                out.append(f"| {m} | {mode} | time to durable, write waits (reported) | {fmt(df['durable_s'])}, "
+                           f"waits {'+'.join(str(w) for w in df.get('write_waits', []))} | – | – |")
+    out += ["", "First checkpoint's stall (the warm-up, a new checkpointer each repetition; first repetition / "
+            "mean ± SE):", "", "| model | ranks | mode | " + " | ".join(doc["settings"]["approaches"]) + " |",
+            "|---|---|---|" + "---|" * len(doc["settings"]["approaches"])]
+    for m, n, mode in _cells(doc):
+        rows = _rows(doc, m, n, mode)
+        out.append(f"| {m} | {n} | {mode} | " + " | ".join(
+            "–" if a not in rows or "first_stall_s" not in rows[a] else
+            f"{rows[a]['first_stall_first_rep_s']:.3f} / {fmt(rows[a]['first_stall_s'])}"
+            for a in doc["settings"]["approaches"]) + " |")
     return out + [""]
 
 
@@ -631,24 +991,25 @@ def plot(doc: dict, path: str) -> None:
     metrics = [("stall_s", "stall (s)"), ("durable_s", "time to durable (s)"), ("cpu_s_per_ckpt", "CPU-s / ckpt")]
     if not models:
         return
-    fig, axes = plt.subplots(len(models), len(metrics), figsize=(5 * len(metrics), 3.2 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(len(models), len(metrics), figsize=(5.5 * len(metrics), 3.2 * len(models)), squeeze=False)
+    approaches = list(dict.fromkeys(r["approach"] for r in doc["runs"]))
     for i, m in enumerate(models):
+        groups = [(n, mode) for mm, n, mode in _cells(doc) if mm == m]
         for j, (key, label) in enumerate(metrics):
             ax = axes[i][j]
-            ranks = sorted({r["ranks"] for r in doc["runs"] if r["model"] == m})
-            approaches = [a for a in doc["settings"]["approaches"]]
             w = 0.8 / max(1, len(approaches))
             for k, a in enumerate(approaches):
                 ys, es = [], []
-                for n in ranks:
-                    r = next((x for x in doc["runs"] if x["model"] == m and x["ranks"] == n and x["approach"] == a), None)
+                for n, mode in groups:
+                    r = _rows(doc, m, n, mode).get(a)
                     v = None if r is None else r[key]
                     ys.append(v["mean"] if isinstance(v, dict) else v)
                     es.append((v.get("se") or 0) if isinstance(v, dict) else 0)
-                xs = [x + k * w for x in range(len(ranks))]
+                xs = [x + k * w for x in range(len(groups))]
                 ax.bar(xs, [y or 0 for y in ys], w, yerr=es, label=a)
-            ax.set_xticks([x + 0.4 - w / 2 for x in range(len(ranks))], [f"{n} rank(s)" for n in ranks])
-            ax.set_title(f"{m}: {label}", fontsize=9)
+            ax.set_xticks([x + 0.4 - w / 2 for x in range(len(groups))],
+                          [f"x{n} {'idle' if mode == 'none' else mode}" for n, mode in groups], fontsize=7)
+            ax.set_title(f"{m}: {label} (mean ± SE over repetitions)", fontsize=9)
             if key != "cpu_s_per_ckpt":
                 ax.set_yscale("symlog", linthresh=0.05)  # linear below 50 ms: values within noise of 0
                 ax.set_ylim(bottom=0)
