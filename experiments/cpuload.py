@@ -1,6 +1,8 @@
-"""CPU seconds attributable to checkpointing, read directly, and documented load beside a job.
+"""CPU seconds attributable to checkpointing, read directly, documented load beside a job, and
+a per-thread profile of DeepFreeze's threads.
 
-Used by ``experiments/torch_dcp.py`` (stdlib only: no torch, no numpy).
+Used by ``experiments/torch_dcp.py`` (torch and numpy imported only inside :func:`make_loader`
+and :class:`Decode`).
 
 :class:`CkptCPU` counts, in one rank's process, between :meth:`CkptCPU.open` and
 :meth:`CkptCPU.close`:
@@ -44,8 +46,8 @@ import sys
 import threading
 import time
 
-__all__ = ["CkptCPU", "Load", "proc_cpu", "children", "checkpoint_process", "thread_names", "backend_threads",
-           "BUSY_MODES"]
+__all__ = ["CkptCPU", "Load", "Prof", "Decode", "make_loader", "top", "proc_cpu", "children", "checkpoint_process",
+           "thread_names", "backend_threads", "BUSY_MODES"]
 
 #: busy modes (``none``: idle); ``loader`` is load inside the job (torch_dcp's DataLoader workers)
 BUSY_MODES = ["none", "spin", "disk", "loader"]
@@ -136,6 +138,7 @@ class CkptCPU:
         self._t0: dict[int, float] = {}
         self._p0 = 0.0
         self._procs: dict[int, list] = {}  # pid -> [kind, cpu at open (0 if first seen later), last cpu]
+        self.kinds: tuple[str, ...] = ()
         self.open_ = False
 
     def training_set(self) -> None:
@@ -153,7 +156,7 @@ class CkptCPU:
             rec = self._procs.get(pid)
             if rec is None:
                 kind = checkpoint_process(pid)
-                if kind is None:
+                if kind is None or kind not in self.kinds:
                     continue
                 rec = self._procs[pid] = [kind, 0.0 if self.open_ else None, 0.0]
             c = proc_cpu(pid)
@@ -162,9 +165,11 @@ class CkptCPU:
                     rec[1] = c
                 rec[2] = c
 
-    def open(self) -> None:
-        """Start the window."""
-        self._procs = {}
+    def open(self, kinds: tuple[str, ...]) -> None:
+        """Start the window; ``kinds``: the checkpoint processes of the approach measured
+        (``("deepfreeze-backend",)``, ``("multiprocessing",)`` or none: another approach's
+        process still alive, such as a backend before its idle exit, is not counted)."""
+        self._procs, self.kinds = {}, tuple(kinds)
         self.sample()  # the processes alive now count from their current CPU
         self._t0 = {t: c for t in self.training if (c := _task_cpu(t)) is not None}
         self._p0 = time.process_time()
@@ -206,6 +211,112 @@ def backend_threads(pid: int) -> dict[int, float]:
         except (OSError, ValueError, IndexError):
             continue
     return out
+
+
+class Prof:
+    """``--profile``: cProfile of DeepFreeze's training-thread hooks, capture thread and writer
+    thread (each enabled in its own thread: the pools run ``enable``), and the CPU of every
+    thread of the node's backend, over one repetition's window."""
+
+    def __init__(self) -> None:
+        import cProfile
+        self.hooks, self.capture, self.writer = cProfile.Profile(), cProfile.Profile(), cProfile.Profile()
+        self.on = False
+        self.backend_pid: int | None = None
+        self.backend0: dict[int, float] = {}
+        self.pools: list = []
+
+    def start(self, capture_pool, writer_pool, backend_pid: int | None) -> None:
+        """``capture_pool``/``writer_pool``: the one-thread executors of the capture and writer
+        threads (each runs its profiler's ``enable``); ``backend_pid``: the node's backend."""
+        self.pools = [(capture_pool, self.capture), (writer_pool, self.writer)]
+        for pool, p in self.pools:
+            if pool is not None:
+                pool.submit(p.enable).result()
+        self.backend_pid = backend_pid
+        if self.backend_pid:
+            self.backend0 = backend_threads(self.backend_pid)
+        self.on = True
+
+    def stop(self) -> dict:
+        """Profiles off; the top functions per thread and the backend's CPU per thread."""
+        self.on = False
+        for pool, p in self.pools:
+            if pool is not None:
+                pool.submit(p.disable).result()
+        out = {name: top(p) for name, p in [("training-hooks", self.hooks), ("capture", self.capture),
+                                              ("writer", self.writer)]}
+        if self.backend_pid:
+            b1 = backend_threads(self.backend_pid)
+            out["backend_threads_cpu_s"] = {("main" if t == self.backend_pid else str(t)): round(c - self.backend0.get(t, 0.0), 3)
+                                            for t, c in sorted(b1.items())}
+        return out
+
+
+def top(prof, n: int = 25) -> dict:
+    """The ``n`` functions of ``prof`` with the most own time: total CPU and ``[name, calls, tottime_s, cumtime_s]``."""
+    import pstats
+    st = pstats.Stats(prof)
+    rows = sorted(((f"{_short(k[0])}:{k[1]}"
+                    f"({k[2]})", v[1], v[2], v[3]) for k, v in st.stats.items()), key=lambda r: -r[2])
+    return {"total_s": round(st.total_tt, 4), "top": [[r[0], r[1], round(r[2], 4), round(r[3], 4)] for r in rows[:n]]}
+
+
+def _short(path: str) -> str:
+    i = path.find("deepfreeze/")
+    return path[i:] if i >= 0 else os.path.basename(path)
+
+
+class Decode:
+    """``--busy loader``: an endless stream of batches, each decoded in a DataLoader worker:
+    ``items`` times zlib-decompress 1 MiB and normalise it as float32 (numpy). Iterated by a
+    ``torch.utils.data.DataLoader(batch_size=None, num_workers=2)``; the training loop takes one
+    batch per iteration."""
+
+    def __init__(self, items: int) -> None:
+        self.items = items
+
+    @staticmethod
+    def blob() -> bytes:
+        import zlib
+        import numpy as np
+        rng = np.random.default_rng(0)
+        img = (np.arange(1 << 20) % 251 + rng.integers(0, 24, 1 << 20)).astype(np.uint8)
+        return zlib.compress(img.tobytes(), 6)
+
+    @staticmethod
+    def decode(blob: bytes):
+        import zlib
+        import numpy as np
+        a = np.frombuffer(zlib.decompress(blob), np.uint8).astype(np.float32)
+        return (a - a.mean()) / (a.std() + 1e-6)
+
+    def __iter__(self):
+        import torch
+        blob = self.blob()
+        while True:
+            out = None
+            for _ in range(self.items):
+                out = self.decode(blob)
+            yield torch.from_numpy(out[:16].copy())
+
+
+def make_loader(iter_s: float):
+    """The ``loader`` busy mode's DataLoader, sized so that one batch costs about half of
+    ``iter_s`` (a baseline iteration) of CPU in a worker."""
+    import torch
+    blob = Decode.blob()
+    Decode.decode(blob)
+    t = time.thread_time()
+    for _ in range(3):
+        Decode.decode(blob)
+    item_s = max(1e-4, (time.thread_time() - t) / 3)
+    items = max(1, round(0.5 * iter_s / item_s))
+
+    class DS(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(Decode(items))
+    return torch.utils.data.DataLoader(DS(), batch_size=None, num_workers=2, prefetch_factor=2), items, item_s
 
 
 _SPIN = "while True: pass"

@@ -79,11 +79,11 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from experiments.bench import commit_times, finish_doc, mean, var, write_doc  # noqa: E402
-from experiments.cpuload import BUSY_MODES, CkptCPU, Load, backend_threads  # noqa: E402
+from experiments.cpuload import BUSY_MODES, CkptCPU, Load, Prof, make_loader  # noqa: E402
+from experiments.torch_dcp_report import DCP_ASYNC, plot, table  # noqa: E402
 
 APPROACHES = ["torch-save", "dcp-save", "dcp-async-thread", "dcp-async-process", "dcp-async-thread-staged",
               "dcp-async-process-staged", "deepfreeze"]
-DCP_ASYNC = [a for a in APPROACHES if a.startswith("dcp-async")]
 #: the default approaches: torch.save, the two DCP async configurations best by stall in issue 25's
 #: run (the other three are kept for --approaches), DeepFreeze with the shipped defaults
 DEFAULT = ["torch-save", "dcp-async-thread-staged", "dcp-async-process-staged", "deepfreeze"]
@@ -350,53 +350,6 @@ def timed_checkpointer():
     return _TIMED
 
 
-class Prof:
-    """``--profile``: cProfile of DeepFreeze's training-thread hooks, capture thread and writer
-    thread (each enabled in its own thread: the pools run ``enable``), and the CPU of every
-    thread of the node's backend, over one repetition's window."""
-
-    def __init__(self) -> None:
-        import cProfile
-        self.hooks, self.capture, self.writer = cProfile.Profile(), cProfile.Profile(), cProfile.Profile()
-        self.on = False
-        self.backend_pid: int | None = None
-        self.backend0: dict[int, float] = {}
-
-    def start(self, saver: Saver) -> None:
-        eng = saver.engine()
-        saver.ckpt._copier.submit(self.capture.enable).result()
-        if eng is not None:
-            eng._pool.submit(self.writer.enable).result()
-            b = getattr(eng, "_backend", None)
-            self.backend_pid = getattr(b, "pid", None)
-        if self.backend_pid:
-            self.backend0 = backend_threads(self.backend_pid)
-        self.on = True
-
-    def stop(self, saver: Saver) -> dict:
-        self.on = False
-        eng = saver.engine()
-        saver.ckpt._copier.submit(self.capture.disable).result()
-        if eng is not None:
-            eng._pool.submit(self.writer.disable).result()
-        out = {name: top(p) for name, p in [("training-hooks", self.hooks), ("capture", self.capture),
-                                              ("writer", self.writer)]}
-        if self.backend_pid:
-            b1 = backend_threads(self.backend_pid)
-            out["backend_threads_cpu_s"] = {("main" if t == self.backend_pid else str(t)): round(c - self.backend0.get(t, 0.0), 3)
-                                            for t, c in sorted(b1.items())}
-        return out
-
-
-def top(prof, n: int = 25) -> dict:
-    """The ``n`` functions of ``prof`` with the most own time: total CPU and ``[name, calls, tottime_s, cumtime_s]``."""
-    import pstats
-    st = pstats.Stats(prof)
-    rows = sorted(((f"{os.path.relpath(k[0], ROOT) if k[0].startswith(ROOT) else os.path.basename(k[0])}:{k[1]}"
-                    f"({k[2]})", v[1], v[2], v[3]) for k, v in st.stats.items()), key=lambda r: -r[2])
-    return {"total_s": round(st.total_tt, 4), "top": [[r[0], r[1], round(r[2], 4), round(r[3], 4)] for r in rows[:n]]}
-
-
 def df_options(approach: str, work: str, rank: int) -> dict:
     """DeepFreeze's settings for ``approach``: ``deepfreeze`` (the shipped defaults, ``chksum`` on;
     scratch on the same disk as the persistent directory) and variants that show what bounds a
@@ -414,58 +367,6 @@ def df_options(approach: str, work: str, rank: int) -> dict:
     if "-sync" in approach:
         opts["mode"] = "sync"
     return opts
-
-
-class Decode:
-    """``--busy loader``: an endless stream of batches, each decoded in a DataLoader worker:
-    ``items`` times zlib-decompress 1 MiB and normalise it as float32 (numpy). Iterated by a
-    ``torch.utils.data.DataLoader(batch_size=None, num_workers=2)``; the training loop takes one
-    batch per iteration."""
-
-    def __init__(self, items: int) -> None:
-        self.items = items
-
-    @staticmethod
-    def blob() -> bytes:
-        import zlib
-        import numpy as np
-        rng = np.random.default_rng(0)
-        img = (np.arange(1 << 20) % 251 + rng.integers(0, 24, 1 << 20)).astype(np.uint8)
-        return zlib.compress(img.tobytes(), 6)
-
-    @staticmethod
-    def decode(blob: bytes):
-        import zlib
-        import numpy as np
-        a = np.frombuffer(zlib.decompress(blob), np.uint8).astype(np.float32)
-        return (a - a.mean()) / (a.std() + 1e-6)
-
-    def __iter__(self):
-        import torch
-        blob = self.blob()
-        while True:
-            out = None
-            for _ in range(self.items):
-                out = self.decode(blob)
-            yield torch.from_numpy(out[:16].copy())
-
-
-def make_loader(iter_s: float):
-    """The ``loader`` busy mode's DataLoader, sized so that one batch costs about half of
-    ``iter_s`` (a baseline iteration) of CPU in a worker."""
-    import torch
-    blob = Decode.blob()
-    Decode.decode(blob)
-    t = time.thread_time()
-    for _ in range(3):
-        Decode.decode(blob)
-    item_s = max(1e-4, (time.thread_time() - t) / 3)
-    items = max(1, round(0.5 * iter_s / item_s))
-
-    class DS(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return iter(Decode(items))
-    return torch.utils.data.DataLoader(DS(), batch_size=None, num_workers=2, prefetch_factor=2), items, item_s
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -547,8 +448,10 @@ def one_rep(approach: str, rep: int, last: bool, every: int, measured: int, none
     dist.barrier()
     mem.reset()
     if prof is not None:
-        prof.start(saver)
-    cpu.open()
+        eng = saver.engine()
+        prof.start(saver.ckpt._copier, getattr(eng, "_pool", None), getattr(getattr(eng, "_backend", None), "pid", None))
+    cpu.open(("deepfreeze-backend",) if approach.startswith("deepfreeze") else
+             ("multiprocessing",) if approach.startswith("dcp") else ())
     iters = []
     for i in range(measured * every):
         ck = i // every + 2 if i % every == 0 else None
@@ -559,7 +462,7 @@ def one_rep(approach: str, rep: int, last: bool, every: int, measured: int, none
     dist.barrier()
     rec["cpu"] = cpu.close()
     if prof is not None:
-        rec["profile"] = prof.stop(saver)
+        rec["profile"] = prof.stop()
     rec.update(iters=iters, mem_peak=mem.reset(), durable=list(saver.durable))
     if approach.startswith("deepfreeze"):
         rec["committed"] = commit_times(f"{work}/{approach}/persistent/{NAME}")
@@ -843,179 +746,6 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True)
     finish_doc(doc, args.out, t_start, table, plot)
 
-
-# ---------------------------------------------------------------------------------------------- report
-def fmt(s: "dict | float | None", scale: float = 1.0, digits: int = 3) -> str:
-    if isinstance(s, dict):
-        if s.get("mean") is None:
-            return "–"
-        e = f" ± {s['se'] * scale:.{digits}f}" if s.get("se") is not None else ""
-        return f"{s['mean'] * scale:.{digits}f}{e}"
-    return "–" if s is None else f"{s * scale:.{digits}f}"
-
-
-def _cells(doc: dict) -> list[tuple[str, int, str]]:
-    return list(dict.fromkeys((r["model"], r["ranks"], r.get("mode", "none")) for r in doc["runs"]))
-
-
-def _rows(doc: dict, m: str, n: int, mode: str) -> dict[str, dict]:
-    return {r["approach"]: r for r in doc["runs"] if r["model"] == m and r["ranks"] == n and r.get("mode", "none") == mode}
-
-
-def table(doc: dict) -> str:
-    lines = []
-    for m, n, mode in _cells(doc):
-        rows = _rows(doc, m, n, mode)
-        other = 2 if n == 1 else 1
-        r0 = next(iter(rows.values()))
-        lines += [f"#### {m}, {n} rank{'s' if n > 1 else ''}, {'idle' if mode == 'none' else 'busy: ' + mode} "
-                  f"({r0.get('reps', 1)} repetitions x {r0.get('measured_per_rep', '?')} checkpoints, every "
-                  f"{r0.get('every', '?')} iterations)", "",
-                  "| approach | baseline iteration (s) | stall (s) | first ckpt stall (s) | slowdown / interval "
-                  "| to durable (s) | CPU-s / ckpt | write waits | extra memory (GB) "
-                  f"| restore x{n} (s) | restore x{other} (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for a, r in rows.items():
-            rs = {x["restore_ranks"]: x for x in doc["restore"]
-                  if x["model"] == m and x["ranks"] == n and x["approach"] == a and mode == "none"}
-
-            def rst(k: int) -> str:
-                x = rs.get(k)
-                return "–" if x is None else f"{x['restore_s']:.3f}" + ("" if x["bit_exact"] else " (NOT exact)")
-            waits = "–" if "write_waits" not in r else "+".join(str(w) for w in r["write_waits"])
-            lines.append(f"| {a} | {fmt(r['baseline_iter_s'])} | {fmt(r['stall_s'])} | {fmt(r.get('first_stall_s'))} "
-                         f"| {fmt(r['slowdown'], 100, 1)} % | {fmt(r['durable_s'])} | {fmt(r['cpu_s_per_ckpt'], 1, 2)} "
-                         f"| {waits} | {fmt(r['mem_extra_GB'], 1, 2)} | {rst(n)} | {rst(other)} |")
-        lines.append("")
-    lines += side_by_side(doc) + targets(doc)
-    return "\n".join(lines)
-
-
-def side_by_side(doc: dict) -> list[str]:
-    """Idle and busy modes next to each other, per model (largest world size)."""
-    out = []
-    for m in dict.fromkeys(r["model"] for r in doc["runs"]):
-        n = max(r["ranks"] for r in doc["runs"] if r["model"] == m)
-        modes = [c[2] for c in _cells(doc) if c[0] == m and c[1] == n]
-        if len(modes) < 2:
-            continue
-        out += [f"#### {m}, {n} ranks: idle and busy side by side (mean ± SE over repetitions)", "",
-                "| figure | approach | " + " | ".join("idle" if x == "none" else x for x in modes) + " |",
-                "|---|---|" + "---|" * len(modes)]
-        for key, label, scale, digits in [("cpu_s_per_ckpt", "CPU-s / ckpt", 1, 2), ("stall_s", "stall (s)", 1, 3),
-                                          ("slowdown", "slowdown (%)", 100, 1), ("durable_s", "to durable (s)", 1, 3)]:
-            for a in dict.fromkeys(a for x in modes for a in _rows(doc, m, n, x)):
-                cells_ = [_rows(doc, m, n, x).get(a) for x in modes]
-                out.append(f"| {label} | {a} | " + " | ".join("–" if c is None else fmt(c[key], scale, digits)
-                                                               for c in cells_) + " |")
-        out.append("")
-    return out
-
-
-def verdict(d: "dict | None", r: "dict | None", factor: float = 1.0) -> str:
-    """``d <= factor * r`` for two ``{mean, se}``: met, missed, or not resolvable (the difference
-    within one standard error of it)."""
-    if not d or not r or d.get("mean") is None or r.get("mean") is None:
-        return "–"
-    diff = d["mean"] - factor * r["mean"]
-    err = math.hypot(d.get("se") or 0.0, factor * (r.get("se") or 0.0))
-    if abs(diff) < err:
-        return "not resolvable"
-    return "met" if diff <= 0 else "missed"
-
-
-def ratio(d: dict, r: dict, limit: float) -> str:
-    """``d / r`` ± its SE, and whether it is at most ``limit`` (within one SE: not resolvable)."""
-    if not d or not r or not d.get("mean") or not r.get("mean"):
-        return "–"
-    q = d["mean"] / r["mean"]
-    e = abs(q) * math.hypot((d.get("se") or 0) / d["mean"], (r.get("se") or 0) / r["mean"])
-    v = "not resolvable" if abs(q - limit) < e else ("met" if q <= limit else "missed")
-    return f"{q:.2f} ± {e:.2f}x: {v}"
-
-
-def targets(doc: dict) -> list[str]:
-    """Issue 34's targets at the largest world size, each on the per-repetition statistic."""
-    out = ["#### Targets (issue 34; mean ± SE over repetitions; not resolvable: the difference is within one SE)",
-           "", "| model | mode | target | DeepFreeze | reference | verdict |", "|---|---|---|---|---|---|"]
-
-    def row(m, mode, what, d, r, factor=1.0, label=None):
-        out.append(f"| {m} | {'idle' if mode == 'none' else mode} | {what} | {fmt(d)} | {fmt(r)}"
-                   f"{'' if label is None else ' (' + label + ')'} | {verdict(d, r, factor)} |")
-    for m in dict.fromkeys(r["model"] for r in doc["runs"]):
-        n = max(r["ranks"] for r in doc["runs"] if r["model"] == m)
-        idle = _rows(doc, m, n, "none")
-        for mode in [c[2] for c in _cells(doc) if c[0] == m and c[1] == n]:
-            rows = _rows(doc, m, n, mode)
-            df, ts = rows.get("deepfreeze"), rows.get("torch-save")
-            if df is None:
-                continue
-            if ts:
-                row(m, mode, "CPU-s / ckpt <= torch.save's", df["cpu_s_per_ckpt"], ts["cpu_s_per_ckpt"])
-            if mode != "none" and idle.get("deepfreeze"):
-                out.append(f"| {m} | {mode} | CPU-s / ckpt busy <= 1.2 x idle | {fmt(df['cpu_s_per_ckpt'])} "
-                           f"| {fmt(idle['deepfreeze']['cpu_s_per_ckpt'])} (idle) "
-                           f"| {ratio(df['cpu_s_per_ckpt'], idle['deepfreeze']['cpu_s_per_ckpt'], 1.2)} |")
-            asyncs = [rows[a] for a in DCP_ASYNC if a in rows and rows[a]["stall_s"].get("mean") is not None]
-            if mode != "none" or m == "mlp":
-                for key, what in [("stall_s", "stall"), ("slowdown", "slowdown")]:
-                    if mode != "none" and asyncs:
-                        b = min(asyncs, key=lambda r: r[key]["mean"])
-                        row(m, mode, f"{what} <= best DCP async's", df[key], b[key], label=b["approach"])
-                    if ts:
-                        row(m, mode, f"{what} <= torch.save's", df[key], ts[key])
-            if m == "gpt2" and mode == "none":
-                dcps = [r for a, r in rows.items() if a.startswith("dcp") and r["durable_s"].get("mean") is not None]
-                if dcps:
-                    b = min(dcps, key=lambda r: r["durable_s"]["mean"])
-                    row(m, mode, "time to durable <= DCP's", df["durable_s"], b["durable_s"], label=b["approach"])
-            if mode != "none":
-                out.append(f"| {m} | {mode} | time to durable, write waits (reported) | {fmt(df['durable_s'])}, "
-                           f"waits {'+'.join(str(w) for w in df.get('write_waits', []))} | – | – |")
-    out += ["", "First checkpoint's stall (the warm-up, a new checkpointer each repetition; first repetition / "
-            "mean ± SE):", "", "| model | ranks | mode | " + " | ".join(doc["settings"]["approaches"]) + " |",
-            "|---|---|---|" + "---|" * len(doc["settings"]["approaches"])]
-    for m, n, mode in _cells(doc):
-        rows = _rows(doc, m, n, mode)
-        out.append(f"| {m} | {n} | {mode} | " + " | ".join(
-            "–" if a not in rows or "first_stall_s" not in rows[a] else
-            f"{rows[a]['first_stall_first_rep_s']:.3f} / {fmt(rows[a]['first_stall_s'])}"
-            for a in doc["settings"]["approaches"]) + " |")
-    return out + [""]
-
-
-def plot(doc: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    models = list(dict.fromkeys(r["model"] for r in doc["runs"]))
-    metrics = [("stall_s", "stall (s)"), ("durable_s", "time to durable (s)"), ("cpu_s_per_ckpt", "CPU-s / ckpt")]
-    if not models:
-        return
-    fig, axes = plt.subplots(len(models), len(metrics), figsize=(5.5 * len(metrics), 3.2 * len(models)), squeeze=False)
-    approaches = list(dict.fromkeys(r["approach"] for r in doc["runs"]))
-    for i, m in enumerate(models):
-        groups = [(n, mode) for mm, n, mode in _cells(doc) if mm == m]
-        for j, (key, label) in enumerate(metrics):
-            ax = axes[i][j]
-            w = 0.8 / max(1, len(approaches))
-            for k, a in enumerate(approaches):
-                ys, es = [], []
-                for n, mode in groups:
-                    r = _rows(doc, m, n, mode).get(a)
-                    v = None if r is None else r[key]
-                    ys.append(v["mean"] if isinstance(v, dict) else v)
-                    es.append((v.get("se") or 0) if isinstance(v, dict) else 0)
-                xs = [x + k * w for x in range(len(groups))]
-                ax.bar(xs, [y or 0 for y in ys], w, yerr=es, label=a)
-            ax.set_xticks([x + 0.4 - w / 2 for x in range(len(groups))],
-                          [f"x{n} {'idle' if mode == 'none' else mode}" for n, mode in groups], fontsize=7)
-            ax.set_title(f"{m}: {label} (mean ± SE over repetitions)", fontsize=9)
-            if key != "cpu_s_per_ckpt":
-                ax.set_yscale("symlog", linthresh=0.05)  # linear below 50 ms: values within noise of 0
-                ax.set_ylim(bottom=0)
-    axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
