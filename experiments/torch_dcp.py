@@ -1,15 +1,18 @@
-"""DeepFreeze for PyTorch against torch.distributed.checkpoint (DCP), side by side in one run.
+"""DeepFreeze for PyTorch against torch.save and torch.distributed.checkpoint (DCP), side by side,
+idle and beside documented load (issue 34; the comparison itself: issue 25).
 
-    python -m experiments.torch_dcp --out experiments/results/torch_dcp.json          # the grid
-    python -m experiments.torch_dcp --quick --out /tmp/q.json                         # smoke, ~4 min
-    python -m experiments.torch_dcp --models gpt2 --ranks 2 --approaches dcp-async-process-staged,\
+    python -m experiments.torch_dcp --out experiments/results/torch_dcp.json          # the pass (~50 min)
+    python -m experiments.torch_dcp --quick --out /tmp/q.json                         # smoke, a few min
+    python -m experiments.torch_dcp --models gpt2 --ranks 2 --busy disk --out /tmp/gpt2_disk.json
+    python -m experiments.torch_dcp --profile --models mlp --ranks 2 --out /tmp/prof.json  # where DF's CPU goes
+    python -m experiments.torch_dcp --models gpt2 --ranks 2 --busy none --approaches dcp-async-process-staged,\
         deepfreeze,deepfreeze-shm,deepfreeze-shm-nocrc,deepfreeze-if1 --out experiments/results/torch_dcp_bounds.json
     python -m experiments.torch_dcp plot --out experiments/results/torch_dcp.json     # tables + PNG again
 
 Models (``experiments/torch_models.py``, written by hand): ``gpt2`` (124 M parameters, AdamW:
 1.5 GB of state), ``resnet50`` (25.6 M, BatchNorm), ``mlp`` (1000 small tensors). World sizes 1
-and 2 (gloo, CPU, DDP). One ``torchrun`` per (model, world size) runs every approach in turn in
-the same processes (same model, same steps, same disk):
+and 2 (gloo, CPU, DDP). One ``torchrun`` per (model, world size, busy mode) runs every approach in
+the same processes (same model, same disk). Approaches:
 
 * ``torch-save``: rank 0 ``torch.save({"model", "optim"})`` + fsync (synchronous);
 * ``dcp-save``: ``dcp.save(get_state_dict(model, opt))`` (synchronous; DCP fsyncs its files);
@@ -18,46 +21,80 @@ the same processes (same model, same steps, same disk):
   (seen here at 2 ranks);
 * ``dcp-async-thread`` / ``dcp-async-process``: ``dcp.async_save`` with its default stager
   (a blocking copy to CPU inside the call) and a thread / process checkpointer;
-* ``dcp-async-thread-staged`` / ``dcp-async-process-staged``: the same with one
-  ``DefaultStager(StagingOptions(use_async_staging=True))`` kept for the run (cached staging
-  buffers; on CPU no pinned memory or non-blocking copy exist): ``async_save`` returns after an
-  enqueue, and the loop waits for ``staging_completion`` before the next ``optimizer.step()``
-  mutates the state;
-* ``deepfreeze``: :class:`deepfreeze.torch.Checkpointer` (built-in engine, async mode, each rank
-  its own simulated node: scratch directory and backend process; no partner copies, as DCP has
-  none), capture in the optimizer step.
+* ``dcp-async-thread-staged`` / ``dcp-async-process-staged``: the same with a
+  ``DefaultStager(StagingOptions(use_async_staging=True))`` (cached staging buffers; on CPU no
+  pinned memory or non-blocking copy exist): ``async_save`` returns after an enqueue, and the loop
+  waits for ``staging_completion`` before the next ``optimizer.step()`` mutates the state;
+* ``deepfreeze``: :class:`deepfreeze.torch.Checkpointer` with the shipped defaults (built-in
+  engine, async mode, ``chksum`` on; each rank its own simulated node: scratch directory and
+  backend process; no partner copies, as DCP has none), capture in the optimizer step; variants
+  ``-shm``, ``-nocrc``, ``-if1``, ``-sync`` (:func:`df_options`).
 
-Every DCP approach waits for the previous checkpoint's upload before the next ``async_save``
-(DCP allows one in flight); DeepFreeze waits the same way on its own (``max_inflight``). Those
-waits are inside the measured iterations.
+The default pass runs ``torch-save``, the two staged DCP configurations (the best by stall in
+issue 25's run) and ``deepfreeze`` idle; in a busy mode ``torch-save``, the idle run's best DCP
+async configuration by stall, and ``deepfreeze``, and the same three at the smaller world size
+(``--approaches`` runs the given ones everywhere). Every DCP approach waits for the previous checkpoint's upload before the next
+``async_save`` (DCP allows one in flight); DeepFreeze waits the same way on its own
+(``max_inflight``). Those waits are inside the measured iterations.
 
-Schedule of an approach: first ``none_steps`` plain iterations (its own baseline: iteration
-times drift on this machine; they also let the previous approach's background work end), then a
-checkpoint after iterations ``every-1, 2*every-1, ...``;
-the first is warm-up (plans, buffers, processes) and excluded, then ``measured`` checkpoints each
-followed by ``every-1`` plain iterations, then a final checkpoint (not timed) whose state is
-recorded (BLAKE2b of every tensor of ``get_state_dict``) for the restore test.
+**Repetitions, interleaved**: ``reps`` (default 5) rounds, each running every approach once in
+turn (A, B, C, then A, B, C again). One repetition of an approach: ``none_steps`` plain
+iterations (its own baseline: iteration times drift on this machine; they also let the previous
+approach's background work end), a new checkpointer (a new DeepFreeze run with ``overwrite``, a
+new DCP stager), its warm-up checkpoint at the first iteration (``every`` iterations, then every
+checkpoint durable), then the window: ``measured`` checkpoints, one every ``every`` iterations,
+until all are durable. Idle: ``measured`` from the grid (:data:`FULL`); busy: at least
+``max_inflight + max_pending_flushes + 3`` consecutive checkpoints per repetition, warm-up
+included (:func:`min_busy_checkpoints`: 7 with the defaults), so DeepFreeze's queue would fill if
+its background work fell behind. In the last repetition one more checkpoint (not timed) is taken
+and its state recorded (BLAKE2b of every tensor of ``get_state_dict``) for the restore test.
 
-Figures (the same way for every approach; iteration times averaged over the ranks; CPU and memory
-of each rank's process tree: the rank, its threads, the DCP checkpoint process and the node's
-DeepFreeze backend, which the ranks start, so other work on the machine does not count):
+**Busy modes** (``--busy``; load documented in :class:`experiments.cpuload.Load`): ``none``
+(idle); ``spin``: one CPU-bound process per core beside the job; ``disk``: a neighbour process
+writing 8 MiB blocks and fsyncing each, on the checkpoints' disk (scratch and persistent);
+``loader``: in the job, a ``DataLoader`` per rank with ``num_workers=2`` decoding every batch
+(zlib + float32 normalisation, about half a baseline iteration of CPU per batch) that feeds the
+loop. Busy modes run at the largest world size; the default pass runs them for resnet50 and mlp
+(:data:`MODES`: gpt2's would add ~15 min each).
 
-* **stall**: time of the checkpoint iteration plus the next one, minus two baseline iterations
-  (the waits before state is mutated fall in the next one);
+Figures, per repetition (iteration times averaged over the ranks), then the **mean over the
+repetitions ± its standard error** (n = reps):
+
+* **stall**: the mean, over the window's checkpoints, of the checkpoint iteration plus the next
+  one, minus two baseline iterations (the waits before state is mutated fall in the next one);
+  **first checkpoint's stall**: the same for the warm-up checkpoint (plans, buffers, threads,
+  processes of a new checkpointer; the first repetition's is also given alone);
 * **slowdown per interval**: extra time of the ``every`` iterations from a checkpoint on, over
   ``every`` baseline iterations;
 * **time to durable**: from the start of the checkpoint iteration's ``optimizer.step()`` (or the
   save call) until the checkpoint is complete on the persistent directory: the call's end
   (synchronous), the upload future's completion (DCP async), the manifest's ``committed`` time
   (DeepFreeze);
-* **CPU-seconds per checkpoint**: CPU seconds of the process trees from the end of the warm-up
-  interval until the final checkpoint is durable, minus the baseline's CPU per iteration times
-  the iterations, over the checkpoints in that window;
-* **extra memory**: the peak resident memory of the process trees in that window (sampled every
-  20 ms) minus their peak during the baseline iterations, summed over the ranks;
-* **restore**: a later ``torchrun`` at the same and at the other world size restores the final
-  checkpoint of every approach into a fresh model and optimizer after dropping the page cache
-  (cold, as after a restart), checks it bit-exact against the recorded digests, and times it.
+* **CPU-seconds per checkpoint**: the CPU attributable to checkpointing in the window, read
+  directly (:class:`experiments.cpuload.CkptCPU`), summed over the ranks, over the window's
+  checkpoints: the threads a checkpointer adds (DeepFreeze's ``deepfreeze-capture-r<r>`` and
+  ``deepfreeze-writer-r<r>``, DCP's ``AsyncCheckpointExecutor`` and stager threads, their OpenMP
+  teams and gloo groups; threads that ended in the window included), the training thread's CPU
+  inside checkpoint calls (``time.thread_time`` around the save call, the staging wait, the final
+  wait, and DeepFreeze's step and forward hooks, through a subclass of the Checkpointer), and the
+  approach's child processes including reaped children (DeepFreeze's backend, DCP's checkpoint
+  process; ``utime + stime + cutime + cstime``). No baseline is subtracted; the three parts are
+  in ``cpu_parts``;
+* **write waits** (DeepFreeze): checkpoint calls that waited for the writer thread
+  (``Engine.write_waits``), per repetition summed over the ranks;
+* **extra memory**: the peak resident memory of the rank's process tree in the window (sampled
+  every 20 ms) minus its peak during the baseline iterations, summed over the ranks;
+* **restore** (idle run at the largest world size): a later ``torchrun`` at the same and at the
+  other world size restores the final checkpoint of every approach into a fresh model and
+  optimizer after dropping the page cache (cold, as after a restart), checks it bit-exact against
+  the recorded digests, and times it.
+
+``--profile`` (one repetition, no restore; default approaches ``deepfreeze,deepfreeze-sync``):
+cProfile of DeepFreeze's training-thread hooks, its capture thread and its writer thread (each
+profiler enabled in its own thread through the pools), and the CPU of every thread of the
+backend; with ``-sync`` the scratch write and the flush (persistent write, CRC, manifest, commit,
+retention) run in the training thread, so they show in the hooks' profile. The top functions by
+own time go into each row's ``profile``.
 """
 from __future__ import annotations
 
@@ -702,8 +739,9 @@ def main() -> None:
         apps = approaches
         if mode != "none":
             measured = max(measured, min_busy - 1)
-            if not explicit and m in best:  # busy: torch.save, the idle run's best DCP async, DeepFreeze
-                apps = [a for a in approaches if a not in DCP_ASYNC or a == best[m]]
+        if (mode != "none" or n != max(ranks)) and not explicit and m in best:
+            # busy, and the smaller world size: torch.save, the idle run's best DCP async, DeepFreeze
+            apps = [a for a in approaches if a not in DCP_ASYNC or a == best[m]]
         work = f"{base}/{m}-{n}-{mode}"
         shutil.rmtree(work, ignore_errors=True)
         os.makedirs(f"{work}/res")
