@@ -302,8 +302,9 @@ class Decode:
 
 
 def make_loader(iter_s: float):
-    """The ``loader`` busy mode's DataLoader, sized so that one batch costs about half of
-    ``iter_s`` (a baseline iteration) of CPU in a worker."""
+    """The ``loader`` busy mode's DataLoader, sized so that one batch costs about a quarter of
+    ``iter_s`` (a baseline iteration, calibrated at start) of CPU in a worker: with two workers per
+    rank, about an eighth of a core per worker, and the workers run ahead (prefetch 2)."""
     import torch
     blob = Decode.blob()
     Decode.decode(blob)
@@ -311,7 +312,7 @@ def make_loader(iter_s: float):
     for _ in range(3):
         Decode.decode(blob)
     item_s = max(1e-4, (time.thread_time() - t) / 3)
-    items = max(1, round(0.5 * iter_s / item_s))
+    items = max(1, round(0.25 * iter_s / item_s))
 
     class DS(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -350,8 +351,8 @@ class Load:
                 "disk": "one process writing 8 MiB blocks into a 256 MiB file on the checkpoints' disk, fsync "
                         "after each block",
                 "loader": "in the job: a torch DataLoader per rank, num_workers=2, each batch decoded "
-                          "(zlib + float32 normalisation) in the workers, sized to about half a baseline "
-                          "iteration of CPU per batch"}[self.mode]
+                          "(zlib + float32 normalisation) in the workers, sized to about a quarter of a "
+                          "baseline iteration of CPU per batch"}[self.mode]
 
     def start(self) -> None:
         cmds = []

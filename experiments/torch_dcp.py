@@ -53,7 +53,7 @@ and its state recorded (BLAKE2b of every tensor of ``get_state_dict``) for the r
 (idle); ``spin``: one CPU-bound process per core beside the job; ``disk``: a neighbour process
 writing 8 MiB blocks and fsyncing each, on the checkpoints' disk (scratch and persistent);
 ``loader``: in the job, a ``DataLoader`` per rank with ``num_workers=2`` decoding every batch
-(zlib + float32 normalisation, about half a baseline iteration of CPU per batch) that feeds the
+(zlib + float32 normalisation, about a quarter of a baseline iteration of CPU per batch) that feeds the
 loop. Busy modes run at the largest world size; the default pass runs them for resnet50 and mlp
 (:data:`MODES`: gpt2's would add ~15 min each).
 
