@@ -248,7 +248,8 @@ class Prof:
                                               ("writer", self.writer)]}
         if self.backend_pid:
             b1 = backend_threads(self.backend_pid)
-            out["backend_threads_cpu_s"] = {("main" if t == self.backend_pid else str(t)): round(c - self.backend0.get(t, 0.0), 3)
+            out["backend_threads_cpu_s"] = {("main" if t == self.backend_pid else str(t)):
+                                            round(c - self.backend0.get(t, 0.0), 3)
                                             for t, c in sorted(b1.items())}
         return out
 

@@ -33,9 +33,9 @@ the same processes (same model, same disk). Approaches:
 The default pass runs ``torch-save``, the two staged DCP configurations (the best by stall in
 issue 25's run) and ``deepfreeze`` idle; in a busy mode ``torch-save``, the idle run's best DCP
 async configuration by stall, and ``deepfreeze``, and the same three at the smaller world size
-(``--approaches`` runs the given ones everywhere). Every DCP approach waits for the previous checkpoint's upload before the next
-``async_save`` (DCP allows one in flight); DeepFreeze waits the same way on its own
-(``max_inflight``). Those waits are inside the measured iterations.
+(``--approaches`` runs the given ones everywhere). Every DCP approach waits for the previous
+checkpoint's upload before the next ``async_save`` (DCP allows one in flight); DeepFreeze waits
+the same way on its own (``max_inflight``). Those waits are inside the measured iterations.
 
 **Repetitions, interleaved**: ``reps`` (default 5) rounds, each running every approach once in
 turn (A, B, C, then A, B, C again). One repetition of an approach: ``none_steps`` plain
@@ -53,8 +53,8 @@ and its state recorded (BLAKE2b of every tensor of ``get_state_dict``) for the r
 (idle); ``spin``: one CPU-bound process per core beside the job; ``disk``: a neighbour process
 writing 8 MiB blocks and fsyncing each, on the checkpoints' disk (scratch and persistent);
 ``loader``: in the job, a ``DataLoader`` per rank with ``num_workers=2`` decoding every batch
-(zlib + float32 normalisation, about a quarter of a baseline iteration of CPU per batch) that feeds the
-loop. Busy modes run at the largest world size; the default pass runs them for resnet50 and mlp
+(zlib + float32 normalisation, about a quarter of a baseline iteration of CPU per batch) that
+feeds the loop. Busy modes run at the largest world size; the default pass runs them for resnet50 and mlp
 (:data:`MODES`: gpt2's would add ~15 min each).
 
 Figures, per repetition (iteration times averaged over the ranks), then the **mean over the
@@ -486,7 +486,8 @@ def one_rep(approach: str, rep: int, last: bool, every: int, measured: int, none
     mem.reset()
     if prof is not None:
         eng = saver.engine()
-        prof.start(saver.ckpt._copier, getattr(eng, "_pool", None), getattr(getattr(eng, "_backend", None), "pid", None))
+        prof.start(saver.ckpt._copier, getattr(eng, "_pool", None),
+                   getattr(getattr(eng, "_backend", None), "pid", None))
     cpu.open(("deepfreeze-backend",) if approach.startswith("deepfreeze") else
              ("multiprocessing",) if approach.startswith("dcp") else ())
     iters = []
@@ -630,7 +631,8 @@ def summarize(model: str, ranks: int, mode: str, work: str, approaches: list[str
             per["first"].append(warm[0] + warm[nxt] - (1 + nxt) * base)
             r0 = reps[0]
             if a.startswith("deepfreeze"):
-                dur = [r0["committed"].get(str(k * every), math.nan) - r0["starts"][k - 1] for k in range(2, measured + 2)]
+                dur = [r0["committed"].get(str(k * every), math.nan) - r0["starts"][k - 1]
+                       for k in range(2, measured + 2)]
                 per["waits"].append(sum(x.get("write_waits_window") or 0 for x in reps))
                 per["writer"].append(sum(c for x in reps for v, c in x.get("writer_cpu", {}).items()
                                          if int(v) in {k * every for k in range(2, measured + 2)}) / measured)

@@ -27,7 +27,8 @@ def _cells(doc: dict) -> list[tuple[str, int, str]]:
 
 
 def _rows(doc: dict, m: str, n: int, mode: str) -> dict[str, dict]:
-    return {r["approach"]: r for r in doc["runs"] if r["model"] == m and r["ranks"] == n and r.get("mode", "none") == mode}
+    return {r["approach"]: r for r in doc["runs"]
+            if r["model"] == m and r["ranks"] == n and r.get("mode", "none") == mode}
 
 
 def table(doc: dict) -> str:
