@@ -220,7 +220,9 @@ class Prof:
 
     def __init__(self) -> None:
         import cProfile
-        self.hooks, self.capture, self.writer = cProfile.Profile(), cProfile.Profile(), cProfile.Profile()
+        # the timer is the calling thread's CPU clock: own and cumulative times are CPU seconds of
+        # that thread (a wait costs nothing), not wall time
+        self.hooks, self.capture, self.writer = (cProfile.Profile(time.thread_time) for _ in range(3))
         self.on = False
         self.backend_pid: int | None = None
         self.backend0: dict[int, float] = {}
@@ -255,7 +257,8 @@ class Prof:
 
 
 def top(prof, n: int = 25) -> dict:
-    """The ``n`` functions of ``prof`` with the most own time: total CPU and ``[name, calls, tottime_s, cumtime_s]``."""
+    """The ``n`` functions of ``prof`` with the most own CPU time: the total and
+    ``[name, calls, tottime_s, cumtime_s]`` each."""
     import pstats
     st = pstats.Stats(prof)
     rows = sorted(((f"{_short(k[0])}:{k[1]}"

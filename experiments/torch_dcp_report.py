@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["DCP_ASYNC", "fmt", "table", "side_by_side", "verdict", "ratio", "targets", "plot"]
+__all__ = ["DCP_ASYNC", "fmt", "table", "side_by_side", "verdict", "ratio", "targets", "profiles", "plot"]
 
 DCP_ASYNC = ["dcp-async-thread", "dcp-async-process", "dcp-async-thread-staged", "dcp-async-process-staged"]
 
@@ -55,8 +55,30 @@ def table(doc: dict) -> str:
                          f"| {fmt(r['slowdown'], 100, 1)} % | {fmt(r['durable_s'])} | {fmt(r['cpu_s_per_ckpt'], 1, 2)} "
                          f"| {waits} | {fmt(r['mem_extra_GB'], 1, 2)} | {rst(n)} | {rst(other)} |")
         lines.append("")
-    lines += side_by_side(doc) + targets(doc)
+    lines += side_by_side(doc) + targets(doc) + profiles(doc)
     return "\n".join(lines)
+
+
+def profiles(doc: dict, n: int = 10) -> list[str]:
+    """``--profile``: rank 0's top functions by own CPU time per DeepFreeze thread, and the
+    backend's CPU per thread."""
+    out = []
+    for r in doc["runs"]:
+        p = (r.get("profile") or {}).get("rank0")
+        if not p:
+            continue
+        out += [f"#### Profile: {r['model']}, {r['ranks']} ranks, {r['mode']}, {r['approach']} (rank 0, one "
+                f"repetition of {r.get('measured_per_rep')} checkpoints; CPU seconds)", "",
+                "| thread | function | calls | own CPU (s) | cumulative (s) |", "|---|---|---|---|---|"]
+        for th in ("training-hooks", "capture", "writer"):
+            if th in p:
+                out.append(f"| {th} (total {p[th]['total_s']:.3f}) | | | | |")
+                out += [f"| | `{f}` | {c} | {t:.4f} | {cum:.4f} |" for f, c, t, cum in p[th]["top"][:n]]
+        if p.get("backend_threads_cpu_s"):
+            out.append("| backend threads | " + ", ".join(f"{k}: {v:.2f}" for k, v in p["backend_threads_cpu_s"].items())
+                       + " | | | |")
+        out.append("")
+    return out
 
 
 def side_by_side(doc: dict) -> list[str]:
