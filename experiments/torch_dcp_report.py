@@ -74,9 +74,9 @@ def profiles(doc: dict, n: int = 10) -> list[str]:
             if th in p:
                 out.append(f"| {th} (total {p[th]['total_s']:.3f}) | | | | |")
                 out += [f"| | `{f}` | {c} | {t:.4f} | {cum:.4f} |" for f, c, t, cum in p[th]["top"][:n]]
-        if p.get("backend_threads_cpu_s"):
-            out.append("| backend threads | " + ", ".join(f"{k}: {v:.2f}" for k, v in p["backend_threads_cpu_s"].items())
-                       + " | | | |")
+        bt = p.get("backend_threads_cpu_s")
+        if bt:
+            out.append("| backend threads (tid: CPU s) | " + ", ".join(f"{k}: {v:.2f}" for k, v in bt.items()) + " | | | |")
         out.append("")
     return out
 
