@@ -76,7 +76,8 @@ def profiles(doc: dict, n: int = 10) -> list[str]:
                 out += [f"| | `{f}` | {c} | {t:.4f} | {cum:.4f} |" for f, c, t, cum in p[th]["top"][:n]]
         bt = p.get("backend_threads_cpu_s")
         if bt:
-            out.append("| backend threads (tid: CPU s) | " + ", ".join(f"{k}: {v:.2f}" for k, v in bt.items()) + " | | | |")
+            out.append("| backend threads (tid: CPU s) | " + ", ".join(f"{k}: {v:.2f}" for k, v in bt.items())
+                       + " | | | |")
         out.append("")
     return out
 
