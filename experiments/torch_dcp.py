@@ -693,7 +693,8 @@ def main() -> None:
     ap.add_argument("--busy", default=None, help="comma list of modes, none,spin,disk,loader (default: per model, "
                     "at the largest world size; see MODES)")
     ap.add_argument("--profile", action="store_true", help="cProfile DeepFreeze's threads and read its backend's "
-                    "threads over one repetition (default approaches: deepfreeze,deepfreeze-sync; no restore)")
+                    "threads over one repetition (default approaches: deepfreeze,deepfreeze-sync; idle unless "
+                    "--busy; no restore)")
     ap.add_argument("--work", default="")
     ap.add_argument("--models", default=None, help="comma list (default: gpt2,resnet50,mlp)")
     ap.add_argument("--ranks", default=None, help="comma list (default 1,2; --quick 2)")
@@ -719,7 +720,7 @@ def main() -> None:
     explicit = args.approaches is not None
     approaches = (args.approaches or ("deepfreeze,deepfreeze-sync" if args.profile else
                                       ",".join(QUICK_APPROACHES if args.quick else DEFAULT))).split(",")
-    busy = args.busy.split(",") if args.busy else None
+    busy = args.busy.split(",") if args.busy else (["none"] if args.profile else None)
     for b in busy or []:
         if b not in BUSY_MODES:
             raise SystemExit(f"--busy {b!r}: use a comma list of {','.join(BUSY_MODES)}")
