@@ -143,7 +143,7 @@ NAME = "bench"
 def min_busy_checkpoints() -> int:
     """``max_inflight + max_pending_flushes + 3`` with DeepFreeze's defaults (``max_inflight``
     from deepfreeze/config.py; ``max_pending_flushes = max(2, scratch_versions)``, engine.py):
-    the consecutive checkpoints (warm-up included) of one busy repetition."""
+    the checkpoints of one busy repetition (the warm-up, then the rest consecutively in the window)."""
     from deepfreeze.config import Config
     return Config.__dataclass_fields__["max_inflight"].default + max(2, SCRATCH_VERSIONS) + 3
 
