@@ -194,6 +194,7 @@ class Checkpointer(RunView, Sink):
         self._caps: list[int] = []
         self._layout: FusedLayout | None = None
         self._segments: list = []
+        self._st: "_state.TrainState | None" = None  # the last capture's tensor list (reused while unchanged)
         self._src_views: dict = {}
         self._dest_split: tuple = ([], {})
         self._pool: BufferPool | None = None
@@ -450,7 +451,7 @@ class Checkpointer(RunView, Sink):
             self._finish()
         err, key, need, rec_a = "", b"\0" * 16, 0, b""
         try:
-            st = _state.train_state(self.model, self.optimizers)
+            st = self._st = _state.train_state(self.model, self.optimizers, self._st)
             self._fqn_of = st.fqn_of
             self._aliases = st.aliases  # tied weights, found by train_state (the record names them)
             key = st.key()

@@ -25,7 +25,7 @@ shapes (each a loop a user writes; ``Checkpointer(every_n_steps=every)``):
 ``destroy_process_group()``, then ``close()``).
 keys: steps (total training iterations), every (``steps_<shape>``, ``every_<shape>``: for one
 shape of several), kill_at=IT (rank 1 SIGKILLs itself when IT
-iterations are done), resume=1, name. Writes OUT/<shape>/r<rank>/final.npz: every leaf of the
+iterations are done, once the newest version handed off is committed), resume=1, name. Writes OUT/<shape>/r<rank>/final.npz: every leaf of the
 model, optimizers, schedulers, GradScaler, RNG states and the loop's counters (exact: floats as
 their repr), and info.json.
 """
@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -195,6 +196,16 @@ def run(out: str, shape: str, kw: dict) -> None:
 
     def maybe_die() -> None:
         if pos.it == kill_at and rank == 1:
+            # the newest version handed off before the kill committed first (bounded): which version
+            # the job resumes from must not depend on how fast this rank's writer and backend were
+            # against the loop (a faster capture reached the kill before v9 was on scratch)
+            from deepfreeze.loader import list_versions
+            want, deadline = ckpt.last_version, time.monotonic() + 120
+            while want is not None and not any(v >= want and "persistent" in levels
+                                               for v, levels in list_versions(ckpt.config, ckpt.name).items()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"test: v{want} of {ckpt.name!r} not committed within 120 s before kill_at")
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def step_on(x, y, micro: int) -> None:
