@@ -62,6 +62,13 @@ crash at any point (every file operation below passes a named crash point of
   and holds this run and version, and again after the copy (a slot rewritten meanwhile fails the
   flush; the busy-slot rule of the backend never lets that happen). No scratch file is read,
   written or retained for such a job.
+* **Write once** (``write_once``, :mod:`deepfreeze.writeonce`): a rank's shard is not a scratch
+  file either: its writer thread makes the decision above itself and, decided ``flush``, writes its
+  pieces from memory into ``model.dfz.partial.<nonce>`` (:meth:`PersistentLevel.write_direct`,
+  CRC32 per piece computed on each chunk right before it is written). Its flush job carries the
+  nonce and CRCs (``job["direct"]``, checked against the plan and the decision's nonce); the flush
+  fsyncs the partial, then publishes the marker and finalizes as above. No scratch file or
+  manifest is written for such a version.
 * **Retention** runs after a commit: ``max_versions`` newest committed versions of the current
   generation stay on persistent, older generations and ``skip`` directories older than the
   newest commit go; a version is retired manifest first, then its files one by one (no symlink
@@ -1274,8 +1281,15 @@ def _create_exclusive(path: str, data: bytes, point: str) -> bool:
 
 def _drop_cached(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
     """Drop durable (fsynced) byte ranges from the page cache: the node's memory is the training's
-    (a parallel file system's client does not keep what it wrote either)."""
-    for off, length in ranges:
+    (a parallel file system's client does not keep what it wrote either). Ranges at most a page
+    apart (a rank's consecutive pieces, alignment padding between them) go in one call."""
+    merged: list[list[int]] = []
+    for off, length in sorted(ranges):
+        if merged and off <= merged[-1][0] + merged[-1][1] + 4096:
+            merged[-1][1] = max(merged[-1][1], off + length - merged[-1][0])
+        else:
+            merged.append([off, length])
+    for off, length in merged:
         try:
             os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
         except (OSError, AttributeError):
