@@ -243,13 +243,15 @@ class Engine:
 
     def wait(self, *, persistent: bool = True, timeout: float | None = None) -> None:
         """Block until every submitted checkpoint is on scratch (and, if ``persistent``, flushed).
+        With :attr:`write_once` in effect a version has no scratch copy, so this always waits for the
+        flushes too: when it returns, every version is restorable, as before.
 
         With ``timeout`` (seconds), raise :class:`BackendError` if the flushes are not done by
         then; they go on in the background and a later ``wait`` picks them up.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self._drain(timeout)
-        if persistent and self._backend is not None and self._pending:
+        if (persistent or self.write_once) and self._backend is not None and self._pending:
             self._await_flushes(0, deadline, timeout)
         self._raise_pending()
 
