@@ -5,7 +5,11 @@ buffers) to the writer thread ``deepfreeze-writer-r<rank>`` and returns. The
 writer commits the shard to scratch (see :mod:`deepfreeze.levels` for the
 commit protocol) and then, in ``async`` mode, notifies the node's backend
 process, which flushes to persistent in the background; in ``sync`` mode the
-same flush runs inline and ``checkpoint`` blocks until it is done.
+same flush runs inline and ``checkpoint`` blocks until it is done. With
+``write_once`` in effect (:mod:`deepfreeze.writeonce`; the default where scratch and
+persistent share a file system) a version decided ``flush`` is written by the writer
+straight into persistent's partial instead of scratch, and the flush only makes it durable
+and commits it.
 
 Backpressure (policy: wait, never skip or drop):
 
