@@ -4,7 +4,6 @@ and a flush job's write-once record checked before anything is committed."""
 import logging
 import os
 
-import numpy as np
 import pytest
 
 import deepfreeze
@@ -28,7 +27,8 @@ def _shipped_default(monkeypatch):
 
 @pytest.fixture
 def shm_dir():
-    import tempfile, shutil
+    import shutil
+    import tempfile
     d = tempfile.mkdtemp(prefix="df-writeonce-", dir=SHM)
     yield d
     shutil.rmtree(d, ignore_errors=True)
