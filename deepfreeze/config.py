@@ -47,6 +47,9 @@ KEYS: dict[str, str] = {
                "(DeepFreeze key)",
     "memtier_slots": "slots per (model, shard) on the memory-tier device, >= 2: the newest DONE version is never "
                      "overwritten, more slots let flushes to persistent lag further (DeepFreeze key)",
+    "write_once": "auto | on | off: a version decided 'flush' is written by the writer thread straight into the "
+                  "persistent level (no scratch file read back and copied); auto: when scratch and persistent are "
+                  "on the same file system (DeepFreeze key)",
 }
 
 #: keys only VeloC acts on; accepted so a site's VeloC file parses, passed to VeloC as written
@@ -102,6 +105,8 @@ class Config:
     #: a memory-tier device file (:mod:`deepfreeze.memtier`); None: shards go to scratch files
     memtier: str | None = None
     memtier_slots: int = 2
+    #: auto | on | off: write a version decided ``flush`` once, into persistent (:mod:`deepfreeze.writeonce`)
+    write_once: str = "auto"
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
     #: where each key given explicitly came from: ``(key, "file:line" | "env VELOC_<KEY>" |
@@ -171,6 +176,18 @@ class Config:
                                   f"{self.ec_interval:g} ({w('ec_interval')}): the memory tier keeps no scratch "
                                   "files for partner copies or parity to protect; set ec_interval = -1 or leave "
                                   "memtier out")
+
+        if self.write_once not in ("auto", "on", "off"):
+            raise ConfigError(f"{w('write_once')}: write_once = {self.write_once!r} is invalid: use 'auto' (write "
+                              "once into persistent when scratch and persistent share a file system), 'on' or 'off' "
+                              "(every version through a scratch file)")
+        if self.write_once == "on" and (self.ec_interval >= 0 or self.memtier is not None):
+            other = "ec_interval" if self.ec_interval >= 0 else "memtier"
+            raise ConfigError(f"{w('write_once')}: write_once = on cannot be combined with {other} ({w(other)}): "
+                              + ("partner copies and parity protect scratch files, which write_once does not write; "
+                                 "set ec_interval = -1" if other == "ec_interval" else
+                                 "the memory tier already writes each version once to disk")
+                              + ", or set write_once = auto or off")
 
     def _check_redis(self) -> None:
         if self.redis is not None and not re.match(r"^(redis|rediss|unix)://\S+$", self.redis):
@@ -343,6 +360,10 @@ def _convert(key: str, value: Any, where: str) -> Any:
             if isinstance(value, float) or (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):
                 raise ValueError("not an integer")
             return int(value)
+        if key == "write_once":
+            if isinstance(value, bool):
+                return "on" if value else "off"
+            return str(value).strip().lower()
         if key in ("chksum", "shared_group"):
             if isinstance(value, bool):
                 return value

@@ -39,6 +39,10 @@ POINTS: dict[str, str] = {
     # persistent level (levels.PersistentLevel): decision, partial, markers, finalize, retire
     "persistent.decision.link": "the version's decision and nonce about to be created (under commit.lock)",
     "persistent.partial.fsync": "this rank's pieces copied into model.dfz.partial.<nonce>, not fsynced",
+    "persistent.direct.write": "write_once: a rank's writer thread writing its pieces from memory straight into "
+                               "model.dfz.partial.<nonce>: the first written, the others not, nothing fsynced",
+    "persistent.direct.fsync": "write_once: this rank's pieces written into model.dfz.partial.<nonce> by its writer "
+                               "(no scratch file), not fsynced, no done marker",
     "persistent.marker.fsync": "the done marker written under its temporary name, not fsynced",
     "persistent.marker.rename": "this rank's pieces durable in the partial, its done marker not yet published",
     "persistent.marker.dirsync": "the done marker renamed, its directory not fsynced",

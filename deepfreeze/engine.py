@@ -5,7 +5,11 @@ buffers) to the writer thread ``deepfreeze-writer-r<rank>`` and returns. The
 writer commits the shard to scratch (see :mod:`deepfreeze.levels` for the
 commit protocol) and then, in ``async`` mode, notifies the node's backend
 process, which flushes to persistent in the background; in ``sync`` mode the
-same flush runs inline and ``checkpoint`` blocks until it is done.
+same flush runs inline and ``checkpoint`` blocks until it is done. With
+``write_once`` in effect (:mod:`deepfreeze.writeonce`; the default where scratch and
+persistent share a file system) a version decided ``flush`` is written by the writer
+straight into persistent's partial instead of scratch, and the flush only makes it durable
+and commits it.
 
 Backpressure (policy: wait, never skip or drop):
 
@@ -121,6 +125,7 @@ from .fused import FusedLayout, FusedShard
 from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError,
                      MemtierBusyError, MemtierError, MemtierFullError)
 from .levels import ScratchLevel, SlotSource, flush_job
+from . import writeonce
 from .comm import Comm
 from .redundancy import plan_redundancy, protect
 from .lease import ANONYMOUS_RUN, RunInfo, Version
@@ -187,6 +192,8 @@ class Engine:
             self.scratch.makedirs(config.scratch)  # checked with shared_group before the backend creates its log
             self._backend = BackendClient(config.scratch, answer_timeout=config.backend_timeout)
             self._pending_owner = (self._backend.pid, self._backend.inode)
+        #: write_once: versions decided 'flush' go from memory straight into persistent (deepfreeze.writeonce)
+        self.write_once = self.kind == "builtin" and self._mt_region is None and writeonce.choose(config)[0]
         self._manifest_base = build_manifest(self.name, 0, 0, 0, plan, self.domains, run=self.run)
         self.comm, self.redundancy, self._last_ec = comm, None, None
         if config.ec_interval >= 0 and plan.world_size > 1 and self.kind == "builtin":
@@ -240,13 +247,15 @@ class Engine:
 
     def wait(self, *, persistent: bool = True, timeout: float | None = None) -> None:
         """Block until every submitted checkpoint is on scratch (and, if ``persistent``, flushed).
+        With :attr:`write_once` in effect a version has no scratch copy, so this always waits for the
+        flushes too: when it returns, every version is restorable, as before.
 
         With ``timeout`` (seconds), raise :class:`BackendError` if the flushes are not done by
         then; they go on in the background and a later ``wait`` picks them up.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self._drain(timeout)
-        if persistent and self._backend is not None and self._pending:
+        if (persistent or self.write_once) and self._backend is not None and self._pending:
             self._await_flushes(0, deadline, timeout)
         self._raise_pending()
 
@@ -663,6 +672,12 @@ class Engine:
             self.write_times[version] = time.perf_counter() - t0
             self._flush(version, manifest, source)
             return
+        direct = writeonce.write_version(cfg, self.name, version, self.rank, self.plan, arrays, self.run.id) \
+            if self.write_once else None
+        if direct is not None:  # written once, into persistent's partial: no scratch file
+            self.write_times[version] = time.perf_counter() - t0
+            self._flush(version, manifest, direct=direct)
+            return
         try:
             path: str | None = self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays,
                                                         chksum=cfg.chksum, run=self.run.id)
@@ -682,8 +697,10 @@ class Engine:
         self.write_times[version] = time.perf_counter() - t0
         self._flush(version, manifest)
 
-    def _flush(self, version: int, manifest: dict[str, Any], source: SlotSource | None = None) -> None:
-        """Hand the version's flush job to the backend (async) or run it (sync)."""
+    def _flush(self, version: int, manifest: dict[str, Any], source: SlotSource | None = None,
+               direct: dict[str, Any] | None = None) -> None:
+        """Hand the version's flush job to the backend (async) or run it (sync); ``direct``: the
+        record of a version written once into persistent (:func:`deepfreeze.writeonce.write_version`)."""
         cfg = self.config
         job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
                "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
@@ -692,6 +709,8 @@ class Engine:
                "lease_timeout": cfg.lease_timeout, "shared_group": cfg.shared_group}
         if source is not None:
             job["memtier"] = source.to_job()
+        if direct is not None:
+            job["direct"] = direct
         if self._backend is not None:
             self._in_backend = True
             try:

@@ -62,6 +62,13 @@ crash at any point (every file operation below passes a named crash point of
   and holds this run and version, and again after the copy (a slot rewritten meanwhile fails the
   flush; the busy-slot rule of the backend never lets that happen). No scratch file is read,
   written or retained for such a job.
+* **Write once** (``write_once``, :mod:`deepfreeze.writeonce`): a rank's shard is not a scratch
+  file either: its writer thread makes the decision above itself and, decided ``flush``, writes its
+  pieces from memory into ``model.dfz.partial.<nonce>`` (:meth:`PersistentLevel.write_direct`,
+  CRC32 per piece computed on each chunk right before it is written). Its flush job carries the
+  nonce and CRCs (``job["direct"]``, checked against the plan and the decision's nonce); the flush
+  fsyncs the partial, then publishes the marker and finalizes as above. No scratch file or
+  manifest is written for such a version.
 * **Retention** runs after a commit: ``max_versions`` newest committed versions of the current
   generation stay on persistent, older generations and ``skip`` directories older than the
   newest commit go; a version is retired manifest first, then its files one by one (no symlink
@@ -401,10 +408,7 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
     committed by the rename, so nobody sees it before). Raises OSError (nothing left behind) or
     ValueError (arrays do not match the plan, or a fused shard of another plan or rank)."""
     if isinstance(arrays, FusedShard):
-        shard = arrays
-        if not (shard.layout.rank == rank and (shard.layout.plan is plan or shard.layout.plan == plan)):
-            raise ValueError(f"the fused shard is rank {shard.layout.rank}'s of another shard plan or rank than "
-                             f"the one written (rank {rank}): build it with FusedLayout.build(plan, rank)")
+        shard = _check_fused(arrays, plan, rank)
         entries, data_offset, size = list(shard.layout.entries), shard.layout.data_offset, shard.layout.file_size
         spans = [(e.offset - data_offset, e.length) for e in entries]
         with replacing_file(final, fsync=fsync, point=point) as fd:
@@ -414,6 +418,28 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
                       0, f"bytes.{point.split('.')[0]}.meta")
             os.ftruncate(fd, size)
         return
+    entries, data_offset, size = fmt.layout(_check_arrays(arrays, plan, rank))
+    with replacing_file(final, fsync=fsync, point=point) as fd:
+        crcs = [_write_region(fd, fmt.byte_view(a), e.offset, [(0, e.length)], chksum,
+                              f"bytes.{point.split('.')[0]}.data")[0] if e.length else 0
+                for e, a in zip(entries, arrays)]
+        write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
+                                        data_offset, size, chksum, run, crcs if chksum else None),
+                  0, f"bytes.{point.split('.')[0]}.meta")
+        os.ftruncate(fd, size)
+
+
+def _check_fused(shard: FusedShard, plan: ShardPlan, rank: int) -> FusedShard:
+    """``shard`` if it is rank ``rank``'s fused shard of ``plan``; else ValueError."""
+    if not (shard.layout.rank == rank and (shard.layout.plan is plan or shard.layout.plan == plan)):
+        raise ValueError(f"the fused shard is rank {shard.layout.rank}'s of another shard plan or rank than "
+                         f"the one written (rank {rank}): build it with FusedLayout.build(plan, rank)")
+    return shard
+
+
+def _check_arrays(arrays: Sequence[np.ndarray], plan: ShardPlan, rank: int) -> list[fmt.Entry]:
+    """The entries of rank ``rank``'s pieces (plan order) if ``arrays`` match them one to one
+    (element count and dtype); else ValueError."""
     pieces = plan.for_rank(rank)
     if len(arrays) != len(pieces):
         raise ValueError(f"rank {rank} holds {len(pieces)} pieces, got {len(arrays)} arrays")
@@ -423,15 +449,7 @@ def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
             raise ValueError(f"array for tensor {plan.tensors[p.tensor_id].name!r} piece "
                              f"[{p.start},{p.stop}) has {a.size} {a.dtype} elements")
         entries.append(e)
-    entries, data_offset, size = fmt.layout(entries)
-    with replacing_file(final, fsync=fsync, point=point) as fd:
-        crcs = [_write_region(fd, fmt.byte_view(a), e.offset, [(0, e.length)], chksum,
-                              f"bytes.{point.split('.')[0]}.data")[0] if e.length else 0
-                for e, a in zip(entries, arrays)]
-        write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                        data_offset, size, chksum, run, crcs if chksum else None),
-                  0, f"bytes.{point.split('.')[0]}.meta")
-        os.ftruncate(fd, size)
+    return entries
 
 
 #: bytes per read or write of the shard data paths (write_shard_file, the flush's copy): large enough
@@ -732,14 +750,85 @@ class PersistentLevel(Level):
     def assembled_layout(self, plan: ShardPlan) -> tuple[list[fmt.Entry], int, int]:
         return fmt.layout(piece_entries(plan, plan.pieces), contiguous_tensors=True)
 
+    def write_direct(self, name: str, version: int, rank: int, plan: ShardPlan,
+                     arrays: "Sequence[np.ndarray] | FusedShard", decision: dict[str, str], *,
+                     chksum: bool) -> dict[str, Any]:
+        """Write once (``write_once``, :mod:`deepfreeze.writeonce`): write this rank's pieces (flat
+        arrays in plan order, or its :class:`~deepfreeze.fused.FusedShard`) from memory straight into
+        the version's ``model.dfz.partial.<nonce>`` at their assembled offsets, each piece's CRC32
+        computed on each chunk right before it is written (as a scratch write does), the write-back of
+        every 8 MiB started at once. Nothing is fsynced, no marker published: the returned record (the
+        flush job's ``direct``: ``{"nonce", "has_crc", "crcs": [[tensor_id, start, crc], ...]}``)
+        is handed to :meth:`flush_shard`, which makes the bytes durable and goes on with the commit
+        protocol. ``decision`` is this run's ``flush`` decision of the version (:meth:`decide`).
+        Raises OSError, ValueError (arrays do not match the plan)."""
+        if isinstance(arrays, FusedShard):
+            shard = _check_fused(arrays, plan, rank)
+            data, base = fmt.byte_view(shard.data), shard.layout.data_offset
+            views = [(e, data[e.offset - base:e.offset - base + e.length]) for e in shard.layout.entries]
+        else:
+            views = list(zip(_check_arrays(arrays, plan, rank), (fmt.byte_view(a) for a in arrays)))
+        layout, _, _ = self.assembled_layout(plan)
+        where = {(e.tensor_id, e.start): e.offset for e in layout}
+        vdir = self.version_dir(name, version)
+        counters.fs("create", "persistent.partial.create")
+        dst = os.open(os.path.join(vdir, f"{ASSEMBLED}.partial.{decision['nonce']}"),
+                      os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        crcs = []
+        try:
+            lo: int | None = None  # the range written since the last write-back kick
+            hi = pending = 0
+            for k, (e, view) in enumerate(views):
+                at, crc = where[(e.tensor_id, e.start)], 0
+                for c0 in range(0, len(view), _CHUNK):
+                    chunk = view[c0:c0 + _CHUNK]
+                    if chksum:
+                        crc = fmt.crc32(chunk, crc)
+                    write_all(dst, chunk, at + c0, "bytes.persistent.data")
+                    lo, hi = (at + c0 if lo is None else min(lo, at + c0)), max(hi, at + c0 + len(chunk))
+                    pending += len(chunk)
+                    if pending >= _WRITEBACK_BATCH:
+                        _start_writeback(dst, lo, hi - lo)
+                        lo, hi, pending = None, 0, 0
+                crcs.append([e.tensor_id, e.start, crc])
+                if k == 0:
+                    cp.hit("persistent.direct.write")  # the first piece written, the others not yet
+            if lo is not None:
+                _start_writeback(dst, lo, hi - lo)
+        finally:
+            os.close(dst)
+        return {"nonce": decision["nonce"], "has_crc": bool(chksum), "crcs": crcs}
+
+    @staticmethod
+    def _direct_crcs(direct: Any, plan: ShardPlan, rank: int, nonce: str, what: str) -> tuple[bool, list]:
+        """Check a flush job's ``direct`` record (JSON that crossed a socket) against the plan's pieces
+        of ``rank`` and the version's nonce; return ``(has_crc, [[tensor_id, start, crc], ...])``."""
+        pieces = [(p.tensor_id, p.start) for p in plan.for_rank(rank)]
+        ok = (isinstance(direct, dict) and isinstance(direct.get("has_crc"), bool)
+              and isinstance(direct.get("crcs"), list) and len(direct["crcs"]) == len(pieces)
+              and all(isinstance(c, list) and len(c) == 3 and all(type(x) is int for x in c)
+                      and (c[0], c[1]) == p and 0 <= c[2] < (1 << 32) for c, p in zip(direct["crcs"], pieces)))
+        if not ok:
+            raise CheckpointWriteError(errno.EINVAL, f"{what}: malformed write-once record {str(direct)[:300]} "
+                                       "(expected nonce, has_crc and one [tensor_id, start, crc] per piece of the "
+                                       "rank): not committing it")
+        if direct.get("nonce") != nonce:
+            raise CheckpointWriteError(errno.ESTALE, f"{what}: its pieces were written into the partial of nonce "
+                                       f"{str(direct.get('nonce'))[:20]}, but the version's decision now has nonce "
+                                       f"{nonce} (retired and decided again): not committing it")
+        return direct["has_crc"], direct["crcs"]
+
     def flush_shard(self, name: str, version: int, rank: int, shard_path: str | None,
                     manifest: dict[str, Any], *, fsync: bool = True, decision: dict[str, str] | None = None,
-                    stale_after: float = 60.0, source: "SlotSource | None" = None) -> bool:
+                    stale_after: float = 60.0, source: "SlotSource | None" = None,
+                    direct: "dict[str, Any] | None" = None) -> bool:
         """Copy one rank's shard into the version's partial file, publish its done marker, and
         finalize if it was the last one. Returns True if this call committed the version.
 
         The shard is the scratch file ``shard_path``, or, with ``source``, the image in a slot of
-        the memory tier (``shard_path`` is then unused).
+        the memory tier (``shard_path`` is then unused), or, with ``direct`` (:meth:`write_direct`'s
+        record), already in the partial: nothing is copied, the partial is fsynced and the marker
+        carries the CRCs the writer computed.
 
         ``decision`` is the version's (:meth:`decide`); the partial and the marker carry its
         nonce. Each piece's CRC is computed from the bytes as they are copied and compared with
@@ -756,7 +845,27 @@ class PersistentLevel(Level):
         plan = plan_of(manifest)
         layout, _, size = self.assembled_layout(plan)
         counters.fs("stat", "persistent.flush.assembled")
-        if not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
+        if direct is not None and not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
+            has_crc, crcs = self._direct_crcs(direct, plan, rank, nonce, f"{name!r} v{version} rank {rank}")
+            if fsync:
+                where = {(e.tensor_id, e.start): e for e in layout}
+                counters.fs("open", "persistent.partial.open")
+                try:  # never created here: the writer wrote it
+                    dst = os.open(os.path.join(vdir, f"{ASSEMBLED}.partial.{nonce}"),
+                                  os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except FileNotFoundError as e:
+                    raise CheckpointWriteError(errno.ENOENT, f"{vdir}: the partial rank {rank} wrote (write_once) "
+                                               "is gone (the version was retired?): not committing it") from e
+                try:
+                    cp.fsync(dst, "persistent.direct.fsync")
+                    _drop_cached(dst, [(where[(p.tensor_id, p.start)].offset, where[(p.tensor_id, p.start)].length)
+                                       for p in plan.for_rank(rank)])
+                finally:
+                    os.close(dst)
+            marker = {"rank": rank, "run": run, "nonce": nonce, "has_crc": has_crc, "crcs": crcs}
+            atomic_write(os.path.join(vdir, f"done.r{rank:06d}.{nonce}.json"), json.dumps(marker).encode(),
+                         fsync=fsync, point="persistent.marker")
+        elif not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
             where = {(e.tensor_id, e.start): e for e in layout}
             with _open_source(shard_path, source) as (fd, base, idx, shard_path, recheck):
                 expect = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(rank)]
@@ -1194,8 +1303,15 @@ def _create_exclusive(path: str, data: bytes, point: str) -> bool:
 
 def _drop_cached(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
     """Drop durable (fsynced) byte ranges from the page cache: the node's memory is the training's
-    (a parallel file system's client does not keep what it wrote either)."""
-    for off, length in ranges:
+    (a parallel file system's client does not keep what it wrote either). Ranges at most a page
+    apart (a rank's consecutive pieces, alignment padding between them) go in one call."""
+    merged: list[list[int]] = []
+    for off, length in sorted(ranges):
+        if merged and off <= merged[-1][0] + merged[-1][1] + 4096:
+            merged[-1][1] = max(merged[-1][1], off + length - merged[-1][0])
+        else:
+            merged.append([off, length])
+    for off, length in merged:
         try:
             os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
         except (OSError, AttributeError):
@@ -1222,7 +1338,8 @@ def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
         if decision is not None and decision["decision"] == "flush":
             result["committed"] = persistent.flush_shard(
                 name, version, rank, None if source else scratch.shard_path(name, version, rank), job["manifest"],
-                fsync=job.get("fsync", True), decision=decision, stale_after=stale, source=source)
+                fsync=job.get("fsync", True), decision=decision, stale_after=stale, source=source,
+                direct=job.get("direct"))
             result["flushed"] = True
             if result["committed"]:
                 persistent._fence(name, run, f"retention of {name!r}")

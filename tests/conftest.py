@@ -15,6 +15,12 @@ def _private_runtime_dir(tmp_path_factory, monkeypatch):
     d.mkdir(mode=0o700, exist_ok=True)
     monkeypatch.setenv("DEEPFREEZE_RUNTIME_DIR", str(d))
     monkeypatch.setenv("DEEPFREEZE_BACKEND_IDLE", "2")
+    # Every tmp_path puts scratch and persistent on one file system, where the shipped default
+    # (write_once = auto) writes versions straight into persistent and no scratch file: the
+    # suite's scratch-level tests (restore from scratch, scratch retention, a failing scratch
+    # write, redundancy) run the scratch path; tests/test_writeonce.py and the crash-point
+    # suite's write-once scenario set write_once themselves (a keyword beats the environment).
+    monkeypatch.setenv("VELOC_WRITE_ONCE", "off")
 
 
 @pytest.fixture

@@ -165,7 +165,8 @@ def test_flush_without_sync_file_range_falls_back_to_fadvise(tmp_path, monkeypat
     plan = plan_for(world=1)
     cfg, m = _write_version(tmp_path, plan)
     assert _flush(cfg, m, 5, 0)["committed"]
-    assert calls.count(os.POSIX_FADV_DONTNEED) > len(ARRAYS)  # the kicks, then the drop after fsync
+    # the kicks (fadvise, the fallback), then the drop after fsync (adjacent pieces in one call)
+    assert calls.count(os.POSIX_FADV_DONTNEED) >= 2
     os.unlink(ScratchLevel(cfg.scratch).shard_path("job", 5, 0))
     _assert_restored(cfg, "persistent")
 

@@ -38,7 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "deepfreeze.comm", "deepfreeze.peerloss"),
     1: ("deepfreeze.lease",),
     2: ("deepfreeze.memtier.", "deepfreeze.export"),
-    3: ("deepfreeze.levels", "deepfreeze.redundancy"),
+    3: ("deepfreeze.levels", "deepfreeze.redundancy", "deepfreeze.writeonce"),
     4: ("deepfreeze.backend", "deepfreeze.engine", "deepfreeze.veloc_engine", "deepfreeze.veloc_daemon", "deepfreeze.loader",
         "deepfreeze.inventory"),
     5: ("deepfreeze.run",),
@@ -59,7 +59,8 @@ DYNAMIC: dict[str, tuple[str, ...]] = {
 }
 
 # The write path: the adapters reach it only through deepfreeze.run.Run.
-WRITE_PATH = ("deepfreeze.engine", "deepfreeze.backend", "deepfreeze.veloc_engine", "deepfreeze.levels")
+WRITE_PATH = ("deepfreeze.engine", "deepfreeze.backend", "deepfreeze.veloc_engine", "deepfreeze.levels",
+              "deepfreeze.writeonce")
 ADAPTERS = ("deepfreeze.keras", "deepfreeze.torch")
 
 

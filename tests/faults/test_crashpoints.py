@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "..", "workers", "crash_job.py")
 PKG = os.path.dirname(os.path.abspath(deepfreeze.__file__))
 #: modules whose file-system operations must all go through deepfreeze.crashpoints
-PROTOCOL_MODULES = ["levels.py", "engine.py", "backend.py", "redundancy.py", "run.py"]
+PROTOCOL_MODULES = ["levels.py", "engine.py", "backend.py", "redundancy.py", "run.py", "writeonce.py"]
 FS_OPS = {"replace", "rename", "link", "fsync", "unlink", "rmdir", "removedirs"}
 
 # the crash to recover from, for points only a recovery passes: killed while rank 0 decides v3
@@ -46,6 +46,13 @@ SCENARIOS = {
     "tmp.cleanup": ("first", {"JOB_FAIL_AT": "3"}),
     "backend.socket.unlink": ("first", {"JOB_MODE": "async"}),
 }
+#: the write-once path (INI write_once = on; the default where scratch and persistent share a file
+#: system): its own points, and the commit protocol's points it passes too, killed on it as well
+WRITE_ONCE = ("first", {"JOB_WRITE_ONCE": "on"})
+SCENARIOS["write_once"] = WRITE_ONCE
+WRITE_ONCE_POINTS = {"persistent.direct.write", "persistent.direct.fsync"}
+WRITE_ONCE_SHARED = ["persistent.decision.link", "persistent.marker.rename", "persistent.final.rename",
+                     "persistent.manifest.rename", "persistent.cleanup.unlink"]
 RECOVERY_ONLY = {"run.lease.takeover", "run.lease.unlink", "run.clock.unlink", "persistent.lock.break",
                  "scratch.clear.unlink"}
 MPI_ONLY = {"scratch.partner.rename", "scratch.parity.rename"}  # test_kill_in_redundancy_exchange
@@ -173,7 +180,20 @@ def test_every_point_is_covered(dry_root):
 
 @pytest.mark.parametrize("point", _points_for_suite())
 def test_kill_at_point_then_recover(tmp_path, dry_root, point):
+    _kill_and_recover(tmp_path, dry_root, point, "write_once" if point in WRITE_ONCE_POINTS else
+                      point if point in SCENARIOS else "first")
+
+
+@pytest.mark.parametrize("point", WRITE_ONCE_SHARED)
+def test_kill_on_write_once_path(tmp_path, dry_root, point):
+    """The commit protocol's steps after a version was written once into persistent (no scratch
+    file): a kill at each leaves a recorded state or the previous one, and the recovery commits."""
+    _kill_and_recover(tmp_path, dry_root, point, "write_once")
+
+
+def _kill_and_recover(tmp_path, dry_root, point, key):
     d = str(tmp_path)
+    phase, env = SCENARIOS.get(key, ("first", {}))
     if point in RECOVERY_ONLY:
         first = _run(d, "first", crash=FIRST_CRASH)
         assert first.returncode == -9, f"the first run was not killed at {FIRST_CRASH}: {first.stderr[-2000:]}"
@@ -182,8 +202,6 @@ def test_kill_at_point_then_recover(tmp_path, dry_root, point):
         p = _run(d, "recover", crash=f"{point}:1")
         assert p.returncode == -9, f"recovery did not pass {point}: rc {p.returncode}\n{p.stderr[-3000:]}"
     else:
-        key = point if point in SCENARIOS else "first"
-        phase, env = SCENARIOS.get(key, ("first", {}))
         count = _dry_trace(dry_root, key)[point]
         assert count, f"a clean {key} run never passes {point}"
         k = (count + 1) // 2
@@ -198,7 +216,8 @@ def test_kill_at_point_then_recover(tmp_path, dry_root, point):
             assert p.returncode == -9, f"not killed at {point}:{k}: rc {p.returncode}\n{p.stderr[-3000:]}"
     assert os.path.exists(os.path.join(d, "crashed"))
     _check(d, f"after the kill at {point}")
-    p = _run(d, "recover", env={"JOB_MODE": "async"} if point == "backend.socket.unlink" else {})
+    p = _run(d, "recover", env={"JOB_MODE": "async"} if point == "backend.socket.unlink" else
+             {k: v for k, v in env.items() if k == "JOB_WRITE_ONCE"})
     assert p.returncode == 0, f"recovery after {point} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
     _check(d, f"after recovering from {point}")
     newest = load(_cfg(d), "job")

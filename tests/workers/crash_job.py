@@ -3,7 +3,8 @@ suite: ``crash_job.py <dir> first|recover|overwrite [n_versions]``.
 
 Environment knobs of a scenario: ``JOB_MODE=async`` (flushes in the backend process),
 ``JOB_SLEEP=<s>`` (between versions, so the lease heartbeat runs), ``JOB_FAIL_AT=<v>`` (rank
-1's shard write of version v fails half-way, injected by subclassing ScratchLevel).
+1's shard write of version v fails half-way, injected by subclassing ScratchLevel),
+``JOB_WRITE_ONCE=on|off|auto`` (INI ``write_once``; default off: the scratch path).
 
 Before each checkpoint the full state is recorded in ``<dir>/rec/<run>-<version>.npz`` (the
 weights the restore must return bit-exact); after both ranks' calls returned (sync mode: the
@@ -35,7 +36,7 @@ TENSORS = [TensorSpec(0, "dense/kernel", "float32", (64, 48)), TensorSpec(1, "de
 def config(d: str) -> Config:
     return Config.load(None, mode=os.environ.get("JOB_MODE", "sync"), scratch=f"{d}/scratch",
                        persistent=f"{d}/persistent", persistent_interval=0, max_versions=3, scratch_versions=2,
-                       lease_timeout=1.5)
+                       lease_timeout=1.5, write_once=os.environ.get("JOB_WRITE_ONCE", "off"))
 
 
 class FailingScratch(ScratchLevel):

@@ -1,0 +1,165 @@
+"""Write once: a version decided ``flush`` goes from memory straight into the persistent level.
+
+With scratch and persistent on one file system (one disk), the scratch path writes every byte
+twice and reads it once in between: the writer thread writes the shard file, the backend reads it
+back and writes it into the assembled file. INI key ``write_once``:
+
+* ``off``: every version through a scratch file (the commit protocol of :mod:`deepfreeze.levels`).
+* ``on``: the writer thread takes the version's decision itself (:meth:`PersistentLevel.decide`,
+  the same call the flush makes); decided ``flush``, it writes the rank's pieces from memory into
+  ``model.dfz.partial.<nonce>`` at their assembled offsets, CRC32 per piece computed on each chunk
+  right before it is written (:meth:`PersistentLevel.write_direct`), and hands the backend (sync
+  mode: runs) a flush job carrying those CRCs (``job["direct"]``), which fsyncs the partial,
+  publishes the rank's done marker and finalizes exactly as after a copy. Decided ``skip`` (or with
+  the lease lost: the flush then abandons it), the version goes to scratch as before. No scratch
+  file, no scratch manifest is written for a version written once; restore reads it from
+  persistent. Refused with ``ec_interval >= 0`` (partner copies and parity protect scratch files)
+  and with ``memtier`` (already one write to disk).
+* ``auto`` (the default): ``on`` when scratch and persistent are on the same file system and
+  neither ``ec_interval >= 0``, ``memtier`` nor ``persistent_interval < 0`` rules it out; else
+  ``off``. *Same file system* is judged by :func:`same_file_system`: the ``st_dev`` of both
+  directories (the nearest existing one) agree **and** so do the mounts holding them in
+  ``/proc/self/mountinfo`` (device, file-system type, source); a device number alone never turns it
+  on, and without a readable mountinfo ``auto`` stays ``off``. One INFO log line per process says
+  what was chosen and why.
+
+Memory: none beyond the scratch path's (the pieces are written from the buffers the writer already
+holds). The guarantees of docs/guarantees.md are unchanged: nothing is committed before every rank's
+done marker, which is published only after its bytes in the partial are fsynced; the finalizer,
+fence and nonce checks are the same code. The crash points of this path are
+``persistent.direct.write`` and ``persistent.direct.fsync`` (:mod:`deepfreeze.crashpoints`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from .config import Config
+from .fused import FusedShard
+from .levels import FencedError, PersistentLevel
+from .shardplan import ShardPlan
+
+__all__ = ["same_file_system", "choose", "write_version"]
+
+log = logging.getLogger("deepfreeze")
+
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest existing ancestor, resolved (symbolic links followed)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return os.path.realpath(p)
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field with its octal escapes (``\\040`` for a space) decoded."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def _mounts(mountinfo: str) -> list[tuple[str, str, str, str]]:
+    """``(mount point, major:minor, fs type, source)`` of every line of a mountinfo file, in order."""
+    out = []
+    with open(mountinfo, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            left, sep, right = line.partition(" - ")
+            a, b = left.split(), right.split()
+            if sep and len(a) >= 5 and len(b) >= 2:
+                out.append((_unescape(a[4]), a[2], b[0], b[1]))
+    return out
+
+
+def _mount_of(path: str, mounts: Sequence[tuple[str, str, str, str]]) -> tuple[str, str, str, str] | None:
+    """The mount holding ``path`` (resolved): the longest mount point above it, the last one listed
+    among equal ones (it is mounted over the others)."""
+    best = None
+    for m in mounts:
+        mp = m[0]
+        if path == mp or path.startswith(mp.rstrip("/") + "/"):
+            if best is None or len(mp) >= len(best[0]):
+                best = m
+    return best
+
+
+def same_file_system(a: str, b: str, *, mountinfo: str = MOUNTINFO) -> tuple[bool, str]:
+    """Whether directories ``a`` and ``b`` (or their nearest existing ancestors) are on the same
+    file system, with the reason: both ``st_dev`` equal and both mounts of ``mountinfo`` (the
+    longest mount point above each) of the same ``major:minor`` (matching ``st_dev``), file-system
+    type and source. An unreadable mountinfo, or a path it shows no mount for, is "not known to be
+    the same" (False)."""
+    pa, pb = _existing(a), _existing(b)
+    try:
+        da, db = os.stat(pa).st_dev, os.stat(pb).st_dev
+    except OSError as e:
+        return False, f"cannot stat {e.filename}: {e.strerror}"
+    if da != db:
+        return False, f"different devices ({pa}: {os.major(da)}:{os.minor(da)}, {pb}: {os.major(db)}:{os.minor(db)})"
+    try:
+        mounts = _mounts(mountinfo)
+    except OSError as e:
+        return False, f"{mountinfo} unreadable ({e.strerror}): the mounts cannot be compared"
+    ma, mb = _mount_of(pa, mounts), _mount_of(pb, mounts)
+    if ma is None or mb is None:
+        return False, f"{mountinfo} shows no mount holding {pa if ma is None else pb}"
+    dev = f"{os.major(da)}:{os.minor(da)}"
+    if not (ma[1:] == mb[1:] and ma[1] == dev):
+        return False, (f"same device number but different mounts ({pa} on {ma[0]}: {ma[1]} {ma[2]} {ma[3]}; "
+                       f"{pb} on {mb[0]}: {mb[1]} {mb[2]} {mb[3]})")
+    return True, f"both on the {ma[2]} file system {ma[3]} (device {dev}, mounted on {ma[0]}{'' if ma == mb else ', ' + mb[0]})"
+
+
+def choose(config: Config) -> tuple[bool, str]:
+    """Whether ``config``'s built-in engine writes versions decided ``flush`` once into persistent,
+    and why (see the module docstring). Logged once per process and configuration (INFO)."""
+    return _choose(config.write_once, config.scratch, config.persistent, config.ec_interval >= 0,
+                   config.memtier is not None, config.persistent_interval < 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _choose(mode: str, scratch: str, persistent: str, ec: bool, memtier: bool, no_persistent: bool) -> tuple[bool, str]:
+    if mode == "off":
+        on, why = False, "write_once = off"
+    elif no_persistent:
+        on, why = False, "persistent_interval < 0: nothing goes to persistent"
+    elif memtier:
+        on, why = False, "memtier is set: the memory tier already writes each version once"
+    elif ec:
+        on, why = False, "ec_interval >= 0: partner copies and parity protect scratch files"
+    elif mode == "on":
+        on, why = True, "write_once = on"
+    else:
+        on, why = same_file_system(scratch, persistent)
+        why = f"write_once = auto: scratch {scratch} and persistent {persistent}: {why}"
+    log.info("deepfreeze: versions decided 'flush' are written %s (%s)",
+             "once, straight into persistent" if on else "to scratch, then copied to persistent", why)
+    return on, why
+
+
+def write_version(config: Config, name: str, version: int, rank: int, plan: ShardPlan,
+                  arrays: "Sequence[np.ndarray] | FusedShard", run: str) -> dict[str, Any] | None:
+    """Decide ``version`` (:meth:`PersistentLevel.decide`, the flush's own call) and, decided
+    ``flush`` by this run, write this rank's pieces into its partial (:meth:`PersistentLevel.write_direct`);
+    return the flush job's ``direct`` record. None when the version goes through scratch instead
+    (decided ``skip``, no persistent level, or the run lost its lease: the flush then abandons it)."""
+    level = PersistentLevel(config.persistent, shared_group=config.shared_group)
+    try:
+        decision = level.decide(name, version, config.persistent_interval, run, stale_after=config.lease_timeout)
+    except FencedError:
+        return None
+    if decision is None or decision["decision"] != "flush":
+        return None
+    return level.write_direct(name, version, rank, plan, arrays, decision, chksum=config.chksum)

@@ -1,0 +1,144 @@
+"""write_once: the mode chosen from real directories (a tmpfs and a disk directory), versions
+written once into persistent restored bit-exact (flat arrays and a fused shard, sync and async),
+and a flush job's write-once record checked before anything is committed."""
+import logging
+import os
+
+import pytest
+
+import deepfreeze
+from deepfreeze import Config
+from deepfreeze.engine import Engine
+from deepfreeze.errors import CheckpointWriteError, ConfigError
+from deepfreeze.fused import FusedLayout, FusedShard
+from deepfreeze.levels import PersistentLevel, ScratchLevel, flush_job
+from deepfreeze.loader import load
+from deepfreeze.writeonce import choose, same_file_system
+from test_engine import make_plan, model_arrays, pieces
+
+SHM = "/dev/shm"
+needs_tmpfs = pytest.mark.skipif(not os.path.isdir(SHM) or not os.access(SHM, os.W_OK), reason="no writable /dev/shm")
+
+
+@pytest.fixture(autouse=True)
+def _shipped_default(monkeypatch):
+    monkeypatch.delenv("VELOC_WRITE_ONCE", raising=False)  # conftest turns it off for the other tests
+
+
+@pytest.fixture
+def shm_dir():
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="df-writeonce-", dir=SHM)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def cfg(scratch, persistent, **kw):
+    return Config.load(None, mode=kw.pop("mode", "sync"), scratch=str(scratch), persistent=str(persistent), **kw)
+
+
+@needs_tmpfs
+def test_mode_chosen_from_real_directories(tmp_path, shm_dir, caplog):
+    disk_a, disk_b = tmp_path / "scratch", tmp_path / "pfs" / "not" / "yet"  # the nearest existing parent is judged
+    disk_a.mkdir()
+    same, why = same_file_system(str(disk_a), str(disk_b))
+    assert same, why
+    other, why2 = same_file_system(shm_dir, str(disk_b))
+    if os.stat(shm_dir).st_dev != os.stat(tmp_path).st_dev:  # tmp_path itself may be on a tmpfs
+        assert not other and "different devices" in why2
+    with caplog.at_level(logging.INFO, logger="deepfreeze"):
+        on, why = choose(cfg(disk_a, disk_b))  # auto: the shipped default
+        assert on and why.startswith("write_once = auto"), why
+        assert "straight into persistent" in caplog.text and "write_once = auto" in caplog.text
+    assert choose(cfg(disk_a, disk_b, write_once="off"))[0] is False
+    assert choose(cfg(shm_dir, disk_b, write_once="on"))[0] is True  # on: whatever the file systems
+    assert choose(cfg(shm_dir, disk_b))[0] is other
+    assert choose(cfg(disk_a, disk_b, ec_interval=0))[0] is False  # partner copies need scratch files
+    assert choose(cfg(disk_a, disk_b, persistent_interval=-1))[0] is False
+
+
+def test_never_by_device_number_alone(tmp_path):
+    """Same st_dev but the mount table disagrees, or cannot be read: not the same file system."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    real = os.path.realpath(str(tmp_path))
+    dev = os.stat(real).st_dev
+    mi = tmp_path / "mountinfo"
+    mi.write_text(f"1 0 {os.major(dev)}:{os.minor(dev)} / / rw - ext4 /dev/x rw\n"
+                  f"2 1 {os.major(dev)}:{os.minor(dev)} / {real}/b rw - xfs /dev/y rw\n")
+    same, why = same_file_system(str(a), str(b), mountinfo=str(mi))
+    assert not same and "different mounts" in why
+    mi.write_text(f"1 0 {os.major(dev)}:{os.minor(dev)} / / rw - ext4 /dev/x rw\n"
+                  f"2 1 {os.major(dev)}:{os.minor(dev)} / {real}/with\\040space rw - ext4 /dev/x rw\n")
+    assert same_file_system(str(a), str(b), mountinfo=str(mi))[0]
+    assert not same_file_system(str(a), str(b), mountinfo=str(tmp_path / "absent"))[0]
+
+
+def test_bad_values_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="write_once = 'sometimes' is invalid"):
+        cfg(tmp_path / "s", tmp_path / "p", write_once="sometimes")
+    with pytest.raises(ConfigError, match="ec_interval"):
+        cfg(tmp_path / "s", tmp_path / "p", write_once="on", ec_interval=0)
+    assert cfg(tmp_path / "s", tmp_path / "p", write_once=True).write_once == "on"
+    assert Config.load(None, env={"VELOC_WRITE_ONCE": "OFF"}, mode="sync", scratch=str(tmp_path / "s"),
+                       persistent=str(tmp_path / "p")).write_once == "off"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_written_once_restores_bit_exact(tmp_path, mode, fused):
+    """Two ranks on one node, write_once = auto on one disk: no scratch file of a flushed version,
+    the assembled file committed by the usual protocol, every version restored bit-exact; with
+    persistent_interval a version decided 'skip' goes to scratch as before."""
+    world, versions = 2, (1, 2, 3)
+    plan = make_plan(world)
+    interval = 3600.0 if mode == "sync" else 0.0  # sync: v1 flushed, v2 and v3 skipped (to scratch)
+    c = cfg(tmp_path / "node0", tmp_path / "pfs", mode=mode, write_once="auto", persistent_interval=interval)
+    engines = [Engine(c, "job", r, plan) for r in range(world)]
+    assert all(e.write_once for e in engines)
+    layouts = [FusedLayout.build(plan, r) for r in range(world)]
+    for v in versions:
+        arrays = model_arrays(v)
+        for r, e in enumerate(engines):
+            p = pieces(arrays, plan, r)
+            e.checkpoint(v, FusedShard.from_arrays(layouts[r], p, v) if fused else p, step=v, epoch=0)
+    for e in engines:
+        e.close()
+    flushed = (1,) if interval else versions
+    scratch = ScratchLevel(c.scratch)
+    for v in versions:
+        inv = scratch.inventory("job", v)
+        assert (inv["shard"] == {}) is (v in flushed), f"v{v}: {inv}"
+    listed = deepfreeze.list_versions(c, "job")
+    for v in versions:
+        assert ("persistent" in listed[v]) is (v in flushed)
+        ck = load(c, "job", v)
+        for a, b in zip(ck.arrays.values(), model_arrays(v)):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    vdir = PersistentLevel(c.persistent).version_dir("job", flushed[-1])
+    assert sorted(os.listdir(vdir)) == ["decision", "manifest.json", "model.dfz"]  # no partial, no marker left
+
+
+def test_flush_checks_the_write_once_record(tmp_path):
+    """A flush job whose write-once record does not match the rank's pieces, or names another
+    nonce than the version's decision, fails and commits nothing."""
+    plan = make_plan(1)
+    c = cfg(tmp_path / "s", tmp_path / "p", write_once="on")
+    level = PersistentLevel(c.persistent)
+    d = level.decide("job", 1, 0)
+    direct = level.write_direct("job", 1, 0, plan, pieces(model_arrays(1), plan, 0), d, chksum=True)
+    from deepfreeze.format import build_manifest
+    job = {"name": "job", "version": 1, "rank": 0, "scratch": c.scratch, "persistent": c.persistent,
+           "persistent_interval": 0, "keep_scratch": 0, "keep_persistent": 0,
+           "manifest": build_manifest("job", 1, 1, 0, plan, ["n"])}
+    bad = dict(direct, crcs=direct["crcs"][:-1])
+    with pytest.raises(CheckpointWriteError, match="malformed write-once record"):
+        flush_job(dict(job, direct=bad))
+    with pytest.raises(CheckpointWriteError, match="nonce"):
+        flush_job(dict(job, direct=dict(direct, nonce="0" * 16)))
+    assert level.committed_versions("job") == []
+    assert flush_job(dict(job, direct=direct))["committed"]
+    ck = load(c, "job", 1)
+    for a, b in zip(ck.arrays.values(), model_arrays(1)):
+        assert a.tobytes() == b.tobytes()
