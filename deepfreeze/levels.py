@@ -152,6 +152,10 @@ def _pause(delay: float) -> float:
     return min(2 * delay, _POLL_MAX)
 
 
+_KNOWN_RUNS: dict[tuple, tuple[str, int, int | None]] = {}  # Level.committed_run: manifest identity -> its run
+_KNOWN_MAX = 4096
+
+
 def plan_of(manifest: dict[str, Any]) -> ShardPlan:
     tensors = [TensorSpec(t["id"], t["name"], t["dtype"], tuple(t["shape"])) for t in manifest["tensors"]]
     plan = ShardPlan.from_json(tensors, manifest["plan"])
@@ -212,6 +216,34 @@ class Level:
             raise CorruptCheckpointError(f"{path}: manifest is for {m['name']!r} v{m['version']}, "
                                          f"found under {name!r} v{version}")
         return m
+
+    def committed_run(self, name: str, version: int) -> tuple[str, int, int | None]:
+        """:func:`format.manifest_run` of ``version``'s valid manifest (run id, generation,
+        resumed-from): all retention needs of it. The body is read and decoded (validated, as
+        :meth:`read_manifest`) the first time this process meets that file; while ``lstat`` then
+        shows the same regular file (device, inode, size, modification and change times: a
+        manifest is replaced by a rename, never rewritten in place) and its owner is trusted, the
+        answer is remembered (site ``{kind}.manifest.known``) and no byte is read. Raises what
+        :meth:`read_manifest` raises."""
+        path = os.path.join(self.version_dir(name, version), MANIFEST)
+
+        def key() -> tuple | None:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return None
+            return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid) \
+                if stat.S_ISREG(st.st_mode) and st.st_uid in self.trusted else None
+        before = key()
+        if before is not None and before in _KNOWN_RUNS:
+            counters.fs("stat", f"{self.kind}.manifest.known")
+            return _KNOWN_RUNS[before]
+        run = fmt.manifest_run(self.read_manifest(name, version))
+        if before is not None and key() == before:  # the file read is the one stat'ed
+            if len(_KNOWN_RUNS) >= _KNOWN_MAX:
+                _KNOWN_RUNS.pop(next(iter(_KNOWN_RUNS)))
+            _KNOWN_RUNS[before] = run
+        return run
 
     def makedirs(self, path: str) -> None:
         """Create ``path`` and every missing parent owner-only (0700) and check the existing ones
@@ -910,11 +942,11 @@ class PersistentLevel(Level):
         gen = self.generation(name)
         committed, other_gen = [], []
         for v in self.versions(name):
-            try:
-                m = self.read_manifest(name, v)
+            try:  # (a manifest this process validated before is not read again: committed_run)
+                run = self.committed_run(name, v)
             except (OSError, DeepFreezeError, ValueError):
                 continue
-            (committed if fmt.manifest_run(m)[1] == gen else other_gen).append(v)
+            (committed if run[1] == gen else other_gen).append(v)
         for v in other_gen:  # under the version's lock: never half-way through another node's decision
             vdir = self.version_dir(name, v)
             with self.locked(vdir, wait=0.0, stale_after=60.0) as taken:
