@@ -299,7 +299,7 @@ class Engine:
         index = mdev.make_index(self.plan, self.rank, self.name, self.run.id,
                                 lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout}, job=job)
         dev = mdev.open(cfg.memtier)
-        meta_cap = mdev.manifest_capacity(len(self.plan.tensors), len(self.plan.pieces), self.plan.world_size)
+        meta_cap = mdev.manifest_capacity(len(self.plan.tensors), fmt.plan_items(self.plan.to_json()), self.plan.world_size)
         try:  # an engine rebuilt within the same run (a second fit) gets its region again
             try:
                 region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,

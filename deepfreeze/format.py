@@ -36,9 +36,14 @@ Manifest limits (enforced by :func:`decode_manifest`; a manifest beyond them is
 "not a valid manifest", i.e. the version is not committed there, never a crash):
 
 * size: at most ``MAX_MANIFEST_BYTES`` (64 MiB) before it is parsed, and after
-  parsing at most 64 KiB + 2 KiB per tensor + 128 bytes per shard-plan piece +
-  1 KiB per rank (:func:`manifest_size_limit`; what DeepFreeze writes stays far
-  below: :func:`encode_manifest` refuses to write a manifest beyond it);
+  parsing at most 64 KiB + 2 KiB per tensor + 128 bytes per item the plan record
+  lists + 1 KiB per rank (:func:`manifest_size_limit`; the items: every piece of an
+  older record, the explicit pieces and half the given bounds of a compact one,
+  :func:`plan_items`; what DeepFreeze writes stays far below: :func:`encode_manifest`
+  refuses to write a manifest beyond it). A compact plan record keeps a manifest
+  O(T + N) (docs/cluster.md, "At 1000 nodes");
+* a compact plan record derives at most ``MAX_ENTRIES`` (2**22) pieces, counted before
+  any is made (:meth:`deepfreeze.shardplan.ShardPlan.from_json`);
 * nesting depth at most ``MAX_JSON_DEPTH`` (32) arrays/objects;
 * integers below 2**63 in magnitude: a number of more than 20 digits is refused
   before it is converted (Python's ``int()`` of a long digit string is
@@ -46,13 +51,14 @@ Manifest limits (enforced by :func:`decode_manifest`; a manifest beyond them is
 * every tensor at most 2**48 elements, at most ``MAX_NDIM`` dimensions;
 * the decode is linear in the size: one pass of the C JSON parser with the
   hooks above, schema checks linear in the number of tensors, pieces and ranks,
-  the size limit; the nesting depth is counted over the bytes before parsing
+  the size limit (deriving a compact plan's pieces, :func:`deepfreeze.levels.plan_of`, is
+  O(T log N + pieces)); the nesting depth is counted over the bytes before parsing
   (:func:`deepfreeze.jsonsafe.json_depth`, linear, C speed).
 
 Why these limits: a manifest is read from a directory anyone with write access to the level
 could have planted a file in. A parsed manifest costs about 25 times its size in memory (hence
-the cap before parsing); what DeepFreeze writes takes about 200 bytes per tensor, 50 per piece
-and 100 per rank (far below the limit after parsing); Python's parser recurses (hence the
+the cap before parsing); what DeepFreeze writes takes about 200 bytes per tensor, 50 per listed
+piece and 100 per rank (far below the limit after parsing); Python's parser recurses (hence the
 depth); ``int()`` of a long digit string is quadratic and refused above 4300 digits (the
 integer hook runs only when a run of 19+ digits occurs). The world size must be 1 to 2**20
 ranks. A manifest beyond a limit is *invalid*: the version is not committed at that place
@@ -81,8 +87,13 @@ alone with :func:`read_index` then :func:`read_entry` (``deepfreeze.load(..., te
 Manifest keys (``manifest.json``, built by ``build_manifest``, decoded by :func:`decode_manifest`
 with a strict schema): ``format``, ``format_version``, ``run`` (``id``, ``generation``,
 ``resumed_from``: :func:`manifest_run`), ``name``, ``version``, ``step``, ``epoch``,
-``world_size``, ``tensors`` (id, name, dtype, shape), ``plan`` (the shard plan, validated on read:
-its pieces must tile every tensor), ``shards`` (per rank: file name, failure domain, bytes),
+``world_size``, ``tensors`` (id, name, dtype, shape), ``plan`` (the shard plan record of
+:meth:`deepfreeze.shardplan.ShardPlan.to_json`: in format version 3 a compact record, the plan
+algorithm id ``"algorithm": "flat-v1"`` and its parameters ``world_size``, ``min_shard_bytes``,
+``pinned``, ``given`` (FSDP2's bounds) plus the ``explicit`` pieces no rule derives, from which
+a reader derives the pieces; in versions 1 and 2 every piece, ``"pieces": [[tensor id, rank,
+start, stop], ...]``, still read; validated on read either way: the pieces must tile every
+tensor; an unknown algorithm id is refused as written by a newer DeepFreeze), ``shards`` (per rank: file name, failure domain, bytes),
 ``total_bytes``. Optional: ``model_tensors`` (how many leading tensors are model weights, the rest
 optimizer state; a manifest without it is weights only), ``epoch_step`` (the step within the
 epoch after the checkpointed batch) and ``epoch_complete`` (whether that was the epoch's last
@@ -118,13 +129,13 @@ __all__ = [
     "DTYPES", "dtype_itemsize", "numpy_dtype", "dtype_name", "layout", "encode_index",
     "read_index", "read_entry", "crc32", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
     "manifest_run", "run_id_bytes", "MAX_JSON_DEPTH", "manifest_size_limit", "parent_problem", "manifest_parent",
-    "build_manifest", "ANONYMOUS_RUN", "json_hooks", "ITEMSIZE",
+    "build_manifest", "ANONYMOUS_RUN", "json_hooks", "ITEMSIZE", "plan_items", "MAX_ENTRIES",
 ]
 
 MAGIC = b"DEEPFRZ\0"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-MANIFEST_VERSIONS = (1, 2)
+MANIFEST_VERSIONS = (1, 2, 3)  # 3: the compact plan record (shardplan.py); 2 and 1 list every piece
 KIND_SHARD = 1
 KIND_ASSEMBLED = 2
 FLAG_CRC = 1
@@ -446,8 +457,26 @@ def manifest_run(manifest: dict[str, Any]) -> tuple[str, int, int | None]:
     return run.get("id", ""), run.get("generation", 0), run.get("resumed_from")
 
 
+def plan_items(plan: Any) -> int:
+    """How many items a manifest's plan record lists, what :func:`manifest_size_limit` allows 128
+    bytes for: every piece of an older record (``pieces``); the ``explicit`` pieces plus half the
+    ``given`` bounds of a compact one (a bound takes about 20 bytes as written). 0 for anything
+    that is not a plan record (its validation, :func:`deepfreeze.levels.plan_of`, says why)."""
+    if not isinstance(plan, dict):
+        return 0
+    if "algorithm" not in plan:
+        pieces = plan.get("pieces")
+        return len(pieces) if isinstance(pieces, list) else 0
+    explicit, given = plan.get("explicit"), plan.get("given")
+    n = len(explicit) if isinstance(explicit, list) else 0
+    if isinstance(given, list):
+        n += sum((len(g) + 1) // 2 for g in given if isinstance(g, list))
+    return n
+
+
 def manifest_size_limit(n_tensors: int, n_pieces: int, world_size: int) -> int:
-    """The largest manifest (bytes) accepted for a checkpoint of this shape (see the module docstring)."""
+    """The largest manifest (bytes) accepted for a checkpoint of this shape (see the module docstring):
+    ``n_pieces`` is the number of items its plan record lists (:func:`plan_items`)."""
     return min(MAX_MANIFEST_BYTES,
                _MANIFEST_BASE + _PER_TENSOR * n_tensors + _PER_PIECE * n_pieces + _PER_RANK * world_size)
 
@@ -457,8 +486,7 @@ def encode_manifest(obj: dict[str, Any]) -> bytes:
     ``json.dumps`` with ``indent`` runs the pure-Python encoder, about 5x the CPU of the C one
     (42 against 9 ms for a 3000-tensor manifest); ``deepfreeze inspect`` shows it to people."""
     data = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
-    plan = obj.get("plan") if isinstance(obj.get("plan"), dict) else {}
-    limit = manifest_size_limit(len(obj.get("tensors", ())), len(plan.get("pieces", ())),
+    limit = manifest_size_limit(len(obj.get("tensors", ())), plan_items(obj.get("plan")),
                                 int(obj.get("world_size", 1)))
     if len(data) > limit:  # never write a manifest restore would refuse
         raise ValueError(f"the manifest of {obj.get('name')!r} v{obj.get('version')} would be {len(data)} bytes, "
@@ -526,13 +554,11 @@ def decode_manifest(data: bytes, path: str = "<manifest>") -> dict[str, Any]:
         raise
     except Exception as e:  # a schema check tripping on an unexpected type: still just "invalid"
         raise bad(f"malformed ({type(e).__name__}: {e})") from e
-    plan = obj["plan"]
-    pieces = plan.get("pieces")
-    limit = manifest_size_limit(len(obj["tensors"]), len(pieces) if isinstance(pieces, list) else 0,
-                                obj["world_size"])
+    limit = manifest_size_limit(len(obj["tensors"]), plan_items(obj["plan"]), obj["world_size"])
     if len(data) > limit:
         raise bad(f"{len(data)} bytes is larger than the {limit}-byte limit for {len(obj['tensors'])} tensors "
-                  f"and {obj['world_size']} ranks (64 KiB + 2 KiB per tensor + 128 bytes per piece + 1 KiB per rank)")
+                  f"and {obj['world_size']} ranks (64 KiB + 2 KiB per tensor + 128 bytes per item the plan "
+                  "record lists + 1 KiB per rank)")
     return obj
 
 
@@ -629,10 +655,11 @@ def build_manifest(name: str, version: int, step: int, epoch: int, plan: Any,
     ``plan`` a :class:`~deepfreeze.shardplan.ShardPlan`, ``domains`` every rank's failure domain,
     ``run`` the :class:`~deepfreeze.lease.RunInfo` writing it (None: the anonymous run)."""
     run_json = run.to_json() if run is not None else {"id": ANONYMOUS_RUN, "generation": 0, "resumed_from": None}
-    return {
-        "format": "deepfreeze-manifest", "format_version": 2, "run": run_json, "name": name, "version": version,
-        "step": step, "epoch": epoch, "world_size": plan.world_size,
-        "tensors": [t.to_json() for t in plan.tensors], "plan": plan.to_json(),
+    record = plan.to_json()
+    return {  # format version 3: a compact plan record; 2: a record listing every piece (a plan no rule gives)
+        "format": "deepfreeze-manifest", "format_version": 3 if "algorithm" in record else 2, "run": run_json,
+        "name": name, "version": version, "step": step, "epoch": epoch, "world_size": plan.world_size,
+        "tensors": [t.to_json() for t in plan.tensors], "plan": record,
         "shards": [{"rank": r, "file": f"r{r:06d}.dfs", "domain": domains[r], "bytes": b}
                    for r, b in enumerate(plan.rank_bytes())],
         "total_bytes": plan.total_bytes, **(extra or {}),

@@ -375,6 +375,7 @@ def describe(manifest: dict[str, Any], copies: list[VersionCopy]) -> dict[str, A
         "name": manifest["name"], "version": manifest["version"], "step": manifest["step"],
         "epoch": manifest["epoch"], "epoch_complete": manifest.get("epoch_complete"),
         "world_size": plan.world_size, "total_bytes": plan.total_bytes, "min_shard_bytes": plan.min_shard_bytes,
+        "plan_algorithm": manifest["plan"].get("algorithm"),  # None: an older record listing every piece
         "failure_domains": domains,
         "levels": [{"level": c.level, "status": c.status, "detail": c.detail, "path": c.path}
                    for c in copies if c.version == manifest["version"]],

@@ -146,9 +146,6 @@ DECISION = "decision"
 LOCK = "commit.lock"
 _POLL_FIRST, _POLL_MAX = 0.01, 0.2  # waits on the version lock: 10 ms, doubling to 200 ms, jittered
 _MAX_MARKER_BYTES = 64 << 20
-#: Level.manifest_run's memory: file identity -> (run id, generation, resumed from), per process
-_RUN_OF: dict[tuple, tuple[str, int, "int | None"]] = {}
-_RUN_OF_MAX = 4096
 
 
 class FencedError(DeepFreezeError, RuntimeError):
@@ -160,6 +157,10 @@ def _pause(delay: float) -> float:
     return the next, doubled, delay (at most ``_POLL_MAX``)."""
     time.sleep(delay * (0.5 + secrets.randbelow(1 << 16) / (1 << 17)))
     return min(2 * delay, _POLL_MAX)
+
+
+_KNOWN_RUNS: dict[tuple, tuple[str, int, int | None]] = {}  # Level.committed_run: manifest identity -> its run
+_KNOWN_MAX = 4096
 
 
 def plan_of(manifest: dict[str, Any]) -> ShardPlan:
@@ -213,28 +214,6 @@ class Level:
         finally:
             os.close(fd)
 
-    def manifest_run(self, name: str, version: int) -> tuple[str, int, "int | None"]:
-        """:func:`deepfreeze.format.manifest_run` of the version's manifest here: read, checked and
-        decoded whole (:meth:`read_manifest`) the first time this process sees that file, then
-        remembered by the file's identity (device, inode, size, mtime and ctime, from an
-        ``lstat`` that must still find a regular file of a trusted owner). Committed manifests
-        are never rewritten in place (a new commit is a new file), so retention, which asks this
-        of every version present at every flush, decodes each manifest once, not once per flush
-        (with 1000s of tensors that decode was most of a flush's CPU). Raises what
-        :meth:`read_manifest` raises."""
-        path = os.path.join(self.version_dir(name, version), MANIFEST)
-        st = os.lstat(path)
-        key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        hit = _RUN_OF.get(key)
-        if hit is not None and stat.S_ISREG(st.st_mode) and (self.trusted is None or st.st_uid in self.trusted):
-            counters.add(f"{self.kind}.manifest.remembered")
-            return hit
-        run = fmt.manifest_run(self.read_manifest(name, version))
-        if len(_RUN_OF) >= _RUN_OF_MAX:
-            _RUN_OF.pop(next(iter(_RUN_OF)))  # the oldest first (dicts keep insertion order)
-        _RUN_OF[key] = run
-        return run
-
     def read_manifest(self, name: str, version: int) -> dict[str, Any]:
         path = os.path.join(self.version_dir(name, version), MANIFEST)
         counters.fs("open", f"{self.kind}.manifest.read")
@@ -244,6 +223,34 @@ class Level:
             raise CorruptCheckpointError(f"{path}: manifest is for {m['name']!r} v{m['version']}, "
                                          f"found under {name!r} v{version}")
         return m
+
+    def committed_run(self, name: str, version: int) -> tuple[str, int, int | None]:
+        """:func:`format.manifest_run` of ``version``'s valid manifest (run id, generation,
+        resumed-from): all retention needs of it. The body is read and decoded (validated, as
+        :meth:`read_manifest`) the first time this process meets that file; while ``lstat`` then
+        shows the same regular file (device, inode, size, modification and change times: a
+        manifest is replaced by a rename, never rewritten in place) and its owner is trusted, the
+        answer is remembered (site ``{kind}.manifest.known``) and no byte is read. Raises what
+        :meth:`read_manifest` raises."""
+        path = os.path.join(self.version_dir(name, version), MANIFEST)
+
+        def key() -> tuple | None:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return None
+            return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid) \
+                if stat.S_ISREG(st.st_mode) and st.st_uid in self.trusted else None
+        before = key()
+        if before is not None and before in _KNOWN_RUNS:
+            counters.fs("stat", f"{self.kind}.manifest.known")
+            return _KNOWN_RUNS[before]
+        run = fmt.manifest_run(self.read_manifest(name, version))
+        if before is not None and key() == before:  # the file read is the one stat'ed
+            if len(_KNOWN_RUNS) >= _KNOWN_MAX:
+                _KNOWN_RUNS.pop(next(iter(_KNOWN_RUNS)))
+            _KNOWN_RUNS[before] = run
+        return run
 
     def makedirs(self, path: str) -> None:
         """Create ``path`` and every missing parent owner-only (0700) and check the existing ones
@@ -1041,8 +1048,8 @@ class PersistentLevel(Level):
         gen = self.generation(name)
         committed, other_gen = [], []
         for v in self.versions(name):
-            try:
-                run = self.manifest_run(name, v)
+            try:  # (a manifest this process validated before is not read again: committed_run)
+                run = self.committed_run(name, v)
             except (OSError, DeepFreezeError, ValueError):
                 continue
             (committed if run[1] == gen else other_gen).append(v)

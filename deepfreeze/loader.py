@@ -419,7 +419,7 @@ def _merge_memtier(local: dict[int, tuple[dict[str, Any], dict[str, dict[int, st
 def _file_limit(manifest: dict[str, Any]) -> int:
     """The most bytes a scratch file of ``manifest`` (a shard, a partner copy, a parity block) can
     hold: every tensor byte, plus a header and index for every piece, plus alignment."""
-    pieces = len(manifest["plan"].get("pieces", [])) if isinstance(manifest.get("plan"), dict) else 0
+    pieces = len(plan_of(manifest).pieces)  # (derived from a compact plan record; validated by the caller)
     tensors = sum(math.prod(t["shape"]) * fmt.dtype_itemsize(t["dtype"]) for t in manifest["tensors"])
     return tensors + (1 << 20) + (pieces + len(manifest["tensors"])) * (48 + 8 * fmt.MAX_NDIM + fmt.PIECE_ALIGN)
 
@@ -519,6 +519,7 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
         read_here = from_tier = 0  # files this participant reads, and how many of them are memory-tier slots
         mine_tier: set[int] = set()  # ranks whose shard this participant reads from a memory-tier slot
         memtier_level.forget()
+        limit = _file_limit(manifest)
         for (kind, key), p in fetch.items():
             if p != comm.rank:
                 continue
@@ -529,7 +530,7 @@ def _load_scratch(comm: Comm, local: tuple[dict[str, Any], dict[str, dict[int, s
                     mine_tier.add(key)
             try:
                 items[(kind, key)] = _read_item(inv, kind, key, version, verify, fmt.manifest_run(manifest)[0],
-                                                _file_limit(manifest))
+                                                limit)
             except _UNREADABLE as e:  # damaged, not a regular file, or removed by retention meanwhile
                 failed.append([kind, key, str(e) or type(e).__name__])
         gathered = [json.loads(b) for b in comm.allgather(json.dumps(

@@ -173,6 +173,7 @@ def test_inspect_text_and_json(tmp_path):
     assert [(t["name"], t["dtype"], t["shape"], t["bytes"]) for t in d["tensors"]] == \
         [(n, a.dtype.name, list(a.shape), a.nbytes) for n, a in zip(NAMES, arrays)]
     assert d["total_bytes"] == sum(a.nbytes for a in arrays)
+    assert d["plan_algorithm"] == "flat-v1"  # the compact plan record: the pieces below are derived
     assert d["failure_domains"] == {"node0": [0, 2], "node1": [1]}
     assert sum(r["bytes"] for r in d["ranks"]) == d["total_bytes"]
     assert [r["file"] for r in d["ranks"]] == ["r000000.dfs", "r000001.dfs", "r000002.dfs"]

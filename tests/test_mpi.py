@@ -66,7 +66,8 @@ def test_three_ranks_sync_every_version_bit_exact(tmp_path):
     m = load(node_cfg(out, 0), "job").manifest
     assert [s["domain"] for s in m["shards"]] == ["node0", "node1", "node2"]
     ranks_per_tensor = {}
-    for tid, rank, start, stop in m["plan"]["pieces"]:
+    from deepfreeze.levels import plan_of
+    for tid, rank, start, stop in ((p.tensor_id, p.rank, p.start, p.stop) for p in plan_of(m).pieces):
         ranks_per_tensor.setdefault(tid, set()).add(rank)
     names = [t["name"] for t in m["tensors"]]
     for tid, ranks in ranks_per_tensor.items():

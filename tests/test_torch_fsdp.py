@@ -144,7 +144,9 @@ def test_manifest_records_global_shapes_and_offsets(fsdp_run, tmp_path):
     tensors = {t["name"]: t for t in m["tensors"]}
     assert tensors["body.0.weight"]["shape"] == [5, 8] and tensors["optim.state.mid.weight.exp_avg"]["shape"] == [3, 64]
     pieces = {}
-    for tid, rank, start, stop in m["plan"]["pieces"]:
+    from deepfreeze.levels import plan_of
+    assert m["plan"]["algorithm"] == "flat-v1" and m["plan"]["given"]  # FSDP2's bounds: recorded as given
+    for tid, rank, start, stop in ((p.tensor_id, p.rank, p.start, p.stop) for p in plan_of(m).pieces):
         pieces.setdefault(m["tensors"][tid]["name"], []).append((rank, start, stop))
     assert pieces["body.0.weight"] == [(0, 0, 24), (1, 24, 40)]
     assert pieces["optim.state.body.0.weight.exp_avg_sq"] == [(0, 0, 24), (1, 24, 40)]

@@ -141,7 +141,7 @@ def register(device: "mdev.Device | str", name: str,
     dev, owns = _device(device, True)
     try:
         region = dev.register_shard(name, run, 0, 1, index=index, image_size=index["file_size"],
-                                    meta_cap=mdev.manifest_capacity(len(specs), len(plan.pieces), 1), nslots=slots)
+                                    meta_cap=mdev.manifest_capacity(len(specs), fmt.plan_items(plan.to_json()), 1), nslots=slots)
     except BaseException:
         if owns:
             dev.close()

@@ -279,7 +279,9 @@ def make_index(plan: Any, rank: int, name: str, run: str, *, lease: dict[str, An
 
 def manifest_capacity(n_tensors: int, n_pieces: int, world_size: int) -> int:
     """Bytes to reserve per slot for the version's manifest: the largest one restore accepts for
-    that shape (``format.manifest_size_limit``), page aligned."""
+    that shape (``format.manifest_size_limit``; ``n_pieces``: the items its plan record lists,
+    ``format.plan_items``: none for a compact record but FSDP2's bounds and per-rank records), page
+    aligned."""
     return _align(fmt.manifest_size_limit(n_tensors, n_pieces, world_size))
 
 

@@ -615,7 +615,7 @@ class Checkpointer(RunView, Sink):
         records = {len(st.specs) + r: r for r in range(self.size)}
         pieces = [Piece(p.tensor_id, records[p.tensor_id], 0, caps[records[p.tensor_id]]) if p.tensor_id in records
                   else p for p in plan.pieces if p.tensor_id not in records or p.start == 0]  # record r: whole, rank r
-        plan = ShardPlan(plan.tensors, plan.world_size, tuple(pieces), plan.min_shard_bytes)
+        plan = dataclasses.replace(plan, pieces=tuple(pieces))  # (keeps build's parameters: the manifest records them)
         if self.rank == 0 and old is not None:
             why = ("the tensor list changed (optimizer state created lazily, add_param_group, or a model change): "
                    f"{len(old.tensors) - self.size} -> {len(st.specs)} tensors" if st.key() != self._key
