@@ -127,7 +127,7 @@ from .jsonsafe import MAX_JSON_DEPTH, json_depth, loads as _bounded_loads
 __all__ = [
     "MAGIC", "FORMAT_VERSION", "KIND_SHARD", "KIND_ASSEMBLED", "Entry", "ShardIndex",
     "DTYPES", "dtype_itemsize", "numpy_dtype", "dtype_name", "layout", "encode_index",
-    "read_index", "read_entry", "crc32", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
+    "read_index", "read_entry", "crc32", "crc32_bytes", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
     "manifest_run", "run_id_bytes", "MAX_JSON_DEPTH", "manifest_size_limit", "parent_problem", "manifest_parent",
     "build_manifest", "ANONYMOUS_RUN", "json_hooks", "ITEMSIZE", "plan_items", "MAX_ENTRIES",
 ]
@@ -207,6 +207,12 @@ except ImportError:  # pragma: no cover - isal has wheels for the usual platform
 def crc32(buf: Any, value: int = 0) -> int:
     """CRC32 (zlib's) of a buffer; both implementations release the GIL on large buffers."""
     return _crc32(byte_view(buf), value) & 0xFFFFFFFF
+
+
+def crc32_bytes(view: "memoryview | bytes", value: int = 0) -> int:
+    """:func:`crc32` of a flat byte buffer (a ``"B"`` memoryview or bytes) as it is: no view
+    conversion, for callers that checksum thousands of small pieces of one buffer."""
+    return _crc32(view, value) & 0xFFFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)
