@@ -173,8 +173,9 @@ def ioprio_value(cls: int, level: int = 0) -> int:
 
 
 def ioprio_parts(value: int) -> tuple[int, int]:
-    """``(class, level)`` of an I/O priority value (:func:`ioprio_get`'s result)."""
-    return value >> _IOPRIO_CLASS_SHIFT, value & ((1 << _IOPRIO_CLASS_SHIFT) - 1)
+    """``(class, level)`` of an I/O priority value (:func:`ioprio_get`'s result; the level is the
+    low 3 bits: Linux 6.x keeps hints in the bits above it)."""
+    return value >> _IOPRIO_CLASS_SHIFT, value & 7
 
 
 def ioprio_set(which: int, who: int, ioprio: int) -> None:

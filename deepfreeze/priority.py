@@ -270,6 +270,7 @@ class Lanes:
                             job = self._queue.popleft()
                             self._running, self._running_lane, self._boosted = job, lane, False
                             self.stats["urgent_jobs" if lane == "normal" else "low_jobs"] += 1
+                            self._cond.notify_all()  # the normal lane watches a low-lane job's deadline
                             break
                     if self._stop and self._running is None and not self._queue and not self._sections:
                         self._cond.notify_all()

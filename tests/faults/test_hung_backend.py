@@ -182,9 +182,11 @@ def test_backend_whose_flusher_is_stuck_is_replaced(tmp_path, caplog):
     e.wait()
     old = e._backend.pid
     st = backend.status(cfg.scratch)
-    tid = st["flusher"]["tid"]
+    tids = st["flusher"]["tids"]  # both lanes (deepfreeze.priority): a job may run on either
     assert st["flusher"]["stalled"] == 0.0  # idle
-    with thread_stopped(old, tid):
+    with contextlib.ExitStack() as stack:
+        for tid in tids:
+            stack.enter_context(thread_stopped(old, tid))
         e.checkpoint(4, pieces(model_arrays(4), plan, 0), step=4, epoch=0)
         e.wait(timeout=60)
         assert e._backend.pid != old
