@@ -61,7 +61,8 @@ import time
 import weakref
 from typing import Any, Callable, Iterable
 
-from . import _native
+from ._native import (IOPRIO_CLASS_BE, IOPRIO_CLASS_NONE, IOPRIO_WHO_PROCESS, available, ioprio_get, ioprio_parts,
+                      ioprio_set, ioprio_value)
 
 __all__ = ["Lanes", "BACKGROUND_NICE", "BACKGROUND_IOPRIO", "PRIORITIES", "lower_thread", "thread_priority",
            "normal_ioprio"]
@@ -69,7 +70,7 @@ __all__ = ["Lanes", "BACKGROUND_NICE", "BACKGROUND_IOPRIO", "PRIORITIES", "lower
 #: how much the low lane raises its nice value (capped at 19)
 BACKGROUND_NICE = 10
 #: the low lane's I/O priority: best-effort class, level 7 (the lowest best-effort level)
-BACKGROUND_IOPRIO = _native.ioprio_value(_native.IOPRIO_CLASS_BE, 7)
+BACKGROUND_IOPRIO = ioprio_value(IOPRIO_CLASS_BE, 7)
 #: values of the ``background_priority`` key
 PRIORITIES = ("low", "normal")
 
@@ -79,17 +80,17 @@ def thread_priority(tid: int | None = None) -> tuple[int, int | None]:
     ``ioprio_get`` is not available."""
     tid = tid or threading.get_native_id()
     nice = os.getpriority(os.PRIO_PROCESS, tid)
-    if not _native.available("ioprio_get"):
+    if not available("ioprio_get"):
         return nice, None
-    return nice, _native.ioprio_get(_native.IOPRIO_WHO_PROCESS, tid)
+    return nice, ioprio_get(IOPRIO_WHO_PROCESS, tid)
 
 
 def normal_ioprio(nice: int, ioprio: int | None) -> int:
     """The explicit I/O priority a thread had at ``(nice, ioprio)`` before it was lowered: its
     own value, or for class NONE the best-effort level the kernel derives from its nice value."""
-    if ioprio is not None and _native.ioprio_parts(ioprio)[0] != _native.IOPRIO_CLASS_NONE:
+    if ioprio is not None and ioprio_parts(ioprio)[0] != IOPRIO_CLASS_NONE:
         return ioprio
-    return _native.ioprio_value(_native.IOPRIO_CLASS_BE, min(7, max(0, (nice + 20) // 5)))
+    return ioprio_value(IOPRIO_CLASS_BE, min(7, max(0, (nice + 20) // 5)))
 
 
 def lower_thread(base_nice: int | None = None) -> bool:
@@ -104,7 +105,7 @@ def lower_thread(base_nice: int | None = None) -> bool:
     except (OSError, AttributeError):
         ok = False
     try:
-        _native.ioprio_set(_native.IOPRIO_WHO_PROCESS, tid, BACKGROUND_IOPRIO)
+        ioprio_set(IOPRIO_WHO_PROCESS, tid, BACKGROUND_IOPRIO)
     except OSError:
         ok = False
     return ok
@@ -240,7 +241,7 @@ class Lanes:
         self.stats["boosted"] += 1
         tid = self.tids["low"]
         try:
-            _native.ioprio_set(_native.IOPRIO_WHO_PROCESS, tid, normal_ioprio(*self._base))
+            ioprio_set(IOPRIO_WHO_PROCESS, tid, normal_ioprio(*self._base))
         except OSError:
             pass
         try:  # permitted only with CAP_SYS_NICE or RLIMIT_NICE; else the job ends at the low nice value
