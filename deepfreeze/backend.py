@@ -940,7 +940,8 @@ def status(scratch: str, timeout: float = 2.0, *, veloc: bool = True) -> dict[st
     """The state of the backend serving ``scratch``, within about ``timeout`` seconds (it never hangs).
 
     Returns a dict: ``state`` is ``"running"`` (then ``pid``, ``pending``, ``jobs``, ``clients``
-    (other than this query), ``overdue``), ``"unresponsive"`` (it accepted the connection but did
+    (other than this query), ``overdue``, ``flusher``, ``priority``: the lanes' counters, as the
+    ``status`` request), ``"unresponsive"`` (it accepted the connection but did
     not answer within ``timeout``: ``pid`` if the kernel knows it, ``process`` its state, e.g.
     ``"T (stopped)"`` or ``"D (uninterruptible I/O wait)"``) or ``"none"``; also ``socket``,
     ``scratch``, ``message`` (one line for people) and ``veloc`` (this user's VeloC daemon:
@@ -955,7 +956,8 @@ def status(scratch: str, timeout: float = 2.0, *, veloc: bool = True) -> dict[st
         client = BackendClient(scratch, start=False, answer_timeout=timeout)
         st = client.request({"op": "status"}, max(0.1, deadline - time.monotonic()))
         info.update(state="running", pid=st["pid"], pending=st["pending"], jobs=st["jobs"],
-                    clients=max(0, st["clients"] - 1), overdue=st.get("overdue", []), flusher=st.get("flusher"))
+                    clients=max(0, st["clients"] - 1), overdue=st.get("overdue", []), flusher=st.get("flusher"),
+                    priority=st.get("priority"))
         info["message"] = (f"backend for scratch {info['scratch']}: running, pid {st['pid']}, {st['pending']} flush "
                            f"job(s) pending, {st['jobs']} received, {info['clients']} other client(s) connected "
                            f"(socket {path})")

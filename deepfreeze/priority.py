@@ -128,6 +128,13 @@ def _drain_at_exit() -> None:  # like ThreadPoolExecutor: queued background work
         lanes.shutdown(wait=True)
 
 
+def _forget_lanes() -> None:  # a forked child has none of the parent's lane threads (nor their locks' holders)
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_lanes)
+
+
 class Lanes:
     """Jobs run one at a time, in submission order, each on the low or the normal lane (see the
     module docstring). ``submit`` returns a :class:`concurrent.futures.Future`; ``shutdown``
