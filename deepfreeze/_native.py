@@ -11,7 +11,18 @@ caller's to handle.
 Who uses what: :func:`sync_file_range` (``deepfreeze.levels``: the write-back hint of a flush),
 :func:`memcmp` (``deepfreeze.repo.store``: deduplication's byte comparison, GIL released),
 :func:`process_vm_readv` / :func:`process_vm_writev` / :func:`prctl` / :func:`memmove`
-(``deepfreeze.memtier.copy``: the memory tier's copies and the Yama ptracer permission).
+(``deepfreeze.memtier.copy``: the memory tier's copies and the Yama ptracer permission),
+:func:`ioprio_set` / :func:`ioprio_get` (``deepfreeze.priority``: the I/O priority of the
+background threads, the writer's and the backend's flusher).
+
+``ioprio_set``/``ioprio_get`` have no C-library wrapper: they go through ``syscall`` with this
+architecture's numbers (x86_64: 251/252; aarch64: 30/31; elsewhere :func:`available` says False
+and a call raises ``ENOSYS``). With :data:`IOPRIO_WHO_PROCESS` the ``who`` is a thread id (a pid
+names its main thread only); a value is :func:`ioprio_value` ``(class, level)``. The kernel's
+rules: the real-time class needs ``CAP_SYS_ADMIN``/``CAP_SYS_NICE``; the best-effort (levels
+0-7, 0 highest) and idle classes do not, so a thread of the same user may move between them
+either way (unlike the CPU nice value, which an unprivileged thread can only raise); class
+``NONE`` means "derived from the nice value": best-effort level ``(nice + 20) // 5``.
 
 Not here, by design: VeloC's own binding (``deepfreeze.bindings.veloc``, a library of its own),
 and ctypes used only as a struct layout or a memory view (``memtier.copy``'s ``iovec`` array,
@@ -27,7 +38,9 @@ import os
 from typing import Any
 
 __all__ = ["available", "memcmp", "memmove", "sync_file_range", "SYNC_FILE_RANGE_WRITE",
-           "process_vm_readv", "process_vm_writev", "prctl", "PR_SET_PTRACER", "PR_SET_PTRACER_ANY"]
+           "process_vm_readv", "process_vm_writev", "prctl", "PR_SET_PTRACER", "PR_SET_PTRACER_ANY",
+           "ioprio_set", "ioprio_get", "ioprio_value", "ioprio_parts", "IOPRIO_WHO_PROCESS", "IOPRIO_CLASS_NONE",
+           "IOPRIO_CLASS_RT", "IOPRIO_CLASS_BE", "IOPRIO_CLASS_IDLE"]
 
 #: ``sync_file_range``'s flag: start writing the range's dirty pages, do not wait
 SYNC_FILE_RANGE_WRITE = 2
@@ -35,6 +48,13 @@ SYNC_FILE_RANGE_WRITE = 2
 PR_SET_PTRACER = 0x59616D61
 #: ``PR_SET_PTRACER``'s argument allowing every process
 PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+#: ``ioprio_set``/``ioprio_get``'s ``which``: ``who`` is a thread id (0: the calling thread)
+IOPRIO_WHO_PROCESS = 1
+#: I/O scheduling classes (``ioprio.h``): none (from the nice value), real-time, best-effort, idle
+IOPRIO_CLASS_NONE, IOPRIO_CLASS_RT, IOPRIO_CLASS_BE, IOPRIO_CLASS_IDLE = 0, 1, 2, 3
+_IOPRIO_CLASS_SHIFT = 13
+#: (ioprio_set, ioprio_get) system call numbers of this architecture
+_IOPRIO_NR = {"x86_64": (251, 252), "aarch64": (30, 31)}.get(os.uname().machine)
 
 
 def _load() -> Any:
@@ -55,6 +75,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "process_vm_writev": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
                                              ctypes.c_ulong, ctypes.c_ulong]),
     "prctl": (ctypes.c_int, [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]),
+    # (number, which, who, ioprio): ioprio_set and ioprio_get (which ignores its third argument)
+    "syscall": (ctypes.c_long, [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int]),
 }
 
 
@@ -71,11 +93,14 @@ _sync_file_range = _FUNCS["sync_file_range"]
 _readv = _FUNCS["process_vm_readv"]
 _writev = _FUNCS["process_vm_writev"]
 _prctl = _FUNCS["prctl"]
+_syscall = _FUNCS.pop("syscall")
+_FUNCS["ioprio_set"] = _FUNCS["ioprio_get"] = _syscall if _IOPRIO_NR is not None else None
 
 
 def available(name: str) -> bool:
     """Whether this C library has the function ``name`` (one of this module's: ``"memcmp"``,
-    ``"sync_file_range"``, ``"process_vm_readv"``, ``"process_vm_writev"``, ``"prctl"``)."""
+    ``"sync_file_range"``, ``"process_vm_readv"``, ``"process_vm_writev"``, ``"prctl"``; for
+    ``"ioprio_set"``/``"ioprio_get"``: ``syscall``, on an architecture whose numbers are known)."""
     if name not in _FUNCS:
         raise ValueError(f"{name!r} is not one of deepfreeze._native's functions ({', '.join(sorted(_FUNCS))})")
     return _FUNCS[name] is not None
@@ -140,3 +165,35 @@ def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 
     if r < 0:
         raise _error(ctypes.get_errno(), f"prctl({option:#x}, {arg2}, {arg3}, {arg4}, {arg5})")
     return r
+
+
+def ioprio_value(cls: int, level: int = 0) -> int:
+    """The I/O priority value of ``cls`` (an ``IOPRIO_CLASS_*``) and ``level`` (0-7, 0 highest)."""
+    return (cls << _IOPRIO_CLASS_SHIFT) | level
+
+
+def ioprio_parts(value: int) -> tuple[int, int]:
+    """``(class, level)`` of an I/O priority value (:func:`ioprio_get`'s result; the level is the
+    low 3 bits: Linux 6.x keeps hints in the bits above it)."""
+    return value >> _IOPRIO_CLASS_SHIFT, value & 7
+
+
+def ioprio_set(which: int, who: int, ioprio: int) -> None:
+    """``ioprio_set(which, who, ioprio)`` (Linux): set the I/O priority of thread ``who`` (with
+    :data:`IOPRIO_WHO_PROCESS`) to ``ioprio`` (:func:`ioprio_value`)."""
+    if _syscall is None or _IOPRIO_NR is None:
+        raise _missing(f"ioprio_set (no system call number known for {os.uname().machine})")
+    if _syscall(_IOPRIO_NR[0], which, who, ioprio) != 0:
+        cls, level = ioprio_parts(ioprio)
+        raise _error(ctypes.get_errno(), f"ioprio_set of {who} (which {which}) to class {cls} level {level}")
+
+
+def ioprio_get(which: int, who: int) -> int:
+    """``ioprio_get(which, who)`` (Linux): the I/O priority value of thread ``who`` (with
+    :data:`IOPRIO_WHO_PROCESS`; class ``NONE`` (0) when never set: derived from its nice value)."""
+    if _syscall is None or _IOPRIO_NR is None:
+        raise _missing(f"ioprio_get (no system call number known for {os.uname().machine})")
+    r = _syscall(_IOPRIO_NR[1], which, who, 0)
+    if r < 0:
+        raise _error(ctypes.get_errno(), f"ioprio_get of {who} (which {which})")
+    return int(r)

@@ -28,10 +28,14 @@ A finished job's result stays until the client acknowledges it (``ack``: the ids
 answer), so an answer lost to a timeout or a dropped connection is given again; an id the backend
 does not know is reported ``unknown`` (the client turns it into an error: never "done, no error").
     {"op": "status"}                     -> {"ok": true, "pid": N, "pending": N, "clients": N, "jobs": N,
-                                             "overdue": [watchdog messages],
-                                             "flusher": {"tid": N, "job": id or null, "stalled": s}}
+                                             "overdue": [watchdog messages], "memtier_waits": N,
+                                             "priority": {"low_jobs": N, "urgent_jobs": N, "boosted": N,
+                                                          "sections": N, "tids": {"low": N, "normal": N},
+                                                          "low": true, "queued": N},
+                                             "flusher": {"tid": N, "tids": [N, N], "job": id or null,
+                                                         "stalled": s}}
 
-``stalled``: seconds the flusher thread has made no progress (no job started or ended, its I/O
+``stalled``: seconds the flusher threads have made no progress (no job started or ended, their I/O
 counters in ``/proc/self/task/<tid>/io`` unchanged) while jobs are pending; 0 when idle, null if
 unknown. A thread stuck in uninterruptible I/O leaves the process answering: this tells.
     {"op": "stop"}                       -> {"ok": true}  (drains the queue, then exits)
@@ -47,7 +51,7 @@ Memory tier (``memtier = PATH``, :mod:`deepfreeze.memtier`): ``memtier_put`` cop
 rank's shard from the rank's memory (``process_vm_readv`` of ``pid``: the concatenation of
 ``regions`` is byte for byte the data region of the shard image) into a slot of the rank's
 model-table ``entry`` on the device, in the connection's handler thread at normal priority (not
-the flusher's nice +10), with the per-piece CRCs computed as the bytes land, and answers once
+the flusher's low lane), with the per-piece CRCs computed as the bytes land, and answers once
 the slot is DONE (the rank holds the buffers until then). Devices are opened once (again when an
 entry registered later is asked for). The slot: never the newest DONE one, never one that a
 queued or running flush job names (``job["memtier"]``), nor one being copied into; none free:
@@ -57,9 +61,20 @@ most ``_MAX_SLOT_WAIT``), then answers ``busy`` (the rank waits for its flushes 
 itself and asks with ``self_copy``: the slot is then only chosen and reserved for it (until its
 flush job or its next ``memtier_put`` of the entry), ``bytes``/``calls``/``copy_s`` are 0.
 
-Jobs run one at a time, in arrival order, in the thread ``deepfreeze-flusher``
-through :func:`deepfreeze.levels.flush_job`, the same code sync mode runs in
-the client. A failed job's error is reported to whoever waits for it.
+Jobs run one at a time, in arrival order, through :func:`deepfreeze.levels.flush_job` (the same
+code sync mode runs in the client), each on one of two threads (:class:`deepfreeze.priority.Lanes`):
+``deepfreeze-flusher`` (the low lane: nice +10 and I/O best-effort 7, set when it starts) or
+``deepfreeze-flusher-urgent`` (the normal lane: the process's priority). A job takes the normal lane
+when it is picked more than one interval behind (its ``t``, the monotonic time of the rank's
+checkpoint call, plus its ``interval``, the time between that call and the rank's previous one),
+when a client waits for it (a ``wait``, or a ``poll`` with ``wait`` > 0 and ``need`` jobs not
+done: the oldest ``need`` pending ones; the rank's queue is full or it waits in ``wait()``), or
+when its ``priority`` is ``normal`` (``background_priority = normal``). A job that becomes urgent
+while running on the low lane has its thread's I/O priority raised at once (and its nice value
+where the process may lower it). Whichever lane runs the job, the sections that hold the
+version's ``commit.lock`` (the decision, the finalize; other nodes' flushes wait for them) run on
+the normal lane (``flush_job(critical=...)``). Two threads because an unprivileged process cannot
+lower a thread's nice value again. A failed job's error is reported to whoever waits for it.
 
 Bounded waits: every socket operation has a timeout on both sides. A client
 gives every request ``answer_timeout`` seconds (the engine: INI
@@ -85,9 +100,9 @@ nothing listens it takes the ``flock`` on ``<socket>.lock``, checks again, and t
 the lock spawns ``python -m deepfreeze.backend --socket <path>`` in a new session (so it finishes
 queued flushes after the ranks have exited), logging to ``<scratch>/.deepfreeze-backend.log``,
 and waits up to 60 s for the socket. A holder that keeps the spawn lock for 60 s is logged with
-its pid (from ``/proc/locks``) and the newcomer goes on without it. The backend raises its nice
-value by 10 before it starts any thread, so its flusher and connection threads inherit it (the
-``memtier_put`` copies run at normal priority in the connection's thread, as said above). The
+its pid (from ``/proc/locks``) and the newcomer goes on without it. The backend process keeps the
+priority it was started with (the rank's); only its low flusher lane lowers itself, so the
+connection threads (and the ``memtier_put`` copies in them) run at normal priority. The
 engine itself uses ``flush``, ``poll`` and ``memtier_put``; a job's result is handed out until
 acknowledged.
 
@@ -126,7 +141,6 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import socket
 import subprocess
 import sys
@@ -140,6 +154,7 @@ from . import ownership
 from .errors import BackendError, BackendUnresponsiveError, UntrustedOwnerError
 from .jsonsafe import loads as bounded_loads
 from .levels import ScratchLevel, flush_job
+from .priority import Lanes
 from .node import process_state  # noqa: F401  (re-exported: defined here before)
 from .ownership import runtime_dir  # noqa: F401  (re-exported: defined here before)
 
@@ -220,7 +235,6 @@ class _Lines:
 class _Server:
     def __init__(self, path: str, idle: float) -> None:
         self.path, self.idle = path, idle
-        self.jobs: "queue.Queue[tuple[int, dict] | None]" = queue.Queue()
         self.cond = threading.Condition()
         self.next_id = 0
         self.results: dict[int, str | None] = {}
@@ -234,7 +248,6 @@ class _Server:
         # progress of the flusher (a thread stuck in uninterruptible I/O on a hung file system leaves
         # this process answering while its flushes never finish): the last time it started or ended
         # a job, or its I/O counters (/proc/self/task/<tid>/io) moved, while work was pending
-        self.flusher_tid: int | None = None
         self.current: int | None = None
         self.progress_at = time.monotonic()
         self.io_readable = False
@@ -248,6 +261,9 @@ class _Server:
         self.reserved: dict[tuple[str, int], int] = {}
         self.prefaulted: set[tuple[str, int]] = set()
         self.memtier_waits = 0
+        # the flush jobs: one at a time in arrival order, on the low or the normal lane (deepfreeze.priority)
+        self.lanes = Lanes("deepfreeze-flusher", drain_at_exit=False)
+        self.flusher_tid: int | None = self.lanes.tids.get("low", self.lanes.tids.get("normal"))
 
     def _busy(self) -> bool:  # under self.cond
         return any(v == "pending" for v in self.results.values())
@@ -263,11 +279,11 @@ class _Server:
             return round(time.monotonic() - self.progress_at, 1) if self._busy() else 0.0
 
     def _sample_io(self) -> None:
-        if self.flusher_tid is None:
-            return
-        try:
-            with open(f"/proc/self/task/{self.flusher_tid}/io", "rb") as f:
-                io = f.read(4096)
+        try:  # both lanes' counters: a job runs on either
+            io = b""
+            for tid in sorted(self.lanes.tids.values()):
+                with open(f"/proc/self/task/{tid}/io", "rb") as f:
+                    io += f.read(4096)
         except OSError:
             self.io_readable = False
             return
@@ -292,36 +308,41 @@ class _Server:
                         log.error("%s", msg)
                         self.overdue.append(msg)
 
-    def flusher(self) -> None:
-        self.flusher_tid = threading.get_native_id()
-        while True:
-            item = self.jobs.get()
-            if item is None:
-                return
-            jid, job = item
-            with self.cond:
-                self.current, self.progress_at = jid, time.monotonic()
-            err = None
-            t0 = time.monotonic()
-            try:
-                res = flush_job(job)
-                log.info("job %d: %s v%d rank %d %s in %.3fs", jid, job["name"], job["version"], job["rank"],
-                         "committed" if res["committed"] else "flushed" if res["flushed"] else "kept on scratch",
-                         time.monotonic() - t0)
-            except Exception as e:  # reported to the waiter; the backend keeps serving
-                err = f"{type(e).__name__}: {e}"
-                log.error("job %d (%s v%s rank %s) failed: %s", jid, job.get("name"), job.get("version"),
-                          job.get("rank"), err)
-            with self.cond:
-                self.results[jid] = err
-                self.current = None
-                key = _slot_key(job)
-                if key is not None:
-                    self.busy[key] -= 1
-                    if not self.busy[key]:
-                        del self.busy[key]
-                self.last_activity = self.progress_at = time.monotonic()
-                self.cond.notify_all()
+    def submit(self, jid: int, job: dict[str, Any]) -> None:
+        """Queue a flush job on the lanes: its deadline is its checkpoint call time ``t`` plus its
+        ``interval`` (the rank's monotonic clock: one clock per node); ``priority`` ``normal``
+        runs it at normal priority whatever its age."""
+        def num(key: str) -> float | None:
+            v = job.get(key)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+        self.lanes.submit(self.flush, jid, job, t=num("t"), interval=num("interval"), tag=jid,
+                          urgent=job.get("priority") == "normal")
+
+    def flush(self, jid: int, job: dict[str, Any]) -> None:
+        """Run one flush job (on a lane) and record its result."""
+        with self.cond:
+            self.current, self.progress_at = jid, time.monotonic()
+        err = None
+        t0 = time.monotonic()
+        try:
+            res = flush_job(job, critical=self.lanes.run_normal)
+            log.info("job %d: %s v%d rank %d %s in %.3fs", jid, job["name"], job["version"], job["rank"],
+                     "committed" if res["committed"] else "flushed" if res["flushed"] else "kept on scratch",
+                     time.monotonic() - t0)
+        except Exception as e:  # reported to the waiter; the backend keeps serving
+            err = f"{type(e).__name__}: {e}"
+            log.error("job %d (%s v%s rank %s) failed: %s", jid, job.get("name"), job.get("version"),
+                      job.get("rank"), err)
+        with self.cond:
+            self.results[jid] = err
+            self.current = None
+            key = _slot_key(job)
+            if key is not None:
+                self.busy[key] -= 1
+                if not self.busy[key]:
+                    del self.busy[key]
+            self.last_activity = self.progress_at = time.monotonic()
+            self.cond.notify_all()
 
     def handle(self, conn: socket.socket) -> None:
         """Serve one client. Every send has a timeout (a client that stops reading is dropped);
@@ -331,7 +352,6 @@ class _Server:
         with self.cond:
             self.clients += 1
         lines = _Lines(conn)
-        normal_priority = False
         try:
             while True:
                 try:
@@ -364,12 +384,9 @@ class _Server:
                             self.busy[key] = self.busy.get(key, 0) + 1
                             if self.reserved.get(key[:2]) == key[2]:
                                 del self.reserved[key[:2]]
-                    self.jobs.put((jid, req["job"]))
+                    self.submit(jid, req["job"])
                     _send(conn, {"ok": True, "id": jid})
-                elif op == "memtier_put":
-                    if not normal_priority:
-                        normal_priority = True
-                        _normal_priority()
+                elif op == "memtier_put":  # this thread runs at the process's (normal) priority
                     _send(conn, self.memtier_put(req))
                 elif op in ("wait", "poll"):  # which of these jobs are done, their errors (waiting at most "wait" s)
                     ids = [int(i) for i in req.get("ids", [])]
@@ -386,6 +403,10 @@ class _Server:
                         for i in req.get("ack", []):
                             if self.results.get(int(i), "pending") != "pending":
                                 self.results.pop(int(i), None)
+                        pending = sorted(i for i in ids if self.results.get(i) == "pending")
+                        short = need - (len(ids) - len(pending))
+                        if wait > 0 and short > 0:  # someone waits for the oldest of them: normal priority
+                            self.lanes.hurry(pending[:short])
                         if wait > 0:
                             self.cond.wait_for(
                                 lambda: sum(self.results.get(i) != "pending" for i in ids) >= need, wait)
@@ -399,8 +420,9 @@ class _Server:
                         pending = sum(1 for v in self.results.values() if v == "pending")
                         msg = {"ok": True, "pid": os.getpid(), "pending": pending, "clients": self.clients,
                                "jobs": self.next_id, "overdue": list(self.overdue),
-                               "memtier_waits": self.memtier_waits,
-                               "flusher": {"tid": self.flusher_tid, "job": self.current}}
+                               "memtier_waits": self.memtier_waits, "priority": self.lanes.snapshot(),
+                               "flusher": {"tid": self.flusher_tid, "job": self.current,
+                                           "tids": sorted(self.lanes.tids.values())}}
                     msg["flusher"]["stalled"] = self.stalled()
                     _send(conn, msg)  # not under the lock: a slow reader must not stall the flusher
                 elif op == "stop":
@@ -534,15 +556,6 @@ def _slot_key(job: Any) -> tuple[str, int, int] | None:
         return None  # flush_job reports the malformed job
 
 
-def _normal_priority() -> None:
-    """Run the calling thread at nice 0 (the backend process runs at +10 so flushes yield to
-    training; a memory-tier copy is what the training waits for). Unchanged if not permitted."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 0)
-    except (OSError, AttributeError):
-        pass
-
-
 def serve(path: str, idle: float = 5.0) -> None:
     """Run a backend on ``path`` until idle or stopped."""
     srv = _Server(path, idle)
@@ -560,7 +573,6 @@ def serve(path: str, idle: float = 5.0) -> None:
     inode = os.stat(path).st_ino
     sock.listen(64)
     sock.settimeout(0.2)
-    threading.Thread(target=srv.flusher, name="deepfreeze-flusher", daemon=True).start()
     threading.Thread(target=srv.watchdog, name="deepfreeze-watchdog", daemon=True).start()
     log.info("backend %d listening on %s", os.getpid(), path)
     try:
@@ -579,7 +591,7 @@ def serve(path: str, idle: float = 5.0) -> None:
             threading.Thread(target=srv.handle, args=(conn,), name="deepfreeze-backend-conn",
                              daemon=True).start()
     finally:
-        srv.jobs.put(None)
+        srv.lanes.shutdown(wait=False)
         try:
             if os.stat(path).st_ino == inode:  # not a successor's socket
                 cp.unlink(path, "backend.socket.unlink")
@@ -928,7 +940,8 @@ def status(scratch: str, timeout: float = 2.0, *, veloc: bool = True) -> dict[st
     """The state of the backend serving ``scratch``, within about ``timeout`` seconds (it never hangs).
 
     Returns a dict: ``state`` is ``"running"`` (then ``pid``, ``pending``, ``jobs``, ``clients``
-    (other than this query), ``overdue``), ``"unresponsive"`` (it accepted the connection but did
+    (other than this query), ``overdue``, ``flusher``, ``priority``: the lanes' counters, as the
+    ``status`` request), ``"unresponsive"`` (it accepted the connection but did
     not answer within ``timeout``: ``pid`` if the kernel knows it, ``process`` its state, e.g.
     ``"T (stopped)"`` or ``"D (uninterruptible I/O wait)"``) or ``"none"``; also ``socket``,
     ``scratch``, ``message`` (one line for people) and ``veloc`` (this user's VeloC daemon:
@@ -943,7 +956,8 @@ def status(scratch: str, timeout: float = 2.0, *, veloc: bool = True) -> dict[st
         client = BackendClient(scratch, start=False, answer_timeout=timeout)
         st = client.request({"op": "status"}, max(0.1, deadline - time.monotonic()))
         info.update(state="running", pid=st["pid"], pending=st["pending"], jobs=st["jobs"],
-                    clients=max(0, st["clients"] - 1), overdue=st.get("overdue", []), flusher=st.get("flusher"))
+                    clients=max(0, st["clients"] - 1), overdue=st.get("overdue", []), flusher=st.get("flusher"),
+                    priority=st.get("priority"))
         info["message"] = (f"backend for scratch {info['scratch']}: running, pid {st['pid']}, {st['pending']} flush "
                            f"job(s) pending, {st['jobs']} received, {info['clients']} other client(s) connected "
                            f"(socket {path})")
@@ -1037,11 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle", type=float, default=float(os.environ.get("DEEPFREEZE_BACKEND_IDLE", "5")))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s backend[%(process)d] %(levelname)s %(message)s")
-    try:
-        os.nice(10)  # flushes yield the CPU to training on the same node
-    except OSError:
-        pass
-    try:
+    try:  # the flushes yield to training from their own lane (deepfreeze.priority), not the whole process
         serve(args.socket, args.idle)
     finally:
         counters.dump("backend")  # with DEEPFREEZE_COUNTERS set (deepfreeze.counters)

@@ -50,6 +50,9 @@ KEYS: dict[str, str] = {
     "write_once": "auto | on | off: a version decided 'flush' is written by the writer thread straight into the "
                   "persistent level (no scratch file read back and copied); auto: when scratch and persistent are "
                   "on the same file system (DeepFreeze key)",
+    "background_priority": "low | normal: the writer's and the backend's background work runs at nice +10 and I/O "
+                           "best-effort 7 until it falls one interval behind or is waited for (low), or at normal "
+                           "priority (DeepFreeze key)",
 }
 
 #: keys only VeloC acts on; accepted so a site's VeloC file parses, passed to VeloC as written
@@ -107,6 +110,8 @@ class Config:
     memtier_slots: int = 2
     #: auto | on | off: write a version decided ``flush`` once, into persistent (:mod:`deepfreeze.writeonce`)
     write_once: str = "auto"
+    #: ``low``: background work yields to training, within a bound (:mod:`deepfreeze.priority`); ``normal``: not
+    background_priority: str = "low"
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
     source: str = "<code>"
     #: where each key given explicitly came from: ``(key, "file:line" | "env VELOC_<KEY>" |
@@ -166,6 +171,11 @@ class Config:
         if not 2 <= self.memtier_slots <= 64:
             raise ConfigError(f"{w('memtier_slots')}: memtier_slots = {self.memtier_slots} must be between 2 and 64 (a "
                               "new version never overwrites the newest DONE one, so 1 slot could never be written)")
+        if self.background_priority not in ("low", "normal"):
+            raise ConfigError(f"{w('background_priority')}: background_priority = {self.background_priority!r} is "
+                              "invalid: use 'low' (background writes and flushes yield the CPU and the disk to "
+                              "training until they fall one checkpoint interval behind) or 'normal' (they run at "
+                              "the training's priority)")
         if self.memtier is not None:
             if not self.memtier.strip():
                 raise ConfigError(f"{w('memtier')}: 'memtier' is empty: set it to the path of a device made by "

@@ -82,10 +82,22 @@ Engine choice: :func:`make_engine` returns an :class:`Engine` or a
 is not thread-safe. Both modes run the same :func:`deepfreeze.levels.flush_job`: ``async`` in
 the node's backend, ``sync`` inline in the calling thread (no backend process is started).
 
-Priority: the writer thread lowers itself to nice +10 when it starts (:func:`lower_priority`:
-``setpriority`` on the thread's native id, which on Linux affects that thread only; capped at 19;
-failures ignored), so shard writes and CRC32 computation yield the CPU to training (the paper:
-"background operations can run with low priority"). In sync mode the write runs in the training
+Priority (INI ``background_priority``, default ``low``; :mod:`deepfreeze.priority`): the writer
+has two lanes, one job at a time in order: ``deepfreeze-writer-r<rank>`` lowers itself when it
+starts to nice +10 (capped at 19) and I/O best-effort level 7 (``setpriority``/``ioprio_set`` on
+the thread's id: that thread only; failures ignored), so shard writes and CRC32s yield to
+training (the paper: "background operations can run with low priority");
+``deepfreeze-writer-r<rank>-urgent`` keeps the process's priority and takes a version once the
+deferral reaches its bound: it was called more than one interval ago (the time between this
+call and the previous one), a ``checkpoint`` call finds ``max_inflight`` versions in flight, or
+``wait()`` waits. Two threads because a non-root thread cannot lower its nice value again; a
+running version that becomes urgent gets its I/O priority raised at once (see
+:mod:`deepfreeze.priority`). Memory-tier versions always take the normal lane (the hand-off of a
+buffer training holds; the copy runs at normal priority in the backend). Every flush job carries
+its call time, interval and ``background_priority`` to the backend, which applies the same bound
+(:mod:`deepfreeze.backend`). :attr:`Engine.priority` counts the versions each lane wrote. With
+``background_priority = normal`` one writer thread runs at normal priority; the VeloC engine keeps
+one thread (VeloC's calls must stay on it), lowered. In sync mode the write runs in the training
 thread at its normal priority.
 
 Errors, in detail: an exception of the writer thread is stored and raised once; one that is not
@@ -126,6 +138,7 @@ from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteErro
                      MemtierBusyError, MemtierError, MemtierFullError)
 from .levels import ScratchLevel, SlotSource, flush_job
 from . import writeonce
+from .priority import Lanes
 from .comm import Comm
 from .redundancy import plan_redundancy, protect
 from .lease import ANONYMOUS_RUN, RunInfo, Version
@@ -152,9 +165,12 @@ class Engine:
         self.run = run or RunInfo(ANONYMOUS_RUN)
         self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
         self.scratch = scratch_cls(config.scratch, shared_group=config.shared_group)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-writer-r{rank}",
-                                                           initializer=lower_priority)
-        self._pool.submit(int).result()  # the thread starts now, not in the first checkpoint call
+        # the writer's two lanes (deepfreeze.priority), started now, not in the first checkpoint call; VeloC's
+        # calls must stay on one thread
+        self._pool = Lanes(f"deepfreeze-writer-r{rank}", low=config.background_priority == "low",
+                           one_thread=self.kind != "builtin")
+        self._called: dict[int, tuple[float, float | None]] = {}  # version -> (monotonic call time, interval)
+        self._last_call: float | None = None
         self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()  # oldest first
         self._error: BaseException | None = None
         self._pending: dict[int, dict[str, Any]] = {}  # backend job id -> job not known to be done
@@ -223,8 +239,14 @@ class Engine:
         if self.run.resumed_from is not None and version <= self.run.resumed_from:
             raise ConfigError(f"checkpoint {self.name!r} v{version} requested, but this run resumed from "
                               f"v{self.run.resumed_from}: versions must grow")
+        now = time.monotonic()
+        interval = None if self._last_call is None else now - self._last_call
+        self._last_call = now
+        if interval is not None:  # the interval this engine learns from its calls: the deferral's bound
+            self._pool.interval = interval
         if len(self._inflight) >= self.config.max_inflight and not self._inflight[0].done():
             self.write_waits += 1
+            self._pool.hurry()  # the queue is full: the work waited for runs at normal priority
         self._drain(keep=self.config.max_inflight - 1)
         self._raise_pending()
         # the version-independent part is built once: allocating thousands of small objects here
@@ -234,9 +256,19 @@ class Engine:
         if self.config.mode == "sync":
             self._write_checked(version, arrays, manifest)
         else:
-            self._inflight.append(self._pool.submit(self._write_checked, version, arrays, manifest))
+            self._called[version] = (now, interval)
+            # a memory-tier job is the hand-off of training's buffer (held until copied): never deferred
+            self._inflight.append(self._pool.submit(self._write_checked, version, arrays, manifest, t=now,
+                                                    interval=interval, urgent=self._mt_region is not None))
         self.last_version = version
         self.stats.append({"version": version, "blocking_s": time.perf_counter() - t0})
+
+    @property
+    def priority(self) -> dict[str, Any]:
+        """The writer's lanes (:mod:`deepfreeze.priority`): ``low_jobs``/``urgent_jobs`` (versions
+        written at low and at normal priority), ``boosted``, ``sections``, ``tids`` (thread id of
+        each lane), ``low`` (whether lowering is on), ``queued``."""
+        return self._pool.snapshot()
 
     def saturated(self) -> bool:
         """True when a :meth:`checkpoint` now would wait for the writer thread (``max_inflight``
@@ -254,6 +286,7 @@ class Engine:
         then; they go on in the background and a later ``wait`` picks them up.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._pool.hurry()  # the training thread waits for all of it
         self._drain(timeout)
         if (persistent or self.write_once) and self._backend is not None and self._pending:
             self._await_flushes(0, deadline, timeout)
@@ -520,8 +553,9 @@ class Engine:
                 log.warning("deepfreeze: rank %d lost its backend (%s); starting a new one and re-sending %d "
                             "pending flush(es)", self.rank, e, len(self._pending))
                 self._backend.close()
-                self._backend = BackendClient(cfg.scratch, timeout=start,
-                                              answer_timeout=min(cfg.backend_timeout, start))
+                # a backend started from the writer's low lane would inherit its nice value for good
+                self._backend = self._pool.run_normal(BackendClient, cfg.scratch, timeout=start,
+                                                      answer_timeout=min(cfg.backend_timeout, start))
                 self._backend.answer_timeout = cfg.backend_timeout
                 self._unresponsive_since = None
                 self._resend(deadline)
@@ -567,9 +601,10 @@ class Engine:
         old.close()
         self._unresponsive_since = None
         try:
-            self._backend = BackendClient(cfg.scratch, timeout=start_timeout,
-                                          answer_timeout=min(cfg.backend_timeout, start_timeout),
-                                          replace=e.inode if e.inode is not None else old.inode)
+            self._backend = self._pool.run_normal(  # not from the low lane: the new process would inherit it
+                BackendClient, cfg.scratch, timeout=start_timeout,
+                answer_timeout=min(cfg.backend_timeout, start_timeout),
+                replace=e.inode if e.inode is not None else old.inode)
             self._backend.answer_timeout = cfg.backend_timeout
             self._resend(deadline)
         except BackendError as e2:
@@ -663,6 +698,7 @@ class Engine:
             self._write_version(version, arrays, manifest)
         finally:
             self.writer_cpu[version] = time.thread_time() - c0
+            self._called.pop(version, None)
 
     def _write_version(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
         cfg = self.config
@@ -672,8 +708,8 @@ class Engine:
             self.write_times[version] = time.perf_counter() - t0
             self._flush(version, manifest, source)
             return
-        direct = writeonce.write_version(cfg, self.name, version, self.rank, self.plan, arrays, self.run.id) \
-            if self.write_once else None
+        direct = writeonce.write_version(cfg, self.name, version, self.rank, self.plan, arrays, self.run.id,
+                                         critical=self._pool.run_normal) if self.write_once else None
         if direct is not None:  # written once, into persistent's partial: no scratch file
             self.write_times[version] = time.perf_counter() - t0
             self._flush(version, manifest, direct=direct)
@@ -707,6 +743,8 @@ class Engine:
                "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions,
                "watchdog_interval": cfg.watchdog_interval, "manifest": manifest, "run": self.run.id,
                "lease_timeout": cfg.lease_timeout, "shared_group": cfg.shared_group}
+        t, interval = self._called.pop(version, (time.monotonic(), None))
+        job.update(t=t, interval=interval, priority=cfg.background_priority)  # the backend's bound (priority.py)
         if source is not None:
             job["memtier"] = source.to_job()
         if direct is not None:
@@ -739,19 +777,6 @@ def write_error(config: Config, name: str, version: int, e: OSError) -> Checkpoi
         f"({path or 'writing to scratch ' + config.scratch + ' or persistent ' + config.persistent})")
     return CheckpointWriteError(e.errno, f"checkpoint {name!r} v{version} failed: {e.strerror or e} {where}. "
                                 "A version is committed whole or not at all.")
-
-
-BACKGROUND_NICE = 10
-
-
-def lower_priority() -> None:
-    """Run the calling thread at nice +10 (Linux: per thread), so background writes yield
-    the CPU to training (the paper's "background operations run with low priority")."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
-    except (OSError, AttributeError):
-        pass
 
 
 ENGINES = ("builtin", "veloc", "auto")

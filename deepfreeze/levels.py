@@ -626,6 +626,13 @@ class PersistentLevel(Level):
 
     kind = "persistent"
 
+    @staticmethod
+    def critical(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a section that holds ``commit.lock``, which other nodes' flushes wait on (the
+        decision, the finalize): here, inline. The backend sets it per flush job to run such
+        sections at normal priority (:meth:`deepfreeze.priority.Lanes.run_normal`)."""
+        return fn(*args, **kwargs)
+
     def generation(self, name: str) -> int:
         """The name's current generation (:func:`deepfreeze.run.read_generation`)."""
         return read_generation(self.root, name)
@@ -959,8 +966,8 @@ class PersistentLevel(Level):
             marker = {"rank": rank, "run": run, "nonce": nonce, "has_crc": idx.has_crc, "crcs": crcs}
             atomic_write(os.path.join(vdir, f"done.r{rank:06d}.{nonce}.json"), json.dumps(marker).encode(),
                          fsync=fsync, point="persistent.marker")
-        return self._try_finalize(name, version, manifest, plan, layout, size, nonce, run, fsync=fsync,
-                                  stale_after=stale_after)
+        return self.critical(self._try_finalize, name, version, manifest, plan, layout, size, nonce, run,
+                             fsync=fsync, stale_after=stale_after)
 
     def _markers(self, vdir: str, nonce: str) -> dict[int, str]:
         out = {}
@@ -1390,9 +1397,11 @@ def _drop_cached(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
 
 
 def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
-              persistent_cls: type = PersistentLevel) -> dict[str, Any]:
+              persistent_cls: type = PersistentLevel, critical: Any = None) -> dict[str, Any]:
     """Flush one rank's shard of one version (backend or sync mode). Same code in both modes.
     With ``job["memtier"]`` (:class:`SlotSource`), the shard is read from that memory-tier slot.
+    ``critical`` (the backend's): runs the sections under ``commit.lock`` that other nodes wait
+    on, the decision and the finalize (:meth:`PersistentLevel.critical`).
 
     Work of a run that lost the lease on its name is abandoned (logged, result
     ``abandoned``), never an error of the live run."""
@@ -1402,10 +1411,13 @@ def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
     shared = bool(job.get("shared_group", False))
     scratch = scratch_cls(job["scratch"], shared_group=shared)
     persistent = persistent_cls(job["persistent"], shared_group=shared)
+    if critical is not None:
+        persistent.critical = critical
     result = {"flushed": False, "committed": False, "abandoned": False}
     source = None if job.get("memtier") is None else SlotSource.from_job(job["memtier"], name, version, rank, run)
     try:
-        decision = persistent.decide(name, version, job["persistent_interval"], run, stale_after=stale)
+        decision = persistent.critical(persistent.decide, name, version, job["persistent_interval"], run,
+                                       stale_after=stale)
         if decision is not None and decision["decision"] == "flush":
             result["committed"] = persistent.flush_shard(
                 name, version, rank, None if source else scratch.shard_path(name, version, rank), job["manifest"],

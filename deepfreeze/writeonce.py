@@ -150,14 +150,20 @@ def _choose(mode: str, scratch: str, persistent: str, ec: bool, memtier: bool, n
 
 
 def write_version(config: Config, name: str, version: int, rank: int, plan: ShardPlan,
-                  arrays: "Sequence[np.ndarray] | FusedShard", run: str) -> dict[str, Any] | None:
+                  arrays: "Sequence[np.ndarray] | FusedShard", run: str, *,
+                  critical: Any = None) -> dict[str, Any] | None:
     """Decide ``version`` (:meth:`PersistentLevel.decide`, the flush's own call) and, decided
     ``flush`` by this run, write this rank's pieces into its partial (:meth:`PersistentLevel.write_direct`);
     return the flush job's ``direct`` record. None when the version goes through scratch instead
-    (decided ``skip``, no persistent level, or the run lost its lease: the flush then abandons it)."""
+    (decided ``skip``, no persistent level, or the run lost its lease: the flush then abandons it).
+    ``critical`` (the engine's :meth:`deepfreeze.priority.Lanes.run_normal`): runs the decision,
+    a ``commit.lock`` section other nodes wait on, at normal priority (:meth:`PersistentLevel.critical`)."""
     level = PersistentLevel(config.persistent, shared_group=config.shared_group)
+    if critical is not None:
+        level.critical = critical
     try:
-        decision = level.decide(name, version, config.persistent_interval, run, stale_after=config.lease_timeout)
+        decision = level.critical(level.decide, name, version, config.persistent_interval, run,
+                                  stale_after=config.lease_timeout)
     except FencedError:
         return None
     if decision is None or decision["decision"] != "flush":

@@ -35,7 +35,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     0: ("deepfreeze.bindings.", "deepfreeze._lazy", "deepfreeze._native", "deepfreeze.errors", "deepfreeze.counters", "deepfreeze.crashpoints",
         "deepfreeze.jsonsafe", "deepfreeze.ownership", "deepfreeze.config", "deepfreeze.format",
         "deepfreeze.shardplan", "deepfreeze.fused", "deepfreeze.net", "deepfreeze.node", "deepfreeze.fsafe",
-        "deepfreeze.comm", "deepfreeze.peerloss"),
+        "deepfreeze.comm", "deepfreeze.peerloss", "deepfreeze.priority"),
     1: ("deepfreeze.lease",),
     2: ("deepfreeze.memtier.", "deepfreeze.export"),
     3: ("deepfreeze.levels", "deepfreeze.redundancy", "deepfreeze.writeonce"),

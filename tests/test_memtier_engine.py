@@ -222,7 +222,7 @@ def test_async_every_step_for_30_steps_with_waits_counted(tmp_path, device, monk
     """A checkpoint at every step for 30 steps with a slowed copy and one version in flight: the
     training thread waits for the copies (counted), every version is flushed, and every version
     the tier can restore equals the step it claims, exactly."""
-    monkeypatch.setenv("DEEPFREEZE_MEMTIER_COPY_DELAY", "0.04")
+    monkeypatch.setenv("DEEPFREEZE_MEMTIER_COPY_DELAY", "0.08")  # slow enough to wait for (hand-off at normal priority)
     plan = make_plan(1, big=True)
     cfg = config(tmp_path, device, max_inflight=1)
     engine = Engine(cfg, "job", 0, plan)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import subprocess
 import sys
+import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -33,6 +36,8 @@ def test_available_names_the_functions():
     assert nat.available("memcmp") is True
     for name in ("sync_file_range", "process_vm_readv", "process_vm_writev", "prctl"):
         assert nat.available(name) is sys.platform.startswith("linux")
+    for name in ("ioprio_set", "ioprio_get"):  # through syscall(2), where the numbers are known
+        assert nat.available(name) is (sys.platform.startswith("linux") and os.uname().machine in ("x86_64", "aarch64"))
     with pytest.raises(ValueError, match="not one of"):
         nat.available("system")
 
@@ -118,3 +123,82 @@ def test_prctl_returns_its_result_and_raises_einval():
     with pytest.raises(OSError) as e:
         nat.prctl(0x7FFF_FFFF)  # no such option
     assert e.value.errno == errno.EINVAL and "prctl(0x7fffffff" in str(e.value)
+
+
+ioprio = pytest.mark.skipif(not nat.available("ioprio_set"), reason="ioprio_set: Linux x86_64/aarch64")
+WHO = nat.IOPRIO_WHO_PROCESS
+
+
+@ioprio
+def test_ioprio_of_one_thread_and_back():
+    """Setting a thread's I/O priority by its id changes that thread only; it reads back."""
+    me = threading.get_native_id()
+    mine = nat.ioprio_get(WHO, me)
+    got, go = {}, threading.Event()
+
+    def other():
+        tid = threading.get_native_id()
+        nat.ioprio_set(WHO, tid, nat.ioprio_value(nat.IOPRIO_CLASS_BE, 7))
+        got["other"] = nat.ioprio_get(WHO, tid)
+        nat.ioprio_set(WHO, tid, nat.ioprio_value(nat.IOPRIO_CLASS_IDLE))
+        got["idle"] = nat.ioprio_get(WHO, tid)
+        nat.ioprio_set(WHO, tid, nat.ioprio_value(nat.IOPRIO_CLASS_BE, 4))  # the idle class is left again
+        got["back"] = nat.ioprio_get(WHO, tid)
+        go.set()
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert go.is_set()
+    assert nat.ioprio_parts(got["other"]) == (nat.IOPRIO_CLASS_BE, 7)
+    assert nat.ioprio_parts(got["idle"]) == (nat.IOPRIO_CLASS_IDLE, 0)
+    assert nat.ioprio_parts(got["back"]) == (nat.IOPRIO_CLASS_BE, 4)
+    assert nat.ioprio_get(WHO, me) == mine  # this thread: unchanged
+
+
+@ioprio
+def test_ioprio_errors_carry_the_errno():
+    with pytest.raises(OSError) as e:  # classes are 0-3
+        nat.ioprio_set(WHO, threading.get_native_id(), nat.ioprio_value(7, 0))
+    assert e.value.errno == errno.EINVAL and "class 7 level 0" in str(e.value)
+    pid = _absent_pid()
+    with pytest.raises(ProcessLookupError, match=f"ioprio_get of {pid}"):
+        nat.ioprio_get(WHO, pid)
+    with pytest.raises(ProcessLookupError, match=f"ioprio_set of {pid}"):
+        nat.ioprio_set(WHO, pid, nat.ioprio_value(nat.IOPRIO_CLASS_BE, 7))
+
+
+NOBODY_IOPRIO = textwrap.dedent("""
+    import os, threading
+    from deepfreeze import _native as nat
+    if os.geteuid() == 0:
+        os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    tid, W = threading.get_native_id(), nat.IOPRIO_WHO_PROCESS
+    nat.ioprio_set(W, tid, nat.ioprio_value(nat.IOPRIO_CLASS_BE, 7))
+    nat.ioprio_set(W, tid, nat.ioprio_value(nat.IOPRIO_CLASS_BE, 4))  # raised back: allowed, same user
+    print("BE", nat.ioprio_parts(nat.ioprio_get(W, tid)))
+    for what, who, value in (("RT", tid, nat.ioprio_value(nat.IOPRIO_CLASS_RT, 4)),
+                             ("INIT", 1, nat.ioprio_value(nat.IOPRIO_CLASS_BE, 7))):
+        try:
+            nat.ioprio_set(W, who, value)
+            print(what, "ALLOWED")
+        except PermissionError as e:
+            print(what, "EPERM", e.errno)
+""")
+
+
+@ioprio
+def test_ioprio_as_an_unprivileged_user():
+    """As a user without privileges (root drops to nobody; another user runs as itself): the
+    best-effort level goes down and up again; the real-time class and another user's process
+    are refused with PermissionError."""
+    if os.geteuid() == 0:
+        import pwd
+        try:
+            pwd.getpwnam("nobody")
+        except KeyError:
+            pytest.skip("no 'nobody' account")
+    out = subprocess.run([sys.executable, "-c", NOBODY_IOPRIO], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    assert "BE (2, 4)" in out.stdout and "RT EPERM" in out.stdout and "INIT EPERM" in out.stdout, out.stdout

@@ -152,20 +152,24 @@ def _ptrace(request, tid):
 
 
 @contextlib.contextmanager
-def thread_stopped(pid, tid):
-    """Stop one thread of ``pid`` (PTRACE_SEIZE + PTRACE_INTERRUPT: the other threads run on), as a
-    thread blocked in uninterruptible I/O on a hung file system would be; kill ``pid`` at the end."""
-    why = _ptrace(0x4206, tid)  # PTRACE_SEIZE
-    if why is not None:
-        pytest.skip(f"ptrace is not permitted here ({why}): cannot stop one thread of the backend")
+def thread_stopped(pid, *tids):
+    """Stop threads of ``pid`` (PTRACE_SEIZE + PTRACE_INTERRUPT: the other threads run on), as
+    threads blocked in uninterruptible I/O on a hung file system would be; kill ``pid`` at the end."""
+    seized = []
     try:
-        assert _ptrace(0x4207, tid) is None  # PTRACE_INTERRUPT
+        for tid in tids:
+            why = _ptrace(0x4206, tid)  # PTRACE_SEIZE
+            if why is not None:
+                pytest.skip(f"ptrace is not permitted here ({why}): cannot stop one thread of the backend")
+            seized.append(tid)
+            assert _ptrace(0x4207, tid) is None  # PTRACE_INTERRUPT
         yield
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(tid, 0x40000000)  # __WALL: the traced thread's exit is reported to us, its tracer
+        for tid in seized:  # every traced thread's exit is reported to us, its tracer, before pid's
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(tid, 0x40000000)  # __WALL
         kill_quietly(pid)
 
 
@@ -182,9 +186,9 @@ def test_backend_whose_flusher_is_stuck_is_replaced(tmp_path, caplog):
     e.wait()
     old = e._backend.pid
     st = backend.status(cfg.scratch)
-    tid = st["flusher"]["tid"]
+    tids = st["flusher"]["tids"]  # both lanes (deepfreeze.priority): a job may run on either
     assert st["flusher"]["stalled"] == 0.0  # idle
-    with thread_stopped(old, tid):
+    with thread_stopped(old, *tids):
         e.checkpoint(4, pieces(model_arrays(4), plan, 0), step=4, epoch=0)
         e.wait(timeout=60)
         assert e._backend.pid != old
