@@ -517,3 +517,17 @@ def test_random_damage_never_crashes(path):
         except MemtierCorruptError:
             pass
     assert outcomes == {"ok", "corrupt"}
+
+
+@pytest.mark.parametrize("dtype", [["float32"], {"a": 1}, None, 3])
+def test_index_with_an_unhashable_or_odd_dtype_is_malformed_not_a_crash(dtype):
+    """Found by the fuzz campaign: a piece whose dtype was a JSON list raised TypeError
+    (unhashable) in the index check instead of being refused as malformed."""
+    from deepfreeze.memtier.layout import _index_problem
+    idx = {"name": "m", "run": "0123456789abcdef", "rank": 0, "world_size": 1, "data_offset": 4096,
+           "file_size": 8192, "standalone": False,
+           "tensors": [{"name": "a", "dtype": dtype, "shape": [1], "size": 4, "offset": 4096, "tensor_id": 0,
+                        "start": 0, "stop": 1}]}
+    assert _index_problem(idx, None) == "piece 0 malformed"
+    idx["tensors"][0]["dtype"] = "float32"
+    assert _index_problem(idx, None) != "piece 0 malformed"  # the same index with a real dtype passes that check

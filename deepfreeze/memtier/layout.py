@@ -224,7 +224,8 @@ def _index_problem(idx: Any, e: "_Entry | None") -> str | None:
     head = 72
     pos = data_offset
     for i, t in enumerate(tensors):
-        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and t.get("dtype") in fmt.ITEMSIZE
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("dtype"), str)
+                and t["dtype"] in fmt.ITEMSIZE
                 and isinstance(t.get("shape"), list) and len(t["shape"]) <= fmt.MAX_NDIM
                 and all(_int(d, 0, 1 << 48) for d in t["shape"])
                 and all(_int(t.get(k)) for k in ("size", "offset", "tensor_id", "start", "stop"))):
