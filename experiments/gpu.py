@@ -79,6 +79,8 @@ def _paths() -> None:
 
 _paths()
 
+from experiments.torch_dcp_report import fmt  # noqa: E402  (one formatter of mean ± SE for both reports)
+
 #: model specs: (vocab, ctx, d, layers, heads) of experiments.torch_models.GPT2
 MODELS = {
     "full": {"gpt2": (50257, 1024, 768, 12, 12), "gpt-1.3b": (50257, 1024, 2048, 24, 16)},
@@ -617,15 +619,6 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
 
 
 # ------------------------------------------------------------------------------------ report
-def fmt(s: "dict | float | None", scale: float = 1.0, digits: int = 3) -> str:
-    if isinstance(s, dict):
-        if s.get("mean") is None:
-            return "-"
-        e = f" ± {s['se'] * scale:.{digits}f}" if s.get("se") is not None else ""
-        return f"{s['mean'] * scale:.{digits}f}{e}"
-    return "-" if s is None else f"{s * scale:.{digits}f}"
-
-
 def table(doc: dict) -> str:
     v = doc.get("versions", {})
     card = v.get("gpu") or f"CPU ({v.get('cpus')} cores)"
