@@ -163,11 +163,33 @@ _KNOWN_RUNS: dict[tuple, tuple[str, int, int | None]] = {}  # Level.committed_ru
 _KNOWN_MAX = 4096
 
 
+#: plan_of's memory: the JSON of (tensors, plan record, world size) -> the plan built and checked from it
+_PLANS: dict[str, ShardPlan] = {}
+_PLANS_MAX = 8
+
+
 def plan_of(manifest: dict[str, Any]) -> ShardPlan:
+    """The manifest's :class:`ShardPlan`, derived and validated (:meth:`ShardPlan.from_json`). Kept
+    for the last few distinct (tensor list, plan record, world size) contents, compared as their
+    JSON (C speed): the backend reads one plan per flush job of a run, and deriving and checking
+    it again was tens of milliseconds per job with 1000s of tensors. The same plan object comes
+    back for the same content, so its assembled layout is kept too
+    (:meth:`PersistentLevel.assembled_layout`)."""
+    try:
+        key = json.dumps([manifest["tensors"], manifest["plan"], manifest["world_size"]], sort_keys=True)
+    except (TypeError, ValueError, KeyError):
+        key = None  # not JSON (a caller's own dict): derived, not kept
+    hit = _PLANS.get(key) if key is not None else None
+    if hit is not None:
+        return hit
     tensors = [TensorSpec(t["id"], t["name"], t["dtype"], tuple(t["shape"])) for t in manifest["tensors"]]
     plan = ShardPlan.from_json(tensors, manifest["plan"])
     if plan.world_size != manifest["world_size"]:
         raise CorruptCheckpointError("manifest world_size disagrees with its shard plan")
+    if key is not None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
     return plan
 
 
@@ -491,6 +513,7 @@ def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]
 
 
 _OFFSETS: "list[tuple[ShardPlan, dict[tuple[int, int], int]]]" = []  # the newest plan's, per process
+_LAYOUT: "list[tuple[ShardPlan, tuple[list[fmt.Entry], int, int]]]" = []  # PersistentLevel.assembled_layout's
 
 
 def _assembled_offsets(level: "PersistentLevel", plan: ShardPlan) -> "dict[tuple[int, int], int]":
@@ -820,7 +843,13 @@ class PersistentLevel(Level):
                               "persistent.decision.link")
 
     def assembled_layout(self, plan: ShardPlan) -> tuple[list[fmt.Entry], int, int]:
-        return fmt.layout(piece_entries(plan, plan.pieces), contiguous_tensors=True)
+        """(entries, data offset, file size) of the version's assembled file (every piece, tensors
+        contiguous): kept for the last plan object asked (read-only: do not change the list)."""
+        if _LAYOUT and _LAYOUT[0][0] is plan:
+            return _LAYOUT[0][1]
+        out = fmt.layout(piece_entries(plan, plan.pieces), contiguous_tensors=True)
+        _LAYOUT[:] = [(plan, out)]
+        return out
 
     def write_direct(self, name: str, version: int, rank: int, plan: ShardPlan,
                      arrays: "Sequence[np.ndarray] | FusedShard", decision: dict[str, str], *,
