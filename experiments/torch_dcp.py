@@ -396,7 +396,9 @@ def df_options(approach: str, work: str, rank: int) -> dict:
     scratch), ``-nocrc`` (``chksum = false``: no CRC32 per piece), ``-if1`` (``max_inflight = 1``:
     a pool of two buffers instead of three), ``-sync`` (``mode = sync``: the scratch write and the
     flush run inside the checkpoint call, in the training thread; with ``--profile`` the backend's
-    work is then profiled in-process)."""
+    work is then profiled in-process), ``-prionormal`` (``background_priority = normal``: no
+    low-priority lane, what the deferral of issue 34's item 2 costs in time to durable),
+    ``-wo0`` (``write_once = off``: every version through scratch, as before issue 34)."""
     root = f"/dev/shm/torch_dcp-{os.path.basename(work)}" if "-shm" in approach else work
     opts: dict = {"scratch": f"{root}/{approach}/node{rank}/scratch", "persistent": f"{work}/{approach}/persistent"}
     if "-nocrc" in approach:
@@ -405,6 +407,10 @@ def df_options(approach: str, work: str, rank: int) -> dict:
         opts["max_inflight"] = 1
     if "-sync" in approach:
         opts["mode"] = "sync"
+    if "-prionormal" in approach:
+        opts["background_priority"] = "normal"
+    if "-wo0" in approach:
+        opts["write_once"] = "off"
     return opts
 
 
