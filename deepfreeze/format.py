@@ -536,7 +536,7 @@ def json_hooks(data: bytes) -> dict[str, Any]:
     hooks: dict[str, Any] = {"parse_float": _parse_float, "parse_constant": _parse_constant}
     # 19 digits in a row, found by a translation (digits to "0", the rest to " ") and a substring
     # search: both C loops, ~10x faster than the regular expression's search on a large manifest
-    if _19_ZEROS in bytes(data).translate(_DIGITS_TO_0):  # numbers of 19+ digits (or digits in names): convert with checks
+    if _19_ZEROS in bytes(data).translate(_DIGITS_TO_0):  # 19+ digits (or digits in names): ints checked
         hooks["parse_int"] = _parse_int  # (the fast path's ints have at most 18 digits: below 2**63)
     return hooks
 

@@ -504,7 +504,7 @@ def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]
                 off, length = spans[k]
                 lo, hi = max(off, c0), min(off + length, c1)
                 if hi > lo:
-                    crcs[k] = _crc32(view[lo:hi], crcs[k])  # (a byte memoryview: no byte_view per piece)
+                    crcs[k] = fmt.crc32_bytes(view[lo:hi], crcs[k])  # (a byte memoryview: no byte_view per piece)
                 if off + length > c1:
                     break  # the span goes on in the next chunk
                 k += 1
@@ -512,19 +512,19 @@ def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]
     return crcs
 
 
-_OFFSETS: "list[tuple[ShardPlan, dict[tuple[int, int], int]]]" = []  # the newest plan's, per process
-_LAYOUT: "list[tuple[ShardPlan, tuple[list[fmt.Entry], int, int]]]" = []  # PersistentLevel.assembled_layout's
+#: the last plan object laid out: [plan, (entries, data offset, file size), its offsets by piece or None]
+_LAYOUT: list = []
 
 
 def _assembled_offsets(level: "PersistentLevel", plan: ShardPlan) -> "dict[tuple[int, int], int]":
-    """``(tensor_id, start)`` -> offset in the assembled file of every piece of ``plan``, kept for the
-    newest plan object (a writer writes version after version of one plan: laid out once)."""
-    if _OFFSETS and _OFFSETS[0][0] is plan:
-        return _OFFSETS[0][1]
+    """``(tensor_id, start)`` -> offset in the assembled file of every piece of ``plan``, kept with
+    its layout for the newest plan object (a writer writes version after version of one plan)."""
     layout, _, _ = level.assembled_layout(plan)
-    where = {(e.tensor_id, e.start): e.offset for e in layout}
-    _OFFSETS[:] = [(plan, where)]
-    return where
+    if not (_LAYOUT and _LAYOUT[0] is plan and _LAYOUT[1][0] is layout):  # (a subclass's own layout)
+        return {(e.tensor_id, e.start): e.offset for e in layout}
+    if _LAYOUT[2] is None:
+        _LAYOUT[2] = {(e.tensor_id, e.start): e.offset for e in layout}
+    return _LAYOUT[2]
 
 
 def _write_runs(fd: int, data: memoryview, base: int, entries: Sequence[fmt.Entry],
@@ -845,10 +845,10 @@ class PersistentLevel(Level):
     def assembled_layout(self, plan: ShardPlan) -> tuple[list[fmt.Entry], int, int]:
         """(entries, data offset, file size) of the version's assembled file (every piece, tensors
         contiguous): kept for the last plan object asked (read-only: do not change the list)."""
-        if _LAYOUT and _LAYOUT[0][0] is plan:
-            return _LAYOUT[0][1]
+        if _LAYOUT and _LAYOUT[0] is plan:
+            return _LAYOUT[1]
         out = fmt.layout(piece_entries(plan, plan.pieces), contiguous_tensors=True)
-        _LAYOUT[:] = [(plan, out)]
+        _LAYOUT[:] = [plan, out, None]
         return out
 
     def write_direct(self, name: str, version: int, rank: int, plan: ShardPlan,
@@ -881,17 +881,13 @@ class PersistentLevel(Level):
             lo: int | None = None  # the range written since the last write-back kick
             hi = pending = 0
             for k, (e, view) in enumerate(views):
-                at, crc = where[(e.tensor_id, e.start)], 0
-                for c0 in range(0, len(view), _CHUNK):
-                    chunk = view[c0:c0 + _CHUNK]
-                    if chksum:
-                        crc = fmt.crc32(chunk, crc)
-                    write_all(dst, chunk, at + c0, "bytes.persistent.data")
-                    lo, hi = (at + c0 if lo is None else min(lo, at + c0)), max(hi, at + c0 + len(chunk))
-                    pending += len(chunk)
-                    if pending >= _WRITEBACK_BATCH:
-                        _start_writeback(dst, lo, hi - lo)
-                        lo, hi, pending = None, 0, 0
+                at = where[(e.tensor_id, e.start)]
+                crc = _write_region(dst, view, at, [(0, len(view))], chksum, "bytes.persistent.data")[0]
+                lo, hi = (at if lo is None else min(lo, at)), max(hi, at + len(view))
+                pending += len(view)
+                if pending >= _WRITEBACK_BATCH:
+                    _start_writeback(dst, lo, hi - lo)
+                    lo, hi, pending = None, 0, 0
                 crcs.append([e.tensor_id, e.start, crc])
                 if k == 0:
                     cp.hit("persistent.direct.write")  # the first piece written, the others not yet
@@ -1352,11 +1348,6 @@ def _read_full(fd: int, view: memoryview, offset: int, path: str) -> int:
             raise CorruptCheckpointError(f"{path}: shard file ended before its index said")
         done += n
     return done
-
-
-def _crc32(view: memoryview, value: int) -> int:
-    """:func:`deepfreeze.format.crc32` of a byte memoryview, without its per-call view conversion."""
-    return fmt.crc32_bytes(view, value)
 
 
 # the write-back hint (None where the C library has none; tests set it to None for the fallback)
