@@ -11,10 +11,17 @@ reaches its bound.
 
 **The bound.** A job is *urgent*, and runs at normal priority, when it is picked while
 
-* it is more than one interval behind: ``now >= t + interval``, ``t`` the monotonic time of the
-  checkpoint call that made it (``CLOCK_MONOTONIC``: one clock for every process of a node) and
-  ``interval`` the time between that call and the one before it (the engine learns its interval
-  from successive ``checkpoint`` calls; the first version has none); or
+* it would otherwise end more than one interval behind: ``now + (k + 1) * d >= t + interval`` for
+  itself or any job queued behind it, ``t`` the monotonic time of the checkpoint call that made
+  that job (``CLOCK_MONOTONIC``: one clock for every process of a node), ``interval`` the time
+  between that call and the one before it (the engine learns its interval from successive
+  ``checkpoint`` calls; the first version has none), ``k`` the number of jobs ahead of that one
+  (the running one included) and ``d`` the wall time of the last job run (its pace; 0 before the
+  first). So the deferral ends early enough that, at the last job's pace, every queued version is
+  done one interval after its call: work that fits in the gaps of an interval yields for most of
+  it; work that takes about an interval (a large model on a machine training flat out) runs at
+  normal priority from the start, not after a wasted interval. With ``d = 0`` this is the plain
+  bound ``now >= t + interval`` (the job more than one interval behind); or
 * someone waits for it (:meth:`Lanes.hurry`): the queue is full (a ``checkpoint`` call finds
   ``max_inflight`` versions in flight; the writer finds ``max_pending_flushes`` flushes pending
   and polls the backend with ``need``), a memory-tier put found no free slot, or ``wait()``; or
@@ -156,6 +163,7 @@ class Lanes:
         self._boosted = False  # the running low-lane job was raised
         self._sections: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._stop = False
+        self._pace = 0.0  # wall seconds of the last job run: the deferral's estimate of a job's length
         self._base: tuple[int, int | None] = thread_priority()  # the process's own: what "normal" means
         lanes = [("low" if self.two else ("low" if low else "normal"), name)]
         if self.two:
@@ -229,16 +237,30 @@ class Lanes:
     def snapshot(self) -> dict[str, Any]:
         """The counters, the lanes' thread ids and whether lowering is on (a copy)."""
         with self._cond:
-            return dict(self.stats, tids=dict(self.tids), low=self.low, queued=len(self._queue))
+            return dict(self.stats, tids=dict(self.tids), low=self.low, queued=len(self._queue), pace_s=self._pace)
 
     # -- the lanes
     def _urgent(self, job: _Job, now: float) -> bool:
-        interval = job.interval if job.interval is not None else self.interval
-        return job.urgent or (interval is not None and now >= job.t + interval)
+        """The head job ``job`` goes to the normal lane (under the lock)."""
+        if job.urgent:
+            return True
+        deadline = self._deadline(job)
+        return deadline is not None and now >= deadline
 
     def _deadline(self, job: _Job) -> float | None:
-        interval = job.interval if job.interval is not None else self.interval
-        return None if job.urgent or interval is None else job.t + interval
+        """When ``job`` (running or at the head) must run at normal priority: the earliest of
+        ``t + interval - (k + 1) * d`` over it and the jobs queued behind it (module docstring);
+        None when none of them has an interval. Under the lock."""
+        d = self._pace
+        jobs = [job] + [j for j in self._queue if j is not job]
+        best = None
+        for k, j in enumerate(jobs):
+            interval = j.interval if j.interval is not None else self.interval
+            if interval is None:
+                continue
+            when = j.t + interval - (k + 1) * d
+            best = when if best is None else min(best, when)
+        return best
 
     def _boost_locked(self) -> None:
         """Raise the running low-lane job's thread back to normal (under the lock)."""
@@ -300,12 +322,14 @@ class Lanes:
                     except BaseException as e:  # noqa: BLE001 - handed to the waiting low lane
                         fut.set_exception(e)
                 continue
+            start = time.monotonic()
             if job.future.set_running_or_notify_cancel():
                 try:
                     job.future.set_result(job.fn(*job.args))
                 except BaseException as e:  # noqa: BLE001 - handed to whoever holds the future
                     job.future.set_exception(e)
             with self._cond:
+                self._pace = time.monotonic() - start
                 boosted = self._boosted
                 self._running, self._running_lane, self._boosted = None, None, False
                 self._cond.notify_all()

@@ -73,6 +73,7 @@ def test_lanes_order_bound_boost_and_sections():
         finally:
             gate.set()
         f.result(30)
+        lanes.interval = None  # no interval known: what follows would stay on the low lane
         # a section others wait on (a commit.lock) runs on the normal lane; errors reach the caller
         g = lanes.submit(lambda: lanes.run_normal(threading.get_native_id))
         assert g.result(30) == normal and lanes.stats["sections"] == 1
@@ -81,6 +82,37 @@ def test_lanes_order_bound_boost_and_sections():
         time.sleep(0.05)  # the low lane lowered itself again after the raised job
         assert nat.ioprio_get(nat.IOPRIO_WHO_PROCESS, low) == BACKGROUND_IOPRIO
         assert lanes.stats["low_jobs"] == 5 and lanes.stats["urgent_jobs"] == 3
+    finally:
+        lanes.shutdown()
+
+
+def test_deferral_ends_early_enough_to_end_within_one_interval():
+    """The bound counts the last job's pace: a job whose predecessor took longer than the
+    interval runs on the normal lane at once; one that fits stays low; a queued job behind the
+    head pulls the head forward (both must end one interval after their calls)."""
+    lanes = Lanes("dftest-pace")
+    try:
+        low, normal = lanes.tids["low"], lanes.tids["normal"]
+        who = lambda: threading.get_native_id()  # noqa: E731
+        assert lanes.submit(time.sleep, 0.3).result(30) is None  # pace 0.3 s, on the low lane
+        assert lanes.snapshot()["pace_s"] >= 0.3 and lanes.stats["low_jobs"] == 1
+        # an interval of 10 s: 0.3 s of work fits -> low lane
+        assert lanes.submit(who, interval=10.0).result(30) == low
+        time.sleep(0.01)
+        lanes.submit(time.sleep, 0.3).result(30)
+        # an interval of 0.2 s: at the last pace (0.3 s) it would end late -> normal lane at once
+        assert lanes.submit(who, interval=0.2).result(30) == normal
+        # head and a job queued behind it, called now with an interval of 1.3 s, behind a 0.5 s job
+        # (no interval): when that ends the pace is 0.5 s; the head alone would end by t + 1.0
+        # (stay low until t + 0.8), but the second would end at t + 1.5: the head goes normal
+        urgent = lanes.stats["urgent_jobs"]
+        hold = lanes.submit(time.sleep, 0.5)
+        t = time.monotonic()
+        h = lanes.submit(who, t=t, interval=1.3)
+        lanes.submit(time.sleep, 0.01, t=t, interval=1.3)
+        hold.result(30)
+        assert h.result(30) == normal and time.monotonic() - t < 0.8
+        assert lanes.stats["urgent_jobs"] == urgent + 1  # the head; then the pace is the head's (~0): low
     finally:
         lanes.shutdown()
 
