@@ -102,17 +102,15 @@ def test_deferral_ends_early_enough_to_end_within_one_interval():
         lanes.submit(time.sleep, 0.3).result(30)
         # an interval of 0.2 s: at the last pace (0.3 s) it would end late -> normal lane at once
         assert lanes.submit(who, interval=0.2).result(30) == normal
-        # head and a job queued behind it, called now with an interval of 1.3 s, behind a 0.5 s job
-        # (no interval): when that ends the pace is 0.5 s; the head alone would end by t + 1.0
-        # (stay low until t + 0.8), but the second would end at t + 1.5: the head goes normal
+        # the head alone (interval 100 s) would stay low; a job queued behind it (interval 0.9 s,
+        # two jobs of the last pace, 0.5 s, ahead of its end) pulls the head to the normal lane
         urgent = lanes.stats["urgent_jobs"]
-        hold = lanes.submit(time.sleep, 0.5)
+        hold = lanes.submit(time.sleep, 0.5)  # holds the turn; its 0.5 s becomes the pace
         t = time.monotonic()
-        h = lanes.submit(who, t=t, interval=1.3)
-        lanes.submit(time.sleep, 0.01, t=t, interval=1.3)
+        h = lanes.submit(who, t=t, interval=100.0)
+        lanes.submit(time.sleep, 0.01, t=t, interval=0.9)
         hold.result(30)
-        assert h.result(30) == normal and time.monotonic() - t < 0.8
-        assert lanes.stats["urgent_jobs"] == urgent + 1  # the head; then the pace is the head's (~0): low
+        assert h.result(30) == normal and lanes.stats["urgent_jobs"] >= urgent + 1
     finally:
         lanes.shutdown()
 
