@@ -65,9 +65,10 @@ Jobs run one at a time, in arrival order, through :func:`deepfreeze.levels.flush
 code sync mode runs in the client), each on one of two threads (:class:`deepfreeze.priority.Lanes`):
 ``deepfreeze-flusher`` (the low lane: nice +10 and I/O best-effort 7, set when it starts) or
 ``deepfreeze-flusher-urgent`` (the normal lane: the process's priority). A job takes the normal lane
-when it would otherwise end more than one interval behind (its ``t``, the monotonic time of the
-rank's checkpoint call, plus its ``interval``, the time between that call and the rank's previous
-one, less the last job's duration for it and each job ahead of it: :mod:`deepfreeze.priority`),
+when it would otherwise end later than half an interval after its call (its ``t``, the monotonic
+time of the rank's checkpoint call, plus half its ``interval``, the time between that call and the
+rank's previous one, less the last job's duration for it and each job ahead of it:
+:mod:`deepfreeze.priority`),
 when a client waits for it (a ``wait``, or a ``poll`` with ``wait`` > 0 and ``need`` jobs not
 done: the oldest ``need`` pending ones; the rank's queue is full or it waits in ``wait()``), or
 when its ``priority`` is ``normal`` (``background_priority = normal``). A job that becomes urgent

@@ -51,7 +51,7 @@ KEYS: dict[str, str] = {
                   "persistent level (no scratch file read back and copied); auto: when scratch and persistent are "
                   "on the same file system (DeepFreeze key)",
     "background_priority": "low | normal: the writer's and the backend's background work runs at nice +10 and I/O "
-                           "best-effort 7 until it would end one interval behind or is waited for (low), or at normal "
+                           "best-effort 7 until it would end over half an interval late or is waited for (low), or at normal "
                            "priority (DeepFreeze key)",
 }
 
@@ -174,7 +174,7 @@ class Config:
         if self.background_priority not in ("low", "normal"):
             raise ConfigError(f"{w('background_priority')}: background_priority = {self.background_priority!r} is "
                               "invalid: use 'low' (background writes and flushes yield the CPU and the disk to "
-                              "training as long as they still end within one checkpoint interval) or 'normal' (they run at "
+                              "training as long as they still end within half a checkpoint interval) or 'normal' (they run at "
                               "the training's priority)")
         if self.memtier is not None:
             if not self.memtier.strip():

@@ -88,7 +88,7 @@ starts to nice +10 (capped at 19) and I/O best-effort level 7 (``setpriority``/`
 the thread's id: that thread only; failures ignored), so shard writes and CRC32s yield to
 training (the paper: "background operations can run with low priority");
 ``deepfreeze-writer-r<rank>-urgent`` keeps the process's priority and takes a version once the
-deferral reaches its bound: at the last version's pace it would end more than one interval
+deferral reaches its bound: at the last version's pace it would end more than half an interval
 after its call (the interval: the time between this call and the previous one), a ``checkpoint`` call finds ``max_inflight`` versions in flight, or
 ``wait()`` waits. Two threads because a non-root thread cannot lower its nice value again; a
 running version that becomes urgent gets its I/O priority raised at once (see

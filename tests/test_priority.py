@@ -16,7 +16,7 @@ import time
 import pytest
 
 from deepfreeze import _native as nat
-from deepfreeze.priority import BACKGROUND_IOPRIO, Lanes, thread_priority
+from deepfreeze.priority import BACKGROUND_IOPRIO, DEFERRAL, Lanes, thread_priority
 
 pytestmark = pytest.mark.skipif(not nat.available("ioprio_get"), reason="ioprio_get: Linux x86_64/aarch64")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,10 +86,10 @@ def test_lanes_order_bound_boost_and_sections():
         lanes.shutdown()
 
 
-def test_deferral_ends_early_enough_to_end_within_one_interval():
-    """The bound counts the last job's pace: a job whose predecessor took longer than the
+def test_deferral_ends_early_enough_to_end_within_half_an_interval():
+    """The bound counts the last job's pace: a job whose predecessor took longer than half the
     interval runs on the normal lane at once; one that fits stays low; a queued job behind the
-    head pulls the head forward (both must end one interval after their calls)."""
+    head pulls the head forward (both must end half an interval after their calls)."""
     lanes = Lanes("dftest-pace")
     try:
         low, normal = lanes.tids["low"], lanes.tids["normal"]
@@ -100,8 +100,9 @@ def test_deferral_ends_early_enough_to_end_within_one_interval():
         assert lanes.submit(who, interval=10.0).result(30) == low
         time.sleep(0.01)
         lanes.submit(time.sleep, 0.3).result(30)
-        # an interval of 0.2 s: at the last pace (0.3 s) it would end late -> normal lane at once
-        assert lanes.submit(who, interval=0.2).result(30) == normal
+        # an interval of 0.5 s: at the last pace (0.3 s) it would end after half of it (0.25 s),
+        # though within the whole -> normal lane at once
+        assert DEFERRAL == 0.5 and lanes.submit(who, interval=0.5).result(30) == normal
         # the head alone (interval 100 s) would stay low; a job queued behind it (interval 0.9 s,
         # two jobs of the last pace, 0.5 s, ahead of its end) pulls the head to the normal lane
         urgent = lanes.stats["urgent_jobs"]
