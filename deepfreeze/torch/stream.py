@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import json
 import logging
-import struct
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -44,10 +43,10 @@ from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
 from ..fused import FusedShard
 from ..lease import Version
 from ..stream.core import Publisher as _CorePublisher, StreamOptions, Subscriber as _CoreSubscriber, Update
-from ..stream.serve import Replica, ReplicaServer
+from ..stream.serve import ReplicaServer
 from . import _state
 from .checkpointer import Checkpointer
-from .hook import hook_for
+from .hook import _ATTR as _HOOKS
 
 __all__ = ["Publisher", "Subscriber", "ModelSubscriber", "Served", "SCHEDULES"]
 
@@ -107,7 +106,8 @@ class Publisher(Checkpointer):
         if "name" in kwargs:
             raise ConfigError("Publisher takes channel=..., not name= (the channel is the checkpoint name)")
         opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-        for sink in hook_for(model, opts).sinks if opts else []:
+        sinks = [s for h in model.__dict__.get(_HOOKS, []) for s in h.sinks]  # (no hook made here)
+        for sink in sinks:
             if isinstance(sink, Checkpointer) and sink.name == channel and not sink._closed:
                 raise ConfigError(f"a Checkpointer on {channel!r} already captures this model: one run owns a name. "
                                   f"Close it and pass its every_n_steps={sink.every_n_steps} to the Publisher (which "
