@@ -106,13 +106,14 @@ def test_ddp_publisher_to_serving_consumer(out):
     """2-rank DDP publishing every 2 steps; a plain consumer process serving predictions."""
     out, shm = out
     c = consumer(out, "until=8")
-    torchrun(out, shm, "steps=8", "every=2", "sync_at=4")
+    torchrun(out, shm, "steps=8", "every=2", "sync_at=4,8")
     finish(c, out)
     steps = check_served(out)
     assert {4, 8} <= set(steps.tolist()) <= {2, 4, 6, 8}, steps
-    for r in (0, 1):
+    for r in (0, 1):  # each rank published its own share of every version
         with open(os.path.join(out, f"r{r}", "info.json")) as f:
-            assert json.load(f)["published"] == [2, 4, 6, 8]
+            info = json.load(f)
+        assert info["published"] == [2, 4, 6, 8] and info["prefix"] > 0, info
     with open(os.path.join(out, "serve.json")) as f:
         assert json.load(f)["tiers"] == ["shm"]  # the same node: the rings
 

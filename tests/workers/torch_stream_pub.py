@@ -2,8 +2,9 @@
 
     torchrun --standalone --nproc-per-node 2 tests/workers/torch_stream_pub.py OUT [key=value ...]
 
-keys: steps (optimizer steps), every (publish every n steps), sync_at=STEP (rank 0 waits, bounded,
-until the consumer reports having served version STEP: OUT/seen holds the newest step it served),
+keys: steps (optimizer steps), every (publish every n steps), sync_at=STEP[,STEP...] (rank 0 waits,
+bounded, until the consumer reports having served version STEP: OUT/seen holds the newest step it
+served; the other rank waits in a barrier),
 kill_at=STEP (rank 1 SIGKILLs itself right after publishing STEP, once the consumer served it),
 shm_dir (the producer's rings).
 
@@ -84,9 +85,11 @@ def main() -> None:
     os.makedirs(mydir, exist_ok=True)
     pub = Publisher(model, opt, channel=CHANNEL, schedule=every, overwrite=True, mode="async",
                     scratch=os.path.join(out, f"scratch{rank}"), persistent=os.path.join(out, "persistent"),
+                    min_shard_bytes=256,  # a small model, still split across the ranks
                     stream=StreamOptions(shm_dir=kw["shm_dir"]) if kw.get("shm_dir") else None)
     g = torch.Generator().manual_seed(1000 + rank)
-    steps, sync_at, kill_at = int(kw.get("steps", 10)), int(kw.get("sync_at", -1)), int(kw.get("kill_at", -1))
+    steps, kill_at = int(kw.get("steps", 10)), int(kw.get("kill_at", -1))
+    sync_at = {int(s) for s in kw.get("sync_at", "").split(",") if s}
     for _ in range(steps):
         x = torch.randn(16, 8, generator=g)
         y = torch.randn(16, 3, generator=g)
@@ -97,16 +100,18 @@ def main() -> None:
         if pub.step % every == 0:
             save_state(net, os.path.join(mydir, f"v{pub.step}.npz"))  # what version pub.step holds
         pub.end_iteration()  # publishes the step's version now
-        if pub.step in (sync_at, kill_at):
+        if pub.step in sync_at or pub.step == kill_at:
             if rank == 0:
                 wait_seen(out, pub.step)
             if distributed:
                 dist.barrier()
             if pub.step == kill_at and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+    prefix = pub.publisher.prefix  # bytes of this rank's share of each version
     pub.close()
     with open(os.path.join(mydir, "info.json"), "w") as f:
-        json.dump({"published": [v.step for v in pub.published], "coalesced": pub.coalesced, "step": pub.step}, f)
+        json.dump({"published": [v.step for v in pub.published], "coalesced": pub.coalesced, "step": pub.step,
+                   "prefix": prefix}, f)
     if distributed:
         dist.destroy_process_group()
 
