@@ -369,12 +369,14 @@ class Subscriber(ReplicaServer):
       channel: the producer's channel name.
       config: VeloC INI path or :class:`~deepfreeze.Config` (its ``persistent`` directory holds the
         producer's endpoint files and the fallback checkpoint; its ``redis`` key, if set, is used).
+      persistent: the producer's persistent directory, instead of a ``config`` (a consumer needs
+        nothing else of one); ``redis=`` may come with it.
       tier: ``"auto"``, ``"shm"``, ``"tcp"`` or ``"persistent"`` (:class:`deepfreeze.stream.Subscriber`).
       token: token file for TCP (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
       io_timeout: seconds any single network wait may take.
       warn_after: seconds without any producer or committed version after which one warning says
         that nobody publishes the channel, naming where the subscriber looked.
-      **overrides: INI keys (``persistent=...``).
+      **overrides: INI keys (with ``config``).
 
     Memory: two replicas, one staging copy of the weights and per producer rank a receive buffer
     of its shard (about four times the weights). A version whose tensors do not match the module
@@ -385,16 +387,24 @@ class Subscriber(ReplicaServer):
     _thread_name = "deepfreeze-torch-subscriber"
 
     def __init__(self, module: torch.nn.Module, channel: str = "model", config: "str | Config | None" = None, *,
-                 replica: torch.nn.Module | None = None, tier: str = "auto", token: str | None = None,
-                 io_timeout: float = 30.0, warn_after: float = 10.0, **overrides: Any) -> None:
+                 persistent: str | None = None, redis: str | None = None, replica: torch.nn.Module | None = None,
+                 tier: str = "auto", token: str | None = None, io_timeout: float = 30.0, warn_after: float = 10.0,
+                 **overrides: Any) -> None:
         if not isinstance(module, torch.nn.Module):
             raise ConfigError(f"Subscriber: module must be a torch.nn.Module, got {type(module).__name__}")
         other = copy.deepcopy(module) if replica is None else replica
         if other is module or not isinstance(other, torch.nn.Module):
             raise ConfigError("Subscriber: replica must be a second torch.nn.Module of the same architecture")
-        cfg = Config.resolve(config, **overrides)
-        sub = _CoreSubscriber(channel, cfg.persistent, tier=tier, token=token, redis=cfg.redis,
-                              io_timeout=io_timeout, warn_after=warn_after)
+        if persistent is not None and config is None and not overrides:
+            where = str(persistent)
+        elif persistent is None and redis is None:
+            cfg = Config.resolve(config, **overrides)
+            where, redis = cfg.persistent, cfg.redis
+        else:
+            raise ConfigError("Subscriber: give the producer's persistent directory as persistent= (with redis= if "
+                              "it uses Redis), or a config (INI path or Config, with INI keys as keywords), not both")
+        sub = _CoreSubscriber(channel, where, tier=tier, token=token, redis=redis, io_timeout=io_timeout,
+                              warn_after=warn_after)
         super().__init__(channel, sub, [module, other])
         self._targets: dict[int, dict[str, torch.Tensor]] = {}  # id(replica module) -> name -> tensor
         self._start()
