@@ -465,6 +465,9 @@ class Subscriber(ReplicaServer):
         stream = None
         if cuda and torch.cuda.is_available():  # a side stream; its event is waited for before the swap
             stream = torch.cuda.Stream(device=cuda[0].device)
+            # requests that ran on this replica may still have kernels queued on the device's
+            # default stream: the copies start after them
+            stream.wait_stream(torch.cuda.default_stream(cuda[0].device))
         with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
             for n, a in up.arrays.items():
                 t = targets[n]
