@@ -158,7 +158,7 @@ def test_single_process_pinned_replica_is_never_reloaded(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
     shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
     os.makedirs(shm)
-    dirs = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    dirs = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"), mode="async")
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -204,4 +204,69 @@ def test_single_process_pinned_replica_is_never_reloaded(tmp_path, monkeypatch):
         assert isinstance(e.value.__cause__, ModelMismatchError)
     finally:
         bad.close()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch):
+    """schedule='fixed': one version at the end of the warm-up, then the plan's steps; without
+    report(loss) a ConfigError names the call. A writer that is always busy (injected by
+    subclassing) skips the persistent copies of publish-only versions but never of every_n_steps
+    checkpoints, and the newest skipped one is written at close."""
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.loader import list_versions
+    from deepfreeze.stream import StreamOptions
+    from deepfreeze.torch import Publisher
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
+    shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm)
+    dirs = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"), mode="async",
+                stream=StreamOptions(shm_dir=shm))
+    g = torch.Generator().manual_seed(4)
+    try:
+        torch.manual_seed(0)
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        pub = Publisher(net, opt, channel="planned", schedule="fixed", warmup_steps=6, horizon_s=5.0,
+                        inference_interval_s=0.01, overwrite=True, **dirs)
+        try:
+            for _ in range(20):
+                loss = torch.nn.functional.mse_loss(net(torch.randn(4, 8, generator=g)),
+                                                    torch.randn(4, 3, generator=g))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                pub.report(loss)
+                pub.end_iteration()
+            assert pub.publish_plan is not None and pub.published[0].step == 6
+            assert all(v.step in pub.publish_plan.steps for v in pub.published[1:])
+        finally:
+            pub.close()
+
+        class Busy(Publisher):  # fault injected by subclassing: every writer is busy
+            def _writer_busy(self) -> bool:
+                return True
+
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        pub = Busy(net, opt, channel="busy", schedule=1, every_n_steps=3, overwrite=True, **dirs)
+        try:
+            _train(pub, net, opt, g, 7, {})
+            assert [v.step for v in pub.published] == list(range(1, 8))
+            assert pub.coalesced == 5  # 1, 2, 4, 5, 7: publish-only; 3 and 6 are checkpoints
+        finally:
+            pub.close()
+        assert pub.coalesced == 4  # v7, the newest skipped, written at close
+        committed = sorted(v for v, levels in list_versions(pub.config, "busy").items() if "persistent" in levels)
+        assert committed == [3, 6, 7], committed
+
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        pub = Publisher(net, opt, channel="noreport", schedule="adaptive", warmup_steps=3, horizon_s=5.0,
+                        inference_interval_s=0.01, overwrite=True, **dirs)
+        try:
+            with pytest.raises(ConfigError, match=r"report\(loss\)"):
+                _train(pub, net, opt, g, 6, {})
+        finally:
+            pub.close()
+    finally:
         shutil.rmtree(shm, ignore_errors=True)
