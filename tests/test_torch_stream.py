@@ -71,6 +71,13 @@ def finish(proc: subprocess.Popen, out: str) -> None:
             pytest.fail(f"the consumer exited {rc}:\n{f.read()[-6000:]}")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """A consumer left running by a failed producer: ended, never left behind."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def weights(out: str, rank: int, step: int) -> dict[str, np.ndarray]:
     with np.load(os.path.join(out, f"r{rank}", f"v{step}.npz"), allow_pickle=False) as f:
         return {k: f[k] for k in f.files}
@@ -106,8 +113,11 @@ def test_ddp_publisher_to_serving_consumer(out):
     """2-rank DDP publishing every 2 steps; a plain consumer process serving predictions."""
     out, shm = out
     c = consumer(out, "until=8")
-    torchrun(out, shm, "steps=8", "every=2", "sync_at=4,8")
-    finish(c, out)
+    try:
+        torchrun(out, shm, "steps=8", "every=2", "sync_at=4,8")
+        finish(c, out)
+    finally:
+        stop(c)
     steps = check_served(out)
     assert {4, 8} <= set(steps.tolist()) <= {2, 4, 6, 8}, steps
     for r in (0, 1):  # each rank published its own share of every version
@@ -123,9 +133,12 @@ def test_publisher_killed_consumer_keeps_last_version(out):
     newer one ends with StreamTimeoutError (no hang), and nothing served mixes versions."""
     out, shm = out
     c = consumer(out, "until=5", "dead=1")
-    p = torchrun(out, shm, "steps=10", "every=1", "kill_at=5", check=False)
-    assert p.returncode != 0
-    finish(c, out)
+    try:
+        p = torchrun(out, shm, "steps=10", "every=1", "kill_at=5", check=False)
+        assert p.returncode != 0
+        finish(c, out)
+    finally:
+        stop(c)
     steps = check_served(out)
     assert steps[-1] == 5 and set(steps.tolist()) <= set(range(1, 6))
     with open(os.path.join(out, "serve.json")) as f:
