@@ -58,7 +58,7 @@ def main() -> None:
         if kw.get("dead") == "1":
             t0 = time.monotonic()
             try:
-                sub.wait(None, timeout=8)
+                sub.wait(None, timeout=3)
                 info["after_death"] = "a newer version became live"
             except StreamTimeoutError as e:
                 info["after_death"] = type(e).__name__
