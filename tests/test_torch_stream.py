@@ -125,8 +125,9 @@ def test_ddp_publisher_to_serving_consumer(out):
             info = json.load(f)
         assert info["published"] == [2, 4, 6, 8] and info["prefix"] > 0, info
     with open(os.path.join(out, "serve.json")) as f:
-        tiers = json.load(f)["tiers"]  # the same node: the rings (a consumer that looked before both ranks'
-    assert "shm" in tiers and "tcp" not in tiers, tiers  # endpoints were there may start from persistent)
+        updates = json.load(f)["updates"]  # the same node: the rings; only a first version may come from the
+    assert all(tier == "shm" for _, tier in updates[1:]), updates  # persistent copy (looked before both
+    assert updates[0][1] in ("shm", "persistent"), updates  # ranks' endpoints were written)
 
 
 def test_publisher_killed_consumer_keeps_last_version(out):

@@ -11,6 +11,7 @@ StreamTimeoutError) and that it still serves ``until``. Writes OUT/serve.npz (st
 outputs) and OUT/serve.json.
 """
 import json
+import logging
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ def main() -> None:
     out = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
     until = int(kw["until"])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # into consumer.log
     torch.set_num_threads(1)
     x = inputs()
     steps, rows, outputs = [], [], []
@@ -69,6 +71,7 @@ def main() -> None:
                     rows.append(row)
                     outputs.append(m(x[row:row + 1]).numpy()[0].copy())
         info["tiers"] = sorted({u["tier"] for u in sub.updates})
+        info["updates"] = [[u["version"].step, u["tier"]] for u in sub.updates]
     np.savez(os.path.join(out, "serve.npz"), steps=np.array(steps), rows=np.array(rows),
              outputs=np.stack(outputs))
     with open(os.path.join(out, "serve.json"), "w") as f:
