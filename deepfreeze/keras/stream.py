@@ -13,26 +13,26 @@ own versions are never skipped.
 The consumer holds two replicas of the model: each new version is loaded into the idle one and
 swapped in; a request runs entirely on the replica it started on (a replica is reloaded only
 when no request is running on it), so no prediction mixes versions and swaps never block
-``predict``.
+``predict``. That double buffer is framework-neutral (:class:`deepfreeze.stream.serve.ReplicaServer`,
+shared with :mod:`deepfreeze.torch.stream`); this module loads a version into Keras variables.
 """
 from __future__ import annotations
 
 import bisect
-import collections
 import json
 import logging
-import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
 from ..config import Config, did_you_mean
-from ..errors import ConfigError, DeepFreezeError, ModelMismatchError, StreamError, StreamTimeoutError
+from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
 from ..format import dtype_name
 from ..fused import FusedShard
 from ..lease import Version
 from ..stream.core import Publisher, StreamOptions, Subscriber, Update
+from ..stream.serve import ReplicaServer
 from .callback import DeepFreezeCheckpoint
 from .restore import build_from_spec
 from ._dist import allreduce_mean, broadcast_bytes
@@ -244,15 +244,9 @@ class PublishCallback(DeepFreezeCheckpoint):
                 log.warning("DeepFreeze: the %s publish plan of channel %r: %s", self.schedule, self.name, plan.note)
 
 
-class _Replica:
-    __slots__ = ("model", "version", "users")
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.version, self.users = model, None, 0
-
-
-class ModelSubscriber:
-    """Serve a model that follows a producer's published versions (double-buffered).
+class ModelSubscriber(ReplicaServer):
+    """Serve a model that follows a producer's published versions (double-buffered:
+    :class:`deepfreeze.stream.serve.ReplicaServer`).
 
     Args:
       channel: the producer's channel name.
@@ -280,94 +274,30 @@ class ModelSubscriber:
             raise ConfigError("build must be a function returning a new Keras model of the producer's architecture")
         cfg = Config.resolve(config, **overrides)
         self.channel, self._input_spec = channel, input_spec
-        self._sub = Subscriber(channel, cfg.persistent, tier=tier, token=token, redis=cfg.redis,
-                               io_timeout=io_timeout, warn_after=warn_after)
+        sub = Subscriber(channel, cfg.persistent, tier=tier, token=token, redis=cfg.redis,
+                         io_timeout=io_timeout, warn_after=warn_after)
         try:
-            self._replicas = [_Replica(self._built(build)), _Replica(self._built(build))]
+            models = [self._built(build), self._built(build)]
         except BaseException:
-            self._sub.close()
+            sub.close()
             raise
-        self._live: _Replica | None = None
-        self._cond = threading.Condition()
-        self._callbacks: list[Callable[[Version], None]] = []
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        #: per update: {"version", "tier", "notify_s" (producer send -> consumer receipt), "fetch_s", "load_s",
-        #: "swapped_at" (time.time())}
-        self.updates: collections.deque[dict[str, Any]] = collections.deque(maxlen=100000)
-        self._thread = threading.Thread(target=self._run, name="deepfreeze-model-subscriber", daemon=True)
-        self._thread.start()
+        super().__init__(channel, sub, models)
+        self._start()
 
     # -- public
-    @property
-    def version(self) -> Version | None:
-        """The live version ((generation, step); ``.step`` is the producer's optimizer step), or None."""
-        live = self._live
-        return None if live is None else live.version
-
-    def on_update(self, fn: Callable[[Version], None]) -> None:
-        """Call ``fn(version)`` on the update thread after each swap."""
-        self._callbacks.append(fn)
-
-    def wait(self, version: "Version | int | None" = None, timeout: float | None = 30.0) -> Version:
-        """Block until a version >= ``version`` is live (an int: that step, or any newer generation;
-        None: newer than the live one at the call); returns the live version. Raises
-        :class:`~deepfreeze.errors.StreamTimeoutError` at ``timeout`` and, once, an error of the
-        update thread."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            start = self.version
-
-            def reached() -> bool:
-                v = self.version
-                if v is None:
-                    return False
-                if version is None:
-                    return start is None or v > start
-                if isinstance(version, Version):
-                    return v >= version
-                return v.step >= int(version) or (start is not None and v.generation > start.generation)
-
-            while not reached():
-                self._raise_error()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    why = (f"nobody publishes it: no producer run and no committed version found in "
-                           f"{self._sub.where()}" if self.version is None and self._sub._conn is None else
-                           "is the producer running and publishing?")
-                    raise StreamTimeoutError(
-                        f"no version {'newer than ' + str(start) if version is None else '>= ' + str(version)} of "
-                        f"channel {self.channel!r} became live within {timeout}s (live: {self.version}); {why}")
-                self._cond.wait(left if left is None else min(left, 1.0))
-            return self.version
-
     def predict(self, x: Any, **kwargs: Any) -> tuple[Any, Version]:
         """``(model(x), version)``: one whole version answers the request."""
-        rep = self._pin()
-        try:
+        with self.pinned() as rep:
             y = rep.model(x, training=False, **kwargs)
             return (y.numpy() if hasattr(y, "numpy") else y), rep.version
-        finally:
-            self._unpin(rep)
 
     def get_weights(self) -> tuple[list[np.ndarray], Version]:
         """A consistent copy of the live version's weights (``model.get_weights()`` order)."""
-        rep = self._pin()
-        try:
+        with self.pinned() as rep:
             return [np.array(w.numpy()) for w in rep.model.weights], rep.version
-        finally:
-            self._unpin(rep)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-        self._sub.close()
 
     def __enter__(self) -> "ModelSubscriber":
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # -- internals
     def _built(self, build: Callable[[], Any]) -> Any:
@@ -381,46 +311,8 @@ class ModelSubscriber:
                               "(None, 28, 28)) to build it from")
         return model
 
-    def _raise_error(self) -> None:
-        e, self._error = self._error, None
-        if e is not None:
-            raise StreamError(f"the update thread of channel {self.channel!r} failed: {e}") from e
-
-    def _pin(self) -> _Replica:
-        with self._cond:
-            rep = self._live
-            if rep is None:
-                self._raise_error()
-                raise StreamError(f"no version of channel {self.channel!r} is live yet: call wait() first")
-            rep.users += 1
-            return rep
-
-    def _unpin(self, rep: _Replica) -> None:
-        with self._cond:
-            rep.users -= 1
-            if rep.users == 0:
-                self._cond.notify_all()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                up = self._sub.next(0.5)
-                if up is not None:
-                    self._apply(up)
-            except BaseException as e:  # surfaced once, at wait/predict; the thread goes on
-                log.warning("deepfreeze: subscriber of %r: %s", self.channel, e)
-                with self._cond:
-                    self._error = self._error or e
-                    self._cond.notify_all()
-                self._stop.wait(1.0)
-
-    def _apply(self, up: Update) -> None:
-        t0 = time.perf_counter()
-        with self._cond:
-            idle = self._replicas[1] if self._live is self._replicas[0] else self._replicas[0]
-            while idle.users:  # a request that started before the last swap still runs on it
-                self._cond.wait(1.0)
-        weights = idle.model.weights
+    def _load(self, model: Any, up: Update) -> None:
+        weights = model.weights
         arrays = list(up.arrays.values())
         if len(arrays) != len(weights):
             raise ModelMismatchError(f"channel {self.channel!r} publishes {len(arrays)} tensors, the model from "
@@ -433,16 +325,3 @@ class ModelSubscriber:
                 _copy_into(w, a)  # in place, into the replica's own buffer: no fresh memory per update
             else:
                 w.assign(a)
-        load_s = time.perf_counter() - t0
-        with self._cond:
-            idle.version = up.version
-            self._live = idle
-            self._cond.notify_all()
-        self.updates.append({"version": up.version, "tier": up.tier, "fetch_s": up.fetch_s, "load_s": load_s,
-                             "notify_s": up.notified_at - up.sent_at if up.sent_at else None,
-                             "swapped_at": time.time()})
-        for fn in list(self._callbacks):
-            try:
-                fn(up.version)
-            except Exception as e:  # a user's callback must not stop the updates
-                log.warning("deepfreeze: on_update callback %r failed: %s", fn, e)

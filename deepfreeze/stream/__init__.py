@@ -4,8 +4,10 @@
 published version memory-first: a shared-memory slot ring on the producer's node
 (:mod:`.slots`), a direct TCP transfer from every producer rank (:mod:`.wire`), the persistent
 DeepFreeze checkpoint as the last resort; notifications are pushed (by each rank's server, or
-Redis). :mod:`.predict` fits the learning curve and plans when to publish. The Keras side
-(``PublishCallback``, ``ModelSubscriber``) is in :mod:`deepfreeze.keras`. No TensorFlow here.
+Redis). :mod:`.predict` fits the learning curve and plans when to publish; :mod:`.serve` is
+the consumers' double buffer. The Keras side (``PublishCallback``, ``ModelSubscriber``) is in
+:mod:`deepfreeze.keras`, the PyTorch side (``Publisher``, ``Subscriber``) in
+:mod:`deepfreeze.torch`. No TensorFlow here.
 """
 from __future__ import annotations
 

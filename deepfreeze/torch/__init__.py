@@ -4,7 +4,8 @@
 version as CPU tensors keyed by ``get_state_dict`` FQNs in any process; ``restore`` puts one
 into a model and its optimizers; ``Reader`` is a ``torch.distributed.checkpoint``
 StorageReader over DeepFreeze checkpoints and ``import_dcp`` makes a version from a DCP
-checkpoint directory (both imported on first use: they import DCP). See docs/torch.md.
+checkpoint directory (both imported on first use: they import DCP). ``Publisher`` streams the
+weights to serving processes, where ``Subscriber`` swaps each version into a module. See docs/torch.md.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 from .._lazy import facade
 
 __all__ = ["Checkpointer", "load", "load_state", "restore", "TorchState", "Restored", "TorchComm", "Reader",
-           "import_dcp"]
+           "import_dcp", "Publisher", "Subscriber", "ModelSubscriber"]
 
 # Reader and import_dcp import torch.distributed.checkpoint (~0.5 s): they, like every name here,
 # load on first use.
@@ -23,6 +24,7 @@ __getattr__, __dir__ = facade(__name__, {
     **{n: ".restore" for n in ("Restored", "TorchState", "load", "load_state", "restore")},
     "Reader": ".dcp",
     "import_dcp": ".dcp_import",
+    **{n: ".stream" for n in ("Publisher", "Subscriber", "ModelSubscriber")},
 })
 
 if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
@@ -31,3 +33,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on 
     from .dcp import Reader
     from .dcp_import import import_dcp
     from .restore import Restored, TorchState, load, load_state, restore
+    from .stream import ModelSubscriber, Publisher, Subscriber

@@ -297,8 +297,13 @@ class Checkpointer(RunView, Sink):
         if self._pending is not None and self._pending.step == self.step:
             self._finish()  # an optimizer that did not call its closure: updated during the capture (torn)
         self.step += 1
-        if self.every_n_steps and self.step % self.every_n_steps == 0:
+        if self._wants(self.step):
             self._capture(self.step)
+
+    def _wants(self, step: int) -> bool:
+        """Whether the state after optimizer step ``step`` is captured (every ``every_n_steps``;
+        a subclass adds its own steps: :class:`deepfreeze.torch.Publisher`'s publish schedule)."""
+        return bool(self.every_n_steps) and step % self.every_n_steps == 0
 
     # ------------------------------------------------------------------ public
     def end_iteration(self) -> None:

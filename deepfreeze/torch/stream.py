@@ -1,0 +1,490 @@
+"""PyTorch side of the stream: ``Publisher`` (producer) and ``Subscriber`` / ``ModelSubscriber`` (consumer).
+
+The producer is a :class:`~deepfreeze.torch.Checkpointer` whose captures are also published
+(:class:`deepfreeze.stream.Publisher`, one per rank): a channel *is* a checkpoint name, so its
+persistent copy is a regular DeepFreeze checkpoint (``deepfreeze ls``, ``deepfreeze.torch.load``,
+``resume=True`` all work) and the consumers' fallback tier. It captures in the optimizer step
+through the model's :class:`~deepfreeze.torch.hook.StepHook` (each DDP rank its 1/N of the
+weights, FSDP2 ranks their local shards; nothing goes through rank 0). One run, one lease, one
+engine and one capture serve both roles: ``every_n_steps=`` gives the Publisher the checkpoints a
+separate Checkpointer on the channel's name would take (those versions are always written); a
+version only the publish schedule wanted is handed to the engine when every rank's writer has
+room, else its persistent copy coalesces to a newer one (:attr:`Publisher.coalesced`; the newest
+is written at :meth:`Publisher.wait`/:meth:`Publisher.close`), so dense publishing never stalls
+training. A second Checkpointer on the same model, optimizers and name is refused (one run owns a
+name): pass its ``every_n_steps`` to the Publisher.
+
+A version is published once its capture is complete and checked (the ``_version`` guard: never a
+torn version), at the end of its iteration when the loop calls ``end_iteration()`` (or iterates
+``publisher.iterate(loader)``), else at the next ``optimizer.step()``'s pre-hook (the copy then
+overlaps the next forward and backward), or at ``wait``/``close``.
+
+The consumer (:class:`Subscriber`, any process, no ``torch.distributed``) holds two replicas of the
+module: each new version is copied in place into the idle one (a replica is reloaded only when no
+request runs on it) and swapped in (:class:`deepfreeze.stream.serve.ReplicaServer`), so a request
+run under ``with sub.current() as m:`` sees one whole version, never a mix.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .. import format as fmt
+from ..config import Config, did_you_mean
+from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
+from ..fused import FusedShard
+from ..lease import Version
+from ..stream.core import Publisher as _CorePublisher, StreamOptions, Subscriber as _CoreSubscriber, Update
+from ..stream.serve import ReplicaServer
+from . import _state
+from .checkpointer import Checkpointer
+from .hook import _ATTR as _HOOKS
+
+__all__ = ["Publisher", "Subscriber", "ModelSubscriber", "Served", "SCHEDULES"]
+
+log = logging.getLogger("deepfreeze")
+
+#: named schedules (an int n publishes every n optimizer steps)
+SCHEDULES = ("adaptive", "fixed")
+
+
+class Publisher(Checkpointer):
+    """Publish a DDP/FSDP2 (or plain) model's weights to serving processes as it trains.
+
+    Args:
+      model, optimizer, config: as :class:`~deepfreeze.torch.Checkpointer`.
+      channel: the channel (= checkpoint) name; consumers subscribe to it.
+      schedule: an int n (every n optimizer steps), ``"fixed"`` (the interval minimising the
+        predicted cumulative inference loss) or ``"adaptive"`` (greedy irregular steps from the
+        predicted learning curve). The last two need :meth:`report` after every optimizer step:
+        they publish once at the end of the warm-up (``warmup_steps``) and follow the plan made
+        there (:mod:`deepfreeze.stream.predict`; the plan in :attr:`publish_plan`).
+      warmup_steps: optimizer steps of reported losses the curve is fitted on (fixed/adaptive).
+      horizon_s: seconds over which the consumers serve after the warm-up (required for fixed/adaptive).
+      inference_interval_s: seconds between two inference requests (required for fixed/adaptive).
+      consumer_load_s: seconds a consumer takes to load one version (the cost model's t_c);
+        default: the published bytes at 1 GB/s.
+      total_steps: the optimizer steps the run will take, if known (the plan ends there).
+      every_n_steps: also checkpoint every N steps (never skipped: what a Checkpointer on this
+        name would write).
+      stream: :class:`~deepfreeze.stream.StreamOptions` (slots, listening address, token, Redis...).
+      **kwargs: :class:`~deepfreeze.torch.Checkpointer` arguments (``resume``, ``overwrite``,
+        ``state``, ``overlap``, ``on_error`` ...) and INI keys (``scratch=``, ``persistent=`` ...).
+
+    Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]",
+                 config: "str | Config | None" = None, channel: str = "model", *, schedule: "str | int" = 1,
+                 warmup_steps: int = 100, horizon_s: float | None = None, inference_interval_s: float | None = None,
+                 consumer_load_s: float | None = None, total_steps: int | None = None,
+                 every_n_steps: int | None = None, stream: StreamOptions | None = None, **kwargs: Any) -> None:
+        if isinstance(schedule, bool) or not (isinstance(schedule, int) and schedule >= 1 or schedule in SCHEDULES):
+            hint = did_you_mean(schedule.strip().lower(), SCHEDULES) if isinstance(schedule, str) else ""
+            raise ConfigError(f"schedule = {schedule!r}: use a positive int (publish every n optimizer steps), "
+                              f"'fixed' or 'adaptive'.{hint}")
+        if schedule in SCHEDULES:
+            for key, value in (("horizon_s", horizon_s), ("inference_interval_s", inference_interval_s)):
+                if value is None or not float(value) > 0:
+                    raise ConfigError(f"schedule={schedule!r} needs {key} > 0 (seconds): the plan minimises the "
+                                      f"inference loss over horizon_s with a request every inference_interval_s")
+            if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
+                raise ConfigError(f"warmup_steps = {warmup_steps!r}: use an integer >= 2 (steps of reported losses)")
+        if consumer_load_s is not None and not float(consumer_load_s) >= 0:
+            raise ConfigError(f"consumer_load_s = {consumer_load_s!r} must be >= 0 seconds")
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                        or total_steps < 1):
+            raise ConfigError(f"total_steps = {total_steps!r}: use a positive integer or None")
+        if "name" in kwargs:
+            raise ConfigError("Publisher takes channel=..., not name= (the channel is the checkpoint name)")
+        opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        sinks = [s for h in model.__dict__.get(_HOOKS, []) for s in h.sinks]  # (no hook made here)
+        for sink in sinks:
+            if isinstance(sink, Checkpointer) and sink.name == channel and not sink._closed:
+                raise ConfigError(f"a Checkpointer on {channel!r} already captures this model: one run owns a name. "
+                                  f"Close it and pass its every_n_steps={sink.every_n_steps} to the Publisher (which "
+                                  "then writes those checkpoints too), or publish on another channel")
+        self.schedule = schedule
+        self.warmup_steps = int(warmup_steps)
+        self.horizon_s = None if horizon_s is None else float(horizon_s)
+        self.inference_interval_s = None if inference_interval_s is None else float(inference_interval_s)
+        self.consumer_load_s = consumer_load_s
+        self.total_steps = total_steps
+        #: the core publisher of this rank (made at the first publish, again when the shard plan changes)
+        self.publisher: _CorePublisher | None = None
+        #: the plan made at the end of the warm-up (fixed/adaptive), a :class:`deepfreeze.stream.predict.Plan`
+        self.publish_plan: Any = None
+        self._plan_steps: set[int] = set()
+        self._losses: list[float] = []
+        self._step_t: list[float] = []
+        self._t_last: float | None = None
+        self._report_missing = False
+        #: versions published by this rank, in order
+        self.published: list[Version] = []
+        #: versions only the schedule wanted whose persistent copy was skipped (a writer was busy)
+        self.coalesced = 0
+        self._held: "tuple[int, FusedShard, dict] | None" = None  # the newest coalesced capture
+        self._roles: dict[int, tuple[bool, bool]] = {}  # captured step -> (checkpoint wanted, publish wanted)
+        self._explicit = False
+        super().__init__(model, opts, config, channel, every_n_steps=every_n_steps, **kwargs)
+        base = stream or StreamOptions()
+        if base.redis is None and self.config.redis:
+            base = dataclasses.replace(base, redis=self.config.redis)
+        self.stream_options = base
+        self._warmup_end = self.start_step + self.warmup_steps
+        self._base = self.start_step  # an int schedule counts its n steps from here
+
+    # ------------------------------------------------------------------ public
+    @property
+    def channel(self) -> str:
+        return self.name
+
+    def report(self, loss: "float | torch.Tensor") -> None:
+        """The loss of the optimizer step just taken (fixed/adaptive schedules: call it on every
+        rank after every ``optimizer.step()``; other schedules ignore it). At the end of the
+        warm-up the ranks' losses are averaged and the plan is made (collective)."""
+        if self.schedule not in SCHEDULES or self.publish_plan is not None:
+            return
+        now = time.perf_counter()
+        if self._t_last is not None:
+            self._step_t.append(now - self._t_last)
+        self._t_last = now
+        self._losses.append(float(loss.detach().float().item() if isinstance(loss, torch.Tensor) else loss))
+        if self.step >= self._warmup_end:
+            self._make_plan()
+
+    def end_iteration(self) -> None:
+        """As :meth:`Checkpointer.end_iteration`; a version to publish is then published at once."""
+        super().end_iteration()
+        p = self._pending
+        if p is not None and self._roles.get(p.step, (False, False))[1]:
+            self._finish()  # collective: every rank ends the same iteration
+
+    def checkpoint(self) -> None:
+        """Checkpoint the state after the current step now (never coalesced; collective)."""
+        if self._pending is not None and self._pending.step == self.step:
+            self._roles[self.step] = (True, self._roles.get(self.step, (False, False))[1])
+        self._explicit = True
+        try:
+            super().checkpoint()
+        finally:
+            self._explicit = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Publish a pending version, write the newest coalesced one, wait for the publisher's
+        copy and for every checkpoint to be committed on persistent."""
+        if self._pending is not None:
+            self._finish_at_boundary()
+        self._write_held()
+        if self.publisher is not None:
+            self._guard(self.publisher.wait, timeout)
+        super().wait(timeout)
+
+    def close(self) -> None:
+        """Publish and write what is pending, stop publishing (consumers keep their live version,
+        then fall back to the persistent copy), release the hooks, the run and the lease."""
+        if self._closed:
+            return
+        try:
+            if self._pending is not None and self._group_alive():
+                self._finish_at_boundary()
+            self._write_held()
+        finally:
+            pub, self.publisher = self.publisher, None
+            try:
+                if pub is not None:
+                    pub.close()
+            finally:
+                super().close()
+
+    # ------------------------------------------------------------------ roles
+    def _want_publish(self, step: int) -> bool:
+        s = self.schedule
+        if isinstance(s, int):
+            return (step - self._base) % s == 0
+        if self.publish_plan is None:  # warm-up: publish once, at its end
+            if step > self._warmup_end + 1 and not self._report_missing:
+                self._report_missing = True
+                self._guard(_raise, ConfigError(
+                    f"schedule={s!r} on channel {self.name!r}: no plan after {self.warmup_steps} warm-up steps "
+                    f"({len(self._losses)} losses reported): call publisher.report(loss) after every "
+                    "optimizer.step() on every rank"))
+            return step == self._warmup_end
+        return step in self._plan_steps
+
+    def _wants(self, step: int) -> bool:
+        return super()._wants(step) or self._want_publish(step)
+
+    def _capture(self, step: int) -> None:
+        publish = self._want_publish(step)
+        self._roles[step] = (self._explicit or Checkpointer._wants(self, step) or not publish, publish)
+        super()._capture(step)
+
+    def _checkpoint(self, step: int, shard: FusedShard, extra: dict) -> None:
+        ckpt, publish = self._roles.pop(step, (True, False))
+        for old in [s for s in self._roles if s < step]:  # captures that never finished (torn, failed)
+            del self._roles[old]
+        if ckpt or not self._writer_busy():
+            self._held = None  # a newer version is written: the held one is superseded
+            super()._checkpoint(step, shard, extra)
+        else:  # only the schedule wanted it and a writer is busy: the persistent copy coalesces
+            self.coalesced += 1
+            self._held = (step, shard, extra)
+        if publish:
+            self._publish(step, shard)
+
+    def _writer_busy(self) -> bool:
+        """Would a hand-off now wait for a writer on any rank? (collective: one decision per version)"""
+        engine = self._run.engine
+        saturated = getattr(engine, "saturated", None)
+        busy = engine is None or (callable(saturated) and bool(saturated()))
+        if self.size > 1:
+            busy = any(r[:1] == b"1" for r in self.comm.allgather(b"1" if busy else b"0"))
+        return busy
+
+    def _write_held(self) -> None:
+        held, self._held = self._held, None
+        if held is None or self._run.engine is None:
+            return
+        step, shard, extra = held
+        if self._run.last_version is not None and step <= self._run.last_version:
+            return
+        super()._checkpoint(step, shard, extra)
+        self.coalesced -= 1
+
+    def _publish(self, step: int, shard: FusedShard) -> None:
+        info = self._run.info
+        pub = self.publisher
+        if pub is None or pub.layout.plan != self.plan or pub.run.id != info.id:
+            if pub is not None:
+                self.publisher = None
+                pub.close()
+            self.publisher = _CorePublisher(self.name, self.config.persistent, rank=self.rank, world=self.size,
+                                            run=info, plan=self.plan, model_tensors=self._model_tensors,
+                                            options=self.stream_options)
+            if self.verbose and self.rank == 0:
+                log.warning("DeepFreeze: publishing %r at %s (%.1f MB per version on rank 0)", self.name,
+                            self.publisher.address, self.publisher.prefix / 1e6)
+        v = Version(info.generation, step)
+        if self._guard(self.publisher.publish, v, shard):
+            self.published.append(v)
+
+    # ------------------------------------------------------------------ the plan
+    def _make_plan(self) -> None:
+        from ..stream.predict import CostModel, make_plan, Plan
+        losses = np.asarray(self._losses[-self.warmup_steps:], dtype=np.float64)
+        t_step = float(np.median(self._step_t)) if self._step_t else 1e-3
+        row = np.concatenate([losses, [t_step]]).tobytes()
+        rows = self.comm.allgather(row) if self.size > 1 else [row]
+        if any(len(r) != len(row) for r in rows):
+            raise ConfigError(f"channel {self.name!r}: the ranks reported different numbers of losses: call "
+                              "publisher.report(loss) once after every optimizer.step() on every rank")
+        stats = np.mean([np.frombuffer(r, dtype=np.float64) for r in rows], axis=0)
+        losses, t_train = stats[:-1], max(float(stats[-1]), 1e-6)
+        t_p = max(max((t["post_hook_s"] + t["wait_s"] for t in self.timings[-3:]), default=0.0), 1e-5)
+        nbytes = (self.publisher.prefix if self.publisher is not None else 0) * self.size
+        t_c = float(self.consumer_load_s) if self.consumer_load_s is not None else max(nbytes / 1e9, 1e-5)
+        s_iter = self.step
+        e_iter = s_iter + max(1, int(self.horizon_s / t_train))
+        if self.total_steps is not None:
+            e_iter = min(e_iter, self.total_steps)
+        data = b""
+        if self.rank == 0:
+            try:
+                cost = CostModel(t_train=t_train, t_infer=self.inference_interval_s, t_p=t_p, t_c=t_c)
+                total = max(1, int(self.horizon_s / self.inference_interval_s))
+                plan = make_plan(self.schedule, losses, s_iter, max(e_iter, s_iter + 1), cost, total)
+                data = json.dumps(plan.to_json()).encode()
+            except (DeepFreezeError, ValueError) as e:
+                log.warning("DeepFreeze: the %s publish plan of %r could not be made (%s): publishing every "
+                            "%d steps from now on", self.schedule, self.name, e, self.warmup_steps)
+        if self.size > 1:
+            data = self.comm.allgather(data)[0]  # rank 0's
+        if not data:
+            self.schedule, self._base = self.warmup_steps, self.step
+            return
+        self.publish_plan = Plan.from_json(json.loads(data))
+        self._plan_steps = {int(s) for s in self.publish_plan.steps}
+        if self.rank == 0:
+            plan = self.publish_plan
+            (log.warning if self.verbose else log.info)("DeepFreeze: channel %r: %s", self.name, plan.summary())
+            if plan.degenerate:
+                log.warning("DeepFreeze: the %s publish plan of channel %r does not do its job: %s", self.schedule,
+                            self.name, plan.degenerate)
+
+
+def _raise(e: BaseException) -> None:
+    raise e
+
+
+# --------------------------------------------------------------------------- consumer
+class Served:
+    """The replica a request runs on (what ``with sub.current() as m:`` gives): call it as the
+    module (``m(x)``); ``m.module`` is the ``nn.Module`` itself (other attributes are the
+    module's); ``m.version`` and ``m.step`` say which version it holds, for the whole block."""
+
+    __slots__ = ("module", "version")
+
+    def __init__(self, module: torch.nn.Module, version: Version) -> None:
+        self.module, self.version = module, version
+
+    @property
+    def step(self) -> int:
+        """The producer's optimizer step of the version served."""
+        return self.version.step
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    def __repr__(self) -> str:
+        return f"Served({type(self.module).__name__}, {self.version})"
+
+
+class Subscriber(ReplicaServer):
+    """Serve an ``nn.Module`` that follows a producer's published versions (double-buffered).
+
+    Any process, no ``torch.distributed``::
+
+        sub = Subscriber(model, channel="clf", persistent="/ckpt")   # model: the producer's architecture
+        sub.wait(0, timeout=60)                                      # any version live
+        with sub.current() as m:                                     # one whole version for the block
+            y = m(x)                                                 # m.version, m.step: what answered
+
+    Args:
+      module: a module of the producer's architecture (its state-dict names, shapes and dtypes: the
+        published model tensors, DDP's ``module.`` prefix removed). It becomes one replica; the
+        other is ``replica`` (default ``copy.deepcopy(module)``). Put both where they will run
+        (CPU or a CUDA device) before; the subscriber never moves them.
+      channel: the producer's channel name.
+      config: VeloC INI path or :class:`~deepfreeze.Config` (its ``persistent`` directory holds the
+        producer's endpoint files and the fallback checkpoint; its ``redis`` key, if set, is used).
+      persistent: the producer's persistent directory, instead of a ``config`` (a consumer needs
+        nothing else of one); ``redis=`` may come with it.
+      tier: ``"auto"``, ``"shm"``, ``"tcp"`` or ``"persistent"`` (:class:`deepfreeze.stream.Subscriber`).
+      token: token file for TCP (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
+      io_timeout: seconds any single network wait may take.
+      warn_after: seconds without any producer or committed version after which one warning says
+        that nobody publishes the channel, naming where the subscriber looked.
+      **overrides: INI keys (with ``config``).
+
+    Memory: two replicas, one staging copy of the weights and per producer rank a receive buffer
+    of its shard (about four times the weights). A version whose tensors do not match the module
+    is a :class:`~deepfreeze.errors.ModelMismatchError` raised (once) by :meth:`wait`/:meth:`current`;
+    the live version stays live.
+    """
+
+    _thread_name = "deepfreeze-torch-subscriber"
+
+    def __init__(self, module: torch.nn.Module, channel: str = "model", config: "str | Config | None" = None, *,
+                 persistent: str | None = None, redis: str | None = None, replica: torch.nn.Module | None = None,
+                 tier: str = "auto", token: str | None = None, io_timeout: float = 30.0, warn_after: float = 10.0,
+                 **overrides: Any) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"Subscriber: module must be a torch.nn.Module, got {type(module).__name__}")
+        other = copy.deepcopy(module) if replica is None else replica
+        if other is module or not isinstance(other, torch.nn.Module):
+            raise ConfigError("Subscriber: replica must be a second torch.nn.Module of the same architecture")
+        if persistent is not None and config is None and not overrides:
+            where = str(persistent)
+        elif persistent is None and redis is None:
+            cfg = Config.resolve(config, **overrides)
+            where, redis = cfg.persistent, cfg.redis
+        else:
+            raise ConfigError("Subscriber: give the producer's persistent directory as persistent= (with redis= if "
+                              "it uses Redis), or a config (INI path or Config, with INI keys as keywords), not both")
+        sub = _CoreSubscriber(channel, where, tier=tier, token=token, redis=redis, io_timeout=io_timeout,
+                              warn_after=warn_after)
+        super().__init__(channel, sub, [module, other])
+        self._targets: dict[int, dict[str, torch.Tensor]] = {}  # id(replica module) -> name -> tensor
+        self._start()
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[Served]:
+        """The live replica for one request: ``with sub.current() as m: y = m(x)``. It is not
+        reloaded before the block ends (a newer version goes into the other replica), so the
+        whole block runs on ``m.version``. Raises :class:`~deepfreeze.errors.StreamError` when no
+        version is live yet (call :meth:`wait` first)."""
+        with self.pinned() as rep:
+            yield Served(rep.model, rep.version)
+
+    def predict(self, *args: Any, **kwargs: Any) -> tuple[Any, Version]:
+        """``(module(*args, **kwargs), version)`` under ``torch.no_grad()``: one whole version answers."""
+        with self.current() as m, torch.no_grad():
+            return m(*args, **kwargs), m.version
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], Version]:
+        """A consistent copy of the live version's state dict (CPU tensors) and its version."""
+        with self.current() as m:
+            return {k: v.detach().to("cpu", copy=True) for k, v in m.module.state_dict().items()}, m.version
+
+    # -- the framework's part
+    def _targets_of(self, module: torch.nn.Module, up: Update) -> dict[str, torch.Tensor]:
+        """The replica's tensors by published name (tied FQNs: the one published), checked once."""
+        got = self._targets.get(id(module))
+        if got is not None and list(got) == list(up.arrays):
+            return got
+        entries = _state.model_entries(module)
+        first: dict[int, str] = {}
+        mine: dict[str, torch.Tensor] = {}
+        for fqn, t, _ in entries:
+            if first.setdefault(id(t), fqn) == fqn:
+                mine[fqn] = t
+        names = list(up.arrays)
+        missing = [n for n in names if n not in mine]
+        extra = [n for n in mine if n not in up.arrays]
+        if missing or extra:
+            raise ModelMismatchError(
+                f"channel {self.channel!r} publishes {len(names)} model tensors, the module has {len(mine)}: not in "
+                f"the module: {missing[:5]}; not published: {extra[:5]}. Build the producer's architecture (the "
+                "names are its state-dict keys without DDP's 'module.' prefix)")
+        out = {}
+        for n, a in up.arrays.items():
+            t = mine[n]
+            mt = (_state.dtype_of(t, n), tuple(t.shape))
+            if mt != (fmt.dtype_name(a.dtype), a.shape):
+                raise ModelMismatchError(f"channel {self.channel!r}: tensor {n!r} is {fmt.dtype_name(a.dtype)}"
+                                         f"{list(a.shape)} published, {mt[0]}{list(mt[1])} in the module")
+            out[n] = t
+        self._targets[id(module)] = out
+        return out
+
+    def _load(self, module: torch.nn.Module, up: Update) -> None:
+        targets = self._targets_of(module, up)
+        cuda = [t for t in targets.values() if t.is_cuda]
+        stream = None
+        if cuda and torch.cuda.is_available():  # a side stream; its event is waited for before the swap
+            stream = torch.cuda.Stream(device=cuda[0].device)
+            # requests that ran on this replica may still have kernels queued on the device's
+            # default stream: the copies start after them
+            stream.wait_stream(torch.cuda.default_stream(cuda[0].device))
+        with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            for n, a in up.arrays.items():
+                t = targets[n]
+                src = _state.as_tensor(a, fmt.dtype_name(a.dtype))  # a view of the subscriber's buffer
+                t.copy_(src, non_blocking=False)  # in place: no fresh memory per update
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+            event.synchronize()  # the copies are done before the replica goes live (and the buffer is reused)
+
+
+class ModelSubscriber(Subscriber):
+    """:class:`Subscriber` with the Keras adapter's signature: ``build()`` returns a fresh module
+    of the producer's architecture and is called twice (two replicas)."""
+
+    def __init__(self, channel: str, config: "str | Config | None" = None, *,
+                 build: Callable[[], torch.nn.Module], **kwargs: Any) -> None:
+        if not callable(build):
+            raise ConfigError("build must be a function returning a new nn.Module of the producer's architecture")
+        super().__init__(build(), channel, config, replica=build(), **kwargs)

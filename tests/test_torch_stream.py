@@ -1,0 +1,287 @@
+"""The PyTorch stream: deepfreeze.torch.Publisher in a 2-rank DDP job (torchrun, gloo) and
+deepfreeze.torch.Subscriber in a plain consumer process serving predictions.
+
+Every check is against state the run recorded: the producer ranks write the module's state dict
+after each published step (tests/workers/torch_stream_pub.py); the consumer records (version,
+input, output) of each request (tests/workers/torch_stream_serve.py); the outputs are recomputed
+here from the recorded weights of the version the consumer reported, bit for bit.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh installs torch, CPU)")
+
+from _util import ROOT, WORKERS  # noqa: E402
+
+sys.path.insert(0, WORKERS)
+from torch_stream_pub import Net, inputs  # noqa: E402
+
+PUB = os.path.join(WORKERS, "torch_stream_pub.py")
+SERVE = os.path.join(WORKERS, "torch_stream_serve.py")
+TOKEN = "7" * 64
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TORCHELASTIC_ERROR_FILE="",
+                PYTHONWARNINGS="ignore", DEEPFREEZE_TOKEN=TOKEN)
+
+
+@pytest.fixture
+def out(tmp_path):
+    shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm)
+    yield str(tmp_path), shm
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def torchrun(out: str, shm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    exe = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    cmd = [exe or sys.executable, *([] if exe else ["-m", "torch.distributed.run"]), "--standalone",
+           "--nproc-per-node", "2", PUB, out, f"shm_dir={shm}", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    if check and p.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-6000:]}")
+    return p
+
+
+def consumer(out: str, *args: str) -> subprocess.Popen:
+    log = open(os.path.join(out, "consumer.log"), "w")
+    return subprocess.Popen([sys.executable, SERVE, out, *args], stdout=log, stderr=subprocess.STDOUT, env=_env())
+
+
+def finish(proc: subprocess.Popen, out: str) -> None:
+    try:
+        rc = proc.wait(240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc = "killed after 240 s"
+    if rc != 0:
+        with open(os.path.join(out, "consumer.log")) as f:
+            pytest.fail(f"the consumer exited {rc}:\n{f.read()[-6000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """A consumer left running by a failed producer: ended, never left behind."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def weights(out: str, rank: int, step: int) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(out, f"r{rank}", f"v{step}.npz"), allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
+def check_served(out: str) -> np.ndarray:
+    """Every prediction the consumer made equals the output of the version it reported (recomputed
+    from the producer's recorded weights, bit for bit); returns the steps served."""
+    with np.load(os.path.join(out, "serve.npz"), allow_pickle=False) as f:
+        steps, rows, outputs = f["steps"], f["rows"], f["outputs"]
+    assert len(steps) > 0 and np.all(np.diff(steps) >= 0), f"versions served out of order: {steps}"
+    x = inputs()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the consumer
+    try:
+        for step in sorted(set(steps.tolist())):
+            w0, w1 = weights(out, 0, step), weights(out, 1, step)
+            assert all(w0[k].tobytes() == w1[k].tobytes() for k in w0), f"v{step}: the ranks' weights differ"
+            net = Net().eval()
+            net.load_state_dict({k: torch.from_numpy(v) for k, v in w0.items()})
+            with torch.no_grad():  # one row per call, as the consumer ran them
+                want = [net(x[r:r + 1]).numpy()[0] for r in range(len(x))]
+            for i in np.flatnonzero(steps == step):
+                got = outputs[i]
+                assert got.tobytes() == want[rows[i]].tobytes(), \
+                    f"request {i} (row {rows[i]}) served as v{step}: {got} is not v{step}'s output {want[rows[i]]}"
+    finally:
+        torch.set_num_threads(threads)
+    return steps
+
+
+def test_ddp_publisher_to_serving_consumer(out):
+    """2-rank DDP publishing every 2 steps; a plain consumer process serving predictions."""
+    out, shm = out
+    c = consumer(out, "until=8")
+    try:
+        torchrun(out, shm, "steps=8", "every=2", "sync_at=4,8")
+        finish(c, out)
+    finally:
+        stop(c)
+    steps = check_served(out)
+    assert {4, 8} <= set(steps.tolist()) <= {2, 4, 6, 8}, steps
+    for r in (0, 1):  # each rank published its own share of every version
+        with open(os.path.join(out, f"r{r}", "info.json")) as f:
+            info = json.load(f)
+        assert info["published"] == [2, 4, 6, 8] and info["prefix"] > 0, info
+    with open(os.path.join(out, "serve.json")) as f:
+        updates = json.load(f)["updates"]  # the same node: the rings; only a first version may come from the
+    assert all(tier == "shm" for _, tier in updates[1:]), updates  # persistent copy (looked before both
+    assert updates[0][1] in ("shm", "persistent"), updates  # ranks' endpoints were written)
+
+
+def test_publisher_killed_consumer_keeps_last_version(out):
+    """Rank 1 is SIGKILLed after publishing v5: the consumer keeps serving v5, a bounded wait for a
+    newer one ends with StreamTimeoutError (no hang), and nothing served mixes versions."""
+    out, shm = out
+    c = consumer(out, "until=5", "dead=1")
+    try:
+        p = torchrun(out, shm, "steps=10", "every=1", "kill_at=5", check=False)
+        assert p.returncode != 0
+        finish(c, out)
+    finally:
+        stop(c)
+    steps = check_served(out)
+    assert steps[-1] == 5 and set(steps.tolist()) <= set(range(1, 6))
+    with open(os.path.join(out, "serve.json")) as f:
+        info = json.load(f)
+    assert info["after_death"] == "StreamTimeoutError", info
+    assert not glob.glob(os.path.join(out, "r1", "v6.npz"))
+
+
+# ---------------------------------------------------------------- one process, no torch.distributed
+def _train(pub, net, opt, g, n: int, states: dict) -> None:
+    for _ in range(n):
+        loss = torch.nn.functional.mse_loss(net(torch.randn(4, 8, generator=g)), torch.randn(4, 3, generator=g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        states[pub.step] = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        pub.end_iteration()
+
+
+def _same(module: torch.nn.Module, state: dict) -> bool:
+    return all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+
+
+def test_single_process_pinned_replica_is_never_reloaded(tmp_path, monkeypatch):
+    """A plain process: a pinned replica keeps its version while newer ones are published; the
+    next version waits for the pin to end; a module of another architecture is refused."""
+    from deepfreeze.errors import ConfigError, ModelMismatchError, StreamError, StreamTimeoutError
+    from deepfreeze.stream import StreamOptions
+    from deepfreeze.torch import Publisher, Subscriber
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
+    shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm)
+    dirs = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"), mode="async")
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ConfigError, match="schedule"):
+        Publisher(net, opt, channel="solo", schedule="sometimes", **dirs)
+    with pytest.raises(ConfigError, match="horizon_s"):
+        Publisher(net, opt, channel="solo", schedule="adaptive", **dirs)
+    pub = Publisher(net, opt, channel="solo", schedule=2, overwrite=True, stream=StreamOptions(shm_dir=shm), **dirs)
+    sub = Subscriber(Net(), channel="solo", persistent=dirs["persistent"])
+    try:
+        with pytest.raises(StreamError, match="wait"):
+            with sub.current():
+                pass
+        g = torch.Generator().manual_seed(3)
+        states: dict = {}
+        _train(pub, net, opt, g, 2, states)
+        assert sub.wait(2, timeout=60).step == 2
+        with sub.current() as m:
+            assert m.step == 2 and _same(m.module, states[2])
+            _train(pub, net, opt, g, 2, states)  # v4 goes into the other replica
+            assert sub.wait(4, timeout=60).step == 4
+            _train(pub, net, opt, g, 2, states)  # v6 needs the pinned replica: it waits for this block
+            with pytest.raises(StreamTimeoutError):
+                sub.wait(6, timeout=1.5)
+            assert m.step == 2 and _same(m.module, states[2])
+            with sub.current() as m4:
+                assert m4.step == 4 and _same(m4.module, states[4])
+        assert sub.wait(6, timeout=60).step == 6
+        y, v = sub.predict(inputs())
+        net6 = Net()
+        net6.load_state_dict(states[6])
+        with torch.no_grad():
+            assert v.step == 6 and torch.equal(y, net6(inputs()))
+        assert [v.step for v in pub.published] == [2, 4, 6]
+    finally:
+        sub.close()
+        pub.close()
+    other = torch.nn.Sequential(torch.nn.Linear(8, 3))
+    bad = Subscriber(other, channel="solo", persistent=dirs["persistent"])  # falls back to the persistent copy
+    try:
+        with pytest.raises(StreamError) as e:
+            bad.wait(0, timeout=30)
+        assert isinstance(e.value.__cause__, ModelMismatchError)
+    finally:
+        bad.close()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch):
+    """schedule='fixed': one version at the end of the warm-up, then the plan's steps; without
+    report(loss) a ConfigError names the call. A writer that is always busy (injected by
+    subclassing) skips the persistent copies of publish-only versions but never of every_n_steps
+    checkpoints, and the newest skipped one is written at close."""
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.loader import list_versions
+    from deepfreeze.stream import StreamOptions
+    from deepfreeze.torch import Publisher
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
+    shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm)
+    dirs = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"), mode="async",
+                stream=StreamOptions(shm_dir=shm))
+    g = torch.Generator().manual_seed(4)
+    try:
+        torch.manual_seed(0)
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        pub = Publisher(net, opt, channel="planned", schedule="fixed", warmup_steps=6, horizon_s=5.0,
+                        inference_interval_s=0.01, overwrite=True, **dirs)
+        try:
+            for _ in range(20):
+                loss = torch.nn.functional.mse_loss(net(torch.randn(4, 8, generator=g)),
+                                                    torch.randn(4, 3, generator=g))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                pub.report(loss)
+                pub.end_iteration()
+            assert pub.publish_plan is not None and pub.published[0].step == 6
+            assert all(v.step in pub.publish_plan.steps for v in pub.published[1:])
+        finally:
+            pub.close()
+
+        class Busy(Publisher):  # fault injected by subclassing: every writer is busy
+            def _writer_busy(self) -> bool:
+                return True
+
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        pub = Busy(net, opt, channel="busy", schedule=1, every_n_steps=3, overwrite=True, **dirs)
+        try:
+            _train(pub, net, opt, g, 7, {})
+            assert [v.step for v in pub.published] == list(range(1, 8))
+            assert pub.coalesced == 5  # 1, 2, 4, 5, 7: publish-only; 3 and 6 are checkpoints
+        finally:
+            pub.close()
+        assert pub.coalesced == 4  # v7, the newest skipped, written at close
+        committed = sorted(v for v, levels in list_versions(pub.config, "busy").items() if "persistent" in levels)
+        assert committed == [3, 6, 7], committed
+
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        pub = Publisher(net, opt, channel="noreport", schedule="adaptive", warmup_steps=3, horizon_s=5.0,
+                        inference_interval_s=0.01, overwrite=True, **dirs)
+        try:
+            with pytest.raises(ConfigError, match=r"report\(loss\)"):
+                _train(pub, net, opt, g, 6, {})
+        finally:
+            pub.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

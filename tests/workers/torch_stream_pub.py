@@ -1,0 +1,120 @@
+"""Producer of the torch stream tests: one rank of ``torchrun`` (gloo, DDP) or a plain process.
+
+    torchrun --standalone --nproc-per-node 2 tests/workers/torch_stream_pub.py OUT [key=value ...]
+
+keys: steps (optimizer steps), every (publish every n steps), sync_at=STEP[,STEP...] (rank 0 waits,
+bounded, until the consumer reports having served version STEP: OUT/seen holds the newest step it
+served; the other rank waits in a barrier),
+kill_at=STEP (rank 1 SIGKILLs itself right after publishing STEP, once the consumer served it),
+shm_dir (the producer's rings).
+
+Per rank it writes (numpy .npz, no pickles), right after each published step's optimizer.step():
+  OUT/r<rank>/v<step>.npz   the module's state dict (FQNs without DDP's prefix)
+  OUT/r<rank>/info.json     published versions, coalesced, step
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from deepfreeze.stream import StreamOptions  # noqa: E402
+from deepfreeze.torch import Publisher  # noqa: E402
+
+CHANNEL = "tstream"
+
+
+class Net(torch.nn.Module):
+    """A small hand-written model: two linear layers and a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.fc2 = torch.nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def inputs(n: int = 6) -> torch.Tensor:
+    """The consumer's requests (the same in every process)."""
+    g = torch.Generator().manual_seed(99)
+    return torch.randn(n, 8, generator=g)
+
+
+def save_state(net: torch.nn.Module, path: str) -> None:
+    np.savez(path, **{k: v.detach().numpy().copy() for k, v in net.state_dict().items()})
+
+
+def seen(out: str) -> int:
+    try:
+        with open(os.path.join(out, "seen")) as f:
+            return int(f.read().strip() or -1)
+    except (OSError, ValueError):
+        return -1
+
+
+def wait_seen(out: str, step: int, limit: float = 120.0) -> None:
+    deadline = time.monotonic() + limit
+    while seen(out) < step:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"test: the consumer did not serve version {step} within {limit} s")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    out = sys.argv[1]
+    kw = dict(a.split("=", 1) for a in sys.argv[2:])
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    torch.set_num_threads(1)
+    torch.manual_seed(5)  # the same initial weights on every rank
+    net = Net()
+    model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05)
+    every = int(kw.get("every", 1))
+    mydir = os.path.join(out, f"r{rank}")
+    os.makedirs(mydir, exist_ok=True)
+    pub = Publisher(model, opt, channel=CHANNEL, schedule=every, overwrite=True, mode="async",
+                    scratch=os.path.join(out, f"scratch{rank}"), persistent=os.path.join(out, "persistent"),
+                    min_shard_bytes=256,  # a small model, still split across the ranks
+                    stream=StreamOptions(shm_dir=kw["shm_dir"]) if kw.get("shm_dir") else None)
+    g = torch.Generator().manual_seed(1000 + rank)
+    steps, kill_at = int(kw.get("steps", 10)), int(kw.get("kill_at", -1))
+    sync_at = {int(s) for s in kw.get("sync_at", "").split(",") if s}
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=g)
+        y = torch.randn(16, 3, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if pub.step % every == 0:
+            save_state(net, os.path.join(mydir, f"v{pub.step}.npz"))  # what version pub.step holds
+        pub.end_iteration()  # publishes the step's version now
+        if pub.step in sync_at or pub.step == kill_at:
+            if rank == 0:
+                wait_seen(out, pub.step)
+            if distributed:
+                dist.barrier()
+            if pub.step == kill_at and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+    prefix = pub.publisher.prefix  # bytes of this rank's share of each version
+    pub.close()
+    with open(os.path.join(mydir, "info.json"), "w") as f:
+        json.dump({"published": [v.step for v in pub.published], "coalesced": pub.coalesced, "step": pub.step,
+                   "prefix": prefix}, f)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
