@@ -4,7 +4,9 @@
 version as CPU tensors keyed by ``get_state_dict`` FQNs in any process; ``restore`` puts one
 into a model and its optimizers; ``Reader`` is a ``torch.distributed.checkpoint``
 StorageReader over DeepFreeze checkpoints and ``import_dcp`` makes a version from a DCP
-checkpoint directory (both imported on first use: they import DCP). See docs/torch.md.
+checkpoint directory (both imported on first use: they import DCP). ``store_model`` and
+``load_into`` put modules into a model repository and load matching layers back (``.repo``).
+See docs/torch.md.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING
 from .._lazy import facade
 
 __all__ = ["Checkpointer", "load", "load_state", "restore", "TorchState", "Restored", "TorchComm", "Reader",
-           "import_dcp"]
+           "import_dcp", "store_model", "load_into", "LoadReport"]
 
 # Reader and import_dcp import torch.distributed.checkpoint (~0.5 s): they, like every name here,
 # load on first use.
@@ -23,6 +25,7 @@ __getattr__, __dir__ = facade(__name__, {
     **{n: ".restore" for n in ("Restored", "TorchState", "load", "load_state", "restore")},
     "Reader": ".dcp",
     "import_dcp": ".dcp_import",
+    **{n: ".repo" for n in ("store_model", "load_into", "LoadReport")},
 })
 
 if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
@@ -30,4 +33,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on 
     from .checkpointer import Checkpointer
     from .dcp import Reader
     from .dcp_import import import_dcp
+    from .repo import LoadReport, load_into, store_model
     from .restore import Restored, TorchState, load, load_state, restore
