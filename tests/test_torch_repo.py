@@ -242,6 +242,16 @@ def test_transformer_round_trip_bit_exact_and_partial_reads_fewer_bytes(repo):
     for k, v in part.state_dict().items():
         loaded = k in ("embed.weight", "pos") or k.startswith("blocks.0.attn.q.")
         assert torch.equal(v, values[k] if loaded else before[k]), k
+    # a container stands for every layer under it, by object or by name
+    other = TinyLM()
+    before2 = recorded(other)
+    r3 = load_into(repo, "lm@1", other, layers=[other.blocks[1]])
+    assert len(r3.loaded) == 8 and all(n.startswith("blocks.1.") for n in r3.loaded)
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, values[k] if k.startswith("blocks.1.") else before2[k]), k
+    assert sorted(load_into(repo, "lm@1", TinyLM(), layers=["blocks.1"]).loaded) == sorted(r3.loaded)
+    with pytest.raises(ModelMismatchError, match="not a layer or a container"):
+        load_into(repo, "lm@1", TinyLM(), layers=[other.blocks[0]])   # another module's block
 
 
 def test_tied_weights_stored_once_and_stay_tied(repo):
@@ -357,7 +367,7 @@ def test_mismatches_refused_before_anything_is_set(repo):
         load_into(repo, "lm@m", TinyLM(head_out=3), layers=["head"])
     with pytest.raises(ModelMismatchError, match="strict"):
         load_into(repo, "lm@m", TinyLM(head_out=3), strict=True)
-    with pytest.raises(ModelMismatchError, match="no layer named"):
+    with pytest.raises(ModelMismatchError, match="no layer or container named"):
         load_into(repo, "lm@m", TinyLM(), layers=["nope"])
     for k, v in dst.state_dict().items():
         assert torch.equal(v, before[k])

@@ -55,7 +55,10 @@ class ModuleGraph:
     parameter's FQN, else a label); ``tensors[k]``: the live parameters and buffers of the layer
     ``k`` in weight order (only layers are in it); ``layer_keys``: the keys of the layers, and
     ``modules``: (qualified name, key or None) of every module called whole, stateless ones with
-    None, in graph order; ``kind``: ``"fx"``, ``"calls"`` or ``"registration"``."""
+    None, in graph order; ``aliases``: every qualified name of a layer (a module registered twice
+    has two) -> its key; ``objects``: ``id()`` of a layer's module or a direct entry's tensor ->
+    key; ``paths``: ``id()`` of every submodule -> its qualified names; ``kind``: ``"fx"``,
+    ``"calls"`` or ``"registration"``."""
     nodes: dict[int, Node]
     outputs: list[int]
     inputs: list[int]
@@ -67,6 +70,7 @@ class ModuleGraph:
     objects: dict[int, int]
     kind: str = "fx"
     layer_keys: list[int] = field(default_factory=list)
+    paths: dict[int, list[str]] = field(default_factory=dict)
 
     def graph(self) -> tuple[dict[str, Any], list[int]]:
         """The plain-data graph and the node keys in its layer order."""
@@ -447,7 +451,7 @@ def module_graph(module: torch.nn.Module, example_inputs: Any = None) -> ModuleG
         objects[id(b.entries[fqn])] = k
     layer_keys = [k for k in b.nodes if k in b.tensors]
     return ModuleGraph(b.nodes, outputs, inputs, ids, b.names, b.tensors, b.modules, aliases, objects, kind,
-                       layer_keys)
+                       layer_keys, b.names_of)
 
 
 # -- store and load
@@ -488,25 +492,38 @@ def store_model(repo: Any, name: str, module: torch.nn.Module, example_inputs: A
 
 
 def _requested(mg: ModuleGraph, items: Iterable[Any]) -> set[int]:
-    """Layer keys of ``layers=`` items: qualified module names, direct entries' FQNs, modules,
-    parameters. A module called whole without weights is accepted (it is skipped)."""
+    """Layer keys of ``layers=`` items: qualified names or objects of layers (modules called
+    whole with state, parameters registered on a container) or of containers (every layer under
+    them). A module called whole without weights is accepted (it is skipped)."""
     stateless = {q for q, k in mg.modules if k is None}
     want: set[int] = set()
+
+    def under(prefix: str) -> set[int]:
+        return {k for q, k in mg.aliases.items() if prefix == "" or q.startswith(prefix + ".")}
+
     for item in items:
         if isinstance(item, str):
             if item in mg.aliases:
                 want.add(mg.aliases[item])
             elif item not in stateless:
-                raise ModelMismatchError(f"layers=: the module has no layer named {item!r} (name modules called "
-                                         f"whole, or parameters registered on a container, by their qualified name)")
+                ks = under(item) if item else set()
+                if not ks:
+                    raise ModelMismatchError(f"layers=: the module has no layer or container named {item!r} (name "
+                                             f"modules and parameters by their qualified names, as in "
+                                             f"named_modules() and state_dict())")
+                want |= ks
         elif isinstance(item, (torch.nn.Module, torch.Tensor)):
             k = mg.objects.get(id(item))
-            if k is None and not (isinstance(item, torch.nn.Module) and not list(item.parameters())
-                                  and not list(item.buffers())):
-                raise ModelMismatchError(f"layers=: {type(item).__name__} object is not a layer of the module "
-                                         f"loaded into")
             if k is not None:
                 want.add(k)
+                continue
+            paths = mg.paths.get(id(item), []) if isinstance(item, torch.nn.Module) else []
+            ks = set().union(*(under(q) for q in paths)) if paths else set()
+            if ks:
+                want |= ks
+            elif not any(q in stateless for q in paths):
+                raise ModelMismatchError(f"layers=: a {type(item).__name__} that is not a layer or a container of "
+                                         f"layers of the module loaded into")
         else:
             raise ConfigError(f"layers=: {item!r} is not a name, a module or a parameter")
     return want
