@@ -183,7 +183,6 @@ class _Builder:
         for q, m in root.named_modules(remove_duplicate=False):
             self.first_name.setdefault(id(m), q)
             self.names_of.setdefault(id(m), []).append(q)
-        self.layer_modules: dict[int, torch.nn.Module] = {}
 
     def add(self, class_name: str, config: bytes, weights: list[torch.Tensor], calls: list[list[int]],
             name: str) -> int:
@@ -209,7 +208,6 @@ class _Builder:
         cfg = _config(_module_config(m), site, f"module {q!r} ({type(m).__name__})")
         k = self.add(P + type(m).__name__, cfg, self.state(m), calls, q)
         self.layer_of[id(m)] = k
-        self.layer_modules[id(m)] = m
         return k
 
     def again(self, m: torch.nn.Module, first: int, calls: list[list[int]], site: Any) -> int:
