@@ -491,7 +491,7 @@ def random_spec(rng):
 def expected_dependence(spec, twins):
     """deps[L]: the nodes whose change changes L's id, by an independent definition of the cut:
     every node upstream of L (L included); and where a twin is among them, the other twin and
-    what the twins' direct consumers (their first distinguishing consumers) are computed from:
+    what that twin's direct consumers (its first distinguishing consumers) are computed from:
     a Linear consumer's whole upstream, itself included, or, where it concatenates several
     inputs, the upstream of the concatenation (the Linear after it lies beyond the cut)."""
     a, b = twins
@@ -502,11 +502,12 @@ def expected_dependence(spec, twins):
             if j >= 0:
                 s |= up[j]
         up.append(s)
-    cut = {a, b}
-    for i, (ins, _) in enumerate(spec):
-        if a in ins or b in ins:
-            cut |= up[i] if len(ins) == 1 else up[i] - {i}
-    return [up[i] | cut if (a in up[i] or b in up[i]) else up[i] for i in range(len(spec))]
+    cut = {a: {a, b}, b: {a, b}}   # a twin's id: its partner (which makes it a twin) and its own consumers
+    for t in (a, b):
+        for i, (ins, _) in enumerate(spec):
+            if t in ins:
+                cut[t] |= up[i] if len(ins) == 1 else up[i] - {i}
+    return [up[i].union(*(cut[t] for t in (a, b) if t in up[i])) for i in range(len(spec))]
 
 
 def layer_ids(net):
