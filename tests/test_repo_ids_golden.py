@@ -43,7 +43,13 @@ def test_neutral_ids_pinned():
     assert compute_ids(nodes, ["h1", "h2", "side"], ["in"]) == NEUTRAL
 
 
-KERAS = None  # filled below
+KERAS = {
+    "img": "6d0229c2181cd3fad83821c4ed825d5a", "conv": "534ccb282218e67080f83d2c7d7edc4b",
+    "bn": "14df69baf24ff5167e0dfc5810df1750", "flat": "21d22789205742d84a089917dbd7658f",
+    "drop": "c06196fb2cc65f5169c0f56ef95f61a5", "t1": "934ecdb2e3c83d7008ba7e067daf59fb",
+    "t2": "373be5a1b56763286c134557a1b1a290", "h1": "5260fbdf728141ab972d8fbb31484b6c",
+    "h2": "b0d3a6f137ce8795a41c7a660236b1b0",
+}
 
 
 def test_keras_ids_pinned():
