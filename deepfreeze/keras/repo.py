@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,32 +20,13 @@ import tensorflow as tf
 from ..errors import ConfigError, ModelMismatchError, RepositoryError
 from ..format import dtype_name
 from ..repo.graph import tensor_key, tensor_keys
-from ..repo.graph import ID_HEX_RE
 from ..repo.ids import (ID_SCHEME, INPUT_SHAPE_KEY, SHAPE_DEPENDENT_CLASSES, Node, build_graph, build_meta,
                          canonical_config, compute_ids)
+from ..repo.loading import (LoadReport, NamedKey, check_framework, check_mapped_specs, mapping_target, pair_by_shape,
+                            signature)
 
 __all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph", "layer_record",
            "release_staging", "STAGING_MAX_BYTES"]
-
-
-@dataclass
-class LoadReport:
-    """What :func:`load_into` did, as layer names of the model loaded into.
-
-    ``loaded``: layers with weights whose id is in the stored graph; all their weights were set.
-    ``missing``: layers with weights (among those considered) whose id is not in the stored
-    graph; left untouched. ``skipped``: the other leaf layers: layers without weights, and the
-    layers not asked for when ``layers=`` is given; left untouched. ``bytes``: tensor bytes read
-    from the repository. ``mapped``: layer name -> stored layer id of the loaded layers that did
-    not match by id (``mapping=`` or ``match="shape"``; they are in ``loaded`` too).
-    ``ambiguous``: layers ``match="shape"`` left unmatched because their weight shapes occur a
-    different number of times among the unmatched layers of the two models (in ``missing``)."""
-    loaded: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    bytes: int = 0
-    mapped: dict[str, str] = field(default_factory=dict)
-    ambiguous: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -69,17 +50,6 @@ class ModelGraph:
     def meta(self) -> dict[str, dict[str, Any]]:
         """Layer metadata per id (:func:`deepfreeze.repo.ids.build_meta`)."""
         return build_meta(self.nodes, self.ids)
-
-
-class _Key(int):
-    """A node key (an int) whose repr is its layer's name."""
-    def __new__(cls, k: int, name: str) -> "_Key":
-        key = super().__new__(cls, k)
-        key.name = name
-        return key
-
-    def __repr__(self) -> str:
-        return repr(self.name)
 
 
 _IGNORED_KWARGS = ("training", "name")
@@ -239,7 +209,7 @@ def model_graph(model: Any) -> ModelGraph:
         nodes[k] = Node(type(layer).__name__, config, weights, [c[1] for c in sites])
     try:
         # keys that print as the layer name, so an error names the layers
-        named = {_Key(k, layers[k].name): n for k, n in nodes.items()}
+        named = {NamedKey(k, layers[k].name): n for k, n in nodes.items()}
         ids = {int(k): v for k, v in compute_ids(named, outputs, inputs).items()}
     except RepositoryError as e:
         raise RepositoryError(f"model {model.name!r}: {e}") from e
@@ -430,24 +400,10 @@ def _resolve_mapping(mg: ModelGraph, graph: dict[str, Any], mapping: Any) -> dic
     out: dict[int, str] = {}
     for key, target in mapping.items():
         ks = _requested(mg, [key])
-        if isinstance(target, int) and not isinstance(target, bool):
-            if not 0 <= target < len(ids):
-                raise ModelMismatchError(f"mapping= {getattr(key, 'name', key)!r}: the stored graph has no layer "
-                                         f"{target} (it has {len(ids)}); nothing loaded")
-            target = ids[target]
-        if not isinstance(target, str) or not ID_HEX_RE.fullmatch(target):
-            raise ConfigError(f"mapping= {getattr(key, 'name', key)!r}: {target!r} is not a stored layer id "
-                              f"(32 hex digits, repo.graph(name)['layers'][i]['id']) or a layer index")
-        if target not in known:
-            raise ModelMismatchError(f"mapping= {getattr(key, 'name', key)!r}: the stored model has no layer "
-                                     f"{target}; nothing loaded")
+        target = mapping_target(getattr(key, "name", key), target, ids, known)
         for k in ks:
             out[k] = target
     return out
-
-
-def _signature(class_name: str, specs: list[tuple[tuple[int, ...], str]]) -> tuple:
-    return (class_name, tuple((tuple(int(d) for d in shape), str(dt)) for shape, dt in specs))
 
 
 def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None = None,
@@ -473,6 +429,7 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
     graph = repo.graph(name)
     if graph is None:
         raise ModelMismatchError(f"{name!r} was stored without a layer graph; read its tensors with repo.get")
+    check_framework(repo, name, graph, "keras")
     foreign = graph.get("scheme") != ID_SCHEME
     if foreign and not mapping and match != "shape":
         raise ModelMismatchError(f"{name!r} has layer ids of scheme {graph.get('scheme')}, this DeepFreeze "
@@ -504,32 +461,16 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
         mine: dict[tuple, list[int]] = {}
         for k in order:
             if k in considered and k not in source and mg.layers[k].weights:
-                mine.setdefault(_signature(mg.nodes[k].class_name, mg.nodes[k].weights), []).append(k)
-        free = [layer["id"] for layer in graph["layers"] if layer["tensors"] and layer["id"] not in used]
-        meta = repo.layer_meta(free) if free else {}
-        theirs: dict[tuple, list[str]] = {}
-        for sid in free:
-            cls = meta.get(sid, {}).get("class_name")
-            sig = _signature(str(cls), [(specs[tensor_key(sid, j)][1], specs[tensor_key(sid, j)][0])
-                                        for j in range(stored[sid])])
-            theirs.setdefault(sig, []).append(sid)
-        for sig, ks in mine.items():
-            cands = theirs.get(sig, [])
-            if len(cands) == len(ks):
-                source.update(zip(ks, cands))
-            elif cands:
-                ambiguous.extend(ks)
+                mine.setdefault(signature(mg.nodes[k].class_name, mg.nodes[k].weights), []).append(k)
+        pairs, ambiguous = pair_by_shape(repo, graph, specs, mine, used)
+        source.update(pairs)
     if specs is not None:   # a mapped or shape-matched layer must have the stored shapes and dtypes
         for k, sid in source.items():
             if sid == mg.ids[k]:
                 continue
             layer = mg.layers[k]
             want = [(dtype_name(v.dtype.as_numpy_dtype), tuple(int(d) for d in v.shape)) for v in layer.weights]
-            got = [specs.get(tensor_key(sid, j)) for j in range(stored[sid])]
-            if len(got) != len(want) or any(g is None or g[0] != w[0] or tuple(g[1]) != w[1]
-                                            for g, w in zip(got, want)):
-                raise ModelMismatchError(f"mapping= {layer.name!r}: stored layer {sid} has tensors {got}, the layer "
-                                         f"has weights {want}; nothing loaded")
+            check_mapped_specs(layer.name, sid, stored[sid], want, specs)
     report = LoadReport()
     unmatched: list[int] = []
     for k, layer in enumerate(mg.layers):

@@ -68,7 +68,10 @@ DENY_SUFFIXES = ("_initializer", "_regularizer", "_constraint")
 the layer computes."""
 
 TRANSPARENT_CLASSES = frozenset({"Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
-                                 "AlphaDropout", "GaussianDropout", "GaussianNoise", "ActivityRegularization"})
+                                 "AlphaDropout", "GaussianDropout", "GaussianNoise", "ActivityRegularization",
+                                 # the torch adapter's modules (deepfreeze.torch.repo: class names "torch.<class>")
+                                 "torch.Dropout", "torch.Dropout1d", "torch.Dropout2d", "torch.Dropout3d",
+                                 "torch.AlphaDropout", "torch.FeatureAlphaDropout", "torch.Identity"})
 """Layer classes their consumers see through (the identity at inference, no weights): inserting or
 removing one changes no other layer's id. The table in docs/repository.md lists exactly these."""
 IGNORED_CONFIG_KEYS: Mapping[str, tuple[str, ...]] = {"BatchNormalization": ("momentum",)}

@@ -5,7 +5,9 @@ version as CPU tensors keyed by ``get_state_dict`` FQNs in any process; ``restor
 into a model and its optimizers; ``Reader`` is a ``torch.distributed.checkpoint``
 StorageReader over DeepFreeze checkpoints and ``import_dcp`` makes a version from a DCP
 checkpoint directory (both imported on first use: they import DCP). ``Publisher`` streams the
-weights to serving processes, where ``Subscriber`` swaps each version into a module. See docs/torch.md.
+weights to serving processes, where ``Subscriber`` swaps each version into a module.
+``store_model`` and ``load_into`` put modules into a model repository and load matching layers
+back (``.repo``). See docs/torch.md.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING
 from .._lazy import facade
 
 __all__ = ["Checkpointer", "load", "load_state", "restore", "TorchState", "Restored", "TorchComm", "Reader",
-           "import_dcp", "Publisher", "Subscriber", "ModelSubscriber"]
+           "import_dcp", "Publisher", "Subscriber", "ModelSubscriber", "store_model", "load_into", "LoadReport"]
 
 # Reader and import_dcp import torch.distributed.checkpoint (~0.5 s): they, like every name here,
 # load on first use.
@@ -25,6 +27,7 @@ __getattr__, __dir__ = facade(__name__, {
     "Reader": ".dcp",
     "import_dcp": ".dcp_import",
     **{n: ".stream" for n in ("Publisher", "Subscriber", "ModelSubscriber")},
+    **{n: ".repo" for n in ("store_model", "load_into", "LoadReport")},
 })
 
 if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
@@ -32,5 +35,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on 
     from .checkpointer import Checkpointer
     from .dcp import Reader
     from .dcp_import import import_dcp
+    from .repo import LoadReport, load_into, store_model
     from .restore import Restored, TorchState, load, load_state, restore
     from .stream import ModelSubscriber, Publisher, Subscriber
