@@ -20,10 +20,10 @@ import tensorflow as tf
 from ..errors import ConfigError, ModelMismatchError, RepositoryError
 from ..format import dtype_name
 from ..repo.graph import tensor_key, tensor_keys
-from ..repo.ids import (ID_SCHEME, INPUT_SHAPE_KEY, SHAPE_DEPENDENT_CLASSES, Node, build_graph, build_meta,
+from ..repo.ids import (INPUT_SHAPE_KEY, SHAPE_DEPENDENT_CLASSES, Node, build_graph, build_meta,
                          canonical_config, compute_ids)
-from ..repo.loading import (LoadReport, NamedKey, check_framework, check_mapped_specs, mapping_target, pair_by_shape,
-                            signature)
+from ..repo.loading import (LoadReport, NamedKey, check_mapped_specs, mapping_target, pair_by_shape, signature,
+                            stored_graph)
 
 __all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph", "layer_record",
            "release_staging", "STAGING_MAX_BYTES"]
@@ -424,17 +424,7 @@ def load_into(repo: Any, name: str, new_model: Any, layers: Iterable[Any] | None
     ``strict=True`` unless every considered layer with weights is loaded (the others named).
     Otherwise returns a :class:`LoadReport`. Only the loaded layers' tensors are read, in one
     ``repo.get``."""
-    if match not in ("id", "shape"):
-        raise ConfigError(f"match={match!r}: use 'id' (the default) or 'shape'")
-    graph = repo.graph(name)
-    if graph is None:
-        raise ModelMismatchError(f"{name!r} was stored without a layer graph; read its tensors with repo.get")
-    check_framework(repo, name, graph, "keras")
-    foreign = graph.get("scheme") != ID_SCHEME
-    if foreign and not mapping and match != "shape":
-        raise ModelMismatchError(f"{name!r} has layer ids of scheme {graph.get('scheme')}, this DeepFreeze "
-                                 f"computes scheme {ID_SCHEME}; ids of different schemes never match (load it "
-                                 f"with mapping= or match='shape')")
+    graph, foreign = stored_graph(repo, name, "keras", match=match, mapping=mapping)
     stored = {layer["id"]: layer["tensors"] for layer in graph["layers"]}
     mg = model_graph(new_model)
     considered = set(range(len(mg.layers))) if layers is None else _requested(mg, layers)

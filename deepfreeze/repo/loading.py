@@ -1,7 +1,8 @@
 """What the framework adapters' ``load_into`` share (framework-neutral, no TensorFlow, no torch).
 
-:class:`LoadReport` (what a load did), :func:`check_framework` (a model stored by one framework's
-adapter is never loaded by another's), :func:`mapping_target` (a ``mapping=`` value as a stored
+:class:`LoadReport` (what a load did), :func:`stored_graph` (the stored graph a load starts from,
+checked), :func:`check_framework` (a model stored by one framework's adapter is never loaded by
+another's), :func:`mapping_target` (a ``mapping=`` value as a stored
 layer id), :func:`check_mapped_specs` (a mapped layer must have the stored shapes and dtypes) and
 :func:`pair_by_shape` (``match="shape"``). Used by :mod:`deepfreeze.keras.repo` and
 :mod:`deepfreeze.torch.repo`; docs/repository.md is the reference.
@@ -14,9 +15,10 @@ from typing import Any
 
 from ..errors import ConfigError, ModelMismatchError
 from .graph import ID_HEX_RE, tensor_key
+from .ids import ID_SCHEME
 
 __all__ = ["LoadReport", "NamedKey", "FRAMEWORKS", "TORCH_CLASS_PREFIX", "layer_framework", "stored_framework",
-           "check_framework", "mapping_target", "signature", "check_mapped_specs", "pair_by_shape"]
+           "check_framework", "stored_graph", "mapping_target", "signature", "check_mapped_specs", "pair_by_shape"]
 
 #: the frameworks whose adapters store models
 FRAMEWORKS = ("keras", "torch")
@@ -88,6 +90,26 @@ def check_framework(repo: Any, name: str, graph: Mapping[str, Any], framework: s
             f"loads {framework} models only: layer ids of two frameworks never match and their tensors have other "
             f"layouts (a Keras Dense kernel is the transpose of a torch Linear weight); nothing loaded. Load it with "
             f"deepfreeze.{found}.load_into, or read its tensors with repo.get(name) and convert them yourself")
+
+
+def stored_graph(repo: Any, name: str, framework: str, *, match: str, mapping: Any) -> tuple[dict[str, Any], bool]:
+    """The checks every adapter's ``load_into`` starts with, before anything is read or set:
+    ``match`` is ``"id"`` or ``"shape"`` (:class:`ConfigError`); ``name`` has a layer graph, was
+    stored by ``framework``'s adapter (:func:`check_framework`) and, unless ``mapping`` or
+    ``match="shape"`` pairs its layers otherwise, has ids of this DeepFreeze's scheme
+    (:class:`ModelMismatchError`). Returns the graph and whether its ids are of another scheme."""
+    if match not in ("id", "shape"):
+        raise ConfigError(f"match={match!r}: use 'id' (the default) or 'shape'")
+    graph = repo.graph(name)
+    if graph is None:
+        raise ModelMismatchError(f"{name!r} was stored without a layer graph; read its tensors with repo.get")
+    check_framework(repo, name, graph, framework)
+    foreign = graph.get("scheme") != ID_SCHEME
+    if foreign and not mapping and match != "shape":
+        raise ModelMismatchError(f"{name!r} has layer ids of scheme {graph.get('scheme')}, this DeepFreeze "
+                                 f"computes scheme {ID_SCHEME}; ids of different schemes never match (load it "
+                                 f"with mapping= or match='shape')")
+    return graph, foreign
 
 
 def mapping_target(label: Any, target: Any, ids: Sequence[str], known: set[str] | frozenset[str]) -> str:

@@ -26,9 +26,9 @@ import torch.fx
 from ..errors import ConfigError, ModelMismatchError, RepositoryError
 from ..format import numpy_dtype
 from ..repo.graph import tensor_key
-from ..repo.ids import ID_SCHEME, Node, build_graph, build_meta, canonical_config, compute_ids
-from ..repo.loading import (TORCH_CLASS_PREFIX, LoadReport, NamedKey, check_framework, check_mapped_specs,
-                            mapping_target, pair_by_shape, signature)
+from ..repo.ids import Node, build_graph, build_meta, canonical_config, compute_ids
+from ..repo.loading import (TORCH_CLASS_PREFIX, LoadReport, NamedKey, check_mapped_specs, mapping_target,
+                            pair_by_shape, signature, stored_graph)
 from ._state import as_tensor, dtype_of, unwrap
 
 __all__ = ["LoadReport", "ModuleGraph", "module_graph", "store_model", "load_into", "IGNORED_ATTRIBUTES"]
@@ -543,20 +543,10 @@ def load_into(repo: Any, name: str, module: torch.nn.Module, layers: Iterable[An
     adapter. Reads only the loaded layers' tensors (one ``repo.get``); a tensor two layers share
     (tied) is read once. Returns a :class:`LoadReport` (names: qualified module names, direct
     entries' FQNs)."""
-    if match not in ("id", "shape"):
-        raise ConfigError(f"match={match!r}: use 'id' (the default) or 'shape'")
     if mapping is not None and not isinstance(mapping, dict):
         raise ConfigError(f"mapping= must be a dict {{layer or name: stored layer id or index}}, not "
                           f"{type(mapping).__name__}")
-    graph = repo.graph(name)
-    if graph is None:
-        raise ModelMismatchError(f"{name!r} was stored without a layer graph; read its tensors with repo.get")
-    check_framework(repo, name, graph, "torch")
-    foreign = graph.get("scheme") != ID_SCHEME
-    if foreign and not mapping and match != "shape":
-        raise ModelMismatchError(f"{name!r} has layer ids of scheme {graph.get('scheme')}, this DeepFreeze "
-                                 f"computes scheme {ID_SCHEME}; ids of different schemes never match (load it "
-                                 f"with mapping= or match='shape')")
+    graph, foreign = stored_graph(repo, name, "torch", match=match, mapping=mapping)
     stored = {layer["id"]: layer["tensors"] for layer in graph["layers"]}
     ids = [layer["id"] for layer in graph["layers"]]
     mg = module_graph(module, example_inputs)
