@@ -3,7 +3,7 @@
 The graph of an ``nn.Module`` is read with ``torch.fx`` (symbolic tracing, in eval mode, nothing
 run): every placeholder, call of a module, function or method, and read of a parameter is a node
 of the framework-neutral graph of :mod:`deepfreeze.repo.ids`, which gives every node its stable
-id as for Keras models. A *layer* is a module fx calls whole (a leaf module, or a ``torch.nn``
+id, the same scheme every adapter uses. A *layer* is a module fx calls whole (a leaf module, or a ``torch.nn``
 module fx does not trace into, such as ``MultiheadAttention``) holding parameters or persistent
 buffers; its weights are its ``state_dict()`` entries, in their order. A parameter or buffer
 registered directly on a container is a layer of its own (named by its FQN). Where fx cannot

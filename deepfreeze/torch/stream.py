@@ -480,7 +480,7 @@ class Subscriber(ReplicaServer):
 
 
 class ModelSubscriber(Subscriber):
-    """:class:`Subscriber` with the Keras adapter's signature: ``build()`` returns a fresh module
+    """:class:`Subscriber` with the other adapter's ``ModelSubscriber`` signature: ``build()`` returns a fresh module
     of the producer's architecture and is called twice (two replicas)."""
 
     def __init__(self, channel: str, config: "str | Config | None" = None, *,
