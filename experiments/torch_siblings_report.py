@@ -1,0 +1,102 @@
+"""Statistics, tables and the PNGs of ``experiments/torch_stream_bench.py`` and
+``experiments/torch_repo_bench.py`` (issue 35), from their JSON.
+
+Every figure is a ``{"mean", "se", "n"}`` over interleaved repetitions (:func:`experiments.torch_dcp.stat`);
+a ratio is the ratio of two such means, its standard error propagated from theirs
+(:func:`speedup`), and a target whose distance to the ratio is within one standard error is
+"not resolvable".
+"""
+from __future__ import annotations
+
+import math
+
+from experiments.torch_dcp import stat
+from experiments.torch_dcp_report import fmt
+
+__all__ = ["stat", "speedup", "at_most", "stream_table", "repo_table", "plot_bars"]
+
+
+def speedup(base: dict, mine: dict, target: float) -> dict:
+    """``base / mine`` (how many times ``mine`` is faster) ± its SE (first-order propagation of
+    both means' SEs), and whether it is at least ``target``."""
+    if not base or not mine or not base.get("mean") or not mine.get("mean"):
+        return {"mean": None, "se": None, "target": target, "verdict": "–"}
+    q = base["mean"] / mine["mean"]
+    e = abs(q) * math.hypot((base.get("se") or 0.0) / base["mean"], (mine.get("se") or 0.0) / mine["mean"])
+    v = "not resolvable" if abs(q - target) < e else ("met" if q >= target else "missed")
+    return {"mean": q, "se": e, "target": target, "verdict": v}
+
+
+def at_most(s: dict, limit: float) -> str:
+    """``s`` (a ``{mean, se}``) at most ``limit``: met, missed or not resolvable (within one SE)."""
+    if not s or s.get("mean") is None:
+        return "–"
+    if abs(s["mean"] - limit) < (s.get("se") or 0.0):
+        return "not resolvable"
+    return "met" if s["mean"] <= limit else "missed"
+
+
+def _x(r: dict) -> str:
+    return "–" if r.get("mean") is None else f"{r['mean']:.2f} ± {r['se']:.2f}x"
+
+
+def stream_table(doc: dict) -> str:
+    lat, ref = doc["latency"], doc["reference"]
+    lines = [f"Model {doc['model']} ({doc['model_MB']:.1f} MB of weights), {doc['reps']} interleaved repetitions x "
+             f"{doc['updates']} measured updates (the first published version of each pair not measured), a "
+             f"version every {min(doc['every'])}-{max(doc['every'])} steps (producer step "
+             f"{min(doc['step_s']) * 1e3:.0f}-{max(doc['step_s']) * 1e3:.0f} ms); statistic: per repetition the mean latency of its updates, "
+             "then mean ± SE over the repetitions.", "",
+             f"| approach | latency (ms) | median of all updates (ms) | updates | {ref} faster by | target |",
+             "|---|---|---|---|---|---|"]
+    for a, r in lat.items():
+        sp = doc["ratios"].get(a)
+        cell = "–" if a == ref or sp is None else _x(sp)
+        tgt = "–" if sp is None or a == ref else f">= {sp['target']:g}x: **{sp['verdict']}**"
+        allv = sorted(x for rep in r["samples_s"] for x in rep)
+        med = allv[len(allv) // 2] * 1e3 if allv else None
+        lines.append(f"| {a} | {fmt(r['mean_s'], 1e3, 1)} | {fmt(med, 1, 1)} | {len(allv)} | {cell} | {tgt} |")
+    s = doc.get("slowdown")
+    if s:
+        lines += ["", f"Training slowdown at one publish per step ({s['reps']} interleaved pairs of blocks of "
+                      f"{s['steps']} steps, plain then publishing, order alternating):", "",
+                  "| plain steps/s | publishing steps/s | slowdown | target |", "|---|---|---|---|",
+                  f"| {fmt(stat(s['plain_steps_per_s']), 1, 2)} | {fmt(stat(s['pub_steps_per_s']), 1, 2)} | "
+                  f"{fmt(s['slowdown'], 100, 1)} % | < {s['target'] * 100:g} %: **{s['verdict']}** |"]
+    return "\n".join(lines)
+
+
+def repo_table(doc: dict) -> str:
+    lines = [f"Model {doc['model']} ({doc['model_MB']:.1f} MB), partial module: {doc['partial']['what']} "
+             f"({doc['partial']['fraction'] * 100:.1f} % of the bytes); {doc['reps']} interleaved repetitions; "
+             f"cold = {doc['cold']}; statistic: mean ± SE over the repetitions.", "",
+             "| operation | approach | time (ms) | bytes read (MB) | DeepFreeze faster by | target |",
+             "|---|---|---|---|---|---|"]
+    for op, rows in doc["ops"].items():
+        for a, r in rows.items():
+            sp = doc["ratios"].get(op, {}).get(a)
+            cell = "–" if sp is None else _x(sp)
+            tgt = "–" if sp is None else f">= {sp['target']:g}x: **{sp['verdict']}**"
+            mb = r.get("read_MB")
+            lines.append(f"| {op} | {a} | {fmt(r['time_s'], 1e3, 1)} | {fmt(mb, 1, 1)} | {cell} | {tgt} |")
+    return "\n".join(lines)
+
+
+def plot_bars(groups: "dict[str, dict[str, dict]]", ylabel: str, title: str, path: str, scale: float = 1e3) -> None:
+    """One panel per group (name -> approach -> ``{mean, se}``), a bar per approach with its SE."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
+    for ax, (g, rows) in zip(axes[0], groups.items()):
+        names = [a for a, s in rows.items() if s and s.get("mean") is not None]
+        ax.bar(range(len(names)), [rows[a]["mean"] * scale for a in names],
+               yerr=[(rows[a].get("se") or 0) * scale for a in names], capsize=3, color="#4c72b0")
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(g, fontsize=9)
+        ax.set_ylabel(ylabel)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
