@@ -56,6 +56,19 @@ def stream_table(doc: dict) -> str:
         allv = sorted(x for rep in r["samples_s"] for x in rep)
         med = allv[len(allv) // 2] * 1e3 if allv else None
         lines.append(f"| {a} | {fmt(r['mean_s'], 1e3, 1)} | {fmt(med, 1, 1)} | {len(allv)} | {cell} | {tgt} |")
+    parts = {a: r for a, r in lat.items() if r.get("parts_mean_s")}
+    if parts:
+        lines += ["", "Where DeepFreeze's latency goes (ms; mean over every measured version; producer: from t0 "
+                      "until the last rank's notification was sent, the capture in the step, the hand-off and the "
+                      "ring write; then the notification, the consumer's fetch into its receive buffer, its copy "
+                      "into the idle replica, and the swap until `current()` gave it):", "",
+                  "| approach | producer | notify | fetch | copy into replica | to served | producer's post-hook "
+                  "(capture) | hand-off |", "|---|---|---|---|---|---|---|---|"]
+        for a, r in parts.items():
+            m, t = r["parts_mean_s"], r.get("producer_timings_mean_s", {})
+            lines.append(f"| {a} | " + " | ".join(fmt(m.get(k), 1e3, 1) for k in ("to_notified_s", "notify_s", "fetch_s",
+                                                                                  "load_s", "to_served_s"))
+                         + f" | {fmt(t.get('post_hook_s'), 1e3, 1)} | {fmt(t.get('handoff_s'), 1e3, 1)} |")
     s = doc.get("slowdown")
     if s:
         lines += ["", f"Training slowdown at one publish per step ({s['reps']} interleaved pairs of blocks of "
@@ -63,6 +76,10 @@ def stream_table(doc: dict) -> str:
                   "| plain steps/s | publishing steps/s | slowdown | target |", "|---|---|---|---|",
                   f"| {fmt(stat(s['plain_steps_per_s']), 1, 2)} | {fmt(stat(s['pub_steps_per_s']), 1, 2)} | "
                   f"{fmt(s['slowdown'], 100, 1)} % | < {s['target'] * 100:g} %: **{s['verdict']}** |"]
+        t = s.get("timings_mean_s")
+        if t:
+            lines += ["", f"Per publish (mean over the timed steps): post-hook (capture) {t['post_hook_s'] * 1e3:.1f} ms, "
+                          f"wait for a buffer {t['wait_s'] * 1e3:.1f} ms, hand-off + publish {t['handoff_s'] * 1e3:.1f} ms."]
     return "\n".join(lines)
 
 

@@ -191,13 +191,16 @@ def producer(a: argparse.Namespace) -> None:
             deadline = time.monotonic() + a.timeout
             while not os.path.exists(first) and time.monotonic() < deadline:
                 time.sleep(0.01)
+    timings = []
     if pub is not None:
         pub.close()
+        timings = pub.timings
     if pg is not None:
         pg.broadcast(torch.tensor([-1], dtype=torch.int64), src=0)
         pg.destroy_process_group()
     with open(os.path.join(a.work, "producer.json"), "w") as f:
-        json.dump({"t0": {str(s): v for s, v in t0.items()}, "every": k, "step_s": t_step, "steps": steps}, f)
+        json.dump({"t0": {str(s): v for s, v in t0.items()}, "every": k, "step_s": t_step, "steps": steps,
+                   "timings": timings}, f)
     open(os.path.join(a.work, "done"), "w").close()
 
 
@@ -207,6 +210,7 @@ def consumer(a: argparse.Namespace) -> None:
     import torch
     from experiments.torch_models import build
     served = _Served(a.work)
+    updates: list[dict] = []  # df: the subscriber's own record of each swap (its parts of the latency)
     done = os.path.join(a.work, "done")
     deadline = time.monotonic() + a.timeout
     reps = [build(a.model).eval(), build(a.model).eval()]
@@ -231,6 +235,8 @@ def consumer(a: argparse.Namespace) -> None:
                         last = m.step
         finally:
             sub.close()
+        updates = [{"step": u["version"].step, "tier": u["tier"], "fetch_s": u["fetch_s"], "load_s": u["load_s"],
+                    "notify_s": u["notify_s"], "swapped_at": u["swapped_at"]} for u in sub.updates]
     elif a.approach in ("save-inotify", "dcp"):
         import torch.distributed.checkpoint as dcp
         files = os.path.join(a.work, "files")
@@ -291,7 +297,7 @@ def consumer(a: argparse.Namespace) -> None:
             served.append((s, time.time()))
         dist.destroy_process_group()
     with open(os.path.join(a.work, "consumer.json"), "w") as f:
-        json.dump({"served": served}, f)
+        json.dump({"served": served, "updates": updates}, f)
 
 
 class _Served(list):
@@ -333,7 +339,7 @@ def slowdown(a: argparse.Namespace) -> None:
         return time.perf_counter() - t
 
     steps(3)
-    plain, pubd, published = [], [], []
+    plain, pubd, published, timings = [], [], [], []
     for r in range(a.slow_reps):
         for mode in (("plain", "pub") if r % 2 == 0 else ("pub", "plain")):
             if mode == "plain":
@@ -347,8 +353,10 @@ def slowdown(a: argparse.Namespace) -> None:
                 published.append(len(pub.published))
             finally:
                 pub.close()
+            timings += pub.timings[1:]
     with open(os.path.join(a.work, "slowdown.json"), "w") as f:
-        json.dump({"plain_steps_per_s": plain, "pub_steps_per_s": pubd, "published": published}, f)
+        json.dump({"plain_steps_per_s": plain, "pub_steps_per_s": pubd, "published": published,
+                   "timings": timings}, f)
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -400,7 +408,17 @@ def run_pair(a: argparse.Namespace, approach: str, root: str, tag: str) -> dict:
     served = [(int(s), t) for s, t in c["served"]]
     first = min((s for s, _ in served), default=None)
     lat = [t - p["t0"][str(s)] for s, t in served if s != first and str(s) in p["t0"]]
-    return {"latency_s": lat, "served_steps": [s for s, _ in served], "every": p["every"], "step_s": p["step_s"]}
+    parts = []  # df: where the latency went, per measured version
+    for u in c["updates"]:
+        s = u["step"]
+        if s == first or str(s) not in p["t0"] or u["notify_s"] is None:
+            continue
+        got = u["swapped_at"] - u["load_s"] - u["fetch_s"]  # the fetch's start
+        parts.append({"to_notified_s": got - u["notify_s"] - p["t0"][str(s)], "notify_s": u["notify_s"],
+                      "fetch_s": u["fetch_s"], "load_s": u["load_s"],
+                      "to_served_s": dict(served)[s] - u["swapped_at"] if s in dict(served) else None})
+    return {"latency_s": lat, "served_steps": [s for s, _ in served], "every": p["every"], "step_s": p["step_s"],
+            "parts": parts, "producer_timings": p["timings"]}
 
 
 def summarise(doc: dict) -> None:
@@ -408,6 +426,12 @@ def summarise(doc: dict) -> None:
     for a, r in doc["latency"].items():
         r["per_rep_mean_s"] = [sum(v) / len(v) for v in r["samples_s"] if v]
         r["mean_s"] = stat(r["per_rep_mean_s"])
+        if r.get("parts"):  # df: the mean of each part over all measured versions (not a statistic of reps)
+            r["parts_mean_s"] = {k: sum(p[k] for p in r["parts"] if p[k] is not None) /
+                                 max(1, sum(p[k] is not None for p in r["parts"])) for k in r["parts"][0]}
+        if r.get("producer_timings"):
+            r["producer_timings_mean_s"] = {k: sum(t[k] for t in r["producer_timings"]) / len(r["producer_timings"])
+                                            for k in ("post_hook_s", "wait_s", "handoff_s")}
     ref = doc["latency"].get(doc["reference"])
     doc["ratios"] = {a: speedup(r["mean_s"], ref["mean_s"], TARGETS.get(a, 1.0))
                      for a, r in doc["latency"].items() if ref is not None and a != doc["reference"]}
@@ -416,6 +440,9 @@ def summarise(doc: dict) -> None:
         s["per_rep"] = [p / q - 1 for p, q in zip(s["plain_steps_per_s"], s["pub_steps_per_s"])]
         s["slowdown"] = stat(s["per_rep"])
         s["verdict"] = at_most(s["slowdown"], s["target"])
+        if s.get("timings"):
+            s["timings_mean_s"] = {k: sum(t[k] for t in s["timings"]) / len(s["timings"])
+                                   for k in ("post_hook_s", "wait_s", "handoff_s")}
 
 
 def main() -> None:
@@ -475,6 +502,9 @@ def main() -> None:
                 got = run_pair(a, x, root, f"r{r}-{x}")
                 doc["latency"][x]["samples_s"].append(got["latency_s"])
                 doc["latency"][x]["served_steps"].append(got["served_steps"])
+                doc["latency"][x]["parts"] = doc["latency"][x].get("parts", []) + got["parts"]
+                doc["latency"][x]["producer_timings"] = (doc["latency"][x].get("producer_timings", [])
+                                                         + got["producer_timings"])
                 doc["every"].append(got["every"])
                 doc["step_s"].append(got["step_s"])
                 print(f"rep {r} {x}: every {got['every']} steps ({got['step_s'] * 1e3:.0f} ms/step), latency ms "
