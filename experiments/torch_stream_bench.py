@@ -83,6 +83,9 @@ from experiments.torch_siblings_report import at_most, plot_bars, speedup, stat,
 APPROACHES = ["df-shm", "df-tcp", "save-inotify", "dcp", "gloo"]
 REFERENCE = "df-shm"
 TARGETS = {"save-inotify": 5.0, "dcp": 5.0, "gloo": 1.0, "df-tcp": 1.0}
+#: --nodes: the approaches, and the targets against the reference df-tcp
+NODE_APPROACHES = ["df-tcp", "save-inotify", "dcp", "gloo"]
+NODE_TARGETS = {"save-inotify": 2.0, "dcp": 2.0, "gloo": 1.0}
 SLOWDOWN_TARGET = 0.05
 #: slowdown runs: pinning -> key in the JSON. "free": not pinned (training one torch thread, the
 #: Publisher's threads and backend process free to use the other core: the figure of the target);
@@ -165,11 +168,12 @@ def producer(a: argparse.Namespace) -> None:
     if a.approach.startswith("df-"):
         from deepfreeze.stream import StreamOptions
         from deepfreeze.torch import Publisher
-        pub = Publisher(model, opt, channel=CHANNEL, schedule=k, overwrite=True,
-                        stream=StreamOptions(shm_dir=a.shm_dir), **df_dirs(a.work))
+        os.makedirs(a.shm_dir, exist_ok=True)  # (on a cluster node: its own /dev/shm)
+        pub = Publisher(model, opt, channel=CHANNEL, schedule=k, overwrite=True, **df_dirs(a.work),
+                        stream=StreamOptions(shm_dir=a.shm_dir, host=a.host, allow_remote=a.host != "127.0.0.1"))
     elif a.approach == "gloo":
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=0, world_size=2)
+        dist.init_process_group("gloo", init_method=f"tcp://{a.host}:{a.port}", rank=0, world_size=2)
         pg = dist
         names = list(sd)
         flat = torch.empty(sum(sd[n].numel() * sd[n].element_size() for n in names), dtype=torch.uint8)
@@ -291,7 +295,7 @@ def consumer(a: argparse.Namespace) -> None:
         ino.close()
     elif a.approach == "gloo":
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=1, world_size=2)
+        dist.init_process_group("gloo", init_method=f"tcp://{a.host}:{a.port}", rank=1, world_size=2)
         names = list(reps[0].state_dict())
         hdr = torch.zeros(1, dtype=torch.int64)
         flat = None
@@ -363,6 +367,7 @@ def slowdown(a: argparse.Namespace) -> None:
             if mode == "plain":
                 plain.append(a.slow_steps / steps(a.slow_steps))
                 continue
+            os.makedirs(a.shm_dir, exist_ok=True)
             pub = Publisher(model, opt, channel=CHANNEL, schedule=1, overwrite=True,
                             stream=StreamOptions(shm_dir=a.shm_dir), **df_dirs(a.work))
             try:
@@ -385,11 +390,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(role: str, a: argparse.Namespace, approach: str, work: str, shm: str, port: int) -> subprocess.Popen:
+def _spawn(role: str, a: argparse.Namespace, approach: str, work: str, shm: str, port: int,
+           cluster=None) -> subprocess.Popen:
+    """A role's process: here, or with ``cluster`` the producer on node n1 and the consumer on n2."""
+    host = "127.0.0.1" if cluster is None else cluster.address("n1")
     cmd = [sys.executable, "-m", "experiments.torch_stream_bench", "--role", role, "--approach", approach,
            "--work", work, "--shm-dir", shm, "--port", str(port), "--model", a.model, "--updates", str(a.updates),
            "--interval", str(a.interval), "--timeout", str(a.timeout), "--slow-steps", str(a.slow_steps),
-           "--slow-reps", str(a.slow_reps)]
+           "--slow-reps", str(a.slow_reps), "--host", host]
+    if cluster is not None:
+        return cluster.popen("n1" if role == "producer" else "n2", cmd, cwd=ROOT, env={"PYTHONPATH": ROOT},
+                             start_new_session=True)
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), start_new_session=True)
 
 
@@ -405,14 +416,14 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
     return rcs
 
 
-def run_pair(a: argparse.Namespace, approach: str, root: str, tag: str) -> dict:
+def run_pair(a: argparse.Namespace, approach: str, root: str, tag: str, cluster=None) -> dict:
     work = os.path.join(root, tag)
     shm = tempfile.mkdtemp(prefix="dfts-", dir="/dev/shm")
     os.makedirs(work)
-    port = _free_port()
+    port = _free_port() if cluster is None else 29500 + secrets.randbelow(20000)  # n1's own port space
     try:
-        cons = _spawn("consumer", a, approach, work, shm, port)
-        prod = _spawn("producer", a, approach, work, shm, port)
+        cons = _spawn("consumer", a, approach, work, shm, port, cluster)
+        prod = _spawn("producer", a, approach, work, shm, port, cluster)
         rcs = _finish([prod, cons], a.timeout + 30)
         if rcs != [0, 0]:
             raise RuntimeError(f"{approach} ({tag}): producer/consumer exited {rcs}")
@@ -451,7 +462,8 @@ def summarise(doc: dict) -> None:
             r["producer_timings_mean_s"] = {k: sum(t[k] for t in r["producer_timings"]) / len(r["producer_timings"])
                                             for k in ("post_hook_s", "wait_s", "handoff_s")}
     ref = doc["latency"].get(doc["reference"])
-    doc["ratios"] = {a: speedup(r["mean_s"], ref["mean_s"], TARGETS.get(a, 1.0))
+    targets = NODE_TARGETS if doc["reference"] == "df-tcp" else TARGETS
+    doc["ratios"] = {a: speedup(r["mean_s"], ref["mean_s"], targets.get(a, 1.0))
                      for a, r in doc["latency"].items() if ref is not None and a != doc["reference"]}
     for s in (doc.get(k) for k in SLOW_MODES.values()):
         if not s:
@@ -471,6 +483,9 @@ def main() -> None:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     ap.add_argument("--shm-dir", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--nodes", action="store_true", help="across the cluster harness's namespaced nodes (root): "
+                    "producer on n1, consumer on n2, the TCP tier (df-tcp the reference); no slowdown run")
     ap.add_argument("--quick", action="store_true", help="smoke: mlp, df-shm and save-inotify, 2 reps x 2 updates, 2 pairs of 4-step slowdown blocks")
     ap.add_argument("--model", default=None, help="experiments/torch_models.py name (default resnet50; --quick mlp)")
     ap.add_argument("--approaches", default=None, help=f"comma list of {','.join(APPROACHES)} (default all; "
@@ -503,14 +518,28 @@ def main() -> None:
         return slowdown(a)
     root = tempfile.mkdtemp(prefix="dfts-")
     os.environ["DEEPFREEZE_TOKEN"] = secrets.token_hex(32)  # the TCP tier's token, this run's processes only
-    approaches = [x for x in (a.approaches or ",".join(QUICK_APPROACHES if q else APPROACHES)).split(",") if x]
-    if not approaches or set(approaches) - set(APPROACHES) or REFERENCE not in approaches:
-        ap.error(f"--approaches: a comma list of {', '.join(APPROACHES)} including {REFERENCE}")
+    ref = "df-tcp" if a.nodes else REFERENCE
+    default = NODE_APPROACHES if a.nodes else QUICK_APPROACHES if q else APPROACHES
+    approaches = [x for x in (a.approaches or ",".join(default)).split(",") if x]
+    if not approaches or set(approaches) - set(APPROACHES) or ref not in approaches:
+        ap.error(f"--approaches: a comma list of {', '.join(APPROACHES)} including {ref}")
+    cluster = None
+    if a.nodes:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "cluster"))
+        from harness import Cluster, cannot_make_namespaces
+        why = cannot_make_namespaces()
+        if why:
+            raise SystemExit(f"--nodes: {why}")
+        cluster = Cluster(2).start()
+        shutil.rmtree(root)
+        root = tempfile.mkdtemp(prefix="dfts-", dir=cluster.shared)
+        a.slow_reps = 0
     import torch
     from experiments.torch_models import build
     nbytes = sum(t.numel() * t.element_size() for t in build(a.model).state_dict().values())
     doc = {"experiment": "torch_stream", "model": a.model, "model_MB": nbytes / 1e6, "reps": a.reps,
-           "updates": a.updates, "interval_s": a.interval, "reference": REFERENCE, "quick": q,
+           "updates": a.updates, "interval_s": a.interval, "reference": ref, "quick": q,
+           "where": "cluster harness: producer on n1, consumer on n2 (veth + bridge)" if a.nodes else "one node",
            "cores": os.cpu_count(), "torch": torch.__version__, "load_avg_start": os.getloadavg(),
            "command": " ".join(["python -m experiments.torch_stream_bench"] + sys.argv[1:]),
            "latency": {x: {"samples_s": [], "served_steps": []} for x in approaches}, "every": [], "step_s": []}
@@ -528,7 +557,7 @@ def main() -> None:
     try:
         for r in range(a.reps):
             for x in approaches:
-                got = run_pair(a, x, root, f"r{r}-{x}")
+                got = run_pair(a, x, root, f"r{r}-{x}", cluster)
                 doc["latency"][x]["samples_s"].append(got["latency_s"])
                 doc["latency"][x]["served_steps"].append(got["served_steps"])
                 doc["latency"][x]["parts"] = doc["latency"][x].get("parts", []) + got["parts"]
@@ -553,6 +582,8 @@ def main() -> None:
                 shutil.rmtree(shm, ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if cluster is not None:
+            cluster.close()
     doc["wall_s"] = time.time() - t_start
     doc["load_avg_end"] = os.getloadavg()
     summarise(doc)
