@@ -2,7 +2,8 @@
 and a gloo broadcast: update latency on the node, and the training slowdown of one publish per step.
 
     python -m experiments.torch_stream_bench --out experiments/results/torch_stream.json   # the pass (~8 min idle)
-    python -m experiments.torch_stream_bench --quick --out /tmp/ts.json                     # smoke (~25 s)
+    python -m experiments.torch_stream_bench --nodes --out experiments/results/torch_stream_nodes.json  # (~5 min)
+    python -m experiments.torch_stream_bench --quick --out /tmp/ts.json                     # smoke (~30 s)
     python -m experiments.torch_stream_bench --table experiments/results/torch_stream.json  # markdown again
 
 **Latency.** One producer process (pinned to core 0, ``torch.set_num_threads(1)``) trains the
@@ -16,15 +17,19 @@ registered *before* any approach's (so the end of the parameter update: a captur
 version is first served (same clock: one machine). Latency = served - t0 of that step; the first
 published version of each producer/consumer pair (connections, first touch of buffers, first
 files) is not measured (the producer waits until the consumer has served it before it goes on: a
-consumer that finds the producer late misses nothing); a version the consumer skipped (a newer one
+consumer that finds the producer late misses nothing; it also waits, before it closes, until the
+last version was served); a version the consumer skipped (a newer one
 was there) has no latency.
 Approaches:
 
 * ``df-shm`` / ``df-tcp``: :class:`deepfreeze.torch.Publisher` (``schedule=k``, ``mode=async``,
   scratch and persistent in a temporary directory, the ring in /dev/shm; ``pub.end_iteration()``
   after each step, so a version is published at the end of its iteration);
-  :class:`deepfreeze.torch.Subscriber` with ``tier="shm"`` / ``"tcp"`` (loopback: the TCP tier's
-  code path; the cluster harness's namespaced nodes are not run here). The consumer blocks in
+  :class:`deepfreeze.torch.Subscriber` with ``tier="shm"`` / ``"tcp"`` (loopback; ``--nodes``:
+  across two of the cluster harness's namespaced nodes, ``tests/cluster/harness.py``, as root:
+  producer on n1, consumer on n2, the TCP tier over their veth links and bridge, the files of the
+  other approaches in the harness's shared directory, the gloo group over the same links;
+  ``df-tcp`` is then the reference and the targets are 2x). The consumer blocks in
   ``sub.wait()`` and records the step of ``with sub.current() as m:`` when it changes.
 * ``save-inotify``: ``torch.save({"step", "model": state_dict()})`` to a temporary file and
   ``os.replace`` to ``latest.pt`` (no fsync: the fastest form of the baseline); the consumer waits
@@ -213,6 +218,16 @@ def producer(a: argparse.Namespace) -> None:
             deadline = time.monotonic() + a.timeout
             while not os.path.exists(first) and time.monotonic() < deadline:
                 time.sleep(0.01)
+    last = os.path.join(a.work, "last")  # the last version: served before the producer goes (a closed ring
+    deadline = time.monotonic() + a.timeout  # cannot be fetched any more)
+    while time.monotonic() < deadline and a.approach != "gloo":
+        try:
+            with open(last) as f:
+                if int(f.read() or 0) >= (pub.step if pub is not None else steps):
+                    break
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.01)
     timings = []
     if pub is not None:
         pub.close()
@@ -323,7 +338,8 @@ def consumer(a: argparse.Namespace) -> None:
 
 
 class _Served(list):
-    """The consumer's (step, time served) list; the first entry also tells the producer (file ``first``)."""
+    """The consumer's (step, time served) list; tells the producer the first (file ``first``) and the
+    last step served (file ``last``: the producer waits for its last version before it closes)."""
 
     def __init__(self, work: str) -> None:
         super().__init__()
@@ -333,6 +349,10 @@ class _Served(list):
         super().append(item)
         if len(self) == 1:
             open(self.first, "w").close()
+        tmp = self.first + ".last"
+        with open(tmp, "w") as f:
+            f.write(str(item[0]))
+        os.replace(tmp, os.path.join(os.path.dirname(self.first), "last"))
 
 
 # ---------------------------------------------------------------------------------------------- slowdown
@@ -494,7 +514,7 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=None, help="measured updates per pair (default 6; --quick 2)")
     ap.add_argument("--interval", type=float, default=None, help="seconds between versions (default 1.0; quick 0.3)")
     ap.add_argument("--slow-steps", type=int, default=None, help="steps per slowdown block (default 20; quick 4)")
-    ap.add_argument("--slow-reps", type=int, default=None, help="slowdown block pairs (default 6; quick 2; 0: none)")
+    ap.add_argument("--slow-reps", type=int, default=None, help="slowdown block pairs (default 5; quick 2; 0: none)")
     ap.add_argument("--timeout", type=float, default=240.0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "torch_stream.json"))
     ap.add_argument("--table", metavar="JSON", help="print the markdown table of a results file and exit")
@@ -509,7 +529,7 @@ def main() -> None:
     a.updates = a.updates or (2 if q else 6)
     a.interval = a.interval or (0.3 if q else 1.0)
     a.slow_steps = a.slow_steps or (4 if q else 20)
-    a.slow_reps = (2 if q else 6) if a.slow_reps is None else a.slow_reps
+    a.slow_reps = (2 if q else 5) if a.slow_reps is None else a.slow_reps
     if a.role == "producer":
         return producer(a)
     if a.role == "consumer":
@@ -567,7 +587,7 @@ def main() -> None:
                 doc["step_s"].append(got["step_s"])
                 print(f"rep {r} {x}: every {got['every']} steps ({got['step_s'] * 1e3:.0f} ms/step), latency ms "
                       f"{[round(v * 1e3, 1) for v in got['latency_s']]}", flush=True)
-        for mode in (SLOW_MODES[:1] if q else SLOW_MODES) if a.slow_reps > 0 else ():
+        for mode in (list(SLOW_MODES)[:1] if q else list(SLOW_MODES)) if a.slow_reps > 0 else ():
             work = os.path.join(root, "slow-" + mode)
             shm = tempfile.mkdtemp(prefix="dfts-", dir="/dev/shm")
             os.makedirs(work)
