@@ -16,14 +16,15 @@ from experiments.torch_dcp_report import fmt
 __all__ = ["stat", "speedup", "at_most", "stream_table", "repo_table", "plot_bars"]
 
 
-def speedup(base: dict, mine: dict, target: float) -> dict:
+def speedup(base: dict, mine: dict, target: "float | None") -> dict:
     """``base / mine`` (how many times ``mine`` is faster) ± its SE (first-order propagation of
-    both means' SEs), and whether it is at least ``target``."""
+    both means' SEs), and whether it is at least ``target`` (None: no target, verdict "–")."""
     if not base or not mine or not base.get("mean") or not mine.get("mean"):
         return {"mean": None, "se": None, "target": target, "verdict": "–"}
     q = base["mean"] / mine["mean"]
     e = abs(q) * math.hypot((base.get("se") or 0.0) / base["mean"], (mine.get("se") or 0.0) / mine["mean"])
-    v = "not resolvable" if abs(q - target) < e else ("met" if q >= target else "missed")
+    v = ("–" if target is None else "not resolvable" if abs(q - target) < e else
+         "met" if q >= target else "missed")
     return {"mean": q, "se": e, "target": target, "verdict": v}
 
 
@@ -52,7 +53,7 @@ def stream_table(doc: dict) -> str:
     for a, r in lat.items():
         sp = doc["ratios"].get(a)
         cell = "–" if a == ref or sp is None else _x(sp)
-        tgt = "–" if sp is None or a == ref else f">= {sp['target']:g}x: **{sp['verdict']}**"
+        tgt = "–" if sp is None or sp["target"] is None else f">= {sp['target']:g}x: **{sp['verdict']}**"
         allv = sorted(x for rep in r["samples_s"] for x in rep)
         med = allv[len(allv) // 2] * 1e3 if allv else None
         lines.append(f"| {a} | {fmt(r['mean_s'], 1e3, 1)} | {fmt(med, 1, 1)} | {len(allv)} | {cell} | {tgt} |")
@@ -99,7 +100,7 @@ def repo_table(doc: dict) -> str:
         for a, r in rows.items():
             sp = doc["ratios"].get(op, {}).get(a)
             cell = "–" if sp is None else _x(sp)
-            tgt = "–" if sp is None else f">= {sp['target']:g}x: **{sp['verdict']}**"
+            tgt = "–" if sp is None or sp["target"] is None else f">= {sp['target']:g}x: **{sp['verdict']}**"
             mb = r.get("read_MB")
             lines.append(f"| {op} | {a} | {fmt(r['time_s'], 1e3, 1)} | {fmt(mb, 1, 1)} | {cell} | {tgt} |")
     return "\n".join(lines)
