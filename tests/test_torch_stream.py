@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/s
 from _util import ROOT, WORKERS  # noqa: E402
 
 sys.path.insert(0, WORKERS)
-from torch_stream_pub import Net, inputs  # noqa: E402
+from torch_stream_pub import CHANNEL, Net, inputs  # noqa: E402
 
 PUB = os.path.join(WORKERS, "torch_stream_pub.py")
 SERVE = os.path.join(WORKERS, "torch_stream_serve.py")
@@ -83,6 +83,11 @@ def weights(out: str, rank: int, step: int) -> dict[str, np.ndarray]:
         return {k: f[k] for k in f.files}
 
 
+def optim_state(out: str, rank: int, step: int) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(out, f"r{rank}", f"o{step}.npz"), allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
 def check_served(out: str) -> np.ndarray:
     """Every prediction the consumer made equals the output of the version it reported (recomputed
     from the producer's recorded weights, bit for bit); returns the steps served."""
@@ -128,6 +133,52 @@ def test_ddp_publisher_to_serving_consumer(out):
         updates = json.load(f)["updates"]  # the same node: the rings; only a first version may come from the
     assert all(tier == "shm" for _, tier in updates[1:]), updates  # persistent copy (looked before both
     assert updates[0][1] in ("shm", "persistent"), updates  # ranks' endpoints were written)
+
+
+def test_publisher_beside_checkpointer_one_capture(out):
+    """A Checkpointer (every 3 steps) and a Publisher riding on its capture (every 2 steps) in a
+    2-rank DDP job: one capture per wanted step (2, 3, 4, 6, 8: five, one sink on the hook); the
+    consumer serves versions equal to the recorded weights; every committed version (the
+    Checkpointer's 3 and 6 always among them) restores bit-exact, model and optimizer state; a
+    consumer started after the job ended reads the newest one from the checkpoint (the fallback
+    tier reads the Checkpointer's versions)."""
+    from deepfreeze.loader import list_versions
+    from deepfreeze.config import Config
+    from deepfreeze.torch import load
+    out, shm = out
+    c = consumer(out, "until=8")
+    try:
+        torchrun(out, shm, "steps=8", "every=2", "ck=3", "sync_at=4,8")
+        finish(c, out)
+    finally:
+        stop(c)
+    steps = check_served(out)
+    assert {4, 8} <= set(steps.tolist()) <= {2, 4, 6, 8}, steps
+    for r in (0, 1):
+        with open(os.path.join(out, f"r{r}", "info.json")) as f:
+            info = json.load(f)
+        assert info["published"] == [2, 4, 6, 8], info
+        assert info["captures"] == 5 and info["sinks"] == 1, info  # steps 2, 3, 4, 6, 8: one capture each
+        assert info["owner_open_after_publisher"], info  # closing the Publisher left the Checkpointer running
+    persistent = os.path.join(out, "persistent")
+    cfg = Config.resolve(None, scratch=os.path.join(out, "noscratch"), persistent=persistent, mode="async")
+    committed = sorted(v for v, levels in list_versions(cfg, CHANNEL).items() if "persistent" in levels)
+    assert {3, 6, 8} <= set(committed) <= {2, 3, 4, 6, 8}, committed  # 8: written at the Publisher's close
+    for v in committed:
+        got = load(cfg, name=CHANNEL, version=v)
+        want = {**weights(out, 0, v), **optim_state(out, 0, v)}
+        assert sorted(got) == sorted(want), (v, sorted(got), sorted(want))
+        for k, a in want.items():
+            assert got[k].numpy().tobytes() == a.tobytes(), f"v{v} {k} does not restore bit-exact"
+    late = consumer(out, "until=8")  # no producer any more: the persistent tier
+    try:
+        finish(late, out)
+    finally:
+        stop(late)
+    steps = check_served(out)
+    assert set(steps.tolist()) == {8}, steps
+    with open(os.path.join(out, "serve.json")) as f:
+        assert json.load(f)["tiers"] == ["persistent"]
 
 
 def test_publisher_killed_consumer_keeps_last_version(out):
@@ -230,7 +281,7 @@ def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch
     from deepfreeze.errors import ConfigError
     from deepfreeze.loader import list_versions
     from deepfreeze.stream import StreamOptions
-    from deepfreeze.torch import Publisher
+    from deepfreeze.torch import Checkpointer, Publisher
     monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
     shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
     os.makedirs(shm)
@@ -257,22 +308,31 @@ def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch
         finally:
             pub.close()
 
-        class Busy(Publisher):  # fault injected by subclassing: every writer is busy
+        class Busy(Checkpointer):  # fault injected by subclassing: every writer is busy
             def _writer_busy(self) -> bool:
                 return True
 
         net = Net()
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
-        pub = Busy(net, opt, channel="busy", schedule=1, every_n_steps=3, overwrite=True, **dirs)
+        shm_opts = dirs.pop("stream")
+        ck = Busy(net, opt, name="busy", every_n_steps=3, overwrite=True, **dirs)
+        dirs["stream"] = shm_opts
+        pub = Publisher(net, opt, checkpointer=ck, schedule=1, stream=shm_opts)
         try:
             _train(pub, net, opt, g, 7, {})
             assert [v.step for v in pub.published] == list(range(1, 8))
             assert pub.coalesced == 5  # 1, 2, 4, 5, 7: publish-only; 3 and 6 are checkpoints
+            assert len(ck.timings) == 7 and ck.hook.sinks == [ck]  # one capture per step, one sink
         finally:
             pub.close()
-        assert pub.coalesced == 4  # v7, the newest skipped, written at close
-        committed = sorted(v for v, levels in list_versions(pub.config, "busy").items() if "persistent" in levels)
+        assert pub.coalesced == 4 and not ck._closed  # v7, the newest skipped, written at the Publisher's close
+        ck.wait(60)
+        committed = sorted(v for v, levels in list_versions(ck.config, "busy").items() if "persistent" in levels)
         assert committed == [3, 6, 7], committed
+        _train(ck, net, opt, g, 2, {})  # the Checkpointer goes on alone: v9 is its checkpoint
+        ck.close()
+        committed = sorted(v for v, levels in list_versions(ck.config, "busy").items() if "persistent" in levels)
+        assert committed == [3, 6, 7, 9], committed
 
         net = Net()
         opt = torch.optim.SGD(net.parameters(), lr=0.05)

@@ -204,6 +204,13 @@ class Checkpointer(RunView, Sink):
         #: the capture points on the model and optimizers, shared with other sinks (deepfreeze.torch.hook)
         self.hook = hook_for(model, opts)
         self._closed = False
+        #: publishers riding on this capture (:class:`deepfreeze.torch.Publisher` with ``checkpointer=``)
+        self._riders: list[Any] = []
+        self._roles: dict[int, tuple[bool, list]] = {}  # captured step -> (checkpoint wanted, riders wanting it)
+        self._explicit = False  # inside checkpoint(): the capture is a checkpoint whoever else wants it
+        #: captures only a rider wanted whose persistent copy was skipped (a writer was busy)
+        self.coalesced = 0
+        self._held: "tuple[int, FusedShard, dict] | None" = None  # the newest coalesced capture
         self._order_warned = False
         self._boundary = False  # the loop marks its iterations' ends (end_iteration/iterate): records are taken there
         self._boundary_warned = False
@@ -297,12 +304,12 @@ class Checkpointer(RunView, Sink):
         if self._pending is not None and self._pending.step == self.step:
             self._finish()  # an optimizer that did not call its closure: updated during the capture (torn)
         self.step += 1
-        if self._wants(self.step):
+        if self._wants(self.step) or any(r._wants_step(self.step) for r in self._riders):
             self._capture(self.step)
 
     def _wants(self, step: int) -> bool:
-        """Whether the state after optimizer step ``step`` is captured (every ``every_n_steps``;
-        a subclass adds its own steps: :class:`deepfreeze.torch.Publisher`'s publish schedule)."""
+        """Whether this checkpointer checkpoints the state after optimizer step ``step`` (every
+        ``every_n_steps``; riders add the steps they want captured: :meth:`_capture`)."""
         return bool(self.every_n_steps) and step % self.every_n_steps == 0
 
     # ------------------------------------------------------------------ public
@@ -320,6 +327,8 @@ class Checkpointer(RunView, Sink):
         p = self._pending
         if p is not None and not p.at_boundary:
             self._take_records(p)
+        if p is not None and self._roles.get(p.step, (True, []))[1]:
+            self._finish()  # a rider (publisher) wants it: finished now (collective: every rank ends the iteration)
 
     def iterate(self, iterable: Any) -> Any:
         """Iterate over ``iterable`` (one pass: an epoch of a ``DataLoader``) with
@@ -345,15 +354,30 @@ class Checkpointer(RunView, Sink):
 
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (collective; outside the step)."""
-        if (self._pending is not None and self._pending.step == self.step) or self._run.last_version == self.step:
+        if self._pending is not None and self._pending.step == self.step:
+            ckpt, riders = self._roles.get(self.step, (True, []))
+            self._roles[self.step] = (True, riders)  # captured for a rider: now also a checkpoint (never skipped)
+            return
+        if self._held is not None and self._held[0] == self.step:
+            self._write_held()  # captured for a rider and its persistent copy skipped: written now
+            return
+        if self._run.last_version == self.step:
             return  # this step is captured already
-        self._capture(self.step)
+        self._explicit = True
+        try:
+            self._capture(self.step)
+        finally:
+            self._explicit = False
         self._finish()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Finish a pending capture and block until every checkpoint is committed on persistent."""
+        """Finish a pending capture (riders: publish it, write the newest skipped copy, wait for
+        their copies) and block until every checkpoint is committed on persistent."""
         if self._pending is not None:
             self._finish_at_boundary()
+        self._write_held()
+        for r in list(self._riders):
+            r._wait_published(timeout)
         self._run.wait(timeout)
 
     def close(self) -> None:
@@ -368,7 +392,12 @@ class Checkpointer(RunView, Sink):
                     lost, self._pending = self._pending.step, None  # its hand-off is collective: too late
                 else:
                     self._finish_at_boundary()
+                    self._write_held()
         finally:
+            for r in list(self._riders):  # publishers riding on this capture stop with it
+                r._owner_closed(self)
+            self._riders = []
+            self._held = None
             self.hook.unsubscribe(self)
             try:
                 self._run.close()  # the engine (its flushes), then the lease
@@ -454,6 +483,8 @@ class Checkpointer(RunView, Sink):
         t0 = time.perf_counter()
         if self._pending is not None:
             self._finish()
+        riders = [r for r in self._riders if r._wants_step(step)]
+        self._roles[step] = (self._explicit or self._wants(step) or not riders, riders)
         err, key, need, rec_a = "", b"\0" * 16, 0, b""
         try:
             st = self._st = _state.train_state(self.model, self.optimizers, self._st)
@@ -600,11 +631,49 @@ class Checkpointer(RunView, Sink):
                              "handoff_s": time.perf_counter() - t1})
 
     def _checkpoint(self, step: int, shard: FusedShard, extra: dict) -> None:
+        """Hand a finished capture to the engine and to the riders that wanted it. A capture only
+        riders wanted is written when every rank's writer has room (:meth:`_writer_busy`, one
+        decision for all ranks), else its persistent copy coalesces to a newer one
+        (:attr:`coalesced`; the newest is written at :meth:`wait`/:meth:`close`): publishing
+        never waits for the disk. A checkpoint this checkpointer wanted is always written."""
+        ckpt, riders = self._roles.pop(step, (True, []))
+        for old in [s for s in self._roles if s < step]:  # captures that never finished (torn, failed)
+            del self._roles[old]
+        if ckpt or not self._writer_busy():
+            self._held = None  # a newer version is written: the held one is superseded
+            self._hand_off(step, shard, extra)
+        else:
+            self.coalesced += 1
+            self._held = (step, shard, extra)
+        for r in riders:
+            r._captured(step, shard)
+
+    def _hand_off(self, step: int, shard: FusedShard, extra: dict) -> None:
         if not self._run.hand_off(step, shard, step=step, epoch=0, extra=extra):
             return
         self._run.last_version = step
         if self.verbose and self.rank == 0:
             log.warning("DeepFreeze: checkpoint %s v%d handed off", self.name, step)
+
+    def _writer_busy(self) -> bool:
+        """Would a hand-off now wait for a writer on any rank? (collective: one decision per version)"""
+        engine = self._run.engine
+        saturated = getattr(engine, "saturated", None)
+        busy = engine is None or (callable(saturated) and bool(saturated()))
+        if self.size > 1:
+            busy = any(r[:1] == b"1" for r in self.comm.allgather(b"1" if busy else b"0"))
+        return busy
+
+    def _write_held(self) -> None:
+        """Write the newest capture whose persistent copy was skipped, unless a newer one is written."""
+        held, self._held = self._held, None
+        if held is None or self._run.engine is None:
+            return
+        step, shard, extra = held
+        if self._run.last_version is not None and step <= self._run.last_version:
+            return
+        self._hand_off(step, shard, extra)
+        self.coalesced -= 1
 
     def _new_plan(self, st: "_state.TrainState", needs: list[int], step: int) -> None:
         """A shard plan for ``st`` plus one state record per rank (room: twice what it needs now,

@@ -6,11 +6,14 @@ keys: steps (optimizer steps), every (publish every n steps), sync_at=STEP[,STEP
 bounded, until the consumer reports having served version STEP: OUT/seen holds the newest step it
 served; the other rank waits in a barrier),
 kill_at=STEP (rank 1 SIGKILLs itself right after publishing STEP, once the consumer served it),
-shm_dir (the producer's rings).
+shm_dir (the producer's rings), ck=N (a deepfreeze.torch.Checkpointer checkpointing every N steps
+runs, and the Publisher rides on its capture: Publisher(..., checkpointer=ck)), tcp=1 (listen on
+loopback TCP as well: StreamOptions(port=0) is the default; kept for the consumers' tier=tcp).
 
 Per rank it writes (numpy .npz, no pickles), right after each published step's optimizer.step():
   OUT/r<rank>/v<step>.npz   the module's state dict (FQNs without DDP's prefix)
-  OUT/r<rank>/info.json     published versions, coalesced, step
+  OUT/r<rank>/o<step>.npz   the optimizer's state tensors as optim.state.<fqn>.<key> (with ck=N)
+  OUT/r<rank>/info.json     published versions, coalesced, step, captures (how many the Checkpointer took)
 """
 import json
 import os
@@ -24,7 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from deepfreeze.stream import StreamOptions  # noqa: E402
-from deepfreeze.torch import Publisher  # noqa: E402
+from deepfreeze.torch import Checkpointer, Publisher  # noqa: E402
 
 CHANNEL = "tstream"
 
@@ -50,6 +53,13 @@ def inputs(n: int = 6) -> torch.Tensor:
 
 def save_state(net: torch.nn.Module, path: str) -> None:
     np.savez(path, **{k: v.detach().numpy().copy() for k, v in net.state_dict().items()})
+
+
+def save_optim(net: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
+    """The optimizer's state tensors keyed as deepfreeze.torch.load names them."""
+    fqn = {id(p): n for n, p in net.named_parameters()}
+    np.savez(path, **{f"optim.state.{fqn[id(p)]}.{k}": v.detach().numpy().copy()
+                      for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)})
 
 
 def seen(out: str) -> int:
@@ -83,10 +93,17 @@ def main() -> None:
     every = int(kw.get("every", 1))
     mydir = os.path.join(out, f"r{rank}")
     os.makedirs(mydir, exist_ok=True)
-    pub = Publisher(model, opt, channel=CHANNEL, schedule=every, overwrite=True, mode="async",
-                    scratch=os.path.join(out, f"scratch{rank}"), persistent=os.path.join(out, "persistent"),
-                    min_shard_bytes=256,  # a small model, still split across the ranks
-                    stream=StreamOptions(shm_dir=kw["shm_dir"]) if kw.get("shm_dir") else None)
+    dirs = dict(overwrite=True, mode="async", scratch=os.path.join(out, f"scratch{rank}"),
+                persistent=os.path.join(out, "persistent"),
+                min_shard_bytes=256)  # a small model, still split across the ranks
+    stream = StreamOptions(shm_dir=kw["shm_dir"]) if kw.get("shm_dir") else None
+    ck_every = int(kw.get("ck", 0))
+    ck = None
+    if ck_every:  # a Checkpointer runs; the Publisher publishes its capture (one capture per step)
+        ck = Checkpointer(model, opt, name=CHANNEL, every_n_steps=ck_every, **dirs)
+        pub = Publisher(model, opt, checkpointer=ck, schedule=every, stream=stream)
+    else:
+        pub = Publisher(model, opt, channel=CHANNEL, schedule=every, stream=stream, **dirs)
     g = torch.Generator().manual_seed(1000 + rank)
     steps, kill_at = int(kw.get("steps", 10)), int(kw.get("kill_at", -1))
     sync_at = {int(s) for s in kw.get("sync_at", "").split(",") if s}
@@ -97,8 +114,10 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if pub.step % every == 0:
+        if pub.step % every == 0 or (ck_every and pub.step % ck_every == 0):
             save_state(net, os.path.join(mydir, f"v{pub.step}.npz"))  # what version pub.step holds
+            if ck_every:
+                save_optim(net, opt, os.path.join(mydir, f"o{pub.step}.npz"))
         pub.end_iteration()  # publishes the step's version now
         if pub.step in sync_at or pub.step == kill_at:
             if rank == 0:
@@ -109,9 +128,14 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     prefix = pub.publisher.prefix  # bytes of this rank's share of each version
     pub.close()
+    owner = pub.checkpointer
+    info = {"published": [v.step for v in pub.published], "coalesced": pub.coalesced, "step": pub.step,
+            "prefix": prefix, "captures": len(owner.timings),
+            "sinks": len(owner.hook.sinks), "owner_open_after_publisher": not owner._closed}
+    if ck is not None:
+        ck.close()
     with open(os.path.join(mydir, "info.json"), "w") as f:
-        json.dump({"published": [v.step for v in pub.published], "coalesced": pub.coalesced, "step": pub.step,
-                   "prefix": prefix}, f)
+        json.dump(info, f)
     if distributed:
         dist.destroy_process_group()
 

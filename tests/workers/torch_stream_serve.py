@@ -1,6 +1,6 @@
 """Consumer of the torch stream tests: a plain process (no torch.distributed) serving predictions.
 
-    python tests/workers/torch_stream_serve.py OUT until=STEP [dead=1]
+    python tests/workers/torch_stream_serve.py OUT until=STEP [dead=1] [tier=auto|shm|tcp|persistent]
 
 It subscribes to the producer's channel (OUT/persistent), then answers requests
 (``inputs()``, one row each, round robin) under ``with sub.current() as m:`` and records
@@ -36,7 +36,7 @@ def main() -> None:
     steps, rows, outputs = [], [], []
     info = {}
     with Subscriber(Net().eval(), channel=CHANNEL, persistent=os.path.join(out, "persistent"),
-                    warn_after=60.0) as sub:
+                    tier=kw.get("tier", "auto"), warn_after=60.0) as sub:
         sub.wait(0, timeout=180)
         deadline = time.monotonic() + 180
         i = 0
