@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -44,10 +45,14 @@ def out(tmp_path):
     shutil.rmtree(shm, ignore_errors=True)
 
 
-def torchrun(out: str, shm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun_cmd(out: str, shm: str, *args: str) -> list[str]:
     exe = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    cmd = [exe or sys.executable, *([] if exe else ["-m", "torch.distributed.run"]), "--standalone",
-           "--nproc-per-node", "2", PUB, out, f"shm_dir={shm}", *args]
+    return [exe or sys.executable, *([] if exe else ["-m", "torch.distributed.run"]), "--standalone",
+            "--nproc-per-node", "2", PUB, out, f"shm_dir={shm}", *args]
+
+
+def torchrun(out: str, shm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = torchrun_cmd(out, shm, *args)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     if check and p.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-6000:]}")
@@ -60,6 +65,7 @@ def consumer(out: str, *args: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, out: str) -> None:
+    """Wait (bounded) for a consumer to end; its log (``out``/consumer.log) in the failure."""
     try:
         rc = proc.wait(240)
     except subprocess.TimeoutExpired:
@@ -88,10 +94,11 @@ def optim_state(out: str, rank: int, step: int) -> dict[str, np.ndarray]:
         return {k: f[k] for k in f.files}
 
 
-def check_served(out: str) -> np.ndarray:
-    """Every prediction the consumer made equals the output of the version it reported (recomputed
-    from the producer's recorded weights, bit for bit); returns the steps served."""
-    with np.load(os.path.join(out, "serve.npz"), allow_pickle=False) as f:
+def check_served(out: str, served: str | None = None) -> np.ndarray:
+    """Every prediction the consumer (its output directory ``served``, default ``out``) made equals
+    the output of the version it reported (recomputed from the producer's recorded weights in
+    ``out``, bit for bit); returns the steps served."""
+    with np.load(os.path.join(served or out, "serve.npz"), allow_pickle=False) as f:
         steps, rows, outputs = f["steps"], f["rows"], f["outputs"]
     assert len(steps) > 0 and np.all(np.diff(steps) >= 0), f"versions served out of order: {steps}"
     x = inputs()
@@ -115,16 +122,26 @@ def check_served(out: str) -> np.ndarray:
 
 
 def test_ddp_publisher_to_serving_consumer(out):
-    """2-rank DDP publishing every 2 steps; a plain consumer process serving predictions."""
+    """2-rank DDP publishing every 2 steps; two plain consumer processes serving predictions, one
+    reading the rings in shared memory, one (tier='tcp') reading each rank's shard over the
+    authenticated TCP wire on loopback (deepfreeze.stream.wire, the token of $DEEPFREEZE_TOKEN)."""
     out, shm = out
+    tcp = os.path.join(out, "tcp")
+    os.makedirs(tcp)
     c = consumer(out, "until=8")
+    t = consumer(tcp, "until=8", "tier=tcp", f"pdir={out}")
     try:
-        torchrun(out, shm, "steps=8", "every=2", "sync_at=4,8")
+        torchrun(out, shm, "steps=8", "every=2", "sync_at=4,8", f"watch={out},{tcp}")
         finish(c, out)
+        finish(t, tcp)
     finally:
         stop(c)
-    steps = check_served(out)
-    assert {4, 8} <= set(steps.tolist()) <= {2, 4, 6, 8}, steps
+        stop(t)
+    for served in (out, tcp):
+        steps = check_served(out, served)
+        assert {4, 8} <= set(steps.tolist()) <= {2, 4, 6, 8}, (served, steps)
+    with open(os.path.join(tcp, "serve.json")) as f:
+        assert json.load(f)["tiers"] == ["tcp"]  # every version over the wire, none from shared memory
     for r in (0, 1):  # each rank published its own share of every version
         with open(os.path.join(out, f"r{r}", "info.json")) as f:
             info = json.load(f)
@@ -181,23 +198,79 @@ def test_publisher_beside_checkpointer_one_capture(out):
         assert json.load(f)["tiers"] == ["persistent"]
 
 
-def test_publisher_killed_consumer_keeps_last_version(out):
-    """Rank 1 is SIGKILLed after publishing v5: the consumer keeps serving v5, a bounded wait for a
+def test_publisher_killed_mid_transfer_consumer_keeps_last_version(out):
+    """Rank 1 is SIGKILLed in the middle of copying v6 into its shared-memory slot (injected by
+    subclassing its ring: after its slot was marked as being written, before its record is
+    complete), after the consumer served v5: v6 is never complete (rank 1's slot stays odd and is
+    never announced), so the consumer keeps serving v5, a bounded wait for a
     newer one ends with StreamTimeoutError (no hang), and nothing served mixes versions."""
     out, shm = out
     c = consumer(out, "until=5", "dead=1")
     try:
-        p = torchrun(out, shm, "steps=10", "every=1", "kill_at=5", check=False)
+        p = torchrun(out, shm, "steps=10", "every=1", "sync_at=5", "die_mid=6", check=False)
         assert p.returncode != 0
         finish(c, out)
     finally:
         stop(c)
+    with open(os.path.join(out, "died_mid6")) as f:
+        done, total = map(int, f.read().split("/"))
+    assert 0 < done <= total, (done, total)  # it died inside the copy of v6, after the slot went odd
+    assert os.path.exists(os.path.join(out, "r1", "v6.npz"))  # rank 1 reached v6's publish
+    assert not glob.glob(os.path.join(out, "r1", "v7.npz"))
     steps = check_served(out)
     assert steps[-1] == 5 and set(steps.tolist()) <= set(range(1, 6))
     with open(os.path.join(out, "serve.json")) as f:
         info = json.load(f)
     assert info["after_death"] == "StreamTimeoutError", info
-    assert not glob.glob(os.path.join(out, "r1", "v6.npz"))
+
+
+def test_consumer_killed_mid_transfer_publisher_goes_on(out):
+    """A consumer SIGKILLed while it copies a version out of the producer's rings (each rank's slot
+    pinned, half copied; injected by subclassing the ring it reads): the 2-rank producer, which
+    kept publishing while the slots were pinned, goes on to the end (exit 0, every version
+    published on both ranks, no error surfaced to training), and another consumer serves only
+    complete versions, bit-exact against the recorded weights."""
+    out, shm = out
+    stalled = os.path.join(out, "stalled")
+    os.makedirs(stalled)
+    s = consumer(stalled, "until=10", "tier=shm", "stall=1", f"pdir={out}")
+    c = consumer(out, "until=10")
+    prod = subprocess.Popen(torchrun_cmd(out, shm, "steps=10", "every=1", "gate_at=3,6", "sync_at=10"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not glob.glob(os.path.join(stalled, "stalled.*")):  # the stalled consumer holds its pins
+            assert time.monotonic() < deadline and s.poll() is None and prod.poll() is None, \
+                f"the consumer did not stall within 120 s (consumer {s.poll()}, producer {prod.poll()})"
+            time.sleep(0.05)
+        open(os.path.join(out, "gate3"), "w").close()  # the producer publishes v4..v6 while the pins are held
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(out, "r0", "v6.npz")):
+            assert time.monotonic() < deadline and prod.poll() is None, "the producer did not reach v6"
+            time.sleep(0.05)
+        s.kill()  # SIGKILL, mid-transfer: its copy of a version never completes
+        assert s.wait(30) == -9
+        open(os.path.join(out, "gate6"), "w").close()
+        try:
+            log, _ = prod.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            prod.kill()
+            log, _ = prod.communicate()
+            pytest.fail(f"the producer hung after the consumer was killed:\n{log[-6000:]}")
+        assert prod.returncode == 0, f"the producer failed after the consumer was killed:\n{log[-6000:]}"
+        finish(c, out)
+    finally:
+        stop(s)
+        stop(c)
+        if prod.poll() is None:
+            prod.kill()
+            prod.wait()
+    for r in (0, 1):
+        with open(os.path.join(out, f"r{r}", "info.json")) as f:
+            info = json.load(f)
+        assert info["published"] == list(range(1, 11)), info
+    steps = check_served(out)
+    assert steps[-1] == 10, steps
 
 
 # ---------------------------------------------------------------- one process, no torch.distributed

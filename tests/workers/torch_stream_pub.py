@@ -4,8 +4,13 @@
 
 keys: steps (optimizer steps), every (publish every n steps), sync_at=STEP[,STEP...] (rank 0 waits,
 bounded, until the consumer reports having served version STEP: OUT/seen holds the newest step it
-served; the other rank waits in a barrier),
+served; the other rank waits in a barrier), watch=DIR[,DIR...] (the consumers' output directories
+sync_at waits on, each DIR/seen; default OUT), gate_at=STEP[,STEP...] (rank 0 waits, bounded,
+for the file OUT/gate<STEP> the test writes; the other rank in a barrier),
 kill_at=STEP (rank 1 SIGKILLs itself right after publishing STEP, once the consumer served it),
+die_mid=STEP (rank 1 dies by SIGKILL in the middle of copying STEP into its shared-memory slot:
+after the slot was marked as being written, before its record is complete; injected by
+subclassing the ring),
 shm_dir (the producer's rings), ck=N (a deepfreeze.torch.Checkpointer checkpointing every N steps
 runs, and the Publisher rides on its capture: Publisher(..., checkpointer=ck)), tcp=1 (listen on
 loopback TCP as well: StreamOptions(port=0) is the default; kept for the consumers' tier=tcp).
@@ -78,6 +83,34 @@ def wait_seen(out: str, step: int, limit: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def wait_file(path: str, limit: float = 120.0) -> None:
+    deadline = time.monotonic() + limit
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"test: {path} did not appear within {limit} s")
+        time.sleep(0.05)
+
+
+def dying_ring(step: int, out: str) -> type:
+    """Fault injection: this rank dies by SIGKILL in the middle of copying ``step`` into its slot
+    (after a chunk of its bytes was copied into a slot marked as being written, before the slot's
+    record is complete; OUT/died_mid<step> holds the bytes copied / the total, written first)."""
+    from deepfreeze.stream import slots
+
+    class DyingRing(slots.SlotRing):
+        def write(self, version, data, **kw):
+            self._dying = version.step == step
+            return super().write(version, data, **kw)
+
+        def _copied(self, slot, done, total):
+            if getattr(self, "_dying", False):
+                with open(os.path.join(out, f"died_mid{step}"), "w") as f:
+                    f.write(f"{done}/{total}")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return DyingRing
+
+
 def main() -> None:
     out = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
@@ -85,6 +118,9 @@ def main() -> None:
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
+    if kw.get("die_mid") and rank == 1:
+        from deepfreeze.stream import slots
+        slots.SlotRing = dying_ring(int(kw["die_mid"]), out)  # the core Publisher makes its ring from this name
     torch.set_num_threads(1)
     torch.manual_seed(5)  # the same initial weights on every rank
     net = Net()
@@ -107,6 +143,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(1000 + rank)
     steps, kill_at = int(kw.get("steps", 10)), int(kw.get("kill_at", -1))
     sync_at = {int(s) for s in kw.get("sync_at", "").split(",") if s}
+    gate_at = {int(s) for s in kw.get("gate_at", "").split(",") if s}
+    watch = [d for d in kw.get("watch", out).split(",") if d]
     for _ in range(steps):
         x = torch.randn(16, 8, generator=g)
         y = torch.randn(16, 3, generator=g)
@@ -119,9 +157,12 @@ def main() -> None:
             if ck_every:
                 save_optim(net, opt, os.path.join(mydir, f"o{pub.step}.npz"))
         pub.end_iteration()  # publishes the step's version now
-        if pub.step in sync_at or pub.step == kill_at:
-            if rank == 0:
-                wait_seen(out, pub.step)
+        if pub.step in sync_at or pub.step in gate_at or pub.step == kill_at:
+            if rank == 0 and pub.step in gate_at:
+                wait_file(os.path.join(out, f"gate{pub.step}"))
+            elif rank == 0:
+                for d in watch:
+                    wait_seen(d, pub.step)
             if distributed:
                 dist.barrier()
             if pub.step == kill_at and rank == 1:
