@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -39,7 +38,7 @@ import torch
 
 from .. import format as fmt
 from ..config import Config, did_you_mean
-from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
+from ..errors import ConfigError, ModelMismatchError
 from ..fused import FusedShard
 from ..lease import Version
 from ..stream.core import Publisher as _CorePublisher, StreamOptions, Subscriber as _CoreSubscriber, Update
@@ -285,7 +284,7 @@ class Publisher:
 
     # ------------------------------------------------------------------ the plan
     def _make_plan(self) -> None:
-        from ..stream.predict import CostModel, make_plan, Plan
+        from ..stream.predict import producer_plan
         ck = self.checkpointer
         losses = np.asarray(self._losses[-self.warmup_steps:], dtype=np.float64)
         t_step = float(np.median(self._step_t)) if self._step_t else 1e-3
@@ -295,37 +294,20 @@ class Publisher:
             raise ConfigError(f"channel {self.channel!r}: the ranks reported different numbers of losses: call "
                               "publisher.report(loss) once after every optimizer.step() on every rank")
         stats = np.mean([np.frombuffer(r, dtype=np.float64) for r in rows], axis=0)
-        losses, t_train = stats[:-1], max(float(stats[-1]), 1e-6)
         t_p = max(max((t["post_hook_s"] + t["wait_s"] for t in ck.timings[-3:]), default=0.0), 1e-5)
-        nbytes = (self.publisher.prefix if self.publisher is not None else 0) * ck.size
-        t_c = float(self.consumer_load_s) if self.consumer_load_s is not None else max(nbytes / 1e9, 1e-5)
-        s_iter = ck.step
-        e_iter = s_iter + max(1, int(self.horizon_s / t_train))
-        if self.total_steps is not None:
-            e_iter = min(e_iter, self.total_steps)
-        data = b""
-        if ck.rank == 0:
-            try:
-                cost = CostModel(t_train=t_train, t_infer=self.inference_interval_s, t_p=t_p, t_c=t_c)
-                total = max(1, int(self.horizon_s / self.inference_interval_s))
-                plan = make_plan(self.schedule, losses, s_iter, max(e_iter, s_iter + 1), cost, total)
-                data = json.dumps(plan.to_json()).encode()
-            except (DeepFreezeError, ValueError) as e:
-                log.warning("DeepFreeze: the %s publish plan of %r could not be made (%s): publishing every "
-                            "%d steps from now on", self.schedule, self.channel, e, self.warmup_steps)
-        if ck.size > 1:
-            data = ck.comm.allgather(data)[0]  # rank 0's
-        if not data:
+        plan = producer_plan(
+            self.schedule, self.channel, stats[:-1], rank=ck.rank,
+            broadcast=(lambda b: ck.comm.allgather(b)[0]) if ck.size > 1 else (lambda b: b),
+            s_iter=ck.step, t_train=max(float(stats[-1]), 1e-6), t_p=t_p,
+            nbytes=(self.publisher.prefix if self.publisher is not None else 0) * ck.size,
+            horizon_s=self.horizon_s, inference_interval_s=self.inference_interval_s,
+            consumer_load_s=self.consumer_load_s, total_steps=self.total_steps, verbose=ck.verbose,
+            fallback=f"every {self.warmup_steps} steps")
+        if plan is None:
             self.schedule, self._base = self.warmup_steps, ck.step
             return
-        self.publish_plan = Plan.from_json(json.loads(data))
-        self._plan_steps = {int(s) for s in self.publish_plan.steps}
-        if ck.rank == 0:
-            plan = self.publish_plan
-            (log.warning if ck.verbose else log.info)("DeepFreeze: channel %r: %s", self.channel, plan.summary())
-            if plan.degenerate:
-                log.warning("DeepFreeze: the %s publish plan of channel %r does not do its job: %s", self.schedule,
-                            self.channel, plan.degenerate)
+        self.publish_plan = plan
+        self._plan_steps = {int(s) for s in plan.steps}
 
 
 def _check_ride(ck: Any, model: torch.nn.Module, opts: list, channel: "str | None", config: Any,
