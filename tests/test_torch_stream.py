@@ -402,10 +402,19 @@ def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch
         ck.wait(60)
         committed = sorted(v for v, levels in list_versions(ck.config, "busy").items() if "persistent" in levels)
         assert committed == [3, 6, 7], committed
-        _train(ck, net, opt, g, 2, {})  # the Checkpointer goes on alone: v9 is its checkpoint
-        ck.close()
+        with pytest.raises(ConfigError, match="checkpointer="):  # the channel's Checkpointer runs: say so
+            Publisher(net, opt, channel="busy", schedule=1, overwrite=True, **dirs)
+        with pytest.raises(ConfigError, match="no Checkpointer arguments"):
+            Publisher(net, opt, checkpointer=ck, every_n_steps=2)
+        with pytest.raises(ConfigError, match="channel is the checkpoint name"):
+            Publisher(net, opt, channel="other", checkpointer=ck)
+        pub = Publisher(net, opt, checkpointer=ck, schedule=1, stream=shm_opts)  # the Checkpointer went on
+        _train(pub, net, opt, g, 3, {})  # v8 skipped, v9 the Checkpointer's (written), v10 skipped
+        assert [v.step for v in pub.published] == [8, 9, 10] and ck.coalesced == 6
+        ck.close()  # writes v10 and closes the Publisher riding on it
+        assert pub._closed and pub.publisher is None and ck.coalesced == 5
         committed = sorted(v for v, levels in list_versions(ck.config, "busy").items() if "persistent" in levels)
-        assert committed == [3, 6, 7, 9], committed
+        assert committed == [3, 6, 7, 9, 10], committed
 
         net = Net()
         opt = torch.optim.SGD(net.parameters(), lr=0.05)

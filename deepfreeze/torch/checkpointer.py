@@ -355,7 +355,7 @@ class Checkpointer(RunView, Sink):
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (collective; outside the step)."""
         if self._pending is not None and self._pending.step == self.step:
-            ckpt, riders = self._roles.get(self.step, (True, []))
+            riders = self._roles.get(self.step, (True, []))[1]
             self._roles[self.step] = (True, riders)  # captured for a rider: now also a checkpoint (never skipped)
             return
         if self._held is not None and self._held[0] == self.step:
@@ -392,7 +392,7 @@ class Checkpointer(RunView, Sink):
                     lost, self._pending = self._pending.step, None  # its hand-off is collective: too late
                 else:
                     self._finish_at_boundary()
-                    self._write_held()
+            self._write_held()  # the newest capture whose persistent copy a busy writer skipped
         finally:
             for r in list(self._riders):  # publishers riding on this capture stop with it
                 r._owner_closed(self)
