@@ -35,6 +35,11 @@ same model and optimizers). What a run owns (argument checks, ``on_error``, the 
   (lazily created state, ``add_param_group``) or a state record outgrowing its reserved room
   makes a new plan (and engine) from that version on, logged once per change.
 
+**Riders** (:class:`deepfreeze.torch.Publisher`): a rider's wanted steps are captured too (one
+capture per step, whoever wants it); each finished, checked capture is handed to the engine (a
+step only riders wanted: when every rank's writer has room, else coalesced, :attr:`coalesced`)
+and then to the riders that wanted it.
+
 Every checkpoint step costs two small all-gathers over the checkpointer's own gloo group
 (plan check in the post-hook, write decision in the next pre-hook), so every rank writes a
 version or none does.
