@@ -201,8 +201,9 @@ def test_publisher_beside_checkpointer_one_capture(out):
 def test_publisher_killed_mid_transfer_consumer_keeps_last_version(out):
     """Rank 1 is SIGKILLed in the middle of copying v6 into its shared-memory slot (injected by
     subclassing its ring: after its slot was marked as being written, before its record is
-    complete), after the consumer served v5: v6 is never complete (rank 1's slot stays odd and is
-    never announced), so the consumer keeps serving v5, a bounded wait for a
+    complete), after the consumer served v5; v6's persistent copy is skipped (injected: a busy
+    writer), so only the stream could deliver it. v6 is never complete (rank 1's slot stays odd
+    and is never announced), so the consumer keeps serving v5, a bounded wait for a
     newer one ends with StreamTimeoutError (no hang), and nothing served mixes versions."""
     out, shm = out
     c = consumer(out, "until=5", "dead=1")

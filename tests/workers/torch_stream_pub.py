@@ -10,7 +10,9 @@ for the file OUT/gate<STEP> the test writes; the other rank in a barrier),
 kill_at=STEP (rank 1 SIGKILLs itself right after publishing STEP, once the consumer served it),
 die_mid=STEP (rank 1 dies by SIGKILL in the middle of copying STEP into its shared-memory slot:
 after the slot was marked as being written, before its record is complete; injected by
-subclassing the ring),
+subclassing the ring; and STEP's persistent copy is skipped on both ranks, as when a writer is
+busy, injected by subclassing the Checkpointer the Publisher rides on: only the stream could
+deliver STEP),
 shm_dir (the producer's rings), ck=N (a deepfreeze.torch.Checkpointer checkpointing every N steps
 runs, and the Publisher rides on its capture: Publisher(..., checkpointer=ck)), tcp=1 (listen on
 loopback TCP as well: StreamOptions(port=0) is the default; kept for the consumers' tier=tcp).
@@ -133,10 +135,13 @@ def main() -> None:
                 persistent=os.path.join(out, "persistent"),
                 min_shard_bytes=256)  # a small model, still split across the ranks
     stream = StreamOptions(shm_dir=kw["shm_dir"]) if kw.get("shm_dir") else None
-    ck_every = int(kw.get("ck", 0))
+    ck_every, die_mid = int(kw.get("ck", 0)), int(kw.get("die_mid", -1))
     ck = None
-    if ck_every:  # a Checkpointer runs; the Publisher publishes its capture (one capture per step)
-        ck = Checkpointer(model, opt, name=CHANNEL, every_n_steps=ck_every, **dirs)
+    if ck_every or die_mid >= 0:  # a Checkpointer runs; the Publisher publishes its capture (one capture per step)
+        class SkipsDieMid(Checkpointer):
+            def _writer_busy(self) -> bool:  # collective: every rank answers True at die_mid without a vote
+                return self.step == die_mid or super()._writer_busy()
+        ck = SkipsDieMid(model, opt, name=CHANNEL, every_n_steps=ck_every or None, **dirs)
         pub = Publisher(model, opt, checkpointer=ck, schedule=every, stream=stream)
     else:
         pub = Publisher(model, opt, channel=CHANNEL, schedule=every, stream=stream, **dirs)
