@@ -42,15 +42,24 @@ def _torchrun(n: int, *args: str) -> list[str]:
             "--nproc-per-node", str(n), *args]
 
 
-def _source(out: str, *args: str) -> subprocess.Popen:
+def _source(out: str, *args: str, ranks: int = 2) -> subprocess.Popen:
     log = open(os.path.join(out, "src.log"), "w")
-    return subprocess.Popen(_torchrun(2, SRC, out, *args), stdout=log, stderr=subprocess.STDOUT, env=_env())
+    cmd = _torchrun(2, SRC, out, *args) if ranks == 2 else [sys.executable, SRC, out, *args]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
 
 
-def _run(cmd: list[str], out: str, tag: str, token: str = TOKEN) -> None:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(token))
+def _start(cmd: list[str], token: str = TOKEN) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(token))
+
+
+def _wait(p: subprocess.Popen) -> None:
+    try:
+        text, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        text, _ = p.communicate()
     if p.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+        pytest.fail(f"{' '.join(p.args)} exited {p.returncode}\n{text[-6000:]}")
 
 
 def _finish(proc: subprocess.Popen, out: str, ok: bool = True) -> None:
@@ -85,21 +94,25 @@ def test_clone_2_to_1_and_2_to_2_bit_exact_and_continues(tmp_path):
     out = str(tmp_path)
     src = _source(out, "clones=2")
     try:
-        # a clone job with the wrong token is refused (and the source serves the next ones)
-        _run([sys.executable, DST, out, "badtoken"], out, "badtoken", token="6" * 64)
+        # at once: a clone job with the wrong token (refused), 2 -> 1 (a plain process: a job of one
+        # rank) and 2 -> 2 (torchrun), which then trains 3 more steps; the source serves them in turn
+        jobs = [_start([sys.executable, DST, out, "badtoken"], token="6" * 64),
+                _start([sys.executable, DST, out, "one"]), _start(_torchrun(2, DST, out, "two", "continue=3"))]
+        for p in jobs:
+            _wait(p)
         bad = _result(os.path.join(out, "badtoken", "result_r0.json"))
         assert bad["error_type"] == "AuthenticationError", bad
-        _run([sys.executable, DST, out, "one"], out, "one")  # 2 -> 1 (a plain process: a job of one rank)
-        _run(_torchrun(2, DST, out, "two", "continue=3"), out, "two")  # 2 -> 2, then 3 steps
     finally:
         _finish(src, out)
     res = [_result(os.path.join(out, "src", f"result_r{r}.json")) for r in range(2)]
     assert res[0]["taken"] == res[1]["taken"] and len(res[0]["taken"]) == 2, res
     assert res[0]["error"] is None and res[1]["error"] is None, res
     print(f"agreement cost: {res[0]['agree_us_per_step']:.0f} us per step (rank 0, {res[0]['agreements']} steps)")
-    k1, k2 = res[0]["taken"]
     one = _result(os.path.join(out, "one", "result_r0.json"))
-    assert one.get("step") == k1 and one["epoch_step"] == k1, one
+    two0 = _result(os.path.join(out, "two", "result_r0.json"))
+    assert sorted([one.get("step"), two0.get("step")]) == res[0]["taken"], (one, two0, res)
+    k1, k2 = one["step"], two0["step"]
+    assert one["epoch_step"] == k1, one
     # 2 -> 1: rank 0's record (its RNG is not restored at another world size, the rest is shared)
     _same(_load(os.path.join(out, "one", "got_r0.npz")), _load(os.path.join(out, "src", f"s{k1}_r0.npz")),
           "2->1 received")
@@ -117,10 +130,10 @@ def test_clone_2_to_1_and_2_to_2_bit_exact_and_continues(tmp_path):
 
 def test_clone_whose_source_dies_mid_transfer_ends_with_a_named_error(tmp_path):
     out = str(tmp_path)
-    src = _source(out, "clones=1", "die=1")
+    src = _source(out, "clones=1", "die=1", ranks=1)  # a job of one rank: it dies after its first data frame
     try:
         t0 = time.monotonic()
-        _run([sys.executable, DST, out, "orphan", "timeout=20"], out, "orphan")
+        _wait(_start([sys.executable, DST, out, "orphan", "timeout=20"]))
         took = time.monotonic() - t0
     finally:
         _finish(src, out, ok=False)

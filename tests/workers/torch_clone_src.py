@@ -1,6 +1,7 @@
 """Source job of the torch clone tests: one rank of ``torchrun`` (gloo, DDP) serving clones.
 
     torchrun --standalone --nproc-per-node 2 tests/workers/torch_clone_src.py OUT [key=value ...]
+    python tests/workers/torch_clone_src.py OUT [key=value ...]          (a job of one process)
 
 keys: clones (stop once this many clones were started and 4 more steps ran), die=1 (rank 0's
 sender ends the process after its first data frame: a source that dies mid-transfer),
@@ -91,8 +92,10 @@ def main() -> None:
     out = sys.argv[1]
     kv = dict(a.split("=", 1) for a in sys.argv[2:])
     clones, die, max_steps = int(kv.get("clones", 1)), kv.get("die") == "1", int(kv.get("max_steps", 4000))
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if "WORLD_SIZE" in os.environ:  # torchrun; else a one-process job
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     net, model, opt, sched = build(7, world)
     server = CloneServer(model, opt, "127.0.0.1:0", state={"sched": sched}, timeout=20.0, threshold=256,
                          sender_cls=DyingSender if die and rank == 0 else Sender)
@@ -125,7 +128,8 @@ def main() -> None:
     with open(os.path.join(out, "src", f"result_r{rank}.json"), "w") as f:
         json.dump(res, f)
     server.close()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
