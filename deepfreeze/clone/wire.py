@@ -143,6 +143,8 @@ def check_data(h: Mapping[str, Any], plan: ClonePlan, expected: dict, payload: i
     """The route a data frame carries, checked against ``expected`` (``(tensor id, start, stop)``
     -> :class:`Route` of the routes still awaited from this source rank) and the plan, before a
     byte of its ``payload`` is read. :class:`CloneError` for anything else."""
+    if not isinstance(h, Mapping):
+        raise CloneError("malformed clone data frame: the header is not an object")
     t, a, b, d = h.get("t"), h.get("start"), h.get("stop"), h.get("dtype")
     if not (_int(t, 0, len(plan.tensors) - 1) and _int(a, 0, 1 << 62) and _int(b, 0, 1 << 62)):
         raise CloneError("malformed clone data frame: tensor id or range out of bounds")
