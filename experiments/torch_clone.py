@@ -114,11 +114,13 @@ def _role(args: argparse.Namespace) -> None:
         _step(model, opt)  # warm: the first step's allocations, not the approach's
         _put(os.path.join(work, f"ready_{args.role}_r{rank}"), "1")
         for i in range(args.rounds):
+            phases: dict = {}
             t_req = float(_wait_file(os.path.join(work, f"go_{args.role}_{i}")))
             if args.role == "clone":
                 addr = _wait_file(os.path.join(work, "address"))
                 info = dft.clone.receive(model, opt, addr, timeout=300.0)
                 step = info.step
+                phases = {k: round(v - t_req, 4) for k, v in info.timings.items() if k != "bytes_received"}
             else:
                 if rank == 0:
                     _put(os.path.join(work, f"ckreq_{i}"), "1")
@@ -128,7 +130,7 @@ def _role(args: argparse.Namespace) -> None:
             _step(model, opt)
             t = time.time() - t_req
             if rank == 0:
-                _put(os.path.join(work, f"res_{args.role}_{i}"), json.dumps({"seconds": t, "step": step}))
+                _put(os.path.join(work, f"res_{args.role}_{i}"), json.dumps({"seconds": t, "step": step, "phases": phases}))
     dist.destroy_process_group()
 
 
@@ -168,7 +170,8 @@ def drive(args: argparse.Namespace) -> dict:
                 res = json.loads(_wait_file(os.path.join(work, f"res_{role}_{i}")))
                 if i:  # round 0: warm-up
                     got[role].append(res["seconds"])
-                print(f"round {i} {role}: {res['seconds']:.3f} s (step {res['step']})", flush=True)
+                print(f"round {i} {role}: {res['seconds']:.3f} s (step {res['step']}) {res.get('phases') or ''}",
+                      flush=True)
         _put(os.path.join(work, "stop"), "1")
         for p in procs:
             p.wait(300)
