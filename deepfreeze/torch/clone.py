@@ -290,7 +290,8 @@ class CloneServer(Sink):
                 sender.close()
                 c.seconds = time.perf_counter() - c.t0
                 self.clones.append({"step": c.step, "n_clone": c.n_clone, "seconds": c.seconds,
-                                    "bytes": sender.bytes_sent, "error": None if c.error is None else str(c.error)})
+                                    "bytes": sender.bytes_sent, "error": None if c.error is None else
+                                    f"{type(c.error).__name__}: {c.error}"})
                 if c.error is not None:
                     self._failed(c, c.error)
 

@@ -1,6 +1,6 @@
 """Clone job of the torch clone tests: ``torchrun`` (gloo) of any size, or a plain process.
 
-    torchrun --standalone --nproc-per-node M tests/workers/torch_clone_dst.py OUT TAG [continue=N]
+    torchrun --standalone --nproc-per-node M tests/workers/torch_clone_dst.py OUT TAG [continue=N] [hidden=H]
 
 Waits for OUT/address, takes a clone (deepfreeze.torch.clone.receive) into a model initialised
 differently, writes OUT/TAG/got_r<rank>.npz (the received state, :func:`flat_state`), then with
@@ -39,7 +39,8 @@ def main() -> None:
         time.sleep(0.05)
     with open(os.path.join(out, "address")) as f:
         address = f.read().strip()
-    net, model, opt, sched = build(12345, world)  # another init: everything must come from the source
+    # another init: everything must come from the source (hidden=N: another architecture)
+    net, model, opt, sched = build(12345, world, int(kv.get("hidden", 64)))
     t0 = time.monotonic()
     try:
         info = clone.receive(model, opt, address, state={"sched": sched}, timeout=float(kv.get("timeout", 30)))

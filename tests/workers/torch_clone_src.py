@@ -29,21 +29,21 @@ from deepfreeze.torch import CloneServer  # noqa: E402
 class Net(torch.nn.Module):
     """Linear, BatchNorm (buffers: taken whole from rank 0), dropout (RNG), linear."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 64) -> None:
         super().__init__()
-        self.fc1 = torch.nn.Linear(8, 64)
-        self.bn = torch.nn.BatchNorm1d(64)
+        self.fc1 = torch.nn.Linear(8, hidden)
+        self.bn = torch.nn.BatchNorm1d(hidden)
         self.drop = torch.nn.Dropout(0.2)
-        self.fc2 = torch.nn.Linear(64, 3)
+        self.fc2 = torch.nn.Linear(hidden, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
 
 
-def build(seed: int, world: int):
+def build(seed: int, world: int, hidden: int = 64):
     """(module, DDP-or-module, optimizer, scheduler) of a fresh model initialised with ``seed``."""
     torch.manual_seed(seed)
-    net = Net()
+    net = Net(hidden)
     model = torch.nn.parallel.DistributedDataParallel(net) if world > 1 else net
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
