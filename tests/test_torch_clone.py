@@ -95,11 +95,12 @@ def test_clone_2_to_1_and_2_to_2_bit_exact_and_continues(tmp_path):
     src = _source(out, "clones=3")
     try:
         # a clone job with the wrong token is refused; then at once: one of another architecture
-        # (refused at the hello), 2 -> 1 (a plain process: a job of one rank) and 2 -> 2 (torchrun),
-        # which then trains 3 more steps; the source serves them in turn
+        # (refused at the hello), 2 -> 1 (a plain process: a job of one rank) and 2 -> 2 (torchrun;
+        # tensors over 1 KiB rebuilt by broadcasts, the rest packed), which then trains 3 more
+        # steps; the source serves them in turn
         _wait(_start([sys.executable, DST, out, "badtoken"], token="6" * 64))
         jobs = [_start([sys.executable, DST, out, "wide", "hidden=80"]),
-                _start([sys.executable, DST, out, "one"]), _start(_torchrun(2, DST, out, "two", "continue=3"))]
+                _start([sys.executable, DST, out, "one"]), _start(_torchrun(2, DST, out, "two", "continue=3", "fuse_bytes=1024"))]
         for p in jobs:
             _wait(p)
         bad = _result(os.path.join(out, "badtoken", "result_r0.json"))

@@ -36,8 +36,9 @@ awaited in the background. The source never fails because a clone did: a failed 
 The clone side (:func:`receive`, collective over the clone job's ``torch.distributed`` world
 when it has one): every rank listens (:class:`deepfreeze.clone.wire.CloneListener`), rank 0
 requests the clone with every rank's endpoint, each rank receives its routes into flat buffers,
-the ranks agree (an all-gather of outcomes on a dedicated gloo group) and rebuild every tensor
-(one broadcast per owner range of each tensor, in plan order), then the state goes into the
+the ranks agree (an all-reduce of outcomes on a dedicated gloo group) and rebuild every tensor
+(:func:`_rebuild`: the small ones in one all-gather of packed rows, each larger one by a
+broadcast per owner range, in plan order), then the state goes into the
 model and optimizers through the restore path (:func:`deepfreeze.torch.restore.apply`: the same
 checks, any world size; each rank's own record, RNG included, at the source's world size, rank
 0's otherwise).
@@ -57,6 +58,7 @@ import torch
 from .. import net
 from ..clone.api import CloneInfo
 from ..clone.plan import DEFAULT_THRESHOLD, ClonePlan
+from ..clone.transfer import FUSE_BYTES
 from ..clone.wire import CloneListener, RequestServer, Sender, request
 from ..errors import CloneError, CloneTimeoutError, ConfigError, DeepFreezeError, ModelMismatchError, error_class
 from ..format import dtype_itemsize, numpy_dtype
@@ -380,7 +382,7 @@ def _check_plan(model: torch.nn.Module, plan: ClonePlan, header: dict) -> None:
 def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None",
             address: str, *, token: str | None = None, state: "dict[str, Any] | None" = None,
             timeout: float = 60.0, host: str = "127.0.0.1", allow_remote: bool = False,
-            strict: bool = True) -> CloneInfo:
+            strict: bool = True, fuse_bytes: int = FUSE_BYTES) -> CloneInfo:
     """Take a clone of the job whose :class:`CloneServer` listens on ``address`` into ``model``,
     ``optimizer`` (one or a sequence, or None) and the ``state=`` objects; returns its
     :class:`~deepfreeze.clone.CloneInfo` (``step``: the source's optimizer steps; ``epoch``,
@@ -389,7 +391,8 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
     Collective over this job's ``torch.distributed`` world when it is initialized (any size);
     each rank listens on ``host`` (loopback unless ``allow_remote``) for the source ranks.
     ``token``: the token file (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
-    Every wait is bounded by ``timeout``. Raises :class:`~deepfreeze.errors.AuthenticationError`
+    Every wait is bounded by ``timeout``. ``fuse_bytes``: tensors up to this size are rebuilt
+    together in one all-gather (the rest one broadcast per owner range). Raises :class:`~deepfreeze.errors.AuthenticationError`
     (the source does not know this token), :class:`~deepfreeze.errors.ModelMismatchError` (another
     architecture, optimizers or ``state=`` keys: nothing is changed),
     :class:`~deepfreeze.errors.CloneTimeoutError` / :class:`~deepfreeze.errors.CloneError` naming
@@ -435,12 +438,7 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
         plan = listener.plan
         assert plan is not None
         if group is not None:
-            for t in plan.tensors:
-                item = dtype_itemsize(t.dtype)
-                buf = listener.buffers[t.id]
-                for j, (a, b) in enumerate(plan.partition[t.id]):
-                    if a < b:
-                        dist.broadcast(torch.from_numpy(buf[a * item:b * item]), src=j, group=group)
+            _rebuild(plan, listener.buffers, group, rank, fuse_bytes)
         timings["rebuilt"] = time.time()
         arrays: dict[str, np.ndarray] = {}
         for t in plan.tensors:
@@ -479,6 +477,51 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
                 dist.destroy_process_group(group)
             except Exception:
                 pass
+
+
+def _rebuild(plan: ClonePlan, buffers: dict[int, np.ndarray], group: Any, rank: int,
+             fuse_bytes: int = FUSE_BYTES) -> None:
+    """Every clone rank ends with every whole tensor (``buffers``: flat bytes per tensor id, this
+    rank's ranges filled): the tensors of at most ``fuse_bytes`` in one all-gather of packed,
+    equally padded rows (each rank packs the ranges it holds, in plan order), each larger one by
+    one in-place broadcast per owner range, in plan order. Every rank runs the same sequence."""
+    import torch.distributed as dist
+    m = plan.n_clone
+    small, large = [], []
+    for t in plan.tensors:
+        if t.nbytes:
+            (small if t.nbytes <= fuse_bytes else large).append(t)
+
+    def ranges(j: int) -> list[tuple[np.ndarray, int, int]]:
+        out = []
+        for t in small:
+            a, b = plan.partition[t.id][j]
+            if a < b:
+                item = dtype_itemsize(t.dtype)
+                out.append((buffers[t.id], a * item, b * item))
+        return out
+    counts = [sum(b - a for _, a, b in ranges(j)) for j in range(m)]
+    if sum(counts):
+        width = max(counts)
+        mine = np.zeros(width, np.uint8)
+        pos = 0
+        for buf, a, b in ranges(rank):
+            mine[pos:pos + b - a] = buf[a:b]
+            pos += b - a
+        rows = [torch.empty(width, dtype=torch.uint8) for _ in range(m)]
+        dist.all_gather(rows, torch.from_numpy(mine), group=group)
+        for j in range(m):
+            if j == rank:
+                continue
+            row, pos = rows[j].numpy(), 0
+            for buf, a, b in ranges(j):
+                buf[a:b] = row[pos:pos + b - a]
+                pos += b - a
+    for t in large:
+        item = dtype_itemsize(t.dtype)
+        for j, (a, b) in enumerate(plan.partition[t.id]):
+            if a < b:
+                dist.broadcast(torch.from_numpy(buffers[t.id][a * item:b * item]), src=j, group=group)
 
 
 def _bcast_from(group: Any, text: str, root: int, rank: int) -> str:

@@ -1,6 +1,7 @@
 """Clone job of the torch clone tests: ``torchrun`` (gloo) of any size, or a plain process.
 
     torchrun --standalone --nproc-per-node M tests/workers/torch_clone_dst.py OUT TAG [continue=N] [hidden=H]
+        [fuse_bytes=B] [timeout=S]
 
 Waits for OUT/address, takes a clone (deepfreeze.torch.clone.receive) into a model initialised
 differently, writes OUT/TAG/got_r<rank>.npz (the received state, :func:`flat_state`), then with
@@ -43,7 +44,8 @@ def main() -> None:
     net, model, opt, sched = build(12345, world, int(kv.get("hidden", 64)))
     t0 = time.monotonic()
     try:
-        info = clone.receive(model, opt, address, state={"sched": sched}, timeout=float(kv.get("timeout", 30)))
+        info = clone.receive(model, opt, address, state={"sched": sched}, timeout=float(kv.get("timeout", 30)),
+                             fuse_bytes=int(kv.get("fuse_bytes", 4 << 20)))
     except Exception as e:
         with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
             json.dump({"error_type": type(e).__name__, "error": str(e), "seconds": time.monotonic() - t0,
