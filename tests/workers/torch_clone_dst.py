@@ -45,7 +45,7 @@ def main() -> None:
     t0 = time.monotonic()
     try:
         info = clone.receive(model, opt, address, state={"sched": sched}, timeout=float(kv.get("timeout", 30)),
-                             fuse_bytes=int(kv.get("fuse_bytes", 4 << 20)))
+                             fuse_bytes=int(kv.get("fuse_bytes", 64 << 10)))
     except Exception as e:
         with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
             json.dump({"error_type": type(e).__name__, "error": str(e), "seconds": time.monotonic() - t0,
