@@ -433,7 +433,7 @@ class Sender:
             hello = {"df": "clone-hello", "rank": self.rank, "plan": self.plan.describe(),
                      "digest": self.plan.digest(), "header": header}
             try:
-                ch, _ = net.client_handshake(sock, self.token, hello, deadline=deadline, max_header=_MAX_SMALL)
+                ch, _ = net.client_handshake(sock, self.token, hello, deadline=deadline, max_header=1 << 20)
             except BaseException:
                 sock.close()
                 raise
