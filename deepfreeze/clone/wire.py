@@ -23,7 +23,8 @@ waits naming the ranks awaited); every connection is a :func:`deepfreeze.net.cli
    :class:`~deepfreeze.errors.ModelMismatchError` naming the first difference); every later
    hello must carry the same digest (else ``ModelMismatchError`` naming the first difference,
    :func:`deepfreeze.clone.plan.first_difference`). The answer is ``{"ok": true}`` or the error
-   (raised on the source rank too).
+   (raised on the source rank too; after a refusal every source rank's hello, within 5 s, gets
+   the same answer).
 3. **Data.** Per route ``r -> j`` of the plan, one frame ``{"df": "clone-data", "t": tensor id,
    "start": a, "stop": b, "dtype": d}`` whose payload is elements ``[a, b)`` of the tensor's flat
    buffer; it is received straight into the clone's flat buffer (:meth:`net.Message.recv_into`)
@@ -269,6 +270,7 @@ class CloneListener:
         self.header: dict = {}
         self.buffers: dict[int, np.ndarray] = {}  # tensor id -> flat uint8 buffer (every byte of the tensor)
         self.records: dict[int, bytes] = {}
+        self._refused: ModelMismatchError | None = None  # the first plan refused: the answer to every hello
         self.bytes_received = 0
         self.first_data_at: float | None = None
 
@@ -282,12 +284,17 @@ class CloneListener:
         pool = concurrent.futures.ThreadPoolExecutor(max(1, n_src), thread_name_prefix=f"deepfreeze-clone-in{self.rank}")
         futures: dict[concurrent.futures.Future, str] = {}
         try:
+            refused: ModelMismatchError | None = None
             while len(done) < n_src:
                 for f in [f for f in futures if f.done()]:
-                    r = f.result()  # raises the connection's error
-                    done.add(r)
                     del futures[f]
-                if len(done) >= n_src:
+                    try:
+                        done.add(f.result())  # raises the connection's error
+                    except ModelMismatchError as e:  # every source rank gets the answer (a bounded wait)
+                        refused = refused or e
+                        done.add(len(done) + n_src)
+                        deadline = min(deadline, time.monotonic() + min(5.0, self.timeout))
+                if len(done) >= n_src or (refused is not None and time.monotonic() > deadline):
                     break
                 if time.monotonic() > deadline:
                     waiting = sorted(set(range(n_src)) - done)
@@ -299,6 +306,8 @@ class CloneListener:
                 except queue.Empty:
                     continue
                 futures[pool.submit(self._serve, ch, n_src, accept, deadline)] = ch.peer()
+            if refused is not None:
+                raise refused
         except BaseException:
             self._abort()
             raise
@@ -312,6 +321,8 @@ class CloneListener:
                 ch.recv(max_header=_MAX_HELLO, max_payload=0, deadline=deadline).header)
             try:
                 with self._lock:
+                    if self._refused is not None:  # the plan was refused: every source rank is told why
+                        raise self._refused
                     if r >= n_src or r in self._channels:
                         raise CloneError(f"a second connection says it is source rank {r} (of {n_src})")
                     self._channels[r] = ch
@@ -330,6 +341,9 @@ class CloneListener:
                     if r == 0:
                         self.header = header
             except (CloneError, ModelMismatchError) as e:
+                if isinstance(e, ModelMismatchError):
+                    with self._lock:
+                        self._refused = self._refused or e
                 ch.send(net.error_reply(e), deadline=deadline)
                 raise
             ch.send({"ok": True}, deadline=deadline)
