@@ -15,7 +15,6 @@ import sys
 import time
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
