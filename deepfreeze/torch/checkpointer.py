@@ -91,6 +91,31 @@ def _phase_b(obj: Any) -> bool:
     return isinstance(obj, (LRScheduler, ReduceLROnPlateau, GradScaler))
 
 
+def rank_record(phase: str, *, rank: int, size: int, model: torch.nn.Module,
+                optimizers: Sequence[torch.optim.Optimizer], state: dict[str, Any], aliases: dict[str, str],
+                fqn_of: dict[int, str], loop: "_loop.Passes", sharded: bool,
+                st: "_state.TrainState | None" = None) -> Any:
+    """A part of a rank's state record (the one definition, used by the Checkpointer and the
+    clone server, :mod:`deepfreeze.torch.clone`): ``"a"`` (RNG states, optimizer classes, tied
+    FQNs, the ``state=`` objects that are not schedulers or GradScalers, the position of
+    ``iterate``, FSDP2 buffers) or ``"b"`` (``param_groups`` and non-tensor optimizer state,
+    schedulers and GradScalers; ``st``: a tensor list whose optimizer groups serve)."""
+    if phase == "a":
+        rec = {"rank": rank, "world_size": size, "rng": _state.rng_state(),
+               "optimizers": [_state.class_name(o) for o in optimizers], "aliases": aliases,
+               "state": {k: o.state_dict() for k, o in state.items() if not _phase_b(o)}}
+        if loop.current is not None:
+            rec["loop"] = loop.current.record()
+        if sharded:  # FSDP2 does not broadcast buffers: each rank's own, restored on it (same world size)
+            rec["buffers"] = {fqn: t.detach().cpu().clone() for fqn, t, is_param in
+                              _state.model_entries(model) if not is_param}
+        return rec
+    groups, extra = (st.groups, st.extra) if st is not None else \
+        _state.optimizer_groups(optimizers, fqn_of)  # no state_dict: FSDP2's forward
+    return {"param_groups": groups, "optim_extra": extra,
+            "state": {k: o.state_dict() for k, o in state.items() if _phase_b(o)}}
+
+
 class _Pending:
     """A capture taken in a post-hook, finished at the next pre-hook."""
 
@@ -459,20 +484,9 @@ class Checkpointer(RunView, Sink):
     def _record(self, phase: str, st: "_state.TrainState | None" = None) -> Any:
         """The part of this rank's state record taken in the post-hook (``"a"``) or at the next
         pre-hook (``"b"``; ``st``: the post-hook's tensor list, whose optimizer groups serve)."""
-        if phase == "a":
-            rec = {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
-                   "optimizers": [_state.class_name(o) for o in self.optimizers], "aliases": self._aliases,
-                   "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
-            if self._loop.current is not None:
-                rec["loop"] = self._loop.current.record()
-            if self.sharded:  # FSDP2 does not broadcast buffers: each rank's own, restored on it (same world size)
-                rec["buffers"] = {fqn: t.detach().cpu().clone() for fqn, t, is_param in
-                                  _state.model_entries(self.model) if not is_param}
-            return rec
-        groups, extra = (st.groups, st.extra) if st is not None else \
-            _state.optimizer_groups(self.optimizers, self._fqn_of)  # no state_dict: FSDP2's forward
-        return {"param_groups": groups, "optim_extra": extra,
-                "state": {k: o.state_dict() for k, o in self.state.items() if _phase_b(o)}}
+        return rank_record(phase, rank=self.rank, size=self.size, model=self.model, optimizers=self.optimizers,
+                           state=self.state, aliases=self._aliases, fqn_of=self._fqn_of, loop=self._loop,
+                           sharded=bool(self.sharded), st=st)
 
     def _take_records(self, p: _Pending) -> None:
         """Both parts of the state record of ``p``, now (the loop's boundary)."""

@@ -556,6 +556,89 @@ def test_fuzz_handshakes():
     run_handshake(SHORT)
 
 
+# --------------------------------------------------------------------------- the clone wire (issue 35)
+
+def _clone_plan():
+    from deepfreeze.clone.plan import ClonePlan
+    from deepfreeze.shardplan import TensorSpec
+    specs = [TensorSpec(0, "fc.weight", "float32", (64, 8)), TensorSpec(1, "bn.running_mean", "float32", (64,)),
+             TensorSpec(2, "optim.state.fc.weight.exp_avg", "float32", (64, 8))]
+    return ClonePlan(specs, 2, 2, whole=[1], threshold=256)
+
+
+def _clone_wire(bounded, data):
+    """The clone wire's decoders: a request, a hello and its plan, a data frame checked against
+    the plan, and a whole connection of frames into a CloneListener's receiving loop."""
+    from deepfreeze.clone import wire
+    plan = _clone_plan()
+    which = data.draw(st.sampled_from(["request", "hello", "data", "stream"]), label="decoder")
+    if which == "request":
+        obj = mutate_json(data, {"df": "clone-request", "n_clone": 2, "endpoints": ["127.0.0.1:1", "[::1]:2"]})
+        bounded(lambda: wire.check_request(obj), len(dumps(obj)))
+    elif which == "hello":
+        obj = mutate_json(data, {"df": "clone-hello", "rank": 1, "plan": plan.describe(), "digest": plan.digest(),
+                                 "header": {"step": 3, "model_tensors": 2, "aliases": {}}})
+
+        def decode():
+            _, describe, _, _ = wire.check_hello(obj)
+            wire.plan_from(describe)
+        bounded(decode, len(dumps(obj)))
+    elif which == "data":
+        expected = {(r.tensor_id, r.start, r.stop): r for r in plan.routes if r.src == 0 and r.dst == 0}
+        r0 = next(iter(expected.values()))
+        obj = mutate_json(data, {"df": "clone-data", "t": r0.tensor_id, "start": r0.start, "stop": r0.stop,
+                                 "dtype": "float32"})
+        payload = data.draw(st.sampled_from([(r0.stop - r0.start) * 4, 0, 1 << 40]), label="payload")
+        bounded(lambda: wire.check_data(obj, plan, expected, payload), len(dumps(obj)))
+    else:  # frames after a valid hello, sealed (the MACs hold), into the real receiving loop
+        from deepfreeze import net
+        a, b = socket.socketpair()
+        k1, k2 = b"k" * 32, b"q" * 32
+        ca, cb = net.Channel(a, k1, k2, "client"), net.Channel(b, k2, k1, "server")
+        lst = wire.CloneListener.__new__(wire.CloneListener)  # its receiving state only (no socket listens)
+        lst.rank, lst.timeout = 0, 5.0
+        import threading
+        lst._lock, lst._channels, lst.plan, lst.digest, lst.describe, lst.header = threading.Lock(), {}, None, "", {}, {}
+        lst.buffers, lst.records, lst.bytes_received, lst.first_data_at = {}, {}, 0, None
+        lst._refused = None
+        try:
+            hello = {"df": "clone-hello", "rank": 0, "plan": plan.describe(), "digest": plan.digest(),
+                     "header": {"step": 3}}
+            frames = [ca._seal_header(hello, 0)[0]]
+            for r in plan.routes:
+                if r.src == 0 and r.dst == 0:
+                    h = mutate_json(data, {"df": "clone-data", "t": r.tensor_id, "start": r.start, "stop": r.stop,
+                                           "dtype": "float32"})
+                    body = b"\0" * ((r.stop - r.start) * 4)
+                    head, mac = ca._seal_header(h, len(body)) if isinstance(h, dict) else (b"", None)
+                    if mac is not None:
+                        mac.update(body)
+                        frames.append(head + body + mac.digest())
+            frames.append(ca._seal_header({"df": "clone-record", "rank": 0}, 4)[0])
+            raw = b"".join(frames)
+            a.sendall(raw[:1 << 20])
+            a.shutdown(socket.SHUT_WR)
+
+            def decode():
+                try:
+                    lst._serve(cb, 2, lambda p, h: None, time.monotonic() + 5)
+                except DeepFreezeError:
+                    raise
+            bounded(decode, len(raw))
+        finally:
+            a.close()
+            b.close()
+
+
+def run_clone_wire(n):
+    with Bounded("clone_wire") as b:
+        fuzz(_clone_wire, n, b)
+
+
+def test_fuzz_clone_wire():
+    run_clone_wire(SHORT)
+
+
 # --------------------------------------------------------------------------- repository rows and packs
 
 @pytest.fixture(scope="module")
@@ -1004,6 +1087,7 @@ def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtie
     run_redis(endpoint, LONG)
     run_frames(LONG)
     run_handshake(LONG)
+    run_clone_wire(LONG)
     run_repo(repo_dir, tmp_path, LONG // 10)
     run_memtier(memtier_image, LONG)
     run_lease(tmp_path, LONG)
