@@ -13,7 +13,10 @@ Python, 15 MB; carried to the device), else the test phase is recorded as not ru
 
 Phases, each written to ``<out>/gpu.json`` (atomically) as it ends, so a run cut short keeps what
 it measured (``phases[*].wall_s`` times each): ``versions`` (printed first), ``cuda_tests``
-(``tests/test_torch_cuda.py`` under pytest in a subprocess; counts from its JUnit XML), then
+(``tests/test_torch_cuda.py`` under pytest in a subprocess; counts from its JUnit XML),
+``stream`` (a ``deepfreeze.torch.Publisher`` here and a consumer process whose replicas are on the
+device: latency from the end of ``optimizer.step()`` to the version served, served weights
+checked against digests recorded after each step: :func:`stream_phase`), then
 ``gpt2`` (124.4 M parameters) and ``gpt-1.3b`` (the same ``GPT2`` of experiments/torch_models.py,
 24 layers, d_model 2048: 1.31 B parameters, 15.8 GB of fp32 state with AdamW), one process
 (world size 1, a gloo group through a file), each approach on a fresh model and optimizer:
@@ -673,8 +676,9 @@ def stream_phase(spec: tuple, device: str, work: str, versions_n: int, timeout: 
             opt.zero_grad(set_to_none=True)
             sync()
             t_end = time.time()
-            recorded[pub.step] = {"t_end": t_end, "digests": module_digests(model)}
             pub.end_iteration()  # publishes this step's version now
+            # hashed after publishing (not in the latency): the weights do not change before the next step
+            recorded[pub.step] = {"t_end": t_end, "digests": module_digests(model)}
             while _seen(cdir) < pub.step:  # bounded: the consumer serves it, or it died
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"stream: the consumer did not serve step {pub.step} (exit {proc.poll()}, "
@@ -725,7 +729,6 @@ def stream_consumer(cdir: str) -> int:
     """The consumer process of :func:`stream_phase`: serves until step ``until``; for each new
     version its step, tier, swap time and the digests of the replica serving it, in
     ``<cdir>/served.json``; ``<cdir>/seen`` holds the newest step served."""
-    import torch
     from deepfreeze.torch import ModelSubscriber
     with open(os.path.join(cdir, "args.json")) as f:
         a = json.load(f)
