@@ -152,6 +152,40 @@ def test_ddp_publisher_to_serving_consumer(out):
     assert updates[0][1] in ("shm", "persistent"), updates  # ranks' endpoints were written)
 
 
+def test_fsdp2_publisher_to_serving_consumer(out):
+    """2-rank FSDP2 (``fully_shard`` per submodule and root, gloo, CPU) publishing every 2 steps:
+    each rank publishes its local rows of every parameter (DTensor shards; fc2.weight's 3 rows are
+    2 + 1); plain consumer processes (a plain ``Net``, no torch.distributed), one on the rings in
+    shared memory, one over the TCP wire, serve versions equal, bit for bit, to the full state each
+    rank gathered with get_model_state_dict(full_state_dict=True) at that step."""
+    out, shm = out
+    tcp = os.path.join(out, "tcp")
+    os.makedirs(tcp)
+    c = consumer(out, "until=6")
+    t = consumer(tcp, "until=6", "tier=tcp", f"pdir={out}")
+    try:
+        torchrun(out, shm, "fsdp=1", "steps=6", "every=2", "sync_at=4,6", f"watch={out},{tcp}")
+        finish(c, out)
+        finish(t, tcp)
+    finally:
+        stop(c)
+        stop(t)
+    for served in (out, tcp):
+        steps = check_served(out, served)  # also: both ranks gathered the same full state
+        assert {4, 6} <= set(steps.tolist()) <= {2, 4, 6}, (served, steps)
+    with open(os.path.join(tcp, "serve.json")) as f:
+        assert json.load(f)["tiers"] == ["tcp"]
+    full = sum(a.nbytes for a in weights(out, 0, 6).values())
+    prefixes = []
+    for r in (0, 1):
+        with open(os.path.join(out, f"r{r}", "info.json")) as f:
+            info = json.load(f)
+        assert info["published"] == [2, 4, 6] and info["prefix"] > 0, info
+        prefixes.append(info["prefix"])
+    # each rank its local rows (r0: 16 + 16 + 16 + 2 rows, r1: 16 + 16 + 16 + 1), together the model once
+    assert sum(prefixes) == full and max(prefixes) < full, (prefixes, full)
+
+
 def test_publisher_beside_checkpointer_one_capture(out):
     """A Checkpointer (every 3 steps) and a Publisher riding on its capture (every 2 steps) in a
     2-rank DDP job: one capture per wanted step (2, 3, 4, 6, 8: five, one sink on the hook); the

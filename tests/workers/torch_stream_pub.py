@@ -15,10 +15,13 @@ busy, injected by subclassing the Checkpointer the Publisher rides on: only the 
 deliver STEP),
 shm_dir (the producer's rings), ck=N (a deepfreeze.torch.Checkpointer checkpointing every N steps
 runs, and the Publisher rides on its capture: Publisher(..., checkpointer=ck)), tcp=1 (listen on
-loopback TCP as well: StreamOptions(port=0) is the default; kept for the consumers' tier=tcp).
+loopback TCP as well: StreamOptions(port=0) is the default; kept for the consumers' tier=tcp),
+fsdp=1 (FSDP2 instead of DDP: ``fully_shard`` on each submodule, then the root, on a 1-D CPU mesh
+of every rank; each rank publishes its local rows of every parameter).
 
 Per rank it writes (numpy .npz, no pickles), right after each published step's optimizer.step():
-  OUT/r<rank>/v<step>.npz   the module's state dict (FQNs without DDP's prefix)
+  OUT/r<rank>/v<step>.npz   the module's state dict (FQNs without DDP's prefix; under fsdp=1 the
+                            full state gathered with get_model_state_dict(full_state_dict=True))
   OUT/r<rank>/o<step>.npz   the optimizer's state tensors as optim.state.<fqn>.<key> (with ck=N)
   OUT/r<rank>/info.json     published versions, coalesced, step, captures (how many the Checkpointer took)
 """
@@ -58,8 +61,14 @@ def inputs(n: int = 6) -> torch.Tensor:
     return torch.randn(n, 8, generator=g)
 
 
-def save_state(net: torch.nn.Module, path: str) -> None:
-    np.savez(path, **{k: v.detach().numpy().copy() for k, v in net.state_dict().items()})
+def save_state(net: torch.nn.Module, path: str, sharded: bool = False) -> None:
+    """The module's full state dict (``sharded``: FSDP2, gathered by get_model_state_dict: collective)."""
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
+    else:
+        sd = net.state_dict()
+    np.savez(path, **{k: v.detach().numpy().copy() for k, v in sd.items()})
 
 
 def save_optim(net: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
@@ -126,7 +135,17 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(5)  # the same initial weights on every rank
     net = Net()
-    model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
+    fsdp = kw.get("fsdp") == "1"
+    if fsdp:  # FSDP2: parameters become DTensors sharded by rows (fc2.weight: 3 rows, 2 + 1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for m in (net.fc1, net.norm, net.fc2):
+            fully_shard(m, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        model = net
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
     opt = torch.optim.AdamW(net.parameters(), lr=0.05)
     every = int(kw.get("every", 1))
     mydir = os.path.join(out, f"r{rank}")
@@ -158,7 +177,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         if pub.step % every == 0 or (ck_every and pub.step % ck_every == 0):
-            save_state(net, os.path.join(mydir, f"v{pub.step}.npz"))  # what version pub.step holds
+            save_state(net, os.path.join(mydir, f"v{pub.step}.npz"), fsdp)  # what version pub.step holds
             if ck_every:
                 save_optim(net, opt, os.path.join(mydir, f"o{pub.step}.npz"))
         pub.end_iteration()  # publishes the step's version now
