@@ -13,7 +13,10 @@ Python, 15 MB; carried to the device), else the test phase is recorded as not ru
 
 Phases, each written to ``<out>/gpu.json`` (atomically) as it ends, so a run cut short keeps what
 it measured (``phases[*].wall_s`` times each): ``versions`` (printed first), ``cuda_tests``
-(``tests/test_torch_cuda.py`` under pytest in a subprocess; counts from its JUnit XML), then
+(``tests/test_torch_cuda.py`` under pytest in a subprocess; counts from its JUnit XML),
+``stream`` (a ``deepfreeze.torch.Publisher`` here and a consumer process whose replicas are on the
+device: latency from the end of ``optimizer.step()`` to the version served, served weights
+checked against digests recorded after each step: :func:`stream_phase`), then
 ``gpt2`` (124.4 M parameters) and ``gpt-1.3b`` (the same ``GPT2`` of experiments/torch_models.py,
 24 layers, d_model 2048: 1.31 B parameters, 15.8 GB of fp32 state with AdamW), one process
 (world size 1, a gloo group through a file), each approach on a fresh model and optimizer:
@@ -258,12 +261,21 @@ def digests(model, opt, threads: int = 8) -> dict[str, str]:
         for key, v in kv.items():
             items[f"optim.state.{fqn}.{key}"] = v
 
-    def one(v) -> str:
-        a = v.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
-        return hashlib.blake2b(memoryview(a), digest_size=16).hexdigest()
     keys = sorted(k for k, v in items.items() if isinstance(v, torch.Tensor))
     with ThreadPoolExecutor(threads) as ex:
-        return dict(zip(keys, ex.map(one, [items[k] for k in keys])))
+        return dict(zip(keys, ex.map(tensor_digest, [items[k] for k in keys])))
+
+
+def tensor_digest(v) -> str:
+    """BLAKE2b (16 bytes, hex) of a tensor's bytes (copied to the CPU when on a device)."""
+    import torch
+    a = v.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.blake2b(memoryview(a), digest_size=16).hexdigest()
+
+
+def module_digests(module) -> dict[str, str]:
+    """:func:`tensor_digest` of every entry of ``module.state_dict()``."""
+    return {k: tensor_digest(v) for k, v in module.state_dict().items()}
 
 
 def big_state_bytes(spec: tuple) -> int:
@@ -618,6 +630,132 @@ def run_approach(approach: str, mname: str, spec: tuple, device: str, work: str,
     return rec
 
 
+# ------------------------------------------------------------------------------------ phase: stream
+def stream_phase(spec: tuple, device: str, work: str, versions_n: int, timeout: float) -> dict:
+    """deepfreeze.torch.Publisher in this process (world size 1, the model on ``device``) and a
+    consumer process (this script with ``--stream-consumer``: a ModelSubscriber whose two replicas
+    are built on ``device``, no torch.distributed). One warm-up version, then ``versions_n``
+    measured ones, one at a time (the next step starts once the consumer served the last): the
+    latency of each is the consumer's swap time (``Subscriber.updates[*].swapped_at``) minus the
+    end of ``optimizer.step()`` (after a sync of the device), both ``time.time()`` on this
+    machine; the served weights' digests (BLAKE2b of every state-dict tensor, hashed in the
+    consumer from its replica) must equal those recorded here right after the step."""
+    import torch
+    import torch.nn.functional as F
+    from deepfreeze.stream import StreamOptions
+    from deepfreeze.torch import Publisher
+    rec: dict = {"device": device, "versions": versions_n}
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    token = os.path.join(work, "token")  # made by the Publisher (0600), read by the consumer
+    cdir = os.path.join(work, "consumer")
+    os.makedirs(cdir)
+    until = versions_n + 1  # step 1: the warm-up version (the consumer's start, CUDA init)
+    with open(os.path.join(cdir, "args.json"), "w") as f:
+        json.dump({"spec": list(spec), "device": device, "persistent": os.path.join(work, "persistent"),
+                   "token": token, "until": until, "timeout": timeout}, f)
+    model = build(spec, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rec["params"] = sum(p.numel() for p in model.parameters())
+    sync = torch.cuda.current_stream().synchronize if device == "cuda" else (lambda: None)
+    sbytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + AdamW's moments
+    scratch = os.path.join(SHM, "stream") if free_bytes("/dev/shm") > 4 * sbytes else os.path.join(work, "scratch")
+    pub = Publisher(model, opt, channel="gpustream", schedule=1, stream=StreamOptions(token=token), scratch=scratch, persistent=os.path.join(work, "persistent"),
+                    mode="async", overwrite=True)
+    log = open(os.path.join(cdir, "consumer.log"), "w")
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--stream-consumer", cdir],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    recorded: dict[int, dict] = {}
+    try:
+        deadline = time.monotonic() + timeout
+        for step in range(1, until + 1):
+            x, y = make_batch(spec, step, device)
+            out = model(x)
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            t_end = time.time()
+            pub.end_iteration()  # publishes this step's version now
+            # hashed after publishing (not in the latency): the weights do not change before the next step
+            recorded[pub.step] = {"t_end": t_end, "digests": module_digests(model)}
+            while _seen(cdir) < pub.step:  # bounded: the consumer serves it, or it died
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"stream: the consumer did not serve step {pub.step} (exit {proc.poll()}, "
+                                       f"{timeout:.0f} s budget); its log: {os.path.join(cdir, 'consumer.log')}")
+                time.sleep(0.001)
+        proc.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        pub.close()
+        shutil.rmtree(os.path.join(SHM, "stream"), ignore_errors=True)
+    if proc.returncode != 0:
+        with open(os.path.join(cdir, "consumer.log")) as f:
+            raise RuntimeError(f"stream: the consumer exited {proc.returncode}: {f.read()[-1500:]}")
+    with open(os.path.join(cdir, "served.json")) as f:
+        served = json.load(f)
+    rec["consumer_device"] = served["device"]
+    rec["tiers"] = sorted({s["tier"] for s in served["served"]})
+    lat, mismatch, steps = [], [], []
+    for s in served["served"]:
+        want = recorded.get(s["step"])
+        steps.append(s["step"])
+        if want is None or s["digests"] != want["digests"]:
+            mismatch.append(s["step"])
+        if s["step"] > 1 and want is not None:  # the warm-up version is not measured
+            lat.append(s["swapped_at"] - want["t_end"])
+    rec["served_steps"] = steps
+    rec["bit_exact"] = not mismatch and steps[-1:] == [until]
+    rec["mismatch"] = mismatch
+    rec["latency_s"] = stat(lat)
+    rec["latency_all_s"] = lat
+    rec["state_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    shutil.rmtree(work, ignore_errors=True)
+    return rec
+
+
+def _seen(cdir: str) -> int:
+    try:
+        with open(os.path.join(cdir, "seen")) as f:
+            return int(f.read().strip() or -1)
+    except (OSError, ValueError):
+        return -1
+
+
+def stream_consumer(cdir: str) -> int:
+    """The consumer process of :func:`stream_phase`: serves until step ``until``; for each new
+    version its step, tier, swap time and the digests of the replica serving it, in
+    ``<cdir>/served.json``; ``<cdir>/seen`` holds the newest step served."""
+    from deepfreeze.torch import ModelSubscriber
+    with open(os.path.join(cdir, "args.json")) as f:
+        a = json.load(f)
+    spec, device = tuple(a["spec"]), a["device"]
+    served: list[dict] = []
+    with ModelSubscriber("gpustream", build=lambda: build(spec, device, seed=1).eval(), persistent=a["persistent"],
+                         token=a["token"], warn_after=60.0) as sub:
+        deadline = time.monotonic() + a["timeout"]
+        last = -1
+        while last < a["until"]:
+            sub.wait(last + 1, timeout=max(1.0, deadline - time.monotonic()))
+            with sub.current() as m:
+                step = m.step
+                digests = module_digests(m.module)
+                on = str(next(m.module.parameters()).device)
+            up = next(u for u in reversed(sub.updates) if u["version"].step == step)
+            served.append({"step": step, "tier": up["tier"], "swapped_at": up["swapped_at"], "digests": digests})
+            last = step
+            with open(os.path.join(cdir, "seen.tmp"), "w") as f:
+                f.write(str(step))
+            os.replace(os.path.join(cdir, "seen.tmp"), os.path.join(cdir, "seen"))
+    with open(os.path.join(cdir, "served.json"), "w") as f:
+        json.dump({"device": on, "served": served}, f)
+    return 0
+
+
+
 # ------------------------------------------------------------------------------------ report
 def table(doc: dict) -> str:
     v = doc.get("versions", {})
@@ -656,9 +794,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scratch", default=None,
                     help="where DeepFreeze's scratch directories go (default: /dev/shm when it fits, else --work)")
     ap.add_argument("--skip-tests", action="store_true", help="skip the cuda_tests phase")
+    ap.add_argument("--skip-stream", action="store_true", help="skip the stream phase")
+    ap.add_argument("--stream-versions", type=int, default=None,
+                    help="measured versions of the stream phase (default 10; --scale small: 4)")
+    ap.add_argument("--stream-consumer", default=None, help=argparse.SUPPRESS)  # the stream phase's consumer
     ap.add_argument("--prepare-deps", action="store_true",
                     help="only install pytest into <repo>/.gpu-deps (pure Python; carry it to a machine without pytest)")
     args = ap.parse_args(argv)
+    if args.stream_consumer:
+        return stream_consumer(args.stream_consumer)
     if args.prepare_deps:
         return subprocess.call([sys.executable, "-m", "pip", "install", "-q", "--target", DEPS, "pytest"])
     if not args.out:
@@ -728,6 +872,24 @@ def main(argv: list[str] | None = None) -> int:
     pg = dist.new_group(backend="gloo")  # DCP's own group, as in experiments/torch_dcp.py
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     try:
+        t0 = time.monotonic()
+        if args.skip_stream:
+            doc["stream"] = {"ran": False, "reason": "--skip-stream"}
+        else:
+            doc["running"] = "stream"
+            n = args.stream_versions or (4 if args.scale == "small" else 10)
+            try:
+                doc["stream"] = {"ran": True, **stream_phase(MODELS[args.scale]["gpt2"], device, f"{base}/stream", n,
+                                                             timeout=max(30.0, min(180.0, deadline - t0 - 60)))}
+            except Exception as e:  # recorded; the checkpoint phases still run
+                import traceback
+                doc["stream"] = {"ran": True, "error": f"{type(e).__name__}: {e}",
+                                 "traceback": traceback.format_exc()[-3000:]}
+                doc["errors"].append(f"stream: {doc['stream']['error']}")
+                shutil.rmtree(f"{base}/stream", ignore_errors=True)
+            print("[gpu] stream: " + json.dumps({k: v for k, v in doc["stream"].items()
+                                                 if k not in ("traceback", "latency_all_s")}), flush=True)
+        phase("stream", t0)
         for mname in args.models.split(","):
             spec = MODELS[args.scale][mname]
             t0 = time.monotonic()

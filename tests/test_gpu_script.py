@@ -30,11 +30,19 @@ def test_gpu_script_cpu_smoke_restores_bit_exact_and_writes_every_phase(tmp_path
     for key in ("python", "torch", "numpy", "cpus", "device"):
         assert v[key], key
     assert v["device"] == "cpu"
-    assert [ph["phase"] for ph in doc["phases"]] == ["versions", "cuda_tests", *[f"gpt2/{a}" for a in APPROACHES],
-                                                     "gpt2"]
+    assert [ph["phase"] for ph in doc["phases"]] == ["versions", "cuda_tests", "stream",
+                                                     *[f"gpt2/{a}" for a in APPROACHES], "gpt2"]
     assert all(ph["wall_s"] >= 0 for ph in doc["phases"])
     assert doc["cuda_tests"] == {"ran": False, "reason": "--skip-tests"}
     assert doc["errors"] == []
+    # the stream phase: a Publisher here, a consumer process whose replicas are on the device
+    st = doc["stream"]
+    assert st["ran"] is True and st["device"] == st["consumer_device"] == "cpu", st
+    assert st["served_steps"] == list(range(1, st["versions"] + 2)), st  # the warm-up version, then each measured
+    assert st["bit_exact"] is True and st["mismatch"] == [], st  # digests of the served replica = recorded
+    assert st["latency_s"]["n"] == st["versions"] == 4 and len(st["latency_all_s"]) == 4, st
+    assert all(x > 0 for x in st["latency_all_s"]), st  # served after the step ended
+    assert st["tiers"] and set(st["tiers"]) <= {"shm", "tcp", "persistent"}, st
     runs = {r["approach"]: r for r in doc["runs"]}
     assert sorted(runs) == sorted(APPROACHES)
     for a, r in runs.items():

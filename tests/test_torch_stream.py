@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -24,7 +25,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/s
 from _util import ROOT, WORKERS  # noqa: E402
 
 sys.path.insert(0, WORKERS)
-from torch_stream_pub import Net, inputs  # noqa: E402
+from torch_stream_pub import CHANNEL, Net, inputs  # noqa: E402
 
 PUB = os.path.join(WORKERS, "torch_stream_pub.py")
 SERVE = os.path.join(WORKERS, "torch_stream_serve.py")
@@ -44,10 +45,14 @@ def out(tmp_path):
     shutil.rmtree(shm, ignore_errors=True)
 
 
-def torchrun(out: str, shm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun_cmd(out: str, shm: str, *args: str) -> list[str]:
     exe = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    cmd = [exe or sys.executable, *([] if exe else ["-m", "torch.distributed.run"]), "--standalone",
-           "--nproc-per-node", "2", PUB, out, f"shm_dir={shm}", *args]
+    return [exe or sys.executable, *([] if exe else ["-m", "torch.distributed.run"]), "--standalone",
+            "--nproc-per-node", "2", PUB, out, f"shm_dir={shm}", *args]
+
+
+def torchrun(out: str, shm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = torchrun_cmd(out, shm, *args)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     if check and p.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-6000:]}")
@@ -60,6 +65,7 @@ def consumer(out: str, *args: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, out: str) -> None:
+    """Wait (bounded) for a consumer to end; its log (``out``/consumer.log) in the failure."""
     try:
         rc = proc.wait(240)
     except subprocess.TimeoutExpired:
@@ -83,10 +89,16 @@ def weights(out: str, rank: int, step: int) -> dict[str, np.ndarray]:
         return {k: f[k] for k in f.files}
 
 
-def check_served(out: str) -> np.ndarray:
-    """Every prediction the consumer made equals the output of the version it reported (recomputed
-    from the producer's recorded weights, bit for bit); returns the steps served."""
-    with np.load(os.path.join(out, "serve.npz"), allow_pickle=False) as f:
+def optim_state(out: str, rank: int, step: int) -> dict[str, np.ndarray]:
+    with np.load(os.path.join(out, f"r{rank}", f"o{step}.npz"), allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
+def check_served(out: str, served: str | None = None) -> np.ndarray:
+    """Every prediction the consumer (its output directory ``served``, default ``out``) made equals
+    the output of the version it reported (recomputed from the producer's recorded weights in
+    ``out``, bit for bit); returns the steps served."""
+    with np.load(os.path.join(served or out, "serve.npz"), allow_pickle=False) as f:
         steps, rows, outputs = f["steps"], f["rows"], f["outputs"]
     assert len(steps) > 0 and np.all(np.diff(steps) >= 0), f"versions served out of order: {steps}"
     x = inputs()
@@ -110,16 +122,26 @@ def check_served(out: str) -> np.ndarray:
 
 
 def test_ddp_publisher_to_serving_consumer(out):
-    """2-rank DDP publishing every 2 steps; a plain consumer process serving predictions."""
+    """2-rank DDP publishing every 2 steps; two plain consumer processes serving predictions, one
+    reading the rings in shared memory, one (tier='tcp') reading each rank's shard over the
+    authenticated TCP wire on loopback (deepfreeze.stream.wire, the token of $DEEPFREEZE_TOKEN)."""
     out, shm = out
+    tcp = os.path.join(out, "tcp")
+    os.makedirs(tcp)
     c = consumer(out, "until=8")
+    t = consumer(tcp, "until=8", "tier=tcp", f"pdir={out}")
     try:
-        torchrun(out, shm, "steps=8", "every=2", "sync_at=4,8")
+        torchrun(out, shm, "steps=8", "every=2", "sync_at=4,8", f"watch={out},{tcp}")
         finish(c, out)
+        finish(t, tcp)
     finally:
         stop(c)
-    steps = check_served(out)
-    assert {4, 8} <= set(steps.tolist()) <= {2, 4, 6, 8}, steps
+        stop(t)
+    for served in (out, tcp):
+        steps = check_served(out, served)
+        assert {4, 8} <= set(steps.tolist()) <= {2, 4, 6, 8}, (served, steps)
+    with open(os.path.join(tcp, "serve.json")) as f:
+        assert json.load(f)["tiers"] == ["tcp"]  # every version over the wire, none from shared memory
     for r in (0, 1):  # each rank published its own share of every version
         with open(os.path.join(out, f"r{r}", "info.json")) as f:
             info = json.load(f)
@@ -130,23 +152,160 @@ def test_ddp_publisher_to_serving_consumer(out):
     assert updates[0][1] in ("shm", "persistent"), updates  # ranks' endpoints were written)
 
 
-def test_publisher_killed_consumer_keeps_last_version(out):
-    """Rank 1 is SIGKILLed after publishing v5: the consumer keeps serving v5, a bounded wait for a
+def test_fsdp2_publisher_to_serving_consumer(out):
+    """2-rank FSDP2 (``fully_shard`` per submodule and root, gloo, CPU) publishing every 2 steps:
+    each rank publishes its local rows of every parameter (DTensor shards; fc2.weight's 3 rows are
+    2 + 1); plain consumer processes (a plain ``Net``, no torch.distributed), one on the rings in
+    shared memory, one over the TCP wire, serve versions equal, bit for bit, to the full state each
+    rank gathered with get_model_state_dict(full_state_dict=True) at that step."""
+    out, shm = out
+    tcp = os.path.join(out, "tcp")
+    os.makedirs(tcp)
+    c = consumer(out, "until=6")
+    t = consumer(tcp, "until=6", "tier=tcp", f"pdir={out}")
+    try:
+        torchrun(out, shm, "fsdp=1", "steps=6", "every=2", "sync_at=4,6", f"watch={out},{tcp}")
+        finish(c, out)
+        finish(t, tcp)
+    finally:
+        stop(c)
+        stop(t)
+    for served in (out, tcp):
+        steps = check_served(out, served)  # also: both ranks gathered the same full state
+        assert {4, 6} <= set(steps.tolist()) <= {2, 4, 6}, (served, steps)
+    with open(os.path.join(tcp, "serve.json")) as f:
+        assert json.load(f)["tiers"] == ["tcp"]
+    full = sum(a.nbytes for a in weights(out, 0, 6).values())
+    prefixes = []
+    for r in (0, 1):
+        with open(os.path.join(out, f"r{r}", "info.json")) as f:
+            info = json.load(f)
+        assert info["published"] == [2, 4, 6] and info["prefix"] > 0, info
+        prefixes.append(info["prefix"])
+    # each rank its local rows (r0: 16 + 16 + 16 + 2 rows, r1: 16 + 16 + 16 + 1), together the model once
+    assert sum(prefixes) == full and max(prefixes) < full, (prefixes, full)
+
+
+def test_publisher_beside_checkpointer_one_capture(out):
+    """A Checkpointer (every 3 steps) and a Publisher riding on its capture (every 2 steps) in a
+    2-rank DDP job: one capture per wanted step (2, 3, 4, 6, 8: five, one sink on the hook); the
+    consumer serves versions equal to the recorded weights; every committed version (the
+    Checkpointer's 3 and 6 always among them) restores bit-exact, model and optimizer state; a
+    consumer started after the job ended reads the newest one from the checkpoint (the fallback
+    tier reads the Checkpointer's versions)."""
+    from deepfreeze.loader import list_versions
+    from deepfreeze.config import Config
+    from deepfreeze.torch import load
+    out, shm = out
+    c = consumer(out, "until=8")
+    try:
+        torchrun(out, shm, "steps=8", "every=2", "ck=3", "sync_at=4,8")
+        finish(c, out)
+    finally:
+        stop(c)
+    steps = check_served(out)
+    assert {4, 8} <= set(steps.tolist()) <= {2, 4, 6, 8}, steps
+    for r in (0, 1):
+        with open(os.path.join(out, f"r{r}", "info.json")) as f:
+            info = json.load(f)
+        assert info["published"] == [2, 4, 6, 8], info
+        assert info["captures"] == 5 and info["sinks"] == 1, info  # steps 2, 3, 4, 6, 8: one capture each
+        assert info["owner_open_after_publisher"], info  # closing the Publisher left the Checkpointer running
+    persistent = os.path.join(out, "persistent")
+    cfg = Config.resolve(None, scratch=os.path.join(out, "noscratch"), persistent=persistent, mode="async")
+    committed = sorted(v for v, levels in list_versions(cfg, CHANNEL).items() if "persistent" in levels)
+    assert {3, 6, 8} <= set(committed) <= {2, 3, 4, 6, 8}, committed  # 8: written at the Publisher's close
+    for v in committed:
+        got = load(cfg, name=CHANNEL, version=v)
+        want = {**weights(out, 0, v), **optim_state(out, 0, v)}
+        assert sorted(got) == sorted(want), (v, sorted(got), sorted(want))
+        for k, a in want.items():
+            assert got[k].numpy().tobytes() == a.tobytes(), f"v{v} {k} does not restore bit-exact"
+    late = consumer(out, "until=8")  # no producer any more: the persistent tier
+    try:
+        finish(late, out)
+    finally:
+        stop(late)
+    steps = check_served(out)
+    assert set(steps.tolist()) == {8}, steps
+    with open(os.path.join(out, "serve.json")) as f:
+        assert json.load(f)["tiers"] == ["persistent"]
+
+
+def test_publisher_killed_mid_transfer_consumer_keeps_last_version(out):
+    """Rank 1 is SIGKILLed in the middle of copying v6 into its shared-memory slot (injected by
+    subclassing its ring: after its slot was marked as being written, before its record is
+    complete), after the consumer served v5; v6's persistent copy is skipped (injected: a busy
+    writer), so only the stream could deliver it. v6 is never complete (rank 1's slot stays odd
+    and is never announced), so the consumer keeps serving v5, a bounded wait for a
     newer one ends with StreamTimeoutError (no hang), and nothing served mixes versions."""
     out, shm = out
     c = consumer(out, "until=5", "dead=1")
     try:
-        p = torchrun(out, shm, "steps=10", "every=1", "kill_at=5", check=False)
+        p = torchrun(out, shm, "steps=10", "every=1", "sync_at=5", "die_mid=6", check=False)
         assert p.returncode != 0
         finish(c, out)
     finally:
         stop(c)
+    with open(os.path.join(out, "died_mid6")) as f:
+        done, total = map(int, f.read().split("/"))
+    assert 0 < done <= total, (done, total)  # it died inside the copy of v6, after the slot went odd
+    assert os.path.exists(os.path.join(out, "r1", "v6.npz"))  # rank 1 reached v6's publish
+    assert not glob.glob(os.path.join(out, "r1", "v7.npz"))
     steps = check_served(out)
     assert steps[-1] == 5 and set(steps.tolist()) <= set(range(1, 6))
     with open(os.path.join(out, "serve.json")) as f:
         info = json.load(f)
     assert info["after_death"] == "StreamTimeoutError", info
-    assert not glob.glob(os.path.join(out, "r1", "v6.npz"))
+
+
+def test_consumer_killed_mid_transfer_publisher_goes_on(out):
+    """A consumer SIGKILLed while it copies a version out of the producer's rings (each rank's slot
+    pinned, half copied; injected by subclassing the ring it reads): the 2-rank producer, which
+    kept publishing while the slots were pinned, goes on to the end (exit 0, every version
+    published on both ranks, no error surfaced to training), and another consumer serves only
+    complete versions, bit-exact against the recorded weights."""
+    out, shm = out
+    stalled = os.path.join(out, "stalled")
+    os.makedirs(stalled)
+    s = consumer(stalled, "until=10", "tier=shm", "stall=1", f"pdir={out}")
+    c = consumer(out, "until=10")
+    prod = subprocess.Popen(torchrun_cmd(out, shm, "steps=10", "every=1", "gate_at=3,6", "sync_at=10"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not glob.glob(os.path.join(stalled, "stalled.*")):  # the stalled consumer holds its pins
+            assert time.monotonic() < deadline and s.poll() is None and prod.poll() is None, \
+                f"the consumer did not stall within 120 s (consumer {s.poll()}, producer {prod.poll()})"
+            time.sleep(0.05)
+        open(os.path.join(out, "gate3"), "w").close()  # the producer publishes v4..v6 while the pins are held
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(out, "r0", "v6.npz")):
+            assert time.monotonic() < deadline and prod.poll() is None, "the producer did not reach v6"
+            time.sleep(0.05)
+        s.kill()  # SIGKILL, mid-transfer: its copy of a version never completes
+        assert s.wait(30) == -9
+        open(os.path.join(out, "gate6"), "w").close()
+        try:
+            log, _ = prod.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            prod.kill()
+            log, _ = prod.communicate()
+            pytest.fail(f"the producer hung after the consumer was killed:\n{log[-6000:]}")
+        assert prod.returncode == 0, f"the producer failed after the consumer was killed:\n{log[-6000:]}"
+        finish(c, out)
+    finally:
+        stop(s)
+        stop(c)
+        if prod.poll() is None:
+            prod.kill()
+            prod.wait()
+    for r in (0, 1):
+        with open(os.path.join(out, f"r{r}", "info.json")) as f:
+            info = json.load(f)
+        assert info["published"] == list(range(1, 11)), info
+    steps = check_served(out)
+    assert steps[-1] == 10, steps
 
 
 # ---------------------------------------------------------------- one process, no torch.distributed
@@ -230,7 +389,7 @@ def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch
     from deepfreeze.errors import ConfigError
     from deepfreeze.loader import list_versions
     from deepfreeze.stream import StreamOptions
-    from deepfreeze.torch import Publisher
+    from deepfreeze.torch import Checkpointer, Publisher
     monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
     shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
     os.makedirs(shm)
@@ -257,22 +416,40 @@ def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch
         finally:
             pub.close()
 
-        class Busy(Publisher):  # fault injected by subclassing: every writer is busy
+        class Busy(Checkpointer):  # fault injected by subclassing: every writer is busy
             def _writer_busy(self) -> bool:
                 return True
 
         net = Net()
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
-        pub = Busy(net, opt, channel="busy", schedule=1, every_n_steps=3, overwrite=True, **dirs)
+        shm_opts = dirs.pop("stream")
+        ck = Busy(net, opt, name="busy", every_n_steps=3, overwrite=True, **dirs)
+        dirs["stream"] = shm_opts
+        pub = Publisher(net, opt, checkpointer=ck, schedule=1, stream=shm_opts)
         try:
             _train(pub, net, opt, g, 7, {})
             assert [v.step for v in pub.published] == list(range(1, 8))
             assert pub.coalesced == 5  # 1, 2, 4, 5, 7: publish-only; 3 and 6 are checkpoints
+            assert len(ck.timings) == 7 and ck.hook.sinks == [ck]  # one capture per step, one sink
         finally:
             pub.close()
-        assert pub.coalesced == 4  # v7, the newest skipped, written at close
-        committed = sorted(v for v, levels in list_versions(pub.config, "busy").items() if "persistent" in levels)
+        assert pub.coalesced == 4 and not ck._closed  # v7, the newest skipped, written at the Publisher's close
+        ck.wait(60)
+        committed = sorted(v for v, levels in list_versions(ck.config, "busy").items() if "persistent" in levels)
         assert committed == [3, 6, 7], committed
+        with pytest.raises(ConfigError, match="checkpointer="):  # the channel's Checkpointer runs: say so
+            Publisher(net, opt, channel="busy", schedule=1, overwrite=True, **dirs)
+        with pytest.raises(ConfigError, match="no Checkpointer arguments"):
+            Publisher(net, opt, checkpointer=ck, every_n_steps=2)
+        with pytest.raises(ConfigError, match="channel is the checkpoint name"):
+            Publisher(net, opt, channel="other", checkpointer=ck)
+        pub = Publisher(net, opt, checkpointer=ck, schedule=1, stream=shm_opts)  # the Checkpointer went on
+        _train(pub, net, opt, g, 3, {})  # v8 skipped, v9 the Checkpointer's (written), v10 skipped
+        assert [v.step for v in pub.published] == [8, 9, 10] and ck.coalesced == 6
+        ck.close()  # writes v10 and closes the Publisher riding on it
+        assert pub._closed and pub.publisher is None and ck.coalesced == 5
+        committed = sorted(v for v, levels in list_versions(ck.config, "busy").items() if "persistent" in levels)
+        assert committed == [3, 6, 7, 9, 10], committed
 
         net = Net()
         opt = torch.optim.SGD(net.parameters(), lr=0.05)

@@ -3,7 +3,8 @@
 Framework-neutral core (numpy + mpi4py, no TensorFlow): :func:`split` makes the groups,
 :class:`ClonePlan` says who sends what, :class:`Sender`/:class:`Receiver` move it
 (protocol in :mod:`deepfreeze.clone.transfer`), :func:`send`/:func:`receive` do a whole
-transfer of numpy arrays. The Keras side (the in-graph sink, ``CloneCallback``,
+transfer of numpy arrays; :mod:`deepfreeze.clone.wire` moves a clone between two independent jobs
+over authenticated TCP (the PyTorch adapter's transport, :mod:`deepfreeze.torch.clone`). The Keras side (the in-graph sink, ``CloneCallback``,
 ``receive_clone``) is in :mod:`deepfreeze.keras.clone`. Guide: docs/clone.md.
 """
 from __future__ import annotations

@@ -19,7 +19,6 @@ shared with :mod:`deepfreeze.torch.stream`); this module loads a version into Ke
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import time
 from typing import Any, Callable
@@ -27,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..config import Config, did_you_mean
-from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
+from ..errors import ConfigError, ModelMismatchError
 from ..format import dtype_name
 from ..fused import FusedShard
 from ..lease import Version
@@ -200,48 +199,27 @@ class PublishCallback(DeepFreezeCheckpoint):
 
     # -- the plan
     def _make_plan(self) -> None:
-        from ..stream.predict import CostModel, Plan, make_plan
+        from ..stream.predict import producer_plan
         owner = self._owner or self
         steps_total = None
         if self.params and self.params.get("steps") and self.params.get("epochs"):
             steps_total = int(self.params["steps"]) * int(self.params["epochs"])
-        s_iter = int(self.model.optimizer.iterations.numpy())
         losses = np.asarray(self._losses, dtype=np.float64)
         t_batch = float(np.median(self._batch_t)) if self._batch_t else 1e-3
         stats = allreduce_mean(np.concatenate([losses, [t_batch]]))  # the same length on every rank
-        losses, t_train = stats[:-1], max(float(stats[-1]), 1e-6)
         t_p = max(float(owner.timings[-1]["blocking_s"]) if owner.timings else 0.0, 1e-5)
-        nbytes = self.publisher.prefix * owner.size if self.publisher is not None else 0
-        t_c = float(self.consumer_load_s) if self.consumer_load_s is not None else max(nbytes / 1e9, 1e-5)
-        e_iter = s_iter + max(1, int(self.horizon_s / t_train))
-        if steps_total is not None:
-            e_iter = min(e_iter, steps_total)
-        data = b""
-        if owner.rank == 0:
-            try:
-                cost = CostModel(t_train=t_train, t_infer=self.inference_interval_s, t_p=t_p, t_c=t_c)
-                total = max(1, int(self.horizon_s / self.inference_interval_s))
-                plan = make_plan(self.schedule, losses, s_iter, max(e_iter, s_iter + 1), cost, total)
-                data = json.dumps(plan.to_json()).encode()
-            except (DeepFreezeError, ValueError) as e:
-                log.warning("DeepFreeze: the %s publish plan of %r could not be made (%s): publishing at epoch ends "
-                            "from now on", self.schedule, self.name, e)
-                data = b""
-        data = broadcast_bytes(data)
-        if not data:
+        plan = producer_plan(
+            self.schedule, self.name, stats[:-1], rank=owner.rank, broadcast=broadcast_bytes,
+            s_iter=int(self.model.optimizer.iterations.numpy()), t_train=max(float(stats[-1]), 1e-6), t_p=t_p,
+            nbytes=self.publisher.prefix * owner.size if self.publisher is not None else 0,
+            horizon_s=self.horizon_s, inference_interval_s=self.inference_interval_s,
+            consumer_load_s=self.consumer_load_s, total_steps=steps_total, verbose=self.verbose,
+            fallback="at epoch ends")
+        if plan is None:
             self.schedule = "epoch"
             return
-        self.publish_plan = Plan.from_json(json.loads(data))
-        self._plan_steps = sorted(int(s) for s in self.publish_plan.steps)
-        if owner.rank == 0:  # every plan logged once (rank 0), a degenerate one as a warning with the reason
-            plan = self.publish_plan
-            (log.warning if self.verbose else log.info)("DeepFreeze: channel %r: %s", self.name, plan.summary())
-            why = plan.degenerate
-            if why:
-                log.warning("DeepFreeze: the %s publish plan of channel %r does not do its job: %s", self.schedule,
-                            self.name, why)
-            elif plan.note:
-                log.warning("DeepFreeze: the %s publish plan of channel %r: %s", self.schedule, self.name, plan.note)
+        self.publish_plan = plan
+        self._plan_steps = sorted(int(s) for s in plan.steps)
 
 
 class ModelSubscriber(ReplicaServer):

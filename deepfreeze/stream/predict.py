@@ -1,7 +1,8 @@
 """When to publish: the learning-curve predictor and the publish schedules (Viper section 4.3).
 
-Framework-neutral (numpy + scipy; no TensorFlow). The producer's callback calls
-:func:`make_plan` on rank 0 at the end of the warm-up and broadcasts the :class:`Plan` as JSON.
+Framework-neutral (numpy + scipy; no TensorFlow, no torch). The producer (the Keras
+``PublishCallback``, the torch ``Publisher``) calls :func:`producer_plan` at the end of the
+warm-up: :func:`make_plan` on rank 0, the :class:`Plan` broadcast as JSON.
 
 **Training loss predictor.** Keras' ``logs["loss"]`` is the running mean of the current epoch;
 :func:`per_batch_losses` recovers the per-batch values (``l_k = k·avg_k − (k−1)·avg_{k−1}``).
@@ -83,25 +84,32 @@ publish at ``e_iter``, unless it would serve no request). When no curve can be f
 (too few finite losses), :func:`make_plan` returns the same flat plan with ``curve=None`` and
 says why in ``Plan.note`` (it never raises for data).
 
+:func:`producer_plan` is what both adapters' publishers do with it at the end of the warm-up:
+rank 0 makes the plan from the cost model's inputs, every rank gets it, rank 0 logs it.
+
 Long because: one algorithm (Viper 4.3): curve fit, cost model and schedules all feed make_plan.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import math
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ConfigError, StreamError
+from ..errors import ConfigError, DeepFreezeError, StreamError
 
 __all__ = [
     "FAMILIES", "per_batch_losses", "Curve", "fit_curve", "CostModel", "iteration_at", "cil_fixed",
     "fixed_interval_cils", "optimal_interval", "simulate_eq2", "warmup_threshold", "adaptive_schedule",
     "optimal_threshold", "smooth_losses", "smoothing_window",
-    "predicted_cil", "realized_cil", "Plan", "make_plan",
+    "predicted_cil", "realized_cil", "Plan", "make_plan", "producer_plan",
 ]
+
+log = logging.getLogger("deepfreeze")
 
 FAMILIES: tuple[str, ...] = ("exp2", "exp3", "lin2", "expd3")
 _NPARAMS = {"exp2": 2, "exp3": 3, "lin2": 2, "expd3": 3}
@@ -864,3 +872,45 @@ def make_plan(kind: str, losses_warmup: Sequence[float], s_iter: int, e_iter: in
         return Plan("adaptive", (), curve, cil([]), None, th, "; ".join(notes), *rng)
     steps = adaptive_schedule(curve, cost, s_iter, e_iter, total_infers, float(th))
     return Plan("adaptive", tuple(steps), curve, cil(steps), None, float(th), "; ".join(notes), *rng)
+
+
+def producer_plan(kind: str, channel: str, losses_warmup: Sequence[float], *, rank: int,
+                  broadcast: Callable[[bytes], bytes], s_iter: int, t_train: float, t_p: float, nbytes: int,
+                  horizon_s: float, inference_interval_s: float, consumer_load_s: float | None = None,
+                  total_steps: int | None = None, verbose: int = 0, fallback: str = "") -> Plan | None:
+    """The plan a producer of ``channel`` follows after its warm-up, the same on every rank (what
+    both adapters' publishers do at the end of the warm-up; collective).
+
+    Rank 0 makes it (:func:`make_plan`, with ``t_c = consumer_load_s``, default ``nbytes`` at
+    1 GB/s, and steps planned in ``(s_iter, e_iter]`` with ``e_iter = s_iter +
+    horizon_s / t_train``, capped at ``total_steps``); ``broadcast(bytes)`` returns rank 0's
+    bytes on every rank (its JSON). Logged once, on rank 0: the summary (a warning with
+    ``verbose``, else info), then a plan that does not do its job (:attr:`Plan.degenerate`) or
+    the plan's ``note`` as a warning. Returns None on every rank when rank 0 could not make one
+    (a warning: "publishing ``fallback`` from now on")."""
+    t_c = float(consumer_load_s) if consumer_load_s is not None else max(nbytes / 1e9, 1e-5)
+    e_iter = s_iter + max(1, int(horizon_s / t_train))
+    if total_steps is not None:
+        e_iter = min(e_iter, total_steps)
+    data = b""
+    if rank == 0:
+        try:
+            cost = CostModel(t_train=t_train, t_infer=inference_interval_s, t_p=t_p, t_c=t_c)
+            total = max(1, int(horizon_s / inference_interval_s))
+            plan = make_plan(kind, losses_warmup, s_iter, max(e_iter, s_iter + 1), cost, total)
+            data = json.dumps(plan.to_json()).encode()
+        except (DeepFreezeError, ValueError) as e:
+            log.warning("DeepFreeze: the %s publish plan of %r could not be made (%s): publishing %s from now on",
+                        kind, channel, e, fallback)
+    data = broadcast(data)
+    if not data:
+        return None
+    plan = Plan.from_json(json.loads(data))
+    if rank == 0:
+        (log.warning if verbose else log.info)("DeepFreeze: channel %r: %s", channel, plan.summary())
+        if plan.degenerate:
+            log.warning("DeepFreeze: the %s publish plan of channel %r does not do its job: %s", kind, channel,
+                        plan.degenerate)
+        elif plan.note:
+            log.warning("DeepFreeze: the %s publish plan of channel %r: %s", kind, channel, plan.note)
+    return plan

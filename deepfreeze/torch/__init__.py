@@ -7,7 +7,8 @@ StorageReader over DeepFreeze checkpoints and ``import_dcp`` makes a version fro
 checkpoint directory (both imported on first use: they import DCP). ``Publisher`` streams the
 weights to serving processes, where ``Subscriber`` swaps each version into a module.
 ``store_model`` and ``load_into`` put modules into a model repository and load matching layers
-back (``.repo``). See docs/torch.md.
+back (``.repo``). ``CloneServer`` serves clones of a running job to another job, whose ranks take
+them with ``deepfreeze.torch.clone.receive`` (``.clone``). See docs/torch.md.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING
 from .._lazy import facade
 
 __all__ = ["Checkpointer", "load", "load_state", "restore", "TorchState", "Restored", "TorchComm", "Reader",
-           "import_dcp", "Publisher", "Subscriber", "ModelSubscriber", "store_model", "load_into", "LoadReport"]
+           "import_dcp", "Publisher", "Subscriber", "ModelSubscriber", "store_model", "load_into", "LoadReport",
+           "CloneServer", "clone"]
 
 # Reader and import_dcp import torch.distributed.checkpoint (~0.5 s): they, like every name here,
 # load on first use.
@@ -28,6 +30,7 @@ __getattr__, __dir__ = facade(__name__, {
     "import_dcp": ".dcp_import",
     **{n: ".stream" for n in ("Publisher", "Subscriber", "ModelSubscriber")},
     **{n: ".repo" for n in ("store_model", "load_into", "LoadReport")},
+    "CloneServer": ".clone",
 })
 
 if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
@@ -37,4 +40,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on 
     from .dcp_import import import_dcp
     from .repo import LoadReport, load_into, store_model
     from .restore import Restored, TorchState, load, load_state, restore
+    from .clone import CloneServer
     from .stream import ModelSubscriber, Publisher, Subscriber

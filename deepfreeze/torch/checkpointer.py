@@ -35,6 +35,11 @@ same model and optimizers). What a run owns (argument checks, ``on_error``, the 
   (lazily created state, ``add_param_group``) or a state record outgrowing its reserved room
   makes a new plan (and engine) from that version on, logged once per change.
 
+**Riders** (:class:`deepfreeze.torch.Publisher`): a rider's wanted steps are captured too (one
+capture per step, whoever wants it); each finished, checked capture is handed to the engine (a
+step only riders wanted: when every rank's writer has room, else coalesced, :attr:`coalesced`)
+and then to the riders that wanted it.
+
 Every checkpoint step costs two small all-gathers over the checkpointer's own gloo group
 (plan check in the post-hook, write decision in the next pre-hook), so every rank writes a
 version or none does.
@@ -84,6 +89,31 @@ def _phase_b(obj: Any) -> bool:
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
     from torch.amp import GradScaler
     return isinstance(obj, (LRScheduler, ReduceLROnPlateau, GradScaler))
+
+
+def rank_record(phase: str, *, rank: int, size: int, model: torch.nn.Module,
+                optimizers: Sequence[torch.optim.Optimizer], state: dict[str, Any], aliases: dict[str, str],
+                fqn_of: dict[int, str], loop: "_loop.Passes", sharded: bool,
+                st: "_state.TrainState | None" = None) -> Any:
+    """A part of a rank's state record (the one definition, used by the Checkpointer and the
+    clone server, :mod:`deepfreeze.torch.clone`): ``"a"`` (RNG states, optimizer classes, tied
+    FQNs, the ``state=`` objects that are not schedulers or GradScalers, the position of
+    ``iterate``, FSDP2 buffers) or ``"b"`` (``param_groups`` and non-tensor optimizer state,
+    schedulers and GradScalers; ``st``: a tensor list whose optimizer groups serve)."""
+    if phase == "a":
+        rec = {"rank": rank, "world_size": size, "rng": _state.rng_state(),
+               "optimizers": [_state.class_name(o) for o in optimizers], "aliases": aliases,
+               "state": {k: o.state_dict() for k, o in state.items() if not _phase_b(o)}}
+        if loop.current is not None:
+            rec["loop"] = loop.current.record()
+        if sharded:  # FSDP2 does not broadcast buffers: each rank's own, restored on it (same world size)
+            rec["buffers"] = {fqn: t.detach().cpu().clone() for fqn, t, is_param in
+                              _state.model_entries(model) if not is_param}
+        return rec
+    groups, extra = (st.groups, st.extra) if st is not None else \
+        _state.optimizer_groups(optimizers, fqn_of)  # no state_dict: FSDP2's forward
+    return {"param_groups": groups, "optim_extra": extra,
+            "state": {k: o.state_dict() for k, o in state.items() if _phase_b(o)}}
 
 
 class _Pending:
@@ -204,6 +234,13 @@ class Checkpointer(RunView, Sink):
         #: the capture points on the model and optimizers, shared with other sinks (deepfreeze.torch.hook)
         self.hook = hook_for(model, opts)
         self._closed = False
+        #: publishers riding on this capture (:class:`deepfreeze.torch.Publisher` with ``checkpointer=``)
+        self._riders: list[Any] = []
+        self._roles: dict[int, tuple[bool, list]] = {}  # captured step -> (checkpoint wanted, riders wanting it)
+        self._explicit = False  # inside checkpoint(): the capture is a checkpoint whoever else wants it
+        #: captures only a rider wanted whose persistent copy was skipped (a writer was busy)
+        self.coalesced = 0
+        self._held: "tuple[int, FusedShard, dict] | None" = None  # the newest coalesced capture
         self._order_warned = False
         self._boundary = False  # the loop marks its iterations' ends (end_iteration/iterate): records are taken there
         self._boundary_warned = False
@@ -297,12 +334,12 @@ class Checkpointer(RunView, Sink):
         if self._pending is not None and self._pending.step == self.step:
             self._finish()  # an optimizer that did not call its closure: updated during the capture (torn)
         self.step += 1
-        if self._wants(self.step):
+        if self._wants(self.step) or any(r._wants_step(self.step) for r in self._riders):
             self._capture(self.step)
 
     def _wants(self, step: int) -> bool:
-        """Whether the state after optimizer step ``step`` is captured (every ``every_n_steps``;
-        a subclass adds its own steps: :class:`deepfreeze.torch.Publisher`'s publish schedule)."""
+        """Whether this checkpointer checkpoints the state after optimizer step ``step`` (every
+        ``every_n_steps``; riders add the steps they want captured: :meth:`_capture`)."""
         return bool(self.every_n_steps) and step % self.every_n_steps == 0
 
     # ------------------------------------------------------------------ public
@@ -320,6 +357,8 @@ class Checkpointer(RunView, Sink):
         p = self._pending
         if p is not None and not p.at_boundary:
             self._take_records(p)
+        if p is not None and self._roles.get(p.step, (True, []))[1]:
+            self._finish()  # a rider (publisher) wants it: finished now (collective: every rank ends the iteration)
 
     def iterate(self, iterable: Any) -> Any:
         """Iterate over ``iterable`` (one pass: an epoch of a ``DataLoader``) with
@@ -345,15 +384,30 @@ class Checkpointer(RunView, Sink):
 
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (collective; outside the step)."""
-        if (self._pending is not None and self._pending.step == self.step) or self._run.last_version == self.step:
+        if self._pending is not None and self._pending.step == self.step:
+            riders = self._roles.get(self.step, (True, []))[1]
+            self._roles[self.step] = (True, riders)  # captured for a rider: now also a checkpoint (never skipped)
+            return
+        if self._held is not None and self._held[0] == self.step:
+            self._write_held()  # captured for a rider and its persistent copy skipped: written now
+            return
+        if self._run.last_version == self.step:
             return  # this step is captured already
-        self._capture(self.step)
+        self._explicit = True
+        try:
+            self._capture(self.step)
+        finally:
+            self._explicit = False
         self._finish()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Finish a pending capture and block until every checkpoint is committed on persistent."""
+        """Finish a pending capture (riders: publish it, write the newest skipped copy, wait for
+        their copies) and block until every checkpoint is committed on persistent."""
         if self._pending is not None:
             self._finish_at_boundary()
+        self._write_held()
+        for r in list(self._riders):
+            r._wait_published(timeout)
         self._run.wait(timeout)
 
     def close(self) -> None:
@@ -368,7 +422,12 @@ class Checkpointer(RunView, Sink):
                     lost, self._pending = self._pending.step, None  # its hand-off is collective: too late
                 else:
                     self._finish_at_boundary()
+            self._write_held()  # the newest capture whose persistent copy a busy writer skipped
         finally:
+            for r in list(self._riders):  # publishers riding on this capture stop with it
+                r._owner_closed(self)
+            self._riders = []
+            self._held = None
             self.hook.unsubscribe(self)
             try:
                 self._run.close()  # the engine (its flushes), then the lease
@@ -425,20 +484,9 @@ class Checkpointer(RunView, Sink):
     def _record(self, phase: str, st: "_state.TrainState | None" = None) -> Any:
         """The part of this rank's state record taken in the post-hook (``"a"``) or at the next
         pre-hook (``"b"``; ``st``: the post-hook's tensor list, whose optimizer groups serve)."""
-        if phase == "a":
-            rec = {"rank": self.rank, "world_size": self.size, "rng": _state.rng_state(),
-                   "optimizers": [_state.class_name(o) for o in self.optimizers], "aliases": self._aliases,
-                   "state": {k: o.state_dict() for k, o in self.state.items() if not _phase_b(o)}}
-            if self._loop.current is not None:
-                rec["loop"] = self._loop.current.record()
-            if self.sharded:  # FSDP2 does not broadcast buffers: each rank's own, restored on it (same world size)
-                rec["buffers"] = {fqn: t.detach().cpu().clone() for fqn, t, is_param in
-                                  _state.model_entries(self.model) if not is_param}
-            return rec
-        groups, extra = (st.groups, st.extra) if st is not None else \
-            _state.optimizer_groups(self.optimizers, self._fqn_of)  # no state_dict: FSDP2's forward
-        return {"param_groups": groups, "optim_extra": extra,
-                "state": {k: o.state_dict() for k, o in self.state.items() if _phase_b(o)}}
+        return rank_record(phase, rank=self.rank, size=self.size, model=self.model, optimizers=self.optimizers,
+                           state=self.state, aliases=self._aliases, fqn_of=self._fqn_of, loop=self._loop,
+                           sharded=bool(self.sharded), st=st)
 
     def _take_records(self, p: _Pending) -> None:
         """Both parts of the state record of ``p``, now (the loop's boundary)."""
@@ -454,6 +502,8 @@ class Checkpointer(RunView, Sink):
         t0 = time.perf_counter()
         if self._pending is not None:
             self._finish()
+        riders = [r for r in self._riders if r._wants_step(step)]
+        self._roles[step] = (self._explicit or self._wants(step) or not riders, riders)
         err, key, need, rec_a = "", b"\0" * 16, 0, b""
         try:
             st = self._st = _state.train_state(self.model, self.optimizers, self._st)
@@ -600,11 +650,49 @@ class Checkpointer(RunView, Sink):
                              "handoff_s": time.perf_counter() - t1})
 
     def _checkpoint(self, step: int, shard: FusedShard, extra: dict) -> None:
+        """Hand a finished capture to the engine and to the riders that wanted it. A capture only
+        riders wanted is written when every rank's writer has room (:meth:`_writer_busy`, one
+        decision for all ranks), else its persistent copy coalesces to a newer one
+        (:attr:`coalesced`; the newest is written at :meth:`wait`/:meth:`close`): publishing
+        never waits for the disk. A checkpoint this checkpointer wanted is always written."""
+        ckpt, riders = self._roles.pop(step, (True, []))
+        for old in [s for s in self._roles if s < step]:  # captures that never finished (torn, failed)
+            del self._roles[old]
+        if ckpt or not self._writer_busy():
+            self._held = None  # a newer version is written: the held one is superseded
+            self._hand_off(step, shard, extra)
+        else:
+            self.coalesced += 1
+            self._held = (step, shard, extra)
+        for r in riders:
+            r._captured(step, shard)
+
+    def _hand_off(self, step: int, shard: FusedShard, extra: dict) -> None:
         if not self._run.hand_off(step, shard, step=step, epoch=0, extra=extra):
             return
         self._run.last_version = step
         if self.verbose and self.rank == 0:
             log.warning("DeepFreeze: checkpoint %s v%d handed off", self.name, step)
+
+    def _writer_busy(self) -> bool:
+        """Would a hand-off now wait for a writer on any rank? (collective: one decision per version)"""
+        engine = self._run.engine
+        saturated = getattr(engine, "saturated", None)
+        busy = engine is None or (callable(saturated) and bool(saturated()))
+        if self.size > 1:
+            busy = any(r[:1] == b"1" for r in self.comm.allgather(b"1" if busy else b"0"))
+        return busy
+
+    def _write_held(self) -> None:
+        """Write the newest capture whose persistent copy was skipped, unless a newer one is written."""
+        held, self._held = self._held, None
+        if held is None or self._run.engine is None:
+            return
+        step, shard, extra = held
+        if self._run.last_version is not None and step <= self._run.last_version:
+            return
+        self._hand_off(step, shard, extra)
+        self.coalesced -= 1
 
     def _new_plan(self, st: "_state.TrainState", needs: list[int], step: int) -> None:
         """A shard plan for ``st`` plus one state record per rank (room: twice what it needs now,

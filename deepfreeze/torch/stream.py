@@ -1,18 +1,18 @@
 """PyTorch side of the stream: ``Publisher`` (producer) and ``Subscriber`` / ``ModelSubscriber`` (consumer).
 
-The producer is a :class:`~deepfreeze.torch.Checkpointer` whose captures are also published
+The producer rides on a :class:`~deepfreeze.torch.Checkpointer`'s capture and publishes it
 (:class:`deepfreeze.stream.Publisher`, one per rank): a channel *is* a checkpoint name, so its
 persistent copy is a regular DeepFreeze checkpoint (``deepfreeze ls``, ``deepfreeze.torch.load``,
 ``resume=True`` all work) and the consumers' fallback tier. It captures in the optimizer step
 through the model's :class:`~deepfreeze.torch.hook.StepHook` (each DDP rank its 1/N of the
 weights, FSDP2 ranks their local shards; nothing goes through rank 0). One run, one lease, one
-engine and one capture serve both roles: ``every_n_steps=`` gives the Publisher the checkpoints a
-separate Checkpointer on the channel's name would take (those versions are always written); a
-version only the publish schedule wanted is handed to the engine when every rank's writer has
-room, else its persistent copy coalesces to a newer one (:attr:`Publisher.coalesced`; the newest
-is written at :meth:`Publisher.wait`/:meth:`Publisher.close`), so dense publishing never stalls
-training. A second Checkpointer on the same model, optimizers and name is refused (one run owns a
-name): pass its ``every_n_steps`` to the Publisher.
+engine and one capture serve both roles: beside a running Checkpointer (``checkpointer=ckpt``:
+the channel is its name, the fallback tier reads its versions) or, without one, its own
+Checkpointer on the channel's name (``every_n_steps=`` gives it the checkpoints a Checkpointer
+would take). The Checkpointer's own versions are always written; a version only the publish
+schedule wanted is handed to the engine when every rank's writer has room, else its persistent
+copy coalesces to a newer one (:attr:`Checkpointer.coalesced`; the newest is written at
+``wait``/``close``), so dense publishing never stalls training.
 
 A version is published once its capture is complete and checked (the ``_version`` guard: never a
 torn version), at the end of its iteration when the loop calls ``end_iteration()`` (or iterates
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -39,7 +38,7 @@ import torch
 
 from .. import format as fmt
 from ..config import Config, did_you_mean
-from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
+from ..errors import ConfigError, ModelMismatchError
 from ..fused import FusedShard
 from ..lease import Version
 from ..stream.core import Publisher as _CorePublisher, StreamOptions, Subscriber as _CoreSubscriber, Update
@@ -56,17 +55,31 @@ log = logging.getLogger("deepfreeze")
 SCHEDULES = ("adaptive", "fixed")
 
 
-class Publisher(Checkpointer):
+class Publisher:
     """Publish a DDP/FSDP2 (or plain) model's weights to serving processes as it trains.
 
+    The Publisher rides on a :class:`~deepfreeze.torch.Checkpointer`'s capture: its own (made from
+    ``config``, ``every_n_steps`` and ``**kwargs`` on the channel's name) or the one given as
+    ``checkpointer=`` (the channel is then that Checkpointer's name, and its run, lease, engine and
+    capture serve both: one capture per step, its versions the consumers' fallback tier).
+
     Args:
-      model, optimizer, config: as :class:`~deepfreeze.torch.Checkpointer`.
-      channel: the channel (= checkpoint) name; consumers subscribe to it.
+      model, optimizer: as :class:`~deepfreeze.torch.Checkpointer` (with ``checkpointer=``: the
+        very model and optimizers it captures).
+      config: as :class:`~deepfreeze.torch.Checkpointer` (not with ``checkpointer=``).
+      channel: the channel (= checkpoint) name; consumers subscribe to it. Default ``"model"``, or
+        the name of ``checkpointer``.
+      checkpointer: a running Checkpointer of this model and optimizers whose capture the
+        Publisher shares (its name is the channel). Its own checkpoints are always written; a
+        version only the publish schedule wanted is written when every rank's writer has room
+        (else coalesced: :attr:`Checkpointer.coalesced`). Closing the Publisher stops publishing
+        and leaves the Checkpointer running; closing the Checkpointer closes the Publisher.
       schedule: an int n (every n optimizer steps), ``"fixed"`` (the interval minimising the
         predicted cumulative inference loss) or ``"adaptive"`` (greedy irregular steps from the
         predicted learning curve). The last two need :meth:`report` after every optimizer step:
         they publish once at the end of the warm-up (``warmup_steps``) and follow the plan made
-        there (:mod:`deepfreeze.stream.predict`; the plan in :attr:`publish_plan`).
+        there (:mod:`deepfreeze.stream.predict`; the plan in :attr:`publish_plan`). Steps are
+        counted from the Checkpointer's step when the Publisher is made.
       warmup_steps: optimizer steps of reported losses the curve is fitted on (fixed/adaptive).
       horizon_s: seconds over which the consumers serve after the warm-up (required for fixed/adaptive).
       inference_interval_s: seconds between two inference requests (required for fixed/adaptive).
@@ -74,16 +87,21 @@ class Publisher(Checkpointer):
         default: the published bytes at 1 GB/s.
       total_steps: the optimizer steps the run will take, if known (the plan ends there).
       every_n_steps: also checkpoint every N steps (never skipped: what a Checkpointer on this
-        name would write).
+        name would write); not with ``checkpointer=`` (that one's ``every_n_steps`` serves).
       stream: :class:`~deepfreeze.stream.StreamOptions` (slots, listening address, token, Redis...).
       **kwargs: :class:`~deepfreeze.torch.Checkpointer` arguments (``resume``, ``overwrite``,
-        ``state``, ``overlap``, ``on_error`` ...) and INI keys (``scratch=``, ``persistent=`` ...).
+        ``state``, ``overlap``, ``on_error`` ...) and INI keys (``scratch=``, ``persistent=`` ...);
+        not with ``checkpointer=``.
+
+    Other public attributes (``step``, ``start_step``, ``rank``, ``size``, ``config``, ``plan``,
+    ``timings``, ``coalesced`` ...) are the Checkpointer's (:attr:`checkpointer`).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]",
-                 config: "str | Config | None" = None, channel: str = "model", *, schedule: "str | int" = 1,
+                 config: "str | Config | None" = None, channel: str | None = None, *,
+                 checkpointer: Checkpointer | None = None, schedule: "str | int" = 1,
                  warmup_steps: int = 100, horizon_s: float | None = None, inference_interval_s: float | None = None,
                  consumer_load_s: float | None = None, total_steps: int | None = None,
                  every_n_steps: int | None = None, stream: StreamOptions | None = None, **kwargs: Any) -> None:
@@ -106,12 +124,23 @@ class Publisher(Checkpointer):
         if "name" in kwargs:
             raise ConfigError("Publisher takes channel=..., not name= (the channel is the checkpoint name)")
         opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-        sinks = [s for h in model.__dict__.get(_HOOKS, []) for s in h.sinks]  # (no hook made here)
-        for sink in sinks:
-            if isinstance(sink, Checkpointer) and sink.name == channel and not sink._closed:
-                raise ConfigError(f"a Checkpointer on {channel!r} already captures this model: one run owns a name. "
-                                  f"Close it and pass its every_n_steps={sink.every_n_steps} to the Publisher (which "
-                                  "then writes those checkpoints too), or publish on another channel")
+        if checkpointer is not None:
+            ck = checkpointer
+            _check_ride(ck, model, opts, channel, config, every_n_steps, kwargs)
+            self._owns = False
+        else:
+            channel = "model" if channel is None else channel
+            sinks = [s for h in model.__dict__.get(_HOOKS, []) for s in h.sinks]  # (no hook made here)
+            for sink in sinks:
+                if isinstance(sink, Checkpointer) and sink.name == channel and not sink._closed:
+                    raise ConfigError(f"a Checkpointer on {channel!r} already captures this model: one run owns a "
+                                      "name. Pass it as Publisher(model, optimizer, checkpointer=ckpt, ...) to publish "
+                                      "on its capture (its checkpoints are the consumers' fallback), or publish on "
+                                      "another channel")
+            ck = Checkpointer(model, opts, config, channel, every_n_steps=every_n_steps, **kwargs)
+            self._owns = True
+        #: the Checkpointer whose capture this Publisher rides on (its own, or ``checkpointer=``)
+        self.checkpointer: Checkpointer = ck
         self.schedule = schedule
         self.warmup_steps = int(warmup_steps)
         self.horizon_s = None if horizon_s is None else float(horizon_s)
@@ -127,25 +156,27 @@ class Publisher(Checkpointer):
         self._step_t: list[float] = []
         self._t_last: float | None = None
         self._report_missing = False
+        self._closed = False
         #: versions published by this rank, in order
         self.published: list[Version] = []
-        #: versions only the schedule wanted whose persistent copy was skipped (a writer was busy)
-        self.coalesced = 0
-        self._held: "tuple[int, FusedShard, dict] | None" = None  # the newest coalesced capture
-        self._roles: dict[int, tuple[bool, bool]] = {}  # captured step -> (checkpoint wanted, publish wanted)
-        self._explicit = False
-        super().__init__(model, opts, config, channel, every_n_steps=every_n_steps, **kwargs)
         base = stream or StreamOptions()
-        if base.redis is None and self.config.redis:
-            base = dataclasses.replace(base, redis=self.config.redis)
+        if base.redis is None and ck.config.redis:
+            base = dataclasses.replace(base, redis=ck.config.redis)
         self.stream_options = base
-        self._warmup_end = self.start_step + self.warmup_steps
-        self._base = self.start_step  # an int schedule counts its n steps from here
+        self._base = ck.step  # an int schedule counts its n steps from here
+        self._warmup_end = ck.step + self.warmup_steps
+        ck._riders.append(self)
+
+    def __getattr__(self, name: str) -> Any:
+        ck = self.__dict__.get("checkpointer")
+        if ck is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(ck, name)
 
     # ------------------------------------------------------------------ public
     @property
     def channel(self) -> str:
-        return self.name
+        return self.checkpointer.name
 
     def report(self, loss: "float | torch.Tensor") -> None:
         """The loss of the optimizer step just taken (fixed/adaptive schedules: call it on every
@@ -158,167 +189,154 @@ class Publisher(Checkpointer):
             self._step_t.append(now - self._t_last)
         self._t_last = now
         self._losses.append(float(loss.detach().float().item() if isinstance(loss, torch.Tensor) else loss))
-        if self.step >= self._warmup_end:
+        if self.checkpointer.step >= self._warmup_end:
             self._make_plan()
 
     def end_iteration(self) -> None:
-        """As :meth:`Checkpointer.end_iteration`; a version to publish is then published at once."""
-        super().end_iteration()
-        p = self._pending
-        if p is not None and self._roles.get(p.step, (False, False))[1]:
-            self._finish()  # collective: every rank ends the same iteration
+        """:meth:`Checkpointer.end_iteration`: a version to publish is then published at once."""
+        self.checkpointer.end_iteration()
+
+    def iterate(self, iterable: Any) -> Any:
+        """:meth:`Checkpointer.iterate` (each item's end is an :meth:`end_iteration`)."""
+        return self.checkpointer.iterate(iterable)
 
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (never coalesced; collective)."""
-        if self._pending is not None and self._pending.step == self.step:
-            self._roles[self.step] = (True, self._roles.get(self.step, (False, False))[1])
-        self._explicit = True
-        try:
-            super().checkpoint()
-        finally:
-            self._explicit = False
+        self.checkpointer.checkpoint()
 
     def wait(self, timeout: float | None = None) -> None:
         """Publish a pending version, write the newest coalesced one, wait for the publisher's
-        copy and for every checkpoint to be committed on persistent."""
-        if self._pending is not None:
-            self._finish_at_boundary()
-        self._write_held()
-        if self.publisher is not None:
-            self._guard(self.publisher.wait, timeout)
-        super().wait(timeout)
+        copy and for every checkpoint to be committed on persistent (:meth:`Checkpointer.wait`)."""
+        self.checkpointer.wait(timeout)
 
     def close(self) -> None:
         """Publish and write what is pending, stop publishing (consumers keep their live version,
-        then fall back to the persistent copy), release the hooks, the run and the lease."""
+        then fall back to the persistent copy). A Publisher that made its own Checkpointer closes
+        it (the hooks, the run and the lease are released); one given ``checkpointer=`` leaves it
+        running."""
         if self._closed:
             return
+        ck = self.checkpointer
+        if self._owns:
+            ck.close()  # finishes, writes, then closes this rider (_owner_closed)
+            return
         try:
-            if self._pending is not None and self._group_alive():
-                self._finish_at_boundary()
-            self._write_held()
+            p = ck._pending
+            if p is not None and self in ck._roles.get(p.step, (True, []))[1] and ck._group_alive():
+                ck._finish_at_boundary()  # collective: every rank closes its Publisher
+            ck._write_held()
         finally:
-            pub, self.publisher = self.publisher, None
-            try:
-                if pub is not None:
-                    pub.close()
-            finally:
-                super().close()
+            self._owner_closed(ck)
 
-    # ------------------------------------------------------------------ roles
-    def _want_publish(self, step: int) -> bool:
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ a rider of the Checkpointer
+    def _wants_step(self, step: int) -> bool:
+        """Does this Publisher want the state after optimizer step ``step`` (its schedule)?"""
         s = self.schedule
         if isinstance(s, int):
             return (step - self._base) % s == 0
         if self.publish_plan is None:  # warm-up: publish once, at its end
             if step > self._warmup_end + 1 and not self._report_missing:
                 self._report_missing = True
-                self._guard(_raise, ConfigError(
-                    f"schedule={s!r} on channel {self.name!r}: no plan after {self.warmup_steps} warm-up steps "
+                self.checkpointer._guard(_raise, ConfigError(
+                    f"schedule={s!r} on channel {self.channel!r}: no plan after {self.warmup_steps} warm-up steps "
                     f"({len(self._losses)} losses reported): call publisher.report(loss) after every "
                     "optimizer.step() on every rank"))
             return step == self._warmup_end
         return step in self._plan_steps
 
-    def _wants(self, step: int) -> bool:
-        return super()._wants(step) or self._want_publish(step)
-
-    def _capture(self, step: int) -> None:
-        publish = self._want_publish(step)
-        self._roles[step] = (self._explicit or Checkpointer._wants(self, step) or not publish, publish)
-        super()._capture(step)
-
-    def _checkpoint(self, step: int, shard: FusedShard, extra: dict) -> None:
-        ckpt, publish = self._roles.pop(step, (True, False))
-        for old in [s for s in self._roles if s < step]:  # captures that never finished (torn, failed)
-            del self._roles[old]
-        if ckpt or not self._writer_busy():
-            self._held = None  # a newer version is written: the held one is superseded
-            super()._checkpoint(step, shard, extra)
-        else:  # only the schedule wanted it and a writer is busy: the persistent copy coalesces
-            self.coalesced += 1
-            self._held = (step, shard, extra)
-        if publish:
-            self._publish(step, shard)
-
-    def _writer_busy(self) -> bool:
-        """Would a hand-off now wait for a writer on any rank? (collective: one decision per version)"""
-        engine = self._run.engine
-        saturated = getattr(engine, "saturated", None)
-        busy = engine is None or (callable(saturated) and bool(saturated()))
-        if self.size > 1:
-            busy = any(r[:1] == b"1" for r in self.comm.allgather(b"1" if busy else b"0"))
-        return busy
-
-    def _write_held(self) -> None:
-        held, self._held = self._held, None
-        if held is None or self._run.engine is None:
-            return
-        step, shard, extra = held
-        if self._run.last_version is not None and step <= self._run.last_version:
-            return
-        super()._checkpoint(step, shard, extra)
-        self.coalesced -= 1
-
-    def _publish(self, step: int, shard: FusedShard) -> None:
-        info = self._run.info
+    def _captured(self, step: int, shard: FusedShard) -> None:
+        """Publish this rank's share of the finished, checked capture of ``step``."""
+        ck = self.checkpointer
+        info = ck._run.info
         pub = self.publisher
-        if pub is None or pub.layout.plan != self.plan or pub.run.id != info.id:
+        if pub is None or pub.layout.plan != ck.plan or pub.run.id != info.id:
             if pub is not None:
                 self.publisher = None
                 pub.close()
-            self.publisher = _CorePublisher(self.name, self.config.persistent, rank=self.rank, world=self.size,
-                                            run=info, plan=self.plan, model_tensors=self._model_tensors,
+            self.publisher = _CorePublisher(ck.name, ck.config.persistent, rank=ck.rank, world=ck.size,
+                                            run=info, plan=ck.plan, model_tensors=ck._model_tensors,
                                             options=self.stream_options)
-            if self.verbose and self.rank == 0:
-                log.warning("DeepFreeze: publishing %r at %s (%.1f MB per version on rank 0)", self.name,
+            if ck.verbose and ck.rank == 0:
+                log.warning("DeepFreeze: publishing %r at %s (%.1f MB per version on rank 0)", ck.name,
                             self.publisher.address, self.publisher.prefix / 1e6)
         v = Version(info.generation, step)
-        if self._guard(self.publisher.publish, v, shard):
+        if ck._guard(self.publisher.publish, v, shard):
             self.published.append(v)
+
+    def _wait_published(self, timeout: float | None) -> None:
+        if self.publisher is not None:
+            self.checkpointer._guard(self.publisher.wait, timeout)
+
+    def _owner_closed(self, ck: Checkpointer) -> None:
+        """Stop publishing (the Checkpointer closes, or this Publisher does)."""
+        self._closed = True
+        if self in ck._riders:
+            ck._riders.remove(self)
+        pub, self.publisher = self.publisher, None
+        if pub is not None:
+            pub.close()
 
     # ------------------------------------------------------------------ the plan
     def _make_plan(self) -> None:
-        from ..stream.predict import CostModel, make_plan, Plan
+        from ..stream.predict import producer_plan
+        ck = self.checkpointer
         losses = np.asarray(self._losses[-self.warmup_steps:], dtype=np.float64)
         t_step = float(np.median(self._step_t)) if self._step_t else 1e-3
         row = np.concatenate([losses, [t_step]]).tobytes()
-        rows = self.comm.allgather(row) if self.size > 1 else [row]
+        rows = ck.comm.allgather(row) if ck.size > 1 else [row]
         if any(len(r) != len(row) for r in rows):
-            raise ConfigError(f"channel {self.name!r}: the ranks reported different numbers of losses: call "
+            raise ConfigError(f"channel {self.channel!r}: the ranks reported different numbers of losses: call "
                               "publisher.report(loss) once after every optimizer.step() on every rank")
         stats = np.mean([np.frombuffer(r, dtype=np.float64) for r in rows], axis=0)
-        losses, t_train = stats[:-1], max(float(stats[-1]), 1e-6)
-        t_p = max(max((t["post_hook_s"] + t["wait_s"] for t in self.timings[-3:]), default=0.0), 1e-5)
-        nbytes = (self.publisher.prefix if self.publisher is not None else 0) * self.size
-        t_c = float(self.consumer_load_s) if self.consumer_load_s is not None else max(nbytes / 1e9, 1e-5)
-        s_iter = self.step
-        e_iter = s_iter + max(1, int(self.horizon_s / t_train))
-        if self.total_steps is not None:
-            e_iter = min(e_iter, self.total_steps)
-        data = b""
-        if self.rank == 0:
-            try:
-                cost = CostModel(t_train=t_train, t_infer=self.inference_interval_s, t_p=t_p, t_c=t_c)
-                total = max(1, int(self.horizon_s / self.inference_interval_s))
-                plan = make_plan(self.schedule, losses, s_iter, max(e_iter, s_iter + 1), cost, total)
-                data = json.dumps(plan.to_json()).encode()
-            except (DeepFreezeError, ValueError) as e:
-                log.warning("DeepFreeze: the %s publish plan of %r could not be made (%s): publishing every "
-                            "%d steps from now on", self.schedule, self.name, e, self.warmup_steps)
-        if self.size > 1:
-            data = self.comm.allgather(data)[0]  # rank 0's
-        if not data:
-            self.schedule, self._base = self.warmup_steps, self.step
+        t_p = max(max((t["post_hook_s"] + t["wait_s"] for t in ck.timings[-3:]), default=0.0), 1e-5)
+        plan = producer_plan(
+            self.schedule, self.channel, stats[:-1], rank=ck.rank,
+            broadcast=(lambda b: ck.comm.allgather(b)[0]) if ck.size > 1 else (lambda b: b),
+            s_iter=ck.step, t_train=max(float(stats[-1]), 1e-6), t_p=t_p,
+            nbytes=(self.publisher.prefix if self.publisher is not None else 0) * ck.size,
+            horizon_s=self.horizon_s, inference_interval_s=self.inference_interval_s,
+            consumer_load_s=self.consumer_load_s, total_steps=self.total_steps, verbose=ck.verbose,
+            fallback=f"every {self.warmup_steps} steps")
+        if plan is None:
+            self.schedule, self._base = self.warmup_steps, ck.step
             return
-        self.publish_plan = Plan.from_json(json.loads(data))
-        self._plan_steps = {int(s) for s in self.publish_plan.steps}
-        if self.rank == 0:
-            plan = self.publish_plan
-            (log.warning if self.verbose else log.info)("DeepFreeze: channel %r: %s", self.name, plan.summary())
-            if plan.degenerate:
-                log.warning("DeepFreeze: the %s publish plan of channel %r does not do its job: %s", self.schedule,
-                            self.name, plan.degenerate)
+        self.publish_plan = plan
+        self._plan_steps = {int(s) for s in plan.steps}
+
+
+def _check_ride(ck: Any, model: torch.nn.Module, opts: list, channel: "str | None", config: Any,
+                every_n_steps: "int | None", kwargs: dict) -> None:
+    """``Publisher(..., checkpointer=ck)``: ``ck`` must be a running Checkpointer of this very
+    model and these optimizers, on the channel's name, with no Publisher riding on it yet; the
+    Checkpointer's own arguments are not given again."""
+    if not isinstance(ck, Checkpointer):
+        raise ConfigError(f"checkpointer= must be a deepfreeze.torch.Checkpointer, got {type(ck).__name__}")
+    if ck._closed:
+        raise ConfigError(f"checkpointer= {ck.name!r} is closed: give a running Checkpointer (or none: the "
+                          "Publisher then makes its own)")
+    if ck.model is not model or len(ck.optimizers) != len(opts) or \
+            any(a is not b for a, b in zip(ck.optimizers, opts)):
+        raise ConfigError(f"checkpointer= {ck.name!r} captures another model or other optimizers than the "
+                          "Publisher's: give both the same model object and optimizers (in the same order), since "
+                          "they share one capture in the optimizer step")
+    if channel is not None and channel != ck.name:
+        raise ConfigError(f"channel={channel!r} with checkpointer= {ck.name!r}: the channel is the checkpoint name "
+                          "(the consumers' fallback tier reads its versions): leave channel out, or publish on "
+                          "another name without checkpointer=")
+    given = sorted(kwargs) + (["config"] if config is not None else []) + \
+        (["every_n_steps"] if every_n_steps is not None else [])
+    if given:
+        raise ConfigError(f"Publisher(checkpointer=...) takes no Checkpointer arguments ({', '.join(given)}): they "
+                          f"belong to the Checkpointer {ck.name!r}, whose run the Publisher shares")
+    if ck._riders:
+        raise ConfigError(f"a Publisher already publishes the capture of {ck.name!r} (channel {ck.name!r}): one "
+                          "channel has one Publisher; close it first")
 
 
 def _raise(e: BaseException) -> None:

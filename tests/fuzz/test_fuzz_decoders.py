@@ -556,6 +556,89 @@ def test_fuzz_handshakes():
     run_handshake(SHORT)
 
 
+# --------------------------------------------------------------------------- the clone wire (issue 35)
+
+def _clone_plan():
+    from deepfreeze.clone.plan import ClonePlan
+    from deepfreeze.shardplan import TensorSpec
+    specs = [TensorSpec(0, "fc.weight", "float32", (64, 8)), TensorSpec(1, "bn.running_mean", "float32", (64,)),
+             TensorSpec(2, "optim.state.fc.weight.exp_avg", "float32", (64, 8))]
+    return ClonePlan(specs, 2, 2, whole=[1], threshold=256)
+
+
+def _clone_wire(bounded, data):
+    """The clone wire's decoders: a request, a hello and its plan, a data frame checked against
+    the plan, and a whole connection of frames into a CloneListener's receiving loop."""
+    from deepfreeze.clone import wire
+    plan = _clone_plan()
+    which = data.draw(st.sampled_from(["request", "hello", "data", "stream"]), label="decoder")
+    if which == "request":
+        obj = mutate_json(data, {"df": "clone-request", "n_clone": 2, "endpoints": ["127.0.0.1:1", "[::1]:2"]})
+        bounded(lambda: wire.check_request(obj), len(dumps(obj)))
+    elif which == "hello":
+        obj = mutate_json(data, {"df": "clone-hello", "rank": 1, "plan": plan.describe(), "digest": plan.digest(),
+                                 "header": {"step": 3, "model_tensors": 2, "aliases": {}}})
+
+        def decode():
+            _, describe, _, _ = wire.check_hello(obj)
+            wire.plan_from(describe)
+        bounded(decode, len(dumps(obj)))
+    elif which == "data":
+        expected = {(r.tensor_id, r.start, r.stop): r for r in plan.routes if r.src == 0 and r.dst == 0}
+        r0 = next(iter(expected.values()))
+        obj = mutate_json(data, {"df": "clone-data", "t": r0.tensor_id, "start": r0.start, "stop": r0.stop,
+                                 "dtype": "float32"})
+        payload = data.draw(st.sampled_from([(r0.stop - r0.start) * 4, 0, 1 << 40]), label="payload")
+        bounded(lambda: wire.check_data(obj, plan, expected, payload), len(dumps(obj)))
+    else:  # frames after a valid hello, sealed (the MACs hold), into the real receiving loop
+        from deepfreeze import net
+        a, b = socket.socketpair()
+        k1, k2 = b"k" * 32, b"q" * 32
+        ca, cb = net.Channel(a, k1, k2, "client"), net.Channel(b, k2, k1, "server")
+        lst = wire.CloneListener.__new__(wire.CloneListener)  # its receiving state only (no socket listens)
+        lst.rank, lst.timeout = 0, 5.0
+        import threading
+        lst._lock, lst._channels, lst.plan, lst.digest, lst.describe, lst.header = threading.Lock(), {}, None, "", {}, {}
+        lst.buffers, lst.records, lst.bytes_received, lst.first_data_at = {}, {}, 0, None
+        lst._refused = None
+        try:
+            hello = {"df": "clone-hello", "rank": 0, "plan": plan.describe(), "digest": plan.digest(),
+                     "header": {"step": 3}}
+            frames = [ca._seal_header(hello, 0)[0]]
+            for r in plan.routes:
+                if r.src == 0 and r.dst == 0:
+                    h = mutate_json(data, {"df": "clone-data", "t": r.tensor_id, "start": r.start, "stop": r.stop,
+                                           "dtype": "float32"})
+                    body = b"\0" * ((r.stop - r.start) * 4)
+                    head, mac = ca._seal_header(h, len(body)) if isinstance(h, dict) else (b"", None)
+                    if mac is not None:
+                        mac.update(body)
+                        frames.append(head + body + mac.digest())
+            frames.append(ca._seal_header({"df": "clone-record", "rank": 0}, 4)[0])
+            raw = b"".join(frames)
+            a.sendall(raw[:1 << 20])
+            a.shutdown(socket.SHUT_WR)
+
+            def decode():
+                try:
+                    lst._serve(cb, 2, lambda p, h: None, time.monotonic() + 5)
+                except DeepFreezeError:
+                    raise
+            bounded(decode, len(raw))
+        finally:
+            a.close()
+            b.close()
+
+
+def run_clone_wire(n):
+    with Bounded("clone_wire") as b:
+        fuzz(_clone_wire, n, b)
+
+
+def test_fuzz_clone_wire():
+    run_clone_wire(SHORT)
+
+
 # --------------------------------------------------------------------------- repository rows and packs
 
 @pytest.fixture(scope="module")
@@ -636,6 +719,137 @@ def run_repo(repo_dir, tmp_path, n):
 
 def test_fuzz_repository_rows_and_packs(repo_dir, tmp_path):
     run_repo(repo_dir, tmp_path, SHORT)
+
+
+# --------------------------------------------------------------------------- torch repository records
+
+def _torch_net():
+    """A small torch module with layers of distinct shapes (each layer's id is its own)."""
+    import torch
+
+    class TNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = torch.nn.Linear(6, 10)
+            self.norm = torch.nn.LayerNorm(10)
+            self.fc2 = torch.nn.Linear(10, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.norm(self.fc1(x))))
+    return TNet()
+
+
+@pytest.fixture(scope="module")
+def torch_repo(tmp_path_factory):
+    """A repository holding one module stored by ``deepfreeze.torch.store_model`` (its graph,
+    layer metadata, tensor rows and pack), and the stored module's state dict."""
+    torch = pytest.importorskip("torch")
+    from deepfreeze.repo.store import EmbeddedRepository
+    from deepfreeze.torch import store_model
+    d = str(tmp_path_factory.mktemp("trepo") / "r")
+    torch.manual_seed(0)
+    net = _torch_net()
+    with EmbeddedRepository(d) as repo:
+        store_model(repo, "m", net)
+    return d, {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+_TORCH_ROW_EDITS = [("models", "graph"), ("models", "n_tensors"), ("layer_meta", "meta"), ("layer_meta", "id"),
+                    ("tensors", "key"), ("tensors", "pos"), ("blobs", "offset"), ("blobs", "length"),
+                    ("blobs", "dtype"), ("blobs", "shape"), ("blobs", "crc"), ("blobs", "entry"),
+                    ("packs", "file"), ("packs", "size")]
+
+
+def _torch_repo(bounded, src, work, data):
+    """One mutation of what store_model wrote, then load_into a fresh module: a DeepFreezeError, or
+    a load whose every loaded tensor equals the stored one (the others untouched)."""
+    import shutil
+    import torch
+    from deepfreeze.repo.store import EmbeddedRepository
+    from deepfreeze.torch import load_into
+    src, stored = src
+    if os.path.exists(work):
+        shutil.rmtree(work)
+    shutil.copytree(src, work)
+    db = os.path.join(work, next(n for n in os.listdir(work) if n.endswith((".db", ".sqlite"))))
+    what = data.draw(st.sampled_from(["row", "graph", "meta", "pack"]), label="what")
+    with sqlite3.connect(db) as conn:
+        if what == "row":
+            table, col = data.draw(st.sampled_from(_TORCH_ROW_EDITS), label="column")
+            value = data.draw(st.sampled_from([None, -1, 0, 2 ** 62, 2 ** 63 - 1, "", "x", "[-1]", "[[[[",
+                                               "../../x", b"\xff" * 8, "[" * 5000, "float128", "{}", 3.5]),
+                              label="value")
+            try:
+                conn.execute(f"UPDATE {table} SET {col} = ?", (value,))
+            except sqlite3.IntegrityError:
+                pass
+        elif what == "graph":  # the compact graph record's bytes (ids, input indices, tensor counts)
+            (g,) = conn.execute("SELECT graph FROM models").fetchone()
+            conn.execute("UPDATE models SET graph = ?", (mutate_bytes(data, bytes(g), label="graph"),))
+        elif what == "meta":  # one layer's metadata (class name, config, weight specs) as a JSON tree
+            rows = conn.execute("SELECT id, meta FROM layer_meta ORDER BY id").fetchall()
+            lid, meta = rows[data.draw(st.integers(0, len(rows) - 1), label="layer")]
+            tree = _tree(meta.encode() if isinstance(meta, str) else bytes(meta))
+            new = dumps(mutate_json(data, tree, label="meta")) if tree is not None else \
+                mutate_bytes(data, meta.encode())
+            conn.execute("UPDATE layer_meta SET meta = ? WHERE id = ?", (new.decode(errors="replace"), lid))
+    conn.close()
+    if what == "pack":
+        packs = [os.path.join(r, n) for r, _, ns in os.walk(work) for n in ns if n.endswith(".dfz")]
+        p = packs[data.draw(st.integers(0, len(packs) - 1), label="pack")]
+        with open(p, "rb") as f:
+            b = bytearray(mutate_bytes(data, f.read()))
+        if data.draw(st.booleans(), label="reseal"):
+            _reseal_shard(b)
+        with open(p, "wb") as f:
+            f.write(b)
+    match = data.draw(st.sampled_from(["id", "shape"]), label="match")
+    torch.manual_seed(1)
+    net = _torch_net()
+    before = {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+    def decode():
+        with EmbeddedRepository(work) as repo:
+            return load_into(repo, "m", net, match=match)
+    report = bounded(decode, 1 << 16)
+    if isinstance(report, DeepFreezeError):
+        assert str(report).strip(), f"{type(report).__name__} without a message"
+        for k, v in net.state_dict().items():  # nothing set before the error
+            assert torch.equal(v, before[k]), f"{k} changed by a load that failed: {report}"
+        return
+    for k, v in net.state_dict().items():
+        layer = k.rsplit(".", 1)[0]
+        if layer in report.loaded:
+            assert torch.equal(v, stored[k]), f"{k} loaded from a damaged repository differs from what was stored"
+        else:
+            assert torch.equal(v, before[k]), f"{k} changed, but its layer {layer!r} was not loaded"
+
+
+def _sweep_torch_rows(bounded, src, work):
+    """Every column of _TORCH_ROW_EDITS set to each of _ROW_VALUES (deterministic, before hypothesis)."""
+    for table, col in _TORCH_ROW_EDITS:
+        for value in _ROW_VALUES:
+            fixed = iter(["row", (table, col), value, "id"])
+
+            class Fixed:  # a data object that answers the draws with the fixed edit
+                @staticmethod
+                def draw(strategy, label=None):
+                    return next(fixed)
+            _torch_repo(bounded, src, work, Fixed)
+
+
+def run_torch_repo(torch_repo, tmp_path, n):
+    with Bounded("torch_repository") as b:
+        _sweep_torch_rows(b, torch_repo, str(tmp_path / "twork"))
+        fuzz(_torch_repo, n, b, torch_repo, str(tmp_path / "twork"))
+
+
+def test_fuzz_torch_repository_records(torch_repo, tmp_path):
+    """What deepfreeze.torch.store_model writes (the graph record, the layer metadata, the tensor
+    and blob rows, the pack) mutated, read back by deepfreeze.torch.load_into: a DeepFreezeError
+    with a message and nothing set, or a load of exactly the stored weights; never another
+    exception, a hang or an unbounded allocation."""
+    run_torch_repo(torch_repo, tmp_path, SHORT)
 
 
 # --------------------------------------------------------------------------- memory-tier device
@@ -859,7 +1073,8 @@ def test_fuzz_dcp_import(dcp_dir, tmp_path):
 # --------------------------------------------------------------------------- the long campaign
 
 @pytest.mark.slow
-def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtier_image, dcp_dir, tmp_path):
+def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtier_image, dcp_dir, torch_repo,
+                  tmp_path):
     """Every decoder with :data:`_mutate.LONG` examples (``DEEPFREEZE_FUZZ_LONG``); prints the
     inputs fed to each."""
     TRIED.clear()
@@ -872,11 +1087,13 @@ def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtie
     run_redis(endpoint, LONG)
     run_frames(LONG)
     run_handshake(LONG)
+    run_clone_wire(LONG)
     run_repo(repo_dir, tmp_path, LONG // 10)
     run_memtier(memtier_image, LONG)
     run_lease(tmp_path, LONG)
     run_ini(tmp_path, LONG)
     run_dcp(dcp_dir, tmp_path / "dcp", LONG)
+    run_torch_repo(torch_repo, tmp_path, LONG // 10)
     print("fuzz campaign, inputs per decoder:", json.dumps(TRIED, sort_keys=True))
     assert all(v >= LONG // 20 for v in TRIED.values()), TRIED
 

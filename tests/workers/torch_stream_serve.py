@@ -1,14 +1,20 @@
 """Consumer of the torch stream tests: a plain process (no torch.distributed) serving predictions.
 
-    python tests/workers/torch_stream_serve.py OUT until=STEP [dead=1]
+    python tests/workers/torch_stream_serve.py OUT until=STEP [dead=1] [tier=auto|shm|tcp|persistent]
+        [pdir=DIR] [stall=1]
 
-It subscribes to the producer's channel (OUT/persistent), then answers requests
+It subscribes to the producer's channel (PDIR/persistent; PDIR: the producer's OUT, default OUT),
+then answers requests
 (``inputs()``, one row each, round robin) under ``with sub.current() as m:`` and records
 (version step, input row, output) for each; OUT/seen holds the newest step served (the producer
 waits on it). It stops once it served version ``until``. With ``dead=1`` (the producer was killed
 after ``until``) it then checks that no newer version becomes live within a bounded wait (a
 StreamTimeoutError) and that it still serves ``until``. Writes OUT/serve.npz (steps, rows,
 outputs) and OUT/serve.json.
+
+With ``stall=1`` (fault injection by subclassing the shared-memory ring it reads) the consumer's
+first read of a version from a producer's ring pins the slot, copies half of it, writes
+OUT/stalled and stops there, holding the pin, until the test SIGKILLs it mid-transfer.
 """
 import json
 import logging
@@ -26,17 +32,35 @@ from deepfreeze.torch import Subscriber  # noqa: E402
 from torch_stream_pub import CHANNEL, Net, inputs  # noqa: E402
 
 
+def stalling_ring(outdir: str) -> type:
+    from deepfreeze.stream import slots
+
+    class StallingRing(slots.SlotRing):
+        def read(self, version=None, out=None, *, verify=True):
+            with self.pinned(version) as (ver, crc, view):  # the slot pinned, as a read holds it
+                half = np.frombuffer(view, dtype=np.uint8)[:len(view) // 2].copy()  # noqa: F841 (copying)
+                with open(os.path.join(outdir, f"stalled.{os.getpid()}.{ver.step}"), "w") as f:
+                    f.write(str(ver.step))
+                time.sleep(600)  # SIGKILLed here, the pin held
+            raise AssertionError("not reached")
+
+    return StallingRing
+
+
 def main() -> None:
     out = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
+    if kw.get("stall") == "1":
+        from deepfreeze.stream import slots
+        slots.SlotRing = stalling_ring(out)  # the core Subscriber opens rings under this name
     until = int(kw["until"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # into consumer.log
     torch.set_num_threads(1)
     x = inputs()
     steps, rows, outputs = [], [], []
     info = {}
-    with Subscriber(Net().eval(), channel=CHANNEL, persistent=os.path.join(out, "persistent"),
-                    warn_after=60.0) as sub:
+    with Subscriber(Net().eval(), channel=CHANNEL, persistent=os.path.join(kw.get("pdir", out), "persistent"),
+                    tier=kw.get("tier", "auto"), warn_after=60.0) as sub:
         sub.wait(0, timeout=180)
         deadline = time.monotonic() + 180
         i = 0

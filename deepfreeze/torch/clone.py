@@ -1,0 +1,557 @@
+"""Clones of a running torchrun job, sent rank to rank over TCP to a second, independent job.
+
+Source job (every rank, after ``init_process_group`` and the DDP wrapper)::
+
+    server = deepfreeze.torch.CloneServer(model, optimizer, "127.0.0.1:7100", state={"sched": sched})
+    for x, y in server.iterate(loader):   # or call server.end_iteration() at each iteration's end
+        ...                               # forward, backward, optimizer.step(), sched.step()
+    server.close()
+
+Clone job (any world size, gloo or none; a fresh model and optimizer of the same architecture)::
+
+    info = deepfreeze.torch.clone.receive(model, optimizer, "127.0.0.1:7100", state={"sched": sched})
+    # model, optimizer, sched (and, at the source's world size, every rank's RNG) are the source's
+    # after its step info.step; continue training from there
+
+How: a :class:`CloneServer` is a sink of the model's :class:`~deepfreeze.torch.hook.StepHook`
+(the Checkpointer's capture points). Source rank 0 listens on ``address``
+(:class:`deepfreeze.clone.wire.RequestServer`, authenticated with the token). Every
+``every_n_steps`` optimizer steps, in the post-hook of the last optimizer, the source ranks agree
+whether a request is pending: one ``all_reduce`` of one int64 over a dedicated gloo group (the
+training's process group, NCCL or gloo, is never used). When one is, that step is ``K``: every
+source rank takes its tensor list (:func:`deepfreeze.torch._state.train_state`: the model's
+state dict and every optimizer state tensor) and a :class:`~deepfreeze.clone.ClonePlan` for ``N
+-> M`` ranks, and a background thread sends its routes (its 1/N of every replicated tensor;
+buffers whole from rank 0, copied in the hook) straight to the clone ranks
+(:class:`deepfreeze.clone.wire.Sender`), then its state record (the Checkpointer's record,
+:func:`deepfreeze.torch.checkpointer.rank_record`, encoded by :func:`deepfreeze.torch._state.encode`:
+RNG states, ``state=`` objects with the schedulers, ``param_groups``, the position of
+:meth:`CloneServer.iterate`). The record is taken at the loop's boundary
+(:meth:`CloneServer.end_iteration`) when the loop marks it, else as the Checkpointer takes it
+(post-hook, then the next forward's pre-hook). The next ``optimizer.step()`` waits for the
+routes to be sent before it updates anything (bounded by ``timeout``); the clone's answer is
+awaited in the background. The source never fails because a clone did: a failed clone is logged
+(its named error) and kept in :attr:`CloneServer.failures`; :meth:`CloneServer.wait` raises it.
+
+The clone side (:func:`receive`, collective over the clone job's ``torch.distributed`` world
+when it has one): every rank listens (:class:`deepfreeze.clone.wire.CloneListener`), rank 0
+requests the clone with every rank's endpoint, each rank receives its routes into flat buffers,
+the ranks agree (an all-reduce of outcomes on a dedicated gloo group) and rebuild every tensor
+(:func:`_rebuild`: the small ones in one all-gather of packed rows, each larger one by a
+broadcast per owner range, in plan order), then the state goes into the
+model and optimizers through the restore path (:func:`deepfreeze.torch.restore.apply`: the same
+checks, any world size; each rank's own record, RNG included, at the source's world size, rank
+0's otherwise).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .. import net
+from ..clone.api import CloneInfo
+from ..clone.plan import DEFAULT_THRESHOLD, ClonePlan
+from ..clone.wire import CloneListener, RequestServer, Sender, request
+from ..errors import CloneError, CloneTimeoutError, ConfigError, DeepFreezeError, ModelMismatchError, error_class
+from ..format import dtype_itemsize, numpy_dtype
+from ..loader import Checkpoint
+from . import _loop, _state
+from ._dist import rank_and_size
+from .checkpointer import rank_record
+from .hook import Sink, hook_for
+
+__all__ = ["CloneServer", "receive"]
+
+log = logging.getLogger("deepfreeze")
+
+#: the clone's rebuild packs tensors up to this size into one all-gather (gloo): with 4 MiB (the MPI
+#: receiver's FUSE_BYTES) packing 60 MB of a 40 MB model's Adam state cost 0.75 s against 0.26 s
+#: of per-range broadcasts (experiments/torch_clone.py); small tensors are what fusing saves
+FUSE_BYTES = 64 << 10
+
+
+def _group(timeout: float) -> Any:
+    """A dedicated gloo group of every rank (collective), or None in a one-process job."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+
+
+def _bcast_json(group: Any, obj: Any, rank: int) -> Any:
+    """Rank 0's JSON-able ``obj`` on every rank of ``group`` (never pickled)."""
+    if group is None:
+        return obj
+    return json.loads(_bcast_from(group, json.dumps(obj) if rank == 0 else "", 0, rank))
+
+
+def _flat_bytes(t: torch.Tensor, copy: bool) -> np.ndarray:
+    """The bytes of ``t`` as a flat uint8 numpy array (a view of a contiguous CPU tensor unless ``copy``)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    elif copy or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
+class _Clone:
+    """One clone in flight on a source rank."""
+
+    def __init__(self, step: int, n_clone: int) -> None:
+        self.step, self.n_clone = step, n_clone
+        self.sent = threading.Event()  # the routes went out: the optimizer may update the tensors
+        self.record_ready = threading.Event()
+        self.record = b""
+        self.record_a: Any = None
+        self.at_boundary = False
+        self.error: BaseException | None = None
+        self.sender: Sender | None = None
+        self.thread: threading.Thread | None = None
+        self.t0 = time.perf_counter()
+        self.seconds = 0.0
+
+
+class CloneServer(Sink):
+    """Serve clones of this DDP (or one-process) training job to other jobs.
+
+    Args:
+      model, optimizer: as :class:`~deepfreeze.torch.Checkpointer` (DDP or a plain module; an
+        optimizer or a sequence of them, the last one stepped last).
+      address: ``host:port`` source rank 0 listens on for requests (port 0: any free port, see
+        :attr:`address`); loopback unless ``allow_remote=True``.
+      token: the token file (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``, created
+        0600 when missing); the clone job must present the same token.
+      state: ``{name: Stateful}`` sent in each rank's record (LR schedulers, GradScaler, a data
+        position), as the Checkpointer's ``state=``.
+      every_n_steps: agree on pending requests every N optimizer steps (the cost: one all_reduce
+        of one int64 over a gloo group per check; docs/torch.md gives the measured number).
+      timeout: seconds any wait may take (a clone that does not take its data, a step waiting
+        for the routes to go out, the clone's answer).
+      threshold: tensors up to this many bytes go whole from one rank (:class:`ClonePlan`).
+      sender_cls: advanced, a :class:`deepfreeze.clone.wire.Sender` subclass (tests inject faults).
+
+    Build it on every rank (collective when ``torch.distributed`` runs).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]",
+                 address: str = "127.0.0.1:0", *, token: str | None = None, state: "dict[str, Any] | None" = None,
+                 every_n_steps: int = 1, timeout: float = 60.0, allow_remote: bool = False,
+                 threshold: int = DEFAULT_THRESHOLD, sender_cls: type = Sender) -> None:
+        opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        if not opts or not all(isinstance(o, torch.optim.Optimizer) for o in opts):
+            raise ConfigError("CloneServer: optimizer must be a torch.optim.Optimizer or a sequence of them")
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ConfigError(f"every_n_steps = {every_n_steps!r}: use a positive integer")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"timeout = {timeout!r}: use a positive number of seconds")
+        self.state = dict(state or {})
+        for k, obj in self.state.items():
+            if not isinstance(k, str) or not callable(getattr(obj, "state_dict", None)) \
+                    or not callable(getattr(obj, "load_state_dict", None)):
+                raise ConfigError(f"state[{k!r}] must have state_dict() and load_state_dict() (a Stateful), "
+                                  f"got {type(obj).__name__}")
+        if _state.check_layout(model):
+            raise ConfigError("CloneServer clones DDP and plain models; this one is sharded with FSDP2 "
+                              "(fully_shard), which it does not clone yet")
+        host, port = net.parse_address(address)
+        self.model, self.optimizers = model, opts
+        self.every_n_steps, self.timeout, self.threshold = every_n_steps, float(timeout), int(threshold)
+        self.sender_cls = sender_cls
+        self.rank, self.size = rank_and_size("deepfreeze.torch.CloneServer")
+        self.step = 0
+        #: seconds spent in the per-step agreement (all_reduce) and how many ran
+        self.agree_s, self.agreements = 0.0, 0
+        #: every clone served: {"step", "n_clone", "seconds", "bytes", "error"}
+        self.clones: list[dict[str, Any]] = []
+        #: the errors of clones that failed (also logged)
+        self.failures: list[BaseException] = []
+        self._clone: _Clone | None = None
+        self._st: "_state.TrainState | None" = None
+        #: clones started (the same count on every rank: they start at agreed steps)
+        self.served = 0
+        #: the step the last clone was taken at (None before the first)
+        self.last_clone_step: int | None = None
+        self._loop = _loop.Passes()
+        self._boundary = False
+        self._closed = False
+        self._token = net.ensure_token(token)
+        self._group = _group(self.timeout)
+        self._server: RequestServer | None = None
+        if self.rank == 0:
+            self._server = RequestServer(host, port, self._token, self.size, allow_remote=allow_remote,
+                                         timeout=self.timeout)
+        #: where clone jobs connect (source rank 0's listening address), on every rank
+        self.address: str = _bcast_json(self._group, self._server.address if self._server else "", self.rank)
+        self.hook = hook_for(model, opts)
+        self.hook.subscribe(self)
+
+    # ------------------------------------------------------------------ the loop
+    def iterate(self, iterable: Any) -> Any:
+        """``iterable``'s items with :meth:`end_iteration` after each (as
+        :meth:`Checkpointer.iterate <deepfreeze.torch.Checkpointer.iterate>`); the records sent
+        hold the pass's position (:attr:`CloneInfo.epoch`, :attr:`CloneInfo.epoch_step` on the clone)."""
+        self._boundary = True
+        return self._loop.iterate(iterable, self.end_iteration, "clone")
+
+    def end_iteration(self) -> None:
+        """Mark the end of a training iteration (after ``optimizer.step()``, ``scheduler.step()``):
+        a clone's records are taken here. Not collective; cheap when no clone is in flight."""
+        self._boundary = True
+        c = self._clone
+        if c is not None and not c.record_ready.is_set():
+            self._take_record(c, both=True)
+
+    # ------------------------------------------------------------------ hooks
+    def after_step(self, opt: Any) -> None:
+        self.step += 1
+        if self._closed or self.step % self.every_n_steps:
+            return
+        self._finish_send()
+        t0 = time.perf_counter()
+        req = self._server.next() if self._server is not None else None
+        flag = torch.tensor([0 if req is None else 1], dtype=torch.int64)
+        if self._group is not None:
+            import torch.distributed as dist
+            dist.all_reduce(flag, group=self._group)
+        self.agree_s += time.perf_counter() - t0
+        self.agreements += 1
+        if int(flag.item()):
+            msg = _bcast_json(self._group, {"n_clone": req.n_clone, "endpoints": req.endpoints} if req else None,
+                              self.rank)
+            self._start(msg["n_clone"], msg["endpoints"])
+
+    def before_forward(self, module: Any, args: Any) -> None:
+        c = self._clone
+        if c is not None and not c.record_ready.is_set() and not self._boundary:
+            self._take_record(c, both=False)
+
+    def before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._finish_send()
+        return None
+
+    # ------------------------------------------------------------------ the clone
+    def _take_record(self, c: _Clone, both: bool) -> None:
+        kw = dict(rank=self.rank, size=self.size, model=self.model, optimizers=self.optimizers, state=self.state,
+                  aliases=self._st.aliases, fqn_of=self._st.fqn_of, loop=self._loop, sharded=False)
+        try:
+            a = rank_record("a", **kw) if both or c.record_a is None else c.record_a
+            c.record = _state.encode({"a": a, **rank_record("b", **kw)}, "state")
+        except DeepFreezeError as e:
+            c.error = e
+            c.record = b""
+        c.at_boundary = both
+        c.record_ready.set()
+
+    def _start(self, n_clone: int, endpoints: list[str]) -> None:
+        st = self._st = _state.train_state(self.model, self.optimizers, self._st)
+        c = self._clone = _Clone(self.step, n_clone)
+        self.served += 1
+        self.last_clone_step = self.step
+        try:
+            plan = ClonePlan(st.specs, self.size, n_clone, whole=st.pinned, threshold=self.threshold)
+            sends = plan.sends_of(self.rank)
+            pinned = set(st.pinned)
+            buffers = {tid: _flat_bytes(st.tensors[tid], copy=tid in pinned) for tid in sends}
+            if not self._boundary:
+                c.record_a = rank_record("a", rank=self.rank, size=self.size, model=self.model,
+                                         optimizers=self.optimizers, state=self.state, aliases=st.aliases,
+                                         fqn_of=st.fqn_of, loop=self._loop, sharded=False)
+        except DeepFreezeError as e:
+            self._failed(c, e)
+            self._clone = None
+            return
+        header = {"step": self.step, "epoch": 0, "epoch_step": 0, "epoch_complete": False, "source_run": "",
+                  "model_tensors": st.model_tensors, "aliases": st.aliases}
+        sender = c.sender = self.sender_cls(self.rank, plan, endpoints, self._token, timeout=self.timeout)
+
+        def record() -> bytes:
+            if not c.record_ready.wait(self.timeout):
+                raise CloneTimeoutError(f"source rank {self.rank}: the state record of step {c.step} was not taken "
+                                        f"within {self.timeout:g} s (the loop did not reach its next iteration)")
+            if c.error is not None:
+                raise c.error
+            return c.record
+
+        def run() -> None:
+            try:
+                sender.send(buffers, record, header)
+            except BaseException as e:  # noqa: BLE001 (reported in _failed)
+                c.error = c.error or e
+            finally:
+                c.sent.set()
+            try:
+                if c.error is None:
+                    sender.outcome()
+            except BaseException as e:  # noqa: BLE001
+                c.error = e
+            finally:
+                sender.close()
+                c.seconds = time.perf_counter() - c.t0
+                self.clones.append({"step": c.step, "n_clone": c.n_clone, "seconds": c.seconds,
+                                    "bytes": sender.bytes_sent, "error": None if c.error is None else
+                                    f"{type(c.error).__name__}: {c.error}"})
+                if c.error is not None:
+                    self._failed(c, c.error)
+
+        c.thread = threading.Thread(target=run, name=f"deepfreeze-clone-send-r{self.rank}", daemon=True)
+        c.thread.start()
+
+    def _failed(self, c: _Clone, e: BaseException) -> None:
+        self.failures.append(e)
+        log.warning("DeepFreeze: rank %d: the clone of step %d to %d rank(s) failed: %s: %s", self.rank, c.step,
+                    c.n_clone, type(e).__name__, e)
+
+    def _finish_send(self) -> None:
+        """Before the tensors change: the record taken, the routes of the clone in flight sent
+        (bounded by ``timeout``: past it the connections are shut and the send ends with an error)."""
+        c = self._clone
+        if c is None or c.sent.is_set():
+            return
+        if not c.record_ready.is_set():
+            self._take_record(c, both=c.record_a is None)
+        if not c.sent.wait(self.timeout):
+            if c.sender is not None:
+                c.sender.close()  # the sending threads fail at once: nothing reads the tensors any more
+            c.sent.wait(10.0)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the clone in flight (its routes, then the clone's answer); raises its error
+        (:class:`~deepfreeze.errors.CloneError`, :class:`~deepfreeze.errors.CloneTimeoutError`,
+        :class:`~deepfreeze.errors.ModelMismatchError` ...) if it failed."""
+        c = self._clone
+        if c is None:
+            return
+        self._finish_send()
+        if c.thread is not None:
+            c.thread.join(timeout if timeout is not None else 2 * self.timeout + 10)
+        if c.error is not None:
+            raise c.error
+
+    def close(self) -> None:
+        """Stop serving: the clone in flight finishes (bounded), the listener and hooks go."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finish_send()
+            c = self._clone
+            if c is not None and c.thread is not None:
+                c.thread.join(2 * self.timeout + 10)
+        finally:
+            self.hook.unsubscribe(self)
+            if self._server is not None:
+                self._server.close()
+            if self._group is not None:
+                import torch.distributed as dist
+                try:
+                    dist.destroy_process_group(self._group)
+                except Exception:  # the default group is gone already
+                    pass
+
+    def __enter__(self) -> "CloneServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- the clone side
+
+def _check_plan(model: torch.nn.Module, plan: ClonePlan, header: dict) -> None:
+    """The first hello's plan against this side's model (before anything is allocated): the
+    model tensors by FQN, dtype and shape (:func:`_state.check_model`), then every other tensor
+    an ``optim.state.<fqn>.<key>`` of a parameter, at most as large as it (or 64 elements)."""
+    n_model, aliases = header.get("model_tensors"), header.get("aliases", {})
+    if type(n_model) is not int or not 0 <= n_model <= len(plan.tensors) or not isinstance(aliases, dict) \
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise CloneError("malformed clone hello header: model_tensors and aliases")
+    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in plan.tensors]
+    _state.check_model(model, tensors, n_model, "the clone source", aliases)
+    params = {fqn: t.numel() for fqn, t, is_param in _state.model_entries(model) if is_param}
+    for t in plan.tensors[n_model:]:
+        fqn = t.name[len("optim.state."):].rpartition(".")[0] if t.name.startswith("optim.state.") else None
+        if fqn not in params or t.size > max(params[fqn], 64):
+            raise ModelMismatchError(f"the clone source sends optimizer tensor {t.name[:200]!r} {t.dtype}"
+                                     f"{list(t.shape)}, which is no optimizer state of a parameter of this model")
+
+
+def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None",
+            address: str, *, token: str | None = None, state: "dict[str, Any] | None" = None,
+            timeout: float = 60.0, host: str = "127.0.0.1", allow_remote: bool = False,
+            strict: bool = True, fuse_bytes: int = FUSE_BYTES) -> CloneInfo:
+    """Take a clone of the job whose :class:`CloneServer` listens on ``address`` into ``model``,
+    ``optimizer`` (one or a sequence, or None) and the ``state=`` objects; returns its
+    :class:`~deepfreeze.clone.CloneInfo` (``step``: the source's optimizer steps; ``epoch``,
+    ``epoch_step``: the position of the source's :meth:`CloneServer.iterate`, when it used it).
+
+    Collective over this job's ``torch.distributed`` world when it is initialized (any size);
+    each rank listens on ``host`` (loopback unless ``allow_remote``) for the source ranks.
+    ``token``: the token file (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
+    Every wait is bounded by ``timeout``. ``fuse_bytes``: tensors up to this size are rebuilt
+    together in one all-gather (the rest one broadcast per owner range). Raises :class:`~deepfreeze.errors.AuthenticationError`
+    (the source does not know this token), :class:`~deepfreeze.errors.ModelMismatchError` (another
+    architecture, optimizers or ``state=`` keys: nothing is changed),
+    :class:`~deepfreeze.errors.CloneTimeoutError` / :class:`~deepfreeze.errors.CloneError` naming
+    the rank of either job that died or stopped."""
+    import torch.distributed as dist
+    opts = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    rank, size = rank_and_size("deepfreeze.torch.clone.receive")
+    timings = {"request": time.time()}
+    tok = net.load_token(token)
+    group = _group(timeout)
+    listener = CloneListener(rank, tok, host=host, allow_remote=allow_remote, timeout=timeout)
+    try:
+        endpoints = [listener.address]
+        if group is not None:
+            endpoints = [_bcast_from(group, listener.address, j, rank) for j in range(size)]
+        answer: dict = {}
+        if rank == 0:
+            try:
+                answer = {"n_src": request(address, tok, endpoints, timeout=timeout)}
+            except DeepFreezeError as e:
+                answer = {"type": type(e).__name__, "error": str(e)}
+                if group is None:
+                    raise
+                _bcast_json(group, answer, rank)
+                raise
+        answer = _bcast_json(group, answer, rank)
+        if "n_src" not in answer:
+            cls = error_class(answer.get("type")) or CloneError
+            raise cls(f"clone rank 0's request failed: {answer.get('error')}")
+        error: BaseException | None = None
+        try:
+            listener.receive(int(answer["n_src"]), lambda plan, header: _check_plan(model, plan, header))
+        except DeepFreezeError as e:
+            error = e
+        timings["received"] = time.time()
+        # -- agreement: every rank learns every other's outcome before a collective moves data
+        failed = _agree(group, error, rank, size, timeout)
+        if error is not None or failed:
+            err = error or CloneError(f"clone rank {rank}: clone rank(s) {failed} of this job did not receive the "
+                                      "clone (see their error); nothing was loaded")
+            listener.finish(err)
+            raise err
+        plan = listener.plan
+        assert plan is not None
+        if group is not None:
+            _rebuild(plan, listener.buffers, group, rank, fuse_bytes)
+        timings["rebuilt"] = time.time()
+        arrays: dict[str, np.ndarray] = {}
+        for t in plan.tensors:
+            arrays[t.name] = listener.buffers[t.id].view(numpy_dtype(t.dtype)).reshape(t.shape)
+        for r in range(plan.n_src):
+            arrays[f"{_state.RANK_PREFIX}{r}"] = np.frombuffer(listener.records[r], np.uint8)
+        header = listener.header
+        step = header.get("step")
+        if type(step) is not int or step < 0:
+            raise CloneError("malformed clone header: no step")
+        manifest = {"framework": "torch", "model_tensors": header["model_tensors"], "world_size": plan.n_src,
+                    "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in plan.tensors]}
+        ck = Checkpoint(name="clone", version=step, step=step, epoch=0, level="clone", arrays=arrays,
+                        manifest=manifest)
+        from .restore import apply
+        try:
+            applied = apply(ck, model, opts, state=state, rank=rank, world_size=size, rng=True, strict=strict)
+        except DeepFreezeError as e:
+            listener.finish(e)
+            raise
+        listener.finish(None)
+        rec = applied.record or _state.decode_record(listener.records[0], "clone record of source rank 0")
+        loop = rec.get("a", {}).get("loop") if isinstance(rec.get("a"), dict) else None
+        if isinstance(loop, dict):
+            loop = _loop.check_record(loop, "the clone source")
+            header = {**header, "epoch": loop["pass"], "epoch_step": loop["yielded"],
+                      "epoch_complete": bool(loop.get("done"))}
+        info = CloneInfo.from_header(header)
+        timings["loaded"] = time.time()
+        info.timings.update(timings, bytes_received=listener.bytes_received)
+        return info
+    finally:
+        listener.close()
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:
+                pass
+
+
+def _rebuild(plan: ClonePlan, buffers: dict[int, np.ndarray], group: Any, rank: int,
+             fuse_bytes: int = FUSE_BYTES) -> None:
+    """Every clone rank ends with every whole tensor (``buffers``: flat bytes per tensor id, this
+    rank's ranges filled): the tensors of at most ``fuse_bytes`` in one all-gather of packed,
+    equally padded rows (each rank packs the ranges it holds, in plan order), each larger one by
+    one in-place broadcast per owner range, in plan order. Every rank runs the same sequence."""
+    import torch.distributed as dist
+    m = plan.n_clone
+    small, large = [], []
+    for t in plan.tensors:
+        if t.nbytes:
+            (small if t.nbytes <= fuse_bytes else large).append(t)
+
+    def ranges(j: int) -> list[tuple[np.ndarray, int, int]]:
+        out = []
+        for t in small:
+            a, b = plan.partition[t.id][j]
+            if a < b:
+                item = dtype_itemsize(t.dtype)
+                out.append((buffers[t.id], a * item, b * item))
+        return out
+    counts = [sum(b - a for _, a, b in ranges(j)) for j in range(m)]
+    if sum(counts):
+        width = max(counts)
+        mine = np.zeros(width, np.uint8)
+        pos = 0
+        for buf, a, b in ranges(rank):
+            mine[pos:pos + b - a] = buf[a:b]
+            pos += b - a
+        rows = [torch.empty(width, dtype=torch.uint8) for _ in range(m)]
+        dist.all_gather(rows, torch.from_numpy(mine), group=group)
+        for j in range(m):
+            if j == rank:
+                continue
+            row, pos = rows[j].numpy(), 0
+            for buf, a, b in ranges(j):
+                buf[a:b] = row[pos:pos + b - a]
+                pos += b - a
+    for t in large:
+        item = dtype_itemsize(t.dtype)
+        for j, (a, b) in enumerate(plan.partition[t.id]):
+            if a < b:
+                dist.broadcast(torch.from_numpy(buffers[t.id][a * item:b * item]), src=j, group=group)
+
+
+def _bcast_from(group: Any, text: str, root: int, rank: int) -> str:
+    """``root``'s string on every rank of ``group``."""
+    import torch.distributed as dist
+    data = text.encode() if rank == root else b""
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(n, src=root, group=group)
+    buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+    if rank == root:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=root, group=group)
+    return bytes(buf.numpy()).decode()
+
+
+def _agree(group: Any, error: "BaseException | None", rank: int, size: int, timeout: float) -> list[int]:
+    """The clone ranks that failed (an all-reduce of one flag per rank over ``group``); a rank
+    that died or never answers within the group's timeout is a :class:`CloneTimeoutError`."""
+    import torch.distributed as dist
+    if group is None:
+        return []
+    flags = torch.zeros(size, dtype=torch.int64)
+    flags[rank] = 0 if error is None else 1
+    try:
+        dist.all_reduce(flags, group=group)
+    except RuntimeError as e:
+        raise CloneTimeoutError(f"clone rank {rank}: not every rank of this job said whether it received the clone "
+                                f"within {timeout:g} s (one died, or is stuck): {str(e)[:300]}") from e
+    return [j for j in range(size) if flags[j] and j != rank]

@@ -1,0 +1,67 @@
+"""Clone job of the torch clone tests: ``torchrun`` (gloo) of any size, or a plain process.
+
+    torchrun --standalone --nproc-per-node M tests/workers/torch_clone_dst.py OUT TAG [continue=N] [hidden=H]
+        [fuse_bytes=B] [timeout=S]
+
+Waits for OUT/address, takes a clone (deepfreeze.torch.clone.receive) into a model initialised
+differently, writes OUT/TAG/got_r<rank>.npz (the received state, :func:`flat_state`), then with
+``continue=N`` trains N more steps on the source's batches from the clone's position, writing
+OUT/TAG/s<step>_r<rank>.npz after each. OUT/TAG/result_r<rank>.json: the CloneInfo, or the error
+(type, message, seconds) when the clone failed.
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_clone_src import batches, build, flat_state, train_step  # noqa: E402
+
+from deepfreeze.torch import clone  # noqa: E402
+
+
+def main() -> None:
+    out, tag = sys.argv[1], sys.argv[2]
+    kv = dict(a.split("=", 1) for a in sys.argv[3:])
+    steps = int(kv.get("continue", 0))
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    d = os.path.join(out, tag)
+    os.makedirs(d, exist_ok=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(out, "address")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(os.path.join(out, "address")) as f:
+        address = f.read().strip()
+    # another init: everything must come from the source (hidden=N: another architecture)
+    net, model, opt, sched = build(12345, world, int(kv.get("hidden", 64)))
+    t0 = time.monotonic()
+    try:
+        info = clone.receive(model, opt, address, state={"sched": sched}, timeout=float(kv.get("timeout", 30)),
+                             fuse_bytes=int(kv.get("fuse_bytes", 64 << 10)))
+    except Exception as e:
+        with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
+            json.dump({"error_type": type(e).__name__, "error": str(e), "seconds": time.monotonic() - t0,
+                       "chain": [type(c).__name__ for c in (e.__cause__,) if c is not None]}, f)
+        return
+    np.savez(os.path.join(d, f"got_r{rank}.npz"), **flat_state(net, opt, sched))
+    data = batches(rank, info.epoch_step + steps) if steps else []
+    for k in range(steps):
+        x, y = data[info.epoch_step + k]
+        train_step(model, opt, sched, x, y)
+        np.savez(os.path.join(d, f"s{info.step + k + 1}_r{rank}.npz"), **flat_state(net, opt, sched))
+    with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
+        json.dump({"step": info.step, "epoch": info.epoch, "epoch_step": info.epoch_step,
+                   "seconds": time.monotonic() - t0, "bytes": info.timings.get("bytes_received")}, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
