@@ -513,7 +513,8 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--nodes", action="store_true", help="across the cluster harness's namespaced nodes (root): "
                     "producer on n1, consumer on n2, the TCP tier (df-tcp the reference); no slowdown run")
-    ap.add_argument("--quick", action="store_true", help="smoke: mlp, df-shm and save-inotify, 2 reps x 2 updates, 2 pairs of 4-step slowdown blocks")
+    ap.add_argument("--quick", action="store_true", help="smoke: mlp, df-shm and save-inotify, 2 reps x 2 updates, "
+                    "2 pairs of 4-step slowdown blocks (unpinned only)")
     ap.add_argument("--model", default=None, help="experiments/torch_models.py name (default resnet50; --quick mlp)")
     ap.add_argument("--approaches", default=None, help=f"comma list of {','.join(APPROACHES)} (default all; "
                     f"--quick {','.join(QUICK_APPROACHES)})")
