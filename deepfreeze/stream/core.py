@@ -458,6 +458,11 @@ class _Conn:
         self.model_tensors = recs[0]["model_tensors"]
         self.layouts = [FusedLayout.build(self.plan, r) for r in range(self.world)]
         self.prefixes = [model_prefix(lay, self.model_tensors) for lay in self.layouts]
+        #: one producer rank holding every model tensor whole: (name, byte offset in its data, spec)
+        #: per tensor, so a fetch hands out views of the receive buffer instead of scattering
+        self.direct = _direct_views(self.layouts[0], self.model_tensors, self.specs) if self.world == 1 else None
+        if self.direct and max(off + spec.nbytes for _, off, spec in self.direct) > self.prefixes[0]:
+            self.direct = None  # not inside the published prefix: scatter (which checks nothing more)
         self.notes: dict[Version, dict[int, dict[str, Any]]] = {}
         self.subs: list[Any] = []
         self.fetchers: dict[int, Any] = {}
@@ -903,8 +908,9 @@ class Subscriber:
                out: dict[str, np.ndarray] | None) -> Update:
         t0 = time.perf_counter()
         specs = conn.specs[:conn.model_tensors]
-        arrays = self._arrays(specs, out)
-        flats = [arrays[s.name].reshape(-1).view(np.uint8) for s in specs]
+        direct = conn.direct if out is None else None  # views of the receive buffer: one copy less
+        arrays = {} if direct is not None else self._arrays(specs, out)
+        flats = [arrays[s.name].reshape(-1).view(np.uint8) for s in specs] if direct is None else []
         crcs: list[int] = [0] * conn.world
         errors: list[BaseException] = []
 
@@ -933,7 +939,11 @@ class Subscriber:
                     raise StreamError(f"rank {r}'s shard of {v} has CRC {crc:#x}, its notification said "
                                       f"{int(notes[r]['crc']):#x}")
                 crcs[r] = int(crc)
-                _scatter(conn.layouts[r], conn.model_tensors, buf[:n], flats, specs)
+                if direct is not None:
+                    for name, off, spec in direct:
+                        arrays[name] = buf[off:off + spec.nbytes].view(fmt.numpy_dtype(spec.dtype)).reshape(spec.shape)
+                else:
+                    _scatter(conn.layouts[r], conn.model_tensors, buf[:n], flats, specs)
             except BaseException as e:
                 errors.append(e)
 
@@ -1006,6 +1016,24 @@ def _aligned_arrays(specs: Sequence[TensorSpec], align: int = 64) -> dict[str, n
         out[s.name] = raw[pos:pos + n].view(fmt.numpy_dtype(s.dtype)).reshape(s.shape)
         pos += n + (-n) % align
     return out
+
+
+def _direct_views(layout: FusedLayout, model_tensors: int,
+                  specs: Sequence[TensorSpec]) -> list[tuple[str, int, TensorSpec]] | None:
+    """(name, offset in the published bytes, spec) of every model tensor when each is one whole
+    piece of ``layout`` (a one-rank producer), else None (the pieces must be scattered)."""
+    seen: dict[int, int] = {}
+    for s in layout.segments:
+        tid = s.piece.tensor_id
+        if tid >= model_tensors:
+            continue
+        spec = specs[tid]
+        if tid in seen or s.piece.start != 0 or s.piece.stop != spec.size or s.nbytes != spec.nbytes:
+            return None
+        seen[tid] = s.offset - STAMP_BYTES
+    if len(seen) != model_tensors:
+        return None
+    return [(specs[t].name, seen[t], specs[t]) for t in range(model_tensors)]
 
 
 def _scatter(layout: FusedLayout, model_tensors: int, data: np.ndarray, flats: list[np.ndarray],
