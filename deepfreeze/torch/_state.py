@@ -301,6 +301,18 @@ def _tied(entries: list[tuple[str, torch.Tensor, bool]]) -> dict[str, str]:
     return out
 
 
+def statefuls(state: "dict[str, Any] | None") -> dict[str, Any]:
+    """``state=`` of a Checkpointer or CloneServer, checked: str keys, each value a Stateful
+    (``state_dict()`` and ``load_state_dict()``); a copy of the dict."""
+    out = dict(state or {})
+    for k, obj in out.items():
+        if not isinstance(k, str) or not callable(getattr(obj, "state_dict", None)) \
+                or not callable(getattr(obj, "load_state_dict", None)):
+            raise ConfigError(f"state[{k!r}] must have state_dict() and load_state_dict() (a Stateful), "
+                              f"got {type(obj).__name__}")
+    return out
+
+
 def class_name(obj: Any) -> str:
     """The module-qualified class name of ``obj`` (``torch.optim.adamw.AdamW``)."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"

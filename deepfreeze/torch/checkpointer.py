@@ -189,12 +189,7 @@ class Checkpointer(RunView, Sink):
             raise ConfigError(f"every_n_steps = {every_n_steps!r}: use a positive integer or None")
         if not isinstance(min_shard_bytes, int) or min_shard_bytes < 0:
             raise ConfigError(f"min_shard_bytes = {min_shard_bytes!r}: use an integer >= 0")
-        self.state = dict(state or {})
-        for k, obj in self.state.items():
-            if not isinstance(k, str) or not callable(getattr(obj, "state_dict", None)) \
-                    or not callable(getattr(obj, "load_state_dict", None)):
-                raise ConfigError(f"state[{k!r}] must have state_dict() and load_state_dict() (a Stateful), "
-                                  f"got {type(obj).__name__}")
+        self.state = _state.statefuls(state)
         if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or not close_timeout > 0:
             raise ConfigError(f"close_timeout = {close_timeout!r}: use a positive number of seconds")
         self.close_timeout = float(close_timeout)

@@ -152,12 +152,7 @@ class CloneServer(Sink):
             raise ConfigError(f"every_n_steps = {every_n_steps!r}: use a positive integer")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"timeout = {timeout!r}: use a positive number of seconds")
-        self.state = dict(state or {})
-        for k, obj in self.state.items():
-            if not isinstance(k, str) or not callable(getattr(obj, "state_dict", None)) \
-                    or not callable(getattr(obj, "load_state_dict", None)):
-                raise ConfigError(f"state[{k!r}] must have state_dict() and load_state_dict() (a Stateful), "
-                                  f"got {type(obj).__name__}")
+        self.state = _state.statefuls(state)
         if _state.check_layout(model):
             raise ConfigError("CloneServer clones DDP and plain models; this one is sharded with FSDP2 "
                               "(fully_shard), which it does not clone yet")
