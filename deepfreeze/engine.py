@@ -136,7 +136,7 @@ from . import format as fmt
 from .fused import FusedLayout, FusedShard
 from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError,
                      MemtierBusyError, MemtierError, MemtierFullError)
-from .levels import ScratchLevel, SlotSource, flush_job
+from .levels import PersistentLevel, ScratchLevel, SlotSource, flush_job
 from . import writeonce
 from .priority import Lanes
 from .comm import Comm
@@ -158,13 +158,16 @@ class Engine:
 
     def __init__(self, config: Config, name: str, rank: int, plan: ShardPlan,
                  domains: Sequence[str] | None = None, *, scratch_cls: type = ScratchLevel,
-                 max_pending_flushes: int | None = None, comm: Comm | None = None,
-                 run: RunInfo | None = None) -> None:
+                 persistent_cls: type = PersistentLevel, max_pending_flushes: int | None = None,
+                 comm: Comm | None = None, run: RunInfo | None = None) -> None:
         self.config, self.name, self.rank, self.plan = config, validate_name(name), rank, plan
         #: the run this engine writes for (:mod:`deepfreeze.run`); without one, the anonymous run
         self.run = run or RunInfo(ANONYMOUS_RUN)
         self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
         self.scratch = scratch_cls(config.scratch, shared_group=config.shared_group)
+        #: the persistent level's class in this process: write once's writes and the sync flush (faults are
+        #: injected by subclassing it; a backend process flushes with its own)
+        self.persistent_cls = persistent_cls
         # the writer's two lanes (deepfreeze.priority), started now, not in the first checkpoint call; VeloC's
         # calls must stay on one thread
         self._pool = Lanes(f"deepfreeze-writer-r{rank}", low=config.background_priority == "low",
@@ -709,7 +712,8 @@ class Engine:
             self._flush(version, manifest, source)
             return
         direct = writeonce.write_version(cfg, self.name, version, self.rank, self.plan, arrays, self.run.id,
-                                         critical=self._pool.run_normal) if self.write_once else None
+                                         critical=self._pool.run_normal,
+                                         level_cls=self.persistent_cls) if self.write_once else None
         if direct is not None:  # written once, into persistent's partial: no scratch file
             self.write_times[version] = time.perf_counter() - t0
             self._flush(version, manifest, direct=direct)
@@ -758,7 +762,7 @@ class Engine:
             finally:
                 self._in_backend = False
         else:
-            flush_job(job, scratch_cls=type(self.scratch))
+            flush_job(job, scratch_cls=type(self.scratch), persistent_cls=self.persistent_cls)
 
 
 def _address(a: np.ndarray) -> int:

@@ -105,6 +105,7 @@ Long because: one protocol (the commit protocol above), whose steps share one se
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import errno
@@ -512,63 +513,105 @@ def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]
     return crcs
 
 
-#: the last plan object laid out: [plan, (entries, data offset, file size), its offsets by piece or None]
+#: the last plan object laid out: [plan, (entries, data offset, file size), its _Assembled or None]
 _LAYOUT: list = []
 
 
-def _assembled_offsets(level: "PersistentLevel", plan: ShardPlan) -> "dict[tuple[int, int], int]":
-    """``(tensor_id, start)`` -> offset in the assembled file of every piece of ``plan``, kept with
-    its layout for the newest plan object (a writer writes version after version of one plan)."""
+#: one write of write once: ``(src, end, dst, pieces)``, bytes ``[src, end)`` of a rank's buffer
+#: (``base``-relative) written at file offset ``dst``, holding ``pieces`` (fused-layout entries)
+Run = tuple[int, int, int, list]
+
+
+@dataclasses.dataclass
+class _Assembled:
+    """Where every piece of a plan lies in the assembled file (kept for the newest plan object)."""
+
+    where: dict  # (tensor_id, start) -> offset
+    after: dict  # (tensor_id, start) -> the (tensor_id, start) laid right after it, or None
+    offsets: list  # every non-empty piece's offset, ascending
+    entries: list  # the non-empty assembled entries in that order (they do not overlap)
+    owner: dict  # (tensor_id, start) -> the rank whose piece it is
+
+
+def _assembled_offsets(level: "PersistentLevel", plan: ShardPlan) -> _Assembled:
+    """Where every piece of ``plan`` lies in the assembled file (:class:`_Assembled`), kept with its
+    layout for the newest plan object (a writer writes version after version of one plan)."""
     layout, _, _ = level.assembled_layout(plan)
-    if not (_LAYOUT and _LAYOUT[0] is plan and _LAYOUT[1][0] is layout):  # (a subclass's own layout)
-        return {(e.tensor_id, e.start): e.offset for e in layout}
-    if _LAYOUT[2] is None:
-        _LAYOUT[2] = {(e.tensor_id, e.start): e.offset for e in layout}
-    return _LAYOUT[2]
+    cached = _LAYOUT and _LAYOUT[0] is plan and _LAYOUT[1][0] is layout  # (not a subclass's own layout)
+    if cached and _LAYOUT[2] is not None:
+        return _LAYOUT[2]
+    ordered = sorted(layout, key=lambda e: e.offset)
+    keys = [(e.tensor_id, e.start) for e in ordered]
+    out = _Assembled(where={k: e.offset for k, e in zip(keys, ordered)},
+                     after={k: (keys[i + 1] if i + 1 < len(keys) else None) for i, k in enumerate(keys)},
+                     offsets=[e.offset for e in ordered if e.length], entries=[e for e in ordered if e.length],
+                     owner={(p.tensor_id, p.start): p.rank for p in plan.pieces})
+    if cached:
+        _LAYOUT[2] = out
+    return out
 
 
-def _write_runs(fd: int, data: memoryview, base: int, entries: Sequence[fmt.Entry],
-                where: "dict[tuple[int, int], int]", chksum: bool) -> list[list[int]]:
-    """Write a fused shard's pieces (``entries``, offsets ``base``-relative in ``data``) to their
-    offsets ``where[(tensor_id, start)]`` of ``fd``: consecutive pieces whose destination is at the
-    same distance from their source form one run, written with the padding between them (zeros in
-    a fused buffer; holes of the file read as zeros too) by :func:`_write_region` (writes of at most
+def _write_runs(fd: int, data: memoryview, base: int, runs: "Sequence[Run]", chksum: bool) -> list[list[int]]:
+    """Write a fused shard's ``runs`` (:meth:`PersistentLevel.direct_runs`, checked by
+    :func:`_check_runs`): each run's bytes of ``data`` (``base``-relative), its pieces with the
+    padding between them, at the run's file offset by :func:`_write_region` (writes of at most
     ``_CHUNK``, each piece's CRC32 taken chunk by chunk right before the write). One rank's pieces
-    are one run: a handful of writes instead of one per piece (4000 for a 1000-layer MLP's
+    are a handful of runs: a handful of writes instead of one per piece (4000 for a 1000-layer MLP's
     AdamW state). The write-back of every ``_WRITEBACK_BATCH`` bytes is started at once.
-    Returns ``[[tensor_id, start, crc], ...]`` in ``entries``' order (crashpoint
+    Returns ``[[tensor_id, start, crc], ...]`` in the runs' piece order (crashpoint
     ``persistent.direct.write`` after the first run)."""
     crcs: list[list[int]] = []
     lo: int | None = None  # the range written since the last write-back kick
     hi = pending = 0
-    i, first = 0, True
-    while i < len(entries):
-        e0 = entries[i]
-        shift = where[(e0.tensor_id, e0.start)] - (e0.offset - base)
-        j, end = i + 1, e0.offset + e0.length
-        while j < len(entries):
-            e = entries[j]
-            if e.offset < end or where[(e.tensor_id, e.start)] - (e.offset - base) != shift:
-                break
-            end = e.offset + e.length
-            j += 1
-        s0 = e0.offset - base
-        run = entries[i:j]
-        got = _write_region(fd, data[s0:end - base], s0 + shift, [(e.offset - e0.offset, e.length) for e in run],
+    for k, (src, end, dst, run) in enumerate(runs):
+        got = _write_region(fd, data[src:end], dst, [(e.offset - base - src, e.length) for e in run],
                             chksum, "bytes.persistent.data")
         crcs.extend([e.tensor_id, e.start, c] for e, c in zip(run, got))
-        lo, hi = (s0 + shift if lo is None else min(lo, s0 + shift)), max(hi, end - base + shift)
-        pending += end - e0.offset
+        lo, hi = (dst if lo is None else min(lo, dst)), max(hi, dst + end - src)
+        pending += end - src
         if pending >= _WRITEBACK_BATCH:
             _start_writeback(fd, lo, hi - lo)
             lo, hi, pending = None, 0, 0
-        if first:
+        if k == 0:
             cp.hit("persistent.direct.write")  # the first run written, the others not yet
-            first = False
-        i = j
     if lo is not None:
         _start_writeback(fd, lo, hi - lo)
     return crcs
+
+
+def _check_runs(runs: "Sequence[Run]", base: int, at: _Assembled, plan: ShardPlan, rank: int,
+                what: str) -> None:
+    """Before a byte is written: every piece of ``runs`` is rank ``rank``'s and lands at its assembled
+    offset, and a run's bytes cover no piece but its own (what lies between them is padding no piece
+    holds). Else :class:`CheckpointWriteError` naming the version (``what``), the tensor and the rank:
+    bytes written over another piece would not match the CRC its rank records for it, and a run of
+    padding over a piece is exactly that. The check costs one lookup per piece and one bisection
+    per run, in memory; nothing of the file is read."""
+    def piece(key: tuple[int, int]) -> str:
+        e = next((x for x in at.entries if (x.tensor_id, x.start) == key), None)
+        span = f"[{key[1]},{e.stop})" if e is not None else f"[{key[1]},{key[1]})"
+        return f"tensor {plan.tensors[key[0]].name!r} elements {span}"
+    for src, end, dst, run in runs:
+        keys = set()
+        for e in run:
+            key = (e.tensor_id, e.start)
+            land = dst + (e.offset - base - src)
+            if at.owner.get(key) != rank or land != at.where.get(key) or not (src <= e.offset - base
+                                                                              and e.offset - base + e.length <= end):
+                raise CheckpointWriteError(errno.EIO, f"{what} rank {rank}: {piece(key)} would be written at offset "
+                                           f"{land} of the partial, not at its assembled offset {at.where.get(key)} "
+                                           f"(a piece of rank {at.owner.get(key)}): not committing the version")
+            keys.add(key)
+        lo, hi = dst, dst + end - src
+        i = max(0, bisect.bisect_right(at.offsets, lo) - 1)
+        while i < len(at.entries) and at.entries[i].offset < hi:
+            e = at.entries[i]
+            key = (e.tensor_id, e.start)
+            if e.offset + e.length > lo and key not in keys:
+                raise CheckpointWriteError(errno.EIO, f"{what} rank {rank}: a write of bytes [{lo},{hi}) of the partial "
+                                           f"would cover {piece(key)} of rank {at.owner[key]}, whose bytes would then "
+                                           "not match the CRC recorded for them: not committing the version")
+            i += 1
 
 
 def _listdir(path: str) -> list[str]:
@@ -863,39 +906,72 @@ class PersistentLevel(Level):
         is handed to :meth:`flush_shard`, which makes the bytes durable and goes on with the commit
         protocol. ``decision`` is this run's ``flush`` decision of the version (:meth:`decide`).
         Raises OSError, ValueError (arrays do not match the plan)."""
+        at = _assembled_offsets(self, plan)
+        what = f"write once of {name!r} v{version}"
         if isinstance(arrays, FusedShard):
             shard = _check_fused(arrays, plan, rank)
             data, base = fmt.byte_view(shard.data), shard.layout.data_offset
-        else:
-            views = list(zip(_check_arrays(arrays, plan, rank), (fmt.byte_view(a) for a in arrays)))
-        where = _assembled_offsets(self, plan)
+            runs = self.direct_runs(shard.layout.entries, base, at.where, at.after)
+        else:  # one run a piece, each from its own array
+            entries = _check_arrays(arrays, plan, rank)
+            runs = [(0, e.nbytes, at.where[(e.tensor_id, e.start)], [e]) for e in entries]
+            base = 0
+        _check_runs(runs, base, at, plan, rank, what)
         vdir = self.version_dir(name, version)
         counters.fs("create", "persistent.partial.create")
         dst = os.open(os.path.join(vdir, f"{ASSEMBLED}.partial.{decision['nonce']}"),
                       os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        crcs = []
         try:
             if isinstance(arrays, FusedShard):  # runs of pieces laid out alike in both: one write each
-                crcs = _write_runs(dst, data, base, shard.layout.entries, where, chksum)
-                return {"nonce": decision["nonce"], "has_crc": bool(chksum), "crcs": crcs}
-            lo: int | None = None  # the range written since the last write-back kick
-            hi = pending = 0
-            for k, (e, view) in enumerate(views):
-                at = where[(e.tensor_id, e.start)]
-                crc = _write_region(dst, view, at, [(0, len(view))], chksum, "bytes.persistent.data")[0]
-                lo, hi = (at if lo is None else min(lo, at)), max(hi, at + len(view))
-                pending += len(view)
-                if pending >= _WRITEBACK_BATCH:
+                crcs = _write_runs(dst, data, base, runs, chksum)
+            else:
+                crcs = []
+                lo: int | None = None  # the range written since the last write-back kick
+                hi = pending = 0
+                for k, ((_, _, at_, (e,)), a) in enumerate(zip(runs, arrays)):
+                    view = fmt.byte_view(a)
+                    crc = _write_region(dst, view, at_, [(0, len(view))], chksum, "bytes.persistent.data")[0]
+                    lo, hi = (at_ if lo is None else min(lo, at_)), max(hi, at_ + len(view))
+                    pending += len(view)
+                    if pending >= _WRITEBACK_BATCH:
+                        _start_writeback(dst, lo, hi - lo)
+                        lo, hi, pending = None, 0, 0
+                    crcs.append([e.tensor_id, e.start, crc])
+                    if k == 0:
+                        cp.hit("persistent.direct.write")  # the first piece written, the others not yet
+                if lo is not None:
                     _start_writeback(dst, lo, hi - lo)
-                    lo, hi, pending = None, 0, 0
-                crcs.append([e.tensor_id, e.start, crc])
-                if k == 0:
-                    cp.hit("persistent.direct.write")  # the first piece written, the others not yet
-            if lo is not None:
-                _start_writeback(dst, lo, hi - lo)
         finally:
             os.close(dst)
         return {"nonce": decision["nonce"], "has_crc": bool(chksum), "crcs": crcs}
+
+    def direct_runs(self, entries: Sequence[fmt.Entry], base: int, where: "dict[tuple[int, int], int]",
+                    after: "dict[tuple[int, int], tuple[int, int] | None]") -> list[Run]:
+        """How :meth:`write_direct` writes a fused shard (``entries``: its pieces, offsets
+        ``base``-relative in its buffer): runs ``(src, end, dst, pieces)``, bytes ``[src, end)`` of
+        the buffer at file offset ``dst``. Consecutive pieces form one run, written with the padding
+        between them (zeros in a fused buffer; holes of the file read as zeros too), when their
+        destinations are as far apart as their sources **and** the second is laid right after the
+        first in the assembled file (``after``): the padding of a run then never covers another
+        rank's piece. (FSDP2 shards a tensor by rows, unevenly: rank 0's first rows and its next
+        tensor can be as far apart in the file as in its buffer, with rank 1's rows between them.)
+        :func:`_check_runs` checks what this returns before a byte is written."""
+        runs: list[Run] = []
+        i = 0
+        while i < len(entries):
+            e0 = entries[i]
+            shift = where[(e0.tensor_id, e0.start)] - (e0.offset - base)
+            j, end = i + 1, e0.offset + e0.length
+            while j < len(entries):
+                e, prev = entries[j], entries[j - 1]
+                if (e.offset < end or where[(e.tensor_id, e.start)] - (e.offset - base) != shift
+                        or after[(prev.tensor_id, prev.start)] != (e.tensor_id, e.start)):
+                    break
+                end = e.offset + e.length
+                j += 1
+            runs.append((e0.offset - base, end - base, e0.offset - base + shift, list(entries[i:j])))
+            i = j
+        return runs
 
     @staticmethod
     def _direct_crcs(direct: Any, plan: ShardPlan, rank: int, nonce: str, what: str) -> tuple[bool, list]:

@@ -151,14 +151,17 @@ def _choose(mode: str, scratch: str, persistent: str, ec: bool, memtier: bool, n
 
 def write_version(config: Config, name: str, version: int, rank: int, plan: ShardPlan,
                   arrays: "Sequence[np.ndarray] | FusedShard", run: str, *,
-                  critical: Any = None) -> dict[str, Any] | None:
+                  critical: Any = None, level_cls: type = PersistentLevel) -> dict[str, Any] | None:
     """Decide ``version`` (:meth:`PersistentLevel.decide`, the flush's own call) and, decided
     ``flush`` by this run, write this rank's pieces into its partial (:meth:`PersistentLevel.write_direct`);
     return the flush job's ``direct`` record. None when the version goes through scratch instead
     (decided ``skip``, no persistent level, or the run lost its lease: the flush then abandons it).
     ``critical`` (the engine's :meth:`deepfreeze.priority.Lanes.run_normal`): runs the decision,
-    a ``commit.lock`` section other nodes wait on, at normal priority (:meth:`PersistentLevel.critical`)."""
-    level = PersistentLevel(config.persistent, shared_group=config.shared_group)
+    a ``commit.lock`` section other nodes wait on, at normal priority (:meth:`PersistentLevel.critical`).
+    ``level_cls``: the :class:`PersistentLevel` (sub)class that writes (faults are injected by subclassing).
+    Raises :class:`~deepfreeze.errors.CheckpointWriteError` when the writes it plans would not leave
+    every piece's bytes where their CRCs say (:meth:`PersistentLevel.write_direct`): nothing is written."""
+    level = level_cls(config.persistent, shared_group=config.shared_group)
     if critical is not None:
         level.critical = critical
     try:

@@ -4,6 +4,7 @@ and a flush job's write-once record checked before anything is committed."""
 import logging
 import os
 
+import numpy as np
 import pytest
 
 import deepfreeze
@@ -141,4 +142,108 @@ def test_flush_checks_the_write_once_record(tmp_path):
     assert flush_job(dict(job, direct=direct))["committed"]
     ck = load(c, "job", 1)
     for a, b in zip(ck.arrays.values(), model_arrays(1)):
+        assert a.tobytes() == b.tobytes()
+
+
+# -- FSDP2-shaped plans: a tensor's rows split unevenly, one rank's piece right after another's tail
+
+ROW_SHAPES = [(5, 3), (5,), (1, 5), (1,), (7, 2), (3, 300)]  # 5 rows on 2 ranks: 3 + 2; one row: 1 + 0
+
+
+def row_plan(world):
+    """The plan an FSDP2 job makes: each tensor split by dim-0 rows as ``torch.chunk`` does."""
+    from deepfreeze.shardplan import ShardPlan, TensorSpec
+    ts = [TensorSpec(i, f"t{i}", "float32", s) for i, s in enumerate(ROW_SHAPES)]
+    given = {}
+    for i, s in enumerate(ROW_SHAPES):
+        per_row, chunk = int(np.prod(s[1:], dtype=np.int64)), -(-s[0] // world)
+        given[i] = [min(s[0], chunk * r) * per_row for r in range(world + 1)]
+    return ShardPlan.build(ts, world, given=given)
+
+
+def row_arrays(seed):
+    r = np.random.default_rng(seed)
+    return [r.standard_normal(s).astype(np.float32) for s in ROW_SHAPES]
+
+
+@pytest.mark.parametrize("order", ["rank 0 first", "last rank first"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_uneven_rows_written_once_restore_bit_exact(tmp_path, order, world):
+    """The FSDP2 case of issue 40: fused shards of a plan split by rows, written once in either order
+    of the ranks, every version restored bit-exact (before the fix, a rank's run of writes carried its
+    fused padding over the next rank's rows: checksum mismatch in tensor 0 elements [9,15))."""
+    plan = row_plan(world)
+    c = cfg(tmp_path / "node0", tmp_path / "pfs")  # the shipped default, one disk: written once
+    engines = [Engine(c, "job", r, plan) for r in range(world)]
+    assert all(e.write_once for e in engines)
+    layouts = [FusedLayout.build(plan, r) for r in range(world)]
+    ranks = list(range(world)) if order == "rank 0 first" else list(reversed(range(world)))
+    for v in (1, 2):
+        arrays = row_arrays(v)
+        for r in ranks:
+            engines[r].checkpoint(v, FusedShard.from_arrays(layouts[r], pieces(arrays, plan, r), v), step=v, epoch=0)
+    for e in engines:
+        e.close()
+    for v in (1, 2):
+        ck = load(c, "job", v)
+        for a, b in zip(ck.arrays.values(), row_arrays(v)):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+class _Equal:
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+
+class _EverythingAdjacent(dict):
+    def __getitem__(self, key):
+        return _Equal()
+
+
+class RunsOverOtherRanks(PersistentLevel):
+    """The merging rule before the fix: a run goes on while destinations are as far apart as sources,
+    whatever lies between them in the assembled file (another rank's rows)."""
+
+    def direct_runs(self, entries, base, where, after):
+        return super().direct_runs(entries, base, where, _EverythingAdjacent())
+
+
+def test_a_write_over_another_rank_is_refused_before_a_byte(tmp_path):
+    """A rank whose planned writes would cover another rank's piece gets a CheckpointWriteError naming
+    the version, the tensor and the rank; nothing of it is written, the version is never committed,
+    and the next version (written by the real rule) commits bit-exact."""
+    plan = row_plan(2)
+    c = cfg(tmp_path / "node0", tmp_path / "pfs")
+    engines = [Engine(c, "job", 0, plan, persistent_cls=RunsOverOtherRanks), Engine(c, "job", 1, plan)]
+    layouts = [FusedLayout.build(plan, r) for r in range(2)]
+    arrays = row_arrays(1)
+    shards = [FusedShard.from_arrays(layouts[r], pieces(arrays, plan, r), 1) for r in range(2)]
+    engines[1].checkpoint(1, shards[1], step=1, epoch=0)
+    with pytest.raises(CheckpointWriteError) as err:
+        engines[0].checkpoint(1, shards[0], step=1, epoch=0)
+        engines[0].wait()
+    msg = str(err.value)
+    assert "'job' v1 rank 0" in msg and "tensor 't0' elements [9,15) of rank 1" in msg, msg
+    vdir = PersistentLevel(c.persistent).version_dir("job", 1)
+    partial = [f for f in os.listdir(vdir) if f.startswith("model.dfz.partial.")]
+    assert len(partial) == 1 and not [f for f in os.listdir(vdir) if f.startswith("done.r000000")]
+    with open(os.path.join(vdir, partial[0]), "rb") as f:  # rank 1's rows are there, rank 0 wrote nothing
+        data = f.read()
+    at = {(e.tensor_id, e.start): e.offset for e in PersistentLevel(c.persistent).assembled_layout(plan)[0]}
+    for p in plan.pieces:
+        got = data[at[(p.tensor_id, p.start)]:at[(p.tensor_id, p.start)] + 4 * p.count]
+        want = arrays[p.tensor_id].reshape(-1)[p.start:p.stop].tobytes()
+        assert (got == want) if p.rank == 1 else (got.strip(b"\0") == b"" or len(got) == 0)
+    assert 1 not in deepfreeze.list_versions(c, "job")
+    engines[0] = Engine(c, "job", 0, plan)
+    arrays = row_arrays(2)
+    for r in (1, 0):
+        engines[r].checkpoint(2, FusedShard.from_arrays(layouts[r], pieces(arrays, plan, r), 2), step=2, epoch=0)
+    for e in engines:
+        e.close()
+    assert "persistent" in deepfreeze.list_versions(c, "job")[2]
+    for a, b in zip(load(c, "job", 2).arrays.values(), arrays):
         assert a.tobytes() == b.tobytes()
