@@ -103,3 +103,48 @@ def test_cli_names_set_as_the_source(tmp_path):
     p = subprocess.run([sys.executable, "-m", "deepfreeze.cli", "ls", "--config", path, "--set", "max_versions=x"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--set: max_versions = 'x' is invalid" in p.stderr, p.stderr
+
+
+def documented_defaults() -> dict[str, str]:
+    """Key -> the default column of the key table in docs/configuration.md (the first backticked
+    value, or the cell when it is a bare number), for the keys whose default is a value."""
+    import os
+    import re
+    doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "configuration.md")
+    out = {}
+    with open(doc, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    start = lines.index("| Key | Type | Default | Meaning | Built-in engine | VeloC engine |") + 2
+    for row in lines[start:]:
+        if not row.startswith("|"):
+            break
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+        key, default = cells[0].strip("`"), cells[2]
+        m = re.match(r"`([^`]+)`", default) or re.fullmatch(r"(-?[0-9.]+)", default)
+        if m:
+            out[key] = m.group(1)
+    return out
+
+
+def test_the_suite_runs_the_documented_defaults(tmp_path):
+    """The configuration every test gets unless it asks for another (the session's environment,
+    tests/conftest.py included) is the shipped one: the defaults table of docs/configuration.md.
+    A session-wide override (conftest once set VELOC_WRITE_ONCE=off for every test, and the
+    default path's FSDP2 corruption went unseen: issue 40) fails here."""
+    import os
+    from deepfreeze.config import KEYS
+    doc = documented_defaults()
+    assert {"write_once", "persistent_interval", "ec_interval", "chksum", "max_inflight", "lease_timeout",
+            "background_priority", "memtier_slots"} <= set(doc), sorted(doc)  # the table was read
+    session = sorted(k for k in os.environ if k.startswith("VELOC_") and k[6:].lower() in KEYS)
+    assert not session, f"the test session sets configuration keys for every test: {session}"
+    c = Config.load(None, mode="sync", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    for key, text in doc.items():
+        live = getattr(c, key)
+        if isinstance(live, bool):
+            want = text.lower() in ("true", "1", "yes", "on")
+        elif isinstance(live, (int, float)):
+            want = type(live)(float(text))
+        else:
+            want = text
+        assert live == want, f"{key}: the suite runs {live!r}, docs/configuration.md says {text!r}"

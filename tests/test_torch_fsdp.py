@@ -294,3 +294,33 @@ def test_fsdp_kill9_then_resume(fsdp_run, tmp_path):
     r1 = {k: a for k, a in npz(os.path.join(fsdp_run, "r1", "final.npz")).items() if k not in BUFFERS[:2]}
     assert_same(npz(os.path.join(out, "r1", "final.npz")), r1, "rank 1 after kill -9 and resume")
     assert_same(load(out, 9), recorded(fsdp_run, 0, 9), "v9 after resume", lr=False)
+
+
+@pytest.mark.parametrize("point, mode", [("persistent.direct.write", "async"), ("persistent.direct.fsync", "sync")])
+def test_fsdp_kill9_at_a_write_once_crash_point_then_resume(fsdp_run, tmp_path, monkeypatch, point, mode):
+    """The shipped default on one disk writes each version once, from the ranks' buffers straight into
+    persistent: a rank SIGKILLed at v9's ``persistent.direct.write`` (its writer thread, the first run
+    of its rows written) or ``persistent.direct.fsync`` (sync mode: the rank fsyncs its own part) leaves
+    v9 uncommitted; the relaunch resumes from v6, the newest committed version, and ends bit for bit
+    as the uninterrupted run (rank 1 but for its own BatchNorm statistics, as in the kill test above)."""
+    out = str(tmp_path / "job")
+    monkeypatch.setenv("DEEPFREEZE_CRASH_AT", f"{point}:3")  # the third version written: v9 (v3, v6 before)
+    monkeypatch.setenv("DEEPFREEZE_CRASH_ONCE", str(tmp_path / "crashed"))
+    p = torchrun(2, FSDP, "train", out, "steps=10", f"mode={mode}", check=False)
+    assert p.returncode != 0 and os.path.exists(tmp_path / "crashed"), p.stderr[-3000:]
+    monkeypatch.delenv("DEEPFREEZE_CRASH_AT")
+    from deepfreeze.config import Config
+    from deepfreeze.loader import list_versions
+    cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
+                         persistent=os.path.join(out, "persistent"))
+    assert sorted(v for v, where in list_versions(cfg, "ff").items() if "persistent" in where) == [3, 6]
+    assert not glob.glob(os.path.join(out, "scratch*", "ff", "v*", "r*.dfs"))  # written once: no scratch file
+    torchrun(2, FSDP, "train", out, "steps=10", f"mode={mode}", "resume=1")
+    i0 = info(out, 0)
+    assert i0["resumed_from"] == 6 and i0["start_step"] == 6 and i0["last_version"] == 9
+    assert_same(npz(os.path.join(out, "r0", "final.npz")), npz(os.path.join(fsdp_run, "r0", "final.npz")),
+                f"rank 0 after kill -9 at {point} and resume")
+    r1 = {k: a for k, a in npz(os.path.join(fsdp_run, "r1", "final.npz")).items() if k not in BUFFERS[:2]}
+    assert_same(npz(os.path.join(out, "r1", "final.npz")), r1, f"rank 1 after kill -9 at {point} and resume")
+    for v in (6, 9):
+        assert_same(load(out, v), recorded(fsdp_run, 0, v), f"v{v} after resume", lr=False)
