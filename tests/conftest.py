@@ -24,3 +24,24 @@ def shared_dir():
     os.chmod(d, 0o1777)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+#: the two write paths of a version decided 'flush' (INI write_once; docs/configuration.md)
+WRITE_PATHS = {
+    "auto": "the shipped default: scratch and persistent on one disk (every tmp_path), so each version is "
+            "written once, from memory straight into persistent",
+    "off": "every version through a scratch file, then copied into persistent",
+}
+
+
+@pytest.fixture(params=sorted(WRITE_PATHS))
+def write_once(request, monkeypatch) -> str:
+    """Runs a test once per write path (:data:`WRITE_PATHS`): ``auto``, the shipped default, leaves
+    the environment as the user gets it; ``off`` sets ``VELOC_WRITE_ONCE=off`` for this test and
+    every process it starts (mpirun, torchrun and their ranks read it). The one fixture of the
+    write-once/scratch pairs (tests/test_write_paths.py and the tests that ask for it)."""
+    if request.param == "auto":
+        monkeypatch.delenv("VELOC_WRITE_ONCE", raising=False)
+    else:
+        monkeypatch.setenv("VELOC_WRITE_ONCE", request.param)
+    return request.param
