@@ -17,6 +17,20 @@ def _private_runtime_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("DEEPFREEZE_BACKEND_IDLE", "2")
 
 
+@pytest.fixture(autouse=True)
+def _scratch_files(request, monkeypatch):
+    """A test marked ``@pytest.mark.scratch_files("why")`` runs with ``write_once = off`` (for itself and
+    the processes it starts): it needs versions on scratch files (a scratch-level fault, partner/XOR
+    copies, a scratch crash point, a damaged scratch file). Every other test runs the shipped default,
+    where one disk holds scratch and persistent and a version is written once, into persistent."""
+    mark = request.node.get_closest_marker("scratch_files")
+    if mark is None:
+        return
+    if not (mark.args and isinstance(mark.args[0], str) and mark.args[0].strip()):
+        raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.scratch_files needs its reason, one line")
+    monkeypatch.setenv("VELOC_WRITE_ONCE", "off")
+
+
 @pytest.fixture
 def shared_dir():
     """A sticky, world-writable directory (like /tmp or /dev/shm) every user can reach."""

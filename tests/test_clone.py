@@ -157,10 +157,10 @@ def _json(out, who, rank):
 
 
 @pytest.mark.mpi
-def test_keras_clone_2_to_2_bitexact_continues_identically_and_overlaps_backprop(tmp_path):
+def test_keras_clone_2_to_2_bitexact_continues_identically_and_overlaps_backprop(tmp_path, write_once):
     """Conv1D, BatchNormalization, Dense, a prime-sized bias, a layer without gradient and a
     frozen one; Adam (two slots per weight and the step counter); DeepFreezeCheckpoint in
-    the source's fit and in the clones' continuation."""
+    the source's fit and in the clones' continuation, on both write paths (the write_once fixture)."""
     out = str(tmp_path)
     mpirun(4, f"{WORKERS}/clone_keras.py", out, "2,2", "8", "continue=1", "ckpt=1", timeout=400)
     _check_clone_equals_source_rank0(out, 1, 2)

@@ -133,14 +133,17 @@ def test_device_too_small_is_refused_before_training(tmp_path):
 # ----------------------------------------------------------------------------- round trips
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_round_trip_two_ranks(tmp_path, device, mode):
+def test_round_trip_two_ranks(tmp_path, device, mode, write_once):
     """Rank 0 hands fused capture buffers, rank 1 flat pieces; every version is on persistent and the
     tier holds the two newest, bit-exact; no shard file on scratch; the backend (async) or the rank
-    (sync) did the copy, with the exact byte count."""
+    (sync) did the copy, with the exact byte count. On both write paths (the write_once fixture):
+    with a memory tier, auto is off (the tier already writes each version once)."""
     world = 2
     plan = make_plan(world)
     cfg = config(tmp_path, device, mode)
+    assert cfg.write_once == write_once
     engines = [Engine(cfg, "job", r, plan) for r in range(world)]
+    assert not any(e.write_once for e in engines)
     layouts = [FusedLayout.build(plan, r) for r in range(world)]
     for v in (2, 4, 6):
         arrays = model_arrays(v)

@@ -98,9 +98,10 @@ def test_horovod_job_with_xor_protection_survives_a_lost_node(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_horovod_job_on_real_veloc(tmp_path, mode):
+def test_horovod_job_on_real_veloc(tmp_path, mode, write_once):
     """engine="veloc": the same callback and hook; VeloC writes scratch and flushes, DeepFreeze
-    assembles; every committed version equals the weights after that batch."""
+    assembles; every committed version equals the weights after that batch. write_once (the
+    fixture: auto and off) is the built-in engine's: VeloC writes its scratch file either way."""
     from deepfreeze.bindings.veloc import available
     why = available()
     if why:

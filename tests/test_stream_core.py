@@ -261,13 +261,15 @@ def test_model_prefix_is_the_model_part_of_every_rank(tmp_path):
     assert total == sum(s.nbytes for s in SPECS[:MODEL])
 
 
-def test_persistent_fallback_without_a_producer(tmp_path):
-    """No producer endpoint: the newest committed checkpoint of the channel is served."""
+def test_persistent_fallback_without_a_producer(tmp_path, write_once):
+    """No producer endpoint: the newest committed checkpoint of the channel is served, on both write
+    paths of the checkpoint (the write_once fixture)."""
     from deepfreeze.config import Config
     from deepfreeze.engine import Engine
-    cfg = Config(mode="sync", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    cfg = Config.load(None, mode="sync", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
     plan = ShardPlan.build(SPECS, 1, min_shard_bytes=0)
     eng = Engine(cfg, "chan", 0, plan)
+    assert eng.write_once is (write_once == "auto")
     full = arrays_of(6)
     eng.checkpoint(6, shard_of(plan, 0, full), step=6, epoch=0, extra={"model_tensors": MODEL})
     eng.close()

@@ -44,6 +44,7 @@ def wait_gone(pids, timeout=30):
     return alive
 
 
+@pytest.mark.scratch_files("the rank is killed inside its scratch shard write")
 def test_rank_killed_while_writing_its_shard(tmp_path):
     out = str(tmp_path)
     t0 = time.monotonic()

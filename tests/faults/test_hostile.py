@@ -158,6 +158,7 @@ def test_open_regular_refuses_fifo_symlink_directory(tmp_path):
 # --------------------------------------------------------------------------- hostile manifests
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
+@pytest.mark.scratch_files("plants hostile scratch manifests: the restore must fall back from scratch")
 def test_hostile_manifest_restore_falls_back_bit_exact(tmp_path, kind):
     cfg = run_job(tmp_path, "sync", world=2, nodes=1)[0]
     scratch, pers = levels(cfg)
@@ -194,6 +195,7 @@ def test_hostile_manifest_restore_falls_back_bit_exact(tmp_path, kind):
     assert all(z[n].tobytes() == a.tobytes() for n, a in zip(z.files, model_arrays(4)))
 
 
+@pytest.mark.scratch_files("removes the version's scratch manifest")
 def test_huge_tensor_on_persistent_only_no_memory_error(tmp_path):
     cfg = run_job(tmp_path, "sync", world=2, nodes=1)[0]
     scratch, pers = levels(cfg)
@@ -268,6 +270,7 @@ def test_fifo_manifest_and_fifo_model_do_not_hang(tmp_path):
     assert np.load(out)["layer0/w"].tobytes() == model_arrays(2)[0].tobytes()
 
 
+@pytest.mark.scratch_files("replaces a scratch shard with a FIFO")
 def test_fifo_shard_on_scratch_falls_back(tmp_path):
     cfg = run_job(tmp_path, "sync", world=2, nodes=1)[0]
     scratch, pers = levels(cfg)
@@ -277,6 +280,7 @@ def test_fifo_shard_on_scratch_falls_back(tmp_path):
     assert ck.level == "persistent"  # the FIFO shard was refused, persistent read instead
 
 
+@pytest.mark.scratch_files("replaces the scratch manifest with a symlink")
 def test_symlinked_manifest_is_not_followed(tmp_path):
     cfg = run_job(tmp_path, "sync", world=1, nodes=1)[0]
     scratch, pers = levels(cfg)
@@ -338,6 +342,7 @@ def test_manifest_only_scratch_versions_collective(tmp_path):
     assert got == {"version": 2, "level": "scratch", "bit_exact": True, "size": 2}
 
 
+@pytest.mark.scratch_files("scratch shards vanish between listing and reading")
 def test_shards_vanishing_between_listing_and_reading(tmp_path, monkeypatch):
     """A restore racing with retention: the files listed are gone when they are opened. Each
     missing file is that source missing; the next one is tried (here persistent)."""
@@ -359,6 +364,7 @@ def test_shards_vanishing_between_listing_and_reading(tmp_path, monkeypatch):
     assert all(a.tobytes() == b.tobytes() for a, b in zip(ck.arrays.values(), model_arrays(6)))
 
 
+@pytest.mark.scratch_files("scratch retention races the restores")
 def test_restores_racing_with_retention_during_training(tmp_path):
     """A job checkpoints every step with retention keeping one version per level, while another
     process-like reader restores in a loop: every restore returns some version bit-exact or a

@@ -254,6 +254,7 @@ class SilentPeer:
             c.close()
 
 
+@pytest.mark.scratch_files("v2 waits on scratch while its flush hangs in the silent backend (written once, it has no scratch copy to wait for)")
 def test_pending_flushes_are_resent_to_the_replacement(tmp_path, caplog):
     """The backend took v2's flush (it has an id) and then went silent: after backend_timeout the
     engine starts a real backend, re-sends v2 and sends v4; both commit bit-exact."""
@@ -389,6 +390,7 @@ def test_backend_timeout_default_and_ini(tmp_path):
     assert Config.load(ini).backend_timeout == 2.5
 
 
+@pytest.mark.scratch_files("v2 waits on scratch while its flush hangs in the silent backend (written once, it has no scratch copy to wait for)")
 def test_wait_with_timeout_replaces_only_with_time_to_spare(tmp_path, caplog):
     """backend_timeout = 1: wait(timeout=2) on a silent backend raises in time without starting a
     new one (no time left to start it); wait(timeout=30) replaces it and v2 commits bit-exact."""

@@ -20,6 +20,7 @@ def persistent_only(cfg, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.scratch_files("removes the scratch manifest too")
 def test_missing_manifest_means_not_committed(tmp_path, mode):
     cfg = run_job(tmp_path, mode, world=2, nodes=1)[0]
     os.unlink(os.path.join(PersistentLevel(cfg.persistent).version_dir("job", 6), MANIFEST))
@@ -29,6 +30,7 @@ def test_missing_manifest_means_not_committed(tmp_path, mode):
     assert load(cfg, "job").version == 4
 
 
+@pytest.mark.scratch_files("the version must also be on scratch, which the test removes")
 def test_manifest_of_another_model_is_detected(tmp_path):
     cfg = run_job(tmp_path / "a", "sync", world=2, nodes=1)[0]
     other = run_job(tmp_path / "b", "sync", world=3, nodes=1)[0]  # another plan (3 ranks)
@@ -49,6 +51,7 @@ def test_manifest_of_another_model_is_detected(tmp_path):
         load(cfg, "job", 6)  # a manifest of another name does not commit this version
 
 
+@pytest.mark.scratch_files("lists every version on both levels")
 def test_foreign_files_in_checkpoint_directories_are_ignored(tmp_path):
     cfg = run_job(tmp_path, "sync", world=2, nodes=1)[0]
     for root in (cfg.scratch, cfg.persistent):
