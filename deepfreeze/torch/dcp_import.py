@@ -46,11 +46,29 @@ before a byte of data is read or a tensor allocated: its types; every tensor's s
 its chunks lie within it, do not overlap and cover it; every item's file is a plain file name in
 the directory (a regular file, no link, no path), its offset and length lie within the file, and
 a chunk's bytes fit its length; no storage transforms (compression extensions are refused).
-Items are read by DCP's own ``FileSystemReader`` (subclassed): tensors with ``torch.load(...,
-weights_only=True)`` (DCP's own), bytes items (``param_groups``, non-tensor state) with
+Items are read by DCP's own ``FileSystemReader`` (subclassed), whose ``fs.create_stream`` serves
+a ``dup`` of the checked descriptor of a file (below) and raises for any other name: tensors with
+``torch.load(..., weights_only=True)`` (DCP's own), bytes items (``param_groups``, non-tensor state) with
 ``torch.load(..., weights_only=True)`` too, by this module's load planner (DCP's default one uses
 ``weights_only=False``). DCP's ``CheckpointException`` (a torch file that does not load, a size
-that does not match) becomes a :class:`~deepfreeze.errors.CorruptCheckpointError`.
+that does not match) becomes a :class:`~deepfreeze.errors.CorruptCheckpointError`. The
+``planner_data`` path of a key mapped to a ``state=`` object has integer parts (list indices)
+below the number of keys mapped to that object, checked before anything is allocated.
+
+**One open per file.** The directory may belong to another user, who may rename, link or replace
+its files while the import runs. It is opened once (``O_DIRECTORY|O_NOFOLLOW``: a symbolic link
+is an :class:`~deepfreeze.errors.UnsafePathError`); ``.metadata`` and every data file the
+metadata names are opened relative to that descriptor (``O_RDONLY|O_NOFOLLOW|O_NONBLOCK``: a link
+or FIFO is refused, never followed or waited on), checked with ``fstat`` (a regular file; owned
+by the directory's owner, the importing user or root, so a third user's file, e.g. through a
+hard link, is an ``UnsafePathError``), and kept open: the bounds are checked against that
+descriptor's size, and the data are read only through it (a size that changed since is a
+``CorruptCheckpointError``). Whatever is put at a name after the check is never read.
+
+**Names.** A tensor named ``_deepfreeze/...`` (kept for DeepFreeze's records) or two tensors with
+one name are refused at plan time (:func:`deepfreeze.shardplan.check_tensor_names`), and every
+check runs before the Checkpointer that starts the new generation is built, so a refused import
+with ``overwrite=True`` retires nothing.
 """
 from __future__ import annotations
 
@@ -79,7 +97,8 @@ from ..errors import (ConfigError, CorruptCheckpointError, DeepFreezeError, Exis
                       UnsafePathError)
 from ..fsafe import describe_mode
 from ..ownership import open_dir_nofollow, owner_name
-from ..shardplan import DEFAULT_MIN_SHARD_BYTES
+from ..shardplan import DEFAULT_MIN_SHARD_BYTES, check_tensor_names
+from . import _state
 from .checkpointer import Checkpointer
 
 __all__ = ["import_dcp", "DCPImport", "SafeFileSystemReader", "read_dcp_metadata"]
@@ -288,8 +307,8 @@ def _check_metadata(md: Any, d: _DCPDir, where: str) -> None:
         if rel not in sizes:
             try:
                 sizes[rel] = d.size(rel)
-            except CorruptCheckpointError as e:
-                raise CorruptCheckpointError(f"{where}: {rel!r}: {e}") from e
+            except DeepFreezeError:  # (a link, a special file, a third user's file: named by d.size)
+                raise
             except OSError as e:
                 raise CorruptCheckpointError(f"{where}: a storage item's file {rel!r} cannot be opened: {e}") from e
         return sizes[rel]
@@ -698,12 +717,19 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
         scheduler's ``state_dict()``, a data position): restored into ``Checkpointer(...,
         state={name: obj})``. DCP holds one value per key, so every rank gets the same one.
       overwrite: start a new generation of ``name`` (its committed versions are retired);
-        otherwise a name with committed versions is refused.
+        otherwise a name with committed versions is refused. Every check (the metadata, the
+        keys, reserved and duplicate tensor names, the bounds, the full read of the directory)
+        runs before the new generation is started, so a refused import retires nothing; a write
+        failure after that point (a full disk) retires the old generation, as any ``overwrite``
+        run does.
 
     Collective when ``torch.distributed`` is initialized (call it on every rank). Raises
     :class:`~deepfreeze.errors.ConfigError` (bad arguments, keys not found: the top-level keys
-    found are named), :class:`~deepfreeze.errors.CorruptCheckpointError` (a damaged or hostile
-    directory; nothing of it was unpickled unrestricted) or the Checkpointer's errors.
+    found are named; a tensor named ``_deepfreeze/...`` or two tensors with one name),
+    :class:`~deepfreeze.errors.CorruptCheckpointError` (a damaged or hostile directory; nothing
+    of it was unpickled unrestricted), :class:`~deepfreeze.errors.UnsafePathError` (the
+    directory is a symbolic link; a file in it is owned by a third user) or the Checkpointer's
+    errors.
     """
     if type(step) is not int or step < 0:
         raise ConfigError(f"step = {step!r}: the step the DCP checkpoint was saved at (an int >= 0)")
@@ -748,6 +774,13 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
             raise CorruptCheckpointError(f"{where}: optimizer state of {fqn!r}, which no param group holds")
         owner = next(o for o in opts if any(p is q for g in o.param_groups for q in g["params"]))
         owner.state[p] = dict(kv)
+    # every check before the Checkpointer that starts the new generation (overwrite=True retires the
+    # older versions when it is built): the names the Checkpointer will write, and the state record's
+    # values it will encode
+    check_tensor_names(_state.train_state(root, opts).specs, where)
+    _state.encode({"state": sdicts, "param_groups": groups,
+                   "optimizer state": {f: {k: v for k, v in kv.items() if not isinstance(v, torch.Tensor)}
+                                       for f, kv in ostate.items()}}, where)
     try:
         ck = _Importer(root, opts, config, name, overwrite=overwrite, state={k: _Held(v) for k, v in sdicts.items()},
                        overlap=False, min_shard_bytes=min_shard_bytes, engine=engine, start_step=step, **overrides)
