@@ -227,9 +227,11 @@ class _DCPDir:
         """The bytes of ``.metadata`` (at most ``limit``), read through its checked descriptor."""
         fd, st = self._open(".metadata")
         with os.fdopen(fd, "rb") as f:
-            data = f.read(min(st.st_size, limit) + 1)
-        if len(data) > limit:
-            raise CorruptCheckpointError(f"{os.path.join(self.path, '.metadata')} is larger than {limit} bytes")
+            # the size fstat gave (+1: a file that grew since is refused); nothing read for one over the limit
+            data = f.read(st.st_size + 1) if st.st_size <= limit else b""
+        if st.st_size > limit or len(data) > st.st_size:
+            raise CorruptCheckpointError(f"{os.path.join(self.path, '.metadata')} is larger than {limit} bytes, or "
+                                         "grew while being read")
         return data
 
     def size(self, name: str) -> int:
