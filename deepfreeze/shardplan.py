@@ -71,16 +71,34 @@ import heapq
 import math
 from typing import Any, Iterable, Sequence
 
-from .errors import CorruptCheckpointError
+from .errors import ConfigError, CorruptCheckpointError
 from .format import MAX_ENTRIES, dtype_itemsize
 
 __all__ = ["TensorSpec", "Piece", "ShardPlan", "DEFAULT_MIN_SHARD_BYTES", "SPLIT_ALIGN", "split_bounds",
-           "PLAN_ALGORITHM", "PLAN_ALGORITHMS"]
+           "PLAN_ALGORITHM", "PLAN_ALGORITHMS", "RESERVED_PREFIX", "check_tensor_names"]
 
 DEFAULT_MIN_SHARD_BYTES = 64 * 1024
 SPLIT_ALIGN = 64  # bytes: split points of a tensor fall on multiples of this (see split_bounds)
 PLAN_ALGORITHM = "flat-v1"  #: the plan algorithm this version writes (module docstring)
 PLAN_ALGORITHMS = ("flat-v1",)  #: the plan algorithms this version reads
+RESERVED_PREFIX = "_deepfreeze/"  #: tensor names DeepFreeze keeps for itself (the torch state records)
+
+
+def check_tensor_names(tensors: Iterable[TensorSpec], what: str = "checkpoint") -> None:
+    """Refuse, at plan time, the user's tensor list of a writer (every adapter calls this before
+    it builds a plan of the tensors it was given): a name beginning with ``_deepfreeze/`` (kept
+    for DeepFreeze's own records; a manifest holding one is ignored by every reader) or a name
+    two tensors share (readers refuse such a manifest). :class:`~deepfreeze.errors.ConfigError`
+    naming the key; ``what`` says whose tensors they are."""
+    seen: set[str] = set()
+    for t in tensors:
+        if t.name.startswith(RESERVED_PREFIX):
+            raise ConfigError(f"{what}: tensor {t.name!r}: names beginning with {RESERVED_PREFIX!r} are reserved for "
+                              "DeepFreeze's own records (readers would ignore the version): rename it")
+        if t.name in seen:
+            raise ConfigError(f"{what}: two tensors are named {t.name!r} (readers refuse a checkpoint with a name "
+                              "twice): give them distinct names")
+        seen.add(t.name)
 
 
 def split_bounds(size: int, world_size: int, itemsize: int) -> list[int]:

@@ -327,3 +327,28 @@ def test_restore_builds_an_unbuilt_model_from_input_spec(tmp_path):
     with pytest.raises(ConfigError, match="restore: building the model from the input shape"):
         deepfreeze.restore(build(lazy=True), name="k", mode="sync", input_spec=tf.TensorSpec((None, 5)),
                            **dirs(tmp_path))
+
+
+class _Chain(tf.keras.layers.Layer):
+    """Weights named w, w, w_1 and w_1_1: the first two made distinct by renaming the second
+    w_1, which the third takes, so one of them ends as a second twins/w_1_1."""
+
+    def build(self, shape):
+        self.ws = [self.add_weight(name=n, shape=(shape[-1], 2)) for n in ("w", "w", "w_1", "w_1_1")]
+
+    def call(self, x):
+        return tf.add_n([tf.matmul(x, w) for w in self.ws])
+
+
+def test_two_tensors_with_one_name_are_refused_at_plan_time(tmp_path):
+    """A model whose weight names collide after the callback's renaming: fit is refused before a
+    checkpoint is written, naming the key (before issue 41 a version was written that every
+    reader refuses for its duplicate name)."""
+    model = tf.keras.Sequential([tf.keras.Input((4,)), _Chain(name="twins")])
+    model.compile(optimizer="sgd", loss="mse")
+    ckpt = DeepFreezeCheckpoint(name="dup", every_n_batches=1, mode="sync", **dirs(tmp_path))
+    x = np.ones((8, 4), np.float32)
+    with pytest.raises(ConfigError, match=r"two tensors are named 'twins/w_1_1'"):
+        model.fit(x, np.ones((8, 2), np.float32), batch_size=4, epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt.close()
+    assert not [v for v in os.listdir(tmp_path / "pfs" / "dup") if v.startswith("v")], "no version is written"

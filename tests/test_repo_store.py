@@ -859,3 +859,20 @@ def test_add_pack_copies_across_file_systems(repo, tmp_path):
     assert os.path.getsize(os.path.join(repo.directory, "packs", pack)) == res["written"]
     got = repo.get("cp")  # the source is gone: the copy is the repository's own
     assert same_bits(got["a"], ts[0]) and same_bits(got["b"], ts[1])
+
+
+def test_a_repository_directory_others_may_write_to_is_refused(tmp_path):
+    """SQLite opens meta.db and its -wal/-shm/-journal by name after DeepFreeze's lstat check: in
+    a directory others may write to, even a sticky one (which the root rule accepts), another
+    user could put their own file there in between. Such a repository directory is an
+    UnsafePathError naming the mode (issue 41's audit; before, a sticky 1777 directory was used)."""
+    from deepfreeze.errors import UnsafePathError
+    d = tmp_path / "repo"
+    d.mkdir()
+    os.chmod(d, 0o1777)
+    with pytest.raises(UnsafePathError, match=r"writable by others \(mode 1777\).*SQLite opens meta\.db"):
+        EmbeddedRepository(d)
+    assert os.listdir(d) == []
+    os.chmod(d, 0o700)
+    with EmbeddedRepository(d) as r:
+        r.put("m@1", arrays())

@@ -71,3 +71,17 @@ def test_hostile_plan_rejected(pieces):
 def test_bad_ids_rejected():
     with pytest.raises(ValueError):
         ShardPlan.build([TensorSpec(1, "a", "float32", (3,))], 2)
+
+
+def test_check_tensor_names_refuses_reserved_and_repeated_names():
+    """The writers' plan-time check (issue 41): a name under ``_deepfreeze/`` and a name given to
+    two tensors are ConfigErrors naming the key; other names pass."""
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.shardplan import TensorSpec, check_tensor_names
+    ok = [TensorSpec(0, "a", "float32", (2,)), TensorSpec(1, "deepfreeze/b", "float32", (2,)),
+          TensorSpec(2, "x._deepfreeze/rank0", "uint8", (1,))]
+    check_tensor_names(ok, "checkpoint 'n'")
+    with pytest.raises(ConfigError, match=r"checkpoint 'n': tensor '_deepfreeze/rank0'.*reserved"):
+        check_tensor_names(ok + [TensorSpec(3, "_deepfreeze/rank0", "uint8", (1,))], "checkpoint 'n'")
+    with pytest.raises(ConfigError, match=r"two tensors are named 'a'"):
+        check_tensor_names(ok + [TensorSpec(3, "a", "float32", (1,))])

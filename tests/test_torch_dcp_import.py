@@ -166,10 +166,13 @@ class _Evil:
         return os.system, (f"touch {self.marker}",)
 
 
-def _small_dcp(path: str, extra: dict | None = None) -> None:
+def _small_dcp(path: str, extra: dict | None = None, *, seed: int = 0, model_extra: dict | None = None
+               ) -> dict[str, np.ndarray]:
+    """``dcp.save`` of a small model and its SGD-momentum state into ``path`` (``extra``: more
+    top-level keys; ``model_extra``: more entries of the model's dict); the model's tensors saved."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     net(torch.randn(5, 3)).sum().backward()
@@ -177,7 +180,15 @@ def _small_dcp(path: str, extra: dict | None = None) -> None:
     m, o = get_state_dict(net, opt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": m, "optim": o, **(extra or {})}, checkpoint_id=path, no_dist=True)
+        dcp.save({"model": {**m, **(model_extra or {})}, "optim": o, **(extra or {})}, checkpoint_id=path,
+                 no_dist=True)
+    return {k: v.detach().numpy().copy() for k, v in m.items()}
+
+
+def _same(got: dict, want: dict[str, np.ndarray]) -> bool:
+    """Every tensor of ``want`` in ``got``, bit for bit."""
+    return sorted(got) == sorted(want) and all(
+        np.asarray(got[k]).tobytes() == want[k].tobytes() for k in want)
 
 
 def _rewrite_metadata(path: str, change) -> None:
@@ -408,3 +419,204 @@ def test_import_of_an_fsdp2_dcp_checkpoint(tmp_path):
     assert [g["lr"] for o in opts for g in o.param_groups] == list(want["__lr__"])
     for k, v in net.state_dict().items():
         assert v.numpy().tobytes() == want[k].tobytes(), k
+
+
+# ---------------------------------------------------------------- one open per file (issue 41)
+
+def _data_file(src: str) -> str:
+    (name,) = [f for f in os.listdir(src) if f.endswith(".distcp")]
+    return name
+
+
+def test_data_file_replaced_by_a_link_after_the_check_is_never_read(tmp_path):
+    """The directory's owner replaces the data file with a symlink to other weights (same layout)
+    right after the metadata check (a reader subclass, the documented test seam of ``_read``):
+    the import reads the file that was checked, the directory's own weights, bit for bit (before
+    issue 41 DCP's reader opened the path again and imported the other weights). A fresh import
+    of the directory as it now is refuses the link."""
+    from deepfreeze.torch.dcp_import import SafeFileSystemReader, _read
+    src, other = str(tmp_path / "dcp"), str(tmp_path / "other")
+    own = _small_dcp(src)
+    foreign = _small_dcp(other, seed=1)
+    name = _data_file(src)
+    assert name == _data_file(other) and not _same(own, foreign)
+
+    class Swapping(SafeFileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            md = super().read_metadata(*args, **kwargs)
+            if not os.path.islink(os.path.join(src, name)):
+                os.rename(os.path.join(src, name), os.path.join(src, name + ".aside"))
+                os.symlink(os.path.join(other, name), os.path.join(src, name))
+            return md
+    model, *_ = _read(src, "model", "optim", {}, reader=Swapping)
+    assert os.path.islink(os.path.join(src, name)), "the hook did not run: the test does not test"
+    assert _same({k: v.numpy() for k, v in model.items()}, own)
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        _read(src, "model", "optim", {})
+
+
+def test_a_file_of_a_third_user_and_a_linked_directory_are_refused(tmp_path):
+    """A data file owned by neither the directory's owner, the importing user nor root (a hard
+    link to a third user's file) is an UnsafePathError naming its owner (as root: the file given
+    to ``daemon``); the directory given through a symlink is one too (never followed)."""
+    import deepfreeze.torch as dft
+    from deepfreeze.errors import UnsafePathError
+    src = str(tmp_path / "dcp")
+    _small_dcp(src)
+    os.symlink(src, str(tmp_path / "link"))
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        dft.import_dcp(str(tmp_path / "link"), None, "x", 1, **_levels(str(tmp_path)))
+    if os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root (the link case above ran)")
+    os.chown(os.path.join(src, _data_file(src)), 1, 1)
+    with pytest.raises(UnsafePathError, match=r"owned by daemon.*not imported"):
+        dft.import_dcp(src, None, "x", 1, **_levels(str(tmp_path)))
+    assert not os.path.exists(tmp_path / "persistent" / "x" / "lease"), "nothing is written for a refused import"
+
+
+def _flip(d: str, name: str, keep: str, foreign: str, stop: str) -> None:
+    """(A forked child, as the directory's owner) flip ``d/name`` between a symlink to
+    ``foreign`` and a hard link of ``keep`` (the directory's own data), each by an atomic rename,
+    until ``stop`` exists."""
+    path, tmp = os.path.join(d, name), os.path.join(d, name + ".tmp")
+    while not os.path.exists(stop):
+        for make in (lambda: os.symlink(foreign, tmp), lambda: os.link(keep, tmp)):
+            make()
+            os.replace(tmp, path)
+
+
+@pytest.mark.slow
+def test_two_user_race_never_imports_a_third_users_weights(tmp_path):
+    """The security test's race, for real: as root, a DCP directory owned by ``nobody``, whose
+    process flips the data file between the directory's own (a regular file) and a symlink to a
+    third user's (``daemon``'s, mode 0600) file of other weights, all through 30 imports. Each
+    import is refused or commits the directory's own weights, bit for bit; none commits the
+    third user's (before issue 41: 2 of 30 did)."""
+    import pwd
+    import tempfile
+    import deepfreeze.torch as dft
+    from deepfreeze.errors import DeepFreezeError
+    if os.geteuid() != 0:
+        pytest.skip("the two-user race needs root (to act as nobody and to own a third user's file)")
+    nobody = pwd.getpwnam("nobody")
+    base = tempfile.mkdtemp(prefix="df-race-", dir="/tmp")  # (pytest's tmp_path is 0700: nobody cannot enter)
+    try:
+        os.chmod(base, 0o755)
+        src, other, private = (os.path.join(base, n) for n in ("dcp", "other", "private"))
+        own = _small_dcp(src)
+        foreign = _small_dcp(other, seed=1)
+        name = _data_file(src)
+        os.makedirs(private, mode=0o700)
+        shutil.copy(os.path.join(other, name), os.path.join(private, name))
+        for p in (private, os.path.join(private, name)):
+            os.chown(p, 1, 1)  # daemon's: a third user
+        os.chmod(os.path.join(private, name), 0o600)
+        keep = os.path.join(src, name + ".keep")
+        os.link(os.path.join(src, name), keep)
+        for p in (src, *(os.path.join(src, f) for f in os.listdir(src))):
+            os.chown(p, nobody.pw_uid, nobody.pw_gid)
+        stop = os.path.join(base, "stop")
+        pid = os.fork()  # (the venv's python may not be executable by nobody: a fork, not a new process)
+        if pid == 0:
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(nobody.pw_gid)
+                os.setuid(nobody.pw_uid)
+                _flip(src, name, keep, os.path.join(private, name), stop)
+                code = 0
+            finally:
+                os._exit(code)
+        outcomes = {"own": 0, "refused": 0, "foreign": 0}
+        try:
+            for i in range(30):
+                lv = _levels(str(tmp_path / f"i{i}"))
+                try:
+                    dft.import_dcp(src, None, "race", 1, **lv)
+                except DeepFreezeError:
+                    outcomes["refused"] += 1
+                    continue
+                got = {k: v.numpy() for k, v in dft.load(name="race", **lv).items() if k in own}
+                kind = "own" if _same(got, own) else "foreign" if _same(got, foreign) else "other"
+                outcomes[kind] = outcomes.get(kind, 0) + 1
+        finally:
+            open(stop, "w").close()
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the flipper (nobody) failed: the race was not run"
+        print("two-user race, 30 imports:", outcomes)
+        assert outcomes["foreign"] == 0 and set(outcomes) == {"own", "refused", "foreign"}, outcomes
+        assert outcomes["own"] + outcomes["refused"] == 30, outcomes
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- bounded imports, reserved names (issue 41)
+
+def test_a_huge_list_index_in_planner_data_is_refused_before_anything_is_allocated(tmp_path):
+    """The security test's 20-byte edit: a ``state=``-mapped key whose planner-data path ends in a
+    list index of 2*10^7 (and 2^63 - 1) is a CorruptCheckpointError naming the key and the index,
+    with under 64 MiB allocated meanwhile (before issue 41: +500 MB and 34 s, then a misleading
+    ConfigError; with the larger index until memory ran out). A valid index imports."""
+    import tracemalloc
+    import deepfreeze.torch as dft
+    src = str(tmp_path / "dcp")
+    _small_dcp(src, {"sched": {"n": 3, "t": [torch.ones(2), torch.zeros(3)]}})
+    with open(os.path.join(src, ".metadata"), "rb") as f:
+        data = f.read()
+    r = dft.import_dcp(src, None, "ok", 1, state={"s": "sched"}, **_levels(str(tmp_path / "ok")))
+    assert r.state == ["s"]
+    for index in (2 * 10 ** 7, 2 ** 63 - 1, -1):
+        with open(os.path.join(src, ".metadata"), "wb") as f:
+            f.write(data)
+        _rewrite_metadata(src, lambda md: md.planner_data.__setitem__("sched.t.1", ("sched", "t", index)))
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptCheckpointError, match=rf"key 'sched\.t\.1'.*list index {index}\b"):
+                dft.import_dcp(src, None, "x", 1, state={"s": "sched"}, **_levels(str(tmp_path)))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 64 << 20, peak
+
+
+def test_a_reserved_tensor_name_is_refused_and_retires_nothing(tmp_path):
+    """A DCP key ``model._deepfreeze/rank0`` (named like DeepFreeze's own state record) imported
+    with overwrite=True over a name with a committed version: a ConfigError naming the key, and
+    the older version is still the one readers find (before issue 41 the import "succeeded" into
+    a version every reader ignored, after retiring the older one)."""
+    import deepfreeze.torch as dft
+    lv = _levels(str(tmp_path))
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    own = _small_dcp(good)
+    _small_dcp(bad, model_extra={"_deepfreeze/rank0": torch.zeros(8, dtype=torch.uint8)})
+    assert dft.import_dcp(good, None, "n", 1, **lv).version == 1
+    with pytest.raises(ConfigError, match=r"'_deepfreeze/rank0'.*reserved"):
+        dft.import_dcp(bad, None, "n", 2, overwrite=True, **lv)
+    assert dft.load_state(name="n", **lv).step == 1
+    got = {k: v.numpy() for k, v in dft.load(name="n", **lv).items() if k in own}
+    assert _same(got, own)
+
+
+def test_checkpointer_refuses_two_tensors_with_one_name(tmp_path):
+    """A model whose module path spells an optimizer-state name (``optim.state.lin.weight.
+    momentum_buffer``, the name the Checkpointer gives SGD's momentum of ``lin.weight``): the
+    checkpoint is refused at plan time naming the key (before issue 41 a version was written
+    that every reader refuses)."""
+    from deepfreeze.torch import Checkpointer
+    net = torch.nn.Module()
+    net.lin = torch.nn.Linear(2, 2)
+    holder = torch.nn.Module()
+    holder.register_buffer("momentum_buffer", torch.zeros(2, 2))
+    net.optim = torch.nn.Module()
+    net.optim.state = torch.nn.Module()
+    net.optim.state.lin = torch.nn.Module()
+    net.optim.state.lin.weight = holder
+    opt = torch.optim.SGD(net.lin.parameters(), lr=0.1, momentum=0.9)
+    net.lin(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    ck = Checkpointer(net, opt, None, "dup", **_levels(str(tmp_path)))
+    try:
+        with pytest.raises(ConfigError, match=r"two tensors are named 'optim\.state\.lin\.weight\.momentum_buffer'"):
+            ck.checkpoint()
+    finally:
+        ck.close()

@@ -18,7 +18,7 @@ import tensorflow as tf
 from ..config import KEYS, Config, did_you_mean, validate_name
 from ..errors import ConfigError, DeepFreezeError, ModelMismatchError
 from ..run import Run, RunView
-from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec
+from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec, check_tensor_names
 from . import hook as _hook
 from ._dist import allgather_bytes, mpi_comm, rank_and_size, run_comm
 from ._state import train_state
@@ -263,6 +263,7 @@ class DeepFreezeCheckpoint(RunView, tf.keras.callbacks.Callback):
             self._resume_pending = False
             self._resume()
         variables, tensors, pinned = self._tensors(model)
+        check_tensor_names(tensors, f"checkpoint {self.name!r}")  # no reserved name, no name twice
         self._model_tensors = len(model.weights)
         self._layers = _layer_record(model)
         plan = ShardPlan.build(tensors, self.size, min_shard_bytes=self.options.min_shard_bytes, pinned=pinned)

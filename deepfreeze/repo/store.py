@@ -114,6 +114,7 @@ import math
 import os
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -324,6 +325,13 @@ class EmbeddedRepository(Maintenance):
             raise
         except OSError as e:
             raise RepositoryError(f"cannot create the repository directory {d}: {e}") from e
+        mode = os.lstat(d).st_mode
+        if mode & 0o022:  # (check_root lets a sticky root be writable by others)
+            raise UnsafePathError(
+                f"{d} is writable by {'others' if mode & 0o002 else 'its group'} (mode {stat.S_IMODE(mode):04o}): "
+                f"SQLite opens {', '.join(_DB_FILES)} there by name, so another user could put their own file at "
+                "one of those names between DeepFreeze's check and SQLite's open (even in a sticky directory): "
+                "a repository directory must be writable by you alone; use a directory of your own (or chmod go-w)")
         for f in _DB_FILES:  # SQLite opens these by name: each the user's own regular file (or absent)
             ownership.check_existing(os.path.join(d, f), kind="repository database")
         if not os.path.exists(self._db):

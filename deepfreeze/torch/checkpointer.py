@@ -73,7 +73,7 @@ from ..errors import (CaptureTornError, ChangedInPlaceError, ConfigError, DeepFr
                       RanksFailedError, StateRecordOverflowError)
 from ..fused import BufferPool, FusedLayout, FusedShard
 from ..run import Run, RunView
-from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec
+from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec, check_tensor_names
 from . import _cuda, _loop, _state
 from .hook import Sink, hook_for
 from ._dist import TorchComm, make_comm, node_domain, rank_and_size
@@ -505,6 +505,8 @@ class Checkpointer(RunView, Sink):
             self._fqn_of = st.fqn_of
             self._aliases = st.aliases  # tied weights, found by train_state (the record names them)
             key = st.key()
+            if self.plan is None or key != self._key:  # plan time: no reserved name, no name twice
+                check_tensor_names(st.specs, f"checkpoint {self.name!r}")
             rec_a = _state.encode(self._record("a"), "record")
             need = len(rec_a) + len(_state.encode(self._record("b", st), "record")) + 64
         except DeepFreezeError as e:  # still take part in the all-gather: no rank is left waiting

@@ -46,15 +46,35 @@ before a byte of data is read or a tensor allocated: its types; every tensor's s
 its chunks lie within it, do not overlap and cover it; every item's file is a plain file name in
 the directory (a regular file, no link, no path), its offset and length lie within the file, and
 a chunk's bytes fit its length; no storage transforms (compression extensions are refused).
-Items are read by DCP's own ``FileSystemReader`` (subclassed): tensors with ``torch.load(...,
-weights_only=True)`` (DCP's own), bytes items (``param_groups``, non-tensor state) with
+Items are read by DCP's own ``FileSystemReader`` (subclassed), whose ``fs.create_stream`` serves
+a ``dup`` of the checked descriptor of a file (below) and raises for any other name: tensors with
+``torch.load(..., weights_only=True)`` (DCP's own), bytes items (``param_groups``, non-tensor state) with
 ``torch.load(..., weights_only=True)`` too, by this module's load planner (DCP's default one uses
 ``weights_only=False``). DCP's ``CheckpointException`` (a torch file that does not load, a size
-that does not match) becomes a :class:`~deepfreeze.errors.CorruptCheckpointError`.
+that does not match) becomes a :class:`~deepfreeze.errors.CorruptCheckpointError`. The
+``planner_data`` path of a key mapped to a ``state=`` object has integer parts (list indices)
+below the number of keys mapped to that object, checked before anything is allocated.
+
+**One open per file.** The directory may belong to another user, who may rename, link or replace
+its files while the import runs. It is opened once (``O_DIRECTORY|O_NOFOLLOW``: a symbolic link
+is an :class:`~deepfreeze.errors.UnsafePathError`); ``.metadata`` and every data file the
+metadata names are opened relative to that descriptor (``O_RDONLY|O_NOFOLLOW|O_NONBLOCK``: a link
+or FIFO is refused, never followed or waited on), checked with ``fstat`` (a regular file; owned
+by the directory's owner, the importing user or root, so a third user's file, e.g. through a
+hard link, is an ``UnsafePathError``), and kept open: the bounds are checked against that
+descriptor's size, and the data are read only through it (a size that changed since is a
+``CorruptCheckpointError``). Whatever is put at a name after the check is never read.
+
+**Names.** A tensor named ``_deepfreeze/...`` (kept for DeepFreeze's records) or two tensors with
+one name are refused at plan time (:func:`deepfreeze.shardplan.check_tensor_names`), and every
+check runs before the Checkpointer that starts the new generation is built, so a refused import
+with ``overwrite=True`` retires nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import io
 import logging
 import math
@@ -62,19 +82,23 @@ import os
 import pickle
 import stat
 import warnings
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dmd
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..config import Config
-from ..errors import ConfigError, CorruptCheckpointError, DeepFreezeError, ExistingCheckpointError
-from ..fsafe import read_small
-from ..shardplan import DEFAULT_MIN_SHARD_BYTES
+from ..errors import (ConfigError, CorruptCheckpointError, DeepFreezeError, ExistingCheckpointError,
+                      UnsafePathError)
+from ..fsafe import describe_mode
+from ..ownership import open_dir_nofollow, owner_name
+from ..shardplan import DEFAULT_MIN_SHARD_BYTES, check_tensor_names
+from . import _state
 from .checkpointer import Checkpointer
 
 __all__ = ["import_dcp", "DCPImport", "SafeFileSystemReader", "read_dcp_metadata"]
@@ -130,12 +154,127 @@ def _check_size(s: Any, what: str) -> tuple[int, ...]:
     return tuple(s)
 
 
+class _DCPDir:
+    """The DCP directory ``path``, opened once and read only through descriptors (module
+    docstring, "One open per file"): the directory with ``O_DIRECTORY|O_NOFOLLOW``, then
+    ``.metadata`` and each data file relative to it (``O_NOFOLLOW|O_NONBLOCK``), each checked with
+    ``fstat`` (a regular file, owned by the directory's owner, this user or root) and kept open,
+    so what is read is the file that was checked, whatever the directory's owner renames or
+    links in its place meanwhile. :meth:`close` closes them."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.where = f"DCP checkpoint {path}"
+        try:
+            self.fd = open_dir_nofollow(path)
+        except UnsafePathError as e:
+            raise UnsafePathError(f"{path} is a symbolic link: give the DCP checkpoint directory itself "
+                                  f"({os.path.realpath(path)!r}; a link is never followed)") from e
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise ConfigError(f"{path} is not a directory: give the DCP checkpoint directory (dcp.save's "
+                              "checkpoint_id)") from e
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot open the DCP checkpoint directory: {e}") from e
+        self.uid = os.fstat(self.fd).st_uid
+        self.files: dict[str, tuple[int, int]] = {}  # data file name -> (its descriptor, its checked size)
+
+    def __enter__(self) -> "_DCPDir":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the directory and every file opened in it."""
+        for fd, _ in self.files.values():
+            os.close(fd)
+        self.files = {}
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:  # (a reader dropped without close(): no descriptor leaks)
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    def _open(self, name: str) -> tuple[int, os.stat_result]:
+        """``name`` opened relative to the directory: (descriptor, fstat) of a regular file owned
+        by the directory's owner, this user or root; FileNotFoundError if it is not there."""
+        where = os.path.join(self.path, name)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO):  # a symlink (never followed); a socket
+                raise CorruptCheckpointError(f"{where} is not a regular file (a link or special file): refused") \
+                    from e
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{where} is {describe_mode(st.st_mode)}, not a regular file: refused")
+            if st.st_uid not in (self.uid, os.geteuid(), 0):
+                raise UnsafePathError(
+                    f"{where} is owned by {owner_name(st.st_uid)}, not by the directory's owner "
+                    f"({owner_name(self.uid)}), you or root (a hard link to another user's file?): not imported")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st
+
+    def read_metadata(self, limit: int) -> bytes:
+        """The bytes of ``.metadata`` (at most ``limit``), read through its checked descriptor."""
+        fd, st = self._open(".metadata")
+        with os.fdopen(fd, "rb") as f:
+            # the size fstat gave (+1: a file that grew since is refused); nothing read for one over the limit
+            data = f.read(st.st_size + 1) if st.st_size <= limit else b""
+        if st.st_size > limit or len(data) > st.st_size:
+            raise CorruptCheckpointError(f"{os.path.join(self.path, '.metadata')} is larger than {limit} bytes, or "
+                                         "grew while being read")
+        return data
+
+    def size(self, name: str) -> int:
+        """The size of data file ``name`` (a plain name), opened and checked once and kept open."""
+        if name not in self.files:
+            fd, st = self._open(name)
+            self.files[name] = (fd, st.st_size)
+        return self.files[name][1]
+
+    def stream(self, name: str) -> io.BufferedReader:
+        """A file object of a ``dup`` of the checked descriptor of data file ``name`` (one
+        :meth:`size` opened), whose size is still the one the bounds were checked against;
+        CorruptCheckpointError for any other name (nothing is opened by path)."""
+        if name not in self.files:
+            raise CorruptCheckpointError(f"{self.where}: DCP's reader asked for {name!r}, a file the checked "
+                                         "metadata does not name: refused")
+        fd, size = self.files[name]
+        now = os.fstat(fd).st_size
+        if now != size:
+            raise CorruptCheckpointError(f"{os.path.join(self.path, name)} changed size while being imported "
+                                         f"({size} -> {now} bytes): import it again once it is complete")
+        dup = os.dup(fd)
+        try:
+            os.lseek(dup, 0, os.SEEK_SET)
+            return os.fdopen(dup, "rb")
+        except BaseException:
+            os.close(dup)
+            raise
+
+
 def read_dcp_metadata(path: str) -> dmd.Metadata:
     """The checked :class:`~torch.distributed.checkpoint.metadata.Metadata` of the DCP directory
     ``path`` (module docstring: the allow-list unpickler, then every field and bound checked)."""
+    with _DCPDir(path) as d:
+        return _read_metadata(d)
+
+
+def _read_metadata(d: _DCPDir) -> dmd.Metadata:
+    """:func:`read_dcp_metadata` of the open directory ``d``: its data files stay open in ``d``."""
+    path = d.path
     where = os.path.join(path, ".metadata")
     try:  # a regular file (no link, a FIFO never waited on), at most MAX_METADATA_BYTES
-        data = read_small(where, MAX_METADATA_BYTES)
+        data = d.read_metadata(MAX_METADATA_BYTES)
     except FileNotFoundError:
         raise ConfigError(f"{path} is not a DCP checkpoint directory (no .metadata): give the directory "
                           "dcp.save wrote (its checkpoint_id)") from None
@@ -149,7 +288,7 @@ def read_dcp_metadata(path: str) -> dmd.Metadata:
         raise CorruptCheckpointError(f"{where}: not a readable DCP metadata pickle ({type(e).__name__}: "
                                      f"{str(e)[:200]})") from e
     try:
-        _check_metadata(md, path, where)
+        _check_metadata(md, d, where)
     except DeepFreezeError:
         raise
     except Exception as e:  # an allowed class built without its fields, a field of another type ...
@@ -157,8 +296,9 @@ def read_dcp_metadata(path: str) -> dmd.Metadata:
     return md
 
 
-def _check_metadata(md: Any, path: str, where: str) -> None:
-    """Types, shapes, chunks and storage bounds of ``md`` (CorruptCheckpointError)."""
+def _check_metadata(md: Any, d: _DCPDir, where: str) -> None:
+    """Types, shapes, chunks and storage bounds of ``md`` (CorruptCheckpointError); every data
+    file it names is opened in ``d`` and its bounds checked against that descriptor's size."""
     if not isinstance(md, dmd.Metadata) or not isinstance(md.state_dict_metadata, dict) \
             or not isinstance(md.storage_data, dict):
         raise CorruptCheckpointError(f"{where}: not DCP metadata of a FileSystemWriter checkpoint "
@@ -168,12 +308,11 @@ def _check_metadata(md: Any, path: str, where: str) -> None:
     def file_size(rel: str) -> int:
         if rel not in sizes:
             try:
-                st = os.lstat(os.path.join(path, rel))
+                sizes[rel] = d.size(rel)
+            except DeepFreezeError:  # (a link, a special file, a third user's file: named by d.size)
+                raise
             except OSError as e:
-                raise CorruptCheckpointError(f"{where}: a storage item's file {rel!r} is missing: {e}") from e
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(f"{where}: {rel!r} is not a regular file (a link or special file)")
-            sizes[rel] = st.st_size
+                raise CorruptCheckpointError(f"{where}: a storage item's file {rel!r} cannot be opened: {e}") from e
         return sizes[rel]
 
     for idx, info in md.storage_data.items():
@@ -233,19 +372,58 @@ def _check_metadata(md: Any, path: str, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: its tensors hold {total} bytes, its files {sum(sizes.values())}")
 
 
+class _CheckedFileSystem(FileSystem):
+    """DCP's ``FileSystem`` for reading a :class:`_DCPDir`: ``create_stream`` serves a ``dup`` of
+    the checked descriptor of a data file of that directory and raises for any other path or
+    mode; it never opens a path."""
+
+    def __init__(self, d: _DCPDir) -> None:
+        super().__init__()
+        self._dir = d
+
+    @contextlib.contextmanager
+    def create_stream(self, path: "str | os.PathLike", mode: str) -> Iterator[io.IOBase]:
+        p = Path(path)
+        if mode != "rb" or p.parent != Path(self._dir.path):
+            raise CorruptCheckpointError(f"{self._dir.where}: DCP's reader asked to open {str(path)!r} ({mode!r}): "
+                                         "only the checked data files of the directory are read")
+        with self._dir.stream(p.name) as f:
+            yield f
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's ``FileSystemReader`` whose ``read_metadata`` is :func:`read_dcp_metadata` (the
-    allow-list unpickler and the bounds checks) and that serves only metadata it checked."""
+    allow-list unpickler and the bounds checks) and that serves only metadata it checked, and
+    reads only the files that check opened (module docstring, "One open per file"). It holds the
+    directory open from construction: :meth:`close` it (or use it as a context manager)."""
 
     def __init__(self, path: "str | os.PathLike") -> None:
         super().__init__(path)
+        self._dir = _DCPDir(os.path.abspath(os.fspath(path)))
+        self.path = Path(self._dir.path)
+        self.fs = _CheckedFileSystem(self._dir)
         self._checked: "dmd.Metadata | None" = None
+
+    def __enter__(self) -> "SafeFileSystemReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the directory and the data files it opened."""
+        self._dir.close()
+
+    def reset(self, checkpoint_id: "str | os.PathLike | None" = None) -> None:
+        if checkpoint_id is not None and os.path.abspath(os.fspath(checkpoint_id)) != self._dir.path:
+            raise ConfigError("SafeFileSystemReader reads only the directory it was made for")
+        super().reset(None)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dmd.Metadata:
         if kwargs.get("rank") is not None:
             raise ConfigError("a rank-local DCP metadata file is not imported: give a directory with .metadata")
         if self._checked is None:
-            self._checked = read_dcp_metadata(str(self.path))
+            self._checked = _read_metadata(self._dir)
         return self._checked
 
     def set_up_storage_reader(self, metadata: dmd.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -355,6 +533,41 @@ def _parse(md: dmd.Metadata, values: dict[str, Any], model_prefix: str, optim_pr
     return model, ostate, groups, sdicts
 
 
+def _state_of(key: str, state: Mapping[str, str]) -> "tuple[str, str] | None":
+    """(state object name, DCP prefix) the key belongs to (the first mapping that holds it), or None."""
+    for sname, sprefix in state.items():
+        if key == sprefix or key.startswith(sprefix + "."):
+            return sname, sprefix
+    return None
+
+
+def _check_planner_data(md: dmd.Metadata, keys: Sequence[str], state: Mapping[str, str], where: str) -> None:
+    """Every integer part of the planner-data path of a key mapped to a ``state=`` object is an
+    index in ``[0, n)``, ``n`` the number of keys mapped to that object (a list holds no more
+    entries than the keys that fill it): CorruptCheckpointError naming the key and the index,
+    before anything is allocated (DCP's ``set_element`` grows a list up to any index it is given)."""
+    if not state or not isinstance(md.planner_data, dict):
+        return
+    mapped: dict[str, list[str]] = {}
+    for k in keys:
+        owner = _state_of(k, state)
+        if owner is not None:
+            mapped.setdefault(owner[0], []).append(k)
+    for sname, ks in mapped.items():
+        n = len(ks)
+        drop = len(state[sname].split("."))
+        for k in ks:
+            path = md.planner_data.get(k)
+            if not isinstance(path, tuple):
+                continue
+            for i in path[drop:]:
+                if isinstance(i, int) and not 0 <= i < n:
+                    raise CorruptCheckpointError(
+                        f"{where}: key {k!r} of state object {sname!r} places its value at list index {i} "
+                        f"(planner data {str(path)[:200]}): {sname!r} has {n} keys, so no list of it has more "
+                        f"than {n} entries; the .metadata is damaged or hostile: refused")
+
+
 def _put(root: dict, path: Any, sprefix: str, rest: str, v: Any, key: str, where: str) -> None:
     """``v`` into the state dict ``root`` at DCP's path of ``key`` (its planner data, the prefix's
     parts dropped), else at the key's remainder."""
@@ -423,15 +636,22 @@ def _check_prefix(p: Any, what: str) -> str:
     return p
 
 
-def _read(path: str, model_prefix: str, optim_prefix: str, state: Mapping[str, str]) -> tuple[
+def _read(path: str, model_prefix: str, optim_prefix: str, state: Mapping[str, str], *,
+          reader: "type[SafeFileSystemReader] | None" = None) -> tuple[
         dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]], dict[str, Any], list[str]]:
     """Read the DCP directory ``path`` (checked metadata, then DCP's reader with the safe planner):
-    :func:`_parse`'s four parts and the top-level keys left out."""
-    if not os.path.isdir(path):
-        raise ConfigError(f"{path} is not a directory: give the DCP checkpoint directory (dcp.save's "
-                          "checkpoint_id)")
+    :func:`_parse`'s four parts and the top-level keys left out. ``reader``: the reader class
+    (a test seam: a subclass of :class:`SafeFileSystemReader` whose ``read_metadata`` does
+    something after the checks, such as replacing a data file)."""
+    with (reader or SafeFileSystemReader)(path) as r:
+        return _read_from(r, path, model_prefix, optim_prefix, state)
+
+
+def _read_from(reader: SafeFileSystemReader, path: str, model_prefix: str, optim_prefix: str,
+               state: Mapping[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]],
+                                                  list[dict[str, Any]], dict[str, Any], list[str]]:
+    """:func:`_read` through the open ``reader``."""
     where = f"DCP checkpoint {path}"
-    reader = SafeFileSystemReader(path)
     md = reader.read_metadata()
     keys = list(md.state_dict_metadata)
     owned = [p for p in [optim_prefix, *state.values(), model_prefix] if p]
@@ -455,6 +675,7 @@ def _read(path: str, model_prefix: str, optim_prefix: str, state: Mapping[str, s
     if ignored:
         log.warning("DeepFreeze: %s: keys under %s are not imported (not the model, the optimizer or a state= "
                     "entry); map one to a state object with state={name: key} (--state NAME=KEY)", where, ignored)
+    _check_planner_data(md, wanted, state, where)
     sd: dict[str, Any] = {}
     for k in wanted:  # sizes checked against the files by read_dcp_metadata before this allocation
         m = md.state_dict_metadata[k]
@@ -498,12 +719,19 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
         scheduler's ``state_dict()``, a data position): restored into ``Checkpointer(...,
         state={name: obj})``. DCP holds one value per key, so every rank gets the same one.
       overwrite: start a new generation of ``name`` (its committed versions are retired);
-        otherwise a name with committed versions is refused.
+        otherwise a name with committed versions is refused. Every check (the metadata, the
+        keys, reserved and duplicate tensor names, the bounds, the full read of the directory)
+        runs before the new generation is started, so a refused import retires nothing; a write
+        failure after that point (a full disk) retires the old generation, as any ``overwrite``
+        run does.
 
     Collective when ``torch.distributed`` is initialized (call it on every rank). Raises
     :class:`~deepfreeze.errors.ConfigError` (bad arguments, keys not found: the top-level keys
-    found are named), :class:`~deepfreeze.errors.CorruptCheckpointError` (a damaged or hostile
-    directory; nothing of it was unpickled unrestricted) or the Checkpointer's errors.
+    found are named; a tensor named ``_deepfreeze/...`` or two tensors with one name),
+    :class:`~deepfreeze.errors.CorruptCheckpointError` (a damaged or hostile directory; nothing
+    of it was unpickled unrestricted), :class:`~deepfreeze.errors.UnsafePathError` (the
+    directory is a symbolic link; a file in it is owned by a third user) or the Checkpointer's
+    errors.
     """
     if type(step) is not int or step < 0:
         raise ConfigError(f"step = {step!r}: the step the DCP checkpoint was saved at (an int >= 0)")
@@ -548,6 +776,13 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
             raise CorruptCheckpointError(f"{where}: optimizer state of {fqn!r}, which no param group holds")
         owner = next(o for o in opts if any(p is q for g in o.param_groups for q in g["params"]))
         owner.state[p] = dict(kv)
+    # every check before the Checkpointer that starts the new generation (overwrite=True retires the
+    # older versions when it is built): the names the Checkpointer will write, and the state record's
+    # values it will encode
+    check_tensor_names(_state.train_state(root, opts).specs, where)
+    _state.encode({"state": sdicts, "param_groups": groups,
+                   "optimizer state": {f: {k: v for k, v in kv.items() if not isinstance(v, torch.Tensor)}
+                                       for f, kv in ostate.items()}}, where)
     try:
         ck = _Importer(root, opts, config, name, overwrite=overwrite, state={k: _Held(v) for k, v in sdicts.items()},
                        overlap=False, min_shard_bytes=min_shard_bytes, engine=engine, start_step=step, **overrides)

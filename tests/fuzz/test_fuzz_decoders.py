@@ -1070,11 +1070,68 @@ def test_fuzz_dcp_import(dcp_dir, tmp_path):
     run_dcp(dcp_dir, tmp_path, SHORT)
 
 
+@pytest.fixture(scope="module")
+def dcp_state_dir(tmp_path_factory):
+    """A real ``dcp.save`` directory with a ``state=`` dict holding a list of tensors (whose keys'
+    planner-data paths end in list indices): its files."""
+    pytest.importorskip("torch")
+    import torch
+    from test_torch_dcp_import import _small_dcp
+    d = str(tmp_path_factory.mktemp("dcpstate") / "src")
+    _small_dcp(d, {"sched": {"n": 3, "t": [torch.ones(2), torch.zeros(3), torch.ones(1)], "d": {"x": torch.ones(1)}}})
+    return {name: open(os.path.join(d, name), "rb").read() for name in sorted(os.listdir(d))}
+
+
+def _dcp_planner(bounded, files, root, data):
+    """The ``planner_data`` mutator: 1 to 3 edits of the (self-made, trusted) metadata's paths of
+    the ``state=``-mapped keys: an integer part set to anything in [-2^63, 2^63], a part added or
+    dropped, a string part made an integer; then the import's read with ``state={"s": "sched"}``."""
+    import importlib
+    import pickle
+    reader = importlib.import_module("deepfreeze.torch.dcp_import")
+    md = pickle.loads(files[".metadata"])
+    keys = sorted(k for k in md.planner_data if k.startswith("sched."))
+    for _ in range(data.draw(st.integers(1, 3), label="edits")):
+        k = data.draw(st.sampled_from(keys), label="key")
+        path = list(md.planner_data[k])
+        i = data.draw(st.integers(0, len(path)), label="part")
+        big = data.draw(st.one_of(st.integers(-2 ** 63, 2 ** 63), st.sampled_from([2 ** 63, 2 ** 63 - 1, 2 * 10 ** 7,
+                                                                                     len(keys), -1, 0])), label="int")
+        op = data.draw(st.sampled_from(["set", "insert", "drop"]), label="op")
+        if op == "set" and i < len(path):
+            path[i] = big
+        elif op == "insert":
+            path.insert(i, big)
+        elif path:
+            del path[min(i, len(path) - 1)]
+        md.planner_data[k] = tuple(path)
+    raw = pickle.dumps(md)
+    d = os.path.join(root, "p")
+    os.makedirs(d, exist_ok=True)
+    for f, b in files.items():
+        with open(os.path.join(d, f), "wb") as out:
+            out.write(raw if f == ".metadata" else b)
+    bounded(lambda: reader._read(d, "model", "optim", {"s": "sched"}), len(raw))
+
+
+def run_dcp_planner(dcp_state_dir, root, n):
+    with Bounded("dcp_planner_data") as b:
+        fuzz(_dcp_planner, n, b, dcp_state_dir, str(root))
+
+
+def test_fuzz_dcp_planner_data(dcp_state_dir, tmp_path):
+    """import_dcp's placing of ``state=`` values by their planner-data paths (issue 41): integer
+    parts up to 2^63 are refused before anything is allocated, never a list grown to them. Half of
+    :data:`_mutate.SHORT` (each example reads the directory through DCP: ~0.2 s); the campaign
+    runs :data:`_mutate.LONG`."""
+    run_dcp_planner(dcp_state_dir, tmp_path, max(SHORT // 2, 1))
+
+
 # --------------------------------------------------------------------------- the long campaign
 
 @pytest.mark.slow
-def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtier_image, dcp_dir, torch_repo,
-                  tmp_path):
+def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtier_image, dcp_dir, dcp_state_dir,
+                  torch_repo, tmp_path):
     """Every decoder with :data:`_mutate.LONG` examples (``DEEPFREEZE_FUZZ_LONG``); prints the
     inputs fed to each."""
     TRIED.clear()
@@ -1093,6 +1150,7 @@ def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtie
     run_lease(tmp_path, LONG)
     run_ini(tmp_path, LONG)
     run_dcp(dcp_dir, tmp_path / "dcp", LONG)
+    run_dcp_planner(dcp_state_dir, tmp_path / "dcpp", LONG)
     run_torch_repo(torch_repo, tmp_path, LONG // 10)
     print("fuzz campaign, inputs per decoder:", json.dumps(TRIED, sort_keys=True))
     assert all(v >= LONG // 20 for v in TRIED.values()), TRIED
