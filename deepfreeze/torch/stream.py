@@ -390,7 +390,8 @@ class Subscriber(ReplicaServer):
       persistent: the producer's persistent directory, instead of a ``config`` (a consumer needs
         nothing else of one); ``redis=`` may come with it.
       tier: ``"auto"``, ``"shm"``, ``"tcp"`` or ``"persistent"`` (:class:`deepfreeze.stream.Subscriber`).
-      token: token file for TCP (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
+      token: token file for TCP (default: ``$DEEPFREEZE_TOKEN``, the token text itself, else the file
+        ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``).
       io_timeout: seconds any single network wait may take.
       warn_after: seconds without any producer or committed version after which one warning says
         that nobody publishes the channel, naming where the subscriber looked.
