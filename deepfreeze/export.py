@@ -4,7 +4,9 @@ Used by ``deepfreeze export`` (see docs/cli.md). The input is a
 :class:`deepfreeze.Checkpoint` (from :func:`deepfreeze.load`): tensors by name,
 in model order. Every writer writes a temporary file next to the output and
 renames it into place, so an interrupted export never leaves a half-written
-file under the output name. No TensorFlow, no pickle; the libraries a format
+file under the output name; the output's directory must be owned by the user
+or root and writable by nobody else (:func:`atomic_output`,
+:func:`deepfreeze.ownership.check_output_dir`), checked before anything is written. No TensorFlow, no pickle; the libraries a format
 needs are imported only when that format is written (``safetensors`` for
 ``safetensors``, ``h5py`` for ``h5``; both in the ``export`` extra).
 
