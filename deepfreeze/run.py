@@ -357,7 +357,7 @@ class Run:
             if self.rank == 0:
                 log.warning("DeepFreeze: %r: %s was not called: v%d was handed off and flushed at exit (committed); "
                             "call %s at the end of training", self.name, who, pending, hint)
-        elif pending is not None:  # every rank says so: which part is missing shows in the other ranks' lines
+        elif pending is not None:  # said by each rank that did not see it committed, not only rank 0
             log.warning("DeepFreeze (rank %d): %r: %s was not called: this rank's part of v%d was handed off and "
                         "flushed at exit, but this rank did not see v%d committed: it is committed only if every "
                         "rank's part was flushed (else the next resume retires it); call %s at the end of training",
