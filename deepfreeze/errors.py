@@ -177,7 +177,8 @@ class ProviderTimeoutError(ProviderError, TimeoutError):
 
 
 class AuthenticationError(DeepFreezeError, PermissionError):
-    """A connection presented no token or a wrong one (tokens: a 0600 file or DEEPFREEZE_TOKEN)."""
+    """A connection presented no token or a wrong one (tokens: a 0600 file, or
+    DEEPFREEZE_TOKEN holding the token text itself), or DEEPFREEZE_TOKEN holds no token text."""
 
 
 class StreamError(DeepFreezeError, RuntimeError):

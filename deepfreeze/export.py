@@ -4,7 +4,9 @@ Used by ``deepfreeze export`` (see docs/cli.md). The input is a
 :class:`deepfreeze.Checkpoint` (from :func:`deepfreeze.load`): tensors by name,
 in model order. Every writer writes a temporary file next to the output and
 renames it into place, so an interrupted export never leaves a half-written
-file under the output name. No TensorFlow, no pickle; the libraries a format
+file under the output name; the output's directory must be owned by the user
+or root and writable by nobody else (:func:`atomic_output`,
+:func:`deepfreeze.ownership.check_output_dir`), checked before anything is written. No TensorFlow, no pickle; the libraries a format
 needs are imported only when that format is written (``safetensors`` for
 ``safetensors``, ``h5py`` for ``h5``; both in the ``export`` extra).
 
@@ -33,6 +35,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from . import ownership
 from .errors import DeepFreezeError
 from .fsafe import replacing_path
 
@@ -73,16 +76,20 @@ def _dtype_name(a: np.ndarray) -> str:
     return a.dtype.name  # "bfloat16" for ml_dtypes' bfloat16
 
 
-def atomic_output(path: str, force: bool, write: Callable[[str], None]) -> int:
-    """Run ``write(tmp)`` then rename ``tmp`` to ``path``; returns the size written."""
+def atomic_output(path: str, force: bool, write: Callable[[str], None], *, shared_group: bool = False) -> int:
+    """Run ``write(tmp)`` then rename ``tmp`` to ``path``; returns the size written. The directory of
+    ``path`` must exist and follow the roots' rule (:func:`deepfreeze.ownership.check_output_dir`:
+    owned by you or root, writable by nobody else unless sticky or, with ``shared_group``,
+    group-writable): else :class:`~deepfreeze.errors.UnsafePathError` before anything is written."""
     path = os.path.abspath(path)
     if os.path.isdir(path):
         raise ExportError(f"output {path} is a directory: give a file name")
-    if os.path.lexists(path) and not force:
-        raise ExportError(f"output {path} exists: pass --force to overwrite it")
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise ExportError(f"the directory of the output, {parent}, does not exist")
+    ownership.check_output_dir(parent, what=f"output {path}", shared_group=shared_group)
+    if os.path.lexists(path) and not force:
+        raise ExportError(f"output {path} exists: pass --force to overwrite it")
     with replacing_path(path, "export.rename") as tmp:
         try:  # created here, owner-only, never through a symbolic link; the writer then truncates it
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
@@ -95,8 +102,9 @@ def atomic_output(path: str, force: bool, write: Callable[[str], None]) -> int:
 
 # --------------------------------------------------------------------------- npz
 
-def write_npz(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = False) -> int:
-    """``np.savez`` layout keyed by tensor name (any name, also ``file``), no pickle."""
+def write_npz(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = False, shared_group: bool = False) -> int:
+    """``np.savez`` layout keyed by tensor name (any name, also ``file``), no pickle. The output's
+    directory follows :func:`atomic_output`'s rule (``shared_group``: a group-writable one is trusted)."""
     for name, a in arrays.items():
         if _dtype_name(a) == "bfloat16":
             raise ExportError(f"tensor {name!r} is bfloat16, which .npy cannot describe (it would load back "
@@ -108,7 +116,7 @@ def write_npz(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = Fals
             for name, a in arrays.items():
                 with zf.open(name + ".npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, np.asanyarray(a), allow_pickle=False)
-    return atomic_output(path, force, write)
+    return atomic_output(path, force, write, shared_group=shared_group)
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -137,11 +145,12 @@ def _safetensors_ready(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray
 
 
 def write_safetensors(arrays: Mapping[str, np.ndarray], path: str, metadata: Mapping[str, Any] | None = None,
-                      *, force: bool = False) -> int:
+                      *, force: bool = False, shared_group: bool = False) -> int:
     """Write ``arrays`` as safetensors with the ``safetensors`` library; ``metadata`` values become
     strings in ``__metadata__``. Returns the bytes written. Refuses (:class:`ExportError`, nothing
     written) a dtype safetensors does not define, a tensor named ``__metadata__``, an existing
-    output without ``force``, and a missing ``safetensors`` package."""
+    output without ``force``, and a missing ``safetensors`` package; an output directory that breaks
+    :func:`atomic_output`'s rule is an :class:`~deepfreeze.errors.UnsafePathError`."""
     try:
         from safetensors import SafetensorError
         from safetensors.numpy import save_file
@@ -158,7 +167,7 @@ def write_safetensors(arrays: Mapping[str, np.ndarray], path: str, metadata: Map
             save_file(ready, tmp, metadata=meta)
         except (SafetensorError, ValueError, TypeError) as e:
             raise ExportError(f"the safetensors library refused to write {path}: {e}") from e
-    return atomic_output(path, force, write)
+    return atomic_output(path, force, write, shared_group=shared_group)
 
 
 # --------------------------------------------------------------------------- Keras HDF5 weights
@@ -210,8 +219,9 @@ def _save_weights(group: Any, items: list[tuple[str, np.ndarray]]) -> None:
             ds[:] = val
 
 
-def write_h5(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = False) -> int:
-    """A Keras 2.15 HDF5 weights file (``model.load_weights(path)``), as ``save_weights`` lays it out."""
+def write_h5(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = False, shared_group: bool = False) -> int:
+    """A Keras 2.15 HDF5 weights file (``model.load_weights(path)``), as ``save_weights`` lays it out
+    (the output's directory: :func:`atomic_output`'s rule)."""
     try:
         import h5py
     except ImportError as e:
@@ -232,16 +242,18 @@ def write_h5(arrays: Mapping[str, np.ndarray], path: str, *, force: bool = False
                 _save_weights(g, [(n, arrays[n]) for n in per[layer]])
             g = f.create_group(TOP_LEVEL_GROUP)
             _save_weights(g, [(n, arrays[n]) for n in top])
-    return atomic_output(path, force, write)
+    return atomic_output(path, force, write, shared_group=shared_group)
 
 
 def export(arrays: Mapping[str, np.ndarray], fmt: str, path: str, *, metadata: Mapping[str, Any] | None = None,
-           force: bool = False) -> int:
-    """Write ``arrays`` in format ``fmt`` (``h5``, ``npz``, ``safetensors``) to ``path``; returns bytes."""
+           force: bool = False, shared_group: bool = False) -> int:
+    """Write ``arrays`` in format ``fmt`` (``h5``, ``npz``, ``safetensors``) to ``path``; returns bytes.
+    The directory of ``path`` must follow :func:`atomic_output`'s rule (``shared_group``: the
+    configuration's key, a group-writable directory is trusted)."""
     if fmt == "npz":
-        return write_npz(arrays, path, force=force)
+        return write_npz(arrays, path, force=force, shared_group=shared_group)
     if fmt == "safetensors":
-        return write_safetensors(arrays, path, metadata, force=force)
+        return write_safetensors(arrays, path, metadata, force=force, shared_group=shared_group)
     if fmt == "h5":
-        return write_h5(arrays, path, force=force)
+        return write_h5(arrays, path, force=force, shared_group=shared_group)
     raise ExportError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")

@@ -5,9 +5,12 @@ repo serve``), and meant for every other DeepFreeze service that listens on TCP.
 nothing about what is sent.
 
 **Tokens.** Both ends share a secret. :func:`load_token` takes it from an explicit file, else
-the environment variable ``DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``. A token file must
-be a regular file owned by the user with mode ``0600`` (anything else is refused, saying what to
-do). :func:`create_token` makes one (32 random bytes, hex): written and fsynced under a
+the environment variable ``DEEPFREEZE_TOKEN`` (the token text itself, never a path: a value
+that contains ``/``, names an existing file or is shorter than :data:`MIN_ENV_TOKEN` characters
+is refused, so a path set on both ends never becomes the shared secret), else the file that
+``DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``. A token file must be a regular
+file owned by the user with mode ``0600``, opened once without following a link (anything else
+is refused, saying what to do). :func:`create_token` makes one (32 random bytes, hex): written and fsynced under a
 temporary ``0600`` name, then hard-linked into place (fails if the name exists), so a reader
 never sees a half-written token; :func:`ensure_token` loads it or creates it when missing, and
 concurrent creators all end with the winner's token. **The token never goes on the wire.**
@@ -100,14 +103,18 @@ from .errors import (AuthenticationError, ConfigError, DeepFreezeError, FrameAut
                      ProtocolVersionError, ProviderError, ProviderTimeoutError, UnsafePathError, UntrustedOwnerError,
                      error_class)
 
-__all__ = ["TOKEN_ENV", "DEFAULT_TOKEN_PATH", "MAGIC", "VERSION", "MAX_HEADER", "default_token_path",
+__all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "MIN_ENV_TOKEN", "DEFAULT_TOKEN_PATH", "MAGIC", "VERSION", "MAX_HEADER", "default_token_path",
            "create_token", "ensure_token", "load_token", "check_token", "parse_address", "format_address",
            "is_loopback", "listen", "connect", "send_msg", "recv_msg", "wait_readable", "Message", "Channel",
            "FrameWriter", "Acceptor", "error_reply", "raise_for_reply", "server_handshake", "server_authenticate",
            "client_handshake", "is_transport_error", "keepalive", "node_id"]
 
-#: environment variable holding the token (takes precedence over the default file)
+#: environment variable holding the token text itself (takes precedence over the token files)
 TOKEN_ENV = "DEEPFREEZE_TOKEN"
+#: environment variable naming a token file (when :data:`TOKEN_ENV` is not set)
+TOKEN_FILE_ENV = "DEEPFREEZE_TOKEN_FILE"
+#: the shortest token text :data:`TOKEN_ENV` may hold (the tokens :func:`create_token` makes have 64)
+MIN_ENV_TOKEN = 32
 #: where :func:`create_token` and :func:`load_token` look by default
 DEFAULT_TOKEN_PATH = "~/.deepfreeze/token"
 MAGIC = b"DFNM"
@@ -208,11 +215,12 @@ def create_token(path: str | None = None) -> str:
 
 
 def ensure_token(path: str | None = None) -> str:
-    """The token of ``path`` (default as :func:`load_token`: ``$DEEPFREEZE_TOKEN``, else
-    ``~/.deepfreeze/token``), creating the file when it is missing. Race-free: of several
-    processes creating it at once, one links its file into place and the others load that one,
-    so all of them end with the same token."""
-    if path is None and os.environ.get(TOKEN_ENV):
+    """The token of ``path`` (default as :func:`load_token`: ``$DEEPFREEZE_TOKEN``, the token
+    text, else the file ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``), creating
+    the default file (or ``path``) when it is missing; a file named by ``$DEEPFREEZE_TOKEN_FILE``
+    is only read. Race-free: of several processes creating it at once, one links its file into
+    place and the others load that one, so all of them end with the same token."""
+    if path is None and (os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_FILE_ENV)):
         return load_token(None)
     p = os.path.abspath(os.path.expanduser(path or default_token_path()))
     if not os.path.lexists(p):
@@ -231,22 +239,48 @@ def _valid_token(tok: str, where: str) -> str:
     return tok
 
 
-def load_token(path: str | None = None) -> str:
-    """The token: from ``path`` when given, else ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``.
+def _env_token(value: str) -> str:
+    """The token text of ``$DEEPFREEZE_TOKEN``; :class:`AuthenticationError` for a value that looks
+    like a path (contains ``/`` or names an existing file) or is too short to be a token."""
+    tok = value.strip()
+    why = None
+    if "/" in tok:
+        why = "contains '/'"
+    elif tok and os.path.lexists(os.path.expanduser(tok)):
+        why = "names an existing file"
+    elif len(tok) < MIN_ENV_TOKEN:
+        why = f"is {len(tok)} characters long, shorter than a token ({MIN_ENV_TOKEN} at least; DeepFreeze makes 64)"
+    if why is not None:
+        raise AuthenticationError(
+            f"${TOKEN_ENV} {why}: it must hold the token text itself (e.g. the 64 hex characters of a token "
+            f"file: export {TOKEN_ENV}=$(cat ~/.deepfreeze/token)), not a path. To name a token file, set "
+            f"{TOKEN_FILE_ENV}=PATH instead (a file of yours, mode 0600), and unset {TOKEN_ENV}")
+    return _valid_token(tok, f"${TOKEN_ENV}")
 
-    A token file must be a regular file (not a link) owned by you with no group/other permission:
+
+def load_token(path: str | None = None) -> str:
+    """The token: from the file ``path`` when given, else ``$DEEPFREEZE_TOKEN`` (the token text
+    itself: a value containing ``/``, naming an existing file or shorter than
+    :data:`MIN_ENV_TOKEN` characters is an :class:`AuthenticationError` saying to put the token
+    text there), else the file ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``.
+
+    A token file must be a regular file (not a link) owned by you with no group/other permission,
+    opened once (``O_NOFOLLOW``) and checked on that descriptor (:func:`deepfreeze.ownership.open_trusted`):
     :class:`UntrustedOwnerError` for another owner, :class:`AuthenticationError` for loose modes or
     no token at all (the message says how to fix it)."""
     if path is None:
         env = os.environ.get(TOKEN_ENV)
         if env:
-            return _valid_token(env, f"${TOKEN_ENV}")
-        path = default_token_path()
-        if not os.path.lexists(path):
-            raise AuthenticationError(
-                f"no token: {TOKEN_ENV} is not set and {path} does not exist. Create one with "
-                f"'python -c \"import deepfreeze.net as n; n.create_token()\"' (or set {TOKEN_ENV}) and use the "
-                "same token on every client and provider")
+            return _env_token(env)
+        path = os.environ.get(TOKEN_FILE_ENV) or None
+        if path is None:
+            path = default_token_path()
+            if not os.path.lexists(path):
+                raise AuthenticationError(
+                    f"no token: {TOKEN_ENV} is not set and {path} does not exist. Create one with "
+                    f"'python -c \"import deepfreeze.net as n; n.create_token()\"' (or set {TOKEN_ENV} to the token "
+                    f"text itself, or {TOKEN_FILE_ENV} to a token file) and use the same token on every client and "
+                    "provider")
     path = os.path.expanduser(path)
     try:  # the one trust check (deepfreeze.ownership): regular, no link, yours, no group/other bits
         fd = ownership.open_trusted(path, os.O_RDONLY, kind="token file", trusted=frozenset({os.getuid()}),

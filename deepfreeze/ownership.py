@@ -10,6 +10,11 @@ will use, or plant symbolic links where its files go. The rules enforced here:
   sticky directory (``/tmp``-like, mode ``1777``), or be group-writable with the INI key
   ``shared_group = true`` (the user trusts every member of the group). No existing parent of
   a root may be writable by every user without the sticky bit.
+* **An output directory** (the directory a user names for an export, ``deepfreeze export -o``,
+  ``memtier dump -o``, ``deepfreeze.torch.hf.checkpoint_dir(output_dir=)``) follows the roots'
+  rule (:func:`check_output_dir`, before a byte is written): its owner could otherwise swap
+  what DeepFreeze writes there for their own files. What DeepFreeze creates in it is made
+  ``0700`` (:func:`ensure_dir`).
 * **Every directory DeepFreeze creates** below a root (``<root>/<name>``, version directories,
   a missing root and its missing parents) is created ``0700`` and, when it exists already,
   checked with ``lstat``: a symbolic link is an error (never followed), a directory owned by
@@ -63,7 +68,8 @@ from . import crashpoints as cp
 from . import fsafe
 from .errors import BackendError, ConfigError, UnsafePathError, UntrustedOwnerError
 
-__all__ = ["owner_name", "trusted_uids", "check_owner", "check_root", "ensure_dir", "open_dir_nofollow",
+__all__ = ["owner_name", "trusted_uids", "check_owner", "check_root", "check_output_dir", "OUTPUT_RULE", "ensure_dir",
+           "open_dir_nofollow",
            "open_private", "create_whole", "open_trusted", "open_trusted_file", "check_file", "check_dir", "check_existing",
            "peer_cred", "check_peer", "remove_tree_nofollow"]
 
@@ -176,6 +182,40 @@ def check_root(path: str, *, shared_group: bool = False) -> None:
     if st.st_uid not in (os.getuid(), 0):  # also a sticky one: its owner can rename or remove any entry
         raise UnsafePathError(f"{path} is owned by {owner_name(st.st_uid)}, not by you ({owner_name(os.getuid())}) "
                               "or root: that user controls what is created in it. Use a directory of your own")
+
+
+#: the rule an output directory is held to (:func:`check_output_dir`), as messages state it
+OUTPUT_RULE = ("DeepFreeze writes only into a directory owned by you or root that nobody else can write in (a sticky "
+               "one such as /tmp, or a group-writable one with 'shared_group = true', excepted), below no directory "
+               "that every user can write in without the sticky bit")
+
+
+def check_output_dir(path: str, *, what: str, shared_group: bool = False, create: bool = False) -> None:
+    """Hold the directory ``path`` that an output is written into (``what`` names the output in
+    messages, e.g. ``"export output /x/y.npz"``) to the roots' rule (:func:`check_root`,
+    :data:`OUTPUT_RULE`), before anything is written: else :class:`UnsafePathError` naming the
+    directory, its owner and mode, the rule and what to do. With ``create`` a missing ``path``
+    is made (with its missing parents) ``0700`` by :func:`ensure_dir`, its nearest existing
+    parent checked instead; without, a missing ``path`` is a FileNotFoundError."""
+    path = os.path.abspath(path)
+    d = path
+    if create:
+        while not os.path.lexists(d) and os.path.dirname(d) != d:
+            d = os.path.dirname(d)
+    elif not os.path.lexists(d):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    try:
+        check_root(d, shared_group=shared_group)
+    except UnsafePathError as e:
+        try:
+            st = os.stat(d)
+            who = f"owned by {owner_name(st.st_uid)}, mode {_mode(st)}"
+        except OSError:
+            who = "unreadable"
+        raise UnsafePathError(f"{what}: nothing written: {d} ({who}) breaks the rule for output directories "
+                              f"({OUTPUT_RULE}): {e}") from e
+    if create:
+        ensure_dir(path, path, shared_group=shared_group, site="output.mkdirs")
 
 
 def _check_parents(path: str) -> None:

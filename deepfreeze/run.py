@@ -353,9 +353,32 @@ class Run:
             log.warning("DeepFreeze (rank %d): %r: %s was not called and closing at exit failed (%s: %s): %s may "
                         "not be written; call %s at the end of training", self.rank, self.name, who,
                         type(err[0]).__name__, err[0], what, hint)
-        elif pending is not None and self.rank == 0:
-            log.warning("DeepFreeze: %r: %s was not called: v%d was handed off and flushed at exit; call %s "
-                        "at the end of training", self.name, who, pending, hint)
+        elif pending is not None and self.saw_committed(pending):
+            if self.rank == 0:
+                log.warning("DeepFreeze: %r: %s was not called: v%d was handed off and flushed at exit (committed); "
+                            "call %s at the end of training", self.name, who, pending, hint)
+        elif pending is not None:  # said by each rank that did not see it committed, not only rank 0
+            log.warning("DeepFreeze (rank %d): %r: %s was not called: this rank's part of v%d was handed off and "
+                        "flushed at exit, but this rank did not see v%d committed: it is committed only if every "
+                        "rank's part was flushed (else the next resume retires it); call %s at the end of training",
+                        self.rank, self.name, who, pending, pending, hint)
+
+    def saw_committed(self, version: int) -> bool:
+        """Whether this rank sees ``version`` committed by this run on persistent now: a valid
+        manifest of this name and version, of this run (its id) and generation. Reads one
+        manifest; any error reading it is a no."""
+        from . import format as fmt
+        from .levels import PersistentLevel
+        if self.config.persistent_interval < 0:
+            return False
+        try:
+            pers = PersistentLevel(self.config.persistent, shared_group=self.config.shared_group)
+            run_id, gen, _ = fmt.manifest_run(pers.read_manifest(self.name, version))
+            if self.info is not None and (run_id, gen) != (self.info.id, self.info.generation):
+                return False
+            return gen == pers.generation(self.name)
+        except (OSError, DeepFreezeError, ValueError):
+            return False
 
 
 def _view(attr: str, doc: str) -> property:

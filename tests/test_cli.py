@@ -405,6 +405,66 @@ def test_export_safetensors_layouts_and_refusals(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["l.safetensors", "none.safetensors"]
 
 
+def other_users_dir(path) -> str:
+    """``path`` made a directory (mode 0755) owned by the account ``nobody``: a real second user.
+    Skips unless the tests run as root (only root can give a directory away) and ``nobody`` exists."""
+    import pwd
+    if os.getuid() != 0:
+        pytest.skip("needs root: a directory owned by a real second user (the account 'nobody') is made with chown")
+    try:
+        who = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no account 'nobody' on this host (the real second user of this test)")
+    os.mkdir(path, 0o755)
+    os.chown(path, who.pw_uid, who.pw_gid)
+    os.chmod(path, 0o755)
+    return str(path)
+
+
+def unsafe_output_dir(tmp_path, whose: str) -> tuple[str, str]:
+    """(a directory another user controls, what the refusal names): ``nobody``'s own, or one of
+    ours that every user may write in (mode 0777, not sticky)."""
+    d = tmp_path / f"out-{whose}"
+    if whose == "nobody":
+        return other_users_dir(d), "owned by nobody"
+    os.mkdir(d)
+    os.chmod(d, 0o777)
+    return str(d), "mode 0777"
+
+
+@pytest.mark.parametrize("whose", ["nobody", "world-writable"])
+def test_export_refuses_an_output_directory_another_user_controls(tmp_path, whose):
+    """Issue 41, item 2: ``deepfreeze export -o`` into a directory of another user (or one every
+    user may write in) is refused with an UnsafePathError naming the directory, its owner and mode
+    and the rule, before a byte is written. Before: written there without a word (its owner could
+    swap the file for their own)."""
+    s = make_job(tmp_path, versions=(2,))
+    d, names = unsafe_output_dir(tmp_path, whose)
+    for fmt in ("npz", "safetensors"):
+        p = cli("export", *s, "-o", os.path.join(d, f"m.{fmt}"), code=1)
+        assert names in p.stderr and f"{d} (owned by " in p.stderr and "nothing written" in p.stderr, p.stderr
+        assert "DeepFreeze writes only into a directory owned by you or root" in p.stderr, p.stderr
+        assert os.listdir(d) == []
+    ok = tmp_path / "mine"  # the same export into a directory of one's own is written
+    ok.mkdir()
+    cli("export", *s, "-o", ok / "m.npz")
+    assert os.listdir(ok) == ["m.npz"]
+
+
+def test_export_into_a_group_writable_directory_needs_shared_group(tmp_path):
+    """Issue 41, item 2: a group-writable output directory is the user's choice to trust the group:
+    refused by default, written with ``shared_group = true``."""
+    s = make_job(tmp_path, versions=(2,))
+    d = tmp_path / "group"
+    d.mkdir()
+    os.chmod(d, 0o770)
+    p = cli("export", *s, "-o", d / "m.npz", code=1)
+    assert "writable by group" in p.stderr and "shared_group = true" in p.stderr and str(d) in p.stderr, p.stderr
+    assert os.listdir(d) == []
+    cli("export", *s, "--set", "shared_group=true", "-o", d / "m.npz")
+    assert os.listdir(d) == ["m.npz"]
+
+
 def test_export_h5_loads_into_keras_bit_exact(tmp_path):
     tf = pytest.importorskip("tensorflow")
     h5py = pytest.importorskip("h5py")

@@ -163,6 +163,25 @@ def test_dump_npz_and_safetensors_bit_exact(tmp_path):
         dev.close()
 
 
+@pytest.mark.parametrize("whose", ["nobody", "world-writable"])
+def test_dump_refuses_an_output_directory_another_user_controls(tmp_path, whose):
+    """Issue 41, item 2: ``memtier dump -o`` into a directory of another user (or one every user
+    may write in) is refused naming the directory, its owner and mode, nothing written there.
+    Before: dumped there."""
+    from test_cli import unsafe_output_dir
+    path = str(tmp_path / "d.tier")
+    d, names = unsafe_output_dir(tmp_path, whose)
+    dev, model, rec = filled(path, versions=(1,))
+    try:
+        p = cli("dump", path, "mlp", "-o", os.path.join(d, "m.npz"))
+        assert p.returncode == 1 and names in p.stderr and f"{d} (owned by " in p.stderr, p.stderr
+        assert "breaks the rule for output directories" in p.stderr, p.stderr
+        assert os.listdir(d) == []
+    finally:
+        model.close()
+        dev.close()
+
+
 def test_dump_refuses_active_slot_unless_forced(tmp_path):
     path = str(tmp_path / "a.tier")
     dev, model, rec = filled(path, versions=(1, 2))

@@ -1,6 +1,7 @@
 """deepfreeze.net: token files, the mutual handshake, sealed frames, loopback-only listening, bounded frames."""
 import json
 import os
+import re
 import socket
 import stat
 import struct
@@ -35,9 +36,60 @@ def test_load_token_order_and_missing(tmp_path, monkeypatch):
     tok = net.create_token()  # the default file
     assert (tmp_path / ".deepfreeze" / "token").exists()
     assert net.load_token() == tok
-    monkeypatch.setenv(net.TOKEN_ENV, "from-the-environment")
-    assert net.load_token() == "from-the-environment"
+    monkeypatch.setenv(net.TOKEN_ENV, "from-the-environment-" + "e" * 32)
+    assert net.load_token() == "from-the-environment-" + "e" * 32
     assert net.load_token(str(tmp_path / ".deepfreeze" / "token")) == tok  # an explicit path first
+
+
+def test_token_env_holds_the_token_text_never_a_path(tmp_path, monkeypatch):
+    """Issue 41, item 7: $DEEPFREEZE_TOKEN is the token text itself. A value that contains '/',
+    names an existing file or is shorter than 32 characters is refused, saying to put the token
+    text there (or name the file with DEEPFREEZE_TOKEN_FILE). Before: the path string itself
+    became the shared secret, so two ends that set it to a path "agreed" on a public string."""
+    monkeypatch.delenv(net.TOKEN_FILE_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "tok"
+    net.create_token(str(path))
+    (tmp_path / ("f" * 40)).write_text("x")  # a long name of an existing file, given without '/'
+    for value, why in [(str(path), "contains '/'"), ("~/my/token", "contains '/'"),
+                       ("f" * 40, "names an existing file"), ("short-secret", "is 12 characters long")]:
+        monkeypatch.setenv(net.TOKEN_ENV, value)
+        for fn in (net.load_token, net.ensure_token):
+            with pytest.raises(AuthenticationError, match=re.escape(why)) as e:
+                fn()
+            assert "the token text itself" in str(e.value) and net.TOKEN_FILE_ENV in str(e.value)
+            assert value not in str(e.value)  # the value is not echoed (it may be a secret)
+    monkeypatch.setenv(net.TOKEN_ENV, "a" * 32)  # the text of a token: taken as it is
+    assert net.load_token() == net.ensure_token() == "a" * 32
+
+
+def test_token_file_env_names_a_file_read_safely(tmp_path, monkeypatch):
+    """Issue 41, item 7: DEEPFREEZE_TOKEN_FILE names a token file (when DEEPFREEZE_TOKEN is unset),
+    read with the token file rule: yours, mode 0600, never through a link; never created."""
+    monkeypatch.delenv(net.TOKEN_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no default token file
+    path = tmp_path / "tok"
+    tok = net.create_token(str(path))
+    monkeypatch.setenv(net.TOKEN_FILE_ENV, str(path))
+    assert net.load_token() == net.ensure_token() == tok
+    os.chmod(path, 0o640)
+    with pytest.raises(AuthenticationError, match="chmod 600"):
+        net.load_token()
+    os.chmod(path, 0o600)
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    monkeypatch.setenv(net.TOKEN_FILE_ENV, str(link))
+    with pytest.raises(AuthenticationError, match="symbolic link"):
+        net.load_token()
+    monkeypatch.setenv(net.TOKEN_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(AuthenticationError, match="cannot read the token file"):
+        net.ensure_token()
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "home").exists()
+    if os.getuid() == 0:  # only root can give a file away
+        os.chown(path, 65534, 65534)
+        monkeypatch.setenv(net.TOKEN_FILE_ENV, str(path))
+        with pytest.raises(UntrustedOwnerError, match="not by you"):
+            net.load_token()
 
 
 def test_load_token_refuses_loose_mode_links_and_other_owners(tmp_path):
@@ -388,8 +440,8 @@ def test_ensure_token_creates_once_and_loads_after(tmp_path, monkeypatch):
     tok = net.ensure_token(path)
     assert net.ensure_token(path) == tok == net.load_token(path)
     assert [n for n in os.listdir(tmp_path / "d")] == ["token"]  # no temporary file left
-    monkeypatch.setenv(net.TOKEN_ENV, "env-token")
-    assert net.ensure_token() == "env-token"
+    monkeypatch.setenv(net.TOKEN_ENV, "env-token-" + "0" * 32)
+    assert net.ensure_token() == "env-token-" + "0" * 32
 
 
 def test_raise_for_reply_maps_only_deepfreeze_errors():

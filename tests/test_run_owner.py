@@ -91,6 +91,43 @@ def test_run_owns_engine_and_lease(tmp_path):
     again.close()
 
 
+def test_exit_hand_off_says_flushed_only_for_a_version_this_rank_saw_committed(tmp_path, caplog):
+    """Issue 41, item 6: rank 0 of a 2-rank job hands v4 off at exit, its peer never does (killed
+    5 ms into the hand-off): rank 0's part is flushed, v4 is not committed. The exit hand-off says
+    so (this rank's part flushed; committed only if every rank's part was), not "v4 was handed
+    off and flushed". A version this rank sees committed (v2: both ranks' parts) is "flushed at
+    exit (committed)". Before: "v4 was handed off and flushed at exit" for the version the next
+    resume retired."""
+    import numpy as np
+
+    from deepfreeze import Config, list_versions
+    from deepfreeze.engine import Engine
+    from deepfreeze.shardplan import ShardPlan, TensorSpec
+    plan = ShardPlan.build([TensorSpec(0, "w", "float32", (4096,))], 2, min_shard_bytes=1024)
+    assert all(plan.for_rank(r) for r in (0, 1))
+
+    def part(r: int, v: int) -> list:
+        return [np.full(p.stop - p.start, v, np.float32) for p in plan.for_rank(r)]
+    run = Run(None, "x", rank=0, size=2, **where(tmp_path))  # rank 0 of two (rank 1: an engine of its own)
+    run.begin()
+    run.new_engine(plan)
+    peer = Engine(Config.resolve(None, **where(tmp_path)), "x", 1, plan, run=run.info)
+    assert run.hand_off(2, part(0, 2), step=2, epoch=0, extra={})
+    peer.checkpoint(2, part(1, 2), step=2, epoch=0, extra={})
+    peer.close()
+    assert run.hand_off(4, part(0, 4), step=4, epoch=0, extra={})  # the peer's part of v4 never comes
+    caplog.set_level("WARNING", logger="deepfreeze")
+    run.close_at_exit(lambda: None, 30.0, who="Checkpointer.close()", pending=2, hint="ckpt.close()")
+    assert "'x': Checkpointer.close() was not called: v2 was handed off and flushed at exit (committed)" in caplog.text
+    caplog.clear()
+    run.close_at_exit(run.close, 30.0, who="Checkpointer.close()", pending=4, hint="ckpt.close()")
+    assert "not called: v4 was handed off" not in caplog.text, caplog.text
+    assert ("(rank 0): 'x': Checkpointer.close() was not called: this rank's part of v4 was handed off and flushed at "
+            "exit, but this rank did not see v4 committed: it is committed only if every rank's part was flushed"
+            in caplog.text), caplog.text
+    assert sorted(list_versions(run.config, "x")) == [2]
+
+
 # ---------------------------------------------------------------------------- torch
 def _torch():
     return pytest.importorskip("torch", reason="PyTorch is not installed")

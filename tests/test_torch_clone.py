@@ -52,7 +52,8 @@ def _start(cmd: list[str], token: str = TOKEN) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(token))
 
 
-def _wait(p: subprocess.Popen) -> None:
+def _wait(p: subprocess.Popen) -> str:
+    """The job's output, once it exited 0 (else the test fails with it)."""
     try:
         text, _ = p.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -60,6 +61,7 @@ def _wait(p: subprocess.Popen) -> None:
         text, _ = p.communicate()
     if p.returncode != 0:
         pytest.fail(f"{' '.join(p.args)} exited {p.returncode}\n{text[-6000:]}")
+    return text
 
 
 def _finish(proc: subprocess.Popen, out: str, ok: bool = True) -> None:
@@ -101,8 +103,11 @@ def test_clone_2_to_1_and_2_to_2_bit_exact_and_continues(tmp_path):
         _wait(_start([sys.executable, DST, out, "badtoken"], token="6" * 64))
         jobs = [_start([sys.executable, DST, out, "wide", "hidden=80"]),
                 _start([sys.executable, DST, out, "one"]), _start(_torchrun(2, DST, out, "two", "continue=3", "fuse_bytes=1024"))]
-        for p in jobs:
-            _wait(p)
+        texts = [_wait(p) for p in jobs]
+        # issue 41, item 6: the 2 -> 1 clone says what happened (before: "checkpoint 'clone' v28 was written by 2
+        # ranks", though nothing was written and the user named nothing 'clone')
+        assert "the source had 2 ranks, this job has 1: RNG states are not restored" in texts[1], texts[1][-3000:]
+        assert "checkpoint 'clone'" not in texts[1], texts[1][-3000:]
         bad = _result(os.path.join(out, "badtoken", "result_r0.json"))
         assert bad["error_type"] == "AuthenticationError", bad
     finally:

@@ -181,3 +181,36 @@ def test_export_dcp_round_trip(run, tmp_path):
     p = cli("export", "--format", "dcp", "-o", str(other), "--force")
     assert p.returncode != 0 and "not a DCP checkpoint" in p.stdout + p.stderr and (other / "keep").exists()
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f or ".old-" in f]
+
+
+@pytest.mark.parametrize("whose", ["nobody", "world-writable"])
+def test_export_torch_and_dcp_refuse_an_output_directory_another_user_controls(tmp_path, whose):
+    """Issue 41, item 2: ``write_torch`` and ``write_dcp`` (``deepfreeze export --format torch|dcp``)
+    into a directory of another user (or one every user may write in) raise UnsafePathError naming
+    the directory, its owner and mode, before a byte is written. Before: written there."""
+    import deepfreeze.torch as dft
+    from deepfreeze.errors import UnsafePathError
+    from deepfreeze import Config
+    from deepfreeze.loader import load
+    from deepfreeze.torch.dcp import write_dcp
+    from deepfreeze.torch.export import write_torch
+    from test_cli import unsafe_output_dir
+    kw = {"mode": "sync", "scratch": str(tmp_path / "s"), "persistent": str(tmp_path / "p")}
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with dft.Checkpointer(net, opt, name="out", every_n_steps=1, **kw):
+        for _ in range(2):
+            net(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    got = load(Config.load(None, **kw), "out")
+    d, names = unsafe_output_dir(tmp_path, whose)
+    with pytest.raises(UnsafePathError, match=f"{d} \\(owned by .*{names}"):
+        write_torch(got, os.path.join(d, "m.pt"))
+    with pytest.raises(UnsafePathError, match="breaks the rule for output directories"):
+        write_dcp(got, os.path.join(d, "m.dcp"))
+    assert os.listdir(d) == []
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert write_torch(got, str(mine / "m.pt")) > 0 and write_dcp(got, str(mine / "m.dcp")) > 0
+    assert sorted(os.listdir(mine)) == ["m.dcp", "m.pt"]

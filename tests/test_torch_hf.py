@@ -237,3 +237,82 @@ def test_new_name_under_a_trainer_resumed_from_its_own_checkpoint(hf_job, tmp_pa
     trainer.train(resume_from_checkpoint=os.path.join(hf_job, "own", "checkpoint-6"))
     assert trainer.state.global_step == 9 and cb.checkpointer is None
     assert sorted(list_versions(Config.resolve(None, **kw), "fresh")) == [9]
+
+
+class _TrainerStateLike:
+    """What the callback records as its Trainer state (``state=`` key ``hf_trainer_state``)."""
+
+    def __init__(self, step: int) -> None:
+        self.text = json.dumps({"global_step": step})
+
+    def state_dict(self) -> dict:
+        return {"trainer_state": self.text}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.text = sd["trainer_state"]
+
+
+@pytest.fixture(scope="module")
+def one_version(tmp_path_factory):
+    """A version shaped like the callback's, written in this process (no Trainer, a second): v2 of 'hfx'."""
+    from deepfreeze.torch import Checkpointer
+    from deepfreeze.torch.hf import TRAINER_STATE
+    d = tmp_path_factory.mktemp("hfx")
+    kw = dict(config=None, name="hfx", mode="sync", scratch=str(d / "s"), persistent=str(d / "p"))
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    with Checkpointer(net, opt, every_n_steps=2, state={TRAINER_STATE: _TrainerStateLike(2)}, **kw):
+        for _ in range(2):
+            net(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return kw
+
+
+def test_checkpoint_dir_refuses_an_output_dir_of_another_user(one_version, tmp_path):
+    """Issue 41, item 2, with a real second user: ``output_dir`` owned by the account ``nobody``
+    (who could rename the returned checkpoint-N aside and put their own model.safetensors in its
+    place) is refused with an UnsafePathError naming the directory, its owner and mode and the
+    rule; nothing is written there. Before: written without a word."""
+    from deepfreeze.errors import UnsafePathError
+    from deepfreeze.torch.hf import checkpoint_dir
+    from test_cli import other_users_dir
+    d = other_users_dir(tmp_path / "theirs")
+    with pytest.raises(UnsafePathError, match=f"{d} \\(owned by nobody \\(uid \\d+\\), mode 0755\\) breaks the rule"):
+        checkpoint_dir(**one_version, output_dir=d)
+    assert os.listdir(d) == []
+    with pytest.raises(UnsafePathError, match="owned by nobody"):  # a missing output_dir below it: not created
+        checkpoint_dir(**one_version, output_dir=os.path.join(d, "below"))
+    assert os.listdir(d) == []
+
+
+def test_checkpoint_dir_output_dir_rule_and_the_link_renamed_aside(one_version, tmp_path):
+    """Issue 41, item 2: an output_dir every user may write in (0777, not sticky) is refused, a
+    group-writable one unless shared_group = true; a missing one is created 0700. A checkpoint-N
+    that is a link (to a directory checkpoint_dir made) is replaced, and the link renamed aside
+    (checkpoint-N.deepfreeze-old-<pid>) removed, its target untouched. Before: the 0777 and 0770
+    directories were written into and the link was left behind."""
+    from deepfreeze.errors import UnsafePathError
+    from deepfreeze.torch.hf import checkpoint_dir
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(UnsafePathError, match="mode 0777.*writable by every user"):
+        checkpoint_dir(**one_version, output_dir=str(open_dir))
+    assert os.listdir(open_dir) == []
+    group = tmp_path / "group"
+    group.mkdir()
+    os.chmod(group, 0o770)
+    with pytest.raises(UnsafePathError, match="shared_group = true"):
+        checkpoint_dir(**one_version, output_dir=str(group))
+    assert os.listdir(group) == []
+    assert checkpoint_dir(**one_version, output_dir=str(group), shared_group=True) == str(group / "checkpoint-2")
+    out = tmp_path / "new" / "out"
+    path = checkpoint_dir(**one_version, output_dir=str(out))
+    assert path == str(out / "checkpoint-2") and os.stat(out).st_mode & 0o777 == 0o700
+    elsewhere = tmp_path / "elsewhere"
+    os.rename(path, elsewhere)  # a directory checkpoint_dir made, now behind a link
+    os.symlink(elsewhere, path)
+    assert checkpoint_dir(**one_version, output_dir=str(out)) == path
+    assert os.listdir(out) == ["checkpoint-2"] and not os.path.islink(path)
+    assert "deepfreeze.json" in os.listdir(elsewhere) and "model.safetensors" in os.listdir(elsewhere)

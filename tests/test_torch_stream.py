@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -321,6 +322,22 @@ def _train(pub, net, opt, g, n: int, states: dict) -> None:
 
 def _same(module: torch.nn.Module, state: dict) -> bool:
     return all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
+
+
+@pytest.mark.parametrize("kw,named", [
+    ({"persistent": "P", "scratch": "S"}, "persistent= cannot be taken with scratch="),
+    ({"persistent": "P", "config": "x.ini"}, "persistent= cannot be taken with config="),
+    ({"persistent": "P", "mode": "async", "scratch": "S"}, "persistent= cannot be taken with mode=, scratch="),
+    ({"redis": "redis://h:1", "scratch": "S"}, "redis= cannot be taken with scratch="),
+    ({"redis": "redis://h:1"}, "redis= needs persistent=")])
+def test_subscriber_refusal_names_the_keyword_it_cannot_take(kw, named):
+    """Issue 41, item 6: Subscriber(..., persistent=P, scratch=S) names the keyword it cannot take
+    with the others. Before: "or a config (...), not both" though no config was given."""
+    from deepfreeze.errors import ConfigError
+    from deepfreeze.torch import Subscriber
+    with pytest.raises(ConfigError, match=re.escape(named)) as e:
+        Subscriber(Net(), channel="c", **kw)
+    assert "not both" not in str(e.value)
 
 
 def test_single_process_pinned_replica_is_never_reloaded(tmp_path, monkeypatch):

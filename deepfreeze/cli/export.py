@@ -52,11 +52,12 @@ def run(args: argparse.Namespace) -> int:
         if ck.manifest.get("framework") == "torch":  # the per-rank state records are DeepFreeze's own
             arrays = {k: a for k, a in arrays.items() if not k.startswith("_deepfreeze/")}
         if fmt_name == "torch":
-            size = write_torch(ck, args.output, force=args.force)
+            size = write_torch(ck, args.output, force=args.force, shared_group=cfg.shared_group)
         elif fmt_name == "dcp":
-            size = write_dcp(ck, args.output, force=args.force)
+            size = write_dcp(ck, args.output, force=args.force, shared_group=cfg.shared_group)
         else:
-            size = ex.export(arrays, fmt_name, args.output, metadata=meta, force=args.force)
+            size = ex.export(arrays, fmt_name, args.output, metadata=meta, force=args.force,
+                             shared_group=cfg.shared_group)
     finally:
         progress.done()
     print(f"exported {name!r} v{ck.version} (step {ck.step}, {len(arrays)} tensors, read from {ck.level}) "

@@ -91,14 +91,15 @@ def add_parser(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     q.set_defaults(func=_import)
     q = rs.add_parser("serve", help="run a provider process (one per node and port)",
                       description="Serve the repository directory DIR to dstore:// clients. Clients present "
-                                  "the token of DEEPFREEZE_TOKEN or ~/.deepfreeze/token (deepfreeze repo token).")
+                                  "the token: DEEPFREEZE_TOKEN (the token text itself), else the file "
+                                  "DEEPFREEZE_TOKEN_FILE names, else ~/.deepfreeze/token (deepfreeze repo token).")
     q.add_argument("--dir", required=True, metavar="DIR", help="the provider's storage directory")
     q.add_argument("--listen", default="127.0.0.1:7000", metavar="HOST:PORT",
                    help="address to listen on (default 127.0.0.1:7000; port 0 picks a free one)")
     q.add_argument("--allow-remote", action="store_true",
                    help="allow a non-loopback --listen address (clients on other nodes; token still required)")
-    q.add_argument("--token-file", metavar="FILE", help="token file (0600); default DEEPFREEZE_TOKEN or "
-                                                        "~/.deepfreeze/token")
+    q.add_argument("--token-file", metavar="FILE", help="token file (0600); default DEEPFREEZE_TOKEN (the "
+                   "token text itself), else the file DEEPFREEZE_TOKEN_FILE names, else ~/.deepfreeze/token")
     q.add_argument("--arena-size", type=_size, metavar="BYTES",
                    help="shared-memory staging arena for same-node clients (default 1G)")
     q.add_argument("--fsync", action="store_true", help="fsync every stored pack and commit durably")

@@ -271,14 +271,16 @@ class CloneListener:
         self.buffers: dict[int, np.ndarray] = {}  # tensor id -> flat uint8 buffer (every byte of the tensor)
         self.records: dict[int, bytes] = {}
         self._refused: ModelMismatchError | None = None  # the first plan refused: the answer to every hello
+        self._left: dict[int, int] = {}  # source rank (hello accepted) -> its routes not received yet
         self.bytes_received = 0
         self.first_data_at: float | None = None
 
     def receive(self, n_src: int, accept: Callable[[ClonePlan, dict], None]) -> None:
         """Every route of this rank from each of the ``n_src`` source ranks, and their records.
-        Raises :class:`CloneTimeoutError` naming the source ranks that did not connect or finish
-        within ``timeout``, :class:`CloneError` naming one that failed or died,
-        :class:`ModelMismatchError`."""
+        Raises :class:`CloneTimeoutError` (:meth:`_timeout_error`) naming, of the source ranks
+        whose sends did not complete within ``timeout``, those that did not send every route and
+        those whose routes all arrived but not their record and end; :class:`CloneError` naming
+        one that failed or died; :class:`ModelMismatchError`."""
         deadline = time.monotonic() + self.timeout
         done: set[int] = set()
         pool = concurrent.futures.ThreadPoolExecutor(max(1, n_src), thread_name_prefix=f"deepfreeze-clone-in{self.rank}")
@@ -294,13 +296,15 @@ class CloneListener:
                         refused = refused or e
                         done.add(len(done) + n_src)
                         deadline = min(deadline, time.monotonic() + min(5.0, self.timeout))
+                    except CloneTimeoutError as e:  # a connection's wait ended at the deadline: say it for all
+                        raise (self._timeout_error(n_src) or e) from e
                 if len(done) >= n_src or (refused is not None and time.monotonic() > deadline):
                     break
                 if time.monotonic() > deadline:
-                    waiting = sorted(set(range(n_src)) - done)
-                    raise CloneTimeoutError(
-                        f"clone rank {self.rank}: source rank(s) {waiting} did not connect or finish sending within "
-                        f"timeout={self.timeout:g} s (the source never reached its clone step, or died)")
+                    err = self._timeout_error(n_src)
+                    if err is not None:
+                        raise err
+                    continue  # every source rank finished just now: their connections end on the next pass
                 try:
                     ch = self._q.get(timeout=0.01)
                 except queue.Empty:
@@ -313,6 +317,33 @@ class CloneListener:
             raise
         finally:
             pool.shutdown(wait=False)
+
+    def _timeout_error(self, n_src: int) -> "CloneTimeoutError | None":
+        """The timeout, naming only the source ranks whose sends did not complete (no end
+        received): those that did not say hello, those with routes still missing (how many),
+        and apart those whose every route arrived but not their state record and end (the source
+        takes the record at its next step, which a stuck rank of the source job holds up). None
+        when every source rank has finished after all."""
+        with self._lock:
+            finished, left, hello = set(self.records), dict(self._left), set(self._channels)
+        unfinished = [r for r in range(n_src) if r not in finished]
+        if not unfinished:
+            return None
+        sending = [r for r in unfinished if left.get(r) != 0]
+        ending = [r for r in unfinished if left.get(r) == 0]
+        parts = []
+        if sending:
+            silent = [r for r in sending if r not in hello]
+            why = [f"no hello from {silent}"] if silent else []
+            why += [f"rank {r}: {left[r]} route(s) missing" if r in left else f"rank {r}: hello only"
+                    for r in sending if r in hello]
+            parts.append(f"source rank(s) {sending} did not finish sending their tensors ({'; '.join(why)})")
+        if ending:
+            parts.append(f"source rank(s) {ending} sent every tensor but not their state record and end (the source "
+                         "takes the record at its next step: a stuck or dead rank of the source job holds it up)")
+        return CloneTimeoutError(f"clone rank {self.rank}: within timeout={self.timeout:g} s, " + "; ".join(parts)
+                                 + "; nothing was loaded (the source never reached its clone step, or a rank stalled "
+                                   "or died)")
 
     def _serve(self, ch: net.Channel, n_src: int, accept: Callable[[ClonePlan, dict], None], deadline: float) -> int:
         r = None
@@ -349,6 +380,8 @@ class CloneListener:
             ch.send({"ok": True}, deadline=deadline)
             plan = self.plan
             expected = {(x.tensor_id, x.start, x.stop): x for x in plan.routes if x.src == r and x.dst == self.rank}
+            with self._lock:
+                self._left[r] = len(expected)
             largest = max([(x.stop - x.start) * dtype_itemsize(plan.tensors[x.tensor_id].dtype)
                            for x in expected.values()] + [MAX_RECORD])
             record: bytes | None = None
@@ -362,6 +395,8 @@ class CloneListener:
                         self.first_data_at = time.time()
                     msg.recv_into(self.buffers[route.tensor_id][route.start * item:route.stop * item])
                     del expected[(route.tensor_id, route.start, route.stop)]
+                    with self._lock:
+                        self._left[r] = len(expected)
                     self.bytes_received += msg.payload_bytes
                 elif kind == "clone-record":
                     if h.get("rank") != r or record is not None or msg.payload_bytes > MAX_RECORD:

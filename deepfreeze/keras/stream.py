@@ -236,7 +236,8 @@ class ModelSubscriber(ReplicaServer):
       input_spec: the input's spec for an unbuilt model: a ``tf.TensorSpec`` (or a nested
         structure of them, or a dataset's ``element_spec``) or a shape such as ``(None, 28, 28)``.
       tier: ``"auto"``, ``"shm"``, ``"tcp"`` or ``"persistent"`` (see :class:`deepfreeze.stream.Subscriber`).
-      token: token file for TCP (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
+      token: token file for TCP (default: ``$DEEPFREEZE_TOKEN``, the token text itself, else the file
+        ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``).
       warn_after: seconds without any producer or committed version after which one warning says
         that nobody publishes the channel, naming where the subscriber looked.
       **overrides: INI keys (``persistent=...``).

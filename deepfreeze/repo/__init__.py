@@ -34,7 +34,8 @@ def Repository(location: "str | os.PathLike[str]", **options: Any) -> Any:  # no
 
     ``location``: a directory (embedded: created ``0700`` when missing; options ``fsync=False``,
     ``verify=True``) or ``"dstore://host:port[,host:port...]"`` (providers; options ``token=None``
-    (else ``DEEPFREEZE_TOKEN`` or ``~/.deepfreeze/token``), ``timeout=60.0``, ``staging=None``:
+    (else ``DEEPFREEZE_TOKEN``, the token text itself, or the file ``DEEPFREEZE_TOKEN_FILE`` names, or
+    ``~/.deepfreeze/token``), ``timeout=60.0``, ``staging=None``:
     ``"arena"`` on the providers' node, ``"tcp"`` otherwise). Both kinds have the same methods:
     ``put``, ``get``, ``specs``, ``graph``, ``layer_meta``, ``list``, ``info``, ``delete``, ``gc``,
     ``close``, and are context managers.

@@ -605,8 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", required=True, help="the repository directory (created if missing)")
     ap.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1:0: any port)")
     ap.add_argument("--allow-remote", action="store_true", help="allow a non-loopback address (token still required)")
-    ap.add_argument("--token-file", default=None, help=f"token file (default ${net.TOKEN_ENV}, else "
-                    f"{net.DEFAULT_TOKEN_PATH})")
+    ap.add_argument("--token-file", default=None, help=f"token file (default ${net.TOKEN_ENV}, the token text "
+                    f"itself, else the file ${net.TOKEN_FILE_ENV} names, else {net.DEFAULT_TOKEN_PATH})")
     ap.add_argument("--arena-bytes", "--arena-size", dest="arena_bytes", type=int, default=DEFAULT_ARENA_BYTES,
                     help=f"staging arena size in bytes (default {DEFAULT_ARENA_BYTES}; 0: none)")
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,

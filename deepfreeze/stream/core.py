@@ -110,8 +110,9 @@ class StreamOptions:
     never laps it nor waits). ``shm_dir``: where the rings live (tmpfs). ``host``/``port``:
     where each rank's server listens (port 0: any free one; with several ranks on a node,
     ``port`` must be 0); a non-loopback host needs ``allow_remote=True`` (then the token is
-    what keeps others out). ``token``: a token file (default: ``$DEEPFREEZE_TOKEN``, else
-    ``~/.deepfreeze/token``, created 0600 when missing). ``redis``: ``redis://host:port`` for
+    what keeps others out). ``token``: a token file (default: ``$DEEPFREEZE_TOKEN``, the token text
+    itself, else the file ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``, created
+    0600 when missing). ``redis``: ``redis://host:port`` for
     metadata and notifications (default: the config's ``redis`` key, else none).
     ``io_timeout``: seconds any single network wait may take.
     """
@@ -478,8 +479,8 @@ class Subscriber:
     ``persistent``: the producer's persistent directory (endpoint files, and the fallback
     checkpoint). ``tier``: ``"auto"`` (shared memory for shards on this node when readable, else
     TCP; the persistent level when no producer is reachable), or force ``"shm"``, ``"tcp"``,
-    ``"persistent"``. ``token``: token file (default ``$DEEPFREEZE_TOKEN``, else
-    ``~/.deepfreeze/token``). ``redis``: find endpoints and notifications in Redis.
+    ``"persistent"``. ``token``: token file (default ``$DEEPFREEZE_TOKEN``, the token text
+    itself, else the file ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``). ``redis``: find endpoints and notifications in Redis.
     ``rescan``: seconds between looks for a new producer run while none is connected (while
     one is, every ``5 * rescan`` s: a newer run registered replaces it).
     ``warn_after``: seconds of finding neither a producer nor a committed version after which

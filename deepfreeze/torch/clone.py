@@ -127,8 +127,9 @@ class CloneServer(Sink):
         optimizer or a sequence of them, the last one stepped last).
       address: ``host:port`` source rank 0 listens on for requests (port 0: any free port, see
         :attr:`address`); loopback unless ``allow_remote=True``.
-      token: the token file (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``, created
-        0600 when missing); the clone job must present the same token.
+      token: the token file (default ``$DEEPFREEZE_TOKEN``, the token text itself, else the file
+        ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``, created 0600 when missing);
+        the clone job must present the same token.
       state: ``{name: Stateful}`` sent in each rank's record (LR schedulers, GradScaler, a data
         position), as the Checkpointer's ``state=``.
       every_n_steps: agree on pending requests every N optimizer steps (the cost: one all_reduce
@@ -389,7 +390,8 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
 
     Collective over this job's ``torch.distributed`` world when it is initialized (any size);
     each rank listens on ``host`` (loopback unless ``allow_remote``) for the source ranks.
-    ``token``: the token file (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
+    ``token``: the token file (default ``$DEEPFREEZE_TOKEN``, the token text itself, else the file
+    ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``).
     Every wait is bounded by ``timeout``. ``fuse_bytes``: tensors up to this size are rebuilt
     together in one all-gather (the rest one broadcast per owner range). Raises :class:`~deepfreeze.errors.AuthenticationError`
     (the source does not know this token), :class:`~deepfreeze.errors.ModelMismatchError` (another

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from .. import ownership
 from ..config import Config, validate_name
 from ..errors import ConfigError, ModelMismatchError
 from ..loader import Checkpoint, load as _core_load
@@ -334,11 +335,14 @@ def dcp_state_dict(ck: Checkpoint, model_prefix: str = "", optim_prefix: str = "
     return out
 
 
-def write_dcp(ck: Checkpoint, outdir: str, *, force: bool = False) -> int:
+def write_dcp(ck: Checkpoint, outdir: str, *, force: bool = False, shared_group: bool = False) -> int:
     """Write ``ck`` (a torch checkpoint) as a DCP checkpoint directory ``outdir`` (``dcp.save``
     with ``FileSystemWriter`` in this process, no process group), built under a temporary name
-    beside it and renamed into place. With ``force`` an existing DCP checkpoint directory (one
-    holding ``.metadata``) is replaced; anything else there is refused. Returns the bytes written."""
+    (``0700``) beside it and renamed into place. With ``force`` an existing DCP checkpoint directory
+    (one holding ``.metadata``) is replaced; anything else there is refused. The directory holding
+    ``outdir`` must follow the roots' rule (:func:`deepfreeze.ownership.check_output_dir`; with
+    ``shared_group`` a group-writable one is trusted): else
+    :class:`~deepfreeze.errors.UnsafePathError` before anything is written. Returns the bytes written."""
     import torch.distributed.checkpoint as dcp
     from ..export import ExportError
     if ck.manifest.get("framework") != "torch":
@@ -348,6 +352,7 @@ def write_dcp(ck: Checkpoint, outdir: str, *, force: bool = False) -> int:
     parent = os.path.dirname(outdir)
     if not os.path.isdir(parent):
         raise ExportError(f"the directory of the output, {parent}, does not exist")
+    ownership.check_output_dir(parent, what=f"output {outdir}", shared_group=shared_group)
     if os.path.lexists(outdir):
         if os.path.islink(outdir) or not os.path.isdir(outdir):
             raise ExportError(f"output {outdir} exists and is not a directory: give a new directory name")

@@ -40,10 +40,12 @@ def torch_payload(ck: Checkpoint) -> dict[str, Any]:
             "deepfreeze": {"name": st.name, "version": st.version, "step": st.step, "world_size": st.world_size}}
 
 
-def write_torch(ck: Checkpoint, path: str, *, force: bool = False) -> int:
-    """Write ``ck`` (a version written by :class:`deepfreeze.torch.Checkpointer`) to ``path``."""
+def write_torch(ck: Checkpoint, path: str, *, force: bool = False, shared_group: bool = False) -> int:
+    """Write ``ck`` (a version written by :class:`deepfreeze.torch.Checkpointer`) to ``path``, whose
+    directory must follow :func:`deepfreeze.export.atomic_output`'s rule (owned by you or root,
+    writable by nobody else; ``shared_group``: a group-writable one is trusted)."""
     if ck.manifest.get("framework") != "torch":
         raise ExportError(f"checkpoint {ck.name!r} v{ck.version} was not written by deepfreeze.torch: export it as "
                           "npz, safetensors or h5")
     payload = torch_payload(ck)
-    return atomic_output(path, force, lambda tmp: torch.save(payload, tmp))
+    return atomic_output(path, force, lambda tmp: torch.save(payload, tmp), shared_group=shared_group)

@@ -25,12 +25,12 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
+from .. import ownership
 from ..config import Config, validate_name
 from ..errors import (CheckpointNotFoundError, ConfigError, DeepFreezeError, ExistingCheckpointError,
                       ModelMismatchError, RanksFailedError)
@@ -38,7 +38,7 @@ from ..comm import allgather_failures
 from ..export import atomic_output
 from ._dist import make_comm, rank_and_size
 from .checkpointer import Checkpointer
-from .restore import TorchState, load_state
+from .restore import TorchState, load_state, read_config
 
 __all__ = ["DeepFreezeCallback", "checkpoint_dir", "TRAINER_STATE", "LR_SCHEDULER", "SCALER"]
 
@@ -276,12 +276,29 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
     none, and Trainer resumes without them), each under a temporary name renamed into place, in
     a temporary directory renamed to ``checkpoint-<step>`` at the end. ``output_dir`` must be
     seen by every rank (as Trainer's own). An existing ``checkpoint-<step>`` made by this
-    function is replaced; any other is refused (:class:`~deepfreeze.errors.ExistingCheckpointError`).
+    function is replaced (the old one, or a link in its place, removed without following a link);
+    any other is refused (:class:`~deepfreeze.errors.ExistingCheckpointError`).
+
+    ``output_dir`` (or, when missing, its nearest existing parent) must follow the roots' rule
+    (:func:`deepfreeze.ownership.check_output_dir`: owned by you or root, writable by nobody else
+    unless sticky or, with ``shared_group = true``, group-writable): else every rank raises
+    :class:`~deepfreeze.errors.UnsafePathError` before anything is read or written (another user
+    owning it could swap the checkpoint Trainer resumes from). A missing ``output_dir`` is created
+    ``0700``.
     """
     validate_name(name)
     rank, size = rank_and_size()
     comm = make_comm()
     try:
+        err: BaseException | None = None
+        if rank == 0:  # the output directory first: nothing is read or written for a directory of another user
+            try:
+                shared = read_config(config, **overrides).shared_group
+                ownership.check_output_dir(output_dir, what=f"checkpoint_dir(output_dir={output_dir!r})",
+                                           shared_group=shared, create=True)
+            except Exception as e:  # reported on every rank (none is left waiting)
+                err = e
+        _agree(comm, err, f"the output directory {os.path.abspath(output_dir)}")
         try:
             st = load_state(config, name=name, version=version, comm=comm, trust_owners=trust_owners, **overrides)
         except CheckpointNotFoundError as e:
@@ -292,16 +309,15 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
             return None
         final = os.path.join(os.path.abspath(output_dir), f"checkpoint-{st.step}")
         tmp = f"{final}.deepfreeze-tmp-{os.getpid()}"  # rank 0's pid: every rank gets rank 0's name below
-        err: BaseException | None = None
+        err = None
         if rank == 0:
             try:
                 if os.path.lexists(final) and not os.path.isfile(os.path.join(final, _MARKER)):
                     raise ExistingCheckpointError(f"{final} exists and was not made by checkpoint_dir (Trainer's own "
                                                   "checkpoint?): give another output_dir (a directory of its own)")
                 files = _trainer_files(st)
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-                os.mkdir(tmp, 0o700)
+                ownership.remove_tree_nofollow(tmp)  # a leftover of this pid's earlier call; a link only unlinked
+                ownership.ensure_dir(tmp, os.path.dirname(final), site="hf.checkpoint_dir")  # 0700, checked
                 for fname, (kind, payload) in files.items():
                     _write(os.path.join(tmp, fname), kind, payload)
             except Exception as e:  # any failure: reported on every rank (none is left waiting)
@@ -327,7 +343,7 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
                     if os.path.lexists(final):  # made by checkpoint_dir before (checked above): replaced
                         old = f"{final}.deepfreeze-old-{os.getpid()}"
                         os.rename(final, old)
-                        shutil.rmtree(old, ignore_errors=True)
+                        ownership.remove_tree_nofollow(old)  # a link renamed aside is removed, never followed
                     os.rename(tmp, final)
                     fd = os.open(os.path.dirname(final), os.O_RDONLY)
                     try:
@@ -339,7 +355,10 @@ def checkpoint_dir(config: "str | Config | None" = None, *, name: str, output_di
             _agree(comm, err, f"renaming {tmp} to {final}")
         except BaseException:
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                try:
+                    ownership.remove_tree_nofollow(tmp)
+                except OSError:
+                    pass
             raise
         if rank == 0:
             log.warning("DeepFreeze: %s made from %r v%d (%s)", final, name, st.version, st.level)

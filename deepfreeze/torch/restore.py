@@ -294,9 +294,9 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
         elif rank == 0 and rec.get("a", {}).get("imported"):
             log.warning("DeepFreeze: %s was imported (%s): it holds no RNG states; they are not restored", where,
                         rec["a"]["imported"].get("format"))
-        elif rank == 0:
-            log.warning("DeepFreeze: %s was written by %d ranks, this job has %d: RNG states are not restored",
-                        where, st.world_size, world_size)
+        elif rank == 0:  # a clone was written by nobody: its source had that many ranks
+            log.warning("DeepFreeze: %s %d ranks, this job has %d: RNG states are not restored", "the source had" if
+                        ck.level == "clone" else f"{where} was written by", st.world_size, world_size)
     return Applied(skipped, rec if same else None)
 
 

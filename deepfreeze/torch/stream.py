@@ -369,6 +369,20 @@ class Served:
         return f"Served({type(self.module).__name__}, {self.version})"
 
 
+def _where_conflict(persistent: "str | None", config: Any, redis: "str | None", overrides: dict[str, Any]) -> str:
+    """The :class:`Subscriber` refusal of keywords that name the producer's directory twice: the
+    keyword it cannot take with the others, named, and the two ways that work."""
+    ways = ("give the producer's persistent directory as persistent= (with redis= if it uses Redis) and nothing "
+            "else, or a config (INI path or Config, with INI keys as keywords) and no persistent=/redis=")
+    given = (["config="] if config is not None else []) + [f"{k}=" for k in sorted(overrides)]
+    if persistent is not None:
+        return f"Subscriber: persistent= cannot be taken with {', '.join(given)}: {ways}"
+    if given:
+        return (f"Subscriber: redis= cannot be taken with {', '.join(given)} (with a config, Redis is its 'redis' "
+                f"key): {ways}")
+    return f"Subscriber: redis= needs persistent= (the producer's persistent directory): {ways}"
+
+
 class Subscriber(ReplicaServer):
     """Serve an ``nn.Module`` that follows a producer's published versions (double-buffered).
 
@@ -390,7 +404,8 @@ class Subscriber(ReplicaServer):
       persistent: the producer's persistent directory, instead of a ``config`` (a consumer needs
         nothing else of one); ``redis=`` may come with it.
       tier: ``"auto"``, ``"shm"``, ``"tcp"`` or ``"persistent"`` (:class:`deepfreeze.stream.Subscriber`).
-      token: token file for TCP (default ``$DEEPFREEZE_TOKEN``, else ``~/.deepfreeze/token``).
+      token: token file for TCP (default: ``$DEEPFREEZE_TOKEN``, the token text itself, else the file
+        ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``).
       io_timeout: seconds any single network wait may take.
       warn_after: seconds without any producer or committed version after which one warning says
         that nobody publishes the channel, naming where the subscriber looked.
@@ -419,8 +434,7 @@ class Subscriber(ReplicaServer):
             cfg = Config.resolve(config, **overrides)
             where, redis = cfg.persistent, cfg.redis
         else:
-            raise ConfigError("Subscriber: give the producer's persistent directory as persistent= (with redis= if "
-                              "it uses Redis), or a config (INI path or Config, with INI keys as keywords), not both")
+            raise ConfigError(_where_conflict(persistent, config, redis, overrides))
         sub = _CoreSubscriber(channel, where, tier=tier, token=token, redis=redis, io_timeout=io_timeout,
                               warn_after=warn_after)
         super().__init__(channel, sub, [module, other])

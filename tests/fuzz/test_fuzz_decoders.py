@@ -600,7 +600,7 @@ def _clone_wire(bounded, data):
         import threading
         lst._lock, lst._channels, lst.plan, lst.digest, lst.describe, lst.header = threading.Lock(), {}, None, "", {}, {}
         lst.buffers, lst.records, lst.bytes_received, lst.first_data_at = {}, {}, 0, None
-        lst._refused = None
+        lst._refused, lst._left = None, {}
         try:
             hello = {"df": "clone-hello", "rank": 0, "plan": plan.describe(), "digest": plan.digest(),
                      "header": {"step": 3}}
