@@ -227,3 +227,45 @@ def test_what_torch_takes_as_it_is_passes(written, tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"'betas'\[1\] is a str"):
         rec["param_groups"][0][0]["betas"] = (0.9, "0.999")
         _state.check_recorded_groups(rec, "a str beta")
+
+
+def test_lightning_resume_refuses_a_scheduler_state_with_an_optimizer_entry(tmp_path):
+    """The Lightning callback's schedulers travel inside its own state object: an ``optimizer``
+    entry added to one is refused at the Checkpointer's resume, before the model is set (before:
+    the fit resumed and Lightning's first scheduler step raised AttributeError)."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from deepfreeze.torch.lightning import DeepFreezeCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self, seed):
+            super().__init__()
+            torch.manual_seed(seed)
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
+                                                       "interval": "step"}}
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 4)), batch_size=2)
+    where = {"mode": "sync", "scratch": str(tmp_path / "w" / "s"), "persistent": str(tmp_path / "w" / "p")}
+
+    def fit(module, cb, steps):
+        pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=[cb]).fit(module, data)
+    fit(Module(0), DeepFreezeCallback(name=NAME, every_n_train_steps=2, **where), 2)
+    got = core_load(Config.load(None, **where), NAME)
+
+    def edit(rec):
+        rec["a"]["state"]["lightning"]["lr_schedulers"][0]["optimizer"] = {"param_groups": []}
+    kw = hostile((tmp_path / "w" / "p", got.version, _state.decode_record(got.arrays["_deepfreeze/rank0"])),
+                 tmp_path, edit)
+    module = Module(1)
+    before = copy.deepcopy(module.state_dict())
+    with pytest.raises(CorruptCheckpointError, match=r"state object 'lightning': LR scheduler 0 "
+                                                     r"\(torch.optim.lr_scheduler.StepLR\): its state\['optimizer'\]"):
+        fit(module, DeepFreezeCallback(name=NAME, every_n_train_steps=2, resume=True, **kw), 4)
+    same(before, module.state_dict())

@@ -738,12 +738,17 @@ def torch_stateful(obj: Any) -> bool:
 
 def check_stateful(obj: Any, saved: Any, what: str, where: str) -> None:
     """Before ``obj.load_state_dict(saved)`` of a torch LR scheduler or GradScaler
-    (:func:`torch_stateful`; any other object is the user's and passes): ``saved`` is a dict
-    whose keys are among the live ``obj.state_dict()``'s, each value of the live value's kind
-    (:func:`_mismatch`: nested dicts, e.g. ``SequentialLR``'s schedulers, alike). A disabled
-    GradScaler loads nothing and is not checked. CorruptCheckpointError naming ``what``, the
-    key and both kinds."""
+    (:func:`torch_stateful`): ``saved`` is a dict whose keys are among the live
+    ``obj.state_dict()``'s, each value of the live value's kind (:func:`_mismatch`: nested
+    dicts, e.g. ``SequentialLR``'s schedulers, alike). A disabled GradScaler loads nothing and
+    is not checked. A DeepFreeze object that carries such states inside its own (the Lightning
+    callback's) checks them with its ``_deepfreeze_check(saved, what, where)``, which calls this
+    function. Any other object is the user's and passes. CorruptCheckpointError naming
+    ``what``, the key and both kinds."""
     if not torch_stateful(obj):
+        own = getattr(type(obj), "_deepfreeze_check", None)
+        if callable(own):
+            own(obj, saved, what, where)
         return
     from torch.amp import GradScaler
     if isinstance(obj, GradScaler) and not obj.is_enabled():

@@ -121,6 +121,21 @@ class _LightningState:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.loaded = d  # put into Lightning by DeepFreezeCallback.on_fit_start, once the checkpointer is built
 
+    def _deepfreeze_check(self, d: Any, what: str, where: str) -> None:
+        """The restore's check of the torch states inside Lightning's (before anything is set:
+        :func:`deepfreeze.torch._state.check_stateful`): each LR scheduler's, the precision
+        plugin's GradScaler's. A different number of schedulers is :meth:`DeepFreezeCallback._restore`'s
+        ModelMismatchError."""
+        if not isinstance(d, dict):
+            return
+        configs, saved = self.trainer.lr_scheduler_configs, d.get("lr_schedulers")
+        if isinstance(saved, list) and len(saved) == len(configs):
+            for i, (c, sd) in enumerate(zip(configs, saved)):
+                _state.check_stateful(c.scheduler, sd, f"{what}: LR scheduler {i}", where)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if "precision" in d and scaler is not None:
+            _state.check_stateful(scaler, d["precision"], f"{what}: the precision plugin's GradScaler", where)
+
 
 class DeepFreezeCallback(pl.Callback):
     """DeepFreeze checkpoints of a Lightning fit: captured in the step, resumed through Lightning's own state.
