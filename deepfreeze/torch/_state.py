@@ -708,7 +708,7 @@ def _refuse(where: str, what: str, m: "tuple[str, Any, Any]", reference: str, ad
 
 def check_groups(saved: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]], what: str, where: str, *,
                  defaults: bool = False) -> None:
-    """The one check of an optimizer's saved ``param_groups`` (restore, the callbacks' resume,
+    """The one check of an optimizer's saved ``param_groups`` (restore, the Checkpointer's resume,
     ``clone.receive``: against the live optimizer's groups; export and ``hf.checkpoint_dir``:
     against a fresh optimizer's defaults, ``defaults=True``): each saved value whose key the
     reference group also has is of the reference value's kind (:func:`_mismatch`); keys the
@@ -741,9 +741,9 @@ def check_stateful(obj: Any, saved: Any, what: str, where: str) -> None:
     (:func:`torch_stateful`): ``saved`` is a dict whose keys are among the live
     ``obj.state_dict()``'s, each value of the live value's kind (:func:`_mismatch`: nested
     dicts, e.g. ``SequentialLR``'s schedulers, alike). A disabled GradScaler loads nothing and
-    is not checked. A DeepFreeze object that carries such states inside its own (the Lightning
-    callback's) checks them with its ``_deepfreeze_check(saved, what, where)``, which calls this
-    function. Any other object is the user's and passes. CorruptCheckpointError naming
+    is not checked. A DeepFreeze object that carries such states inside its own (Lightning's
+    state object, :mod:`deepfreeze.torch.lightning`) checks them with its
+    ``_deepfreeze_check(saved, what, where)``, which calls this function. Any other object is the user's and passes. CorruptCheckpointError naming
     ``what``, the key and both kinds."""
     if not torch_stateful(obj):
         own = getattr(type(obj), "_deepfreeze_check", None)

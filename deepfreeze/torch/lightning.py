@@ -28,8 +28,10 @@ Imports ``pytorch_lightning`` (the ``pytorch-lightning`` package, 2.6.6 in ``scr
   Lightning part goes back through Lightning's own ``load_state_dict`` methods, in the order of
   ``Trainer``'s restore of a checkpoint file: precision plugin, ``fit_loop`` (Lightning then
   resumes mid-epoch itself: it fast-forwards its progress counters and a stateful loader), LR
-  schedulers, callbacks, datamodule. Mid-epoch, the RNG states are set again at ``on_train_start``
-  (Lightning has made the epoch's data iterator, which draws a seed, and restored a stateful
+  schedulers, callbacks, datamodule (the schedulers' and the precision GradScaler's saved states
+  are kind-checked with the checkpointer's other checks, before anything is set:
+  :func:`deepfreeze.torch._state.check_stateful`). Mid-epoch, the RNG states are set again at
+  ``on_train_start`` (Lightning has made the epoch's data iterator, which draws a seed, and restored a stateful
   loader by then; the next draw is the next batch's, as in the uninterrupted run). A version taken
   at the last batch of an epoch is resumed without the loader's position (see ``_restore``). Do not
   also pass ``ckpt_path`` to ``fit``: that is a :class:`~deepfreeze.errors.ConfigError`.
