@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import shutil
+import threading
+import time
 
 import pytest
 
@@ -269,3 +271,42 @@ def test_lightning_resume_refuses_a_scheduler_state_with_an_optimizer_entry(tmp_
                                                      r"\(torch.optim.lr_scheduler.StepLR\): its state\['optimizer'\]"):
         fit(module, DeepFreezeCallback(name=NAME, every_n_train_steps=2, resume=True, **kw), 4)
     same(before, module.state_dict())
+
+
+def test_clone_receive_refuses_a_hostile_source_record(monkeypatch):
+    """clone.receive puts what the source sends through restore's checks: a source whose record
+    carries a learning rate of "0.01" is refused before the clone's model is set (before: the
+    clone took it, and its first opt.step() raised a TypeError)."""
+    from deepfreeze.torch.clone import CloneServer, receive
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", "7" * 64)
+
+    class Hostile(CloneServer):  # the source job, its record edited as a hostile source sends it
+        def _take_record(self, c, both):
+            super()._take_record(c, both)
+            if c.record:
+                rec = _state.decode_record(c.record)
+                rec["param_groups"][0][0]["lr"] = "0.01"
+                c.record = _state.encode(rec)
+    dst = build(1)
+    step(*dst)  # (before the source's hooks exist)
+    before = snapshot(*dst)
+    src = build(0)
+    server = Hostile(src[0], src[1], "127.0.0.1:0", state={"sched": src[2], "scaler": src[3]}, timeout=30)
+    stop = threading.Event()
+
+    def train():
+        while not stop.is_set():
+            step(*src)
+            server.end_iteration()
+            time.sleep(0.002)
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match=r"optimizer 0 \(torch.optim.adam.Adam\), parameter group "
+                                                         r"0: 'lr' is a str \('0.01'\) in the checkpoint"):
+            receive(dst[0], dst[1], server.address, state={"sched": dst[2], "scaler": dst[3]}, timeout=30)
+    finally:
+        stop.set()
+        t.join(60)
+        server.close()
+    same(before, snapshot(*dst))
