@@ -126,9 +126,12 @@ STATE_CASES = {"sched_optimizer": (sched_optimizer, "state object 'sched' (torch
 
 @pytest.mark.parametrize("case", [*GROUP_CASES, *STATE_CASES])
 def test_restore_refuses_a_value_of_another_kind_before_anything_is_set(written, tmp_path, case):
-    """Before: restore returned, and the next opt.step() (TypeError: bad operand type for unary -:
-    'str' / NoneType / dtype), sched.step() (AttributeError: 'dict' object has no attribute
-    'param_groups') or scaler.scale() (TypeError) failed inside torch. After: refused, nothing set."""
+    """Before: restore returned, and the next opt.step() (TypeError: unsupported operand type(s)
+    for /: 'str' and 'float', NoneType, torch.dtype) or sched.step() (AttributeError: 'dict'
+    object has no attribute 'param_groups') failed inside torch; the scaler's "scale" raised
+    TypeError from GradScaler.load_state_dict's fill_() halfway through the restore, the model
+    already set (a scaler never used yet: the next scaler.scale()). After: refused, nothing set,
+    with strict=False too."""
     edit, message = {**GROUP_CASES, **STATE_CASES}[case]
     kw = hostile(written, tmp_path, edit)
     objs = build(1)
