@@ -18,9 +18,9 @@ state of a torch LR scheduler or GradScaler given as ``state=`` has only keys of
 :func:`~deepfreeze.torch._state.check_stateful`); a value of another kind (a learning rate of
 ``"0.01"``, a scheduler state with an ``optimizer`` entry: a damaged or edited record) is a
 :class:`~deepfreeze.errors.CorruptCheckpointError`, with or without ``strict``, and nothing is
-changed. With ``strict=False`` the parts that match are loaded (model
-tensors of the same FQN, dtype and shape; an optimizer whose structure matches; the ``state=``
-objects the checkpoint holds) and what was left out is logged and returned
+changed. With ``strict=False`` the parts that match are loaded (model tensors of the same
+FQN, dtype and shape; an optimizer whose structure matches; the ``state=`` objects the
+checkpoint holds) and what was left out is logged and returned
 (:attr:`Restored.skipped`). Tied weights (two FQNs of one tensor) are stored once; ``load``
 gives both keys, ``restore`` copies into the model's tensors, so a tied model stays tied.
 
@@ -234,9 +234,9 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
     size, else rank 0's). Every check comes first (module docstring): a mismatch raises
     :class:`ModelMismatchError` with nothing written, or under ``strict=False`` is left out; a
     value of the wrong kind raises :class:`~deepfreeze.errors.CorruptCheckpointError`, nothing
-    written; returns what was left out (logged once) and this rank's own state record (None at another
-    world size). ``state``: None checks and restores no ``state=`` object; a dict (``{}`` too)
-    must have the checkpoint's keys."""
+    written; returns what was left out (logged once) and this rank's own state record (None at
+    another world size). ``state``: None checks and restores no ``state=`` object; a dict
+    (``{}`` too) must have the checkpoint's keys."""
     st = _split(ck)
     where = f"checkpoint {ck.name!r} v{ck.version}"
     same = world_size == st.world_size and rank < len(st.records)
