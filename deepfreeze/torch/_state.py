@@ -53,7 +53,7 @@ from ..shardplan import TensorSpec
 __all__ = ["TrainState", "train_state", "unwrap", "model_entries", "encode", "decode", "dtype_of", "torch_dtype",
            "RANK_PREFIX", "rng_state", "set_rng_state", "as_tensor", "dim0_rows", "local_rows", "is_dtensor",
            "check_layout", "optimizer_groups", "class_name", "check_model",
-           "decode_record"]
+           "decode_record", "check_groups", "torch_stateful", "check_stateful", "check_recorded_groups"]
 
 RANK_PREFIX = "_deepfreeze/rank"
 MAGIC = b"DFTS0001"
@@ -608,3 +608,186 @@ def check_model(model: torch.nn.Module, manifest_tensors: list[dict], n_model: i
                                      f"{s[0]}{list(s[1])} in the checkpoint (strict=False loads the tensors that "
                                      "match)")
     return []
+
+
+# -- kinds of the values a restore hands to torch (issue 41: typed all the way to the optimizer)
+#
+# A state record that decodes is not yet one torch can use: a learning rate of "0.01", None or a
+# dtype, or a scheduler state with an extra ``optimizer`` entry, loads without a word and breaks the
+# user's next ``opt.step()``/``sched.step()`` with a raw TypeError or AttributeError from inside
+# torch. Before anything is set, every value torch will take is compared with the kind of what it
+# replaces (:func:`check_groups`, :func:`check_stateful`; :func:`check_recorded_groups` where no
+# optimizer is live: export, ``hf.checkpoint_dir``).
+
+_ABSENT = object()  # a saved dict key the reference lacks
+#: None, a bool and a string are one kind where either side is None: torch's optional flags
+#: (``foreach``, ``fused``: None or a bool; LBFGS's ``line_search_fn``: None or a name)
+_OPTIONAL = ("None", "a bool", "a str")
+
+
+def _kind(v: Any) -> str:
+    """The kind of ``v`` as the checks compare it (and messages name it): a tensor's or array's
+    kind includes its dtype and shape, a tuple's or list's its length; an int and a float are
+    one kind, "a number" (a bool is not one)."""
+    if v is None:
+        return "None"
+    if isinstance(v, (bool, np.bool_)):
+        return "a bool"
+    if isinstance(v, torch.Tensor):
+        return f"a tensor {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+    if isinstance(v, np.ndarray):
+        return f"a numpy array {v.dtype}{list(v.shape)}"
+    if isinstance(v, (int, float, np.integer, np.floating)):
+        return "a number"
+    if isinstance(v, str):
+        return "a str"
+    if isinstance(v, (tuple, list)):
+        return f"a {type(v).__name__} of {len(v)}"
+    if isinstance(v, dict):
+        return "a dict"
+    if isinstance(v, torch.dtype):
+        return "a torch dtype"
+    if isinstance(v, (bytes, bytearray)):
+        return "bytes"
+    return f"a {type(v).__name__}"
+
+
+def _shown(v: Any) -> str:
+    """:func:`_kind` of ``v``, with the value when it is short (a scalar, a dtype)."""
+    k = _kind(v)
+    if v is None or isinstance(v, (tuple, list, dict, torch.Tensor, np.ndarray, bytes, bytearray)):
+        return k
+    return f"{k} ({str(v)[:40]!r})" if isinstance(v, str) else f"{k} ({str(v)[:40]})"
+
+
+def _mismatch(saved: Any, ref: Any, path: str, defaults: bool) -> "tuple[str, Any, Any] | None":
+    """The first place where ``saved`` is not of ``ref``'s kind: ``(path, saved value, reference
+    value)`` (the reference :data:`_ABSENT` for a dict key it lacks), None when all match.
+    Tuples and lists of the same length match element by element; a dict's keys must be among
+    the reference's, each value of its kind. ``defaults``: ``ref`` is a fresh optimizer's
+    default, which is looser: a None default takes any scalar (it is computed later, or optional),
+    a number a one-element floating tensor (torch's ``lr``, ``betas`` may be tensors)."""
+    if isinstance(ref, (tuple, list)):
+        if not isinstance(saved, (tuple, list)) or len(saved) != len(ref):
+            return path, saved, ref
+        for i, (s, r) in enumerate(zip(saved, ref)):
+            m = _mismatch(s, r, f"{path}[{i}]", defaults)
+            if m is not None:
+                return m
+        return None
+    if isinstance(ref, dict):
+        if not isinstance(saved, dict):
+            return path, saved, ref
+        for k, s in saved.items():
+            if k not in ref:
+                return f"{path}[{k!r}]", s, _ABSENT
+            m = _mismatch(s, ref[k], f"{path}[{k!r}]", defaults)
+            if m is not None:
+                return m
+        return None
+    ks, kr = _kind(saved), _kind(ref)
+    if ks == kr or (ks in _OPTIONAL and kr in _OPTIONAL and "None" in (ks, kr)):
+        return None
+    if defaults and kr == "None" and ks in (*_OPTIONAL, "a number"):
+        return None
+    if defaults and kr == "a number" and isinstance(saved, torch.Tensor) and saved.numel() == 1 \
+            and saved.is_floating_point():
+        return None
+    return path, saved, ref
+
+
+def _refuse(where: str, what: str, m: "tuple[str, Any, Any]", reference: str, advice: str) -> CorruptCheckpointError:
+    path, saved, ref = m
+    if ref is _ABSENT:
+        why = f"{path} is {_shown(saved)} in the checkpoint and not a key of {reference}"
+    else:
+        why = f"{path} is {_shown(saved)} in the checkpoint, {_shown(ref)} in {reference}"
+    return CorruptCheckpointError(f"{where}: {what}: {why}, which torch cannot use (the next step would fail "
+                                  f"inside torch): the state record is damaged or was edited. {advice}")
+
+
+def check_groups(saved: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]], what: str, where: str, *,
+                 defaults: bool = False) -> None:
+    """The one check of an optimizer's saved ``param_groups`` (restore, the Checkpointer's resume,
+    ``clone.receive``: against the live optimizer's groups; export and ``hf.checkpoint_dir``:
+    against a fresh optimizer's defaults, ``defaults=True``): each saved value whose key the
+    reference group also has is of the reference value's kind (:func:`_mismatch`); keys the
+    reference lacks, and ``params``, are not checked. ``what`` names the optimizer;
+    CorruptCheckpointError naming it, the group, the key and both kinds."""
+    for i, (g, r) in enumerate(zip(saved, reference)):
+        for key, v in g.items():
+            if key == "params" or key not in r:
+                continue
+            m = _mismatch(v, r[key], repr(key), defaults)
+            if m is not None:
+                raise _refuse(where, f"{what}, parameter group {i}", m,
+                              "a fresh optimizer of its class (its default)" if defaults else "this run's optimizer",
+                              "Nothing was written: use another version" if defaults else
+                              "Nothing was changed: restore another version (or build the optimizer as it was "
+                              "trained)")
+
+
+def torch_stateful(obj: Any) -> bool:
+    """Whether ``obj`` is one of torch's LR schedulers (``ReduceLROnPlateau`` too) or a
+    ``torch.amp.GradScaler`` (``torch.cuda.amp``'s too): what the loop updates after
+    ``optimizer.step()``, and whose saved state :func:`check_stateful` checks."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+    from torch.amp import GradScaler
+    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, GradScaler))
+
+
+def check_stateful(obj: Any, saved: Any, what: str, where: str) -> None:
+    """Before ``obj.load_state_dict(saved)`` of a torch LR scheduler or GradScaler
+    (:func:`torch_stateful`): ``saved`` is a dict whose keys are among the live
+    ``obj.state_dict()``'s, each value of the live value's kind (:func:`_mismatch`: nested
+    dicts, e.g. ``SequentialLR``'s schedulers, alike). A disabled GradScaler loads nothing and
+    is not checked. A DeepFreeze object that carries such states inside its own (Lightning's
+    state object, :mod:`deepfreeze.torch.lightning`) checks them with its
+    ``_deepfreeze_check(saved, what, where)``, which calls this function. Any other object is the user's and passes. CorruptCheckpointError naming
+    ``what``, the key and both kinds."""
+    if not torch_stateful(obj):
+        own = getattr(type(obj), "_deepfreeze_check", None)
+        if callable(own):
+            own(obj, saved, what, where)
+        return
+    from torch.amp import GradScaler
+    if isinstance(obj, GradScaler) and not obj.is_enabled():
+        return
+    m = _mismatch(saved, obj.state_dict(), "its state", False)
+    if m is not None:
+        raise _refuse(where, f"{what} ({class_name(obj)})", m, "this run's state_dict()",
+                      "Nothing was changed: restore another version (or build it as it was trained)")
+
+
+_OPTIMIZERS: "dict[str, type]" = {}  # class_name -> class of every optimizer torch.optim defines (an allow-list)
+
+
+def _fresh_defaults(name: str) -> "dict[str, Any] | None":
+    """The parameter group of a fresh instance of the ``torch.optim`` class recorded as ``name``
+    (:func:`class_name`), ``params`` left out; None for a class torch.optim does not define (the
+    user's own: its defaults are unknown) or one that cannot be built on a 2-D parameter."""
+    if not _OPTIMIZERS:
+        _OPTIMIZERS.update({f"{c.__module__}.{c.__qualname__}": c for c in vars(torch.optim).values()
+                            if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+                            and c is not torch.optim.Optimizer})
+    cls = _OPTIMIZERS.get(name)
+    if cls is None:
+        return None
+    try:
+        group = cls([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0]
+    except Exception:  # (an optimizer whose constructor needs more than parameters)
+        return None
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def check_recorded_groups(record: dict[str, Any], where: str) -> None:
+    """Where no optimizer is live (``export --format torch|dcp``, ``hf.checkpoint_dir``, the DCP
+    :class:`~deepfreeze.torch.Reader`): every optimizer's saved ``param_groups`` in a state
+    record (:func:`decode_record`) against the defaults of a fresh instance of its recorded
+    ``torch.optim`` class (:func:`check_groups` with ``defaults=True``); optimizers of another
+    class, or of a version that recorded none, pass as before."""
+    classes = record.get("a", {}).get("optimizers") or []
+    for k, (name, groups) in enumerate(zip(classes, record.get("param_groups", []))):
+        defaults = _fresh_defaults(name)
+        if defaults is not None:
+            check_groups(groups, [defaults] * len(groups), f"optimizer {k} ({name})", where, defaults=True)

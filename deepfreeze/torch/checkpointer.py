@@ -86,9 +86,7 @@ _PAGE = 4096
 
 def _phase_b(obj: Any) -> bool:
     """Objects the loop updates after ``optimizer.step()``: LR schedulers and GradScalers."""
-    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-    from torch.amp import GradScaler
-    return isinstance(obj, (LRScheduler, ReduceLROnPlateau, GradScaler))
+    return _state.torch_stateful(obj)
 
 
 def rank_record(phase: str, *, rank: int, size: int, model: torch.nn.Module,

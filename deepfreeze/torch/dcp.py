@@ -149,6 +149,7 @@ class Reader(StorageReader):
                                      f"(framework {m.get('framework', 'keras')!r}): a DCP reader serves torch "
                                      "checkpoints only")
         record = _state.decode_record(ck.arrays[rec0], f"{ck.name} v{ck.version} {rec0}")
+        _state.check_recorded_groups(record, f"checkpoint {ck.name!r} v{ck.version}")
         n_model = int(m.get("model_tensors", 0))
         md: dict[str, Any] = {}
         paths: dict[str, tuple[Any, ...]] = {}
@@ -316,9 +317,11 @@ def _serialize(value: Any, key: str) -> bytes:
 
 def dcp_state_dict(ck: Checkpoint, model_prefix: str = "", optim_prefix: str = "optim") -> dict[str, Any]:
     """The state dict a DCP user gets from the :class:`Reader` of ``ck`` (nested; the model's
-    entries at ``model_prefix``, ``get_state_dict``'s optimizer dict at ``optim_prefix``)."""
+    entries at ``model_prefix``, ``get_state_dict``'s optimizer dict at ``optim_prefix``); the
+    ``param_groups`` checked first (:func:`~deepfreeze.torch._state.check_recorded_groups`)."""
     from .restore import _split
     st = _split(ck)
+    _state.check_recorded_groups(st.records[0] if st.records else {}, f"checkpoint {ck.name!r} v{ck.version}")
     out: dict[str, Any] = {}
 
     def put(prefix: str, value: Any) -> None:

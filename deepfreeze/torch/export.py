@@ -15,7 +15,7 @@ import torch
 from ..export import ExportError, atomic_output
 from ..format import dtype_name
 from ..loader import Checkpoint
-from ._state import as_tensor
+from ._state import as_tensor, check_recorded_groups
 from .restore import _split
 
 __all__ = ["write_torch", "torch_payload"]
@@ -35,7 +35,11 @@ def _weights_only(v: Any) -> Any:
 
 
 def torch_payload(ck: Checkpoint) -> dict[str, Any]:
+    """What :func:`write_torch` saves (module docstring); the optimizers' ``param_groups`` are
+    checked against their classes' defaults first (:func:`~deepfreeze.torch._state.check_recorded_groups`:
+    a damaged record is a CorruptCheckpointError, not a file whose load breaks ``opt.step()``)."""
     st = _split(ck)
+    check_recorded_groups(st.records[0] if st.records else {}, f"checkpoint {ck.name!r} v{ck.version}")
     return {"model": st.model, "optim": _weights_only(st.optim),
             "deepfreeze": {"name": st.name, "version": st.version, "step": st.step, "world_size": st.world_size}}
 

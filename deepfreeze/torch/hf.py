@@ -36,6 +36,7 @@ from ..errors import (CheckpointNotFoundError, ConfigError, DeepFreezeError, Exi
                       ModelMismatchError, RanksFailedError)
 from ..comm import allgather_failures
 from ..export import atomic_output
+from . import _state
 from ._dist import make_comm, rank_and_size
 from .checkpointer import Checkpointer
 from .restore import TorchState, load_state, read_config
@@ -203,6 +204,7 @@ def _trainer_files(st: TorchState) -> dict[str, Any]:
         raise ModelMismatchError(f"{where} was not written by deepfreeze.torch.hf.DeepFreezeCallback (its state "
                                  f"records hold {sorted(saved)}, no {TRAINER_STATE!r}): a Trainer cannot resume from "
                                  "it; use deepfreeze.torch.restore in your own loop")
+    _state.check_recorded_groups(st.records[0], where)  # a damaged lr must not wait for Trainer's first step
     groups = st.records[0].get("param_groups", [])
     if len(groups) != 1:
         raise ModelMismatchError(f"{where} holds {len(groups)} optimizers; Trainer has one")

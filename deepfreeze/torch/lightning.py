@@ -28,8 +28,10 @@ Imports ``pytorch_lightning`` (the ``pytorch-lightning`` package, 2.6.6 in ``scr
   Lightning part goes back through Lightning's own ``load_state_dict`` methods, in the order of
   ``Trainer``'s restore of a checkpoint file: precision plugin, ``fit_loop`` (Lightning then
   resumes mid-epoch itself: it fast-forwards its progress counters and a stateful loader), LR
-  schedulers, callbacks, datamodule. Mid-epoch, the RNG states are set again at ``on_train_start``
-  (Lightning has made the epoch's data iterator, which draws a seed, and restored a stateful
+  schedulers, callbacks, datamodule (the schedulers' and the precision GradScaler's saved states
+  are kind-checked with the checkpointer's other checks, before anything is set:
+  :func:`deepfreeze.torch._state.check_stateful`). Mid-epoch, the RNG states are set again at
+  ``on_train_start`` (Lightning has made the epoch's data iterator, which draws a seed, and restored a stateful
   loader by then; the next draw is the next batch's, as in the uninterrupted run). A version taken
   at the last batch of an epoch is resumed without the loader's position (see ``_restore``). Do not
   also pass ``ckpt_path`` to ``fit``: that is a :class:`~deepfreeze.errors.ConfigError`.
@@ -120,6 +122,21 @@ class _LightningState:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.loaded = d  # put into Lightning by DeepFreezeCallback.on_fit_start, once the checkpointer is built
+
+    def _deepfreeze_check(self, d: Any, what: str, where: str) -> None:
+        """The restore's check of the torch states inside Lightning's (before anything is set:
+        :func:`deepfreeze.torch._state.check_stateful`): each LR scheduler's, the precision
+        plugin's GradScaler's. A different number of schedulers is :meth:`DeepFreezeCallback._restore`'s
+        ModelMismatchError."""
+        if not isinstance(d, dict):
+            return
+        configs, saved = self.trainer.lr_scheduler_configs, d.get("lr_schedulers")
+        if isinstance(saved, list) and len(saved) == len(configs):
+            for i, (c, sd) in enumerate(zip(configs, saved)):
+                _state.check_stateful(c.scheduler, sd, f"{what}: LR scheduler {i}", where)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if "precision" in d and scaler is not None:
+            _state.check_stateful(scaler, d["precision"], f"{what}: the precision plugin's GradScaler", where)
 
 
 class DeepFreezeCallback(pl.Callback):

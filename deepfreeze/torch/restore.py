@@ -11,9 +11,16 @@ Before anything is written, ``restore`` (and ``Checkpointer(resume=True)``) chec
 tensors, the optimizers (their number and classes, each one's parameter groups: how many, the
 parameters of each, the hyperparameter keys its class defines) and the ``state=`` keys against
 the checkpoint: a difference is a :class:`~deepfreeze.errors.ModelMismatchError` naming both
-sides, and nothing is changed. With ``strict=False`` the parts that match are loaded (model
-tensors of the same FQN, dtype and shape; an optimizer whose structure matches; the ``state=``
-objects the checkpoint holds) and what was left out is logged and returned
+sides, and nothing is changed. So are the kinds of what torch will take: each saved
+``param_groups`` value whose key the live group has is of the live value's kind, and the saved
+state of a torch LR scheduler or GradScaler given as ``state=`` has only keys of the live
+``state_dict()``, each of the live kind (:func:`~deepfreeze.torch._state.check_groups`,
+:func:`~deepfreeze.torch._state.check_stateful`); a value of another kind (a learning rate of
+``"0.01"``, a scheduler state with an ``optimizer`` entry: a damaged or edited record) is a
+:class:`~deepfreeze.errors.CorruptCheckpointError`, with or without ``strict``, and nothing is
+changed. With ``strict=False`` the parts that match are loaded (model tensors of the same
+FQN, dtype and shape; an optimizer whose structure matches; the ``state=`` objects the
+checkpoint holds) and what was left out is logged and returned
 (:attr:`Restored.skipped`). Tied weights (two FQNs of one tensor) are stored once; ``load``
 gives both keys, ``restore`` copies into the model's tensors, so a tied model stays tied.
 
@@ -225,10 +232,11 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
     """Put ``ck`` into the model, optimizers, ``state`` objects and (``rng``) RNG states of this
     process (rank ``rank`` of ``world_size``: its own state record at the checkpoint's world
     size, else rank 0's). Every check comes first (module docstring): a mismatch raises
-    :class:`ModelMismatchError` with nothing written, or under ``strict=False`` is left out;
-    returns what was left out (logged once) and this rank's own state record (None at another
-    world size). ``state``: None checks and restores no ``state=`` object; a dict (``{}`` too)
-    must have the checkpoint's keys."""
+    :class:`ModelMismatchError` with nothing written, or under ``strict=False`` is left out; a
+    value of the wrong kind raises :class:`~deepfreeze.errors.CorruptCheckpointError`, nothing
+    written; returns what was left out (logged once) and this rank's own state record (None at
+    another world size). ``state``: None checks and restores no ``state=`` object; a dict
+    (``{}`` too) must have the checkpoint's keys."""
     st = _split(ck)
     where = f"checkpoint {ck.name!r} v{ck.version}"
     same = world_size == st.world_size and rank < len(st.records)
@@ -254,6 +262,12 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
                                      "restore those both have")
         skipped += [f"state object {k!r} (not in the checkpoint)" for k in new]
         skipped += [f"the checkpoint's state object {k!r} (not given)" for k in gone]
+    # the kinds of what torch takes: a value a damaged record holds must not wait for the next step to fail
+    for k, (opt, mine) in loads.items():
+        _state.check_groups(rec["param_groups"][k], mine, f"optimizer {k} ({_state.class_name(opt)})", where)
+    for key, obj in (state or {}).items():
+        if key in saved_state:
+            _state.check_stateful(obj, saved_state[key], f"state object {key!r}", where)
     if skipped:
         log.warning("DeepFreeze: %s restored with strict=False; left out: %s", where, "; ".join(skipped))
     # -- the writes
