@@ -242,6 +242,7 @@ def test_fifo_manifest_in_old_persistent_version_does_not_hang_training(tmp_path
 
 # --------------------------------------------------------------------------- FIFOs and other non-files
 
+@pytest.mark.scratch_files("plants a FIFO as the version's scratch manifest")
 def test_fifo_manifest_and_fifo_model_do_not_hang(tmp_path):
     cfg = run_job(tmp_path, "sync", world=2, nodes=1)[0]
     scratch, pers = levels(cfg)
@@ -408,6 +409,7 @@ def test_restores_racing_with_retention_during_training(tmp_path):
     assert load(cfg, "job").version == 60
 
 
+@pytest.mark.scratch_files("breaks the version's scratch shard")
 def test_broken_directory_is_one_warning_line(tmp_path, caplog):
     cfg = run_job(tmp_path, "sync", world=3, nodes=1)[0]
     scratch, _ = levels(cfg)

@@ -62,6 +62,7 @@ def wait_until_stopped(pid):
     raise AssertionError(f"pid {pid} did not stop: {process_state(pid)}")
 
 
+@pytest.mark.scratch_files("holds v2's commit.lock so the backend's flush stays pending (written once, the writer itself would wait on the lock)")
 def test_wait_with_timeout_returns_on_a_stopped_backend(tmp_path):
     """Flushes pending, backend stopped: wait(timeout=2) raises BackendError within 3 s, both when
     the writer thread is idle (the poll is not answered) and when it is itself blocked on the
@@ -457,6 +458,7 @@ def test_a_client_that_stops_reading_does_not_block_the_backend(tmp_path):
     assert_version(persistent_only(cfg, tmp_path), 2, "persistent")
 
 
+@pytest.mark.scratch_files("holds v2's commit.lock so the backend's flush stays pending (written once, the writer itself would wait on the lock)")
 def test_wait_with_timeout_keeps_its_bound_when_the_backend_died(tmp_path):
     """kill -9 of the backend with a flush pending: wait(timeout=2) does not start a replacement it
     has no time for (BackendError within 3 s); a wait without timeout then starts one, re-sends,

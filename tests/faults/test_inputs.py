@@ -119,6 +119,7 @@ def test_files_are_owner_only(tmp_path):
                 assert os.stat(os.path.join(dirpath, f)).st_mode & 0o077 == 0, f
 
 
+@pytest.mark.scratch_files("the backend is killed inside its copy of a scratch shard")
 def test_backend_killed_in_the_middle_of_a_flush(tmp_path, monkeypatch):
     """kill -9 of the backend after it copied a large shard into the partial, before its fsync
     (crash point ``persistent.partial.fsync``): nothing looks committed; the engine starts a new

@@ -289,6 +289,7 @@ def test_future_decision_mtime_is_due_and_warned_once(tmp_path, caplog):
 
 # --------------------------------------------------------------------------- case 1 on real Horovod ranks
 
+@pytest.mark.scratch_files("rank 1 is killed inside its scratch shard write")
 def test_crash_then_resume_with_shuffling_never_mixes_two_runs(tmp_path):
     """Rank 1 is killed while writing v6 (rank 0's v6 written and being flushed); the relaunched
     job resumes with shuffle=True. Every version any level returns is, bit-exact, the weights the

@@ -46,6 +46,7 @@ def fit(tmp_path, on_error, mode, **kw):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.scratch_files("the full disk is injected in the scratch write (scratch_cls)")
 def test_warn_keeps_training(tmp_path, mode):
     model, ckpt, run = fit(tmp_path, "warn", mode)
     history = run()
@@ -56,6 +57,7 @@ def test_warn_keeps_training(tmp_path, mode):
 
 
 @pytest.mark.parametrize("mode,max_inflight", [("sync", 2), ("async", 1), ("async", 2)])
+@pytest.mark.scratch_files("the full disk is injected in the scratch write (scratch_cls)")
 def test_raise_stops_training(tmp_path, mode, max_inflight):
     """The failed write of v6 raises in v6's call (sync), else at the first checkpoint call that
     finds it finished: with max_inflight = 1 that is v8's (which waits for v6); with a queue, a
@@ -102,6 +104,7 @@ class VersionFileInTheWay(FileInTheWay):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.scratch_files("the file is planted by the scratch write (scratch_cls) and retention of scratch passes over it")
 def test_a_file_named_like_a_version_is_left_alone(tmp_path, mode):
     """Retention passes over a file where a version directory would be (not its to remove):
     no error, training and checkpoints go on."""
@@ -121,6 +124,7 @@ def test_a_file_named_like_a_version_is_left_alone(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("level", [FileInTheWay])
+@pytest.mark.scratch_files("the file is planted by the scratch write (scratch_cls)")
 def test_warn_catches_scratch_directory_errors(tmp_path, mode, level):
     """A NotADirectoryError from creating a version directory is a CheckpointWriteError naming
     scratch and where its value came from: 'warn' goes on."""
@@ -147,6 +151,7 @@ def test_warn_catches_scratch_directory_errors(tmp_path, mode, level):
         assert committed == [2, 4] if mode == "sync" else committed in ([2], [2, 4])
 
 
+@pytest.mark.scratch_files("the file is planted by the scratch write (scratch_cls)")
 def test_raise_is_a_checkpoint_write_error_in_sync_mode(tmp_path):
     model = build()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
@@ -221,6 +226,7 @@ def test_directory_without_write_permission_is_a_config_error(tmp_path):
         locked.chmod(0o700)
 
 
+@pytest.mark.scratch_files("the file is planted by the scratch write (scratch_cls)")
 def test_sync_warn_catches_persistent_directory_errors(tmp_path):
     """In sync mode the flush runs in the training process: a file where the persistent
     checkpoint directory should be is a CheckpointWriteError naming persistent; 'warn' goes on."""

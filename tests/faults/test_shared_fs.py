@@ -87,6 +87,7 @@ def needs_root():
 
 # ------------------------------------------------------------------ symlinks in version directories
 
+@pytest.mark.scratch_files("replaces the scratch manifest with a link")
 def test_symlinked_scratch_manifest_is_never_read(tmp_path):
     cfg = write(config(tmp_path))
     outside = tmp_path / "elsewhere"
@@ -99,6 +100,7 @@ def test_symlinked_scratch_manifest_is_never_read(tmp_path):
     assert ck.version == 2 and ck.level == "persistent" and same(ck, 2)
 
 
+@pytest.mark.scratch_files("replaces a scratch shard with a link")
 def test_symlinked_scratch_shard_is_never_read(tmp_path, caplog):
     cfg = write(config(tmp_path))
     outside = tmp_path / "elsewhere"
@@ -111,6 +113,7 @@ def test_symlinked_scratch_shard_is_never_read(tmp_path, caplog):
     assert ck.version == 2 and ck.level == "persistent" and same(ck, 2)
 
 
+@pytest.mark.scratch_files("the version must also be on scratch, which the test removes")
 def test_symlinked_persistent_files_are_never_read(tmp_path, capsys):
     cfg = write(config(tmp_path))
     shutil.rmtree(os.path.join(cfg.scratch, NAME))  # node lost: persistent only
@@ -134,6 +137,7 @@ def test_symlinked_persistent_files_are_never_read(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("level", ["scratch", "persistent"])
+@pytest.mark.scratch_files("removes the version's directory on the other level")
 def test_symlinked_version_directory_is_never_followed(tmp_path, level):
     cfg = write(config(tmp_path))
     other = "persistent" if level == "scratch" else "scratch"
@@ -148,6 +152,7 @@ def test_symlinked_version_directory_is_never_followed(tmp_path, level):
 
 
 @pytest.mark.parametrize("level", ["scratch", "persistent"])
+@pytest.mark.scratch_files("the scratch side: written once, nothing goes through <scratch>/<name>")
 def test_name_directory_precreated_as_symlink_is_refused(tmp_path, level, capsys):
     cfg = config(tmp_path)
     target = tmp_path / "root-only"
@@ -169,6 +174,7 @@ def test_name_directory_precreated_as_symlink_is_refused(tmp_path, level, capsys
         assert rc == 1 and "is a symbolic link" in capsys.readouterr().err
 
 
+@pytest.mark.scratch_files("checks the modes of the scratch directories a version makes")
 def test_directories_are_created_owner_only(tmp_path):
     cfg = write(config(tmp_path, scratch=str(tmp_path / "a" / "b" / "scratch")), (1,))
     for d in (tmp_path / "a", tmp_path / "a" / "b", cfg.scratch, os.path.join(cfg.scratch, NAME),
@@ -185,6 +191,7 @@ def test_group_writable_directory_of_deepfreeze_is_refused(tmp_path):
 
 # ------------------------------------------------------------------ gc and retention
 
+@pytest.mark.scratch_files("gc of scratch versions beside the planted links")
 def test_gc_does_not_follow_symlinks(tmp_path):
     """Symbolic links planted in scratch and persistent, named like version directories or inside
     an abandoned one, point to directories holding a canary: gc removes what is its own, the
@@ -228,6 +235,7 @@ def test_remove_tree_nofollow_removes_a_link_not_its_target(tmp_path):
 
 # ------------------------------------------------------------------ roots
 
+@pytest.mark.scratch_files("the unsafe root is scratch, which write once does not write")
 def test_world_writable_non_sticky_parent_is_refused(tmp_path):
     ww = tmp_path / "ww"
     ww.mkdir()
@@ -243,6 +251,7 @@ def test_world_writable_non_sticky_parent_is_refused(tmp_path):
         write(cfg, (1,))
 
 
+@pytest.mark.scratch_files("the sticky root is scratch: its <name> directory must be made")
 def test_sticky_world_writable_root_is_accepted(tmp_path):
     tmp_like = tmp_path / "tmp"
     tmp_like.mkdir()
@@ -323,6 +332,7 @@ def test_backend_log_of_another_user_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("level", ["scratch", "persistent"])
+@pytest.mark.scratch_files("the precreated directory is a scratch version directory")
 def test_directory_precreated_by_another_user_is_refused(tmp_path, level):
     nobody = needs_root()
     cfg = write(config(tmp_path), (1,))
@@ -363,6 +373,7 @@ def _chown_tree(path, uid):
 
 
 @pytest.mark.parametrize("what", ["r000000.dfs", "manifest.json"])
+@pytest.mark.scratch_files("gives a scratch file to another user")
 def test_scratch_file_of_another_user_is_never_restored(tmp_path, caplog, what):
     nobody = needs_root()
     cfg = write(config(tmp_path))
@@ -375,6 +386,7 @@ def test_scratch_file_of_another_user_is_never_restored(tmp_path, caplog, what):
     assert "owned by nobody" in caplog.text and "never restored" in caplog.text
 
 
+@pytest.mark.scratch_files("removes the scratch copies so that persistent is read")
 def test_persistent_files_of_another_user_need_trust(tmp_path, capsys):
     nobody = needs_root()
     cfg = write(config(tmp_path))
