@@ -46,7 +46,7 @@ def engine_ck(tmp_path_factory):
     """A real checkpoint (framework-neutral engine, one rank, sync): manifest and files."""
     from test_engine import run_job
     d = tmp_path_factory.mktemp("engine")
-    cfg = run_job(d, "sync", world=1, versions=(2,))[0]
+    cfg = run_job(d, "sync", world=1, versions=(2,), write_once="off")[0]  # a shard file on scratch to fuzz
     vdir = os.path.join(cfg.persistent, "job", "v000000000002")
     sdir = os.path.join(cfg.scratch, "job", "v000000000002")
     with open(os.path.join(vdir, "manifest.json"), "rb") as f:
