@@ -97,6 +97,7 @@ def test_console_script_installed():
 
 # --------------------------------------------------------------------------- ls
 
+@pytest.mark.scratch_files("lists the scratch status of each version")
 def test_ls_statuses_text_and_json(tmp_path):
     s = make_job(tmp_path)
     # an abandoned flush on persistent (no manifest) and a shard without manifest on scratch
@@ -134,6 +135,7 @@ def test_ls_statuses_text_and_json(tmp_path):
     assert st[("scratch", 8)]["step"] is None and "rank 0" in st[("scratch", 8)]["detail"]
 
 
+@pytest.mark.scratch_files("a node's scratch reported partial")
 def test_ls_multi_node_partial_and_several_names(tmp_path):
     s = make_job(tmp_path, world=3, nodes=2)
     make_job(tmp_path, world=1, versions=(5,), name="other")
@@ -165,6 +167,7 @@ def test_versions_skipped_by_persistent_interval(tmp_path):
 
 # --------------------------------------------------------------------------- inspect
 
+@pytest.mark.scratch_files("inspects the version on both levels")
 def test_inspect_text_and_json(tmp_path):
     s = make_job(tmp_path, world=3, nodes=2)
     d = cli_json("inspect", *s)
@@ -201,6 +204,7 @@ def test_inspect_text_and_json(tmp_path):
 
 # --------------------------------------------------------------------------- verify
 
+@pytest.mark.scratch_files("verifies and damages the scratch shards")
 def test_verify_ok_then_damaged_shard_then_damaged_assembled(tmp_path):
     s = make_job(tmp_path)
     cfg = config_of(s)
@@ -234,6 +238,7 @@ def test_verify_ok_then_damaged_shard_then_damaged_assembled(tmp_path):
     assert load(cfg, "job").version == 4
 
 
+@pytest.mark.scratch_files("damages a scratch shard")
 def test_verify_incomplete_and_header_damage(tmp_path):
     s = make_job(tmp_path, versions=(2, 4))
     cfg = config_of(s)
@@ -287,6 +292,7 @@ def test_verify_progress_only_on_a_terminal(tmp_path):
     assert b"verifying job v2" in seen and b"deepfreeze: error" not in seen
 
 
+@pytest.mark.scratch_files("verifies the copies on both levels")
 def test_verify_without_checksums(tmp_path):
     s = make_job(tmp_path, versions=(2,), chksum=False)
     d = cli_json("verify", *s)
@@ -316,6 +322,7 @@ def read_safetensors(path):
     return meta, list(header), out
 
 
+@pytest.mark.scratch_files("exports from the scratch copy too")
 def test_export_npz_and_safetensors_bit_exact(tmp_path):
     s = make_job(tmp_path)
     cfg = config_of(s)
@@ -515,6 +522,7 @@ def test_export_h5_loads_into_keras_bit_exact(tmp_path):
 
 # --------------------------------------------------------------------------- gc
 
+@pytest.mark.scratch_files("gc of scratch versions")
 def test_gc_dry_run_then_real(tmp_path):
     s = make_job(tmp_path, versions=(1, 2, 3, 4, 5))  # written keeping everything
     cfg = config_of(s)
@@ -608,6 +616,7 @@ def test_errors_are_one_line_with_exit_codes(tmp_path):
     assert p.returncode == 0 and json.loads(p.stdout)["checkpoints"][0]["newest_restorable"] == 2
 
 
+@pytest.mark.scratch_files("gc of a scratch version directory")
 def test_gc_reports_only_what_it_removed(tmp_path):
     """Each "removed" line names what is gone, compared with before: a scratch directory that
     stays (a stray file in it; gc used to say "and the directory") is said to stay, with what it

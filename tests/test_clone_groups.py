@@ -131,6 +131,7 @@ def test_manifest_with_a_hostile_parent_is_not_a_manifest():
             decode_manifest(encode_manifest(_manifest(bad)))
 
 
+@pytest.mark.scratch_files("reads the parent from the scratch manifests too")
 def test_clone_parent_recorded_in_every_manifest_and_shown_by_ls_and_inspect(tmp_path):
     tf = pytest.importorskip("tensorflow")
     from deepfreeze.keras import DeepFreezeCheckpoint

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from _util import ROOT
 
 JOB = r"""
@@ -41,6 +43,7 @@ def test_off_by_default(tmp_path):
     assert p.stdout.split("\n")[0] == "False {'counters': {}, 'records': {}} None"
 
 
+@pytest.mark.scratch_files("counts the scratch write's bytes and operations")
 def test_a_one_process_job_is_counted(tmp_path):
     out = tmp_path / "counters"
     out.mkdir()

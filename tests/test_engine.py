@@ -75,12 +75,14 @@ def test_every_version_assembled_bit_exact(tmp_path, mode):
     assert sorted(os.listdir(pv)) == ["decision", "manifest.json", "model.dfz"]  # no leftovers
 
 
+@pytest.mark.scratch_files("restores from scratch")
 def test_single_node_restores_from_scratch(tmp_path, mode):
     cfgs = run_job(tmp_path, mode, world=2, nodes=1)
     assert deepfreeze.list_versions(cfgs[0], "job")[6] == ["scratch", "persistent"]
     assert_version(cfgs[0], 6, "scratch")
 
 
+@pytest.mark.scratch_files("retention of scratch versions")
 def test_retention_on_both_levels(tmp_path, mode):
     cfgs = run_job(tmp_path, mode, world=2, nodes=1, versions=(1, 2, 3, 4, 5), max_versions=3, scratch_versions=2)
     assert ScratchLevel(cfgs[0].scratch).versions("job") == [4, 5]
@@ -142,6 +144,7 @@ class GatedScratch(ScratchLevel):
 
 
 @pytest.mark.parametrize("max_inflight", [1, 2, 3])
+@pytest.mark.scratch_files("the queue is held by a gated scratch write (scratch_cls)")
 def test_write_queue_holds_max_inflight_versions(tmp_path, max_inflight):
     """A checkpoint only waits once ``max_inflight`` versions are handed off and not on scratch."""
     import threading
@@ -185,6 +188,7 @@ def test_config_object_with_overrides():
         Config.resolve(base, scrach="/x")
 
 
+@pytest.mark.scratch_files("damages a scratch shard")
 def test_damaged_scratch_falls_back_to_persistent(tmp_path, mode, caplog):
     cfgs = run_job(tmp_path, mode, world=2, nodes=1)
     shard = ScratchLevel(cfgs[0].scratch).shard_path("job", 6, 1)
@@ -195,6 +199,7 @@ def test_damaged_scratch_falls_back_to_persistent(tmp_path, mode, caplog):
     assert "unreadable" in caplog.text
 
 
+@pytest.mark.scratch_files("damages v6 on both levels, a scratch shard first")
 def test_newest_readable_version_wins_never_partial(tmp_path, mode):
     cfgs = run_job(tmp_path, mode, world=2, nodes=1)
     # v6 damaged on both levels: the newest readable version is v4
@@ -238,6 +243,7 @@ class FullScratch(ScratchLevel):
         return super().write_shard(name, version, rank, plan, arrays, **kw)
 
 
+@pytest.mark.scratch_files("the full disk is injected in the scratch write (scratch_cls)")
 def test_write_error_surfaces_once_and_nothing_partial(tmp_path, mode):
     plan = make_plan(2)
     cfg = Config.load(None, mode=mode, scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
@@ -323,6 +329,7 @@ def test_stale_commit_lock_of_dead_process_is_broken(tmp_path):
     assert not os.path.exists(os.path.join(vdir, "commit.lock"))
 
 
+@pytest.mark.scratch_files("waits for the scratch write alone, then for the flush (written once, both are one write)")
 def test_wait_with_timeout_is_bounded_and_resumable(tmp_path):
     """A flush that takes longer than the timeout: wait(timeout) raises a clear error, the flush
     goes on, and a later wait() finds it committed."""

@@ -76,6 +76,7 @@ def assert_bit_exact(ck):
     assert [a.tobytes() for a in ck.arrays.values()] == [e.tobytes() for e in expected(ck.version)]
 
 
+@pytest.mark.scratch_files("lists every version on both levels")
 def test_every_version_assembled_on_persistent_bit_exact(tmp_path, engine, mode):
     run(tmp_path, engine, mode)
     pfs = PersistentLevel(f"{tmp_path}/persistent")
@@ -94,6 +95,7 @@ def test_every_version_assembled_on_persistent_bit_exact(tmp_path, engine, mode)
                                     f"{tmp_path}/node0/scratch/job-{r}-3.dat")
 
 
+@pytest.mark.scratch_files("restores from scratch")
 def test_restore_from_scratch_at_any_world_size(tmp_path, engine, mode):
     run(tmp_path, engine, mode)
     ck = deepfreeze.load(cfg(tmp_path), "job")  # one process, no MPI
@@ -103,6 +105,7 @@ def test_restore_from_scratch_at_any_world_size(tmp_path, engine, mode):
         assert restore(tmp_path, ranks) == {"version": 3, "level": "scratch", "bit_exact": True, "size": ranks}
 
 
+@pytest.mark.scratch_files("retention of scratch versions")
 def test_retention_on_both_levels(tmp_path, engine, mode):
     run(tmp_path, engine, mode, versions="1,2,3,4", max_versions=2, scratch_versions=1)
     assert PersistentLevel(f"{tmp_path}/persistent").committed_versions("job") == [3, 4]
@@ -117,6 +120,7 @@ def test_persistent_level_disabled(tmp_path, engine, mode):
     assert (ck.version, ck.level) == (2, "scratch")
 
 
+@pytest.mark.scratch_files("damages a scratch shard")
 def test_damaged_scratch_shard_falls_back_to_persistent(tmp_path, engine, mode, caplog):
     run(tmp_path, engine, mode, versions="1,2")
     path = f"{tmp_path}/node0/scratch/job/v000000000002/r000001.dfs"

@@ -110,6 +110,7 @@ class HoldingScratch(ScratchLevel):
 
 
 @pytest.mark.parametrize("capture", capture_modes())
+@pytest.mark.scratch_files("the held captures are observed in the scratch write (scratch_cls)")
 def test_held_captures_are_never_overwritten(tmp_path, capture):
     """Captures handed to the engine stay unchanged while the next steps capture: those go to
     other buffers (a fresh TF buffer, or a free pool buffer), never into a held one."""
@@ -270,6 +271,7 @@ def test_unbuilt_model_resumes_before_its_first_step(tmp_path, caplog):
         [v.numpy().tobytes() for v in b.optimizer.variables()]
 
 
+@pytest.mark.scratch_files("lists the version on both levels")
 def test_load_and_list_versions_take_a_config_path(tmp_path):
     model = build()
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")

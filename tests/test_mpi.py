@@ -44,6 +44,7 @@ def check_job(out, world, versions_expected):
     return taken, committed
 
 
+@pytest.mark.scratch_files("retention of scratch versions on each node")
 def test_two_ranks_async_retention_and_restore_at_1_2_3(tmp_path):
     out = str(tmp_path)
     mpirun(2, f"{WORKERS}/train.py", out, "async", "every=3", "max_versions=3", "scratch_versions=2")

@@ -157,6 +157,7 @@ class FullFrom4(ScratchLevel):
 
 
 @pytest.mark.parametrize("on_error", ["warn", "raise"])
+@pytest.mark.scratch_files("the failure is injected in the scratch write (scratch_cls)")
 def test_torch_scratch_cls_and_on_error(tmp_path, on_error):
     torch = _torch()
     from deepfreeze import list_versions

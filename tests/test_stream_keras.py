@@ -216,6 +216,7 @@ def test_planned_schedules_publish_at_the_same_steps_on_every_rank(out, schedule
         assert same(list(ck.model_arrays().values()), load(tmp_path / "expected" / f"v{v}.npz"))
 
 
+@pytest.mark.scratch_files("rank 1's writer is slowed in its scratch write (scratch_cls)")
 def test_one_rank_with_a_slow_writer_never_leaves_the_checkpoint_stale(out):
     """Publish every step with a checkpoint every 8 steps on the same name, the scratch writer
     slowed on rank 1 only: the ranks share one skip decision per version (skip iff some rank's

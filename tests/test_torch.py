@@ -307,10 +307,13 @@ def test_unstorable_state_is_a_clear_error(tmp_path):
 
 
 # -- the crash-point suite on the torch path (deepfreeze.crashpoints: SIGKILL right before the
-# n-th file-system operation at a named point of the commit protocol), one plain process, sync mode
+# n-th file-system operation at a named point of the commit protocol), one plain process, sync mode,
+# the shipped default (scratch and persistent on one disk: each version written once, so the points
+# passed are write once's, persistent.direct.*, not the scratch path's; tests/faults/test_crashpoints.py
+# kills the engine at every point of both paths)
 CRASH_ARGS = ("steps=10", "every=2", "mode=sync")
-QUICK_POINTS = ["scratch.shard.rename", "persistent.marker.rename", "persistent.manifest.rename"]
-SLOW_POINTS = ["scratch.manifest.rename", "persistent.decision.link", "persistent.partial.fsync",
+QUICK_POINTS = ["persistent.direct.write", "persistent.marker.rename", "persistent.manifest.rename"]
+SLOW_POINTS = ["persistent.direct.fsync", "persistent.decision.link",
                "persistent.marker.fsync", "persistent.marker.dirsync", "persistent.final.fsync",
                "persistent.final.rename", "persistent.manifest.fsync", "persistent.manifest.dirsync",
                "persistent.cleanup.unlink", "persistent.lock.link", "persistent.lock.unlink", "run.lease.link"]
