@@ -124,6 +124,16 @@ STATE_CASES = {"sched_optimizer": (sched_optimizer, "state object 'sched' (torch
                                               "state['scale'] is a str ('65536.0') in the checkpoint, a number")}
 
 
+def live_beside_hostile(written, tmp_path, case):
+    """The checkpoint edited as ``case`` says (its keywords), the message expected, live objects
+    after one step, and their snapshot to compare with after a refusal."""
+    edit, message = {**GROUP_CASES, **STATE_CASES}[case]
+    kw = hostile(written, tmp_path, edit)
+    objs = build(1)
+    step(*objs)
+    return kw, message, objs, snapshot(*objs)
+
+
 @pytest.mark.parametrize("case", [*GROUP_CASES, *STATE_CASES])
 def test_restore_refuses_a_value_of_another_kind_before_anything_is_set(written, tmp_path, case):
     """Before: restore returned, and the next opt.step() (TypeError: unsupported operand type(s)
@@ -132,11 +142,7 @@ def test_restore_refuses_a_value_of_another_kind_before_anything_is_set(written,
     TypeError from GradScaler.load_state_dict's fill_() halfway through the restore, the model
     already set (a scaler never used yet: the next scaler.scale()). After: refused, nothing set,
     with strict=False too."""
-    edit, message = {**GROUP_CASES, **STATE_CASES}[case]
-    kw = hostile(written, tmp_path, edit)
-    objs = build(1)
-    step(*objs)
-    before = snapshot(*objs)
+    kw, message, objs, before = live_beside_hostile(written, tmp_path, case)
     net, opt, sched, scaler = objs
     with pytest.raises(CorruptCheckpointError, match="Nothing was changed: restore another version") as e:
         dft.restore(net, opt, name=NAME, state={"sched": sched, "scaler": scaler}, **kw)
@@ -151,11 +157,7 @@ def test_restore_refuses_a_value_of_another_kind_before_anything_is_set(written,
 @pytest.mark.parametrize("case", ["lr_str", "sched_optimizer"])
 def test_checkpointer_resume_refuses_before_anything_is_set(written, tmp_path, case):
     """The callbacks' resume (Checkpointer(resume=True): the HF and Lightning callbacks build one)."""
-    edit, message = {**GROUP_CASES, **STATE_CASES}[case]
-    kw = hostile(written, tmp_path, edit)
-    objs = build(1)
-    step(*objs)
-    before = snapshot(*objs)
+    kw, message, objs, before = live_beside_hostile(written, tmp_path, case)
     net, opt, sched, scaler = objs
     with pytest.raises(CorruptCheckpointError) as e:
         dft.Checkpointer(net, opt, name=NAME, resume=True, state={"sched": sched, "scaler": scaler}, **kw)
