@@ -319,9 +319,8 @@ def dcp_state_dict(ck: Checkpoint, model_prefix: str = "", optim_prefix: str = "
     """The state dict a DCP user gets from the :class:`Reader` of ``ck`` (nested; the model's
     entries at ``model_prefix``, ``get_state_dict``'s optimizer dict at ``optim_prefix``); the
     ``param_groups`` checked first (:func:`~deepfreeze.torch._state.check_recorded_groups`)."""
-    from .restore import _split
-    st = _split(ck)
-    _state.check_recorded_groups(st.records[0] if st.records else {}, f"checkpoint {ck.name!r} v{ck.version}")
+    from .restore import _split_recorded
+    st = _split_recorded(ck)
     out: dict[str, Any] = {}
 
     def put(prefix: str, value: Any) -> None:

@@ -15,8 +15,8 @@ import torch
 from ..export import ExportError, atomic_output
 from ..format import dtype_name
 from ..loader import Checkpoint
-from ._state import as_tensor, check_recorded_groups
-from .restore import _split
+from ._state import as_tensor
+from .restore import _split_recorded
 
 __all__ = ["write_torch", "torch_payload"]
 
@@ -38,8 +38,7 @@ def torch_payload(ck: Checkpoint) -> dict[str, Any]:
     """What :func:`write_torch` saves (module docstring); the optimizers' ``param_groups`` are
     checked against their classes' defaults first (:func:`~deepfreeze.torch._state.check_recorded_groups`:
     a damaged record is a CorruptCheckpointError, not a file whose load breaks ``opt.step()``)."""
-    st = _split(ck)
-    check_recorded_groups(st.records[0] if st.records else {}, f"checkpoint {ck.name!r} v{ck.version}")
+    st = _split_recorded(ck)
     return {"model": st.model, "optim": _weights_only(st.optim),
             "deepfreeze": {"name": st.name, "version": st.version, "step": st.step, "world_size": st.world_size}}
 

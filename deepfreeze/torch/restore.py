@@ -142,6 +142,16 @@ def _split(ck: Checkpoint) -> TorchState:
                       {"state": state, "param_groups": groups}, records, m)
 
 
+def _split_recorded(ck: Checkpoint) -> TorchState:
+    """:func:`_split`, each optimizer's saved ``param_groups`` checked first against the defaults of
+    its recorded class (:func:`~deepfreeze.torch._state.check_recorded_groups`): for readers with no
+    live optimizer (``export --format torch|dcp``, the DCP :class:`~deepfreeze.torch.Reader`'s state
+    dict); a damaged record is a CorruptCheckpointError, not a file whose load breaks ``opt.step()``."""
+    st = _split(ck)
+    _state.check_recorded_groups(st.records[0] if st.records else {}, f"checkpoint {ck.name!r} v{ck.version}")
+    return st
+
+
 def _aliases(rec: dict[str, Any]) -> dict[str, str]:
     """The tied FQNs a state record names (``{alias: FQN stored}``; none before they were recorded)."""
     a = rec.get("a", {}).get("aliases", {}) if isinstance(rec.get("a"), dict) else {}
