@@ -6,6 +6,12 @@ VeloC alike. Precedence, lowest first: the file, then ``VELOC_<KEY>``
 environment variables (as VeloC does), then keyword overrides given in code
 (``DeepFreezeCheckpoint(scratch=...)``). Unknown keys and bad values raise
 :class:`~deepfreeze.errors.ConfigError` naming the key, the source and the fix.
+
+No file is needed to start: without one, ``mode`` defaults to ``async`` and ``scratch`` to
+``$DEEPFREEZE_SCRATCH``, else ``/var/tmp/deepfreeze-<uid>/scratch`` (disk-backed: ``/tmp`` is
+RAM on many systems), created owner-only when the configuration is loaded (a directory of that
+name another user made first is refused by name); only ``persistent`` must be given. A file keeps
+VeloC's rule: ``mode``, ``scratch`` and ``persistent`` are mandatory in it.
 """
 from __future__ import annotations
 
@@ -19,12 +25,18 @@ from typing import Any, Mapping
 from . import node as _node
 from .errors import ConfigError
 
-__all__ = ["Config", "KEYS", "VELOC_ONLY", "validate_name", "did_you_mean"]
+__all__ = ["Config", "KEYS", "VELOC_ONLY", "NO_FILE", "default_scratch", "validate_name", "did_you_mean"]
+
+#: the source of a configuration given without a file (keyword arguments, ``VELOC_<KEY>``, defaults)
+NO_FILE = "keyword arguments"
+#: the environment variable naming the scratch directory when no file sets one
+SCRATCH_ENV = "DEEPFREEZE_SCRATCH"
 
 #: every key DeepFreeze understands, with a one-line meaning (see docs/configuration.md)
 KEYS: dict[str, str] = {
-    "mode": "sync | async (mandatory): flush in the client (blocking) or in a per-node backend process",
-    "scratch": "node-local directory for the first-level checkpoint (mandatory)",
+    "mode": "sync | async (mandatory in a file; async without one): flush in the client (blocking) or in a per-node backend process",
+    "scratch": "node-local directory for the first-level checkpoint (mandatory in a file; without one "
+               "$DEEPFREEZE_SCRATCH, else /var/tmp/deepfreeze-<uid>/scratch)",
     "persistent": "shared directory (parallel file system) for assembled checkpoints (mandatory)",
     "persistent_interval": "seconds between versions flushed to persistent; 0 = every version, -1 = never",
     "ec_interval": "seconds between versions protected by partner/erasure coding; 0 = every version, -1 = off",
@@ -113,7 +125,7 @@ class Config:
     #: ``low``: background work yields to training, within a bound (:mod:`deepfreeze.priority`); ``normal``: not
     background_priority: str = "low"
     veloc_only: tuple[tuple[str, str], ...] = ()  # VELOC_ONLY keys, as given
-    source: str = "<code>"
+    source: str = NO_FILE
     #: where each key given explicitly came from: ``(key, "file:line" | "env VELOC_<KEY>" |
     #: "keyword override")``; keys not listed have their default (see :meth:`where`)
     origins: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
@@ -124,7 +136,7 @@ class Config:
         for k, w in self.origins:
             if k == key:
                 return w
-        return "default" if self.source == "<code>" else f"default ({self.source})"
+        return "default" if self.source == NO_FILE else f"default ({self.source})"
 
     def __post_init__(self) -> None:
         w = self.where
@@ -259,6 +271,21 @@ class Config:
                               "device is one preallocated file, e.g. under /dev/shm): create it with 'deepfreeze "
                               "memtier create PATH --size 8G'")
 
+    def _make_default_scratch(self) -> None:
+        """Create the scratch directory this configuration chose itself (owner-only, every parent
+        checked: :func:`deepfreeze.ownership.ensure_dir`); one another user made is refused."""
+        from . import ownership
+        from .errors import UnsafePathError
+        default = self.scratch == default_scratch()
+        try:  # the default: /var/tmp (root's, sticky) is the root; deepfreeze-<uid> must be this user's
+            ownership.ensure_dir(self.scratch, os.path.dirname(os.path.dirname(self.scratch)) if default
+                                 else self.scratch, shared_group=self.shared_group, site="config")
+        except (UnsafePathError, OSError) as e:
+            via = f"the default scratch directory {self.scratch}" if default else \
+                f"scratch = {self.scratch} ({self.where('scratch')})"
+            raise ConfigError(f"{via} cannot be used: {e}. Set {SCRATCH_ENV} (or scratch=DIR) to a node-local "
+                              "directory of your own") from e
+
     @property
     def keep_scratch(self) -> int:
         """Versions kept on scratch (0 = all): ``scratch_versions`` else ``max_versions``."""
@@ -270,7 +297,7 @@ class Config:
         """Read ``path`` (VeloC INI), apply ``VELOC_<KEY>`` env vars, then ``overrides``."""
         env = os.environ if env is None else env
         raw: dict[str, tuple[str, Any]] = {}
-        source = "<code>"
+        source = NO_FILE
         if path is not None:
             source = os.fspath(path)
             raw.update({k: (f"{source}:{n}", v) for k, (n, v) in _read_ini(source).items()})
@@ -284,12 +311,25 @@ class Config:
             if key not in KEYS:
                 raise ConfigError(_unknown(key, "keyword override"))
             raw[key] = ("keyword override", value)
-        if "mode" not in raw:
-            raise ConfigError(f"{source}: 'mode' is mandatory (as in VeloC): add 'mode = async' or 'mode = sync'")
+        defaulted: dict[str, Any] = {}
+        if path is None:  # no file: only persistent must be given
+            if "mode" not in raw:
+                defaulted["mode"] = "async"
+            if "scratch" not in raw:
+                if env.get(SCRATCH_ENV):
+                    raw["scratch"] = (f"env {SCRATCH_ENV}", env[SCRATCH_ENV])
+                else:
+                    defaulted["scratch"] = default_scratch()
+        if "mode" not in raw and "mode" not in defaulted:
+            raise ConfigError(f"{source}: 'mode' is mandatory in a configuration file (as in VeloC): add 'mode = "
+                              "async' or 'mode = sync' (without a file it defaults to async)")
         for key in ("scratch", "persistent"):
-            if key not in raw:
+            if key not in raw and key not in defaulted:
+                if path is None:
+                    raise ConfigError(f"{source}: '{key}' is missing: pass {key}=DIR (the shared directory the "
+                                      f"checkpoints are kept in), or set VELOC_{key.upper()}")
                 raise ConfigError(f"{source}: '{key}' is missing: set it to a directory path")
-        kwargs: dict[str, Any] = {"source": source}
+        kwargs: dict[str, Any] = {"source": source, **defaulted}
         extra = []
         for key, (where, value) in raw.items():
             if key in VELOC_ONLY:
@@ -297,7 +337,10 @@ class Config:
             else:
                 kwargs[key] = _convert(key, value, where)
         origins = tuple(sorted((key, where) for key, (where, _) in raw.items()))
-        return cls(veloc_only=tuple(sorted(extra)), origins=origins, **kwargs)
+        config = cls(veloc_only=tuple(sorted(extra)), origins=origins, **kwargs)
+        if "scratch" in defaulted or raw.get("scratch", ("",))[0] == f"env {SCRATCH_ENV}":
+            config._make_default_scratch()
+        return config
 
     @classmethod
     def resolve(cls, config: "str | os.PathLike | Config | None", **overrides: Any) -> "Config":
@@ -321,6 +364,13 @@ class Config:
         if not changes:
             return config
         return dataclasses.replace(config, origins=tuple(sorted(origins.items())), **changes)
+
+
+def default_scratch() -> str:
+    """The scratch directory when neither a file nor ``scratch=`` nor ``$DEEPFREEZE_SCRATCH`` sets
+    one: ``/var/tmp/deepfreeze-<uid>/scratch`` (node-local and disk-backed; ``/tmp`` is RAM on many
+    systems)."""
+    return f"/var/tmp/deepfreeze-{os.getuid()}/scratch"
 
 
 def did_you_mean(word: str, choices: "list[str] | tuple[str, ...] | Mapping[str, Any]") -> str:

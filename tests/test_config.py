@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from deepfreeze import Config, ConfigError
@@ -148,3 +150,62 @@ def test_the_suite_runs_the_documented_defaults(tmp_path):
         else:
             want = text
         assert live == want, f"{key}: the suite runs {live!r}, docs/configuration.md says {text!r}"
+
+
+# ---------------------------------------------------------------------------- no file (issue 42, item 3)
+
+def test_without_a_file_mode_is_async_and_scratch_is_the_users_own(tmp_path):
+    """Finding 3: the stream quickstart failed with "<code>: 'mode' is mandatory": INI wording for
+    keyword arguments. Without a file only persistent is needed: mode async, scratch under /var/tmp
+    (disk-backed), created owner-only."""
+    import stat
+
+    from deepfreeze.config import default_scratch
+    c = Config.load(None, env={}, persistent=str(tmp_path / "p"))
+    assert (c.mode, c.scratch) == ("async", default_scratch())
+    assert c.scratch == f"/var/tmp/deepfreeze-{os.getuid()}/scratch"
+    for d in (c.scratch, os.path.dirname(c.scratch)):
+        st = os.lstat(d)
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077 == 0, d
+    assert c.where("mode") == "default" and c.where("scratch") == "default"
+    c = Config.load(None, env={"DEEPFREEZE_SCRATCH": str(tmp_path / "node" / "s")}, persistent=str(tmp_path / "p"))
+    assert c.scratch == str(tmp_path / "node" / "s") and os.path.isdir(c.scratch)
+    assert c.where("scratch") == "env DEEPFREEZE_SCRATCH"
+    c = Config.load(None, env={"DEEPFREEZE_SCRATCH": "/x"}, scratch=str(tmp_path / "kw"), persistent=str(tmp_path / "p"),
+                    mode="sync")
+    assert (c.scratch, c.mode) == (str(tmp_path / "kw"), "sync") and not os.path.exists(c.scratch)  # given: not made
+
+
+def test_without_a_file_the_errors_say_keyword_arguments(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        Config.load(None, env={}, scratch=str(tmp_path / "s"))
+    assert str(e.value).startswith("keyword arguments: 'persistent' is missing: pass persistent=DIR")
+    assert "<code>" not in str(e.value) and "VELOC_PERSISTENT" in str(e.value)
+
+
+def test_a_file_still_needs_mode_as_in_veloc(tmp_path):
+    with pytest.raises(ConfigError, match=r"'mode' is mandatory in a configuration file \(as in VeloC\)"):
+        Config.load(write(tmp_path, f"scratch={tmp_path}/s\npersistent={tmp_path}/p\n"), env={})
+    with pytest.raises(ConfigError, match="'scratch' is missing"):  # nor does a file get the default scratch
+        Config.load(write(tmp_path, f"mode=async\npersistent={tmp_path}/p\n"), env={"DEEPFREEZE_SCRATCH": "/x"})
+
+
+def test_a_squatted_default_scratch_is_refused_by_name(tmp_path):
+    """Another user made the directory first: refused, naming it and what to set."""
+    from _util import nobody_ids
+    uid, gid = nobody_ids()
+    squat = tmp_path / "squat"
+    squat.mkdir(mode=0o777)
+    os.chown(squat, uid, gid)
+    with pytest.raises(ConfigError) as e:
+        Config.load(None, env={"DEEPFREEZE_SCRATCH": str(squat)}, persistent=str(tmp_path / "p"))
+    assert str(squat) in str(e.value) and "owned by nobody" in str(e.value) and "DEEPFREEZE_SCRATCH" in str(e.value)
+    assert list(squat.iterdir()) == []  # nothing written into it
+
+
+def test_veloc_gets_the_defaulted_mode_in_its_file(tmp_path):
+    from deepfreeze.veloc_daemon import write_veloc_config
+    c = Config.load(None, env={}, persistent=str(tmp_path / "p"), scratch=str(tmp_path / "s"))
+    (tmp_path / "d").mkdir()
+    text = open(write_veloc_config(c, str(tmp_path / "d"))).read()
+    assert "mode = async" in text.replace("mode=async", "mode = async")

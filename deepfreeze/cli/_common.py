@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any, Iterable, NoReturn
 
-from ..config import KEYS, Config, validate_name
+from ..config import KEYS, NO_FILE, Config, validate_name
 from ..errors import CheckpointNotFoundError, ConfigError
 from ..inventory import checkpoint_names
 
@@ -146,8 +146,8 @@ def load_config(config: str | None, sets: list[str]) -> Config:
         return Config.resolve(config, **overrides)
     except ConfigError as e:
         msg = str(e).replace("keyword override", "--set")
-        if msg.startswith("<code>: "):  # no file: the value had to come from VELOC_<KEY> or --set
-            msg = "configuration (no --config file): " + msg[len("<code>: "):] + " (--set KEY=VALUE or VELOC_<KEY>)"
+        if msg.startswith(NO_FILE + ": "):  # no file: the value had to come from VELOC_<KEY> or --set
+            msg = "configuration (no --config file): " + msg[len(NO_FILE) + 2:] + " (--set KEY=VALUE or VELOC_<KEY>)"
         raise ConfigError(msg) from None
 
 

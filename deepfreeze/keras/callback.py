@@ -136,7 +136,8 @@ class DeepFreezeCheckpoint(RunView, tf.keras.callbacks.Callback):
     """Asynchronous sharded checkpoints during ``model.fit``; add it to ``callbacks``.
 
     Args:
-      config: path of a VeloC INI file (see ``veloc_cfg/``), or a :class:`~deepfreeze.Config`.
+      config: path of a VeloC INI file (see ``veloc_cfg/``), a :class:`~deepfreeze.Config`, or None (keyword
+        arguments; mode async and a default scratch: docs/configuration.md).
       name: checkpoint name (``[a-zA-Z0-9_.]+``).
       every_n_batches: checkpoint every N training steps.
       at_epoch_end: also checkpoint at the end of every epoch.

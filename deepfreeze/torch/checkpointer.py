@@ -138,7 +138,9 @@ class Checkpointer(RunView, Sink):
         on a 1-D mesh of every rank, or a plain module).
       optimizer: an optimizer or a sequence of them, in the order the loop steps them (the last
         one's steps are counted).
-      config: path of a VeloC INI file, or a :class:`~deepfreeze.Config`.
+      config: path of a VeloC INI file, a :class:`~deepfreeze.Config`, or None (the default: keyword
+        arguments and ``VELOC_*``; mode async, scratch ``$DEEPFREEZE_SCRATCH`` else
+        ``/var/tmp/deepfreeze-<uid>/scratch``: docs/configuration.md).
       name: checkpoint name (``[a-zA-Z0-9_.]+``).
       every_n_steps: checkpoint after every N optimizer steps (None: only :meth:`checkpoint`).
       resume: restore the newest committed version now (collective: every rank's scratch,

@@ -109,7 +109,7 @@ class DeepFreezeCallback(TrainerCallback):
     """DeepFreeze checkpoints of a ``transformers.Trainer`` run, captured in the optimizer step.
 
     Args:
-      config: path of a VeloC INI file, or a :class:`~deepfreeze.Config`.
+      config: path of a VeloC INI file, a :class:`~deepfreeze.Config`, or None (keyword arguments; docs/configuration.md).
       name: checkpoint name (``[a-zA-Z0-9_.]+``).
       every_n_steps: checkpoint every N optimizer (update) steps; None: Trainer's ``save_steps``
         (``TrainerState.save_steps``, ``args.save_steps`` made absolute).
