@@ -61,6 +61,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import struct
+import sys
 import time
 from typing import Any, Sequence
 
@@ -167,6 +168,11 @@ class Checkpointer(RunView, Sink):
         and so the versions, continue from it (:attr:`start_step`). With ``resume=True`` the
         resumed version's step wins when the name has one (a warning when it differs from
         ``start_step``); ``start_step`` serves when it has none.
+      save_last: a normal :meth:`close` (and the Lightning and Hugging Face callbacks' end of
+        training) checkpoints the last completed step when it is newer than the newest version,
+        as Lightning's ``ModelCheckpoint(save_last=True)``; never with an exception in flight, in
+        the exit hand-off, or after any rank reported a checkpoint error (False: the versions of
+        ``every_n_steps`` and :meth:`checkpoint` only).
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
@@ -178,7 +184,8 @@ class Checkpointer(RunView, Sink):
                  overlap: bool = True, on_error: str = "raise", min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
                  lease_wait: float = 0.0, trust_owners: "list[str | int] | None" = None, engine: str | None = None,
                  scratch_cls: "type | None" = None, verbose: int = 0, strict: bool = True,
-                 close_timeout: float = 60.0, start_step: int | None = None, **overrides: Any) -> None:
+                 close_timeout: float = 60.0, start_step: int | None = None, save_last: bool = True,
+                 **overrides: Any) -> None:
         if start_step is not None and (type(start_step) is not int or start_step < 0):
             raise ConfigError(f"start_step = {start_step!r}: use the step the restored state was saved at (an int "
                               ">= 0), or None")
@@ -193,6 +200,9 @@ class Checkpointer(RunView, Sink):
         if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or not close_timeout > 0:
             raise ConfigError(f"close_timeout = {close_timeout!r}: use a positive number of seconds")
         self.close_timeout = float(close_timeout)
+        if not isinstance(save_last, bool):
+            raise ConfigError(f"save_last = {save_last!r}: use True (close() checkpoints the last step) or False")
+        self.save_last = save_last
         self.name = validate_name(name)
         #: the run: argument checks, the on_error policy, the engine, the lease (deepfreeze.run.Run)
         self._run = Run(config, self.name, resume=resume, overwrite=overwrite, lease_wait=lease_wait,
@@ -406,12 +416,23 @@ class Checkpointer(RunView, Sink):
         self._run.wait(timeout)
 
     def close(self) -> None:
-        """Finish a pending capture, wait for the flushes, release the hooks, threads and the lease."""
+        """Checkpoint the last completed step (``save_last``), finish a pending capture, wait for
+        the flushes, release the hooks, threads and the lease (collective: every rank calls it).
+
+        The last step is checkpointed when it is newer than the newest version, ``close`` is not
+        called with an exception in flight (from an ``except`` or ``finally`` block while one
+        propagates, or ``with`` exiting by one) and no rank reported a checkpoint error."""
+        self._close(final=self.save_last and sys.exc_info()[1] is None)
+
+    def _close(self, final: bool) -> None:
+        """:meth:`close`; ``final``: may checkpoint the last step (one allgather decides it for every rank)."""
         if self._closed:
             return
-        self._closed = True
         lost = None
+        self._closed = True
         try:
+            if final and self._group_alive():
+                self._save_last()
             if self._pending is not None:
                 if not self._group_alive():
                     lost, self._pending = self._pending.step, None  # its hand-off is collective: too late
@@ -436,6 +457,22 @@ class Checkpointer(RunView, Sink):
             raise ConfigError(f"Checkpointer.close() after torch.distributed.destroy_process_group(): {self.name!r} "
                               f"v{lost} was captured but not written (its hand-off needs every rank's process "
                               "group); call ckpt.close() before destroy_process_group()")
+
+    def _save_last(self) -> None:
+        """The ``save_last`` checkpoint of :meth:`close`: every rank says whether it may (a rank
+        that counted a failure under ``on_error='warn'`` may not) and at which step; the last step
+        is checkpointed only when all agree and it is newer than the newest version."""
+        newest = self._run.last_version
+        if self._pending is not None or self._held is not None:
+            newest = max(newest or 0, self._pending.step if self._pending is not None else self._held[0])
+        ok = not self._run.failures and self.step > self.start_step and (newest is None or self.step > newest)
+        mine = f"{int(ok)}:{self.step}".encode()
+        votes = self.comm.allgather(mine) if self.size > 1 else [mine]
+        if any(v.split(b":")[1] != mine.split(b":")[1] for v in votes) and self.rank == 0:
+            log.warning("DeepFreeze: %r: the last step is not checkpointed at close: the ranks are at different "
+                        "steps (%s)", self.name, ", ".join(v.decode().split(":")[1] for v in votes))
+        elif all(v == b"1:%d" % self.step for v in votes):
+            self.checkpoint()
 
     def _group_alive(self) -> bool:
         """Whether the collective hand-off can still run (one process, or a live process group)."""
@@ -462,14 +499,14 @@ class Checkpointer(RunView, Sink):
                             "destroyed before Checkpointer.close(); call ckpt.close() before "
                             "destroy_process_group()", self.rank, self.name, pending)
             return
-        self._run.close_at_exit(self.close, self.close_timeout, who="Checkpointer.close()", pending=pending,
-                                hint="ckpt.close()")
+        self._run.close_at_exit(lambda: self._close(final=False), self.close_timeout, who="Checkpointer.close()",
+                                pending=pending, hint="ckpt.close()")  # no save_last: a peer may be gone
 
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self._close(final=self.save_last and exc_type is None)
 
     @property
     def run_id(self) -> str | None:
