@@ -99,6 +99,8 @@ class Run:
         self.last_version: int | None = None
         #: failures under ``on_error='warn'`` (their messages), in order
         self.failures: list[str] = []
+        #: checkpoint errors this rank reported under either ``on_error`` policy (raised or warned)
+        self.errors = 0
         #: called before :meth:`guard` re-raises under ``on_error='raise'`` (an adapter's clean-up)
         self.before_raise: Callable[[], None] | None = None
 
@@ -236,6 +238,7 @@ class Run:
         try:
             fn(*args, **kwargs)
         except DeepFreezeError as e:
+            self.errors += 1
             if self.on_error == "raise":
                 if self.before_raise is not None:
                     self.before_raise()

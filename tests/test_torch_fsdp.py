@@ -288,7 +288,7 @@ def test_fsdp_kill9_then_resume(fsdp_run, tmp_path):
     assert p.returncode != 0
     torchrun(2, FSDP, "train", out, "steps=10", "resume=1")
     i0 = info(out, 0)
-    assert i0["resumed_from"] == 6 and i0["start_step"] == 6 and i0["last_version"] == 9
+    assert i0["resumed_from"] == 6 and i0["start_step"] == 6 and i0["last_version"] == 10  # v9, then save_last's v10
     assert_same(npz(os.path.join(out, "r0", "final.npz")), npz(os.path.join(fsdp_run, "r0", "final.npz")),
                 "rank 0 after kill -9 and resume")
     r1 = {k: a for k, a in npz(os.path.join(fsdp_run, "r1", "final.npz")).items() if k not in BUFFERS[:2]}
@@ -317,7 +317,7 @@ def test_fsdp_kill9_at_a_write_once_crash_point_then_resume(fsdp_run, tmp_path, 
     assert not glob.glob(os.path.join(out, "scratch*", "ff", "v*", "r*.dfs"))  # written once: no scratch file
     torchrun(2, FSDP, "train", out, "steps=10", f"mode={mode}", "resume=1")
     i0 = info(out, 0)
-    assert i0["resumed_from"] == 6 and i0["start_step"] == 6 and i0["last_version"] == 9
+    assert i0["resumed_from"] == 6 and i0["start_step"] == 6 and i0["last_version"] == 10  # v9, then save_last's v10
     assert_same(npz(os.path.join(out, "r0", "final.npz")), npz(os.path.join(fsdp_run, "r0", "final.npz")),
                 f"rank 0 after kill -9 at {point} and resume")
     r1 = {k: a for k, a in npz(os.path.join(fsdp_run, "r1", "final.npz")).items() if k not in BUFFERS[:2]}

@@ -316,3 +316,28 @@ def test_checkpoint_dir_output_dir_rule_and_the_link_renamed_aside(one_version, 
     assert checkpoint_dir(**one_version, output_dir=str(out)) == path
     assert os.listdir(out) == ["checkpoint-2"] and not os.path.islink(path)
     assert "deepfreeze.json" in os.listdir(elsewhere) and "model.safetensors" in os.listdir(elsewhere)
+
+
+def test_train_end_keeps_the_last_step(tmp_path):
+    """Issue 42, finding 4: on_train_end closes the Checkpointer normally, which checkpoints the last
+    step (save_last, the default): 5 steps at every 3 keep v3 and v5, v5 holding the trained model."""
+    sys.path.insert(0, WORKERS)
+    from hf_train import SEQ, VOCAB, Tokens
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from deepfreeze import Config, list_versions
+    from deepfreeze.torch import load
+    from deepfreeze.torch.hf import DeepFreezeCallback
+    kw = dict(scratch=str(tmp_path / "scratch"), persistent=str(tmp_path / "persistent"))
+    cb = DeepFreezeCallback(name="last", every_n_steps=3, **kw)
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], max_steps=5,
+                             per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb])
+    trainer.train()
+    assert trainer.state.global_step == 5
+    assert sorted(list_versions(Config.resolve(None, **kw), "last")) == [3, 5]
+    got = load(name="last", **kw)
+    want = model.state_dict()
+    assert set(want) <= set(got), sorted(set(want) - set(got))[:5]
+    for k, v in want.items():
+        assert got[k].numpy().tobytes() == v.detach().numpy().tobytes(), k

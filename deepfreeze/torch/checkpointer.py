@@ -171,7 +171,8 @@ class Checkpointer(RunView, Sink):
       save_last: a normal :meth:`close` (and the Lightning and Hugging Face callbacks' end of
         training) checkpoints the last completed step when it is newer than the newest version,
         as Lightning's ``ModelCheckpoint(save_last=True)``; never with an exception in flight, in
-        the exit hand-off, or after any rank reported a checkpoint error (False: the versions of
+        the exit hand-off, or after any rank reported a checkpoint error (raised or counted in
+        :attr:`failures`) (False: the versions of
         ``every_n_steps`` and :meth:`checkpoint` only).
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
@@ -460,12 +461,12 @@ class Checkpointer(RunView, Sink):
 
     def _save_last(self) -> None:
         """The ``save_last`` checkpoint of :meth:`close`: every rank says whether it may (a rank
-        that counted a failure under ``on_error='warn'`` may not) and at which step; the last step
-        is checkpointed only when all agree and it is newer than the newest version."""
+        that reported a checkpoint error, raised or warned, may not) and at which step; the last
+        step is checkpointed only when all agree and it is newer than the newest version."""
         newest = self._run.last_version
         if self._pending is not None or self._held is not None:
             newest = max(newest or 0, self._pending.step if self._pending is not None else self._held[0])
-        ok = not self._run.failures and self.step > self.start_step and (newest is None or self.step > newest)
+        ok = not self._run.errors and self.step > self.start_step and (newest is None or self.step > newest)
         mine = f"{int(ok)}:{self.step}".encode()
         votes = self.comm.allgather(mine) if self.size > 1 else [mine]
         if any(v.split(b":")[1] != mine.split(b":")[1] for v in votes) and self.rank == 0:
