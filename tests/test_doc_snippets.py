@@ -415,55 +415,112 @@ def test_every_python_block_is_run_or_marked_with_an_allowed_reason():
     assert set(SNIPPETS) <= seen, f"stubs for blocks that do not exist: {sorted(set(SNIPPETS) - seen)}"
 
 
-def _run_group(group: str, tmp: str, env_extra: dict[str, str], addresses: dict[str, str], timeout: float) -> None:
-    plan, keys = _plan(group, tmp, addresses)
-    home = os.path.join(tmp, "home")
-    os.makedirs(home, mode=0o700, exist_ok=True)
-    import time as _t; _t0 = _t.monotonic()
-    p = subprocess.run([sys.executable, os.path.join(WORKERS, "doc_snippets.py"), plan], cwd=tmp, timeout=timeout,
-                       env=_env(home, env_extra), capture_output=True, text=True)
-    # a spawned block's RAN line comes through the block that started it (it prints the job's output)
-    ran = {line.split()[1] for line in p.stdout.splitlines() if line.startswith("RAN ")}
-    if p.returncode != 0:
-        pytest.fail(f"{group}: exited {p.returncode}\nstdout:\n{p.stdout[-8000:]}\nstderr:\n{p.stderr[-8000:]}")
-    print("TOTAL", _t.monotonic() - _t0, p.stdout.splitlines()[-1])
-    print("\n".join(line for line in p.stdout.splitlines() if line.startswith("RAN ")))  # with the seconds of each
-    missing = [k for k in keys if k not in ran]
-    assert not missing, f"{group}: blocks not run: {missing}\n{p.stdout[-4000:]}"
-
-
-def _need(*modules: str) -> None:
-    """Skip unless these packages are installed (found, not imported: the runs import them)."""
+def _need(*modules: str) -> "str | None":
+    """Why a group cannot run here: a package not installed (found, not imported: the runs import them)."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed (make test runs scripts/setup.sh, which installs them)")
+    return f"{', '.join(missing)} not installed (make test runs scripts/setup.sh, which installs them)" if missing else None
 
 
-def test_torch_docs_run_as_written(tmp_path):
-    _need("torch", "transformers", "pytorch_lightning")
-    torchrun_1 = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-                  "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                  "MASTER_PORT": str(_free_port())}
-    addresses = {"127.0.0.1:7100": f"127.0.0.1:{_free_port()}"}
-    _run_group("torch", str(tmp_path), torchrun_1, addresses, timeout=400)
+class _Group:
+    """One group's process (tests/workers/doc_snippets.py PLAN), started at once, waited for by its test."""
+
+    def __init__(self, group: str, tmp: str, env_extra: dict[str, str], addresses: dict[str, str]) -> None:
+        self.group, self.tmp = group, tmp
+        self.plan, self.keys = _plan(group, tmp, addresses)
+        home = os.path.join(tmp, "home")
+        os.makedirs(home, mode=0o700, exist_ok=True)
+        self.out = os.path.join(tmp, "output.txt")
+        with open(self.out, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "doc_snippets.py"), self.plan],
+                                         cwd=tmp, env=_env(home, env_extra), stdout=out, stderr=subprocess.STDOUT)
+
+    def check(self, timeout: float = 400) -> None:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        with open(self.out) as f:
+            out = f.read()
+        if rc != 0:
+            pytest.fail(f"{self.group}: exited {rc}\n{out[-12000:]}")
+        # a spawned block's RAN line comes through the block that started it (it prints the job's output)
+        ran = [line for line in out.splitlines() if line.startswith("RAN ")]
+        print("\n".join(ran))  # with each block's seconds
+        missing = [k for k in self.keys if k not in {line.split()[1] for line in ran}]
+        assert not missing, f"{self.group}: blocks not run: {missing}\n{out[-4000:]}"
 
 
-def test_keras_docs_run_as_written(tmp_path):
-    _need("tensorflow", "horovod")
-    from test_repo_provider import ProviderProc
+class _Provider:
+    """A provider of docs/repository.md's last block on loopback: what ``deepfreeze repo serve --dir DIR
+    --listen 127.0.0.1:0`` runs (``deepfreeze.repo.provider``); :meth:`address` once it listens."""
+
+    def __init__(self, env: dict[str, str], directory: str) -> None:
+        self.log = directory + ".log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "deepfreeze.repo.provider", "--dir", directory,
+                                          "--listen", "127.0.0.1:0"], env=env, stdout=subprocess.PIPE, stderr=log,
+                                         text=True)
+
+    def address(self) -> str:
+        line = self.proc.stdout.readline()  # blocks until it listens, or ends (then: no line)
+        if not line.startswith("listening on "):
+            self.proc.kill()
+            with open(self.log) as f:
+                pytest.fail(f"provider did not start: {line!r} {f.read()[-3000:]}")
+        return line.split()[-1]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    """Both groups, started together (each waits on imports, backends and its second processes
+    much of the time; together they take about the longer one's time): {group: _Group or why not}."""
     from deepfreeze import net
-    tmp = str(tmp_path)
-    home = os.path.join(tmp, "home")
-    os.makedirs(home, mode=0o700)
-    net.create_token(os.path.join(home, ".deepfreeze", "token"))   # what `deepfreeze repo token` does, in this HOME
-    # the providers docs/repository.md's last block names (`deepfreeze repo serve`), on loopback
-    provs = [ProviderProc(_env(home), os.path.join(tmp, f"provider{i}")) for i in range(2)]
-    try:
-        addresses = {"node1:7000": provs[0].addr, "node2:7000": provs[1].addr}
-        _run_group("keras", tmp, {}, addresses, timeout=400)
-    finally:
-        for p in provs:
-            p.stop()
+    started, providers = {}, []
+    keras_why = _need("tensorflow", "horovod")
+    if keras_why is None:
+        keras_tmp = str(tmp_path_factory.mktemp("keras_docs"))
+        home = os.path.join(keras_tmp, "home")
+        os.makedirs(home, mode=0o700)
+        net.create_token(os.path.join(home, ".deepfreeze", "token"))  # what `deepfreeze repo token` does, in this HOME
+        providers = [_Provider(_env(home), os.path.join(keras_tmp, f"provider{i}")) for i in range(2)]
+    why = _need("torch", "transformers", "pytorch_lightning")
+    if why is None:
+        torchrun_1 = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+                      "GROUP_WORLD_SIZE": "1", "ROLE_RANK": "0", "ROLE_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                      "MASTER_PORT": str(_free_port())}
+        started["torch"] = _Group("torch", str(tmp_path_factory.mktemp("torch_docs")), torchrun_1,
+                                  {"127.0.0.1:7100": f"127.0.0.1:{_free_port()}"})
+    else:
+        started["torch"] = why
+    if keras_why is None:
+        started["keras"] = _Group("keras", keras_tmp, {}, {"node1:7000": providers[0].address(),
+                                                           "node2:7000": providers[1].address()})
+    else:
+        started["keras"] = keras_why
+    yield started
+    for g in started.values():
+        if isinstance(g, _Group) and g.proc.poll() is None:
+            g.proc.kill()
+            g.proc.wait()
+    for p in providers:
+        p.stop()
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_docs_run_as_written(groups, group):
+    g = groups[group]
+    if isinstance(g, str):
+        pytest.skip(g)
+    g.check()
 
 
 # ============================================================================ the first program at 2 ranks
@@ -506,41 +563,53 @@ with open(f"{_out}/info{dist.get_rank()}.json", "w") as _f:
 """
 
 
-def _torchrun_first_program(run_dir: str, script: str, *extra: str, check: bool = True, **env: str):
+def _first_program(run_dir: str, **env: str) -> subprocess.Popen:
+    """The doc's command, ``torchrun --standalone --nproc-per-node 2 train.py``, in ``run_dir``."""
     exe = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     home = os.path.join(run_dir, "home")
     os.makedirs(home, mode=0o700, exist_ok=True)
-    # the doc's command: torchrun --standalone --nproc-per-node 2 train.py
-    p = subprocess.run([exe, "--standalone", "--nproc-per-node", "2", script], cwd=run_dir, timeout=300,
-                       env=_env(home, {"DEEPFREEZE_SCRATCH": os.path.join(run_dir, "scratch"), **env}),
-                       capture_output=True, text=True)
-    if check and p.returncode != 0:
-        pytest.fail(f"torchrun exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-6000:]}")
-    return p
+    env = _env(home, {"DEEPFREEZE_SCRATCH": os.path.join(run_dir, "scratch"), "DOC_OUT": run_dir,
+                      "DOC_PERSISTENT": run_dir + "/tmp/deepfreeze-quickstart", **env})
+    with open(os.path.join(run_dir, "output.txt"), "a") as out:
+        return subprocess.Popen([exe, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=run_dir, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+
+def _ended(p: subprocess.Popen, run_dir: str, ok: bool = True) -> None:
+    try:
+        rc = p.wait(300)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        rc = p.wait()
+    if (rc == 0) != ok:
+        with open(os.path.join(run_dir, "output.txt")) as f:
+            pytest.fail(f"torchrun in {run_dir} exited {rc}\n{f.read()[-8000:]}")
 
 
 def test_first_program_killed_and_relaunched_ends_as_the_uninterrupted_run(tmp_path):
     """docs/torch.md's first program under ``torchrun --standalone --nproc-per-node 2``: rank 1
     SIGKILLed after step 13 (epoch 1, 5 of its 8 batches), the job relaunched with the same
     command; it resumes from v10 (epoch 1, mid-epoch) and every leaf of each rank's final state
-    (model, AdamW state, scheduler, lr, torch's RNG) equals an uninterrupted run's, bit for bit."""
-    _need("torch")
+    (model, AdamW state, scheduler, lr, torch's RNG) equals an uninterrupted run's, bit for bit.
+    The uninterrupted run and the killed one run at the same time (two jobs, own directories)."""
+    why = _need("torch")
+    if why:
+        pytest.skip(why)
     program = python_blocks("docs/torch.md")[0]
     assert program.first == "import torch", program.first
     runs = {}
     for run in ("uninterrupted", "killed"):
         d = str(tmp_path / run)
         os.makedirs(d)
-        code = rewrite(program.code, d, {})
         with open(os.path.join(d, "train.py"), "w") as f:
-            f.write(_KILL + code + _RECORD)
+            f.write(_KILL + rewrite(program.code, d, {}) + _RECORD)
         runs[run] = d
-    env = {"DOC_OUT": runs["uninterrupted"], "DOC_PERSISTENT": runs["uninterrupted"] + "/tmp/deepfreeze-quickstart"}
-    _torchrun_first_program(runs["uninterrupted"], "train.py", **env)
-    env = {"DOC_OUT": runs["killed"], "DOC_PERSISTENT": runs["killed"] + "/tmp/deepfreeze-quickstart"}
-    p = _torchrun_first_program(runs["killed"], "train.py", check=False, DOC_KILL_AT="13", **env)
-    assert p.returncode != 0 and not os.path.exists(os.path.join(runs["killed"], "final0.npz")), p.stderr[-3000:]
-    _torchrun_first_program(runs["killed"], "train.py", **env)
+    whole = _first_program(runs["uninterrupted"])
+    killed = _first_program(runs["killed"], DOC_KILL_AT="13")
+    _ended(killed, runs["killed"], ok=False)
+    assert not os.path.exists(os.path.join(runs["killed"], "final0.npz"))
+    _ended(_first_program(runs["killed"]), runs["killed"])
+    _ended(whole, runs["uninterrupted"])
     for r in (0, 1):
         with open(os.path.join(runs["killed"], f"info{r}.json")) as f:
             info = json.load(f)
