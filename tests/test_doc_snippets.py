@@ -15,7 +15,9 @@ is tested in tests/test_config.py). Every absolute path in a string literal of a
 stubs) is moved under the doc's temporary directory (``"/shared/ckpt"`` becomes
 ``"<tmp>/<doc>/shared/ckpt"``); the network addresses of :data:`ADDRESSES` become free loopback
 ports. The only other things a block gets are the stubs declared below for it: the user's own
-objects (``net``, ``loader``, ``x`` ...), small and real.
+objects (``net``, ``loader``, ``x`` ...), small and real. (The session's private backend socket
+directory, ``DEEPFREEZE_RUNTIME_DIR`` from tests/conftest.py, is kept.) The two groups run at the
+same time, each test waiting for its own.
 
 The torch group's process has the environment ``torchrun --nproc-per-node 1`` gives its one
 worker (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT ...): docs/torch.md's first program calls
@@ -146,8 +148,9 @@ ckpt.close()
     # ---------------------------------------------------------------- docs/quickstart.md
     ("docs/quickstart.md", 1): Run("# train.py", file="train.py"),
     ("docs/quickstart.md", 2): Run("# restore.py", file="restore.py", after="assert version == step == 64, version"),
-    ("docs/quickstart.md", 3): Run("ckpt = DeepFreezeCheckpoint(persistent=\"/tmp/deepfreeze/persistent\", name=\"quickstart\",",
-                                   ns="train.py", after="assert ckpt.resumed_from == 64, ckpt.resumed_from\nckpt.close()"),
+    ("docs/quickstart.md", 3): Run('ckpt = DeepFreezeCheckpoint(persistent="/tmp/deepfreeze/persistent", '
+                                   'name="quickstart",', ns="train.py",
+                                   after="assert ckpt.resumed_from == 64, ckpt.resumed_from\nckpt.close()"),
     # ---------------------------------------------------------------- docs/torch.md
     ("docs/torch.md", 1): Run("import torch", after="""
 assert ckpt.resumed_from is None and ckpt.step == 48, (ckpt.resumed_from, ckpt.step)  # 3 epochs of 16 steps
@@ -362,6 +365,8 @@ def rewrite(code: str, root: str, addresses: dict[str, str]) -> str:
         s = t.string.lstrip("rRbBuUfF").strip("'\"")
         if t.type == tokenize.STRING and s.startswith("/") and not s.startswith(root):
             raise AssertionError(f"an absolute path left outside the test's directory: {t.string}")
+    left = [a for a in ADDRESSES if a in out and a not in addresses.values()]
+    assert not left, f"addresses not given a local port: {left}"
     return out
 
 
@@ -371,7 +376,8 @@ def _doc_dir(tmp: str, doc: str) -> str:
 
 def _env(home: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("VELOC_") and k not in ("DEEPFREEZE_TOKEN", "DEEPFREEZE_TOKEN_FILE", "DEEPFREEZE_SCRATCH")}
+           if not k.startswith("VELOC_")
+           and k not in ("DEEPFREEZE_TOKEN", "DEEPFREEZE_TOKEN_FILE", "DEEPFREEZE_SCRATCH")}
     env.update(HOME=home, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", **(extra or {}))
     return env
 
@@ -392,8 +398,8 @@ def _plan(group: str, tmp: str, addresses: dict[str, str]) -> tuple[str, list[st
                            "stubs": rewrite(spec.stubs, d, addresses), "after": spec.after,
                            "file": spec.file, "ns": spec.ns, "spawned": spec.spawned})
             run.append(b.key)
-        docs.append({"doc": doc, "cwd": os.path.join(d, "cwd"), "env": {"DEEPFREEZE_SCRATCH": os.path.join(d, "scratch")},
-                     "blocks": blocks})
+        docs.append({"doc": doc, "cwd": os.path.join(d, "cwd"), "blocks": blocks,
+                     "env": {"DEEPFREEZE_SCRATCH": os.path.join(d, "scratch")}})
     path = os.path.join(tmp, f"plan-{group}.json")
     with open(path, "w") as f:
         json.dump({"docs": docs}, f)
@@ -410,7 +416,8 @@ def test_every_python_block_is_run_or_marked_with_an_allowed_reason():
         for b in python_blocks(doc):
             seen.add((doc, b.n))
             if b.reason is not None:
-                assert b.reason.startswith(REASONS), f"{b.key} (line {b.line}): not run for {b.reason!r}, not one of {REASONS}"
+                assert b.reason.startswith(REASONS), \
+                    f"{b.key} (line {b.line}): not run for {b.reason!r}, not one of {REASONS}"
                 assert (doc, b.n) not in SNIPPETS, f"{b.key} is marked not run but has stubs"
     assert set(SNIPPETS) <= seen, f"stubs for blocks that do not exist: {sorted(set(SNIPPETS) - seen)}"
 
@@ -418,7 +425,9 @@ def test_every_python_block_is_run_or_marked_with_an_allowed_reason():
 def _need(*modules: str) -> "str | None":
     """Why a group cannot run here: a package not installed (found, not imported: the runs import them)."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    return f"{', '.join(missing)} not installed (make test runs scripts/setup.sh, which installs them)" if missing else None
+    if not missing:
+        return None
+    return f"{', '.join(missing)} not installed (make test runs scripts/setup.sh, which installs them)"
 
 
 class _Group:

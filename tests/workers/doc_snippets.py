@@ -9,9 +9,10 @@ PLAN.json: ``{"docs": [{"doc", "cwd", "env", "blocks": [{"key", "line", "stubs",
 block's declared ``stubs`` run before it and its ``after`` after it, in the same namespace. A block
 with ``file`` is a script (``# train.py``): written there under that name (later blocks import it)
 and run in a namespace of its own, kept under that name; a block with ``ns`` (an edit of such a
-script) runs in that script's namespace. A ``spawned`` block is skipped in the sequence: another block's stubs start it as a second
-process with ``_spawn(key)``. The code keeps the doc's line numbers, so a traceback names the
-doc's line. Prints ``RAN <key> (<seconds> s)`` after each block; exits 1 at the first failure.
+script) runs in that script's namespace. A ``spawned`` block is skipped in the sequence: another
+block's stubs start it as a second process with ``_spawn(key)``. The code keeps the doc's line
+numbers, so a traceback names the doc's line. Prints ``RAN <key> (<seconds> s)`` after each block;
+exits 1 at the first failure.
 """
 import json
 import os
