@@ -9,7 +9,7 @@ from deepfreeze.keras import ModelSubscriber
 from stream_producer import build
 
 if __name__ == "__main__":
-    sub = ModelSubscriber("mnistish", "veloc_cfg/local.cfg", build=build)
+    sub = ModelSubscriber("mnistish", persistent="/tmp/deepfreeze/persistent", build=build)
     sub.on_update(lambda v: print("now serving", v, flush=True))
     x = np.random.default_rng(1).random((8, 28, 28), dtype=np.float32)
     live = sub.wait(0, timeout=120)               # the first version (any step)

@@ -27,7 +27,7 @@ if __name__ == "__main__":
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
     x, y = rng.random((4096, 28, 28), dtype=np.float32), rng.integers(0, 10, 4096)
-    pub = PublishCallback("mnistish", "veloc_cfg/local.cfg", schedule=20, overwrite=True)
+    pub = PublishCallback("mnistish", persistent="/tmp/deepfreeze/persistent", schedule=20, overwrite=True)
     callbacks = ([hvd.callbacks.BroadcastGlobalVariablesCallback(0)] if hvd else []) + [pub]
     model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=callbacks)
     print("published", [str(v) for v in pub.published])

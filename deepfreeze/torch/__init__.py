@@ -8,7 +8,7 @@ checkpoint directory (both imported on first use: they import DCP). ``Publisher`
 weights to serving processes, where ``Subscriber`` swaps each version into a module.
 ``store_model`` and ``load_into`` put modules into a model repository and load matching layers
 back (``.repo``). ``CloneServer`` serves clones of a running job to another job, whose ranks take
-them with ``deepfreeze.torch.clone.receive`` (``.clone``). See docs/torch.md.
+them with ``deepfreeze.torch.clone.receive`` (``.clone``). See docs/torch.md (the loop) and torch-trainers.md, torch-siblings.md, torch-reference.md beside it.
 """
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ class CloneServer(Sink):
       state: ``{name: Stateful}`` sent in each rank's record (LR schedulers, GradScaler, a data
         position), as the Checkpointer's ``state=``.
       every_n_steps: agree on pending requests every N optimizer steps (the cost: one all_reduce
-        of one int64 over a gloo group per check; docs/torch.md gives the measured number).
+        of one int64 over a gloo group per check; docs/torch-siblings.md gives the measured number).
       timeout: seconds any wait may take (a clone that does not take its data, a step waiting
         for the routes to go out, the clone's answer).
       threshold: tensors up to this many bytes go whole from one rank (:class:`ClonePlan`).

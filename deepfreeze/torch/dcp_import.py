@@ -3,7 +3,7 @@
 :func:`import_dcp` (``deepfreeze import --format dcp DIR``) makes version ``step`` of ``name``
 from a DCP checkpoint directory written by ``dcp.save`` with ``FileSystemWriter`` (the default
 of ``dcp.save(state_dict, checkpoint_id=DIR)``), so that ``Checkpointer(model, optimizer,
-config, name, resume=True)`` continues from that step, bit-exact (docs/torch.md, "Coming from
+config, name, resume=True)`` continues from that step, bit-exact (docs/torch-reference.md, "Coming from
 DCP").
 
 **Keys.** DCP flattens ``{"model": model_sd, "optim": optim_sd}`` (the two dicts of

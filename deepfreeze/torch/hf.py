@@ -16,7 +16,7 @@
   ``rng_state_<rank>.pth`` per rank), for ``trainer.train(resume_from_checkpoint=...)``.
 
 Nothing here reaches a hub: models and data are the caller's. FSDP (1 and 2) and DeepSpeed
-under Trainer are refused with a :class:`~deepfreeze.errors.ConfigError` (see docs/torch.md,
+under Trainer are refused with a :class:`~deepfreeze.errors.ConfigError` (see docs/torch-trainers.md,
 "Hugging Face Trainer").
 """
 from __future__ import annotations

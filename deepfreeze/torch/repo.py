@@ -9,7 +9,7 @@ buffers; its weights are its ``state_dict()`` entries, in their order. A paramet
 registered directly on a container is a layer of its own (named by its FQN). Where fx cannot
 trace the module (data-dependent control flow), a documented structural fallback is used
 (:func:`module_graph`). A load matches layers by id, never by attribute name, or by an explicit
-``mapping=`` or ``match="shape"``. Guide: docs/torch.md ("Model repository") and
+``mapping=`` or ``match="shape"``. Guide: docs/torch-siblings.md ("Model repository") and
 docs/repository.md.
 """
 from __future__ import annotations
