@@ -23,7 +23,8 @@ LOAD = os.path.join(WORKERS, "torch_dcp_load.py")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """2 ranks, 7 steps, a checkpoint every 3 (v3, v6), async flushes (closed: all on persistent)."""
+    """2 ranks, 7 steps, a checkpoint every 3 (v3, v6) and save_last's v7 at close (the final state,
+    recorded as v7.npz), async flushes (closed: all on persistent)."""
     out = str(tmp_path_factory.mktemp("dcprun"))
     torchrun(2, TRAIN, out, "steps=7")
     return out
@@ -74,7 +75,7 @@ def test_reader_in_a_plain_process(run):
         assert sd["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
     reader = _reader(run)  # version=None: the newest
     md = reader.read_metadata()
-    assert reader.loaded_version == 6
+    assert reader.loaded_version == 7
     w = md.state_dict_metadata["body.0.weight"]
     assert len(w.chunks) == 1 and list(w.chunks[0].sizes) == list(w.size) and list(w.chunks[0].offsets) == [0, 0]
     assert not any(k.startswith("_deepfreeze") for k in md.state_dict_metadata)
@@ -83,7 +84,7 @@ def test_reader_in_a_plain_process(run):
 def test_reader_under_torchrun(run, tmp_path):
     """Two ranks (DDP) each dcp.load through a collective reader: both equal the recorded v6 (the
     same plan on both ranks: one pooled read). Then rank 1 asks for the model only (other plans:
-    each rank reads its own tensors), newest version."""
+    each rank reads its own tensors), newest version (v7, save_last's)."""
     out = str(tmp_path / "same")
     torchrun(2, LOAD, out, run, "version=6")
     want = npz(os.path.join(run, "r0", "v6.npz"))
@@ -92,7 +93,8 @@ def test_reader_under_torchrun(run, tmp_path):
         assert_same(npz(os.path.join(out, f"r{r}", "loaded.npz")), want, f"rank {r} loaded through DCP")
     out = str(tmp_path / "differ")
     torchrun(2, LOAD, out, run, "model_only_rank=1")
-    assert info(out, 0)["version"] == info(out, 1)["version"] == 6
+    assert info(out, 0)["version"] == info(out, 1)["version"] == 7
+    want = npz(os.path.join(run, "r0", "v7.npz"))
     assert_same(npz(os.path.join(out, "r0", "loaded.npz")), want, "rank 0 (everything)")
     got1 = npz(os.path.join(out, "r1", "loaded.npz"))
     model_keys = [k for k in want if not k.startswith(("optim.", "__"))]
@@ -104,8 +106,8 @@ def test_reader_under_torchrun(run, tmp_path):
 def test_reader_newest_in_a_plain_worker(run, tmp_path):
     out = str(tmp_path)
     plain(LOAD, out, run)
-    assert info(out, 0)["version"] == 6
-    assert_same(npz(os.path.join(out, "r0", "loaded.npz")), npz(os.path.join(run, "r0", "v6.npz")), "plain worker")
+    assert info(out, 0)["version"] == 7
+    assert_same(npz(os.path.join(out, "r0", "loaded.npz")), npz(os.path.join(run, "r0", "v7.npz")), "plain worker")
 
 
 def test_reader_bad_input(run):

@@ -51,7 +51,7 @@ def _cli(*args: str, cwd: str) -> subprocess.CompletedProcess:
 def test_import_then_resume_at_two_ranks_ends_as_the_uninterrupted_run(saved, tmp_path):
     """import_dcp (API) of {"model", "optim", "sched0", "sched1", "data"} as v6; a 2-rank
     Checkpointer(resume=True) starts at step 6 with every rank's model, optimizer state and lrs
-    equal to rank 0's recorded state, writes v9, and (the RNG states restored by the user, as DCP
+    equal to rank 0's recorded state, writes v9 (and save_last's v10 at close), and (the RNG states restored by the user, as DCP
     holds none) ends bit-identical to the uninterrupted run on each rank."""
     import deepfreeze.torch as dft
     out = str(tmp_path)
@@ -64,7 +64,7 @@ def test_import_then_resume_at_two_ranks_ends_as_the_uninterrupted_run(saved, tm
     torchrun(2, WORKER, out, "mode=resume", f"src={saved}", "steps=10", f"persistent={out}/persistent")
     for rank in (0, 1):
         i = info(out, rank)
-        assert (i["start_step"], i["resumed_from"], i["step"], i["last_version"], i["it"]) == (S, S, 10, 9, 10)
+        assert (i["start_step"], i["resumed_from"], i["step"], i["last_version"], i["it"]) == (S, S, 10, 10, 10)  # v9, then save_last's v10
         assert_same(npz(os.path.join(out, f"r{rank}", "start.npz")), want, f"rank {rank} resumed")
         assert_same(npz(os.path.join(out, f"r{rank}", "final.npz")), npz(os.path.join(saved, f"r{rank}", "final.npz")),
                     f"rank {rank} at the end vs the uninterrupted run")

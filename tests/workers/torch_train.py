@@ -24,6 +24,7 @@ CPU. Per rank it writes (numpy .npz, no pickles):
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -213,6 +214,9 @@ def main() -> None:
         train_step(model, opts, scheds, data, ckpt, every, mydir, net, scaler)
     snapshot(net, opts, os.path.join(mydir, "final.npz"))
     ckpt.close()
+    last = os.path.join(mydir, f"v{ckpt.step}.npz")
+    if ckpt.last_version == ckpt.step and not os.path.exists(last):  # save_last's version at close: the final state
+        shutil.copyfile(os.path.join(mydir, "final.npz"), last)
     info = {"start_step": ckpt.start_step, "resumed_from": ckpt.resumed_from, "torn": ckpt.torn,
             "failures": ckpt.failures, "plans": ckpt.plans, "step": ckpt.step, "it": data.it,
             "last_version": ckpt.last_version}
