@@ -80,6 +80,24 @@ def test_kill9_mid_epoch_then_resume_equals_uninterrupted(reference, tmp_path):
     assert_equal_runs(out, reference)
 
 
+def test_kill9_mid_epoch_with_loader_workers_then_resume_equals_uninterrupted(tmp_path):
+    """The loader with 2 worker processes (items without random noise): rank 1 SIGKILLs itself at
+    step 10, the relaunch resumes from v8 (epoch 1, batch 2) and ends bit-identical to the
+    uninterrupted fit. The restored iterator's workers prefetch indices before Lightning sets the
+    sampler's epoch: without the callback's ``on_train_start`` the rest of epoch 1 was epoch 0's
+    permutation."""
+    args = ("epochs=2", "workers=2", "aug=none")
+    ref = str(tmp_path / "ref")
+    torchrun(2, TRAIN, ref, *args)
+    out = str(tmp_path / "crash")
+    p = torchrun(2, TRAIN, out, *args, "kill_at=10", check=False)
+    assert p.returncode != 0 and not os.path.exists(os.path.join(out, "r0", "final.json"))
+    torchrun(2, TRAIN, out, *args, "resume=1")
+    _, info = _final(out, 0)
+    assert info["resumed_from"] in (4, 8), info["resumed_from"]
+    assert_equal_runs(out, ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args,kill_at,kill_rank,versions", [
     (("mode=async",), 13, 0, (12, 8)),
