@@ -110,6 +110,22 @@ def _set_epoch(trainer: "pl.Trainer", epoch: int) -> None:
                     "set_epoch() takes effect")
 
 
+def _warn_wrapped_sampler(trainer: "pl.Trainer") -> None:
+    """A warning per train loader whose sampler is Lightning's ``DistributedSamplerWrapper``, on a
+    mid-epoch resume: the sampler it wraps (torchdata's ``RandomSampler`` for
+    ``StatefulDataLoader(shuffle=True)``) is not in the loader's saved state and draws its
+    permutation when the iterator is made, from the RNG of that moment, not the interrupted epoch's."""
+    from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
+    for dl in _train_loaders(trainer):
+        if any(isinstance(s, DistributedSamplerWrapper) for s in _samplers(dl)):
+            log.warning("DeepFreeze: the resumed epoch %d's train loader samples through Lightning's "
+                        "DistributedSamplerWrapper (use_distributed_sampler=True over a sampler other than torch's "
+                        "RandomSampler/SequentialSampler, e.g. StatefulDataLoader(shuffle=True)): the sampler it "
+                        "wraps is not in the loader's saved state, so a shuffling one gives the rest of the epoch "
+                        "another permutation. Exact: torchdata's StatefulDistributedSampler and "
+                        "Trainer(use_distributed_sampler=False)", trainer.fit_loop.epoch_progress.current.processed)
+
+
 def _warn_worker_rng(trainer: "pl.Trainer") -> None:
     """One warning (at a fit's first checkpoint) per train loader with workers whose dataset has no
     ``state_dict()``: what its workers draw from their global RNGs is in no checkpoint."""
@@ -327,6 +343,8 @@ class DeepFreezeCallback(pl.Callback):
         combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
         if combined is not None and fetcher is not None:
             _set_epoch(trainer, fit_loop.epoch_progress.current.processed)
+            if r["loaders"]:
+                _warn_wrapped_sampler(trainer)
             for dl in combined.flattened:
                 shutdown = getattr(getattr(dl, "_iterator", None), "_shutdown_workers", None)
                 if callable(shutdown):

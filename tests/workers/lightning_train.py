@@ -6,7 +6,9 @@ keys: name, epochs (max_epochs), every (every_n_train_steps), accum (accumulate_
 kill_rank, default 1, SIGKILLs itself when global step S starts), mode, plain=1 (no DeepFreeze
 callback: Lightning alone), workers=N (the loader's num_workers, default 0), aug= the items' noise:
 ``global`` (default: torch, numpy and Python's global RNGs), ``none``, or ``gen`` (a
-``torch.Generator`` the dataset keeps in its ``state_dict()``: the pattern that is exact with workers).
+``torch.Generator`` the dataset keeps in its ``state_dict()``: the pattern that is exact with workers),
+sampler=plain (torch's ``RandomSampler``, for which Lightning injects a plain ``DistributedSampler``
+into the loader's batch sampler: ``use_distributed_sampler=True``).
 
 A hand-written LightningModule (Linear, BatchNorm, dropout, Linear), AdamW with a StepLR stepped
 every optimizer step; the data: torchdata's ``StatefulDataLoader`` with its
@@ -83,9 +85,10 @@ class GenNoisy(Noisy):
 
 
 class Module(pl.LightningModule):
-    def __init__(self, workers: int = 0, aug: str = "global") -> None:
+    def __init__(self, workers: int = 0, aug: str = "global", plain_sampler: bool = False) -> None:
         super().__init__()
         self.workers, self.dataset_cls = workers, {"global": Noisy, "none": Plain, "gen": GenNoisy}[aug]
+        self.plain_sampler = plain_sampler
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.BatchNorm1d(HID), torch.nn.ReLU(),
                                        torch.nn.Dropout(0.3), torch.nn.Linear(HID, OUT_F))
@@ -105,6 +108,9 @@ class Module(pl.LightningModule):
 
     def train_dataloader(self):
         ds = self.dataset_cls()  # the sampler restores its own position; its epoch is set before the first item
+        if self.plain_sampler:
+            return StatefulDataLoader(ds, batch_size=BATCH, sampler=torch.utils.data.RandomSampler(ds),
+                                      num_workers=self.workers)
         return StatefulDataLoader(ds, batch_size=BATCH, sampler=StatefulDistributedSampler(ds, shuffle=True, seed=0),
                                   num_workers=self.workers)
 
@@ -162,9 +168,10 @@ def main() -> None:
     trainer = pl.Trainer(strategy="ddp" if world > 1 else "auto", accelerator="cpu", devices=world, num_nodes=1,
                          max_epochs=int(kw.get("epochs", 3)), callbacks=callbacks, default_root_dir=out,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         use_distributed_sampler=kw.get("sampler") == "plain",
                          deterministic=True, accumulate_grad_batches=int(kw.get("accum", 1)))
-    module = Module(int(kw.get("workers", 0)), kw.get("aug", "global"))
+    module = Module(int(kw.get("workers", 0)), kw.get("aug", "global"), kw.get("sampler") == "plain")
     trainer.fit(module)
     record(trainer, module, cb, mydir)
 
