@@ -30,11 +30,22 @@ Imports ``pytorch_lightning`` (the ``pytorch-lightning`` package, 2.6.6 in ``scr
   resumes mid-epoch itself: it fast-forwards its progress counters and a stateful loader), LR
   schedulers, callbacks, datamodule (the schedulers' and the precision GradScaler's saved states
   are kind-checked with the checkpointer's other checks, before anything is set:
-  :func:`deepfreeze.torch._state.check_stateful`). Mid-epoch, the RNG states are set again at
-  ``on_train_start`` (Lightning has made the epoch's data iterator, which draws a seed, and restored a stateful
-  loader by then; the next draw is the next batch's, as in the uninterrupted run). A version taken
-  at the last batch of an epoch is resumed without the loader's position (see ``_restore``). Do not
-  also pass ``ckpt_path`` to ``fit``: that is a :class:`~deepfreeze.errors.ConfigError`.
+  :func:`deepfreeze.torch._state.check_stateful`). A version taken at the last batch of an epoch
+  is resumed without the loader's position (see ``_restore``). Do not also pass ``ckpt_path`` to
+  ``fit``: that is a :class:`~deepfreeze.errors.ConfigError`.
+* **The train iterator, made again at** ``on_train_start`` **after a resume** (``_remake_iterator``):
+  Lightning (2.6.6) makes it before it sets the samplers' epoch, and a ``StatefulDataLoader``
+  (torchdata 0.11) with workers, or a plain ``DistributedSampler``, computes the permutation when
+  the iterator is made: the resumed epoch (the rest of it, or the next one after a version taken at
+  an epoch's last batch) would be shuffled as epoch 0. The callback sets every
+  train sampler's epoch, loads the restored loader states again and makes the iterator again
+  (the workers restart once); a loader with workers whose sampler stays at another epoch is a
+  :class:`~deepfreeze.errors.ConfigError`. The RNG states of the boundary are set around it, so
+  the next draw is the uninterrupted run's. Warned about: a mid-epoch resume over Lightning's
+  ``DistributedSamplerWrapper`` (its wrapped sampler is in no saved state), and, once per fit at
+  the first checkpoint, a loader with workers over a dataset without ``state_dict()`` (what the
+  workers draw from their global RNGs is in no checkpoint; a ``torch.Generator`` the dataset keeps
+  in its ``state_dict()`` is exact: ``StatefulDataLoader`` saves each worker's dataset state).
 * **Refused** when the callback is set up (``setup``, before anything is loaded or captured), with
   a :class:`~deepfreeze.errors.ConfigError`: ``FSDPStrategy`` (FSDP1: flat parameters DeepFreeze
   does not capture; FSDP2 through a plain module sharded with ``fully_shard`` is what the
