@@ -1,5 +1,6 @@
 """DeepFreeze in PyTorch Lightning: ``deepfreeze.torch.lightning.DeepFreezeCallback`` in real
-2-rank ``ddp`` fits on CPU under torchrun (tests/workers/lightning_train.py).
+2-rank ``ddp`` fits on CPU under torchrun (tests/workers/lightning_train.py), and in 1-rank fits in
+this process for what needs no second rank (the loader workers' warnings and refusal).
 
 Every check is against state the runs recorded per rank (final.npz / final.json, loss<S>.txt),
 never stdout. torchrun, not Lightning's own launcher: Lightning's ``ddp`` launches the other
@@ -107,7 +108,9 @@ def test_kill9_mid_epoch_with_loader_workers_then_resume_equals_uninterrupted(tm
     (("workers=2", "aug=gen"), 10, 1, (8, 4)),
     (("workers=2", "aug=gen"), 13, 0, (12, 8)),
     (("workers=2", "aug=gen", "sampler=plain"), 10, 1, (8, 4)),
-], ids=["epoch-end", "sync", "accumulation", "workers-augment", "workers-augment-epoch-end", "workers-plain-sampler"])
+    (("aug=gen",), 10, 1, (8, 4)),
+], ids=["epoch-end", "sync", "accumulation", "workers-augment", "workers-augment-epoch-end", "workers-plain-sampler",
+        "augment-no-workers"])
 def test_kill9_other_points_then_resume(tmp_path, args, kill_at, kill_rank, versions):
     """Slow, 3 epochs each: rank 0 killed at step 13 (the newest version, v12, is the last batch of
     epoch 1: a resume at an epoch's end); rank 1 killed at step 5 in epoch 0 (sync mode); gradient
@@ -116,7 +119,8 @@ def test_kill9_other_points_then_resume(tmp_path, args, kill_at, kill_rank, vers
     ``torch.Generator`` the dataset keeps in its ``state_dict()`` (the documented pattern): killed
     mid-epoch 1 and at the epoch-end version v12; and over Lightning's injected plain
     ``DistributedSampler`` (``use_distributed_sampler=True``), whose permutation is computed when
-    the iterator is made."""
+    the iterator is made; the same generator without workers (the loader's own dataset state). Each
+    bit-identical to its uninterrupted fit."""
     ref = str(tmp_path / "ref")
     torchrun(2, TRAIN, ref, "epochs=3", *args)
     out = str(tmp_path / "crash")
