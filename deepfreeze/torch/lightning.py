@@ -332,8 +332,9 @@ class DeepFreezeCallback(pl.Callback):
         Lightning (2.6.6) calls ``train_dataloader()``, loads the saved loader states and makes the
         iterator in one method (``FitLoop.setup_data``), and sets the samplers' epoch only later
         (``FitLoop.on_advance_start``). A ``StatefulDataLoader`` (torchdata 0.11) with workers
-        prefetches indices when its iterator is made, so the samplers' permutation was the epoch
-        they were built at (0), not the resumed one. Here, before the first batch: ``set_epoch`` on
+        prefetches indices when its iterator is made, and a plain ``DistributedSampler`` computes
+        its permutation then, so the permutation was the epoch the samplers were built at (0), not
+        the resumed one. Here, before the first batch: ``set_epoch`` on
         every train sampler (the epoch ``on_advance_start`` will set:
         ``fit_loop.epoch_progress.current.processed``; a :class:`~deepfreeze.errors.ConfigError`
         where a loader with workers keeps a sampler at another epoch), the iterators made before
