@@ -1,5 +1,6 @@
 """DeepFreeze in PyTorch Lightning: ``deepfreeze.torch.lightning.DeepFreezeCallback`` in real
-2-rank ``ddp`` fits on CPU under torchrun (tests/workers/lightning_train.py).
+2-rank ``ddp`` fits on CPU under torchrun (tests/workers/lightning_train.py), and in 1-rank fits in
+this process for what needs no second rank (the loader workers' warnings and refusal).
 
 Every check is against state the runs recorded per rank (final.npz / final.json, loss<S>.txt),
 never stdout. torchrun, not Lightning's own launcher: Lightning's ``ddp`` launches the other
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -80,17 +82,45 @@ def test_kill9_mid_epoch_then_resume_equals_uninterrupted(reference, tmp_path):
     assert_equal_runs(out, reference)
 
 
+def test_kill9_mid_epoch_with_loader_workers_then_resume_equals_uninterrupted(tmp_path):
+    """The loader with 2 worker processes (items without random noise): rank 1 SIGKILLs itself at
+    step 10, the relaunch resumes from v8 (epoch 1, batch 2) and ends bit-identical to the
+    uninterrupted fit. The restored iterator's workers prefetch indices before Lightning sets the
+    sampler's epoch: without the callback's ``on_train_start`` the rest of epoch 1 was epoch 0's
+    permutation."""
+    args = ("epochs=2", "workers=2", "aug=none")
+    ref = str(tmp_path / "ref")
+    torchrun(2, TRAIN, ref, *args)
+    out = str(tmp_path / "crash")
+    p = torchrun(2, TRAIN, out, *args, "kill_at=10", check=False)
+    assert p.returncode != 0 and not os.path.exists(os.path.join(out, "r0", "final.json"))
+    torchrun(2, TRAIN, out, *args, "resume=1")
+    _, info = _final(out, 0)
+    assert info["resumed_from"] in (4, 8), info["resumed_from"]
+    assert_equal_runs(out, ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("args,kill_at,kill_rank,versions", [
     (("mode=async",), 13, 0, (12, 8)),
     (("mode=sync",), 5, 1, (4,)),
     (("accum=2", "every=2"), 6, 1, (4, 2)),
-], ids=["epoch-end", "sync", "accumulation"])
+    (("workers=2", "aug=gen"), 10, 1, (8, 4)),
+    (("workers=2", "aug=gen"), 13, 0, (12, 8)),
+    (("workers=2", "aug=gen", "sampler=plain"), 10, 1, (8, 4)),
+    (("aug=gen",), 10, 1, (8, 4)),
+], ids=["epoch-end", "sync", "accumulation", "workers-augment", "workers-augment-epoch-end", "workers-plain-sampler",
+        "augment-no-workers"])
 def test_kill9_other_points_then_resume(tmp_path, args, kill_at, kill_rank, versions):
     """Slow, 3 epochs each: rank 0 killed at step 13 (the newest version, v12, is the last batch of
     epoch 1: a resume at an epoch's end); rank 1 killed at step 5 in epoch 0 (sync mode); gradient
     accumulation over 2 batches (3 optimizer steps per epoch, a checkpoint every 2), rank 1 killed
-    at step 6 (v4 is epoch 1, batch 2)."""
+    at step 6 (v4 is epoch 1, batch 2). With 2 loader workers and items whose noise comes from a
+    ``torch.Generator`` the dataset keeps in its ``state_dict()`` (the documented pattern): killed
+    mid-epoch 1 and at the epoch-end version v12; and over Lightning's injected plain
+    ``DistributedSampler`` (``use_distributed_sampler=True``), whose permutation is computed when
+    the iterator is made; the same generator without workers (the loader's own dataset state). Each
+    bit-identical to its uninterrupted fit."""
     ref = str(tmp_path / "ref")
     torchrun(2, TRAIN, ref, "epochs=3", *args)
     out = str(tmp_path / "crash")
@@ -164,3 +194,138 @@ def test_resume_and_ckpt_path_together_refused(tmp_path):
     with pytest.raises(ConfigError, match="ckpt_path"):
         trainer.fit(module, ckpt_path=path)
     assert cb.checkpointer is None and not os.path.exists(tmp_path / "persistent")
+
+
+def test_tested_lightning_and_torchdata_versions():
+    """DeepFreezeCallback's resume with loader workers (``_remake_iterator``) relies on private
+    attributes and on the order of Lightning's ``FitLoop.setup_data``: pinned to what was tested."""
+    import pytorch_lightning
+    import torchdata
+    got = (pytorch_lightning.__version__, torchdata.__version__.split("+")[0])
+    assert got == ("2.6.6", "0.11.0"), (
+        f"pytorch_lightning {got[0]}, torchdata {got[1]}: tested with 2.6.6 and 0.11.0. Re-check "
+        "deepfreeze/torch/lightning.py's DeepFreezeCallback._remake_iterator against the new versions: that "
+        "FitLoop.setup_data still calls train_dataloader(), _load_combined_loader_states() and iter(_data_fetcher) "
+        "with no hook between and on_advance_start sets the samplers' epoch after on_train_start; that "
+        "FitLoop._combined_loader, FitLoop._data_fetcher, CombinedLoader._load_state_dicts/reset, "
+        "epoch_progress.current.processed, StatefulDataLoader._iterator and its _shutdown_workers() exist as used; "
+        "that StatefulDataLoader still saves each worker's dataset.state_dict() with every batch (the worker "
+        "generator pattern of docs/torch.md). Then run this file with -m slow and update these versions")
+
+
+class _Items(object):
+    """8 items of 2 features (a map-style dataset without state_dict())."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        import torch
+        return torch.full((2,), float(i))
+
+
+class _ItemsWithState(_Items):
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def _one_rank_fit(tmp_path, dataset, *, max_steps: int, resume: bool = False, sampler_cls=None, workers: int = 1):
+    """A 1-rank in-process fit (4 batches of 2 per epoch, a sync checkpoint every step) over a
+    StatefulDataLoader with ``workers`` workers and torchdata's StatefulDistributedSampler (or ``sampler_cls``)."""
+    import pytorch_lightning as pl
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    from deepfreeze.torch.lightning import DeepFreezeCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            sampler = (sampler_cls or StatefulDistributedSampler)(dataset, num_replicas=1, rank=0, shuffle=True)
+            return StatefulDataLoader(dataset, batch_size=2, sampler=sampler, num_workers=workers)
+
+    cb = DeepFreezeCallback(name="tiny", every_n_train_steps=1, resume=resume, mode="sync",
+                            scratch=str(tmp_path / "scratch"), persistent=str(tmp_path / "persistent"))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[cb], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, use_distributed_sampler=False, default_root_dir=str(tmp_path))
+    trainer.fit(Tiny())
+    return cb
+
+
+def _worker_rng_warnings(caplog) -> list:
+    return [r for r in caplog.records if r.name == "deepfreeze" and "no state_dict()" in r.getMessage()]
+
+
+def test_loader_workers_over_a_dataset_without_state_dict_warn_once_per_fit(tmp_path, caplog):
+    """num_workers > 0 over a dataset without state_dict(): what its workers draw from their global
+    RNGs is in no checkpoint: one warning per fit (at the first checkpoint of 3), naming the dataset;
+    none over a dataset with state_dict(), none without workers."""
+    caplog.set_level(logging.WARNING, logger="deepfreeze")
+    _one_rank_fit(tmp_path / "a", _Items(), max_steps=3)
+    got = _worker_rng_warnings(caplog)
+    assert len(got) == 1 and "_Items" in got[0].getMessage() and "num_workers=1" in got[0].getMessage(), got
+    caplog.clear()
+    _one_rank_fit(tmp_path / "b", _ItemsWithState(), max_steps=3)
+    _one_rank_fit(tmp_path / "c", _Items(), max_steps=3, workers=0)
+    assert not _worker_rng_warnings(caplog)
+
+
+def test_resume_with_workers_refuses_a_sampler_whose_epoch_cannot_be_set(tmp_path):
+    """A mid-epoch resume (v6: epoch 1, batch 2) whose loader has workers and a sampler that ignores
+    set_epoch once it has been iterated (the restored iterator iterated it before on_train_start):
+    its workers would get epoch 0's permutation, so on_train_start raises a ConfigError naming the
+    line for train_dataloader(); a sampler that takes it resumes."""
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    from deepfreeze.errors import ConfigError
+
+    class FrozenOnIter(StatefulDistributedSampler):
+        iterated = False
+
+        def __iter__(self):
+            self.iterated = True
+            return super().__iter__()
+
+        def set_epoch(self, epoch: int) -> None:
+            if not self.iterated:
+                super().set_epoch(epoch)
+
+    _one_rank_fit(tmp_path, _ItemsWithState(), max_steps=6)
+    with pytest.raises(ConfigError, match=r"FrozenOnIter.* at epoch 0 after set_epoch\(1\).*"
+                                          r"sampler\.set_epoch\(self\.current_epoch\)"):
+        _one_rank_fit(tmp_path, _ItemsWithState(), max_steps=8, resume=True, sampler_cls=FrozenOnIter)
+    cb = _one_rank_fit(tmp_path, _ItemsWithState(), max_steps=8, resume=True)
+    assert cb.resumed_from == 6 and cb.checkpointer.last_version == 8
+
+
+def test_mid_epoch_resume_over_lightnings_sampler_wrapper_warns(tmp_path, caplog):
+    """Lightning's DistributedSamplerWrapper (what use_distributed_sampler=True puts over
+    StatefulDataLoader(shuffle=True)'s torchdata RandomSampler) is not in the loader's saved state:
+    the wrapped sampler draws the rest of the epoch's permutation anew: one warning on a mid-epoch resume."""
+    from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
+    from torchdata.stateful_dataloader.sampler import RandomSampler
+
+    def wrapped(ds, **kw):
+        return DistributedSamplerWrapper(RandomSampler(ds), **kw)
+
+    caplog.set_level(logging.WARNING, logger="deepfreeze")
+    _one_rank_fit(tmp_path, _ItemsWithState(), max_steps=6, sampler_cls=wrapped)
+    assert not [r for r in caplog.records if "DistributedSamplerWrapper" in r.getMessage()]
+    _one_rank_fit(tmp_path, _ItemsWithState(), max_steps=8, resume=True, sampler_cls=wrapped)
+    got = [r for r in caplog.records if r.name == "deepfreeze" and "DistributedSamplerWrapper" in r.getMessage()]
+    assert len(got) == 1 and "resumed epoch 1" in got[0].getMessage(), got

@@ -30,11 +30,22 @@ Imports ``pytorch_lightning`` (the ``pytorch-lightning`` package, 2.6.6 in ``scr
   resumes mid-epoch itself: it fast-forwards its progress counters and a stateful loader), LR
   schedulers, callbacks, datamodule (the schedulers' and the precision GradScaler's saved states
   are kind-checked with the checkpointer's other checks, before anything is set:
-  :func:`deepfreeze.torch._state.check_stateful`). Mid-epoch, the RNG states are set again at
-  ``on_train_start`` (Lightning has made the epoch's data iterator, which draws a seed, and restored a stateful
-  loader by then; the next draw is the next batch's, as in the uninterrupted run). A version taken
-  at the last batch of an epoch is resumed without the loader's position (see ``_restore``). Do not
-  also pass ``ckpt_path`` to ``fit``: that is a :class:`~deepfreeze.errors.ConfigError`.
+  :func:`deepfreeze.torch._state.check_stateful`). A version taken at the last batch of an epoch
+  is resumed without the loader's position (see ``_restore``). Do not also pass ``ckpt_path`` to
+  ``fit``: that is a :class:`~deepfreeze.errors.ConfigError`.
+* **The train iterator, made again at** ``on_train_start`` **after a resume** (``_remake_iterator``):
+  Lightning (2.6.6) makes it before it sets the samplers' epoch, and a ``StatefulDataLoader``
+  (torchdata 0.11) with workers, or a plain ``DistributedSampler``, computes the permutation when
+  the iterator is made: the resumed epoch (the rest of it, or the next one after a version taken at
+  an epoch's last batch) would be shuffled as epoch 0. The callback sets every
+  train sampler's epoch, loads the restored loader states again and makes the iterator again
+  (the workers restart once); a loader with workers whose sampler stays at another epoch is a
+  :class:`~deepfreeze.errors.ConfigError`. The RNG states of the boundary are set around it, so
+  the next draw is the uninterrupted run's. Warned about: a mid-epoch resume over Lightning's
+  ``DistributedSamplerWrapper`` (its wrapped sampler is in no saved state), and, once per fit at
+  the first checkpoint, a loader with workers over a dataset without ``state_dict()`` (what the
+  workers draw from their global RNGs is in no checkpoint; a ``torch.Generator`` the dataset keeps
+  in its ``state_dict()`` is exact: ``StatefulDataLoader`` saves each worker's dataset state).
 * **Refused** when the callback is set up (``setup``, before anything is loaded or captured), with
   a :class:`~deepfreeze.errors.ConfigError`: ``FSDPStrategy`` (FSDP1: flat parameters DeepFreeze
   does not capture; FSDP2 through a plain module sharded with ``fully_shard`` is what the
@@ -75,23 +86,69 @@ def check_strategy(strategy: Any) -> None:
                           "Checkpointer takes in a plain loop)")
 
 
-def _check_samplers(trainer: "pl.Trainer") -> None:
-    """Warn about a resumed epoch > 0 whose loader restores its position over a plain
-    ``DistributedSampler``: a restored ``StatefulDataLoader`` computes the sampler's permutation
-    when Lightning makes the iterator, before Lightning calls ``set_epoch`` (Lightning 2.6.6,
-    torchdata 0.11), so the rest of that epoch would be shuffled as epoch 0."""
-    from torch.utils.data.distributed import DistributedSampler
-    if trainer.current_epoch == 0 or not trainer.fit_loop.restarting:
-        return
-    loaders = trainer.train_dataloader
-    for dl in (loaders.values() if isinstance(loaders, dict) else loaders if isinstance(loaders, (list, tuple))
-               else [loaders]):
-        sampler = getattr(dl, "sampler", None)
-        if callable(getattr(dl, "load_state_dict", None)) and type(sampler) is DistributedSampler:
-            log.warning("DeepFreeze: the resumed epoch %d's loader restores its position over a plain "
-                        "DistributedSampler, whose permutation is computed before Lightning sets the epoch: the "
-                        "rest of the epoch is shuffled as epoch 0. Use torchdata's StatefulDistributedSampler and "
-                        "Trainer(use_distributed_sampler=False)", trainer.current_epoch)
+def _train_loaders(trainer: "pl.Trainer") -> list[Any]:
+    """The fit's train loaders as Lightning iterates them (``FitLoop._combined_loader.flattened``)."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def _samplers(dl: Any) -> list[Any]:
+    """A loader's samplers whose epoch Lightning sets (``lightning_fabric``'s ``_set_sampler_epoch``
+    looks at the same two): ``dl.sampler`` and ``dl.batch_sampler.sampler``, each once."""
+    found: dict[int, Any] = {}
+    for s in (getattr(dl, "sampler", None), getattr(getattr(dl, "batch_sampler", None), "sampler", None)):
+        if s is not None:
+            found.setdefault(id(s), s)
+    return list(found.values())
+
+
+def _set_epoch(trainer: "pl.Trainer", epoch: int) -> None:
+    """``set_epoch(epoch)`` on every train sampler that has it; a :class:`~deepfreeze.errors.ConfigError`
+    where a loader with workers still has a sampler whose ``epoch`` is another one (its workers would
+    be handed that epoch's permutation)."""
+    for dl in _train_loaders(trainer):
+        for s in _samplers(dl):
+            if callable(getattr(s, "set_epoch", None)):
+                s.set_epoch(epoch)
+            got = getattr(s, "epoch", None)
+            if (getattr(dl, "num_workers", 0) or 0) > 0 and isinstance(got, int) and got != epoch:
+                raise ConfigError(
+                    f"DeepFreezeCallback: the train loader's sampler {_state.class_name(s)} is at epoch {got} after "
+                    f"set_epoch({epoch}) on the resumed epoch {epoch}: its {dl.num_workers} workers would be handed "
+                    f"epoch {got}'s permutation for the rest of the epoch. Set the epoch where the loader is made, in "
+                    "train_dataloader(): sampler.set_epoch(self.current_epoch) before the loader is returned (on a "
+                    "mid-epoch resume current_epoch is the resumed epoch there), or give the loader a sampler whose "
+                    "set_epoch() takes effect")
+
+
+def _warn_wrapped_sampler(trainer: "pl.Trainer") -> None:
+    """A warning per train loader whose sampler is Lightning's ``DistributedSamplerWrapper``, on a
+    mid-epoch resume: the sampler it wraps (torchdata's ``RandomSampler`` for
+    ``StatefulDataLoader(shuffle=True)``) is not in the loader's saved state and draws its
+    permutation when the iterator is made, from the RNG of that moment, not the interrupted epoch's."""
+    from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
+    for dl in _train_loaders(trainer):
+        if any(isinstance(s, DistributedSamplerWrapper) for s in _samplers(dl)):
+            log.warning("DeepFreeze: the resumed epoch %d's train loader samples through Lightning's "
+                        "DistributedSamplerWrapper (use_distributed_sampler=True over a sampler other than torch's "
+                        "RandomSampler/SequentialSampler, e.g. StatefulDataLoader(shuffle=True)): the sampler it "
+                        "wraps is not in the loader's saved state, so a shuffling one gives the rest of the epoch "
+                        "another permutation. Exact: torchdata's StatefulDistributedSampler and "
+                        "Trainer(use_distributed_sampler=False)", trainer.fit_loop.epoch_progress.current.processed)
+
+
+def _warn_worker_rng(trainer: "pl.Trainer") -> None:
+    """One warning (at a fit's first checkpoint) per train loader with workers whose dataset has no
+    ``state_dict()``: what its workers draw from their global RNGs is in no checkpoint."""
+    for dl in _train_loaders(trainer):
+        n, ds = getattr(dl, "num_workers", 0) or 0, getattr(dl, "dataset", None)
+        if n > 0 and ds is not None and not callable(getattr(ds, "state_dict", None)):
+            log.warning("DeepFreeze: the train loader has num_workers=%d and its dataset (%s) has no state_dict(): "
+                        "random augmentation drawn in the workers (torch.rand, numpy, random in __getitem__) comes "
+                        "from the workers' global RNGs, which no checkpoint holds, so a resumed run draws other "
+                        "values. Exact: draw from a torch.Generator the dataset keeps in state_dict()/"
+                        "load_state_dict() (StatefulDataLoader saves each worker's dataset state); nothing to do "
+                        "if __getitem__ draws nothing", n, _state.class_name(ds))
 
 
 class _LightningState:
@@ -100,9 +157,13 @@ class _LightningState:
     def __init__(self, trainer: "pl.Trainer", owner: "DeepFreezeCallback") -> None:
         self.trainer, self.owner = trainer, owner
         self.loaded: "dict[str, Any] | None" = None
+        self.warned = False  # the workers' RNG warning: once per fit
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
+        if not self.warned:
+            self.warned = True
+            _warn_worker_rng(t)
         d: dict[str, Any] = {
             "pytorch-lightning_version": pl.__version__,
             "epoch": t.current_epoch,
@@ -181,7 +242,7 @@ class DeepFreezeCallback(pl.Callback):
         self.checkpointer: "Checkpointer | None" = None
         self.resumed_from: "int | None" = None
         self._lstate: "_LightningState | None" = None
-        self._rng: "dict[str, Any] | None" = None  # set again at on_train_start after a resume
+        self._resumed: "dict[str, Any] | None" = None  # what on_train_start redoes after a resume (_restore)
 
     @property
     def state_key(self) -> str:
@@ -210,10 +271,9 @@ class DeepFreezeCallback(pl.Callback):
             self._lstate.loaded = None
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._rng is not None:  # after a resume: Lightning has made the data iterator (a seed drawn) by now
-            _state.set_rng_state(self._rng)
-            self._rng = None
-            _check_samplers(trainer)
+        if self._resumed is not None:
+            r, self._resumed = self._resumed, None
+            self._remake_iterator(trainer, r)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -259,11 +319,53 @@ class DeepFreezeCallback(pl.Callback):
                 cb.load_state_dict(copy.deepcopy(sd))
         if trainer.datamodule is not None and d.get("datamodule"):
             trainer.datamodule.load_state_dict(d["datamodule"])
-        # RNG: the checkpointer set the states of the boundary already. Mid-epoch, Lightning's new iterator draws a seed
-        # before the first batch, which the uninterrupted run drew at the epoch's start: set them again at
-        # on_train_start. At an epoch's end that iterator is the next epoch's, whose seed the uninterrupted run draws
-        # from the boundary's states too: leave them.
-        self._rng = None if last else d.get("rng")
+        # Redone at on_train_start (see _remake_iterator): the loader states Lightning restores, the RNG states.
+        loaders = fit_loop.get("state_dict", {}).get("combined_loader")
+        self._resumed = {"last": last, "rng": d.get("rng"), "loaders": copy.deepcopy(loaders) if loaders else None}
         if trainer.global_rank == 0:
             log.warning("DeepFreeze: Lightning resumes %r from v%d: epoch %d, global step %d", self.name,
                         self.resumed_from, trainer.current_epoch, trainer.global_step)
+
+    def _remake_iterator(self, trainer: "pl.Trainer", r: dict[str, Any]) -> None:
+        """After a resume, at ``on_train_start``: the train iterator again, made after the samplers' epoch is set.
+
+        Lightning (2.6.6) calls ``train_dataloader()``, loads the saved loader states and makes the
+        iterator in one method (``FitLoop.setup_data``), and sets the samplers' epoch only later
+        (``FitLoop.on_advance_start``). A ``StatefulDataLoader`` (torchdata 0.11) with workers
+        prefetches indices when its iterator is made, and a plain ``DistributedSampler`` computes
+        its permutation then, so the permutation was the epoch the samplers were built at (0), not
+        the resumed one. Here, before the first batch: ``set_epoch`` on
+        every train sampler (the epoch ``on_advance_start`` will set:
+        ``fit_loop.epoch_progress.current.processed``; a :class:`~deepfreeze.errors.ConfigError`
+        where a loader with workers keeps a sampler at another epoch), the iterators made before
+        shut down (``CombinedLoader.reset``; a torchdata iterator's workers by its
+        ``_shutdown_workers``), the loader states restored again (``CombinedLoader._load_state_dicts``)
+        and the iterator made again (``iter(fit_loop._data_fetcher)``, as ``setup_data`` does): the
+        workers restart once. Private Lightning attributes used: ``FitLoop._combined_loader``,
+        ``FitLoop._data_fetcher``, ``CombinedLoader._load_state_dicts``; torchdata's:
+        ``StatefulDataLoader._iterator`` and its ``_shutdown_workers`` (the versions are pinned in
+        ``tests/test_torch_lightning.py``).
+
+        RNG: making an iterator draws its base seed from torch's global RNG. Mid-epoch the
+        restored loader state carries the interrupted iterator's seed, so the boundary's RNG states
+        are set after it (the next draw is the next batch's). A version taken at an epoch's last
+        batch has no loader state (see :meth:`_restore`): the iterator is the next epoch's, whose
+        seed the uninterrupted run drew from the boundary's states, so they are set before it."""
+        fit_loop = trainer.fit_loop
+        combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+        if combined is not None and fetcher is not None:
+            _set_epoch(trainer, fit_loop.epoch_progress.current.processed)
+            if r["loaders"]:
+                _warn_wrapped_sampler(trainer)
+            for dl in combined.flattened:
+                shutdown = getattr(getattr(dl, "_iterator", None), "_shutdown_workers", None)
+                if callable(shutdown):
+                    shutdown()
+            combined.reset()  # (sets each loader's _iterator to None: a new one is made)
+            if r["loaders"]:
+                combined._load_state_dicts(copy.deepcopy(r["loaders"]))
+            if r["last"] and r["rng"] is not None:
+                _state.set_rng_state(r["rng"])
+            iter(fetcher)
+        if not r["last"] and r["rng"] is not None:
+            _state.set_rng_state(r["rng"])

@@ -4,13 +4,17 @@
 
 keys: name, epochs (max_epochs), every (every_n_train_steps), accum (accumulate_grad_batches), resume=1, kill_at=S (rank
 kill_rank, default 1, SIGKILLs itself when global step S starts), mode, plain=1 (no DeepFreeze
-callback: Lightning alone).
+callback: Lightning alone), workers=N (the loader's num_workers, default 0), aug= the items' noise:
+``global`` (default: torch, numpy and Python's global RNGs), ``none``, or ``gen`` (a
+``torch.Generator`` the dataset keeps in its ``state_dict()``: the pattern that is exact with workers),
+sampler=plain (torch's ``RandomSampler``, for which Lightning injects a plain ``DistributedSampler``
+into the loader's batch sampler: ``use_distributed_sampler=True``).
 
 A hand-written LightningModule (Linear, BatchNorm, dropout, Linear), AdamW with a StepLR stepped
 every optimizer step; the data: torchdata's ``StatefulDataLoader`` with its
 ``StatefulDistributedSampler`` (shuffling; ``use_distributed_sampler=False``) over a dataset
 whose items add torch, numpy and Python random noise (a random transform: the RNG states
-matter). Deterministic on CPU. Per rank it writes (no
+matter; ``aug=`` picks another). Deterministic on CPU. Per rank it writes (no
 pickles):
 
   OUT/r<rank>/final.npz     model state dict, optimizer state tensors (opt.<fqn>.<key>), torch's RNG state
@@ -49,9 +53,42 @@ class Noisy(torch.utils.data.Dataset):
         return self.x[i] + noise, self.y[i]
 
 
-class Module(pl.LightningModule):
+class Plain(Noisy):
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+class GenNoisy(Noisy):
+    """Noise from a generator the dataset keeps in its ``state_dict()``: StatefulDataLoader saves each
+    worker's dataset state with every batch and loads it into the restarted worker (exact with workers).
+    Seeded in the worker from the worker's seed (base seed + worker id, the base seed a loader state
+    carries), so the workers draw different noise."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.gen: "torch.Generator | None" = None
+
+    def _gen(self) -> torch.Generator:
+        if self.gen is None:
+            info = torch.utils.data.get_worker_info()
+            self.gen = torch.Generator().manual_seed(info.seed if info is not None else torch.initial_seed())
+        return self.gen
+
+    def __getitem__(self, i: int):
+        return self.x[i] + 0.01 * torch.rand(IN, generator=self._gen()), self.y[i]
+
+    def state_dict(self) -> dict:
+        return {"gen": self._gen().get_state()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._gen().set_state(sd["gen"])
+
+
+class Module(pl.LightningModule):
+    def __init__(self, workers: int = 0, aug: str = "global", plain_sampler: bool = False) -> None:
+        super().__init__()
+        self.workers, self.dataset_cls = workers, {"global": Noisy, "none": Plain, "gen": GenNoisy}[aug]
+        self.plain_sampler = plain_sampler
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(IN, HID), torch.nn.BatchNorm1d(HID), torch.nn.ReLU(),
                                        torch.nn.Dropout(0.3), torch.nn.Linear(HID, OUT_F))
@@ -70,8 +107,12 @@ class Module(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
-        ds = Noisy()  # the sampler restores its own position; Lightning calls its set_epoch before the first item
-        return StatefulDataLoader(ds, batch_size=BATCH, sampler=StatefulDistributedSampler(ds, shuffle=True, seed=0))
+        ds = self.dataset_cls()  # the sampler restores its own position; its epoch is set before the first item
+        if self.plain_sampler:
+            return StatefulDataLoader(ds, batch_size=BATCH, sampler=torch.utils.data.RandomSampler(ds),
+                                      num_workers=self.workers)
+        return StatefulDataLoader(ds, batch_size=BATCH, sampler=StatefulDistributedSampler(ds, shuffle=True, seed=0),
+                                  num_workers=self.workers)
 
 
 class Kill(pl.Callback):
@@ -127,9 +168,10 @@ def main() -> None:
     trainer = pl.Trainer(strategy="ddp" if world > 1 else "auto", accelerator="cpu", devices=world, num_nodes=1,
                          max_epochs=int(kw.get("epochs", 3)), callbacks=callbacks, default_root_dir=out,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         use_distributed_sampler=kw.get("sampler") == "plain",
                          deterministic=True, accumulate_grad_batches=int(kw.get("accum", 1)))
-    module = Module()
+    module = Module(int(kw.get("workers", 0)), kw.get("aug", "global"), kw.get("sampler") == "plain")
     trainer.fit(module)
     record(trainer, module, cb, mydir)
 
