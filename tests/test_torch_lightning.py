@@ -329,3 +329,50 @@ def test_mid_epoch_resume_over_lightnings_sampler_wrapper_warns(tmp_path, caplog
     _one_rank_fit(tmp_path, _ItemsWithState(), max_steps=8, resume=True, sampler_cls=wrapped)
     got = [r for r in caplog.records if r.name == "deepfreeze" and "DistributedSamplerWrapper" in r.getMessage()]
     assert len(got) == 1 and "resumed epoch 1" in got[0].getMessage(), got
+
+
+def test_teardown_keeps_the_last_step_and_an_exception_does_not(tmp_path):
+    """Issue 42, finding 4 under Lightning: a fit of 5 steps at every 3 ends with v3 and, through
+    teardown's normal close (save_last, the default), v5 holding the trained weights; a fit whose
+    training_step raises at step 5 keeps v3 only (on_exception closes without the last step)."""
+    import pytorch_lightning as pl
+    import torch
+
+    from deepfreeze import Config, list_versions
+    from deepfreeze.torch import load
+    from deepfreeze.torch.lightning import DeepFreezeCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self, fail_at: int = -1) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin, self.fail_at = torch.nn.Linear(2, 1), fail_at
+
+        def training_step(self, batch, batch_idx):
+            if self.global_step == self.fail_at:
+                raise RuntimeError("the step failed")
+            return self.lin(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 2)), batch_size=2)
+
+    for name, fail_at, want in (("ok", -1, [3, 5]), ("fails", 4, [3])):
+        kw = dict(scratch=str(tmp_path / "scratch"), persistent=str(tmp_path / "persistent"))
+        cb = DeepFreezeCallback(name=name, every_n_train_steps=3, **kw)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, callbacks=[cb], logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             default_root_dir=str(tmp_path))
+        module = Tiny(fail_at)
+        if fail_at < 0:
+            trainer.fit(module)
+        else:
+            with pytest.raises(RuntimeError, match="the step failed"):
+                trainer.fit(module)
+        assert sorted(list_versions(Config.resolve(None, **kw), name)) == want, name
+        if fail_at < 0:
+            got = load(name=name, **kw)
+            for k, v in module.lin.state_dict().items():
+                assert got[f"lin.{k}"].numpy().tobytes() == v.detach().numpy().tobytes(), k

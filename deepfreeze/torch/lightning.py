@@ -281,6 +281,8 @@ class DeepFreezeCallback(pl.Callback):
             self.checkpointer.end_iteration()  # the loop's boundary: the state record of a checkpoint step is taken
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.save_last = False  # never the last step with an exception in flight
         self._close()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
