@@ -88,7 +88,7 @@ in writes of at most 1 MiB through one reused buffer (consecutive small pieces i
 each piece's CRC32 computed on the chunk right before it goes out; the write-back of every
 8 MiB is started at once (``sync_file_range``, else ``posix_fadvise``), so the final fsync finds
 little left; a scratch shard's header and index are written last, then the rename. O_DIRECT was
-measured and not adopted (docs/performance.md). The ``persistent_interval`` decision compares
+measured and not adopted (docs/performance-history.md). The ``persistent_interval`` decision compares
 the file system's clock with the mtime of the ``decision`` file of the newest earlier version
 decided ``flush`` (committed or not); with no such version, or an interval of 0, the decision is
 ``flush``; with a negative interval no decision is written and nothing goes to persistent.

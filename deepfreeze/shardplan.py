@@ -31,7 +31,7 @@ bounds as given; a tensor is split when ``world_size > 1``, it has at least ``mi
 (default 64 KiB) and at least 1 byte, and at least ``world_size`` elements; every other tensor
 whole, largest first, to the rank with the fewest bytes so far (ties: the lowest rank). The
 flat split against largest-dimension slicing, measured on NT3's weights at 2 ranks: 25.5 and
-25.3 ms per rank against 81.7 and 86.8 ms, the same bytes per rank (docs/performance.md, "Shard
+25.3 ms per rank against 81.7 and 86.8 ms, the same bytes per rank (docs/performance-history.md, "Shard
 layout").
 
 Every rank builds the plan itself, and the adapters check that the ranks agree before any

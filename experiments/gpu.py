@@ -37,7 +37,7 @@ per checkpoint (this process's tree from ``/proc``, with reaped children, minus 
 CPU per iteration), restore seconds; mean +- standard error over the measured checkpoints.
 A time budget (``--budget``) shortens ``measured`` or skips an approach or the 1.3 B model (with
 the reason in the JSON); a watchdog ends a hung run ``--grace`` seconds past it. Sizing, the
-intervals and the device command: docs/performance.md, "GPU run (experiments/gpu.py)".
+intervals and the device command: docs/performance-history.md, "GPU run (experiments/gpu.py)".
 """
 from __future__ import annotations
 

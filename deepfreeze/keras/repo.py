@@ -319,7 +319,7 @@ def _assign(variable: Any, array: np.ndarray) -> None:
 #: load_into's client-side staging buffer (the paper's staging buffer, allocated once and reused):
 #: a load of up to this many bytes is read into one reused, aligned host buffer and copied from
 #: there into the variables' own buffers, so repeated loads touch no fresh memory (first-touch page
-#: faults cost more than the copy: docs/performance.md). Bigger loads read into fresh arrays that
+#: faults cost more than the copy: docs/performance-history.md). Bigger loads read into fresh arrays that
 #: the variables take over. :func:`release_staging` frees the buffer.
 STAGING_MAX_BYTES = 1 << 30
 
