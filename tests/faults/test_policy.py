@@ -139,16 +139,19 @@ def test_warn_catches_scratch_directory_errors(tmp_path, mode, level):
     assert int(model.optimizer.iterations.numpy()) == 10
     ckpt.wait()  # async: the backend's flush of v4 may fail too (its shard moved away): also a warning
     ckpt.close()
-    assert ckpt.failures and all("Not a directory" in f for f in ckpt.failures), ckpt.failures
-    # in async mode retention runs in the backend, whose errors are reported as BackendError
+    # in async mode the flushes and retention run in the backend, whose errors are reported as BackendError
     ours = [f for f in ckpt.failures if "background flush" not in f]
-    assert mode == "async" or ours == ckpt.failures
-    for f in ours:
+    assert ours, ckpt.failures
+    assert mode == "async" or ours == ckpt.failures, ckpt.failures
+    for f in ours:  # v6 on: the writer thread's own error, named with the key's source
         assert "Not a directory on scratch" in f and "(keyword override)" in f, f
-    if level is FileInTheWay:  # nothing from v6 on could be written (async: v4's shard moved away too)
+    for f in ckpt.failures:  # a flush still pending when v6's write moved <scratch>/k away (how many depends on
+        # how far the backend had come: a loaded machine) fails on the path: a file there, or nothing yet
+        assert "Not a directory" in f or "No such file or directory" in f, f
+    if level is FileInTheWay:  # nothing from v6 on could be written (async: v4's, even v2's, shard moved away too)
         from deepfreeze.levels import PersistentLevel
         committed = PersistentLevel(ckpt.config.persistent).committed_versions("k")
-        assert committed == [2, 4] if mode == "sync" else committed in ([2], [2, 4])
+        assert committed == [2, 4] if mode == "sync" else committed in ([], [2], [2, 4])
 
 
 @pytest.mark.scratch_files("the file is planted by the scratch write (scratch_cls)")
