@@ -276,7 +276,7 @@ def layout(entries: Sequence[Entry], *, contiguous_tensors: bool = False) -> tup
 
 
 def run_id_bytes(run: str) -> bytes:
-    """The 8 header bytes of a run id (16 hex digits, :func:`deepfreeze.run.new_run_id`)."""
+    """The 8 header bytes of a run id (16 hex digits, :func:`deepfreeze.lease.new_run_id`)."""
     try:
         raw = bytes.fromhex(run)
     except (ValueError, TypeError):

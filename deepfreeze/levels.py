@@ -700,7 +700,7 @@ class PersistentLevel(Level):
         return fn(*args, **kwargs)
 
     def generation(self, name: str) -> int:
-        """The name's current generation (:func:`deepfreeze.run.read_generation`)."""
+        """The name's current generation (:func:`deepfreeze.lease.read_generation`)."""
         return read_generation(self.root, name)
 
     def committed_versions(self, name: str, generation: int | None = None) -> list[int]:

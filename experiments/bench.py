@@ -229,7 +229,7 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
     from deepfreeze import Config
     from deepfreeze.engine import Engine
     from deepfreeze.keras import DeepFreezeCheckpoint
-    from deepfreeze.keras.restore import model_tensors
+    from deepfreeze.keras.state_loader import model_tensors
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 
     rank, size = hvd.rank(), hvd.size()
