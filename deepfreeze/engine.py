@@ -141,7 +141,8 @@ from . import writeonce
 from .priority import Lanes
 from .comm import Comm
 from .redundancy import plan_redundancy, protect
-from .lease import ANONYMOUS_RUN, RunInfo, Version
+from .format import ANONYMOUS_RUN
+from .lease import RunInfo, Version
 from .format import build_manifest
 from .shardplan import ShardPlan
 
