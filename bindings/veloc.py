@@ -25,7 +25,7 @@ VeloC 1.8 behaviour the callers must mind (see ``docs/veloc.md``):
 * in ``async`` mode the client starts ``veloc-backend`` from ``$VELOC_BIN``
   (``<prefix>/bin`` is filled in when the prefix is known) through ``system()``,
   so the daemon inherits the caller's open pipes: start it first with
-  :func:`deepfreeze.veloc_engine.start_backend`. There is one backend per user and
+  :func:`deepfreeze.veloc_daemon.start_backend`. There is one backend per user and
   machine, and it keeps the configuration it was started with;
 * a process can call ``VELOC_Init`` once (a second one crashes): enforced here;
 * the file API (:meth:`Veloc.route_file`) always writes

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import importlib
 import sys
-import types
 from typing import Any, Callable
 
-__all__ = ["facade", "callable_module"]
+__all__ = ["facade"]
 
 
 def facade(package: str, names: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
@@ -41,22 +40,3 @@ def facade(package: str, names: dict[str, str]) -> tuple[Callable[[str], Any], C
 
     return __getattr__, __dir__
 
-
-class _CallableModule(types.ModuleType):
-    """A module that is also its package's function of the same name (see :func:`callable_module`)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.__dict__["__deepfreeze_call__"]()(*args, **kwargs)
-
-
-def callable_module(module: str, function: Callable[[], Callable[..., Any]]) -> None:
-    """Make the module ``module`` callable as the function ``function()`` returns.
-
-    For a package whose public function and one of its modules share a name
-    (``deepfreeze.restore``, ``deepfreeze.keras.restore``, ``deepfreeze.torch.restore``): importing
-    the module makes the package attribute of that name the module (Python's import system sets
-    it after the module ran), so calling ``package.name(...)`` must work on the module too,
-    whatever was imported first."""
-    mod = sys.modules[module]
-    mod.__dict__["__deepfreeze_call__"] = function
-    mod.__class__ = _CallableModule

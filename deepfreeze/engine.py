@@ -141,11 +141,12 @@ from . import writeonce
 from .priority import Lanes
 from .comm import Comm
 from .redundancy import plan_redundancy, protect
-from .lease import ANONYMOUS_RUN, RunInfo, Version
-from .format import build_manifest  # noqa: F401  (re-exported: defined here before)
+from .format import ANONYMOUS_RUN
+from .lease import RunInfo, Version
+from .format import build_manifest
 from .shardplan import ShardPlan
 
-__all__ = ["Engine", "build_manifest", "resolve_engine", "ENGINES"]
+__all__ = ["Engine", "resolve_engine", "ENGINES"]
 
 log = logging.getLogger("deepfreeze")
 

@@ -122,13 +122,13 @@ from typing import Any, BinaryIO, Sequence
 import numpy as np
 
 from .errors import CorruptCheckpointError
-from .jsonsafe import MAX_JSON_DEPTH, json_depth, loads as _bounded_loads
+from .jsonsafe import json_depth, loads as _bounded_loads
 
 __all__ = [
     "MAGIC", "FORMAT_VERSION", "KIND_SHARD", "KIND_ASSEMBLED", "Entry", "ShardIndex",
     "DTYPES", "dtype_itemsize", "numpy_dtype", "dtype_name", "layout", "encode_index",
     "read_index", "read_entry", "crc32", "crc32_bytes", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
-    "manifest_run", "run_id_bytes", "MAX_JSON_DEPTH", "manifest_size_limit", "parent_problem", "manifest_parent",
+    "manifest_run", "run_id_bytes", "manifest_size_limit", "parent_problem", "manifest_parent",
     "build_manifest", "ANONYMOUS_RUN", "json_hooks", "ITEMSIZE", "plan_items", "MAX_ENTRIES",
 ]
 
@@ -276,7 +276,7 @@ def layout(entries: Sequence[Entry], *, contiguous_tensors: bool = False) -> tup
 
 
 def run_id_bytes(run: str) -> bytes:
-    """The 8 header bytes of a run id (16 hex digits, :func:`deepfreeze.run.new_run_id`)."""
+    """The 8 header bytes of a run id (16 hex digits, :func:`deepfreeze.lease.new_run_id`)."""
     try:
         raw = bytes.fromhex(run)
     except (ValueError, TypeError):

@@ -57,11 +57,10 @@ from . import crashpoints as cp
 from . import node as _node
 from . import ownership
 from .errors import CorruptCheckpointError, DeepFreezeError, LeaseHeldError, NodeIdConflictError
-from .format import ANONYMOUS_RUN
 from .fsafe import read_small
 from .jsonsafe import loads as bounded_loads
 
-__all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
+__all__ = ["Version", "RunInfo", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
            "read_job_id_at", "valid_job_id", "JOB", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
            "fence_holder", "describe_holder", "warn_skew", "GENERATION", "LEASE"]
 

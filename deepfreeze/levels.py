@@ -126,7 +126,8 @@ from . import format as fmt
 from . import ownership
 from ._native import SYNC_FILE_RANGE_WRITE, available, sync_file_range
 from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
-from .lease import ANONYMOUS_RUN, describe_holder, fence_holder, fs_now, read_generation, warn_skew
+from .format import ANONYMOUS_RUN
+from .lease import describe_holder, fence_holder, fs_now, read_generation, warn_skew
 from .fsafe import atomic_write, replacing_file, temp_suffix, write_all
 from .fsafe import open_regular, read_small
 from .jsonsafe import loads as bounded_loads
@@ -134,7 +135,7 @@ from .fused import FusedShard
 from .node import holder_gone, in_this_pid_space, node_id, process_identity
 from .shardplan import ShardPlan, TensorSpec
 
-__all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file", "atomic_write",
+__all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file",
            "read_decision", "FencedError", "SlotSource", "lock_record", "parse_lock"]
 
 log = logging.getLogger("deepfreeze")
@@ -700,7 +701,7 @@ class PersistentLevel(Level):
         return fn(*args, **kwargs)
 
     def generation(self, name: str) -> int:
-        """The name's current generation (:func:`deepfreeze.run.read_generation`)."""
+        """The name's current generation (:func:`deepfreeze.lease.read_generation`)."""
         return read_generation(self.root, name)
 
     def committed_versions(self, name: str, generation: int | None = None) -> list[int]:

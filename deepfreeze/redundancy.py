@@ -79,10 +79,10 @@ from . import format as fmt
 from .errors import CorruptCheckpointError
 from .fsafe import read_whole
 from .jsonsafe import loads as bounded_loads
-from .comm import Comm, LocalComm, MPIComm, count_exchange  # noqa: F401  re-exported: their home before comm.py
+from .comm import Comm
 from .fsafe import atomic_write
 
-__all__ = ["Comm", "LocalComm", "MPIComm", "plan_redundancy", "protect", "read_parity", "xor_reconstruct",
+__all__ = ["plan_redundancy", "protect", "read_parity", "xor_reconstruct",
            "SCHEMES"]
 
 log = logging.getLogger("deepfreeze")

@@ -1,9 +1,8 @@
 """The :class:`Run`: one writer of a checkpoint name, as each rank sees it (layer L5).
 
 Run identity, versions, generations, jobs and the lease it uses are defined in
-:mod:`deepfreeze.lease` (layer L1), which every lower module imports; their names are re-exported
-here, where they were defined before the split, so ``from deepfreeze.run import Version`` keeps
-working.
+:mod:`deepfreeze.lease` (layer L1), which every lower module imports; import them from there (this
+module re-exports none of them).
 """
 from __future__ import annotations
 
@@ -20,16 +19,12 @@ from .comm import Comm
 from .config import Config
 from .engine import Engine, resolve_engine
 from .errors import CheckpointNotFoundError, ConfigError, DeepFreezeError, ExistingCheckpointError, LeaseHeldError, NodeIdConflictError
-from .lease import (ANONYMOUS_RUN, GENERATION, JOB, LEASE, Lease, RunInfo, Version, fence_holder, fs_now,  # noqa: F401
-                    job_id, job_id_at, new_job_id, new_run_id, read_generation, read_job_id, read_job_id_at,
-                    read_lease, valid_job_id, write_generation)
+from .lease import Lease, RunInfo, job_id, new_run_id, read_generation, write_generation
 from .levels import ScratchLevel
 from .shardplan import ShardPlan
 from .veloc_engine import VelocEngine
 
-__all__ = ["Version", "RunInfo", "ANONYMOUS_RUN", "new_run_id", "new_job_id", "job_id", "read_job_id", "job_id_at",
-           "read_job_id_at", "valid_job_id", "JOB", "fs_now", "read_generation", "write_generation", "Lease", "read_lease",
-           "fence_holder", "Run", "RunView", "GENERATION", "LEASE", "ON_ERROR", "make_engine"]
+__all__ = ["Run", "RunView", "ON_ERROR", "make_engine"]
 
 log = logging.getLogger("deepfreeze")
 

@@ -69,12 +69,10 @@ from .engine import Engine
 from .errors import BackendError, CheckpointWriteError, VelocError
 from .levels import FencedError, PersistentLevel, ScratchLevel, write_shard_file
 from .shardplan import ShardPlan
-from .veloc_daemon import (  # noqa: F401  (the daemon functions were defined here: re-exported)
-    clean_veloc_leftovers, open_users, same_config, start_backend, started_by_deepfreeze, stop_backend,
-    stop_veloc_daemon, users_path, veloc_backend, veloc_daemon_status, veloc_settings, write_veloc_config)
+from .veloc_daemon import (clean_veloc_leftovers, open_users, same_config, start_backend, started_by_deepfreeze,
+                           stop_backend, users_path, veloc_backend, write_veloc_config)
 
-__all__ = ["VelocEngine", "write_veloc_config", "veloc_settings", "veloc_backend", "start_backend", "stop_backend",
-           "veloc_daemon_status", "stop_veloc_daemon", "clean_veloc_leftovers"]
+__all__ = ["VelocEngine"]
 
 log = logging.getLogger("deepfreeze")
 class VelocEngine(Engine):

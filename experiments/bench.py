@@ -218,7 +218,7 @@ def worker(args: argparse.Namespace) -> None:  # one rank; every approach in tur
         hvd.allreduce(tf.constant(0.0), name=f"barrier_{approach}")  # every rank done before the next
         if rank == 0:
             if approach == "deepfreeze-veloc":  # VeloC's daemon outlives the job: stop it
-                from deepfreeze.veloc_engine import stop_backend
+                from deepfreeze.veloc_daemon import stop_backend
                 stop_backend()
             shutil.rmtree(f"{args.work}/{approach}", ignore_errors=True)
         print(f"[bench] {args.app} x{hvd.size()} {approach}: {time.time() - t0:.0f} s", flush=True)
@@ -229,7 +229,7 @@ def one_approach(args, approach: str, model, ds, tf, hvd) -> dict:
     from deepfreeze import Config
     from deepfreeze.engine import Engine
     from deepfreeze.keras import DeepFreezeCheckpoint
-    from deepfreeze.keras.restore import model_tensors
+    from deepfreeze.keras.state_loader import model_tensors
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 
     rank, size = hvd.rank(), hvd.size()

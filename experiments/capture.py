@@ -46,7 +46,7 @@ def main() -> None:
     import numpy as np
     import tensorflow as tf
     from deepfreeze.keras import hook, native
-    from deepfreeze.keras.restore import model_tensors
+    from deepfreeze.keras.state_loader import model_tensors
     from deepfreeze.shardplan import ShardPlan, TensorSpec
     from experiments import models
 

@@ -50,7 +50,8 @@ def main() -> None:
     args = ap.parse_args()
     import numpy as np
     from deepfreeze.config import Config
-    from deepfreeze.engine import Engine, build_manifest
+    from deepfreeze.engine import Engine
+    from deepfreeze.format import build_manifest
     from deepfreeze.levels import ScratchLevel
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 

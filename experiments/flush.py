@@ -145,7 +145,7 @@ def _intercept(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 
 def measure(mib: float, args: argparse.Namespace, fused_ok: bool) -> dict[str, Any]:
     import numpy as np
-    from deepfreeze.engine import build_manifest
+    from deepfreeze.format import build_manifest
     from deepfreeze.levels import ScratchLevel
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 

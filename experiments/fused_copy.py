@@ -84,7 +84,7 @@ def main() -> None:
     from deepfreeze import format as fmt
     from deepfreeze.fused import FusedLayout
     from deepfreeze.keras import native
-    from deepfreeze.keras.restore import model_tensors
+    from deepfreeze.keras.state_loader import model_tensors
     from deepfreeze.shardplan import ShardPlan, TensorSpec
     from experiments import models
 

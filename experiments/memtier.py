@@ -198,7 +198,7 @@ def micro(nbytes: int, reps: int, work: str) -> dict:
     from deepfreeze import format as fmt
     from deepfreeze.memtier import api, device as mdev
     from deepfreeze.memtier.copy import LocalCopier, VmReadvCopier
-    from deepfreeze.run import RunInfo, Version
+    from deepfreeze.lease import RunInfo, Version
 
     row: dict = {"shard_bytes": nbytes}
     src = np.ones(nbytes, np.uint8)
@@ -301,7 +301,7 @@ def tensor_list(name: str) -> list[tuple[str, str, tuple[int, ...]]]:
     cache = os.path.join(tempfile.gettempdir(), f"dfmt-tensors-{name}.json")
     if not os.path.exists(cache):
         code = ("import json,sys; sys.path.insert(0, %r); from experiments.memtier import build_model; "
-                "from deepfreeze.keras.restore import model_tensors; "
+                "from deepfreeze.keras.state_loader import model_tensors; "
                 "json.dump(model_tensors(build_model(%r)), open(%r, 'w'))") % (ROOT, name, cache)
         subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES=""))
@@ -312,7 +312,7 @@ def tensor_list(name: str) -> list[tuple[str, str, tuple[int, ...]]]:
 def standalone(name: str, reps: int, work: str) -> dict:
     import numpy as np
     from deepfreeze.memtier import api, device as mdev
-    from deepfreeze.memtier.dump import dump
+    from deepfreeze.memtier.dumper import dump
 
     tensors = tensor_list(name)
     rng = np.random.default_rng(0)
@@ -468,7 +468,7 @@ def _memtier_done_times(path: str, name: str, rank: int, stop: threading.Event, 
 def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict:
     from deepfreeze import Config
     from deepfreeze.keras import DeepFreezeCheckpoint, restore
-    from deepfreeze.keras.restore import model_tensors
+    from deepfreeze.keras.state_loader import model_tensors
     from deepfreeze.levels import ScratchLevel
 
     rank, size = hvd.rank(), hvd.size()

@@ -95,7 +95,7 @@ def _timed(fn) -> float:
 
 def _stream_server(conn, mac: bool, mib: int) -> None:
     net.MAC = mac
-    from deepfreeze.run import RunInfo, Version
+    from deepfreeze.lease import RunInfo, Version
     from deepfreeze.stream.slots import SlotRing
     from deepfreeze.stream.wire import RankServer
     path = f"/dev/shm/deepfreeze-net-mac-{os.getpid()}"
@@ -139,7 +139,7 @@ def start(target, *args) -> tuple:
 
 def run(a: argparse.Namespace) -> dict:
     from deepfreeze.repo.client import RemoteRepository
-    from deepfreeze.run import Version
+    from deepfreeze.lease import Version
     from deepfreeze.stream.wire import RankClient
     doc: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                              "load_before": os.getloadavg()},

@@ -32,7 +32,7 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     from deepfreeze import Config, load
     from deepfreeze.engine import Engine
-    from deepfreeze.redundancy import MPIComm
+    from deepfreeze.comm import MPIComm
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 
     comm = MPIComm()

@@ -60,7 +60,7 @@ def test_every_symbol_is_typed():
 @needs_veloc
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_memory_api_round_trip(tmp_path, mode):
-    from deepfreeze.veloc_engine import stop_backend
+    from deepfreeze.veloc_daemon import stop_backend
     stop_backend()
     try:
         p = subprocess.run([sys.executable, os.path.join(WORKERS, "veloc_api.py"), str(tmp_path), mode],

@@ -118,7 +118,7 @@ def test_parent_record_is_bounded():
 
 
 def _manifest(parent):
-    from deepfreeze.engine import build_manifest
+    from deepfreeze.format import build_manifest
     from deepfreeze.shardplan import ShardPlan, TensorSpec
     plan = ShardPlan.build([TensorSpec(0, "w", "float32", (3,))], 1)
     return build_manifest("c", 1, 1, 0, plan, ["n"], extra={"parent": parent})

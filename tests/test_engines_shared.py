@@ -36,7 +36,7 @@ def engine(request):
         why = _veloc_missing()
         if why:
             pytest.skip(f"VeloC not found: {why}")
-        from deepfreeze.veloc_engine import stop_backend
+        from deepfreeze.veloc_daemon import stop_backend
         stop_backend()
         yield "veloc"
         stop_backend()

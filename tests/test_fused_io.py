@@ -9,7 +9,7 @@ import pytest
 from deepfreeze import format as fmt
 from deepfreeze import levels
 from deepfreeze.config import Config
-from deepfreeze.engine import build_manifest
+from deepfreeze.format import build_manifest
 from deepfreeze.errors import CorruptCheckpointError
 from deepfreeze.fused import FusedLayout, FusedShard
 from deepfreeze.levels import ScratchLevel, flush_job, write_shard_file

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from deepfreeze import format as fmt
-from deepfreeze.engine import build_manifest
+from deepfreeze.format import build_manifest
 from deepfreeze.errors import CheckpointNotFoundError, MemtierError, MemtierFullError
 from deepfreeze.memtier import api
 from deepfreeze.memtier import device as D
 from deepfreeze.memtier.copy import LocalCopier
-from deepfreeze.memtier.dump import dump
-from deepfreeze.run import RunInfo, Version, new_run_id
+from deepfreeze.memtier.dumper import dump
+from deepfreeze.lease import RunInfo, Version, new_run_id
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

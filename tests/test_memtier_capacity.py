@@ -15,7 +15,7 @@ import pytest
 from _util import ROOT, WORKERS
 from deepfreeze import memtier
 from deepfreeze.memtier import device as mdev
-from deepfreeze.run import Version, new_run_id
+from deepfreeze.lease import Version, new_run_id
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 sys.path.insert(0, WORKERS)

@@ -12,7 +12,7 @@ import pytest
 
 from deepfreeze.memtier import api
 from deepfreeze.memtier import device as mdev
-from deepfreeze.run import Version
+from deepfreeze.lease import Version
 
 from _util import ROOT
 from test_cli import read_safetensors
@@ -242,7 +242,7 @@ def test_repack_frees_invalid_slot_keeps_newest(tmp_path):
 def test_dump_h5_loads_into_keras_bit_exact(tmp_path):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     tf = pytest.importorskip("tensorflow")
-    from deepfreeze.keras.restore import model_tensors
+    from deepfreeze.keras.state_loader import model_tensors
 
     def build():
         tf.keras.utils.set_random_seed(5)

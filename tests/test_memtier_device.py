@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from deepfreeze import format as fmt
-from deepfreeze.engine import build_manifest
+from deepfreeze.format import build_manifest
 from deepfreeze.errors import MemtierBusyError, MemtierCorruptError, MemtierError, MemtierFullError
 from deepfreeze.memtier import device as D
 from deepfreeze.memtier.copy import LocalCopier
-from deepfreeze.run import RunInfo, Version, new_run_id
+from deepfreeze.lease import RunInfo, Version, new_run_id
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 

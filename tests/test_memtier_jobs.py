@@ -21,7 +21,7 @@ from _util import memtier_device, ROOT, WORKERS, mpirun
 from deepfreeze import memtier
 from deepfreeze.errors import CheckpointNotFoundError, MemtierError
 from deepfreeze.memtier import device as mdev
-from deepfreeze.run import read_job_id, valid_job_id
+from deepfreeze.lease import read_job_id, valid_job_id
 
 sys.path.insert(0, WORKERS)
 import memtier_job  # noqa: E402
@@ -215,7 +215,7 @@ def test_standalone_job_ids(tmp_path, device, caplog):
 
 def test_job_id_created_once_by_concurrent_runs(tmp_path):
     """Concurrent first runs agree on one job id: 16 processes race to create it."""
-    code = ("import sys; from deepfreeze.run import job_id; print(job_id(sys.argv[1], 'n'))")
+    code = ("import sys; from deepfreeze.lease import job_id; print(job_id(sys.argv[1], 'n'))")
     os.makedirs(tmp_path / "n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=ROOT)) for _ in range(16)]

@@ -107,7 +107,7 @@ def test_horovod_job_on_real_veloc(tmp_path, mode, write_once):
     why = available()
     if why:
         pytest.skip(f"VeloC not found: {why}")
-    from deepfreeze.veloc_engine import stop_backend
+    from deepfreeze.veloc_daemon import stop_backend
     stop_backend()
     out = str(tmp_path)
     try:

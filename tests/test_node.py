@@ -10,7 +10,7 @@ import pytest
 
 from deepfreeze import node
 from deepfreeze.errors import ConfigError, LeaseHeldError
-from deepfreeze.run import Lease, read_lease
+from deepfreeze.lease import Lease, read_lease
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

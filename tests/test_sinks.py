@@ -9,7 +9,7 @@ tf = pytest.importorskip("tensorflow")
 
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 from deepfreeze.keras import hook  # noqa: E402
-from deepfreeze.keras.restore import model_tensors  # noqa: E402
+from deepfreeze.keras.state_loader import model_tensors  # noqa: E402
 from deepfreeze.loader import load  # noqa: E402
 from deepfreeze.shardplan import ShardPlan, TensorSpec  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 
 from deepfreeze.errors import ConfigError
 from deepfreeze.fused import FusedLayout, FusedShard
-from deepfreeze.run import RunInfo, Version
+from deepfreeze.lease import RunInfo, Version
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 from deepfreeze.stream import Publisher, StreamOptions, Subscriber, read_endpoints
 from deepfreeze.stream.core import endpoint_dir, model_prefix

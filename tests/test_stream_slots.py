@@ -23,7 +23,7 @@ import pytest
 
 from deepfreeze.errors import ConfigError, StreamError, VersionGoneError
 from deepfreeze.format import crc32
-from deepfreeze.run import Version
+from deepfreeze.lease import Version
 from deepfreeze.stream import slots as slots_mod
 from deepfreeze.stream.slots import SlotRing, ring_bytes
 
@@ -101,7 +101,7 @@ def test_round_trip_bit_exact_producer_process(shm_path):
     sizes = {1: 5, 2: 0, 3: cap, 4: 1 << 20, 5: cap - 1}
     prod = spawn("""
         import sys, numpy as np
-        from deepfreeze.run import Version
+        from deepfreeze.lease import Version
         from deepfreeze.stream.slots import SlotRing
         path, cap, sizes = sys.argv[1], int(sys.argv[2]), eval(sys.argv[3])
         with SlotRing.create(path, cap, 4, meta={"channel": "nt3", "rank": 1}) as ring:
@@ -215,7 +215,7 @@ def test_bandwidth_100mb_slot_info(shm_path):
 # ------------------------------------------------------------------------------------ pinning
 _PINNER = """
     import sys, time, numpy as np
-    from deepfreeze.run import Version
+    from deepfreeze.lease import Version
     from deepfreeze.stream.slots import SlotRing
     path, step = sys.argv[1], int(sys.argv[2])
     ring = SlotRing.open(path)
@@ -339,7 +339,7 @@ def test_threads_of_the_producer_process(shm_path):
 
 _WRITER = """
     import sys, time, json, numpy as np
-    from deepfreeze.run import Version
+    from deepfreeze.lease import Version
     from deepfreeze.stream.slots import SlotRing
     path, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     ring = SlotRing.create(path, n, 3)
@@ -360,7 +360,7 @@ _WRITER = """
 
 _READER = """
     import sys, time, json, numpy as np
-    from deepfreeze.run import Version
+    from deepfreeze.lease import Version
     from deepfreeze.stream.slots import SlotRing
     path, n, seconds, mode = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     ring = SlotRing.open(path)
@@ -426,7 +426,7 @@ def test_fast_writer_never_laps_slow_readers(shm_path):
 # ------------------------------------------------------------------------------------ crashes
 _DYING_WRITER = """
     import os, sys, numpy as np
-    from deepfreeze.run import Version
+    from deepfreeze.lease import Version
     from deepfreeze.stream.slots import SlotRing
 
     class DyingRing(SlotRing):
@@ -474,7 +474,7 @@ def test_sweep_stale_removes_rings_of_dead_writers_only(shm_path):
     dead, live = shm_path + "-dead", shm_path + "-live"
     proc = spawn("""
         import os, signal, sys
-        from deepfreeze.run import Version
+        from deepfreeze.lease import Version
         from deepfreeze.stream.slots import SlotRing
         ring = SlotRing.create(sys.argv[1], 4096, 3)
         ring.write(Version(0, 1), b"x" * 4096)
@@ -639,7 +639,7 @@ def test_small_tmpfs_is_a_clear_error(tmp_path):
     code = textwrap.dedent("""
         import os, sys
         from deepfreeze.errors import StreamError
-        from deepfreeze.run import Version
+        from deepfreeze.lease import Version
         from deepfreeze.stream.slots import SlotRing
         d = sys.argv[1]
         try:

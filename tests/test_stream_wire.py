@@ -20,7 +20,7 @@ import pytest
 from deepfreeze import net
 from deepfreeze.errors import AuthenticationError, ConfigError, StreamError, StreamTimeoutError, VersionGoneError
 from deepfreeze.format import crc32
-from deepfreeze.run import RunInfo, Version
+from deepfreeze.lease import RunInfo, Version
 from deepfreeze.stream.slots import SlotRing
 from deepfreeze.stream.wire import RankClient, RankServer, ready_note
 

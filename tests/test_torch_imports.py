@@ -42,7 +42,7 @@ def _framework(name: "str | None") -> bool:
 def test_core_files_found():
     files = _core_files()
     names = {_module_name(f) for f in files}
-    assert {"deepfreeze.engine", "deepfreeze.restore", "deepfreeze.run", "deepfreeze.cli"} <= names
+    assert {"deepfreeze.engine", "deepfreeze.loader", "deepfreeze.run", "deepfreeze.cli"} <= names
     assert not any(n.startswith(("deepfreeze.keras", "deepfreeze.torch")) for n in names)
 
 
@@ -87,4 +87,4 @@ def test_importing_every_core_module_loads_no_framework():
     assert r.returncode == 0, r.stderr[-3000:]
     loaded, skipped = (r.stdout.split("\n") + ["", ""])[:2]
     assert loaded == "", f"importing the core loaded {loaded}"
-    assert not {"deepfreeze.engine", "deepfreeze.restore", "deepfreeze.run", "deepfreeze.cli"} & set(skipped.split(","))
+    assert not {"deepfreeze.engine", "deepfreeze.loader", "deepfreeze.run", "deepfreeze.cli"} & set(skipped.split(","))

@@ -10,11 +10,11 @@
 ``PATH`` is a memory-tier device file (docs/memtier.md). Thin over :mod:`deepfreeze.memtier`
 (:func:`~deepfreeze.memtier.device.create`, :func:`~deepfreeze.memtier.device.open`,
 :func:`~deepfreeze.memtier.device.view`, :meth:`~deepfreeze.memtier.device.Device.repack`,
-:func:`~deepfreeze.memtier.dump.dump`); no TensorFlow. ``view`` reads the device read-only and
+:func:`~deepfreeze.memtier.dumper.dump`); no TensorFlow. ``view`` reads the device read-only and
 never trusts an ACTIVE slot (it is shown as being written, or as left by a crash). ``repack``
 asks, per model, whether its job is still running with
 :func:`deepfreeze.memtier.device.default_live`: an engine model while its run holds the lease on
-the checkpoint name (``deepfreeze.run.read_lease``), a standalone model until it is closed (or
+the checkpoint name (``deepfreeze.lease.read_lease``), a standalone model until it is closed (or
 its owner process is gone).
 """
 from __future__ import annotations
@@ -187,7 +187,7 @@ def _view(args: argparse.Namespace) -> int:
 
 
 def _dump(args: argparse.Namespace) -> int:
-    from ..memtier.dump import dump
+    from ..memtier.dumper import dump
     got = dump(args.path, args.name, args.output, force=args.force, version=args.version, overwrite=args.force,
                job=args.job, optimizer=args.optimizer)
     note = "" if got["verified"] else " UNVERIFIED (forced: the bytes were dumped unchecked)"

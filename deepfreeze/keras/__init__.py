@@ -16,7 +16,7 @@ __getattr__, __dir__ = facade(__name__, {
     "store_model": ".repo",
     "load_into": ".repo",
     "LoadReport": ".repo",
-    "restore": ".restore:restore_model",
+    "restore": ".state_loader:restore_model",
     "PublishCallback": ".stream",
     "ModelSubscriber": ".stream",
 })
@@ -25,5 +25,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on 
     from .callback import CaptureOptions, DeepFreezeCheckpoint
     from .clone import CloneCallback, receive_clone
     from .repo import LoadReport, load_into, store_model
-    from .restore import restore_model as restore
+    from .state_loader import restore_model as restore
     from .stream import ModelSubscriber, PublishCallback

@@ -9,7 +9,7 @@ updated locally by each rank's forward pass, and optimizer variables that are no
 slot of one weight, e.g. the iteration counter) are *pinned*: taken whole from rank 0.
 
 What is checkpointed, in this order: (1) ``model.weights`` (trainable and non-trainable, in the
-order Keras lists them), named by :func:`deepfreeze.keras.restore.model_tensors` (the variable
+order Keras lists them), named by :func:`deepfreeze.keras.state_loader.model_tensors` (the variable
 name without ``:0``, ``_<n>`` appended to repeated names); (2) with ``save_optimizer=True`` (the
 default) the optimizer's variables, ``optimizer.variables()`` in its order after
 ``optimizer.build(model.trainable_variables)`` (the callback builds it in ``on_train_begin``, so
@@ -37,7 +37,7 @@ from typing import Any
 
 from ..format import dtype_name
 from ..shardplan import TensorSpec
-from .restore import model_tensors
+from .state_loader import model_tensors
 
 __all__ = ["TrainState", "train_state"]
 

@@ -22,7 +22,7 @@ from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan, TensorSpec, check_te
 from . import hook as _hook
 from ._dist import allgather_bytes, mpi_comm, rank_and_size, run_comm
 from ._state import train_state
-from .restore import apply_checkpoint, build_from_spec
+from .state_loader import apply_checkpoint, build_from_spec
 from ..format import parent_problem
 
 __all__ = ["DeepFreezeCheckpoint", "CaptureOptions"]

@@ -35,7 +35,7 @@ from . import hook as _hook
 from ._dist import _hvd, rank_and_size
 from ._state import TrainState, train_state
 from .callback import _ResumePoint, _SkipBatches
-from .restore import build_from_spec
+from .state_loader import build_from_spec
 
 __all__ = ["CloneSink", "CloneCallback", "receive_clone"]
 

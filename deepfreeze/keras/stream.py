@@ -33,7 +33,7 @@ from ..lease import Version
 from ..stream.core import Publisher, StreamOptions, Subscriber, Update
 from ..stream.serve import ReplicaServer
 from .callback import DeepFreezeCheckpoint
-from .restore import build_from_spec
+from .state_loader import build_from_spec
 from ._dist import allreduce_mean, broadcast_bytes
 from .repo import _copy_into
 

@@ -23,7 +23,7 @@ Modules: :mod:`~deepfreeze.memtier.device` (the device file, its model table pro
 :mod:`~deepfreeze.memtier.copy` (``process_vm_readv`` and in-process copiers, the memtier's only
 native calls, through :mod:`deepfreeze._native`), :mod:`~deepfreeze.memtier.api` (standalone use),
 :mod:`~deepfreeze.memtier.jobs` (whose regions a job reads; which runs are reclaimed or evicted),
-:mod:`~deepfreeze.memtier.dump` (export to .npz/.h5/.safetensors), :mod:`~deepfreeze.memtier.level`
+:mod:`~deepfreeze.memtier.dumper` (export to .npz/.h5/.safetensors), :mod:`~deepfreeze.memtier.level`
 (the tier as a restore level). docs/memtier.md has the details.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ __getattr__, __dir__ = facade(__name__, {
     "ShardRegion": ".slot",
     "SlotHeader": ".layout",
     "SlotState": ".layout",
-    "dump": ".dump",
+    "dump": ".dumper",
 })
 
 if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
@@ -56,4 +56,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on 
     from .device import Device, create, open  # noqa: A004 - the documented name
     from .layout import SlotHeader, SlotState
     from .slot import ShardRegion
-    from .dump import dump
+    from .dumper import dump

@@ -22,7 +22,7 @@ unknown job are restored without ``job``. So two programs that may use one name 
 each keep their job id, e.g. in a file beside their data: :func:`job_id` (``job_id(path)``
 reads the id kept in the file ``path``, or creates it there race-free on first use: the same
 rule as a checkpoint name's ``<persistent>/<name>/job``). An engine model is of the job in
-its persistent directory, so ``restore(dev, name, job=deepfreeze.run.read_job_id(persistent,
+its persistent directory, so ``restore(dev, name, job=deepfreeze.lease.read_job_id(persistent,
 name))`` reads it. Regions of the name left out for being of another job are named once in a
 log line.
 """
@@ -313,7 +313,7 @@ def assemble(slots: Mapping[int, tuple[mdev.ShardRegion, int]], out: "dict[str, 
 def restore(device: "mdev.Device | str", name: str, *, out: "dict[str, np.ndarray] | None" = None,
             version: "Version | int | None" = None, job: str | None = None) -> tuple[dict[str, np.ndarray], Version]:
     """The newest restorable version of ``name`` of job ``job`` on ``device`` (or ``version``: a
-    :class:`~deepfreeze.run.Version` or a version number), as name -> array in model order, and
+    :class:`~deepfreeze.lease.Version` or a version number), as name -> array in model order, and
     its version. A standalone model or a whole engine model (every rank's region on this
     device) alike. Only regions recorded with ``job`` are considered (None: only those of unknown
     job; see the module docstring); the others are named once in a log line. ``out`` (name ->

@@ -32,7 +32,6 @@ import numpy as np
 
 from .. import format as fmt
 from .._native import PR_SET_PTRACER, available, memmove, prctl, process_vm_readv, process_vm_writev
-from .._native import PR_SET_PTRACER_ANY  # noqa: F401 - defined here before deepfreeze._native
 from ..errors import MemtierError, MemtierPermissionError
 
 __all__ = ["Copier", "VmReadvCopier", "LocalCopier", "CopyStats", "allow_ptracer", "ptrace_scope",

@@ -26,7 +26,7 @@ claimed bytes kept out of the free space when its body checksum holds (and it ov
 region), and every other model stays usable (:meth:`Device.refresh`; ``strict=True`` raises
 instead). A hostile or damaged file never crashes the reader.
 
-**Jobs and capacity.** Each region's MIndex records its job id (``deepfreeze.run.job_id``);
+**Jobs and capacity.** Each region's MIndex records its job id (``deepfreeze.lease.job_id``);
 readers select by it (:func:`for_job`). The regions of a run that a newer run of the same job
 superseded (a newer verified DONE version on every region of the newer run) are retired
 (:meth:`Device.reclaim`, :meth:`Device.repack`); a registration that does not fit may evict
@@ -558,7 +558,7 @@ class Device:
         if _check_name(name):
             raise ValueError(_check_name(name))
         if not _RUN_RE.match(str(run)):
-            raise ValueError(f"run {run!r} is not 16 hex digits (deepfreeze.run.new_run_id)")
+            raise ValueError(f"run {run!r} is not 16 hex digits (deepfreeze.lease.new_run_id)")
         if not 1 <= nslots <= MAX_SLOTS:
             raise ValueError(f"nslots must be in [1, {MAX_SLOTS}], got {nslots}")
         why = _index_problem(index, None)

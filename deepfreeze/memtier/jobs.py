@@ -4,7 +4,7 @@
 Pure functions over :class:`~deepfreeze.memtier.device.ShardRegion` lists (duck-typed: ``name``,
 ``run``, ``rank``, ``job``, ``restorable()``, ``verify_slot()``); :mod:`deepfreeze.memtier.device`
 applies them under the device lock. A region's job is the id its MIndex records
-(``deepfreeze.run.job_id``: ``<persistent>/<name>/job`` for an engine model, ``job=`` for a
+(``deepfreeze.lease.job_id``: ``<persistent>/<name>/job`` for an engine model, ``job=`` for a
 standalone one); ``None`` is "job unknown" (written before job ids). Regions are matched on that
 id only, never on paths (which differ between nodes).
 """

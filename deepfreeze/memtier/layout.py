@@ -20,7 +20,7 @@ Layout (little-endian, every offset from the file start, ``PAGE`` = 4096)::
     data area from data_start = align(table_off + table_cap * entry_size, PAGE): the regions
     region of an entry (page aligned): index, then the slots
       MIndex at index_off: index_len bytes of JSON + u32 CRC32 trailer (see :func:`make_index`); its
-        ``job`` is the id of the job the region belongs to (``deepfreeze.run.job_id``; absent or
+        ``job`` is the id of the job the region belongs to (``deepfreeze.lease.job_id``; absent or
         null: "job unknown", a region written before job ids existed)
       slot k at slot_off + k * slot_stride:
         header page: magic b"DFSLOT\\0\\0", state u32 (0 EMPTY, 1 ACTIVE, 2 DONE), pad u32, run 16s,
@@ -250,9 +250,9 @@ def index_for_entries(name: str, run: str, rank: int, world_size: int, names: Se
                       owner: dict[str, Any] | None = None, job: str | None = None) -> dict[str, Any]:
     """The MIndex of a shard laid out by ``format.layout`` (``entries`` with offsets; ``names[i]``
     is the tensor name of ``entries[i]``), e.g. from ``FusedLayout.build(plan, rank)``; ``job``:
-    the id of the job it belongs to (:func:`deepfreeze.run.job_id`), None: job unknown."""
+    the id of the job it belongs to (:func:`deepfreeze.lease.job_id`), None: job unknown."""
     if job is not None and not valid_job_id(job):
-        raise ValueError(f"job {job!r} is not a job id (32 hex digits: deepfreeze.run.new_job_id)")
+        raise ValueError(f"job {job!r} is not a job id (32 hex digits: deepfreeze.lease.new_job_id)")
     tensors = [{"name": n, "dtype": e.dtype, "shape": list(e.shape), "size": e.length, "offset": e.offset,
                 "tensor_id": e.tensor_id, "start": e.start, "stop": e.stop} for n, e in zip(names, entries)]
     idx = {"name": name, "run": run, "rank": rank, "world_size": world_size, "tensors": tensors,

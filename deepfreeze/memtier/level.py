@@ -9,7 +9,7 @@ that slot's image out (re-checking after the copy that the slot was not rewritte
 and the caller checks its index and CRCs as it does for a shard file.
 
 Only regions of the reader's *job* are considered (:attr:`MemtierLevel.job`, the id kept in
-``<persistent>/<name>/job``, :func:`deepfreeze.run.read_job_id`; matched on the id each region's
+``<persistent>/<name>/job``, :func:`deepfreeze.lease.read_job_id`; matched on the id each region's
 MIndex records, never on paths): two jobs that share a checkpoint name on one device never see
 each other's versions, a region written before job ids ("job unknown") is never restored into a
 job that has an id, and the regions left out are named once in a log line

@@ -173,7 +173,7 @@ class ShardRegion:
         Returns the writer (write :attr:`SlotWriter.data`, then :meth:`SlotWriter.finish`)."""
         self.device._need_writable()
         if not isinstance(version, Version):
-            raise TypeError("version must be a deepfreeze.run.Version(generation, version number)")
+            raise TypeError("version must be a deepfreeze.lease.Version(generation, version number)")
         off = self._slot_off(k)
         cp.hit("memtier.slot.active")
         raw = _slot_header_bytes(SlotState.ACTIVE, self.run, version, 0, 0, 0, time.time())

@@ -6,7 +6,7 @@ Framework-neutral (numpy; no TensorFlow). The Keras side is :mod:`deepfreeze.ker
 shard of the model's weights as one contiguous buffer (the hook's capture, laid out as the shard
 file's data region, :class:`~deepfreeze.fused.FusedLayout`; only the model-weight prefix of it is
 published, optimizer state goes to the checkpoint only). A version is
-:class:`~deepfreeze.run.Version` ``(generation, step)``: a producer that resumed continues its
+:class:`~deepfreeze.lease.Version` ``(generation, step)``: a producer that resumed continues its
 generation, one that overwrote starts a new one, and consumers follow both.
 
 **Producer side** (:class:`Publisher`, one per rank; rank r publishes only its own shard, nothing

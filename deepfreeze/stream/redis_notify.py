@@ -32,7 +32,7 @@ replayed old record or note of the same channel points to an older run, which th
 already tells apart by its run id and versions.
 
 **Jobs.** A producer whose job has an id (``<persistent>/<channel>/job``,
-:func:`deepfreeze.run.read_job_id`) uses the keys ``deepfreeze:stream:<channel>:job:<id>``
+:func:`deepfreeze.lease.read_job_id`) uses the keys ``deepfreeze:stream:<channel>:job:<id>``
 (:func:`key_prefix`), and a consumer reads the id from the same file: two jobs of one user with
 one channel name (and so one token) on one Redis never overwrite or read each other's records
 and notes (the MAC's context is the key, so a record cannot be moved from one job's keys to the
@@ -72,7 +72,7 @@ _DEFAULT_TIMEOUT = 10.0
 def key_prefix(channel: str, job: str | None = None) -> str:
     """``deepfreeze:stream:<channel>``, and ``:job:<job>`` after it for a producer of a job (the
     pub/sub channel; the hashes add ``:endpoints``/``:latest``). ``job``: the id of the job
-    (``<persistent>/<channel>/job``, :func:`deepfreeze.run.read_job_id`): two jobs of one user
+    (``<persistent>/<channel>/job``, :func:`deepfreeze.lease.read_job_id`): two jobs of one user
     with one channel name (and one token) on one Redis never see each other's records or notes."""
     if not isinstance(channel, str) or not 0 < len(channel) <= 200 or not channel.isprintable() or any(
             c.isspace() for c in channel):

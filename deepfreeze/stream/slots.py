@@ -587,7 +587,7 @@ class SlotRing:
         if not self.writer:
             raise StreamError(f"slot ring {self.path}: opened read-only; only its creator writes")
         if not isinstance(version, Version):
-            raise TypeError(f"SlotRing.write version: a deepfreeze.run.Version, got {type(version).__name__}")
+            raise TypeError(f"SlotRing.write version: a deepfreeze.lease.Version, got {type(version).__name__}")
         src = _byte_array(data, "SlotRing.write data", writable=False)
         n = int(src.size)
         if n > self.capacity:

@@ -25,7 +25,7 @@ __all__ = ["Checkpointer", "load", "load_state", "restore", "TorchState", "Resto
 __getattr__, __dir__ = facade(__name__, {
     "TorchComm": "._dist",
     "Checkpointer": ".checkpointer",
-    **{n: ".restore" for n in ("Restored", "TorchState", "load", "load_state", "restore")},
+    **{n: ".state_loader" for n in ("Restored", "TorchState", "load", "load_state", "restore")},
     "Reader": ".dcp",
     "import_dcp": ".dcp_import",
     **{n: ".stream" for n in ("Publisher", "Subscriber", "ModelSubscriber")},
@@ -39,6 +39,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on 
     from .dcp import Reader
     from .dcp_import import import_dcp
     from .repo import LoadReport, load_into, store_model
-    from .restore import Restored, TorchState, load, load_state, restore
+    from .state_loader import Restored, TorchState, load, load_state, restore
     from .clone import CloneServer
     from .stream import ModelSubscriber, Publisher, Subscriber

@@ -787,7 +787,7 @@ class Checkpointer(RunView, Sink):
 
     # ------------------------------------------------------------------ resume
     def _resume(self) -> None:
-        from .restore import apply
+        from .state_loader import apply
         ck = self._run.pick_resume(self.comm, trust_owners=self._run.trust_owners)  # collective
         if ck is None:
             return

@@ -39,7 +39,7 @@ requests the clone with every rank's endpoint, each rank receives its routes int
 the ranks agree (an all-reduce of outcomes on a dedicated gloo group) and rebuild every tensor
 (:func:`_rebuild`: the small ones in one all-gather of packed rows, each larger one by a
 broadcast per owner range, in plan order), then the state goes into the
-model and optimizers through the restore path (:func:`deepfreeze.torch.restore.apply`: the same
+model and optimizers through the restore path (:func:`deepfreeze.torch.state_loader.apply`: the same
 checks, any world size; each rank's own record, RNG included, at the source's world size, rank
 0's otherwise).
 """
@@ -454,7 +454,7 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
                     "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in plan.tensors]}
         ck = Checkpoint(name="clone", version=step, step=step, epoch=0, level="clone", arrays=arrays,
                         manifest=manifest)
-        from .restore import apply
+        from .state_loader import apply
         try:
             applied = apply(ck, model, opts, state=state, rank=rank, world_size=size, rng=True, strict=strict)
         except DeepFreezeError as e:

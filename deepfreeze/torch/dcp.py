@@ -65,7 +65,7 @@ from ..errors import ConfigError, ModelMismatchError
 from ..loader import Checkpoint, load as _core_load
 from . import _state
 from ._dist import TorchComm, rank_and_size
-from .restore import _aliases, read_config
+from .state_loader import _aliases, read_config
 
 __all__ = ["Reader", "write_dcp", "dcp_state_dict"]
 
@@ -319,7 +319,7 @@ def dcp_state_dict(ck: Checkpoint, model_prefix: str = "", optim_prefix: str = "
     """The state dict a DCP user gets from the :class:`Reader` of ``ck`` (nested; the model's
     entries at ``model_prefix``, ``get_state_dict``'s optimizer dict at ``optim_prefix``); the
     ``param_groups`` checked first (:func:`~deepfreeze.torch._state.check_recorded_groups`)."""
-    from .restore import _split_recorded
+    from .state_loader import _split_recorded
     st = _split_recorded(ck)
     out: dict[str, Any] = {}
 

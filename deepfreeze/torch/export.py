@@ -16,7 +16,7 @@ from ..export import ExportError, atomic_output
 from ..format import dtype_name
 from ..loader import Checkpoint
 from ._state import as_tensor
-from .restore import _split_recorded
+from .state_loader import _split_recorded
 
 __all__ = ["write_torch", "torch_payload"]
 

@@ -39,7 +39,7 @@ from ..export import atomic_output
 from . import _state
 from ._dist import make_comm, rank_and_size
 from .checkpointer import Checkpointer
-from .restore import TorchState, load_state, read_config
+from .state_loader import TorchState, load_state, read_config
 
 __all__ = ["DeepFreezeCallback", "checkpoint_dir", "TRAINER_STATE", "LR_SCHEDULER", "SCALER"]
 

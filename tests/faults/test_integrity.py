@@ -19,7 +19,8 @@ from deepfreeze.engine import Engine
 from deepfreeze.errors import LeaseHeldError
 from deepfreeze.levels import PersistentLevel, flush_job, lock_record, read_decision
 from deepfreeze.loader import list_versions, load
-from deepfreeze.run import Lease, Run, RunInfo, new_run_id, read_generation, read_lease
+from deepfreeze.lease import Lease, RunInfo, new_run_id, read_generation, read_lease
+from deepfreeze.run import Run
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -296,7 +297,7 @@ def test_crash_then_resume_with_shuffling_never_mixes_two_runs(tmp_path):
     run that wrote it recorded at that step: never BN statistics of one run and kernels of the
     other."""
     from _util import mpirun
-    from deepfreeze.keras.restore import model_tensors  # noqa: F401  (TensorFlow present)
+    from deepfreeze.keras.state_loader import model_tensors  # noqa: F401  (TensorFlow present)
     worker = os.path.join(HERE, "..", "workers", "crash_resume.py")
     first = mpirun(2, worker, str(tmp_path), "first", "kill_at=6", check=False, timeout=300)
     assert first.returncode != 0  # rank 1 died
@@ -379,7 +380,7 @@ def test_commit_lock_of_a_live_holder_is_never_broken_and_release_keeps_a_foreig
 def test_a_run_that_lost_the_lease_is_fenced_even_after_the_new_run_released_it(tmp_path):
     """Run A lost the name to run B; B finished and released it (a tombstone): A's backend, waking
     up, still cannot decide or commit a version."""
-    from deepfreeze.run import fence_holder
+    from deepfreeze.lease import fence_holder
     pers = str(tmp_path)
     a, b = Lease(pers, "n", new_run_id(), timeout=30), Lease(pers, "n", new_run_id(), timeout=30)
     a.acquire()

@@ -4,7 +4,7 @@ the sticky / ``shared_group`` rules; files and directories of another user are r
 or read only when trusted (persistent, ``trust_owners``).
 
 Checkpoints are real ones, written by the framework-neutral engine (sync mode; async where the
-backend's log is concerned) and read back with :func:`deepfreeze.restore.load`. "Another user"
+backend's log is concerned) and read back with :func:`deepfreeze.loader.load`. "Another user"
 is the existing unprivileged account ``nobody``: as root, files are chowned to it to simulate
 what that user planted (no OS user is created); those tests skip when not run as root.
 """

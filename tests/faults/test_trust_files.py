@@ -26,7 +26,7 @@ from deepfreeze.errors import (AuthenticationError, MemtierCorruptError, StreamE
                                UntrustedOwnerError)
 from deepfreeze.memtier import device as D
 from deepfreeze.repo.store import EmbeddedRepository
-from deepfreeze.run import RunInfo, Version
+from deepfreeze.lease import RunInfo, Version
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 from deepfreeze.stream import Publisher, StreamOptions, Subscriber, read_endpoints
 from deepfreeze.stream.core import endpoint_dir

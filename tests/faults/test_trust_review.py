@@ -17,7 +17,7 @@ from deepfreeze import memtier
 from deepfreeze.errors import UnsafePathError
 from deepfreeze.memtier import device as mdev
 from deepfreeze.memtier import level as mlevel
-from deepfreeze.run import new_job_id
+from deepfreeze.lease import new_job_id
 
 from _util import memtier_device, nobody_ids
 
@@ -144,7 +144,7 @@ def test_two_jobs_one_channel_name_on_one_redis(tmp_path, monkeypatch, caplog):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from test_stream_core import MODEL, SPECS, arrays_of, check, shard_of
     from test_stream_redis import RedisServer
-    from deepfreeze.run import RunInfo, Version, job_id
+    from deepfreeze.lease import RunInfo, Version, job_id
     from deepfreeze.shardplan import ShardPlan
     from deepfreeze.stream import Publisher, StreamOptions, Subscriber
     monkeypatch.setenv("DEEPFREEZE_TOKEN", "e" * 64)

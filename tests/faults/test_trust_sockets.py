@@ -22,7 +22,7 @@ import pytest
 from deepfreeze import net
 from deepfreeze.errors import (AuthenticationError, FrameAuthenticationError, ProtocolVersionError, ProviderError,
                                StreamError)
-from deepfreeze.run import Version
+from deepfreeze.lease import Version
 from deepfreeze.stream.wire import DEFAULT_HANDSHAKE_TIMEOUT, RankClient
 
 import test_stream_wire as _wire

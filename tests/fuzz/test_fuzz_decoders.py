@@ -211,7 +211,7 @@ def _torch(bounded, bases, data):
         from deepfreeze.torch import _loop
         if "loop" in rec.get("a", {}):
             _loop.check_record(rec["a"]["loop"], "fuzz record")
-        importlib.import_module("deepfreeze.torch.restore")._aliases(rec)  # (the package's name is the function)
+        importlib.import_module("deepfreeze.torch.state_loader")._aliases(rec)
         # what export --format torch writes of it is readable with weights_only=True
         buf = io.BytesIO()
         torch.save({"optim": _weights_only({"param_groups": rec.get("param_groups"),

@@ -17,7 +17,7 @@ import time
 
 from deepfreeze.errors import DeepFreezeError
 from deepfreeze.levels import LOCK, PersistentLevel
-from deepfreeze.run import Lease, new_run_id, read_lease
+from deepfreeze.lease import Lease, new_run_id, read_lease
 
 mode, out, pers = sys.argv[1], sys.argv[2], sys.argv[3]
 level = PersistentLevel(pers)

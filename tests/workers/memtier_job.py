@@ -12,7 +12,7 @@ the device DEVICE is shared with the other jobs of the test, the checkpoint name
   then checkpoints V1, V2, ... (above the resumed version) as ``train`` does;
 * ``train-anon``: as ``train`` but with an engine built without a run (no job id is made), so
   its regions carry no job id, exactly as DeepFreeze wrote them before job ids;
-* ``restore``: ``deepfreeze.restore.load`` only (no run: nothing is created).
+* ``restore``: ``deepfreeze.loader.load`` only (no run: nothing is created).
 
 Each rank writes RESULT.r<rank>.json: the job id, the run id, the SHA-256 of every tensor of every
 version it wrote (as it handed them to the engine), and what it restored (version, level, SHA-256
@@ -30,7 +30,8 @@ from deepfreeze import Config  # noqa: E402
 from deepfreeze.engine import Engine  # noqa: E402
 from deepfreeze.errors import CheckpointNotFoundError  # noqa: E402
 from deepfreeze.loader import load  # noqa: E402
-from deepfreeze.run import Run, read_job_id  # noqa: E402
+from deepfreeze.run import Run  # noqa: E402
+from deepfreeze.lease import read_job_id  # noqa: E402
 from deepfreeze.shardplan import ShardPlan, TensorSpec  # noqa: E402
 
 NAME = "job"
@@ -52,10 +53,10 @@ def main() -> None:
     versions = [int(v) for v in sys.argv[6].split(",")] if len(sys.argv) > 6 and sys.argv[6] else []
     seed = int(seed)
     if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-        from deepfreeze.redundancy import MPIComm
+        from deepfreeze.comm import MPIComm
         comm = MPIComm()
     else:
-        from deepfreeze.redundancy import LocalComm
+        from deepfreeze.comm import LocalComm
         comm = LocalComm()
     rank, size = comm.rank, comm.size
     cfg = Config.load(None, mode="sync", scratch=f"{root}/scratch-r{rank}", persistent=f"{root}/pfs",

@@ -21,7 +21,7 @@ import horovod.tensorflow.keras as hvd  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import RecordWeights, SaveAfterResume, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
-from deepfreeze.run import read_job_id  # noqa: E402
+from deepfreeze.lease import read_job_id  # noqa: E402
 
 out, device, root, epochs, phase = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 hvd.init()

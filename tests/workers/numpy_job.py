@@ -17,7 +17,7 @@ import numpy as np
 
 from deepfreeze import Config, load
 from deepfreeze.run import make_engine
-from deepfreeze.redundancy import MPIComm
+from deepfreeze.comm import MPIComm
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 SHAPES = [(300, 257), (1000,), (64, 33, 7), (5,), (70000,)]

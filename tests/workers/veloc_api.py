@@ -20,7 +20,7 @@ with open(cfg, "w") as f:
 out = {}
 v = Veloc()
 if mode == "async":  # started by DeepFreeze with no inherited pipes (else the caller waits on them)
-    from deepfreeze.veloc_engine import start_backend
+    from deepfreeze.veloc_daemon import start_backend
     start_backend(cfg)
 v.init_single(0, cfg)
 a = np.arange(1000, dtype=np.float64)

@@ -24,7 +24,7 @@ from numpy_job import arrays, tensors  # noqa: E402
 
 from deepfreeze import Config, load, node  # noqa: E402
 from deepfreeze.run import make_engine  # noqa: E402
-from deepfreeze.redundancy import MPIComm  # noqa: E402
+from deepfreeze.comm import MPIComm  # noqa: E402
 from deepfreeze.shardplan import ShardPlan  # noqa: E402
 
 DEFAULTS = {"mode": "async", "ec_scheme": "xor", "persistent_interval": "0", "ec_interval": "-1",

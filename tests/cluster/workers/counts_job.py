@@ -19,7 +19,7 @@ import numpy as np
 
 from deepfreeze import Config
 from deepfreeze.run import make_engine
-from deepfreeze.redundancy import MPIComm
+from deepfreeze.comm import MPIComm
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 

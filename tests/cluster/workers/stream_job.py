@@ -33,7 +33,7 @@ from results import atomic_json, digests  # tests/cluster/workers/results.py
 from deepfreeze import node
 from deepfreeze.errors import DeepFreezeError
 from deepfreeze.fused import FusedLayout, FusedShard
-from deepfreeze.run import RunInfo, Version
+from deepfreeze.lease import RunInfo, Version
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 from deepfreeze.stream import Publisher, StreamOptions, Subscriber
 

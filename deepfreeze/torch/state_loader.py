@@ -39,7 +39,6 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from .._lazy import callable_module
 from ..config import Config
 from ..errors import ModelMismatchError
 from ..loader import Checkpoint, load as _core_load
@@ -397,8 +396,3 @@ def _placed(state: dict[str, Any], param: "torch.Tensor | None", sharded: Any) -
                                    stride=param.stride())
         out[key] = v
     return out
-
-
-# deepfreeze.torch.restore(...) is the function restore, whether the name on the package is the function
-# or this module (set by the import system when it is first imported): the module is callable.
-callable_module(__name__, lambda: restore)

@@ -16,7 +16,6 @@ import logging
 import re
 from typing import Any
 
-from .._lazy import callable_module
 from ..config import Config
 from ..errors import ConfigError, ModelMismatchError
 from ..format import dtype_name
@@ -151,8 +150,3 @@ _KERAS_NUMBER = re.compile(r"_\d+(?=/|$)")
 def _base(name: str) -> str:
     """``name`` without Keras' uniquifying suffixes: ``sequential_3/dense_1/kernel`` -> ``sequential/dense/kernel``."""
     return _KERAS_NUMBER.sub("", name)
-
-
-# deepfreeze.keras.restore(...) is restore_model, whether the name on the package is the function or this
-# module (set by the import system when it is first imported): the module is callable.
-callable_module(__name__, lambda: restore_model)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .._lazy import callable_module
 from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
 from ..export import ExportError, export, format_from_path
 from ..lease import Version
@@ -183,8 +182,3 @@ def _write(arrays: dict, kind: str, path: str, overwrite: bool, name: str, run: 
     size = export(arrays, kind, path, metadata=meta, force=overwrite)
     return {"path": path, "format": kind, "name": name, "run": run, "job": job, "version": str(version),
             "tensors": len(arrays), "optimizer_tensors_left_out": left_out, "bytes": size, "verified": verified}
-
-
-# deepfreeze.memtier.dump(...) is the function dump, whether the name on the package is the function or
-# this module (set by the import system when it is first imported): the module is callable.
-callable_module(__name__, lambda: dump)
