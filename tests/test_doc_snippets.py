@@ -190,7 +190,17 @@ ckpt = Checkpointer(model, opt, persistent="/shared/ckpt", name="positions", eve
                     state={"sched": sched, "data": data})
 """, after="ckpt.close()"),
     # ---------------------------------------------------------------- docs/torch-trainers.md
-    ("docs/torch-trainers.md", 2): Run("from transformers import Trainer, TrainingArguments", stubs="""
+    ("docs/torch-trainers.md", 2): Run("class Augmented(torch.utils.data.Dataset):", stubs="""
+import torch
+""", after="""
+ds = Augmented(torch.randn(8, 3), torch.arange(8))
+first = ds[0][0]
+sd = ds.state_dict()
+again = ds[0][0]
+ds.load_state_dict(sd)
+assert torch.equal(ds[0][0], again) and not torch.equal(first, again)  # the generator's state, saved and set
+"""),
+    ("docs/torch-trainers.md", 3): Run("from transformers import Trainer, TrainingArguments", stubs="""
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 torch.manual_seed(0)
