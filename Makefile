@@ -18,7 +18,7 @@ demo: setup
 	@rm -rf "$(DEMO_OUT)" && mkdir -p "$(DEMO_OUT)"
 	DEEPFREEZE_ENGINE=$(ENGINE) $(MPIRUN) -np 2 $(PY) examples/demo.py train "$(DEMO_OUT)"
 	DEEPFREEZE_ENGINE=$(ENGINE) $(PY) examples/demo.py restore "$(DEMO_OUT)"
-	@if [ "$(ENGINE)" = veloc ]; then $(PY) -c "from deepfreeze.veloc_engine import stop_backend as s; \
+	@if [ "$(ENGINE)" = veloc ]; then $(PY) -c "from deepfreeze.veloc_daemon import stop_backend as s; \
 	  p = s(); print(f'demo: stopped veloc-backend {p}' if p else '')"; fi
 	@mkdir -p "$(DEMO_OUT)/torch"
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/torch_demo.py train "$(DEMO_OUT)/torch"
