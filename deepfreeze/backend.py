@@ -160,7 +160,8 @@ from .priority import Lanes
 from .node import process_state  # noqa: F401  (re-exported: defined here before)
 from .ownership import runtime_dir  # noqa: F401  (re-exported: defined here before)
 
-__all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "remove_stale_locks",
+__all__ = ["socket_path", "BackendClient", "BackendStart", "start_async", "serve", "main", "status", "stop",
+           "process_state", "remove_stale_locks",
            "DEFAULT_TIMEOUT",
            "LOG_EVERY"]
 
@@ -667,15 +668,45 @@ def _start_lock(lockpath: str, timeout: float) -> Iterator[None]:
     be the file at ``lockpath``, or two clients would each hold "the" lock)."""
     while True:
         fd = os.open(lockpath, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "r+") as lockf:
-            got = _timed_flock(lockf, lockpath, timeout)
-            try:
-                same = os.lstat(lockpath).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same or not got:
-                yield
-                return
+        _LOCK_FDS.add(fd)
+        try:
+            with os.fdopen(fd, "r+") as lockf:
+                got = _timed_flock(lockf, lockpath, timeout)
+                try:
+                    same = os.lstat(lockpath).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same or not got:
+                    yield
+                    return
+        finally:
+            _LOCK_FDS.discard(fd)
+
+
+#: descriptors of the start locks this process has open (:func:`_start_lock`). A ``flock`` belongs to
+#: the open file, which a forked child shares: a child forked while a background thread holds the lock
+#: (a DataLoader worker forked while :func:`start_async` starts the backend) would keep it locked until
+#: that child exits, and every other rank of the node would wait for it. The child closes its copies.
+_LOCK_FDS: set[int] = set()
+
+
+def _close_lock_fds_in_child() -> None:
+    if not _LOCK_FDS:
+        return
+    try:
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    for fd in list(_LOCK_FDS):  # the child's reference only (the parent's lock stays); /dev/null put in
+        try:                    # its place, so the lock's file object, should it be closed, closes that
+            os.dup2(null, fd, inheritable=False)
+        except OSError:
+            pass
+    os.close(null)
+    _LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_lock_fds_in_child)
 
 
 def remove_stale_locks(directory: str | None = None) -> list[str]:
@@ -734,6 +765,8 @@ class BackendClient:
         self.pid: int | None = None
         self.inode: int | None = None  # of the socket file this client connected through
         self.stalled: float | None = None  # the backend's flusher progress, from the last poll
+        #: pid of the backend process this client started (None: it connected to one already listening)
+        self.started: int | None = None
         dead = replace
         if dead is None or _socket_inode(self.path) != dead:
             try:
@@ -820,6 +853,7 @@ class BackendClient:
                                     stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                     start_new_session=True, close_fds=True)
             logf.close()
+            self.started = proc.pid
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 inode = _socket_inode(self.path)
@@ -928,6 +962,87 @@ class BackendClient:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+# ----------------------------------------------------------------------------- start in the background
+
+class BackendStart:
+    """The node's backend started or found by a background thread (:func:`start_async`).
+
+    The thread ``deepfreeze-backend-start`` makes the scratch directory (as the engine does, with
+    ``shared_group``) and a :class:`BackendClient`: the same checks and bounds as any client (the
+    socket's owner by ``SO_PEERCRED``, the start lock, ``answer_timeout`` for an unresponsive
+    backend, ``timeout`` for a new one to listen). It keeps that connection open until
+    :meth:`release` (a backend exits once idle with no client connected), so the client the engine
+    makes later finds the backend running and only connects. Nothing is raised: a failure is kept
+    in :attr:`error`; the engine's own client meets it again and raises it where it always did."""
+
+    def __init__(self, scratch: str, *, shared_group: bool = False, answer_timeout: float = DEFAULT_TIMEOUT,
+                 timeout: float = 60.0) -> None:
+        self.scratch = scratch
+        #: the connection held until :meth:`release` (None before, after, or on failure)
+        self.client: BackendClient | None = None
+        #: pid of the backend found or started; pid of the one this start spawned (None: found one running)
+        self.pid: int | None = None
+        self.started: int | None = None
+        #: why it failed (``"<class>: <message>"``), or None
+        self.error: str | None = None
+        #: threads in :meth:`wait` now
+        self.waiting = 0
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._released = False
+        self.thread = threading.Thread(target=self._run, args=(shared_group, answer_timeout, timeout),
+                                       name="deepfreeze-backend-start", daemon=True)
+        self.thread.start()
+
+    def _run(self, shared_group: bool, answer_timeout: float, timeout: float) -> None:
+        client = None
+        try:
+            ScratchLevel(self.scratch, shared_group=shared_group).makedirs(self.scratch)
+            client = BackendClient(self.scratch, timeout=timeout, answer_timeout=answer_timeout)
+        except Exception as e:  # kept: the engine's own client raises it where it always did
+            self.error = f"{type(e).__name__}: {e}"
+            log.info("deepfreeze: starting the backend for scratch %s in the background failed (the engine "
+                     "tries again): %s", self.scratch, self.error)
+        with self._lock:
+            if client is not None:
+                self.pid, self.started = client.pid, client.started
+                if self._released:
+                    client.close()
+                else:
+                    self.client = client
+            self._done.set()
+
+    def done(self) -> bool:
+        """Whether the thread has finished (the backend listens and answered, or it failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to finish; whether it did."""
+        with self._lock:
+            self.waiting += 1
+        try:
+            return self._done.wait(timeout)
+        finally:
+            with self._lock:
+                self.waiting -= 1
+
+    def release(self) -> None:
+        """Let go of the connection (now, or when the thread finishes): the engine holds its own."""
+        with self._lock:
+            self._released = True
+            client, self.client = self.client, None
+        if client is not None:
+            client.close()
+
+
+def start_async(scratch: str, *, shared_group: bool = False, answer_timeout: float = DEFAULT_TIMEOUT,
+                timeout: float = 60.0) -> BackendStart:
+    """Start or find the backend serving ``scratch`` in a background thread and hold a connection
+    to it until :meth:`BackendStart.release`: what :meth:`deepfreeze.run.Run.begin` calls in async
+    mode, so no training step waits for a backend process to start. Returns at once."""
+    return BackendStart(scratch, shared_group=shared_group, answer_timeout=answer_timeout, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- status / stop
