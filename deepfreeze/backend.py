@@ -667,26 +667,34 @@ def _start_lock(lockpath: str, timeout: float) -> Iterator[None]:
     :func:`remove_stale_locks` between its open and the lock is opened again (the lock held must
     be the file at ``lockpath``, or two clients would each hold "the" lock)."""
     while True:
-        fd = os.open(lockpath, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        _LOCK_FDS.add(fd)
+        with _FORK_GUARD:  # known to the fork handler from its first moment to its last (see _FORK_GUARD)
+            fd = os.open(lockpath, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            _LOCK_FDS.add(fd)
         try:
-            with os.fdopen(fd, "r+") as lockf:
-                got = _timed_flock(lockf, lockpath, timeout)
-                try:
-                    same = os.lstat(lockpath).st_ino == os.fstat(fd).st_ino
-                except FileNotFoundError:
-                    same = False
-                if same or not got:
-                    yield
-                    return
+            got = _timed_flock(fd, lockpath, timeout)
+            try:
+                same = os.lstat(lockpath).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same or not got:
+                yield
+                return
         finally:
-            _LOCK_FDS.discard(fd)
+            with _FORK_GUARD:
+                _LOCK_FDS.discard(fd)
+                os.close(fd)
 
 
-#: descriptors of the start locks this process has open (:func:`_start_lock`). A ``flock`` belongs to
-#: the open file, which a forked child shares: a child forked while a background thread holds the lock
-#: (a DataLoader worker forked while :func:`start_async` starts the backend) would keep it locked until
-#: that child exits, and every other rank of the node would wait for it. The child closes its copies.
+# Forks. The backend is started from background threads (start_async, the engine's replacement of
+# a dead backend on its writer lane) while the training thread may fork (a DataLoader's workers):
+# * a child forked during ``subprocess.Popen`` would inherit the pipe on which Popen waits for its
+#   child's exec, and Popen would wait until that child exits (a DataLoader worker: the epoch). Popen
+#   runs under _FORK_GUARD, which ``os.fork`` (multiprocessing's fork) takes first: a fork waits for
+#   the few milliseconds of a Popen, never the other way;
+# * a ``flock`` belongs to the open file, which a forked child shares: a child forked while a thread
+#   holds the start lock would keep it locked until that child exits (every other rank of the node
+#   waiting for it). The child lets go of its copies of the start locks' descriptors (_LOCK_FDS).
+_FORK_GUARD = threading.RLock()
 _LOCK_FDS: set[int] = set()
 
 
@@ -706,7 +714,21 @@ def _close_lock_fds_in_child() -> None:
     _LOCK_FDS.clear()
 
 
-os.register_at_fork(after_in_child=_close_lock_fds_in_child)
+def _before_fork() -> None:
+    _FORK_GUARD.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _FORK_GUARD.release()
+
+
+def _after_fork_in_child() -> None:
+    global _FORK_GUARD
+    _FORK_GUARD = threading.RLock()  # (the parent's, held by the forking thread, is not this process's)
+    _close_lock_fds_in_child()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def remove_stale_locks(directory: str | None = None) -> list[str]:
@@ -849,9 +871,10 @@ class BackendClient:
             ScratchLevel(self.scratch).makedirs(self.scratch)
             logf = os.fdopen(ownership.open_private(os.path.join(self.scratch, ".deepfreeze-backend.log"),
                                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")  # no link, 0600
-            proc = subprocess.Popen([sys.executable, "-m", "deepfreeze.backend", "--socket", self.path],
-                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                    start_new_session=True, close_fds=True)
+            with _FORK_GUARD:  # no os.fork in another thread during it (see _FORK_GUARD)
+                proc = subprocess.Popen([sys.executable, "-m", "deepfreeze.backend", "--socket", self.path],
+                                        stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                        start_new_session=True, close_fds=True)
             logf.close()
             self.started = proc.pid
             deadline = time.monotonic() + timeout

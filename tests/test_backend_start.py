@@ -207,3 +207,36 @@ def test_a_run_closed_before_its_first_checkpoint_lets_the_backend_go(tmp_path):
     while os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(path), "the backend stayed up: the start's connection was never let go"
+
+
+def test_a_child_forked_while_the_start_lock_is_held_does_not_keep_it(tmp_path):
+    """A process forked (a DataLoader worker) while a background thread holds the backend start lock
+    (``start_async`` starting the backend) lets go of its copy of the lock's descriptor: once the
+    thread leaves the lock, another process can take it while the child still lives (a ``flock``
+    belongs to the open file, which the child would otherwise share until it exits)."""
+    path = backend.socket_path(str(tmp_path / "s")) + ".lock"
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with backend._start_lock(path, 30):
+            inside.set()
+            leave.wait(60)
+    t = threading.Thread(target=hold)
+    t.start()
+    assert inside.wait(60)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: lives until the parent closes the pipe
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        leave.set()
+        t.join(60)
+        with open(path) as f:  # another open file of the lock: free although the child lives
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
