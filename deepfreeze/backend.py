@@ -102,7 +102,13 @@ nothing listens it takes the ``flock`` on ``<socket>.lock``, checks again, and t
 the lock spawns ``python -m deepfreeze.backend --socket <path>`` in a new session (so it finishes
 queued flushes after the ranks have exited), logging to ``<scratch>/.deepfreeze-backend.log``,
 and waits up to 60 s for the socket. A holder that keeps the spawn lock for 60 s is logged with
-its pid (from ``/proc/locks``) and the newcomer goes on without it. The backend process keeps the
+its pid (from ``/proc/locks``) and the newcomer goes on without it. :func:`start_async` does all
+this in a background thread and holds the connection (the backend stays up) until released:
+:meth:`deepfreeze.run.Run.begin` calls it in async mode, so the client the engine makes at the
+first checkpoint finds the backend running and no training step waits for a process to start.
+Since backends are started from threads while the training thread may fork (DataLoader workers),
+a fork waits for a ``Popen`` in progress and a forked child lets go of the start locks (see
+``_FORK_GUARD``). The backend process keeps the
 priority it was started with (the rank's); only its low flusher lane lowers itself, so the
 connection threads (and the ``memtier_put`` copies in them) run at normal priority. The
 engine itself uses ``flush``, ``poll`` and ``memtier_put``; a job's result is handed out until
