@@ -20,7 +20,9 @@ captured in iteration ``s`` (plain: next to no checkpoint, the first 3 excluded)
 first checkpoint of a run, ``later`` the mean of the others (the last one, finished by ``close``,
 excluded). Reported per model: mean and standard error over ``--reps`` repetitions of ``first``,
 ``later`` and ``first - later``, and the Checkpointer's construction time (which must not grow:
-the backend is started off the training thread). The JSON holds every sample.
+the backend is started off the training thread). The JSON holds every sample; on a tree whose
+``Run`` records its engine set-ups (``Run.setup_s``), ``first_setup`` splits the first
+checkpoint's post-hook: seconds waiting for the node's backend to start, and building the engine.
 
 Run it on two trees to compare (``PYTHONPATH=<tree> python experiments/first_stall.py``): it uses
 only the public API, the timings list and ``deepfreeze.backend.stop``.
@@ -66,6 +68,15 @@ def one_run(kind: str, every: int, ckpts: int, step_ms: float, work: str) -> dic
     ck = dft.Checkpointer(model, opt, name="fs", every_n_steps=every, mode="async", scratch=scratch,
                           persistent=persistent)
     built_s = time.perf_counter() - t0
+    setup: list = []  # where the Run says so (issue 42, item 6 on): (what, seconds) of each engine set-up
+    if hasattr(ck._run, "setup_s"):
+        new_engine = ck._run.new_engine
+
+        def recorded(*a, **k):
+            out = new_engine(*a, **k)
+            setup.extend(ck._run.setup_s[-2:])
+            return out
+        ck._run.new_engine = recorded
     steps = every * (ckpts + 1)
     stamps = [time.perf_counter()]
     try:
@@ -91,7 +102,8 @@ def one_run(kind: str, every: int, ckpts: int, step_ms: float, work: str) -> dic
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"model": kind, "param_mb": params / 1e6, "built_s": built_s, "plain_iter_s": plain, "stall": stall,
             "iter_stall": iter_stall, "first": stall[0], "later": statistics.fmean(stall[1:]),
-            "iter_first": iter_stall[0], "iter_later": statistics.fmean(iter_stall[1:]), "timings": ck.timings}
+            "iter_first": iter_stall[0], "iter_later": statistics.fmean(iter_stall[1:]), "timings": ck.timings,
+            "first_setup": dict(setup[:2])}
 
 
 def _mse(xs: list[float]) -> dict:
@@ -132,6 +144,9 @@ def main() -> None:
                                                                      "iter_later", "plain_iter_s")},
                          "first_minus_later": _mse([r["first"] - r["later"] for r in rows]),
                          "iter_first_minus_later": _mse([r["iter_first"] - r["iter_later"] for r in rows])}
+        waits = [r["first_setup"].get("waiting for the node's backend to start") for r in rows]
+        if all(w is not None for w in waits):
+            summary[kind]["first_backend_wait"] = _mse(waits)
     out = {"label": args.label, "deepfreeze": os.path.dirname(deepfreeze.__file__), "reps": args.reps,
            "every": args.every, "ckpts": args.ckpts, "step_ms": args.step_ms,
            "first_checkpoint_after_s": args.every * args.step_ms / 1e3, "cpus": os.cpu_count(),
