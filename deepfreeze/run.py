@@ -279,9 +279,11 @@ class Run:
         veloc = self.engine_kind == "veloc"
         t0 = time.perf_counter()
         start, self.backend_start = self.backend_start, None
-        if start is not None:  # started at begin(): usually up by now; else the rest of its start is waited for
-            start.wait(self.config.backend_timeout + 60.0)  # (bounded by the client's own bounds; past this
-        t1 = time.perf_counter()                           # the engine's client takes over the start lock)
+        if start is not None:
+            # started at begin(): usually up by now, else the rest of its start is waited for (its client
+            # has its own bounds; past this one the engine's client goes through the start lock itself)
+            start.wait(self.config.backend_timeout + 60.0)
+        t1 = time.perf_counter()
         try:
             self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, domains,
                                       scratch_cls=self.scratch_cls, comm=None if veloc else comm,
