@@ -134,7 +134,8 @@ def test_first_checkpoint_during_the_start_uses_that_backend(tmp_path):
 
 def test_the_first_slow_checkpoint_says_why_once(tmp_path, caplog):
     """One WARNING per run: the first checkpoint whose stall exceeds STALL_WARN names its parts
-    (the backend's start waited for, largest first); a second slow checkpoint logs no second line."""
+    (here the backend's start, waited for at least as long as the test held the start lock); the
+    second checkpoint logs no second line."""
     cfg = where(tmp_path)
     model, opt = model_and_opt()
     lock = StartLock(cfg["scratch"])
@@ -149,8 +150,10 @@ def test_the_first_slow_checkpoint_says_why_once(tmp_path, caplog):
         lines = [r.getMessage() for r in caplog.records if "first checkpoint stalled" in r.getMessage()]
         assert len(lines) == 1, lines
         assert lines[0].startswith("DeepFreeze: 'bs' v1: the first checkpoint stalled the step ")
-        parts = lines[0].split(": ", 3)[-1]
-        assert parts.split(", ")[0].endswith(" s waiting for the node's backend to start"), lines[0]
+        parts = dict(reversed(p.split(" s ", 1)) for p in lines[0].split(": ", 3)[-1].split(", "))
+        assert float(parts["waiting for the node's backend to start"]) >= STALL_WARN + 0.05 - 0.005, lines[0]
+        assert set(parts) <= {"waiting for the node's backend to start", "building the engine", "capturing",
+                              "waiting for the background copy", "handing off to the engine"}, lines[0]
     finally:
         ck.close()
         stop_backend(cfg["scratch"])
@@ -225,13 +228,18 @@ def test_a_child_forked_while_the_start_lock_is_held_does_not_keep_it(tmp_path):
     t.start()
     assert inside.wait(60)
     r, w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: lives until the parent closes the pipe
+    if pid == 0:  # the child (its fork handlers have run): says so, lives until the parent closes the pipe
         os.close(w)
+        os.write(ready_w, b"1")
         os.read(r, 1)
         os._exit(0)
     os.close(r)
+    os.close(ready_w)
     try:
+        assert os.read(ready_r, 1) == b"1"
+        os.close(ready_r)
         leave.set()
         t.join(60)
         with open(path) as f:  # another open file of the lock: free although the child lives
