@@ -102,7 +102,13 @@ nothing listens it takes the ``flock`` on ``<socket>.lock``, checks again, and t
 the lock spawns ``python -m deepfreeze.backend --socket <path>`` in a new session (so it finishes
 queued flushes after the ranks have exited), logging to ``<scratch>/.deepfreeze-backend.log``,
 and waits up to 60 s for the socket. A holder that keeps the spawn lock for 60 s is logged with
-its pid (from ``/proc/locks``) and the newcomer goes on without it. The backend process keeps the
+its pid (from ``/proc/locks``) and the newcomer goes on without it. :func:`start_async` does all
+this in a background thread and holds the connection (the backend stays up) until released:
+:meth:`deepfreeze.run.Run.begin` calls it in async mode, so the client the engine makes at the
+first checkpoint finds the backend running and no training step waits for a process to start.
+Since backends are started from threads while the training thread may fork (DataLoader workers),
+a fork waits for a ``Popen`` in progress and a forked child lets go of the start locks (see
+``_FORK_GUARD``). The backend process keeps the
 priority it was started with (the rank's); only its low flusher lane lowers itself, so the
 connection threads (and the ``memtier_put`` copies in them) run at normal priority. The
 engine itself uses ``flush``, ``poll`` and ``memtier_put``; a job's result is handed out until
@@ -122,7 +128,7 @@ start); otherwise the next call with time for it does. ``status(scratch, timeout
 backend that accepts but does not answer as ``unresponsive``, with its pid (known from
 ``SO_PEERCRED`` even when it never answers) and kernel state (``T (stopped)``, ``D
 (uninterruptible I/O wait)``); ``stop`` never signals it. Both also report this user's VeloC
-daemon (:func:`deepfreeze.veloc_engine.veloc_daemon_status`), and ``stop`` stops that daemon if
+daemon (:func:`deepfreeze.veloc_daemon.veloc_daemon_status`), and ``stop`` stops that daemon if
 DeepFreeze started it and no DeepFreeze job uses it.
 
 Socket details: ``connect`` also has the ``answer_timeout`` (it blocks once a stopped backend's
@@ -160,7 +166,8 @@ from .priority import Lanes
 from .node import process_state  # noqa: F401  (re-exported: defined here before)
 from .ownership import runtime_dir  # noqa: F401  (re-exported: defined here before)
 
-__all__ = ["socket_path", "BackendClient", "serve", "main", "status", "stop", "process_state", "remove_stale_locks",
+__all__ = ["socket_path", "BackendClient", "BackendStart", "start_async", "serve", "main", "status", "stop",
+           "process_state", "remove_stale_locks",
            "DEFAULT_TIMEOUT",
            "LOG_EVERY"]
 
@@ -666,9 +673,11 @@ def _start_lock(lockpath: str, timeout: float) -> Iterator[None]:
     :func:`remove_stale_locks` between its open and the lock is opened again (the lock held must
     be the file at ``lockpath``, or two clients would each hold "the" lock)."""
     while True:
-        fd = os.open(lockpath, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "r+") as lockf:
-            got = _timed_flock(lockf, lockpath, timeout)
+        with _FORK_GUARD:  # known to the fork handler from its first moment to its last (see _FORK_GUARD)
+            fd = os.open(lockpath, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            _LOCK_FDS.add(fd)
+        try:
+            got = _timed_flock(fd, lockpath, timeout)
             try:
                 same = os.lstat(lockpath).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -676,6 +685,56 @@ def _start_lock(lockpath: str, timeout: float) -> Iterator[None]:
             if same or not got:
                 yield
                 return
+        finally:
+            with _FORK_GUARD:
+                _LOCK_FDS.discard(fd)
+                os.close(fd)
+
+
+# Forks. The backend is started from background threads (start_async, the engine's replacement of
+# a dead backend on its writer lane) while the training thread may fork (a DataLoader's workers):
+# * a child forked during ``subprocess.Popen`` would inherit the pipe on which Popen waits for its
+#   child's exec, and Popen would wait until that child exits (a DataLoader worker: the epoch). Popen
+#   runs under _FORK_GUARD, which ``os.fork`` (multiprocessing's fork) takes first: a fork waits for
+#   the few milliseconds of a Popen, never the other way;
+# * a ``flock`` belongs to the open file, which a forked child shares: a child forked while a thread
+#   holds the start lock would keep it locked until that child exits (every other rank of the node
+#   waiting for it). The child lets go of its copies of the start locks' descriptors (_LOCK_FDS).
+_FORK_GUARD = threading.RLock()
+_LOCK_FDS: set[int] = set()
+
+
+def _close_lock_fds_in_child() -> None:
+    if not _LOCK_FDS:
+        return
+    try:
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    for fd in list(_LOCK_FDS):  # the child's reference only (the parent's lock stays); /dev/null put in
+        try:                    # its place, so the lock's file object, should it be closed, closes that
+            os.dup2(null, fd, inheritable=False)
+        except OSError:
+            pass
+    os.close(null)
+    _LOCK_FDS.clear()
+
+
+def _before_fork() -> None:
+    _FORK_GUARD.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _FORK_GUARD.release()
+
+
+def _after_fork_in_child() -> None:
+    global _FORK_GUARD
+    _FORK_GUARD = threading.RLock()  # (the parent's, held by the forking thread, is not this process's)
+    _close_lock_fds_in_child()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def remove_stale_locks(directory: str | None = None) -> list[str]:
@@ -734,6 +793,8 @@ class BackendClient:
         self.pid: int | None = None
         self.inode: int | None = None  # of the socket file this client connected through
         self.stalled: float | None = None  # the backend's flusher progress, from the last poll
+        #: pid of the backend process this client started (None: it connected to one already listening)
+        self.started: int | None = None
         dead = replace
         if dead is None or _socket_inode(self.path) != dead:
             try:
@@ -816,10 +877,12 @@ class BackendClient:
             ScratchLevel(self.scratch).makedirs(self.scratch)
             logf = os.fdopen(ownership.open_private(os.path.join(self.scratch, ".deepfreeze-backend.log"),
                                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")  # no link, 0600
-            proc = subprocess.Popen([sys.executable, "-m", "deepfreeze.backend", "--socket", self.path],
-                                    stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                    start_new_session=True, close_fds=True)
+            with _FORK_GUARD:  # no os.fork in another thread during it (see _FORK_GUARD)
+                proc = subprocess.Popen([sys.executable, "-m", "deepfreeze.backend", "--socket", self.path],
+                                        stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                        start_new_session=True, close_fds=True)
             logf.close()
+            self.started = proc.pid
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 inode = _socket_inode(self.path)
@@ -928,6 +991,87 @@ class BackendClient:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+# ----------------------------------------------------------------------------- start in the background
+
+class BackendStart:
+    """The node's backend started or found by a background thread (:func:`start_async`).
+
+    The thread ``deepfreeze-backend-start`` makes the scratch directory (as the engine does, with
+    ``shared_group``) and a :class:`BackendClient`: the same checks and bounds as any client (the
+    socket's owner by ``SO_PEERCRED``, the start lock, ``answer_timeout`` for an unresponsive
+    backend, ``timeout`` for a new one to listen). It keeps that connection open until
+    :meth:`release` (a backend exits once idle with no client connected), so the client the engine
+    makes later finds the backend running and only connects. Nothing is raised: a failure is kept
+    in :attr:`error`; the engine's own client meets it again and raises it where it always did."""
+
+    def __init__(self, scratch: str, *, shared_group: bool = False, answer_timeout: float = DEFAULT_TIMEOUT,
+                 timeout: float = 60.0) -> None:
+        self.scratch = scratch
+        #: the connection held until :meth:`release` (None before, after, or on failure)
+        self.client: BackendClient | None = None
+        #: pid of the backend found or started; pid of the one this start spawned (None: found one running)
+        self.pid: int | None = None
+        self.started: int | None = None
+        #: why it failed (``"<class>: <message>"``), or None
+        self.error: str | None = None
+        #: threads in :meth:`wait` now
+        self.waiting = 0
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._released = False
+        self.thread = threading.Thread(target=self._run, args=(shared_group, answer_timeout, timeout),
+                                       name="deepfreeze-backend-start", daemon=True)
+        self.thread.start()
+
+    def _run(self, shared_group: bool, answer_timeout: float, timeout: float) -> None:
+        client = None
+        try:
+            ScratchLevel(self.scratch, shared_group=shared_group).makedirs(self.scratch)
+            client = BackendClient(self.scratch, timeout=timeout, answer_timeout=answer_timeout)
+        except Exception as e:  # kept: the engine's own client raises it where it always did
+            self.error = f"{type(e).__name__}: {e}"
+            log.info("deepfreeze: starting the backend for scratch %s in the background failed (the engine "
+                     "tries again): %s", self.scratch, self.error)
+        with self._lock:
+            if client is not None:
+                self.pid, self.started = client.pid, client.started
+                if self._released:
+                    client.close()
+                else:
+                    self.client = client
+            self._done.set()
+
+    def done(self) -> bool:
+        """Whether the thread has finished (the backend listens and answered, or it failed)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to finish; whether it did."""
+        with self._lock:
+            self.waiting += 1
+        try:
+            return self._done.wait(timeout)
+        finally:
+            with self._lock:
+                self.waiting -= 1
+
+    def release(self) -> None:
+        """Let go of the connection (now, or when the thread finishes): the engine holds its own."""
+        with self._lock:
+            self._released = True
+            client, self.client = self.client, None
+        if client is not None:
+            client.close()
+
+
+def start_async(scratch: str, *, shared_group: bool = False, answer_timeout: float = DEFAULT_TIMEOUT,
+                timeout: float = 60.0) -> BackendStart:
+    """Start or find the backend serving ``scratch`` in a background thread and hold a connection
+    to it until :meth:`BackendStart.release`: what :meth:`deepfreeze.run.Run.begin` calls in async
+    mode, so no training step waits for a backend process to start. Returns at once."""
+    return BackendStart(scratch, shared_group=shared_group, answer_timeout=answer_timeout, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- status / stop

@@ -12,9 +12,11 @@ import json
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
+from . import backend
 from .comm import Comm
 from .config import Config
 from .engine import Engine, resolve_engine
@@ -24,13 +26,16 @@ from .levels import ScratchLevel
 from .shardplan import ShardPlan
 from .veloc_engine import VelocEngine
 
-__all__ = ["Run", "RunView", "ON_ERROR", "make_engine"]
+__all__ = ["Run", "RunView", "ON_ERROR", "STALL_WARN", "make_engine"]
 
 log = logging.getLogger("deepfreeze")
 
 #: the ``on_error`` policies: ``"raise"`` stops training at a failed checkpoint, ``"warn"`` logs it,
 #: counts it in :attr:`Run.failures` and training goes on
 ON_ERROR = ("raise", "warn")
+#: seconds: a first checkpoint that stalls the training step longer logs one warning naming its parts
+#: (:meth:`Run.note_stall`)
+STALL_WARN = 0.25
 
 
 class Run:
@@ -98,6 +103,12 @@ class Run:
         self.errors = 0
         #: called before :meth:`guard` re-raises under ``on_error='raise'`` (an adapter's clean-up)
         self.before_raise: Callable[[], None] | None = None
+        #: the node's backend being started or found off the training thread since :meth:`begin` (async
+        #: mode, built-in engine; :func:`deepfreeze.backend.start_async`), until the first engine is built
+        self.backend_start: backend.BackendStart | None = None
+        #: (what, seconds) of the engine set-ups (:meth:`new_engine`) since the last :meth:`note_stall`
+        self.setup_s: list[tuple[str, float]] = []
+        self._stall_noted = False
 
     def _gather0(self, payload: dict[str, Any] | None) -> dict[str, Any]:
         rows = self.comm.allgather(json.dumps(payload).encode() if self.rank == 0 else b"")
@@ -174,6 +185,10 @@ class Run:
                 "the old versions are retired)")
         self.info = RunInfo(got["id"], gen, job=got.get("job"))
         self.begun = True
+        if cfg.mode == "async" and (self.engine_kind == "builtin" or cfg.memtier is not None) \
+                and self.backend_start is None:  # the engine's backend (make_engine), started off this thread
+            self.backend_start = backend.start_async(cfg.scratch, shared_group=cfg.shared_group,
+                                                     answer_timeout=cfg.backend_timeout)
         return self.info
 
     def resumed(self, step: int) -> RunInfo:
@@ -260,12 +275,46 @@ class Run:
             old, self.engine = self.engine, None
             self.guard(old.close)
         veloc = self.engine_kind == "veloc"
-        self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, domains,
-                                  scratch_cls=self.scratch_cls, comm=None if veloc else comm,
-                                  mpi_comm=comm.comm if veloc and comm is not None else None, run=self.info)
+        t0 = time.perf_counter()
+        start, self.backend_start = self.backend_start, None
+        if start is not None:
+            # started at begin(): usually up by now, else the rest of its start is waited for (its client
+            # has its own bounds; past this one the engine's client goes through the start lock itself)
+            start.wait(self.config.backend_timeout + 60.0)
+        t1 = time.perf_counter()
+        try:
+            self.engine = make_engine(self.engine_kind, self.config, self.name, self.rank, plan, domains,
+                                      scratch_cls=self.scratch_cls, comm=None if veloc else comm,
+                                      mpi_comm=comm.comm if veloc and comm is not None else None, run=self.info)
+        finally:
+            if start is not None:
+                start.release()  # the engine holds its own connection now
+        self.setup_s += [("waiting for the node's backend to start", t1 - t0),
+                         ("building the engine", time.perf_counter() - t1)]
         if self.last_version is not None:
             self.engine.last_version = self.last_version  # versions keep growing within the run
         return self.engine
+
+    def note_stall(self, version: int, parts: Sequence[tuple[str, float]], *, setup_inside: bool = True) -> None:
+        """An adapter's account of how long checkpoint ``version`` stalled the training step:
+        ``parts``, (what, seconds) adding up to the stall. With ``setup_inside``, the engine set-ups
+        of :meth:`new_engine` since the last call (:attr:`setup_s`) were made inside the first part
+        and are named apart from it. The run's first call whose stall exceeds :data:`STALL_WARN`
+        logs one warning (rank 0) naming the parts, largest first; every later call does nothing
+        (one line per run: the library installs no log handler, so an INFO line would never be seen)."""
+        setup, self.setup_s = self.setup_s, []
+        if self._stall_noted:
+            return
+        self._stall_noted = True
+        total = sum(s for _, s in parts)
+        if total <= STALL_WARN or self.rank != 0 or not parts:
+            return
+        named = list(parts)
+        if setup_inside and setup:
+            named = [*setup, (parts[0][0], max(0.0, parts[0][1] - sum(s for _, s in setup))), *parts[1:]]
+        named = sorted((p for p in named if p[1] >= 0.005), key=lambda p: -p[1])  # (what shows as 0.00 s left out)
+        log.warning("DeepFreeze: %r v%d: the first checkpoint stalled the step %.2f s: %s", self.name, version,
+                    total, ", ".join(f"{s:.2f} s {what}" for what, s in named))
 
     def summary(self, plan: Any, tensors: int) -> None:
         """Log the shard plan's size (rank 0, ``verbose``)."""
@@ -293,6 +342,9 @@ class Run:
         """Close the engine (waits for its flushes; raises a pending background error once,
         shuts down either way), then release the lease (rank 0): the run ends here."""
         engine, self.engine = self.engine, None
+        start, self.backend_start = self.backend_start, None
+        if start is not None:
+            start.release()  # no engine was built: the backend exits once idle
         try:
             if engine is not None:
                 engine.close(wait=True)

@@ -354,3 +354,27 @@ def test_two_tensors_with_one_name_are_refused_at_plan_time(tmp_path):
         model.fit(x, np.ones((8, 2), np.float32), batch_size=4, epochs=1, callbacks=[ckpt], verbose=0)
     ckpt.close()
     assert not [v for v in os.listdir(tmp_path / "pfs" / "dup") if v.startswith("v")], "no version is written"
+
+
+def test_the_first_slow_checkpoint_says_why_once(tmp_path, caplog):
+    """Issue 42, item 6: the run's first checkpoint that stalls the step over STALL_WARN logs one
+    WARNING naming its parts; later slow ones log nothing (the slowness forced by a subclass)."""
+    import logging
+    from deepfreeze.run import STALL_WARN
+
+    class SlowCapture(DeepFreezeCheckpoint):
+        def _capture(self, step):
+            time.sleep(STALL_WARN + 0.05)
+            return super()._capture(step)
+
+    model = build()
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    ckpt = SlowCapture(name="k", every_n_batches=2, at_epoch_end=False, mode="sync", **dirs(tmp_path))
+    x, y = data()  # 6 steps: v2, v4, v6, each slow
+    with caplog.at_level(logging.WARNING, logger="deepfreeze"):
+        model.fit(x, y, batch_size=16, epochs=1, callbacks=[ckpt], verbose=0)
+    ckpt.close()
+    assert [t["version"] for t in ckpt.timings] == [2, 4, 6]
+    lines = [r.getMessage() for r in caplog.records if "first checkpoint stalled" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("DeepFreeze: 'k' v2: the first checkpoint stalled the step "), lines
+    assert "s capturing" in lines[0], lines

@@ -644,6 +644,8 @@ class DeepFreezeCheckpoint(RunView, tf.keras.callbacks.Callback):
         t2 = time.perf_counter()
         self.timings.append({"version": version, "time": time.time() - (t2 - t0), "capture_s": t1 - t0,
                              "blocking_s": t2 - t0})
+        self._run.note_stall(version, [("capturing", t1 - t0), ("handing off to the engine", t2 - t1)],
+                             setup_inside=False)  # the first checkpoint over STALL_WARN says what took the time
         if self.verbose and self.rank == 0:
             log.warning("DeepFreeze: checkpoint %s v%d handed off in %.1f ms", self.name, version, 1e3 * (t2 - t0))
 

@@ -683,6 +683,9 @@ class Checkpointer(RunView, Sink):
         del shard, dest, p
         self.timings.append({"version": self._run.last_version or -1, "post_hook_s": self._t_post, "wait_s": waited,
                              "handoff_s": time.perf_counter() - t1})
+        t = self.timings[-1]  # the first checkpoint over STALL_WARN says what took the time (once per run)
+        self._run.note_stall(t["version"], [("capturing", t["post_hook_s"]), ("waiting for the background copy",
+                                            waited), ("handing off to the engine", t["handoff_s"])])
 
     def _checkpoint(self, step: int, shard: FusedShard, extra: dict) -> None:
         """Hand a finished capture to the engine and to the riders that wanted it. A capture only
