@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -136,15 +137,31 @@ class BufferPool:
     numpy view of it is alive: a view holds a reference to its base array); :meth:`acquire`
     returns a free one, or allocates one more (logged) when all are held. Padding bytes are
     never written by a capture, so they stay zero. Allocation happens when the pool is built
-    (``count`` buffers) so no capture pays for faulting fresh pages.
+    (``count`` buffers) so no capture pays for faulting fresh pages. With ``background=True`` only
+    the first buffer is allocated in the constructor (the capture that builds the pool inside a
+    training step needs just that one) and the other ``count - 1`` in a daemon thread; an
+    :meth:`acquire` that finds no free buffer while that thread runs waits for it.
     """
 
-    def __init__(self, nbytes: int, count: int) -> None:
+    def __init__(self, nbytes: int, count: int, *, background: bool = False) -> None:
         if nbytes < STAMP_BYTES or count < 1:
             raise ValueError(f"a buffer pool needs nbytes >= {STAMP_BYTES} and count >= 1, got {nbytes}, {count}")
         self.nbytes = nbytes
-        self.buffers: list[np.ndarray] = [self._allocate() for _ in range(count)]
+        first = 1 if background else count
+        self.buffers: list[np.ndarray] = [self._allocate() for _ in range(first)]
         self.grown = 0  #: buffers allocated beyond ``count`` because all were held
+        self._filler: "threading.Thread | None" = None
+        if count > first:
+            self._filler = threading.Thread(target=self._fill, args=(count - first,), daemon=True,
+                                            name="deepfreeze-buffer-pool")
+            self._filler.start()
+
+    def _fill(self, n: int) -> None:
+        for _ in range(n):
+            try:
+                self.buffers.append(self._allocate())
+            except MemoryError:  # acquire() allocates when it needs one (and says so)
+                return
 
     def _allocate(self) -> np.ndarray:
         import mmap
@@ -165,6 +182,10 @@ class BufferPool:
         for i in range(len(self.buffers)):
             if self._free(i):
                 return self.buffers[i]
+        if self._filler is not None:  # the buffers still being allocated in the background: wait for them
+            self._filler.join()
+            self._filler = None
+            return self.acquire()
         buf = self._allocate()
         self.buffers.append(buf)
         self.grown += 1

@@ -67,3 +67,17 @@ def test_pool_hands_out_only_buffers_nothing_refers_to():
     assert pool.grown == 1 and len(pool.buffers) == 3 and d is pool.buffers[2]
     with pytest.raises(ValueError):
         BufferPool(10, 1)
+
+
+def test_a_background_pool_allocates_one_buffer_now_and_the_others_off_the_thread():
+    """Issue 42, item 6: the pool built inside the first checkpoint's step faults in one buffer; the
+    others come from a daemon thread, and an acquire that needs one of them waits for it (never
+    allocates one more)."""
+    pool = BufferPool(3 * 4096 + 100, 3, background=True)
+    a = pool.acquire()
+    b = pool.acquire()  # a held: the second buffer, the filler's (waited for if still being made)
+    c = pool.acquire()
+    assert len({BufferPool.address(x) for x in (a, b, c)}) == 3 and pool.grown == 0 and len(pool.buffers) == 3
+    assert all(BufferPool.address(x) % 4096 == 0 and not x.any() for x in (a, b, c))
+    del a
+    assert pool.acquire() is pool.buffers[0]

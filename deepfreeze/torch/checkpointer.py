@@ -779,8 +779,10 @@ class Checkpointer(RunView, Sink):
             self._segments.append((tid, seg, tid in self._pinned or not self.overlap, plan.tensors[tid].name))
         self._cuda = _cuda.capture_for(st.tensors, self._cuda)
         _cuda.release_pool(self._pool)
-        self._pool = (self._cuda.pool if self._cuda is not None else BufferPool)(self._layout.nbytes,
-                                                                                  self.config.max_inflight + 1)
+        if self._cuda is not None:
+            self._pool = self._cuda.pool(self._layout.nbytes, self.config.max_inflight + 1)
+        else:  # built inside the step of the first checkpoint: its one buffer now, the others off this thread
+            self._pool = BufferPool(self._layout.nbytes, self.config.max_inflight + 1, background=True)
         self.plans += 1
         self._run.summary(plan, len(plan.tensors))
 
