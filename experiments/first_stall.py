@@ -122,7 +122,13 @@ def main() -> None:
     ap.add_argument("--label", default="", help="what tree this measures (recorded)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "first_stall.json"))
+    ap.add_argument("--combine", nargs="+", metavar="JSON", help="no run: put these results (before, after ...) "
+                    "side by side in --out as sets, and draw --png")
+    ap.add_argument("--png", default=None)
     args = ap.parse_args()
+    if args.combine:
+        combine(args.combine, args.out, args.png)
+        return
     torch.set_num_threads(1)
     runtime = tempfile.mkdtemp(prefix="dffs-run-")  # a private backend socket directory
     os.environ["DEEPFREEZE_RUNTIME_DIR"] = runtime
@@ -159,6 +165,37 @@ def main() -> None:
               f"ms, later {1e3 * s['later']['mean']:.1f} ± {1e3 * s['later']['se']:.1f} ms, first - later "
               f"{1e3 * s['first_minus_later']['mean']:.1f} ± {1e3 * s['first_minus_later']['se']:.1f} ms; built in "
               f"{1e3 * s['built_s']['mean']:.0f} ± {1e3 * s['built_s']['se']:.0f} ms")
+
+
+def combine(paths: list[str], out: str, png: "str | None") -> None:
+    """Results of runs on two trees (before, after), side by side: one JSON of sets and a bar chart
+    of ``first - later`` (mean ± SE) per model and set."""
+    sets = {}
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        sets[d["label"].split(":")[0] or os.path.basename(p)] = d
+    with open(out, "w") as f:
+        json.dump({"what": "experiments/first_stall.py: the first checkpoint's extra stall (first - later), "
+                           "per tree, on one machine one after the other", "sets": sets}, f, indent=1)
+    if png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        models = list(next(iter(sets.values()))["summary"])
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        w = 0.8 / len(sets)
+        for i, (name, d) in enumerate(sets.items()):
+            m = [1e3 * d["summary"][k]["first_minus_later"]["mean"] for k in models]
+            e = [1e3 * d["summary"][k]["first_minus_later"]["se"] for k in models]
+            ax.bar([j + i * w for j in range(len(models))], m, w, yerr=e, capsize=3, label=name)
+        ax.axhline(50, color="k", lw=0.8, ls="--", label="target: 50 ms")
+        ax.set_xticks([j + w * (len(sets) - 1) / 2 for j in range(len(models))])
+        ax.set_xticklabels([f"{k} ({next(iter(sets.values()))['summary'][k]['param_mb']:.2f} MB)" for k in models])
+        ax.set_ylabel("first checkpoint's stall - a later one's (ms)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
 
 
 if __name__ == "__main__":
