@@ -271,19 +271,16 @@ class Config:
                               "device is one preallocated file, e.g. under /dev/shm): create it with 'deepfreeze "
                               "memtier create PATH --size 8G'")
 
-    def _make_default_scratch(self) -> None:
-        """Create the scratch directory this configuration chose itself (owner-only, every parent
-        checked: :func:`deepfreeze.ownership.ensure_dir`); one another user made is refused."""
+    def _make_scratch(self, root: str, what: str) -> None:
+        """Create the scratch directory this configuration chose itself (``what`` names it), owner-only,
+        ``root`` and every parent checked (:func:`deepfreeze.ownership.ensure_dir`); one another user
+        made is refused."""
         from . import ownership
         from .errors import UnsafePathError
-        default = self.scratch == default_scratch()
-        try:  # the default: /var/tmp (root's, sticky) is the root; deepfreeze-<uid> must be this user's
-            ownership.ensure_dir(self.scratch, os.path.dirname(os.path.dirname(self.scratch)) if default
-                                 else self.scratch, shared_group=self.shared_group, site="config")
+        try:
+            ownership.ensure_dir(self.scratch, root, shared_group=self.shared_group, site="config")
         except (UnsafePathError, OSError) as e:
-            via = f"the default scratch directory {self.scratch}" if default else \
-                f"scratch = {self.scratch} ({self.where('scratch')})"
-            raise ConfigError(f"{via} cannot be used: {e}. Set {SCRATCH_ENV} (or scratch=DIR) to a node-local "
+            raise ConfigError(f"{what} cannot be used: {e}. Set {SCRATCH_ENV} (or scratch=DIR) to a node-local "
                               "directory of your own") from e
 
     @property
@@ -312,14 +309,19 @@ class Config:
                 raise ConfigError(_unknown(key, "keyword override"))
             raw[key] = ("keyword override", value)
         defaulted: dict[str, Any] = {}
+        make: "tuple[str, str] | None" = None  # a scratch chosen here: (the root ensure_dir checks, what it is)
         if path is None:  # no file: only persistent must be given
             if "mode" not in raw:
                 defaulted["mode"] = "async"
             if "scratch" not in raw:
                 if env.get(SCRATCH_ENV):
                     raw["scratch"] = (f"env {SCRATCH_ENV}", env[SCRATCH_ENV])
+                    given = os.path.abspath(os.path.expanduser(env[SCRATCH_ENV]))
+                    make = (given, f"scratch = {given} (env {SCRATCH_ENV})")
                 else:
-                    defaulted["scratch"] = default_scratch()
+                    defaulted["scratch"] = default_scratch()  # /var/tmp (root's, sticky) is the root checked;
+                    make = (os.path.dirname(os.path.dirname(defaulted["scratch"])),  # deepfreeze-<uid> is ours
+                            f"the default scratch directory {defaulted['scratch']}")
         if "mode" not in raw and "mode" not in defaulted:
             raise ConfigError(f"{source}: 'mode' is mandatory in a configuration file (as in VeloC): add 'mode = "
                               "async' or 'mode = sync' (without a file it defaults to async)")
@@ -338,8 +340,8 @@ class Config:
                 kwargs[key] = _convert(key, value, where)
         origins = tuple(sorted((key, where) for key, (where, _) in raw.items()))
         config = cls(veloc_only=tuple(sorted(extra)), origins=origins, **kwargs)
-        if "scratch" in defaulted or raw.get("scratch", ("",))[0] == f"env {SCRATCH_ENV}":
-            config._make_default_scratch()
+        if make is not None:
+            config._make_scratch(*make)
         return config
 
     @classmethod

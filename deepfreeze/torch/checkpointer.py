@@ -171,9 +171,8 @@ class Checkpointer(RunView, Sink):
       save_last: a normal :meth:`close` (and the Lightning and Hugging Face callbacks' end of
         training) checkpoints the last completed step when it is newer than the newest version,
         as Lightning's ``ModelCheckpoint(save_last=True)``; never with an exception in flight, in
-        the exit hand-off, or after any rank reported a checkpoint error (raised or counted in
-        :attr:`failures`) (False: the versions of
-        ``every_n_steps`` and :meth:`checkpoint` only).
+        the exit hand-off, or after any rank reported a checkpoint error (raised, or counted in
+        :attr:`failures`). False: only the versions of ``every_n_steps`` and :meth:`checkpoint`.
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
