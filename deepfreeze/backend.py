@@ -162,12 +162,12 @@ from . import ownership
 from .errors import BackendError, BackendUnresponsiveError, UntrustedOwnerError
 from .jsonsafe import loads as bounded_loads
 from .levels import ScratchLevel, flush_job
+from .node import process_state
 from .priority import Lanes
-from .node import process_state  # noqa: F401  (re-exported: defined here before)
 from .ownership import runtime_dir  # noqa: F401  (re-exported: defined here before)
 
 __all__ = ["socket_path", "BackendClient", "BackendStart", "start_async", "serve", "main", "status", "stop",
-           "process_state", "remove_stale_locks",
+           "remove_stale_locks",
            "DEFAULT_TIMEOUT",
            "LOG_EVERY"]
 

@@ -129,7 +129,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .backend import LOG_EVERY, BackendClient, process_state
+from .backend import LOG_EVERY, BackendClient
+from .node import process_state
 from .config import Config, validate_name
 from . import counters
 from . import format as fmt

@@ -98,7 +98,6 @@ from typing import Any, Iterable, Mapping
 
 from . import ownership
 from .jsonsafe import loads as bounded_loads
-from .node import node_id  # re-exported: the one definition is deepfreeze.node
 from .errors import (AuthenticationError, ConfigError, DeepFreezeError, FrameAuthenticationError, PeerClosedError,
                      ProtocolVersionError, ProviderError, ProviderTimeoutError, UnsafePathError, UntrustedOwnerError,
                      error_class)
@@ -107,7 +106,7 @@ __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "MIN_ENV_TOKEN", "DEFAULT_TOKEN_PATH",
            "create_token", "ensure_token", "load_token", "check_token", "parse_address", "format_address",
            "is_loopback", "listen", "connect", "send_msg", "recv_msg", "wait_readable", "Message", "Channel",
            "FrameWriter", "Acceptor", "error_reply", "raise_for_reply", "server_handshake", "server_authenticate",
-           "client_handshake", "is_transport_error", "keepalive", "node_id"]
+           "client_handshake", "is_transport_error", "keepalive"]
 
 #: environment variable holding the token text itself (takes precedence over the token files)
 TOKEN_ENV = "DEEPFREEZE_TOKEN"

@@ -536,14 +536,8 @@ def reexports() -> list[str]:
 # veloc_engine, lease, format, levels and memtier.copy):
 # each is to go (its callers importing from the home); the list may only shrink.
 KNOWN_REEXPORTS: dict[str, tuple[str, ...]] = {
-    "deepfreeze.backend": ("process_state",),
-    "deepfreeze.keras.native": ("NativeBuildError",),
-    "deepfreeze.keras.repo": ("LoadReport",),
     "deepfreeze.memtier.device": ("PAGE", "SlotHeader", "SlotState", "index_for_entries", "make_index",
                                   "manifest_capacity", "_SLOT", "ShardRegion", "SlotWriter"),
-    "deepfreeze.net": ("node_id",),
-    "deepfreeze.repo.store": ("RESERVE_BYTES", "RESERVE_FILE", "DEFAULT_QUARANTINE_PERIOD", "QUARANTINE_DIR"),
-    "deepfreeze.torch.repo": ("LoadReport",),
 }
 
 

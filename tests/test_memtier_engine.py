@@ -18,7 +18,7 @@ import pytest
 
 from _util import memtier_device, WORKERS, mpirun
 from deepfreeze import Config
-from deepfreeze.backend import process_state
+from deepfreeze.node import process_state
 from deepfreeze import format as fmt
 from deepfreeze.engine import Engine
 from deepfreeze.run import make_engine

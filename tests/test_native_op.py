@@ -17,6 +17,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
+from deepfreeze.errors import NativeBuildError  # noqa: E402
 from deepfreeze.keras import native  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +28,7 @@ SENTINEL = 0xA5
 def op():
     try:
         native.build()
-    except native.NativeBuildError as e:
+    except NativeBuildError as e:
         pytest.skip(f"the fused-copy op cannot be built here: {e}")
     mod = native.load()
     if mod is None:

@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deepfreeze.errors import CheckpointWriteError, CorruptCheckpointError, RepositoryError
-from deepfreeze.repo.store import QUARANTINE_DIR, EmbeddedRepository
+from deepfreeze.repo.quarantine import QUARANTINE_DIR
+from deepfreeze.repo.store import EmbeddedRepository
 from test_repo_store import GcDuringStore  # noqa: E402  (the injected concurrent gc, one definition)
 
 

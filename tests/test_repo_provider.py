@@ -296,7 +296,7 @@ class Raw:
 
     def __init__(self, addr, token=TOKEN, providers=None, index=0):
         self.sock = net.connect(addr, 10)
-        from deepfreeze.net import node_id
+        from deepfreeze.node import node_id
         self.ch, self.hello = net.client_handshake(self.sock, token, {"op": "hello", "providers": providers or [addr],
                                                                       "index": index, "node": node_id(),
                                                                       "uid": os.getuid()},

@@ -20,6 +20,7 @@ import pytest
 from deepfreeze import net
 from deepfreeze.errors import AuthenticationError, ConfigError, StreamError, StreamTimeoutError, VersionGoneError
 from deepfreeze.format import crc32
+from deepfreeze.node import node_id
 from deepfreeze.lease import RunInfo, Version
 from deepfreeze.stream.slots import SlotRing
 from deepfreeze.stream.wire import RankClient, RankServer, ready_note
@@ -173,7 +174,7 @@ def test_token_channel_and_run_are_checked(producers):
         RankClient(p.address, TOKEN, channel=CHANNEL, run="ffffffffffffffff", timeout=10)
     with RankClient(p.address, TOKEN, channel=CHANNEL, run=RUN, timeout=10) as c:  # the server still serves
         assert (c.hello["rank"], c.hello["world"], c.hello["run"], c.hello["channel"]) == (0, 1, RUN, CHANNEL)
-        assert c.hello["capacity"] == 1 << 20 and c.hello["node"] == net.node_id()
+        assert c.hello["capacity"] == 1 << 20 and c.hello["node"] == node_id()
 
 
 def test_notification_after_data_complete_and_fetch_bit_exact(producers):

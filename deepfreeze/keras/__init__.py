@@ -15,7 +15,7 @@ __getattr__, __dir__ = facade(__name__, {
     "receive_clone": ".clone",
     "store_model": ".repo",
     "load_into": ".repo",
-    "LoadReport": ".repo",
+    "LoadReport": "..repo.loading",
     "restore": ".state_loader:restore_model",
     "PublishCallback": ".stream",
     "ModelSubscriber": ".stream",
@@ -24,6 +24,7 @@ __getattr__, __dir__ = facade(__name__, {
 if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on first use
     from .callback import CaptureOptions, DeepFreezeCheckpoint
     from .clone import CloneCallback, receive_clone
-    from .repo import LoadReport, load_into, store_model
+    from ..repo.loading import LoadReport
+    from .repo import load_into, store_model
     from .state_loader import restore_model as restore
     from .stream import ModelSubscriber, PublishCallback

@@ -45,7 +45,7 @@ import tensorflow as tf
 
 from ..errors import NativeBuildError
 
-__all__ = ["NativeBuildError", "SOURCE", "LIBRARY", "build", "load", "unavailable_reason", "fused_copy", "fused_copy_vars",
+__all__ = ["SOURCE", "LIBRARY", "build", "load", "unavailable_reason", "fused_copy", "fused_copy_vars",
            "buffer_address"]
 
 log = logging.getLogger("deepfreeze")

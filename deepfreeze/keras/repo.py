@@ -25,7 +25,7 @@ from ..repo.ids import (INPUT_SHAPE_KEY, SHAPE_DEPENDENT_CLASSES, Node, build_gr
 from ..repo.loading import (LoadReport, NamedKey, check_mapped_specs, mapping_target, pair_by_shape, signature,
                             stored_graph)
 
-__all__ = ["LoadReport", "ModelGraph", "store_model", "load_into", "model_graph", "layer_record",
+__all__ = ["ModelGraph", "store_model", "load_into", "model_graph", "layer_record",
            "release_staging", "STAGING_MAX_BYTES"]
 
 

@@ -132,7 +132,7 @@ from ..format import (DTYPES, FORMAT_VERSION, KIND_ASSEMBLED, MAX_NDIM, Entry, S
 from .graph import ID_HEX_RE, check_graph, decode_graph, encode_graph, tensor_keys
 from .maintenance import BUSY_TIMEOUT as _BUSY_TIMEOUT
 from .maintenance import PACK_SUFFIX as _PACK_SUFFIX
-from .maintenance import RESERVE_BYTES, RESERVE_FILE, Maintenance
+from .maintenance import Maintenance
 from .maintenance import SQL_CHUNK as _SQL_CHUNK
 from .maintenance import db_op as _db_op
 from .maintenance import few as _few
@@ -142,8 +142,7 @@ from .names import parse_name
 from . import quarantine
 from .quarantine import DEFAULT_QUARANTINE_PERIOD, QUARANTINE_DIR
 
-__all__ = ["EmbeddedRepository", "tensor_entries", "SCHEMA_VERSION", "DEFAULT_ORPHAN_GRACE", "RESERVE_FILE",
-           "RESERVE_BYTES", "DEFAULT_QUARANTINE_PERIOD", "QUARANTINE_DIR"]
+__all__ = ["EmbeddedRepository", "tensor_entries", "SCHEMA_VERSION", "DEFAULT_ORPHAN_GRACE"]
 
 #: version of the database schema (``settings.schema_version``)
 SCHEMA_VERSION = 1

@@ -29,7 +29,8 @@ __getattr__, __dir__ = facade(__name__, {
     "Reader": ".dcp",
     "import_dcp": ".dcp_import",
     **{n: ".stream" for n in ("Publisher", "Subscriber", "ModelSubscriber")},
-    **{n: ".repo" for n in ("store_model", "load_into", "LoadReport")},
+    **{n: ".repo" for n in ("store_model", "load_into")},
+    "LoadReport": "..repo.loading",
     "CloneServer": ".clone",
 })
 
@@ -38,7 +39,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: at run time each name loads on 
     from .checkpointer import Checkpointer
     from .dcp import Reader
     from .dcp_import import import_dcp
-    from .repo import LoadReport, load_into, store_model
+    from ..repo.loading import LoadReport
+    from .repo import load_into, store_model
     from .state_loader import Restored, TorchState, load, load_state, restore
     from .clone import CloneServer
     from .stream import ModelSubscriber, Publisher, Subscriber

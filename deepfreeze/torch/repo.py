@@ -31,7 +31,7 @@ from ..repo.loading import (TORCH_CLASS_PREFIX, LoadReport, NamedKey, check_mapp
                             pair_by_shape, signature, stored_graph)
 from ._state import as_tensor, dtype_of, unwrap
 
-__all__ = ["LoadReport", "ModuleGraph", "module_graph", "store_model", "load_into", "IGNORED_ATTRIBUTES"]
+__all__ = ["ModuleGraph", "module_graph", "store_model", "load_into", "IGNORED_ATTRIBUTES"]
 
 P = TORCH_CLASS_PREFIX
 #: node class names of the graph kinds: a model input of a traced graph, of the call-order

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from deepfreeze import Config, backend
-from deepfreeze.backend import BackendClient, process_state, socket_path
+from deepfreeze.backend import BackendClient, socket_path
+from deepfreeze.node import process_state
 from deepfreeze.engine import Engine
 from deepfreeze.errors import BackendError, BackendUnresponsiveError, ConfigError
 from deepfreeze.levels import PersistentLevel, lock_record

@@ -14,7 +14,8 @@ import pytest
 
 import deepfreeze.repo.store as store
 from deepfreeze.errors import CorruptCheckpointError, DeepFreezeError, RepositoryDatabaseError, RepositoryError
-from deepfreeze.repo.store import RESERVE_FILE, EmbeddedRepository
+from deepfreeze.repo.maintenance import RESERVE_BYTES, RESERVE_FILE
+from deepfreeze.repo.store import EmbeddedRepository
 
 from _util import ROOT
 
@@ -328,8 +329,8 @@ def test_a_full_disk_never_costs_a_file_that_is_not_the_reserve(small_fs):
     plain = os.path.join(small_fs, "notes")
     os.mkdir(plain)
     with open(os.path.join(plain, RESERVE_FILE), "wb") as f:  # a user's file that happens to have the name
-        f.write(bytes(store.RESERVE_BYTES))
+        f.write(bytes(RESERVE_BYTES))
     fill_disk(small_fs)
     with pytest.raises(RepositoryError, match="not a repository"):
         EmbeddedRepository(plain, create=False)
-    assert os.path.getsize(os.path.join(plain, RESERVE_FILE)) == store.RESERVE_BYTES
+    assert os.path.getsize(os.path.join(plain, RESERVE_FILE)) == RESERVE_BYTES
