@@ -161,7 +161,8 @@ from . import crashpoints as cp
 from . import ownership
 from .errors import BackendError, BackendUnresponsiveError, UntrustedOwnerError
 from .jsonsafe import loads as bounded_loads
-from .levels import ScratchLevel, flush_job
+from .tiers.flush import flush_job
+from .tiers.scratch import ScratchLevel
 from .priority import Lanes
 from .node import process_state  # noqa: F401  (re-exported: defined here before)
 from .ownership import runtime_dir  # noqa: F401  (re-exported: defined here before)

@@ -29,7 +29,9 @@ from . import format as fmt
 from .config import Config, validate_name
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError
 from .fsafe import open_regular_file
-from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of, read_decision
+from .tiers.base import MANIFEST, plan_of
+from .tiers.persistent import ASSEMBLED, PersistentLevel, read_decision
+from .tiers.scratch import ScratchLevel
 from .memtier.level import MemtierLevel, job_of as memtier_job_of, read_item as read_memtier_item, region_address
 from .memtier.level import changed as memtier_changed, forget as memtier_forget, reading as memtier_reading
 from .loader import list_versions, scratch_recoverable

@@ -67,7 +67,9 @@ from . import ownership
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError, UntrustedOwnerError
 from .fsafe import open_regular_file, read_whole
 from .jsonsafe import loads as bounded_loads
-from .levels import ASSEMBLED, PersistentLevel, ScratchLevel, plan_of
+from .tiers.base import plan_of
+from .tiers.persistent import ASSEMBLED, PersistentLevel
+from .tiers.scratch import ScratchLevel
 from .memtier import level as memtier_level
 from .comm import Comm, LocalComm
 from .redundancy import group_of, read_parity, xor_reconstruct

@@ -67,7 +67,9 @@ import numpy as np
 from .config import Config
 from .engine import Engine
 from .errors import BackendError, CheckpointWriteError, VelocError
-from .levels import FencedError, PersistentLevel, ScratchLevel, write_shard_file
+from .tiers.persistent import FencedError, PersistentLevel
+from .tiers.scratch import ScratchLevel
+from .tiers.shardbytes import write_shard_file
 from .shardplan import ShardPlan
 from .veloc_daemon import (clean_veloc_leftovers, open_users, same_config, start_backend, started_by_deepfreeze,
                            stop_backend, users_path, veloc_backend, write_veloc_config)

@@ -34,7 +34,7 @@ def timed_flush(d: str, manifest: dict) -> float:
     version kept, flushed at once); raises if it did not commit."""
     job = {"name": "job", "version": 1, "rank": 0, "scratch": f"{d}/s", "persistent": f"{d}/p",
            "persistent_interval": 0, "keep_scratch": 0, "keep_persistent": 0, "manifest": manifest}
-    from deepfreeze.levels import flush_job
+    from deepfreeze.tiers.flush import flush_job
     t0 = time.perf_counter()
     if not flush_job(job)["committed"]:
         raise RuntimeError("the flush did not commit")
@@ -52,7 +52,7 @@ def main() -> None:
     from deepfreeze.config import Config
     from deepfreeze.engine import Engine
     from deepfreeze.format import build_manifest
-    from deepfreeze.levels import ScratchLevel
+    from deepfreeze.tiers.scratch import ScratchLevel
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 
     os.makedirs(args.work, exist_ok=True)

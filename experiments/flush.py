@@ -146,7 +146,7 @@ def _intercept(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 def measure(mib: float, args: argparse.Namespace, fused_ok: bool) -> dict[str, Any]:
     import numpy as np
     from deepfreeze.format import build_manifest
-    from deepfreeze.levels import ScratchLevel
+    from deepfreeze.tiers.scratch import ScratchLevel
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 
     total = int(mib * 2**20) // 4
@@ -308,7 +308,7 @@ def main() -> None:
     if args.input != "list":
         try:
             import inspect
-            from deepfreeze import levels
+            from deepfreeze.tiers import shardbytes as levels
             fused_ok = "FusedShard" in inspect.getsource(levels.write_shard_file)
         except (ImportError, OSError):
             fused_ok = False
@@ -355,7 +355,7 @@ def main() -> None:
                                     "standard error by bootstrap; fixed cost = intercept of time vs bytes "
                                     "(least squares over all samples of sizes <= 64 MiB)",
                        "machine": {"cpus": os.cpu_count(), "load_avg_at_end": list(os.getloadavg())}}
-    from deepfreeze import levels as code
+    from deepfreeze.tiers import shardbytes as code
     doc[args.label] = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                        "levels_module": os.path.relpath(code.__file__, os.path.dirname(HERE)),
                        "load_avg_before": load_before, "load_avg_after": list(os.getloadavg()), "sizes": results,

@@ -469,7 +469,7 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
     from deepfreeze import Config
     from deepfreeze.keras import DeepFreezeCheckpoint, restore
     from deepfreeze.keras.state_loader import model_tensors
-    from deepfreeze.levels import ScratchLevel
+    from deepfreeze.tiers.scratch import ScratchLevel
 
     rank, size = hvd.rank(), hvd.size()
     every, reps = a.every, a.reps

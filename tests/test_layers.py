@@ -38,7 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "deepfreeze.comm", "deepfreeze.peerloss", "deepfreeze.priority"),
     1: ("deepfreeze.lease",),
     2: ("deepfreeze.memtier.", "deepfreeze.export"),
-    3: ("deepfreeze.levels", "deepfreeze.redundancy", "deepfreeze.writeonce"),
+    3: ("deepfreeze.tiers.", "deepfreeze.redundancy"),
     4: ("deepfreeze.backend", "deepfreeze.engine", "deepfreeze.veloc_engine", "deepfreeze.veloc_daemon", "deepfreeze.loader",
         "deepfreeze.inventory"),
     5: ("deepfreeze.run",),
@@ -46,7 +46,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     7: ("deepfreeze.keras.", "deepfreeze.torch."),
     8: ("deepfreeze.cli.", "deepfreeze.__main__", "deepfreeze"),
 }
-LAYER_NAMES = {0: "primitives", 1: "run identity and leases", 2: "memory tier, export", 3: "levels, redundancy",
+LAYER_NAMES = {0: "primitives", 1: "run identity and leases", 2: "memory tier, export", 3: "storage tiers, redundancy",
                4: "engines, backend, reading back", 5: "the run", 6: "siblings", 7: "adapters",
                8: "facade, CLI, entry points"}
 
@@ -59,8 +59,7 @@ DYNAMIC: dict[str, tuple[str, ...]] = {
 }
 
 # The write path: the adapters reach it only through deepfreeze.run.Run.
-WRITE_PATH = ("deepfreeze.engine", "deepfreeze.backend", "deepfreeze.veloc_engine", "deepfreeze.levels",
-              "deepfreeze.writeonce")
+WRITE_PATH = ("deepfreeze.engine", "deepfreeze.backend", "deepfreeze.veloc_engine", "deepfreeze.tiers")
 ADAPTERS = ("deepfreeze.keras", "deepfreeze.torch")
 
 
@@ -304,7 +303,8 @@ def private_crossings() -> list[str]:
 
 def adapter_write_path() -> list[str]:
     return [f"{mod} imports {t} at line {line} ({how})" for mod, edges in graph().items()
-            if mod.startswith(ADAPTERS) for t, (line, how) in edges.items() if t in WRITE_PATH]
+            if mod.startswith(ADAPTERS) for t, (line, how) in edges.items()
+            if t in WRITE_PATH or t.startswith("deepfreeze.tiers.")]
 
 
 def unplaced() -> list[str]:

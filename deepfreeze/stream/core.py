@@ -970,7 +970,7 @@ class Subscriber:
         """The newest committed version on the persistent level, if newer than the live one."""
         if self.tier not in ("auto", "persistent"):
             return None
-        from ..levels import PersistentLevel
+        from ..tiers.persistent import PersistentLevel
         from ..loader import load_persistent
         level = PersistentLevel(self.persistent)
         try:

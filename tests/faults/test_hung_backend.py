@@ -20,7 +20,7 @@ from deepfreeze import Config, backend
 from deepfreeze.backend import BackendClient, process_state, socket_path
 from deepfreeze.engine import Engine
 from deepfreeze.errors import BackendError, BackendUnresponsiveError, ConfigError
-from deepfreeze.levels import PersistentLevel, lock_record
+from deepfreeze.tiers.persistent import PersistentLevel, lock_record
 
 from test_engine import assert_version, make_plan, model_arrays, pieces
 
