@@ -454,7 +454,7 @@ class _Server:
     def _region(self, path: str, entry: int) -> Any:
         """The VALID model-table entry ``entry`` of the device ``path`` (opened once; its table is
         read again when the entry was registered after that). MemtierError if there is none."""
-        from .memtier import device as mdev
+        from .tiers.memtier import open_device
         from .errors import MemtierError
         with self.cond:
             region = self.regions.get((path, entry))
@@ -462,7 +462,7 @@ class _Server:
                 return region
             dev = self.devices.get(path)
             if dev is None:
-                dev = self.devices[path] = mdev.open(path)
+                dev = self.devices[path] = open_device(path)
             else:
                 dev.refresh()
             region = dev.region(entry)
@@ -476,7 +476,7 @@ class _Server:
         """Serve one ``memtier_put`` (see the module docstring); the answer, never an exception for
         a bad request or a failed copy (the connection stays up)."""
         from .errors import MemtierError, MemtierPermissionError
-        from .memtier.copy import VmReadvCopier
+        from .tiers.memtier import remote_copier
         from .lease import Version
         try:
             path, entry = str(req["device"]), int(req["entry"])
@@ -531,7 +531,7 @@ class _Server:
             if first:  # fault this process's mapping of the region in now, not during the timed copy
                 region.prefault()
             c0 = time.monotonic()
-            stats = region.put(k, version, VmReadvCopier(pid), regions, manifest)
+            stats = region.put(k, version, remote_copier(pid), regions, manifest)
             copy_s = time.monotonic() - c0
             log.info("memtier: %s v%d rank %d -> slot %d of %s entry %d: %d bytes in %d calls, %.3fs", name,
                      version.step, rank, k, path, entry, stats.bytes, stats.calls, copy_s)

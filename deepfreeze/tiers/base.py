@@ -14,11 +14,12 @@ committed on a tier when its ``manifest.json`` is there (the details are each ti
 classes so faults can be injected by subclassing one (tests subclass
 :class:`~deepfreeze.tiers.scratch.ScratchLevel` and :class:`~deepfreeze.tiers.persistent.PersistentLevel`).
 
-The pooled read order (:data:`READ_ORDER`), written here once: a reader of a version
-(:mod:`deepfreeze.loader`, :mod:`deepfreeze.inventory`) tries the memory tier's slots first when it
-holds the version whole (in place, no file), then the participants' own scratch shards, a
-partner copy of a missing shard, a rebuild from XOR parity, and last the assembled file on
-persistent. Both iterate the same sequence; neither spells the order itself.
+The pooled read order (:data:`READ_ORDER`: :data:`TIER_ORDER`, scratch expanded into
+:data:`SHARD_SOURCES`), written here once: a reader of a version (:mod:`deepfreeze.loader`,
+:mod:`deepfreeze.inventory`) takes the memory tier's slots first (in place, no file; pooled with
+scratch, a slot before a scratch file of the same shard), then the participants' own scratch
+shards, a partner copy of a missing shard, a rebuild from XOR parity, and last the assembled file
+on persistent. Both iterate these sequences; neither spells the order itself.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from ..errors import CorruptCheckpointError, UntrustedOwnerError
 from ..shardplan import ShardPlan, TensorSpec
 from .shardbytes import _read_regular
 
-__all__ = ["Tier", "Level", "plan_of", "MANIFEST", "READ_ORDER", "SCRATCH_SOURCES"]
+__all__ = ["Tier", "Level", "plan_of", "MANIFEST", "READ_ORDER", "TIER_ORDER", "SHARD_SOURCES"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -82,13 +83,15 @@ class Tier(abc.ABC):
         """Remove what the tier no longer keeps of ``name``; the versions removed."""
 
 
-#: The pooled read order, for every reader: the memory tier first (when it holds the version
-#: whole), then the participants' scratch: own shard, partner copy, XOR parity rebuild; last,
-#: the assembled file on persistent.
-READ_ORDER = ("memtier", "shard", "partner", "parity", "persistent")
-#: The sources of one rank's shard on pooled scratch, in the order they are tried (a slice of
-#: :data:`READ_ORDER`: own shard, a partner copy another node holds, an XOR rebuild).
-SCRATCH_SOURCES = READ_ORDER[1:4]
+#: The tiers a reader tries for a version, in order: the memory tier's slots (pooled with scratch,
+#: a slot listed before a scratch file of the same shard), the participants' scratch, persistent.
+TIER_ORDER = ("memtier", "scratch", "persistent")
+#: Where one rank's shard is read from on pooled scratch (and the memory tier), in order: its own
+#: shard, a partner copy another node holds, a rebuild from XOR parity (the inventory's kinds).
+SHARD_SOURCES = ("shard", "partner", "parity")
+#: The pooled read order, written once: every tier of :data:`TIER_ORDER`, scratch expanded into
+#: :data:`SHARD_SOURCES`.
+READ_ORDER = tuple(s for t in TIER_ORDER for s in ((t,) if t != "scratch" else SHARD_SOURCES))
 
 
 _VDIR = re.compile(r"^v(\d{12})$")

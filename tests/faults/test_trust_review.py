@@ -16,7 +16,7 @@ import pytest
 from deepfreeze import memtier
 from deepfreeze.errors import UnsafePathError
 from deepfreeze.memtier import device as mdev
-from deepfreeze.memtier import level as mlevel
+from deepfreeze.tiers import memtier as mlevel
 from deepfreeze.lease import new_job_id
 
 from _util import memtier_device, nobody_ids
