@@ -1,4 +1,6 @@
-"""The active backend: one process per node that flushes scratch to persistent.
+"""Long because: one IPC protocol, its server and client ends with the start election and status/stop.
+
+The active backend: one process per node that flushes scratch to persistent.
 
 Started automatically by the first rank on a node that finds none listening
 (``flock`` on a lock file elects one starter), shared by every rank whose
@@ -137,8 +139,6 @@ backend's pid (from ``SO_PEERCRED``) and the inode of the socket file; a timed-o
 closed (a late answer would be read as the next request's). The server gives a client 30 s to
 take each answer and drops one that stops reading; its wait for a client's next request is not
 bounded (ranks checkpoint every few minutes).
-
-Long because: one IPC protocol, its server and client ends with the start election and status/stop.
 """
 from __future__ import annotations
 
@@ -1193,7 +1193,7 @@ def stop(scratch: str, timeout: float = 60.0, *, answer_timeout: float = 2.0, ve
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deepfreeze.backend", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m deepfreeze.backend", description=__doc__.split("\n")[2])  # (line 0: why it is long)
     ap.add_argument("--socket", required=True)
     ap.add_argument("--idle", type=float, default=float(os.environ.get("DEEPFREEZE_BACKEND_IDLE", "5")))
     args = ap.parse_args(argv)

@@ -143,7 +143,7 @@ from .tiers.persistent import PersistentLevel
 from .tiers.scratch import ScratchLevel
 from .priority import Lanes
 from .comm import Comm
-from .redundancy import plan_redundancy, protect
+from .redundancy import plan_redundancy
 from .format import ANONYMOUS_RUN
 from .lease import RunInfo
 from .format import build_manifest
@@ -626,22 +626,14 @@ class Engine:
             self.write_times[version] = time.perf_counter() - t0
             self._flush(version, manifest, direct=direct)
             return
-        try:
-            path: str | None = self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays,
-                                                        chksum=cfg.chksum, run=self.run.id)
-            failure = None
-        except BaseException as e:  # still take part in the exchange below, so nobody waits for us
-            path, failure = None, e
-        if self.redundancy is not None:
-            now = time.monotonic()
-            want = self._last_ec is None or now - self._last_ec >= cfg.ec_interval
-            if protect(self.comm, self.scratch, self.name, version, self.rank, path, self.redundancy, want=want,
-                       run=self.run.id):
-                self._last_ec = now
-                manifest = dict(manifest, redundancy=self.redundancy)
-        if failure is not None:
-            raise failure
-        self.scratch.write_manifest(self.name, version, manifest)
+        asked: list[float] = []
+
+        def due() -> bool:  # asked once the shard is on scratch (rank 0's answer counts: redundancy.protect)
+            asked.append(time.monotonic())
+            return self._last_ec is None or asked[0] - self._last_ec >= cfg.ec_interval
+        if self.scratch.write_version(self.name, version, self.rank, self.plan, arrays, manifest, chksum=cfg.chksum,
+                                      run=self.run.id, comm=self.comm, redundancy=self.redundancy, due=due):
+            self._last_ec = asked[0]
         self.write_times[version] = time.perf_counter() - t0
         self._flush(version, manifest)
 

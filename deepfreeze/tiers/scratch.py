@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from ..errors import CheckpointWriteError, DeepFreezeError, UnsafePathError, Unt
 from ..format import ANONYMOUS_RUN
 from ..fsafe import atomic_write
 from ..fused import FusedShard
+from ..redundancy import protect
 from ..shardplan import ShardPlan
 from .base import MANIFEST, Level
 from .shardbytes import _listdir, write_shard_file
@@ -68,6 +69,32 @@ class ScratchLevel(Level):
                                            f"scratch {vdir} failed: {e.strerror}; nothing was committed. "
                                            "Free space or point 'scratch' elsewhere.") from e
         return final
+
+    def write_version(self, name: str, version: int, rank: int, plan: ShardPlan,
+                      arrays: "Sequence[np.ndarray] | FusedShard", manifest: dict[str, Any], *, chksum: bool,
+                      run: str = ANONYMOUS_RUN, comm: Any = None, redundancy: dict[str, Any] | None = None,
+                      due: Callable[[], bool] | None = None) -> bool:
+        """The scratch tier's write of one version by one rank: its shard (:meth:`write_shard`), then,
+        with ``redundancy`` (:func:`deepfreeze.redundancy.plan_redundancy`), the collective partner
+        or parity exchange over ``comm`` (:func:`deepfreeze.redundancy.protect`; ``due()``, asked once
+        the shard is renamed into place, says whether this version is to be protected), then the
+        version's manifest (naming the scheme when the exchange protected it). A rank whose shard
+        write failed still takes part in the exchange, so nobody waits for it, then raises. True
+        when the version was protected."""
+        try:
+            path: str | None = self.write_shard(name, version, rank, plan, arrays, chksum=chksum, run=run)
+            failure = None
+        except BaseException as e:  # still take part in the exchange below, so nobody waits for us
+            path, failure = None, e
+        protected = False
+        if redundancy is not None:
+            protected = protect(comm, self, name, version, rank, path, redundancy, want=due is None or due(), run=run)
+            if protected:
+                manifest = dict(manifest, redundancy=redundancy)
+        if failure is not None:
+            raise failure
+        self.write_manifest(name, version, manifest)
+        return protected
 
     def partner_path(self, name: str, version: int, holder: int, src: int) -> str:
         return os.path.join(self.version_dir(name, version), f"h{holder:06d}.r{src:06d}.dfs")
