@@ -63,7 +63,7 @@ most ``_MAX_SLOT_WAIT``), then answers ``busy`` (the rank waits for its flushes 
 itself and asks with ``self_copy``: the slot is then only chosen and reserved for it (until its
 flush job or its next ``memtier_put`` of the entry), ``bytes``/``calls``/``copy_s`` are 0.
 
-Jobs run one at a time, in arrival order, through :func:`deepfreeze.levels.flush_job` (the same
+Jobs run one at a time, in arrival order, through :func:`deepfreeze.tiers.flush.flush_job` (the same
 code sync mode runs in the client), each on one of two threads (:class:`deepfreeze.priority.Lanes`):
 ``deepfreeze-flusher`` (the low lane: nice +10 and I/O best-effort 7, set when it starts) or
 ``deepfreeze-flusher-urgent`` (the normal lane: the process's priority). A job takes the normal lane

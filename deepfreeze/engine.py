@@ -2,11 +2,11 @@
 
 ``Engine.checkpoint`` hands this rank's pieces (numpy views of the shard
 buffers) to the writer thread ``deepfreeze-writer-r<rank>`` and returns. The
-writer commits the shard to scratch (see :mod:`deepfreeze.levels` for the
+writer commits the shard to scratch (see :mod:`deepfreeze.tiers.persistent` for the
 commit protocol) and then, in ``async`` mode, notifies the node's backend
 process, which flushes to persistent in the background; in ``sync`` mode the
 same flush runs inline and ``checkpoint`` blocks until it is done. With
-``write_once`` in effect (:mod:`deepfreeze.writeonce`; the default where scratch and
+``write_once`` in effect (:mod:`deepfreeze.tiers.direct`; the default where scratch and
 persistent share a file system) a version decided ``flush`` is written by the writer
 straight into persistent's partial instead of scratch, and the flush only makes it durable
 and commits it.
@@ -37,7 +37,7 @@ polled after every notice) surface once, at the first ``checkpoint`` call after 
 finished (the next call with ``max_inflight = 1``; with a queue it may be a later one) or at ``wait``.
 If the backend process dies (killed, node OOM), the next exchange with it starts
 a new one and re-sends every flush not known to be done; flushes are idempotent
-(see :func:`deepfreeze.levels.flush_job`), so a half-done flush is finished.
+(see :func:`deepfreeze.tiers.flush.flush_job`), so a half-done flush is finished.
 
 Memory tier (INI ``memtier = PATH``, :mod:`deepfreeze.memtier`; built-in engine, ``ec_interval < 0``):
 the engine registers this rank's shard on the device when it starts (the index from the shard's
@@ -48,7 +48,7 @@ regions of the buffer: one for a :class:`FusedShard`, one per piece for flat arr
 static zero buffer for the padding between pieces) and the backend copies the bytes out of this
 process (``process_vm_readv``) while training goes on; the writer thread holds the buffer until
 the backend's answer (the copy is done: the slot is DONE), then sends the flush job with
-``job["memtier"]`` (:class:`~deepfreeze.levels.SlotSource`), which reads the slot, not a file.
+``job["memtier"]`` (:class:`~deepfreeze.tiers.memtier.SlotSource`), which reads the slot, not a file.
 No slot free (every slot holds the newest version or one waiting for its flush): the backend
 waits, then answers ``busy`` and the writer thread waits for its oldest flush and asks again
 (backpressure; counted in :attr:`Engine.memtier_waits`). The rank allows the backend to read its
@@ -79,7 +79,7 @@ Engine choice: :func:`make_engine` returns an :class:`Engine` or a
 ``$DEEPFREEZE_ENGINE``, default ``builtin``; ``auto``: VeloC when its library loads; with
 ``memtier`` set always the built-in one). ``comm`` carries the built-in redundancy exchange,
 ``mpi_comm`` (mpi4py) is VeloC's. An engine is called from one thread (the training thread); it
-is not thread-safe. Both modes run the same :func:`deepfreeze.levels.flush_job`: ``async`` in
+is not thread-safe. Both modes run the same :func:`deepfreeze.tiers.flush.flush_job`: ``async`` in
 the node's backend, ``sync`` inline in the calling thread (no backend process is started).
 
 Priority (INI ``background_priority``, default ``low``; :mod:`deepfreeze.priority`): the writer
@@ -640,7 +640,7 @@ class Engine:
     def _flush(self, version: int, manifest: dict[str, Any], source: SlotSource | None = None,
                direct: dict[str, Any] | None = None) -> None:
         """Hand the version's flush job to the backend (async) or run it (sync); ``direct``: the
-        record of a version written once into persistent (:func:`deepfreeze.writeonce.write_version`)."""
+        record of a version written once into persistent (:func:`deepfreeze.tiers.direct.write_version`)."""
         cfg = self.config
         job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
                "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,

@@ -214,7 +214,7 @@ def scan_scratch(cfg: Config, name: str) -> list[VersionCopy]:
 
 def decision_word(vdir: str) -> str | None:
     """The ``decision`` of a persistent version directory (``flush``/``skip``/``corrupt``), or None
-    (:func:`deepfreeze.levels.read_decision`)."""
+    (:func:`deepfreeze.tiers.persistent.read_decision`)."""
     d = read_decision(vdir)
     return None if d is None else d["decision"]
 

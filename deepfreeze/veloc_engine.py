@@ -8,7 +8,7 @@ threaded modes) erasure coding. Per version and rank, in the writer thread:
 1. ``VELOC_Checkpoint_wait`` for the previous version, then *assemble* it: the
    rank copies its pieces from the per-rank file VeloC flushed
    (``<persistent>/<name>/v<version>/r<rank>.dfs``) into the version's
-   ``model.dfz`` with :meth:`deepfreeze.levels.PersistentLevel.flush_shard`
+   ``model.dfz`` with :meth:`deepfreeze.tiers.persistent.PersistentLevel.flush_shard`
    (same commit protocol as the built-in engine: the last rank writes the
    manifest) and deletes the per-rank file;
 2. ``VELOC_Checkpoint_begin``; ``VELOC_Route_file`` with that persistent path as

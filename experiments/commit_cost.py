@@ -9,7 +9,7 @@ fence check, the flush copying each piece through a buffer while computing its C
 Measured in one process, on this machine's local disk, alternating so drift hits all series alike:
 
 * ``raw_write``: write the shard's bytes to a new file and fsync it (the disk's limit);
-* ``flush``: :func:`deepfreeze.levels.flush_job` of one rank's shard (checksums on), i.e. decision,
+* ``flush``: :func:`deepfreeze.tiers.flush.flush_job` of one rank's shard (checksums on), i.e. decision,
   CRC-checked copy into the partial, fsync, marker, finalize, manifest (world size 1);
 * ``fixed``: a sync-mode checkpoint of a 256-byte shard (write to scratch + flush + commit), the
   per-version cost that does not depend on the size; the median of 40 per repetition.

@@ -9,7 +9,7 @@ are directories of the same file system here):
 
 * ``raw_scratch``: write the shard's byte count to a new file in the scratch directory, no fsync (the
   scratch level is not fsynced either), the way :func:`experiments.bench.write_rates` writes;
-* ``scratch_write``: :meth:`deepfreeze.levels.ScratchLevel.write_shard` of the shard (header, index,
+* ``scratch_write``: :meth:`deepfreeze.tiers.scratch.ScratchLevel.write_shard` of the shard (header, index,
   CRCs, data, rename), fed with the engine's input (``--input``: a :class:`deepfreeze.fused.FusedShard`
   when this version of the code accepts one, else the list of flat arrays);
 * (untimed) ``fdatasync`` of the scratch shard and of the scratch raw file, so their write-back does
@@ -22,7 +22,7 @@ are directories of the same file system here):
 * ``raw_best``: the same bytes written the fastest way found here (``--strategies``): 1 MiB writes, the
   write-back of every 8 MiB started at once (``sync_file_range``), fsync: a stricter reference, since
   one huge ``write`` is itself slow here;
-* ``flush``: :func:`deepfreeze.levels.flush_job` of the shard to persistent (decision, CRC-checked
+* ``flush``: :func:`deepfreeze.tiers.flush.flush_job` of the shard to persistent (decision, CRC-checked
   copy into the partial, fsync, done marker, finalize, manifest; world size 1).
 
 Statistics per size: medians of each series; efficiency = median raw time / median flush time (= flush
@@ -70,7 +70,7 @@ def _raw_write(path: str, view: memoryview, fsync: bool) -> float:
 
 def _kicker() -> Any:
     """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` through ctypes (self-contained, so the
-    experiment runs against code without :func:`deepfreeze.levels._start_writeback`), else fadvise."""
+    experiment runs against code without :func:`deepfreeze.tiers.shardbytes._start_writeback`), else fadvise."""
     try:
         import ctypes
         import ctypes.util
@@ -216,7 +216,7 @@ def strategies(nbytes: int, repeat: int, directory: str) -> dict[str, Any]:
     * ``single``: one ``write`` of the whole buffer, then fsync (``write_rates``' way: the reference);
     * ``chunked``: 1 MiB ``pwrite`` calls, then fsync (the flush before this change, in 8 MiB calls);
     * ``chunked_writeback``: the same, starting the write-back of every 8 MiB written at once
-      (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: what :func:`deepfreeze.levels._copy_checked` does);
+      (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: what :func:`deepfreeze.tiers.shardbytes._copy_checked` does);
     * ``o_direct``: ``O_DIRECT`` writes of 8 MiB from a page-aligned staging buffer (``mmap``), the
       bytes copied into it first (the flush must CRC them anyway), then fsync."""
     import mmap

@@ -423,7 +423,7 @@ class PersistentLevel(Level):
     def write_direct(self, name: str, version: int, rank: int, plan: ShardPlan,
                      arrays: "Sequence[np.ndarray] | FusedShard", decision: dict[str, str], *,
                      chksum: bool) -> dict[str, Any]:
-        """Write once (``write_once``, :mod:`deepfreeze.writeonce`): write this rank's pieces (flat
+        """Write once (``write_once``, :mod:`deepfreeze.tiers.direct`): write this rank's pieces (flat
         arrays in plan order, or its :class:`~deepfreeze.fused.FusedShard`) from memory straight into
         the version's ``model.dfz.partial.<nonce>`` at their assembled offsets, each piece's CRC32
         computed on each chunk right before it is written (as a scratch write does), the write-back of
