@@ -39,8 +39,8 @@ If the backend process dies (killed, node OOM), the next exchange with it starts
 a new one and re-sends every flush not known to be done; flushes are idempotent
 (see :func:`deepfreeze.tiers.flush.flush_job`), so a half-done flush is finished.
 
-Memory tier (INI ``memtier = PATH``, :mod:`deepfreeze.memtier`; built-in engine, ``ec_interval < 0``):
-the engine registers this rank's shard on the device when it starts (the index from the shard's
+Memory tier (INI ``memtier = PATH``, :mod:`deepfreeze.tiers.memtier`; built-in engine, ``ec_interval < 0``):
+the engine registers this rank's shard on the device when it starts (:class:`MemtierTier`; the index from the shard's
 :class:`~deepfreeze.fused.FusedLayout`; a device without room is a :class:`MemtierFullError`
 before training) and a version goes to a slot of the device instead of a scratch file: in async
 mode the writer thread sends ``memtier_put`` (this process's pid and the ``(address, length)``
@@ -74,10 +74,11 @@ replacement (under the spawn lock). A checkpoint blocked on the backend (the wri
 request, or the ``max_pending_flushes`` wait, which also logs every 10 s) is thus bounded by about
 ``backend_timeout`` plus a backend start.
 
-Engine choice: :func:`make_engine` returns an :class:`Engine` or a
-:class:`~deepfreeze.veloc_engine.VelocEngine` by :func:`resolve_engine` (``None``:
+Engine and tiers: :func:`deepfreeze.run.make_engine` returns an :class:`Engine` or a
+:class:`~deepfreeze.veloc_engine.VelocEngine` as :func:`deepfreeze.tiers.choose` decides (``None``:
 ``$DEEPFREEZE_ENGINE``, default ``builtin``; ``auto``: VeloC when its library loads; with
-``memtier`` set always the built-in one). ``comm`` carries the built-in redundancy exchange,
+``memtier`` set always the built-in one); the engine asks it too for its tiers and the route of
+each version (:attr:`Engine.tiers`: memory tier, write once, scratch). ``comm`` carries the built-in redundancy exchange,
 ``mpi_comm`` (mpi4py) is VeloC's. An engine is called from one thread (the training thread); it
 is not thread-safe. Both modes run the same :func:`deepfreeze.tiers.flush.flush_job`: ``async`` in
 the node's backend, ``sync`` inline in the calling thread (no backend process is started).

@@ -57,7 +57,8 @@ from ..memtier import device as _device
 from ..memtier import jobs as _jobs
 from .shardbytes import _FdFile
 
-__all__ = ["SlotSource", "MemtierTier", "open_device", "remote_copier", "committed", "merge", "PREFIX", "MemtierLevel", "job_of", "is_item", "read_item", "region_address", "reading", "forget", "changed"]
+__all__ = ["SlotSource", "MemtierTier", "open_device", "remote_copier", "committed", "merge", "PREFIX", "MemtierLevel",
+           "job_of", "is_item", "read_item", "region_address", "reading", "forget", "changed"]
 
 log = logging.getLogger("deepfreeze")
 

@@ -52,12 +52,12 @@ crash at any point (every file operation below passes a named crash point of
   idempotent copy under the same nonce.
 * **Memory tier** (``memtier = PATH``): a rank's shard is not a scratch file but the image in one
   slot of the device (:mod:`deepfreeze.memtier.device`; byte for byte a shard file). Its flush job
-  names the slot (``job["memtier"]``, :class:`~deepfreeze.tiers.memtier.SlotSource`); the flush reads the image through a
-  read-only descriptor of the device at the image's offset exactly as it reads a scratch shard
-  (same checks, same partial, marker and finalize), after checking that the slot header is DONE
-  and holds this run and version, and again after the copy (a slot rewritten meanwhile fails the
-  flush; the busy-slot rule of the backend never lets that happen). No scratch file is read,
-  written or retained for such a job.
+  names the slot (``job["memtier"]``, :class:`~deepfreeze.tiers.memtier.SlotSource`); the flush
+  reads the image through a read-only descriptor of the device at the image's offset exactly as
+  it reads a scratch shard (same checks, same partial, marker and finalize), after checking that
+  the slot header is DONE and holds this run and version, and again after the copy (a slot
+  rewritten meanwhile fails the flush; the busy-slot rule of the backend never lets that happen).
+  No scratch file is read, written or retained for such a job.
 * **Write once** (``write_once``, :mod:`deepfreeze.tiers.direct`): a rank's shard is not a scratch
   file either: its writer thread makes the decision above itself and, decided ``flush``, writes its
   pieces from memory into ``model.dfz.partial.<nonce>`` (:meth:`PersistentLevel.write_direct`,
