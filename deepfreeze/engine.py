@@ -170,7 +170,7 @@ class Engine:
         self.run = run or RunInfo(ANONYMOUS_RUN)
         self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
         #: the tier set and the per-version route (deepfreeze.tiers.choose: every rule of it, once)
-        self.tiers = choose(config, self.kind)
+        self.tiers = choose(config, self.kind, resolved=True)
         self.scratch = scratch_cls(config.scratch, shared_group=config.shared_group)
         #: the persistent level's class in this process: write once's writes and the sync flush (faults are
         #: injected by subclassing it; a backend process flushes with its own)

@@ -118,12 +118,14 @@ class Tiers:
         return "scratch"
 
 
-def choose(config: Config, engine: str | None = None) -> Tiers:
+def choose(config: Config, engine: str | None = None, *, resolved: bool = False) -> Tiers:
     """The tiers an engine for ``config`` writes to, with ``engine`` (``None``:
     ``$DEEPFREEZE_ENGINE``, else builtin; ``auto``; :func:`resolve_engine`). The memory tier is the
     built-in engine's: with ``memtier`` set, ``veloc`` is a :class:`ConfigError` and ``auto`` takes
     the built-in engine (decided before looking for VeloC); the device must exist
-    (:meth:`Config.check_memtier`; its content is checked when the tier registers the shard)."""
+    (:meth:`Config.check_memtier`; its content is checked when the tier registers the shard).
+    ``resolved``: ``engine`` is the kind of an engine being built (``builtin`` or ``veloc``, already
+    resolved by :func:`deepfreeze.run.make_engine` or chosen by the class): not looked up again."""
     requested = engine or os.environ.get("DEEPFREEZE_ENGINE") or "builtin"
     if config.memtier is not None:
         if requested == "veloc":
@@ -134,6 +136,6 @@ def choose(config: Config, engine: str | None = None) -> Tiers:
             log.info("deepfreeze: engine='auto' uses the built-in engine: memtier is set")
             requested = "builtin"
         config.check_memtier()
-    kind = resolve_engine(requested)
+    kind = requested if resolved else resolve_engine(requested)
     direct = kind == "builtin" and config.memtier is None and write_once(config)[0]
     return Tiers(engine=kind, memtier=config.memtier is not None, write_once=direct)
