@@ -44,28 +44,32 @@ log = logging.getLogger("deepfreeze")
 
 
 class Tier(abc.ABC):
-    """One place a version's shards can be: the interface every tier implements.
+    """One place a version's shards can be, and the calls a writer and a reader make on it.
 
-    Call order, for a writer (one rank, per version; :class:`deepfreeze.engine.Engine`)::
+    Call order, for a writer (one rank, per version; :class:`deepfreeze.engine.Engine`), after
+    :func:`deepfreeze.tiers.choose` gave the engine its :class:`~deepfreeze.tiers.Tiers`::
 
-        tier.write(name, version, rank, plan, arrays, ...) -> where   # the rank's shard, committed on
-                                                                      # this tier or handed to the flush
-        flush_job(job)            # the flush reads the shard from ``where`` (a scratch path, a
-                                  # memory-tier SlotSource, a write-once record) into persistent
-        tier.retain(name, ...)    # after the flush: the tier keeps its newest versions
+        route = tiers.route(decision)       # memtier | direct | scratch (the writer's own decision)
+        where = <the tier's write>          # ScratchLevel.write_version -> the shard path (shard,
+                                            #   partner copies or parity, manifest); direct.write_version
+                                            #   -> the write-once record (None: go to scratch);
+                                            #   MemtierTier.local_put or the backend's copy -> SlotSource
+        flush_job(job)                      # reads the shard from ``where`` into persistent:
+                                            #   PersistentLevel.flush_shard (the commit protocol)
+        tier.retain(name, ...)              # after the flush: each tier keeps its newest versions
 
-    and for a reader (:mod:`deepfreeze.loader`, :mod:`deepfreeze.inventory`), in
-    :data:`READ_ORDER` across the tiers::
+    and for a reader (:mod:`deepfreeze.loader`, :mod:`deepfreeze.inventory`), tier by tier in
+    :data:`TIER_ORDER`, each rank's shard from :data:`SHARD_SOURCES` in order::
 
-        tier.versions(name)                 # the version directories (or slots) present, ascending
-        tier.read_manifest(name, version)   # the committed version's manifest, checked
-        ... the tier's own read (a shard file, a slot image, the assembled file)
+        tier.versions(name)                 # the version directories present, ascending
+        tier.read_manifest(name, version)   # a version's manifest, checked (name, version, owner)
+        ... the tier's own read             # scratch: committed()/inventory(); persistent: the
+                                            #   assembled file; the memory tier: MemtierLevel's slots
 
-    ``write`` is the tier's own (:meth:`ScratchLevel.write_shard`,
-    :meth:`PersistentLevel.write_direct`, the memory tier's slot put); its return value is what the
-    flush reads. A tier that is written only by a flush (persistent, committed by
-    :meth:`PersistentLevel.flush_shard`) or only read here (the memory tier as a restore level)
-    leaves the rest to its module."""
+    The directory tiers (:class:`Level`: scratch, persistent) implement these as classes; the
+    memory tier's device is not a directory tree: its write side is
+    :class:`~deepfreeze.tiers.memtier.MemtierTier`, its read side
+    :class:`~deepfreeze.tiers.memtier.MemtierLevel`."""
 
     #: the tier's name in listings and logs (``scratch``, ``persistent``, ``memtier``)
     kind = "tier"
