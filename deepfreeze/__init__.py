@@ -61,7 +61,7 @@ def restore(model: Any, config: "str | Config | None" = None, *, name: str, vers
     TensorFlow, and a Keras model never imports torch.
     """
     import sys
-    from .engine import ENGINES
+    from .tiers import ENGINES
     from .errors import ConfigError
     if engine is not None and engine not in ENGINES:
         raise ConfigError(f"engine = {engine!r}: use one of {ENGINES} (restore reads the same files for all)")

@@ -8,7 +8,7 @@ A function the C library lacks (another platform, an old glibc) raises ``OSError
 when called; :func:`available` says beforehand. Nothing here retries: ``EINTR`` is the
 caller's to handle.
 
-Who uses what: :func:`sync_file_range` (``deepfreeze.levels``: the write-back hint of a flush),
+Who uses what: :func:`sync_file_range` (``deepfreeze.tiers.shardbytes``: the write-back hint of a flush),
 :func:`memcmp` (``deepfreeze.repo.store``: deduplication's byte comparison, GIL released),
 :func:`process_vm_readv` / :func:`process_vm_writev` / :func:`prctl` / :func:`memmove`
 (``deepfreeze.memtier.copy``: the memory tier's copies and the Yama ptracer permission),

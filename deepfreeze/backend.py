@@ -1,4 +1,6 @@
-"""The active backend: one process per node that flushes scratch to persistent.
+"""Long because: one IPC protocol, its server and client ends with the start election and status/stop.
+
+The active backend: one process per node that flushes scratch to persistent.
 
 Started automatically by the first rank on a node that finds none listening
 (``flock`` on a lock file elects one starter), shared by every rank whose
@@ -61,7 +63,7 @@ most ``_MAX_SLOT_WAIT``), then answers ``busy`` (the rank waits for its flushes 
 itself and asks with ``self_copy``: the slot is then only chosen and reserved for it (until its
 flush job or its next ``memtier_put`` of the entry), ``bytes``/``calls``/``copy_s`` are 0.
 
-Jobs run one at a time, in arrival order, through :func:`deepfreeze.levels.flush_job` (the same
+Jobs run one at a time, in arrival order, through :func:`deepfreeze.tiers.flush.flush_job` (the same
 code sync mode runs in the client), each on one of two threads (:class:`deepfreeze.priority.Lanes`):
 ``deepfreeze-flusher`` (the low lane: nice +10 and I/O best-effort 7, set when it starts) or
 ``deepfreeze-flusher-urgent`` (the normal lane: the process's priority). A job takes the normal lane
@@ -137,8 +139,6 @@ backend's pid (from ``SO_PEERCRED``) and the inode of the socket file; a timed-o
 closed (a late answer would be read as the next request's). The server gives a client 30 s to
 take each answer and drops one that stops reading; its wait for a client's next request is not
 bounded (ranks checkpoint every few minutes).
-
-Long because: one IPC protocol, its server and client ends with the start election and status/stop.
 """
 from __future__ import annotations
 
@@ -161,7 +161,8 @@ from . import crashpoints as cp
 from . import ownership
 from .errors import BackendError, BackendUnresponsiveError, UntrustedOwnerError
 from .jsonsafe import loads as bounded_loads
-from .levels import ScratchLevel, flush_job
+from .tiers.flush import flush_job
+from .tiers.scratch import ScratchLevel
 from .node import process_state
 from .priority import Lanes
 from .ownership import runtime_dir  # noqa: F401  (re-exported: defined here before)
@@ -453,7 +454,7 @@ class _Server:
     def _region(self, path: str, entry: int) -> Any:
         """The VALID model-table entry ``entry`` of the device ``path`` (opened once; its table is
         read again when the entry was registered after that). MemtierError if there is none."""
-        from .memtier import device as mdev
+        from .tiers.memtier import open_device
         from .errors import MemtierError
         with self.cond:
             region = self.regions.get((path, entry))
@@ -461,7 +462,7 @@ class _Server:
                 return region
             dev = self.devices.get(path)
             if dev is None:
-                dev = self.devices[path] = mdev.open(path)
+                dev = self.devices[path] = open_device(path)
             else:
                 dev.refresh()
             region = dev.region(entry)
@@ -475,7 +476,7 @@ class _Server:
         """Serve one ``memtier_put`` (see the module docstring); the answer, never an exception for
         a bad request or a failed copy (the connection stays up)."""
         from .errors import MemtierError, MemtierPermissionError
-        from .memtier.copy import VmReadvCopier
+        from .tiers.memtier import remote_copier
         from .lease import Version
         try:
             path, entry = str(req["device"]), int(req["entry"])
@@ -530,7 +531,7 @@ class _Server:
             if first:  # fault this process's mapping of the region in now, not during the timed copy
                 region.prefault()
             c0 = time.monotonic()
-            stats = region.put(k, version, VmReadvCopier(pid), regions, manifest)
+            stats = region.put(k, version, remote_copier(pid), regions, manifest)
             copy_s = time.monotonic() - c0
             log.info("memtier: %s v%d rank %d -> slot %d of %s entry %d: %d bytes in %d calls, %.3fs", name,
                      version.step, rank, k, path, entry, stats.bytes, stats.calls, copy_s)
@@ -1192,7 +1193,7 @@ def stop(scratch: str, timeout: float = 60.0, *, answer_timeout: float = 2.0, ve
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m deepfreeze.backend", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m deepfreeze.backend", description=__doc__.split("\n")[2])  # (line 0: why it is long)
     ap.add_argument("--socket", required=True)
     ap.add_argument("--idle", type=float, default=float(os.environ.get("DEEPFREEZE_BACKEND_IDLE", "5")))
     args = ap.parse_args(argv)

@@ -120,7 +120,7 @@ class Config:
     #: a memory-tier device file (:mod:`deepfreeze.memtier`); None: shards go to scratch files
     memtier: str | None = None
     memtier_slots: int = 2
-    #: auto | on | off: write a version decided ``flush`` once, into persistent (:mod:`deepfreeze.writeonce`)
+    #: auto | on | off: write a version decided ``flush`` once, into persistent (:mod:`deepfreeze.tiers.direct`)
     write_once: str = "auto"
     #: ``low``: background work yields to training, within a bound (:mod:`deepfreeze.priority`); ``normal``: not
     background_priority: str = "low"

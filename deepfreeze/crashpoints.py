@@ -26,7 +26,7 @@ __all__ = ["POINTS", "PERIPHERAL", "MEMTIER", "RACE_ONLY", "replace", "rename", 
 
 #: point name -> the state a crash right before the operation leaves behind
 POINTS: dict[str, str] = {
-    # scratch level (levels.ScratchLevel, redundancy)
+    # scratch level (tiers.scratch.ScratchLevel, redundancy)
     "scratch.shard.rename": "a rank's shard complete under its temporary name, not yet published",
     "scratch.manifest.rename": "a rank's shard published, its copy of the scratch manifest not yet",
     "scratch.partner.rename": "a partner copy received, not yet published (redundancy)",
@@ -36,7 +36,7 @@ POINTS: dict[str, str] = {
     "scratch.retain.rmdir": "retention: an old version directory empty, not yet removed",
     "scratch.clear.unlink": "a resumed run removing this rank's files of versions above its resume point",
     "tmp.cleanup": "a failed write removing its temporary file",
-    # persistent level (levels.PersistentLevel): decision, partial, markers, finalize, retire
+    # persistent level (tiers.persistent.PersistentLevel): decision, partial, markers, finalize, retire
     "persistent.decision.link": "the version's decision and nonce about to be created (under commit.lock)",
     "persistent.partial.fsync": "this rank's pieces copied into model.dfz.partial.<nonce>, not fsynced",
     "persistent.direct.write": "write_once: a rank's writer thread writing its pieces from memory straight into "

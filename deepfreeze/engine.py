@@ -2,11 +2,11 @@
 
 ``Engine.checkpoint`` hands this rank's pieces (numpy views of the shard
 buffers) to the writer thread ``deepfreeze-writer-r<rank>`` and returns. The
-writer commits the shard to scratch (see :mod:`deepfreeze.levels` for the
+writer commits the shard to scratch (see :mod:`deepfreeze.tiers.persistent` for the
 commit protocol) and then, in ``async`` mode, notifies the node's backend
 process, which flushes to persistent in the background; in ``sync`` mode the
 same flush runs inline and ``checkpoint`` blocks until it is done. With
-``write_once`` in effect (:mod:`deepfreeze.writeonce`; the default where scratch and
+``write_once`` in effect (:mod:`deepfreeze.tiers.direct`; the default where scratch and
 persistent share a file system) a version decided ``flush`` is written by the writer
 straight into persistent's partial instead of scratch, and the flush only makes it durable
 and commits it.
@@ -37,10 +37,10 @@ polled after every notice) surface once, at the first ``checkpoint`` call after 
 finished (the next call with ``max_inflight = 1``; with a queue it may be a later one) or at ``wait``.
 If the backend process dies (killed, node OOM), the next exchange with it starts
 a new one and re-sends every flush not known to be done; flushes are idempotent
-(see :func:`deepfreeze.levels.flush_job`), so a half-done flush is finished.
+(see :func:`deepfreeze.tiers.flush.flush_job`), so a half-done flush is finished.
 
-Memory tier (INI ``memtier = PATH``, :mod:`deepfreeze.memtier`; built-in engine, ``ec_interval < 0``):
-the engine registers this rank's shard on the device when it starts (the index from the shard's
+Memory tier (INI ``memtier = PATH``, :mod:`deepfreeze.tiers.memtier`; built-in engine, ``ec_interval < 0``):
+the engine registers this rank's shard on the device when it starts (:class:`MemtierTier`; the index from the shard's
 :class:`~deepfreeze.fused.FusedLayout`; a device without room is a :class:`MemtierFullError`
 before training) and a version goes to a slot of the device instead of a scratch file: in async
 mode the writer thread sends ``memtier_put`` (this process's pid and the ``(address, length)``
@@ -48,7 +48,7 @@ regions of the buffer: one for a :class:`FusedShard`, one per piece for flat arr
 static zero buffer for the padding between pieces) and the backend copies the bytes out of this
 process (``process_vm_readv``) while training goes on; the writer thread holds the buffer until
 the backend's answer (the copy is done: the slot is DONE), then sends the flush job with
-``job["memtier"]`` (:class:`~deepfreeze.levels.SlotSource`), which reads the slot, not a file.
+``job["memtier"]`` (:class:`~deepfreeze.tiers.memtier.SlotSource`), which reads the slot, not a file.
 No slot free (every slot holds the newest version or one waiting for its flush): the backend
 waits, then answers ``busy`` and the writer thread waits for its oldest flush and asks again
 (backpressure; counted in :attr:`Engine.memtier_waits`). The rank allows the backend to read its
@@ -74,12 +74,13 @@ replacement (under the spawn lock). A checkpoint blocked on the backend (the wri
 request, or the ``max_pending_flushes`` wait, which also logs every 10 s) is thus bounded by about
 ``backend_timeout`` plus a backend start.
 
-Engine choice: :func:`make_engine` returns an :class:`Engine` or a
-:class:`~deepfreeze.veloc_engine.VelocEngine` by :func:`resolve_engine` (``None``:
+Engine and tiers: :func:`deepfreeze.run.make_engine` returns an :class:`Engine` or a
+:class:`~deepfreeze.veloc_engine.VelocEngine` as :func:`deepfreeze.tiers.choose` decides (``None``:
 ``$DEEPFREEZE_ENGINE``, default ``builtin``; ``auto``: VeloC when its library loads; with
-``memtier`` set always the built-in one). ``comm`` carries the built-in redundancy exchange,
+``memtier`` set always the built-in one); the engine asks it too for its tiers and the route of
+each version (:attr:`Engine.tiers`: memory tier, write once, scratch). ``comm`` carries the built-in redundancy exchange,
 ``mpi_comm`` (mpi4py) is VeloC's. An engine is called from one thread (the training thread); it
-is not thread-safe. Both modes run the same :func:`deepfreeze.levels.flush_job`: ``async`` in
+is not thread-safe. Both modes run the same :func:`deepfreeze.tiers.flush.flush_job`: ``async`` in
 the node's backend, ``sync`` inline in the calling thread (no backend process is started).
 
 Priority (INI ``background_priority``, default ``low``; :mod:`deepfreeze.priority`): the writer
@@ -133,21 +134,24 @@ from .backend import LOG_EVERY, BackendClient
 from .node import process_state
 from .config import Config, validate_name
 from . import counters
-from . import format as fmt
 from .fused import FusedLayout, FusedShard
 from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError,
-                     MemtierBusyError, MemtierError, MemtierFullError)
-from .levels import PersistentLevel, ScratchLevel, SlotSource, flush_job
-from . import writeonce
+                     MemtierBusyError, MemtierError)
+from .tiers import choose
+from .tiers.direct import write_version
+from .tiers.flush import flush_job
+from .tiers.memtier import MemtierTier, SlotSource
+from .tiers.persistent import PersistentLevel
+from .tiers.scratch import ScratchLevel
 from .priority import Lanes
 from .comm import Comm
-from .redundancy import plan_redundancy, protect
+from .redundancy import plan_redundancy
 from .format import ANONYMOUS_RUN
-from .lease import RunInfo, Version
+from .lease import RunInfo
 from .format import build_manifest
 from .shardplan import ShardPlan
 
-__all__ = ["Engine", "resolve_engine", "ENGINES"]
+__all__ = ["Engine"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -166,6 +170,8 @@ class Engine:
         #: the run this engine writes for (:mod:`deepfreeze.run`); without one, the anonymous run
         self.run = run or RunInfo(ANONYMOUS_RUN)
         self.domains = list(domains) if domains is not None else [config.failure_domain] * plan.world_size
+        #: the tier set and the per-version route (deepfreeze.tiers.choose: every rule of it, once)
+        self.tiers = choose(config, self.kind, resolved=True)
         self.scratch = scratch_cls(config.scratch, shared_group=config.shared_group)
         #: the persistent level's class in this process: write once's writes and the sync flush (faults are
         #: injected by subclassing it; a backend process flushes with its own)
@@ -198,23 +204,24 @@ class Engine:
         self.memtier_waits = 0
         #: version -> {"slot", "bytes", "calls", "copy_s", "waited_s", "copier"} of its memory-tier copy
         self.memtier_stats: dict[int, dict[str, Any]] = {}
-        self._mt_device: Any = None  # memory tier: the open Device, this rank's ShardRegion, its FusedLayout
-        self._mt_region: Any = None
+        #: the memory tier (deepfreeze.tiers.memtier): this rank's registered shard, or None
+        self._mt: MemtierTier | None = None
         self._mt_layout: FusedLayout | None = None
         self._mt_self_copy = False  # the kernel refused the backend's read: this rank copies (one warning)
         self._mt_ptracer: int | None = None  # the backend pid this process allowed to read its memory
-        if config.memtier is not None:
+        if self.tiers.memtier:
             try:
-                self._memtier_register()
+                self._mt = MemtierTier.register(config, self.name, rank, plan, self.run)
             except BaseException:
                 self._pool.shutdown(wait=False)  # refused before training: no thread left behind
                 raise
+            self._mt_layout = self._mt.layout
         if config.mode == "async" and self.kind == "builtin":
             self.scratch.makedirs(config.scratch)  # checked with shared_group before the backend creates its log
             self._backend = BackendClient(config.scratch, answer_timeout=config.backend_timeout)
             self._pending_owner = (self._backend.pid, self._backend.inode)
-        #: write_once: versions decided 'flush' go from memory straight into persistent (deepfreeze.writeonce)
-        self.write_once = self.kind == "builtin" and self._mt_region is None and writeonce.choose(config)[0]
+        #: write_once: versions decided 'flush' go from memory straight into persistent (deepfreeze.tiers.direct)
+        self.write_once = self.tiers.write_once
         self._manifest_base = build_manifest(self.name, 0, 0, 0, plan, self.domains, run=self.run)
         self.comm, self.redundancy, self._last_ec = comm, None, None
         if config.ec_interval >= 0 and plan.world_size > 1 and self.kind == "builtin":
@@ -264,7 +271,7 @@ class Engine:
             self._called[version] = (now, interval)
             # a memory-tier job is the hand-off of training's buffer (held until copied): never deferred
             self._inflight.append(self._pool.submit(self._write_checked, version, arrays, manifest, t=now,
-                                                    interval=interval, urgent=self._mt_region is not None))
+                                                    interval=interval, urgent=self._mt is not None))
         self.last_version = version
         self.stats.append({"version": version, "blocking_s": time.perf_counter() - t0})
 
@@ -311,104 +318,23 @@ class Engine:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
-        if self._mt_device is not None:
-            self._mt_region = None
-            self._mt_device.close()
-            self._mt_device = None
+        if self._mt is not None:
+            self._mt.close()
+            self._mt = None
 
     # -- memory tier
-    def _memtier_register(self) -> None:
-        """Register this rank's shard on the device (or find its registration by this run) and
-        keep the region. ConfigError for a device path that is missing or not a file, or with
-        the VeloC engine; MemtierFullError when it does not fit (before training starts)."""
-        cfg = self.config
-        if self.kind != "builtin":
-            raise ConfigError(f"memtier = {cfg.memtier} ({cfg.where('memtier')}) needs the built-in engine: with "
-                              "engine='veloc' the shards go through VeloC's files; leave memtier out or use "
-                              "engine='builtin'")
-        cfg.check_memtier()
-        from .memtier import device as mdev
-        layout = FusedLayout.build(self.plan, self.rank)
-        job = self.run.job
-        if job is None and self.run.id == ANONYMOUS_RUN:  # an engine built without a Run: the name's job, if any
-            from .lease import read_job_id
-            job = read_job_id(cfg.persistent, self.name)
-        # the region records its job: restore, ls and resume of another job sharing the name never read it
-        index = mdev.make_index(self.plan, self.rank, self.name, self.run.id,
-                                lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout}, job=job)
-        dev = mdev.open(cfg.memtier)
-        meta_cap = mdev.manifest_capacity(len(self.plan.tensors), fmt.plan_items(self.plan.to_json()), self.plan.world_size)
-        try:  # an engine rebuilt within the same run (a second fit) gets its region again
-            try:
-                region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,
-                                            image_size=layout.file_size, meta_cap=meta_cap, nslots=cfg.memtier_slots)
-            except MemtierFullError:
-                # as Portus's repacking tool runs when free memory is low: compact away finished jobs'
-                # models (never a live run's, never the only valid version), then try once more; still
-                # no room: finished models are evicted (every job's newest version last), never a live one
-                freed = dev.repack(live=mdev.default_live)
-                log.warning("deepfreeze: memory tier %s full: repacked finished models (%d bytes freed)",
-                            cfg.memtier, freed.get("freed_bytes", 0))
-                region = dev.register_shard(self.name, self.run.id, self.rank, self.plan.world_size, index=index,
-                                            image_size=layout.file_size, meta_cap=meta_cap, nslots=cfg.memtier_slots,
-                                            make_room=mdev.default_live)
-        except BaseException:
-            dev.close()
-            raise
-        self._mt_device, self._mt_region, self._mt_layout = dev, region, layout
-        self._mt_reclaimed = job is None  # earlier runs of this job: reclaimed after this run's first DONE version
-        self._mt_zeros = np.zeros(fmt.DATA_ALIGN, np.uint8)  # the padding between flat pieces is read from here
-
-    def _memtier_regions(self, arrays: "Sequence[np.ndarray] | FusedShard") -> tuple[list[tuple[int, int]], list]:
-        """``(regions, keep)``: the (address, length) pairs whose concatenation is the shard image's
-        data region, and the arrays they point into (held by the caller until the copy is done)."""
-        layout = self._mt_layout
-        if isinstance(arrays, FusedShard):
-            if not (arrays.layout.rank == self.rank and (arrays.layout.plan is self.plan
-                                                         or arrays.layout.plan == self.plan)):
-                raise ValueError(f"the fused shard is rank {arrays.layout.rank}'s of another shard plan than this "
-                                 f"engine's (rank {self.rank}): build it with FusedLayout.build(plan, rank)")
-            data = arrays.data
-            return [(_address(data), data.nbytes)], [arrays, data]
-        pieces = self.plan.for_rank(self.rank)
-        if len(arrays) != len(pieces):
-            raise ValueError(f"rank {self.rank} holds {len(pieces)} pieces, got {len(arrays)} arrays")
-        regions, keep, pos = [], [], layout.data_offset
-        zero = _address(self._mt_zeros)
-        for p, e, a in zip(pieces, layout.entries, arrays):
-            if a.size != p.count or fmt.dtype_name(a.dtype) != e.dtype:
-                raise ValueError(f"array for tensor {self.plan.tensors[p.tensor_id].name!r} piece [{p.start},"
-                                 f"{p.stop}) has {a.size} {a.dtype} elements")
-            a = np.ascontiguousarray(a)
-            keep.append(a)
-            if e.offset > pos:
-                regions.append((zero, e.offset - pos))  # < PIECE_ALIGN bytes
-            if e.length:
-                regions.append((_address(a), e.length))
-            pos = e.offset + e.length
-        return regions, keep
-
-    def _memtier_local(self, slot: int, version: int, regions: list[tuple[int, int]],
-                       manifest: dict[str, Any]) -> dict[str, Any]:
-        """Copy the regions into ``slot`` from this process (sync mode, or the backend may not read
-        our memory): the same slot protocol as the backend's copy."""
-        from .memtier.copy import LocalCopier
-        c0 = time.perf_counter()
-        stats = self._mt_region.put(slot, Version(self.run.generation, version), LocalCopier(), regions, manifest)
-        return {"slot": slot, "bytes": stats.bytes, "calls": stats.calls, "copy_s": time.perf_counter() - c0}
-
     def _memtier_put(self, version: int, arrays: "Sequence[np.ndarray] | FusedShard",
                      manifest: dict[str, Any]) -> SlotSource:
         """Put ``version`` into a slot of the device (see the module docstring); returns the flush
         job's source. ``arrays`` stays referenced (by the caller) until this returns."""
-        cfg, region = self.config, self._mt_region
-        regions, keep = self._memtier_regions(arrays)
+        cfg, region = self.config, self._mt.region
+        regions, keep = self._mt.regions(arrays)
         if self._backend is None:  # sync mode: nothing waits for a flush when the next version comes
             slot = region.choose_slot(set())
             if slot is None:
                 raise MemtierBusyError(f"memory tier {cfg.memtier}: no slot of {self.name!r} rank {self.rank} is free "
                                        f"({region.nslots} slots)")
-            stat = dict(self._memtier_local(slot, version, regions, manifest), waited_s=0.0, copier="rank")
+            stat = dict(self._mt.local_put(slot, version, regions, manifest), waited_s=0.0, copier="rank")
         else:
             wait = min(10.0, cfg.backend_timeout / 2)
             req = {"device": cfg.memtier, "entry": region.entry_no, "name": self.name, "run": self.run.id,
@@ -446,7 +372,7 @@ class Engine:
                 raise MemtierError(f"memory tier {cfg.memtier}: the backend could not put {self.name!r} v{version} of "
                                    f"rank {self.rank}: {resp.get('error')}")
             if req.get("self_copy"):
-                stat = dict(self._memtier_local(int(resp["slot"]), version, regions, manifest), copier="rank")
+                stat = dict(self._mt.local_put(int(resp["slot"]), version, regions, manifest), copier="rank")
             else:
                 stat = {"slot": int(resp["slot"]), "bytes": int(resp["bytes"]), "calls": int(resp["calls"]),
                         "copy_s": float(resp["copy_s"]), "copier": "backend"}
@@ -455,30 +381,12 @@ class Engine:
                 self.memtier_waits += 1
         del keep  # the copy is done (the slot is DONE): the buffer may go
         self.memtier_stats[version] = stat
-        if not self._mt_reclaimed:
-            self._mt_reclaimed = True
-            self._memtier_reclaim()
-        return SlotSource(cfg.memtier, region.entry_no, stat["slot"], version, self.run.id, self.rank)
-
-    def _memtier_reclaim(self) -> None:
-        """This run has a DONE version in the tier: retire the regions of earlier runs of its job
-        (same job id) there (issue 24: a past run no longer keeps a stale version). Best effort: a
-        busy device lock is left for the next restart or repack (log line)."""
-        from .memtier import device as mdev
-        try:
-            got = self._mt_device.reclaim(self.name, self._mt_region.job, live=mdev.default_live)
-            if got["retired"]:
-                log.info("deepfreeze: memory tier %s: %d region(s) of earlier runs of %r reclaimed (%d bytes)",
-                         self.config.memtier, got["retired"], self.name, got["freed_bytes"])
-        except (MemtierError, OSError) as e:
-            log.warning("deepfreeze: memory tier %s: could not reclaim earlier runs of %r (%s): 'deepfreeze memtier "
-                        "repack' does it later", self.config.memtier, self.name, e)
+        return self._mt.source(stat["slot"], version)
 
     def _memtier_request(self, backend: BackendClient, req: dict[str, Any], wait: float) -> dict[str, Any]:
         """One ``memtier_put`` exchange; first allows this backend to read our memory (Yama)."""
         if backend.pid != self._mt_ptracer and not self._mt_self_copy:
-            from .memtier.copy import allow_ptracer
-            allow_ptracer(backend.pid)
+            self._mt.allow_reader(backend.pid)
             self._mt_ptracer = backend.pid
         if self._mt_self_copy:
             req["self_copy"] = True
@@ -708,41 +616,33 @@ class Engine:
     def _write_version(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
         cfg = self.config
         t0 = time.perf_counter()
-        if self._mt_region is not None:  # the memory tier: a slot instead of a scratch file (no redundancy)
+        if self._mt is not None:  # the memory tier: a slot instead of a scratch file (no redundancy)
             source = self._memtier_put(version, arrays, manifest)
             self.write_times[version] = time.perf_counter() - t0
             self._flush(version, manifest, source)
             return
-        direct = writeonce.write_version(cfg, self.name, version, self.rank, self.plan, arrays, self.run.id,
+        direct = write_version(cfg, self.name, version, self.rank, self.plan, arrays, self.run.id,
                                          critical=self._pool.run_normal,
                                          level_cls=self.persistent_cls) if self.write_once else None
         if direct is not None:  # written once, into persistent's partial: no scratch file
             self.write_times[version] = time.perf_counter() - t0
             self._flush(version, manifest, direct=direct)
             return
-        try:
-            path: str | None = self.scratch.write_shard(self.name, version, self.rank, self.plan, arrays,
-                                                        chksum=cfg.chksum, run=self.run.id)
-            failure = None
-        except BaseException as e:  # still take part in the exchange below, so nobody waits for us
-            path, failure = None, e
-        if self.redundancy is not None:
-            now = time.monotonic()
-            want = self._last_ec is None or now - self._last_ec >= cfg.ec_interval
-            if protect(self.comm, self.scratch, self.name, version, self.rank, path, self.redundancy, want=want,
-                       run=self.run.id):
-                self._last_ec = now
-                manifest = dict(manifest, redundancy=self.redundancy)
-        if failure is not None:
-            raise failure
-        self.scratch.write_manifest(self.name, version, manifest)
+        asked: list[float] = []
+
+        def due() -> bool:  # asked once the shard is on scratch (rank 0's answer counts: redundancy.protect)
+            asked.append(time.monotonic())
+            return self._last_ec is None or asked[0] - self._last_ec >= cfg.ec_interval
+        if self.scratch.write_version(self.name, version, self.rank, self.plan, arrays, manifest, chksum=cfg.chksum,
+                                      run=self.run.id, comm=self.comm, redundancy=self.redundancy, due=due):
+            self._last_ec = asked[0]
         self.write_times[version] = time.perf_counter() - t0
         self._flush(version, manifest)
 
     def _flush(self, version: int, manifest: dict[str, Any], source: SlotSource | None = None,
                direct: dict[str, Any] | None = None) -> None:
         """Hand the version's flush job to the backend (async) or run it (sync); ``direct``: the
-        record of a version written once into persistent (:func:`deepfreeze.writeonce.write_version`)."""
+        record of a version written once into persistent (:func:`deepfreeze.tiers.direct.write_version`)."""
         cfg = self.config
         job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
                "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
@@ -767,11 +667,6 @@ class Engine:
             flush_job(job, scratch_cls=type(self.scratch), persistent_cls=self.persistent_cls)
 
 
-def _address(a: np.ndarray) -> int:
-    """Address of a contiguous array's first byte in this process."""
-    return int(a.__array_interface__["data"][0])
-
-
 def write_error(config: Config, name: str, version: int, e: OSError) -> CheckpointWriteError:
     """A :class:`CheckpointWriteError` for an OSError met while checkpointing ``name`` v``version``."""
     path = os.fspath(e.filename) if isinstance(e.filename, (str, os.PathLike)) else ""
@@ -783,29 +678,3 @@ def write_error(config: Config, name: str, version: int, e: OSError) -> Checkpoi
         f"({path or 'writing to scratch ' + config.scratch + ' or persistent ' + config.persistent})")
     return CheckpointWriteError(e.errno, f"checkpoint {name!r} v{version} failed: {e.strerror or e} {where}. "
                                 "A version is committed whole or not at all.")
-
-
-ENGINES = ("builtin", "veloc", "auto")
-
-
-def resolve_engine(engine: str | None) -> str:
-    """``builtin`` or ``veloc`` for ``engine`` (``None``: ``$DEEPFREEZE_ENGINE``, else builtin;
-    ``auto``: VeloC when its library can be loaded, else builtin)."""
-    from .errors import ConfigError
-    engine = engine or os.environ.get("DEEPFREEZE_ENGINE") or "builtin"
-    if engine not in ENGINES:
-        raise ConfigError(f"engine = {engine!r}: use 'builtin' (no dependency), 'veloc' (a VeloC install pointed "
-                          "to by DEEPFREEZE_VELOC_PREFIX) or 'auto' (VeloC when found, else builtin)")
-    if engine == "auto":
-        from deepfreeze.bindings.veloc import available
-        why = available()
-        if why is not None:
-            log.info("deepfreeze: engine='auto' uses the built-in engine: %s", why)
-        return "builtin" if why is not None else "veloc"
-    if engine == "veloc":
-        from deepfreeze.bindings.veloc import available
-        from .errors import VelocNotFoundError
-        why = available()
-        if why is not None:
-            raise VelocNotFoundError(why)
-    return engine

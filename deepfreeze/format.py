@@ -51,7 +51,7 @@ Manifest limits (enforced by :func:`decode_manifest`; a manifest beyond them is
 * every tensor at most 2**48 elements, at most ``MAX_NDIM`` dimensions;
 * the decode is linear in the size: one pass of the C JSON parser with the
   hooks above, schema checks linear in the number of tensors, pieces and ranks,
-  the size limit (deriving a compact plan's pieces, :func:`deepfreeze.levels.plan_of`, is
+  the size limit (deriving a compact plan's pieces, :func:`deepfreeze.tiers.base.plan_of`, is
   O(T log N + pieces)); the nesting depth is counted over the bytes before parsing
   (:func:`deepfreeze.jsonsafe.json_depth`, linear, C speed).
 
@@ -467,7 +467,7 @@ def plan_items(plan: Any) -> int:
     """How many items a manifest's plan record lists, what :func:`manifest_size_limit` allows 128
     bytes for: every piece of an older record (``pieces``); the ``explicit`` pieces plus half the
     ``given`` bounds of a compact one (a bound takes about 20 bytes as written). 0 for anything
-    that is not a plan record (its validation, :func:`deepfreeze.levels.plan_of`, says why)."""
+    that is not a plan record (its validation, :func:`deepfreeze.tiers.base.plan_of`, says why)."""
     if not isinstance(plan, dict):
         return 0
     if "algorithm" not in plan:

@@ -29,9 +29,11 @@ from . import format as fmt
 from .config import Config, validate_name
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError
 from .fsafe import open_regular_file
-from .levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel, plan_of, read_decision
-from .memtier.level import MemtierLevel, job_of as memtier_job_of, read_item as read_memtier_item, region_address
-from .memtier.level import changed as memtier_changed, forget as memtier_forget, reading as memtier_reading
+from .tiers.base import MANIFEST, TIER_ORDER, plan_of
+from .tiers.persistent import ASSEMBLED, PersistentLevel, read_decision
+from .tiers.scratch import ScratchLevel
+from .tiers.memtier import MemtierLevel, job_of as memtier_job_of, read_item as read_memtier_item, region_address
+from .tiers.memtier import changed as memtier_changed, forget as memtier_forget, reading as memtier_reading
 from .loader import list_versions, scratch_recoverable
 from .lease import fs_now, read_lease
 
@@ -212,7 +214,7 @@ def scan_scratch(cfg: Config, name: str) -> list[VersionCopy]:
 
 def decision_word(vdir: str) -> str | None:
     """The ``decision`` of a persistent version directory (``flush``/``skip``/``corrupt``), or None
-    (:func:`deepfreeze.levels.read_decision`)."""
+    (:func:`deepfreeze.tiers.persistent.read_decision`)."""
     d = read_decision(vdir)
     return None if d is None else d["decision"]
 
@@ -298,7 +300,8 @@ def scan_memtier(cfg: Config, name: str) -> list[VersionCopy]:
 def scan(cfg: Config, name: str) -> list[VersionCopy]:
     """:func:`scan_memtier`, :func:`scan_scratch` then :func:`scan_persistent`, with the run of each
     copy that has a valid manifest (run id, generation, resumed from) and, for a clone, its parent."""
-    copies = scan_memtier(cfg, name) + scan_scratch(cfg, name) + scan_persistent(cfg, name)
+    scans = {"memtier": scan_memtier, "scratch": scan_scratch, "persistent": scan_persistent}
+    copies = [c for tier in TIER_ORDER for c in scans[tier](cfg, name)]  # the read order (deepfreeze.tiers.base)
     for c in copies:
         if c.manifest is not None:
             c.run, c.generation, c.resumed_from = fmt.manifest_run(c.manifest)

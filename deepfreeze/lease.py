@@ -5,7 +5,7 @@ framework-neutral). The :class:`~deepfreeze.run.Run` that uses them is in :mod:`
   instance (or one framework-neutral job) from its first ``begin`` to ``close()`` or process
   exit. Its id (:func:`new_run_id`, 16 hex digits) is made on rank 0 and shared with every
   rank; it is written into every shard header, scratch manifest, done marker and decision,
-  so the commit protocol (:mod:`deepfreeze.levels`) never combines pieces of two runs. A
+  so the commit protocol (:mod:`deepfreeze.tiers.persistent`) never combines pieces of two runs. A
   resumed run gets a new id and records the step it resumed from.
 * A **version** is :class:`Version` ``(generation, step)``. The generation of a name is kept
   in ``<persistent>/<name>/generation`` (absent = 0) and grows by one with every

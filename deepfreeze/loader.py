@@ -1,7 +1,8 @@
 """Restore: read a committed version back into numpy arrays (no TensorFlow here).
 
-Order for the newest version (or the one asked for), VeloC's: scratch (every
-rank's shard, from its own node or from the partner copy another node holds),
+Order for the newest version (or the one asked for), VeloC's, with the memory tier first
+(:data:`deepfreeze.tiers.base.READ_ORDER`, iterated here and by :mod:`deepfreeze.inventory`):
+scratch (every rank's shard, from its own node or from the partner copy another node holds),
 then reconstruction from XOR parity, then the assembled file on persistent. A
 file that fails its checks (index, checksums) is dropped and the next source is
 tried, with a log line. A version that cannot be read whole from any level is
@@ -46,7 +47,7 @@ indexes of the files opened are validated, and only the pieces read are CRC-chec
 :func:`list_versions` reports ``scratch`` when this process's scratch directory alone can give a
 version whole by the same recovery plan (:func:`scratch_recoverable`, which ``deepfreeze ls``
 also uses) and ``persistent`` when it is committed there, reading only manifests and directory
-entries. The memory tier (:mod:`deepfreeze.memtier.level`) is a level before scratch, pooled the
+entries. The memory tier (:mod:`deepfreeze.tiers.memtier`) is a level before scratch, pooled the
 same way.
 """
 from __future__ import annotations
@@ -67,8 +68,10 @@ from . import ownership
 from .errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, DeepFreezeError, UntrustedOwnerError
 from .fsafe import open_regular_file, read_whole
 from .jsonsafe import loads as bounded_loads
-from .levels import ASSEMBLED, PersistentLevel, ScratchLevel, plan_of
-from .memtier import level as memtier_level
+from .tiers.base import SHARD_SOURCES, TIER_ORDER, plan_of
+from .tiers.persistent import ASSEMBLED, PersistentLevel
+from .tiers.scratch import ScratchLevel
+from .tiers import memtier as memtier_level
 from .comm import Comm, LocalComm
 from .redundancy import group_of, read_parity, xor_reconstruct
 
@@ -130,14 +133,13 @@ def list_versions(config: "str | os.PathLike | Config | None", name: str, *,
     scratch, persistent = _levels(config, trust_owners)
     gen = persistent.generation(name)
     out: dict[int, list[str]] = {}
-    for v, (m, inv) in _memtier_committed(config, name, gen, quiet=True).items():  # load() says what it ignores
-        if scratch_recoverable(m, inv):
-            out.setdefault(v, []).append("memtier")
-    for v, (m, inv) in scratch.committed(name, gen).items():
-        if scratch_recoverable(m, inv):
-            out.setdefault(v, []).append("scratch")
-    for v in persistent.committed_versions(name, gen):
-        out.setdefault(v, []).append("persistent")
+    listed = {"memtier": lambda: memtier_level.committed(config, name, gen, quiet=True),  # load() says what it ignores
+              "scratch": lambda: scratch.committed(name, gen)}
+    for tier in TIER_ORDER:
+        found = persistent.committed_versions(name, gen) if tier == "persistent" else [
+            v for v, (m, inv) in listed[tier]().items() if scratch_recoverable(m, inv)]
+        for v in found:
+            out.setdefault(v, []).append(tier)
     return dict(sorted(out.items()))
 
 
@@ -211,7 +213,7 @@ def _load(config: "str | os.PathLike | Config | None", name: str, version: int |
     scratch, persistent = _levels(config, trust_owners)
     gen = persistent.generation(name)  # only the current generation's versions exist for readers
     local = scratch.committed(name, gen)  # version -> (manifest, files held here)
-    _merge_memtier(local, _memtier_committed(config, name, gen), name)  # memory first
+    memtier_level.merge(local, memtier_level.committed(config, name, gen), name)  # TIER_ORDER: memory first
     committed = persistent.committed_versions(name, gen)
     for v in [v for v in local if v in committed]:
         # a scratch copy of another run than persistent's same version (a node left out of the run
@@ -285,7 +287,7 @@ def _load(config: "str | os.PathLike | Config | None", name: str, version: int |
 
 def scratch_recoverable(manifest: dict[str, Any], inventory: dict[str, dict[int, str]]) -> bool:
     """Can every shard of ``manifest`` be read from these files (one scratch directory's
-    :meth:`~deepfreeze.levels.ScratchLevel.inventory`), directly, from partner copies or
+    :meth:`~deepfreeze.tiers.scratch.ScratchLevel.inventory`), directly, from partner copies or
     by XOR reconstruction? (Files are not opened: checksums are checked on load.)"""
     have = {(k, key): [0] for k, d in inventory.items() for key in d}
     return _recovery_plan(manifest, have, range(manifest["world_size"])) is not None
@@ -296,11 +298,12 @@ def _recovery_plan(manifest: dict[str, Any], have: dict[tuple[str, int], list[in
     """Which participant supplies which file so that the shards of ranks ``need`` can be
     read: (``{(kind, key): participant}``, ranks to rebuild from parity), or None."""
     fetch: dict[tuple[str, int], int] = {}
+    copies, parity = SHARD_SOURCES[:2], SHARD_SOURCES[2]  # own shard, partner copy; then an XOR rebuild
 
     def supply(r: int) -> bool:
-        if ("shard", r) in fetch or ("partner", r) in fetch:
+        if any((kind, r) in fetch for kind in copies):
             return True
-        for kind in ("shard", "partner"):
+        for kind in copies:
             if have.get((kind, r)):
                 fetch[(kind, r)] = have[(kind, r)][0]
                 return True
@@ -315,9 +318,9 @@ def _recovery_plan(manifest: dict[str, Any], have: dict[tuple[str, int], list[in
         for m in group:
             if m == r:
                 continue
-            if m in rebuild or not supply(m) or not have.get(("parity", m)):
+            if m in rebuild or not supply(m) or not have.get((parity, m)):
                 return None
-            fetch[("parity", m)] = have[("parity", m)][0]
+            fetch[(parity, m)] = have[(parity, m)][0]
     return fetch, rebuild
 
 
@@ -381,39 +384,6 @@ def _read_item(inv: dict[str, dict[int, str]], kind: str, key: int, version: int
         for e in idx.entries:
             fmt.entry_view(data, e, verify=True, path=path)
     return data
-
-
-def _memtier_committed(config: Config, name: str, generation: int, *, quiet: bool = False
-                       ) -> dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]]:
-    """What this node's memory tier (INI ``memtier``) holds of ``name`` *for this job* (the id in
-    ``<persistent>/<name>/job``; regions of other jobs, or of unknown job, are ignored with one log
-    line), as scratch's ``committed``."""
-    path = getattr(config, "memtier", None)
-    if not path:
-        return {}
-    job = memtier_level.job_of(config.persistent, name)
-    return memtier_level.MemtierLevel(path, job).committed(name, generation, quiet=quiet)
-
-
-def _merge_memtier(local: dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]],
-                   tier: dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]], name: str) -> None:
-    """Add the memory tier's shards to the scratch inventory, the tier's first (restore reads the
-    first listed source of a shard). A version whose tier copy is of another run than its scratch
-    copy keeps the tier's (the newer timeline wrote the tier last) with a log line."""
-    for v, (m, inv) in tier.items():
-        if v not in local:
-            local[v] = (m, inv)
-            continue
-        sm, sinv = local[v]
-        if fmt.manifest_run(sm)[0] != fmt.manifest_run(m)[0]:
-            log.warning("deepfreeze: %s v%d: the memory tier holds run %s's copy, scratch run %s's: using the "
-                        "memory tier's", name, v, fmt.manifest_run(m)[0], fmt.manifest_run(sm)[0])
-            local[v] = (m, inv)
-            continue
-        merged = {k: dict(d) for k, d in sinv.items()}
-        for r, item in inv["shard"].items():
-            merged["shard"][r] = item
-        local[v] = (sm, merged)
 
 
 def _file_limit(manifest: dict[str, Any]) -> int:

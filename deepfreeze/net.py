@@ -1,4 +1,6 @@
-"""Tokens, authenticated connections and framed messages: the one network module of DeepFreeze.
+"""Long because: one protocol (token to handshake), each part built on the frame and MAC helpers below it.
+
+Tokens, authenticated connections and framed messages: the one network module of DeepFreeze.
 
 Used by the stream (:mod:`deepfreeze.stream.wire`) and the repository providers (``deepfreeze
 repo serve``), and meant for every other DeepFreeze service that listens on TCP. It knows
@@ -79,8 +81,6 @@ other side (only classes of that module; any other name becomes a ``ProviderErro
 
 (The module is past 800 lines because the handshake's blocking and readiness-driven forms, the
 frame format and the pre-authentication stage belong together with their protocol description.)
-
-Long because: one protocol (token to handshake), each part built on the frame and MAC helpers below it.
 """
 from __future__ import annotations
 

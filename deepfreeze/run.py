@@ -19,10 +19,11 @@ from typing import Any, Callable, Sequence
 from . import backend
 from .comm import Comm
 from .config import Config
-from .engine import Engine, resolve_engine
+from .engine import Engine
+from .tiers import choose
 from .errors import CheckpointNotFoundError, ConfigError, DeepFreezeError, ExistingCheckpointError, LeaseHeldError, NodeIdConflictError
 from .lease import Lease, RunInfo, job_id, new_run_id, read_generation, write_generation
-from .levels import ScratchLevel
+from .tiers.scratch import ScratchLevel
 from .shardplan import ShardPlan
 from .veloc_engine import VelocEngine
 
@@ -65,7 +66,7 @@ class Run:
                  resume: bool = False, overwrite: bool = False, lease_wait: float = 0.0, on_error: str = "raise",
                  engine: str | None = None, scratch_cls: type | None = None, trust_owners: Any = None,
                  verbose: int = 0, **overrides: Any) -> None:
-        from .levels import ScratchLevel
+        from .tiers.scratch import ScratchLevel
         from .ownership import trusted_uids
         if on_error not in ON_ERROR:
             raise ConfigError(f"on_error = {on_error!r}: use 'raise' (stop training) or 'warn' (log and go on)")
@@ -84,7 +85,7 @@ class Run:
             from .comm import LocalComm
             comm = LocalComm()
         self.config: Config = Config.resolve(config, **overrides)
-        from .engine import resolve_engine
+        from .tiers import resolve_engine
         self.engine_kind = resolve_engine(engine)
         self.name, self.rank, self.size, self.comm = name, rank, size, comm
         self.resume, self.overwrite, self.lease_wait = bool(resume), bool(overwrite), float(lease_wait)
@@ -119,7 +120,8 @@ class Run:
         :attr:`size`). Raises :class:`LeaseHeldError`,
         :class:`~deepfreeze.errors.ExistingCheckpointError` or another DeepFreezeError on
         every rank when rank 0 cannot start it."""
-        from .levels import PersistentLevel, ScratchLevel
+        from .tiers.persistent import PersistentLevel
+        from .tiers.scratch import ScratchLevel
         if comm is not None:
             self.comm, self.rank, self.size = comm, comm.rank, comm.size
         cfg = self.config
@@ -195,7 +197,8 @@ class Run:
         """Record that this run continues from ``step`` (collective): every rank removes its
         scratch files of higher versions, rank 0 retires higher versions on persistent (manifest
         first), so no number this run will write can mean an older run's state."""
-        from .levels import PersistentLevel, ScratchLevel
+        from .tiers.persistent import PersistentLevel
+        from .tiers.scratch import ScratchLevel
         assert self.info is not None, "begin() first"
         self.info = dataclasses.replace(self.info, resumed_from=int(step))
         err = ""
@@ -418,7 +421,7 @@ class Run:
         manifest of this name and version, of this run (its id) and generation. Reads one
         manifest; any error reading it is a no."""
         from . import format as fmt
-        from .levels import PersistentLevel
+        from .tiers.persistent import PersistentLevel
         if self.config.persistent_interval < 0:
             return False
         try:
@@ -456,17 +459,9 @@ def make_engine(engine: str | None, config: Config, name: str, rank: int, plan: 
                 domains: Sequence[str] | None = None, *, comm: Comm | None = None, mpi_comm: Any = None,
                 scratch_cls: type = ScratchLevel, run: RunInfo | None = None) -> Engine:
     """The engine of one rank: :class:`~deepfreeze.engine.Engine` or
-    :class:`~deepfreeze.veloc_engine.VelocEngine` (the engine factory is here, above both).
+    :class:`~deepfreeze.veloc_engine.VelocEngine` (the engine factory is here, above both), as
+    :func:`deepfreeze.tiers.choose` decides.
     ``comm`` carries the built-in redundancy exchange; ``mpi_comm`` (mpi4py) is VeloC's."""
-    if config.memtier is not None:  # the memory tier is the built-in engine's: decided before looking for VeloC
-        requested = engine or os.environ.get("DEEPFREEZE_ENGINE") or "builtin"
-        if requested == "veloc":
-            raise ConfigError(f"memtier = {config.memtier} ({config.where('memtier')}) needs the built-in engine: "
-                              "with engine='veloc' the shards go through VeloC's files; leave memtier out or use "
-                              "engine='builtin'")
-        if requested == "auto":
-            log.info("deepfreeze: engine='auto' uses the built-in engine: memtier is set")
-            engine = "builtin"
-    if resolve_engine(engine) == "veloc":
+    if choose(config, engine).engine == "veloc":  # every rule of the choice: deepfreeze.tiers.choose
         return VelocEngine(config, name, rank, plan, domains, mpi_comm=mpi_comm, scratch_cls=scratch_cls, run=run)
     return Engine(config, name, rank, plan, domains, scratch_cls=scratch_cls, comm=comm, run=run)

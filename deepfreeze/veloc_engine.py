@@ -8,7 +8,7 @@ threaded modes) erasure coding. Per version and rank, in the writer thread:
 1. ``VELOC_Checkpoint_wait`` for the previous version, then *assemble* it: the
    rank copies its pieces from the per-rank file VeloC flushed
    (``<persistent>/<name>/v<version>/r<rank>.dfs``) into the version's
-   ``model.dfz`` with :meth:`deepfreeze.levels.PersistentLevel.flush_shard`
+   ``model.dfz`` with :meth:`deepfreeze.tiers.persistent.PersistentLevel.flush_shard`
    (same commit protocol as the built-in engine: the last rank writes the
    manifest) and deletes the per-rank file;
 2. ``VELOC_Checkpoint_begin``; ``VELOC_Route_file`` with that persistent path as
@@ -67,7 +67,9 @@ import numpy as np
 from .config import Config
 from .engine import Engine
 from .errors import BackendError, CheckpointWriteError, VelocError
-from .levels import FencedError, PersistentLevel, ScratchLevel, write_shard_file
+from .tiers.persistent import FencedError, PersistentLevel
+from .tiers.scratch import ScratchLevel
+from .tiers.shardbytes import write_shard_file
 from .shardplan import ShardPlan
 from .veloc_daemon import (clean_veloc_leftovers, open_users, same_config, start_backend, started_by_deepfreeze,
                            stop_backend, users_path, veloc_backend, write_veloc_config)

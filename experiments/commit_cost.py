@@ -9,7 +9,7 @@ fence check, the flush copying each piece through a buffer while computing its C
 Measured in one process, on this machine's local disk, alternating so drift hits all series alike:
 
 * ``raw_write``: write the shard's bytes to a new file and fsync it (the disk's limit);
-* ``flush``: :func:`deepfreeze.levels.flush_job` of one rank's shard (checksums on), i.e. decision,
+* ``flush``: :func:`deepfreeze.tiers.flush.flush_job` of one rank's shard (checksums on), i.e. decision,
   CRC-checked copy into the partial, fsync, marker, finalize, manifest (world size 1);
 * ``fixed``: a sync-mode checkpoint of a 256-byte shard (write to scratch + flush + commit), the
   per-version cost that does not depend on the size; the median of 40 per repetition.
@@ -34,7 +34,7 @@ def timed_flush(d: str, manifest: dict) -> float:
     version kept, flushed at once); raises if it did not commit."""
     job = {"name": "job", "version": 1, "rank": 0, "scratch": f"{d}/s", "persistent": f"{d}/p",
            "persistent_interval": 0, "keep_scratch": 0, "keep_persistent": 0, "manifest": manifest}
-    from deepfreeze.levels import flush_job
+    from deepfreeze.tiers.flush import flush_job
     t0 = time.perf_counter()
     if not flush_job(job)["committed"]:
         raise RuntimeError("the flush did not commit")
@@ -52,7 +52,7 @@ def main() -> None:
     from deepfreeze.config import Config
     from deepfreeze.engine import Engine
     from deepfreeze.format import build_manifest
-    from deepfreeze.levels import ScratchLevel
+    from deepfreeze.tiers.scratch import ScratchLevel
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 
     os.makedirs(args.work, exist_ok=True)

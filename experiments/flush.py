@@ -9,7 +9,7 @@ are directories of the same file system here):
 
 * ``raw_scratch``: write the shard's byte count to a new file in the scratch directory, no fsync (the
   scratch level is not fsynced either), the way :func:`experiments.bench.write_rates` writes;
-* ``scratch_write``: :meth:`deepfreeze.levels.ScratchLevel.write_shard` of the shard (header, index,
+* ``scratch_write``: :meth:`deepfreeze.tiers.scratch.ScratchLevel.write_shard` of the shard (header, index,
   CRCs, data, rename), fed with the engine's input (``--input``: a :class:`deepfreeze.fused.FusedShard`
   when this version of the code accepts one, else the list of flat arrays);
 * (untimed) ``fdatasync`` of the scratch shard and of the scratch raw file, so their write-back does
@@ -22,7 +22,7 @@ are directories of the same file system here):
 * ``raw_best``: the same bytes written the fastest way found here (``--strategies``): 1 MiB writes, the
   write-back of every 8 MiB started at once (``sync_file_range``), fsync: a stricter reference, since
   one huge ``write`` is itself slow here;
-* ``flush``: :func:`deepfreeze.levels.flush_job` of the shard to persistent (decision, CRC-checked
+* ``flush``: :func:`deepfreeze.tiers.flush.flush_job` of the shard to persistent (decision, CRC-checked
   copy into the partial, fsync, done marker, finalize, manifest; world size 1).
 
 Statistics per size: medians of each series; efficiency = median raw time / median flush time (= flush
@@ -70,7 +70,7 @@ def _raw_write(path: str, view: memoryview, fsync: bool) -> float:
 
 def _kicker() -> Any:
     """``sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)`` through ctypes (self-contained, so the
-    experiment runs against code without :func:`deepfreeze.levels._start_writeback`), else fadvise."""
+    experiment runs against code without :func:`deepfreeze.tiers.shardbytes._start_writeback`), else fadvise."""
     try:
         import ctypes
         import ctypes.util
@@ -146,7 +146,7 @@ def _intercept(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
 def measure(mib: float, args: argparse.Namespace, fused_ok: bool) -> dict[str, Any]:
     import numpy as np
     from deepfreeze.format import build_manifest
-    from deepfreeze.levels import ScratchLevel
+    from deepfreeze.tiers.scratch import ScratchLevel
     from deepfreeze.shardplan import ShardPlan, TensorSpec
 
     total = int(mib * 2**20) // 4
@@ -216,7 +216,7 @@ def strategies(nbytes: int, repeat: int, directory: str) -> dict[str, Any]:
     * ``single``: one ``write`` of the whole buffer, then fsync (``write_rates``' way: the reference);
     * ``chunked``: 1 MiB ``pwrite`` calls, then fsync (the flush before this change, in 8 MiB calls);
     * ``chunked_writeback``: the same, starting the write-back of every 8 MiB written at once
-      (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: what :func:`deepfreeze.levels._copy_checked` does);
+      (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: what :func:`deepfreeze.tiers.shardbytes._copy_checked` does);
     * ``o_direct``: ``O_DIRECT`` writes of 8 MiB from a page-aligned staging buffer (``mmap``), the
       bytes copied into it first (the flush must CRC them anyway), then fsync."""
     import mmap
@@ -308,7 +308,7 @@ def main() -> None:
     if args.input != "list":
         try:
             import inspect
-            from deepfreeze import levels
+            from deepfreeze.tiers import shardbytes as levels
             fused_ok = "FusedShard" in inspect.getsource(levels.write_shard_file)
         except (ImportError, OSError):
             fused_ok = False
@@ -355,7 +355,7 @@ def main() -> None:
                                     "standard error by bootstrap; fixed cost = intercept of time vs bytes "
                                     "(least squares over all samples of sizes <= 64 MiB)",
                        "machine": {"cpus": os.cpu_count(), "load_avg_at_end": list(os.getloadavg())}}
-    from deepfreeze import levels as code
+    from deepfreeze.tiers import shardbytes as code
     doc[args.label] = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                        "levels_module": os.path.relpath(code.__file__, os.path.dirname(HERE)),
                        "load_avg_before": load_before, "load_avg_after": list(os.getloadavg()), "sizes": results,

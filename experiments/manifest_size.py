@@ -18,7 +18,7 @@ import json
 import time
 
 from deepfreeze import format as fmt
-from deepfreeze.levels import plan_of
+from deepfreeze.tiers.base import plan_of
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 

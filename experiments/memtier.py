@@ -67,7 +67,7 @@ scratch's) own, not the flush both variants share. Measured per checkpoint:
 - ``stall_s``: time in the checkpoint callback (DeepFreeze: ``timings[*].blocking_s``, the
   in-graph capture's hand-off; h5/tf: the whole save);
 - ``done_s``: from the callback's start to the version DONE on its first level (``df-scratch``:
-  the scratch manifest written, recorded by a :class:`~deepfreeze.levels.ScratchLevel` subclass
+  the scratch manifest written, recorded by a :class:`~deepfreeze.tiers.scratch.ScratchLevel` subclass
   passed as ``scratch_cls``; ``df-memtier``: the engine's acknowledgement time when it records one,
   else the slot header's ``written`` time (exact: the headers are polled every 20 ms, so each
   version is seen before its slot is reused); h5/tf: the end of the save);
@@ -469,7 +469,7 @@ def one_variant(a: argparse.Namespace, variant: str, model, ds, tf, hvd) -> dict
     from deepfreeze import Config
     from deepfreeze.keras import DeepFreezeCheckpoint, restore
     from deepfreeze.keras.state_loader import model_tensors
-    from deepfreeze.levels import ScratchLevel
+    from deepfreeze.tiers.scratch import ScratchLevel
 
     rank, size = hvd.rank(), hvd.size()
     every, reps = a.every, a.reps

@@ -41,7 +41,7 @@ def test_engine_veloc_without_veloc_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPFREEZE_VELOC_PREFIX", str(tmp_path))
     monkeypatch.delenv("VELOC_LIB", raising=False)
     monkeypatch.setattr(vb, "_LIB", None)
-    from deepfreeze.engine import resolve_engine
+    from deepfreeze.tiers import resolve_engine
     with pytest.raises(VelocNotFoundError, match="DEEPFREEZE_VELOC_PREFIX"):
         resolve_engine("veloc")
     assert resolve_engine("auto") == "builtin"

@@ -14,7 +14,8 @@ import pytest
 from deepfreeze import Config
 from deepfreeze.backend import BackendClient
 from deepfreeze.engine import Engine
-from deepfreeze.levels import PersistentLevel, ScratchLevel
+from deepfreeze.tiers.persistent import PersistentLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.loader import load
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 

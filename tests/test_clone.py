@@ -185,7 +185,7 @@ def test_keras_clone_2_to_2_bitexact_continues_identically_and_overlaps_backprop
         assert abs(got - total / 2) < 0.2 * total / 2, (got, total)  # each clone rank receives ~1/M
     # both groups' checkpoints: every committed version equals the weights recorded in the run
     from deepfreeze import Config
-    from deepfreeze.levels import PersistentLevel
+    from deepfreeze.tiers.persistent import PersistentLevel
     from deepfreeze.loader import load
     cfg = Config.load(None, mode="async", scratch=f"{out}/g0r0/scratch", persistent=f"{out}/persistent")
     for name, ref in (("src", "expected"), ("clone1", "expected_clone1")):
@@ -247,7 +247,7 @@ def test_rank_killed_mid_transfer_ends_the_job_with_an_error_and_no_corrupt_chec
     assert time.monotonic() - t0 < 280
     # the source's checkpoints: whatever was committed is bit-exact what the run recorded
     from deepfreeze import Config
-    from deepfreeze.levels import PersistentLevel
+    from deepfreeze.tiers.persistent import PersistentLevel
     from deepfreeze.loader import load
     cfg = Config.load(None, mode="async", scratch=f"{out}/g0r0/scratch", persistent=f"{out}/persistent")
     for v in PersistentLevel(f"{out}/persistent").committed_versions("src"):
@@ -297,7 +297,7 @@ def test_keras_clone_of_an_unbuilt_model_is_built_from_the_input_spec(tmp_path):
     mpirun(2, f"{WORKERS}/clone_keras.py", out, "1,1", "8", "unbuilt=1", "ckpt=1", timeout=300)
     _check_clone_equals_source_rank0(out, 1, 1)
     assert _json(out, "clone1", 0)["info"]["step"] == 8
-    from deepfreeze.levels import PersistentLevel
+    from deepfreeze.tiers.persistent import PersistentLevel
     assert PersistentLevel(f"{out}/persistent").committed_versions("src")  # the checkpoint was set up too
 
 

@@ -20,7 +20,8 @@ import pytest
 from deepfreeze import Config, ConfigError
 from deepfreeze.errors import CorruptCheckpointError
 from deepfreeze.format import decode_manifest, encode_manifest, parent_problem
-from deepfreeze.levels import PersistentLevel, ScratchLevel
+from deepfreeze.tiers.persistent import PersistentLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.loader import load
 
 from _util import ROOT, WORKERS, mpirun

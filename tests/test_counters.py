@@ -76,7 +76,7 @@ def test_a_one_process_job_is_counted(tmp_path):
 HERD = r"""
 import json, os, sys, time
 from deepfreeze import counters
-from deepfreeze.levels import PersistentLevel
+from deepfreeze.tiers.persistent import PersistentLevel
 root, role, out = sys.argv[1], sys.argv[2], sys.argv[3]
 
 class SlowDecider(PersistentLevel):

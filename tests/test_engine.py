@@ -12,7 +12,8 @@ from deepfreeze.backend import BackendClient, socket_path
 from deepfreeze.engine import Engine
 from deepfreeze.errors import (CheckpointNotFoundError, CheckpointWriteError, ConfigError,
                                CorruptCheckpointError)
-from deepfreeze.levels import PersistentLevel, ScratchLevel, lock_record
+from deepfreeze.tiers.persistent import PersistentLevel, lock_record
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.loader import load
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 

@@ -14,7 +14,8 @@ import pytest
 
 import deepfreeze
 from deepfreeze import Config
-from deepfreeze.levels import PersistentLevel, ScratchLevel
+from deepfreeze.tiers.persistent import PersistentLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 
 from _util import WORKERS, mpirun
 

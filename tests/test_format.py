@@ -8,7 +8,7 @@ import pytest
 
 from deepfreeze import format as fmt
 from deepfreeze.errors import CorruptCheckpointError
-from deepfreeze.levels import ScratchLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
 RNG = np.random.default_rng(3)

@@ -7,12 +7,14 @@ import numpy as np
 import pytest
 
 from deepfreeze import format as fmt
-from deepfreeze import levels
+from deepfreeze.tiers import shardbytes as levels
 from deepfreeze.config import Config
 from deepfreeze.format import build_manifest
 from deepfreeze.errors import CorruptCheckpointError
 from deepfreeze.fused import FusedLayout, FusedShard
-from deepfreeze.levels import ScratchLevel, flush_job, write_shard_file
+from deepfreeze.tiers.flush import flush_job
+from deepfreeze.tiers.scratch import ScratchLevel
+from deepfreeze.tiers.shardbytes import write_shard_file
 from deepfreeze.loader import load
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 

@@ -12,7 +12,8 @@ tf = pytest.importorskip("tensorflow")
 import deepfreeze  # noqa: E402
 from deepfreeze import ConfigError, ModelMismatchError  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
-from deepfreeze.levels import PersistentLevel, ScratchLevel  # noqa: E402
+from deepfreeze.tiers.persistent import PersistentLevel  # noqa: E402
+from deepfreeze.tiers.scratch import ScratchLevel  # noqa: E402
 from deepfreeze.fused import FusedLayout  # noqa: E402
 from deepfreeze.loader import load  # noqa: E402
 

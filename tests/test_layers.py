@@ -38,7 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "deepfreeze.comm", "deepfreeze.peerloss", "deepfreeze.priority"),
     1: ("deepfreeze.lease",),
     2: ("deepfreeze.memtier.", "deepfreeze.export"),
-    3: ("deepfreeze.levels", "deepfreeze.redundancy", "deepfreeze.writeonce"),
+    3: ("deepfreeze.tiers.", "deepfreeze.redundancy"),
     4: ("deepfreeze.backend", "deepfreeze.engine", "deepfreeze.veloc_engine", "deepfreeze.veloc_daemon", "deepfreeze.loader",
         "deepfreeze.inventory"),
     5: ("deepfreeze.run",),
@@ -46,7 +46,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     7: ("deepfreeze.keras.", "deepfreeze.torch."),
     8: ("deepfreeze.cli.", "deepfreeze.__main__", "deepfreeze"),
 }
-LAYER_NAMES = {0: "primitives", 1: "run identity and leases", 2: "memory tier, export", 3: "levels, redundancy",
+LAYER_NAMES = {0: "primitives", 1: "run identity and leases", 2: "memory tier, export", 3: "storage tiers, redundancy",
                4: "engines, backend, reading back", 5: "the run", 6: "siblings", 7: "adapters",
                8: "facade, CLI, entry points"}
 
@@ -59,8 +59,7 @@ DYNAMIC: dict[str, tuple[str, ...]] = {
 }
 
 # The write path: the adapters reach it only through deepfreeze.run.Run.
-WRITE_PATH = ("deepfreeze.engine", "deepfreeze.backend", "deepfreeze.veloc_engine", "deepfreeze.levels",
-              "deepfreeze.writeonce")
+WRITE_PATH = ("deepfreeze.engine", "deepfreeze.backend", "deepfreeze.veloc_engine", "deepfreeze.tiers")
 ADAPTERS = ("deepfreeze.keras", "deepfreeze.torch")
 
 
@@ -304,7 +303,8 @@ def private_crossings() -> list[str]:
 
 def adapter_write_path() -> list[str]:
     return [f"{mod} imports {t} at line {line} ({how})" for mod, edges in graph().items()
-            if mod.startswith(ADAPTERS) for t, (line, how) in edges.items() if t in WRITE_PATH]
+            if mod.startswith(ADAPTERS) for t, (line, how) in edges.items()
+            if t in WRITE_PATH or t.startswith("deepfreeze.tiers.")]
 
 
 def unplaced() -> list[str]:
@@ -553,6 +553,56 @@ def test_no_module_re_exports_another_modules_names():
         assert m not in KNOWN_REEXPORTS
 
 
+#: Only the tiers (deepfreeze.tiers: the memory tier as a tier of the write path and as a restore level)
+#: and the command line (``deepfreeze memtier ...``) import the memory tier's package.
+MEMTIER_USERS = ("deepfreeze.memtier", "deepfreeze.tiers", "deepfreeze.cli")
+
+
+def memtier_importers() -> list[str]:
+    return [f"{mod} imports {t} at line {line} ({how})" for mod, edges in graph().items()
+            if unit_of(mod) not in MEMTIER_USERS for t, (line, how) in sorted(edges.items())
+            if t == "deepfreeze.memtier" or t.startswith("deepfreeze.memtier.")]
+
+
+def test_only_the_tiers_and_the_cli_import_the_memory_tier():
+    """No module outside ``deepfreeze/tiers/`` and ``deepfreeze/cli/`` imports ``deepfreeze.memtier``:
+    the engine, backend, loader and inventory reach it through :mod:`deepfreeze.tiers.memtier`."""
+    assert not memtier_importers(), "\n".join(memtier_importers())
+
+
+#: The most lines a module may have without saying why.
+MAX_LINES = 800
+#: The modules allowed over MAX_LINES; each opens its docstring with a "Long because:" line naming the
+#: one protocol or class it holds. A new one fails until it is listed (and says why); one that shrank
+#: below the bound leaves the list.
+LONG_MODULES = ("deepfreeze.backend", "deepfreeze.net", "deepfreeze.memtier.device", "deepfreeze.repo.store",
+                "deepfreeze.stream.core", "deepfreeze.stream.predict", "deepfreeze.torch.checkpointer",
+                "deepfreeze.torch.dcp_import")
+
+
+def long_modules() -> dict[str, int]:
+    out = {}
+    for mod, path in MODULES.items():
+        with open(path) as f:
+            n = sum(1 for _ in f)
+        if n > MAX_LINES:
+            out[mod] = n
+    return out
+
+
+def test_long_modules_are_listed_and_say_why_first():
+    found = long_modules()
+    assert not set(found) - set(LONG_MODULES), (
+        f"over {MAX_LINES} lines: {sorted(set(found) - set(LONG_MODULES))}: split it, or list it in LONG_MODULES and "
+        "open its docstring with a 'Long because:' line naming the one protocol or class it holds")
+    assert not set(LONG_MODULES) - set(found), f"now at most {MAX_LINES} lines: remove from LONG_MODULES: " \
+        f"{sorted(set(LONG_MODULES) - set(found))}"
+    silent = [m for m in found if not (ast.get_docstring(PARSED[m].tree) or "").startswith("Long because: ")]
+    assert not silent, f"open the docstring with 'Long because: <the one protocol or class it holds>': {silent}"
+    assert "deepfreeze.engine" not in LONG_MODULES and "deepfreeze.loader" not in LONG_MODULES
+    assert not any(m.startswith("deepfreeze.tiers") for m in LONG_MODULES)
+
+
 def test_importing_a_low_module_runs_nothing_above_it():
     """``import deepfreeze.errors`` loads only the facade (with its L0 helper) and errors."""
     import subprocess
@@ -578,6 +628,8 @@ if __name__ == "__main__":
     print(f"private crossings: {len(pv)}")
     for p in pv:
         print("  ", p)
+    print("memtier importers:", memtier_importers())
+    print("over", MAX_LINES, "lines:", long_modules())
     aw = adapter_write_path()
     print(f"adapter write-path imports: {len(aw)}")
     for a in aw:

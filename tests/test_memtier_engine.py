@@ -24,7 +24,8 @@ from deepfreeze.engine import Engine
 from deepfreeze.run import make_engine
 from deepfreeze.errors import ConfigError, MemtierCorruptError, MemtierFullError
 from deepfreeze.fused import FusedLayout, FusedShard
-from deepfreeze.levels import PersistentLevel, plan_of
+from deepfreeze.tiers.base import plan_of
+from deepfreeze.tiers.persistent import PersistentLevel
 from deepfreeze.memtier import device as mdev
 from deepfreeze.memtier.device import SlotState
 from deepfreeze.loader import load

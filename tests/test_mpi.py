@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from deepfreeze import Config
-from deepfreeze.levels import PersistentLevel, ScratchLevel
+from deepfreeze.tiers.persistent import PersistentLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.loader import load
 
 from _util import WORKERS, mpirun
@@ -67,7 +68,7 @@ def test_three_ranks_sync_every_version_bit_exact(tmp_path):
     m = load(node_cfg(out, 0), "job").manifest
     assert [s["domain"] for s in m["shards"]] == ["node0", "node1", "node2"]
     ranks_per_tensor = {}
-    from deepfreeze.levels import plan_of
+    from deepfreeze.tiers.base import plan_of
     for tid, rank, start, stop in ((p.tensor_id, p.rank, p.start, p.stop) for p in plan_of(m).pieces):
         ranks_per_tensor.setdefault(tid, set()).add(rank)
     names = [t["name"] for t in m["tensors"]]

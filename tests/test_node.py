@@ -106,7 +106,7 @@ def test_lease_of_a_dead_pid_on_another_node_with_the_same_host_name_is_not_take
 
 
 def test_commit_lock_of_a_dead_pid_on_another_node_is_not_broken_at_once(tmp_path, monkeypatch):
-    from deepfreeze.levels import LOCK, PersistentLevel
+    from deepfreeze.tiers.persistent import LOCK, PersistentLevel
     monkeypatch.delenv(node.NODE_ENV, raising=False)
     level = PersistentLevel.__new__(PersistentLevel)
     vdir = tmp_path / "v"
@@ -160,7 +160,7 @@ def test_a_pid_is_gone_only_when_node_boot_and_pid_namespace_are_this_process_s(
     e = _try_lease(tmp_path, {"pid": _dead_pid(), "boot": None, "pidns": None, "start": None})
     assert isinstance(e, LeaseHeldError) and not isinstance(e, NodeIdConflictError), e
     # a commit.lock the same way: only the full record of a dead pid of this PID space is broken at once
-    from deepfreeze.levels import LOCK, PersistentLevel, lock_record, parse_lock
+    from deepfreeze.tiers.persistent import LOCK, PersistentLevel, lock_record, parse_lock
     level = PersistentLevel.__new__(PersistentLevel)
     assert parse_lock(lock_record("0123456789abcdef")) == {"node": node.node_id(), **me}
     dead = _dead_pid()

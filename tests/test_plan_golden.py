@@ -25,7 +25,7 @@ import pytest
 from deepfreeze import format as fmt
 from deepfreeze.config import Config
 from deepfreeze.errors import CorruptCheckpointError
-from deepfreeze.levels import plan_of
+from deepfreeze.tiers.base import plan_of
 from deepfreeze.loader import load
 from deepfreeze.shardplan import PLAN_ALGORITHM, Piece, ShardPlan, TensorSpec
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from deepfreeze.repo import Repository, tensor_key
 from deepfreeze.repo.importer import checkpoint_layers
-from deepfreeze.levels import PersistentLevel
+from deepfreeze.tiers.persistent import PersistentLevel
 
 from _util import ROOT, WORKERS, mpirun
 

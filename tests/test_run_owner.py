@@ -19,7 +19,7 @@ import pytest
 
 from _util import WORKERS
 from deepfreeze.errors import CheckpointWriteError, ConfigError, DeepFreezeError
-from deepfreeze.levels import ScratchLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.run import Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

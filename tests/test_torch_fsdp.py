@@ -138,13 +138,13 @@ def test_manifest_records_global_shapes_and_offsets(fsdp_run, tmp_path):
     shard of head.weight makes no piece); ``deepfreeze ls/inspect/verify`` read it as any other."""
     import subprocess
     import sys
-    from deepfreeze.levels import PersistentLevel
+    from deepfreeze.tiers.persistent import PersistentLevel
     from test_torch import _env
     m = PersistentLevel(os.path.join(fsdp_run, "persistent")).read_manifest("ff", 9)
     tensors = {t["name"]: t for t in m["tensors"]}
     assert tensors["body.0.weight"]["shape"] == [5, 8] and tensors["optim.state.mid.weight.exp_avg"]["shape"] == [3, 64]
     pieces = {}
-    from deepfreeze.levels import plan_of
+    from deepfreeze.tiers.base import plan_of
     assert m["plan"]["algorithm"] == "flat-v1" and m["plan"]["given"]  # FSDP2's bounds: recorded as given
     for tid, rank, start, stop in ((p.tensor_id, p.rank, p.start, p.stop) for p in plan_of(m).pieces):
         pieces.setdefault(m["tensors"][tid]["name"], []).append((rank, start, stop))

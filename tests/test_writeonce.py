@@ -12,9 +12,12 @@ from deepfreeze import Config
 from deepfreeze.engine import Engine
 from deepfreeze.errors import CheckpointWriteError, ConfigError
 from deepfreeze.fused import FusedLayout, FusedShard
-from deepfreeze.levels import PersistentLevel, ScratchLevel, flush_job
+from deepfreeze.tiers.flush import flush_job
+from deepfreeze.tiers.persistent import PersistentLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.loader import load
-from deepfreeze.writeonce import choose, same_file_system
+from deepfreeze.tiers import write_once as choose
+from deepfreeze.tiers.direct import same_file_system
 from test_engine import make_plan, model_arrays, pieces
 
 SHM = "/dev/shm"

@@ -6,7 +6,9 @@ import os
 from typing import Any
 
 from ..inventory import dir_listing, plan_gc
-from ..levels import MANIFEST, PersistentLevel, ScratchLevel
+from ..tiers.base import MANIFEST
+from ..tiers.persistent import PersistentLevel
+from ..tiers.scratch import ScratchLevel
 from ..ownership import remove_tree_nofollow
 from ._common import EXIT_OK, load_config, resolve_name
 

@@ -166,7 +166,7 @@ class DeepFreezeCheckpoint(RunView, tf.keras.callbacks.Callback):
       engine: ``"builtin"`` (default; or ``$DEEPFREEZE_ENGINE``), ``"veloc"`` (shards go through a
         VeloC install found via ``DEEPFREEZE_VELOC_PREFIX``/``VELOC_LIB``) or ``"auto"`` (VeloC
         when found, else builtin). Same INI file, same files on disk, same restore.
-      scratch_cls: advanced: the :class:`~deepfreeze.levels.ScratchLevel` subclass that
+      scratch_cls: advanced: the :class:`~deepfreeze.tiers.scratch.ScratchLevel` subclass that
         writes shards (other storage, fault injection).
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 

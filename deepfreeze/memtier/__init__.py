@@ -23,8 +23,8 @@ Modules: :mod:`~deepfreeze.memtier.device` (the device file, its model table pro
 :mod:`~deepfreeze.memtier.copy` (``process_vm_readv`` and in-process copiers, the memtier's only
 native calls, through :mod:`deepfreeze._native`), :mod:`~deepfreeze.memtier.api` (standalone use),
 :mod:`~deepfreeze.memtier.jobs` (whose regions a job reads; which runs are reclaimed or evicted),
-:mod:`~deepfreeze.memtier.dumper` (export to .npz/.h5/.safetensors), :mod:`~deepfreeze.memtier.level`
-(the tier as a restore level). docs/memtier.md has the details.
+:mod:`~deepfreeze.memtier.dumper` (export to .npz/.h5/.safetensors). The tier as a restore level and as
+a tier of the write path is :mod:`deepfreeze.tiers.memtier`. docs/memtier.md has the details.
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The memory-tier device: one preallocated, pre-faulted file holding many models' checkpoint slots.
+"""Long because: one protocol (the model table under one flock) in the one class owning the file.
+
+The memory-tier device: one preallocated, pre-faulted file holding many models' checkpoint slots.
 
 A *device* (default under ``/dev/shm``) is laid out once, at :func:`create`, and then only
 written through this module. Per (model, shard) it holds an *index* (MIndex) and ``nslots``
@@ -32,8 +34,6 @@ superseded (a newer verified DONE version on every region of the newer run) are 
 (:meth:`Device.reclaim`, :meth:`Device.repack`); a registration that does not fit may evict
 finished models (:meth:`Device._evict_for`: never a live one, each job's newest version last);
 :meth:`Device.drop` is ``deepfreeze memtier rm``.
-
-Long because: one protocol (the model table under one flock) in the one class owning the file.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import Config, validate_name
 from ..errors import CheckpointNotFoundError, ModelMismatchError, RepositoryError
-from ..levels import ASSEMBLED, PersistentLevel
+from ..tiers.persistent import ASSEMBLED, PersistentLevel
 from .graph import check_graph, tensor_keys
 from .ids import ID_SCHEME
 from .names import check_name

@@ -1,4 +1,6 @@
-"""The embedded model repository: one directory, SQLite metadata, tensors in DeepFreeze-format packs.
+"""Long because: one class over one schema; put, get and add_pack share its connection and pack helpers.
+
+The embedded model repository: one directory, SQLite metadata, tensors in DeepFreeze-format packs.
 
 Storage layout
 --------------
@@ -102,8 +104,6 @@ its chosen index entries mapped to tensor keys (a tensor may be several contiguo
 mapping, contiguity and bounds are checked, each piece's CRC verified and the whole tensor's CRC32
 computed by reading it once), then the same commit transaction as a store. The entries not
 mapped (optimizer slots) are dead bytes of that pack: gc rewrites it if they are most of it.
-
-Long because: one class over one schema; put, get and add_pack share its connection and pack helpers.
 """
 from __future__ import annotations
 

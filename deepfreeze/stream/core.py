@@ -1,4 +1,6 @@
-"""Publisher and Subscriber: model updates from a training job to inference consumers.
+"""Long because: one protocol (publish/subscribe), its two ends sharing the endpoint and layout helpers.
+
+Publisher and Subscriber: model updates from a training job to inference consumers.
 
 Framework-neutral (numpy; no TensorFlow). The Keras side is :mod:`deepfreeze.keras.stream`.
 
@@ -44,8 +46,6 @@ a ``stat`` of their directory first; Redis: also at once on another run's note):
 or none, replaces the connection (:meth:`Subscriber._check_superseded`), since a producer whose
 node vanished fails no connection of the consumer's; records that are there but none of them
 usable (forged, planted) keep it.
-
-Long because: one protocol (publish/subscribe), its two ends sharing the endpoint and layout helpers.
 """
 from __future__ import annotations
 
@@ -970,7 +970,7 @@ class Subscriber:
         """The newest committed version on the persistent level, if newer than the live one."""
         if self.tier not in ("auto", "persistent"):
             return None
-        from ..levels import PersistentLevel
+        from ..tiers.persistent import PersistentLevel
         from ..loader import load_persistent
         level = PersistentLevel(self.persistent)
         try:

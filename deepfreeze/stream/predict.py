@@ -1,4 +1,6 @@
-"""When to publish: the learning-curve predictor and the publish schedules (Viper section 4.3).
+"""Long because: one algorithm (Viper 4.3): curve fit, cost model and schedules all feed make_plan.
+
+When to publish: the learning-curve predictor and the publish schedules (Viper section 4.3).
 
 Framework-neutral (numpy + scipy; no TensorFlow, no torch). The producer (the Keras
 ``PublishCallback``, the torch ``Publisher``) calls :func:`producer_plan` at the end of the
@@ -86,8 +88,6 @@ says why in ``Plan.note`` (it never raises for data).
 
 :func:`producer_plan` is what both adapters' publishers do with it at the end of the warm-up:
 rank 0 makes the plan from the cost model's inputs, every rank gets it, rank 0 logs it.
-
-Long because: one algorithm (Viper 4.3): curve fit, cost model and schedules all feed make_plan.
 """
 from __future__ import annotations
 

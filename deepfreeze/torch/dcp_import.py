@@ -1,4 +1,6 @@
-"""Import a ``torch.distributed.checkpoint`` (DCP) directory as a DeepFreeze version.
+"""Long because: one conversion (a DCP directory into one DeepFreeze version), its checks and plan.
+
+Import a ``torch.distributed.checkpoint`` (DCP) directory as a DeepFreeze version.
 
 :func:`import_dcp` (``deepfreeze import --format dcp DIR``) makes version ``step`` of ``name``
 from a DCP checkpoint directory written by ``dcp.save`` with ``FileSystemWriter`` (the default

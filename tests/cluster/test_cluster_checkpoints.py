@@ -164,7 +164,7 @@ LEASE = os.path.join(HERE, "workers", "lease_job.py")
 
 
 def _committed(c, name):
-    from deepfreeze.levels import PersistentLevel
+    from deepfreeze.tiers.persistent import PersistentLevel
     out = {}
     for v in PersistentLevel(os.path.join(c.shared, "persistent")).committed_versions(name):
         v = getattr(v, "step", v)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from deepfreeze import Config
-from deepfreeze.levels import PersistentLevel, ScratchLevel
+from deepfreeze.tiers.persistent import PersistentLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.loader import load
 
 from _util import WORKERS, mpirun

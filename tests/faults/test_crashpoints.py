@@ -31,7 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "..", "workers", "crash_job.py")
 PKG = os.path.dirname(os.path.abspath(deepfreeze.__file__))
 #: modules whose file-system operations must all go through deepfreeze.crashpoints
-PROTOCOL_MODULES = ["levels.py", "engine.py", "backend.py", "redundancy.py", "run.py", "writeonce.py"]
+PROTOCOL_MODULES = ["tiers/base.py", "tiers/scratch.py", "tiers/persistent.py", "tiers/shardbytes.py", "tiers/flush.py",
+                    "tiers/memtier.py", "engine.py", "backend.py", "redundancy.py", "run.py", "tiers/direct.py"]
 FS_OPS = {"replace", "rename", "link", "fsync", "unlink", "rmdir", "removedirs"}
 
 # the crash to recover from, for points only a recovery passes: killed while rank 0 decides v3

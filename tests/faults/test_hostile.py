@@ -24,7 +24,9 @@ from deepfreeze import format as fmt
 from deepfreeze.engine import Engine
 from deepfreeze.errors import CorruptCheckpointError
 from deepfreeze.fsafe import open_regular, open_regular_file
-from deepfreeze.levels import ASSEMBLED, MANIFEST, PersistentLevel, ScratchLevel
+from deepfreeze.tiers.base import MANIFEST
+from deepfreeze.tiers.persistent import ASSEMBLED, PersistentLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.loader import load
 
 from _util import WORKERS, mpirun

@@ -21,7 +21,7 @@ from deepfreeze.backend import BackendClient, socket_path
 from deepfreeze.node import process_state
 from deepfreeze.engine import Engine
 from deepfreeze.errors import BackendError, BackendUnresponsiveError, ConfigError
-from deepfreeze.levels import PersistentLevel, lock_record
+from deepfreeze.tiers.persistent import PersistentLevel, lock_record
 
 from test_engine import assert_version, make_plan, model_arrays, pieces
 

@@ -9,7 +9,9 @@ import pytest
 
 from deepfreeze import Config, list_versions
 from deepfreeze.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
-from deepfreeze.levels import MANIFEST, PersistentLevel, ScratchLevel
+from deepfreeze.tiers.base import MANIFEST
+from deepfreeze.tiers.persistent import PersistentLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.loader import load
 
 from test_engine import assert_version, model_arrays, run_job

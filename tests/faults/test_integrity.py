@@ -17,7 +17,8 @@ import pytest
 from deepfreeze.config import Config
 from deepfreeze.engine import Engine
 from deepfreeze.errors import LeaseHeldError
-from deepfreeze.levels import PersistentLevel, flush_job, lock_record, read_decision
+from deepfreeze.tiers.flush import flush_job
+from deepfreeze.tiers.persistent import PersistentLevel, lock_record, read_decision
 from deepfreeze.loader import list_versions, load
 from deepfreeze.lease import Lease, RunInfo, new_run_id, read_generation, read_lease
 from deepfreeze.run import Run

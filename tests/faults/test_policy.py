@@ -14,7 +14,7 @@ tf = pytest.importorskip("tensorflow")
 from deepfreeze import list_versions  # noqa: E402
 from deepfreeze.errors import CheckpointWriteError, ConfigError  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
-from deepfreeze.levels import ScratchLevel  # noqa: E402
+from deepfreeze.tiers.scratch import ScratchLevel  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "workers"))
 from models import build  # noqa: E402
@@ -149,7 +149,7 @@ def test_warn_catches_scratch_directory_errors(tmp_path, mode, level):
         # how far the backend had come: a loaded machine) fails on the path: a file there, or nothing yet
         assert "Not a directory" in f or "No such file or directory" in f, f
     if level is FileInTheWay:  # nothing from v6 on could be written (async: v4's, even v2's, shard moved away too)
-        from deepfreeze.levels import PersistentLevel
+        from deepfreeze.tiers.persistent import PersistentLevel
         committed = PersistentLevel(ckpt.config.persistent).committed_versions("k")
         assert committed == [2, 4] if mode == "sync" else committed in ([], [2], [2, 4])
 
@@ -196,13 +196,13 @@ def test_unusable_directory_is_a_config_error_at_train_begin(tmp_path, mode, key
 def test_decision_temporary_file_is_owner_only_and_removed_after_a_write_error(tmp_path):
     """The decision file is created exclusively from a 0600 temporary file; when writing that
     file fails (here a real EFBIG from RLIMIT_FSIZE, as ENOSPC would), nothing is left behind."""
-    from deepfreeze.levels import PersistentLevel
+    from deepfreeze.tiers.persistent import PersistentLevel
     level = PersistentLevel(str(tmp_path / "p"))
     assert level.decide("k", 1, 0)
     path = tmp_path / "p" / "k" / "v000000000001" / "decision"
     assert json.loads(path.read_bytes())["decision"] == "flush" and (path.stat().st_mode & 0o777) == 0o600
     code = ("import resource, signal, sys\n"
-            "from deepfreeze.levels import PersistentLevel\n"
+            "from deepfreeze.tiers.persistent import PersistentLevel\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (2, 2))\n"
             "try:\n"

@@ -16,7 +16,7 @@ import pytest
 from deepfreeze import memtier
 from deepfreeze.errors import UnsafePathError
 from deepfreeze.memtier import device as mdev
-from deepfreeze.memtier import level as mlevel
+from deepfreeze.tiers import memtier as mlevel
 from deepfreeze.lease import new_job_id
 
 from _util import memtier_device, nobody_ids
@@ -97,7 +97,7 @@ def test_flush_source_reads_the_device_it_checked(device, tmp_path, monkeypatch)
     write in, the user's device renamed away) was copied to persistent storage. Now the bytes come
     from the descriptor that was checked. The test plays the attacker winning that race: right
     after the check it moves the device away and puts nobody's copy, with forged weights, there."""
-    from deepfreeze import levels
+    from deepfreeze.tiers import memtier as levels
     uid, gid = nobody_ids()
     s = {"w": np.arange(4096, dtype=np.float32)}
     with memtier.register(device, "m", s, job=memtier.job_id(str(tmp_path / "m.job"))) as m:

@@ -129,7 +129,7 @@ def _record(tree_bytes: bytes, payload: bytes) -> bytes:
 # --------------------------------------------------------------------------- manifest
 
 def _manifest(bounded, bases, data):
-    from deepfreeze.levels import plan_of
+    from deepfreeze.tiers.base import plan_of
     from deepfreeze.repo.importer import checkpoint_layers
     base = bases[data.draw(st.integers(0, len(bases) - 1), label="base")]
     tree = _tree(base)

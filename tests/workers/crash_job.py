@@ -23,7 +23,7 @@ from deepfreeze.config import Config
 from deepfreeze.engine import Engine
 from deepfreeze.errors import CheckpointNotFoundError, CheckpointWriteError
 from deepfreeze.fsafe import replacing_path
-from deepfreeze.levels import ScratchLevel
+from deepfreeze.tiers.scratch import ScratchLevel
 from deepfreeze.loader import load
 from deepfreeze.run import Run
 from deepfreeze.shardplan import ShardPlan, TensorSpec

@@ -19,7 +19,7 @@ import horovod.tensorflow.keras as hvd  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import RecordWeights, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
-from deepfreeze.levels import ScratchLevel  # noqa: E402
+from deepfreeze.tiers.scratch import ScratchLevel  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
 opts = dict(a.split("=", 1) for a in sys.argv[3:])

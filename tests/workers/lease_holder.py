@@ -16,7 +16,7 @@ import sys
 import time
 
 from deepfreeze.errors import DeepFreezeError
-from deepfreeze.levels import LOCK, PersistentLevel
+from deepfreeze.tiers.persistent import LOCK, PersistentLevel
 from deepfreeze.lease import Lease, new_run_id, read_lease
 
 mode, out, pers = sys.argv[1], sys.argv[2], sys.argv[3]

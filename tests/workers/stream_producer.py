@@ -80,7 +80,7 @@ def dying_ring(step: int) -> type:
 
 def slow_scratch(seconds: float) -> type:
     """Fault injection: a scratch level whose shard writes take ``seconds`` longer."""
-    from deepfreeze.levels import ScratchLevel
+    from deepfreeze.tiers.scratch import ScratchLevel
 
     class SlowScratch(ScratchLevel):
         def write_shard(self, *a, **kw):

@@ -21,7 +21,7 @@ import horovod.tensorflow.keras as hvd  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import RecordWeights, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
-from deepfreeze.levels import ScratchLevel  # noqa: E402
+from deepfreeze.tiers.scratch import ScratchLevel  # noqa: E402
 
 
 def killing_level(rank: int, version: int) -> type:

@@ -1,10 +1,10 @@
-"""Write once: a version decided ``flush`` goes from memory straight into the persistent level.
+"""The write-once (direct) tier: a version decided ``flush`` goes from memory straight into persistent.
 
 With scratch and persistent on one file system (one disk), the scratch path writes every byte
 twice and reads it once in between: the writer thread writes the shard file, the backend reads it
 back and writes it into the assembled file. INI key ``write_once``:
 
-* ``off``: every version through a scratch file (the commit protocol of :mod:`deepfreeze.levels`).
+* ``off``: every version through a scratch file (the commit protocol of :mod:`deepfreeze.tiers.persistent`).
 * ``on``: the writer thread takes the version's decision itself (:meth:`PersistentLevel.decide`,
   the same call the flush makes); decided ``flush``, it writes the rank's pieces from memory into
   ``model.dfz.partial.<nonce>`` at their assembled offsets, CRC32 per piece computed on each chunk
@@ -17,7 +17,9 @@ back and writes it into the assembled file. INI key ``write_once``:
   and with ``memtier`` (already one write to disk).
 * ``auto`` (the default): ``on`` when scratch and persistent are on the same file system and
   neither ``ec_interval >= 0``, ``memtier`` nor ``persistent_interval < 0`` rules it out; else
-  ``off``. *Same file system* is judged by :func:`same_file_system`: the ``st_dev`` of both
+  ``off`` (the rule is :func:`deepfreeze.tiers.write_once`, asked by :func:`deepfreeze.tiers.choose`,
+  which also routes each version: decided ``flush`` here, ``skip`` or a lost lease to scratch).
+  *Same file system* is judged by :func:`same_file_system`: the ``st_dev`` of both
   directories (the nearest existing one) agree **and** so do the mounts holding them in
   ``/proc/self/mountinfo`` (device, file-system type, source); a device number alone never turns it
   on, and without a readable mountinfo ``auto`` stays ``off``. One INFO log line per process says
@@ -31,21 +33,17 @@ fence and nonce checks are the same code. The crash points of this path are
 """
 from __future__ import annotations
 
-import functools
-import logging
 import os
 from typing import Any, Sequence
 
 import numpy as np
 
-from .config import Config
-from .fused import FusedShard
-from .levels import FencedError, PersistentLevel
-from .shardplan import ShardPlan
+from ..config import Config
+from ..fused import FusedShard
+from ..shardplan import ShardPlan
+from .persistent import FencedError, PersistentLevel
 
-__all__ = ["same_file_system", "choose", "write_version"]
-
-log = logging.getLogger("deepfreeze")
+__all__ = ["same_file_system", "write_version"]
 
 MOUNTINFO = "/proc/self/mountinfo"
 
@@ -120,33 +118,6 @@ def same_file_system(a: str, b: str, *, mountinfo: str = MOUNTINFO) -> tuple[boo
         return False, (f"same device number but different mounts ({pa} on {ma[0]}: {ma[1]} {ma[2]} {ma[3]}; "
                        f"{pb} on {mb[0]}: {mb[1]} {mb[2]} {mb[3]})")
     return True, f"both on the {ma[2]} file system {ma[3]} (device {dev}, mounted on {ma[0]}{'' if ma == mb else ', ' + mb[0]})"
-
-
-def choose(config: Config) -> tuple[bool, str]:
-    """Whether ``config``'s built-in engine writes versions decided ``flush`` once into persistent,
-    and why (see the module docstring). Logged once per process and configuration (INFO)."""
-    return _choose(config.write_once, config.scratch, config.persistent, config.ec_interval >= 0,
-                   config.memtier is not None, config.persistent_interval < 0)
-
-
-@functools.lru_cache(maxsize=64)
-def _choose(mode: str, scratch: str, persistent: str, ec: bool, memtier: bool, no_persistent: bool) -> tuple[bool, str]:
-    if mode == "off":
-        on, why = False, "write_once = off"
-    elif no_persistent:
-        on, why = False, "persistent_interval < 0: nothing goes to persistent"
-    elif memtier:
-        on, why = False, "memtier is set: the memory tier already writes each version once"
-    elif ec:
-        on, why = False, "ec_interval >= 0: partner copies and parity protect scratch files"
-    elif mode == "on":
-        on, why = True, "write_once = on"
-    else:
-        on, why = same_file_system(scratch, persistent)
-        why = f"write_once = auto: scratch {scratch} and persistent {persistent}: {why}"
-    log.info("deepfreeze: versions decided 'flush' are written %s (%s)",
-             "once, straight into persistent" if on else "to scratch, then copied to persistent", why)
-    return on, why
 
 
 def write_version(config: Config, name: str, version: int, rank: int, plan: ShardPlan,

@@ -1,11 +1,7 @@
-"""Storage levels, their directory layout and the commit protocol.
+"""The persistent tier: one assembled file per version, and the commit protocol.
 
 Layout::
 
-    <scratch>/<name>/v<version:012d>/r<rank:06d>.dfs   one shard file per rank (format.py)
-    <scratch>/<name>/v<version:012d>/h<holder>.r<src>.dfs  partner copy of rank src's shard (redundancy.py)
-    <scratch>/<name>/v<version:012d>/x<holder>.dfx     parity block held by rank holder (redundancy.py)
-    <scratch>/<name>/v<version:012d>/manifest.json     written by every local rank after its shard
     <persistent>/<name>/v<version:012d>/decision       flush|skip, the version's nonce and run
     <persistent>/<name>/v<version:012d>/model.dfz.partial.<nonce>, done.r<rank>.<nonce>.json  while flushing
     <persistent>/<name>/v<version:012d>/model.dfz      the assembled checkpoint (all tensors, whole)
@@ -56,13 +52,13 @@ crash at any point (every file operation below passes a named crash point of
   idempotent copy under the same nonce.
 * **Memory tier** (``memtier = PATH``): a rank's shard is not a scratch file but the image in one
   slot of the device (:mod:`deepfreeze.memtier.device`; byte for byte a shard file). Its flush job
-  names the slot (``job["memtier"]``, :class:`SlotSource`); the flush reads the image through a
-  read-only descriptor of the device at the image's offset exactly as it reads a scratch shard
-  (same checks, same partial, marker and finalize), after checking that the slot header is DONE
-  and holds this run and version, and again after the copy (a slot rewritten meanwhile fails the
-  flush; the busy-slot rule of the backend never lets that happen). No scratch file is read,
-  written or retained for such a job.
-* **Write once** (``write_once``, :mod:`deepfreeze.writeonce`): a rank's shard is not a scratch
+  names the slot (``job["memtier"]``, :class:`~deepfreeze.tiers.memtier.SlotSource`); the flush
+  reads the image through a read-only descriptor of the device at the image's offset exactly as
+  it reads a scratch shard (same checks, same partial, marker and finalize), after checking that
+  the slot header is DONE and holds this run and version, and again after the copy (a slot
+  rewritten meanwhile fails the flush; the busy-slot rule of the backend never lets that happen).
+  No scratch file is read, written or retained for such a job.
+* **Write once** (``write_once``, :mod:`deepfreeze.tiers.direct`): a rank's shard is not a scratch
   file either: its writer thread makes the decision above itself and, decided ``flush``, writes its
   pieces from memory into ``model.dfz.partial.<nonce>`` (:meth:`PersistentLevel.write_direct`,
   CRC32 per piece computed on each chunk right before it is written). Its flush job carries the
@@ -75,14 +71,12 @@ crash at any point (every file operation below passes a named crash point of
   followed); ``scratch_versions`` (else ``max_versions``) newest stay on scratch, each rank
   deleting only its own files, the manifest with the last of them.
 
-Levels are classes so faults can be injected by subclassing one.
-
 Details behind these statements. Directories are created with mode ``0700``, files with
 ``0600``; temporary names carry the host, pid and thread id. With ``ec_interval`` due, the
 partner/parity exchange (:mod:`deepfreeze.redundancy`) runs between the shard's rename and the
 scratch manifest, so on scratch the order is shard, partner copies or parity block, manifest;
 scratch retention deletes the partner copies and parity block a rank holds with its own shard.
-The unit of flushing is one rank's shard (:func:`flush_job`: one job per rank and version; "a
+The unit of flushing is one rank's shard (:func:`~deepfreeze.tiers.flush.flush_job`: one job per rank and version; "a
 node flushes" means the jobs of its ranks). A shard, on scratch and into the partial, goes out
 in writes of at most 1 MiB through one reused buffer (consecutive small pieces in one read),
 each piece's CRC32 computed on the chunk right before it goes out; the write-back of every
@@ -99,15 +93,12 @@ that never committed (an interrupted flush): ``deepfreeze gc`` removes those aba
 Scratch retention runs after every flush job, whether or not
 the version went to persistent, counting only versions up to the one just flushed (newer ones
 are not flushed yet), and removes a version directory once no file of any rank is left in it.
-The engine takes the scratch level's class (``scratch_cls=``), :func:`flush_job` both.
+The engine takes the scratch level's class (``scratch_cls=``), :func:`~deepfreeze.tiers.flush.flush_job` both.
 
-Long because: one protocol (the commit protocol above), whose steps share one set of file helpers.
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
@@ -116,33 +107,35 @@ import re
 import secrets
 import stat
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from . import counters
-from . import crashpoints as cp
-from . import format as fmt
-from . import ownership
-from ._native import SYNC_FILE_RANGE_WRITE, available, sync_file_range
-from .errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
-from .format import ANONYMOUS_RUN
-from .lease import describe_holder, fence_holder, fs_now, read_generation, warn_skew
-from .fsafe import atomic_write, replacing_file, temp_suffix, write_all
-from .fsafe import open_regular, read_small
-from .jsonsafe import loads as bounded_loads
-from .fused import FusedShard
-from .node import holder_gone, in_this_pid_space, node_id, process_identity
-from .shardplan import ShardPlan, TensorSpec
+from .. import counters
+from .. import crashpoints as cp
+from .. import format as fmt
+from .. import ownership
+from ..errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
+from ..format import ANONYMOUS_RUN
+from ..lease import describe_holder, fence_holder, fs_now, read_generation, warn_skew
+from ..fsafe import atomic_write, open_regular, temp_suffix, write_all
+from ..jsonsafe import loads as bounded_loads
+from ..fused import FusedShard
+from ..node import holder_gone, in_this_pid_space, node_id, process_identity
+from ..shardplan import ShardPlan
+from . import shardbytes
+from .base import MANIFEST, Level, plan_of
+from .memtier import SlotSource, _open_source
+from .scratch import _SCRATCH_FILE
+from .shardbytes import (Run, _assembled_offsets, _check_arrays, _check_fused, _check_runs, _copy_checked, _drop_cached,
+                         _FdFile, _LAYOUT, _listdir, _read_regular, _start_writeback, _write_region, _write_runs,
+                         piece_entries)
 
-__all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file",
-           "read_decision", "FencedError", "SlotSource", "lock_record", "parse_lock"]
+__all__ = ["PersistentLevel", "FencedError", "read_decision", "lock_record", "parse_lock", "ASSEMBLED",
+           "DECISION", "LOCK"]
 
 log = logging.getLogger("deepfreeze")
-_VDIR = re.compile(r"^v(\d{12})$")
-_SCRATCH_FILE = re.compile(r"^(?:r(\d{6})\.dfs|h(\d{6})\.r(\d{6})\.dfs|x(\d{6})\.dfx)$")
 _MARKER = re.compile(r"^done\.r(\d{6})\.([0-9a-f]{16})\.json$")
-MANIFEST = "manifest.json"
 ASSEMBLED = "model.dfz"
 DECISION = "decision"
 LOCK = "commit.lock"
@@ -159,474 +152,6 @@ def _pause(delay: float) -> float:
     return the next, doubled, delay (at most ``_POLL_MAX``)."""
     time.sleep(delay * (0.5 + secrets.randbelow(1 << 16) / (1 << 17)))
     return min(2 * delay, _POLL_MAX)
-
-
-_KNOWN_RUNS: dict[tuple, tuple[str, int, int | None]] = {}  # Level.committed_run: manifest identity -> its run
-_KNOWN_MAX = 4096
-
-
-#: plan_of's memory: the JSON of (tensors, plan record, world size) -> the plan built and checked from it
-_PLANS: dict[str, ShardPlan] = {}
-_PLANS_MAX = 8
-
-
-def plan_of(manifest: dict[str, Any]) -> ShardPlan:
-    """The manifest's :class:`ShardPlan`, derived and validated (:meth:`ShardPlan.from_json`). Kept
-    for the last few distinct (tensor list, plan record, world size) contents, compared as their
-    JSON (C speed): the backend reads one plan per flush job of a run, and deriving and checking
-    it again was tens of milliseconds per job with 1000s of tensors. The same plan object comes
-    back for the same content, so its assembled layout is kept too
-    (:meth:`PersistentLevel.assembled_layout`)."""
-    try:
-        key = json.dumps([manifest["tensors"], manifest["plan"], manifest["world_size"]], sort_keys=True)
-    except (TypeError, ValueError, KeyError):
-        key = None  # not JSON (a caller's own dict): derived, not kept
-    hit = _PLANS.get(key) if key is not None else None
-    if hit is not None:
-        return hit
-    tensors = [TensorSpec(t["id"], t["name"], t["dtype"], tuple(t["shape"])) for t in manifest["tensors"]]
-    plan = ShardPlan.from_json(tensors, manifest["plan"])
-    if plan.world_size != manifest["world_size"]:
-        raise CorruptCheckpointError("manifest world_size disagrees with its shard plan")
-    if key is not None:
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
-    return plan
-
-
-def piece_entries(plan: ShardPlan, pieces: Iterable) -> list[fmt.Entry]:
-    return [fmt.Entry(p.tensor_id, plan.tensors[p.tensor_id].dtype, plan.tensors[p.tensor_id].shape,
-                      p.start, p.stop) for p in pieces]
-
-
-class Level:
-    """A directory tree of versions for checkpoint names."""
-
-    kind = "level"
-
-    def __init__(self, root: str, *, shared_group: bool = False,
-                 trust_owners: "Iterable[str | int] | None" = None) -> None:
-        self.root = root
-        #: the root may be group-writable (INI ``shared_group``; :mod:`deepfreeze.ownership`)
-        self.shared_group = shared_group
-        #: owners whose files are read (:func:`deepfreeze.ownership.trusted_uids`); scratch: you and root only
-        self.trusted = ownership.trusted_uids(trust_owners if self.kind != "scratch" else None)
-        #: versions whose manifest is owned by an untrusted user (found by the last scan) -> the error
-        self.untrusted: dict[int, UntrustedOwnerError] = {}
-
-    def name_dir(self, name: str) -> str:
-        return os.path.join(self.root, name)
-
-    def version_dir(self, name: str, version: int) -> str:
-        if not 0 <= version < 10 ** 12:
-            raise ValueError(f"version {version} out of range [0, 1e12)")
-        return os.path.join(self.root, name, f"v{version:012d}")
-
-    def versions(self, name: str) -> list[int]:
-        """Every version directory present (committed or not), ascending. A symbolic link named
-        like a version is not one (never followed); ``<root>/<name>`` being a link is an error."""
-        ndir = self.name_dir(name)
-        counters.fs("listdir", f"{self.kind}.versions")
-        try:
-            fd = ownership.open_dir_nofollow(ndir)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        try:
-            with os.scandir(fd) as it:
-                return sorted(int(m.group(1)) for e in it if (m := _VDIR.match(e.name)) and e.is_dir(follow_symlinks=False))
-        finally:
-            os.close(fd)
-
-    def read_manifest(self, name: str, version: int) -> dict[str, Any]:
-        path = os.path.join(self.version_dir(name, version), MANIFEST)
-        counters.fs("open", f"{self.kind}.manifest.read")
-        data = _read_regular(path, fmt.MAX_MANIFEST_BYTES + 1, self.trusted, self.kind)  # no link, no FIFO, owner
-        m = fmt.decode_manifest(data, path)
-        if m["name"] != name or m["version"] != version:
-            raise CorruptCheckpointError(f"{path}: manifest is for {m['name']!r} v{m['version']}, "
-                                         f"found under {name!r} v{version}")
-        return m
-
-    def committed_run(self, name: str, version: int) -> tuple[str, int, int | None]:
-        """:func:`format.manifest_run` of ``version``'s valid manifest (run id, generation,
-        resumed-from): all retention needs of it. The body is read and decoded (validated, as
-        :meth:`read_manifest`) the first time this process meets that file; while ``lstat`` then
-        shows the same regular file (device, inode, size, modification and change times: a
-        manifest is replaced by a rename, never rewritten in place) and its owner is trusted, the
-        answer is remembered (site ``{kind}.manifest.known``) and no byte is read. Raises what
-        :meth:`read_manifest` raises."""
-        path = os.path.join(self.version_dir(name, version), MANIFEST)
-
-        def key() -> tuple | None:
-            try:
-                st = os.lstat(path)
-            except OSError:
-                return None
-            return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid) \
-                if stat.S_ISREG(st.st_mode) and st.st_uid in self.trusted else None
-        before = key()
-        if before is not None and before in _KNOWN_RUNS:
-            counters.fs("stat", f"{self.kind}.manifest.known")
-            return _KNOWN_RUNS[before]
-        run = fmt.manifest_run(self.read_manifest(name, version))
-        if before is not None and key() == before:  # the file read is the one stat'ed
-            if len(_KNOWN_RUNS) >= _KNOWN_MAX:
-                _KNOWN_RUNS.pop(next(iter(_KNOWN_RUNS)))
-            _KNOWN_RUNS[before] = run
-        return run
-
-    def makedirs(self, path: str) -> None:
-        """Create ``path`` and every missing parent owner-only (0700) and check the existing ones
-        (:func:`deepfreeze.ownership.ensure_dir`: the root, or its nearest existing parent, may be
-        sticky or, with ``shared_group``, group-writable; every directory below must be a real
-        directory of the user's, writable by nobody else). Raises
-        :class:`~deepfreeze.errors.UnsafePathError`."""
-        ownership.ensure_dir(path, self.root, shared_group=self.shared_group, site=f"{self.kind}.mkdirs")
-
-
-class ScratchLevel(Level):
-    """Node-local first level: one shard file per rank and version."""
-
-    kind = "scratch"
-
-    def shard_path(self, name: str, version: int, rank: int) -> str:
-        return os.path.join(self.version_dir(name, version), f"r{rank:06d}.dfs")
-
-    def write_shard(self, name: str, version: int, rank: int, plan: ShardPlan,
-                    arrays: "Sequence[np.ndarray] | FusedShard", *, chksum: bool, fsync: bool = False,
-                    run: str = ANONYMOUS_RUN) -> str:
-        """Write this rank's pieces (flat arrays, plan order, or one
-        :class:`~deepfreeze.fused.FusedShard` of this plan and rank; :func:`write_shard_file`) and
-        commit them by rename; the header carries ``run``, the id of the run that wrote it."""
-        vdir = self.version_dir(name, version)
-        final = self.shard_path(name, version, rank)
-        for attempt in (1, 2):
-            self.makedirs(vdir)
-            try:
-                write_shard_file(final, version, rank, plan, arrays, chksum=chksum, fsync=fsync, run=run)
-                return final
-            except OSError as e:
-                if isinstance(e, FileNotFoundError) and attempt == 1:
-                    continue  # another rank's retention removed the empty directory meanwhile
-                raise CheckpointWriteError(e.errno, f"writing shard of rank {rank} for {name!r} v{version} to "
-                                           f"scratch {vdir} failed: {e.strerror}; nothing was committed. "
-                                           "Free space or point 'scratch' elsewhere.") from e
-        return final
-
-    def partner_path(self, name: str, version: int, holder: int, src: int) -> str:
-        return os.path.join(self.version_dir(name, version), f"h{holder:06d}.r{src:06d}.dfs")
-
-    def parity_path(self, name: str, version: int, holder: int) -> str:
-        return os.path.join(self.version_dir(name, version), f"x{holder:06d}.dfx")
-
-    def inventory(self, name: str, version: int) -> dict[str, dict[int, str]]:
-        """The files this scratch directory holds of ``version`` (the manifest is the caller's to
-        read): ``{"shard": {rank: path}, "partner": {src: path}, "parity": {holder: path}}``."""
-        vdir = self.version_dir(name, version)
-        inv: dict[str, dict[int, str]] = {"shard": {}, "partner": {}, "parity": {}}
-        for n in _listdir(vdir):
-            m = _SCRATCH_FILE.match(n)
-            if m is None:
-                continue
-            path = os.path.join(vdir, n)
-            if os.path.islink(path):
-                continue  # never followed: not a file of this version
-            if m.group(1) is not None:
-                inv["shard"][int(m.group(1))] = path
-            elif m.group(3) is not None:
-                inv["partner"][int(m.group(3))] = path
-            else:
-                inv["parity"][int(m.group(4))] = path
-        return inv
-
-    def committed(self, name: str, generation: int | None = None
-                  ) -> dict[int, tuple[dict[str, Any], dict[str, dict[int, str]]]]:
-        """Versions with a valid manifest here (of ``generation``, when given) ->
-        (manifest, :meth:`inventory`)."""
-        out = {}
-        for v in self.versions(name):
-            try:
-                m = self.read_manifest(name, v)
-            except UntrustedOwnerError as e:
-                log.warning("deepfreeze: %s v%d on scratch is ignored: %s", name, v, e)
-                continue
-            except (OSError, DeepFreezeError, ValueError):
-                continue
-            if generation is not None and fmt.manifest_run(m)[1] != generation:
-                continue
-            out[v] = (m, self.inventory(name, v))
-        return out
-
-    def write_manifest(self, name: str, version: int, manifest: dict[str, Any]) -> None:
-        atomic_write(os.path.join(self.version_dir(name, version), MANIFEST),
-                     fmt.encode_manifest(manifest), fsync=False, point="scratch.manifest")
-
-    @staticmethod
-    def _own_files(names: Iterable[str], rank: int) -> list[str]:
-        return [n for n in names if n == f"r{rank:06d}.dfs" or n == f"x{rank:06d}.dfx"
-                or (n.startswith(f"h{rank:06d}.r") and n.endswith(".dfs"))]
-
-    def _remove_own(self, vdir: str, rank: int, point: str) -> bool:
-        """Remove this rank's files in ``vdir`` (own shard, partner copies and parity it holds),
-        then the manifest and the directory once no rank's file is left. True if the own shard
-        was there."""
-        try:  # through a descriptor of the directory: a symbolic link is never followed
-            fd = ownership.open_dir_nofollow(vdir)
-        except (FileNotFoundError, NotADirectoryError, UnsafePathError):
-            return False
-        try:
-            names = os.listdir(fd)
-            mine = self._own_files(names, rank)
-            for n in mine:
-                try:
-                    cp.unlink(n, point, dir_fd=fd)
-                except FileNotFoundError:
-                    pass
-            names = os.listdir(fd)
-            if not any(n.endswith((".dfs", ".dfx")) or ".tmp" in n for n in names):
-                # rmdir, not rmtree: a lagging rank on this node may create its file in the
-                # directory after the listing; rmdir then fails and the directory stays
-                # (that rank's own retention removes it later)
-                if MANIFEST in names:
-                    try:
-                        cp.unlink(MANIFEST, "scratch.retain.manifest", dir_fd=fd)
-                    except FileNotFoundError:
-                        pass
-                try:
-                    cp.rmdir(vdir, "scratch.retain.rmdir")  # rmdir never follows a link
-                except OSError:
-                    pass
-        finally:
-            os.close(fd)
-        return f"r{rank:06d}.dfs" in mine
-
-    def retain(self, name: str, rank: int, keep: int, upto: int) -> list[int]:
-        """Delete this rank's shards of all but the newest ``keep`` versions up to ``upto``.
-
-        Versions newer than ``upto`` (written by the client while the backend was
-        still flushing ``upto``) are not counted: they have not been flushed yet.
-        """
-        if keep <= 0:
-            return []
-        removed = []
-        for v in [v for v in self.versions(name) if v <= upto][:-keep]:
-            if self._remove_own(self.version_dir(name, v), rank, "scratch.retain.unlink"):
-                removed.append(v)
-        return removed
-
-    def clear(self, name: str, rank: int, above: int | None = None) -> list[int]:
-        """Remove this rank's files of every version above ``above`` (all when None): a new run
-        that resumed from ``above`` (or overwrites the name) rewrites those numbers."""
-        removed = []
-        for v in self.versions(name):
-            if above is None or v > above:
-                if self._remove_own(self.version_dir(name, v), rank, "scratch.clear.unlink"):
-                    removed.append(v)
-        return removed
-
-
-def write_shard_file(final: str, version: int, rank: int, plan: ShardPlan,
-                     arrays: "Sequence[np.ndarray] | FusedShard", *, chksum: bool, fsync: bool = False,
-                     run: str = ANONYMOUS_RUN, point: str = "scratch.shard") -> None:
-    """Write a rank's shard file (format.py) to ``final``: temporary name, then rename.
-
-    ``arrays`` is either the rank's pieces as flat arrays (plan order) or a
-    :class:`~deepfreeze.fused.FusedShard` of this plan and rank, whose data region is written as is.
-    Either way the data goes out in writes of at most ``_CHUNK`` bytes, each piece's CRC32 computed
-    chunk by chunk right before the chunk is written (while it is in the CPU cache: one pass over the
-    bytes), and the header and index, which hold the CRCs, are written last at offset 0 (the file is
-    committed by the rename, so nobody sees it before). Raises OSError (nothing left behind) or
-    ValueError (arrays do not match the plan, or a fused shard of another plan or rank)."""
-    if isinstance(arrays, FusedShard):
-        shard = _check_fused(arrays, plan, rank)
-        entries, data_offset, size = list(shard.layout.entries), shard.layout.data_offset, shard.layout.file_size
-        spans = [(e.offset - data_offset, e.length) for e in entries]
-        with replacing_file(final, fsync=fsync, point=point) as fd:
-            crcs = _write_region(fd, shard.data, data_offset, spans, chksum, f"bytes.{point.split('.')[0]}.data")
-            write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                            data_offset, size, chksum, run, crcs if chksum else None),
-                      0, f"bytes.{point.split('.')[0]}.meta")
-            os.ftruncate(fd, size)
-        return
-    entries, data_offset, size = fmt.layout(_check_arrays(arrays, plan, rank))
-    with replacing_file(final, fsync=fsync, point=point) as fd:
-        crcs = [_write_region(fd, fmt.byte_view(a), e.offset, [(0, e.length)], chksum,
-                              f"bytes.{point.split('.')[0]}.data")[0] if e.length else 0
-                for e, a in zip(entries, arrays)]
-        write_all(fd, fmt.encode_index(fmt.KIND_SHARD, rank, plan.world_size, version, entries,
-                                        data_offset, size, chksum, run, crcs if chksum else None),
-                  0, f"bytes.{point.split('.')[0]}.meta")
-        os.ftruncate(fd, size)
-
-
-def _check_fused(shard: FusedShard, plan: ShardPlan, rank: int) -> FusedShard:
-    """``shard`` if it is rank ``rank``'s fused shard of ``plan``; else ValueError."""
-    if not (shard.layout.rank == rank and (shard.layout.plan is plan or shard.layout.plan == plan)):
-        raise ValueError(f"the fused shard is rank {shard.layout.rank}'s of another shard plan or rank than "
-                         f"the one written (rank {rank}): build it with FusedLayout.build(plan, rank)")
-    return shard
-
-
-def _check_arrays(arrays: Sequence[np.ndarray], plan: ShardPlan, rank: int) -> list[fmt.Entry]:
-    """The entries of rank ``rank``'s pieces (plan order) if ``arrays`` match them one to one
-    (element count and dtype); else ValueError."""
-    pieces = plan.for_rank(rank)
-    if len(arrays) != len(pieces):
-        raise ValueError(f"rank {rank} holds {len(pieces)} pieces, got {len(arrays)} arrays")
-    entries = []
-    for p, e, a in zip(pieces, piece_entries(plan, pieces), arrays):
-        if a.size != p.count or fmt.dtype_name(a.dtype) != e.dtype:
-            raise ValueError(f"array for tensor {plan.tensors[p.tensor_id].name!r} piece "
-                             f"[{p.start},{p.stop}) has {a.size} {a.dtype} elements")
-        entries.append(e)
-    return entries
-
-
-#: bytes per read or write of the shard data paths (write_shard_file, the flush's copy): large enough
-#: that the per-call cost vanishes, small enough that a chunk is still in the CPU cache when it is
-#: written after its CRC (experiments/flush.py)
-_CHUNK = 1 << 20
-#: bytes the flush writes before it asks the kernel to start writing them to the device
-_WRITEBACK_BATCH = 8 << 20
-
-
-def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]], chksum: bool,
-                  count: str | None = None) -> list[int]:
-    """Write ``data`` (a byte buffer) at file offset ``base`` in writes of at most ``_CHUNK`` bytes and
-    return the CRC32 of each ``(offset, length)`` span of it (sorted by offset, not overlapping; 0s
-    without ``chksum``), each chunk checksummed right before it is written."""
-    view = fmt.byte_view(data)
-    crcs = [0] * len(spans)
-    k = 0
-    for c0 in range(0, len(view), _CHUNK):
-        c1 = min(len(view), c0 + _CHUNK)
-        if chksum:
-            while k < len(spans) and spans[k][0] < c1:
-                off, length = spans[k]
-                lo, hi = max(off, c0), min(off + length, c1)
-                if hi > lo:
-                    crcs[k] = fmt.crc32_bytes(view[lo:hi], crcs[k])  # (a byte memoryview: no byte_view per piece)
-                if off + length > c1:
-                    break  # the span goes on in the next chunk
-                k += 1
-        write_all(fd, view[c0:c1], base + c0, count)
-    return crcs
-
-
-#: the last plan object laid out: [plan, (entries, data offset, file size), its _Assembled or None]
-_LAYOUT: list = []
-
-
-#: one write of write once: ``(src, end, dst, pieces)``, bytes ``[src, end)`` of a rank's buffer
-#: (``base``-relative) written at file offset ``dst``, holding ``pieces`` (fused-layout entries)
-Run = tuple[int, int, int, list]
-
-
-@dataclasses.dataclass
-class _Assembled:
-    """Where every piece of a plan lies in the assembled file (kept for the newest plan object)."""
-
-    where: dict  # (tensor_id, start) -> offset
-    after: dict  # (tensor_id, start) -> the (tensor_id, start) laid right after it, or None
-    offsets: list  # every non-empty piece's offset, ascending
-    entries: list  # the non-empty assembled entries in that order (they do not overlap)
-    owner: dict  # (tensor_id, start) -> the rank whose piece it is
-
-
-def _assembled_offsets(level: "PersistentLevel", plan: ShardPlan) -> _Assembled:
-    """Where every piece of ``plan`` lies in the assembled file (:class:`_Assembled`), kept with its
-    layout for the newest plan object (a writer writes version after version of one plan)."""
-    layout, _, _ = level.assembled_layout(plan)
-    cached = _LAYOUT and _LAYOUT[0] is plan and _LAYOUT[1][0] is layout  # (not a subclass's own layout)
-    if cached and _LAYOUT[2] is not None:
-        return _LAYOUT[2]
-    ordered = sorted(layout, key=lambda e: e.offset)
-    keys = [(e.tensor_id, e.start) for e in ordered]
-    out = _Assembled(where={k: e.offset for k, e in zip(keys, ordered)},
-                     after={k: (keys[i + 1] if i + 1 < len(keys) else None) for i, k in enumerate(keys)},
-                     offsets=[e.offset for e in ordered if e.length], entries=[e for e in ordered if e.length],
-                     owner={(p.tensor_id, p.start): p.rank for p in plan.pieces})
-    if cached:
-        _LAYOUT[2] = out
-    return out
-
-
-def _write_runs(fd: int, data: memoryview, base: int, runs: "Sequence[Run]", chksum: bool) -> list[list[int]]:
-    """Write a fused shard's ``runs`` (:meth:`PersistentLevel.direct_runs`, checked by
-    :func:`_check_runs`): each run's bytes of ``data`` (``base``-relative), its pieces with the
-    padding between them, at the run's file offset by :func:`_write_region` (writes of at most
-    ``_CHUNK``, each piece's CRC32 taken chunk by chunk right before the write). One rank's pieces
-    are a handful of runs: a handful of writes instead of one per piece (4000 for a 1000-layer MLP's
-    AdamW state). The write-back of every ``_WRITEBACK_BATCH`` bytes is started at once.
-    Returns ``[[tensor_id, start, crc], ...]`` in the runs' piece order (crashpoint
-    ``persistent.direct.write`` after the first run)."""
-    crcs: list[list[int]] = []
-    lo: int | None = None  # the range written since the last write-back kick
-    hi = pending = 0
-    for k, (src, end, dst, run) in enumerate(runs):
-        got = _write_region(fd, data[src:end], dst, [(e.offset - base - src, e.length) for e in run],
-                            chksum, "bytes.persistent.data")
-        crcs.extend([e.tensor_id, e.start, c] for e, c in zip(run, got))
-        lo, hi = (dst if lo is None else min(lo, dst)), max(hi, dst + end - src)
-        pending += end - src
-        if pending >= _WRITEBACK_BATCH:
-            _start_writeback(fd, lo, hi - lo)
-            lo, hi, pending = None, 0, 0
-        if k == 0:
-            cp.hit("persistent.direct.write")  # the first run written, the others not yet
-    if lo is not None:
-        _start_writeback(fd, lo, hi - lo)
-    return crcs
-
-
-def _check_runs(runs: "Sequence[Run]", base: int, at: _Assembled, plan: ShardPlan, rank: int,
-                what: str) -> None:
-    """Before a byte is written: every piece of ``runs`` is rank ``rank``'s and lands at its assembled
-    offset, and a run's bytes cover no piece but its own (what lies between them is padding no piece
-    holds). Else :class:`CheckpointWriteError` naming the version (``what``), the tensor and the rank:
-    bytes written over another piece would not match the CRC its rank records for it, and a run of
-    padding over a piece is exactly that. The check costs one lookup per piece and one bisection
-    per run, in memory; nothing of the file is read."""
-    def piece(key: tuple[int, int]) -> str:
-        e = next((x for x in at.entries if (x.tensor_id, x.start) == key), None)
-        span = f"[{key[1]},{e.stop})" if e is not None else f"[{key[1]},{key[1]})"
-        return f"tensor {plan.tensors[key[0]].name!r} elements {span}"
-    for src, end, dst, run in runs:
-        keys = set()
-        for e in run:
-            key = (e.tensor_id, e.start)
-            land = dst + (e.offset - base - src)
-            if at.owner.get(key) != rank or land != at.where.get(key) or not (src <= e.offset - base
-                                                                              and e.offset - base + e.length <= end):
-                raise CheckpointWriteError(errno.EIO, f"{what} rank {rank}: {piece(key)} would be written at offset "
-                                           f"{land} of the partial, not at its assembled offset {at.where.get(key)} "
-                                           f"(a piece of rank {at.owner.get(key)}): not committing the version")
-            keys.add(key)
-        lo, hi = dst, dst + end - src
-        i = max(0, bisect.bisect_right(at.offsets, lo) - 1)
-        while i < len(at.entries) and at.entries[i].offset < hi:
-            e = at.entries[i]
-            key = (e.tensor_id, e.start)
-            if e.offset + e.length > lo and key not in keys:
-                raise CheckpointWriteError(errno.EIO, f"{what} rank {rank}: a write of bytes [{lo},{hi}) of the partial "
-                                           f"would cover {piece(key)} of rank {at.owner[key]}, whose bytes would then "
-                                           "not match the CRC recorded for them: not committing the version")
-            i += 1
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def _read_regular(path: str, limit: int, trusted: frozenset[int] | None = None, level: str = "") -> bytes:
-    """The bytes of a regular file (no symlink followed, no FIFO opened), at most ``limit``;
-    with ``trusted``, the file must be owned by one of those uids (:func:`ownership.check_owner`)."""
-    return read_small(path, limit, None if trusted is None else
-                      (lambda st: ownership.check_owner(st, path, trusted, level)))
 
 
 _MAX_LOCK_BYTES = 512
@@ -898,7 +423,7 @@ class PersistentLevel(Level):
     def write_direct(self, name: str, version: int, rank: int, plan: ShardPlan,
                      arrays: "Sequence[np.ndarray] | FusedShard", decision: dict[str, str], *,
                      chksum: bool) -> dict[str, Any]:
-        """Write once (``write_once``, :mod:`deepfreeze.writeonce`): write this rank's pieces (flat
+        """Write once (``write_once``, :mod:`deepfreeze.tiers.direct`): write this rank's pieces (flat
         arrays in plan order, or its :class:`~deepfreeze.fused.FusedShard`) from memory straight into
         the version's ``model.dfz.partial.<nonce>`` at their assembled offsets, each piece's CRC32
         computed on each chunk right before it is written (as a scratch write does), the write-back of
@@ -934,7 +459,7 @@ class PersistentLevel(Level):
                     crc = _write_region(dst, view, at_, [(0, len(view))], chksum, "bytes.persistent.data")[0]
                     lo, hi = (at_ if lo is None else min(lo, at_)), max(hi, at_ + len(view))
                     pending += len(view)
-                    if pending >= _WRITEBACK_BATCH:
+                    if pending >= shardbytes._WRITEBACK_BATCH:
                         _start_writeback(dst, lo, hi - lo)
                         lo, hi, pending = None, 0, 0
                     crcs.append([e.tensor_id, e.start, crc])
@@ -1243,214 +768,6 @@ class PersistentLevel(Level):
         return old
 
 
-@dataclasses.dataclass(frozen=True)
-class SlotSource:
-    """A flush job's memory-tier source (``job["memtier"]``): slot ``slot`` of the model-table entry
-    ``entry`` of the device file ``device``, holding version ``version`` of run ``run``, rank ``rank``.
-    As a job dict: ``{"device": path, "entry": int, "slot": int, "version": int, "run": hex16,
-    "rank": int}``."""
-
-    device: str
-    entry: int
-    slot: int
-    version: int
-    run: str
-    rank: int
-
-    @classmethod
-    def from_job(cls, spec: Any, name: str, version: int, rank: int, run: str) -> "SlotSource":
-        """Validate ``job["memtier"]`` against the job's own name/version/rank/run (a job is JSON that
-        crossed a socket: every field is checked, nothing trusted)."""
-        ok = isinstance(spec, dict) and isinstance(spec.get("device"), str) and os.path.isabs(spec["device"]) \
-            and all(isinstance(spec.get(k), int) and not isinstance(spec.get(k), bool) and spec[k] >= 0
-                    for k in ("entry", "slot", "version", "rank")) and isinstance(spec.get("run"), str)
-        if not ok or spec["version"] != version or spec["rank"] != rank or spec["run"] != run:
-            raise CheckpointWriteError(errno.EINVAL, f"flush job of {name!r} v{version} rank {rank}: malformed "
-                                       f"memory-tier source {str(spec)[:300]} (expected device, entry, slot, version, "
-                                       "run, rank matching the job)")
-        return cls(spec["device"], spec["entry"], spec["slot"], spec["version"], spec["run"], spec["rank"])
-
-    def to_job(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def label(self) -> str:
-        return f"{self.device} (memory tier entry {self.entry}, slot {self.slot})"
-
-
-def _slot_holds(region: Any, src: SlotSource) -> Any:
-    """The slot header of ``src`` if it is DONE and holds ``src``'s run and version; else
-    :class:`CorruptCheckpointError` naming what it holds."""
-    head = region.holding(src.slot, src.run, src.version)
-    if head is None:
-        now = region.slot_header(src.slot)
-        what = "an invalid header" if now is None else \
-            f"state {getattr(now.state, 'name', now.state)}, run {now.run}, version {now.version}"
-        raise CorruptCheckpointError(f"{src.label()}: the slot should hold run {src.run} v{src.version}, DONE, but "
-                                     f"holds {what}: not flushing it (the tier was rewritten or damaged)")
-    return head
-
-
-@contextlib.contextmanager
-def _open_source(shard_path: str | None, source: SlotSource | None
-                 ) -> Iterator[tuple[int, int, fmt.ShardIndex, str, Any]]:
-    """Open a flush's shard: ``(fd, base, index, label, recheck)``: the shard's bytes start at
-    ``base`` of ``fd``; ``recheck()`` raises if the source changed since it was opened (a no-op for a
-    scratch file, which is never rewritten: a new version is a new file)."""
-    if source is None:
-        fd = open_regular(shard_path)
-        try:
-            yield fd, 0, fmt.read_index(_FdFile(fd), shard_path), shard_path, (lambda: None)
-        finally:
-            os.close(fd)
-        return
-    from .memtier import device as mdev
-    label = source.label()
-    dev = mdev.open(source.device, writable=False)
-    try:
-        region = dev.region(source.entry)
-        if region is None or region.run != source.run or region.rank != source.rank or source.slot >= region.nslots:
-            raise CorruptCheckpointError(f"{label}: no valid model-table entry {source.entry} of run {source.run} "
-                                         f"rank {source.rank} with that slot on the device (retired or repacked?): "
-                                         "not flushing")
-        head = _slot_holds(region, source)
-        view = region.image(source.slot)
-        try:
-            idx = fmt.read_index(view[:head.image_len], label)  # copies the header and index only
-        finally:
-            view.release()
-        fd = os.dup(dev.fileno())  # the file checked at open, never the path again (it may be another file now)
-
-        def recheck() -> None:
-            if _slot_holds(region, source).raw != head.raw:
-                raise CorruptCheckpointError(f"{label}: the slot was rewritten while it was flushed: not "
-                                             "committing what was read")
-        try:
-            yield fd, region.image_offset(source.slot), idx, label, recheck
-        finally:
-            os.close(fd)
-    finally:
-        dev.close()
-
-
-class _FdFile:
-    """The minimal file object :func:`deepfreeze.format.read_index` needs, over a descriptor."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd, self._pos = fd, 0
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def seek(self, pos: int) -> None:
-        self._pos = pos
-
-    def read(self, n: int) -> bytes:
-        data = os.pread(self._fd, n, self._pos)
-        self._pos += len(data)
-        return data
-
-
-def _copy_checked(src: int, dst: int, entries: Sequence[fmt.Entry], dst_offsets: Sequence[int], check: bool,
-                  path: str, *, base: int = 0) -> list[int]:
-    """Copy the pieces ``entries`` of the shard ``src`` to ``dst_offsets`` of ``dst``, computing each
-    piece's CRC32 from the copied bytes (no second read); with ``check``, compare it with the index.
-    Returns the CRCs (0s when not checked). The shard starts at byte ``base`` of ``src`` (0 for a
-    scratch file; a memory-tier slot image's offset in the device file).
-
-    The bytes go through one reused buffer in reads of up to ``_CHUNK`` bytes (small enough to stay
-    in the CPU cache from the read through the CRC to the write): consecutive small pieces share
-    one read (the padding between them is read too), a large piece takes several. Every
-    ``_WRITEBACK_BATCH`` bytes written are handed to the device at once (:func:`_start_writeback`),
-    so the copy overlaps the device's writes and the final fsync finds little left to write."""
-    order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
-    largest = max((e.length for e in entries), default=0)
-    span = sum(e.length for e in entries) + 64 * len(entries)
-    buf = np.empty(max(1, min(_CHUNK, max(largest, span))), np.uint8)
-    view = memoryview(buf)
-    crcs = [0] * len(entries)
-    lo_dst: int | None = None  # the range written since the last write-back kick
-    hi_dst = written = 0
-    i = 0
-    while i < len(order):
-        e = entries[order[i]]
-        j, end = i + 1, e.offset + e.length
-        if e.length < len(view):  # group the following pieces that fit one read (never overlapping ones)
-            while j < len(order):
-                n = entries[order[j]]
-                if n.offset < end or n.offset + n.length - e.offset > len(view):
-                    break
-                end = n.offset + n.length
-                j += 1
-        pos = e.offset
-        while pos < end or pos == e.offset == end:  # one read per pass (a large piece: several passes)
-            want = min(len(view), end - pos)
-            got = _read_full(src, view[:want], base + pos, path)
-            for k in order[i:j]:
-                p = entries[k]
-                lo, hi = max(p.offset, pos), min(p.offset + p.length, pos + got)
-                if hi <= lo:
-                    continue
-                chunk = view[lo - pos:hi - pos]
-                if check:
-                    crcs[k] = fmt.crc32(chunk, crcs[k])
-                at = dst_offsets[k] + lo - p.offset
-                write_all(dst, chunk, at, "bytes.persistent.data")
-                lo_dst = at if lo_dst is None else min(lo_dst, at)
-                hi_dst = max(hi_dst, at + len(chunk))
-                written += len(chunk)
-            if lo_dst is not None and written >= _WRITEBACK_BATCH:
-                _start_writeback(dst, lo_dst, hi_dst - lo_dst)
-                lo_dst, hi_dst, written = None, 0, 0
-            pos += got
-            if got == 0:
-                break
-        i = j
-    if lo_dst is not None:
-        _start_writeback(dst, lo_dst, hi_dst - lo_dst)
-    if check:
-        for k, e in enumerate(entries):
-            if crcs[k] != e.crc:
-                raise CorruptCheckpointError(f"{path}: checksum mismatch in tensor {e.tensor_id} elements "
-                                             f"[{e.start},{e.stop}) while flushing: the shard on scratch was "
-                                             "damaged; not committing it")
-    return crcs
-
-
-def _read_full(fd: int, view: memoryview, offset: int, path: str) -> int:
-    """Fill ``view`` from ``offset`` (short reads repeated); the file ending first is corruption."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise CorruptCheckpointError(f"{path}: shard file ended before its index said")
-        done += n
-    return done
-
-
-# the write-back hint (None where the C library has none; tests set it to None for the fallback)
-_sync_file_range = sync_file_range if available("sync_file_range") else None
-
-
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing a just-written range to the device now (not wait for it):
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, else ``posix_fadvise(DONTNEED)``, which starts the
-    write-back of dirty pages too. A hint: durability still comes from the fsync after the copy.
-    Measured here (``experiments/flush.py --strategies 256``, ``io_strategies`` in its results): write +
-    fsync of 256 MiB at 1.29 GB/s this way, 0.80 without the hint, 0.93 with O_DIRECT (median of 12)."""
-    if length <= 0:
-        return
-    if _sync_file_range is not None:
-        try:
-            _sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE)
-            return
-        except OSError:
-            pass
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
-
-
 def _create_exclusive(path: str, data: bytes, point: str) -> bool:
     """Create ``path`` holding ``data`` unless it exists; atomic, and never visible empty:
     the content is written to an owner-only temporary file first, then hard-linked into place."""
@@ -1474,62 +791,3 @@ def _create_exclusive(path: str, data: bytes, point: str) -> bool:
             os.unlink(tmp)  # on every outcome: no decision.tmp* left behind (ENOSPC, EIO, ...)
         except FileNotFoundError:
             pass
-
-
-def _drop_cached(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
-    """Drop durable (fsynced) byte ranges from the page cache: the node's memory is the training's
-    (a parallel file system's client does not keep what it wrote either). Ranges at most a page
-    apart (a rank's consecutive pieces, alignment padding between them) go in one call."""
-    merged: list[list[int]] = []
-    for off, length in sorted(ranges):
-        if merged and off <= merged[-1][0] + merged[-1][1] + 4096:
-            merged[-1][1] = max(merged[-1][1], off + length - merged[-1][0])
-        else:
-            merged.append([off, length])
-    for off, length in merged:
-        try:
-            os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
-        except (OSError, AttributeError):
-            return
-
-
-def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
-              persistent_cls: type = PersistentLevel, critical: Any = None) -> dict[str, Any]:
-    """Flush one rank's shard of one version (backend or sync mode). Same code in both modes.
-    With ``job["memtier"]`` (:class:`SlotSource`), the shard is read from that memory-tier slot.
-    ``critical`` (the backend's): runs the sections under ``commit.lock`` that other nodes wait
-    on, the decision and the finalize (:meth:`PersistentLevel.critical`).
-
-    Work of a run that lost the lease on its name is abandoned (logged, result
-    ``abandoned``), never an error of the live run."""
-    name, version, rank = job["name"], job["version"], job["rank"]
-    run = job.get("run") or ANONYMOUS_RUN
-    stale = float(job.get("lease_timeout") or 60.0)
-    shared = bool(job.get("shared_group", False))
-    scratch = scratch_cls(job["scratch"], shared_group=shared)
-    persistent = persistent_cls(job["persistent"], shared_group=shared)
-    if critical is not None:
-        persistent.critical = critical
-    result = {"flushed": False, "committed": False, "abandoned": False}
-    source = None if job.get("memtier") is None else SlotSource.from_job(job["memtier"], name, version, rank, run)
-    try:
-        decision = persistent.critical(persistent.decide, name, version, job["persistent_interval"], run,
-                                       stale_after=stale)
-        if decision is not None and decision["decision"] == "flush":
-            result["committed"] = persistent.flush_shard(
-                name, version, rank, None if source else scratch.shard_path(name, version, rank), job["manifest"],
-                fsync=job.get("fsync", True), decision=decision, stale_after=stale, source=source,
-                direct=job.get("direct"))
-            result["flushed"] = True
-            if result["committed"]:
-                persistent._fence(name, run, f"retention of {name!r}")
-                persistent.retain(name, job["keep_persistent"])
-        elif job["persistent_interval"] >= 0:
-            persistent._fence(name, run, f"retention of {name!r}")  # a run without the lease removes nothing
-            persistent.retain(name, job["keep_persistent"])  # sweeps skipped versions
-    except FencedError as e:
-        log.warning("deepfreeze: %s", e)
-        result["abandoned"] = True
-    if source is None:  # a memory-tier job has no scratch files (its slots are reused, not retained)
-        scratch.retain(name, rank, job["keep_scratch"], upto=version)
-    return result
