@@ -137,6 +137,7 @@ from .fused import FusedLayout, FusedShard
 from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError,
                      MemtierBusyError, MemtierError, MemtierFullError)
 from .levels import PersistentLevel, ScratchLevel, SlotSource, flush_job
+from .tiers.job import SCRATCH, FlushJob
 from . import writeonce
 from .priority import Lanes
 from .comm import Comm
@@ -177,7 +178,7 @@ class Engine:
         self._last_call: float | None = None
         self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()  # oldest first
         self._error: BaseException | None = None
-        self._pending: dict[int, dict[str, Any]] = {}  # backend job id -> job not known to be done
+        self._pending: dict[int, FlushJob] = {}  # backend job id -> job not known to be done
         self._backend_errors: list[str] = []  # appended by the writer thread, taken by the training thread
         self._errors_lock = threading.Lock()
         self.max_pending_flushes = max_pending_flushes or max(2, config.keep_scratch)
@@ -743,17 +744,15 @@ class Engine:
         """Hand the version's flush job to the backend (async) or run it (sync); ``direct``: the
         record of a version written once into persistent (:func:`deepfreeze.writeonce.write_version`)."""
         cfg = self.config
-        job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
-               "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
-               "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions,
-               "watchdog_interval": cfg.watchdog_interval, "manifest": manifest, "run": self.run.id,
-               "lease_timeout": cfg.lease_timeout, "shared_group": cfg.shared_group}
         t, interval = self._called.pop(version, (time.monotonic(), None))
-        job.update(t=t, interval=interval, priority=cfg.background_priority)  # the backend's bound (priority.py)
-        if source is not None:
-            job["memtier"] = source.to_job()
-        if direct is not None:
-            job["direct"] = direct
+        job = FlushJob(name=self.name, version=version, rank=self.rank, scratch=cfg.scratch, persistent=cfg.persistent,
+                       persistent_interval=cfg.persistent_interval, keep_scratch=cfg.keep_scratch,
+                       keep_persistent=cfg.max_versions, manifest=manifest, run=self.run.id,
+                       lease_timeout=cfg.lease_timeout, shared_group=cfg.shared_group,
+                       watchdog_interval=cfg.watchdog_interval,
+                       t=t, interval=interval, priority=cfg.background_priority,  # the backend's bound (priority.py)
+                       source=source.kind if source is not None else "direct" if direct is not None else SCRATCH,
+                       spec=source if source is not None else direct)
         if self._backend is not None:
             self._in_backend = True
             try:

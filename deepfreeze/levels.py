@@ -116,7 +116,7 @@ import re
 import secrets
 import stat
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -134,6 +134,7 @@ from .jsonsafe import loads as bounded_loads
 from .fused import FusedShard
 from .node import holder_gone, in_this_pid_space, node_id, process_identity
 from .shardplan import ShardPlan, TensorSpec
+from .tiers.job import SCRATCH, FlushJob, register as register_source, source as job_source
 
 __all__ = ["Level", "ScratchLevel", "PersistentLevel", "plan_of", "flush_job", "write_shard_file",
            "read_decision", "FencedError", "SlotSource", "lock_record", "parse_lock"]
@@ -1245,10 +1246,12 @@ class PersistentLevel(Level):
 
 @dataclasses.dataclass(frozen=True)
 class SlotSource:
-    """A flush job's memory-tier source (``job["memtier"]``): slot ``slot`` of the model-table entry
-    ``entry`` of the device file ``device``, holding version ``version`` of run ``run``, rank ``rank``.
-    As a job dict: ``{"device": path, "entry": int, "slot": int, "version": int, "run": hex16,
-    "rank": int}``."""
+    """A flush job's memory-tier source (source kind ``memtier``, :mod:`deepfreeze.tiers.job`):
+    slot ``slot`` of the model-table entry ``entry`` of the device file ``device``, holding version
+    ``version`` of run ``run``, rank ``rank``. Encoded: ``{"device": path, "entry": int, "slot":
+    int, "version": int, "run": hex16, "rank": int}``."""
+
+    kind: ClassVar[str] = "memtier"
 
     device: str
     entry: int
@@ -1258,16 +1261,18 @@ class SlotSource:
     rank: int
 
     @classmethod
-    def from_job(cls, spec: Any, name: str, version: int, rank: int, run: str) -> "SlotSource":
-        """Validate ``job["memtier"]`` against the job's own name/version/rank/run (a job is JSON that
+    def from_job(cls, spec: Any, job: FlushJob) -> "SlotSource":
+        """Check ``job``'s encoded source ``spec`` against the job's own version/rank/run (JSON that
         crossed a socket: every field is checked, nothing trusted)."""
-        ok = isinstance(spec, dict) and isinstance(spec.get("device"), str) and os.path.isabs(spec["device"]) \
-            and all(isinstance(spec.get(k), int) and not isinstance(spec.get(k), bool) and spec[k] >= 0
-                    for k in ("entry", "slot", "version", "rank")) and isinstance(spec.get("run"), str)
-        if not ok or spec["version"] != version or spec["rank"] != rank or spec["run"] != run:
-            raise CheckpointWriteError(errno.EINVAL, f"flush job of {name!r} v{version} rank {rank}: malformed "
-                                       f"memory-tier source {str(spec)[:300]} (expected device, entry, slot, version, "
-                                       "run, rank matching the job)")
+        ok = isinstance(spec, dict) and set(spec) == {"device", "entry", "slot", "version", "run", "rank"} \
+            and isinstance(spec["device"], str) and os.path.isabs(spec["device"]) and "\x00" not in spec["device"] \
+            and len(spec["device"]) <= 4096 \
+            and all(type(spec[k]) is int and 0 <= spec[k] < (1 << 63) for k in ("entry", "slot", "version", "rank")) \
+            and isinstance(spec["run"], str)
+        if not ok or spec["version"] != job.version or spec["rank"] != job.rank or spec["run"] != job.run:
+            raise CheckpointWriteError(errno.EINVAL, f"flush job of {job.name!r} v{job.version} rank {job.rank}: "
+                                       f"malformed memory-tier source {str(spec)[:300]} (expected device, entry, slot, "
+                                       "version, run, rank matching the job)")
         return cls(spec["device"], spec["entry"], spec["slot"], spec["version"], spec["run"], spec["rank"])
 
     def to_job(self) -> dict[str, Any]:
@@ -1290,19 +1295,30 @@ def _slot_holds(region: Any, src: SlotSource) -> Any:
     return head
 
 
-@contextlib.contextmanager
 def _open_source(shard_path: str | None, source: SlotSource | None
-                 ) -> Iterator[tuple[int, int, fmt.ShardIndex, str, Any]]:
+                 ) -> "contextlib.AbstractContextManager[tuple[int, int, fmt.ShardIndex, str, Any]]":
     """Open a flush's shard: ``(fd, base, index, label, recheck)``: the shard's bytes start at
     ``base`` of ``fd``; ``recheck()`` raises if the source changed since it was opened (a no-op for a
-    scratch file, which is never rewritten: a new version is a new file)."""
-    if source is None:
-        fd = open_regular(shard_path)
-        try:
-            yield fd, 0, fmt.read_index(_FdFile(fd), shard_path), shard_path, (lambda: None)
-        finally:
-            os.close(fd)
-        return
+    scratch file, which is never rewritten: a new version is a new file). Dispatched through the
+    source table (:mod:`deepfreeze.tiers.job`): the scratch file ``shard_path``, or ``source``'s kind."""
+    return job_source(SCRATCH if source is None else source.kind).open(shard_path, source)
+
+
+@contextlib.contextmanager
+def _open_scratch(shard_path: str | None, source: None
+                  ) -> Iterator[tuple[int, int, fmt.ShardIndex, str, Any]]:
+    """The ``scratch`` source kind's opener: the rank's shard file."""
+    fd = open_regular(shard_path)
+    try:
+        yield fd, 0, fmt.read_index(_FdFile(fd), shard_path), shard_path, (lambda: None)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _open_slot(shard_path: str | None, source: SlotSource
+               ) -> Iterator[tuple[int, int, fmt.ShardIndex, str, Any]]:
+    """The ``memtier`` source kind's opener: the image in a DONE slot of the device."""
     from .memtier import device as mdev
     label = source.label()
     dev = mdev.open(source.device, writable=False)
@@ -1330,6 +1346,28 @@ def _open_source(shard_path: str | None, source: SlotSource | None
             os.close(fd)
     finally:
         dev.close()
+
+
+def _direct_record(spec: Any, job: FlushJob) -> dict[str, Any]:
+    """The ``direct`` source kind's spec check: the write-once record's shape, bounded (its CRCs
+    against the plan and its nonce against the decision: :meth:`PersistentLevel._direct_crcs`)."""
+    crcs = spec.get("crcs") if isinstance(spec, dict) else None
+    if not (isinstance(spec, dict) and set(spec) == {"nonce", "has_crc", "crcs"} and isinstance(spec["nonce"], str)
+            and 0 < len(spec["nonce"]) <= 64 and type(spec["has_crc"]) is bool and isinstance(crcs, list)
+            and len(crcs) <= (1 << 24)
+            and all(type(c) is list and len(c) == 3 and all(type(x) is int and 0 <= x < (1 << 63) for x in c)
+                    for c in crcs)):
+        raise CheckpointWriteError(errno.EINVAL, f"flush job of {job.name!r} v{job.version} rank {job.rank}: "
+                                   f"malformed write-once record {str(spec)[:300]} (expected nonce, has_crc and "
+                                   "[tensor_id, start, crc] per piece)")
+    return spec
+
+
+# the source kinds this module's tiers flush from (deepfreeze.tiers.job's table)
+register_source(SCRATCH, open=_open_scratch)
+register_source(SlotSource.kind, open=_open_slot, decode=SlotSource.from_job, encode=SlotSource.to_job,
+                scratch_files=False)
+register_source("direct", decode=_direct_record, encode=dict)
 
 
 class _FdFile:
@@ -1493,43 +1531,45 @@ def _drop_cached(fd: int, ranges: Iterable[tuple[int, int]]) -> None:
             return
 
 
-def flush_job(job: dict[str, Any], scratch_cls: type = ScratchLevel,
+def flush_job(job: "FlushJob | dict[str, Any]", scratch_cls: type = ScratchLevel,
               persistent_cls: type = PersistentLevel, critical: Any = None) -> dict[str, Any]:
     """Flush one rank's shard of one version (backend or sync mode). Same code in both modes.
-    With ``job["memtier"]`` (:class:`SlotSource`), the shard is read from that memory-tier slot.
-    ``critical`` (the backend's): runs the sections under ``commit.lock`` that other nodes wait
-    on, the decision and the finalize (:meth:`PersistentLevel.critical`).
+    ``job``: a :class:`~deepfreeze.tiers.job.FlushJob` (a dict is decoded first, checked as the
+    backend checks one); the shard is read from its source (the source table of
+    :mod:`deepfreeze.tiers.job`: the scratch file, a memory-tier slot, or, written once, already in
+    persistent's partial). ``critical`` (the backend's): runs the sections under ``commit.lock``
+    that other nodes wait on, the decision and the finalize (:meth:`PersistentLevel.critical`).
 
     Work of a run that lost the lease on its name is abandoned (logged, result
     ``abandoned``), never an error of the live run."""
-    name, version, rank = job["name"], job["version"], job["rank"]
-    run = job.get("run") or ANONYMOUS_RUN
-    stale = float(job.get("lease_timeout") or 60.0)
-    shared = bool(job.get("shared_group", False))
-    scratch = scratch_cls(job["scratch"], shared_group=shared)
-    persistent = persistent_cls(job["persistent"], shared_group=shared)
+    if not isinstance(job, FlushJob):
+        job = FlushJob.decode(job)
+    name, version, rank, run, stale = job.name, job.version, job.rank, job.run, job.lease_timeout
+    kind = job_source(job.source)
+    scratch = scratch_cls(job.scratch, shared_group=job.shared_group)
+    persistent = persistent_cls(job.persistent, shared_group=job.shared_group)
     if critical is not None:
         persistent.critical = critical
     result = {"flushed": False, "committed": False, "abandoned": False}
-    source = None if job.get("memtier") is None else SlotSource.from_job(job["memtier"], name, version, rank, run)
     try:
-        decision = persistent.critical(persistent.decide, name, version, job["persistent_interval"], run,
+        decision = persistent.critical(persistent.decide, name, version, job.persistent_interval, run,
                                        stale_after=stale)
         if decision is not None and decision["decision"] == "flush":
+            copy = kind.open is not None  # a source without an opener is in persistent's partial already
             result["committed"] = persistent.flush_shard(
-                name, version, rank, None if source else scratch.shard_path(name, version, rank), job["manifest"],
-                fsync=job.get("fsync", True), decision=decision, stale_after=stale, source=source,
-                direct=job.get("direct"))
+                name, version, rank, scratch.shard_path(name, version, rank) if job.spec is None else None,
+                job.manifest, fsync=job.fsync, decision=decision, stale_after=stale,
+                source=job.spec if copy else None, direct=None if copy else job.spec)
             result["flushed"] = True
             if result["committed"]:
                 persistent._fence(name, run, f"retention of {name!r}")
-                persistent.retain(name, job["keep_persistent"])
-        elif job["persistent_interval"] >= 0:
+                persistent.retain(name, job.keep_persistent)
+        elif job.persistent_interval >= 0:
             persistent._fence(name, run, f"retention of {name!r}")  # a run without the lease removes nothing
-            persistent.retain(name, job["keep_persistent"])  # sweeps skipped versions
+            persistent.retain(name, job.keep_persistent)  # sweeps skipped versions
     except FencedError as e:
         log.warning("deepfreeze: %s", e)
         result["abandoned"] = True
-    if source is None:  # a memory-tier job has no scratch files (its slots are reused, not retained)
-        scratch.retain(name, rank, job["keep_scratch"], upto=version)
+    if kind.scratch_files:  # a memory-tier job has no scratch files (its slots are reused, not retained)
+        scratch.retain(name, rank, job.keep_scratch, upto=version)
     return result

@@ -38,7 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "deepfreeze.comm", "deepfreeze.peerloss", "deepfreeze.priority"),
     1: ("deepfreeze.lease",),
     2: ("deepfreeze.memtier.", "deepfreeze.export"),
-    3: ("deepfreeze.levels", "deepfreeze.redundancy", "deepfreeze.writeonce"),
+    3: ("deepfreeze.tiers.", "deepfreeze.levels", "deepfreeze.redundancy", "deepfreeze.writeonce"),
     4: ("deepfreeze.backend", "deepfreeze.engine", "deepfreeze.veloc_engine", "deepfreeze.veloc_daemon", "deepfreeze.loader",
         "deepfreeze.inventory"),
     5: ("deepfreeze.run",),
