@@ -14,8 +14,10 @@ reading from it (``memtier_put`` makes it read a process's memory), and a client
 served by another uid (:class:`~deepfreeze.errors.UntrustedOwnerError`). Same uid only: a root
 backend serves root's ranks, not other users'. Requests::
 
-    {"op": "hello"}                      -> {"ok": true, "pid": N}
+    {"op": "hello", "protocol": 2}       -> {"ok": true, "pid": N, "protocol": 2}
     {"op": "flush", "job": {...}}        -> {"ok": true, "id": N}        (queued)
+                                            or {"ok": false, "error": "..."} (a malformed job, or a
+                                            connection whose hello named another protocol)
     {"op": "wait", "ids": [...], "timeout": s, "ack": [...]}
                                          -> as poll, when those jobs are done, or after ``timeout`` s
     {"op": "poll", "ids": [...], "wait": s, "need": n, "ack": [...]}
@@ -23,6 +25,34 @@ backend serves root's ranks, not other users'. Requests::
                                              "stalled": s}
                                             (once ``need`` of them (default all) are done, or after
                                             ``wait`` seconds (default 0, at most 30): never blocks longer)
+
+The protocol's version, :data:`PROTOCOL` (2; 1 was the version before ``hello`` carried it, whose
+job was an untyped dict), is part of the socket's name and of ``hello``: a client sends its own
+and the backend answers with its own (an answer without one is protocol 1). A backend of another
+version gets no flush job: the client closes the connection and, where it may start a backend (the
+engine's), starts its own on the same path (as for an unresponsive one: the other process is left
+running for the clients it has), else (``status``, ``stop``) raises
+:class:`~deepfreeze.errors.BackendError` naming both versions. Versions coexist on a node by the
+socket name: a backend of protocol 1 listens on ``backend-<key>.sock``, one of protocol 2 on
+``backend-<key>-p2.sock``, each serving the clients of its version until idle. The backend, for
+its part, refuses ``flush`` on a connection whose ``hello`` named another protocol (or none).
+
+The flush job (``job``) is a :class:`~deepfreeze.tiers.job.FlushJob`'s :meth:`encode`, rebuilt
+with :meth:`~deepfreeze.tiers.job.FlushJob.decode` as it comes off the socket: every field is
+checked (type, range, length, no NUL in a path), unknown and missing keys are refused, and a job
+that fails is answered ``{"ok": false}`` (the connection stays). Its fields (``?``: optional)::
+
+    name: str ([a-zA-Z0-9_.]{1,200}), version: int [0, 2**63), rank: int [0, 2**31),
+    scratch, persistent: str (1..4096 chars, no NUL), persistent_interval: float (finite),
+    keep_scratch, keep_persistent: int [0, 2**31), manifest: object (depth <= 32, <= 2**22 values),
+    run?: str (16 hex digits), lease_timeout?: float (> 0), shared_group?: bool,
+    watchdog_interval?: float (>= 0), t?: float (>= 0) | null, interval?: float (>= 0) | null,
+    priority?: "low" | "normal", fsync?: bool,
+    memtier?: {"device": abs path, "entry", "slot", "version", "run", "rank"} (a memory-tier slot) |
+    direct?: {"nonce": str, "has_crc": bool, "crcs": [[tensor_id, start, crc], ...]} (written once)
+
+(the full table: :mod:`deepfreeze.tiers.job`). A job with neither ``memtier`` nor ``direct`` reads
+the rank's scratch file.
 
 A finished job's result stays until the client acknowledges it (``ack``: the ids of its previous
 answer), so an answer lost to a timeout or a dropped connection is given again; an id the backend
@@ -54,7 +84,7 @@ model-table ``entry`` on the device, in the connection's handler thread at norma
 the flusher's low lane), with the per-piece CRCs computed as the bytes land, and answers once
 the slot is DONE (the rank holds the buffers until then). Devices are opened once (again when an
 entry registered later is asked for). The slot: never the newest DONE one, never one that a
-queued or running flush job names (``job["memtier"]``), nor one being copied into; none free:
+queued or running flush job names (its ``memtier`` source), nor one being copied into; none free:
 the request waits (counted in ``status``'s ``memtier_waits``) up to its ``wait`` seconds (at
 most ``_MAX_SLOT_WAIT``), then answers ``busy`` (the rank waits for its flushes and asks again).
 ``kind`` ``permission``: the kernel refused the read (Yama ``ptrace_scope``): the rank copies by
@@ -94,7 +124,7 @@ client that locked a lock file checks it is still the one at the path). :func:`s
 ``deepfreeze backend status|stop`` call: they answer within their timeouts.
 
 Where and how it starts. The socket is
-``<runtime>/deepfreeze-<uid>/backend-<sha1(realpath(scratch))[:16]>.sock``, ``<runtime>`` being
+``<runtime>/deepfreeze-<uid>/backend-<sha1(realpath(scratch))[:16]>-p<PROTOCOL>.sock``, ``<runtime>`` being
 ``$DEEPFREEZE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``; the directory must be the
 user's with mode ``0700`` (else :class:`~deepfreeze.errors.BackendError`). A
 :class:`BackendClient` (made by the engine in async mode) connects and says ``hello``; if
@@ -139,6 +169,7 @@ take each answer and drops one that stops reading; its wait for a client's next 
 bounded (ranks checkpoint every few minutes).
 
 Long because: one IPC protocol, its server and client ends with the start election and status/stop.
+(The flush job's own encoding and checks are :mod:`deepfreeze.tiers.job`'s.)
 """
 from __future__ import annotations
 

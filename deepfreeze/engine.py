@@ -47,8 +47,9 @@ mode the writer thread sends ``memtier_put`` (this process's pid and the ``(addr
 regions of the buffer: one for a :class:`FusedShard`, one per piece for flat arrays, with a
 static zero buffer for the padding between pieces) and the backend copies the bytes out of this
 process (``process_vm_readv``) while training goes on; the writer thread holds the buffer until
-the backend's answer (the copy is done: the slot is DONE), then sends the flush job with
-``job["memtier"]`` (:class:`~deepfreeze.levels.SlotSource`), which reads the slot, not a file.
+the backend's answer (the copy is done: the slot is DONE), then sends the flush job
+(:class:`~deepfreeze.tiers.job.FlushJob`) with its ``memtier`` source
+(:class:`~deepfreeze.levels.SlotSource`), which reads the slot, not a file.
 No slot free (every slot holds the newest version or one waiting for its flush): the backend
 waits, then answers ``busy`` and the writer thread waits for its oldest flush and asks again
 (backpressure; counted in :attr:`Engine.memtier_waits`). The rank allows the backend to read its

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from deepfreeze import Config, backend
-from deepfreeze.backend import BackendClient, process_state, socket_path
+from deepfreeze.backend import PROTOCOL, BackendClient, process_state, socket_path
 from deepfreeze.engine import Engine
 from deepfreeze.errors import BackendError, BackendUnresponsiveError, ConfigError
 from deepfreeze.levels import PersistentLevel, lock_record
@@ -242,7 +242,7 @@ class SilentPeer:
                     continue
                 req = json.loads(line)
                 if req["op"] == "hello":
-                    resp = {"ok": True, "pid": os.getpid()}
+                    resp = {"ok": True, "pid": os.getpid(), "protocol": PROTOCOL}
                 elif req["op"] == "flush":
                     resp, next_id = {"ok": True, "id": next_id}, next_id + 1
                 else:
