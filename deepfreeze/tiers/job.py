@@ -9,8 +9,9 @@ at the socket, and sync mode hands the object itself to :func:`deepfreeze.levels
 :meth:`FlushJob.decode` checks every field (type, range, length; paths without NUL; the JSON
 objects it carries walked with a bound), refuses unknown and missing keys, and raises nothing
 but :class:`~deepfreeze.errors.CheckpointWriteError` (``EINVAL``), whatever the input (fuzzed:
-tests/fuzz/test_fuzz_decoders.py, ``test_fuzz_flush_job``). The constructor checks the scalar fields the same way. A change of
-the fields or of their encoding is a new :data:`deepfreeze.backend.PROTOCOL`.
+``test_fuzz_flush_job`` in tests/fuzz/test_fuzz_decoders.py). The constructor checks the scalar
+fields the same way. A change of the fields or of their encoding is a new
+:data:`deepfreeze.backend.PROTOCOL`.
 
 The encoding, a JSON object (``?``: may be left out, the default in brackets)::
 
