@@ -162,40 +162,43 @@ def _show(v: Any) -> str:
 def json_object(v: Any, what: str, *, max_depth: int = _MAX_DEPTH, max_values: int = _MAX_VALUES) -> dict[str, Any]:
     """``v`` if it is a JSON object within the bounds (str keys; lists, str, finite numbers, bools,
     null inside; ``max_depth`` nesting; ``max_values`` values; strings of at most 2**20
-    characters); else :func:`bad`'s error. Iterative: no recursion, whatever ``v`` holds."""
+    characters); else :func:`bad`'s error. Iterative, one iterator per level: no recursion, and
+    memory bounded by the depth, whatever ``v`` holds."""
+    def container(node: Any) -> Any:
+        if type(node) is dict:
+            for k in node:
+                if type(k) is not str or len(k) > _MAX_STRING:
+                    raise bad(f"{what}: a key that is not a string of at most {_MAX_STRING} characters")
+            return iter(node.values())
+        return iter(node)
     if type(v) is not dict:
         raise bad(f"{what}: a JSON object expected, got {_show(v)}")
-    stack: list[tuple[Any, int]] = [(v, 1)]
-    count = 0
+    stack = [container(v)]
+    count = 1
     while stack:
-        node, depth = stack.pop()
-        count += 1
-        if count > max_values:
-            raise bad(f"{what}: more than {max_values} values")
-        t = type(node)
-        if t is dict or t is list:
-            if depth > max_depth:
-                raise bad(f"{what}: nested deeper than {max_depth}")
-            if t is dict:
-                for k, x in node.items():
-                    if type(k) is not str or len(k) > _MAX_STRING:
-                        raise bad(f"{what}: a key that is not a string of at most {_MAX_STRING} characters")
-                    stack.append((x, depth + 1))
-            else:
-                stack.extend((x, depth + 1) for x in node)
-            if len(stack) > max_values:
+        for node in stack[-1]:
+            count += 1
+            if count > max_values:
                 raise bad(f"{what}: more than {max_values} values")
-        elif t is str:
-            if len(node) > _MAX_STRING:
-                raise bad(f"{what}: a string longer than {_MAX_STRING} characters")
-        elif t is float:
-            if not math.isfinite(node):
-                raise bad(f"{what}: a number that is not finite")
-        elif t is int:
-            if not -(1 << 63) <= node < (1 << 64):
-                raise bad(f"{what}: an integer outside [-2**63, 2**64)")
-        elif t is not bool and node is not None:
-            raise bad(f"{what}: a value of type {t.__name__} is not JSON")
+            t = type(node)
+            if t is dict or t is list:
+                if len(stack) + 1 > max_depth:
+                    raise bad(f"{what}: nested deeper than {max_depth}")
+                stack.append(container(node))
+                break
+            if t is str:
+                if len(node) > _MAX_STRING:
+                    raise bad(f"{what}: a string longer than {_MAX_STRING} characters")
+            elif t is float:
+                if not math.isfinite(node):
+                    raise bad(f"{what}: a number that is not finite")
+            elif t is int:
+                if not -(1 << 63) <= node < (1 << 64):
+                    raise bad(f"{what}: an integer outside [-2**63, 2**64)")
+            elif t is not bool and node is not None:
+                raise bad(f"{what}: a value of type {t.__name__} is not JSON")
+        else:
+            stack.pop()
     return v
 
 
