@@ -16,8 +16,10 @@ reading from it (``memtier_put`` makes it read a process's memory), and a client
 served by another uid (:class:`~deepfreeze.errors.UntrustedOwnerError`). Same uid only: a root
 backend serves root's ranks, not other users'. Requests::
 
-    {"op": "hello"}                      -> {"ok": true, "pid": N}
+    {"op": "hello", "protocol": 2}       -> {"ok": true, "pid": N, "protocol": 2}
     {"op": "flush", "job": {...}}        -> {"ok": true, "id": N}        (queued)
+                                            or {"ok": false, "error": "..."} (a malformed job, or a
+                                            connection whose hello named another protocol)
     {"op": "wait", "ids": [...], "timeout": s, "ack": [...]}
                                          -> as poll, when those jobs are done, or after ``timeout`` s
     {"op": "poll", "ids": [...], "wait": s, "need": n, "ack": [...]}
@@ -25,6 +27,34 @@ backend serves root's ranks, not other users'. Requests::
                                              "stalled": s}
                                             (once ``need`` of them (default all) are done, or after
                                             ``wait`` seconds (default 0, at most 30): never blocks longer)
+
+The protocol's version, :data:`PROTOCOL` (2; 1 was the version before ``hello`` carried it, whose
+job was an untyped dict), is part of the socket's name and of ``hello``: a client sends its own
+and the backend answers with its own (an answer without one is protocol 1). A backend of another
+version gets no flush job: the client closes the connection and, where it may start a backend (the
+engine's), starts its own on the same path (as for an unresponsive one: the other process is left
+running for the clients it has), else (``status``, ``stop``) raises
+:class:`~deepfreeze.errors.BackendError` naming both versions. Versions coexist on a node by the
+socket name: a backend of protocol 1 listens on ``backend-<key>.sock``, one of protocol 2 on
+``backend-<key>-p2.sock``, each serving the clients of its version until idle. The backend, for
+its part, refuses ``flush`` on a connection whose ``hello`` named another protocol (or none).
+
+The flush job (``job``) is a :class:`~deepfreeze.tiers.job.FlushJob`'s :meth:`encode`, rebuilt
+with :meth:`~deepfreeze.tiers.job.FlushJob.decode` as it comes off the socket: every field is
+checked (type, range, length, no NUL in a path), unknown and missing keys are refused, and a job
+that fails is answered ``{"ok": false}`` (the connection stays). Its fields (``?``: optional)::
+
+    name: str ([a-zA-Z0-9_.]{1,200}), version: int [0, 2**63), rank: int [0, 2**31),
+    scratch, persistent: str (1..4096 chars, no NUL), persistent_interval: float (finite),
+    keep_scratch, keep_persistent: int [0, 2**31), manifest: object (depth <= 32, <= 2**22 values),
+    run?: str (16 hex digits), lease_timeout?: float (> 0), shared_group?: bool,
+    watchdog_interval?: float (>= 0), t?: float (>= 0) | null, interval?: float (>= 0) | null,
+    priority?: "low" | "normal", fsync?: bool,
+    memtier?: {"device": abs path, "entry", "slot", "version", "run", "rank"} (a memory-tier slot) |
+    direct?: {"nonce": str, "has_crc": bool, "crcs": [[tensor_id, start, crc], ...]} (written once)
+
+(the full table: :mod:`deepfreeze.tiers.job`). A job with neither ``memtier`` nor ``direct`` reads
+the rank's scratch file.
 
 A finished job's result stays until the client acknowledges it (``ack``: the ids of its previous
 answer), so an answer lost to a timeout or a dropped connection is given again; an id the backend
@@ -56,7 +86,7 @@ model-table ``entry`` on the device, in the connection's handler thread at norma
 the flusher's low lane), with the per-piece CRCs computed as the bytes land, and answers once
 the slot is DONE (the rank holds the buffers until then). Devices are opened once (again when an
 entry registered later is asked for). The slot: never the newest DONE one, never one that a
-queued or running flush job names (``job["memtier"]``), nor one being copied into; none free:
+queued or running flush job names (its ``memtier`` source), nor one being copied into; none free:
 the request waits (counted in ``status``'s ``memtier_waits``) up to its ``wait`` seconds (at
 most ``_MAX_SLOT_WAIT``), then answers ``busy`` (the rank waits for its flushes and asks again).
 ``kind`` ``permission``: the kernel refused the read (Yama ``ptrace_scope``): the rank copies by
@@ -96,7 +126,7 @@ client that locked a lock file checks it is still the one at the path). :func:`s
 ``deepfreeze backend status|stop`` call: they answer within their timeouts.
 
 Where and how it starts. The socket is
-``<runtime>/deepfreeze-<uid>/backend-<sha1(realpath(scratch))[:16]>.sock``, ``<runtime>`` being
+``<runtime>/deepfreeze-<uid>/backend-<sha1(realpath(scratch))[:16]>-p<PROTOCOL>.sock``, ``<runtime>`` being
 ``$DEEPFREEZE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR``, else ``/tmp``; the directory must be the
 user's with mode ``0700`` (else :class:`~deepfreeze.errors.BackendError`). A
 :class:`BackendClient` (made by the engine in async mode) connects and says ``hello``; if
@@ -139,6 +169,7 @@ backend's pid (from ``SO_PEERCRED``) and the inode of the socket file; a timed-o
 closed (a late answer would be read as the next request's). The server gives a client 30 s to
 take each answer and drops one that stops reading; its wait for a client's next request is not
 bounded (ranks checkpoint every few minutes).
+(The flush job's own encoding and checks are :mod:`deepfreeze.tiers.job`'s.)
 """
 from __future__ import annotations
 
@@ -159,20 +190,26 @@ from typing import Any, Iterator
 from . import counters
 from . import crashpoints as cp
 from . import ownership
-from .errors import BackendError, BackendUnresponsiveError, UntrustedOwnerError
+from .errors import BackendError, BackendUnresponsiveError, CheckpointWriteError, UntrustedOwnerError
 from .jsonsafe import loads as bounded_loads
 from .tiers.flush import flush_job
+from .tiers.job import FlushJob
+from .tiers.memtier import SlotSource
 from .tiers.scratch import ScratchLevel
 from .node import process_state
 from .priority import Lanes
 from .ownership import runtime_dir  # noqa: F401  (re-exported: defined here before)
 
-__all__ = ["socket_path", "BackendClient", "BackendStart", "start_async", "serve", "main", "status", "stop",
+__all__ = ["PROTOCOL", "socket_path", "BackendClient", "BackendStart", "start_async", "serve", "main", "status", "stop",
            "remove_stale_locks",
            "DEFAULT_TIMEOUT",
            "LOG_EVERY"]
 
 log = logging.getLogger("deepfreeze.backend")
+#: the version of this protocol (the requests, their answers and the encoding of a
+#: :class:`~deepfreeze.tiers.job.FlushJob`): exchanged in ``hello``, part of the socket's name. 1: before
+#: ``hello`` carried it (the job an untyped dict); 2: the typed FlushJob
+PROTOCOL = 2
 _MAX_LINE = 256 << 20
 #: seconds a client waits for an answer by default (the engine uses INI ``backend_timeout``)
 DEFAULT_TIMEOUT = 60.0
@@ -190,10 +227,11 @@ _MAX_SLOT_WAIT = 30.0
 _MAX_REGIONS = 1 << 22
 
 
-def socket_path(scratch: str) -> str:
-    """The backend socket serving the node whose scratch directory is ``scratch``."""
+def socket_path(scratch: str, protocol: int = PROTOCOL) -> str:
+    """The socket of the backend of protocol ``protocol`` serving the node whose scratch directory
+    is ``scratch`` (protocol 1, before the version was part of the name: ``backend-<key>.sock``)."""
     key = hashlib.sha1(os.path.realpath(scratch).encode()).hexdigest()[:16]
-    return os.path.join(runtime_dir(), f"backend-{key}.sock")
+    return os.path.join(runtime_dir(), f"backend-{key}.sock" if protocol == 1 else f"backend-{key}-p{protocol}.sock")
 
 
 def _left(deadline: float) -> float:
@@ -215,6 +253,15 @@ def _send(sock: socket.socket, obj: dict[str, Any], deadline: float | None = Non
 class _BadMessage(BackendError, ValueError):
     """A backend message that is not a JSON object within the limits (a ValueError, as the
     other protocol errors the connection handlers catch)."""
+
+
+class _OtherProtocol(BackendError):
+    """The backend on the socket answered ``hello`` with another protocol version: it gets no
+    request of this client (``inode``: of its socket file, so a new backend replaces it)."""
+
+    def __init__(self, message: str, inode: int | None) -> None:
+        super().__init__(message)
+        self.inode = inode
 
 
 class _Lines:
@@ -318,17 +365,14 @@ class _Server:
                         log.error("%s", msg)
                         self.overdue.append(msg)
 
-    def submit(self, jid: int, job: dict[str, Any]) -> None:
+    def submit(self, jid: int, job: FlushJob) -> None:
         """Queue a flush job on the lanes: its deadline is its checkpoint call time ``t`` plus its
         ``interval`` (the rank's monotonic clock: one clock per node); ``priority`` ``normal``
         runs it at normal priority whatever its age."""
-        def num(key: str) -> float | None:
-            v = job.get(key)
-            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
-        self.lanes.submit(self.flush, jid, job, t=num("t"), interval=num("interval"), tag=jid,
-                          urgent=job.get("priority") == "normal")
+        self.lanes.submit(self.flush, jid, job, t=job.t, interval=job.interval, tag=jid,
+                          urgent=job.priority == "normal")
 
-    def flush(self, jid: int, job: dict[str, Any]) -> None:
+    def flush(self, jid: int, job: FlushJob) -> None:
         """Run one flush job (on a lane) and record its result."""
         with self.cond:
             self.current, self.progress_at = jid, time.monotonic()
@@ -336,13 +380,12 @@ class _Server:
         t0 = time.monotonic()
         try:
             res = flush_job(job, critical=self.lanes.run_normal)
-            log.info("job %d: %s v%d rank %d %s in %.3fs", jid, job["name"], job["version"], job["rank"],
+            log.info("job %d: %s v%d rank %d %s in %.3fs", jid, job.name, job.version, job.rank,
                      "committed" if res["committed"] else "flushed" if res["flushed"] else "kept on scratch",
                      time.monotonic() - t0)
         except Exception as e:  # reported to the waiter; the backend keeps serving
             err = f"{type(e).__name__}: {e}"
-            log.error("job %d (%s v%s rank %s) failed: %s", jid, job.get("name"), job.get("version"),
-                      job.get("rank"), err)
+            log.error("job %d (%s v%s rank %s) failed: %s", jid, job.name, job.version, job.rank, err)
         with self.cond:
             self.results[jid] = err
             self.current = None
@@ -362,6 +405,7 @@ class _Server:
         with self.cond:
             self.clients += 1
         lines = _Lines(conn)
+        protocol = None  # the client's, from its hello (1: a hello without it)
         try:
             while True:
                 try:
@@ -374,27 +418,37 @@ class _Server:
                     return
                 op = req.get("op")
                 if op == "hello":
-                    _send(conn, {"ok": True, "pid": os.getpid()})
+                    protocol = req.get("protocol", 1)
+                    _send(conn, {"ok": True, "pid": os.getpid(), "protocol": PROTOCOL})
                 elif op == "flush":
-                    job = req["job"]
+                    if protocol != PROTOCOL:  # a client of another version never has a job decoded here
+                        _send(conn, {"ok": False, "error": f"this backend speaks protocol {PROTOCOL}, the client "
+                                     f"{'sent no hello' if protocol is None else f'protocol {str(protocol)[:20]}'}"
+                                     ": no flush job taken"})
+                        continue
+                    try:
+                        job = FlushJob.decode(req.get("job"))
+                    except CheckpointWriteError as e:  # refused; the connection stays
+                        _send(conn, {"ok": False, "error": str(e)[:2000]})
+                        continue
                     with self.cond:
                         if not self._busy():  # the flusher was idle: its progress is judged from now
                             self.progress_at = time.monotonic()
                         jid = self.next_id
                         self.next_id += 1
                         self.results[jid] = "pending"
-                        interval = float(job.get("watchdog_interval") or 0)
+                        interval = job.watchdog_interval
                         if interval > 0:
                             now = time.monotonic()
                             self.watched[id(conn)] = {
-                                "who": f"rank {job.get('rank')} of {job.get('name')!r}", "interval": interval,
+                                "who": f"rank {job.rank} of {job.name!r}", "interval": interval,
                                 "deadline": now + interval, "last": now, "fired": False}
                         key = _slot_key(job)
                         if key is not None:  # the slot stays out of reach of new versions until flushed
                             self.busy[key] = self.busy.get(key, 0) + 1
                             if self.reserved.get(key[:2]) == key[2]:
                                 del self.reserved[key[:2]]
-                    self.submit(jid, req["job"])
+                    self.submit(jid, job)
                     _send(conn, {"ok": True, "id": jid})
                 elif op == "memtier_put":  # this thread runs at the process's (normal) priority
                     _send(conn, self.memtier_put(req))
@@ -555,15 +609,11 @@ class _Server:
             return not busy and time.monotonic() - self.last_activity >= self.idle
 
 
-def _slot_key(job: Any) -> tuple[str, int, int] | None:
+def _slot_key(job: FlushJob) -> tuple[str, int, int] | None:
     """(device, entry, slot) of a flush job that reads a memory-tier slot, else None."""
-    mt = job.get("memtier") if isinstance(job, dict) else None
-    if not isinstance(mt, dict):
+    if job.source != SlotSource.kind:
         return None
-    try:
-        return str(mt["device"]), int(mt["entry"]), int(mt["slot"])
-    except (KeyError, TypeError, ValueError):
-        return None  # flush_job reports the malformed job
+    return job.spec.device, job.spec.entry, job.spec.slot
 
 
 def serve(path: str, idle: float = 5.0) -> None:
@@ -806,14 +856,22 @@ class BackendClient:
                 log.warning("deepfreeze: %s: treating it as unresponsive and starting a new backend on the same "
                             "socket (the old process is left running, not killed: it may be stuck in I/O)", e)
                 dead = e.inode
+            except _OtherProtocol as e:
+                if not start:
+                    raise
+                log.warning("deepfreeze: %s: starting a backend of protocol %d on the same socket (the other process "
+                            "is left running for the clients it has)", e, PROTOCOL)
+                dead = e.inode
         if self.sock is None and start:
             self.sock = self._spawn(timeout, dead)
         if self.sock is None:
             raise BackendError(f"no DeepFreeze backend listens on {self.path} for scratch {scratch}")
 
     def _connect(self, answer_timeout: float) -> socket.socket | None:
-        """A connection to a live backend that answered ``hello``; None if none listens (or it is
-        dying); :class:`BackendUnresponsiveError` if one accepted but did not answer in time."""
+        """A connection to a live backend of this :data:`PROTOCOL` that answered ``hello``; None if
+        none listens (or it is dying); :class:`BackendUnresponsiveError` if one accepted but did not
+        answer in time; :class:`_OtherProtocol` (a :class:`BackendError` naming both versions) if it
+        speaks another protocol (an answer without one: protocol 1)."""
         inode = _socket_inode(self.path)
         deadline = time.monotonic() + answer_timeout
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -836,7 +894,7 @@ class BackendClient:
         lines = _Lines(s)
         t0, next_log = time.monotonic(), time.monotonic() + LOG_EVERY
         try:
-            _send(s, {"op": "hello"}, deadline)
+            _send(s, {"op": "hello", "protocol": PROTOCOL}, deadline)
             while True:
                 try:
                     resp = lines.read(min(deadline, next_log))
@@ -849,12 +907,20 @@ class BackendClient:
                     next_log += LOG_EVERY
             if not resp or not resp.get("ok") or not isinstance(resp.get("pid"), int):
                 raise OSError("no hello")
+            theirs = resp.get("protocol", 1)
+            if theirs != PROTOCOL:
+                raise _OtherProtocol(f"the DeepFreeze backend pid {resp['pid']} on {self.path} speaks protocol "
+                                     f"{str(theirs)[:20]}, this client protocol {PROTOCOL} (another DeepFreeze "
+                                     "version): it gets no flush job", inode)
         except TimeoutError as e:
             s.close()
             raise BackendUnresponsiveError(
                 f"the DeepFreeze backend{'' if pid is None else f' pid {pid}'} on {self.path} accepted the "
                 f"connection but did not answer within {answer_timeout:g}s"
                 + ("" if pid is None else f" (process state: {process_state(pid) or 'gone'})"), pid, inode) from e
+        except _OtherProtocol:
+            s.close()
+            raise
         except (OSError, ValueError):
             s.close()
             return None
@@ -870,7 +936,7 @@ class BackendClient:
             if inode is not None and inode != dead:  # started by another client while we waited
                 try:
                     s = self._connect(self.answer_timeout)
-                except BackendUnresponsiveError as e:
+                except (BackendUnresponsiveError, _OtherProtocol) as e:
                     log.warning("deepfreeze: %s: starting a new backend (the old process is left running)", e)
                     s, dead = None, e.inode
                 if s is not None:
@@ -890,7 +956,7 @@ class BackendClient:
                 if inode is not None and inode != dead:  # the hung one's socket is not asked again
                     try:
                         s = self._connect(max(0.5, min(self.answer_timeout, deadline - time.monotonic())))
-                    except BackendUnresponsiveError:
+                    except (BackendUnresponsiveError, _OtherProtocol):
                         s = None
                     if s is not None:
                         return s
@@ -939,8 +1005,9 @@ class BackendClient:
         docstring)."""
         return self.request({"op": "memtier_put", **req}, timeout, check=False)
 
-    def flush(self, job: dict[str, Any], timeout: float | None = None) -> int:
-        return self.request({"op": "flush", "job": job}, timeout)["id"]
+    def flush(self, job: FlushJob, timeout: float | None = None) -> int:
+        """Queue ``job``; its id."""
+        return self.request({"op": "flush", "job": job.encode()}, timeout)["id"]
 
     def poll(self, ids: list[int], wait: float = 0.0, need: int | None = None,
              timeout: float | None = None) -> tuple[list[int], list[str]]:

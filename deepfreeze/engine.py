@@ -47,8 +47,9 @@ mode the writer thread sends ``memtier_put`` (this process's pid and the ``(addr
 regions of the buffer: one for a :class:`FusedShard`, one per piece for flat arrays, with a
 static zero buffer for the padding between pieces) and the backend copies the bytes out of this
 process (``process_vm_readv``) while training goes on; the writer thread holds the buffer until
-the backend's answer (the copy is done: the slot is DONE), then sends the flush job with
-``job["memtier"]`` (:class:`~deepfreeze.tiers.memtier.SlotSource`), which reads the slot, not a file.
+the backend's answer (the copy is done: the slot is DONE), then sends the flush job
+(:class:`~deepfreeze.tiers.job.FlushJob`) with its ``memtier`` source
+(:class:`~deepfreeze.tiers.memtier.SlotSource`), which reads the slot, not a file.
 No slot free (every slot holds the newest version or one waiting for its flush): the backend
 waits, then answers ``busy`` and the writer thread waits for its oldest flush and asks again
 (backpressure; counted in :attr:`Engine.memtier_waits`). The rank allows the backend to read its
@@ -143,6 +144,7 @@ from .tiers.flush import flush_job
 from .tiers.memtier import MemtierTier, SlotSource
 from .tiers.persistent import PersistentLevel
 from .tiers.scratch import ScratchLevel
+from .tiers.job import SCRATCH, FlushJob
 from .priority import Lanes
 from .comm import Comm
 from .redundancy import plan_redundancy
@@ -184,7 +186,7 @@ class Engine:
         self._last_call: float | None = None
         self._inflight: collections.deque[concurrent.futures.Future] = collections.deque()  # oldest first
         self._error: BaseException | None = None
-        self._pending: dict[int, dict[str, Any]] = {}  # backend job id -> job not known to be done
+        self._pending: dict[int, FlushJob] = {}  # backend job id -> job not known to be done
         self._backend_errors: list[str] = []  # appended by the writer thread, taken by the training thread
         self._errors_lock = threading.Lock()
         self.max_pending_flushes = max_pending_flushes or max(2, config.keep_scratch)
@@ -644,17 +646,15 @@ class Engine:
         """Hand the version's flush job to the backend (async) or run it (sync); ``direct``: the
         record of a version written once into persistent (:func:`deepfreeze.tiers.direct.write_version`)."""
         cfg = self.config
-        job = {"name": self.name, "version": version, "rank": self.rank, "scratch": cfg.scratch,
-               "persistent": cfg.persistent, "persistent_interval": cfg.persistent_interval,
-               "keep_scratch": cfg.keep_scratch, "keep_persistent": cfg.max_versions,
-               "watchdog_interval": cfg.watchdog_interval, "manifest": manifest, "run": self.run.id,
-               "lease_timeout": cfg.lease_timeout, "shared_group": cfg.shared_group}
         t, interval = self._called.pop(version, (time.monotonic(), None))
-        job.update(t=t, interval=interval, priority=cfg.background_priority)  # the backend's bound (priority.py)
-        if source is not None:
-            job["memtier"] = source.to_job()
-        if direct is not None:
-            job["direct"] = direct
+        job = FlushJob(name=self.name, version=version, rank=self.rank, scratch=cfg.scratch, persistent=cfg.persistent,
+                       persistent_interval=cfg.persistent_interval, keep_scratch=cfg.keep_scratch,
+                       keep_persistent=cfg.max_versions, manifest=manifest, run=self.run.id,
+                       lease_timeout=cfg.lease_timeout, shared_group=cfg.shared_group,
+                       watchdog_interval=cfg.watchdog_interval,
+                       t=t, interval=interval, priority=cfg.background_priority,  # the backend's bound (priority.py)
+                       source=source.kind if source is not None else "direct" if direct is not None else SCRATCH,
+                       spec=source if source is not None else direct)
         if self._backend is not None:
             self._in_backend = True
             try:

@@ -33,14 +33,17 @@ fence and nonce checks are the same code. The crash points of this path are
 """
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any, Sequence
 
 import numpy as np
 
 from ..config import Config
+from ..errors import CheckpointWriteError
 from ..fused import FusedShard
 from ..shardplan import ShardPlan
+from .job import FlushJob, register as register_source
 from .persistent import FencedError, PersistentLevel
 
 __all__ = ["same_file_system", "write_version"]
@@ -143,3 +146,22 @@ def write_version(config: Config, name: str, version: int, rank: int, plan: Shar
     if decision is None or decision["decision"] != "flush":
         return None
     return level.write_direct(name, version, rank, plan, arrays, decision, chksum=config.chksum)
+
+
+def _direct_record(spec: Any, job: FlushJob) -> dict[str, Any]:
+    """The ``direct`` source kind's spec check: the write-once record's shape, bounded (its CRCs
+    against the plan and its nonce against the decision: :meth:`PersistentLevel._direct_crcs`)."""
+    crcs = spec.get("crcs") if isinstance(spec, dict) else None
+    if not (isinstance(spec, dict) and set(spec) == {"nonce", "has_crc", "crcs"} and isinstance(spec["nonce"], str)
+            and 0 < len(spec["nonce"]) <= 64 and type(spec["has_crc"]) is bool and isinstance(crcs, list)
+            and len(crcs) <= (1 << 24)
+            and all(type(c) is list and len(c) == 3 and all(type(x) is int and 0 <= x < (1 << 63) for x in c)
+                    for c in crcs)):
+        raise CheckpointWriteError(errno.EINVAL, f"flush job of {job.name!r} v{job.version} rank {job.rank}: "
+                                   f"malformed write-once record {str(spec)[:300]} (expected nonce, has_crc and "
+                                   "[tensor_id, start, crc] per piece)")
+    return spec
+
+
+# write once's source kind: the shard is in persistent's partial already, no opener (deepfreeze.tiers.job)
+register_source("direct", decode=_direct_record, encode=dict)

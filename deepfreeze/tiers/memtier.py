@@ -6,8 +6,8 @@ goes to a slot of the node's device (:mod:`deepfreeze.memtier`) instead of a scr
 (:meth:`MemtierTier.register`), lays a version's buffers out as the slot's regions and copies
 them in this process when the backend may not (:meth:`MemtierTier.local_put`), and retires the
 regions of earlier runs of the job once this run has a DONE version. A flush reads the slot
-through :class:`SlotSource` (``job["memtier"]``) with :func:`_open_source`, which opens either a
-scratch shard file or such a slot. The backend opens devices and copies a rank's memory into a
+through :class:`SlotSource` (the ``memtier`` source kind of :mod:`deepfreeze.tiers.job`'s table,
+registered here with its opener). The backend opens devices and copies a rank's memory into a
 slot through :func:`open_device` and :func:`remote_copier`. No module outside this package and the
 command line imports :mod:`deepfreeze.memtier`.
 
@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 
@@ -49,13 +49,12 @@ from .. import format as fmt
 from ..config import Config
 from ..errors import CheckpointWriteError, CorruptCheckpointError, DeepFreezeError, MemtierError, MemtierFullError
 from ..format import ANONYMOUS_RUN
-from ..fsafe import open_regular
 from ..fused import FusedLayout, FusedShard
 from ..lease import RunInfo, Version
 from ..shardplan import ShardPlan
 from ..memtier import device as _device
 from ..memtier import jobs as _jobs
-from .shardbytes import _FdFile
+from .job import FlushJob, register as register_source
 
 __all__ = ["SlotSource", "MemtierTier", "open_device", "remote_copier", "committed", "merge", "PREFIX", "MemtierLevel",
            "job_of", "is_item", "read_item", "region_address", "reading", "forget", "changed"]
@@ -65,10 +64,12 @@ log = logging.getLogger("deepfreeze")
 
 @dataclasses.dataclass(frozen=True)
 class SlotSource:
-    """A flush job's memory-tier source (``job["memtier"]``): slot ``slot`` of the model-table entry
-    ``entry`` of the device file ``device``, holding version ``version`` of run ``run``, rank ``rank``.
-    As a job dict: ``{"device": path, "entry": int, "slot": int, "version": int, "run": hex16,
-    "rank": int}``."""
+    """A flush job's memory-tier source (source kind ``memtier``, :mod:`deepfreeze.tiers.job`):
+    slot ``slot`` of the model-table entry ``entry`` of the device file ``device``, holding version
+    ``version`` of run ``run``, rank ``rank``. Encoded: ``{"device": path, "entry": int, "slot":
+    int, "version": int, "run": hex16, "rank": int}``."""
+
+    kind: ClassVar[str] = "memtier"
 
     device: str
     entry: int
@@ -78,16 +79,18 @@ class SlotSource:
     rank: int
 
     @classmethod
-    def from_job(cls, spec: Any, name: str, version: int, rank: int, run: str) -> "SlotSource":
-        """Validate ``job["memtier"]`` against the job's own name/version/rank/run (a job is JSON that
+    def from_job(cls, spec: Any, job: FlushJob) -> "SlotSource":
+        """Check ``job``'s encoded source ``spec`` against the job's own version/rank/run (JSON that
         crossed a socket: every field is checked, nothing trusted)."""
-        ok = isinstance(spec, dict) and isinstance(spec.get("device"), str) and os.path.isabs(spec["device"]) \
-            and all(isinstance(spec.get(k), int) and not isinstance(spec.get(k), bool) and spec[k] >= 0
-                    for k in ("entry", "slot", "version", "rank")) and isinstance(spec.get("run"), str)
-        if not ok or spec["version"] != version or spec["rank"] != rank or spec["run"] != run:
-            raise CheckpointWriteError(errno.EINVAL, f"flush job of {name!r} v{version} rank {rank}: malformed "
-                                       f"memory-tier source {str(spec)[:300]} (expected device, entry, slot, version, "
-                                       "run, rank matching the job)")
+        ok = isinstance(spec, dict) and set(spec) == {"device", "entry", "slot", "version", "run", "rank"} \
+            and isinstance(spec["device"], str) and os.path.isabs(spec["device"]) and "\x00" not in spec["device"] \
+            and len(spec["device"]) <= 4096 \
+            and all(type(spec[k]) is int and 0 <= spec[k] < (1 << 63) for k in ("entry", "slot", "version", "rank")) \
+            and isinstance(spec["run"], str)
+        if not ok or spec["version"] != job.version or spec["rank"] != job.rank or spec["run"] != job.run:
+            raise CheckpointWriteError(errno.EINVAL, f"flush job of {job.name!r} v{job.version} rank {job.rank}: "
+                                       f"malformed memory-tier source {str(spec)[:300]} (expected device, entry, slot, "
+                                       "version, run, rank matching the job)")
         return cls(spec["device"], spec["entry"], spec["slot"], spec["version"], spec["run"], spec["rank"])
 
     def to_job(self) -> dict[str, Any]:
@@ -111,18 +114,10 @@ def _slot_holds(region: Any, src: SlotSource) -> Any:
 
 
 @contextlib.contextmanager
-def _open_source(shard_path: str | None, source: SlotSource | None
-                 ) -> Iterator[tuple[int, int, fmt.ShardIndex, str, Any]]:
-    """Open a flush's shard: ``(fd, base, index, label, recheck)``: the shard's bytes start at
-    ``base`` of ``fd``; ``recheck()`` raises if the source changed since it was opened (a no-op for a
-    scratch file, which is never rewritten: a new version is a new file)."""
-    if source is None:
-        fd = open_regular(shard_path)
-        try:
-            yield fd, 0, fmt.read_index(_FdFile(fd), shard_path), shard_path, (lambda: None)
-        finally:
-            os.close(fd)
-        return
+def _open_slot(shard_path: str | None, source: SlotSource
+               ) -> Iterator[tuple[int, int, fmt.ShardIndex, str, Any]]:
+    """The ``memtier`` source kind's opener (:mod:`deepfreeze.tiers.job`'s table): the image in a
+    DONE slot of the device, as ``(fd, base, index, label, recheck)``."""
     from ..memtier import device as mdev
     label = source.label()
     dev = mdev.open(source.device, writable=False)
@@ -150,6 +145,11 @@ def _open_source(shard_path: str | None, source: SlotSource | None
             os.close(fd)
     finally:
         dev.close()
+
+
+# the memory tier's source kind (deepfreeze.tiers.job's table)
+register_source(SlotSource.kind, open=_open_slot, decode=SlotSource.from_job, encode=SlotSource.to_job,
+                scratch_files=False)
 
 
 class MemtierTier:

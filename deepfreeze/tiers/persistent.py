@@ -125,7 +125,8 @@ from ..node import holder_gone, in_this_pid_space, node_id, process_identity
 from ..shardplan import ShardPlan
 from . import shardbytes
 from .base import MANIFEST, Level, plan_of
-from .memtier import SlotSource, _open_source
+from .job import SCRATCH, source as job_source
+from .memtier import SlotSource
 from .scratch import _SCRATCH_FILE
 from .shardbytes import (Run, _assembled_offsets, _check_arrays, _check_fused, _check_runs, _copy_checked, _drop_cached,
                          _FdFile, _LAYOUT, _listdir, _read_regular, _start_writeback, _write_region, _write_runs,
@@ -567,7 +568,8 @@ class PersistentLevel(Level):
                          fsync=fsync, point="persistent.marker")
         elif not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
             where = {(e.tensor_id, e.start): e for e in layout}
-            with _open_source(shard_path, source) as (fd, base, idx, shard_path, recheck):
+            with job_source(SCRATCH if source is None else source.kind).open(shard_path, source) as (  # the kind's opener
+                    fd, base, idx, shard_path, recheck):
                 expect = [(p.tensor_id, p.start, p.stop) for p in plan.for_rank(rank)]
                 if [(e.tensor_id, e.start, e.stop) for e in idx.entries] != expect or idx.version != version:
                     raise CorruptCheckpointError(f"{shard_path}: shard does not match the manifest's plan")

@@ -16,10 +16,11 @@ a rank's own files (the partner copies and parity block it holds with its shard)
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,12 +29,13 @@ from .. import format as fmt
 from .. import ownership
 from ..errors import CheckpointWriteError, DeepFreezeError, UnsafePathError, UntrustedOwnerError
 from ..format import ANONYMOUS_RUN
-from ..fsafe import atomic_write
+from ..fsafe import atomic_write, open_regular
 from ..fused import FusedShard
 from ..redundancy import protect
 from ..shardplan import ShardPlan
 from .base import MANIFEST, Level
-from .shardbytes import _listdir, write_shard_file
+from .job import SCRATCH, register as register_source
+from .shardbytes import _FdFile, _listdir, write_shard_file
 
 __all__ = ["ScratchLevel"]
 
@@ -206,3 +208,19 @@ class ScratchLevel(Level):
                 if self._remove_own(self.version_dir(name, v), rank, "scratch.clear.unlink"):
                     removed.append(v)
         return removed
+
+
+@contextlib.contextmanager
+def _open_scratch(shard_path: str | None, source: None
+                  ) -> Iterator[tuple[int, int, fmt.ShardIndex, str, Any]]:
+    """The ``scratch`` source kind's opener (:mod:`deepfreeze.tiers.job`'s table): the rank's shard
+    file, as ``(fd, base, index, label, recheck)`` (a scratch file is never rewritten: no recheck)."""
+    fd = open_regular(shard_path)
+    try:
+        yield fd, 0, fmt.read_index(_FdFile(fd), shard_path), shard_path, (lambda: None)
+    finally:
+        os.close(fd)
+
+
+# the scratch tier's source kind, the default (deepfreeze.tiers.job's table)
+register_source(SCRATCH, open=_open_scratch)

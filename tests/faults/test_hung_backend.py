@@ -17,7 +17,7 @@ import time
 import pytest
 
 from deepfreeze import Config, backend
-from deepfreeze.backend import BackendClient, socket_path
+from deepfreeze.backend import PROTOCOL, BackendClient, socket_path
 from deepfreeze.node import process_state
 from deepfreeze.engine import Engine
 from deepfreeze.errors import BackendError, BackendUnresponsiveError, ConfigError
@@ -243,7 +243,7 @@ class SilentPeer:
                     continue
                 req = json.loads(line)
                 if req["op"] == "hello":
-                    resp = {"ok": True, "pid": os.getpid()}
+                    resp = {"ok": True, "pid": os.getpid(), "protocol": PROTOCOL}
                 elif req["op"] == "flush":
                     resp, next_id = {"ok": True, "id": next_id}, next_id + 1
                 else:

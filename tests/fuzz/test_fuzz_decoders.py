@@ -958,6 +958,58 @@ def test_fuzz_job_id_and_lease_files(tmp_path):
     run_lease(tmp_path, SHORT)
 
 
+# --------------------------------------------------------------------------- the backend's flush job
+
+def _flush_jobs(engine_ck) -> list[bytes]:
+    """Flush jobs as the engine builds them (its manifest, each source kind), as the backend's
+    socket carries them: one JSON line of ``{"op": "flush", "job": ...}``."""
+    from deepfreeze.tiers.memtier import SlotSource
+    from deepfreeze.tiers.job import SCRATCH, FlushJob
+    manifest = json.loads(engine_ck["manifest"])
+    common = dict(name="job", version=2, rank=0, scratch="/tmp/s", persistent="/tmp/p", persistent_interval=0.0,
+                  keep_scratch=2, keep_persistent=0, manifest=manifest, run=manifest["run"]["id"], lease_timeout=30.0,
+                  watchdog_interval=0.0, t=1234.5, interval=0.5, priority="low")
+    jobs = [FlushJob(**common),
+            FlushJob(**common, source=SlotSource.kind, spec=SlotSource("/dev/shm/t", 0, 1, 2, common["run"], 0)),
+            FlushJob(**common, source="direct", spec={"nonce": "ab" * 8, "has_crc": True,
+                                                       "crcs": [[i, 0, 77] for i in range(3)]})]
+    assert jobs[0].source == SCRATCH
+    return [dumps({"op": "flush", "job": j.encode()}) for j in jobs]
+
+
+def _flush_job(bounded, bases, data):
+    from deepfreeze.errors import CheckpointWriteError, CorruptCheckpointError
+    from deepfreeze.jsonsafe import loads
+    from deepfreeze.tiers.job import FlushJob
+    import deepfreeze.backend  # noqa: F401  (the server's imports: every tier's source kind registered)
+    base = bases[data.draw(st.integers(0, len(bases) - 1), label="base")]
+    tree = _tree(base)
+    raw = dumps(mutate_json(data, tree)) if tree is not None and data.draw(st.booleans()) else mutate_bytes(data, base)
+
+    def decode():
+        msg = loads(raw, "backend message", max_bytes=256 << 20)  # what the backend's reader does first
+        try:
+            job = FlushJob.decode(msg.get("job") if isinstance(msg, dict) else msg)
+        except DeepFreezeError as e:
+            assert isinstance(e, CheckpointWriteError), type(e)  # the job's one typed error
+            raise
+        again = FlushJob.decode(json.loads(json.dumps(job.encode())))  # what it decoded crosses again unchanged
+        assert again == job, (again, job)
+        return job
+    out = bounded(decode, len(raw))
+    assert isinstance(out, (FlushJob, CheckpointWriteError, CorruptCheckpointError)), type(out)
+
+
+def run_flush_job(engine_ck, n):
+    bases = _flush_jobs(engine_ck) + corpus("flush_job")
+    with Bounded("flush_job") as b:
+        fuzz(_flush_job, n, b, bases)
+
+
+def test_fuzz_flush_job(engine_ck):
+    run_flush_job(engine_ck, SHORT)
+
+
 # --------------------------------------------------------------------------- the INI file
 
 _INI = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -1115,6 +1167,7 @@ def test_campaign(engine_ck, torch_record, ring_file, endpoint, repo_dir, memtie
     run_memtier(memtier_image, LONG)
     run_lease(tmp_path, LONG)
     run_ini(tmp_path, LONG)
+    run_flush_job(engine_ck, LONG)
     run_dcp(dcp_dir, tmp_path / "dcp", LONG)
     run_dcp_planner(dcp_state_dir, tmp_path / "dcpp", LONG)
     run_torch_repo(torch_repo, tmp_path, LONG // 10)
