@@ -67,7 +67,7 @@ from ..lease import RunInfo
 from ..shardplan import Piece, ShardPlan, TensorSpec, check_tensor_names
 from . import _cuda, _loop, _state
 
-__all__ = ["Capture", "Captured", "CaptureSubscriber", "StateRecords"]
+__all__ = ["Capture", "Captured", "CaptureSubscriber", "Pending", "StateRecords"]
 
 log = logging.getLogger("deepfreeze")
 _PAGE = 4096
@@ -174,8 +174,10 @@ class StateRecords:
                              "state")
 
 
-class _Pending:
-    """A capture taken in a post-hook, finished at the next pre-hook."""
+class Pending:
+    """A capture taken in a post-hook, finished at the next pre-hook (:attr:`Capture.pending`):
+    ``step``; ``record_b`` (None until part "b" of its record is taken); ``at_boundary`` (its
+    record was taken at the loop's boundary); the rest is the capture's own."""
 
     __slots__ = ("step", "buf", "future", "versions", "record_a", "record_b", "error", "cuda", "at_boundary")
 
@@ -220,7 +222,7 @@ class Capture:
         self.torn: list[int] = []
         self.plans = 0
         self.plan: ShardPlan | None = None
-        self.pending: _Pending | None = None
+        self.pending: Pending | None = None
         self.pool: BufferPool | None = None
         self.cuda: "_cuda.CudaCapture | None" = None  # CUDA tensors: the side-stream capture (_cuda.py)
         self._key: bytes | None = None
@@ -306,7 +308,7 @@ class Capture:
         assert self._layout is not None and self.pool is not None
         buf = self.pool.acquire()
         buf[:8].view("<i8")[0] = step
-        p = _Pending(step, buf)
+        p = Pending(step, buf)
         p.record_a = rec_a
         sync, background = [], []
         tensors, dtensors, versions = st.tensors, st.dtensors, p.versions

@@ -35,10 +35,15 @@ same model and optimizers). What a run owns (argument checks, ``on_error``, the 
   (lazily created state, ``add_param_group``) or a state record outgrowing its reserved room
   makes a new plan (and engine) from that version on, logged once per change.
 
-**Riders** (:class:`deepfreeze.torch.Publisher`): a rider's wanted steps are captured too (one
-capture per step, whoever wants it); each finished, checked capture is handed to the engine (a
-step only riders wanted: when every rank's writer has room, else coalesced, :attr:`coalesced`)
-and then to the riders that wanted it.
+The capture itself (the buffers, the copy, CUDA, the ``_version`` guard, the plan, the state
+records) is :class:`deepfreeze.torch.capture.Capture`'s; the Checkpointer is its policy: which
+steps, the engine, ``on_error``, the loop's boundaries, ``wait``/``close``.
+
+**Subscribers** (:class:`~deepfreeze.torch.capture.CaptureSubscriber`, :meth:`Checkpointer.subscribe`:
+a :class:`deepfreeze.torch.Publisher`): the steps a subscriber wants are captured too (one capture
+per step, whoever wants it); each finished, checked capture is handed to the engine (a step only
+subscribers wanted: when every rank's writer has room, else coalesced, :attr:`coalesced`) and then
+to the subscribers that wanted it.
 
 Every checkpoint step costs two small all-gathers over the checkpointer's own gloo group
 (plan check in the post-hook, write decision in the next pre-hook), so every rank writes a
@@ -70,7 +75,7 @@ from ..fused import FusedShard
 from ..run import Run, RunView
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan
 from . import _loop, _state
-from .capture import Capture, Captured, CaptureSubscriber, StateRecords
+from .capture import Capture, Captured, CaptureSubscriber, Pending, StateRecords
 from .hook import Sink, hook_for
 from ._dist import TorchComm, make_comm, node_domain, rank_and_size
 
@@ -126,6 +131,10 @@ class Checkpointer(RunView, Sink):
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
     """
 
+    #: the class of :attr:`records` (a subclass may add to each rank's state record: an import's
+    #: source, :mod:`deepfreeze.torch.dcp_import`)
+    records_cls: "type[StateRecords]" = StateRecords
+
     def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]",
                  config: "str | Config | None" = None, name: str = "model", *, every_n_steps: int | None = None,
                  resume: bool = False, overwrite: bool = False, state: "dict[str, Any] | None" = None,
@@ -174,7 +183,7 @@ class Checkpointer(RunView, Sink):
         self.hook = hook_for(model, opts)
         self._closed = False
         #: the subscribers of this capture (:meth:`subscribe`: a :class:`deepfreeze.torch.Publisher`)
-        self._riders: list[CaptureSubscriber] = []
+        self._subscribers: list[CaptureSubscriber] = []
         self._roles: dict[int, tuple[bool, list]] = {}  # captured step -> (checkpoint wanted, riders wanting it)
         self._explicit = False  # inside checkpoint(): the capture is a checkpoint whoever else wants it
         #: captures only a rider wanted whose persistent copy was skipped (a writer was busy)
@@ -195,8 +204,8 @@ class Checkpointer(RunView, Sink):
         if self.size > 1 and self.config.ec_interval >= 0 and self._run.engine_kind == "builtin":
             self._bg_comm = TorchComm()  # the writer thread's group (collective)
         #: the records and the capture: finished shards with their state records (deepfreeze.torch.capture)
-        self.records = StateRecords(model, opts, self.state, self._loop, rank=self.rank, size=self.size,
-                                    sharded=bool(self.sharded))
+        self.records = self.records_cls(model, opts, self.state, self._loop, rank=self.rank, size=self.size,
+                                        sharded=bool(self.sharded))
         self.capture = Capture(model, opts, name=self.name, rank=self.rank, size=self.size, comm=self.comm,
                                records=self.records, overlap=self.overlap, min_shard_bytes=min_shard_bytes,
                                max_inflight=self.config.max_inflight, on_plan=self._on_plan, guard=self._guard)
@@ -245,7 +254,7 @@ class Checkpointer(RunView, Sink):
             return args, {**kwargs, "closure": finish_after}
         return (finish_after, *args[1:]), kwargs
 
-    def _finish_before_update(self, opt: Any, p: Any) -> None:
+    def _finish_before_update(self, opt: Any, p: Pending) -> None:
         """Finish ``p`` before ``opt`` updates its tensors (warnings about the loop's order first)."""
         if p.record_b is None and opt is not self.optimizers[-1] and not self._order_warned:
             self._order_warned = True  # this optimizer steps after the counted one within an iteration
@@ -270,7 +279,7 @@ class Checkpointer(RunView, Sink):
         if p is not None and p.step == self.step:
             self._finish()  # an optimizer that did not call its closure: updated during the capture (torn)
         self.step += 1
-        if self._wants(self.step) or any(self._rider_wants(r, self.step) for r in self._riders):
+        if self._wants(self.step) or any(self._wanted_by(r, self.step) for r in self._subscribers):
             self._capture(self.step)
 
     def _wants(self, step: int) -> bool:
@@ -342,7 +351,7 @@ class Checkpointer(RunView, Sink):
         if self.capture.pending is not None:
             self._finish_at_boundary()
         self._write_held()
-        for r in list(self._riders):
+        for r in list(self._subscribers):
             self._guard(r.on_wait, timeout)
         self._run.wait(timeout)
 
@@ -371,7 +380,7 @@ class Checkpointer(RunView, Sink):
                     self._finish_at_boundary()
             self._write_held()  # the newest capture whose persistent copy a busy writer skipped
         finally:
-            riders, self._riders = self._riders, []
+            riders, self._subscribers = self._subscribers, []
             for r in riders:  # subscribers (publishers) of this capture stop with it
                 r.on_close()
             self._held = None
@@ -461,19 +470,19 @@ class Checkpointer(RunView, Sink):
     @property
     def subscribers(self) -> "tuple[CaptureSubscriber, ...]":
         """The subscribers of this capture (:class:`~deepfreeze.torch.capture.CaptureSubscriber`)."""
-        return tuple(self._riders)
+        return tuple(self._subscribers)
 
     def subscribe(self, subscriber: CaptureSubscriber) -> None:
         """Give ``subscriber`` the captures it wants (:class:`~deepfreeze.torch.capture.CaptureSubscriber`:
         the call order is there). Every rank subscribes the same way."""
-        if subscriber not in self._riders:
-            self._riders.append(subscriber)
+        if subscriber not in self._subscribers:
+            self._subscribers.append(subscriber)
 
     def unsubscribe(self, subscriber: CaptureSubscriber) -> None:
         """Stop giving ``subscriber`` captures: a pending capture it wants is finished first
         (collective: every rank unsubscribes it), the newest coalesced one is written, then its
         :meth:`~deepfreeze.torch.capture.CaptureSubscriber.on_close` runs."""
-        if subscriber not in self._riders:
+        if subscriber not in self._subscribers:
             return
         try:
             p = self.capture.pending
@@ -481,8 +490,8 @@ class Checkpointer(RunView, Sink):
                 self._finish_at_boundary()
             self._write_held()
         finally:
-            if subscriber in self._riders:
-                self._riders.remove(subscriber)
+            if subscriber in self._subscribers:
+                self._subscribers.remove(subscriber)
             subscriber.on_close()
 
     # ------------------------------------------------------------------ the capture's policy
@@ -491,11 +500,11 @@ class Checkpointer(RunView, Sink):
         t0 = time.perf_counter()
         if self.capture.pending is not None:
             self._finish()
-        riders = [r for r in self._riders if self._rider_wants(r, step)]
+        riders = [r for r in self._subscribers if self._wanted_by(r, step)]
         self._roles[step] = (self._explicit or self._wants(step) or not riders, riders)
         self.capture.take(step, t0)
 
-    def _rider_wants(self, rider: CaptureSubscriber, step: int) -> bool:
+    def _wanted_by(self, rider: CaptureSubscriber, step: int) -> bool:
         """``rider.wants_capture(step)`` under ``on_error`` (an error: not wanted)."""
         wanted = [False]
 
