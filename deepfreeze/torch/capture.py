@@ -82,9 +82,9 @@ def _phase_b(obj: Any) -> bool:
 class Captured:
     """A finished, checked capture of this rank: the state after optimizer step ``step``.
 
-    ``shard`` is the pooled buffer itself (its views are not to be kept past the call that
-    received it unless the pool may keep the buffer: the engine and the stream publisher copy
-    what they keep). ``plan``: the shard plan it is laid out by; ``model_tensors``: how many
+    ``shard`` is the pooled buffer itself (no copy): the pool counts references, so the buffer
+    is reused once nobody holds the shard (the engine until it has written it, a coalesced
+    capture until a newer one is written); a subscriber keeps no reference past its call. ``plan``: the shard plan it is laid out by; ``model_tensors``: how many
     leading tensors of the plan are the model's; ``extra``: the manifest's framework fields;
     ``post_s``/``wait_s``: seconds the capture took in the post-hook and waited for its copy."""
 
