@@ -129,6 +129,8 @@ class Checkpointer(RunView, Sink):
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
+    Its capture is :attr:`capture` (:class:`~deepfreeze.torch.capture.Capture`, with the state
+    records :attr:`records`); what else receives the captures subscribes (:meth:`subscribe`).
     """
 
     #: the class of :attr:`records` (a subclass may add to each rank's state record: an import's
