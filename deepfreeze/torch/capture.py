@@ -51,9 +51,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import struct
 import time
+import weakref
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -207,6 +209,10 @@ class Capture:
       guard: the owner's ``on_error`` policy (:meth:`deepfreeze.run.Run.guard`): a capture no
         rank may write is given to it, on every rank.
 
+    Bound methods given as ``on_plan`` and ``guard`` are held weakly: no reference cycle with
+    the owner, which is so freed when the loop drops it, not by a later garbage collection
+    (one inside a forked DataLoader worker would run its process groups' destructors there).
+
     Public state: :attr:`plan`, :attr:`plans` (built: 1 + changes), :attr:`torn` (versions not
     written because a tensor changed during their copy), :attr:`pending` (the capture taken and
     not finished: ``step``, ``at_boundary``, ``record_b``), :attr:`pool`, :attr:`cuda`.
@@ -218,7 +224,7 @@ class Capture:
         self.model, self.optimizers, self.name = model, optimizers, name
         self.rank, self.size, self.comm, self.records = rank, size, comm, records
         self.overlap, self.min_shard_bytes, self.max_inflight = overlap, min_shard_bytes, max_inflight
-        self.on_plan, self.guard = on_plan, guard
+        self.on_plan, self.guard = _weakly(on_plan), _weakly(guard)
         self.torn: list[int] = []
         self.plans = 0
         self.plan: ShardPlan | None = None
@@ -483,3 +489,17 @@ class Capture:
 
 def _raise(e: BaseException) -> None:
     raise e
+
+
+def _weakly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, holding a bound method's object weakly (a plain function as it is)."""
+    if not inspect.ismethod(fn):
+        return fn
+    ref = weakref.WeakMethod(fn)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        method = ref()
+        if method is None:
+            raise ReferenceError("the capture's owner is gone")
+        return method(*args, **kwargs)
+    return call
