@@ -494,7 +494,7 @@ def one_rep(approach: str, rep: int, last: bool, every: int, measured: int, none
     mem.reset()
     if prof is not None:
         eng = saver.engine()
-        prof.start(saver.ckpt._copier, getattr(eng, "_pool", None),
+        prof.start(saver.ckpt.capture._copier, getattr(eng, "_pool", None),
                    getattr(getattr(eng, "_backend", None), "pid", None))
     cpu.open(("deepfreeze-backend",) if approach.startswith("deepfreeze") else
              ("multiprocessing",) if approach.startswith("dcp") else ())

@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/s
 import deepfreeze.torch as dft  # noqa: E402
 from deepfreeze import backend  # noqa: E402
 from deepfreeze.run import STALL_WARN  # noqa: E402
+from deepfreeze.torch.capture import Capture  # noqa: E402
 
 
 def where(d) -> dict:
@@ -159,8 +160,8 @@ def test_the_first_slow_checkpoint_says_why_once(tmp_path, caplog):
         stop_backend(cfg["scratch"])
 
 
-class SlowCopy(dft.Checkpointer):
-    """A Checkpointer whose capture copy takes at least ``delay`` seconds (in the post-hook: overlap=False)."""
+class SlowCopy(Capture):
+    """A Checkpointer's capture whose copy takes at least ``delay`` seconds (in the post-hook: overlap=False)."""
 
     delay = STALL_WARN + 0.05
 
@@ -169,10 +170,11 @@ class SlowCopy(dft.Checkpointer):
         return super()._copy(items, buf)
 
 
-def test_a_slow_capture_is_named_and_said_once(tmp_path, caplog):
+def test_a_slow_capture_is_named_and_said_once(tmp_path, caplog, monkeypatch):
     cfg = where(tmp_path)
     model, opt = model_and_opt()
-    ck = SlowCopy(model, opt, name="bs", every_n_steps=2, overlap=False, **cfg)
+    monkeypatch.setattr("deepfreeze.torch.checkpointer.Capture", SlowCopy)
+    ck = dft.Checkpointer(model, opt, name="bs", every_n_steps=2, overlap=False, **cfg)
     try:
         with caplog.at_level(logging.WARNING, logger="deepfreeze"):
             train(model, opt, 6)  # v2, v4, v6: each stalls over STALL_WARN

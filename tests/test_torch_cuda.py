@@ -45,7 +45,7 @@ def _train(device: str, tmp_path, steps: int = 6, every: int = 2, mutate_at: int
                 for k, v in opt.state[p].items():
                     rec[f"optim.state.{fqn}.{k}"] = v.detach().cpu().clone()
             recorded[ck.step] = rec
-    ck.pinned = [torch.from_numpy(b).is_pinned() for b in ck._pool.buffers] if device == "cuda" else []
+    ck.pinned = [torch.from_numpy(b).is_pinned() for b in ck.capture.pool.buffers] if device == "cuda" else []
     ck.close()
     return ck, recorded
 
@@ -64,7 +64,7 @@ def _check(ck, recorded, tmp_path, versions):
 def test_cpu_path_unchanged(tmp_path):
     from deepfreeze.fused import BufferPool
     ck, rec = _train("cpu", tmp_path)
-    assert ck._cuda is None and type(ck._pool) is BufferPool
+    assert ck.capture.cuda is None and type(ck.capture.pool) is BufferPool
     _check(ck, rec, tmp_path, [2, 4, 6])
 
 
@@ -128,7 +128,7 @@ def test_cuda_versions_bit_exact(tmp_path):
     next step follows at once: its pre-hook must make the stream (and host) wait."""
     from deepfreeze.torch._cuda import PinnedBufferPool
     ck, rec = _train("cuda", tmp_path, steps=6, big=16 << 20)
-    assert isinstance(ck._pool, PinnedBufferPool) and ck._cuda is not None
+    assert isinstance(ck.capture.pool, PinnedBufferPool) and ck.capture.cuda is not None
     assert ck.pinned and all(ck.pinned)  # the pool's own numpy buffers are page-locked
     import deepfreeze.torch as dft
     st = dft.load_state(name="cu", version=6, mode="sync", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))

@@ -37,10 +37,15 @@ same model and optimizers). What a run owns (argument checks, ``on_error``, the 
   (lazily created state, ``add_param_group``) or a state record outgrowing its reserved room
   makes a new plan (and engine) from that version on, logged once per change.
 
-**Riders** (:class:`deepfreeze.torch.Publisher`): a rider's wanted steps are captured too (one
-capture per step, whoever wants it); each finished, checked capture is handed to the engine (a
-step only riders wanted: when every rank's writer has room, else coalesced, :attr:`coalesced`)
-and then to the riders that wanted it.
+The capture itself (the buffers, the copy, CUDA, the ``_version`` guard, the plan, the state
+records) is :class:`deepfreeze.torch.capture.Capture`'s; the Checkpointer is its policy: which
+steps, the engine, ``on_error``, the loop's boundaries, ``wait``/``close``.
+
+**Subscribers** (:class:`~deepfreeze.torch.capture.CaptureSubscriber`, :meth:`Checkpointer.subscribe`:
+a :class:`deepfreeze.torch.Publisher`): the steps a subscriber wants are captured too (one capture
+per step, whoever wants it); each finished, checked capture is handed to the engine (a step only
+subscribers wanted: when every rank's writer has room, else coalesced, :attr:`coalesced`) and then
+to the subscribers that wanted it.
 
 Every checkpoint step costs two small all-gathers over the checkpointer's own gloo group
 (plan check in the post-hook, write decision in the next pre-hook), so every rank writes a
@@ -59,78 +64,26 @@ parameters in place; FQNs come from the last capture). HSDP and tensor paralleli
 """
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import logging
-import struct
 import sys
 import time
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from ..config import Config, validate_name
-from ..comm import allgather_failures
-from ..errors import (CaptureTornError, ChangedInPlaceError, ConfigError, DeepFreezeError, ModelMismatchError,
-                      RanksFailedError, StateRecordOverflowError)
-from ..fused import BufferPool, FusedLayout, FusedShard
+from ..errors import ConfigError
+from ..fused import FusedShard
 from ..run import Run, RunView
-from ..shardplan import DEFAULT_MIN_SHARD_BYTES, Piece, ShardPlan, TensorSpec, check_tensor_names
-from . import _cuda, _loop, _state
+from ..shardplan import DEFAULT_MIN_SHARD_BYTES, ShardPlan
+from . import _loop, _state
+from .capture import Capture, Captured, CaptureSubscriber, Pending, StateRecords
 from .hook import Sink, hook_for
 from ._dist import TorchComm, make_comm, node_domain, rank_and_size
 
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("deepfreeze")
-_PAGE = 4096
-
-
-def _phase_b(obj: Any) -> bool:
-    """Objects the loop updates after ``optimizer.step()``: LR schedulers and GradScalers."""
-    return _state.torch_stateful(obj)
-
-
-def rank_record(phase: str, *, rank: int, size: int, model: torch.nn.Module,
-                optimizers: Sequence[torch.optim.Optimizer], state: dict[str, Any], aliases: dict[str, str],
-                fqn_of: dict[int, str], loop: "_loop.Passes", sharded: bool,
-                st: "_state.TrainState | None" = None) -> Any:
-    """A part of a rank's state record (the one definition, used by the Checkpointer and the
-    clone server, :mod:`deepfreeze.torch.clone`): ``"a"`` (RNG states, optimizer classes, tied
-    FQNs, the ``state=`` objects that are not schedulers or GradScalers, the position of
-    ``iterate``, FSDP2 buffers) or ``"b"`` (``param_groups`` and non-tensor optimizer state,
-    schedulers and GradScalers; ``st``: a tensor list whose optimizer groups serve)."""
-    if phase == "a":
-        rec = {"rank": rank, "world_size": size, "rng": _state.rng_state(),
-               "optimizers": [_state.class_name(o) for o in optimizers], "aliases": aliases,
-               "state": {k: o.state_dict() for k, o in state.items() if not _phase_b(o)}}
-        if loop.current is not None:
-            rec["loop"] = loop.current.record()
-        if sharded:  # FSDP2 does not broadcast buffers: each rank's own, restored on it (same world size)
-            rec["buffers"] = {fqn: t.detach().cpu().clone() for fqn, t, is_param in
-                              _state.model_entries(model) if not is_param}
-        return rec
-    groups, extra = (st.groups, st.extra) if st is not None else \
-        _state.optimizer_groups(optimizers, fqn_of)  # no state_dict: FSDP2's forward
-    return {"param_groups": groups, "optim_extra": extra,
-            "state": {k: o.state_dict() for k, o in state.items() if _phase_b(o)}}
-
-
-class _Pending:
-    """A capture taken in a post-hook, finished at the next pre-hook."""
-
-    __slots__ = ("step", "buf", "future", "versions", "record_a", "record_b", "error", "cuda", "at_boundary")
-
-    def __init__(self, step: int, buf: np.ndarray) -> None:
-        self.step, self.buf = step, buf
-        self.at_boundary = False  # its state record was taken at the loop's boundary (end_iteration)
-        self.future: "concurrent.futures.Future | None" = None
-        self.versions: list[tuple[torch.Tensor, int, str]] = []
-        self.record_a = b""
-        self.record_b: "bytes | None" = None
-        self.error: str = ""
-        self.cuda: "_cuda.InFlight | None" = None  # device-to-host copies on the side stream
 
 
 class Checkpointer(RunView, Sink):
@@ -178,7 +131,13 @@ class Checkpointer(RunView, Sink):
       **overrides: INI keys set in code (``scratch=``, ``persistent=``, ``mode=`` ...).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
+    Its capture is :attr:`capture` (:class:`~deepfreeze.torch.capture.Capture`, with the state
+    records :attr:`records`); what else receives the captures subscribes (:meth:`subscribe`).
     """
+
+    #: the class of :attr:`records` (a subclass may add to each rank's state record: an import's
+    #: source, :mod:`deepfreeze.torch.dcp_import`)
+    records_cls: "type[StateRecords]" = StateRecords
 
     def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]",
                  config: "str | Config | None" = None, name: str = "model", *, every_n_steps: int | None = None,
@@ -223,26 +182,12 @@ class Checkpointer(RunView, Sink):
         self.rank, self.size = rank_and_size("deepfreeze.torch.Checkpointer")
         #: per checkpoint: version, seconds in the post-hook, waited in the next pre-hook, hand-off
         self.timings: list[dict[str, float]] = []
-        #: versions not written because a tensor changed during its capture
-        self.torn: list[int] = []
-        self.plans = 0  # shard plans built (1 + changes)
-        self.plan: ShardPlan | None = None
-        self._key: bytes | None = None
-        self._caps: list[int] = []
-        self._layout: FusedLayout | None = None
-        self._segments: list = []
-        self._st: "_state.TrainState | None" = None  # the last capture's tensor list (reused while unchanged)
-        self._src_views: dict = {}
-        self._dest_split: tuple = ([], {})
-        self._pool: BufferPool | None = None
-        self._cuda: "_cuda.CudaCapture | None" = None  # CUDA tensors: the side-stream capture (_cuda.py)
-        _cuda.check_devices([*model.parameters(), *model.buffers()], "the model")  # refused: meta, mps ...
-        self._pending: _Pending | None = None
+        Capture.check_devices(model)  # refused: meta, mps ...
         #: the capture points on the model and optimizers, shared with other sinks (deepfreeze.torch.hook)
         self.hook = hook_for(model, opts)
         self._closed = False
-        #: publishers riding on this capture (:class:`deepfreeze.torch.Publisher` with ``checkpointer=``)
-        self._riders: list[Any] = []
+        #: the subscribers of this capture (:meth:`subscribe`: a :class:`deepfreeze.torch.Publisher`)
+        self._subscribers: list[CaptureSubscriber] = []
         self._roles: dict[int, tuple[bool, list]] = {}  # captured step -> (checkpoint wanted, riders wanting it)
         self._explicit = False  # inside checkpoint(): the capture is a checkpoint whoever else wants it
         #: captures only a rider wanted whose persistent copy was skipped (a writer was busy)
@@ -255,12 +200,6 @@ class Checkpointer(RunView, Sink):
         #: the pass of :meth:`iterate` (an epoch, counted from 0) the resumed checkpoint was taken in
         #: (0 without resume, or when that checkpoint was not taken inside ``iterate``)
         self.start_epoch = 0
-        self._grow = False  # a state record outgrew its room: the next plan doubles every rank's
-        self._pinned: set[int] = set()
-        self._fqn_of: dict[int, str] = {}  # id() of a parameter -> FQN, from the last capture's train_state
-        self._aliases: dict[str, str] = {}  # tied FQN -> the FQN stored, from the last capture's train_state
-        self._model_tensors = 0
-        self._t_post = 0.0
         self.comm = make_comm()  # the training thread's group (collective)
         self._bg_comm = None
         explicit = any(k == "failure_domain" for k, _ in self.config.origins)
@@ -268,7 +207,14 @@ class Checkpointer(RunView, Sink):
         self.domains = [b.decode() for b in self.comm.allgather(domain.encode()[:200])]
         if self.size > 1 and self.config.ec_interval >= 0 and self._run.engine_kind == "builtin":
             self._bg_comm = TorchComm()  # the writer thread's group (collective)
-        self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"deepfreeze-capture-r{self.rank}")
+        #: the records and the capture: finished shards with their state records (deepfreeze.torch.capture)
+        self.records = self.records_cls(model, opts, self.state, self._loop, rank=self.rank, size=self.size,
+                                        sharded=bool(self.sharded))
+        self.capture = Capture(model, opts, name=self.name, rank=self.rank, size=self.size, comm=self.comm,
+                               records=self.records, overlap=self.overlap, min_shard_bytes=min_shard_bytes,
+                               max_inflight=self.config.max_inflight, on_plan=self._on_plan, guard=self._guard)
+        #: versions not written because a tensor changed during their capture
+        self.torn: list[int] = self.capture.torn
         self._run.begin(self.comm)
         try:
             #: the step to continue from (the resumed version's, else ``start_step``, else 0)
@@ -287,13 +233,13 @@ class Checkpointer(RunView, Sink):
             self.hook.subscribe(self)
         except BaseException:
             self._run.close()
-            self._copier.shutdown(wait=False)
+            self.capture.close()
             raise
         self._run.at_exit(self._at_exit)
 
     # ------------------------------------------------------------------ hooks
     def before_step(self, opt: Any, args: Any, kwargs: Any) -> Any:
-        p = self._pending
+        p = self.capture.pending
         if p is None:
             return None
         closure = kwargs.get("closure", args[0] if args else None)
@@ -305,14 +251,14 @@ class Checkpointer(RunView, Sink):
             # optimizer.step(closure): the forward and backward run inside it (Lightning, LBFGS); the
             # copy overlaps them and is waited for after them, before the update
             out = closure(*a, **k)
-            if self._pending is p:
+            if self.capture.pending is p:
                 self._finish_before_update(opt, p)
             return out
         if "closure" in kwargs:
             return args, {**kwargs, "closure": finish_after}
         return (finish_after, *args[1:]), kwargs
 
-    def _finish_before_update(self, opt: Any, p: _Pending) -> None:
+    def _finish_before_update(self, opt: Any, p: Pending) -> None:
         """Finish ``p`` before ``opt`` updates its tensors (warnings about the loop's order first)."""
         if p.record_b is None and opt is not self.optimizers[-1] and not self._order_warned:
             self._order_warned = True  # this optimizer steps after the counted one within an iteration
@@ -329,19 +275,15 @@ class Checkpointer(RunView, Sink):
         self._finish()
 
     def before_forward(self, module: Any, args: Any) -> None:
-        p = self._pending
-        if p is not None and p.record_b is None and not self._boundary:
-            try:  # before the next step's forward (a step GradScaler skips never reaches a pre-hook)
-                p.record_b = _state.encode(self._record("b"), "state")
-            except DeepFreezeError as e:  # surfaced when the capture finishes, on every rank
-                p.error = f"rank {self.rank}: {e}"
-                p.record_b = b""
+        if not self._boundary:
+            self.capture.take_record_b()  # the pending capture's, unless taken
 
     def after_step(self, opt: Any) -> None:
-        if self._pending is not None and self._pending.step == self.step:
+        p = self.capture.pending
+        if p is not None and p.step == self.step:
             self._finish()  # an optimizer that did not call its closure: updated during the capture (torn)
         self.step += 1
-        if self._wants(self.step) or any(r._wants_step(self.step) for r in self._riders):
+        if self._wants(self.step) or any(self._wanted_by(r, self.step) for r in self._subscribers):
             self._capture(self.step)
 
     def _wants(self, step: int) -> bool:
@@ -361,9 +303,8 @@ class Checkpointer(RunView, Sink):
         optimizer tensors stay those of the checkpoint step. Cheap when nothing is pending
         (one attribute test); not collective."""
         self._boundary = True
-        p = self._pending
-        if p is not None and not p.at_boundary:
-            self._take_records(p)
+        p = self.capture.pending
+        self.capture.take_records()  # the pending capture's, unless taken at the boundary
         if p is not None and self._roles.get(p.step, (True, []))[1]:
             self._finish()  # a rider (publisher) wants it: finished now (collective: every rank ends the iteration)
 
@@ -391,7 +332,8 @@ class Checkpointer(RunView, Sink):
 
     def checkpoint(self) -> None:
         """Checkpoint the state after the current step now (collective; outside the step)."""
-        if self._pending is not None and self._pending.step == self.step:
+        p = self.capture.pending
+        if p is not None and p.step == self.step:
             riders = self._roles.get(self.step, (True, []))[1]
             self._roles[self.step] = (True, riders)  # captured for a rider: now also a checkpoint (never skipped)
             return
@@ -410,11 +352,11 @@ class Checkpointer(RunView, Sink):
     def wait(self, timeout: float | None = None) -> None:
         """Finish a pending capture (riders: publish it, write the newest skipped copy, wait for
         their copies) and block until every checkpoint is committed on persistent."""
-        if self._pending is not None:
+        if self.capture.pending is not None:
             self._finish_at_boundary()
         self._write_held()
-        for r in list(self._riders):
-            r._wait_published(timeout)
+        for r in list(self._subscribers):
+            self._guard(r.on_wait, timeout)
         self._run.wait(timeout)
 
     def close(self) -> None:
@@ -435,23 +377,22 @@ class Checkpointer(RunView, Sink):
         try:
             if final and self._group_alive():
                 self._save_last()
-            if self._pending is not None:
+            if self.capture.pending is not None:
                 if not self._group_alive():
-                    lost, self._pending = self._pending.step, None  # its hand-off is collective: too late
+                    lost = self.capture.drop()  # its hand-off is collective: too late
                 else:
                     self._finish_at_boundary()
             self._write_held()  # the newest capture whose persistent copy a busy writer skipped
         finally:
-            for r in list(self._riders):  # publishers riding on this capture stop with it
-                r._owner_closed(self)
-            self._riders = []
+            riders, self._subscribers = self._subscribers, []
+            for r in riders:  # subscribers (publishers) of this capture stop with it
+                r.on_close()
             self._held = None
             self.hook.unsubscribe(self)
             try:
                 self._run.close()  # the engine (its flushes), then the lease
             finally:
-                self._copier.shutdown(wait=True)
-                _cuda.release_pool(self._pool)
+                self.capture.close()
                 for comm in (self._bg_comm, self.comm):
                     if hasattr(comm, "close"):
                         comm.close()
@@ -465,8 +406,9 @@ class Checkpointer(RunView, Sink):
         that reported a checkpoint error, raised or warned, may not) and at which step; the last
         step is checkpointed only when all agree and it is newer than the newest version."""
         newest = self._run.last_version
-        if self._pending is not None or self._held is not None:
-            newest = max(newest or 0, self._pending.step if self._pending is not None else self._held[0])
+        p = self.capture.pending
+        if p is not None or self._held is not None:
+            newest = max(newest or 0, p.step if p is not None else self._held[0])
         ok = not self._run.errors and self.step > self.start_step and (newest is None or self.step > newest)
         mine = f"{int(ok)}:{self.step}".encode()
         votes = self.comm.allgather(mine) if self.size > 1 else [mine]
@@ -483,9 +425,8 @@ class Checkpointer(RunView, Sink):
     def _finish_at_boundary(self) -> None:
         """Finish the pending capture from ``wait``/``close``: with a loop that marks its
         boundaries, the iteration of the checkpoint step is over, so its records are taken now."""
-        p = self._pending
-        if p is not None and self._boundary and not p.at_boundary:
-            self._take_records(p)
+        if self._boundary:
+            self.capture.take_records()
         self._finish()
 
     def _at_exit(self) -> None:
@@ -493,7 +434,7 @@ class Checkpointer(RunView, Sink):
         exiting normally does this collectively) within ``close_timeout``, or say what was lost."""
         if self._closed:
             return
-        pending = self._pending.step if self._pending is not None else None
+        pending = self.capture.pending.step if self.capture.pending is not None else None
         if not self._group_alive():
             self._closed = True  # nothing collective can run any more
             if pending is not None:
@@ -514,186 +455,91 @@ class Checkpointer(RunView, Sink):
     def run_id(self) -> str | None:
         return self._run.info.id if self._run.info is not None else None
 
-    # ------------------------------------------------------------------ capture
-    def _record(self, phase: str, st: "_state.TrainState | None" = None) -> Any:
-        """The part of this rank's state record taken in the post-hook (``"a"``) or at the next
-        pre-hook (``"b"``; ``st``: the post-hook's tensor list, whose optimizer groups serve)."""
-        return rank_record(phase, rank=self.rank, size=self.size, model=self.model, optimizers=self.optimizers,
-                           state=self.state, aliases=self._aliases, fqn_of=self._fqn_of, loop=self._loop,
-                           sharded=bool(self.sharded), st=st)
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or the exit hand-off gave up)."""
+        return self._closed
 
-    def _take_records(self, p: _Pending) -> None:
-        """Both parts of the state record of ``p``, now (the loop's boundary)."""
-        p.at_boundary = True
+    @property
+    def plan(self) -> "ShardPlan | None":
+        """The current shard plan (None before the first checkpoint)."""
+        return self.capture.plan
+
+    @property
+    def plans(self) -> int:
+        """Shard plans built (1 + changes)."""
+        return self.capture.plans
+
+    # ------------------------------------------------------------------ subscribers
+    @property
+    def subscribers(self) -> "tuple[CaptureSubscriber, ...]":
+        """The subscribers of this capture (:class:`~deepfreeze.torch.capture.CaptureSubscriber`)."""
+        return tuple(self._subscribers)
+
+    def subscribe(self, subscriber: CaptureSubscriber) -> None:
+        """Give ``subscriber`` the captures it wants (:class:`~deepfreeze.torch.capture.CaptureSubscriber`:
+        the call order is there). Every rank subscribes the same way."""
+        if subscriber not in self._subscribers:
+            self._subscribers.append(subscriber)
+
+    def unsubscribe(self, subscriber: CaptureSubscriber) -> None:
+        """Stop giving ``subscriber`` captures: a pending capture it wants is finished first
+        (collective: every rank unsubscribes it), the newest coalesced one is written, then its
+        :meth:`~deepfreeze.torch.capture.CaptureSubscriber.on_close` runs."""
+        if subscriber not in self._subscribers:
+            return
         try:
-            p.record_a = _state.encode(self._record("a"), "record")
-            p.record_b = _state.encode(self._record("b"), "state")
-        except DeepFreezeError as e:  # surfaced when the capture finishes, on every rank
-            p.error = f"rank {self.rank}: {e}"
-            p.record_b = b""
+            p = self.capture.pending
+            if p is not None and subscriber in self._roles.get(p.step, (True, []))[1] and self._group_alive():
+                self._finish_at_boundary()
+            self._write_held()
+        finally:
+            if subscriber in self._subscribers:
+                self._subscribers.remove(subscriber)
+            subscriber.on_close()
 
+    # ------------------------------------------------------------------ the capture's policy
     def _capture(self, step: int) -> None:
+        """Capture the state after ``step`` for this checkpointer and the subscribers that want it."""
         t0 = time.perf_counter()
-        if self._pending is not None:
+        if self.capture.pending is not None:
             self._finish()
-        riders = [r for r in self._riders if r._wants_step(step)]
+        riders = [r for r in self._subscribers if self._wanted_by(r, step)]
         self._roles[step] = (self._explicit or self._wants(step) or not riders, riders)
-        err, key, need, rec_a = "", b"\0" * 16, 0, b""
-        try:
-            st = self._st = _state.train_state(self.model, self.optimizers, self._st)
-            self._fqn_of = st.fqn_of
-            self._aliases = st.aliases  # tied weights, found by train_state (the record names them)
-            key = st.key()
-            if self.plan is None or key != self._key:  # plan time: no reserved name, no name twice
-                check_tensor_names(st.specs, f"checkpoint {self.name!r}")
-            rec_a = _state.encode(self._record("a"), "record")
-            need = len(rec_a) + len(_state.encode(self._record("b", st), "record")) + 64
-        except DeepFreezeError as e:  # still take part in the all-gather: no rank is left waiting
-            err = f"rank {self.rank}: {e}"
-        rows = self.comm.allgather(key + struct.pack("<Q", need) + err.encode()[:2000])
-        errors = [r[24:].decode(errors="replace") for r in rows if len(r) > 24]
-        if errors:
-            self._guard(_raise, ConfigError(f"checkpoint {self.name!r} v{step} is not taken: " + "; ".join(errors)))
-            return
-        keys = [r[:16] for r in rows]
-        if any(k != keys[0] for k in keys):
-            bad = next(r for r, k in enumerate(keys) if k != keys[self.rank])
-            raise ModelMismatchError(f"rank {bad} checkpoints a different model or optimizer state than rank "
-                                     f"{self.rank} at step {step}: every rank must build the same model and optimizers")
-        needs = [struct.unpack("<Q", r[16:24])[0] for r in rows]
-        if self.plan is None or self._grow or keys[0] != self._key or any(n > c for n, c in zip(needs, self._caps)):
-            self._new_plan(st, needs, step)
-        assert self._layout is not None and self._pool is not None
-        buf = self._pool.acquire()
-        buf[:8].view("<i8")[0] = step
-        p = _Pending(step, buf)
-        p.record_a = rec_a
-        sync, background = [], []
-        tensors, dtensors, versions = st.tensors, st.dtensors, p.versions
-        for tid, seg, now, name in self._segments:  # this plan's pieces of this rank (_new_plan)
-            t = tensors[tid]
-            if now:
-                sync.append((t, seg))  # copied now: buffers change in the next forward
-            else:
-                background.append((t, seg))
-                versions.append((t, t._version, name))
-                if tid in dtensors:  # the optimizer's in-place updates count on the DTensor, not its local shard
-                    d = dtensors[tid]
-                    versions.append((d, d._version, name))
-        if self._cuda is not None:  # CUDA pieces: device-to-host on a side stream (deepfreeze/torch/_cuda.py)
-            sync, background, p.cuda = self._cuda.start(sync, background, buf)
-        self._copy(sync, buf)
-        if background:
-            p.future = self._copier.submit(self._copy, background, buf)
-        self._pending = p
-        self._t_post = time.perf_counter() - t0
+        self.capture.take(step, t0)
 
-    def _copy(self, items: list, buf: np.ndarray) -> None:
-        """Copy each (tensor, segment) piece into ``buf`` (one pass, bytes as they are), in one
-        ``torch._foreach_copy_``. The byte views of both sides are built once per plan and kept:
-        a source per segment while it is the same tensor
-        object on the same memory (``data_ptr``) and contiguous on the CPU (the view of a
-        non-contiguous tensor would be a copy: rebuilt each time); the destinations are one
-        ``split`` of the buffer (no view of the pool's buffers is kept: the pool counts references).
-        With 1000s of small tensors the views, not the copies, were the capture's cost."""
-        if not items:
-            return
-        sizes, where = self._dest_split
-        parts = torch.from_numpy(buf[:sum(sizes)]).split(sizes)  # every segment's view, in one call
-        cache = self._src_views
-        dst, src = [], []
-        for t, seg in items:
-            dst.append(parts[where[seg.offset]])
-            hit = cache.get(seg.offset)
-            if hit is not None and hit[0] is t and hit[1] == t.data_ptr():
-                v = hit[2]
-            else:
-                v = self._source_view(t, seg.piece)
-                if t.device.type == "cpu" and t.is_contiguous():
-                    cache[seg.offset] = (t, t.data_ptr(), v)
-            src.append(v)
-        torch._foreach_copy_(dst, src)
-        del parts, dst  # views of the pool buffer: the pool sees it free once the engine is done
+    def _wanted_by(self, rider: CaptureSubscriber, step: int) -> bool:
+        """``rider.wants_capture(step)`` under ``on_error`` (an error: not wanted)."""
+        wanted = [False]
 
-    @staticmethod
-    def _source_view(t: torch.Tensor, piece: Piece) -> torch.Tensor:
-        """The bytes of ``piece`` of ``t`` as a flat uint8 tensor (a view when ``t`` is contiguous on the CPU)."""
-        src = t.detach()
-        if src.device.type != "cpu":
-            src = src.cpu()  # (CUDA pieces go through _cuda.CudaCapture; this is a fallback)
-        src = src.reshape(-1)[piece.start:piece.stop]
-        return src.contiguous().view(torch.uint8) if src.dtype != torch.uint8 else src.contiguous()
+        def ask() -> None:
+            wanted[0] = bool(rider.wants_capture(step))
+        self._guard(ask)
+        return wanted[0]
 
     def _finish(self) -> None:
-        """Wait for the pending capture, check it, add the state record, hand it to the engine
-        (collective: every rank writes the version or none does)."""
-        p, self._pending = self._pending, None
-        t0 = time.perf_counter()
-        if p.future is not None:
-            try:
-                p.future.result()
-            except Exception as e:  # surfaced below, on every rank
-                p.error = f"rank {self.rank}: the capture copy failed: {type(e).__name__}: {e}"
-        if p.cuda is not None:  # the current stream, then the host, wait for the side stream's copies
-            try:
-                p.cuda.wait()
-            except Exception as e:  # surfaced below, on every rank
-                p.error = p.error or f"rank {self.rank}: the CUDA capture copy failed: {type(e).__name__}: {e}"
-        waited = time.perf_counter() - t0
-        err: "CaptureTornError | None" = CaptureTornError(p.error) if p.error else None  # typed: sent as a record
-        changed = [name for t, v, name in p.versions if t._version != v]
-        if changed and err is None:
-            err = ChangedInPlaceError(
-                f"rank {self.rank}: {len(changed)} tensor(s) changed in place during the capture of v{p.step} "
-                f"(first: {changed[0]!r}): only the optimizer may write parameters and optimizer state "
-                "between two optimizer steps", count=len(changed), first=changed[0][:200])
-        record = b""
-        if err is None:
-            try:
-                b = _state.decode(p.record_b) if p.record_b is not None else self._record("b")
-                record = _state.encode({"a": _state.decode(p.record_a), **b}, "state")
-            except DeepFreezeError as e:
-                err = CaptureTornError(f"rank {self.rank}: {e}")
-        rid = self.plan.tensors[-self.size + self.rank].id
-        cap = self._caps[self.rank]
-        if err is None and len(record) > cap:
-            err = StateRecordOverflowError(f"rank {self.rank}: the state record grew to {len(record)} bytes beyond its "
-                                           f"reserved {cap} bytes (the next checkpoint reserves more)",
-                                           size=len(record), reserved=cap)
-        failures = allgather_failures(self.comm, err)  # every rank's typed failure, the same on each rank
-        if failures:
-            if any(isinstance(e, ChangedInPlaceError) for e in failures.values()):
-                self.torn.append(p.step)
-            if any(isinstance(e, StateRecordOverflowError) for e in failures.values()):
-                self._grow = True  # every rank: the next checkpoint builds a plan with more room
-            ranks = RanksFailedError.of(failures)
-            torn = CaptureTornError(f"checkpoint {self.name!r} v{p.step} is not written: {ranks}")
-            torn.__cause__ = ranks  # .failures: each failed rank's error (class, message, fields)
-            self._guard(_raise, torn)
+        """Finish the pending capture (:meth:`Capture.finish`: collective, every rank has it or
+        none has) and hand it to the engine and the subscribers that wanted it."""
+        got = self.capture.finish()
+        if got is None:
             return
-        seg = next(s for s in self._layout.segments if s.piece.tensor_id == rid)
-        dest = p.buf[seg.offset:seg.offset + seg.nbytes]
-        dest[:len(record)] = np.frombuffer(record, dtype=np.uint8)
-        dest[len(record):] = 0
-        shard = FusedShard(self._layout, p.buf)
-        extra = {"model_tensors": self._model_tensors, "framework": "torch",
-                 "torch": {"version": torch.__version__, "optimizers": len(self.optimizers),
-                           "state_records": [t.name for t in self.plan.tensors[-self.size:]]}}
+        post_s, wait_s = got.post_s, got.wait_s
         t1 = time.perf_counter()
-        self._checkpoint(p.step, shard, extra)
-        del shard, dest, p
-        self.timings.append({"version": self._run.last_version or -1, "post_hook_s": self._t_post, "wait_s": waited,
+        self._checkpoint(got)
+        del got  # the pool sees the buffer free once the engine (and a held copy) let it go
+        self.timings.append({"version": self._run.last_version or -1, "post_hook_s": post_s, "wait_s": wait_s,
                              "handoff_s": time.perf_counter() - t1})
         t = self.timings[-1]  # the first checkpoint over STALL_WARN says what took the time (once per run)
         self._run.note_stall(t["version"], [("capturing", t["post_hook_s"]), ("waiting for the background copy",
-                                            waited), ("handing off to the engine", t["handoff_s"])])
+                                            t["wait_s"]), ("handing off to the engine", t["handoff_s"])])
 
-    def _checkpoint(self, step: int, shard: FusedShard, extra: dict) -> None:
-        """Hand a finished capture to the engine and to the riders that wanted it. A capture only
-        riders wanted is written when every rank's writer has room (:meth:`_writer_busy`, one
-        decision for all ranks), else its persistent copy coalesces to a newer one
+    def _checkpoint(self, got: Captured) -> None:
+        """Hand a finished capture to the engine and to the subscribers that wanted it. A capture
+        only subscribers wanted is written when every rank's writer has room (:meth:`_writer_busy`,
+        one decision for all ranks), else its persistent copy coalesces to a newer one
         (:attr:`coalesced`; the newest is written at :meth:`wait`/:meth:`close`): publishing
         never waits for the disk. A checkpoint this checkpointer wanted is always written."""
+        step, shard, extra = got.step, got.shard, got.extra
         ckpt, riders = self._roles.pop(step, (True, []))
         for old in [s for s in self._roles if s < step]:  # captures that never finished (torn, failed)
             del self._roles[old]
@@ -703,8 +549,9 @@ class Checkpointer(RunView, Sink):
         else:
             self.coalesced += 1
             self._held = (step, shard, extra)
+        del shard
         for r in riders:
-            r._captured(step, shard)
+            self._guard(r.on_capture, got, self._run.info)
 
     def _hand_off(self, step: int, shard: FusedShard, extra: dict) -> None:
         if not self._run.hand_off(step, shard, step=step, epoch=0, extra=extra):
@@ -733,58 +580,9 @@ class Checkpointer(RunView, Sink):
         self._hand_off(step, shard, extra)
         self.coalesced -= 1
 
-    def _new_plan(self, st: "_state.TrainState", needs: list[int], step: int) -> None:
-        """A shard plan for ``st`` plus one state record per rank (room: twice what it needs now,
-        page-rounded; never less than before), and the engine and buffers for it."""
-        old = self.plan
-        caps = [max(c * (2 if self._grow else 1), -(-(2 * n + _PAGE) // _PAGE) * _PAGE) for n, c in
-                zip(needs, self._caps or [0] * self.size)]
-        self._grow = False
-        specs = list(st.specs) + [TensorSpec(len(st.specs) + r, f"{_state.RANK_PREFIX}{r}", "uint8", (caps[r],))
-                                  for r in range(self.size)]
-        plan = ShardPlan.build(specs, self.size, min_shard_bytes=self.min_shard_bytes, pinned=st.pinned,
-                               given=st.bounds)
-        records = {len(st.specs) + r: r for r in range(self.size)}
-        pieces = [Piece(p.tensor_id, records[p.tensor_id], 0, caps[records[p.tensor_id]]) if p.tensor_id in records
-                  else p for p in plan.pieces if p.tensor_id not in records or p.start == 0]  # record r: whole, rank r
-        plan = dataclasses.replace(plan, pieces=tuple(pieces))  # (keeps build's parameters: the manifest records them)
-        if self.rank == 0 and old is not None:
-            why = ("the tensor list changed (optimizer state created lazily, add_param_group, or a model change): "
-                   f"{len(old.tensors) - self.size} -> {len(st.specs)} tensors" if st.key() != self._key
-                   else "a state record outgrew its reserved room")
-            log.warning("DeepFreeze: %r: a new shard plan from v%d on: %s", self.name, step, why)
+    def _on_plan(self, plan: ShardPlan) -> None:
+        """A new shard plan (:class:`Capture`): the engine for it."""
         self._run.new_engine(plan, self.domains, self._bg_comm)
-        self.plan, self._key, self._caps = plan, st.key(), caps
-        self._pinned = set(st.pinned)
-        self._model_tensors = st.model_tensors
-        self._layout = FusedLayout.build(plan, self.rank)
-        self._segments = []  # (tensor id, segment, copied in the hook, name): the capture's loop, built once
-        self._src_views = {}  # _copy's byte views of this plan's tensors, and the split of a buffer
-        cuts, sizes, at = {}, [], 0
-        for seg in sorted(self._layout.segments, key=lambda g: g.offset):
-            if seg.nbytes and seg.offset >= at:
-                if seg.offset > at:
-                    sizes.append(seg.offset - at)  # a gap (padding) between segments
-                cuts[seg.offset] = len(sizes)
-                sizes.append(seg.nbytes)
-                at = seg.offset + seg.nbytes
-        self._dest_split = (sizes, cuts)
-        for seg in self._layout.segments:
-            tid = seg.piece.tensor_id
-            if tid >= len(st.tensors) or seg.nbytes == 0:
-                continue  # a state record (filled when the capture finishes), or nothing to copy
-            if tid in st.bounds:  # an FSDP2 shard: the plan's offsets are global, the local tensor starts at ours
-                base = st.bounds[tid][self.rank]
-                seg = dataclasses.replace(seg, piece=dataclasses.replace(seg.piece, start=seg.piece.start - base,
-                                                                         stop=seg.piece.stop - base))
-            self._segments.append((tid, seg, tid in self._pinned or not self.overlap, plan.tensors[tid].name))
-        self._cuda = _cuda.capture_for(st.tensors, self._cuda)
-        _cuda.release_pool(self._pool)
-        if self._cuda is not None:
-            self._pool = self._cuda.pool(self._layout.nbytes, self.config.max_inflight + 1)
-        else:  # built inside the step of the first checkpoint: its one buffer now, the others off this thread
-            self._pool = BufferPool(self._layout.nbytes, self.config.max_inflight + 1, background=True)
-        self.plans += 1
         self._run.summary(plan, len(plan.tensors))
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> bool:
@@ -810,6 +608,3 @@ class Checkpointer(RunView, Sink):
             log.warning("DeepFreeze: resumed %r from v%d (%s): continuing at step %d", self.name, ck.version,
                         ck.level, ck.step)
 
-
-def _raise(e: BaseException) -> None:
-    raise e

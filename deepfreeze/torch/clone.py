@@ -24,7 +24,7 @@ state dict and every optimizer state tensor) and a :class:`~deepfreeze.clone.Clo
 -> M`` ranks, and a background thread sends its routes (its 1/N of every replicated tensor;
 buffers whole from rank 0, copied in the hook) straight to the clone ranks
 (:class:`deepfreeze.clone.wire.Sender`), then its state record (the Checkpointer's record,
-:func:`deepfreeze.torch.checkpointer.rank_record`, encoded by :func:`deepfreeze.torch._state.encode`:
+:class:`deepfreeze.torch.capture.StateRecords`, encoded by :func:`deepfreeze.torch._state.encode`:
 RNG states, ``state=`` objects with the schedulers, ``param_groups``, the position of
 :meth:`CloneServer.iterate`). The record is taken at the loop's boundary
 (:meth:`CloneServer.end_iteration`) when the loop marks it, else as the Checkpointer takes it
@@ -64,7 +64,7 @@ from ..format import dtype_itemsize, numpy_dtype
 from ..loader import Checkpoint
 from . import _loop, _state
 from ._dist import rank_and_size
-from .checkpointer import rank_record
+from .capture import StateRecords
 from .hook import Sink, hook_for
 
 __all__ = ["CloneServer", "receive"]
@@ -110,7 +110,7 @@ class _Clone:
         self.sent = threading.Event()  # the routes went out: the optimizer may update the tensors
         self.record_ready = threading.Event()
         self.record = b""
-        self.record_a: Any = None
+        self.record_a: bytes | None = None  # part "a", taken in the post-hook (not at the loop's boundary)
         self.at_boundary = False
         self.error: BaseException | None = None
         self.sender: Sender | None = None
@@ -176,6 +176,9 @@ class CloneServer(Sink):
         #: the step the last clone was taken at (None before the first)
         self.last_clone_step: int | None = None
         self._loop = _loop.Passes()
+        #: the state records sent (the Checkpointer's, deepfreeze.torch.capture.StateRecords)
+        self.records = StateRecords(model, opts, self.state, self._loop, rank=self.rank, size=self.size,
+                                    sharded=False)
         self._boundary = False
         self._closed = False
         self._token = net.ensure_token(token)
@@ -235,11 +238,9 @@ class CloneServer(Sink):
 
     # ------------------------------------------------------------------ the clone
     def _take_record(self, c: _Clone, both: bool) -> None:
-        kw = dict(rank=self.rank, size=self.size, model=self.model, optimizers=self.optimizers, state=self.state,
-                  aliases=self._st.aliases, fqn_of=self._st.fqn_of, loop=self._loop, sharded=False)
         try:
-            a = rank_record("a", **kw) if both or c.record_a is None else c.record_a
-            c.record = _state.encode({"a": a, **rank_record("b", **kw)}, "state")
+            a = self.records.encode_a() if both or c.record_a is None else c.record_a
+            c.record = self.records.join(a, None)
         except DeepFreezeError as e:
             c.error = e
             c.record = b""
@@ -247,7 +248,7 @@ class CloneServer(Sink):
         c.record_ready.set()
 
     def _start(self, n_clone: int, endpoints: list[str]) -> None:
-        st = self._st = _state.train_state(self.model, self.optimizers, self._st)
+        st = self._st = self.records.train_state(self._st)
         c = self._clone = _Clone(self.step, n_clone)
         self.served += 1
         self.last_clone_step = self.step
@@ -257,9 +258,7 @@ class CloneServer(Sink):
             pinned = set(st.pinned)
             buffers = {tid: _flat_bytes(st.tensors[tid], copy=tid in pinned) for tid in sends}
             if not self._boundary:
-                c.record_a = rank_record("a", rank=self.rank, size=self.size, model=self.model,
-                                         optimizers=self.optimizers, state=self.state, aliases=st.aliases,
-                                         fqn_of=st.fqn_of, loop=self._loop, sharded=False)
+                c.record_a = self.records.encode_a()
         except DeepFreezeError as e:
             self._failed(c, e)
             self._clone = None

@@ -101,6 +101,7 @@ from ..fsafe import describe_mode
 from ..ownership import open_dir_nofollow, owner_name
 from ..shardplan import DEFAULT_MIN_SHARD_BYTES, check_tensor_names
 from . import _state
+from .capture import StateRecords
 from .checkpointer import Checkpointer
 
 __all__ = ["import_dcp", "DCPImport", "SafeFileSystemReader", "read_dcp_metadata"]
@@ -601,15 +602,14 @@ class _StandOptimizer(torch.optim.Optimizer):
         raise RuntimeError("the stand-in optimizer of a DCP import is not stepped")
 
 
-class _Importer(Checkpointer):
-    """The Checkpointer of an import: its state record holds no RNG states and says where the
-    version came from."""
+class _ImportRecords(StateRecords):
+    """The state records of an import: no RNG states, and where the version came from."""
 
     #: where the version came from (set before the checkpoint is taken)
     imported: dict[str, Any] = {}
 
-    def _record(self, phase: str, st: Any = None) -> Any:
-        rec = super()._record(phase, st)
+    def part(self, phase: str, st: Any = None) -> Any:
+        rec = super().part(phase, st)
         if phase == "a":
             rec.pop("rng", None)
             # the stand-ins' class is not the trained optimizer's: not recorded (if a record names
@@ -617,6 +617,13 @@ class _Importer(Checkpointer):
             rec.pop("optimizers", None)
             rec["imported"] = dict(self.imported)
         return rec
+
+
+class _Importer(Checkpointer):
+    """The Checkpointer of an import: its state record holds no RNG states and says where the
+    version came from (:class:`_ImportRecords`)."""
+
+    records_cls = _ImportRecords
 
 
 class _Held:
@@ -792,7 +799,7 @@ def import_dcp(dcp_dir: "str | os.PathLike", config: "str | Config | None" = Non
         raise ExistingCheckpointError(f"{str(e).split('; a new run')[0]}: an import starts a new run of it. "
                                       "Import into a new name, or pass overwrite=True (--overwrite) to retire "
                                       "its versions") from e
-    ck.imported = {"format": "dcp", "path": path}
+    ck.records.imported = {"format": "dcp", "path": path}
     try:
         ck.checkpoint()
     finally:

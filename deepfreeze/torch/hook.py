@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["Sink", "StepHook", "hook_for"]
+__all__ = ["Sink", "StepHook", "hook_for", "sinks_of"]
 
 
 class Sink:
@@ -99,6 +99,11 @@ def hook_for(model: Any, optimizers: Sequence[Any]) -> StepHook:
     h = StepHook(model, optimizers)
     hooks.append(h)
     return h
+
+
+def sinks_of(model: Any) -> list[Sink]:
+    """The sinks subscribed to any :class:`StepHook` on ``model`` (none made here)."""
+    return [s for h in model.__dict__.get(_ATTR, []) for s in h.sinks]
 
 
 def _release(hook: StepHook) -> None:

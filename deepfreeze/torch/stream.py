@@ -39,13 +39,13 @@ import torch
 from .. import format as fmt
 from ..config import Config, did_you_mean
 from ..errors import ConfigError, ModelMismatchError
-from ..fused import FusedShard
-from ..lease import Version
+from ..lease import RunInfo, Version
 from ..stream.core import Publisher as _CorePublisher, StreamOptions, Subscriber as _CoreSubscriber, Update
 from ..stream.serve import ReplicaServer
 from . import _state
+from .capture import Captured
 from .checkpointer import Checkpointer
-from .hook import _ATTR as _HOOKS
+from .hook import sinks_of
 
 __all__ = ["Publisher", "Subscriber", "ModelSubscriber", "Served", "SCHEDULES"]
 
@@ -130,9 +130,8 @@ class Publisher:
             self._owns = False
         else:
             channel = "model" if channel is None else channel
-            sinks = [s for h in model.__dict__.get(_HOOKS, []) for s in h.sinks]  # (no hook made here)
-            for sink in sinks:
-                if isinstance(sink, Checkpointer) and sink.name == channel and not sink._closed:
+            for sink in sinks_of(model):  # (no hook made here)
+                if isinstance(sink, Checkpointer) and sink.name == channel and not sink.closed:
                     raise ConfigError(f"a Checkpointer on {channel!r} already captures this model: one run owns a "
                                       "name. Pass it as Publisher(model, optimizer, checkpointer=ckpt, ...) to publish "
                                       "on its capture (its checkpoints are the consumers' fallback), or publish on "
@@ -165,7 +164,7 @@ class Publisher:
         self.stream_options = base
         self._base = ck.step  # an int schedule counts its n steps from here
         self._warmup_end = ck.step + self.warmup_steps
-        ck._riders.append(self)
+        ck.subscribe(self)  # this Publisher is a CaptureSubscriber of the Checkpointer's capture
 
     def __getattr__(self, name: str) -> Any:
         ck = self.__dict__.get("checkpointer")
@@ -218,15 +217,9 @@ class Publisher:
             return
         ck = self.checkpointer
         if self._owns:
-            ck.close()  # finishes, writes, then closes this rider (_owner_closed)
+            ck.close()  # finishes, writes, then closes this subscriber (on_close)
             return
-        try:
-            p = ck._pending
-            if p is not None and self in ck._roles.get(p.step, (True, []))[1] and ck._group_alive():
-                ck._finish_at_boundary()  # collective: every rank closes its Publisher
-            ck._write_held()
-        finally:
-            self._owner_closed(ck)
+        ck.unsubscribe(self)  # collective: every rank closes its Publisher; then on_close
 
     def __enter__(self) -> "Publisher":
         return self
@@ -234,50 +227,49 @@ class Publisher:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ a rider of the Checkpointer
-    def _wants_step(self, step: int) -> bool:
-        """Does this Publisher want the state after optimizer step ``step`` (its schedule)?"""
+    # ------------------------------------------------------------------ a subscriber of the capture
+    def wants_capture(self, step: int) -> bool:
+        """Does this Publisher want the state after optimizer step ``step`` (its schedule)?
+        (:class:`~deepfreeze.torch.capture.CaptureSubscriber`, as every ``on_*`` method below.)"""
         s = self.schedule
         if isinstance(s, int):
             return (step - self._base) % s == 0
         if self.publish_plan is None:  # warm-up: publish once, at its end
             if step > self._warmup_end + 1 and not self._report_missing:
-                self._report_missing = True
-                self.checkpointer._guard(_raise, ConfigError(
+                self._report_missing = True  # raised once, under the Checkpointer's on_error
+                raise ConfigError(
                     f"schedule={s!r} on channel {self.channel!r}: no plan after {self.warmup_steps} warm-up steps "
                     f"({len(self._losses)} losses reported): call publisher.report(loss) after every "
-                    "optimizer.step() on every rank"))
+                    "optimizer.step() on every rank")
             return step == self._warmup_end
         return step in self._plan_steps
 
-    def _captured(self, step: int, shard: FusedShard) -> None:
-        """Publish this rank's share of the finished, checked capture of ``step``."""
-        ck = self.checkpointer
-        info = ck._run.info
+    def on_capture(self, captured: Captured, run: RunInfo) -> None:
+        """Publish this rank's share of a finished, checked capture."""
+        ck, info, step = self.checkpointer, run, captured.step
         pub = self.publisher
-        if pub is None or pub.layout.plan != ck.plan or pub.run.id != info.id:
+        if pub is None or pub.layout.plan != captured.plan or pub.run.id != info.id:
             if pub is not None:
                 self.publisher = None
                 pub.close()
             self.publisher = _CorePublisher(ck.name, ck.config.persistent, rank=ck.rank, world=ck.size,
-                                            run=info, plan=ck.plan, model_tensors=ck._model_tensors,
+                                            run=info, plan=captured.plan, model_tensors=captured.model_tensors,
                                             options=self.stream_options)
             if ck.verbose and ck.rank == 0:
                 log.warning("DeepFreeze: publishing %r at %s (%.1f MB per version on rank 0)", ck.name,
                             self.publisher.address, self.publisher.prefix / 1e6)
         v = Version(info.generation, step)
-        if ck._guard(self.publisher.publish, v, shard):
-            self.published.append(v)
+        self.publisher.publish(v, captured.shard)
+        self.published.append(v)
 
-    def _wait_published(self, timeout: float | None) -> None:
+    def on_wait(self, timeout: float | None) -> None:
+        """Wait for the publisher's copy (the Checkpointer's ``wait``)."""
         if self.publisher is not None:
-            self.checkpointer._guard(self.publisher.wait, timeout)
+            self.publisher.wait(timeout)
 
-    def _owner_closed(self, ck: Checkpointer) -> None:
+    def on_close(self) -> None:
         """Stop publishing (the Checkpointer closes, or this Publisher does)."""
         self._closed = True
-        if self in ck._riders:
-            ck._riders.remove(self)
         pub, self.publisher = self.publisher, None
         if pub is not None:
             pub.close()
@@ -317,7 +309,7 @@ def _check_ride(ck: Any, model: torch.nn.Module, opts: list, channel: "str | Non
     Checkpointer's own arguments are not given again."""
     if not isinstance(ck, Checkpointer):
         raise ConfigError(f"checkpointer= must be a deepfreeze.torch.Checkpointer, got {type(ck).__name__}")
-    if ck._closed:
+    if ck.closed:
         raise ConfigError(f"checkpointer= {ck.name!r} is closed: give a running Checkpointer (or none: the "
                           "Publisher then makes its own)")
     if ck.model is not model or len(ck.optimizers) != len(opts) or \
@@ -334,13 +326,9 @@ def _check_ride(ck: Any, model: torch.nn.Module, opts: list, channel: "str | Non
     if given:
         raise ConfigError(f"Publisher(checkpointer=...) takes no Checkpointer arguments ({', '.join(given)}): they "
                           f"belong to the Checkpointer {ck.name!r}, whose run the Publisher shares")
-    if ck._riders:
+    if ck.subscribers:
         raise ConfigError(f"a Publisher already publishes the capture of {ck.name!r} (channel {ck.name!r}): one "
                           "channel has one Publisher; close it first")
-
-
-def _raise(e: BaseException) -> None:
-    raise e
 
 
 # --------------------------------------------------------------------------- consumer

@@ -276,7 +276,7 @@ def run(out: str, shape: str, kw: dict) -> None:
     np.savez(os.path.join(mydir, "final.npz"), **final)
     ending = kw.get("exit", "close")
     if ending != "close":  # a run that forgets close(): exit=noclose|destroy|close_after_destroy
-        info = {"last_version": ckpt.last_version, "pending": ckpt._pending.step if ckpt._pending else None}
+        info = {"last_version": ckpt.last_version, "pending": ckpt.capture.pending.step if ckpt.capture.pending else None}
         if ending in ("destroy", "close_after_destroy"):
             dist.barrier()
             dist.destroy_process_group()

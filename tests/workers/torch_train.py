@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import deepfreeze.torch.checkpointer  # noqa: E402
 from deepfreeze.torch import Checkpointer  # noqa: E402
+from deepfreeze.torch.capture import Capture  # noqa: E402
 
 IN, HID, OUT_F = 16, 192, 4
 
@@ -182,11 +184,11 @@ def main() -> None:
     if float(kw.get("slow", 0)) > 0:
         delay = float(kw["slow"])
 
-        class SlowCopy(Checkpointer):  # fault injected by subclassing: a slowed capture copy
+        class SlowCopy(Capture):  # fault injected by subclassing: a slowed capture copy
             def _copy(self, items, buf):
                 time.sleep(delay * len(items))  # as slow as `delay` per piece
                 super()._copy(items, buf)
-        cls = SlowCopy
+        deepfreeze.torch.checkpointer.Capture = SlowCopy  # the Checkpointer's capture
     mydir = os.path.join(out, f"r{rank}")
     os.makedirs(mydir, exist_ok=True)
     ckpt = cls(model, opts, name=kw.get("name", "tt"), every_n_steps=int(kw.get("every", 3)),
