@@ -576,8 +576,7 @@ MAX_LINES = 800
 #: one protocol or class it holds. A new one fails until it is listed (and says why); one that shrank
 #: below the bound leaves the list.
 LONG_MODULES = ("deepfreeze.backend", "deepfreeze.net", "deepfreeze.memtier.device", "deepfreeze.repo.store",
-                "deepfreeze.stream.core", "deepfreeze.stream.predict", "deepfreeze.torch.checkpointer",
-                "deepfreeze.torch.dcp_import")
+                "deepfreeze.stream.core", "deepfreeze.stream.predict", "deepfreeze.torch.dcp_import")
 
 
 def long_modules() -> dict[str, int]:

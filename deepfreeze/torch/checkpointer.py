@@ -1,6 +1,4 @@
-"""Long because: one class (``Checkpointer``), the optimizer-step capture and the run it drives.
-
-``Checkpointer``: DeepFreeze for PyTorch DDP, captured in the optimizer step.
+"""``Checkpointer``: DeepFreeze for PyTorch DDP, captured in the optimizer step.
 
 No change to the training loop: the checkpointer is a sink of the model's and optimizers'
 :class:`~deepfreeze.torch.hook.StepHook` (one set of torch hooks, shared with any other sink of the
