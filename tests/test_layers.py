@@ -536,8 +536,6 @@ def reexports() -> list[str]:
 # veloc_engine, lease, format, levels and memtier.copy):
 # each is to go (its callers importing from the home); the list may only shrink.
 KNOWN_REEXPORTS: dict[str, tuple[str, ...]] = {
-    "deepfreeze.memtier.device": ("PAGE", "SlotHeader", "SlotState", "index_for_entries", "make_index",
-                                  "manifest_capacity", "_SLOT", "ShardRegion", "SlotWriter"),
 }
 
 

@@ -22,6 +22,7 @@ from deepfreeze.format import build_manifest
 from deepfreeze.errors import CheckpointNotFoundError, MemtierError, MemtierFullError
 from deepfreeze.memtier import api
 from deepfreeze.memtier import device as D
+from deepfreeze.memtier import layout as mlayout
 from deepfreeze.memtier.copy import LocalCopier
 from deepfreeze.memtier.dumper import dump
 from deepfreeze.lease import RunInfo, Version, new_run_id
@@ -192,7 +193,7 @@ def test_view_never_trusts_active(path):
         api.checkpoint(model, _plus(arrays, 1), 2)
         r = model.region
         k2, h2 = r.newest()
-        raw = D._slot_header_bytes(D.SlotState.ACTIVE, r.run, Version(0, 3), h2.meta_len, h2.image_len, 0, 0.0)
+        raw = D._slot_header_bytes(mlayout.SlotState.ACTIVE, r.run, Version(0, 3), h2.meta_len, h2.image_len, 0, 0.0)
         dev.mm[r._slot_off(k2):r._slot_off(k2) + len(raw)] = raw  # v2's full image, header ACTIVE(v3)
         assert r.verify_slot(k2) == "not DONE"
         (shard,) = api.view(path)["models"][0]["shards"]
@@ -209,8 +210,8 @@ def _engine_model(dev, arrays, world, versions, *, ranks=None):
     run = new_run_id()
     regions = []
     for rank in ranks if ranks is not None else range(world):
-        idx = D.make_index(plan, rank, "eng", run, lease={"persistent": "/nonexistent/p", "timeout": 60})
-        cap = D.manifest_capacity(len(plan.tensors), len(plan.pieces), world)
+        idx = mlayout.make_index(plan, rank, "eng", run, lease={"persistent": "/nonexistent/p", "timeout": 60})
+        cap = mlayout.manifest_capacity(len(plan.tensors), len(plan.pieces), world)
         regions.append(dev.register_shard("eng", run, rank, world, index=idx, image_size=idx["file_size"],
                                           meta_cap=cap))
     for v in versions:

@@ -15,6 +15,7 @@ import pytest
 from _util import ROOT, WORKERS
 from deepfreeze import memtier
 from deepfreeze.memtier import device as mdev
+from deepfreeze.memtier import layout as mlayout
 from deepfreeze.lease import Version, new_run_id
 from deepfreeze.shardplan import ShardPlan, TensorSpec
 
@@ -32,8 +33,8 @@ def region_len():
             specs = [TensorSpec(i, f"t{i}", a.dtype.name, a.shape) for i, a in enumerate(memtier_job.state(0, 0))]
             plan = ShardPlan.build(specs, 1, min_shard_bytes=1024)
             run = new_run_id()
-            idx = mdev.make_index(plan, 0, "job", run)
-            meta = mdev.manifest_capacity(len(plan.tensors), len(plan.pieces), 1)
+            idx = mlayout.make_index(plan, 0, "job", run)
+            meta = mlayout.manifest_capacity(len(plan.tensors), len(plan.pieces), 1)
             r = dev.register_shard("job", run, 0, 1, index=idx, image_size=idx["file_size"], meta_cap=meta)
             return r.region_len, r.image_size
     finally:
@@ -46,7 +47,7 @@ def sized():
     docs advise; yields (path, region bytes)."""
     n, _ = region_len()
     path = f"/dev/shm/deepfreeze-test-cap-{uuid.uuid4().hex[:10]}"
-    data_start = mdev._align(mdev.PAGE + mdev.DEFAULT_TABLE_CAP * mdev.ENTRY_SIZE)
+    data_start = mdev._align(mlayout.PAGE + mdev.DEFAULT_TABLE_CAP * mdev.ENTRY_SIZE)
     mdev.create(path, data_start + mdev._align(int(1.1 * n))).close()
     yield path, n
     os.unlink(path)

@@ -18,6 +18,8 @@ from deepfreeze import format as fmt
 from deepfreeze.format import build_manifest
 from deepfreeze.errors import MemtierBusyError, MemtierCorruptError, MemtierError, MemtierFullError
 from deepfreeze.memtier import device as D
+from deepfreeze.memtier import layout as mlayout
+from deepfreeze.memtier import slot as mslot
 from deepfreeze.memtier.copy import LocalCopier
 from deepfreeze.lease import RunInfo, Version, new_run_id
 from deepfreeze.shardplan import ShardPlan, TensorSpec
@@ -48,7 +50,7 @@ def _register(dev, name="m", arrays=None, nslots=2, world=1, rank=0, run=None):
     arrays = arrays or _arrays()
     plan = _plan(arrays, world)
     run = run or new_run_id()
-    idx = D.make_index(plan, rank, name, run, standalone=world == 1)
+    idx = mlayout.make_index(plan, rank, name, run, standalone=world == 1)
     return dev.register_shard(name, run, rank, world, index=idx, image_size=idx["file_size"], nslots=nslots), plan
 
 
@@ -153,7 +155,7 @@ def test_slot_protocol_versions_and_choice(path):
     arrays = _arrays()
     with D.create(path, "16M") as dev:
         r, plan = _register(dev, nslots=3)
-        assert [r.slot_header(k).state for k in range(3)] == [D.SlotState.EMPTY] * 3
+        assert [r.slot_header(k).state for k in range(3)] == [mlayout.SlotState.EMPTY] * 3
         assert r.newest() is None
         for v in (1, 2, 3, 4):
             _put(r, plan, _bump(arrays, v), v)
@@ -170,7 +172,7 @@ def test_slot_protocol_versions_and_choice(path):
         # an ACTIVE slot is never restorable, and is the first choice for the next write
         _put(r, plan, _bump(arrays, 5), 5, finish=False)
         assert r.newest()[1].version == Version(0, 4)
-        active = [k for k in range(3) if r.slot_header(k).state == D.SlotState.ACTIVE]
+        active = [k for k in range(3) if r.slot_header(k).state == mlayout.SlotState.ACTIVE]
         assert len(active) == 1 and r.choose_slot() == active[0]
     # everything is read back the same by a new opener
     with D.open(path, writable=False) as dev:
@@ -207,7 +209,7 @@ def test_torn_header_and_damaged_image_fall_back(path):
         assert slots[k2]["state"] == "INVALID" and not slots[k2]["valid"] and slots[k1]["valid"]
 
 
-class _RewritingRegion(D.ShardRegion):
+class _RewritingRegion(mslot.ShardRegion):
     """Another writer rewrites the slot while a reader copies it (between header read and copy)."""
 
     def image(self, k):
@@ -236,7 +238,7 @@ def test_finish_checks_crcs_count_and_manifest(path):
         with pytest.raises(ValueError, match="is not 'm'"):
             w.finish([0] * len(r.entries), {**m, "version": 2})
         w.release()
-        assert r.slot_header(0).state == D.SlotState.ACTIVE
+        assert r.slot_header(0).state == mlayout.SlotState.ACTIVE
 
 
 # --------------------------------------------------------------------------- lock
@@ -470,11 +472,11 @@ def test_bad_slot_headers_never_crash(path):
         r, plan = _register(dev)
         k = _put(r, plan, arrays, 1)
         # a header with a valid CRC but absurd fields (meta_len past meta_cap, image_len wrong)
-        raw = D._slot_header_bytes(D.SlotState.DONE, r.run, Version(0, 9), r.meta_cap + 1, r.image_size, 0, 0.0)
+        raw = D._slot_header_bytes(mlayout.SlotState.DONE, r.run, Version(0, 9), r.meta_cap + 1, r.image_size, 0, 0.0)
         other = 1 - k
         dev.mm[r._slot_off(other):r._slot_off(other) + len(raw)] = raw
         assert r.slot_header(other) is None
-        raw = D._slot_header_bytes(D.SlotState.DONE, r.run, Version(0, 9), 10, r.image_size, 0, 0.0)
+        raw = D._slot_header_bytes(mlayout.SlotState.DONE, r.run, Version(0, 9), 10, r.image_size, 0, 0.0)
         dev.mm[r._slot_off(other):r._slot_off(other) + len(raw)] = raw  # DONE over garbage: fails verification
         assert r.newest()[0] == k
         v = D.view(path)["models"][0]["shards"][0]

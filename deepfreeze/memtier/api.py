@@ -41,6 +41,8 @@ from ..lease import RunInfo, Version, job_id_at, new_run_id, valid_job_id
 from ..shardplan import ShardPlan, TensorSpec
 from . import device as mdev
 from . import jobs
+from . import layout as mlayout
+from . import slot as mslot
 from .copy import LocalCopier
 
 __all__ = ["register", "checkpoint", "restore", "view", "Model", "select", "assemble", "job_id"]
@@ -86,7 +88,7 @@ class Model:
     """A standalone model registered on a device (see :func:`register`). Context manager:
     leaving it calls :meth:`close`."""
 
-    def __init__(self, device: mdev.Device, region: mdev.ShardRegion, plan: ShardPlan, owns_device: bool) -> None:
+    def __init__(self, device: mdev.Device, region: mslot.ShardRegion, plan: ShardPlan, owns_device: bool) -> None:
         self.device, self.region, self.plan = device, region, plan
         self.name, self.run, self.job = region.name, region.run, region.job
         self._owns = owns_device
@@ -137,11 +139,11 @@ def register(device: "mdev.Device | str", name: str,
     specs = _specs(arrays)
     plan = ShardPlan.build(specs, 1)
     run = new_run_id()
-    index = mdev.make_index(plan, 0, name, run, standalone=True, owner=mdev.owner_record(), job=job)
+    index = mlayout.make_index(plan, 0, name, run, standalone=True, owner=mdev.owner_record(), job=job)
     dev, owns = _device(device, True)
     try:
         region = dev.register_shard(name, run, 0, 1, index=index, image_size=index["file_size"],
-                                    meta_cap=mdev.manifest_capacity(len(specs), fmt.plan_items(plan.to_json()), 1), nslots=slots)
+                                    meta_cap=mlayout.manifest_capacity(len(specs), fmt.plan_items(plan.to_json()), 1), nslots=slots)
     except BaseException:
         if owns:
             dev.close()
@@ -203,7 +205,7 @@ _ANY = object()
 
 
 def select(dev: mdev.Device, name: str, job: "str | None | object" = _ANY, *, quiet: bool = False
-           ) -> tuple[list[tuple[Version, float, dict[int, tuple[mdev.ShardRegion, int]]]], list[str]]:
+           ) -> tuple[list[tuple[Version, float, dict[int, tuple[mslot.ShardRegion, int]]]], list[str]]:
     """Candidate versions of ``name`` on ``dev``, newest first: (version, written time, rank ->
     (region, slot)) for every version that has a DONE slot (valid header) on every rank of its
     run; and notes on runs whose ranks are not all on this device. With ``job`` (an id, or None
@@ -216,7 +218,7 @@ def select(dev: mdev.Device, name: str, job: "str | None | object" = _ANY, *, qu
         if not quiet:
             jobs.say_ignored(dev.path, name, job, ignored)  # type: ignore[arg-type]
         notes += [f"ignored {x}" for x in ignored]
-    by_run: dict[str, list[mdev.ShardRegion]] = {}
+    by_run: dict[str, list[mslot.ShardRegion]] = {}
     for r in regions:
         by_run.setdefault(r.run, []).append(r)
     out = []
@@ -247,7 +249,7 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(parts)
 
 
-def assemble(slots: Mapping[int, tuple[mdev.ShardRegion, int]], out: "dict[str, np.ndarray] | None" = None, *,
+def assemble(slots: Mapping[int, tuple[mslot.ShardRegion, int]], out: "dict[str, np.ndarray] | None" = None, *,
              verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
     """Copy the tensors of one version from its slots (rank -> (region, slot)) into ``out``
     (arrays filled in place; missing ones allocated): one copy per piece from the slot. With
@@ -262,7 +264,7 @@ def assemble(slots: Mapping[int, tuple[mdev.ShardRegion, int]], out: "dict[str, 
     if verify:
         for rank, (r, k) in slots.items():
             h = r.slot_header(k)
-            if h is None or h.state != mdev.SlotState.DONE:
+            if h is None or h.state != mlayout.SlotState.DONE:
                 raise MemtierCorruptError(f"{r.name!r} rank {rank} slot {k} is no longer DONE")
             heads[rank] = h
         manifest = r0.manifest(slots[0][1], heads[0])

@@ -60,13 +60,11 @@ from ..lease import Version
 from . import jobs as _jobs
 from .layout import (_BODY, _LIVE_STATES, _RUN_RE, _SB, _STATE_NAMES, _U32, DEFAULT_TABLE_CAP, DEVICE_FORMAT,
                      ENTRY_SIZE, FINISHED, FREE, MAX_INDEX_BYTES, MAX_SLOTS, PAGE, RETIRED, SB_MAGIC, VALID, WRITING,
-                     SlotHeader, SlotState, _align, _check_name, _decode_json, _entry_problem, _Entry, _index_problem,
-                     _parse_entry, _touch, index_for_entries, make_index, manifest_capacity)
-from .layout import _SLOT  # noqa: F401 - defined here before the layout module (tests read it here)
-from .slot import ShardRegion, SlotWriter, _slot_header_bytes
+                     SlotState, _align, _check_name, _decode_json, _entry_problem, _Entry, _index_problem,
+                     _parse_entry, _touch, manifest_capacity)
+from .slot import ShardRegion, _slot_header_bytes
 
-__all__ = ["PAGE", "create", "open", "view", "parse_size", "Device", "ShardRegion", "SlotHeader", "SlotState",
-           "SlotWriter", "make_index", "index_for_entries", "manifest_capacity", "default_live",
+__all__ = ["create", "open", "view", "parse_size", "Device", "default_live",
            "FLOCK_TIMEOUT"]
 
 log = logging.getLogger("deepfreeze")

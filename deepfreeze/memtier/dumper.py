@@ -29,6 +29,7 @@ from ..errors import CheckpointNotFoundError, MemtierCorruptError, MemtierError
 from ..export import ExportError, export, format_from_path
 from ..lease import Version
 from . import device as mdev
+from . import layout as mlayout
 from .jobs import job_text, pick_job
 from .api import _device, _ranges, assemble, select
 
@@ -84,7 +85,7 @@ def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool =
                 h = r.slot_header(k)
                 if h is None:
                     torn.append(f"rank {r.rank} slot {k}")
-                elif h.state != mdev.SlotState.EMPTY and h.run == r.run and match(h.version):
+                elif h.state != mlayout.SlotState.EMPTY and h.run == r.run and match(h.version):
                     headers.append((h.version, h.written, r.run))
         if not headers:
             what = f"version {version}" if version is not None else "version"
@@ -134,7 +135,7 @@ def dump(device: "mdev.Device | str", name: str, out_path: str, *, force: bool =
         for r in mine:
             for k in range(r.nslots):
                 h = r.slot_header(k)
-                if h is not None and h.version == target and h.run == run and h.state != mdev.SlotState.EMPTY:
+                if h is not None and h.version == target and h.run == run and h.state != mlayout.SlotState.EMPTY:
                     slots[r.rank] = (r, k)
         if len(slots) != world:
             raise MemtierError(f"cannot dump {name!r} {target} even forced: not every rank has a slot for it")

@@ -1,7 +1,7 @@
 """Jobs on a memory-tier device: which regions belong to a reader's job, and the capacity policy
 (which runs a newer run of their job superseded, in which order finished runs are evicted).
 
-Pure functions over :class:`~deepfreeze.memtier.device.ShardRegion` lists (duck-typed: ``name``,
+Pure functions over :class:`~deepfreeze.memtier.slot.ShardRegion` lists (duck-typed: ``name``,
 ``run``, ``rank``, ``job``, ``restorable()``, ``verify_slot()``); :mod:`deepfreeze.memtier.device`
 applies them under the device lock. A region's job is the id its MIndex records
 (``deepfreeze.lease.job_id``: ``<persistent>/<name>/job`` for an engine model, ``job=`` for a

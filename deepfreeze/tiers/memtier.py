@@ -53,6 +53,7 @@ from ..fused import FusedLayout, FusedShard
 from ..lease import RunInfo, Version
 from ..shardplan import ShardPlan
 from ..memtier import device as _device
+from ..memtier import layout as mlayout
 from ..memtier import jobs as _jobs
 from .job import FlushJob, register as register_source
 
@@ -114,7 +115,7 @@ def _slot_holds(region: Any, src: SlotSource) -> Any:
 
 
 @contextlib.contextmanager
-def _open_slot(shard_path: str | None, source: SlotSource
+def _open_source(shard_path: str | None, source: SlotSource
                ) -> Iterator[tuple[int, int, fmt.ShardIndex, str, Any]]:
     """The ``memtier`` source kind's opener (:mod:`deepfreeze.tiers.job`'s table): the image in a
     DONE slot of the device, as ``(fd, base, index, label, recheck)``."""
@@ -148,7 +149,7 @@ def _open_slot(shard_path: str | None, source: SlotSource
 
 
 # the memory tier's source kind (deepfreeze.tiers.job's table)
-register_source(SlotSource.kind, open=_open_slot, decode=SlotSource.from_job, encode=SlotSource.to_job,
+register_source(SlotSource.kind, open=_open_source, decode=SlotSource.from_job, encode=SlotSource.to_job,
                 scratch_files=False)
 
 
@@ -179,10 +180,10 @@ class MemtierTier:
             from ..lease import read_job_id
             job = read_job_id(cfg.persistent, name)
         # the region records its job: restore, ls and resume of another job sharing the name never read it
-        index = mdev.make_index(plan, rank, name, run.id,
+        index = mlayout.make_index(plan, rank, name, run.id,
                                 lease={"persistent": cfg.persistent, "timeout": cfg.lease_timeout}, job=job)
         dev = mdev.open(cfg.memtier)
-        meta_cap = mdev.manifest_capacity(len(plan.tensors), fmt.plan_items(plan.to_json()), plan.world_size)
+        meta_cap = mlayout.manifest_capacity(len(plan.tensors), fmt.plan_items(plan.to_json()), plan.world_size)
         try:  # an engine rebuilt within the same run (a second fit) gets its region again
             try:
                 region = dev.register_shard(name, run.id, rank, plan.world_size, index=index,
@@ -379,7 +380,7 @@ class MemtierLevel:
             for region in self.regions(dev, name, quiet=quiet):
                 for k in range(region.nslots):
                     h = region.slot_header(k)
-                    if h is None or h.state != _device.SlotState.DONE:
+                    if h is None or h.state != mlayout.SlotState.DONE:
                         continue
                     if generation is not None and h.version.generation != generation:
                         continue
@@ -405,7 +406,7 @@ class MemtierLevel:
             jobs: dict[str, Any] = {}
             out = set()
             for r in dev.shards():
-                if not any((h := r.slot_header(k)) is not None and h.state == _device.SlotState.DONE
+                if not any((h := r.slot_header(k)) is not None and h.state == mlayout.SlotState.DONE
                            for k in range(r.nslots)):
                     continue
                 if job_of_name is not None:

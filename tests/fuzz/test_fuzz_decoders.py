@@ -840,8 +840,9 @@ def memtier_image(tmp_path_factory):
 
 def _memtier(bounded, base, path, data):
     from deepfreeze.memtier import device as D
+    from deepfreeze.memtier import layout as mlayout
     b = bytearray(base)
-    table_off = D.PAGE
+    table_off = mlayout.PAGE
     part = data.draw(st.sampled_from(["superblock", "entry", "index", "slot", "bytes"]), label="part")
     if part == "superblock":
         f = list(D._SB.unpack_from(b, 0))
@@ -877,7 +878,7 @@ def _memtier(bounded, base, path, data):
         slot_off, stride = body[10], body[11]
         k = data.draw(st.integers(0, 1), label="slot")
         off = slot_off + k * stride
-        f = list(D._SLOT.unpack_from(b, off))
+        f = list(mlayout._SLOT.unpack_from(b, off))
         i = data.draw(st.integers(1, len(f) - 1), label="field")
         if isinstance(f[i], bytes):
             f[i] = data.draw(st.binary(min_size=16, max_size=16))
@@ -885,7 +886,7 @@ def _memtier(bounded, base, path, data):
             f[i] = -1.0
         else:
             f[i] = data.draw(st.sampled_from([0, 1, 3, 5, 1 << 20, (1 << 31) - 1]))
-        sh = D._SLOT.pack(*f)
+        sh = mlayout._SLOT.pack(*f)
         b[off:off + len(sh) + 4] = sh + struct.pack("<I", zlib.crc32(sh))
     else:
         b = bytearray(mutate_bytes(data, bytes(b)))
