@@ -2,7 +2,8 @@
 # Idempotent setup: installs what is missing, fast when everything is already there.
 #   - OpenMPI from Debian packages (when root; else a clear message)
 #   - .venv with tensorflow-cpu 2.15.1, numpy<2, isal (fast CRC32), mpi4py, h5py, pytest, matplotlib,
-#     pytest-xdist 3.8.0 (make test runs on several workers), scipy (the stream's learning-curve fits), the redis client (the stream's optional notifier) and
+#     pytest-xdist 3.8.0 (make test runs on several workers), scipy (the stream's learning-curve
+#     fits), the redis client (the stream's optional notifier) and
 #     safetensors (deepfreeze export / memtier dump to .safetensors) and cryptography (Poly1305, the
 #     network payload MAC of deepfreeze.net)
 #   - redis-server from Debian (when root; optional: the stream's Redis tests skip without it)
