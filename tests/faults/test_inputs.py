@@ -142,10 +142,14 @@ def test_backend_killed_in_the_middle_of_a_flush(tmp_path, monkeypatch):
     while not once.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert once.exists(), "the backend did not reach the crash point"
+    # until it is gone or a zombie: dead, not yet reaped by its parent, this process (os.kill(pid, 0)
+    # still finds a zombie: waiting for that waited the whole 60 s out)
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    break
+        except (FileNotFoundError, ProcessLookupError):
             break
         time.sleep(0.01)
     vdir = PersistentLevel(cfg.persistent).version_dir("job", 1)
