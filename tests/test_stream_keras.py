@@ -183,9 +183,19 @@ def test_restarted_consumer_catches_up_and_follows_a_new_generation(out):
 
 def test_producer_killed_mid_publish_leaves_the_last_complete_version_live(out):
     tmp_path, shm = out
-    c = consumer(tmp_path, seconds=25, ref_wait=0)
+    # the consumer serves until the test stops it: 10 s after the producer is dead and the consumer
+    # has swapped in the last complete version (12, or 14 once committed; the 10 s: what the torn v14
+    # and the committed checkpoints may still bring it), not a fixed 25 s from its first version,
+    # which a loaded machine's producer could outlast
+    c = consumer(tmp_path, seconds=600, ref_wait=0)
     r = producer(tmp_path, shm, check=False, schedule=2, sleep=0.1, die_at=14, epochs=2)
     assert r.returncode != 0
+    t0 = time.monotonic()
+    while not [v for v in (12, 14) if (tmp_path / "c0" / "got" / f"v{v}.npz").exists()] \
+            and time.monotonic() - t0 < 180 and c.poll() is None:
+        time.sleep(0.2)
+    time.sleep(10)
+    (tmp_path / "c0" / "stop").touch()
     report = finish(c, tmp_path)
     # the consumer kept serving: its live version is the last one every rank completed (12) or, once
     # the producer is gone, the newest committed checkpoint (the node backends, which outlive the job,
