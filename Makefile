@@ -8,6 +8,10 @@ DEMO_OUT ?= $(CURDIR)/_work/demo
 # ENGINE=veloc runs the demo on a VeloC install pointed to by DEEPFREEZE_VELOC_PREFIX
 ENGINE ?= builtin
 PYTEST_ARGS ?=
+# pytest-xdist workers of test and test-all (TEST_WORKERS=0: one process, no xdist). --dist loadgroup
+# keeps each xdist_group on one worker (tests/conftest.py: a module-scoped fixture's tests, VeloC's)
+TEST_WORKERS ?= 3
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
 .PHONY: setup demo test test-all bench clean
 
@@ -25,10 +29,10 @@ demo: setup
 	$(PY) examples/torch_demo.py restore "$(DEMO_OUT)/torch"
 
 test: setup
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-all: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 clean:
 	rm -rf _work .pytest_cache

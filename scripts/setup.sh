@@ -2,7 +2,8 @@
 # Idempotent setup: installs what is missing, fast when everything is already there.
 #   - OpenMPI from Debian packages (when root; else a clear message)
 #   - .venv with tensorflow-cpu 2.15.1, numpy<2, isal (fast CRC32), mpi4py, h5py, pytest, matplotlib,
-#     scipy (the stream's learning-curve fits), the redis client (the stream's optional notifier) and
+#     pytest-xdist 3.8.0 (make test runs on several workers), scipy (the stream's learning-curve
+#     fits), the redis client (the stream's optional notifier) and
 #     safetensors (deepfreeze export / memtier dump to .safetensors) and cryptography (Poly1305, the
 #     network payload MAC of deepfreeze.net)
 #   - redis-server from Debian (when root; optional: the stream's Redis tests skip without it)
@@ -93,6 +94,13 @@ if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matp
   say "installing tensorflow-cpu==2.15.1 numpy<2 isal mpi4py h5py pytest matplotlib scipy redis safetensors cryptography hypothesis"
   "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" isal mpi4py h5py pytest pytest-timeout matplotlib cmake \
     packaging "scipy<1.14" "redis>=5" safetensors cryptography "hypothesis==6.*"
+fi
+
+# 2b. pytest-xdist, pinned: `make test` runs the suite on several workers (-n, --dist loadgroup;
+# tests that share a machine-wide name are grouped with @pytest.mark.xdist_group)
+if ! "$VPY" -c "import xdist, importlib.metadata as m; assert m.version('pytest-xdist') == '3.8.0'" >/dev/null 2>&1; then
+  say "installing pytest-xdist==3.8.0"
+  "$VPY" -m pip install -q "pytest-xdist==3.8.0"
 fi
 
 # 3. Horovod from source

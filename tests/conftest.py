@@ -7,6 +7,27 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# Every mpirun the tests start (and its ranks) yields the CPU while it waits on MPI instead of
+# polling: Open MPI polls unless it sees more ranks than cores, and the suite runs its jobs beside
+# each other (pytest-xdist workers) and beside other work, where a polling rank burns the core its
+# peer needs (a 2-rank Horovod job of tests/workers/train.py: 28 CPU-s polling, 18 yielding, same
+# result). A setting of the caller's own wins.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    """``make test`` runs on several pytest-xdist workers (``--dist loadgroup``). A test that uses a
+    module-scoped fixture (one job or server whose results several tests read) joins its module's
+    group, so the fixture runs once, on one worker, as in a serial run. Tests that share a
+    machine-wide name (the one VeloC daemon of a user) carry their own ``xdist_group`` mark."""
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        if defs is None:
+            continue
+        if any(fd.scope in ("module", "package") for fds in defs.name2fixturedefs.values() for fd in fds):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
 
 @pytest.fixture(autouse=True)
 def _private_runtime_dir(tmp_path_factory, monkeypatch):

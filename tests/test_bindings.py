@@ -16,6 +16,9 @@ from deepfreeze.errors import DeepFreezeError, VelocNotFoundError
 
 from _util import WORKERS
 
+# the one VeloC daemon of a user on this machine: its tests run on one xdist worker, one at a time
+pytestmark = pytest.mark.xdist_group("veloc")
+
 WHY = vb.available()
 needs_veloc = pytest.mark.skipif(WHY is not None, reason=f"VeloC not found: {WHY}")
 

@@ -31,7 +31,7 @@ def _veloc_missing():
     return available()
 
 
-@pytest.fixture(params=["builtin", "veloc"])
+@pytest.fixture(params=["builtin", pytest.param("veloc", marks=pytest.mark.xdist_group("veloc"))])  # one VeloC daemon per user
 def engine(request):
     if request.param == "veloc":
         why = _veloc_missing()

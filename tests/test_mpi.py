@@ -99,6 +99,7 @@ def test_horovod_job_with_xor_protection_survives_a_lost_node(tmp_path):
     assert p.stdout.count("v16 step 16 bitexact=True") == 2, p.stdout
 
 
+@pytest.mark.xdist_group("veloc")  # the one VeloC daemon of a user on this machine
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_horovod_job_on_real_veloc(tmp_path, mode, write_once):
     """engine="veloc": the same callback and hook; VeloC writes scratch and flushes, DeepFreeze

@@ -126,19 +126,24 @@ def test_restarted_consumer_catches_up_and_follows_a_new_generation(out):
     newest version at once; a producer that overwrites the channel (new generation, steps from 1)
     is followed; a second job on the name while the first runs is refused."""
     tmp_path, shm = out
-    c1 = consumer(tmp_path, tag="c1", seconds=200)
-    deadline = time.monotonic() + 120
+    c1 = consumer(tmp_path, tag="c1", seconds=300)
+    # the waits are bounded by the producer's progress, not by a wall clock a loaded machine outruns
+    # (the producer's mpirun bound elsewhere: 300 s); it serves until the test is done with it
+    # (hold_until, at most 300 s), however long the refused second job and c2 take to start
+    deadline = time.monotonic() + 300
+    release = tmp_path / "release-producer"
     p = subprocess.Popen(["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", "2", "-x", "DEEPFREEZE_TOKEN",
                           sys.executable, os.path.join(WORKERS, "stream_producer.py"), str(tmp_path), "schedule=2",
-                          "sleep=0.1", "hold=25", f"shm_dir={shm}"],
+                          "sleep=0.1", "hold=300", f"hold_until={release}", f"shm_dir={shm}"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", DEEPFREEZE_TOKEN=TOKEN))
     try:
-        while not glob.glob(str(tmp_path / "c1" / "got" / "v*.npz")) and time.monotonic() < deadline:
+        while not glob.glob(str(tmp_path / "c1" / "got" / "v*.npz")) and time.monotonic() < deadline \
+                and p.poll() is None and c1.poll() is None:
             time.sleep(0.2)
         c1.send_signal(signal.SIGKILL)
         c1.wait()
-        while not (tmp_path / "producer0.json").exists() and time.monotonic() < deadline:
+        while not (tmp_path / "producer0.json").exists() and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.2)
         assert (tmp_path / "producer0.json").exists(), "the producer did not finish"
         last = json.load(open(tmp_path / "producer0.json"))["published"][-1]
@@ -148,14 +153,17 @@ def test_restarted_consumer_catches_up_and_follows_a_new_generation(out):
         os.symlink(tmp_path / "persistent", other / "persistent")
         r = producer(other, shm, np_=1, check=False, schedule=2, epochs=1)
         assert r.returncode != 0 and "LeaseHeldError" in r.stderr + r.stdout, (r.stdout + r.stderr)[-3000:]
-        c2 = consumer(tmp_path, tag="c2", seconds=150, until=10 ** 6, first_timeout=60)
+        # c2 runs until the test stops it (its file "stop"), after the second job below
+        c2 = consumer(tmp_path, tag="c2", seconds=600, until=10 ** 6, first_timeout=180)
         t0 = time.monotonic()
-        while not glob.glob(str(tmp_path / "c2" / "got" / "v*.npz")) and time.monotonic() - t0 < 60:
+        while not glob.glob(str(tmp_path / "c2" / "got" / "v*.npz")) and time.monotonic() - t0 < 180 \
+                and c2.poll() is None:
             time.sleep(0.2)
         got = sorted(glob.glob(str(tmp_path / "c2" / "got" / "v*.npz")))
         assert got, open(tmp_path / "consumer-c2.log").read()[-3000:]
         assert os.path.basename(got[0]) == f"v{last}.npz"
     finally:
+        release.touch()  # the producer closes now
         out_p, _ = p.communicate(timeout=200)
     assert p.returncode == 0, out_p[-4000:]
     # the channel overwritten by a new job: generation 1, steps restart; the running consumer follows
@@ -175,9 +183,19 @@ def test_restarted_consumer_catches_up_and_follows_a_new_generation(out):
 
 def test_producer_killed_mid_publish_leaves_the_last_complete_version_live(out):
     tmp_path, shm = out
-    c = consumer(tmp_path, seconds=25, ref_wait=0)
+    # the consumer serves until the test stops it: 10 s after the producer is dead and the consumer
+    # has swapped in the last complete version (12, or 14 once committed; the 10 s: what the torn v14
+    # and the committed checkpoints may still bring it), not a fixed 25 s from its first version,
+    # which a loaded machine's producer could outlast
+    c = consumer(tmp_path, seconds=600, ref_wait=0)
     r = producer(tmp_path, shm, check=False, schedule=2, sleep=0.1, die_at=14, epochs=2)
     assert r.returncode != 0
+    t0 = time.monotonic()
+    while not [v for v in (12, 14) if (tmp_path / "c0" / "got" / f"v{v}.npz").exists()] \
+            and time.monotonic() - t0 < 180 and c.poll() is None:
+        time.sleep(0.2)
+    time.sleep(10)
+    (tmp_path / "c0" / "stop").touch()
     report = finish(c, tmp_path)
     # the consumer kept serving: its live version is the last one every rank completed (12) or, once
     # the producer is gone, the newest committed checkpoint (the node backends, which outlive the job,

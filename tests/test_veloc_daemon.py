@@ -13,6 +13,9 @@ from deepfreeze import Config, backend
 from deepfreeze.veloc_daemon import (READY_FILE, clean_veloc_leftovers, stop_veloc_daemon, veloc_backend,
                                      veloc_daemon_status)
 
+# the one VeloC daemon of a user on this machine: its tests run on one xdist worker, one at a time
+pytestmark = pytest.mark.xdist_group("veloc")
+
 
 def _veloc_missing():
     try:

@@ -441,6 +441,7 @@ class Cluster:
             "OMPI_MCA_btl_tcp_if_include": f"{self.subnet}.0/24",
             "OMPI_MCA_btl": "self,vader,tcp",
             "OMPI_MCA_rmaps_base_oversubscribe": "1",
+            "OMPI_MCA_mpi_yield_when_idle": "1",  # every node shares this machine's cores: wait, don't poll
             "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
             "TF_CPP_MIN_LOG_LEVEL": "2",
         })

@@ -8,7 +8,9 @@ OUT/persistent. A PublishCallback publishes channel ``name`` (schedule ``every``
 Rank 0 saves the model's weights right after every published step to OUT/expected/v<step>.npz
 (and after every checkpointed step to OUT/expected_ckpt/v<step>.npz): the references.
 ``sleep`` seconds per batch slow training down (a consumer has time to follow);
-``hold`` seconds at the end keep the publisher serving before it closes.
+``hold`` seconds at the end keep the publisher serving before it closes; with ``hold_until=PATH``
+it closes as soon as PATH exists (``hold`` is then the most it waits: the test says when it is done
+with the live publisher, however slow the machine).
 ``slow_write=S`` (fault injection by subclassing): the last rank's scratch writer takes S more
 seconds per shard, so only that rank's writer is busy; each rank records, per publish-only capture,
 its own vote (writer busy) and the shared decision in producer<rank>.json ("votes").
@@ -158,7 +160,9 @@ def main() -> None:
               "steps_per_epoch": int(model.optimizer.iterations.numpy()) // int(opts.get("epochs", 2))}
     with open(f"{out}/producer{rank}.json", "w") as f:
         json.dump(report, f)
-    time.sleep(float(opts.get("hold", 0)))
+    held = time.monotonic() + float(opts.get("hold", 0))
+    while time.monotonic() < held and not ("hold_until" in opts and os.path.exists(opts["hold_until"])):
+        time.sleep(0.1)
     if ckpt is not None:
         ckpt.close()
     pub.close()
