@@ -139,7 +139,7 @@ from .fused import FusedLayout, FusedShard
 from .errors import (BackendError, BackendUnresponsiveError, CheckpointWriteError, ConfigError, DeepFreezeError,
                      MemtierBusyError, MemtierError)
 from .tiers import choose
-from .tiers.direct import write_version
+from .tiers.direct import decide, write_version
 from .tiers.flush import flush_job
 from .tiers.memtier import MemtierTier, SlotSource
 from .tiers.persistent import PersistentLevel
@@ -616,35 +616,36 @@ class Engine:
             self._called.pop(version, None)
 
     def _write_version(self, version: int, arrays: Sequence[np.ndarray], manifest: dict[str, Any]) -> None:
+        """Write one version where :meth:`deepfreeze.tiers.Tiers.route` sends it (with write once, by
+        the writer's own decision of it), then hand its flush job to the backend."""
         cfg = self.config
         t0 = time.perf_counter()
-        if self._mt is not None:  # the memory tier: a slot instead of a scratch file (no redundancy)
-            source = self._memtier_put(version, arrays, manifest)
-            self.write_times[version] = time.perf_counter() - t0
-            self._flush(version, manifest, source)
-            return
-        direct = write_version(cfg, self.name, version, self.rank, self.plan, arrays, self.run.id,
-                                         critical=self._pool.run_normal,
-                                         level_cls=self.persistent_cls) if self.write_once else None
-        if direct is not None:  # written once, into persistent's partial: no scratch file
-            self.write_times[version] = time.perf_counter() - t0
-            self._flush(version, manifest, direct=direct)
-            return
-        asked: list[float] = []
+        decided = decide(cfg, self.name, version, self.run.id, critical=self._pool.run_normal,
+                         level_cls=self.persistent_cls) if self.tiers.wants_decision else None
+        route = self.tiers.route(decided.kind if decided is not None else None)
+        if route == "memtier":  # a slot instead of a scratch file (no redundancy)
+            spec: Any = self._memtier_put(version, arrays, manifest)
+        elif route == "direct":  # written once, into persistent's partial: no scratch file
+            spec = write_version(cfg, decided, self.name, version, self.rank, self.plan, arrays)
+        else:
+            asked: list[float] = []
 
-        def due() -> bool:  # asked once the shard is on scratch (rank 0's answer counts: redundancy.protect)
-            asked.append(time.monotonic())
-            return self._last_ec is None or asked[0] - self._last_ec >= cfg.ec_interval
-        if self.scratch.write_version(self.name, version, self.rank, self.plan, arrays, manifest, chksum=cfg.chksum,
-                                      run=self.run.id, comm=self.comm, redundancy=self.redundancy, due=due):
-            self._last_ec = asked[0]
+            def due() -> bool:  # asked once the shard is on scratch (rank 0's answer counts: redundancy.protect)
+                asked.append(time.monotonic())
+                return self._last_ec is None or asked[0] - self._last_ec >= cfg.ec_interval
+            if self.scratch.write_version(self.name, version, self.rank, self.plan, arrays, manifest,
+                                          chksum=cfg.chksum, run=self.run.id, comm=self.comm,
+                                          redundancy=self.redundancy, due=due):
+                self._last_ec = asked[0]
+            spec = None
         self.write_times[version] = time.perf_counter() - t0
-        self._flush(version, manifest)
+        self._flush(version, manifest, route, spec)
 
-    def _flush(self, version: int, manifest: dict[str, Any], source: SlotSource | None = None,
-               direct: dict[str, Any] | None = None) -> None:
-        """Hand the version's flush job to the backend (async) or run it (sync); ``direct``: the
-        record of a version written once into persistent (:func:`deepfreeze.tiers.direct.write_version`)."""
+    def _flush(self, version: int, manifest: dict[str, Any], source: str = SCRATCH, spec: Any = None) -> None:
+        """Hand the version's flush job to the backend (async) or run it (sync); ``source``: the
+        route the version took (a source kind of :mod:`deepfreeze.tiers.job`), ``spec`` its record
+        (a memory-tier slot, :class:`~deepfreeze.tiers.memtier.SlotSource`; a version written once,
+        :func:`deepfreeze.tiers.direct.write_version`'s record; scratch: None)."""
         cfg = self.config
         t, interval = self._called.pop(version, (time.monotonic(), None))
         job = FlushJob(name=self.name, version=version, rank=self.rank, scratch=cfg.scratch, persistent=cfg.persistent,
@@ -653,8 +654,7 @@ class Engine:
                        lease_timeout=cfg.lease_timeout, shared_group=cfg.shared_group,
                        watchdog_interval=cfg.watchdog_interval,
                        t=t, interval=interval, priority=cfg.background_priority,  # the backend's bound (priority.py)
-                       source=source.kind if source is not None else "direct" if direct is not None else SCRATCH,
-                       spec=source if source is not None else direct)
+                       source=source, spec=spec)
         if self._backend is not None:
             self._in_backend = True
             try:

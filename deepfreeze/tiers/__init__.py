@@ -107,10 +107,17 @@ class Tiers:
     #: versions decided ``flush`` are written once, from memory into persistent
     write_once: bool
 
+    @property
+    def wants_decision(self) -> bool:
+        """Whether the writer decides each version itself before :meth:`route` (write once in
+        effect: :func:`deepfreeze.tiers.direct.decide`, the flush's own call)."""
+        return self.write_once and not self.memtier
+
     def route(self, decision: str | None = None) -> str:
-        """Where one version goes: ``memtier``; ``direct`` when write once is in effect and the
-        writer's decision (:meth:`~deepfreeze.tiers.persistent.PersistentLevel.decide`, taken by this
-        run) is ``flush``; else (``skip``, no decision, the lease lost) ``scratch``."""
+        """Where one version goes, named as the flush job's source kind (:mod:`deepfreeze.tiers.job`):
+        ``memtier``; ``direct`` when write once is in effect and the writer's decision
+        (:func:`deepfreeze.tiers.direct.decide`, taken by this run) is ``flush``; else (``skip``, no
+        decision, the lease lost) ``scratch``. The engine's writer follows it and nothing else."""
         if self.memtier:
             return "memtier"
         if self.write_once and decision == "flush":

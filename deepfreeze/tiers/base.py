@@ -49,10 +49,11 @@ class Tier(abc.ABC):
     Call order, for a writer (one rank, per version; :class:`deepfreeze.engine.Engine`), after
     :func:`deepfreeze.tiers.choose` gave the engine its :class:`~deepfreeze.tiers.Tiers`::
 
-        route = tiers.route(decision)       # memtier | direct | scratch (the writer's own decision)
+        decided = direct.decide(...)        # only when tiers.wants_decision (write once in effect)
+        route = tiers.route(decided.kind)   # memtier | direct | scratch: the flush job's source kind
         where = <the tier's write>          # ScratchLevel.write_version -> the shard path (shard,
                                             #   partner copies or parity, manifest); direct.write_version
-                                            #   -> the write-once record (None: go to scratch);
+                                            #   -> the write-once record;
                                             #   MemtierTier.local_put or the backend's copy -> SlotSource
         flush_job(job)                      # reads the shard from ``where`` into persistent:
                                             #   PersistentLevel.flush_shard (the commit protocol)

@@ -46,7 +46,7 @@ from ..shardplan import ShardPlan
 from .job import FlushJob, register as register_source
 from .persistent import FencedError, PersistentLevel
 
-__all__ = ["same_file_system", "write_version"]
+__all__ = ["Decided", "decide", "same_file_system", "write_version"]
 
 MOUNTINFO = "/proc/self/mountinfo"
 
@@ -123,18 +123,29 @@ def same_file_system(a: str, b: str, *, mountinfo: str = MOUNTINFO) -> tuple[boo
     return True, f"both on the {ma[2]} file system {ma[3]} (device {dev}, mounted on {ma[0]}{'' if ma == mb else ', ' + mb[0]})"
 
 
-def write_version(config: Config, name: str, version: int, rank: int, plan: ShardPlan,
-                  arrays: "Sequence[np.ndarray] | FusedShard", run: str, *,
-                  critical: Any = None, level_cls: type = PersistentLevel) -> dict[str, Any] | None:
-    """Decide ``version`` (:meth:`PersistentLevel.decide`, the flush's own call) and, decided
-    ``flush`` by this run, write this rank's pieces into its partial (:meth:`PersistentLevel.write_direct`);
-    return the flush job's ``direct`` record. None when the version goes through scratch instead
-    (decided ``skip``, no persistent level, or the run lost its lease: the flush then abandons it).
-    ``critical`` (the engine's :meth:`deepfreeze.priority.Lanes.run_normal`): runs the decision,
-    a ``commit.lock`` section other nodes wait on, at normal priority (:meth:`PersistentLevel.critical`).
-    ``level_cls``: the :class:`PersistentLevel` (sub)class that writes (faults are injected by subclassing).
-    Raises :class:`~deepfreeze.errors.CheckpointWriteError` when the writes it plans would not leave
-    every piece's bytes where their CRCs say (:meth:`PersistentLevel.write_direct`): nothing is written."""
+class Decided:
+    """A version decided by this run's writer (:func:`decide`): the level that decided it and the
+    decision record (``decision["decision"]`` is ``flush`` or ``skip``)."""
+
+    __slots__ = ("level", "decision")
+
+    def __init__(self, level: PersistentLevel, decision: dict[str, Any]) -> None:
+        self.level, self.decision = level, decision
+
+    @property
+    def kind(self) -> str:
+        """``flush`` or ``skip``: what :meth:`deepfreeze.tiers.Tiers.route` reads."""
+        return self.decision["decision"]
+
+
+def decide(config: Config, name: str, version: int, run: str, *, critical: Any = None,
+           level_cls: type = PersistentLevel) -> "Decided | None":
+    """Decide ``version`` in the writer (:meth:`PersistentLevel.decide`, the flush's own call); None
+    when there is no decision to follow (no persistent level, or the run lost its lease: the
+    version then goes to scratch and the flush abandons it). ``critical`` (the engine's
+    :meth:`deepfreeze.priority.Lanes.run_normal`): runs the decision, a ``commit.lock`` section
+    other nodes wait on, at normal priority (:meth:`PersistentLevel.critical`). ``level_cls``: the
+    :class:`PersistentLevel` (sub)class that decides and writes (faults are injected by subclassing)."""
     level = level_cls(config.persistent, shared_group=config.shared_group)
     if critical is not None:
         level.critical = critical
@@ -143,9 +154,17 @@ def write_version(config: Config, name: str, version: int, rank: int, plan: Shar
                                   stale_after=config.lease_timeout)
     except FencedError:
         return None
-    if decision is None or decision["decision"] != "flush":
-        return None
-    return level.write_direct(name, version, rank, plan, arrays, decision, chksum=config.chksum)
+    return None if decision is None else Decided(level, decision)
+
+
+def write_version(config: Config, decided: Decided, name: str, version: int, rank: int, plan: ShardPlan,
+                  arrays: "Sequence[np.ndarray] | FusedShard") -> dict[str, Any]:
+    """Write this rank's pieces of a version ``decided`` ``flush`` (:func:`decide`; routed here by
+    :meth:`deepfreeze.tiers.Tiers.route`) into its partial (:meth:`PersistentLevel.write_direct`);
+    return the flush job's ``direct`` record (its spec, source kind ``direct``).
+    Raises :class:`~deepfreeze.errors.CheckpointWriteError` when the writes it plans would not leave
+    every piece's bytes where their CRCs say (:meth:`PersistentLevel.write_direct`): nothing is written."""
+    return decided.level.write_direct(name, version, rank, plan, arrays, decided.decision, chksum=config.chksum)
 
 
 def _direct_record(spec: Any, job: FlushJob) -> dict[str, Any]:
