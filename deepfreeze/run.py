@@ -72,7 +72,7 @@ class Run:
             raise ConfigError(f"on_error = {on_error!r}: use 'raise' (stop training) or 'warn' (log and go on)")
         scratch_cls = ScratchLevel if scratch_cls is None else scratch_cls
         if not (isinstance(scratch_cls, type) and issubclass(scratch_cls, ScratchLevel)):
-            raise ConfigError("scratch_cls must be a subclass of deepfreeze.levels.ScratchLevel")
+            raise ConfigError("scratch_cls must be a subclass of deepfreeze.tiers.scratch.ScratchLevel")
         trust = ([trust_owners] if isinstance(trust_owners, (str, int)) else
                  list(trust_owners) if trust_owners else None)
         trusted_uids(trust)  # an unknown user name is a ConfigError now, not at resume

@@ -1,5 +1,5 @@
 """The shard file path at disk speed: a FusedShard written as is, chunked CRC+write, the flush's grouped
-reads and early write-back (deepfreeze.levels.write_shard_file, _copy_checked, _start_writeback)."""
+reads and early write-back (deepfreeze.tiers.shardbytes.write_shard_file, _copy_checked, _start_writeback)."""
 import dataclasses
 import os
 

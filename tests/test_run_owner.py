@@ -31,7 +31,7 @@ def where(d) -> dict:
 
 #: bad arguments both adapters take, and a piece of the one message each gets
 BAD = [({"on_error": "ignore"}, "on_error = 'ignore'"),
-       ({"scratch_cls": dict}, "scratch_cls must be a subclass of deepfreeze.levels.ScratchLevel"),
+       ({"scratch_cls": dict}, "scratch_cls must be a subclass of deepfreeze.tiers.scratch.ScratchLevel"),
        ({"scratch_cls": ScratchLevel(".")}, "scratch_cls must be a subclass"),
        ({"trust_owners": ["no-such-user-df33"]}, "no user named 'no-such-user-df33'"),
        ({"trust_owners": [1.5]}, "1.5 is neither a user name nor a uid"),
