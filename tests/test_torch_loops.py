@@ -71,15 +71,38 @@ def _kill_and_resume(out: str, shape: str) -> dict:
     return i0
 
 
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """Each fast shape killed in a job of its own (rank 1 SIGKILLs itself), then the relaunches with
+    ``resume=True`` of all of them one after the other in one job (as the uninterrupted runs): what
+    :func:`_kill_and_resume` does per shape, with one relaunch instead of five. Returns the output
+    directory and, per shape, the killed job's return code and whether rank 0 had written its
+    final.npz before the relaunch (each test asserts on its own shape's)."""
+    out = str(tmp_path_factory.mktemp("loops_killed"))
+    killed = {}
+    for shape in FAST:
+        _, _, kill = SHAPES[shape]
+        p = torchrun(2, LOOPS, out, f"shape={shape}", *_args(shape), f"kill_at={kill}", check=False)
+        killed[shape] = (p.returncode, os.path.exists(os.path.join(out, shape, "r0", "final.npz")))
+    torchrun(2, LOOPS, out, "shape=" + ",".join(FAST), *[a for s in FAST for a in _args(s)], "resume=1", timeout=400)
+    return out, killed
+
+
+@pytest.mark.timeout(1200)  # the first of these runs both fixtures' jobs (7 jobs; 417 s at load 19 on 2 cores)
 @pytest.mark.parametrize("shape", FAST)
-def test_kill9_and_resume_equals_uninterrupted(uninterrupted, tmp_path, shape):
-    i0 = _kill_and_resume(str(tmp_path), shape)
+def test_kill9_and_resume_equals_uninterrupted(uninterrupted, killed_and_resumed, shape):
+    out, killed = killed_and_resumed
+    returncode, final_before_relaunch = killed[shape]
+    assert returncode != 0, f"{shape}: the job was not killed"
+    assert not final_before_relaunch
+    i0 = _info(out, shape, 0)
+    assert i0["resumed_from"] is not None and 0 < i0["resumed_from"] < i0["step"], i0
     if shape in ("dl", "sdl"):
         assert i0["start_epoch"] == 2, i0  # resumed mid-epoch (v9: the 2nd batch of epoch 2)
     if shape == "plateau":
         assert i0["resumed_from"] == 8 and i0["start_epoch"] == 1, i0  # the last step of epoch 1, before validation
     for r in (0, 1):
-        bad = _differ(os.path.join(tmp_path, shape, f"r{r}", "final.npz"),
+        bad = _differ(os.path.join(out, shape, f"r{r}", "final.npz"),
                       os.path.join(uninterrupted, shape, f"r{r}", "final.npz"))
         assert not bad, f"{shape}: rank {r}: {len(bad)} leaves differ from the uninterrupted run: {bad[:6]}"
 
