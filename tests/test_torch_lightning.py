@@ -59,22 +59,44 @@ def assert_equal_runs(got: str, want: str) -> None:
         assert la and all(la[s] == lb[s] for s in la), f"rank {r}: the loss of a resumed step differs"
 
 
+#: the two fits the kill tests below take apart: the default loader, and 2 loader workers over items
+#: without random noise
+FITS = {"default": ("epochs=2",), "workers": ("epochs=2", "workers=2", "aug=none")}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted 2-rank fit (2 epochs of 6 batches per rank, a checkpoint every 4 steps)."""
-    out = str(tmp_path_factory.mktemp("lightning_ref"))
-    torchrun(2, TRAIN, out, "epochs=2")
-    return out
+    """The uninterrupted 2-rank fits of :data:`FITS` (2 epochs of 6 batches per rank, a checkpoint
+    every 4 steps), one after the other in one job (tests/workers/lightning_train.py ``--``): {fit: OUT}."""
+    base = tmp_path_factory.mktemp("lightning_ref")
+    outs = {f: str(base / f) for f in FITS}
+    torchrun(2, TRAIN, outs["default"], *FITS["default"], "--", outs["workers"], *FITS["workers"])
+    return outs
 
 
-def test_kill9_mid_epoch_then_resume_equals_uninterrupted(reference, tmp_path):
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """Each fit of :data:`FITS` killed in a job of its own (rank 1 SIGKILLs itself when global step
+    10 starts), then both relaunched with resume=True one after the other in one job: {fit: (OUT,
+    the killed job's return code, whether rank 0 had written final.json before the relaunch)}."""
+    base = tmp_path_factory.mktemp("lightning_killed")
+    got = {}
+    for f, args in FITS.items():
+        out = str(base / f)
+        p = torchrun(2, TRAIN, out, *args, "kill_at=10", check=False)
+        got[f] = (out, p.returncode, os.path.exists(os.path.join(out, "r0", "final.json")))
+    torchrun(2, TRAIN, got["default"][0], *FITS["default"], "resume=1",
+             "--", got["workers"][0], *FITS["workers"], "resume=1")
+    return got
+
+
+def test_kill9_mid_epoch_then_resume_equals_uninterrupted(reference, killed_and_resumed):
     """Rank 1 SIGKILLs itself when global step 10 starts (epoch 1, batch 4); the relaunch with
     resume=True continues from v8 (epoch 1, batch 2: mid-epoch) and ends bit-identical to the
     uninterrupted fit on both ranks."""
-    out = str(tmp_path)
-    p = torchrun(2, TRAIN, out, "epochs=2", "kill_at=10", check=False)
-    assert p.returncode != 0 and not os.path.exists(os.path.join(out, "r0", "final.json"))
-    torchrun(2, TRAIN, out, "epochs=2", "resume=1")
+    out, returncode, final_before_relaunch = killed_and_resumed["default"]  # epochs=2, kill_at=10, then resume=1
+    assert returncode != 0 and not final_before_relaunch
+    reference = reference["default"]
     _, info = _final(out, 0)
     assert info["resumed_from"] in (4, 8), info["resumed_from"]  # v4 if v8 was not on scratch yet: both mid-epoch
     assert min(_losses(out, 0)) == 0 and 8 in _losses(out, 0)
@@ -82,19 +104,15 @@ def test_kill9_mid_epoch_then_resume_equals_uninterrupted(reference, tmp_path):
     assert_equal_runs(out, reference)
 
 
-def test_kill9_mid_epoch_with_loader_workers_then_resume_equals_uninterrupted(tmp_path):
+def test_kill9_mid_epoch_with_loader_workers_then_resume_equals_uninterrupted(reference, killed_and_resumed):
     """The loader with 2 worker processes (items without random noise): rank 1 SIGKILLs itself at
     step 10, the relaunch resumes from v8 (epoch 1, batch 2) and ends bit-identical to the
     uninterrupted fit. The restored iterator's workers prefetch indices before Lightning sets the
     sampler's epoch: without the callback's ``on_train_start`` the rest of epoch 1 was epoch 0's
     permutation."""
-    args = ("epochs=2", "workers=2", "aug=none")
-    ref = str(tmp_path / "ref")
-    torchrun(2, TRAIN, ref, *args)
-    out = str(tmp_path / "crash")
-    p = torchrun(2, TRAIN, out, *args, "kill_at=10", check=False)
-    assert p.returncode != 0 and not os.path.exists(os.path.join(out, "r0", "final.json"))
-    torchrun(2, TRAIN, out, *args, "resume=1")
+    ref = reference["workers"]  # epochs=2 workers=2 aug=none
+    out, returncode, final_before_relaunch = killed_and_resumed["workers"]  # the same, kill_at=10, then resume=1
+    assert returncode != 0 and not final_before_relaunch
     _, info = _final(out, 0)
     assert info["resumed_from"] in (4, 8), info["resumed_from"]
     assert_equal_runs(out, ref)
