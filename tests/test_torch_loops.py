@@ -40,14 +40,6 @@ def _args(shape: str) -> list[str]:
     return [f"every_{shape}={every}", f"steps_{shape}={steps}"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The uninterrupted runs of the fast shapes, one after the other in one job."""
-    out = str(tmp_path_factory.mktemp("loops_ref"))
-    torchrun(2, LOOPS, out, "shape=" + ",".join(FAST), *[a for s in FAST for a in _args(s)], timeout=400)
-    return out
-
-
 def _info(out: str, shape: str, rank: int) -> dict:
     with open(os.path.join(out, shape, f"r{rank}", "info.json")) as f:
         return json.load(f)
@@ -73,25 +65,29 @@ def _kill_and_resume(out: str, shape: str) -> dict:
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory):
-    """Each fast shape killed in a job of its own (rank 1 SIGKILLs itself), then the relaunches with
-    ``resume=True`` of all of them one after the other in one job (as the uninterrupted runs): what
-    :func:`_kill_and_resume` does per shape, with one relaunch instead of five. Returns the output
-    directory and, per shape, the killed job's return code and whether rank 0 had written its
-    final.npz before the relaunch (each test asserts on its own shape's)."""
+    """Each fast shape killed in a job of its own (rank 1 SIGKILLs itself); then one job runs the
+    uninterrupted runs of the fast shapes one after the other, and then the relaunches with
+    ``resume=True`` of the killed ones, one after the other (tests/workers/torch_loops.py ``--``):
+    what :func:`_kill_and_resume` does per shape, with one relaunch instead of five, beside the
+    uninterrupted runs. Returns the uninterrupted runs' output directory, the killed runs', and, per
+    shape, the killed job's return code and whether rank 0 had written its final.npz before the
+    relaunch (each test asserts on its own shape's)."""
+    ref = str(tmp_path_factory.mktemp("loops_ref"))
     out = str(tmp_path_factory.mktemp("loops_killed"))
     killed = {}
     for shape in FAST:
         _, _, kill = SHAPES[shape]
         p = torchrun(2, LOOPS, out, f"shape={shape}", *_args(shape), f"kill_at={kill}", check=False)
         killed[shape] = (p.returncode, os.path.exists(os.path.join(out, shape, "r0", "final.npz")))
-    torchrun(2, LOOPS, out, "shape=" + ",".join(FAST), *[a for s in FAST for a in _args(s)], "resume=1", timeout=400)
-    return out, killed
+    every_shape = ["shape=" + ",".join(FAST), *[a for s in FAST for a in _args(s)]]
+    torchrun(2, LOOPS, ref, *every_shape, "--", out, *every_shape, "resume=1", timeout=600)
+    return ref, out, killed
 
 
-@pytest.mark.timeout(1200)  # the first of these runs both fixtures' jobs (7 jobs; 417 s at load 19 on 2 cores)
+@pytest.mark.timeout(1200)  # the first of these runs the fixture's 6 jobs (7 jobs took 417 s at load 19 on 2 cores)
 @pytest.mark.parametrize("shape", FAST)
-def test_kill9_and_resume_equals_uninterrupted(uninterrupted, killed_and_resumed, shape):
-    out, killed = killed_and_resumed
+def test_kill9_and_resume_equals_uninterrupted(killed_and_resumed, shape):
+    uninterrupted, out, killed = killed_and_resumed
     returncode, final_before_relaunch = killed[shape]
     assert returncode != 0, f"{shape}: the job was not killed"
     assert not final_before_relaunch
