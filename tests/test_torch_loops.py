@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh installs torch==2.13.0, CPU)")
 
-from _util import WORKERS  # noqa: E402
+from _util import WORKERS, as_in_a_test  # noqa: E402
 from test_torch import npz, torchrun  # noqa: E402
 
 LOOPS = os.path.join(WORKERS, "torch_loops.py")
@@ -75,12 +75,13 @@ def killed_and_resumed(tmp_path_factory):
     ref = str(tmp_path_factory.mktemp("loops_ref"))
     out = str(tmp_path_factory.mktemp("loops_killed"))
     killed = {}
-    for shape in FAST:
-        _, _, kill = SHAPES[shape]
-        p = torchrun(2, LOOPS, out, f"shape={shape}", *_args(shape), f"kill_at={kill}", check=False)
-        killed[shape] = (p.returncode, os.path.exists(os.path.join(out, shape, "r0", "final.npz")))
-    every_shape = ["shape=" + ",".join(FAST), *[a for s in FAST for a in _args(s)]]
-    torchrun(2, LOOPS, ref, *every_shape, "--", out, *every_shape, "resume=1", timeout=600)
+    with as_in_a_test(tmp_path_factory):
+        for shape in FAST:
+            _, _, kill = SHAPES[shape]
+            p = torchrun(2, LOOPS, out, f"shape={shape}", *_args(shape), f"kill_at={kill}", check=False)
+            killed[shape] = (p.returncode, os.path.exists(os.path.join(out, shape, "r0", "final.npz")))
+        every_shape = ["shape=" + ",".join(FAST), *[a for s in FAST for a in _args(s)]]
+        torchrun(2, LOOPS, ref, *every_shape, "--", out, *every_shape, "resume=1", timeout=600)
     return ref, out, killed
 
 
