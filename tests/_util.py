@@ -101,3 +101,17 @@ def replace_record(path: str, record: bytes) -> None:
     reseal_shard(b)
     with open(path, "wb") as f:
         f.write(b)
+
+
+@contextlib.contextmanager
+def as_in_a_test(tmp_path_factory):
+    """For the jobs a module-scoped fixture starts in place of tests: the environment
+    tests/conftest.py's autouse ``_private_runtime_dir`` gives a test and the processes it starts
+    (this session's backend socket directory, a 2 s backend idle time). A module-scoped fixture is
+    set up before the test's function-scoped fixtures, so it runs without them."""
+    d = tmp_path_factory.getbasetemp() / "run"
+    d.mkdir(mode=0o700, exist_ok=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPFREEZE_RUNTIME_DIR", str(d))
+        mp.setenv("DEEPFREEZE_BACKEND_IDLE", "2")
+        yield

@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh installs torch==2.13.0, CPU)")
 
-from _util import ROOT, WORKERS  # noqa: E402
+from _util import ROOT, WORKERS, as_in_a_test  # noqa: E402
 
 TRAIN = os.path.join(WORKERS, "torch_train.py")
 RESTORE = os.path.join(WORKERS, "torch_restore.py")
@@ -73,12 +73,26 @@ def loaded(out: str, version: int, rank: int = 0) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
+def ddp_and_killed(tmp_path_factory):
+    """The run of :func:`ddp_run`, and the run test_kill9_then_resume_equals_uninterrupted kills:
+    killed in a job of its own (rank 1 SIGKILLs itself at iteration 11), then one job relaunches it
+    with resume=True and then makes the uninterrupted run (tests/workers/torch_train.py ``--``).
+    Returns (the uninterrupted run's OUT, (the killed run's OUT, the killed job's return code,
+    whether rank 0 had written final.npz before the relaunch))."""
+    out, killed = str(tmp_path_factory.mktemp("ddp")), str(tmp_path_factory.mktemp("killed"))
+    with as_in_a_test(tmp_path_factory):
+        p = torchrun(2, TRAIN, killed, "steps=14", "scaler=1", "kill_at=11", check=False)
+        final_before_relaunch = os.path.exists(os.path.join(killed, "r0", "final.npz"))
+        torchrun(2, TRAIN, killed, "steps=14", "scaler=1", "resume=1", "--", out, "steps=14", "scaler=1", "ec=1",
+                 timeout=480)
+    return out, (killed, p.returncode, final_before_relaunch)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(ddp_and_killed):
     """One uninterrupted 2-rank DDP run: BatchNorm, dropout, two optimizers and schedulers, a CPU
     GradScaler that skips steps, a Stateful data position; a checkpoint every 3 steps."""
-    out = str(tmp_path_factory.mktemp("ddp"))
-    torchrun(2, TRAIN, out, "steps=14", "scaler=1", "ec=1")
-    return out
+    return ddp_and_killed[0]
 
 
 def test_ddp_versions_bit_exact(ddp_run):
@@ -108,28 +122,51 @@ def test_load_keys_are_get_state_dict_fqns(ddp_run):
     assert set(got) == want
 
 
+@pytest.fixture(scope="module")
+def restored_at_2(ddp_run, tmp_path_factory):
+    """The 2-rank restores of two tests in one job (tests/workers/torch_restore.py ``--``): v6 of the
+    run (test_restore_at_other_world_sizes[2]) and v6 of a copy of the run whose rank 1's own shard
+    of v6 is gone and whose persistent holds no v6 (test_partner_copy_restores_a_lost_shard).
+    Returns {"run": OUT, "partner": OUT, "vdirs": rank 1's v6 directories of the copy, "copy": rank
+    0's partner copies of rank 1's v6 shard, "persistent": the copy's persistent v6 directories}, the
+    last three as found before the damage (the partner test asserts them)."""
+    base = tmp_path_factory.mktemp("restored_at_2")
+    src = str(base / "src")
+    shutil.copytree(ddp_run, src)
+    vdirs = glob.glob(os.path.join(src, "scratch1", "tt", "v*6"))
+    copy = glob.glob(os.path.join(src, "scratch0", "tt", "v*6", "h000000.r000001.dfs"))
+    persistent = glob.glob(os.path.join(src, "persistent", "tt", "v*6"))
+    if len(vdirs) == 1 and copy and persistent:  # else the partner test fails on its assertion of them
+        os.unlink(os.path.join(vdirs[0], "r000001.dfs"))
+        shutil.rmtree(persistent[0])
+    out = {"run": str(base / "run"), "partner": str(base / "partner"), "vdirs": vdirs, "copy": copy,
+           "persistent": persistent}
+    with as_in_a_test(tmp_path_factory):
+        torchrun(2, RESTORE, out["run"], ddp_run, "version=6", "--", out["partner"], src, "version=6")
+    return out
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_restore_at_other_world_sizes(ddp_run, tmp_path, n):
-    out = str(tmp_path)
-    torchrun(n, RESTORE, out, ddp_run, "version=6")
+def test_restore_at_other_world_sizes(ddp_run, tmp_path, n, request):
+    if n == 2:
+        out = request.getfixturevalue("restored_at_2")["run"]  # version=6, in one job with the partner test's
+    else:
+        out = str(tmp_path)
+        torchrun(n, RESTORE, out, ddp_run, "version=6")
     want = npz(os.path.join(ddp_run, "r0", "v6.npz"))
     for r in range(n):
         assert info(out, r)["version"] == 6
         assert_same(npz(os.path.join(out, f"r{r}", "restored.npz")), want, f"restored at {n} ranks, rank {r}")
 
 
-def test_partner_copy_restores_a_lost_shard(ddp_run, tmp_path):
+def test_partner_copy_restores_a_lost_shard(ddp_run, restored_at_2):
     """The run exchanged partner copies over TorchComm (each rank its own failure domain): with
     rank 1's own shard of v6 gone and nothing on persistent, a 2-rank restore reads the copy
     rank 0 holds."""
-    src = str(tmp_path / "src")
-    shutil.copytree(ddp_run, src)
-    vdirs = glob.glob(os.path.join(src, "scratch1", "tt", "v*6"))
-    assert len(vdirs) == 1 and glob.glob(os.path.join(src, "scratch0", "tt", "v*6", "h000000.r000001.dfs"))
-    os.unlink(os.path.join(vdirs[0], "r000001.dfs"))
-    shutil.rmtree(glob.glob(os.path.join(src, "persistent", "tt", "v*6"))[0])
-    out = str(tmp_path / "out")
-    torchrun(2, RESTORE, out, src, "version=6")
+    vdirs = restored_at_2["vdirs"]  # the copy of the run, before its shard and persistent v6 were removed
+    assert len(vdirs) == 1 and restored_at_2["copy"]
+    assert restored_at_2["persistent"]  # (was: the IndexError of removing it)
+    out = restored_at_2["partner"]  # its 2-rank restore of v6
     want = npz(os.path.join(ddp_run, "r0", "v6.npz"))
     for r in range(2):
         assert_same(npz(os.path.join(out, f"r{r}", "restored.npz")), want, f"rank {r} restored from a partner copy")
@@ -142,9 +179,15 @@ def test_memory_tier_with_torch_bit_exact_and_resume(tmp_path):
     8 resumes from the device's newest version and ends equal to the uninterrupted run."""
     import deepfreeze.torch as dft
     from _util import memtier_device
-    with memtier_device("torch", "64M") as device:
-        out = str(tmp_path / "run")
-        torchrun(2, TRAIN, out, "steps=9", f"memtier={device}")
+    with memtier_device("torch", "64M") as device, memtier_device("torch2", "64M") as device2:
+        out, ref, crashed = str(tmp_path / "run"), str(tmp_path / "ref"), str(tmp_path / "crashed")
+        p = torchrun(2, TRAIN, crashed, "steps=11", "kill_at=8", f"memtier={device2}", check=False)
+        assert p.returncode != 0
+        # one job: the killed run relaunched, then the uninterrupted reference (both on device2), then
+        # the run whose versions are checked first (on device) (tests/workers/torch_train.py ``--``)
+        torchrun(2, TRAIN, crashed, "steps=11", "resume=1", f"memtier={device2}",
+                 "--", ref, "steps=11", f"memtier={device2}", "name=ref", "--", out, "steps=9", f"memtier={device}",
+                 timeout=600)
         i0 = info(out, 0)
         versions = sorted(int(os.path.basename(p)[1:-4]) for p in glob.glob(os.path.join(out, "r0", "v*.npz")))
         assert versions == [3, 6, 9] and i0["failures"] == []
@@ -158,12 +201,6 @@ def test_memory_tier_with_torch_bit_exact_and_resume(tmp_path):
         assert_same({k: v.numpy() for k, v in st.model.items()},
                     {k: a for k, a in npz(os.path.join(out, "r0", "v9.npz")).items() if k in st.model},
                     "the newest from the memory tier", lr=False)
-    with memtier_device("torch2", "64M") as device:
-        ref, crashed = str(tmp_path / "ref"), str(tmp_path / "crashed")
-        torchrun(2, TRAIN, ref, "steps=11", f"memtier={device}", "name=ref")
-        p = torchrun(2, TRAIN, crashed, "steps=11", "kill_at=8", f"memtier={device}", check=False)
-        assert p.returncode != 0
-        torchrun(2, TRAIN, crashed, "steps=11", "resume=1", f"memtier={device}")
         i0 = info(crashed, 0)
         assert i0["resumed_from"] in (3, 6) and i0["start_step"] == i0["resumed_from"], i0
         for r in (0, 1):
@@ -180,14 +217,12 @@ def test_restore_in_a_plain_process(ddp_run, tmp_path):
                 "restored in a plain process")
 
 
-def test_kill9_then_resume_equals_uninterrupted(ddp_run, tmp_path):
+def test_kill9_then_resume_equals_uninterrupted(ddp_run, ddp_and_killed):
     """Rank 1 SIGKILLs itself at iteration 11; the relaunch resumes from the newest committed
     version and ends bit-identical to the uninterrupted run (and writes the same versions)."""
-    out = str(tmp_path)
-    p = torchrun(2, TRAIN, out, "steps=14", "scaler=1", "kill_at=11", check=False)
-    assert p.returncode != 0
-    assert not os.path.exists(os.path.join(out, "r0", "final.npz"))
-    torchrun(2, TRAIN, out, "steps=14", "scaler=1", "resume=1")
+    out, returncode, final_before_relaunch = ddp_and_killed[1]  # steps=14 scaler=1 kill_at=11, then resume=1
+    assert returncode != 0
+    assert not final_before_relaunch
     i0 = info(out, 0)
     assert i0["resumed_from"] is not None and i0["resumed_from"] >= 3 and i0["start_step"] == i0["resumed_from"]
     for r in (0, 1):

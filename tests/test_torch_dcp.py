@@ -86,13 +86,13 @@ def test_reader_under_torchrun(run, tmp_path):
     same plan on both ranks: one pooled read). Then rank 1 asks for the model only (other plans:
     each rank reads its own tensors), newest version (v7, save_last's)."""
     out = str(tmp_path / "same")
-    torchrun(2, LOAD, out, run, "version=6")
+    # the two loads in one job (tests/workers/torch_dcp_load.py ``--``)
+    torchrun(2, LOAD, out, run, "version=6", "--", str(tmp_path / "differ"), "model_only_rank=1")
     want = npz(os.path.join(run, "r0", "v6.npz"))
     for r in (0, 1):
         assert info(out, r) == {"version": 6, "world_size": 2}
         assert_same(npz(os.path.join(out, f"r{r}", "loaded.npz")), want, f"rank {r} loaded through DCP")
-    out = str(tmp_path / "differ")
-    torchrun(2, LOAD, out, run, "model_only_rank=1")
+    out = str(tmp_path / "differ")  # the job's second load: model_only_rank=1
     assert info(out, 0)["version"] == info(out, 1)["version"] == 7
     want = npz(os.path.join(run, "r0", "v7.npz"))
     assert_same(npz(os.path.join(out, "r0", "loaded.npz")), want, "rank 0 (everything)")

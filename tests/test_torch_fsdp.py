@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh installs torch==2.13.0, CPU)")
 
-from _util import WORKERS  # noqa: E402
+from _util import WORKERS, as_in_a_test  # noqa: E402
 from test_torch import assert_same, info, npz, plain, torchrun  # noqa: E402
 
 FSDP = os.path.join(WORKERS, "torch_fsdp.py")
@@ -37,14 +37,69 @@ def recorded(out: str, rank: int, version: int, buffers: bool = True) -> dict[st
     return {k: a for k, a in want.items() if buffers or k not in BUFFERS}
 
 
+#: test_fsdp_kill9_at_a_write_once_crash_point_then_resume's cases: (crash point, mode)
+CRASH_CASES = [("persistent.direct.write", "async"), ("persistent.direct.fsync", "sync")]
+
+
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
+def fsdp_and_crashed(tmp_path_factory):
+    """The run of :func:`fsdp_run`, and the runs test_fsdp_kill9_at_a_write_once_crash_point_then_resume
+    kills: each killed at its crash point in a job of its own, what the test checks before the
+    relaunch recorded; then one job relaunches both with resume=True and then makes the
+    uninterrupted run (tests/workers/torch_fsdp.py ``train ... --``). Returns (the uninterrupted
+    run's OUT, {(point, mode): {"out", "returncode", "crashed", "stderr", "committed", "scratch_files"}})."""
+    from deepfreeze.config import Config
+    from deepfreeze.loader import list_versions
+    crashed, relaunch = {}, []
+    for point, mode in CRASH_CASES:
+        d = tmp_path_factory.mktemp("fsdp_crash")
+        out = str(d / "job")
+        with as_in_a_test(tmp_path_factory), pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DEEPFREEZE_CRASH_AT", f"{point}:3")  # the third version written: v9 (v3, v6 before)
+            mp.setenv("DEEPFREEZE_CRASH_ONCE", str(d / "crashed"))
+            p = torchrun(2, FSDP, "train", out, "steps=10", f"mode={mode}", check=False)
+        cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
+                             persistent=os.path.join(out, "persistent"))
+        crashed[point, mode] = {
+            "out": out, "returncode": p.returncode, "crashed": os.path.exists(d / "crashed"), "stderr": p.stderr,
+            "committed": sorted(v for v, where in list_versions(cfg, "ff").items() if "persistent" in where),
+            "scratch_files": glob.glob(os.path.join(out, "scratch*", "ff", "v*", "r*.dfs"))}
+        relaunch += [out, "steps=10", f"mode={mode}", "resume=1", "--"]
+    out = str(tmp_path_factory.mktemp("fsdp"))
+    with as_in_a_test(tmp_path_factory):
+        torchrun(2, FSDP, "train", *relaunch, out, "steps=10", "mutate_at=3", "on_error=warn", timeout=480)
+    return out, crashed
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(fsdp_and_crashed):
     """One uninterrupted 2-rank FSDP2 run: two optimizers (AdamW, SGD with momentum), a
     scheduler, BatchNorm buffers, dropout; a checkpoint every 3 steps, asynchronous; a sharded
     parameter changed in place (by 1.0: values unchanged) while v3 is captured (torn, not written)."""
-    out = str(tmp_path_factory.mktemp("fsdp"))
-    torchrun(2, FSDP, "train", out, "steps=10", "mutate_at=3", "on_error=warn")
-    return out
+    return fsdp_and_crashed[0]
+
+
+#: the restores of the tests below, one job per world size: n -> the layouts (and versions) it restores, one
+#: after the other (tests/workers/torch_fsdp.py ``layouts=``), each into a fresh model, under OUT/<layout>/;
+#: the 2-rank job then makes test_hsdp_and_tensor_parallel_are_refused's two Checkpointers (OUT/refuse/)
+RESTORES = {1: ["layouts=fsdp:6"], 2: ["layouts=fsdp:6,fsdp-dcp:6,ddp:9", "then_refuse=1"],
+            3: ["layouts=fsdp:6,fsdp-dcp:6"]}
+
+
+@pytest.fixture(scope="module")
+def restored(fsdp_run, tmp_path_factory):
+    """``restored(n, layout)``: the directory of that restore of the run at n ranks (the job of
+    :data:`RESTORES` at n ranks runs once, when a test first asks for one of its restores)."""
+    jobs: dict[int, str] = {}
+
+    def get(n: int, layout: str) -> str:
+        if n not in jobs:
+            out = str(tmp_path_factory.mktemp(f"fsdp_restored{n}"))
+            with as_in_a_test(tmp_path_factory):
+                torchrun(n, FSDP, "restore", out, fsdp_run, *RESTORES[n])
+            jobs[n] = out
+        return os.path.join(jobs[n], layout)
+    return get
 
 
 # -- the plan and the chunking rule (no processes)
@@ -207,12 +262,11 @@ def test_ranged_read_reads_only_the_rows(fsdp_run, monkeypatch):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_restore_into_fsdp_at_other_world_sizes(fsdp_run, tmp_path, n):
+def test_restore_into_fsdp_at_other_world_sizes(fsdp_run, restored, n):
     """A fresh FSDP2 model (other initial values) at n ranks: every rank reads its own rows
     (pooled scratch: each receives only the bytes of its rows), and the gathered state equals
     the run's, bit for bit."""
-    out = str(tmp_path)
-    torchrun(n, FSDP, "restore", out, fsdp_run, "layout=fsdp", "version=6")
+    out = restored(n, "fsdp")  # layout=fsdp, version=6
     for r in range(n):
         i = info(out, r)
         assert i["version"] == 6 and i["world_size"] == n
@@ -225,13 +279,12 @@ def test_restore_into_fsdp_at_other_world_sizes(fsdp_run, tmp_path, n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_dcp_load_through_the_reader_into_fsdp_reads_each_ranks_rows(fsdp_run, tmp_path, n):
+def test_dcp_load_through_the_reader_into_fsdp_reads_each_ranks_rows(fsdp_run, restored, n):
     """DCP's own ``dcp.load`` of a fresh FSDP2 model's sharded state dict (DTensors) through
     ``deepfreeze.torch.Reader`` at n ranks: the gathered state equals the run's, bit for bit, and
     each rank got from the checkpoint only the bytes of its own shards (plus the unsharded
     scalars), not whole tensors."""
-    out = str(tmp_path)
-    torchrun(n, FSDP, "restore", out, fsdp_run, "layout=fsdp-dcp", "version=6")
+    out = restored(n, "fsdp-dcp")  # layout=fsdp-dcp, version=6
     want = recorded(fsdp_run, 0, 6)  # buffers: rank 0's (unsharded, as the checkpoint holds them)
     whole = sum(a.nbytes for k, a in want.items() if k != "__lr__")
     for r in range(n):
@@ -241,11 +294,11 @@ def test_dcp_load_through_the_reader_into_fsdp_reads_each_ranks_rows(fsdp_run, t
         assert i["bytes_loaded"] == i["local_bytes"] < whole, (i, whole)
 
 
-def test_restore_into_ddp_and_a_plain_process(fsdp_run, tmp_path):
+def test_restore_into_ddp_and_a_plain_process(fsdp_run, restored, tmp_path):
     want = recorded(fsdp_run, 0, 9)
-    torchrun(2, FSDP, "restore", str(tmp_path / "ddp"), fsdp_run, "layout=ddp", "version=9")
+    ddp = restored(2, "ddp")  # layout=ddp, version=9
     for r in range(2):  # at the run's world size each rank gets its own buffers (DDP broadcasts rank 0's)
-        assert_same(npz(os.path.join(tmp_path, "ddp", f"r{r}", "restored.npz")), recorded(fsdp_run, r, 9),
+        assert_same(npz(os.path.join(ddp, f"r{r}", "restored.npz")), recorded(fsdp_run, r, 9),
                     f"into DDP, rank {r}")
     plain(FSDP, "restore", str(tmp_path / "plain"), fsdp_run, "layout=plain")  # the newest: v9
     assert info(str(tmp_path / "plain"), 0)["version"] == 9
@@ -265,9 +318,8 @@ def test_restore_at_three_ranks_from_persistent_only(fsdp_run, tmp_path):
                     f"from persistent at 3 ranks, rank {r}")
 
 
-def test_hsdp_and_tensor_parallel_are_refused(tmp_path):
-    out = str(tmp_path)
-    torchrun(2, FSDP, "refuse", out)
+def test_hsdp_and_tensor_parallel_are_refused(restored):
+    out = restored(2, "refuse")  # what tests/workers/torch_fsdp.py refuse does, in the 2-rank restore job
     for r in range(2):
         with open(os.path.join(out, f"r{r}", "refused.json")) as f:
             got = json.load(f)
@@ -296,26 +348,18 @@ def test_fsdp_kill9_then_resume(fsdp_run, tmp_path):
     assert_same(load(out, 9), recorded(fsdp_run, 0, 9), "v9 after resume", lr=False)
 
 
-@pytest.mark.parametrize("point, mode", [("persistent.direct.write", "async"), ("persistent.direct.fsync", "sync")])
-def test_fsdp_kill9_at_a_write_once_crash_point_then_resume(fsdp_run, tmp_path, monkeypatch, point, mode):
+@pytest.mark.parametrize("point, mode", CRASH_CASES)
+def test_fsdp_kill9_at_a_write_once_crash_point_then_resume(fsdp_run, fsdp_and_crashed, point, mode):
     """The shipped default on one disk writes each version once, from the ranks' buffers straight into
     persistent: a rank SIGKILLed at v9's ``persistent.direct.write`` (its writer thread, the first run
     of its rows written) or ``persistent.direct.fsync`` (sync mode: the rank fsyncs its own part) leaves
     v9 uncommitted; the relaunch resumes from v6, the newest committed version, and ends bit for bit
     as the uninterrupted run (rank 1 but for its own BatchNorm statistics, as in the kill test above)."""
-    out = str(tmp_path / "job")
-    monkeypatch.setenv("DEEPFREEZE_CRASH_AT", f"{point}:3")  # the third version written: v9 (v3, v6 before)
-    monkeypatch.setenv("DEEPFREEZE_CRASH_ONCE", str(tmp_path / "crashed"))
-    p = torchrun(2, FSDP, "train", out, "steps=10", f"mode={mode}", check=False)
-    assert p.returncode != 0 and os.path.exists(tmp_path / "crashed"), p.stderr[-3000:]
-    monkeypatch.delenv("DEEPFREEZE_CRASH_AT")
-    from deepfreeze.config import Config
-    from deepfreeze.loader import list_versions
-    cfg = Config.resolve(None, mode="sync", scratch=os.path.join(out, "scratch0"),
-                         persistent=os.path.join(out, "persistent"))
-    assert sorted(v for v, where in list_versions(cfg, "ff").items() if "persistent" in where) == [3, 6]
-    assert not glob.glob(os.path.join(out, "scratch*", "ff", "v*", "r*.dfs"))  # written once: no scratch file
-    torchrun(2, FSDP, "train", out, "steps=10", f"mode={mode}", "resume=1")
+    c = fsdp_and_crashed[1][point, mode]  # killed at `point`, checked as below, then relaunched with resume=1
+    out = c["out"]
+    assert c["returncode"] != 0 and c["crashed"], c["stderr"][-3000:]
+    assert c["committed"] == [3, 6]  # the versions on persistent after the kill, before the relaunch
+    assert not c["scratch_files"]  # written once: no scratch file
     i0 = info(out, 0)
     assert i0["resumed_from"] == 6 and i0["start_step"] == 6 and i0["last_version"] == 10  # v9, then save_last's v10
     assert_same(npz(os.path.join(out, "r0", "final.npz")), npz(os.path.join(fsdp_run, "r0", "final.npz")),

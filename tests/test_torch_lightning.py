@@ -23,7 +23,7 @@ pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh 
 pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not installed (scripts/setup.sh installs 2.6.6)")
 pytest.importorskip("torchdata", reason="torchdata is not installed (scripts/setup.sh installs 0.11.0)")
 
-from _util import ROOT, WORKERS  # noqa: E402
+from _util import ROOT, WORKERS, as_in_a_test  # noqa: E402
 from test_torch import torchrun  # noqa: E402
 
 TRAIN = os.path.join(WORKERS, "lightning_train.py")
@@ -59,22 +59,38 @@ def assert_equal_runs(got: str, want: str) -> None:
         assert la and all(la[s] == lb[s] for s in la), f"rank {r}: the loss of a resumed step differs"
 
 
+#: the two fits the kill tests below take apart: the default loader, and 2 loader workers over items
+#: without random noise
+FITS = {"default": ("epochs=2",), "workers": ("epochs=2", "workers=2", "aug=none")}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted 2-rank fit (2 epochs of 6 batches per rank, a checkpoint every 4 steps)."""
-    out = str(tmp_path_factory.mktemp("lightning_ref"))
-    torchrun(2, TRAIN, out, "epochs=2")
-    return out
+def runs(tmp_path_factory):
+    """Each fit of :data:`FITS` killed in a job of its own (rank 1 SIGKILLs itself when global step 10
+    starts); then one job (tests/workers/lightning_train.py ``--``) relaunches both with
+    resume=True and then runs both uninterrupted fits (2 epochs of 6 batches per rank, a checkpoint
+    every 4 steps), one fit after the other. {fit: (the uninterrupted fit's OUT, the killed fit's
+    OUT, the killed job's return code, whether rank 0 had written final.json before the relaunch)}."""
+    base = tmp_path_factory.mktemp("lightning")
+    got, relaunch = {}, []
+    with as_in_a_test(tmp_path_factory):
+        for f, args in FITS.items():
+            ref, out = str(base / f"{f}_ref"), str(base / f)
+            p = torchrun(2, TRAIN, out, *args, "kill_at=10", check=False)
+            got[f] = (ref, out, p.returncode, os.path.exists(os.path.join(out, "r0", "final.json")))
+            relaunch += [out, *args, "resume=1", "--"]
+        uninterrupted = [a for f, args in FITS.items() for a in ("--", got[f][0], *args)][1:]
+        torchrun(2, TRAIN, *relaunch, *uninterrupted, timeout=600)
+    return got
 
 
-def test_kill9_mid_epoch_then_resume_equals_uninterrupted(reference, tmp_path):
+@pytest.mark.timeout(1200)  # the first of the two runs the fixture's 3 jobs (6 fits)
+def test_kill9_mid_epoch_then_resume_equals_uninterrupted(runs):
     """Rank 1 SIGKILLs itself when global step 10 starts (epoch 1, batch 4); the relaunch with
     resume=True continues from v8 (epoch 1, batch 2: mid-epoch) and ends bit-identical to the
     uninterrupted fit on both ranks."""
-    out = str(tmp_path)
-    p = torchrun(2, TRAIN, out, "epochs=2", "kill_at=10", check=False)
-    assert p.returncode != 0 and not os.path.exists(os.path.join(out, "r0", "final.json"))
-    torchrun(2, TRAIN, out, "epochs=2", "resume=1")
+    reference, out, returncode, final_before_relaunch = runs["default"]  # epochs=2, kill_at=10, then resume=1
+    assert returncode != 0 and not final_before_relaunch
     _, info = _final(out, 0)
     assert info["resumed_from"] in (4, 8), info["resumed_from"]  # v4 if v8 was not on scratch yet: both mid-epoch
     assert min(_losses(out, 0)) == 0 and 8 in _losses(out, 0)
@@ -82,19 +98,15 @@ def test_kill9_mid_epoch_then_resume_equals_uninterrupted(reference, tmp_path):
     assert_equal_runs(out, reference)
 
 
-def test_kill9_mid_epoch_with_loader_workers_then_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.timeout(1200)  # the first of the two runs the fixture's 3 jobs (6 fits)
+def test_kill9_mid_epoch_with_loader_workers_then_resume_equals_uninterrupted(runs):
     """The loader with 2 worker processes (items without random noise): rank 1 SIGKILLs itself at
     step 10, the relaunch resumes from v8 (epoch 1, batch 2) and ends bit-identical to the
     uninterrupted fit. The restored iterator's workers prefetch indices before Lightning sets the
     sampler's epoch: without the callback's ``on_train_start`` the rest of epoch 1 was epoch 0's
     permutation."""
-    args = ("epochs=2", "workers=2", "aug=none")
-    ref = str(tmp_path / "ref")
-    torchrun(2, TRAIN, ref, *args)
-    out = str(tmp_path / "crash")
-    p = torchrun(2, TRAIN, out, *args, "kill_at=10", check=False)
-    assert p.returncode != 0 and not os.path.exists(os.path.join(out, "r0", "final.json"))
-    torchrun(2, TRAIN, out, *args, "resume=1")
+    ref, out, returncode, final_before_relaunch = runs["workers"]  # epochs=2 workers=2 aug=none; kill_at=10, resume=1
+    assert returncode != 0 and not final_before_relaunch
     _, info = _final(out, 0)
     assert info["resumed_from"] in (4, 8), info["resumed_from"]
     assert_equal_runs(out, ref)

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh installs torch==2.13.0, CPU)")
 
-from _util import WORKERS  # noqa: E402
+from _util import WORKERS, as_in_a_test  # noqa: E402
 from test_torch import npz, torchrun  # noqa: E402
 
 LOOPS = os.path.join(WORKERS, "torch_loops.py")
@@ -38,14 +38,6 @@ SLOW = ["fsdp", "end_hooks", "closure"]  # (the closure path runs in make test u
 def _args(shape: str) -> list[str]:
     every, steps, _ = SHAPES[shape]
     return [f"every_{shape}={every}", f"steps_{shape}={steps}"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The uninterrupted runs of the fast shapes, one after the other in one job."""
-    out = str(tmp_path_factory.mktemp("loops_ref"))
-    torchrun(2, LOOPS, out, "shape=" + ",".join(FAST), *[a for s in FAST for a in _args(s)], timeout=400)
-    return out
 
 
 def _info(out: str, shape: str, rank: int) -> dict:
@@ -71,15 +63,43 @@ def _kill_and_resume(out: str, shape: str) -> dict:
     return i0
 
 
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """Each fast shape killed in a job of its own (rank 1 SIGKILLs itself); then one job runs the
+    uninterrupted runs of the fast shapes one after the other, and then the relaunches with
+    ``resume=True`` of the killed ones, one after the other (tests/workers/torch_loops.py ``--``):
+    what :func:`_kill_and_resume` does per shape, with one relaunch instead of five, beside the
+    uninterrupted runs. Returns the uninterrupted runs' output directory, the killed runs', and, per
+    shape, the killed job's return code and whether rank 0 had written its final.npz before the
+    relaunch (each test asserts on its own shape's)."""
+    ref = str(tmp_path_factory.mktemp("loops_ref"))
+    out = str(tmp_path_factory.mktemp("loops_killed"))
+    killed = {}
+    with as_in_a_test(tmp_path_factory):
+        for shape in FAST:
+            _, _, kill = SHAPES[shape]
+            p = torchrun(2, LOOPS, out, f"shape={shape}", *_args(shape), f"kill_at={kill}", check=False)
+            killed[shape] = (p.returncode, os.path.exists(os.path.join(out, shape, "r0", "final.npz")))
+        every_shape = ["shape=" + ",".join(FAST), *[a for s in FAST for a in _args(s)]]
+        torchrun(2, LOOPS, ref, *every_shape, "--", out, *every_shape, "resume=1", timeout=600)
+    return ref, out, killed
+
+
+@pytest.mark.timeout(1200)  # the first of these runs the fixture's 6 jobs (7 jobs took 417 s at load 19 on 2 cores)
 @pytest.mark.parametrize("shape", FAST)
-def test_kill9_and_resume_equals_uninterrupted(uninterrupted, tmp_path, shape):
-    i0 = _kill_and_resume(str(tmp_path), shape)
+def test_kill9_and_resume_equals_uninterrupted(killed_and_resumed, shape):
+    uninterrupted, out, killed = killed_and_resumed
+    returncode, final_before_relaunch = killed[shape]
+    assert returncode != 0, f"{shape}: the job was not killed"
+    assert not final_before_relaunch
+    i0 = _info(out, shape, 0)
+    assert i0["resumed_from"] is not None and 0 < i0["resumed_from"] < i0["step"], i0
     if shape in ("dl", "sdl"):
         assert i0["start_epoch"] == 2, i0  # resumed mid-epoch (v9: the 2nd batch of epoch 2)
     if shape == "plateau":
         assert i0["resumed_from"] == 8 and i0["start_epoch"] == 1, i0  # the last step of epoch 1, before validation
     for r in (0, 1):
-        bad = _differ(os.path.join(tmp_path, shape, f"r{r}", "final.npz"),
+        bad = _differ(os.path.join(out, shape, f"r{r}", "final.npz"),
                       os.path.join(uninterrupted, shape, f"r{r}", "final.npz"))
         assert not bad, f"{shape}: rank {r}: {len(bad)} leaves differ from the uninterrupted run: {bad[:6]}"
 

@@ -1,6 +1,7 @@
 """A PyTorch Lightning fit with DeepFreezeCallback (one rank of ``torchrun``; Lightning's ``ddp`` on CPU).
 
     torchrun --standalone --nproc-per-node 2 tests/workers/lightning_train.py OUT [key=value ...]
+    torchrun ... tests/workers/lightning_train.py OUT [key=value ...] -- OUT2 [key=value ...] ...
 
 keys: name, epochs (max_epochs), every (every_n_train_steps), accum (accumulate_grad_batches), resume=1, kill_at=S (rank
 kill_rank, default 1, SIGKILLs itself when global step S starts), mode, plain=1 (no DeepFreeze
@@ -20,6 +21,10 @@ pickles):
   OUT/r<rank>/final.npz     model state dict, optimizer state tensors (opt.<fqn>.<key>), torch's RNG state
   OUT/r<rank>/final.json    global step, epoch, batch progress, scheduler state, lrs, resumed_from, last_version
   OUT/r<rank>/loss<S>.txt   per global step S this run trained: the loss's bytes (hex)
+
+Each ``-- OUT2 [key=value ...]``: one more fit in this job, after the one before (a new Trainer,
+module and callback, seeded as the first; the torch and Lightning imports and the process group
+paid once), written under OUT2.
 """
 import json
 import os
@@ -147,8 +152,18 @@ def record(trainer: "pl.Trainer", module: Module, cb, mydir: str) -> None:
 
 
 def main() -> None:
-    out = sys.argv[1]
-    kw = dict(a.split("=", 1) for a in sys.argv[2:])
+    fits, this = [], []
+    for a in sys.argv[1:]:  # OUT [key=value ...] [-- OUT2 [key=value ...] ...]: one fit each, in order
+        if a == "--":
+            fits.append(this)
+            this = []
+        else:
+            this.append(a)
+    for args in fits + [this]:
+        fit(args[0], dict(a.split("=", 1) for a in args[1:]))
+
+
+def fit(out: str, kw: dict) -> None:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(1)

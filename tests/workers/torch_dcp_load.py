@@ -3,10 +3,12 @@
 
     torchrun --standalone --nproc-per-node N tests/workers/torch_dcp_load.py OUT SRC version=V [name=tt]
     python tests/workers/torch_dcp_load.py OUT SRC ...
+    torchrun ... tests/workers/torch_dcp_load.py OUT SRC [key=value ...] -- OUT2 [key=value ...] ...
 
 SRC is the training job's OUT (scratch<rank>, persistent). ``model_only_rank=R``: rank R loads
 the model's entries only (its plan asks for other tensors than the other ranks'). Writes OUT/r<rank>/loaded.npz (the
-state, as torch_train.snapshot) and OUT/r<rank>/info.json ({"version", "world_size"}).
+state, as torch_train.snapshot) and OUT/r<rank>/info.json ({"version", "world_size"}). Each
+``-- OUT2 [key=value ...]``: one more load of SRC in this job, into a fresh model, written under OUT2.
 """
 import json
 import os
@@ -20,12 +22,25 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from torch_train import restore_setup, snapshot  # noqa: E402
+from torch_train import build, restore_setup, snapshot  # noqa: E402
 from deepfreeze.torch import Reader  # noqa: E402
 
 
 def main() -> None:
+    later = sys.argv[3:]
+    sys.argv[3:], later = (later[:later.index("--")], later[later.index("--"):]) if "--" in later else (later, [])
     out, src, kw, distributed, rank, size, net, opts = restore_setup()
+    load(out, src, kw, distributed, rank, size, net, opts)
+    while later:  # -- OUT2 [key=value ...]: another load in this job, into a fresh model
+        later = later[1:]
+        this, later = (later[:later.index("--")], later[later.index("--"):]) if "--" in later else (later, [])
+        net, opts = build(seed=123)
+        load(this[0], src, dict(a.split("=", 1) for a in this[1:]), distributed, rank, size, net, opts)
+    if distributed:
+        dist.destroy_process_group()
+
+
+def load(out, src, kw, distributed, rank, size, net, opts) -> None:
     model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
     model_sd, optim_sd = get_state_dict(model, opts)
     model_only = int(kw.get("model_only_rank", -1)) == rank
@@ -46,8 +61,6 @@ def main() -> None:
     with open(os.path.join(mydir, "info.json"), "w") as f:
         json.dump({"version": reader.loaded_version, "world_size": size}, f)
     reader.close()
-    if distributed:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 """DeepFreeze-for-PyTorch FSDP2 worker (one rank of ``torchrun``, gloo, CPU; or a plain process).
 
     torchrun --standalone --nproc-per-node 2 tests/workers/torch_fsdp.py train OUT [key=value ...]
+    torchrun ... tests/workers/torch_fsdp.py train OUT [key=value ...] -- OUT2 [key=value ...] ...
     torchrun ... tests/workers/torch_fsdp.py restore OUT SRC layout=fsdp|fsdp-dcp|ddp|plain [version=V]
+    torchrun ... tests/workers/torch_fsdp.py restore OUT SRC layouts=LAYOUT:V,LAYOUT:V,...
     torchrun ... tests/workers/torch_fsdp.py refuse OUT [kind=hsdp,tp]
 
 ``train``: a model sharded with ``fully_shard`` (per submodule, then the root) on a 1-D mesh of
 every rank, whose parameters shard unevenly and, for some ranks, empty (``head.weight`` has one
 row; ``body.0.weight`` five); keys steps, every, mode, resume=1, kill_at=IT (rank 1 SIGKILLs
 itself at iteration IT), mutate_at=IT (an in-place change of a sharded parameter at the start
-of iteration IT, while the capture of the step before copies), on_error. Per rank it writes (numpy .npz, no pickles):
+of iteration IT, while the capture of the step before copies), on_error; ``-- OUT2 ...``: another
+run in this job after it (each seeds itself). Per rank it writes (numpy .npz, no pickles):
 
   OUT/r<rank>/v<version>.npz   the full state right after each checkpointed iteration, gathered
                                with get_state_dict(full_state_dict=True): model by FQN, optimizer
@@ -22,7 +25,10 @@ restored with ``deepfreeze.torch.restore`` (``fsdp-dcp``: FSDP2, loaded with DCP
 through ``deepfreeze.torch.Reader``); writes OUT/r<rank>/restored.npz (as above) and
 OUT/r<rank>/info.json ({"version", "step", "world_size", "rows": {fqn: [start, stop]}}, and for
 ``fsdp-dcp`` the reader's ``bytes_loaded`` and this rank's ``local_bytes``: the bytes of its
-local shards of every tensor).
+local shards of every tensor). ``layouts=``: several restores one after the other in this job (the
+torch import and the process group paid once), each a fresh model laid out as its layout, of
+version V, written under OUT/<layout>/ as above; with ``then_refuse=1``, then what ``refuse`` does,
+under OUT/refuse/.
 
 ``refuse``: a Checkpointer of an HSDP model (a 2-D mesh) and of a tensor-parallel one
 (RowwiseParallel: Shard(1)); writes OUT/r<rank>/refused.json: {kind: {"type", "message"}} of
@@ -214,10 +220,27 @@ def main() -> None:
     cmd, out = sys.argv[1], sys.argv[2]
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
-    if cmd == "train":
-        train(out, dict(a.split("=", 1) for a in sys.argv[3:]))
+    if cmd == "train":  # OUT [key=value ...] [-- OUT2 [key=value ...] ...]: one run after the other
+        runs, this = [], [out]
+        for a in sys.argv[3:]:
+            if a == "--":
+                runs.append(this)
+                this = []
+            else:
+                this.append(a)
+        for args in runs + [this]:
+            train(args[0], dict(a.split("=", 1) for a in args[1:]))
     elif cmd == "restore":
-        restore(out, sys.argv[3], dict(a.split("=", 1) for a in sys.argv[4:]))
+        kw = dict(a.split("=", 1) for a in sys.argv[4:])
+        if "layouts" in kw:  # several restores in one job: OUT/<layout>/
+            then_refuse = kw.pop("then_refuse", None) == "1"
+            for item in kw.pop("layouts").split(","):
+                layout, version = item.split(":")
+                restore(os.path.join(out, layout), sys.argv[3], {**kw, "layout": layout, "version": version})
+            if then_refuse:  # and then what ``refuse`` does, under OUT/refuse/
+                refuse(os.path.join(out, "refuse"), {})
+        else:
+            restore(out, sys.argv[3], kw)
     else:
         refuse(out, dict(a.split("=", 1) for a in sys.argv[3:]))
     if dist.is_initialized():

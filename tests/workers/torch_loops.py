@@ -21,6 +21,8 @@ shapes (each a loop a user writes; ``Checkpointer(every_n_steps=every)``):
   closure   the ``end`` loop with ``optimizer.step(closure)`` running forward and backward
 
 ``shape=a,b,...`` runs several shapes one after the other in the same job (uninterrupted runs).
+``OUT [key=value ...] -- OUT2 [key=value ...]``: then the runs of the second list of keys, written
+under OUT2 (e.g. the uninterrupted runs, then the relaunches of killed ones: one job).
 ``exit=noclose|destroy|close_after_destroy``: the job ends without ``close()`` (after
 ``destroy_process_group()``, then ``close()``).
 keys: steps (total training iterations), every (``steps_<shape>``, ``every_<shape>``: for one
@@ -131,9 +133,15 @@ def leaves(obj, prefix: str, out: dict) -> None:
 
 
 def main() -> None:
+    later = sys.argv[2:]
+    sys.argv[2:], later = (later[:later.index("--")], later[later.index("--") + 1:]) if "--" in later else (later, [])
     out, kw, _, _, _ = begin()
     for shape in kw["shape"].split(","):  # several shapes one after the other (the uninterrupted runs)
         run(out, shape, kw)
+    if later:  # -- OUT2 [key=value ...]: the runs of these keys, under OUT2 (each run seeds itself)
+        kw2 = dict(a.split("=", 1) for a in later[1:])
+        for shape in kw2["shape"].split(","):
+            run(later[0], shape, kw2)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -9,7 +9,9 @@ long per piece), mutate_at=IT (an in-place change of a parameter right after the
 step of iteration IT-1, while the capture copy runs), add_group_at=IT (add_param_group),
 ec=1 (partner copies across simulated nodes node<rank>, exchanged over the checkpointer's gloo
 group), memtier=PATH (shards go to that memory-tier device, ranks sharing it as one node's do),
-scratch/persistent roots (default under OUT).
+scratch/persistent roots (default under OUT). ``OUT [key=value ...] -- OUT2 [key=value ...] ...``:
+one run after the other in one job (each from a fresh model, seeded as the first; a kill_at ends
+the job in its run).
 
 The model has BatchNorm (buffers) and dropout (torch RNG); the data adds numpy and Python
 random noise (their RNG states), and its position is a Stateful object. Two optimizers
@@ -171,7 +173,21 @@ def begin() -> tuple[str, dict, bool, int, int]:
 
 
 def main() -> None:
+    later = sys.argv[2:]
+    sys.argv[2:], later = (later[:later.index("--")], later[later.index("--"):]) if "--" in later else (later, [])
     out, kw, distributed, rank, _ = begin()
+    train(out, kw, distributed, rank)
+    while later:  # -- OUT2 [key=value ...]: another run in this job, under OUT2, seeded as the first
+        later = later[1:]
+        this, later = (later[:later.index("--")], later[later.index("--"):]) if "--" in later else (later, [])
+        np.random.seed(7 + rank)
+        random.seed(11 + rank)
+        train(this[0], dict(a.split("=", 1) for a in this[1:]), distributed, rank)
+    if distributed:
+        dist.destroy_process_group()
+
+
+def train(out: str, kw: dict, distributed: bool, rank: int) -> None:
     net, opts = build()
     model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
     scheds = [torch.optim.lr_scheduler.StepLR(opts[0], 3, 0.7), torch.optim.lr_scheduler.ExponentialLR(opts[1], 0.95)]
@@ -224,8 +240,6 @@ def main() -> None:
             "last_version": ckpt.last_version}
     with open(os.path.join(mydir, "info.json"), "w") as f:
         json.dump(info, f)
-    if distributed:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
