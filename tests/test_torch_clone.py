@@ -144,12 +144,10 @@ def test_clone_whose_source_dies_mid_transfer_ends_with_a_named_error(tmp_path):
     out = str(tmp_path)
     src = _source(out, "clones=1", "die=1", ranks=1)  # a job of one rank: it dies after its first data frame
     try:
-        t0 = time.monotonic()
-        _wait(_start([sys.executable, DST, out, "orphan", "timeout=20"]))
-        took = time.monotonic() - t0
+        _wait(_start([sys.executable, DST, out, "orphan", "timeout=20"]))  # a hang fails there (120 s)
     finally:
         _finish(src, out, ok=False)
     got = _result(os.path.join(out, "orphan", "result_r0.json"))
     assert got.get("error_type") in ("CloneError", "CloneTimeoutError"), got
     assert "source rank" in got["error"], got
-    assert got["seconds"] < 45 and took < 90, (got, took)
+    assert got["seconds"] < 45, got  # the clone's own receive, bounded by its timeout=20
