@@ -20,7 +20,7 @@ TRAIN, RESTORE = f"{WORKERS}/train.py", f"{WORKERS}/restore.py"
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
+def jobs(tmp_path_factory, module_runtime_dir):
     """The module's Horovod jobs (all but VeloC's), each run once, each test reading its own job's
     directory: one TensorFlow and Horovod start-up per process serves several jobs (about 8 CPU-s
     a rank). ``retention`` (2 ranks, write_once = off as its test's scratch_files mark says),

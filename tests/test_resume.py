@@ -27,7 +27,7 @@ def final(out):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def straight(tmp_path_factory, module_runtime_dir):
     """The uninterrupted single-process run (no arguments: the same run for every test that compares
     with it), run once for the module: its directory and what it printed."""
     a = str(tmp_path_factory.mktemp("resume") / "straight")

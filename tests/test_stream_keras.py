@@ -207,7 +207,7 @@ def test_producer_killed_mid_publish_leaves_the_last_complete_version_live(out):
 
 
 @pytest.fixture(scope="module")
-def planned(tmp_path_factory):
+def planned(tmp_path_factory, module_runtime_dir):
     """The producers of both planned schedules, one after the other in one 2-rank mpirun
     (tests/workers/stream_producer.py: '+'-separated jobs), each with its own directory and its
     own /dev/shm directory: one TensorFlow and Horovod start-up for both."""
