@@ -38,6 +38,20 @@ def _private_runtime_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("DEEPFREEZE_BACKEND_IDLE", "2")
 
 
+@pytest.fixture(scope="module")
+def module_runtime_dir(tmp_path_factory):
+    """For a module-scoped fixture that starts jobs (one job whose results several tests read):
+    the environment :func:`_private_runtime_dir` gives each test (the session's backend socket
+    directory, the backends' short idle time), which a module-scoped fixture, set up before any
+    test's own fixtures, would otherwise run without."""
+    d = tmp_path_factory.getbasetemp() / "run"
+    d.mkdir(mode=0o700, exist_ok=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPFREEZE_RUNTIME_DIR", str(d))
+        mp.setenv("DEEPFREEZE_BACKEND_IDLE", "2")
+        yield str(d)
+
+
 @pytest.fixture(autouse=True)
 def _scratch_files(request, monkeypatch):
     """A test marked ``@pytest.mark.scratch_files("why")`` runs with ``write_once = off`` (for itself and

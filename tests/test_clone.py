@@ -156,13 +156,50 @@ def _json(out, who, rank):
         return json.load(f)
 
 
+def _jobs_in_one_run(root, np_, jobs, timeout):
+    """Run ``jobs`` ({label: clone_keras.py arguments after OUT}) one after the other in one mpirun
+    of ``np_`` ranks (tests/workers/clone_keras.py: ``+``-separated jobs, each with a new split and
+    Horovod initialized again over its group), each in its own directory root/<label>: one
+    TensorFlow and Horovod start-up for all of them (about 8 CPU-s a rank each). Returns
+    ({label: directory}, the finished mpirun) for :func:`_ran`."""
+    args, outs = [], {}
+    for label, job in jobs.items():
+        outs[label] = str(root / label)
+        os.mkdir(outs[label])
+        args += (["+"] if args else []) + [outs[label], *job]
+    return outs, mpirun(np_, f"{WORKERS}/clone_keras.py", *args, timeout=timeout, check=False)
+
+
+def _ran(jobs, label):
+    """The directory of job ``label`` of a :func:`_jobs_in_one_run` fixture; fails the test with the
+    run's output if the run failed (as ``mpirun(check=True)`` did in the test itself)."""
+    outs, p = jobs
+    if p.returncode != 0:
+        pytest.fail(f"{' '.join(p.args)} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\n"
+                    f"stderr:\n{p.stderr[-6000:]}")
+    return outs[label]
+
+
+@pytest.fixture(scope="module")
+def clone_2_to_2(tmp_path_factory, module_runtime_dir):
+    """The 2 -> 2 job on each write path (the write_once fixture's: ``auto`` without
+    VELOC_WRITE_ONCE, ``off`` with VELOC_WRITE_ONCE=off in the job's environment), one after the
+    other in one 4-rank mpirun (:func:`_jobs_in_one_run`)."""
+    job = ["2,2", "8", "continue=1", "ckpt=1"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("VELOC_WRITE_ONCE", raising=False)  # auto: the environment as the user gets it
+        return _jobs_in_one_run(tmp_path_factory.mktemp("clone_2_to_2"), 4,
+                                {"auto": job, "off": job + ["env.VELOC_WRITE_ONCE=off"]}, timeout=800)
+
+
 @pytest.mark.mpi
-def test_keras_clone_2_to_2_bitexact_continues_identically_and_overlaps_backprop(tmp_path, write_once):
+@pytest.mark.timeout(1200)  # the first of the two waits for both jobs (:func:`clone_2_to_2`)
+def test_keras_clone_2_to_2_bitexact_continues_identically_and_overlaps_backprop(clone_2_to_2, write_once):
     """Conv1D, BatchNormalization, Dense, a prime-sized bias, a layer without gradient and a
     frozen one; Adam (two slots per weight and the step counter); DeepFreezeCheckpoint in
-    the source's fit and in the clones' continuation, on both write paths (the write_once fixture)."""
-    out = str(tmp_path)
-    mpirun(4, f"{WORKERS}/clone_keras.py", out, "2,2", "8", "continue=1", "ckpt=1", timeout=400)
+    the source's fit and in the clones' continuation, on both write paths (the write_once fixture
+    names the path, :func:`clone_2_to_2` ran its job)."""
+    out = _ran(clone_2_to_2, write_once)
     _check_clone_equals_source_rank0(out, 1, 2)
     src_final = _load(f"{out}/source_r0_final.npz")
     # the clone trained on from step 8 with the same data and hyperparameters: bit for bit the source's
@@ -202,10 +239,17 @@ def test_keras_clone_2_to_2_bitexact_continues_identically_and_overlaps_backprop
     assert clone_ck.manifest.get("parent") == {"name": "src", "run": src_run, "step": 8}
 
 
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory, module_runtime_dir):
+    """The 3-rank jobs of the two tests below, one after the other in one mpirun (:func:`_jobs_in_one_run`)."""
+    return _jobs_in_one_run(tmp_path_factory.mktemp("three_ranks"), 3,
+                            {"2to1": ["2,1", "10", "bad=1"], "groups3": ["1,1,1", "e1"]}, timeout=600)
+
+
 @pytest.mark.mpi
-def test_keras_clone_2_to_1_and_clone_step_errors(tmp_path):
-    out = str(tmp_path)
-    mpirun(3, f"{WORKERS}/clone_keras.py", out, "2,1", "10", "bad=1", timeout=300)
+@pytest.mark.timeout(900)  # the first of the two waits for both jobs
+def test_keras_clone_2_to_1_and_clone_step_errors(three_ranks):
+    out = _ran(three_ranks, "2to1")
     _check_clone_equals_source_rank0(out, 1, 1)
     for r in range(2):  # on both source ranks
         errors = dict(_json(out, "source", r)["configerrors"])
@@ -217,9 +261,9 @@ def test_keras_clone_2_to_1_and_clone_step_errors(tmp_path):
 
 
 @pytest.mark.mpi
-def test_keras_three_groups_at_epoch_end(tmp_path):
-    out = str(tmp_path)
-    mpirun(3, f"{WORKERS}/clone_keras.py", out, "1,1,1", "e1", timeout=300)
+@pytest.mark.timeout(900)  # the first of the two waits for both jobs
+def test_keras_three_groups_at_epoch_end(three_ranks):
+    out = _ran(three_ranks, "groups3")
     for g in (1, 2):
         _check_clone_equals_source_rank0(out, g, 1)
         info = _json(out, f"clone{g}", 0)["info"]
@@ -257,9 +301,21 @@ def test_rank_killed_mid_transfer_ends_the_job_with_an_error_and_no_corrupt_chec
 
 
 HVD_FIX = "hvd.init(comm=group.comm)"
+MISTAKES = ["late=source", "late=clone", "stall=clone", "hvd=world"]  # hvd=world last: Horovod over the world
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, module_runtime_dir):
+    """The 2-rank jobs (groups 1,1, clone at step 8) of the unbuilt-model test and of the mistakes
+    (clone_timeout=6 s), one after the other in one mpirun (:func:`_jobs_in_one_run`); a mistake's
+    job takes about 20 s alone (its timeouts: 6 + 4 s), several times that beside other work."""
+    jobs = {"unbuilt": ["1,1", "8", "unbuilt=1", "ckpt=1"]}
+    jobs.update({m: ["1,1", "8", "timeout=6", m] for m in MISTAKES})
+    return _jobs_in_one_run(tmp_path_factory.mktemp("two_ranks"), 2, jobs, timeout=1200)
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(1500)  # the first test of the five waits for all five jobs (:func:`two_ranks`)
 @pytest.mark.parametrize("mistake,source_error,clone_error", [
     # Horovod over every group instead of each group's communicator: deadlocked silently before
     ("hvd=world", ("ConfigError", "CloneCallback: Horovod's world is not this group's"),
@@ -274,12 +330,12 @@ HVD_FIX = "hvd.init(comm=group.comm)"
     ("stall=clone", ("CloneTimeoutError", "clone sends not received within clone_timeout=6 s"),
      ("CloneTimeoutError", "test: this clone rank stalled")),
 ])
-def test_keras_clone_mistakes_leave_fit_and_receive_clone_with_deepfreeze_errors(tmp_path, mistake, source_error,
+def test_keras_clone_mistakes_leave_fit_and_receive_clone_with_deepfreeze_errors(two_ranks, mistake, source_error,
                                                                                   clone_error):
     """Each mistake ends both sides, within the timeouts, with DeepFreeze's own exception (its
-    type and message as written by each rank, never TensorFlow's wrapper of it)."""
-    out = str(tmp_path)
-    mpirun(2, f"{WORKERS}/clone_keras.py", out, "1,1", "8", "timeout=6", mistake, timeout=300)
+    type and message as written by each rank, never TensorFlow's wrapper of it). The jobs are
+    the module's (:func:`two_ranks`), this test reads its own."""
+    out = _ran(two_ranks, mistake)
     for who, (kind, text) in (("source", source_error), ("clone1", clone_error)):
         err = _json(out, who, 0).get("error", "")
         assert err.startswith(f"{kind}: ") and text in err, (who, err)
@@ -289,12 +345,12 @@ def test_keras_clone_mistakes_leave_fit_and_receive_clone_with_deepfreeze_errors
 
 
 @pytest.mark.mpi
-def test_keras_clone_of_an_unbuilt_model_is_built_from_the_input_spec(tmp_path):
+@pytest.mark.timeout(1500)  # the first test of the five waits for all five jobs (:func:`two_ranks`)
+def test_keras_clone_of_an_unbuilt_model_is_built_from_the_input_spec(two_ranks):
     """A Sequential model without Input (Horovod's examples): the source's fit builds it at
     its first step (CloneCallback and DeepFreezeCheckpoint both set up there, each from the
     input's shape, by the one build function), the clone passes input_spec=dataset."""
-    out = str(tmp_path)
-    mpirun(2, f"{WORKERS}/clone_keras.py", out, "1,1", "8", "unbuilt=1", "ckpt=1", timeout=300)
+    out = _ran(two_ranks, "unbuilt")
     _check_clone_equals_source_rank0(out, 1, 1)
     assert _json(out, "clone1", 0)["info"]["step"] == 8
     from deepfreeze.tiers.persistent import PersistentLevel

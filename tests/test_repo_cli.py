@@ -138,8 +138,11 @@ def test_import_checkpoint_and_load_bit_exact(tmp_path):
     """A real 2-rank fit with checkpoints; the newest version imports with no model at hand
     (the manifest records the layer graph) and loads bit-exact into a model built with other
     auto-names; an older-style checkpoint (no graph) imports with --model."""
-    out = tmp_path / "job"
-    mpirun(2, os.path.join(WORKERS, "train.py"), str(out), "sync", "every=4", "epochs=1", "samples=128")
+    out, old = tmp_path / "job", tmp_path / "old"
+    # both fits (the second one writes no graph, as DeepFreeze did before manifests recorded it) in one
+    # 2-rank run, one after the other (tests/workers/train.py: '+'): one TensorFlow and Horovod start-up
+    mpirun(2, os.path.join(WORKERS, "train.py"), str(out), "sync", "every=4", "epochs=1", "samples=128",
+           "+", str(old), "sync", "every=4", "epochs=1", "samples=128", "no_layers=1")
     sets = ["--set", f"scratch={out}/node0/scratch", "--set", f"persistent={out}/persistent"]
     pers = PersistentLevel(f"{out}/persistent")
     v = max(pers.committed_versions("job"))
@@ -159,9 +162,6 @@ def test_import_checkpoint_and_load_bit_exact(tmp_path):
     p = cli("import", repo, "small@ckpt", "--name", "job", *sets)
     assert p.returncode == 1 and "small@ckpt" in p.stderr
     # a checkpoint written without the graph: refused with what to do, then imported with --model
-    old = tmp_path / "old"
-    mpirun(2, os.path.join(WORKERS, "train.py"), str(old), "sync", "every=4", "epochs=1", "samples=128",
-           "no_layers=1")
     sets = ["--set", f"scratch={old}/node0/scratch", "--set", f"persistent={old}/persistent"]
     p = cli("import", repo, "small@old", "--name", "job", *sets)
     assert p.returncode == 1 and "--model" in p.stderr

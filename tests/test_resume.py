@@ -26,18 +26,25 @@ def final(out):
         return [z[f"arr_{i}"].tobytes() for i in range(len(z.files))]
 
 
-def test_killed_mid_epoch_then_relaunched_ends_bit_identical(tmp_path):
-    a, b = str(tmp_path / "straight"), str(tmp_path / "killed")
-    assert "resumed_from=None iterations=18" in run(a)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, module_runtime_dir):
+    """The uninterrupted single-process run (no arguments: the same run for every test that compares
+    with it), run once for the module: its directory and what it printed."""
+    a = str(tmp_path_factory.mktemp("resume") / "straight")
+    return a, run(a)
+
+
+def test_killed_mid_epoch_then_relaunched_ends_bit_identical(tmp_path, straight):
+    (a, stdout), b = straight, str(tmp_path / "killed")
+    assert "resumed_from=None iterations=18" in stdout
     run(b, "kill_at=10", expect_kill=True)  # epoch 1, step 4 of 6; newest checkpoint v8
     assert not os.path.exists(f"{b}/final.npz")
     assert "resumed_from=8 iterations=18" in run(b, "resume=1")  # the relaunch, same command + resume
     assert final(a) == final(b)  # weights, optimizer slots and iteration counter
 
 
-def test_resume_without_checkpoint_starts_fresh_and_at_epoch_boundary(tmp_path):
-    a, b = str(tmp_path / "straight"), str(tmp_path / "killed")
-    run(a)
+def test_resume_without_checkpoint_starts_fresh_and_at_epoch_boundary(tmp_path, straight):
+    (a, _), b = straight, str(tmp_path / "killed")
     assert "resumed_from=None iterations=18" in run(b, "resume=1")  # nothing to resume: fresh
     assert final(a) == final(b)
     c = str(tmp_path / "boundary")

@@ -206,12 +206,41 @@ def test_producer_killed_mid_publish_leaves_the_last_complete_version_live(out):
     assert report["error"] is None
 
 
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory, module_runtime_dir):
+    """The producers of both planned schedules, one after the other in one 2-rank mpirun
+    (tests/workers/stream_producer.py: '+'-separated jobs), each with its own directory and its
+    own /dev/shm directory: one TensorFlow and Horovod start-up for both."""
+    root = tmp_path_factory.mktemp("planned")
+    outs, shms, args = {}, [], []
+    for schedule in ("fixed", "adaptive"):
+        outs[schedule] = root / schedule
+        outs[schedule].mkdir()
+        shms.append(f"/dev/shm/dftest-{uuid.uuid4().hex[:8]}")
+        os.makedirs(shms[-1])
+        opts = dict(schedule=schedule, epochs=3, samples=320, horizon=3, interval=0.005, shm_dir=shms[-1])
+        args += (["+"] if args else []) + [str(outs[schedule]), *[f"{k}={v}" for k, v in opts.items()]]
+    try:
+        p = mpirun(2, os.path.join(WORKERS, "stream_producer.py"), *args, timeout=600, check=False,
+                   env={"DEEPFREEZE_TOKEN": TOKEN})
+        yield outs, p
+    finally:
+        for shm in shms:
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.timeout(1200)  # the first of the two waits for both producers (:func:`planned`)
 @pytest.mark.parametrize("schedule", ["fixed", "adaptive"])
-def test_planned_schedules_publish_at_the_same_steps_on_every_rank(out, schedule):
+def test_planned_schedules_publish_at_the_same_steps_on_every_rank(planned, schedule, monkeypatch):
     """Warm-up epoch, one publish at its end, then the plan rank 0 made from the all-reduced
-    per-batch losses, broadcast: every rank publishes exactly the planned steps."""
-    tmp_path, shm = out
-    producer(tmp_path, shm, schedule=schedule, epochs=3, samples=320, horizon=3, interval=0.005)
+    per-batch losses, broadcast: every rank publishes exactly the planned steps. The producers
+    are the module's (:func:`planned`), this test reads its own."""
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)  # as the out fixture did
+    outs, p = planned
+    if p.returncode != 0:
+        pytest.fail(f"{' '.join(p.args)} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\n"
+                    f"stderr:\n{p.stderr[-6000:]}")
+    tmp_path = outs[schedule]
     reps = [json.load(open(tmp_path / f"producer{r}.json")) for r in range(2)]
     assert reps[0]["plan"] == reps[1]["plan"] and reps[0]["plan"] is not None
     plan = reps[0]["plan"]

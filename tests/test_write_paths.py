@@ -35,11 +35,30 @@ def assert_path_taken(out: str, write_once: str) -> None:
         assert shards, "write_once = off wrote no scratch file"
 
 
+@pytest.fixture(scope="module")
+def keras_jobs(tmp_path_factory, module_runtime_dir):
+    """The Keras job on each write path (the write_once fixture's: ``auto`` without VELOC_WRITE_ONCE,
+    ``off`` with VELOC_WRITE_ONCE=off in the job's environment), one after the other in one 2-rank
+    mpirun (tests/workers/train.py: '+'-separated jobs, env.KEY=VALUE a job's own): one TensorFlow
+    and Horovod start-up for both."""
+    root = tmp_path_factory.mktemp("keras")
+    job = ["sync", "every=2", "epochs=1", "samples=64"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("VELOC_WRITE_ONCE", raising=False)  # auto: the environment as the user gets it
+        p = mpirun(2, f"{WORKERS}/train.py", str(root / "auto"), *job, "+", str(root / "off"), *job,
+                   "env.VELOC_WRITE_ONCE=off", timeout=600, check=False)
+    return {"auto": str(root / "auto"), "off": str(root / "off")}, p
+
+
 @pytest.mark.mpi
-def test_keras_horovod(tmp_path, write_once):
+@pytest.mark.timeout(1200)  # the first of the two waits for both jobs (:func:`keras_jobs`)
+def test_keras_horovod(keras_jobs, write_once):
     from test_mpi import check_job
-    out = str(tmp_path)
-    mpirun(2, f"{WORKERS}/train.py", out, "sync", "every=2", "epochs=1", "samples=64")
+    outs, p = keras_jobs
+    if p.returncode != 0:
+        pytest.fail(f"{' '.join(p.args)} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\n"
+                    f"stderr:\n{p.stderr[-6000:]}")
+    out = outs[write_once]  # the job on this write path (write_once names it)
     taken, committed = check_job(out, 2, lambda t: t)  # every version committed, each bit-exact
     assert len(taken) >= 2 and committed == taken
     assert_path_taken(out, write_once)

@@ -1,6 +1,11 @@
 """Keras + Horovod clone worker (run under mpirun):
 
-    python clone_keras.py OUT SIZES K [key=value ...]
+    python clone_keras.py OUT SIZES K [key=value ...] [+ OUT2 SIZES2 K2 [key=value ...] ...]
+
+Each ``+`` starts another job of the same ranks after the one before it ended, in the same
+processes (one TensorFlow and Horovod start-up for several jobs): a new split (new communicators:
+nothing of the job before reaches it), Horovod shut down and initialized again over the new
+group, Keras' session cleared; each job writes its results under its own OUT.
 
 SIZES: group sizes, e.g. 2,2 (the first group is the source). The source group trains
 EPOCHS x 6 steps and clones at global step K (``K=e2`` clones at the end of epoch 2);
@@ -16,7 +21,8 @@ rank a node), ``mismatch=1`` (clone groups build another model), ``kill=clone|so
 clone late: ``late=source`` once the clone gave up, ``late=clone`` ``timeout`` + 4 s after the
 source's end of step K - 1), ``stall=clone`` (the clone ranks take the hello, then no data until
 the source gave up), ``unbuilt=1`` (a Sequential model without Input: the source's fit
-builds it, the clones pass ``input_spec=``).
+builds it, the clones pass ``input_spec=``), ``env.KEY=VALUE`` (the job runs with ``KEY=VALUE``
+in its environment, as if the job had been started with it: e.g. ``env.VELOC_WRITE_ONCE=off``).
 
 Every rank writes OUT/<who>_r<rank>.json: ``error`` ("Type: message" of what the clone call
 or fit raised, any exception), ``configerrors`` (bad=1), ``info``, ``timings``, ``ok``.
@@ -39,24 +45,39 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 import deepfreeze.clone as dfc  # noqa: E402
 from deepfreeze.errors import CloneTimeoutError, ConfigError  # noqa: E402
 
-out, sizes, at = sys.argv[1], tuple(int(s) for s in sys.argv[2].split(",")), sys.argv[3]
-opts = dict(a.split("=", 1) for a in sys.argv[4:])
-group = dfc.split(sizes=sizes)
-
-import horovod.tensorflow.keras as hvd  # noqa: E402
-
-if opts.get("hvd") == "world":
-    hvd.init()  # the mistake: Horovod over every group
-else:
-    hvd.init(comm=group.comm)
-from deepfreeze.keras import CloneCallback, DeepFreezeCheckpoint, receive_clone  # noqa: E402
-from deepfreeze.keras._state import train_state  # noqa: E402
-
 STEPS, BATCH = 6, 8
-EPOCHS = int(opts.get("epochs", 3))
-THRESHOLD = int(opts.get("threshold", 1024))
-TIMEOUT = float(opts.get("timeout", 120))
-who = "source" if group.is_source else f"clone{group.index}"
+ENVIRON = dict(os.environ)  # each job starts from the process's environment, plus its own env.KEY=VALUE
+JOB_ENV: list[str] = []  # the keys the current job set
+
+
+def start(argv: list[str]) -> None:
+    """One job's arguments (``OUT SIZES K [key=value ...]``): its groups (a new split) and Horovod."""
+    global out, sizes, at, opts, group, hvd, CloneCallback, DeepFreezeCheckpoint, receive_clone, train_state
+    global EPOCHS, THRESHOLD, TIMEOUT, who
+    out, sizes, at = argv[0], tuple(int(s) for s in argv[1].split(",")), argv[2]
+    opts = dict(a.split("=", 1) for a in argv[3:])
+    for k in JOB_ENV:  # the job before's own settings undone (only those keys: other threads read the environment)
+        if k in ENVIRON:
+            os.environ[k] = ENVIRON[k]
+        else:
+            os.environ.pop(k, None)
+    JOB_ENV[:] = [k[4:] for k in opts if k.startswith("env.")]
+    os.environ.update({k[4:]: v for k, v in opts.items() if k.startswith("env.")})  # this job's
+    group = dfc.split(sizes=sizes)
+
+    import horovod.tensorflow.keras as hvd
+
+    if opts.get("hvd") == "world":
+        hvd.init()  # the mistake: Horovod over every group
+    else:
+        hvd.init(comm=group.comm)
+    from deepfreeze.keras import CloneCallback, DeepFreezeCheckpoint, receive_clone
+    from deepfreeze.keras._state import train_state
+
+    EPOCHS = int(opts.get("epochs", 3))
+    THRESHOLD = int(opts.get("threshold", 1024))
+    TIMEOUT = float(opts.get("timeout", 120))
+    who = "source" if group.is_source else f"clone{group.index}"
 
 
 def build(mismatch: bool = False) -> tf.keras.Model:
@@ -107,7 +128,7 @@ class Record(tf.keras.callbacks.Callback):
             np.savez(f"{out}/{self.prefix}/v{step}.npz", *self.model.get_weights())
 
 
-def checkpoint(name: str) -> DeepFreezeCheckpoint:
+def checkpoint(name: str) -> "DeepFreezeCheckpoint":
     node = f"g{group.index}r{group.rank}"
     return DeepFreezeCheckpoint(name=name, every_n_batches=2, mode="async", scratch=f"{out}/{node}/scratch",
                                 persistent=f"{out}/persistent", failure_domain=node, min_shard_bytes=1024)
@@ -133,6 +154,21 @@ class Stall(dfc.Receiver):
         wait_for_result(f"source_r{group.rank}.json")
         time.sleep(max(0.0, TIMEOUT + 4 - (time.monotonic() - t0)))
         raise CloneTimeoutError("test: this clone rank stalled")
+
+
+class Began(tf.keras.callbacks.Callback):
+    """At train begin, after CloneCallback's (which posts the source's hello), marks
+    OUT/source_r<rank>.hello. With ``late=source`` and ``stall=clone`` the clone calls receive_clone
+    after that mark, so its clone_timeout counts what the test is about (the data that does not
+    come, the data it does not take), never the source's start-up: under load the source's fit may
+    begin more than clone_timeout after the clone's call."""
+
+    def on_train_begin(self, logs=None):
+        open(f"{out}/source_r{group.rank}.hello", "w").close()
+
+
+def waits_for_source_hello() -> bool:
+    return opts.get("late") == "source" or opts.get("stall") == "clone"
 
 
 class Late(tf.keras.callbacks.Callback):
@@ -181,81 +217,107 @@ def data(rank: int):
     return x, y
 
 
-model = build_unbuilt() if opts.get("unbuilt") == "1" else build(mismatch=opts.get("mismatch") == "1" and
-                                                                  not group.is_source)
-model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)),
-              loss="sparse_categorical_crossentropy")
-x, y = data(group.rank)
-result = {"who": who, "rank": group.rank}
-try:
-    if group.is_source and opts.get("bad") == "1":  # configuration errors, before the real clone
-        result["configerrors"] = []
-        for bad in ({"at_step": 0}, {"at_step": 3, "at_epoch_end": 1}, {}):
-            try:
-                CloneCallback(group, **bad)
+def run() -> None:
+    """One job: train, clone or receive; OUT/<who>_r<rank>.json says how it ended."""
+    model = build_unbuilt() if opts.get("unbuilt") == "1" else build(mismatch=opts.get("mismatch") == "1" and
+                                                                      not group.is_source)
+    model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)),
+                  loss="sparse_categorical_crossentropy")
+    x, y = data(group.rank)
+    result = {"who": who, "rank": group.rank}
+    try:
+        if group.is_source and opts.get("bad") == "1":  # configuration errors, before the real clone
+            result["configerrors"] = []
+            for bad in ({"at_step": 0}, {"at_step": 3, "at_epoch_end": 1}, {}):
+                try:
+                    CloneCallback(group, **bad)
+                except ConfigError as e:
+                    result["configerrors"].append([str(bad), str(e)])
+            try:  # step 1 is the first step of this fit: before Horovod's broadcast made the ranks identical
+                model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[CloneCallback(group, at_step=1)])
             except ConfigError as e:
-                result["configerrors"].append([str(bad), str(e)])
-        try:  # step 1 is the first step of this fit: before Horovod's broadcast made the ranks identical
-            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[CloneCallback(group, at_step=1)])
-        except ConfigError as e:
-            result["configerrors"].append(["first-step", str(e)])
-    if group.is_source:
-        kw = {"at_epoch_end": int(at[1:])} if at.startswith("e") else {"at_step": int(at)}
-        clone = CloneCallback(group, clone_timeout=TIMEOUT, threshold=THRESHOLD, **kw)
-        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), clone]
-        if opts.get("ckpt") == "1":
-            ck = checkpoint("src")
-            callbacks.append(ck)
-
-        class DieAfterPosting(tf.keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                if clone.done and group.rank == int(opts.get("kill_rank", 1)):
-                    open(f"{out}/{who}_r{group.rank}.killed", "w").close()
-                    os.kill(os.getpid(), signal.SIGKILL)
-        if opts.get("kill") == "source":
-            callbacks.append(DieAfterPosting())
-        if opts.get("late") == "source":
-            callbacks.append(Late(clone.at_step))
-        if opts.get("late") == "clone":
-            callbacks.append(AtStepK(clone.at_step))
-        callbacks.append(Record(k=None))  # K recorded by step below (at_epoch_end: known after fit)
-        k_step = clone.at_step if clone.at_step else (int(at[1:]) + 1) * STEPS
-        callbacks[-1].k = k_step
-        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
-        save_state(model, "final")
-        result["timings"] = {k: v for k, v in clone.timings.items()}
-        if opts.get("ckpt") == "1":
-            ck.wait()
-            ck.close()
-    else:
-        cls = DieMidTransfer if opts.get("kill") == "clone" and group.rank == int(opts.get("kill_rank", 0)) \
-            else Stall if opts.get("stall") == "clone" else dfc.Receiver
-        if opts.get("late") == "clone":
-            wait_for_result(f"source_r{group.rank}.at_k")  # the source ended step K - 1
-            time.sleep(TIMEOUT + 4)
-        spec = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH) if opts.get("unbuilt") == "1" else None
-        t0 = time.time()
-        info = receive_clone(model, group, clone_timeout=TIMEOUT, threshold=THRESHOLD, receiver_cls=cls,
-                             input_spec=spec)
-        result["info"] = {"step": info.step, "epoch": info.epoch, "epoch_step": info.epoch_step,
-                          "epoch_complete": info.epoch_complete, "source_run": info.source_run,
-                          "source_name": info.source_name}
-        result["timings"] = dict(info.timings, called=t0)
-        save_state(model, "K")
-        if opts.get("continue") == "1":
-            callbacks = [Record(prefix=f"expected_{who}")]
+                result["configerrors"].append(["first-step", str(e)])
+        if group.is_source:
+            kw = {"at_epoch_end": int(at[1:])} if at.startswith("e") else {"at_step": int(at)}
+            clone = CloneCallback(group, clone_timeout=TIMEOUT, threshold=THRESHOLD, **kw)
+            callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), clone]
+            if waits_for_source_hello():
+                callbacks.append(Began())
             if opts.get("ckpt") == "1":
-                ck = checkpoint(who)
+                ck = checkpoint("src")
                 callbacks.append(ck)
-            model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, initial_epoch=info.epoch, shuffle=False, verbose=0,
-                      callbacks=callbacks)
+
+            class DieAfterPosting(tf.keras.callbacks.Callback):
+                def on_train_batch_end(self, batch, logs=None):
+                    if clone.done and group.rank == int(opts.get("kill_rank", 1)):
+                        open(f"{out}/{who}_r{group.rank}.killed", "w").close()
+                        os.kill(os.getpid(), signal.SIGKILL)
+            if opts.get("kill") == "source":
+                callbacks.append(DieAfterPosting())
+            if opts.get("late") == "source":
+                callbacks.append(Late(clone.at_step))
+            if opts.get("late") == "clone":
+                callbacks.append(AtStepK(clone.at_step))
+            callbacks.append(Record(k=None))  # K recorded by step below (at_epoch_end: known after fit)
+            k_step = clone.at_step if clone.at_step else (int(at[1:]) + 1) * STEPS
+            callbacks[-1].k = k_step
+            model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
             save_state(model, "final")
+            result["timings"] = {k: v for k, v in clone.timings.items()}
             if opts.get("ckpt") == "1":
                 ck.wait()
                 ck.close()
-    result["ok"] = True
-except Exception as e:  # any type: a test checks it is DeepFreeze's (not TensorFlow's wrapper)
-    result["error"] = f"{type(e).__name__}: {e}"
-with open(f"{out}/{who}_r{group.rank}.json.tmp", "w") as f:
-    json.dump(result, f, default=float)
-os.replace(f"{out}/{who}_r{group.rank}.json.tmp", f"{out}/{who}_r{group.rank}.json")
+        else:
+            cls = DieMidTransfer if opts.get("kill") == "clone" and group.rank == int(opts.get("kill_rank", 0)) \
+                else Stall if opts.get("stall") == "clone" else dfc.Receiver
+            if opts.get("late") == "clone":
+                wait_for_result(f"source_r{group.rank}.at_k")  # the source ended step K - 1
+                time.sleep(TIMEOUT + 4)
+            if waits_for_source_hello():
+                wait_for_result(f"source_r{group.rank}.hello")  # the source posted its hello (fit began)
+            spec = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH) if opts.get("unbuilt") == "1" else None
+            t0 = time.time()
+            info = receive_clone(model, group, clone_timeout=TIMEOUT, threshold=THRESHOLD, receiver_cls=cls,
+                                 input_spec=spec)
+            result["info"] = {"step": info.step, "epoch": info.epoch, "epoch_step": info.epoch_step,
+                              "epoch_complete": info.epoch_complete, "source_run": info.source_run,
+                              "source_name": info.source_name}
+            result["timings"] = dict(info.timings, called=t0)
+            save_state(model, "K")
+            if opts.get("continue") == "1":
+                callbacks = [Record(prefix=f"expected_{who}")]
+                if opts.get("ckpt") == "1":
+                    ck = checkpoint(who)
+                    callbacks.append(ck)
+                model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, initial_epoch=info.epoch, shuffle=False, verbose=0,
+                          callbacks=callbacks)
+                save_state(model, "final")
+                if opts.get("ckpt") == "1":
+                    ck.wait()
+                    ck.close()
+        result["ok"] = True
+    except Exception as e:  # any type: a test checks it is DeepFreeze's (not TensorFlow's wrapper)
+        result["error"] = f"{type(e).__name__}: {e}"
+    with open(f"{out}/{who}_r{group.rank}.json.tmp", "w") as f:
+        json.dump(result, f, default=float)
+    os.replace(f"{out}/{who}_r{group.rank}.json.tmp", f"{out}/{who}_r{group.rank}.json")
+
+
+def jobs(argv: list[str]) -> list[list[str]]:
+    """The jobs of the command line, separated by ``+``."""
+    out, cur = [], []
+    for a in argv:
+        if a == "+":
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    return out + [cur]
+
+
+for i, job in enumerate(jobs(sys.argv[1:])):
+    if i:  # the next job: Horovod again over its own group, Keras' layer names as in a fresh process
+        hvd.shutdown()
+        tf.keras.backend.clear_session()
+    start(job)
+    run()

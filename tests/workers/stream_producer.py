@@ -1,6 +1,9 @@
 """Producer worker of the stream tests (run under mpirun).
 
-    python tests/workers/stream_producer.py OUT [key=value ...]
+    python tests/workers/stream_producer.py OUT [key=value ...] [+ OUT2 [key=value ...] ...]
+
+Each ``+`` starts another job of the same ranks after the one before it (a fresh model and
+callbacks, Keras' session cleared; one TensorFlow and Horovod start-up for several jobs).
 
 Each rank simulates its own node's scratch (OUT/node<rank>/scratch); persistent is
 OUT/persistent. A PublishCallback publishes channel ``name`` (schedule ``every`` steps); with
@@ -106,11 +109,25 @@ class VotingPublish(PublishCallback):
 
 
 def main() -> None:
-    out = sys.argv[1]
-    opts = dict(a.split("=", 1) for a in sys.argv[2:])
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     hvd.init()
+    jobs, cur = [], []
+    for a in sys.argv[1:]:
+        if a == "+":
+            jobs.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    for i, job in enumerate(jobs + [cur]):
+        if i:
+            tf.keras.backend.clear_session()  # the next job's layers are named as in a fresh process
+        run_job(job)
+
+
+def run_job(argv: list[str]) -> None:
+    out = argv[0]
+    opts = dict(a.split("=", 1) for a in argv[1:])
     rank = hvd.rank()
     if "die_at" in opts and rank == hvd.size() - 1:
         from deepfreeze.stream import slots

@@ -1,8 +1,11 @@
 """Multi-rank training worker for the tests (run under mpirun).
 
-    python tests/workers/train.py OUT MODE [key=value ...]
+    python tests/workers/train.py OUT MODE [key=value ...] [+ OUT2 MODE2 [key=value ...] ...]
 
-Each rank simulates its own node: scratch OUT/node<rank>/scratch, failure domain
+Each ``+`` starts another job of the same ranks, run after the one before it in the same processes
+(a fresh model and checkpoint, Keras' session cleared: the layer names of a fresh process; one
+TensorFlow and Horovod start-up for several jobs); ``env.KEY=VALUE`` sets ``KEY`` in the environment
+for that job only (as if the job had been started with it, e.g. ``env.VELOC_WRITE_ONCE=off``). Each rank simulates its own node: scratch OUT/node<rank>/scratch, failure domain
 node<rank>; persistent is OUT/persistent. Rank 0 saves the weights the model has
 right after every checkpointed step to OUT/expected/v<version>.npz, the reference
 the tests compare the checkpoints with.
@@ -42,10 +45,40 @@ def killing_level(rank: int, version: int) -> type:
     return KillMidWrite
 
 
+def jobs(argv: list[str]) -> list[list[str]]:
+    """The jobs of the command line: ``OUT MODE [key=value ...]``, separated by ``+``."""
+    out, cur = [], []
+    for a in argv:
+        if a == "+":
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    return out + [cur]
+
+
 def main() -> None:
-    out, mode = sys.argv[1], sys.argv[2]
-    opts = dict(a.split("=", 1) for a in sys.argv[3:])
+    import deepfreeze.keras.callback as cb
     hvd.init()
+    layer_record = cb._layer_record
+    environ, job_env = dict(os.environ), []
+    for i, job in enumerate(jobs(sys.argv[1:])):
+        if i:
+            tf.keras.backend.clear_session()  # the next job's layers are named as in a fresh process
+            cb._layer_record = layer_record  # no_layers=1 is one job's
+        for k in job_env:  # the job before's env.KEY=VALUE undone (only those keys: other threads read the environment)
+            if k in environ:
+                os.environ[k] = environ[k]
+            else:
+                os.environ.pop(k, None)
+        job_env = [a[4:].split("=", 1)[0] for a in job[2:] if a.startswith("env.")]
+        os.environ.update(dict(a[4:].split("=", 1) for a in job[2:] if a.startswith("env.")))
+        run_job(job)
+
+
+def run_job(argv: list[str]) -> None:
+    out, mode = argv[0], argv[1]
+    opts = dict(a.split("=", 1) for a in argv[2:])
     rank = hvd.rank()
     if opts.get("no_layers") == "1":  # a checkpoint as DeepFreeze wrote them before manifests recorded the graph
         import deepfreeze.keras.callback as cb
