@@ -103,15 +103,43 @@ def replace_record(path: str, record: bytes) -> None:
         f.write(b)
 
 
+#: what tests/conftest.py's autouse ``_private_runtime_dir`` gives every test and the processes it starts
+BACKEND_IDLE = "2"
+
+
+def runtime_dir(tmp_path_factory) -> str:
+    """This test session's backend socket directory (one per pytest-xdist worker), created 0700."""
+    d = tmp_path_factory.getbasetemp() / "run"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return str(d)
+
+
 @contextlib.contextmanager
 def as_in_a_test(tmp_path_factory):
     """For the jobs a module-scoped fixture starts in place of tests: the environment
     tests/conftest.py's autouse ``_private_runtime_dir`` gives a test and the processes it starts
     (this session's backend socket directory, a 2 s backend idle time). A module-scoped fixture is
-    set up before the test's function-scoped fixtures, so it runs without them."""
-    d = tmp_path_factory.getbasetemp() / "run"
-    d.mkdir(mode=0o700, exist_ok=True)
+    set up before the test's function-scoped fixtures, so it runs without them. Yields the directory."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DEEPFREEZE_RUNTIME_DIR", str(d))
-        mp.setenv("DEEPFREEZE_BACKEND_IDLE", "2")
-        yield
+        d = runtime_dir(tmp_path_factory)
+        mp.setenv("DEEPFREEZE_RUNTIME_DIR", d)
+        mp.setenv("DEEPFREEZE_BACKEND_IDLE", BACKEND_IDLE)
+        yield d
+
+
+def lines_of(conn, bufsize: int = 1 << 16, stop=None):
+    """The newline-terminated lines that arrive on the socket ``conn`` (bytes, without the newline)
+    until the peer closes it, a receive fails, or ``stop`` (a threading.Event) is set: the reader of
+    the tests' stand-in backends (tests/workers/old_backend.py, test_hung_backend's SilentPeer)."""
+    buf = b""
+    while stop is None or not stop.is_set():
+        try:
+            chunk = conn.recv(bufsize)
+        except OSError:
+            return
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line

@@ -7,6 +7,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _util import BACKEND_IDLE, as_in_a_test, runtime_dir  # noqa: E402
+
 # Every mpirun the tests start (and its ranks) yields the CPU while it waits on MPI instead of
 # polling: Open MPI polls unless it sees more ranks than cores, and the suite runs its jobs beside
 # each other (pytest-xdist workers) and beside other work, where a polling rank burns the core its
@@ -31,25 +33,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _private_runtime_dir(tmp_path_factory, monkeypatch):
-    """Each test session gets its own backend socket directory."""
-    d = tmp_path_factory.getbasetemp() / "run"
-    d.mkdir(mode=0o700, exist_ok=True)
-    monkeypatch.setenv("DEEPFREEZE_RUNTIME_DIR", str(d))
-    monkeypatch.setenv("DEEPFREEZE_BACKEND_IDLE", "2")
+    """Each test session gets its own backend socket directory, and backends that stop 2 s after
+    their last client (module-scoped fixtures' jobs: :func:`module_runtime_dir`)."""
+    monkeypatch.setenv("DEEPFREEZE_RUNTIME_DIR", runtime_dir(tmp_path_factory))
+    monkeypatch.setenv("DEEPFREEZE_BACKEND_IDLE", BACKEND_IDLE)
 
 
 @pytest.fixture(scope="module")
 def module_runtime_dir(tmp_path_factory):
     """For a module-scoped fixture that starts jobs (one job whose results several tests read):
-    the environment :func:`_private_runtime_dir` gives each test (the session's backend socket
-    directory, the backends' short idle time), which a module-scoped fixture, set up before any
-    test's own fixtures, would otherwise run without."""
-    d = tmp_path_factory.getbasetemp() / "run"
-    d.mkdir(mode=0o700, exist_ok=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DEEPFREEZE_RUNTIME_DIR", str(d))
-        mp.setenv("DEEPFREEZE_BACKEND_IDLE", "2")
-        yield str(d)
+    the environment :func:`_private_runtime_dir` gives each test (:func:`_util.as_in_a_test`)."""
+    with as_in_a_test(tmp_path_factory) as d:
+        yield d
 
 
 @pytest.fixture(autouse=True)

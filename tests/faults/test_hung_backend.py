@@ -23,6 +23,7 @@ from deepfreeze.engine import Engine
 from deepfreeze.errors import BackendError, BackendUnresponsiveError, ConfigError
 from deepfreeze.tiers.persistent import PersistentLevel, lock_record
 
+from _util import lines_of
 from test_engine import assert_version, make_plan, model_arrays, pieces
 
 
@@ -228,27 +229,18 @@ class SilentPeer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn):
-        buf, next_id = b"", 0
-        while True:
-            try:
-                chunk = conn.recv(1 << 16)
-            except OSError:
-                return
-            if not chunk:
-                return
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                if not self.answer or self.silent.is_set():
-                    continue
-                req = json.loads(line)
-                if req["op"] == "hello":
-                    resp = {"ok": True, "pid": os.getpid(), "protocol": PROTOCOL}
-                elif req["op"] == "flush":
-                    resp, next_id = {"ok": True, "id": next_id}, next_id + 1
-                else:
-                    resp = {"ok": True, "done": [], "errors": []}
-                conn.sendall(json.dumps(resp).encode() + b"\n")
+        next_id = 0
+        for line in lines_of(conn):
+            if not self.answer or self.silent.is_set():
+                continue
+            req = json.loads(line)
+            if req["op"] == "hello":
+                resp = {"ok": True, "pid": os.getpid(), "protocol": PROTOCOL}
+            elif req["op"] == "flush":
+                resp, next_id = {"ok": True, "id": next_id}, next_id + 1
+            else:
+                resp = {"ok": True, "done": [], "errors": []}
+            conn.sendall(json.dumps(resp).encode() + b"\n")
 
     def close(self):
         self.sock.close()

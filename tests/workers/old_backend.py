@@ -16,6 +16,9 @@ import socket
 import sys
 import threading
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _util import lines_of  # noqa: E402
+
 
 def main(path: str, log: str) -> int:
     lock = threading.Lock()
@@ -27,39 +30,29 @@ def main(path: str, log: str) -> int:
             f.write(json.dumps(req) + "\n")
 
     def serve(conn: socket.socket) -> None:
-        buf = b""
         with conn:
-            while not stop.is_set():
-                try:
-                    chunk = conn.recv(1 << 20)
-                except OSError:
-                    return
-                if not chunk:
-                    return
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    req = json.loads(line)
-                    record(req)
-                    op = req.get("op")
-                    if op == "hello":
-                        resp = {"ok": True, "pid": os.getpid()}
-                    elif op == "flush":
-                        with lock:
-                            jobs.append(len(jobs))
-                            resp = {"ok": True, "id": jobs[-1]}
-                    elif op in ("poll", "wait"):
-                        resp = {"ok": True, "done": list(req.get("ids", [])), "errors": [], "unknown": [],
-                                "stalled": 0.0}
-                    elif op == "status":
-                        resp = {"ok": True, "pid": os.getpid(), "pending": 0, "clients": 1, "jobs": len(jobs),
-                                "overdue": []}
-                    elif op == "stop":
-                        resp = {"ok": True}
-                        stop.set()
-                    else:
-                        resp = {"ok": False, "error": f"unknown op {op!r}"}
-                    conn.sendall(json.dumps(resp).encode() + b"\n")
+            for line in lines_of(conn, 1 << 20, stop):
+                req = json.loads(line)
+                record(req)
+                op = req.get("op")
+                if op == "hello":
+                    resp = {"ok": True, "pid": os.getpid()}
+                elif op == "flush":
+                    with lock:
+                        jobs.append(len(jobs))
+                        resp = {"ok": True, "id": jobs[-1]}
+                elif op in ("poll", "wait"):
+                    resp = {"ok": True, "done": list(req.get("ids", [])), "errors": [], "unknown": [],
+                            "stalled": 0.0}
+                elif op == "status":
+                    resp = {"ok": True, "pid": os.getpid(), "pending": 0, "clients": 1, "jobs": len(jobs),
+                            "overdue": []}
+                elif op == "stop":
+                    resp = {"ok": True}
+                    stop.set()
+                else:
+                    resp = {"ok": False, "error": f"unknown op {op!r}"}
+                conn.sendall(json.dumps(resp).encode() + b"\n")
 
     old = os.umask(0o177)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
