@@ -1,4 +1,4 @@
-"""The torch capture: finished shards with their state records, apart from the policy that wants them.
+"""The torch capture: finished shards (or the live tensors) with state records, apart from their policy.
 
 A :class:`Capture` turns the state of a training step into this rank's shard of one version: a
 pooled buffer laid out as the rank's shard file (:class:`~deepfreeze.fused.FusedLayout`), its
@@ -42,10 +42,17 @@ closes. The owner calls each of them under its ``on_error`` policy: a
 :class:`~deepfreeze.errors.DeepFreezeError` they raise is raised through ``optimizer.step()``
 (``on_error="raise"``) or logged and counted (``"warn"``).
 
-The state record of a rank (:class:`StateRecords`) is the one definition the Checkpointer and the
-clone server (:mod:`deepfreeze.torch.clone`, which sends the live tensors instead of a shard)
-both take: part ``"a"`` in the post-hook, part ``"b"`` at the next forward pre-hook, or both at
-the loop's boundary.
+**Live subscribers.** What reads the live tensors of a step instead of a shard (the
+:class:`~deepfreeze.torch.CloneServer`, which sends each rank's share of them straight to a clone:
+no copy into a buffer, none of the capture's all-gathers) implements :class:`LiveSubscriber` and
+subscribes to a :class:`LiveCapture`, a sink of the model's step hook beside the Checkpointer's.
+It counts the steps, asks ``wants_live(step)`` in each post-hook (collective calls are the
+subscriber's: the clone server's agreement), lends a wanted step's tensor list (:class:`Live`)
+through ``on_live``, takes the rank's state record, and holds the next ``optimizer.step()`` until
+each holder's ``on_release`` returned (call order: :class:`LiveSubscriber`).
+
+The state record of a rank (:class:`StateRecords`) is the one definition both take: part ``"a"``
+in the post-hook, part ``"b"`` at the next forward pre-hook, or both at the loop's boundary.
 """
 from __future__ import annotations
 
@@ -54,6 +61,7 @@ import dataclasses
 import inspect
 import logging
 import struct
+import threading
 import time
 import weakref
 from typing import Any, Callable, Protocol, Sequence
@@ -68,8 +76,9 @@ from ..fused import BufferPool, FusedLayout, FusedShard
 from ..lease import RunInfo
 from ..shardplan import Piece, ShardPlan, TensorSpec, check_tensor_names
 from . import _cuda, _loop, _state
+from .hook import Sink, hook_for
 
-__all__ = ["Capture", "Captured", "CaptureSubscriber", "Pending", "StateRecords"]
+__all__ = ["Capture", "Captured", "CaptureSubscriber", "Live", "LiveCapture", "LiveSubscriber", "Pending", "StateRecords"]
 
 log = logging.getLogger("deepfreeze")
 _PAGE = 4096
@@ -126,8 +135,8 @@ class CaptureSubscriber(Protocol):
 
 
 class StateRecords:
-    """The parts of a rank's state record (the one definition, the Checkpointer's capture and the
-    clone server's): ``"a"`` (RNG states, optimizer classes, tied FQNs, the ``state=`` objects
+    """The parts of a rank's state record (the one definition, the :class:`Capture`'s and the
+    :class:`LiveCapture`'s): ``"a"`` (RNG states, optimizer classes, tied FQNs, the ``state=`` objects
     that are not schedulers or GradScalers, the position of ``iterate`` (``loop``), FSDP2
     buffers) and ``"b"`` (``param_groups`` and non-tensor optimizer state, schedulers and
     GradScalers). :meth:`train_state` keeps the FQNs and tied names the records use."""
@@ -485,6 +494,206 @@ class Capture:
         else:  # built inside the step of the first checkpoint: its one buffer now, the others off this thread
             self.pool = BufferPool(self._layout.nbytes, self.max_inflight + 1, background=True)
         self.plans += 1
+
+
+# ----------------------------------------------------------------------------- the live capture
+
+class Live:
+    """The live state after optimizer step :attr:`step`, lent to the :class:`LiveSubscriber` objects
+    that wanted it from their :meth:`~LiveSubscriber.on_live` until their
+    :meth:`~LiveSubscriber.on_release` (the tensors do not change in between: the next
+    ``optimizer.step()`` waits).
+
+    ``state``: the tensor list (:class:`deepfreeze.torch._state.TrainState`: ``tensors`` are the
+    live tensors themselves, no copy; ``specs``, ``pinned``, ``model_tensors``, ``aliases``);
+    ``at_boundary``: the record was taken whole at the loop's boundary; ``error``: the
+    :class:`~deepfreeze.errors.DeepFreezeError` taking the record raised (None: none, or not yet).
+    The rank's state record (:class:`StateRecords`) is :meth:`record`, taken by the
+    :class:`LiveCapture` as the Checkpointer's capture takes it: part ``"a"`` in the post-hook,
+    part ``"b"`` at the next forward pre-hook, or both at the loop's boundary; at the latest
+    before ``on_release``."""
+
+    __slots__ = ("step", "state", "at_boundary", "error", "_a", "_record", "_taken", "_lock")
+
+    def __init__(self, step: int, state: "_state.TrainState") -> None:
+        self.step, self.state = step, state
+        self.at_boundary = False
+        self.error: "DeepFreezeError | None" = None
+        self._a: "bytes | None" = None  # part "a", taken in the post-hook (None: at the loop's boundary)
+        self._record = b""
+        self._taken = threading.Event()
+        self._lock = threading.Lock()  # the loop's thread and a wait()/close() on another may both take it
+
+    @property
+    def taken(self) -> bool:
+        """Whether the record is taken (or failed: :attr:`error`)."""
+        return self._taken.is_set()
+
+    def record(self, timeout: float) -> "bytes | None":
+        """This rank's state record, once taken (any thread; waits at most ``timeout`` s: None when
+        it is not taken by then). Raises the :class:`~deepfreeze.errors.DeepFreezeError` taking it raised."""
+        if not self._taken.wait(timeout):
+            return None
+        if self.error is not None:
+            raise self.error
+        return self._record
+
+    def take_a(self, records: StateRecords) -> None:
+        """Part ``"a"`` now (the post-hook of a loop that marks no boundary)."""
+        try:
+            self._a = records.encode_a()
+        except DeepFreezeError as e:
+            self.error = e
+            self._taken.set()
+
+    def take(self, records: StateRecords, whole: bool) -> None:
+        """The record now, unless taken: part ``"a"`` of the post-hook and ``"b"`` now, or (``whole``,
+        or no part ``"a"`` was taken) both now."""
+        with self._lock:
+            if self._taken.is_set():
+                return
+            whole = whole or self._a is None
+            try:
+                self._record = records.join(records.encode_a() if whole else self._a, None)
+            except DeepFreezeError as e:
+                self.error = e
+            self.at_boundary = whole
+            self._taken.set()
+
+
+class LiveSubscriber(Protocol):
+    """What reads the live tensors of a step instead of a finished shard (the
+    :class:`~deepfreeze.torch.CloneServer`): no copy into a buffer, no collective of its own.
+
+    Call order, on every rank (the same calls: :class:`LiveCapture`)::
+
+        wants_live(step)   # post-hook of every step, in subscription order; collective calls are
+                           # fine (every rank asks every subscriber at every step)
+        on_live(live)      # right after, in the same post-hook, if it wanted the step: a Live, its
+                           # tensors lent until on_release; collective calls are fine
+        on_release(live)   # before the tensors change: the next optimizer pre-hook, or the owner's
+                           # LiveCapture.release()/close(); the record is taken by then. Return once
+                           # nothing reads the tensors any more (bounded: the subscriber's timeout)
+        on_close()         # once, last (LiveCapture.unsubscribe or close)
+
+    What they raise goes through ``optimizer.step()`` (there is no ``on_error`` policy here: a
+    subscriber keeps what it survives to itself)."""
+
+    def wants_live(self, step: int) -> bool:
+        """Does this subscriber want the live state after optimizer step ``step``?"""
+        ...
+
+    def on_live(self, live: Live) -> None:
+        """The live state it wanted (:class:`Live`), lent until :meth:`on_release`."""
+        ...
+
+    def on_release(self, live: Live) -> None:
+        """The tensors of ``live`` are about to change: return when nothing reads them."""
+        ...
+
+    def on_close(self) -> None:
+        """No live state comes any more."""
+        ...
+
+
+class LiveCapture(Sink):
+    """The live states of a model's steps, for :class:`LiveSubscriber` objects (call order there):
+    a sink of the model's :class:`~deepfreeze.torch.hook.StepHook` that counts the steps
+    (:attr:`step`: the last optimizer's), asks its subscribers which steps they want, lends them
+    the tensor list of such a step (:class:`Live`), takes the rank's state record with
+    ``records`` (:class:`StateRecords`, with the Checkpointer's timing) and holds the next
+    ``optimizer.step()`` until every subscriber released it. Nothing collective of its own; no
+    copy (what a subscriber copies is its own). Subscribed to the step hook when built, until
+    :meth:`close`.
+
+    :attr:`boundary`: the loop marks its boundaries (:meth:`end_iteration`, :meth:`iterate`);
+    :attr:`live`: the state lent now (None: none)."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
+                 records: StateRecords) -> None:
+        self.records = records
+        self.step = 0
+        self.boundary = False
+        self.live: "Live | None" = None
+        self.subscribers: list[LiveSubscriber] = []
+        self._holders: list[LiveSubscriber] = []  # the subscribers the lent state went to
+        self._st: "_state.TrainState | None" = None  # the last tensor list (reused while unchanged)
+        self.hook = hook_for(model, optimizers)
+        self.hook.subscribe(self)
+
+    def subscribe(self, subscriber: LiveSubscriber) -> None:
+        """Lend ``subscriber`` the live states it wants (every rank subscribes the same way)."""
+        if subscriber not in self.subscribers:
+            self.subscribers.append(subscriber)
+
+    def unsubscribe(self, subscriber: LiveSubscriber) -> None:
+        """Release the state lent now, stop asking ``subscriber``, then its ``on_close``."""
+        if subscriber not in self.subscribers:
+            return
+        try:
+            self.release()
+        finally:
+            self.subscribers.remove(subscriber)
+            subscriber.on_close()
+
+    # ------------------------------------------------------------------ the loop
+    def iterate(self, iterable: Any, name: str) -> Any:
+        """``iterable``'s items with :meth:`end_iteration` after each (the records hold the pass's position)."""
+        self.boundary = True
+        return self.records.loop.iterate(iterable, self.end_iteration, name)
+
+    def end_iteration(self) -> None:
+        """The loop's boundary: the lent state's record is taken here, whole. Not collective."""
+        self.boundary = True
+        live = self.live
+        if live is not None:
+            live.take(self.records, whole=True)
+
+    # ------------------------------------------------------------------ the step hook
+    def after_step(self, optimizer: Any) -> None:
+        self.step += 1
+        self.release()
+        wanted = [s for s in list(self.subscribers) if s.wants_live(self.step)]
+        if not wanted:
+            return
+        st = self._st = self.records.train_state(self._st)
+        live = Live(self.step, st)
+        if not self.boundary:
+            live.take_a(self.records)
+        self.live, self._holders = live, wanted
+        for s in wanted:
+            s.on_live(live)
+
+    def before_forward(self, module: Any, args: Any) -> None:
+        live = self.live
+        if live is not None and not self.boundary:
+            live.take(self.records, whole=False)  # after the loop's scheduler.step()/scaler.update()
+
+    def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.release()  # the tensors change next
+        return None
+
+    def release(self) -> None:
+        """End the lending of :attr:`live` (its record taken now unless taken, then each holder's
+        ``on_release``); the next ``optimizer.step()`` does it before any tensor changes."""
+        live = self.live
+        if live is None:
+            return
+        live.take(self.records, whole=False)
+        for s in list(self._holders):
+            s.on_release(live)
+        if self.live is live:  # (another thread may have released it meanwhile)
+            self.live, self._holders = None, []
+
+    def close(self) -> None:
+        """Release the lent state, leave the step hook, then every subscriber's ``on_close``."""
+        try:
+            self.release()
+        finally:
+            self.hook.unsubscribe(self)
+            subscribers, self.subscribers = self.subscribers, []
+            for s in subscribers:
+                s.on_close()
 
 
 def _raise(e: BaseException) -> None:

@@ -13,25 +13,29 @@ Clone job (any world size, gloo or none; a fresh model and optimizer of the same
     # model, optimizer, sched (and, at the source's world size, every rank's RNG) are the source's
     # after its step info.step; continue training from there
 
-How: a :class:`CloneServer` is a sink of the model's :class:`~deepfreeze.torch.hook.StepHook`
-(the Checkpointer's capture points). Source rank 0 listens on ``address``
-(:class:`deepfreeze.clone.wire.RequestServer`, authenticated with the token). Every
-``every_n_steps`` optimizer steps, in the post-hook of the last optimizer, the source ranks agree
-whether a request is pending: one ``all_reduce`` of one int64 over a dedicated gloo group (the
-training's process group, NCCL or gloo, is never used). When one is, that step is ``K``: every
-source rank takes its tensor list (:func:`deepfreeze.torch._state.train_state`: the model's
-state dict and every optimizer state tensor) and a :class:`~deepfreeze.clone.ClonePlan` for ``N
--> M`` ranks, and a background thread sends its routes (its 1/N of every replicated tensor;
+How: a :class:`CloneServer` is the policy; the mechanism is a live capture of the step
+(:class:`deepfreeze.torch.capture.LiveCapture`, a sink of the model's
+:class:`~deepfreeze.torch.hook.StepHook`, shared with a Checkpointer of the same model), to
+which it subscribes as a :class:`~deepfreeze.torch.capture.LiveSubscriber`. Source rank 0
+listens on ``address`` (:class:`deepfreeze.clone.wire.RequestServer`, authenticated with the
+token). Every ``every_n_steps`` optimizer steps, in the post-hook of the last optimizer
+(``wants_live``), the source ranks agree whether a request is pending: one ``all_reduce`` of one
+int64 over a dedicated gloo group (the training's process group, NCCL or gloo, is never used).
+When one is, that step is ``K``: the capture lends every source rank its live tensor list
+(``on_live``: :func:`deepfreeze.torch._state.train_state`, the model's state dict and every
+optimizer state tensor, no copy) and the server makes a :class:`~deepfreeze.clone.ClonePlan`
+for ``N -> M`` ranks; a background thread sends its routes (its 1/N of every replicated tensor;
 buffers whole from rank 0, copied in the hook) straight to the clone ranks
 (:class:`deepfreeze.clone.wire.Sender`), then its state record (the Checkpointer's record,
 :class:`deepfreeze.torch.capture.StateRecords`, encoded by :func:`deepfreeze.torch._state.encode`:
 RNG states, ``state=`` objects with the schedulers, ``param_groups``, the position of
-:meth:`CloneServer.iterate`). The record is taken at the loop's boundary
+:meth:`CloneServer.iterate`), which the capture takes at the loop's boundary
 (:meth:`CloneServer.end_iteration`) when the loop marks it, else as the Checkpointer takes it
 (post-hook, then the next forward's pre-hook). The next ``optimizer.step()`` waits for the
-routes to be sent before it updates anything (bounded by ``timeout``); the clone's answer is
-awaited in the background. The source never fails because a clone did: a failed clone is logged
-(its named error) and kept in :attr:`CloneServer.failures`; :meth:`CloneServer.wait` raises it.
+routes to be sent before it updates anything (the capture's hold: ``on_release``, bounded by
+``timeout``); the clone's answer is awaited in the background. The source never fails because a
+clone did: a failed clone is logged (its named error) and kept in :attr:`CloneServer.failures`;
+:meth:`CloneServer.wait` raises it.
 
 The clone side (:func:`receive`, collective over the clone job's ``torch.distributed`` world
 when it has one): every rank listens (:class:`deepfreeze.clone.wire.CloneListener`), rank 0
@@ -64,8 +68,7 @@ from ..format import dtype_itemsize, numpy_dtype
 from ..loader import Checkpoint
 from . import _loop, _state
 from ._dist import rank_and_size
-from .capture import StateRecords
-from .hook import Sink, hook_for
+from .capture import Live, LiveCapture, StateRecords
 
 __all__ = ["CloneServer", "receive"]
 
@@ -103,15 +106,12 @@ def _flat_bytes(t: torch.Tensor, copy: bool) -> np.ndarray:
 
 
 class _Clone:
-    """One clone in flight on a source rank."""
+    """One clone in flight on a source rank, of the live state ``live``."""
 
-    def __init__(self, step: int, n_clone: int) -> None:
-        self.step, self.n_clone = step, n_clone
+    def __init__(self, live: Live, n_clone: int) -> None:
+        self.live, self.step, self.n_clone = live, live.step, n_clone
         self.sent = threading.Event()  # the routes went out: the optimizer may update the tensors
-        self.record_ready = threading.Event()
         self.record = b""
-        self.record_a: bytes | None = None  # part "a", taken in the post-hook (not at the loop's boundary)
-        self.at_boundary = False
         self.error: BaseException | None = None
         self.sender: Sender | None = None
         self.thread: threading.Thread | None = None
@@ -119,7 +119,7 @@ class _Clone:
         self.seconds = 0.0
 
 
-class CloneServer(Sink):
+class CloneServer:
     """Serve clones of this DDP (or one-process) training job to other jobs.
 
     Args:
@@ -139,7 +139,10 @@ class CloneServer(Sink):
       threshold: tensors up to this many bytes go whole from one rank (:class:`ClonePlan`).
       sender_cls: advanced, a :class:`deepfreeze.clone.wire.Sender` subclass (tests inject faults).
 
-    Build it on every rank (collective when ``torch.distributed`` runs).
+    Build it on every rank (collective when ``torch.distributed`` runs). It is the
+    :class:`~deepfreeze.torch.capture.LiveSubscriber` of its own live capture (:attr:`capture`,
+    a :class:`~deepfreeze.torch.capture.LiveCapture`: the steps, the state records, the hold of
+    the next step); what is its own is the policy: the requests, the agreement, the plan, the sends.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer]",
@@ -162,7 +165,6 @@ class CloneServer(Sink):
         self.every_n_steps, self.timeout, self.threshold = every_n_steps, float(timeout), int(threshold)
         self.sender_cls = sender_cls
         self.rank, self.size = rank_and_size("deepfreeze.torch.CloneServer")
-        self.step = 0
         #: seconds spent in the per-step agreement (all_reduce) and how many ran
         self.agree_s, self.agreements = 0.0, 0
         #: every clone served: {"step", "n_clone", "seconds", "bytes", "error"}
@@ -170,16 +172,14 @@ class CloneServer(Sink):
         #: the errors of clones that failed (also logged)
         self.failures: list[BaseException] = []
         self._clone: _Clone | None = None
-        self._st: "_state.TrainState | None" = None
+        self._request: "tuple[int, list[str]] | None" = None  # agreed in wants_live, started in on_live
         #: clones started (the same count on every rank: they start at agreed steps)
         self.served = 0
         #: the step the last clone was taken at (None before the first)
         self.last_clone_step: int | None = None
-        self._loop = _loop.Passes()
         #: the state records sent (the Checkpointer's, deepfreeze.torch.capture.StateRecords)
-        self.records = StateRecords(model, opts, self.state, self._loop, rank=self.rank, size=self.size,
+        self.records = StateRecords(model, opts, self.state, _loop.Passes(), rank=self.rank, size=self.size,
                                     sharded=False)
-        self._boundary = False
         self._closed = False
         self._token = net.ensure_token(token)
         self._group = _group(self.timeout)
@@ -189,31 +189,33 @@ class CloneServer(Sink):
                                          timeout=self.timeout)
         #: where clone jobs connect (source rank 0's listening address), on every rank
         self.address: str = _bcast_json(self._group, self._server.address if self._server else "", self.rank)
-        self.hook = hook_for(model, opts)
-        self.hook.subscribe(self)
+        #: the live states of the steps (deepfreeze.torch.capture.LiveCapture, on the model's step hook)
+        self.capture = LiveCapture(model, opts, records=self.records)
+        self.capture.subscribe(self)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps counted (the last optimizer's) since the server was built."""
+        return self.capture.step
 
     # ------------------------------------------------------------------ the loop
     def iterate(self, iterable: Any) -> Any:
         """``iterable``'s items with :meth:`end_iteration` after each (as
         :meth:`Checkpointer.iterate <deepfreeze.torch.Checkpointer.iterate>`); the records sent
         hold the pass's position (:attr:`CloneInfo.epoch`, :attr:`CloneInfo.epoch_step` on the clone)."""
-        self._boundary = True
-        return self._loop.iterate(iterable, self.end_iteration, "clone")
+        return self.capture.iterate(iterable, "clone")
 
     def end_iteration(self) -> None:
         """Mark the end of a training iteration (after ``optimizer.step()``, ``scheduler.step()``):
         a clone's records are taken here. Not collective; cheap when no clone is in flight."""
-        self._boundary = True
-        c = self._clone
-        if c is not None and not c.record_ready.is_set():
-            self._take_record(c, both=True)
+        self.capture.end_iteration()
 
-    # ------------------------------------------------------------------ hooks
-    def after_step(self, opt: Any) -> None:
-        self.step += 1
-        if self._closed or self.step % self.every_n_steps:
-            return
-        self._finish_send()
+    # ------------------------------------------------------------------ LiveSubscriber
+    def wants_live(self, step: int) -> bool:
+        """Every ``every_n_steps`` steps: the ranks agree whether rank 0 holds a request (one
+        all_reduce of one int64 over the gloo group; then the request, broadcast)."""
+        if self._closed or step % self.every_n_steps:
+            return False
         t0 = time.perf_counter()
         req = self._server.next() if self._server is not None else None
         flag = torch.tensor([0 if req is None else 1], dtype=torch.int64)
@@ -222,57 +224,38 @@ class CloneServer(Sink):
             dist.all_reduce(flag, group=self._group)
         self.agree_s += time.perf_counter() - t0
         self.agreements += 1
-        if int(flag.item()):
-            msg = _bcast_json(self._group, {"n_clone": req.n_clone, "endpoints": req.endpoints} if req else None,
-                              self.rank)
-            self._start(msg["n_clone"], msg["endpoints"])
+        if not int(flag.item()):
+            return False
+        msg = _bcast_json(self._group, {"n_clone": req.n_clone, "endpoints": req.endpoints} if req else None,
+                          self.rank)
+        self._request = (msg["n_clone"], msg["endpoints"])
+        return True
 
-    def before_forward(self, module: Any, args: Any) -> None:
-        c = self._clone
-        if c is not None and not c.record_ready.is_set() and not self._boundary:
-            self._take_record(c, both=False)
-
-    def before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self._finish_send()
-        return None
-
-    # ------------------------------------------------------------------ the clone
-    def _take_record(self, c: _Clone, both: bool) -> None:
-        try:
-            a = self.records.encode_a() if both or c.record_a is None else c.record_a
-            c.record = self.records.join(a, None)
-        except DeepFreezeError as e:
-            c.error = e
-            c.record = b""
-        c.at_boundary = both
-        c.record_ready.set()
-
-    def _start(self, n_clone: int, endpoints: list[str]) -> None:
-        st = self._st = self.records.train_state(self._st)
-        c = self._clone = _Clone(self.step, n_clone)
+    def on_live(self, live: Live) -> None:
+        """The agreed step: this rank's routes of the live tensors go out from a background thread."""
+        assert self._request is not None
+        (n_clone, endpoints), self._request = self._request, None
+        st = live.state
+        c = self._clone = _Clone(live, n_clone)
         self.served += 1
-        self.last_clone_step = self.step
+        self.last_clone_step = live.step
         try:
+            if live.error is not None:  # part "a" of the record failed in this post-hook
+                raise live.error
             plan = ClonePlan(st.specs, self.size, n_clone, whole=st.pinned, threshold=self.threshold)
             sends = plan.sends_of(self.rank)
             pinned = set(st.pinned)
             buffers = {tid: _flat_bytes(st.tensors[tid], copy=tid in pinned) for tid in sends}
-            if not self._boundary:
-                c.record_a = self.records.encode_a()
         except DeepFreezeError as e:
             self._failed(c, e)
             self._clone = None
             return
-        header = {"step": self.step, "epoch": 0, "epoch_step": 0, "epoch_complete": False, "source_run": "",
+        header = {"step": live.step, "epoch": 0, "epoch_step": 0, "epoch_complete": False, "source_run": "",
                   "model_tensors": st.model_tensors, "aliases": st.aliases}
         sender = c.sender = self.sender_cls(self.rank, plan, endpoints, self._token, timeout=self.timeout)
 
         def record() -> bytes:
-            if not c.record_ready.wait(self.timeout):
-                raise CloneTimeoutError(f"source rank {self.rank}: the state record of step {c.step} was not taken "
-                                        f"within {self.timeout:g} s (the loop did not reach its next iteration)")
-            if c.error is not None:
-                raise c.error
+            self._take_record(c, self.capture.boundary)
             return c.record
 
         def run() -> None:
@@ -299,23 +282,46 @@ class CloneServer(Sink):
         c.thread = threading.Thread(target=run, name=f"deepfreeze-clone-send-r{self.rank}", daemon=True)
         c.thread.start()
 
-    def _failed(self, c: _Clone, e: BaseException) -> None:
-        self.failures.append(e)
-        log.warning("DeepFreeze: rank %d: the clone of step %d to %d rank(s) failed: %s: %s", self.rank, c.step,
-                    c.n_clone, type(e).__name__, e)
-
-    def _finish_send(self) -> None:
-        """Before the tensors change: the record taken, the routes of the clone in flight sent
-        (bounded by ``timeout``: past it the connections are shut and the send ends with an error)."""
+    def on_release(self, live: Live) -> None:
+        """Before the tensors change: the routes of the clone in flight sent (bounded by
+        ``timeout``: past it the connections are shut and the send ends with an error)."""
         c = self._clone
-        if c is None or c.sent.is_set():
+        if c is None or c.live is not live or c.sent.is_set():
             return
-        if not c.record_ready.is_set():
-            self._take_record(c, both=c.record_a is None)
         if not c.sent.wait(self.timeout):
             if c.sender is not None:
                 c.sender.close()  # the sending threads fail at once: nothing reads the tensors any more
             c.sent.wait(10.0)
+
+    def on_close(self) -> None:
+        """The capture closed (:meth:`close`): the listener and the gloo group go."""
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        if self._group is not None:
+            import torch.distributed as dist
+            try:
+                dist.destroy_process_group(self._group)
+            except Exception:  # the default group is gone already
+                pass
+            self._group = None
+
+    # ------------------------------------------------------------------ the clone
+    def _take_record(self, c: _Clone, both: bool) -> None:
+        """``c.record``: this rank's state record of the clone (the sender's thread), waited for
+        within ``timeout`` (the capture takes it: whole at ``end_iteration`` when ``both``, the
+        loop marking its boundaries; else in the post-hook and the next forward's pre-hook)."""
+        got = c.live.record(self.timeout)  # raises the DeepFreezeError taking it raised
+        if got is None:
+            raise CloneTimeoutError(f"source rank {self.rank}: the state record of step {c.step} was not taken "
+                                    f"within {self.timeout:g} s (the loop did not reach "
+                                    f"{'end_iteration()' if both else 'its next iteration'})")
+        c.record = got
+
+    def _failed(self, c: _Clone, e: BaseException) -> None:
+        self.failures.append(e)
+        log.warning("DeepFreeze: rank %d: the clone of step %d to %d rank(s) failed: %s: %s", self.rank, c.step,
+                    c.n_clone, type(e).__name__, e)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the clone in flight (its routes, then the clone's answer); raises its error
@@ -324,7 +330,7 @@ class CloneServer(Sink):
         c = self._clone
         if c is None:
             return
-        self._finish_send()
+        self.capture.release()
         if c.thread is not None:
             c.thread.join(timeout if timeout is not None else 2 * self.timeout + 10)
         if c.error is not None:
@@ -336,20 +342,12 @@ class CloneServer(Sink):
             return
         self._closed = True
         try:
-            self._finish_send()
+            self.capture.release()
             c = self._clone
             if c is not None and c.thread is not None:
                 c.thread.join(2 * self.timeout + 10)
         finally:
-            self.hook.unsubscribe(self)
-            if self._server is not None:
-                self._server.close()
-            if self._group is not None:
-                import torch.distributed as dist
-                try:
-                    dist.destroy_process_group(self._group)
-                except Exception:  # the default group is gone already
-                    pass
+            self.capture.close()  # the step hook, then on_close: the listener and the group
 
     def __enter__(self) -> "CloneServer":
         return self

@@ -4,8 +4,9 @@ A :class:`StepHook` registers, once per model and optimizer list, the hooks ever
 train step's state needs: a step pre-hook on every optimizer, a step post-hook on the last one (the
 one the loop steps last: its steps are counted) and a forward pre-hook on the model. Consumers are
 :class:`Sink` objects subscribed to it (:meth:`StepHook.subscribe`): the
-:class:`~deepfreeze.torch.Checkpointer` today; a stream publisher can share the same capture points
-(:func:`hook_for` returns the hook already on a model and its optimizers). The hook is removed from
+:class:`~deepfreeze.torch.Checkpointer` and the live capture of a clone server
+(:class:`deepfreeze.torch.capture.LiveCapture`) share the same capture points (:func:`hook_for`
+returns the hook already on a model and its optimizers). The hook is removed from
 the model and the optimizers when its last sink unsubscribes (the counterpart of
 :mod:`deepfreeze.keras.hook`).
 
