@@ -17,18 +17,21 @@ from _util import BACKEND_IDLE, as_in_a_test, runtime_dir  # noqa: E402
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (--dist loadgroup)
-def pytest_collection_modifyitems(config, items):
+def pytest_itemcollected(item):
     """``make test`` runs on several pytest-xdist workers (``--dist loadgroup``). A test that uses a
     module-scoped fixture (one job or server whose results several tests read) joins its module's
     group, so the fixture runs once, on one worker, as in a serial run. Tests that share a
-    machine-wide name (the one VeloC daemon of a user) carry their own ``xdist_group`` mark."""
-    for item in items:
-        defs = getattr(item, "_fixtureinfo", None)
-        if defs is None:
-            continue
-        if any(fd.scope in ("module", "package") for fds in defs.name2fixturedefs.values() for fd in fds):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    machine-wide name (the one VeloC daemon of a user) carry their own ``xdist_group`` mark.
+
+    Marked as each item is collected: pytest-xdist's worker reads the groups in its own
+    ``pytest_collection_modifyitems``, which ran before a ``tryfirst`` one of this file (the groups
+    were then never seen, and each worker ran such a fixture again: measured, three workers each
+    ran test_mpi.py's jobs)."""
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs is None or item.get_closest_marker("xdist_group") is not None:
+        return
+    if any(fd.scope in ("module", "package") for fds in defs.name2fixturedefs.values() for fd in fds):
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(autouse=True)
