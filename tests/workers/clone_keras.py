@@ -42,6 +42,7 @@ import tensorflow as tf  # noqa: E402
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
+import jobargs  # noqa: E402
 import deepfreeze.clone as dfc  # noqa: E402
 from deepfreeze.errors import CloneTimeoutError, ConfigError  # noqa: E402
 
@@ -303,19 +304,7 @@ def run() -> None:
     os.replace(f"{out}/{who}_r{group.rank}.json.tmp", f"{out}/{who}_r{group.rank}.json")
 
 
-def jobs(argv: list[str]) -> list[list[str]]:
-    """The jobs of the command line, separated by ``+``."""
-    out, cur = [], []
-    for a in argv:
-        if a == "+":
-            out.append(cur)
-            cur = []
-        else:
-            cur.append(a)
-    return out + [cur]
-
-
-for i, job in enumerate(jobs(sys.argv[1:])):
+for i, job in enumerate(jobargs.split(sys.argv[1:], "+")):
     if i:  # the next job: Horovod again over its own group, Keras' layer names as in a fresh process
         hvd.shutdown()
         tf.keras.backend.clear_session()

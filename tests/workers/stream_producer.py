@@ -31,6 +31,7 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jobargs  # noqa: E402
 from models import build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint, PublishCallback  # noqa: E402
 from deepfreeze.stream import StreamOptions  # noqa: E402
@@ -112,14 +113,7 @@ def main() -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     hvd.init()
-    jobs, cur = [], []
-    for a in sys.argv[1:]:
-        if a == "+":
-            jobs.append(cur)
-            cur = []
-        else:
-            cur.append(a)
-    for i, job in enumerate(jobs + [cur]):
+    for i, job in enumerate(jobargs.split(sys.argv[1:], "+")):
         if i:
             tf.keras.backend.clear_session()  # the next job's layers are named as in a fresh process
         run_job(job)

@@ -22,6 +22,7 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow.keras as hvd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jobargs  # noqa: E402
 from models import RecordWeights, build  # noqa: E402
 from deepfreeze.keras import DeepFreezeCheckpoint  # noqa: E402
 from deepfreeze.tiers.scratch import ScratchLevel  # noqa: E402
@@ -45,24 +46,12 @@ def killing_level(rank: int, version: int) -> type:
     return KillMidWrite
 
 
-def jobs(argv: list[str]) -> list[list[str]]:
-    """The jobs of the command line: ``OUT MODE [key=value ...]``, separated by ``+``."""
-    out, cur = [], []
-    for a in argv:
-        if a == "+":
-            out.append(cur)
-            cur = []
-        else:
-            cur.append(a)
-    return out + [cur]
-
-
 def main() -> None:
     import deepfreeze.keras.callback as cb
     hvd.init()
     layer_record = cb._layer_record
     environ, job_env = dict(os.environ), []
-    for i, job in enumerate(jobs(sys.argv[1:])):
+    for i, job in enumerate(jobargs.split(sys.argv[1:], "+")):
         if i:
             tf.keras.backend.clear_session()  # the next job's layers are named as in a fresh process
             cb._layer_record = layer_record  # no_layers=1 is one job's
