@@ -41,6 +41,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # noqa: E402
 
 from deepfreeze.torch.lightning import DeepFreezeCallback  # noqa: E402
+import jobargs  # noqa: E402
 
 IN, HID, OUT_F, N, BATCH = 16, 64, 4, 48, 4  # 2 ranks: 24 samples, 6 batches per rank and epoch
 
@@ -152,14 +153,7 @@ def record(trainer: "pl.Trainer", module: Module, cb, mydir: str) -> None:
 
 
 def main() -> None:
-    fits, this = [], []
-    for a in sys.argv[1:]:  # OUT [key=value ...] [-- OUT2 [key=value ...] ...]: one fit each, in order
-        if a == "--":
-            fits.append(this)
-            this = []
-        else:
-            this.append(a)
-    for args in fits + [this]:
+    for args in jobargs.split(sys.argv[1:], "--"):  # OUT [key=value ...] [-- OUT2 [key=value ...] ...]: one fit each
         fit(args[0], dict(a.split("=", 1) for a in args[1:]))
 
 

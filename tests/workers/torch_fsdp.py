@@ -43,6 +43,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+import jobargs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import deepfreeze.torch  # noqa: E402
@@ -221,14 +222,7 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     if cmd == "train":  # OUT [key=value ...] [-- OUT2 [key=value ...] ...]: one run after the other
-        runs, this = [], [out]
-        for a in sys.argv[3:]:
-            if a == "--":
-                runs.append(this)
-                this = []
-            else:
-                this.append(a)
-        for args in runs + [this]:
+        for args in jobargs.split([out, *sys.argv[3:]], "--"):
             train(args[0], dict(a.split("=", 1) for a in args[1:]))
     elif cmd == "restore":
         kw = dict(a.split("=", 1) for a in sys.argv[4:])
