@@ -299,6 +299,7 @@ class Lanes:
                         self.stats["sections"] += 1
                         job = None
                         break
+                    timeout = None
                     if self._running is None and self._queue:
                         head = self._queue[0]
                         mine = (not self.two) or (lane == ("normal" if self._urgent(head, now) else "low"))
@@ -308,10 +309,16 @@ class Lanes:
                             self.stats["urgent_jobs" if lane == "normal" else "low_jobs"] += 1
                             self._cond.notify_all()  # the normal lane watches a low-lane job's deadline
                             break
+                        if lane == "normal":
+                            # declined because its deadline has not come: it may pass before the low
+                            # lane looks (it then declines too, the head being urgent by then), so
+                            # look again at the deadline rather than wait for a notify
+                            deadline = self._deadline(head)
+                            if deadline is not None:
+                                timeout = max(0.0, deadline - now)
                     if self._stop and self._running is None and not self._queue and not self._sections:
                         self._cond.notify_all()
                         return
-                    timeout = None
                     if lane == "normal" and self._running is not None and self._running_lane == "low" \
                             and not self._boosted:
                         deadline = self._deadline(self._running)

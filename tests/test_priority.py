@@ -116,6 +116,45 @@ def test_deferral_ends_early_enough_to_end_within_half_an_interval():
         lanes.shutdown()
 
 
+class LowLaneLooksLate(Lanes):
+    """The interleaving of a loaded machine, pinned: the normal lane looks at a new job first (its
+    deadline has not come: not its job), and the low lane only after the deadline has passed (the
+    job is urgent by then: not its job either). Injected at the lanes' one time-dependent choice,
+    :meth:`Lanes._urgent`; every other part is the real class."""
+
+    def __init__(self, *args, **kwargs):
+        self.normal_looked = threading.Event()
+        self.late = 0.0  # set by the test: the low lane looks this long after the job's deadline
+        super().__init__(*args, **kwargs)
+
+    def _urgent(self, job, now):
+        if not self.late:
+            return super()._urgent(job, now)
+        if threading.get_native_id() == self.tids.get("normal"):
+            self.normal_looked.set()
+            self._cond.notify_all()
+            return super()._urgent(job, now)
+        self._cond.wait_for(self.normal_looked.is_set)  # releases the lock: the normal lane looks first
+        time.sleep(max(0.0, self._deadline(job) - time.monotonic()) + self.late)  # holding the lock
+        self.late = 0.0
+        return super()._urgent(job, time.monotonic())
+
+
+def test_a_job_whose_deadline_passes_between_the_lanes_looks_runs():
+    """Both lanes decline the head, the normal lane before its deadline and the low lane after it
+    (found as a hang of tests/test_engine.py::test_backpressure_bounds_pending_flushes beside other
+    tests: the training thread waiting for a version no lane ran): the normal lane looks again
+    when the deadline comes, and the job runs there."""
+    lanes = LowLaneLooksLate("dftest-late")
+    try:
+        lanes.late = 0.1
+        fut = lanes.submit(threading.get_native_id, interval=0.4)  # deadline: 0.2 s after now
+        assert fut.result(60) == lanes.tids["normal"]
+        assert lanes.normal_looked.is_set() and lanes.late == 0.0  # both lanes looked, as pinned
+    finally:
+        lanes.shutdown()
+
+
 def test_background_priority_normal_is_one_thread_at_normal_priority():
     lanes = Lanes("dftest-normal", low=False)
     try:
