@@ -2,7 +2,7 @@
 # Idempotent setup: installs what is missing, fast when everything is already there.
 #   - OpenMPI from Debian packages (when root; else a clear message)
 #   - .venv with tensorflow-cpu 2.15.1, numpy<2, isal (fast CRC32), mpi4py, h5py, pytest, matplotlib,
-#     pytest-xdist 3.8.0 (make test runs on several workers), scipy (the stream's learning-curve
+#     pytest 9.0.3 + pytest-xdist 3.8.0 (make test runs on several workers), scipy (the stream's learning-curve
 #     fits), the redis client (the stream's optional notifier) and
 #     safetensors (deepfreeze export / memtier dump to .safetensors) and cryptography (Poly1305, the
 #     network payload MAC of deepfreeze.net)
@@ -96,13 +96,13 @@ if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matp
     packaging "scipy<1.14" "redis>=5" safetensors cryptography "hypothesis==6.*"
 fi
 
-# 2b. pytest-xdist, pinned: `make test` runs the suite on several workers (-n, --dist loadgroup;
-# tests that share a machine-wide name are grouped with @pytest.mark.xdist_group). Known: with the
-# pytest this installs (9.2), xdist 3.8 cannot apply those groups (pytest keeps a test's id in
-# Node._id); pytest 9.0.3 keeps them, and is not pinned yet (docs/quickstart.md).
-if ! "$VPY" -c "import xdist, importlib.metadata as m; assert m.version('pytest-xdist') == '3.8.0'" >/dev/null 2>&1; then
-  say "installing pytest-xdist==3.8.0"
-  "$VPY" -m pip install -q "pytest-xdist==3.8.0"
+# 2b. pytest-xdist and pytest, pinned together: `make test` runs the suite on several workers (-n,
+# --dist loadgroup; tests that share a module-scoped job, or a machine-wide name, are grouped with
+# @pytest.mark.xdist_group). pytest 9.2 keeps a test's id in Node._id, where pytest-xdist 3.8 cannot
+# add the group to it: every group was then split over the workers (each ran a shared job again).
+if ! "$VPY" -c "import xdist, importlib.metadata as m; assert m.version('pytest-xdist') == '3.8.0' and m.version('pytest') == '9.0.3'" >/dev/null 2>&1; then
+  say "installing pytest==9.0.3 pytest-xdist==3.8.0"
+  "$VPY" -m pip install -q "pytest==9.0.3" "pytest-xdist==3.8.0"
 fi
 
 # 3. Horovod from source
