@@ -38,7 +38,7 @@ native_op() {
 }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography, torch, pytorch_lightning, transformers, torchdata, hypothesis, accelerate; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'") >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography, torch, pytorch_lightning, transformers, torchdata, hypothesis, accelerate, importlib.metadata as m; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'; assert (m.version('pytest'), m.version('pytest-xdist')) == ('9.0.3', '3.8.0')") >/dev/null 2>&1; then
   native_op quick  # skips importing TensorFlow when the library is newer than its source
   say "already done (remove $STAMP to redo)"
   exit 0
