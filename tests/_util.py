@@ -13,6 +13,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
+def stop_process(pid: int, timeout: float = 60.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. ``kill`` returns before that:
+    the kernel wakes one thread to take the signal, and until it runs (late, on a loaded machine)
+    another thread may still answer a request."""
+    import signal
+    import time
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                    raw = f.read(4096).decode(errors="replace")
+            except OSError:  # a thread that ended
+                continue
+            states[tid] = raw[raw.rindex(")") + 2]
+        if states and all(st in "Tt" for st in states.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} not stopped {timeout:g}s after SIGSTOP: thread states {states}")
+        time.sleep(0.01)
+
+
 def mpirun(np_: int, *args: str, timeout: float = 300, env: dict | None = None,
            check: bool = True, options: tuple = ()) -> subprocess.CompletedProcess:
     """Run ``python args...`` on ``np_`` ranks; with ``check``, fail the test with the output on error.

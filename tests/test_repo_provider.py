@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from _util import ROOT, WORKERS
+from _util import ROOT, WORKERS, stop_process
 from deepfreeze import net
 from deepfreeze.errors import (AuthenticationError, ModelNotFoundError, NameExistsError, ProviderError,
                                ProviderTimeoutError, RepositoryError)
@@ -171,8 +171,8 @@ def test_stopped_provider_is_a_bounded_error(env, providers):
     (p,) = providers(1)
     repo = RemoteRepository([p.addr], timeout=1.0)
     repo.put("m@1", {"w": np.zeros(10)})
-    os.kill(p.proc.pid, signal.SIGSTOP)
     try:
+        stop_process(p.proc.pid)
         t0 = time.monotonic()
         with pytest.raises(ProviderTimeoutError):
             repo.get("m@1")

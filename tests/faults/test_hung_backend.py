@@ -23,7 +23,7 @@ from deepfreeze.engine import Engine
 from deepfreeze.errors import BackendError, BackendUnresponsiveError, ConfigError
 from deepfreeze.tiers.persistent import PersistentLevel, lock_record
 
-from _util import lines_of
+from _util import lines_of, stop_process
 from test_engine import assert_version, make_plan, model_arrays, pieces
 
 
@@ -37,9 +37,10 @@ def persistent_only(cfg, tmp_path):
 
 @contextlib.contextmanager
 def stopped(pid):
-    """SIGSTOP ``pid``; always kill it at the end (a stopped process dies from SIGKILL)."""
-    os.kill(pid, signal.SIGSTOP)
+    """SIGSTOP ``pid`` (returns once every thread of it is stopped); always kill it at the end (a
+    stopped process dies from SIGKILL)."""
     try:
+        stop_process(pid)
         yield
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -54,14 +55,6 @@ def kill_quietly(pid):
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(pid, 0)
-
-
-def wait_until_stopped(pid):
-    for _ in range(200):
-        if (process_state(pid) or "")[:1] == "T":
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"pid {pid} did not stop: {process_state(pid)}")
 
 
 @pytest.mark.scratch_files("holds v2's commit.lock so the backend's flush stays pending (written once, the writer itself would wait on the lock)")
@@ -84,7 +77,6 @@ def test_wait_with_timeout_returns_on_a_stopped_backend(tmp_path):
     e.wait(persistent=False)  # the writer handed v2 to the backend
     assert e._pending, "the flush of v2 should not be known done yet"
     with stopped(pid):
-        wait_until_stopped(pid)
         t0 = time.monotonic()
         with pytest.raises(BackendError, match="has not answered"):
             e.wait(timeout=2)  # idle writer; the poll is not answered
@@ -121,7 +113,6 @@ def test_checkpoint_replaces_a_stopped_backend_after_backend_timeout(tmp_path, c
     assert engines[1]._backend.pid == old
     new = None
     with stopped(old):
-        wait_until_stopped(old)
         for v in (4, 6):  # v6 waits for v4's writer
             for e in engines:
                 e.checkpoint(v, pieces(model_arrays(v), plan, e.rank), step=v, epoch=0)
@@ -308,7 +299,6 @@ def test_status_and_stop_report_an_unresponsive_backend(tmp_path):
         st = backend.status(cfg.scratch, timeout=1)
         assert st["state"] == "running" and st["pid"] == pid
         with stopped(pid):
-            wait_until_stopped(pid)
             t0 = time.monotonic()
             st = backend.status(cfg.scratch, timeout=1)
             assert time.monotonic() - t0 < 2.5  # its timeout, plus a margin for a loaded machine
