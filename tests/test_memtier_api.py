@@ -150,7 +150,12 @@ def test_kill_9_in_the_middle_of_a_slot_write(path, tmp_path):
     proc = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "v1"
-        time.sleep(0.3)  # v2 needs >= 1 s of sleeps: the kill lands in its copy
+        # the kill lands in v2's copy (>= 1 s of sleeps): sent once its slot is being written (a fixed
+        # 0.3 s after v1 came before the copy began on a loaded machine, still making v2's arrays)
+        deadline = time.monotonic() + 60
+        while not any(s["state"] == "ACTIVE" for s in api.view(path)["models"][0]["shards"][0]["slots"]):
+            assert time.monotonic() < deadline and proc.poll() is None, "v2's copy never began"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
         assert proc.stdout.read() == ""

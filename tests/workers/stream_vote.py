@@ -3,7 +3,7 @@
     python tests/workers/stream_vote.py OUT
 
 Each rank votes 200 times (rank r votes True at i when i % (r + 2) == 0) and records what the vote
-returned; then rank 0 votes once more while the last rank never does (it sleeps, then exits): rank
+returned; then rank 0 votes once more while the last rank never does (it waits for rank 0's file, then exits): rank
 0 must get StreamTimeoutError within the bound. Per-rank results in OUT/vote<rank>.json.
 """
 import json
@@ -38,10 +38,14 @@ def main() -> None:
             any_rank(True, timeout=2.0, what="the test's last vote")
         except StreamTimeoutError as e:
             report["timeout"] = {"message": str(e), "after_s": time.monotonic() - t0}
-        with open(os.path.join(out, f"vote{rank}.json"), "w") as f:
+        with open(os.path.join(out, "vote0.json.tmp"), "w") as f:
             json.dump(report, f)
-    else:
-        time.sleep(4.0)
+        os.replace(os.path.join(out, "vote0.json.tmp"), os.path.join(out, "vote0.json"))  # whole when seen
+    else:  # never votes; leaves once rank 0 has its answer (a fixed 4 s ran out first on a loaded machine:
+        # this rank's exit ends the job, rank 0 included, before it wrote its file)
+        deadline = time.monotonic() + 100
+        while not os.path.exists(os.path.join(out, "vote0.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
     os._exit(0)  # rank 0's vote is still pending in MPI: leave without finalizing (mpirun reports it)
 
 
