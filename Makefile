@@ -10,7 +10,7 @@ ENGINE ?= builtin
 PYTEST_ARGS ?=
 # pytest-xdist workers of test and test-all (TEST_WORKERS=0: one process, no xdist). --dist loadgroup
 # keeps each xdist_group on one worker (tests/conftest.py: a module-scoped fixture's tests, VeloC's)
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 
 .PHONY: setup demo test test-all bench clean
