@@ -3,8 +3,10 @@ import contextlib
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -17,20 +19,13 @@ def stop_process(pid: int, timeout: float = 60.0) -> None:
     """SIGSTOP ``pid`` and return once every thread of it is stopped. ``kill`` returns before that:
     the kernel wakes one thread to take the signal, and until it runs (late, on a loaded machine)
     another thread may still answer a request."""
-    import signal
-    import time
+    from deepfreeze.node import process_state  # (/proc/<tid>/stat: a thread's own state)
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
     while True:
-        states = {}
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                    raw = f.read(4096).decode(errors="replace")
-            except OSError:  # a thread that ended
-                continue
-            states[tid] = raw[raw.rindex(")") + 2]
-        if states and all(st in "Tt" for st in states.values()):
+        states = {tid: process_state(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+        states = {tid: st for tid, st in states.items() if st is not None}  # None: a thread that ended
+        if states and all(st[0] in "Tt" for st in states.values()):
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"pid {pid} not stopped {timeout:g}s after SIGSTOP: thread states {states}")
