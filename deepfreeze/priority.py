@@ -37,7 +37,9 @@ the default 0; ``SCHED_IDLE`` cannot be left either). So a :class:`Lanes` has tw
 *low* lane ``<name>`` lowers itself once, when it starts; the *normal* lane ``<name>-urgent``
 keeps the process's priority. Jobs still run one at a time and in submission order (a turn
 shared by both threads under one condition variable): whichever lane the head job's urgency
-names takes it when the previous job is done. A job already running on the low lane when it
+names takes it when the previous job is done; the normal lane, having left a head to the low lane
+because its deadline has not come, looks again at that deadline (the low lane may look only after
+it, and leave the job, urgent by then, to the normal lane). A job already running on the low lane when it
 becomes urgent (its deadline passes, or someone waits for it) cannot move: the normal lane
 raises that thread's **I/O** priority back to normal at once (``ioprio_set`` on its thread id:
 allowed within the same user, either way between the best-effort and idle classes) and tries
