@@ -21,6 +21,7 @@ VENV=${VENV:-$PWD/.venv}
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 STAMP="$VENV/.deepfreeze-setup-v2"
 TORCH_VERSION=2.13.0
+PYTEST_VERSION=9.0.3 XDIST_VERSION=3.8.0  # pinned together: section 2b
 
 say() { echo "setup: $*"; }
 
@@ -38,7 +39,7 @@ native_op() {
 }
 
 if [ -f "$STAMP" ] && command -v mpirun >/dev/null 2>&1 \
-   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography, torch, pytorch_lightning, transformers, torchdata, hypothesis, accelerate, importlib.metadata as m; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'; assert (m.version('pytest'), m.version('pytest-xdist')) == ('9.0.3', '3.8.0')") >/dev/null 2>&1; then
+   && (cd / && "$VENV/bin/python" -c "import horovod.tensorflow, deepfreeze.keras, deepfreeze.bindings, isal, scipy, redis, safetensors, cryptography, torch, pytorch_lightning, transformers, torchdata, hypothesis, accelerate, importlib.metadata as m; assert torch.__version__.split('+')[0] == '$TORCH_VERSION'; assert (m.version('pytest'), m.version('pytest-xdist')) == ('$PYTEST_VERSION', '$XDIST_VERSION')") >/dev/null 2>&1; then
   native_op quick  # skips importing TensorFlow when the library is newer than its source
   say "already done (remove $STAMP to redo)"
   exit 0
@@ -100,9 +101,9 @@ fi
 # --dist loadgroup; tests that share a module-scoped job, or a machine-wide name, are grouped with
 # @pytest.mark.xdist_group). pytest 9.2 keeps a test's id in Node._id, where pytest-xdist 3.8 cannot
 # add the group to it: every group was then split over the workers (each ran a shared job again).
-if ! "$VPY" -c "import xdist, importlib.metadata as m; assert m.version('pytest-xdist') == '3.8.0' and m.version('pytest') == '9.0.3'" >/dev/null 2>&1; then
-  say "installing pytest==9.0.3 pytest-xdist==3.8.0"
-  "$VPY" -m pip install -q "pytest==9.0.3" "pytest-xdist==3.8.0"
+if ! "$VPY" -c "import xdist, importlib.metadata as m; assert (m.version('pytest'), m.version('pytest-xdist')) == ('$PYTEST_VERSION', '$XDIST_VERSION')" >/dev/null 2>&1; then
+  say "installing pytest==$PYTEST_VERSION pytest-xdist==$XDIST_VERSION"
+  "$VPY" -m pip install -q "pytest==$PYTEST_VERSION" "pytest-xdist==$XDIST_VERSION"
 fi
 
 # 3. Horovod from source
