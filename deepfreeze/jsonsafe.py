@@ -6,7 +6,7 @@ job-id and lease files, backend messages) goes through :func:`loads`:
 
 1. its size is checked against the caller's ``max_bytes`` (the parser never sees more);
 2. its nesting depth (arrays and objects, outside strings) is counted by :func:`json_depth`,
-   a linear scan (regular expressions and ``itertools``, no numpy, C speed) that works on any
+   a linear scan (``bytes.translate``, a regular expression, ``itertools``; no numpy) that works on any
    bytes, valid JSON or not, and refused beyond ``max_depth`` (a deeply nested document would
    otherwise raise ``RecursionError`` from the recursive C parser, or exhaust the stack);
 3. only then ``json.loads`` runs; undecodable UTF-8 and malformed JSON are refused too;
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from itertools import accumulate
 from typing import Any, Callable
 
@@ -37,21 +38,36 @@ MAX_CONFIG_DEPTH = 200
 # depth counted here is never below the depth the parser reaches before it stops.
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"?', re.S)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_STEP = [0] * 256
-_STEP[ord("[")] = _STEP[ord("{")] = 1
-_STEP[ord("]")] = _STEP[ord("}")] = -1
+_NOT_MARKS = bytes(b for b in range(256) if b not in b'"[]{}')
+# an opening bracket to +1, a closing one to -1 (0xff: -1 as a signed byte)
+_STEP = bytes.maketrans(b"[]{}", b"\x01\xff\x01\xff")
 
 _ADVICE = "the file or message is damaged or was not written by DeepFreeze: remove or replace it"
 
 
 def json_depth(data: "bytes | bytearray | memoryview") -> int:
     """The largest number of arrays/objects open at once in ``data`` (brackets inside strings not
-    counted); any bytes are accepted. Linear in ``len(data)``."""
+    counted); any bytes are accepted. Linear in ``len(data)``.
+
+    Two ways to the brackets outside strings, the same result: without a backslash in ``data``
+    (no escapes: each quote opens or closes a string, as :data:`_STRING` reads them), everything
+    but quotes and brackets is dropped and each ``""`` removed in one pass; if no quote is left,
+    every string was one of those pairs, so no string held a bracket, and what is left is the
+    brackets outside strings (a string holding a bracket, or an unterminated one, leaves a quote).
+    Otherwise :data:`_STRING` removes the strings: a regular expression's match per string, several
+    times slower on a large document (a backend flush message of 370 KB: 6.4 ms; 0.8 ms the first
+    way)."""
     data = bytes(data)
     if not data.count(b"[") and not data.count(b"{"):
         return 0
-    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
-    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
+    brackets = None
+    if b"\\" not in data:
+        marks = data.translate(None, _NOT_MARKS).replace(b'""', b"")
+        if b'"' not in marks:
+            brackets = marks
+    if brackets is None:
+        brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    return max(accumulate(array("b", brackets.translate(_STEP))), default=0)
 
 
 def loads(data: "bytes | bytearray | memoryview | str", what: str, *, max_bytes: int,
