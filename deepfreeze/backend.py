@@ -41,8 +41,9 @@ its part, refuses ``flush`` on a connection whose ``hello`` named another protoc
 
 The flush job (``job``) is a :class:`~deepfreeze.tiers.job.FlushJob`'s :meth:`encode`, rebuilt
 with :meth:`~deepfreeze.tiers.job.FlushJob.decode` as it comes off the socket: every field is
-checked (type, range, length, no NUL in a path), unknown and missing keys are refused, and a job
-that fails is answered ``{"ok": false}`` (the connection stays). Its fields (``?``: optional)::
+checked (type, range, length, no NUL in a path; of the manifest, the entries that differ from the
+connection's last job: ``seen``), unknown and missing keys are refused, and a job that fails is
+answered ``{"ok": false}`` (the connection stays). Its fields (``?``: optional)::
 
     name: str ([a-zA-Z0-9_.]{1,200}), version: int [0, 2**63), rank: int [0, 2**31),
     scratch, persistent: str (1..4096 chars, no NUL), persistent_interval: float (finite),
@@ -406,6 +407,7 @@ class _Server:
             self.clients += 1
         lines = _Lines(conn)
         protocol = None  # the client's, from its hello (1: a hello without it)
+        seen: dict = {}  # the manifest parts this connection's last job had (FlushJob.decode's seen)
         try:
             while True:
                 try:
@@ -427,7 +429,7 @@ class _Server:
                                      ": no flush job taken"})
                         continue
                     try:
-                        job = FlushJob.decode(req.get("job"))
+                        job = FlushJob.decode(req.get("job"), seen=seen)
                     except CheckpointWriteError as e:  # refused; the connection stays
                         _send(conn, {"ok": False, "error": str(e)[:2000]})
                         continue

@@ -122,6 +122,44 @@ def test_decode_refuses_keys_and_sources():
         job(spec=DIRECT)
 
 
+def test_a_connections_seen_manifest_parts_decide_as_a_walk_does():
+    """``decode(seen=...)`` (the backend keeps one per connection): an entry equal to the last
+    accepted job's is not walked again, and every job gets the answer the walk gives: a changed
+    entry out of bounds is refused, an equal one accepted, and an integer beyond the range after a
+    float of the same value (the one equal pair across a bound) is refused."""
+    def wire(manifest):
+        return json.loads(json.dumps(job(manifest=manifest).encode()))
+    tensors = [{"id": i, "name": f"l{i}.w", "shape": [3, i]} for i in range(50)]
+    seen: dict = {}
+    first = FlushJob.decode(wire({"tensors": tensors, "version": 1}), seen=seen)
+    assert first == FlushJob.decode(wire({"tensors": tensors, "version": 1}))
+    assert set(seen) == {"tensors", "version"} and seen["tensors"][1] == 1 + 50 * 6
+    again = FlushJob.decode(wire({"tensors": tensors, "version": 2}), seen=seen)  # parsed anew: equal, not identical
+    assert again.manifest["version"] == 2 and seen["version"][0] == 2
+    bad_tensors = [dict(t) for t in tensors]
+    bad_tensors[7]["shape"] = [3, 2 ** 64]
+    deep = {"tensors": tensors, "version": 3, "x": DEEP}
+    for manifest, match in (({"tensors": bad_tensors, "version": 3}, "integer outside"),
+                            (deep, "deeper"), ({"tensors": tensors + [1.5] * 10, "v": [1.0] * 40}, None)):
+        if match:
+            with pytest.raises(CheckpointWriteError, match=match):
+                FlushJob.decode(wire(manifest), seen=seen)
+            with pytest.raises(CheckpointWriteError, match=match):
+                FlushJob.decode(wire(manifest))
+        else:
+            assert FlushJob.decode(wire(manifest), seen=seen) == FlushJob.decode(wire(manifest))
+    # the bounds of the whole object hold with parts taken from seen: the values are counted
+    many = {"tensors": tensors, "more": list(range(2 ** 22 - 1 - (1 + 50 * 6)))}
+    FlushJob.decode(wire({"tensors": tensors}), seen=seen)
+    with pytest.raises(CheckpointWriteError, match="more than 4194304 values"):
+        FlushJob.decode(wire(many), seen=seen)
+    # 2.0**64 is a finite float (accepted); 2**64 == 2.0**64 in Python, but as an integer it is out of range
+    FlushJob.decode(wire({"big": [2.0 ** 64]}), seen=seen)
+    assert "big" not in seen  # an entry holding a float beyond the integers' range is not kept
+    with pytest.raises(CheckpointWriteError, match="integer outside"):
+        FlushJob.decode(wire({"big": [2 ** 64]}), seen=seen)
+
+
 def test_the_source_table():
     """Each tier registered its kind from its own module; the flush opens a shard through the
     table (a kind registered later is used: a new tier is one new registration)."""

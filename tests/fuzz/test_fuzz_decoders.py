@@ -999,6 +999,20 @@ def _flush_job(bounded, bases, data):
         return job
     out = bounded(decode, len(raw))
     assert isinstance(out, (FlushJob, CheckpointWriteError, CorruptCheckpointError)), type(out)
+    if not isinstance(out, CorruptCheckpointError):  # after the base, on one connection: the same answer
+        def job_of(data):
+            msg = loads(data, "backend message", max_bytes=256 << 20)
+            return msg.get("job") if isinstance(msg, dict) else msg
+        seen: dict = {}
+        try:
+            FlushJob.decode(job_of(base), seen=seen)
+        except DeepFreezeError:
+            pass
+        try:
+            second = FlushJob.decode(job_of(raw), seen=seen)
+        except CheckpointWriteError as e:
+            second = e
+        assert type(second) is type(out) and (str(second) == str(out) if isinstance(out, Exception) else second == out)
 
 
 def run_flush_job(engine_ck, n):
