@@ -15,13 +15,18 @@ import logging
 import os
 import subprocess
 import sys
+from importlib.util import find_spec
 
 import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="PyTorch is not installed (scripts/setup.sh installs torch==2.13.0, CPU)")
-pytest.importorskip("pytorch_lightning", reason="PyTorch Lightning is not installed (scripts/setup.sh installs 2.6.6)")
-pytest.importorskip("torchdata", reason="torchdata is not installed (scripts/setup.sh installs 0.11.0)")
+# found, not imported: every pytest-xdist worker collects this module, one runs its tests (Lightning's
+# import is 2-3 CPU-s; the tests import it where they use it, or run it in their jobs)
+pytestmark = [pytest.mark.skipif(find_spec("pytorch_lightning") is None,
+                                 reason="PyTorch Lightning is not installed (scripts/setup.sh installs 2.6.6)"),
+              pytest.mark.skipif(find_spec("torchdata") is None,
+                                 reason="torchdata is not installed (scripts/setup.sh installs 0.11.0)")]
 
 from _util import ROOT, WORKERS, as_in_a_test  # noqa: E402
 from test_torch import torchrun  # noqa: E402
