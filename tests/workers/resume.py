@@ -44,8 +44,10 @@ callbacks.append(ckpt)
 class Die(tf.keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if int(self.model.optimizer.iterations.numpy()) == int(opts.get("kill_at", -1)):
-            ckpt.engine.wait(persistent=True)  # the last checkpoint is committed, then: kill -9
-            os.kill(os.getpid(), signal.SIGKILL)
+            ckpt.engine.wait(persistent=True)  # this rank's part of the last checkpoint is flushed
+            if size > 1:  # and every rank's, before any dies: a dead rank ends the job (mpirun kills the others,
+                hvd.allreduce(0.0, name="flushed_before_kill")  # whose flush may still be running under load)
+            os.kill(os.getpid(), signal.SIGKILL)  # then: kill -9
 
 
 callbacks += [RecordWeights(ckpt, rank, lambda v: f"{out}/expected/v{v}.npz"), Die()]
