@@ -987,10 +987,14 @@ def _flush_job(bounded, bases, data):
     tree = _tree(base)
     raw = dumps(mutate_json(data, tree)) if tree is not None and data.draw(st.booleans()) else mutate_bytes(data, base)
 
+    def job_of(data):  # what the backend's reader does first
+        msg = loads(data, "backend message", max_bytes=256 << 20)
+        return msg.get("job") if isinstance(msg, dict) else msg
+
     def decode():
-        msg = loads(raw, "backend message", max_bytes=256 << 20)  # what the backend's reader does first
+        obj = job_of(raw)
         try:
-            job = FlushJob.decode(msg.get("job") if isinstance(msg, dict) else msg)
+            job = FlushJob.decode(obj)
         except DeepFreezeError as e:
             assert isinstance(e, CheckpointWriteError), type(e)  # the job's one typed error
             raise
@@ -1000,9 +1004,6 @@ def _flush_job(bounded, bases, data):
     out = bounded(decode, len(raw))
     assert isinstance(out, (FlushJob, CheckpointWriteError, CorruptCheckpointError)), type(out)
     if not isinstance(out, CorruptCheckpointError):  # after the base, on one connection: the same answer
-        def job_of(data):
-            msg = loads(data, "backend message", max_bytes=256 << 20)
-            return msg.get("job") if isinstance(msg, dict) else msg
         seen: dict = {}
         try:
             FlushJob.decode(job_of(base), seen=seen)
