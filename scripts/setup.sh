@@ -21,6 +21,7 @@ VENV=${VENV:-$PWD/.venv}
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 STAMP="$VENV/.deepfreeze-setup-v2"
 TORCH_VERSION=2.13.0
+TF_VERSION=2.15.1  # Horovod 0.28.1 builds against it (below)
 PYTEST_VERSION=9.0.3 XDIST_VERSION=3.8.0  # pinned together: section 2b
 
 say() { echo "setup: $*"; }
@@ -50,7 +51,7 @@ for name in ('tensorflow', 'horovod.tensorflow', 'deepfreeze.keras', 'deepfreeze
              'accelerate', 'mpi4py', 'h5py', 'matplotlib', 'xdist', 'pytest_timeout'):
     assert u.find_spec(name) is not None, name
 assert glob.glob(os.path.join(u.find_spec('horovod.tensorflow').submodule_search_locations[0], 'mpi_lib*.so'))
-assert m.version('tensorflow-cpu') == '2.15.1' and int(m.version('numpy').split('.')[0]) < 2
+assert m.version('tensorflow-cpu') == '$TF_VERSION' and int(m.version('numpy').split('.')[0]) < 2
 assert m.version('torch').split('+')[0] == '$TORCH_VERSION'
 assert (m.version('pytest'), m.version('pytest-xdist')) == ('$PYTEST_VERSION', '$XDIST_VERSION')
 ") >/dev/null 2>&1; then
@@ -105,9 +106,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip wheel setuptools
 fi
 VPY="$VENV/bin/python"
-if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib, isal, scipy, redis, safetensors, cryptography, hypothesis; assert tf.__version__=='2.15.1'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
-  say "installing tensorflow-cpu==2.15.1 numpy<2 isal mpi4py h5py pytest matplotlib scipy redis safetensors cryptography hypothesis"
-  "$VPY" -m pip install -q "tensorflow-cpu==2.15.1" "numpy<2" isal mpi4py h5py pytest pytest-timeout matplotlib cmake \
+if ! "$VPY" -c "import tensorflow as tf, numpy as np, mpi4py, h5py, pytest, matplotlib, isal, scipy, redis, safetensors, cryptography, hypothesis; assert tf.__version__=='$TF_VERSION'; assert int(np.__version__.split('.')[0])<2" >/dev/null 2>&1; then
+  say "installing tensorflow-cpu==$TF_VERSION numpy<2 isal mpi4py h5py pytest matplotlib scipy redis safetensors cryptography hypothesis"
+  "$VPY" -m pip install -q "tensorflow-cpu==$TF_VERSION" "numpy<2" isal mpi4py h5py pytest pytest-timeout matplotlib cmake \
     packaging "scipy<1.14" "redis>=5" safetensors cryptography "hypothesis==6.*"
 fi
 
