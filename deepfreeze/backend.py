@@ -134,7 +134,9 @@ user's with mode ``0700`` (else :class:`~deepfreeze.errors.BackendError`). A
 nothing listens it takes the ``flock`` on ``<socket>.lock``, checks again, and the first to get
 the lock spawns ``python -m deepfreeze.backend --socket <path>`` in a new session (so it finishes
 queued flushes after the ranks have exited), logging to ``<scratch>/.deepfreeze-backend.log``,
-and waits up to 60 s for the socket. A holder that keeps the spawn lock for 60 s is logged with
+with the rank's environment but one OpenBLAS thread (``_spawn_environ``: it multiplies no
+matrices, and numpy's OpenBLAS otherwise starts a thread per core when it is imported), and waits
+up to 60 s for the socket. A holder that keeps the spawn lock for 60 s is logged with
 its pid (from ``/proc/locks``) and the newcomer goes on without it. :func:`start_async` does all
 this in a background thread and holds the connection (the backend stays up) until released:
 :meth:`deepfreeze.run.Run.begin` calls it in async mode, so the client the engine makes at the
@@ -823,6 +825,14 @@ def remove_stale_locks(directory: str | None = None) -> list[str]:
     return removed
 
 
+
+def _spawn_environ() -> dict[str, str]:
+    """The environment a spawned backend gets: the rank's, with ``OPENBLAS_NUM_THREADS=1``. The
+    backend copies, checks and writes bytes and never multiplies matrices; numpy's OpenBLAS would
+    otherwise start one thread per core (and its buffers) when the backend imports numpy: 0.1 CPU-s
+    of each start on the 2-core test machine, more on a wide node."""
+    return dict(os.environ, OPENBLAS_NUM_THREADS="1")
+
 class BackendClient:
     """A connection to the node's backend; starts one if none is listening.
 
@@ -949,7 +959,7 @@ class BackendClient:
             with _FORK_GUARD:  # no os.fork in another thread during it (see _FORK_GUARD)
                 proc = subprocess.Popen([sys.executable, "-m", "deepfreeze.backend", "--socket", self.path],
                                         stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                        start_new_session=True, close_fds=True)
+                                        start_new_session=True, close_fds=True, env=_spawn_environ())
             logf.close()
             self.started = proc.pid
             deadline = time.monotonic() + timeout

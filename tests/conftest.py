@@ -16,6 +16,13 @@ from _util import BACKEND_IDLE, as_in_a_test, runtime_dir  # noqa: E402
 # result). A setting of the caller's own wins.
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
+# Every process the suite starts imports numpy, whose OpenBLAS starts one thread per core at import:
+# 0.1 CPU-s of each start here (sys 0.14 -> 0.03 s), and the suite starts ~1,100 Python processes
+# on 2 busy cores (measured: the machine had 0.3 % idle CPU during make test). None of them
+# multiplies matrices large enough to use a second thread, and every bit-exact comparison is between
+# processes of the same setting. A setting of the caller's own wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 
 def pytest_itemcollected(item):
     """``make test`` runs on several pytest-xdist workers (``--dist loadgroup``). A test that uses a

@@ -289,6 +289,21 @@ def test_backend_shared_per_node_and_stops_when_idle(tmp_path):
     c.close()
 
 
+def test_spawned_backend_has_one_openblas_thread_and_the_ranks_environment(tmp_path, monkeypatch):
+    """The backend a client spawns keeps the rank's environment but starts numpy's OpenBLAS with one
+    thread (it multiplies no matrices; one thread per core costs each start CPU), whatever the rank set."""
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    monkeypatch.setenv("DEEPFREEZE_TEST_MARK", "from-the-rank")
+    c = BackendClient(str(tmp_path / "s"))
+    try:
+        assert c.started == c.pid is not None  # spawned by this client
+        with open(f"/proc/{c.pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        assert env[b"OPENBLAS_NUM_THREADS"] == b"1"
+        assert env[b"DEEPFREEZE_TEST_MARK"] == b"from-the-rank"
+    finally:
+        c.close()
+
 def test_backend_killed_mid_job_is_restarted_and_flushes_are_resent(tmp_path):
     """kill -9 of the backend: the next exchange starts a new one and re-sends what was pending;
     persistent never holds a version that looks committed but is not."""
