@@ -825,13 +825,13 @@ def remove_stale_locks(directory: str | None = None) -> list[str]:
     return removed
 
 
-
 def _spawn_environ() -> dict[str, str]:
     """The environment a spawned backend gets: the rank's, with ``OPENBLAS_NUM_THREADS=1``. The
     backend copies, checks and writes bytes and never multiplies matrices; numpy's OpenBLAS would
     otherwise start one thread per core (and its buffers) when the backend imports numpy: 0.1 CPU-s
     of each start on the 2-core test machine, more on a wide node."""
     return dict(os.environ, OPENBLAS_NUM_THREADS="1")
+
 
 class BackendClient:
     """A connection to the node's backend; starts one if none is listening.

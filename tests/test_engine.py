@@ -304,6 +304,7 @@ def test_spawned_backend_has_one_openblas_thread_and_the_ranks_environment(tmp_p
     finally:
         c.close()
 
+
 def test_backend_killed_mid_job_is_restarted_and_flushes_are_resent(tmp_path):
     """kill -9 of the backend: the next exchange starts a new one and re-sends what was pending;
     persistent never holds a version that looks committed but is not."""
