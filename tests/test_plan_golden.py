@@ -176,3 +176,24 @@ def test_manifest_limit_counts_listed_items_only():
     assert fmt.plan_items(dict(rec, explicit=[[0, 0, 0, 1]] * 3, given=[[0] * 5])) == 3 + 3
     for junk in (None, [], {"algorithm": "flat-v1", "explicit": "x", "given": [1, "a"]}):
         assert fmt.plan_items(junk) == 0
+
+
+def test_plan_of_remembers_a_plan_by_its_exact_content():
+    """plan_of keeps a plan by the JSON text of (tensors, plan record, world size): the same content
+    gives the same plan object; the same content with its keys in another order is derived again
+    (an equal plan, another object); a number of another type (a shape's 4.0 where 4 was, equal
+    under ``==``) is never answered from memory: it is derived as on a first read (where its
+    manifest's own check refuses it)."""
+    ts, record = _compact()
+    manifest = {"tensors": [t.to_json() for t in ts], "plan": record, "world_size": 3}
+    first = plan_of(manifest)
+    again = plan_of(json.loads(json.dumps(manifest)))  # equal content, other objects (as a new flush job)
+    assert again is first and first.pieces == ShardPlan.from_json(ts, record).pieces
+    reordered = dict(manifest, tensors=[dict(reversed(list(t.items()))) for t in manifest["tensors"]])
+    other = plan_of(reordered)
+    assert other is not first and other == first
+    floated = copy.deepcopy(manifest)
+    k = next(i for i, t in enumerate(floated["tensors"]) if t["shape"])
+    floated["tensors"][k]["shape"] = [float(d) for d in floated["tensors"][k]["shape"]]
+    assert floated == manifest  # what an equality-keyed memory would have answered from the first plan
+    assert plan_of(floated) is not first
