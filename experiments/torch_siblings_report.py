@@ -13,7 +13,10 @@ import math
 from experiments.torch_dcp import stat
 from experiments.torch_dcp_report import fmt
 
-__all__ = ["stat", "speedup", "at_most", "stream_table", "repo_table", "plot_bars"]
+__all__ = ["stat", "speedup", "at_most", "stream_table", "repo_table", "plot_bars", "MINE"]
+
+#: the DeepFreeze approaches of the repository comparison: a load by id (traced) and by name (not traced)
+MINE = ("deepfreeze", "deepfreeze-name")
 
 
 def speedup(base: dict, mine: dict, target: "float | None") -> dict:
@@ -91,18 +94,26 @@ def stream_table(doc: dict) -> str:
 
 
 def repo_table(doc: dict) -> str:
+    """The markdown table: per operation and approach the fresh-process time, the warm-process time,
+    MB read, and how many times faster each DeepFreeze approach is than it, with the targets."""
     lines = [f"Model {doc['model']} ({doc['model_MB']:.1f} MB), partial module: {doc['partial']['what']} "
              f"({doc['partial']['fraction'] * 100:.1f} % of the bytes); {doc['reps']} interleaved repetitions; "
-             f"cold = {doc['cold']}; statistic: mean ± SE over the repetitions.", "",
-             "| operation | approach | time (ms) | bytes read (MB) | DeepFreeze faster by | target |",
-             "|---|---|---|---|---|---|"]
+             f"cold = {doc['cold']}; every load in a fresh process (its second load, cold again, is the warm-process "
+             f"figure); statistic: mean ± SE over the repetitions; load average at the start "
+             f"{doc.get('load_avg_start', ['?'])[0]}.", "",
+             "| operation | approach | time (ms), fresh process | warm process (ms) | read (MB) | "
+             "deepfreeze (by id) faster by | deepfreeze-name faster by | target |",
+             "|---|---|---|---|---|---|---|---|"]
     for op, rows in doc["ops"].items():
-        for a, r in rows.items():
-            sp = doc["ratios"].get(op, {}).get(a)
-            cell = "–" if sp is None else _x(sp)
-            tgt = "–" if sp is None or sp["target"] is None else f">= {sp['target']:g}x: **{sp['verdict']}**"
-            mb = r.get("read_MB")
-            lines.append(f"| {op} | {a} | {fmt(r['time_s'], 1e3, 1)} | {fmt(mb, 1, 1)} | {cell} | {tgt} |")
+        for x, r in rows.items():
+            cells, tgts = [], []
+            for m in MINE:
+                sp = doc["ratios"].get(op, {}).get(m, {}).get(x)
+                cells.append("–" if sp is None or sp["mean"] is None else f"{sp['mean']:.2f} ± {sp['se']:.2f}x")
+                if sp is not None and sp["target"] is not None:
+                    tgts.append(f"{m} >= {sp['target']:g}x: **{sp['verdict']}**")
+            lines.append(f"| {op} | {x} | {fmt(r['time_s'], 1e3, 1)} | {fmt(r.get('warm_s'), 1e3, 1)} | "
+                         f"{fmt(r['read_MB'], 1, 1)} | {cells[0]} | {cells[1]} | {'; '.join(tgts) or '–'} |")
     return "\n".join(lines)
 
 

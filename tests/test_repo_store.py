@@ -1,5 +1,6 @@
 """The embedded repository (deepfreeze/repo/store.py): real files, a real SQLite database, real processes."""
 import os
+import shutil
 import signal
 import sqlite3
 import struct
@@ -358,6 +359,69 @@ def test_tampered_pack_name_in_database(repo, file):
         db.execute("UPDATE packs SET file=?", (file,))
     with pytest.raises(CorruptCheckpointError, match="pack file name"):
         repo.get("m@1")
+
+
+def test_graph_layer_names_round_trip_and_are_bounded(repo):
+    from deepfreeze.repo.graph import MAX_NAME_BYTES, decode_graph, encode_graph
+    ids = [f"{i:032x}" for i in (1, 2, 3)]
+    plain = {"scheme": 1, "layers": [{"id": ids[0], "inputs": [], "tensors": 1},
+                                     {"id": ids[1], "inputs": [0], "tensors": 0},
+                                     {"id": ids[2], "inputs": [1], "tensors": 1}], "outputs": [2]}
+    named = {**plain, "layers": [{**plain["layers"][0], "name": "enc.0"}, plain["layers"][1],
+                                 {**plain["layers"][2], "name": "h\u00e9ad"}]}
+    # a graph without names is the bytes it always was (flags 0); names follow the outputs
+    assert struct.unpack_from("<4sHHII", encode_graph(plain))[2] == 0
+    data = encode_graph(named)
+    assert data.startswith(encode_graph(plain)[:4]) and struct.unpack_from("<4sHHII", data)[2] == 1
+    assert decode_graph(data) == named and decode_graph(encode_graph(plain)) == plain
+    t = {k: RNG.standard_normal(3) for k in tensor_keys(named)}
+    repo.put("named@1", t, graph=named)
+    assert repo.graph("named@1") == named
+    for bad in ("", "a\x00b", "x" * (MAX_NAME_BYTES + 1), "\ud800", 7):
+        with pytest.raises(RepositoryError, match="name"):
+            encode_graph({**plain, "layers": [{**plain["layers"][0], "name": bad}] + plain["layers"][1:]})
+    with pytest.raises(RepositoryError, match="exactly"):
+        encode_graph({**plain, "layers": [{**plain["layers"][0], "label": "x"}] + plain["layers"][1:]})
+    for cut in (1, 3, 6):   # a truncated names section, and bytes after it
+        with pytest.raises(CorruptCheckpointError, match="names|bytes"):
+            decode_graph(data[:-cut])
+    with pytest.raises(CorruptCheckpointError, match="after the names"):
+        decode_graph(data + b"\0")
+    with pytest.raises(CorruptCheckpointError, match="newer DeepFreeze"):
+        decode_graph(data[:6] + struct.pack("<H", 3) + data[8:])
+    long = bytearray(data)   # a name length past the end
+    struct.pack_into("<H", long, len(encode_graph(plain)), 60000)
+    with pytest.raises(CorruptCheckpointError, match="does not fit"):
+        decode_graph(bytes(long))
+
+
+def test_get_reads_a_shared_blob_once_and_only_the_asked_bytes_cold(tmp_path):
+    from experiments.repo import drop_cache, read_bytes
+    # on a disk (/var/tmp), not a tmpfs: only a disk's pages can be dropped and read again (a cold read)
+    base = "/var/tmp" if os.path.isdir("/var/tmp") and os.access("/var/tmp", os.W_OK) else str(tmp_path)
+    repo = EmbeddedRepository(os.path.join(base, f"dfcold-{os.getpid()}-{time.monotonic_ns()}"))
+    try:
+        rng = np.random.default_rng(3)
+        t = {f"w{i:02d}": rng.standard_normal(1 << 18).astype(np.float32) for i in range(24)}   # 24 x 1 MiB
+        t["copy"] = t["w00"].copy()   # equal bytes: one blob under two keys
+        repo.put("m", t)
+        # cold, the first read of the pack: the first 4 tensors' bytes, not a readahead window past them
+        drop_cache(repo.directory)
+        b0 = read_bytes()
+        got = repo.get("m", [f"w{i:02d}" for i in range(4)])
+        asked = sum(a.nbytes for a in got.values())
+        assert all(same_bits(got[k], t[k]) for k in got)
+        # (+ the database's pages; 2x before, the kernel's readahead past the last tensor)
+        assert read_bytes() - b0 <= 1.1 * asked + (256 << 10), (read_bytes() - b0, asked)
+        n0 = repo.bytes_read
+        got = repo.get("m", ["w00", "copy", "w01"])
+        assert same_bits(got["w00"], t["w00"]) and same_bits(got["copy"], t["w00"]) and same_bits(got["w01"], t["w01"])
+        assert got["copy"] is not got["w00"] and repo.bytes_read - n0 == 2 * t["w00"].nbytes   # the blob read once
+        got["copy"][0] += 1   # two arrays, not views of one
+        assert not same_bits(got["copy"], got["w00"])
+    finally:
+        repo.close()
+        shutil.rmtree(repo.directory, ignore_errors=True)
 
 
 def test_tampered_graph_and_meta_in_database(repo):

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deepfreeze.errors import ModelMismatchError, NameExistsError
+from deepfreeze.errors import ConfigError, ModelMismatchError, NameExistsError
 from deepfreeze.repo.store import EmbeddedRepository
 from deepfreeze.torch import LoadReport, load_into, store_model
 from deepfreeze.torch.repo import module_graph
@@ -371,6 +371,108 @@ def test_mismatches_refused_before_anything_is_set(repo):
         load_into(repo, "lm@m", TinyLM(), layers=["nope"])
     for k, v in dst.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+# -- a load by name (issue 45: the layers the caller names, nothing traced)
+
+class Counted(nn.Module):
+    """``TinyLM``'s trunk under a new head, counting its ``forward`` calls (fx's trace runs ``forward``
+    once on proxies; a load that does not trace leaves the count at 0)."""
+
+    def __init__(self, head_out=3, tie=False):
+        super().__init__()
+        self.calls = 0
+        self.embed, self.pos = nn.Embedding(32, 16), nn.Parameter(torch.zeros(1, 8, 16))
+        self.blocks = nn.Sequential(*[TBlock(16, 2) for _ in range(2)])
+        self.new_head = nn.Linear(16, head_out)
+
+    def forward(self, idx):
+        self.calls += 1
+        return self.new_head(self.blocks(self.embed(idx) + self.pos[:, :idx.size(1)]))
+
+
+def test_load_by_name_does_not_trace_and_loads_the_named_layers_bit_exact(repo):
+    src = TinyLM()
+    randomize(src, 11)
+    values = recorded(src)
+    store_model(repo, "lm@n", src)
+    graph = repo.graph("lm@n")
+    assert {layer["name"] for layer in graph["layers"] if "name" in layer} >= {"embed", "pos", "blocks.0.attn.q", "head"}
+    dst = Counted()
+    head_before = recorded(dst)
+    r = load_into(repo, "lm@n", dst, match="name")
+    assert dst.calls == 0   # not traced
+    assert sorted(r.loaded) == sorted(["embed", "pos"] + [f"blocks.{i}.{n}" for i in range(2) for n in
+                                                         ("ln1", "attn.q", "attn.k", "attn.v", "attn.o", "ln2", "fc1", "fc2")])
+    assert r.missing == ["new_head"] and "blocks.0.drop" in r.skipped and r.mapped == {}
+    got = dst.state_dict()
+    for k, v in got.items():
+        want = head_before[k] if k.startswith("new_head.") else values[k]
+        assert torch.equal(v, want) and v.dtype == want.dtype, k
+    assert r.bytes == sum(v.numel() * v.element_size() for k, v in values.items()
+                          if not k.startswith(("head.", "ln_f.")))
+    load_into(repo, "lm@n", Counted(), match="id")   # the id match traces: the count above could fail
+    traced = Counted()
+    load_into(repo, "lm@n", traced)
+    assert traced.calls == 1
+    # layers= by qualified name, container name and module object: only those read and set
+    part = Counted()
+    before = recorded(part)
+    r = load_into(repo, "lm@n", part, match="name", layers=["pos", "blocks.1", part.blocks[0].fc1])
+    assert sorted(r.loaded) == sorted(["pos", "blocks.0.fc1"] + [f"blocks.1.{n}" for n in
+                                                                ("ln1", "attn.q", "attn.k", "attn.v", "attn.o", "ln2",
+                                                                 "fc1", "fc2")])
+    assert "embed" in r.skipped and "new_head" in r.skipped and r.missing == [] and part.calls == 0
+    for k, v in part.state_dict().items():
+        chosen = k == "pos" or k.startswith(("blocks.1.", "blocks.0.fc1."))
+        assert torch.equal(v, values[k] if chosen else before[k]), k
+
+
+def test_load_by_name_checks_type_shapes_dtypes_before_anything_is_set(repo):
+    class Two(nn.Module):
+        def __init__(self, norm, fc):
+            super().__init__()
+            self.norm, self.fc = norm, fc
+
+        def forward(self, x):
+            return self.fc(self.norm(x))
+
+    src = Two(nn.LayerNorm(8), nn.Linear(8, 4))
+    randomize(src, 12)
+    store_model(repo, "two@1", src)
+    cases = [(Two(nn.GroupNorm(1, 8), nn.Linear(8, 4)), "is a torch.GroupNorm, .* stores a torch.LayerNorm"),
+             (Two(nn.LayerNorm(8), nn.Linear(8, 5)), "layer 'fc'.* stores weights"),
+             (Two(nn.LayerNorm(8), nn.Linear(8, 4).double()), "layer 'fc'.* stores weights")]
+    for dst, why in cases:
+        before = recorded(dst)
+        with pytest.raises(ModelMismatchError, match=why):
+            load_into(repo, "two@1", dst, match="name")
+        for k, v in dst.state_dict().items():
+            assert torch.equal(v, before[k]), k
+    ok = Two(nn.LayerNorm(8), nn.Linear(8, 5))   # leaving the mismatching layer out loads the rest
+    assert load_into(repo, "two@1", ok, match="name", layers=["norm"]).loaded == ["norm"]
+    assert torch.equal(ok.norm.weight, src.norm.weight)
+    dst = Two(nn.LayerNorm(8), nn.Linear(8, 4))
+    with pytest.raises(ModelMismatchError, match="not in 'two@1' under their names"):
+        load_into(repo, "two@1", Counted(), match="name", layers=["new_head"])
+    with pytest.raises(ModelMismatchError, match="strict load"):
+        three = Two(nn.LayerNorm(8), nn.Linear(8, 4))
+        three.extra = nn.Linear(2, 2)   # a layer the stored model has no name for
+        load_into(repo, "two@1", three, match="name", strict=True)
+    with pytest.raises(ModelMismatchError, match="no layer of module"):
+        load_into(repo, "two@1", nn.Sequential(dst), match="name")   # names '0.norm', '0.fc': none stored
+    with pytest.raises(ConfigError, match="mapping="):
+        load_into(repo, "two@1", dst, match="name", mapping={"fc": 0})
+    # a model stored without names (its graph as an older DeepFreeze wrote it) is refused by name, loads by id
+    mg = module_graph(src)
+    graph, _ = mg.graph()
+    for layer in graph["layers"]:
+        layer.pop("name", None)
+    tensors = {f"{mg.ids[k]}/{j}": t.detach().numpy() for k in mg.layer_keys for j, t in enumerate(mg.tensors[k])}
+    repo.put("two@old", tensors, graph=graph, meta=mg.meta())
+    with pytest.raises(ModelMismatchError, match="without layer names"):
+        load_into(repo, "two@old", dst, match="name")
+    assert sorted(load_into(repo, "two@old", dst).loaded) == ["fc", "norm"]
 
 
 class Branchy(nn.Module):

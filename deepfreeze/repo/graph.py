@@ -5,20 +5,28 @@ Plain data (what :meth:`Repository.put` takes and :meth:`Repository.graph` retur
     {"scheme": 2,                                   # the layer-id scheme (ids.ID_SCHEME)
      "layers": [{"id": "<32 hex>",                  # stable layer id (16 bytes)
                  "inputs": [i, ...],                # indices into "layers" of its input layers
-                 "tensors": n},                     # number of weights of the layer
+                 "tensors": n,                      # number of weights of the layer
+                 "name": "<name>"},                 # optional: the layer's name in the stored model
                 ...],
      "outputs": [i, ...]}                           # indices of the model's output layers
 
 The ``k``-th weight of a layer is stored under the tensor key ``"<id>/<k>"`` (:func:`tensor_key`),
-so the graph holds ``id -> input ids`` and ``id -> tensor index`` and nothing else. Layer
-metadata (class, canonical config, weight shapes) is stored once per id, apart from the graph.
+so the graph holds ``id -> input ids`` and ``id -> tensor index``, and, where the adapter gives
+them, the layers' names in the model that was stored (the PyTorch adapter: a module's qualified
+name, a direct parameter's FQN), which a load by name (``match="name"``) finds the target's layers
+by without tracing it; ids never depend on names. Layer metadata (class, canonical config, weight
+shapes) is stored once per id, apart from the graph.
 
 Bytes (what the repository keeps per model; little-endian, every count and index bounds-checked
 on decode)::
 
-    magic b"DFG1", scheme u16, pad u16, n_layers u32, n_outputs u32
+    magic b"DFG1", scheme u16, flags u16, n_layers u32, n_outputs u32
     per layer: id 16s, n_inputs u16, n_tensors u16, n_inputs x u32 input index
     n_outputs x u32 output index
+    flags & 1 (names): per layer, name length u16 (0: no name) and its UTF-8 bytes
+
+A graph without names is encoded exactly as before names existed (flags 0); a DeepFreeze older
+than names rejects a graph with them as damaged (it expects the end after the outputs).
 """
 from __future__ import annotations
 
@@ -37,6 +45,8 @@ _HEAD = struct.Struct("<4sHHII")
 _LAYER = struct.Struct("<16sHH")
 _MAGIC = b"DFG1"
 _KEY_RE = re.compile(r"([0-9a-f]{32})/(\d{1,5})")
+_NAMES = 1            # flags: a names section follows the outputs
+MAX_NAME_BYTES = 4096  # a layer name's UTF-8 bytes
 
 
 def tensor_key(layer_id: str, k: int) -> str:
@@ -48,6 +58,17 @@ def split_key(key: str) -> tuple[str, int] | None:
     """``(layer id, k)`` of a layer tensor key, None for any other key."""
     m = _KEY_RE.fullmatch(key)
     return (m.group(1), int(m.group(2))) if m else None
+
+
+_LAYER_KEYS = {"id", "inputs", "tensors", "name"}
+
+
+def _utf8(name: str) -> bytes:
+    """``name``'s UTF-8 bytes; a string that has none (a lone surrogate) gives more than any limit."""
+    try:
+        return name.encode()
+    except UnicodeEncodeError:
+        return bytes(MAX_NAME_BYTES + 1)
 
 
 def check_graph(graph: Any) -> dict[str, Any]:
@@ -64,8 +85,13 @@ def check_graph(graph: Any) -> dict[str, Any]:
     n = len(layers)
     seen: set[str] = set()
     for i, layer in enumerate(layers):
-        if not isinstance(layer, dict) or set(layer) != {"id", "inputs", "tensors"}:
-            raise bad(f"layer {i}: expected a dict with exactly 'id', 'inputs', 'tensors'")
+        if not isinstance(layer, dict) or not {"id", "inputs", "tensors"} <= set(layer) <= _LAYER_KEYS:
+            raise bad(f"layer {i}: expected a dict with exactly 'id', 'inputs', 'tensors' (and optionally 'name')")
+        if "name" in layer:
+            nm = layer["name"]
+            if not isinstance(nm, str) or not nm or "\x00" in nm or len(_utf8(nm)) > MAX_NAME_BYTES:
+                raise bad(f"layer {i}: name {nm!r:.80} must be a non-empty string of at most {MAX_NAME_BYTES} bytes "
+                          "without NUL")
         lid, inputs, nt = layer["id"], layer["inputs"], layer["tensors"]
         if not isinstance(lid, str) or not ID_HEX_RE.fullmatch(lid):
             raise bad(f"layer {i}: id {lid!r} is not 32 lowercase hex digits")
@@ -90,11 +116,16 @@ def tensor_keys(graph: dict[str, Any]) -> list[str]:
 def encode_graph(graph: dict[str, Any]) -> bytes:
     """The compact bytes of a (valid) graph."""
     check_graph(graph)
-    out = [_HEAD.pack(_MAGIC, graph["scheme"], 0, len(graph["layers"]), len(graph["outputs"]))]
+    named = any("name" in layer for layer in graph["layers"])
+    out = [_HEAD.pack(_MAGIC, graph["scheme"], _NAMES if named else 0, len(graph["layers"]), len(graph["outputs"]))]
     for layer in graph["layers"]:
         out.append(_LAYER.pack(bytes.fromhex(layer["id"]), len(layer["inputs"]), layer["tensors"]))
         out.append(struct.pack(f"<{len(layer['inputs'])}I", *layer["inputs"]))
     out.append(struct.pack(f"<{len(graph['outputs'])}I", *graph["outputs"]))
+    if named:
+        for layer in graph["layers"]:
+            b = layer.get("name", "").encode()
+            out.append(struct.pack("<H", len(b)) + b)
     return b"".join(out)
 
 
@@ -109,9 +140,11 @@ def decode_graph(data: bytes, where: str = "<graph>") -> dict[str, Any]:
     mv = memoryview(data)
     if len(mv) < _HEAD.size:
         raise bad("truncated header")
-    magic, scheme, _pad, n_layers, n_outputs = _HEAD.unpack_from(mv, 0)
+    magic, scheme, flags, n_layers, n_outputs = _HEAD.unpack_from(mv, 0)
     if magic != _MAGIC:
         raise bad(f"magic {bytes(magic)!r}")
+    if flags & ~_NAMES:
+        raise bad(f"flags {flags:#x}: written by a newer DeepFreeze (update it to read this model)")
     # each layer needs at least _LAYER.size bytes and each output 4: bound the counts by the size
     if n_layers > MAX_LAYERS or _HEAD.size + n_layers * _LAYER.size + 4 * n_outputs > len(mv):
         raise bad(f"{n_layers} layers and {n_outputs} outputs do not fit in {len(mv)} bytes")
@@ -127,9 +160,27 @@ def decode_graph(data: bytes, where: str = "<graph>") -> dict[str, Any]:
         inputs = list(struct.unpack_from(f"<{n_in}I", mv, pos))
         pos += 4 * n_in
         layers.append({"id": lid.hex(), "inputs": inputs, "tensors": n_t})
-    if pos + 4 * n_outputs != len(mv):
+    end = pos + 4 * n_outputs
+    if end > len(mv) or (end != len(mv) and not flags & _NAMES):
         raise bad(f"{len(mv) - pos} bytes left for {n_outputs} outputs")
     outputs = list(struct.unpack_from(f"<{n_outputs}I", mv, pos))
+    pos = end
+    if flags & _NAMES:
+        for layer in layers:
+            if pos + 2 > len(mv):
+                raise bad("truncated names")
+            (n,) = struct.unpack_from("<H", mv, pos)
+            pos += 2
+            if n > MAX_NAME_BYTES or pos + n > len(mv):
+                raise bad(f"a name of {n} bytes does not fit")
+            if n:
+                try:
+                    layer["name"] = bytes(mv[pos:pos + n]).decode()
+                except UnicodeDecodeError as e:
+                    raise bad("a layer name is not UTF-8") from e
+            pos += n
+        if pos != len(mv):
+            raise bad(f"{len(mv) - pos} bytes after the names")
     graph = {"scheme": scheme, "layers": layers, "outputs": outputs}
     try:
         return check_graph(graph)

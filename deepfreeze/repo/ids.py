@@ -436,19 +436,21 @@ def _first_equal(members: Sequence[Hashable], view: Mapping[Hashable, bytes]) ->
 
 
 def build_graph(nodes: Mapping[Hashable, Any], outputs: Sequence[Hashable],
-                ids: Mapping[Hashable, str]) -> tuple[dict[str, Any], list[Hashable]]:
+                ids: Mapping[Hashable, str], names: Mapping[Hashable, str] | None = None
+                ) -> tuple[dict[str, Any], list[Hashable]]:
     """The plain-data graph (:mod:`deepfreeze.repo.graph`) of a neutral graph with its ids, and
     the node keys in graph layer order.
 
     Layers are in topological order, ties broken by id, so the order does not depend on how the
     model was built. A layer's ``inputs`` are the graph indices of its inputs, every call site
-    in node order, concatenated; ``tensors`` is its number of weights; ``outputs`` are the graph
-    indices of the model's outputs, in order."""
+    in node order, concatenated; ``tensors`` is its number of weights; ``name`` its entry in
+    ``names`` where it has one; ``outputs`` are the graph indices of the model's outputs, in order."""
     nodes = {k: (n if isinstance(n, Node) else Node(*n)) for k, n in nodes.items()}
     order = topological_order(nodes, priority=ids)
     index = {k: i for i, k in enumerate(order)}
+    names = names or {}
     layers = [{"id": ids[k], "inputs": [index[s] for site in nodes[k].calls for s in site],
-               "tensors": len(nodes[k].weights)} for k in order]
+               "tensors": len(nodes[k].weights), **({"name": names[k]} if k in names else {})} for k in order]
     graph = {"scheme": ID_SCHEME, "layers": layers, "outputs": [index[k] for k in outputs]}
     return check_graph(graph), order
 

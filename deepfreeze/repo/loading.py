@@ -92,20 +92,26 @@ def check_framework(repo: Any, name: str, graph: Mapping[str, Any], framework: s
             f"deepfreeze.{found}.load_into, or read its tensors with repo.get(name) and convert them yourself")
 
 
-def stored_graph(repo: Any, name: str, framework: str, *, match: str, mapping: Any) -> tuple[dict[str, Any], bool]:
+def stored_graph(repo: Any, name: str, framework: str, *, match: str, mapping: Any,
+                 matches: Sequence[str] = ("id", "shape")) -> tuple[dict[str, Any], bool]:
     """The checks every adapter's ``load_into`` starts with, before anything is read or set:
-    ``match`` is ``"id"`` or ``"shape"`` (:class:`ConfigError`); ``name`` has a layer graph, was
-    stored by ``framework``'s adapter (:func:`check_framework`) and, unless ``mapping`` or
-    ``match="shape"`` pairs its layers otherwise, has ids of this DeepFreeze's scheme
-    (:class:`ModelMismatchError`). Returns the graph and whether its ids are of another scheme."""
-    if match not in ("id", "shape"):
-        raise ConfigError(f"match={match!r}: use 'id' (the default) or 'shape'")
+    ``match`` is one of the adapter's ``matches`` (:class:`ConfigError`); ``name`` has a layer
+    graph, was stored by ``framework``'s adapter (:func:`check_framework`), has layer names when
+    ``match="name"`` and, unless ``mapping``, ``match="shape"`` or ``match="name"`` pairs its layers
+    otherwise, has ids of this DeepFreeze's scheme (:class:`ModelMismatchError`). Returns the graph
+    and whether its ids are of another scheme."""
+    if match not in matches:
+        raise ConfigError(f"match={match!r}: use {' or '.join(repr(m) for m in matches)} ('id' is the default)")
     graph = repo.graph(name)
     if graph is None:
         raise ModelMismatchError(f"{name!r} was stored without a layer graph; read its tensors with repo.get")
     check_framework(repo, name, graph, framework)
+    if match == "name" and not any("name" in layer for layer in graph["layers"]):
+        raise ModelMismatchError(f"{name!r} was stored without layer names (by a DeepFreeze before they were "
+                                 f"recorded, or imported from a checkpoint); match='name' finds layers by them: "
+                                 f"load it with match='id' (the default) or 'shape'")
     foreign = graph.get("scheme") != ID_SCHEME
-    if foreign and not mapping and match != "shape":
+    if foreign and not mapping and match not in ("shape", "name"):
         raise ModelMismatchError(f"{name!r} has layer ids of scheme {graph.get('scheme')}, this DeepFreeze "
                                  f"computes scheme {ID_SCHEME}; ids of different schemes never match (load it "
                                  f"with mapping= or match='shape')")

@@ -73,8 +73,10 @@ class ModuleGraph:
     paths: dict[int, list[str]] = field(default_factory=dict)
 
     def graph(self) -> tuple[dict[str, Any], list[int]]:
-        """The plain-data graph and the node keys in its layer order."""
-        return build_graph(self.nodes, self.outputs, self.ids)
+        """The plain-data graph (each layer with weights named: a module's qualified name, a
+        direct entry's FQN) and the node keys in its layer order."""
+        return build_graph(self.nodes, self.outputs, self.ids,
+                           {k: self.names[k] for k in self.layer_keys if self.names[k]})
 
     def meta(self) -> dict[str, dict[str, Any]]:
         """Layer metadata per id (:func:`deepfreeze.repo.ids.build_meta`)."""
@@ -527,6 +529,157 @@ def _requested(mg: ModuleGraph, items: Iterable[Any]) -> set[int]:
     return want
 
 
+_MATCHES = ("id", "shape", "name")
+
+
+@dataclass
+class _Layers:
+    """The layers of a module found by walking it (no trace): what fx would call whole, as
+    :func:`module_graph` defines a layer. ``tensors``: layer name -> its weights; ``classes``:
+    layer name -> class name; ``stateless``: qualified names of leaf modules without weights;
+    ``objects``: ``id()`` of a layer's module or a direct entry's tensor -> layer name;
+    ``paths``: ``id()`` of every submodule -> its qualified names."""
+    tensors: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    classes: dict[str, str] = field(default_factory=dict)
+    stateless: list[str] = field(default_factory=list)
+    objects: dict[int, str] = field(default_factory=dict)
+    paths: dict[int, list[str]] = field(default_factory=dict)
+
+
+def _walk_layers(root: torch.nn.Module) -> _Layers:
+    """:class:`_Layers` of ``root``: a module fx treats as a leaf when called (``_Tracer``; not a
+    ``ModuleList`` or ``ModuleDict``, which have no ``forward``) is one layer (all its state); a container's own parameters and persistent buffers are layers named by their
+    FQNs; a module registered twice is walked once, under its first name (as the trace names it)."""
+    out = _Layers()
+    tracer = _Tracer()
+    b = _Builder(root)   # the state checks and first names of the trace
+    out.paths = b.names_of
+    seen: set[int] = set()
+
+    def walk(m: torch.nn.Module, q: str) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        if m is not root and tracer.is_leaf_module(m, q) and (next(m.children(), None) is None or callable_(m)):
+            weights = b.state(m)
+            if weights:
+                out.tensors[q], out.classes[q] = weights, P + type(m).__name__
+                out.objects[id(m)] = q
+            else:
+                out.stateless.append(q)
+            return
+        for attr, t in list(m._parameters.items()) + [(a, t) for a, t in m._buffers.items()
+                                                      if a not in m._non_persistent_buffers_set]:
+            fqn = f"{q}.{attr}" if q else attr
+            if t is not None and fqn in b.entries:
+                out.tensors[fqn] = [t]
+                out.classes[fqn] = P + ("parameter" if isinstance(t, torch.nn.Parameter) else "buffer")
+                out.objects.setdefault(id(t), fqn)
+        for attr, c in m._modules.items():
+            if c is not None:
+                walk(c, f"{q}.{attr}" if q else attr)
+
+    def callable_(m: torch.nn.Module) -> bool:   # a ModuleList or ModuleDict is never called: fx sees into it
+        return type(m).forward is not torch.nn.Module.forward
+
+    walk(root, "")
+    return out
+
+
+def _named_requested(lw: _Layers, items: Iterable[Any]) -> set[str]:
+    """Layer names of ``layers=`` items for a load by name: what :func:`_requested` accepts."""
+    want: set[str] = set()
+
+    def under(prefix: str) -> set[str]:
+        return {q for q in lw.tensors if q.startswith(prefix + ".")}
+
+    for item in items:
+        if isinstance(item, str):
+            if item in lw.tensors:
+                want.add(item)
+            elif item not in lw.stateless:
+                ks = under(item) if item else set()
+                if not ks:
+                    raise ModelMismatchError(f"layers=: the module has no layer or container named {item!r} (name "
+                                             f"modules and parameters by their qualified names, as in "
+                                             f"named_modules() and state_dict())")
+                want |= ks
+        elif isinstance(item, (torch.nn.Module, torch.Tensor)):
+            if id(item) in lw.objects:
+                want.add(lw.objects[id(item)])
+                continue
+            paths = lw.paths.get(id(item), []) if isinstance(item, torch.nn.Module) else []
+            ks = set().union(*(under(q) for q in paths)) if paths else set()
+            if ks:
+                want |= ks
+            elif not any(q in lw.stateless for q in paths):
+                raise ModelMismatchError(f"layers=: a {type(item).__name__} that is not a layer or a container of "
+                                         f"layers of the module loaded into")
+        else:
+            raise ConfigError(f"layers=: {item!r} is not a name, a module or a parameter")
+    return want
+
+
+def _load_by_name(repo: Any, name: str, module: torch.nn.Module, graph: dict[str, Any],
+                  layers: Iterable[Any] | None, strict: bool) -> LoadReport:
+    """``load_into(..., match="name")``: the module walked, not traced; each considered layer
+    paired with the stored layer of its name, checked, then every tensor read at once and set."""
+    root = unwrap(module)
+    if not isinstance(root, torch.nn.Module):
+        raise RepositoryError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    lw = _walk_layers(root)
+    considered = set(lw.tensors) if layers is None else _named_requested(lw, layers)
+    by_name = {layer["name"]: layer for layer in graph["layers"] if "name" in layer}
+    pairs = {q: by_name[q] for q in lw.tensors if q in considered and q in by_name and by_name[q]["tensors"]}
+    meta = repo.layer_meta([layer["id"] for layer in pairs.values()]) if pairs else {}
+    specs = repo.specs(name) if pairs else {}
+    for q, layer in pairs.items():   # type, number of weights, shapes and dtypes: before anything is read
+        cls = meta.get(layer["id"], {}).get("class_name")
+        if cls != lw.classes[q]:
+            raise ModelMismatchError(f"layer {q!r} is a {lw.classes[q]}, {name!r} stores a {cls} under that name; "
+                                     f"nothing loaded (leave it out with layers=, or match='id')")
+        want = [(dtype_of(t, q), tuple(t.shape)) for t in lw.tensors[q]]
+        got = [specs.get(tensor_key(layer["id"], j)) for j in range(layer["tensors"])]
+        if len(got) != len(want) or any(g is None or (g[0], tuple(g[1])) != w for g, w in zip(got, want)):
+            raise ModelMismatchError(f"layer {q!r}: {name!r} stores weights {got} under that name, the layer has "
+                                     f"{want}; nothing loaded (leave it out with layers=)")
+    report = LoadReport()
+    report.skipped.extend(lw.stateless)
+    for q in lw.tensors:
+        (report.loaded if q in pairs else report.skipped if q not in considered else report.missing).append(q)
+    if layers is not None and report.missing:
+        raise ModelMismatchError(f"requested layers are not in {name!r} under their names: "
+                                 f"{', '.join(report.missing)}; nothing loaded")
+    if not pairs:
+        raise ModelMismatchError(f"no layer of module {type(root).__name__} has a name that {name!r} stores; nothing "
+                                 f"loaded (match='id' pairs layers by their place in the graph instead)")
+    if strict and report.missing:
+        raise ModelMismatchError(f"strict load of {name!r}: layers with weights not stored under their names: "
+                                 f"{', '.join(report.missing)}; nothing loaded")
+    return _read_and_set(repo, name, [(t, tensor_key(layer["id"], j)) for q, layer in pairs.items()
+                                      for j, t in enumerate(lw.tensors[q])], specs, report)
+
+
+def _read_and_set(repo: Any, name: str, pairs: list[tuple[torch.Tensor, str]], specs: dict,
+                  report: LoadReport) -> LoadReport:
+    """Read every stored tensor of ``pairs`` ((live tensor, stored key)) with one ``repo.get``
+    (everything read and checked before anything is set; a tensor tied under two layers is read
+    and set once) and copy each into its tensor."""
+    targets: list[tuple[torch.Tensor, str]] = []
+    seen: set[int] = set()
+    for t, key in pairs:
+        if id(t) not in seen:
+            seen.add(id(t))
+            targets.append((t, key))
+    keys = list(dict.fromkeys(key for _, key in targets))
+    got = repo.get(name, tensors=keys)
+    with torch.no_grad():
+        for t, key in targets:
+            t.copy_(as_tensor(got[key], specs[key][0]).reshape(t.shape))
+    report.bytes = sum(got[key].nbytes for key in keys)
+    return report
+
+
 def load_into(repo: Any, name: str, module: torch.nn.Module, layers: Iterable[Any] | None = None,
               strict: bool = False, mapping: dict | None = None, match: str = "id",
               example_inputs: Any = None) -> LoadReport:
@@ -538,6 +691,10 @@ def load_into(repo: Any, name: str, module: torch.nn.Module, layers: Iterable[An
     declaration order); ``layers=`` (qualified names, modules or parameters) restricts the
     load; ``mapping={layer (name, module or parameter): stored id or index}`` and
     ``match="shape"`` relax it; ``strict=True`` requires every considered layer to load.
+    ``match="name"`` pairs layers by their qualified names instead (the stored graph records them)
+    and does not trace ``module`` (what a load of named layers into a new model costs least):
+    each pair must have the same class, number of weights, shapes and dtypes
+    (:class:`ModelMismatchError` otherwise, before anything is set); ``mapped`` is then empty.
     :class:`ModelMismatchError` before anything is set when nothing matches, a requested layer
     does not, a shape or dtype differs, or ``name`` is a model stored by another framework's
     adapter. Reads only the loaded layers' tensors (one ``repo.get``); a tensor two layers share
@@ -546,7 +703,12 @@ def load_into(repo: Any, name: str, module: torch.nn.Module, layers: Iterable[An
     if mapping is not None and not isinstance(mapping, dict):
         raise ConfigError(f"mapping= must be a dict {{layer or name: stored layer id or index}}, not "
                           f"{type(mapping).__name__}")
-    graph, foreign = stored_graph(repo, name, "torch", match=match, mapping=mapping)
+    if match == "name" and mapping:
+        raise ConfigError("mapping= pairs layers with stored ids: use it with match='id' or 'shape', not 'name' "
+                          "(which pairs them by their names)")
+    graph, foreign = stored_graph(repo, name, "torch", match=match, mapping=mapping, matches=_MATCHES)
+    if match == "name":
+        return _load_by_name(repo, name, module, graph, layers, strict)
     stored = {layer["id"]: layer["tensors"] for layer in graph["layers"]}
     ids = [layer["id"] for layer in graph["layers"]]
     mg = module_graph(module, example_inputs)
@@ -614,17 +776,5 @@ def load_into(repo: Any, name: str, module: torch.nn.Module, layers: Iterable[An
     if strict and report.missing:
         raise ModelMismatchError(f"strict load of {name!r}: layers with weights that do not match: "
                                  f"{', '.join(report.missing)}; nothing loaded")
-    targets: list[tuple[torch.Tensor, str]] = []
-    seen: set[int] = set()
-    for k in sorted(source):
-        for j, t in enumerate(mg.tensors[k]):
-            if id(t) not in seen:   # a tied tensor is read and set once
-                seen.add(id(t))
-                targets.append((t, tensor_key(source[k], j)))
-    keys = list(dict.fromkeys(key for _, key in targets))
-    got = repo.get(name, tensors=keys)   # everything is read (and checked) before anything is set
-    with torch.no_grad():
-        for t, key in targets:
-            t.copy_(as_tensor(got[key], specs[key][0]).reshape(t.shape))
-    report.bytes = sum(got[key].nbytes for key in keys)
-    return report
+    return _read_and_set(repo, name, [(t, tensor_key(source[k], j)) for k in sorted(source)
+                                      for j, t in enumerate(mg.tensors[k])], specs, report)
