@@ -1,8 +1,9 @@
-"""The PyTorch model repository (issue 35) against torch.save / torch.load and safetensors: store,
-full load and a 25 % partial load, cold page cache, time and bytes read, side by side in one process.
+"""The PyTorch model repository (issues 35 and 45) against torch.save / torch.load and safetensors:
+store, full load and a 25 % partial load, cold page cache, every load in a fresh process, time and
+bytes read, side by side.
 
-    python -m experiments.torch_repo_bench --out experiments/results/torch_repo.json     # the pass (~2 min idle)
-    python -m experiments.torch_repo_bench --quick --out /tmp/tr.json                     # smoke (~10 s)
+    python -m experiments.torch_repo_bench --out experiments/results/torch_repo.json     # the pass (~8 min idle)
+    python -m experiments.torch_repo_bench --quick --out /tmp/tr.json                     # smoke (~40 s)
     python -m experiments.torch_repo_bench --table experiments/results/torch_repo.json    # markdown again
 
 Model (``experiments/torch_models.py``): ``resnet50`` (25.6 M parameters, 102 MB of float32
@@ -10,15 +11,16 @@ weights and BatchNorm buffers; ``--quick``: ``mlp``, 500 ``Linear(32, 32)``). Th
 the transfer-learning case: a prefix of the model's layers (ResNet-50: the stem and the first
 bottleneck blocks; MLP: the first layers) holding the fraction of the state-dict bytes closest
 to 25 %, under a new head (``head = Linear(..., 10)``), the same attribute names as the stored
-model (so ``load_state_dict(strict=False)`` finds them). One process, ``torch.set_num_threads(1)``.
+model (so ``load_state_dict(strict=False)`` and a load by name find them). ``torch.set_num_threads(1)``.
 
 Approaches, every one in each round (the order fixed: A, B, C, ... then again):
 
 * ``deepfreeze``: ``store_model(Repository(dir), "m<round>", model)`` (embedded repository, the
-  defaults: no fsync, CRC32 checked on every read) / ``load_into(repo, name, target)`` (full, into
-  a module of the same architecture) and ``load_into(repo, name, partial)`` (ids matched:
-  ``match="id"``, the default); every load through a ``Repository`` opened afresh (untimed), so
-  no client cache is warm;
+  defaults: no fsync, CRC32 checked on every read) / ``load_into(repo, name, module)`` (layers
+  matched by id, the default: the module's graph traced with ``torch.fx``);
+* ``deepfreeze-name`` (loads only; the same store): ``load_into(..., match="name")``: the module's
+  layers found by walking it and paired with the stored layers by qualified name, nothing traced
+  (issue 45: the caller names the layers);
 * ``torch``: ``torch.save(state_dict, f.pt)`` / ``torch.load(f.pt, weights_only=True)`` +
   ``load_state_dict`` (partial: ``strict=False``);
 * ``torch-mmap`` (partial): ``torch.load(f.pt, weights_only=True, mmap=True)`` +
@@ -28,17 +30,20 @@ Approaches, every one in each round (the order fixed: A, B, C, ... then again):
   the partial's keys, then ``load_state_dict(strict=False)``.
 
 A round: the source's weights get a new constant added (untimed: no store is de-duplicated
-against an earlier round's), every approach stores (timed, no fsync), then every load runs cold:
-before each one, every file of that approach's store (the repository's whole directory:
-``packs/``, ``meta.db`` and its WAL; the ``.pt``; the ``.safetensors``) is written back and dropped
-from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (:func:`experiments.repo.drop_cache`;
-not ``/proc/sys/vm/drop_caches``, which would empty the other users' caches too). Bytes read:
-``read_bytes`` of ``/proc/self/io`` around the load (what the process made the block layer read:
-read-ahead included). Every load is checked bit-exact against the source's tensors. Round 0 is a
-warm-up (first imports, first traces), not in the statistics. Per approach and operation: mean ±
-SE over the rounds; ratios: the baseline's mean time over DeepFreeze's, SE propagated. Targets
-(:data:`TARGETS`): store and full load at least as fast as ``torch`` (ratio >= 1), partial at
-least 3x faster than each partial baseline.
+against an earlier round's), every approach stores (timed, no fsync, in this process), then every
+load runs in a fresh Python process of its own (``--child``: torch, the approach's library and the
+target module ready before the clock starts), cold: before it, every file of that approach's store
+(the repository's whole directory: ``packs/``, ``meta.db`` and its WAL; the ``.pt``; the
+``.safetensors``) is written back and dropped from the page cache with
+``posix_fadvise(POSIX_FADV_DONTNEED)`` (:func:`experiments.repo.drop_cache`; not
+``/proc/sys/vm/drop_caches``, which would empty the other users' caches too). The time is that
+process's first load (nothing imported lazily yet, nothing traced, no database page cached); the
+same process then loads again, cold again, which is the *warm-process* figure beside it. Bytes
+read: ``read_bytes`` of ``/proc/self/io`` around the first load (what the process made the block
+layer read: read-ahead included). Every load is checked bit-exact (SHA-256 of the loaded tensors
+against the source's). Round 0 stores only (a warm-up of the stores; the loads need none). Per
+approach and operation: mean ± SE over the rounds; ratios: the baseline's mean time over each
+DeepFreeze approach's, SE propagated. Targets (:data:`TARGETS`).
 """
 from __future__ import annotations
 
@@ -263,9 +268,9 @@ def summarise(doc: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke: mlp (2 MB), 2 rounds")
+    ap.add_argument("--quick", action="store_true", help="smoke: mlp (2 MB), 1 round")
     ap.add_argument("--model", default=None, help="resnet50 or mlp (default resnet50; --quick mlp)")
-    ap.add_argument("--reps", type=int, default=None, help="measured rounds (default 10; --quick 2)")
+    ap.add_argument("--reps", type=int, default=None, help="measured rounds (default 10; --quick 1)")
     ap.add_argument("--dir", default=None, help="where the files go (default: a temporary directory under /var/tmp, "
                                                 "a disk: /tmp may be a tmpfs, whose pages cannot be dropped)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "torch_repo.json"))
@@ -282,7 +287,7 @@ def main() -> None:
         print(repo_table(doc))
         return
     a.model = a.model or ("mlp" if a.quick else "resnet50")
-    a.reps = a.reps or (2 if a.quick else 10)
+    a.reps = a.reps or (1 if a.quick else 10)
     root = tempfile.mkdtemp(prefix="dftr-", dir=a.dir or "/var/tmp")
     t0 = time.time()
     load_start = os.getloadavg()
