@@ -30,7 +30,8 @@ Approaches, every one in each round (the order fixed: A, B, C, ... then again):
   the partial's keys, then ``load_state_dict(strict=False)``.
 
 A round: the source's weights get a new constant added (untimed: no store is de-duplicated
-against an earlier round's), every approach stores (timed, no fsync, in this process), then every
+against an earlier round's), every approach stores (timed, no fsync, in this process, after an untimed
+``sync`` so that no store is throttled for the dirty pages of the ones before it), then every
 load runs in a fresh Python process of its own (``--child``: torch, the approach's library and the
 target module ready before the clock starts), cold: before it, every file of that approach's store
 (the repository's whole directory: ``packs/``, ``meta.db`` and its WAL; the ``.pt``; the
@@ -217,7 +218,8 @@ def run(a: argparse.Namespace, root: str) -> dict:
         sd = src.state_dict()
         want = {"full": _digest(sd[k] for k in sd), "partial": _digest(sd[k] for k in part_keys)}
         for x in STORES:
-            b0, t = read_bytes(), time.perf_counter()
+            os.sync()   # untimed: each store starts with no dirty pages of the last ones (the kernel throttles
+            b0, t = read_bytes(), time.perf_counter()   # a writer past its dirty limit: 80-380 ms for one code)
             if x == "deepfreeze":
                 repo = Repository(rdir)
                 store_model(repo, name, src)

@@ -201,23 +201,75 @@ def _scratch(n: int) -> memoryview:
     return memoryview(bytearray(n))
 
 
-_RA_STEP = 8 << 20   # what one POSIX_FADV_WILLNEED asks for (the kernel caps one at its readahead window)
+_RA_DEFAULT = 8 << 20   # a readahead window to assume where the device does not say (a network file system)
+_RA_WINDOWS: dict[int, int] = {}
 
 
-def _read_exactly(fd: int, runs: list[tuple[int, int]]) -> None:
-    """Make the reads of ``runs`` (byte ranges of ``fd``) bring in those bytes and no others:
-    readahead off for this descriptor (``POSIX_FADV_RANDOM``: by default the kernel reads up to its
-    readahead window past each read, 8 MB on this machine's disk, which for a partial load is more
-    than the tensors), then every range asked for at once (``POSIX_FADV_WILLNEED`` in steps of
-    :data:`_RA_STEP`), so the disk works on all of them while the first is copied. Advice only: a
-    system without ``posix_fadvise`` reads as before."""
-    if not hasattr(os, "posix_fadvise"):  # pragma: no cover - every Linux has it
-        return
-    try:
+def _readahead_window(fd: int) -> int:
+    """The kernel's largest readahead window for ``fd``'s device (its ``queue/read_ahead_kb``,
+    8 MiB on this machine's disk), cached per device; :data:`_RA_DEFAULT` where sysfs does not say."""
+    dev = os.fstat(fd).st_dev
+    if dev not in _RA_WINDOWS:
+        window = _RA_DEFAULT
+        base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+        for q in (f"{base}/queue/read_ahead_kb", f"{base}/../queue/read_ahead_kb"):  # a disk, or a partition's disk
+            try:
+                with open(q) as f:
+                    window = max(int(f.read().strip()) << 10, 1 << 17)
+                break
+            except (OSError, ValueError):
+                continue
+        _RA_WINDOWS[dev] = window
+    return _RA_WINDOWS[dev]
+
+
+def _read_runs(fd: int, runs: list[tuple[int, int, list[memoryview]]],
+               preadv_all: Callable[[int, list[memoryview], int], int]) -> int:
+    """Read every run (``start``, ``end``, the buffers its bytes go into) with ``preadv_all``, one
+    call each, bringing in its bytes and not the kernel's readahead window past it (up to 8 MiB
+    past each read on this machine's disk: a partial load of 25.2 MB read 33.6).
+
+    A run that ends within a tenth of its length of the end of the file (a whole model, a suffix)
+    is read with the kernel's readahead, which streams fastest and cannot pass the end of the file
+    (102 MB: 61 ms here). The others with readahead off (``POSIX_FADV_RANDOM``), every such byte
+    asked for first (``POSIX_FADV_WILLNEED``, which the kernel takes one readahead window at a
+    time; from a helper thread when they are more than a window, so the disk works on the later
+    ones while the first are copied: 75 ms for 102 MB, 95-110 ms without the thread). Returns the
+    bytes read."""
+    if not runs or not hasattr(os, "posix_fadvise"):
+        return sum(preadv_all(fd, iovs, start) for start, _end, iovs in runs)
+    size = os.fstat(fd).st_size
+    exact = [(start, end) for start, end, _ in runs if size - end > (end - start) // 10]
+    helper = None
+    if exact:
+        window = _readahead_window(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        for start, end in runs:
-            for o in range(start, end, _RA_STEP):
-                os.posix_fadvise(fd, o, min(_RA_STEP, end - o), os.POSIX_FADV_WILLNEED)
+        if sum(end - start for start, end in exact) > window:
+            helper = threading.Thread(target=_willneed, args=(fd, exact, window), daemon=True,
+                                      name="deepfreeze-repo-readahead")
+            helper.start()
+        else:
+            _willneed(fd, exact, window)
+    got = 0
+    try:
+        for start, end, iovs in runs:
+            if size - end <= (end - start) // 10:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
+            elif exact:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            got += preadv_all(fd, iovs, start)
+    finally:
+        if helper is not None:
+            helper.join()   # before the descriptor is closed
+    return got
+
+
+def _willneed(fd: int, ranges: list[tuple[int, int]], window: int) -> None:
+    """``POSIX_FADV_WILLNEED`` over ``ranges``, one readahead window per call (advice: errors ignored)."""
+    try:
+        for start, end in ranges:
+            for o in range(start, end, window):
+                os.posix_fadvise(fd, o, min(window, end - o), os.POSIX_FADV_WILLNEED)
     except OSError:  # pragma: no cover - a file system that takes no advice
         pass
 
@@ -1077,11 +1129,7 @@ class EmbeddedRepository(Maintenance):
                 if end > start:
                     runs.append((start, end, iovs))
                 i = j
-            fd = f.fileno()
-            _read_exactly(fd, [(start, end) for start, end, _ in runs])
-            got = 0
-            for start, _end, iovs in runs:
-                got += self._preadv_all(fd, iovs, start, path)
+            got = _read_runs(f.fileno(), runs, lambda fd, iovs, at: self._preadv_all(fd, iovs, at, path))
             for offset, length, k, a, es, crc in copies:
                 _u8(a)[:] = _u8(first[(offset, length)])
         with self._lock:
