@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import threading
 from typing import Sequence
 
 import numpy as np
@@ -131,43 +130,35 @@ class FusedShard:
 
 
 class BufferPool:
-    """Fused buffers that a native capture writes into: page-aligned, pre-faulted, zeroed once.
+    """Fused buffers that a capture writes into: page-aligned, zero until first written.
 
     A buffer is free when nothing outside the pool refers to it (no :class:`FusedShard`, no
     numpy view of it is alive: a view holds a reference to its base array); :meth:`acquire`
     returns a free one, or allocates one more (logged) when all are held. Padding bytes are
-    never written by a capture, so they stay zero. Allocation happens when the pool is built
-    (``count`` buffers) so no capture pays for faulting fresh pages. With ``background=True`` only
-    the first buffer is allocated in the constructor (the capture that builds the pool inside a
-    training step needs just that one) and the other ``count - 1`` in a daemon thread; an
-    :meth:`acquire` that finds no free buffer while that thread runs waits for it.
+    never written by a capture, so they stay zero. The ``count`` buffers are allocated (mapped)
+    when the pool is built. ``prefault=True`` also faults every page in then, so that no capture
+    pays for faulting fresh pages: what a native capture writing from inside the training step
+    needs (Keras). ``prefault=False`` leaves each page to be faulted by the first copy that
+    writes it, one pass instead of two (a zero fill, then the copy), and no memory taken for
+    buffers the job never fills: the torch capture, whose large copies run on its copy thread,
+    and whose pool is built inside the first checkpoint's step (issue 45: a gpt2 rank's three
+    0.75 GB buffers were faulted in the step and beside it).
     """
 
-    def __init__(self, nbytes: int, count: int, *, background: bool = False) -> None:
+    def __init__(self, nbytes: int, count: int, *, prefault: bool = True) -> None:
         if nbytes < STAMP_BYTES or count < 1:
             raise ValueError(f"a buffer pool needs nbytes >= {STAMP_BYTES} and count >= 1, got {nbytes}, {count}")
         self.nbytes = nbytes
-        first = 1 if background else count
-        self.buffers: list[np.ndarray] = [self._allocate() for _ in range(first)]
+        self.prefault = prefault
+        self.buffers: list[np.ndarray] = [self._allocate() for _ in range(count)]
         self.grown = 0  #: buffers allocated beyond ``count`` because all were held
-        self._filler: "threading.Thread | None" = None
-        if count > first:
-            self._filler = threading.Thread(target=self._fill, args=(count - first,), daemon=True,
-                                            name="deepfreeze-buffer-pool")
-            self._filler.start()
-
-    def _fill(self, n: int) -> None:
-        for _ in range(n):
-            try:
-                self.buffers.append(self._allocate())
-            except MemoryError:  # acquire() allocates when it needs one (and says so)
-                return
 
     def _allocate(self) -> np.ndarray:
         import mmap
-        mem = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous: page-aligned
+        mem = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous: page-aligned, zero
         buf = np.frombuffer(mem, dtype=np.uint8, count=self.nbytes)
-        buf.fill(0)  # fault every page in now
+        if self.prefault:
+            buf.fill(0)  # fault every page in now
         return buf
 
     @staticmethod
@@ -182,10 +173,6 @@ class BufferPool:
         for i in range(len(self.buffers)):
             if self._free(i):
                 return self.buffers[i]
-        if self._filler is not None:  # the buffers still being allocated in the background: wait for them
-            self._filler.join()
-            self._filler = None
-            return self.acquire()
         buf = self._allocate()
         self.buffers.append(buf)
         self.grown += 1

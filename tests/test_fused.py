@@ -1,4 +1,6 @@
 """deepfreeze.fused: the fused capture buffer's layout, views and pool (framework-neutral)."""
+import os
+
 import numpy as np
 import pytest
 
@@ -69,15 +71,27 @@ def test_pool_hands_out_only_buffers_nothing_refers_to():
         BufferPool(10, 1)
 
 
-def test_a_background_pool_allocates_one_buffer_now_and_the_others_off_the_thread():
-    """Issue 42, item 6: the pool built inside the first checkpoint's step faults in one buffer; the
-    others come from a daemon thread, and an acquire that needs one of them waits for it (never
-    allocates one more)."""
-    pool = BufferPool(3 * 4096 + 100, 3, background=True)
-    a = pool.acquire()
-    b = pool.acquire()  # a held: the second buffer, the filler's (waited for if still being made)
-    c = pool.acquire()
-    assert len({BufferPool.address(x) for x in (a, b, c)}) == 3 and pool.grown == 0 and len(pool.buffers) == 3
-    assert all(BufferPool.address(x) % 4096 == 0 and not x.any() for x in (a, b, c))
-    del a
-    assert pool.acquire() is pool.buffers[0]
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_pool_not_prefaulted_takes_memory_only_where_a_copy_writes():
+    """Issue 45, item 3: the torch capture's pool (built inside the first checkpoint's step) maps its
+    buffers without touching them; a buffer's pages are faulted by the copy into it, and its padding
+    stays zero. The pre-faulted pool (Keras's native capture) takes all of it at once."""
+    n = 64 << 20
+    r0 = _rss()
+    lazy = BufferPool(n, 3, prefault=False)
+    r1 = _rss()
+    assert r1 - r0 < 8 << 20, (r1 - r0)   # three 64 MiB buffers mapped, none of it resident
+    a, b = lazy.acquire(), lazy.acquire()
+    assert len({BufferPool.address(x) for x in (a, b)}) == 2 and all(BufferPool.address(x) % 4096 == 0 for x in (a, b))
+    a[: n // 2] = 7   # a copy writes half of one buffer: that half is faulted in, the rest stays zero
+    r2 = _rss()
+    assert (n // 2) - (4 << 20) <= r2 - r1 <= (n // 2) + (8 << 20), (r2 - r1)
+    assert not a[n // 2:].any() and not b.any() and lazy.grown == 0
+    del a, b
+    eager = BufferPool(n, 2)
+    assert _rss() - r2 >= 2 * n - (8 << 20)   # faulted in when built
+    assert not eager.acquire().any()

@@ -491,8 +491,8 @@ class Capture:
         _cuda.release_pool(self.pool)
         if self.cuda is not None:
             self.pool = self.cuda.pool(self._layout.nbytes, self.max_inflight + 1)
-        else:  # built inside the step of the first checkpoint: its one buffer now, the others off this thread
-            self.pool = BufferPool(self._layout.nbytes, self.max_inflight + 1, background=True)
+        else:  # built inside the step of the first checkpoint: mapped now, each page faulted by the copy into it
+            self.pool = BufferPool(self._layout.nbytes, self.max_inflight + 1, prefault=False)
         self.plans += 1
 
 
