@@ -20,12 +20,15 @@ capture that did not happen leaves the previous step's stamp).
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import sys
+import threading
 from typing import Sequence
 
 import numpy as np
 
 from . import format as fmt
+from .priority import lower_thread
 from .shardplan import Piece, ShardPlan
 
 __all__ = ["STAMP_BYTES", "Segment", "FusedLayout", "FusedShard", "BufferPool"]
@@ -129,6 +132,26 @@ class FusedShard:
         return cls(layout, buf)
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
+
+
+def _populate(mems: list) -> None:
+    """Fault in every page of ``mems`` (anonymous mappings) for writing, contents untouched, at the
+    background priority; stops at the first refusal (a kernel before 5.14)."""
+    lower_thread()
+    for mem in mems:
+        try:
+            mem.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):
+            return
+
+
+def _mapping(buf: np.ndarray) -> mmap.mmap:
+    """The anonymous mapping a pool buffer is a view of (``np.frombuffer`` keeps a memoryview of it)."""
+    base = buf.base
+    return getattr(base, "obj", base)
+
+
 class BufferPool:
     """Fused buffers that a capture writes into: page-aligned, zero until first written.
 
@@ -142,19 +165,30 @@ class BufferPool:
     writes it, one pass instead of two (a zero fill, then the copy), and no memory taken for
     buffers the job never fills: the torch capture, whose large copies run on its copy thread,
     and whose pool is built inside the first checkpoint's step (issue 45: a gpt2 rank's three
-    0.75 GB buffers were faulted in the step and beside it).
+    0.75 GB buffers were faulted in the step and beside it). ``populate=True`` (with
+    ``prefault=False``) then faults the buffers in ahead of their first use from a daemon thread
+    at the background priority (:func:`deepfreeze.priority.lower_thread`), with
+    ``madvise(MADV_POPULATE_WRITE)``, which never changes a byte, so a copy into the same buffer
+    at the same time is safe (Linux 5.14 and later; elsewhere the copies fault the pages).
+    :attr:`populating` is that thread.
     """
 
-    def __init__(self, nbytes: int, count: int, *, prefault: bool = True) -> None:
+    def __init__(self, nbytes: int, count: int, *, prefault: bool = True, populate: bool = False) -> None:
         if nbytes < STAMP_BYTES or count < 1:
             raise ValueError(f"a buffer pool needs nbytes >= {STAMP_BYTES} and count >= 1, got {nbytes}, {count}")
         self.nbytes = nbytes
         self.prefault = prefault
         self.buffers: list[np.ndarray] = [self._allocate() for _ in range(count)]
         self.grown = 0  #: buffers allocated beyond ``count`` because all were held
+        self.populating: "threading.Thread | None" = None
+        if populate and not prefault and _MADV_POPULATE_WRITE is not None:
+            # the mappings, not the arrays: a reference to an array would make the pool see it held
+            mems = [_mapping(b) for b in self.buffers[1:] + self.buffers[:1]]   # the first is being copied into now
+            self.populating = threading.Thread(target=_populate, args=(mems,), daemon=True,
+                                               name="deepfreeze-buffer-pool")
+            self.populating.start()
 
     def _allocate(self) -> np.ndarray:
-        import mmap
         mem = mmap.mmap(-1, max(self.nbytes, 1))  # anonymous: page-aligned, zero
         buf = np.frombuffer(mem, dtype=np.uint8, count=self.nbytes)
         if self.prefault:

@@ -95,3 +95,20 @@ def test_a_pool_not_prefaulted_takes_memory_only_where_a_copy_writes():
     eager = BufferPool(n, 2)
     assert _rss() - r2 >= 2 * n - (8 << 20)   # faulted in when built
     assert not eager.acquire().any()
+
+def test_a_pool_populated_in_the_background_faults_its_buffers_in_without_changing_a_byte():
+    """Issue 45, item 3: the torch capture's pool faults its buffers in ahead of use from a thread at
+    the background priority (MADV_POPULATE_WRITE), while a copy may already write into one of them:
+    that copy's bytes survive, the other buffers stay zero, and the thread holds no buffer."""
+    n = 64 << 20
+    r0 = _rss()
+    pool = BufferPool(n, 3, prefault=False, populate=True)
+    a = pool.acquire()   # the first capture's copy, at the same time as the thread
+    want = np.arange(n // 8, dtype=np.int64)
+    a.view(np.int64)[:] = want
+    assert pool.populating is not None
+    pool.populating.join()
+    assert _rss() - r0 >= 3 * n - (8 << 20)   # every page faulted in
+    assert np.array_equal(a.view(np.int64), want)
+    b, c = pool.acquire(), pool.acquire()
+    assert pool.grown == 0 and not b.any() and not c.any()

@@ -491,8 +491,9 @@ class Capture:
         _cuda.release_pool(self.pool)
         if self.cuda is not None:
             self.pool = self.cuda.pool(self._layout.nbytes, self.max_inflight + 1)
-        else:  # built inside the step of the first checkpoint: mapped now, each page faulted by the copy into it
-            self.pool = BufferPool(self._layout.nbytes, self.max_inflight + 1, prefault=False)
+        else:  # built inside the first checkpoint's step: mapped now; the pages faulted by the copy into them
+            # or, ahead of it, by the pool's low-priority thread (not in the step)
+            self.pool = BufferPool(self._layout.nbytes, self.max_inflight + 1, prefault=False, populate=True)
         self.plans += 1
 
 
