@@ -9,6 +9,7 @@ when called; :func:`available` says beforehand. Nothing here retries: ``EINTR`` 
 caller's to handle.
 
 Who uses what: :func:`sync_file_range` (``deepfreeze.tiers.shardbytes``: the write-back hint of a flush),
+:func:`madvise` (``deepfreeze.fused``: a buffer pool faulted in ahead of use, GIL released),
 :func:`memcmp` (``deepfreeze.repo.store``: deduplication's byte comparison, GIL released),
 :func:`process_vm_readv` / :func:`process_vm_writev` / :func:`prctl` / :func:`memmove`
 (``deepfreeze.memtier.copy``: the memory tier's copies and the Yama ptracer permission),
@@ -37,13 +38,16 @@ import errno
 import os
 from typing import Any
 
-__all__ = ["available", "memcmp", "memmove", "sync_file_range", "SYNC_FILE_RANGE_WRITE",
+__all__ = ["available", "memcmp", "memmove", "sync_file_range", "SYNC_FILE_RANGE_WRITE", "madvise",
+           "MADV_POPULATE_WRITE",
            "process_vm_readv", "process_vm_writev", "prctl", "PR_SET_PTRACER", "PR_SET_PTRACER_ANY",
            "ioprio_set", "ioprio_get", "ioprio_value", "ioprio_parts", "IOPRIO_WHO_PROCESS", "IOPRIO_CLASS_NONE",
            "IOPRIO_CLASS_RT", "IOPRIO_CLASS_BE", "IOPRIO_CLASS_IDLE"]
 
 #: ``sync_file_range``'s flag: start writing the range's dirty pages, do not wait
 SYNC_FILE_RANGE_WRITE = 2
+#: ``madvise`` advice (Linux 5.14): fault the range's pages in for writing, their contents unchanged
+MADV_POPULATE_WRITE = 23
 #: ``prctl`` option (Yama): allow one process to ptrace (read the memory of) this one
 PR_SET_PTRACER = 0x59616D61
 #: ``PR_SET_PTRACER``'s argument allowing every process
@@ -70,6 +74,7 @@ _libc = _load()
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "memcmp": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]),
     "sync_file_range": (ctypes.c_int, [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]),
+    "madvise": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]),
     "process_vm_readv": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
                                             ctypes.c_ulong, ctypes.c_ulong]),
     "process_vm_writev": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
@@ -90,6 +95,7 @@ def _bind(name: str) -> Any:
 _FUNCS: dict[str, Any] = {name: _bind(name) for name in _SIGNATURES}
 _memcmp = _FUNCS["memcmp"]
 _sync_file_range = _FUNCS["sync_file_range"]
+_madvise = _FUNCS["madvise"]
 _readv = _FUNCS["process_vm_readv"]
 _writev = _FUNCS["process_vm_writev"]
 _prctl = _FUNCS["prctl"]
@@ -133,6 +139,15 @@ def sync_file_range(fd: int, offset: int, length: int, flags: int) -> None:
         raise _missing("sync_file_range")
     if _sync_file_range(fd, offset, length, flags) != 0:
         raise _error(ctypes.get_errno(), f"sync_file_range of descriptor {fd}, bytes [{offset}, {offset + length})")
+
+
+def madvise(addr: int, length: int, advice: int) -> None:
+    """``madvise(addr, length, advice)`` (the GIL released: :data:`MADV_POPULATE_WRITE` of a large
+    range takes a while); ``addr`` page-aligned."""
+    if _madvise is None:  # pragma: no cover - every Linux C library has madvise
+        raise _missing("madvise")
+    if _madvise(addr, length, advice) != 0:
+        raise _error(ctypes.get_errno(), f"madvise({advice}) of {length} bytes")
 
 
 def _vm(f: Any, name: str, pid: int, local: int, liovcnt: int, remote: int, riovcnt: int, flags: int) -> int:

@@ -19,6 +19,7 @@ capture that did not happen leaves the previous step's stamp).
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import mmap
 import sys
@@ -28,6 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from . import format as fmt
+from ._native import MADV_POPULATE_WRITE, available, madvise
 from .priority import lower_thread
 from .shardplan import Piece, ShardPlan
 
@@ -132,17 +134,20 @@ class FusedShard:
         return cls(layout, buf)
 
 
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
+_POPULATE_STEP = 64 << 20   # one madvise call's bytes: a pool closed meanwhile stops the thread within one step
 
 
 def _populate(mems: list) -> None:
     """Fault in every page of ``mems`` (anonymous mappings) for writing, contents untouched, at the
-    background priority; stops at the first refusal (a kernel before 5.14)."""
+    background priority, the GIL released (:func:`deepfreeze._native.madvise`); stops at the first
+    refusal (a kernel before 5.14) or a closed mapping."""
     lower_thread()
     for mem in mems:
         try:
-            mem.madvise(_MADV_POPULATE_WRITE)
-        except (OSError, ValueError):
+            base = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+            for off in range(0, len(mem), _POPULATE_STEP):
+                madvise(base + off, min(_POPULATE_STEP, len(mem) - off), MADV_POPULATE_WRITE)
+        except (OSError, ValueError, TypeError):
             return
 
 
@@ -181,7 +186,7 @@ class BufferPool:
         self.buffers: list[np.ndarray] = [self._allocate() for _ in range(count)]
         self.grown = 0  #: buffers allocated beyond ``count`` because all were held
         self.populating: "threading.Thread | None" = None
-        if populate and not prefault and _MADV_POPULATE_WRITE is not None:
+        if populate and not prefault and available("madvise"):
             # the mappings, not the arrays: a reference to an array would make the pool see it held
             mems = [_mapping(b) for b in self.buffers[1:] + self.buffers[:1]]   # the first is being copied into now
             self.populating = threading.Thread(target=_populate, args=(mems,), daemon=True,
