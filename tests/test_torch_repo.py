@@ -401,6 +401,7 @@ def test_load_by_name_does_not_trace_and_loads_the_named_layers_bit_exact(repo):
     dst = Counted()
     head_before = recorded(dst)
     r = load_into(repo, "lm@n", dst, match="name")
+    r_all = r.loaded
     assert dst.calls == 0   # not traced
     assert sorted(r.loaded) == sorted(["embed", "pos"] + [f"blocks.{i}.{n}" for i in range(2) for n in
                                                          ("ln1", "attn.q", "attn.k", "attn.v", "attn.o", "ln2", "fc1", "fc2")])
@@ -423,6 +424,11 @@ def test_load_by_name_does_not_trace_and_loads_the_named_layers_bit_exact(repo):
                                                                 ("ln1", "attn.q", "attn.k", "attn.v", "attn.o", "ln2",
                                                                  "fc1", "fc2")])
     assert "embed" in r.skipped and "new_head" in r.skipped and r.missing == [] and part.calls == 0
+    whole = Counted()   # the module itself names every layer under it, as for the id match: the new head too
+    with pytest.raises(ModelMismatchError, match="not in 'lm@n' under their names: new_head"):
+        load_into(repo, "lm@n", whole, match="name", layers=[whole])
+    assert sorted(load_into(repo, "lm@n", whole, match="name", layers=[whole.embed, "pos", whole.blocks]).loaded) \
+        == sorted(r_all)
     for k, v in part.state_dict().items():
         chosen = k == "pos" or k.startswith(("blocks.1.", "blocks.0.fc1."))
         assert torch.equal(v, values[k] if chosen else before[k]), k

@@ -491,20 +491,23 @@ def store_model(repo: Any, name: str, module: torch.nn.Module, example_inputs: A
         tensors.clear()
 
 
-def _requested(mg: ModuleGraph, items: Iterable[Any]) -> set[int]:
-    """Layer keys of ``layers=`` items: qualified names or objects of layers (modules called
-    whole with state, parameters registered on a container) or of containers (every layer under
-    them). A module called whole without weights is accepted (it is skipped)."""
-    stateless = {q for q, k in mg.modules if k is None}
-    want: set[int] = set()
+def _requested(items: Iterable[Any], aliases: dict[str, Hashable], objects: dict[int, Hashable],
+               paths: dict[int, list[str]], stateless: set[str]) -> set[Hashable]:
+    """Layers of ``layers=`` items: qualified names or objects of layers (modules called whole
+    with state, parameters registered on a container) or of containers (every layer under them).
+    A module called whole without weights is accepted (it is skipped). ``aliases``: every name of a
+    layer -> the layer (a graph key, or its name for a load by name); ``objects``: ``id()`` of a
+    layer's module or a direct entry's tensor -> the layer; ``paths``: ``id()`` of every submodule
+    -> its qualified names; ``stateless``: names of modules called whole without weights."""
+    want: set[Hashable] = set()
 
-    def under(prefix: str) -> set[int]:
-        return {k for q, k in mg.aliases.items() if prefix == "" or q.startswith(prefix + ".")}
+    def under(prefix: str) -> set[Hashable]:
+        return {k for q, k in aliases.items() if prefix == "" or q.startswith(prefix + ".")}
 
     for item in items:
         if isinstance(item, str):
-            if item in mg.aliases:
-                want.add(mg.aliases[item])
+            if item in aliases:
+                want.add(aliases[item])
             elif item not in stateless:
                 ks = under(item) if item else set()
                 if not ks:
@@ -513,15 +516,15 @@ def _requested(mg: ModuleGraph, items: Iterable[Any]) -> set[int]:
                                              f"named_modules() and state_dict())")
                 want |= ks
         elif isinstance(item, (torch.nn.Module, torch.Tensor)):
-            k = mg.objects.get(id(item))
+            k = objects.get(id(item))
             if k is not None:
                 want.add(k)
                 continue
-            paths = mg.paths.get(id(item), []) if isinstance(item, torch.nn.Module) else []
-            ks = set().union(*(under(q) for q in paths)) if paths else set()
+            qs = paths.get(id(item), []) if isinstance(item, torch.nn.Module) else []
+            ks = set().union(*(under(q) for q in qs)) if qs else set()
             if ks:
                 want |= ks
-            elif not any(q in stateless for q in paths):
+            elif not any(q in stateless for q in qs):
                 raise ModelMismatchError(f"layers=: a {type(item).__name__} that is not a layer or a container of "
                                          f"layers of the module loaded into")
         else:
@@ -586,40 +589,6 @@ def _walk_layers(root: torch.nn.Module) -> _Layers:
     return out
 
 
-def _named_requested(lw: _Layers, items: Iterable[Any]) -> set[str]:
-    """Layer names of ``layers=`` items for a load by name: what :func:`_requested` accepts."""
-    want: set[str] = set()
-
-    def under(prefix: str) -> set[str]:
-        return {q for q in lw.tensors if q.startswith(prefix + ".")}
-
-    for item in items:
-        if isinstance(item, str):
-            if item in lw.tensors:
-                want.add(item)
-            elif item not in lw.stateless:
-                ks = under(item) if item else set()
-                if not ks:
-                    raise ModelMismatchError(f"layers=: the module has no layer or container named {item!r} (name "
-                                             f"modules and parameters by their qualified names, as in "
-                                             f"named_modules() and state_dict())")
-                want |= ks
-        elif isinstance(item, (torch.nn.Module, torch.Tensor)):
-            if id(item) in lw.objects:
-                want.add(lw.objects[id(item)])
-                continue
-            paths = lw.paths.get(id(item), []) if isinstance(item, torch.nn.Module) else []
-            ks = set().union(*(under(q) for q in paths)) if paths else set()
-            if ks:
-                want |= ks
-            elif not any(q in lw.stateless for q in paths):
-                raise ModelMismatchError(f"layers=: a {type(item).__name__} that is not a layer or a container of "
-                                         f"layers of the module loaded into")
-        else:
-            raise ConfigError(f"layers=: {item!r} is not a name, a module or a parameter")
-    return want
-
-
 def _load_by_name(repo: Any, name: str, module: torch.nn.Module, graph: dict[str, Any],
                   layers: Iterable[Any] | None, strict: bool) -> LoadReport:
     """``load_into(..., match="name")``: the module walked, not traced; each considered layer
@@ -628,7 +597,10 @@ def _load_by_name(repo: Any, name: str, module: torch.nn.Module, graph: dict[str
     if not isinstance(root, torch.nn.Module):
         raise RepositoryError(f"expected a torch.nn.Module, got {type(module).__name__}")
     lw = _walk_layers(root)
-    considered = set(lw.tensors) if layers is None else _named_requested(lw, layers)
+    aliases = {alias: q for obj, q in lw.objects.items() for alias in lw.paths.get(obj, [])}
+    aliases.update((q, q) for q in lw.tensors)   # every name of a layer, its first (the stored one) the key
+    considered = set(lw.tensors) if layers is None else \
+        _requested(layers, aliases, lw.objects, lw.paths, set(lw.stateless))
     by_name = {layer["name"]: layer for layer in graph["layers"] if "name" in layer}
     pairs = {q: by_name[q] for q in lw.tensors if q in considered and q in by_name and by_name[q]["tensors"]}
     meta = repo.layer_meta([layer["id"] for layer in pairs.values()]) if pairs else {}
@@ -713,12 +685,13 @@ def load_into(repo: Any, name: str, module: torch.nn.Module, layers: Iterable[An
     ids = [layer["id"] for layer in graph["layers"]]
     mg = module_graph(module, example_inputs)
     layer_set = set(mg.layer_keys)
-    considered = set(layer_set) if layers is None else _requested(mg, layers)
+    stateless = {q for q, k in mg.modules if k is None}
+    considered = set(layer_set) if layers is None else _requested(layers, mg.aliases, mg.objects, mg.paths, stateless)
     maps: dict[int, str] = {}
     for item, target in (mapping or {}).items():
         label = item if isinstance(item, str) else type(item).__name__
         sid = mapping_target(label, target, ids, set(stored))
-        for k in _requested(mg, [item]):
+        for k in _requested([item], mg.aliases, mg.objects, mg.paths, stateless):
             maps[k] = sid
     considered |= set(maps)
     source: dict[int, str] = {}
