@@ -106,6 +106,12 @@ _KNOWN_RUNS: dict[tuple, tuple[str, int, int | None]] = {}  # Level.committed_ru
 _KNOWN_MAX = 4096
 
 
+def _remember(key: tuple, run: tuple[str, int, int | None]) -> None:
+    if len(_KNOWN_RUNS) >= _KNOWN_MAX:
+        _KNOWN_RUNS.pop(next(iter(_KNOWN_RUNS)))
+    _KNOWN_RUNS[key] = run
+
+
 #: plan_of's memory: the JSON of (tensors, plan record, world size) -> the plan built and checked from it
 _PLANS: dict[str, ShardPlan] = {}
 _PLANS_MAX = 8
@@ -197,24 +203,33 @@ class Level(Tier):
         answer is remembered (site ``{kind}.manifest.known``) and no byte is read. Raises what
         :meth:`read_manifest` raises."""
         path = os.path.join(self.version_dir(name, version), MANIFEST)
-
-        def key() -> tuple | None:
-            try:
-                st = os.lstat(path)
-            except OSError:
-                return None
-            return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid) \
-                if stat.S_ISREG(st.st_mode) and st.st_uid in self.trusted else None
-        before = key()
+        before = self._manifest_key(path)
         if before is not None and before in _KNOWN_RUNS:
             counters.fs("stat", f"{self.kind}.manifest.known")
             return _KNOWN_RUNS[before]
         run = fmt.manifest_run(self.read_manifest(name, version))
-        if before is not None and key() == before:  # the file read is the one stat'ed
-            if len(_KNOWN_RUNS) >= _KNOWN_MAX:
-                _KNOWN_RUNS.pop(next(iter(_KNOWN_RUNS)))
-            _KNOWN_RUNS[before] = run
+        if before is not None and self._manifest_key(path) == before:  # the file read is the one stat'ed
+            _remember(before, run)
         return run
+
+    def remember_run(self, name: str, version: int, manifest: dict[str, Any]) -> None:
+        """Remember ``manifest``'s run for :meth:`committed_run` without reading it back: for the
+        committer, right after it wrote ``version``'s manifest itself (the file it just renamed into
+        place, under the version's ``commit.lock``), so retention's next look at it reads no byte."""
+        key = self._manifest_key(os.path.join(self.version_dir(name, version), MANIFEST))
+        if key is not None:
+            _remember(key, fmt.manifest_run(manifest))
+
+    def _manifest_key(self, path: str) -> tuple | None:
+        """What identifies a manifest file's content for :meth:`committed_run`: a regular file of a
+        trusted owner, by device, inode, size, modification and change times (a manifest is replaced
+        by a rename, never rewritten in place); None for anything else."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return None
+        return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_uid) \
+            if stat.S_ISREG(st.st_mode) and st.st_uid in self.trusted else None
 
     def makedirs(self, path: str) -> None:
         """Create ``path`` and every missing parent owner-only (0700) and check the existing ones

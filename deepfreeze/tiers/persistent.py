@@ -679,6 +679,7 @@ class PersistentLevel(Level):
                          committed=time.time())
             atomic_write(os.path.join(vdir, MANIFEST), fmt.encode_manifest(final), fsync=fsync,
                          point="persistent.manifest")
+            self.remember_run(name, version, final)   # retention's next look reads none of it back
             for n in done.values():
                 try:
                     cp.unlink(os.path.join(vdir, n), "persistent.cleanup.unlink")
