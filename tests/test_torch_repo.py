@@ -397,14 +397,15 @@ def test_load_by_name_does_not_trace_and_loads_the_named_layers_bit_exact(repo):
     values = recorded(src)
     store_model(repo, "lm@n", src)
     graph = repo.graph("lm@n")
-    assert {layer["name"] for layer in graph["layers"] if "name" in layer} >= {"embed", "pos", "blocks.0.attn.q", "head"}
+    names = {layer["name"] for layer in graph["layers"] if "name" in layer}
+    assert names >= {"embed", "pos", "blocks.0.attn.q", "head"}
     dst = Counted()
     head_before = recorded(dst)
     r = load_into(repo, "lm@n", dst, match="name")
     r_all = r.loaded
     assert dst.calls == 0   # not traced
-    assert sorted(r.loaded) == sorted(["embed", "pos"] + [f"blocks.{i}.{n}" for i in range(2) for n in
-                                                         ("ln1", "attn.q", "attn.k", "attn.v", "attn.o", "ln2", "fc1", "fc2")])
+    block = ("ln1", "attn.q", "attn.k", "attn.v", "attn.o", "ln2", "fc1", "fc2")
+    assert sorted(r.loaded) == sorted(["embed", "pos"] + [f"blocks.{i}.{n}" for i in range(2) for n in block])
     assert r.missing == ["new_head"] and "blocks.0.drop" in r.skipped and r.mapped == {}
     got = dst.state_dict()
     for k, v in got.items():

@@ -9,8 +9,9 @@ buffers; its weights are its ``state_dict()`` entries, in their order. A paramet
 registered directly on a container is a layer of its own (named by its FQN). Where fx cannot
 trace the module (data-dependent control flow), a documented structural fallback is used
 (:func:`module_graph`). A load matches layers by id, never by attribute name, or by an explicit
-``mapping=`` or ``match="shape"``. Guide: docs/torch-siblings.md ("Model repository") and
-docs/repository.md.
+``mapping=`` or ``match="shape"``; or, asked for with ``match="name"``, by the qualified names the
+stored graph records, without tracing the target (:func:`_walk_layers` finds its layers by the same
+rule). Guide: docs/torch-siblings.md ("Model repository") and docs/repository.md.
 """
 from __future__ import annotations
 
@@ -551,7 +552,8 @@ class _Layers:
 
 def _walk_layers(root: torch.nn.Module) -> _Layers:
     """:class:`_Layers` of ``root``: a module fx treats as a leaf when called (``_Tracer``; not a
-    ``ModuleList`` or ``ModuleDict``, which have no ``forward``) is one layer (all its state); a container's own parameters and persistent buffers are layers named by their
+    ``ModuleList`` or ``ModuleDict``, which have no ``forward``) is one layer (all its state); a
+    container's own parameters and persistent buffers are layers named by their
     FQNs; a module registered twice is walked once, under its first name (as the trace names it)."""
     out = _Layers()
     tracer = _Tracer()
