@@ -196,11 +196,6 @@ def _u8(arr: np.ndarray) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
-def _scratch(n: int) -> memoryview:
-    """A throw-away buffer of ``n`` (< 64) bytes for the padding between two tensors of one read."""
-    return memoryview(bytearray(n))
-
-
 _RA_DEFAULT = 8 << 20   # a readahead window to assume where the device does not say (a network file system)
 _RA_WINDOWS: dict[int, int] = {}
 
@@ -1113,6 +1108,7 @@ class EmbeddedRepository(Maintenance):
                 src = first.setdefault((p[0], p[1]), p[3])
                 (reads if src is p[3] else copies).append(p)
             runs = []
+            scratch = memoryview(bytearray(_GAP))  # where the padding between two tensors of a run is read to
             i = 0
             while i < len(reads):  # coalesce adjacent tensors (gaps < 64 bytes) into one run: one preadv
                 start = reads[i][0]
@@ -1122,7 +1118,7 @@ class EmbeddedRepository(Maintenance):
                 while j < len(reads) and 0 <= reads[j][0] - end < _GAP and len(iovs) < _IOV_MAX - 2 \
                         and end - start < 1 << 30:
                     if reads[j][0] > end:
-                        iovs.append(_scratch(reads[j][0] - end))
+                        iovs.append(scratch[:reads[j][0] - end])
                     iovs.append(_u8(reads[j][3]))
                     end = reads[j][0] + reads[j][1]
                     j += 1
