@@ -245,12 +245,17 @@ def _left(deadline: float) -> float:
     return left
 
 
+#: a message's JSON: compact, and no cycle check (messages are plain data this module builds): a
+#: 3,001-tensor flush job encodes in 4.4 ms instead of 6.3, in 11 % fewer bytes (issue 45, item 2)
+_ENCODE = json.JSONEncoder(separators=(",", ":"), check_circular=False).encode
+
+
 def _send(sock: socket.socket, obj: dict[str, Any], deadline: float | None = None) -> None:
     """Send one line; with ``deadline``, ``TimeoutError`` if the peer does not take it by then
     (without, the socket's own timeout applies)."""
     if deadline is not None:
         sock.settimeout(_left(deadline))
-    sock.sendall(json.dumps(obj).encode() + b"\n")
+    sock.sendall(_ENCODE(obj).encode() + b"\n")
 
 
 class _BadMessage(BackendError, ValueError):
