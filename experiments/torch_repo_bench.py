@@ -130,9 +130,10 @@ def partial_model(name: str, source):
 def _digest(tensors) -> str:
     """SHA-256 over the bytes of ``tensors`` (in order): what a load is checked bit-exact by."""
     import hashlib
+    import torch
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().reshape(-1).view(__import__("torch").uint8).numpy().tobytes())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -200,10 +200,9 @@ _RA_DEFAULT = 8 << 20   # a readahead window to assume where the device does not
 _RA_WINDOWS: dict[int, int] = {}
 
 
-def _readahead_window(fd: int) -> int:
-    """The kernel's largest readahead window for ``fd``'s device (its ``queue/read_ahead_kb``,
+def _readahead_window(dev: int) -> int:
+    """The kernel's largest readahead window for device ``dev`` (its ``queue/read_ahead_kb``,
     8 MiB on this machine's disk), cached per device; :data:`_RA_DEFAULT` where sysfs does not say."""
-    dev = os.fstat(fd).st_dev
     if dev not in _RA_WINDOWS:
         window = _RA_DEFAULT
         base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
@@ -233,11 +232,12 @@ def _read_runs(fd: int, runs: list[tuple[int, int, list[memoryview]]],
     bytes read."""
     if not runs or not hasattr(os, "posix_fadvise"):
         return sum(preadv_all(fd, iovs, start) for start, _end, iovs in runs)
-    size = os.fstat(fd).st_size
+    st = os.fstat(fd)
+    size = st.st_size
     exact = [(start, end) for start, end, _ in runs if size - end > (end - start) // 10]
     helper = None
     if exact:
-        window = _readahead_window(fd)
+        window = _readahead_window(st.st_dev)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         if sum(end - start for start, end in exact) > window:
             helper = threading.Thread(target=_willneed, args=(fd, exact, window), daemon=True,
@@ -246,12 +246,13 @@ def _read_runs(fd: int, runs: list[tuple[int, int, list[memoryview]]],
         else:
             _willneed(fd, exact, window)
     got = 0
+    streaming = not exact   # the descriptor's advice now: NORMAL (readahead on) or RANDOM
     try:
         for start, end, iovs in runs:
-            if size - end <= (end - start) // 10:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL)
-            elif exact:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            near_end = size - end <= (end - start) // 10
+            if near_end != streaming:   # advice changed only where a run needs the other one
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_NORMAL if near_end else os.POSIX_FADV_RANDOM)
+                streaming = near_end
             got += preadv_all(fd, iovs, start)
     finally:
         if helper is not None:
