@@ -28,15 +28,16 @@ backend serves root's ranks, not other users'. Requests::
                                             (once ``need`` of them (default all) are done, or after
                                             ``wait`` seconds (default 0, at most 30): never blocks longer)
 
-The protocol's version, :data:`PROTOCOL` (2; 1 was the version before ``hello`` carried it, whose
-job was an untyped dict), is part of the socket's name and of ``hello``: a client sends its own
+The protocol's version, :data:`PROTOCOL` (3; 2 carried a write-once job's CRCs as a list of
+``[tensor_id, start, crc]`` per piece; 1 was the version before ``hello`` carried it, whose job was
+an untyped dict), is part of the socket's name and of ``hello``: a client sends its own
 and the backend answers with its own (an answer without one is protocol 1). A backend of another
 version gets no flush job: the client closes the connection and, where it may start a backend (the
 engine's), starts its own on the same path (as for an unresponsive one: the other process is left
 running for the clients it has), else (``status``, ``stop``) raises
 :class:`~deepfreeze.errors.BackendError` naming both versions. Versions coexist on a node by the
-socket name: a backend of protocol 1 listens on ``backend-<key>.sock``, one of protocol 2 on
-``backend-<key>-p2.sock``, each serving the clients of its version until idle. The backend, for
+socket name: a backend of protocol 1 listens on ``backend-<key>.sock``, one of protocol N > 1 on
+``backend-<key>-pN.sock``, each serving the clients of its version until idle. The backend, for
 its part, refuses ``flush`` on a connection whose ``hello`` named another protocol (or none).
 
 The flush job (``job``) is a :class:`~deepfreeze.tiers.job.FlushJob`'s :meth:`encode`, rebuilt
@@ -52,7 +53,8 @@ answered ``{"ok": false}`` (the connection stays). Its fields (``?``: optional):
     watchdog_interval?: float (>= 0), t?: float (>= 0) | null, interval?: float (>= 0) | null,
     priority?: "low" | "normal", fsync?: bool,
     memtier?: {"device": abs path, "entry", "slot", "version", "run", "rank"} (a memory-tier slot) |
-    direct?: {"nonce": str, "has_crc": bool, "crcs": [[tensor_id, start, crc], ...]} (written once)
+    direct?: {"nonce": str, "has_crc": bool, "crc32": str (base64 of the rank's piece CRCs, uint32
+             little-endian, in plan order: deepfreeze.format.encode_crcs)} (written once)
 
 (the full table: :mod:`deepfreeze.tiers.job`). A job with neither ``memtier`` nor ``direct`` reads
 the rank's scratch file.
@@ -211,8 +213,8 @@ __all__ = ["PROTOCOL", "socket_path", "BackendClient", "BackendStart", "start_as
 log = logging.getLogger("deepfreeze.backend")
 #: the version of this protocol (the requests, their answers and the encoding of a
 #: :class:`~deepfreeze.tiers.job.FlushJob`): exchanged in ``hello``, part of the socket's name. 1: before
-#: ``hello`` carried it (the job an untyped dict); 2: the typed FlushJob
-PROTOCOL = 2
+#: ``hello`` carried it (the job an untyped dict); 2: the typed FlushJob; 3: write once's CRCs as one record
+PROTOCOL = 3
 _MAX_LINE = 256 << 20
 #: seconds a client waits for an answer by default (the engine uses INI ``backend_timeout``)
 DEFAULT_TIMEOUT = 60.0

@@ -80,8 +80,10 @@ tensors), signed and unsigned 8-64-bit integers, bool, complex64/128.
 Pieces. In a shard file each piece starts at a ``PIECE_ALIGN`` (64-byte) aligned offset. In the
 assembled file (``layout(..., contiguous_tensors=True)``) consecutive pieces of one tensor are
 packed back to back, so a whole tensor is one contiguous byte range (each tensor starts 64-byte
-aligned, and every piece lands with one positional write); it has exactly one index entry per
-piece of the plan and ``rank = 0``, ``world_size = 1`` in its header. One tensor or piece is read
+aligned, and every piece lands with one positional write); tensors split among ranks come first,
+then each rank's whole tensors together (``deepfreeze.tiers.shardbytes.assembled_order``: one
+write for a rank's small tensors); it has exactly one index entry per piece of the plan, in plan
+order (the offsets need not ascend: readers take them from the index), and ``rank = 0``, ``world_size = 1`` in its header. One tensor or piece is read
 alone with :func:`read_index` then :func:`read_entry` (``deepfreeze.load(..., tensors=[...])``).
 
 Manifest keys (``manifest.json``, built by ``build_manifest``, decoded by :func:`decode_manifest`
@@ -110,6 +112,8 @@ File names in a manifest are plain names, never paths.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import math
@@ -130,6 +134,7 @@ __all__ = [
     "read_index", "read_entry", "crc32", "crc32_bytes", "encode_manifest", "decode_manifest", "MAX_MANIFEST_BYTES",
     "manifest_run", "run_id_bytes", "manifest_size_limit", "parent_problem", "manifest_parent",
     "build_manifest", "ANONYMOUS_RUN", "json_hooks", "ITEMSIZE", "plan_items", "MAX_ENTRIES",
+    "encode_crcs", "decode_crcs", "crc_record_ok",
 ]
 
 MAGIC = b"DEEPFRZ\0"
@@ -213,6 +218,38 @@ def crc32_bytes(view: "memoryview | bytes", value: int = 0) -> int:
     """:func:`crc32` of a flat byte buffer (a ``"B"`` memoryview or bytes) as it is: no view
     conversion, for callers that checksum thousands of small pieces of one buffer."""
     return _crc32(view, value) & 0xFFFFFFFF
+
+
+#: a CRC record's text: base64 (standard alphabet, padded)
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}\Z")
+
+
+def encode_crcs(crcs: "Sequence[int] | np.ndarray") -> str:
+    """One rank's piece CRCs (in plan order) as one record: the base64 text of little-endian
+    uint32s. What write once hands the flush (the job's ``direct``) and what a done marker holds:
+    one string, decoded and checked once (:func:`decode_crcs`), not a JSON list per piece."""
+    return base64.b64encode(np.asarray(crcs, dtype="<u4").tobytes()).decode("ascii")
+
+
+def crc_record_ok(text: Any, max_count: int = MAX_ENTRIES) -> bool:
+    """Whether ``text`` has the shape of a CRC record (:func:`encode_crcs`) of at most
+    ``max_count`` CRCs; its count is checked against the plan by :func:`decode_crcs`."""
+    return (type(text) is str and len(text) % 4 == 0 and len(text) <= 4 * -(-4 * max_count // 3)
+            and _BASE64.match(text) is not None)
+
+
+def decode_crcs(text: Any, count: int) -> "np.ndarray | None":
+    """The ``count`` CRCs of a record (:func:`encode_crcs`) as a read-only uint32 array; None if
+    ``text`` is not a record of exactly ``count`` CRCs (the length is checked before decoding)."""
+    if type(text) is not str or len(text) != 4 * -(-4 * count // 3):
+        return None
+    try:
+        raw = binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError):
+        return None
+    if len(raw) != 4 * count:
+        return None
+    return np.frombuffer(raw, dtype="<u4")
 
 
 @dataclasses.dataclass(frozen=True)

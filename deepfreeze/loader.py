@@ -750,8 +750,10 @@ def _check_index(idx: fmt.ShardIndex, expected: list[tuple[int, int, int]], mani
 def _fill(f: Any, path: str, idx: fmt.ShardIndex, flats: list[np.ndarray | None], verify: bool,
           spans: "dict[int, tuple[int, int]] | None" = None) -> None:
     """Read the wanted elements of every entry: a whole piece with :func:`fmt.read_entry` (its
-    checksum checked), part of one (``spans``: rows) with one bounded read of just those bytes."""
-    for e in idx.entries:
+    checksum checked), part of one (``spans``: rows) with one bounded read of just those bytes.
+    In the order of the file's bytes (an assembled file lays a rank's whole tensors together, not
+    in index order: :func:`deepfreeze.tiers.shardbytes.assembled_order`), so the reads go forward."""
+    for e in sorted(idx.entries, key=lambda e: e.offset):
         out = flats[e.tensor_id]
         if out is None:
             continue

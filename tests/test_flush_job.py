@@ -53,7 +53,7 @@ DEEP: list = [0]
 for _ in range(40):
     DEEP = [DEEP]
 SLOT = SlotSource("/dev/shm/tier", 4, 1, 3, RUN, 1)
-DIRECT = {"nonce": "f" * 16, "has_crc": True, "crcs": [[0, 0, 123], [1, 8, 0]]}
+DIRECT = {"nonce": "f" * 16, "has_crc": True, "crc32": "ewAAAAAAAAA="}  # the CRCs [123, 0]
 
 
 @pytest.mark.parametrize("kind,spec", [(SCRATCH, None), ("memtier", SLOT), ("direct", DIRECT)])
@@ -110,7 +110,10 @@ def test_decode_refuses_keys_and_sources():
     _bad(dict(obj, memtier=dict(SLOT.to_job(), device="rel/path")), "memory-tier source")
     _bad(dict(obj, memtier=dict(SLOT.to_job(), device="/a\x00")), "memory-tier source")
     _bad(dict(obj, memtier=dict(SLOT.to_job(), x=1)), "memory-tier source")
-    _bad(dict(obj, direct=dict(DIRECT, crcs=[[0, 0, -1]])), "write-once record")
+    _bad(dict(obj, direct=dict(DIRECT, crc32=[[0, 0, 1]])), "write-once record")  # protocol 2's list
+    _bad(dict(obj, direct=dict(DIRECT, crc32="ewAAAAAAAAA")), "write-once record")  # not a multiple of 4
+    _bad(dict(obj, direct=dict(DIRECT, crc32="ewAA\nAAAAAAA=")), "write-once record")  # not the alphabet
+    _bad(dict(obj, direct={**DIRECT, "crcs": [[0, 0, 1]]}), "write-once record")  # an unknown key
     _bad(dict(obj, direct=dict(DIRECT, nonce="")), "write-once record")
     for hostile in (None, [], "job", 3, [obj]):
         _bad(hostile, "JSON object")

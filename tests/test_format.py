@@ -153,3 +153,20 @@ def test_bfloat16_round_trip(tmp_path):
         with open(path, "rb") as f:
             e = fmt.read_index(f).entries[0]
             assert fmt.read_entry(f, e).tobytes() == a.reshape(-1)[p.start:p.stop].tobytes()
+
+
+def test_crc_record_round_trip_and_refusals():
+    """A rank's piece CRCs travel and are kept as one base64 record, decoded and checked once:
+    exactly the count the plan gives, nothing else (a list, another count, a character outside the
+    alphabet, missing padding) is a record."""
+    from deepfreeze.format import crc_record_ok, decode_crcs, encode_crcs
+    crcs = [0, 1, 0xFFFFFFFF, 123456789, 77]
+    text = encode_crcs(crcs)
+    assert crc_record_ok(text) and decode_crcs(text, 5).tolist() == crcs
+    assert encode_crcs([]) == "" and decode_crcs("", 0).tolist() == []
+    assert decode_crcs(text, 4) is None and decode_crcs(text, 6) is None
+    assert decode_crcs([[0, 0, 1]], 1) is None and not crc_record_ok([[0, 0, 1]])
+    bad = text[:-2] + "!="
+    assert not crc_record_ok(bad) and decode_crcs(bad, 5) is None
+    assert not crc_record_ok(text[:-1]) and decode_crcs(text[:-1], 5) is None
+    assert not crc_record_ok(encode_crcs([1] * 10), max_count=9)

@@ -136,7 +136,10 @@ def test_flush_checks_the_write_once_record(tmp_path):
     job = {"name": "job", "version": 1, "rank": 0, "scratch": c.scratch, "persistent": c.persistent,
            "persistent_interval": 0, "keep_scratch": 0, "keep_persistent": 0,
            "manifest": build_manifest("job", 1, 1, 0, plan, ["n"])}
-    bad = dict(direct, crcs=direct["crcs"][:-1])
+    from deepfreeze.format import decode_crcs, encode_crcs
+    got = decode_crcs(direct["crc32"], len(plan.for_rank(0)))
+    assert got is not None
+    bad = dict(direct, crc32=encode_crcs(got[:-1]))  # one CRC short of the rank's pieces
     with pytest.raises(CheckpointWriteError, match="malformed write-once record"):
         flush_job(dict(job, direct=bad))
     with pytest.raises(CheckpointWriteError, match="nonce"):
@@ -250,3 +253,47 @@ def test_a_write_over_another_rank_is_refused_before_a_byte(tmp_path):
     assert "persistent" in deepfreeze.list_versions(c, "job")[2]
     for a, b in zip(load(c, "job", 2).arrays.values(), arrays):
         assert a.tobytes() == b.tobytes()
+
+
+class CountingRuns(PersistentLevel):
+    """Records how many runs (one write each, or a few for a run past 1 MiB) each rank's pieces took."""
+
+    runs: list = []
+
+    def direct_runs(self, entries, base, where, after):
+        out = super().direct_runs(entries, base, where, after)
+        CountingRuns.runs.append(len(out))
+        return out
+
+
+def test_a_ranks_small_tensors_go_out_in_one_run(tmp_path):
+    """Small tensors are whole on one rank each, alternating between the ranks (largest first to the
+    rank with the fewest bytes). The assembled file lays each rank's whole tensors together
+    (``assembled_order``), so write once writes a rank's 40 small tensors in one run (it was one a
+    tensor: the other rank's tensors lay between them), the index stays in plan order, and the
+    version restores bit-exact. The split tensor keeps its pieces back to back."""
+    from deepfreeze.shardplan import ShardPlan, TensorSpec
+    from deepfreeze.tiers.shardbytes import assembled_order
+    shapes = [(64, 300)] + [(7 + k % 5,) for k in range(80)]  # one split tensor (76.8 KB), 80 whole
+    tensors = [TensorSpec(i, f"t{i}", "float32", s) for i, s in enumerate(shapes)]
+    plan = ShardPlan.build(tensors, 2)
+    whole = [p for p in plan.pieces if p.tensor_id > 0]
+    assert {p.rank for p in whole} == {0, 1} and len(whole) == 80
+    c = cfg(tmp_path / "node0", tmp_path / "pfs")
+    CountingRuns.runs = []
+    engines = [Engine(c, "job", r, plan, persistent_cls=CountingRuns) for r in range(2)]
+    layouts = [FusedLayout.build(plan, r) for r in range(2)]
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    for r in range(2):
+        engines[r].checkpoint(1, FusedShard.from_arrays(layouts[r], pieces(arrays, plan, r), 1), step=1, epoch=0)
+    for e in engines:
+        e.close()
+    assert CountingRuns.runs == [2, 2], CountingRuns.runs  # the split tensor's piece, then the 40 whole ones
+    entries, _, _ = PersistentLevel(c.persistent).assembled_layout(plan)
+    assert [(e.tensor_id, e.start) for e in entries] == [(p.tensor_id, p.start) for p in plan.pieces]
+    order = assembled_order(plan)
+    assert [plan.pieces[i].tensor_id for i in order[:2]] == [0, 0]  # the split tensor first, contiguous
+    assert entries[order[1]].offset == entries[order[0]].offset + entries[order[0]].length
+    for a, b in zip(load(c, "job", 1).arrays.values(), arrays):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import format as fmt
 from ..config import Config
 from ..errors import CheckpointWriteError
 from ..fused import FusedShard
@@ -168,17 +169,14 @@ def write_version(config: Config, decided: Decided, name: str, version: int, ran
 
 
 def _direct_record(spec: Any, job: FlushJob) -> dict[str, Any]:
-    """The ``direct`` source kind's spec check: the write-once record's shape, bounded (its CRCs
-    against the plan and its nonce against the decision: :meth:`PersistentLevel._direct_crcs`)."""
-    crcs = spec.get("crcs") if isinstance(spec, dict) else None
-    if not (isinstance(spec, dict) and set(spec) == {"nonce", "has_crc", "crcs"} and isinstance(spec["nonce"], str)
-            and 0 < len(spec["nonce"]) <= 64 and type(spec["has_crc"]) is bool and isinstance(crcs, list)
-            and len(crcs) <= (1 << 24)
-            and all(type(c) is list and len(c) == 3 and all(type(x) is int and 0 <= x < (1 << 63) for x in c)
-                    for c in crcs)):
+    """The ``direct`` source kind's spec check: the write-once record's shape, bounded (its CRC
+    record's count against the plan and its nonce against the decision:
+    :meth:`PersistentLevel._direct_crcs`)."""
+    if not (isinstance(spec, dict) and set(spec) == {"nonce", "has_crc", "crc32"} and isinstance(spec["nonce"], str)
+            and 0 < len(spec["nonce"]) <= 64 and type(spec["has_crc"]) is bool and fmt.crc_record_ok(spec["crc32"])):
         raise CheckpointWriteError(errno.EINVAL, f"flush job of {job.name!r} v{job.version} rank {job.rank}: "
                                    f"malformed write-once record {str(spec)[:300]} (expected nonce, has_crc and "
-                                   "[tensor_id, start, crc] per piece)")
+                                   "crc32, the CRCs of the rank's pieces)")
     return spec
 
 

@@ -38,7 +38,8 @@ The source table. How a flush reads the shard depends on the tier that holds it:
 registers its source kind here (:func:`register`) from the module that defines it: ``scratch``
 (the default kind, no spec: the rank's shard file), ``memtier`` (a DONE slot of a memory-tier
 device; spec :class:`deepfreeze.tiers.memtier.SlotSource`), ``direct`` (written once into
-persistent's partial: no copy; spec the write-once record ``{"nonce", "has_crc", "crcs"}``).
+persistent's partial: no copy; spec the write-once record ``{"nonce", "has_crc", "crc32"}``, the
+rank's piece CRCs as one base64 record, :func:`deepfreeze.format.encode_crcs`).
 A kind's spec travels under the key named like the kind, a job names at most one; the flush looks
 the kind up (:func:`source`) and opens the shard with its ``open`` (none: nothing to copy).
 """

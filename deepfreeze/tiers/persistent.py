@@ -128,7 +128,7 @@ from .base import MANIFEST, Level, plan_of
 from .job import SCRATCH, source as job_source
 from .memtier import SlotSource
 from .scratch import _SCRATCH_FILE
-from .shardbytes import (Run, _assembled_offsets, _check_arrays, _check_fused, _check_runs, _copy_checked, _drop_cached,
+from .shardbytes import (Run, _assembled_offsets, assembled_order, _check_arrays, _check_fused, _check_runs, _copy_checked, _drop_cached,
                          _FdFile, _LAYOUT, _listdir, _read_regular, _start_writeback, _write_region, _write_runs,
                          piece_entries)
 
@@ -414,10 +414,17 @@ class PersistentLevel(Level):
 
     def assembled_layout(self, plan: ShardPlan) -> tuple[list[fmt.Entry], int, int]:
         """(entries, data offset, file size) of the version's assembled file (every piece, tensors
-        contiguous): kept for the last plan object asked (read-only: do not change the list)."""
+        contiguous; the entries in plan order, their offsets in :func:`assembled_order`'s): kept for
+        the last plan object asked (read-only: do not change the list)."""
         if _LAYOUT and _LAYOUT[0] is plan:
             return _LAYOUT[1]
-        out = fmt.layout(piece_entries(plan, plan.pieces), contiguous_tensors=True)
+        order = assembled_order(plan)
+        laid, data_offset, size = fmt.layout(piece_entries(plan, [plan.pieces[i] for i in order]),
+                                             contiguous_tensors=True)
+        entries: list = [None] * len(laid)
+        for i, e in zip(order, laid):
+            entries[i] = e
+        out = (entries, data_offset, size)
         _LAYOUT[:] = [plan, out, None]
         return out
 
@@ -429,7 +436,8 @@ class PersistentLevel(Level):
         the version's ``model.dfz.partial.<nonce>`` at their assembled offsets, each piece's CRC32
         computed on each chunk right before it is written (as a scratch write does), the write-back of
         every 8 MiB started at once. Nothing is fsynced, no marker published: the returned record (the
-        flush job's ``direct``: ``{"nonce", "has_crc", "crcs": [[tensor_id, start, crc], ...]}``)
+        flush job's ``direct``: ``{"nonce", "has_crc", "crc32"}``, the CRCs of the rank's pieces in
+        plan order as one record, :func:`deepfreeze.format.encode_crcs`)
         is handed to :meth:`flush_shard`, which makes the bytes durable and goes on with the commit
         protocol. ``decision`` is this run's ``flush`` decision of the version (:meth:`decide`).
         Raises OSError, ValueError (arrays do not match the plan)."""
@@ -463,14 +471,16 @@ class PersistentLevel(Level):
                     if pending >= shardbytes._WRITEBACK_BATCH:
                         _start_writeback(dst, lo, hi - lo)
                         lo, hi, pending = None, 0, 0
-                    crcs.append([e.tensor_id, e.start, crc])
+                    crcs.append(crc)
                     if k == 0:
                         cp.hit("persistent.direct.write")  # the first piece written, the others not yet
                 if lo is not None:
                     _start_writeback(dst, lo, hi - lo)
         finally:
             os.close(dst)
-        return {"nonce": decision["nonce"], "has_crc": bool(chksum), "crcs": crcs}
+        if len(crcs) != len(plan.for_rank(rank)):  # (the runs hold every piece of the rank, in plan order)
+            raise ValueError(f"{what}: {len(crcs)} CRCs for the {len(plan.for_rank(rank))} pieces of rank {rank}")
+        return {"nonce": decision["nonce"], "has_crc": bool(chksum), "crc32": fmt.encode_crcs(crcs)}
 
     def direct_runs(self, entries: Sequence[fmt.Entry], base: int, where: "dict[tuple[int, int], int]",
                     after: "dict[tuple[int, int], tuple[int, int] | None]") -> list[Run]:
@@ -501,23 +511,22 @@ class PersistentLevel(Level):
         return runs
 
     @staticmethod
-    def _direct_crcs(direct: Any, plan: ShardPlan, rank: int, nonce: str, what: str) -> tuple[bool, list]:
+    def _direct_crcs(direct: Any, plan: ShardPlan, rank: int, nonce: str, what: str) -> tuple[bool, str]:
         """Check a flush job's ``direct`` record (JSON that crossed a socket) against the plan's pieces
-        of ``rank`` and the version's nonce; return ``(has_crc, [[tensor_id, start, crc], ...])``."""
-        pieces = [(p.tensor_id, p.start) for p in plan.for_rank(rank)]
+        of ``rank`` (one CRC each: the record's length, decoded once) and the version's nonce; return
+        ``(has_crc, the CRC record)``."""
+        count = len(plan.for_rank(rank))
         ok = (isinstance(direct, dict) and isinstance(direct.get("has_crc"), bool)
-              and isinstance(direct.get("crcs"), list) and len(direct["crcs"]) == len(pieces)
-              and all(isinstance(c, list) and len(c) == 3 and all(type(x) is int for x in c)
-                      and (c[0], c[1]) == p and 0 <= c[2] < (1 << 32) for c, p in zip(direct["crcs"], pieces)))
+              and fmt.decode_crcs(direct.get("crc32"), count) is not None)
         if not ok:
             raise CheckpointWriteError(errno.EINVAL, f"{what}: malformed write-once record {str(direct)[:300]} "
-                                       "(expected nonce, has_crc and one [tensor_id, start, crc] per piece of the "
-                                       "rank): not committing it")
+                                       f"(expected nonce, has_crc and the CRCs of the rank's {count} pieces): "
+                                       "not committing it")
         if direct.get("nonce") != nonce:
             raise CheckpointWriteError(errno.ESTALE, f"{what}: its pieces were written into the partial of nonce "
                                        f"{str(direct.get('nonce'))[:20]}, but the version's decision now has nonce "
                                        f"{nonce} (retired and decided again): not committing it")
-        return direct["has_crc"], direct["crcs"]
+        return direct["has_crc"], direct["crc32"]
 
     def flush_shard(self, name: str, version: int, rank: int, shard_path: str | None,
                     manifest: dict[str, Any], *, fsync: bool = True, decision: dict[str, str] | None = None,
@@ -563,7 +572,7 @@ class PersistentLevel(Level):
                                        for p in plan.for_rank(rank)])
                 finally:
                     os.close(dst)
-            marker = {"rank": rank, "run": run, "nonce": nonce, "has_crc": has_crc, "crcs": crcs}
+            marker = {"rank": rank, "run": run, "nonce": nonce, "has_crc": has_crc, "crc32": crcs}
             atomic_write(os.path.join(vdir, f"done.r{rank:06d}.{nonce}.json"), json.dumps(marker).encode(),
                          fsync=fsync, point="persistent.marker")
         elif not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
@@ -586,13 +595,13 @@ class PersistentLevel(Level):
                     recheck()  # the source still holds what was read (a memory-tier slot not rewritten)
                     for e in idx.entries:
                         counters.record("offsets.persistent", [where[(e.tensor_id, e.start)].offset, e.length])
-                    crcs = [[e.tensor_id, e.start, c] for e, c in zip(idx.entries, got)]
+                    crcs = fmt.encode_crcs(got)  # (idx.entries are the rank's pieces in plan order: checked)
                     if fsync:
                         cp.fsync(dst, "persistent.partial.fsync")
                         _drop_cached(dst, [(where[(e.tensor_id, e.start)].offset, e.length) for e in idx.entries])
                 finally:
                     os.close(dst)
-            marker = {"rank": rank, "run": run, "nonce": nonce, "has_crc": idx.has_crc, "crcs": crcs}
+            marker = {"rank": rank, "run": run, "nonce": nonce, "has_crc": idx.has_crc, "crc32": crcs}
             atomic_write(os.path.join(vdir, f"done.r{rank:06d}.{nonce}.json"), json.dumps(marker).encode(),
                          fsync=fsync, point="persistent.marker")
         return self.critical(self._try_finalize, name, version, manifest, plan, layout, size, nonce, run,
@@ -626,27 +635,31 @@ class PersistentLevel(Level):
             d = read_decision(vdir)
             if d is None or d["nonce"] != nonce:
                 raise FencedError(f"{name!r} v{version}: the version was retired while this run flushed it")
-            crc: dict[tuple[int, int], int] = {}
+            ranks = np.fromiter((p.rank for p in plan.pieces), dtype=np.int64, count=len(plan.pieces))
+            crc = np.zeros(len(plan.pieces), dtype=np.uint32)  # in plan order: the layout's (the index's) order
             has_crc = True
             for r, n in done.items():
                 path = os.path.join(vdir, n)
                 counters.fs("open", "persistent.finalize.marker")
                 try:
                     marker = bounded_loads(_read_regular(path, _MAX_MARKER_BYTES), path, max_bytes=_MAX_MARKER_BYTES)
-                    ok = (isinstance(marker, dict) and marker.get("rank") == r and marker.get("run") == run
-                          and marker.get("nonce") == nonce and isinstance(marker.get("crcs"), list))
-                    if ok:
-                        has_crc &= bool(marker.get("has_crc"))
-                        for tid, start, c in marker["crcs"]:
-                            crc[(int(tid), int(start))] = int(c)
                 except (ValueError, TypeError, UnicodeDecodeError) as e:
                     raise CorruptCheckpointError(f"{path}: damaged done marker ({e})") from e
+                ok = (isinstance(marker, dict) and marker.get("rank") == r and marker.get("run") == run
+                      and marker.get("nonce") == nonce)
                 if not ok:
                     raise CorruptCheckpointError(f"{path}: done marker of another run, nonce or rank")
+                mine = ranks == r
+                got = fmt.decode_crcs(marker.get("crc32"), int(mine.sum()))
+                if got is None:
+                    raise CorruptCheckpointError(f"{path}: damaged done marker (not the CRCs of rank {r}'s "
+                                                 f"{int(mine.sum())} pieces)")
+                has_crc &= bool(marker.get("has_crc"))
+                crc[mine] = got
             assembled = os.path.join(vdir, ASSEMBLED)
             counters.fs("stat", "persistent.finalize.assembled")
             if not os.path.lexists(assembled):
-                crcs = [crc.get((e.tensor_id, e.start), 0) if has_crc else 0 for e in layout]
+                crcs = crc.tolist() if has_crc else [0] * len(layout)
                 data_offset = fmt.index_data_offset(layout)
                 head = fmt.encode_index(fmt.KIND_ASSEMBLED, 0, 1, version, layout, data_offset, size, has_crc,
                                         run, crcs)

@@ -30,7 +30,7 @@ from ..fsafe import read_small, replacing_file, write_all
 from ..fused import FusedShard
 from ..shardplan import ShardPlan
 
-__all__ = ["write_shard_file", "piece_entries"]
+__all__ = ["write_shard_file", "piece_entries", "assembled_order"]
 
 
 def piece_entries(plan: ShardPlan, pieces: Iterable) -> list[fmt.Entry]:
@@ -126,6 +126,25 @@ def _write_region(fd: int, data: Any, base: int, spans: Sequence[tuple[int, int]
     return crcs
 
 
+def assembled_order(plan: ShardPlan) -> list[int]:
+    """The order (indices into ``plan.pieces``) in which the assembled file lays out its pieces: first
+    every tensor split among ranks, its pieces back to back, in tensor order; then each rank's whole
+    tensors, rank by rank, in plan order. A rank's whole tensors (the small ones: biases, norms, an
+    MLP's 1000 layers, its state records) are then one contiguous range of the file, as they are one
+    of its fused buffer: write once writes them in one run, not one write each (between two of them
+    there lay the other ranks' tensors). The index keeps plan order and gives every offset, so a
+    reader of any DeepFreeze version reads the file as before."""
+    counts: dict[int, int] = {}
+    for p in plan.pieces:
+        counts[p.tensor_id] = counts.get(p.tensor_id, 0) + 1
+    split = [i for i, p in enumerate(plan.pieces) if counts[p.tensor_id] > 1]
+    whole: list[list[int]] = [[] for _ in range(plan.world_size)]
+    for i, p in enumerate(plan.pieces):
+        if counts[p.tensor_id] == 1:
+            whole[p.rank].append(i)
+    return split + [i for r in whole for i in r]
+
+
 #: the last plan object laid out: [plan, (entries, data offset, file size), its _Assembled or None]
 _LAYOUT: list = []
 
@@ -171,15 +190,15 @@ def _write_runs(fd: int, data: memoryview, base: int, runs: "Sequence[Run]", chk
     ``_CHUNK``, each piece's CRC32 taken chunk by chunk right before the write). One rank's pieces
     are a handful of runs: a handful of writes instead of one per piece (4000 for a 1000-layer MLP's
     AdamW state). The write-back of every ``_WRITEBACK_BATCH`` bytes is started at once.
-    Returns ``[[tensor_id, start, crc], ...]`` in the runs' piece order (crashpoint
-    ``persistent.direct.write`` after the first run)."""
-    crcs: list[list[int]] = []
+    Returns the pieces' CRCs in the runs' piece order (crashpoint ``persistent.direct.write``
+    after the first run)."""
+    crcs: list[int] = []
     lo: int | None = None  # the range written since the last write-back kick
     hi = pending = 0
     for k, (src, end, dst, run) in enumerate(runs):
         got = _write_region(fd, data[src:end], dst, [(e.offset - base - src, e.length) for e in run],
                             chksum, "bytes.persistent.data")
-        crcs.extend([e.tensor_id, e.start, c] for e, c in zip(run, got))
+        crcs.extend(got)
         lo, hi = (dst if lo is None else min(lo, dst)), max(hi, dst + end - src)
         pending += end - src
         if pending >= _WRITEBACK_BATCH:

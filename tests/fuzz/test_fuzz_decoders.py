@@ -973,7 +973,7 @@ def _flush_jobs(engine_ck) -> list[bytes]:
     jobs = [FlushJob(**common),
             FlushJob(**common, source=SlotSource.kind, spec=SlotSource("/dev/shm/t", 0, 1, 2, common["run"], 0)),
             FlushJob(**common, source="direct", spec={"nonce": "ab" * 8, "has_crc": True,
-                                                       "crcs": [[i, 0, 77] for i in range(3)]})]
+                                                       "crc32": "TQAAAE0AAABNAAAA"})]  # three CRCs of 77
     assert jobs[0].source == SCRATCH
     return [dumps({"op": "flush", "job": j.encode()}) for j in jobs]
 
