@@ -139,6 +139,7 @@ def test_a_connections_seen_manifest_parts_decide_as_a_walk_does():
     assert set(seen) == {"tensors", "version"} and seen["tensors"][1] == 1 + 50 * 6
     again = FlushJob.decode(wire({"tensors": tensors, "version": 2}), seen=seen)  # parsed anew: equal, not identical
     assert again.manifest["version"] == 2 and seen["version"][0] == 2
+    assert again.manifest["tensors"] is first.manifest["tensors"]  # the equal part: the last job's object
     bad_tensors = [dict(t) for t in tensors]
     bad_tensors[7]["shape"] = [3, 2 ** 64]
     deep = {"tensors": tensors, "version": 3, "x": DEEP}
@@ -161,6 +162,40 @@ def test_a_connections_seen_manifest_parts_decide_as_a_walk_does():
     assert "big" not in seen  # an entry holding a float beyond the integers' range is not kept
     with pytest.raises(CheckpointWriteError, match="integer outside"):
         FlushJob.decode(wire({"big": [2 ** 64]}), seen=seen)
+
+
+class CountingKey(json.JSONEncoder):
+    """plan_of's key encoder, counting the manifests it encodes."""
+
+    calls = 0
+
+    def encode(self, o):
+        CountingKey.calls += 1
+        return super().encode(o)
+
+
+def test_a_connections_jobs_find_their_plan_without_encoding_it(monkeypatch):
+    """The jobs of one connection share the manifest's constant parts (``seen``), so plan_of finds
+    the plan of the second and later jobs by identity, encoding nothing; a job whose tensors
+    changed gets its own plan (derived again, not the last one)."""
+    from deepfreeze.format import build_manifest
+    from deepfreeze.shardplan import ShardPlan, TensorSpec
+    from deepfreeze.tiers import base
+    monkeypatch.setattr(base, "_PLAN_KEY", CountingKey(separators=(",", ":")))
+    monkeypatch.setattr(base, "_LAST_PLAN", [])
+    monkeypatch.setattr(base, "_PLANS", {})
+    plan = ShardPlan.build([TensorSpec(i, f"t{i}", "float32", (4, 3)) for i in range(20)], 2)
+
+    def wire(version, plan=plan):
+        return json.loads(json.dumps(job(version=version, manifest=build_manifest("job", version, version, 0, plan,
+                                                                                  ["a", "b"])).encode()))
+    seen: dict = {}
+    plans = [base.plan_of(FlushJob.decode(wire(v), seen=seen).manifest) for v in (1, 2, 3)]
+    assert plans[0] is plans[1] is plans[2] and plans[0] == plan
+    assert CountingKey.calls == 1, CountingKey.calls  # the first job only
+    other = ShardPlan.build([TensorSpec(i, f"t{i}", "float32", (4, 5)) for i in range(20)], 2)
+    got = base.plan_of(FlushJob.decode(wire(4, other), seen=seen).manifest)
+    assert got == other and got != plan and CountingKey.calls == 2
 
 
 def test_the_source_table():

@@ -175,8 +175,10 @@ def json_object(v: Any, what: str, *, max_depth: int = _MAX_DEPTH, max_values: i
     same shape, keys and strings, and numbers of the same value (its values are counted as they
     were). The one pair of JSON values that compare equal and fall on either side of a bound, an
     integer and a float of the same value beyond the integers' range, cannot pass: an entry
-    holding such a float is not kept. On success ``seen`` holds ``v``'s entries (references, not
-    copies: one object's worth)."""
+    holding such a float is not kept. An entry equal to the last one is replaced in ``v`` by that
+    object (so one run's manifests share their constant parts, and
+    :func:`deepfreeze.tiers.base.plan_of` finds its plan by identity). On success ``seen`` holds
+    ``v``'s entries (references, not copies: one object's worth)."""
     if type(v) is not dict:
         raise bad(f"{what}: a JSON object expected, got {_show(v)}")
     count = 1
@@ -187,6 +189,7 @@ def json_object(v: Any, what: str, *, max_depth: int = _MAX_DEPTH, max_values: i
         before = seen.get(k) if seen is not None else None
         if before is not None and before[0] == entry:
             n, beyond = before[1], False
+            v[k] = entry = before[0]  # the last job's object: equal, and caches keyed by it hit (plan_of)
         else:
             n, beyond = _walk(entry, what, max_depth, max_values, max_values - count)
         count += n
