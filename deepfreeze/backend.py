@@ -29,7 +29,7 @@ backend serves root's ranks, not other users'. Requests::
                                             ``wait`` seconds (default 0, at most 30): never blocks longer)
 
 The protocol's version, :data:`PROTOCOL` (3; 2 carried a write-once job's CRCs as a list of
-``[tensor_id, start, crc]`` per piece; 1 was the version before ``hello`` carried it, whose job was
+``[tensor_id, start, crc]`` per piece and every job's whole manifest; 1 was the version before ``hello`` carried it, whose job was
 an untyped dict), is part of the socket's name and of ``hello``: a client sends its own
 and the backend answers with its own (an answer without one is protocol 1). A backend of another
 version gets no flush job: the client closes the connection and, where it may start a backend (the
@@ -54,7 +54,9 @@ answered ``{"ok": false}`` (the connection stays). Its fields (``?``: optional):
     priority?: "low" | "normal", fsync?: bool,
     memtier?: {"device": abs path, "entry", "slot", "version", "run", "rank"} (a memory-tier slot) |
     direct?: {"nonce": str, "has_crc": bool, "crc32": str (base64 of the rank's piece CRCs, uint32
-             little-endian, in plan order: deepfreeze.format.encode_crcs)} (written once)
+             little-endian, in plan order: deepfreeze.format.encode_crcs)} (written once),
+    manifest_same?: [str] (the manifest's keys equal to the last job this connection accepted:
+             taken from it, not sent; refused on a connection with none)
 
 (the full table: :mod:`deepfreeze.tiers.job`). A job with neither ``memtier`` nor ``direct`` reads
 the rank's scratch file.
@@ -213,7 +215,8 @@ __all__ = ["PROTOCOL", "socket_path", "BackendClient", "BackendStart", "start_as
 log = logging.getLogger("deepfreeze.backend")
 #: the version of this protocol (the requests, their answers and the encoding of a
 #: :class:`~deepfreeze.tiers.job.FlushJob`): exchanged in ``hello``, part of the socket's name. 1: before
-#: ``hello`` carried it (the job an untyped dict); 2: the typed FlushJob; 3: write once's CRCs as one record
+#: ``hello`` carried it (the job an untyped dict); 2: the typed FlushJob; 3: write once's CRCs as one
+#: record, a manifest's unchanged entries named (``manifest_same``), not sent again
 PROTOCOL = 3
 _MAX_LINE = 256 << 20
 #: seconds a client waits for an answer by default (the engine uses INI ``backend_timeout``)
@@ -417,6 +420,7 @@ class _Server:
         lines = _Lines(conn)
         protocol = None  # the client's, from its hello (1: a hello without it)
         seen: dict = {}  # the manifest parts this connection's last job had (FlushJob.decode's seen)
+        last: dict | None = None  # the manifest of the last job accepted here (FlushJob.decode's last)
         try:
             while True:
                 try:
@@ -438,7 +442,7 @@ class _Server:
                                      ": no flush job taken"})
                         continue
                     try:
-                        job = FlushJob.decode(req.get("job"), seen=seen)
+                        job = FlushJob.decode(req.get("job"), seen=seen, last=last)
                     except CheckpointWriteError as e:  # refused; the connection stays
                         _send(conn, {"ok": False, "error": str(e)[:2000]})
                         continue
@@ -460,6 +464,7 @@ class _Server:
                             if self.reserved.get(key[:2]) == key[2]:
                                 del self.reserved[key[:2]]
                     self.submit(jid, job)
+                    last = job.manifest
                     _send(conn, {"ok": True, "id": jid})
                 elif op == "memtier_put":  # this thread runs at the process's (normal) priority
                     _send(conn, self.memtier_put(req))
@@ -859,6 +864,8 @@ class BackendClient:
         self.answer_timeout = answer_timeout
         self._lock = threading.Lock()
         self._acks: list[int] = []  # done ids of the last answer, acknowledged with the next poll
+        self._flush_lock = threading.Lock()
+        self._sent: dict | None = None  # the manifest of the last job the backend accepted on this connection
         self.sock: socket.socket | None = None
         self.pid: int | None = None
         self.inode: int | None = None  # of the socket file this client connected through
@@ -1025,8 +1032,13 @@ class BackendClient:
         return self.request({"op": "memtier_put", **req}, timeout, check=False)
 
     def flush(self, job: FlushJob, timeout: float | None = None) -> int:
-        """Queue ``job``; its id."""
-        return self.request({"op": "flush", "job": job.encode()}, timeout)["id"]
+        """Queue ``job``; its id. The manifest's entries equal to those of the last job this
+        connection had accepted are named, not sent (:meth:`FlushJob.encode`'s ``last``: a run's
+        tensor list and plan go once per connection)."""
+        with self._flush_lock:
+            jid = self.request({"op": "flush", "job": job.encode(last=self._sent)}, timeout)["id"]
+            self._sent = job.manifest  # accepted (a refusal raised): the backend's last one too
+            return jid
 
     def poll(self, ids: list[int], wait: float = 0.0, need: int | None = None,
              timeout: float | None = None) -> tuple[list[int], list[str]]:

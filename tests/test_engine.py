@@ -383,3 +383,36 @@ def test_watchdog_reports_a_rank_that_stopped_checkpointing(tmp_path):
     e.close()
     with open(os.path.join(cfg.scratch, ".deepfreeze-backend.log")) as f:
         assert "watchdog: rank 0 of 'job'" in f.read()
+
+
+def test_a_connections_jobs_send_the_manifest_once(tmp_path):
+    """In async mode the backend gets a run's tensor list and plan with the first flush job of its
+    connection only: later jobs name the unchanged entries (``manifest_same``, backend protocol 3)
+    and the backend rebuilds them; every version commits a manifest equal to the engine's own and
+    restores bit-exact."""
+    from deepfreeze.tiers.base import plan_of
+    sent = []
+
+    class Recording(BackendClient):
+        def request(self, obj, timeout=None, *, check=True):
+            if obj.get("op") == "flush":
+                sent.append((sorted(obj["job"].get("manifest_same", [])), "tensors" in obj["job"]["manifest"]))
+            return super().request(obj, timeout, check=check)
+    plan = make_plan(1)
+    cfg = Config.load(None, mode="async", scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"))
+    e = Engine(cfg, "job", 0, plan)
+    e._backend.__class__ = Recording  # the engine's own connection, recording what it sends
+    for v in (1, 2, 3):
+        e.checkpoint(v, pieces(model_arrays(v), plan, 0), step=v, epoch=0)
+        e.wait()
+    e.close()
+    assert [s[1] for s in sent] == [True, False, False], sent
+    assert all("tensors" in same and "plan" in same and "version" not in same for same, _ in sent[1:]), sent
+    level = PersistentLevel(cfg.persistent)
+    assert level.committed_versions("job") == [1, 2, 3]
+    for v in (1, 2, 3):
+        m = level.read_manifest("job", v)
+        assert m["version"] == v and m["step"] == v and plan_of(m) == plan
+        ck = load(cfg, "job", v)
+        for a, b in zip(ck.arrays.values(), model_arrays(v)):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()

@@ -27,6 +27,7 @@ import pytest
 
 from deepfreeze import Config
 from deepfreeze.backend import PROTOCOL, BackendClient, socket_path
+import deepfreeze.tiers.flush as flush_job_module
 from deepfreeze.engine import Engine
 from deepfreeze.errors import BackendError, CheckpointWriteError
 from deepfreeze.tiers.flush import flush_job
@@ -196,6 +197,33 @@ def test_a_connections_jobs_find_their_plan_without_encoding_it(monkeypatch):
     other = ShardPlan.build([TensorSpec(i, f"t{i}", "float32", (4, 5)) for i in range(20)], 2)
     got = base.plan_of(FlushJob.decode(wire(4, other), seen=seen).manifest)
     assert got == other and got != plan and CountingKey.calls == 2
+
+
+def test_a_manifests_unchanged_entries_are_named_not_sent():
+    """encode(last=) names the manifest's entries equal to the last accepted manifest's
+    (``manifest_same``); decode(last=) rebuilds the very job. Refused: naming parts with no last
+    manifest, a key the last manifest lacks, a key also sent or named twice, not a list."""
+    def wire(obj):
+        return json.loads(json.dumps(obj))
+    tensors = [{"id": i, "name": f"l{i}.w", "shape": [3, i]} for i in range(50)]
+    first = job(manifest={"tensors": tensors, "version": 1, "plan": {"w": 2}})
+    second = job(version=2, manifest={"tensors": tensors, "version": 2, "plan": {"w": 2}})
+    enc = second.encode(last=first.manifest)
+    assert sorted(enc["manifest_same"]) == ["plan", "tensors"] and enc["manifest"] == {"version": 2}
+    got = FlushJob.decode(wire(enc), last=wire(first.encode())["manifest"])
+    assert got == second
+    assert second.encode(last=None) == second.encode() and "manifest_same" not in second.encode()
+    last = wire(first.encode())["manifest"]
+    for hostile, why in ((wire(enc), None), (dict(wire(enc), manifest_same=["nope"]), last),
+                         (dict(wire(enc), manifest_same=["version"]), last),
+                         (dict(wire(enc), manifest_same=["plan", "plan"]), last),
+                         (dict(wire(enc), manifest_same="plan"), last),
+                         (dict(wire(enc), manifest_same=[["plan"]]), last),
+                         (dict(wire(enc), manifest=[1]), last)):
+        with pytest.raises(CheckpointWriteError, match="manifest_same"):
+            FlushJob.decode(hostile, last=why)
+    with pytest.raises(CheckpointWriteError, match="manifest_same"):
+        flush_job_module.flush_job(wire(enc))  # sync mode's decode has no last manifest
 
 
 def test_the_source_table():

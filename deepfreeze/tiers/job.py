@@ -33,6 +33,9 @@ The encoding, a JSON object (``?``: may be left out, the default in brackets)::
     priority?           str    "low" or "normal" [low]
     fsync?              bool   [true]
     memtier? | direct?  object the source's spec, under its kind's name; none: the scratch file
+    manifest_same?      list   keys of the manifest taken from the last job the connection accepted
+                               (not sent again: FlushJob.encode/decode's ``last``); a job naming it
+                               on a connection with no job accepted yet is refused
 
 The source table. How a flush reads the shard depends on the tier that holds it: each tier
 registers its source kind here (:func:`register`) from the module that defines it: ``scratch``
@@ -305,22 +308,39 @@ class FlushJob:
         if (self.spec is None) != (kind.decode is None):
             raise bad(f"source {self.source!r}: " + ("a spec expected" if self.spec is None else "takes no spec"))
 
-    def encode(self) -> dict[str, Any]:
-        """The job as a JSON object (what :meth:`decode` reads back)."""
+    def encode(self, last: "dict[str, Any] | None" = None) -> dict[str, Any]:
+        """The job as a JSON object (what :meth:`decode` reads back). ``last``: the manifest of the
+        last job the same reader accepted (a backend connection's): the entries of the manifest
+        equal to its entries are named in ``manifest_same`` instead of sent again (a run's
+        tensors and plan, hundreds of kilobytes with thousands of tensors, go once per
+        connection); :meth:`decode` with the same ``last`` rebuilds the manifest."""
         obj = {f: getattr(self, f) for f in _FIELDS}
+        if last is not None:
+            m = self.manifest
+            same = [k for k, v in m.items() if k in last and (last[k] is v or last[k] == v)]
+            if same:
+                kept = set(same)
+                obj["manifest"] = {k: v for k, v in m.items() if k not in kept}
+                obj["manifest_same"] = same
         if self.spec is not None:
             obj[self.source] = source(self.source).encode(self.spec)
         return obj
 
     @classmethod
-    def decode(cls, obj: Any, *, seen: "dict[str, tuple[Any, int]] | None" = None) -> "FlushJob":
+    def decode(cls, obj: Any, *, seen: "dict[str, tuple[Any, int]] | None" = None,
+               last: "dict[str, Any] | None" = None) -> "FlushJob":
         """The job ``obj`` (JSON that crossed a socket: nothing trusted) encodes; every field
         checked, unknown and missing keys refused. Raises only :class:`CheckpointWriteError`.
         ``seen``: for ``obj`` parsed from JSON, a dict the caller keeps for the jobs of one
         connection: the parts of the manifest equal to the last one's are not walked again
-        (:func:`json_object`; the same answer, a fraction of the time)."""
+        (:func:`json_object`; the same answer, a fraction of the time). ``last``: the manifest of
+        the last job accepted on the connection (:meth:`encode`'s ``last``): a job naming
+        ``manifest_same`` takes those entries from it (each a key of ``last`` and not sent again);
+        without ``last`` such a job is refused."""
         if not isinstance(obj, Mapping):
             raise bad(f"a JSON object expected, got {_show(obj)}")
+        if "manifest_same" in obj:
+            obj = _rebuild(obj, last)
         keys = set(obj)
         kinds = [k for k in keys if isinstance(k, str) and k in _SOURCES and _SOURCES[k].decode is not None]
         unknown = keys - set(_FIELDS) - set(kinds)
@@ -341,6 +361,26 @@ class FlushJob:
         kind = source(kinds[0])
         spec = kind.decode(obj[kind.kind], job)
         return dataclasses.replace(job, source=kind.kind, spec=spec)
+
+
+def _rebuild(obj: Mapping, last: "dict[str, Any] | None") -> dict[str, Any]:
+    """``obj`` with its manifest whole again: the entries ``manifest_same`` names taken from
+    ``last`` (the connection's last accepted manifest). Refused: no ``last``, a name that is not a
+    string key of ``last``, a name twice or also sent, a manifest that is not an object."""
+    same, sent = obj["manifest_same"], obj.get("manifest")
+    if last is None:
+        raise bad("manifest_same names parts of an earlier manifest, but no job was accepted on this connection "
+                  "before: send the whole manifest")
+    if type(same) is not list or len(same) > len(last) or type(sent) is not dict:
+        raise bad(f"manifest_same: a list of at most {len(last)} keys and a manifest object expected")
+    names = set()
+    for k in same:
+        if type(k) is not str or k not in last or k in sent or k in names:
+            raise bad(f"manifest_same: {_show(k)} is not a key of the last manifest, or it is sent or named twice")
+        names.add(k)
+    out = {k: v for k, v in obj.items() if k != "manifest_same"}
+    out["manifest"] = {**{k: last[k] for k in same}, **sent}
+    return out
 
 
 #: the fields that travel as themselves (the source travels as its spec, under its kind's key)
