@@ -126,7 +126,10 @@ def capture_rows(cap: dict | None) -> list[str]:
                                                                      else None)
         out.append(f"| capture ({r['kind']}), {r['app']} x{r['ranks']} ({r['pieces']} pieces, "
                    f"{r['bytes'] / 1e6:.0f} MB) | <= 1.5x memcpy | {ms(r['capture_s'])} vs {ms(r['memcpy_s'])}: "
-                   f"{r['ratio']:.2f}x ± {r.get('ratio_se', 0):.2f} | "
+                   f"{r['ratio']:.2f}x ± {r.get('ratio_se', 0):.2f}"
+                   + (f"; into {cap.get('max_inflight', 2) + 1} buffers in turn {ms(r['memcpy_rotating_s'])}: "
+                      f"{r['ratio_rotating']:.2f}x ± {r['ratio_rotating_se']:.2f}" if "ratio_rotating" in r else "")
+                   + " | "
                    f"{verdict(ok) if r['kind'] == 'native' or len(cap['runs']) == 1 else 'reported (fallback)'} |")
     return out
 
