@@ -171,7 +171,7 @@ def write_version(config: Config, decided: Decided, name: str, version: int, ran
 def _direct_record(spec: Any, job: FlushJob) -> dict[str, Any]:
     """The ``direct`` source kind's spec check: the write-once record's shape, bounded (its CRC
     record's count against the plan and its nonce against the decision:
-    :meth:`PersistentLevel._direct_crcs`)."""
+    :func:`deepfreeze.tiers.shardbytes.direct_crcs`)."""
     if not (isinstance(spec, dict) and set(spec) == {"nonce", "has_crc", "crc32"} and isinstance(spec["nonce"], str)
             and 0 < len(spec["nonce"]) <= 64 and type(spec["has_crc"]) is bool and fmt.crc_record_ok(spec["crc32"])):
         raise CheckpointWriteError(errno.EINVAL, f"flush job of {job.name!r} v{job.version} rank {job.rank}: "

@@ -128,7 +128,7 @@ from .base import MANIFEST, Level, plan_of
 from .job import SCRATCH, source as job_source
 from .memtier import SlotSource
 from .scratch import _SCRATCH_FILE
-from .shardbytes import (Run, _assembled_offsets, assembled_order, _check_arrays, _check_fused, _check_runs, _copy_checked, _drop_cached,
+from .shardbytes import (Run, _assembled_offsets, assembled_order, direct_crcs, _check_arrays, _check_fused, _check_runs, _copy_checked, _drop_cached,
                          _FdFile, _LAYOUT, _listdir, _read_regular, _start_writeback, _write_region, _write_runs,
                          piece_entries)
 
@@ -510,24 +510,6 @@ class PersistentLevel(Level):
             i = j
         return runs
 
-    @staticmethod
-    def _direct_crcs(direct: Any, plan: ShardPlan, rank: int, nonce: str, what: str) -> tuple[bool, str]:
-        """Check a flush job's ``direct`` record (JSON that crossed a socket) against the plan's pieces
-        of ``rank`` (one CRC each: the record's length, decoded once) and the version's nonce; return
-        ``(has_crc, the CRC record)``."""
-        count = len(plan.for_rank(rank))
-        ok = (isinstance(direct, dict) and isinstance(direct.get("has_crc"), bool)
-              and fmt.decode_crcs(direct.get("crc32"), count) is not None)
-        if not ok:
-            raise CheckpointWriteError(errno.EINVAL, f"{what}: malformed write-once record {str(direct)[:300]} "
-                                       f"(expected nonce, has_crc and the CRCs of the rank's {count} pieces): "
-                                       "not committing it")
-        if direct.get("nonce") != nonce:
-            raise CheckpointWriteError(errno.ESTALE, f"{what}: its pieces were written into the partial of nonce "
-                                       f"{str(direct.get('nonce'))[:20]}, but the version's decision now has nonce "
-                                       f"{nonce} (retired and decided again): not committing it")
-        return direct["has_crc"], direct["crc32"]
-
     def flush_shard(self, name: str, version: int, rank: int, shard_path: str | None,
                     manifest: dict[str, Any], *, fsync: bool = True, decision: dict[str, str] | None = None,
                     stale_after: float = 60.0, source: "SlotSource | None" = None,
@@ -556,7 +538,7 @@ class PersistentLevel(Level):
         layout, _, size = self.assembled_layout(plan)
         counters.fs("stat", "persistent.flush.assembled")
         if direct is not None and not os.path.lexists(os.path.join(vdir, ASSEMBLED)):
-            has_crc, crcs = self._direct_crcs(direct, plan, rank, nonce, f"{name!r} v{version} rank {rank}")
+            has_crc, crcs = direct_crcs(direct, len(plan.for_rank(rank)), nonce, f"{name!r} v{version} rank {rank}")
             if fsync:
                 where = {(e.tensor_id, e.start): e for e in layout}
                 counters.fs("open", "persistent.partial.open")

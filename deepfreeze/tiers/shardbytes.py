@@ -30,7 +30,7 @@ from ..fsafe import read_small, replacing_file, write_all
 from ..fused import FusedShard
 from ..shardplan import ShardPlan
 
-__all__ = ["write_shard_file", "piece_entries", "assembled_order"]
+__all__ = ["write_shard_file", "piece_entries", "assembled_order", "direct_crcs"]
 
 
 def piece_entries(plan: ShardPlan, pieces: Iterable) -> list[fmt.Entry]:
@@ -244,6 +244,24 @@ def _check_runs(runs: "Sequence[Run]", base: int, at: _Assembled, plan: ShardPla
                                            f"would cover {piece(key)} of rank {at.owner[key]}, whose bytes would then "
                                            "not match the CRC recorded for them: not committing the version")
             i += 1
+
+
+def direct_crcs(direct: Any, count: int, nonce: str, what: str) -> tuple[bool, str]:
+    """Check a flush job's ``direct`` record (write once's: JSON that crossed a socket) against the
+    ``count`` pieces of its rank (one CRC each: the record's length, decoded once) and the
+    version's nonce; return ``(has_crc, the CRC record)``. Else :class:`CheckpointWriteError`
+    naming the version and rank (``what``)."""
+    ok = (isinstance(direct, dict) and isinstance(direct.get("has_crc"), bool)
+          and fmt.decode_crcs(direct.get("crc32"), count) is not None)
+    if not ok:
+        raise CheckpointWriteError(errno.EINVAL, f"{what}: malformed write-once record {str(direct)[:300]} "
+                                   f"(expected nonce, has_crc and the CRCs of the rank's {count} pieces): "
+                                   "not committing it")
+    if direct.get("nonce") != nonce:
+        raise CheckpointWriteError(errno.ESTALE, f"{what}: its pieces were written into the partial of nonce "
+                                   f"{str(direct.get('nonce'))[:20]}, but the version's decision now has nonce "
+                                   f"{nonce} (retired and decided again): not committing it")
+    return direct["has_crc"], direct["crc32"]
 
 
 def _listdir(path: str) -> list[str]:
