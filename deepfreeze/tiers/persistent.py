@@ -618,6 +618,8 @@ class PersistentLevel(Level):
             if d is None or d["nonce"] != nonce:
                 raise FencedError(f"{name!r} v{version}: the version was retired while this run flushed it")
             ranks = np.fromiter((p.rank for p in plan.pieces), dtype=np.int64, count=len(plan.pieces))
+            by_rank = np.argsort(ranks, kind="stable")  # each rank's pieces' places, in plan order
+            ends = np.cumsum(np.bincount(ranks, minlength=plan.world_size))
             crc = np.zeros(len(plan.pieces), dtype=np.uint32)  # in plan order: the layout's (the index's) order
             has_crc = True
             for r, n in done.items():
@@ -631,11 +633,11 @@ class PersistentLevel(Level):
                       and marker.get("nonce") == nonce)
                 if not ok:
                     raise CorruptCheckpointError(f"{path}: done marker of another run, nonce or rank")
-                mine = ranks == r
-                got = fmt.decode_crcs(marker.get("crc32"), int(mine.sum()))
+                mine = by_rank[(ends[r - 1] if r else 0):ends[r]]
+                got = fmt.decode_crcs(marker.get("crc32"), len(mine))
                 if got is None:
                     raise CorruptCheckpointError(f"{path}: damaged done marker (not the CRCs of rank {r}'s "
-                                                 f"{int(mine.sum())} pieces)")
+                                                 f"{len(mine)} pieces)")
                 has_crc &= bool(marker.get("has_crc"))
                 crc[mine] = got
             assembled = os.path.join(vdir, ASSEMBLED)
