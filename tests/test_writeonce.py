@@ -297,3 +297,38 @@ def test_a_ranks_small_tensors_go_out_in_one_run(tmp_path):
     assert entries[order[1]].offset == entries[order[0]].offset + entries[order[0]].length
     for a, b in zip(load(c, "job", 1).arrays.values(), arrays):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_a_done_marker_with_a_damaged_crc_record_commits_nothing(tmp_path):
+    """The finalize reads each rank's done marker: a CRC record one CRC short of its rank's pieces
+    (or not base64) is a CorruptCheckpointError naming the marker, and the version is not committed;
+    the intact markers commit it bit-exact."""
+    import json
+    from deepfreeze.errors import CorruptCheckpointError
+    from deepfreeze.format import build_manifest, decode_crcs, encode_crcs
+    plan = make_plan(2)
+    c = cfg(tmp_path / "s", tmp_path / "p", write_once="on")
+    level = PersistentLevel(c.persistent)
+    d = level.decide("job", 1, 0)
+    arrays = model_arrays(1)
+    job = {"name": "job", "version": 1, "scratch": c.scratch, "persistent": c.persistent,
+           "persistent_interval": 0, "keep_scratch": 0, "keep_persistent": 0,
+           "manifest": build_manifest("job", 1, 1, 0, plan, ["a", "b"])}
+    direct = [level.write_direct("job", 1, r, plan, pieces(arrays, plan, r), d, chksum=True) for r in range(2)]
+    assert not flush_job(dict(job, rank=0, direct=direct[0]))["committed"]
+    vdir = level.version_dir("job", 1)
+    (marker,) = [os.path.join(vdir, f) for f in os.listdir(vdir) if f.startswith("done.r000000.")]
+    with open(marker) as f:
+        good = json.load(f)
+    crcs = decode_crcs(good["crc32"], len(plan.for_rank(0)))
+    for bad in (encode_crcs(crcs[:-1]), good["crc32"][:-4] + "!!!!", [[0, 0, 1]]):
+        with open(marker, "w") as f:
+            json.dump(dict(good, crc32=bad), f)
+        with pytest.raises(CorruptCheckpointError, match="damaged done marker"):
+            flush_job(dict(job, rank=1, direct=direct[1]))
+        assert level.committed_versions("job") == []
+    with open(marker, "w") as f:
+        json.dump(good, f)
+    assert flush_job(dict(job, rank=1, direct=direct[1]))["committed"]
+    for a, b in zip(load(c, "job", 1).arrays.values(), arrays):
+        assert a.tobytes() == b.tobytes()
