@@ -58,6 +58,7 @@ from ..errors import AuthenticationError, CloneError, CloneTimeoutError, ConfigE
 from ..format import dtype_itemsize
 from ..shardplan import TensorSpec
 from .plan import PLAN_VERSION, ClonePlan, Route, first_difference
+from .relay import MAX_FWD_HEADER, Forwarder, check_forward, check_peer_hello
 
 __all__ = ["MAX_RECORD", "MAX_RANKS", "check_request", "check_hello", "check_data", "plan_from", "request",
            "RequestServer", "Request", "CloneListener", "Sender"]
@@ -248,22 +249,55 @@ class RequestServer:
 
 # ----------------------------------------------------------------------------- the clone side
 
+def _buffers_for(plan: ClonePlan, targets: "Mapping[int, np.ndarray] | None") -> dict[int, np.ndarray]:
+    """Where each tensor's bytes land: the adapter's ``targets`` (tensor id -> a writable,
+    contiguous, one-dimensional uint8 array of exactly the tensor's bytes), else a new flat buffer."""
+    out = {}
+    for t in plan.tensors:
+        n = t.size * dtype_itemsize(t.dtype)
+        b = None if targets is None else targets.get(t.id)
+        if b is None:
+            b = np.empty(n, np.uint8)
+        elif not (isinstance(b, np.ndarray) and b.dtype == np.uint8 and b.ndim == 1 and b.nbytes == n
+                  and b.flags.c_contiguous and b.flags.writeable):
+            raise CloneError(f"the buffer given for tensor {t.name[:200]!r} is not {n} writable contiguous bytes")
+        out[t.id] = b
+    return out
+
+
 class CloneListener:
-    """A clone rank's listener and receiver: the source ranks connect to :attr:`address`.
+    """A clone rank's listener and receiver: the source ranks connect to :attr:`address` (and,
+    with ``peers``, the other clone ranks: :mod:`deepfreeze.clone.relay`).
 
     :meth:`receive` serves one connection per source rank (a thread each): hello, data into the
-    flat buffers, record, done. ``accept`` (the adapter's check of the first plan against its own
-    model: raise :class:`ModelMismatchError`) runs once. :meth:`finish` answers every source rank."""
+    tensors' buffers, record, done. ``accept`` (the adapter's check of the first plan against
+    its own model: raise :class:`ModelMismatchError`) runs once, before any data; it may return
+    the buffers the data lands in (tensor id -> the tensor's flat bytes, writable uint8: the
+    adapter's final tensors), else flat buffers are allocated (:attr:`buffers`). With ``peers``
+    (every clone rank's address, this job's size > 1) each route is forwarded to every other
+    clone rank as it lands (``forwarder_cls``, a :class:`~deepfreeze.clone.relay.Forwarder`),
+    and the others' forwards are received the same way: :meth:`receive` returns when this rank
+    holds every tensor whole. :meth:`finish` answers every source rank."""
+
+    #: (class defaults: a listener made without ``__init__``, as the decoders' fuzz test does, forwards nothing)
+    _peers: "Sequence[str]" = ()
+    _planned: "threading.Event | None" = None
+    _forwarders: "dict[int, Forwarder]" = {}
+    targets_given = False
 
     def __init__(self, rank: int, token: str, *, host: str = "127.0.0.1", allow_remote: bool = False,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, forwarder_cls: type = Forwarder) -> None:
         self.rank, self.timeout = rank, float(timeout)
+        self._token, self.forwarder_cls = token, forwarder_cls
         self._sock = net.listen(host, 0, allow_remote=allow_remote)
         self.address = net.format_address(host, self._sock.getsockname()[1])
         self._q: "queue.Queue[net.Channel]" = queue.Queue()
         self._acceptor = net.Acceptor(self._sock, token, self._q.put, name=f"deepfreeze-clone-r{rank}", log=log)
         self._lock = threading.Lock()
         self._channels: dict[int, net.Channel] = {}
+        self._peer_channels: dict[int, net.Channel] = {}
+        self._planned = threading.Event()  # set once a plan was accepted or refused
+        self._forwarders = {}
         self.plan: ClonePlan | None = None
         self.digest = ""
         self.describe: dict = {}
@@ -272,44 +306,73 @@ class CloneListener:
         self.records: dict[int, bytes] = {}
         self._refused: ModelMismatchError | None = None  # the first plan refused: the answer to every hello
         self._left: dict[int, int] = {}  # source rank (hello accepted) -> its routes not received yet
-        self.bytes_received = 0
+        self._peer_left: dict[int, int] = {}  # clone rank (peer hello accepted) -> its forwards not received yet
+        self.bytes_received = 0  #: payload bytes received from the source ranks
+        self.bytes_relayed = 0  #: payload bytes received from the other clone ranks (their forwards)
         self.first_data_at: float | None = None
 
-    def receive(self, n_src: int, accept: Callable[[ClonePlan, dict], None]) -> None:
-        """Every route of this rank from each of the ``n_src`` source ranks, and their records.
-        Raises :class:`CloneTimeoutError` (:meth:`_timeout_error`) naming, of the source ranks
-        whose sends did not complete within ``timeout``, those that did not send every route and
-        those whose routes all arrived but not their record and end; :class:`CloneError` naming
-        one that failed or died; :class:`ModelMismatchError`."""
+    @property
+    def bytes_forwarded(self) -> int:
+        """Payload bytes this rank forwarded to the other clone ranks."""
+        return sum(f.bytes_sent for f in self._forwarders.values())
+
+    def receive(self, n_src: int, accept: "Callable[[ClonePlan, dict], Mapping[int, np.ndarray] | None]", *,
+                peers: "Sequence[str] | None" = None) -> None:
+        """Every route of this rank from each of the ``n_src`` source ranks, and their records;
+        with ``peers`` (every clone rank's address, in rank order) also every other clone rank's
+        routes, forwarded as they land (and this rank's forwarded to them). Raises
+        :class:`CloneTimeoutError` (:meth:`_timeout_error`) naming, of the source ranks whose
+        sends did not complete within ``timeout``, those that did not send every route and
+        those whose routes all arrived but not their record and end, and the clone ranks whose
+        forwards did not complete; :class:`CloneError` naming a source or clone rank that failed
+        or died; :class:`ModelMismatchError`."""
         deadline = time.monotonic() + self.timeout
+        self._peers = list(peers) if peers is not None and len(peers) > 1 else ()
+        n_peer = max(0, len(self._peers) - 1)
         done: set[int] = set()
-        pool = concurrent.futures.ThreadPoolExecutor(max(1, n_src), thread_name_prefix=f"deepfreeze-clone-in{self.rank}")
+        peers_done: set[int] = set()
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, n_src + 2 * n_peer),
+                                                     thread_name_prefix=f"deepfreeze-clone-in{self.rank}")
         futures: dict[concurrent.futures.Future, str] = {}
+        started = False
         try:
             refused: ModelMismatchError | None = None
-            while len(done) < n_src:
+            while True:
                 for f in [f for f in futures if f.done()]:
-                    del futures[f]
+                    kind = futures.pop(f)
                     try:
-                        done.add(f.result())  # raises the connection's error
+                        got = f.result()  # raises the connection's error
                     except ModelMismatchError as e:  # every source rank gets the answer (a bounded wait)
+                        if kind != "source":
+                            raise
                         refused = refused or e
                         done.add(len(done) + n_src)
                         deadline = min(deadline, time.monotonic() + min(5.0, self.timeout))
+                        continue
                     except CloneTimeoutError as e:  # a connection's wait ended at the deadline: say it for all
                         raise (self._timeout_error(n_src) or e) from e
-                if len(done) >= n_src or (refused is not None and time.monotonic() > deadline):
+                    if isinstance(got, tuple):
+                        peers_done.add(got[0] * 2 + (got[1] == "fwd"))
+                    else:
+                        done.add(got)
+                if refused is not None and (len(done) >= n_src or time.monotonic() > deadline):
                     break
+                if len(done) >= n_src and len(peers_done) >= 2 * n_peer:
+                    break
+                if not started and self._forwarders:  # the plan is here: forward what lands (queued until then)
+                    started = True
+                    for k, fw in self._forwarders.items():
+                        futures[pool.submit(self._forward, fw, deadline)] = "forward"
                 if time.monotonic() > deadline:
                     err = self._timeout_error(n_src)
                     if err is not None:
                         raise err
-                    continue  # every source rank finished just now: their connections end on the next pass
+                    continue  # every rank finished just now: their connections end on the next pass
                 try:
                     ch = self._q.get(timeout=0.01)
                 except queue.Empty:
                     continue
-                futures[pool.submit(self._serve, ch, n_src, accept, deadline)] = ch.peer()
+                futures[pool.submit(self._serve, ch, n_src, accept, deadline)] = "source"
             if refused is not None:
                 raise refused
         except BaseException:
@@ -318,16 +381,24 @@ class CloneListener:
         finally:
             pool.shutdown(wait=False)
 
+    @staticmethod
+    def _forward(fw: Forwarder, deadline: float) -> tuple[int, str]:
+        return fw.run(deadline), "fwd"
+
     def _timeout_error(self, n_src: int) -> "CloneTimeoutError | None":
         """The timeout, naming only the source ranks whose sends did not complete (no end
         received): those that did not say hello, those with routes still missing (how many),
         and apart those whose every route arrived but not their state record and end (the source
-        takes the record at its next step, which a stuck rank of the source job holds up). None
-        when every source rank has finished after all."""
+        takes the record at its next step, which a stuck rank of the source job holds up); then
+        the clone ranks whose forwards did not all arrive, and those this rank's forwards did not
+        reach. None when every rank has finished after all."""
         with self._lock:
             finished, left, hello = set(self.records), dict(self._left), set(self._channels)
+            peer_left, peer_hello = dict(self._peer_left), set(self._peer_channels)
         unfinished = [r for r in range(n_src) if r not in finished]
-        if not unfinished:
+        relaying = [k for k in range(len(self._peers)) if k != self.rank and peer_left.get(k) != 0]
+        stuck = [k for k, fw in sorted(self._forwarders.items()) if not fw.ended]
+        if not unfinished and not relaying and not stuck:
             return None
         sending = [r for r in unfinished if left.get(r) != 0]
         ending = [r for r in unfinished if left.get(r) == 0]
@@ -341,15 +412,25 @@ class CloneListener:
         if ending:
             parts.append(f"source rank(s) {ending} sent every tensor but not their state record and end (the source "
                          "takes the record at its next step: a stuck or dead rank of the source job holds it up)")
+        if relaying:
+            why = [f"rank {k}: {peer_left[k]} forward(s) missing" if k in peer_left else
+                   f"rank {k}: {'hello only' if k in peer_hello else 'no hello'}" for k in relaying]
+            parts.append(f"clone rank(s) {relaying} did not forward every chunk they received ({'; '.join(why)})")
+        if stuck:
+            parts.append(f"this rank's forwards to clone rank(s) {stuck} did not complete")
         return CloneTimeoutError(f"clone rank {self.rank}: within timeout={self.timeout:g} s, " + "; ".join(parts)
                                  + "; nothing was loaded (the source never reached its clone step, or a rank stalled "
-                                   "or died)")
+                                   "or died)" + ("; the buffers received into may hold part of it"
+                                                 if self.targets_given else ""))
 
-    def _serve(self, ch: net.Channel, n_src: int, accept: Callable[[ClonePlan, dict], None], deadline: float) -> int:
+    def _serve(self, ch: net.Channel, n_src: int, accept: "Callable[[ClonePlan, dict], Any]",
+               deadline: float) -> "int | tuple[int, str]":
         r = None
         try:
-            r, describe, digest, header = check_hello(
-                ch.recv(max_header=_MAX_HELLO, max_payload=0, deadline=deadline).header)
+            first = ch.recv(max_header=_MAX_HELLO, max_payload=0, deadline=deadline).header
+            if first.get("df") == "clone-peer" and self._peers:
+                return self._serve_peer(ch, first, deadline)
+            r, describe, digest, header = check_hello(first)
             try:
                 with self._lock:
                     if self._refused is not None:  # the plan was refused: every source rank is told why
@@ -362,10 +443,18 @@ class CloneListener:
                         if plan.n_src != n_src or plan.n_clone <= self.rank:
                             raise ModelMismatchError(f"the source's plan is for {plan.n_src} -> {plan.n_clone} ranks, "
                                                      f"this is clone rank {self.rank} of a request to {n_src} ranks")
-                        accept(plan, header)
+                        if self._peers and len(self._peers) != plan.n_clone:
+                            raise ModelMismatchError(f"the source's plan is for {plan.n_clone} clone ranks, this "
+                                                     f"job has {len(self._peers)}")
+                        targets = accept(plan, header)
+                        self.buffers = _buffers_for(plan, targets)
+                        self.targets_given = targets is not None
                         self.plan, self.digest, self.describe, self.header = plan, plan.digest(), describe, header
-                        self.buffers = {t.id: np.empty(t.size * dtype_itemsize(t.dtype), np.uint8)
-                                        for t in plan.tensors}
+                        self._forwarders = {k: self.forwarder_cls(self.rank, k, addr, self._token, plan, self.buffers,
+                                                                  timeout=self.timeout)
+                                            for k, addr in enumerate(self._peers) if k != self.rank}
+                        if self._planned is not None:
+                            self._planned.set()
                     elif digest != self.digest:
                         raise ModelMismatchError(f"source rank {r} sends another plan than the source rank before it: "
                                                  f"{first_difference(describe, self.describe)}")
@@ -375,6 +464,8 @@ class CloneListener:
                 if isinstance(e, ModelMismatchError):
                     with self._lock:
                         self._refused = self._refused or e
+                    if self._planned is not None:
+                        self._planned.set()
                 ch.send(net.error_reply(e), deadline=deadline)
                 raise
             ch.send({"ok": True}, deadline=deadline)
@@ -395,6 +486,8 @@ class CloneListener:
                         self.first_data_at = time.time()
                     msg.recv_into(self.buffers[route.tensor_id][route.start * item:route.stop * item])
                     del expected[(route.tensor_id, route.start, route.stop)]
+                    for fw in self._forwarders.values():  # landed, its MAC checked: on to the other clone ranks
+                        fw.put(route)
                     with self._lock:
                         self._left[r] = len(expected)
                     self.bytes_received += msg.payload_bytes
@@ -425,8 +518,68 @@ class CloneListener:
             raise CloneError(f"clone rank {self.rank}: the connection of source rank {'?' if r is None else r} "
                              f"({ch.peer()}) failed mid-transfer (it died, or closed): {e}") from e
 
+    def _serve_peer(self, ch: net.Channel, h: dict, deadline: float) -> tuple[int, str]:
+        """Another clone rank's forwards (:mod:`deepfreeze.clone.relay`), straight into
+        :attr:`buffers` once this rank's own plan is known and the same; returns ``(its rank,
+        "peer")`` when every route it owes arrived."""
+        j = None
+        try:
+            j, digest = check_peer_hello(h, len(self._peers))
+            try:
+                with self._lock:
+                    if j == self.rank or j in self._peer_channels:
+                        raise CloneError(f"a second connection says it is clone rank {j}")
+                    self._peer_channels[j] = ch
+                if self._planned is None or not self._planned.wait(max(0.0, deadline - time.monotonic())):
+                    raise CloneTimeoutError(f"clone rank {self.rank}: no plan from the source within "
+                                            f"timeout={self.timeout:g} s")
+                if self.plan is None:
+                    raise CloneError(f"clone rank {self.rank} refused the source's plan: {self._refused}")
+                if digest != self.digest:
+                    raise CloneError(f"clone rank {j} received another plan than clone rank {self.rank}")
+            except CloneError as e:
+                ch.send(net.error_reply(e), deadline=deadline)
+                raise
+            ch.send({"ok": True}, deadline=deadline)
+            plan = self.plan
+            expected = {(x.tensor_id, x.start, x.stop): x for x in plan.routes if x.dst == j}
+            left_bytes = sum((x.stop - x.start) * dtype_itemsize(plan.tensors[x.tensor_id].dtype)
+                             for x in expected.values())
+            with self._lock:
+                self._peer_left[j] = len(expected)
+            while True:
+                msg = ch.recv(max_header=MAX_FWD_HEADER, max_payload=left_bytes, deadline=deadline)
+                kind = msg.header.get("df")
+                if kind == "clone-fwd":
+                    for x in check_forward(msg.header, plan, expected, msg.payload_bytes):
+                        item = dtype_itemsize(plan.tensors[x.tensor_id].dtype)
+                        msg.recv_into(self.buffers[x.tensor_id][x.start * item:x.stop * item])
+                        del expected[(x.tensor_id, x.start, x.stop)]
+                    left_bytes -= msg.payload_bytes
+                    with self._lock:
+                        self._peer_left[j] = len(expected)
+                        self.bytes_relayed += msg.payload_bytes
+                elif kind == "clone-done":
+                    if expected:
+                        raise CloneError(f"clone rank {j} said done with {len(expected)} forward(s) still missing")
+                    return j, "peer"
+                elif kind == "clone-abort":
+                    raise CloneError(f"clone rank {j} gave up the clone: {str(msg.header.get('reason'))[:2000]}")
+                else:
+                    raise CloneError(f"clone rank {j} sent an unknown clone frame {str(kind)[:40]!r}")
+        except ProviderTimeoutError as e:
+            raise CloneTimeoutError(f"clone rank {self.rank}: clone rank {'?' if j is None else j} ({ch.peer()}) did "
+                                    f"not finish forwarding its chunks within timeout={self.timeout:g} s: {e}") from e
+        except CloneError:
+            raise
+        except DeepFreezeError as e:
+            raise CloneError(f"clone rank {self.rank}: the connection of clone rank {'?' if j is None else j} "
+                             f"({ch.peer()}) failed while it forwarded its chunks (it died, or closed): {e}") from e
+
     def _abort(self) -> None:
-        for ch in list(self._channels.values()):
+        for fw in list(self._forwarders.values()):
+            fw.stop()
+        for ch in list(self._channels.values()) + list(self._peer_channels.values()):
             try:
                 ch.shutdown()
             except OSError:
@@ -445,7 +598,9 @@ class CloneListener:
     def close(self) -> None:
         self._acceptor.close()
         self._sock.close()
-        for ch in list(self._channels.values()):
+        for fw in list(self._forwarders.values()):
+            fw.close()
+        for ch in list(self._channels.values()) + list(self._peer_channels.values()):
             ch.close()
         while True:
             try:

@@ -39,13 +39,21 @@ clone did: a failed clone is logged (its named error) and kept in :attr:`CloneSe
 
 The clone side (:func:`receive`, collective over the clone job's ``torch.distributed`` world
 when it has one): every rank listens (:class:`deepfreeze.clone.wire.CloneListener`), rank 0
-requests the clone with every rank's endpoint, each rank receives its routes into flat buffers,
-the ranks agree (an all-reduce of outcomes on a dedicated gloo group) and rebuild every tensor
-(:func:`_rebuild`: the small ones in one all-gather of packed rows, each larger one by a
-broadcast per owner range, in plan order), then the state goes into the
-model and optimizers through the restore path (:func:`deepfreeze.torch.state_loader.apply`: the same
-checks, any world size; each rank's own record, RNG included, at the source's world size, rank
-0's otherwise).
+requests the clone with every rank's endpoint. At the first source hello each rank checks the
+plan against its model and the source's optimizers and ``state=`` keys (a
+``ModelMismatchError`` before any byte lands), then says where the bytes land (:class:`_Landing`):
+each model tensor's own memory (CPU, contiguous: the parameters and buffers themselves), a new
+tensor per optimizer state tensor (it becomes the optimizer's state, not copied again), a host
+buffer only for a tensor the wire cannot reach (another device). Each frame is received straight
+there, and each route, once landed and its MAC checked, is forwarded to every other clone rank
+(:mod:`deepfreeze.clone.relay`, over the same authenticated listeners), which receives it
+straight into *its* tensors: the forwarding overlaps the receive, every byte lands once per
+clone rank, and the sources' traffic does not grow with the clone ranks. The ranks then agree
+(an all-reduce of outcomes on a dedicated gloo group) and the records go in through the restore
+path (:func:`deepfreeze.torch.state_loader.apply`: the same checks, the model tensors already in
+place not copied, any world size; each rank's own record, RNG included, at the source's world
+size, rank 0's otherwise). A clone rank that dies while forwarding is a ``CloneError`` naming it
+on the others (their connection from it closes), the source training on.
 """
 from __future__ import annotations
 
@@ -62,9 +70,10 @@ import torch
 from .. import net
 from ..clone.api import CloneInfo
 from ..clone.plan import DEFAULT_THRESHOLD, ClonePlan
+from ..clone.relay import Forwarder
 from ..clone.wire import CloneListener, RequestServer, Sender, request
 from ..errors import CloneError, CloneTimeoutError, ConfigError, DeepFreezeError, ModelMismatchError, error_class
-from ..format import dtype_itemsize, numpy_dtype
+from ..format import numpy_dtype
 from ..loader import Checkpoint
 from . import _loop, _state
 from ._dist import rank_and_size
@@ -73,12 +82,6 @@ from .capture import Live, LiveCapture, StateRecords
 __all__ = ["CloneServer", "receive"]
 
 log = logging.getLogger("deepfreeze")
-
-#: the clone's rebuild packs tensors up to this size into one all-gather (gloo): with 4 MiB (the MPI
-#: receiver's FUSE_BYTES) packing 60 MB of a 40 MB model's Adam state cost 0.75 s against 0.26 s
-#: of per-range broadcasts (experiments/torch_clone.py); small tensors are what fusing saves
-FUSE_BYTES = 64 << 10
-
 
 def _group(timeout: float) -> Any:
     """A dedicated gloo group of every rank (collective), or None in a one-process job."""
@@ -251,7 +254,12 @@ class CloneServer:
             self._clone = None
             return
         header = {"step": live.step, "epoch": 0, "epoch_step": 0, "epoch_complete": False, "source_run": "",
-                  "model_tensors": st.model_tensors, "aliases": st.aliases}
+                  "model_tensors": st.model_tensors, "aliases": st.aliases,
+                  # what the clone checks before a byte lands in its model (the record comes last)
+                  "optimizers": [{"class": _state.class_name(o), "groups": [
+                      {"params": list(g["params"]), "keys": sorted(str(k) for k in g if k != "params")} for g in gs]}
+                      for o, gs in zip(self.optimizers, st.groups)],
+                  "state_keys": sorted(self.state)}
         sender = c.sender = self.sender_cls(self.rank, plan, endpoints, self._token, timeout=self.timeout)
 
         def record() -> bytes:
@@ -376,32 +384,102 @@ def _check_plan(model: torch.nn.Module, plan: ClonePlan, header: dict) -> None:
                                      f"{list(t.shape)}, which is no optimizer state of a parameter of this model")
 
 
+def _flat_target(t: torch.Tensor) -> "np.ndarray | None":
+    """The bytes of ``t`` itself as a writable flat uint8 array (a view: what lands there is the
+    tensor's value), or None where the wire cannot land (another device, not contiguous, a DTensor)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or _state.is_dtensor(t) or t.numel() == 0:
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def _check_header_optimizers(model: torch.nn.Module, opts: Sequence[torch.optim.Optimizer],
+                             state: "dict[str, Any] | None", header: dict, strict: bool) -> None:
+    """The optimizers and ``state=`` keys the source's hello names (``optimizers``, ``state_keys``)
+    against this side's, before any byte lands in the model (:func:`state_loader._check_optimizers`,
+    the restore's own check; a difference: :class:`ModelMismatchError`). A header without them
+    (none sent) is checked after the transfer, by the restore path."""
+    from .state_loader import _check_optimizers
+    optim, keys = header.get("optimizers"), header.get("state_keys")
+    if optim is None and keys is None:
+        return
+    ok = isinstance(optim, list) and isinstance(keys, list) and len(optim) <= 1024 and all(
+        isinstance(o, dict) and isinstance(o.get("class"), str) and isinstance(o.get("groups"), list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) and isinstance(g.get("keys"), list)
+                and all(isinstance(x, str) for x in g["params"] + g["keys"]) for g in o["groups"]) for o in optim) \
+        and all(isinstance(k, str) for k in keys)
+    if not ok:
+        raise CloneError("malformed clone hello header: optimizers and state_keys")
+    if opts:
+        rec = {"param_groups": [[{**{k: None for k in g["keys"]}, "params": g["params"]} for g in o["groups"]]
+                                for o in optim], "a": {"optimizers": [o["class"] for o in optim]}}
+        _check_optimizers("the clone source", rec, model, opts, strict, [])
+    if strict and state is not None and set(state) != set(keys):
+        raise ModelMismatchError(f"the clone source: the state= objects differ: the source sends {sorted(keys)}, this "
+                                 f"job gives {sorted(state)}: pass the same state= keys as the CloneServer")
+
+
+class _Landing:
+    """Where the clone's bytes land on this rank, made at the first hello (before any data):
+    each model tensor's own memory (CPU, contiguous), a fresh tensor per optimizer state tensor
+    (the optimizer's state once the restore path loads it: not copied again), and a host buffer
+    for the rest (another device: copied there by the restore path, the one copy a socket needs)."""
+
+    def __init__(self, model: torch.nn.Module, opts: Sequence[torch.optim.Optimizer],
+                 state: "dict[str, Any] | None", strict: bool) -> None:
+        self.model, self.opts, self.state, self.strict = model, opts, state, strict
+        self.in_place: set[str] = set()
+        self.fresh: dict[int, torch.Tensor] = {}  # tensor id -> the new optimizer state tensor
+
+    def __call__(self, plan: ClonePlan, header: dict) -> dict[int, np.ndarray]:
+        _check_plan(self.model, plan, header)
+        _check_header_optimizers(self.model, self.opts, self.state, header, self.strict)
+        live = {fqn: t for fqn, t, _ in _state.model_entries(self.model)}
+        n_model = header["model_tensors"]
+        out: dict[int, np.ndarray] = {}
+        for t in plan.tensors:
+            if t.id < n_model:
+                flat = _flat_target(live[t.name])
+                if flat is not None:
+                    out[t.id] = flat
+                    self.in_place.add(t.name)
+            elif t.size:
+                fresh = torch.empty(t.shape, dtype=_state.torch_dtype(t.dtype))
+                self.fresh[t.id] = fresh
+                out[t.id] = fresh.reshape(-1).view(torch.uint8).numpy()
+        return out
+
+
 def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None",
             address: str, *, token: str | None = None, state: "dict[str, Any] | None" = None,
             timeout: float = 60.0, host: str = "127.0.0.1", allow_remote: bool = False,
-            strict: bool = True, fuse_bytes: int = FUSE_BYTES) -> CloneInfo:
+            strict: bool = True, fuse_bytes: int | None = None, forwarder_cls: type = Forwarder) -> CloneInfo:
     """Take a clone of the job whose :class:`CloneServer` listens on ``address`` into ``model``,
     ``optimizer`` (one or a sequence, or None) and the ``state=`` objects; returns its
     :class:`~deepfreeze.clone.CloneInfo` (``step``: the source's optimizer steps; ``epoch``,
     ``epoch_step``: the position of the source's :meth:`CloneServer.iterate`, when it used it).
 
     Collective over this job's ``torch.distributed`` world when it is initialized (any size);
-    each rank listens on ``host`` (loopback unless ``allow_remote``) for the source ranks.
-    ``token``: the token file (default ``$DEEPFREEZE_TOKEN``, the token text itself, else the file
-    ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``).
-    Every wait is bounded by ``timeout``. ``fuse_bytes``: tensors up to this size are rebuilt
-    together in one all-gather (the rest one broadcast per owner range). Raises :class:`~deepfreeze.errors.AuthenticationError`
-    (the source does not know this token), :class:`~deepfreeze.errors.ModelMismatchError` (another
-    architecture, optimizers or ``state=`` keys: nothing is changed),
-    :class:`~deepfreeze.errors.CloneTimeoutError` / :class:`~deepfreeze.errors.CloneError` naming
-    the rank of either job that died or stopped."""
+    each rank listens on ``host`` (loopback unless ``allow_remote``) for the source ranks and
+    the other clone ranks. ``token``: the token file (default ``$DEEPFREEZE_TOKEN``, the token
+    text itself, else the file ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``).
+    Every wait is bounded by ``timeout``. The bytes land in the model's own tensors (CPU,
+    contiguous) and in new optimizer state tensors, each forwarded to the other clone ranks as
+    it lands (:mod:`deepfreeze.clone.relay`). ``fuse_bytes``: ignored (the rebuild it tuned is
+    gone). ``forwarder_cls``: advanced, a :class:`deepfreeze.clone.relay.Forwarder` subclass
+    (tests inject faults). Raises :class:`~deepfreeze.errors.AuthenticationError` (the source
+    does not know this token), :class:`~deepfreeze.errors.ModelMismatchError` (another
+    architecture, optimizers or ``state=`` keys: found before any byte lands, nothing is
+    changed), :class:`~deepfreeze.errors.CloneTimeoutError` / :class:`~deepfreeze.errors.CloneError`
+    naming the rank of either job that died or stopped (then the optimizers, ``state=`` objects
+    and RNG are unchanged, the model's tensors may hold part of the source's)."""
     import torch.distributed as dist
     opts = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     rank, size = rank_and_size("deepfreeze.torch.clone.receive")
     timings = {"request": time.time()}
     tok = net.load_token(token)
     group = _group(timeout)
-    listener = CloneListener(rank, tok, host=host, allow_remote=allow_remote, timeout=timeout)
+    listener = CloneListener(rank, tok, host=host, allow_remote=allow_remote, timeout=timeout,
+                             forwarder_cls=forwarder_cls)
     try:
         endpoints = [listener.address]
         if group is not None:
@@ -421,13 +499,19 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
             cls = error_class(answer.get("type")) or CloneError
             raise cls(f"clone rank 0's request failed: {answer.get('error')}")
         error: BaseException | None = None
+        landing = _Landing(model, opts, state, strict)
         try:
-            listener.receive(int(answer["n_src"]), lambda plan, header: _check_plan(model, plan, header))
+            listener.receive(int(answer["n_src"]), landing, peers=endpoints if size > 1 else None)
         except DeepFreezeError as e:
             error = e
         timings["received"] = time.time()
-        # -- agreement: every rank learns every other's outcome before a collective moves data
-        failed = _agree(group, error, rank, size, timeout)
+        # -- agreement: every rank learns every other's outcome before anything is loaded
+        try:
+            failed = _agree(group, error, rank, size, timeout)
+        except CloneTimeoutError:
+            if error is None:
+                raise
+            failed = []  # a rank died: this rank's own error names it
         if error is not None or failed:
             err = error or CloneError(f"clone rank {rank}: clone rank(s) {failed} of this job did not receive the "
                                       "clone (see their error); nothing was loaded")
@@ -435,9 +519,6 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
             raise err
         plan = listener.plan
         assert plan is not None
-        if group is not None:
-            _rebuild(plan, listener.buffers, group, rank, fuse_bytes)
-        timings["rebuilt"] = time.time()
         arrays: dict[str, np.ndarray] = {}
         for t in plan.tensors:
             arrays[t.name] = listener.buffers[t.id].view(numpy_dtype(t.dtype)).reshape(t.shape)
@@ -453,7 +534,8 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
                         manifest=manifest)
         from .state_loader import apply
         try:
-            applied = apply(ck, model, opts, state=state, rank=rank, world_size=size, rng=True, strict=strict)
+            applied = apply(ck, model, opts, state=state, rank=rank, world_size=size, rng=True, strict=strict,
+                            in_place=frozenset(landing.in_place))
         except DeepFreezeError as e:
             listener.finish(e)
             raise
@@ -466,7 +548,8 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
                       "epoch_complete": bool(loop.get("done"))}
         info = CloneInfo.from_header(header)
         timings["loaded"] = time.time()
-        info.timings.update(timings, bytes_received=listener.bytes_received)
+        info.timings.update(timings, bytes_received=listener.bytes_received, bytes_relayed=listener.bytes_relayed,
+                            bytes_forwarded=listener.bytes_forwarded, state_bytes=plan.nbytes)
         return info
     finally:
         listener.close()
@@ -475,51 +558,6 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
                 dist.destroy_process_group(group)
             except Exception:
                 pass
-
-
-def _rebuild(plan: ClonePlan, buffers: dict[int, np.ndarray], group: Any, rank: int,
-             fuse_bytes: int = FUSE_BYTES) -> None:
-    """Every clone rank ends with every whole tensor (``buffers``: flat bytes per tensor id, this
-    rank's ranges filled): the tensors of at most ``fuse_bytes`` in one all-gather of packed,
-    equally padded rows (each rank packs the ranges it holds, in plan order), each larger one by
-    one in-place broadcast per owner range, in plan order. Every rank runs the same sequence."""
-    import torch.distributed as dist
-    m = plan.n_clone
-    small, large = [], []
-    for t in plan.tensors:
-        if t.nbytes:
-            (small if t.nbytes <= fuse_bytes else large).append(t)
-
-    def ranges(j: int) -> list[tuple[np.ndarray, int, int]]:
-        out = []
-        for t in small:
-            a, b = plan.partition[t.id][j]
-            if a < b:
-                item = dtype_itemsize(t.dtype)
-                out.append((buffers[t.id], a * item, b * item))
-        return out
-    counts = [sum(b - a for _, a, b in ranges(j)) for j in range(m)]
-    if sum(counts):
-        width = max(counts)
-        mine = np.zeros(width, np.uint8)
-        pos = 0
-        for buf, a, b in ranges(rank):
-            mine[pos:pos + b - a] = buf[a:b]
-            pos += b - a
-        rows = [torch.empty(width, dtype=torch.uint8) for _ in range(m)]
-        dist.all_gather(rows, torch.from_numpy(mine), group=group)
-        for j in range(m):
-            if j == rank:
-                continue
-            row, pos = rows[j].numpy(), 0
-            for buf, a, b in ranges(j):
-                buf[a:b] = row[pos:pos + b - a]
-                pos += b - a
-    for t in large:
-        item = dtype_itemsize(t.dtype)
-        for j, (a, b) in enumerate(plan.partition[t.id]):
-            if a < b:
-                dist.broadcast(torch.from_numpy(buffers[t.id][a * item:b * item]), src=j, group=group)
 
 
 def _bcast_from(group: Any, text: str, root: int, rank: int) -> str:
