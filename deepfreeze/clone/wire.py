@@ -27,10 +27,13 @@ waits naming the ranks awaited); every connection is a :func:`deepfreeze.net.cli
    the same answer).
 3. **Data.** Per route ``r -> j`` of the plan, one frame ``{"df": "clone-data", "t": tensor id,
    "start": a, "stop": b, "dtype": d}`` whose payload is elements ``[a, b)`` of the tensor's flat
-   buffer; it is received straight into the clone's flat buffer (:meth:`net.Message.recv_into`)
-   after :func:`check_data` checked it against the plan: a route from this source rank to this
-   clone rank, not received before, the plan's dtype, a payload of exactly ``(b - a) * itemsize``
-   bytes. Then ``{"df": "clone-record", "rank": r}`` with the rank's opaque state record (at most
+   buffer; it is received straight into the buffer the adapter gave for that tensor (its final
+   tensor; else a flat buffer) (:meth:`net.Message.recv_into`) after :func:`check_data` checked
+   it against the plan: a route from this source rank to this clone rank, not received before,
+   the plan's dtype, a payload of exactly ``(b - a) * itemsize`` bytes. With more than one clone
+   rank, each route that landed is forwarded to every other clone rank
+   (:mod:`deepfreeze.clone.relay`: their connections arrive on the same listener, a
+   ``clone-peer`` hello first). Then ``{"df": "clone-record", "rank": r}`` with the rank's opaque state record (at most
    :data:`MAX_RECORD` bytes), then ``{"df": "clone-done"}``, which is refused unless every route
    and the record arrived. ``{"df": "clone-abort", "reason": ...}`` instead: the source gave up
    (a :class:`~deepfreeze.errors.CloneError` naming its rank).
