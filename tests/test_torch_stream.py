@@ -188,12 +188,13 @@ def test_fsdp2_publisher_to_serving_consumer(out):
 
 
 def test_publisher_beside_checkpointer_one_capture(out):
-    """A Checkpointer (every 3 steps) and a Publisher riding on its capture (every 2 steps) in a
-    2-rank DDP job: one capture per wanted step (2, 3, 4, 6, 8: five, one sink on the hook); the
-    consumer serves versions equal to the recorded weights; every committed version (the
-    Checkpointer's 3 and 6 always among them) restores bit-exact, model and optimizer state; a
-    consumer started after the job ended reads the newest one from the checkpoint (the fallback
-    tier reads the Checkpointer's versions)."""
+    """A Checkpointer (every 3 steps) and a Publisher riding on it (every 2 steps) in a 2-rank DDP
+    job: the Checkpointer captures its own steps only (3 and 6; the Publisher copies the live
+    weights of 2, 4, 6, 8 straight into its slots: no checkpoint capture, nothing written for
+    them); the consumer serves versions equal to the recorded weights; the committed versions are
+    the Checkpointer's only (3, 6 and 8, its last step at close), each restoring bit-exact, model
+    and optimizer state: the persistent fallback tier serves checkpoint versions only; a consumer
+    started after the job ended reads the newest one from the checkpoint."""
     from deepfreeze.loader import list_versions
     from deepfreeze.config import Config
     from deepfreeze.torch import load
@@ -212,13 +213,13 @@ def test_publisher_beside_checkpointer_one_capture(out):
     for r in (0, 1):
         with open(os.path.join(out, f"r{r}", "info.json")) as f:
             info = json.load(f)
-        assert info["published"] == [2, 4, 6, 8], info
-        assert info["captures"] == 5 and info["sinks"] == 1, info  # steps 2, 3, 4, 6, 8: one capture each
+        assert info["published"] == [2, 4, 6, 8] and info["torn"] == 0, info
+        assert info["captures"] == 2 and info["sinks"] == 1, info  # 3 and 6; the Publisher's live capture left
         assert info["owner_open_after_publisher"], info  # closing the Publisher left the Checkpointer running
     persistent = os.path.join(out, "persistent")
     cfg = Config.resolve(None, scratch=os.path.join(out, "noscratch"), persistent=persistent, mode="async")
     committed = sorted(v for v, levels in list_versions(cfg, CHANNEL).items() if "persistent" in levels)
-    assert {3, 6, 8} <= set(committed) <= {2, 3, 4, 6, 8}, committed  # 8: written at the Publisher's close
+    assert committed == [3, 6, 8], committed  # published 2 and 4 never reach persistent; 8: the close's
     for v in committed:
         got = load(cfg, name=CHANNEL, version=v)
         want = {**weights(out, 0, v), **optim_state(out, 0, v)}
@@ -239,8 +240,8 @@ def test_publisher_beside_checkpointer_one_capture(out):
 def test_publisher_killed_mid_transfer_consumer_keeps_last_version(out):
     """Rank 1 is SIGKILLed in the middle of copying v6 into its shared-memory slot (injected by
     subclassing its ring: after its slot was marked as being written, before its record is
-    complete), after the consumer served v5; v6's persistent copy is skipped (injected: a busy
-    writer), so only the stream could deliver it. v6 is never complete (rank 1's slot stays odd
+    complete), after the consumer served v5; v6 is not a checkpoint step (publish-only versions never
+    reach persistent), so only the stream could deliver it. v6 is never complete (rank 1's slot stays odd
     and is never announced), so the consumer keeps serving v5, a bounded wait for a
     newer one ends with StreamTimeoutError (no hang), and nothing served mixes versions."""
     out, shm = out
@@ -254,8 +255,8 @@ def test_publisher_killed_mid_transfer_consumer_keeps_last_version(out):
     with open(os.path.join(out, "died_mid6")) as f:
         done, total = map(int, f.read().split("/"))
     assert 0 < done <= total, (done, total)  # it died inside the copy of v6, after the slot went odd
-    assert os.path.exists(os.path.join(out, "r1", "v6.npz"))  # rank 1 reached v6's publish
-    assert not glob.glob(os.path.join(out, "r1", "v7.npz"))
+    # (the copy into the slot starts in v6's optimizer step, before the loop records v6's weights)
+    assert os.path.exists(os.path.join(out, "r1", "v5.npz")) and not glob.glob(os.path.join(out, "r1", "v7.npz"))
     steps = check_served(out)
     assert steps[-1] == 5 and set(steps.tolist()) <= set(range(1, 6))
     with open(os.path.join(out, "serve.json")) as f:
@@ -401,11 +402,12 @@ def test_single_process_pinned_replica_is_never_reloaded(tmp_path, monkeypatch):
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch):
+def test_single_process_plan_schedule_and_checkpoint_versions_only(tmp_path, monkeypatch):
     """schedule='fixed': one version at the end of the warm-up, then the plan's steps; without
-    report(loss) a ConfigError names the call. A writer that is always busy (injected by
-    subclassing) skips the persistent copies of publish-only versions but never of every_n_steps
-    checkpoints, and the newest skipped one is written at close."""
+    report(loss) a ConfigError names the call. A Publisher riding on a Checkpointer (every 3
+    steps) publishes every step from the live tensors (one sink more on the hook while it runs,
+    none after its close): the Checkpointer captures and writes its own steps only (and its last
+    at close), never a publish-only version: the persistent fallback serves checkpoint versions."""
     from deepfreeze.errors import ConfigError
     from deepfreeze.loader import list_versions
     from deepfreeze.stream import StreamOptions
@@ -436,27 +438,23 @@ def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch
         finally:
             pub.close()
 
-        class Busy(Checkpointer):  # fault injected by subclassing: every writer is busy
-            def _writer_busy(self) -> bool:
-                return True
-
         net = Net()
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
         shm_opts = dirs.pop("stream")
-        ck = Busy(net, opt, name="busy", every_n_steps=3, overwrite=True, **dirs)
+        ck = Checkpointer(net, opt, name="busy", every_n_steps=3, overwrite=True, **dirs)
         dirs["stream"] = shm_opts
         pub = Publisher(net, opt, checkpointer=ck, schedule=1, stream=shm_opts)
         try:
             _train(pub, net, opt, g, 7, {})
-            assert [v.step for v in pub.published] == list(range(1, 8))
-            assert pub.coalesced == 5  # 1, 2, 4, 5, 7: publish-only; 3 and 6 are checkpoints
-            assert len(ck.timings) == 7 and ck.hook.sinks == [ck]  # one capture per step, one sink
+            assert [v.step for v in pub.published] == list(range(1, 8)) and pub.torn == 0
+            assert len(ck.timings) == 2 and ck.hook.sinks == [ck, pub.capture]  # 3 and 6: its own only
+            assert [t["version"] for t in pub.publish_timings] == list(range(1, 8))
         finally:
             pub.close()
-        assert pub.coalesced == 4 and not ck._closed  # v7, the newest skipped, written at the Publisher's close
+        assert not ck._closed and ck.hook.sinks == [ck] and ck.coalesced == 0
         ck.wait(60)
         committed = sorted(v for v, levels in list_versions(ck.config, "busy").items() if "persistent" in levels)
-        assert committed == [3, 6, 7], committed
+        assert committed == [3, 6], committed  # no publish-only version reaches persistent
         with pytest.raises(ConfigError, match="checkpointer="):  # the channel's Checkpointer runs: say so
             Publisher(net, opt, channel="busy", schedule=1, overwrite=True, **dirs)
         with pytest.raises(ConfigError, match="no Checkpointer arguments"):
@@ -464,12 +462,12 @@ def test_single_process_plan_schedule_and_coalesced_copies(tmp_path, monkeypatch
         with pytest.raises(ConfigError, match="channel is the checkpoint name"):
             Publisher(net, opt, channel="other", checkpointer=ck)
         pub = Publisher(net, opt, checkpointer=ck, schedule=1, stream=shm_opts)  # the Checkpointer went on
-        _train(pub, net, opt, g, 3, {})  # v8 skipped, v9 the Checkpointer's (written), v10 skipped
-        assert [v.step for v in pub.published] == [8, 9, 10] and ck.coalesced == 6
-        ck.close()  # writes v10 and closes the Publisher riding on it
-        assert pub._closed and pub.publisher is None and ck.coalesced == 5
+        _train(pub, net, opt, g, 3, {})  # v9 the Checkpointer's
+        assert [v.step for v in pub.published] == [8, 9, 10]
+        ck.close()  # writes v10 (its last step) and closes the Publisher riding on it
+        assert pub._closed and pub.publisher is None and ck.hook.sinks == []
         committed = sorted(v for v, levels in list_versions(ck.config, "busy").items() if "persistent" in levels)
-        assert committed == [3, 6, 7, 9, 10], committed
+        assert committed == [3, 6, 9, 10], committed
 
         net = Net()
         opt = torch.optim.SGD(net.parameters(), lr=0.05)

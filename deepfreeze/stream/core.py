@@ -56,7 +56,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -341,10 +341,34 @@ class Publisher:
             if self.published and version <= self.published[-1] or \
                     self._pending is not None and version <= self._pending[0]:
                 raise ConfigError(f"channel {self.channel!r}: version {version} published after a newer or equal one")
-            if self._pending is not None:
+            dropped, self._pending = self._pending, (version, arr[:self.prefix], time.perf_counter())
+            if dropped is not None:
                 self.coalesced += 1
-            self._pending = (version, arr[:self.prefix], time.perf_counter())
             self._cond.notify_all()
+        if dropped is not None and isinstance(dropped[1], tuple):
+            dropped[1][1]()  # a fill that will never run: its source is free
+
+    def publish_with(self, version: Version, fill: Any, done: "Callable[[], None]") -> None:
+        """Hand over a version that ``fill`` copies straight into a slot on the publish thread
+        (:meth:`SlotRing.write_with <deepfreeze.stream.slots.SlotRing.write_with>`: ``fill(dst,
+        copied)`` returns the CRC of its :attr:`prefix` bytes computed in the same pass, or None when
+        its source was torn: nothing is published). ``done()`` is called once, on the publish
+        thread, when ``fill`` returned or will never run (dropped for a newer version, every slot
+        pinned, the publisher closing): then nothing reads ``fill``'s source any more. Returns at
+        once; raises a background error of an earlier publish, once."""
+        self._raise_pending()
+        with self._cond:
+            if self._closing:
+                raise StreamError("this Publisher is closed")
+            if self.published and version <= self.published[-1] or \
+                    self._pending is not None and version <= self._pending[0]:
+                raise ConfigError(f"channel {self.channel!r}: version {version} published after a newer or equal one")
+            dropped, self._pending = self._pending, (version, (fill, done), time.perf_counter())
+            if dropped is not None:
+                self.coalesced += 1
+            self._cond.notify_all()
+        if dropped is not None and isinstance(dropped[1], tuple):
+            dropped[1][1]()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every version handed over is published (or dropped for a newer one)."""
@@ -416,14 +440,27 @@ class Publisher:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _publish_now(self, version: Version, data: np.ndarray, t0: float) -> None:
-        slot = self.ring.write(version, data)
+    def _publish_now(self, version: Version, data: Any, t0: float) -> None:
+        if isinstance(data, tuple):  # publish_with: the fill copies straight from its source
+            fill, done = data
+            torn = self.ring.torn
+            try:
+                slot = self.ring.write_with(version, self.prefix, fill)
+            finally:
+                done()
+            if slot is None and self.ring.torn > torn:
+                log.info("deepfreeze: %s v%s not published: its tensors changed during the copy (torn)",
+                         self.channel, version)
+                return
+            nbytes = self.prefix
+        else:
+            slot, nbytes = self.ring.write(version, data), int(data.size)
         if slot is None:  # every slot but the newest is pinned by readers: the next version will go
             log.info("deepfreeze: %s v%s not placed in shared memory (every free slot pinned)", self.channel, version)
             return
         crc = int(self.ring.last_written[2])  # computed by the ring as it copied
         note = {"op": "ready", "channel": self.channel, "run": self.run.id, "generation": version.generation,
-                "step": version.step, "rank": self.rank, "world": self.world, "nbytes": int(data.size), "crc": crc,
+                "step": version.step, "rank": self.rank, "world": self.world, "nbytes": nbytes, "crc": crc,
                 "t": time.time()}
         self.server.notify(note)
         if self.redis is not None:
@@ -446,6 +483,8 @@ class Update:
     notified_at: float = 0.0  #: time.time() when the last rank's notification arrived
     sent_at: float = 0.0  #: the producer's time.time() in the last notification
     fetch_s: float = 0.0
+    #: the arrays are the caller's ``out`` (:meth:`Subscriber.next`), filled in place: nothing to copy
+    filled: bool = False
 
 
 class _Conn:
@@ -918,10 +957,14 @@ class Subscriber:
         def one(r: int) -> None:
             try:
                 n = conn.prefixes[r]
-                buf = self._staging.get(r)
-                if buf is None or buf.size < n:
+                buf = self._staging.get(r)  # a receive buffer: TCP, or the views of a one-rank producer
+                if (r not in conn.rings or direct is not None) and (buf is None or buf.size < n):
                     buf = self._staging[r] = np.empty(max(n, 1), np.uint8)
-                if r in conn.rings:
+                if r in conn.rings and direct is None:  # slot -> the arrays, CRC in the same pass: one copy
+                    got, crc = conn.rings[r].read_into(v, _pieces(conn.layouts[r], conn.model_tensors, flats, specs),
+                                                       verify=self.verify)
+                    self.bytes_by_tier["shm"] += n
+                elif r in conn.rings:
                     got, crc, _ = conn.rings[r].read(v, out=buf[:n], verify=self.verify)
                     self.bytes_by_tier["shm"] += n
                 else:
@@ -943,7 +986,7 @@ class Subscriber:
                 if direct is not None:
                     for name, off, spec in direct:
                         arrays[name] = buf[off:off + spec.nbytes].view(fmt.numpy_dtype(spec.dtype)).reshape(spec.shape)
-                else:
+                elif r not in conn.rings:
                     _scatter(conn.layouts[r], conn.model_tensors, buf[:n], flats, specs)
             except BaseException as e:
                 errors.append(e)
@@ -964,7 +1007,7 @@ class Subscriber:
         return Update(v, arrays, "crc32:" + ",".join(f"{c:08x}" for c in crcs),
                       "shm" if len(conn.rings) == conn.world else "tcp" if not conn.rings else "shm+tcp",
                       notified_at=float(last.get("_recv", 0.0)), sent_at=float(last.get("t", 0.0)),
-                      fetch_s=time.perf_counter() - t0)
+                      fetch_s=time.perf_counter() - t0, filled=out is not None)
 
     def _from_persistent(self, out: dict[str, np.ndarray] | None) -> Update | None:
         """The newest committed version on the persistent level, if newer than the live one."""
@@ -1002,7 +1045,7 @@ class Subscriber:
             self.version = v
             self.bytes_by_tier["persistent"] += sum(a.nbytes for a in arrays.values())
             return Update(v, arrays, "persistent", "persistent", notified_at=time.time(),
-                          fetch_s=time.perf_counter() - t0)
+                          fetch_s=time.perf_counter() - t0, filled=out is not None)
         return None
 
 
@@ -1035,6 +1078,20 @@ def _direct_views(layout: FusedLayout, model_tensors: int,
     if len(seen) != model_tensors:
         return None
     return [(specs[t].name, seen[t], specs[t]) for t in range(model_tensors)]
+
+
+def _pieces(layout: FusedLayout, model_tensors: int, flats: list[np.ndarray],
+            specs: Sequence[TensorSpec]) -> list[tuple[int, np.ndarray]]:
+    """(offset in a rank's published bytes, the bytes of the whole tensors it fills) of each model
+    piece of ``layout``, in offset order: :meth:`SlotRing.read_into`'s destinations."""
+    out = []
+    for s in layout.segments:
+        tid = s.piece.tensor_id
+        if tid < model_tensors:
+            item = fmt.dtype_itemsize(specs[tid].dtype)
+            out.append((s.offset - STAMP_BYTES, flats[tid][s.piece.start * item:s.piece.stop * item]))
+    out.sort(key=lambda p: p[0])
+    return out
 
 
 def _scatter(layout: FusedLayout, model_tensors: int, data: np.ndarray, flats: list[np.ndarray],

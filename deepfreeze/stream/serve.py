@@ -4,7 +4,9 @@ A :class:`ReplicaServer` holds two replicas of the model and a
 :class:`~deepfreeze.stream.core.Subscriber`. A background thread takes each new version
 (:meth:`Subscriber.next`), loads it into the *idle* replica (:meth:`ReplicaServer._load`, the
 framework's part: TensorFlow variables in :mod:`deepfreeze.keras.stream`, torch tensors in
-:mod:`deepfreeze.torch.stream`), then makes that replica the live one. A request pins the live
+:mod:`deepfreeze.torch.stream`; or the subscriber writes it there itself, straight from the
+producer's slot, when the framework lends the replica's memory: :meth:`ReplicaServer._out_for`),
+then makes that replica the live one. A request pins the live
 replica (:meth:`ReplicaServer.pinned`) and runs entirely on it; a replica is reloaded only when
 no request is running on it (the update thread waits for its pins to end), so no request ever
 mixes versions and a swap never blocks a request. Framework-neutral (no numpy even).
@@ -137,8 +139,15 @@ class ReplicaServer:
 
     # -- the framework's part
     def _load(self, model: Any, up: Update) -> None:
-        """Copy ``up``'s arrays into ``model`` (no request runs on it); raise on a mismatch."""
+        """Copy ``up``'s arrays into ``model`` (no request runs on it); raise on a mismatch.
+        Not called for an update that filled :meth:`_out_for`'s arrays in place."""
         raise NotImplementedError
+
+    def _out_for(self, model: Any) -> "dict[str, Any] | None":
+        """The idle replica's own memory as arrays (published name -> C-contiguous array) for the
+        subscriber to fill in place (its one copy from the producer's slot), or None (the update's
+        arrays are then copied by :meth:`_load`). Raise on a mismatch with the published tensors."""
+        return None
 
     # -- internals
     def _raise_error(self) -> None:
@@ -164,9 +173,10 @@ class ReplicaServer:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                up = self._sub.next(0.5)
+                idle = self._idle()
+                up = self._sub.next(0.5, out=self._out_for(idle.model))
                 if up is not None:
-                    self._apply(up)
+                    self._apply(up, idle)
             except BaseException as e:  # surfaced once, at wait/predict; the thread goes on
                 log.warning("deepfreeze: subscriber of %r: %s", self.channel, e)
                 with self._cond:
@@ -174,15 +184,22 @@ class ReplicaServer:
                     self._cond.notify_all()
                 self._stop.wait(1.0)
 
-    def _apply(self, up: Update) -> None:
-        t0 = time.perf_counter()
+    def _idle(self) -> Replica:
+        """The replica not live, once no request runs on it, marked as holding no version: the
+        next update is written into it (in place, :meth:`_out_for`, or by :meth:`_load`), and a
+        failed or torn one leaves it so: never served."""
         with self._cond:
             idle = self._replicas[1] if self._live is self._replicas[0] else self._replicas[0]
             while idle.users:  # a request that started before the last swap still runs on it
                 self._cond.wait(1.0)
             idle.version = None  # being reloaded: holds no whole version until the swap
-        self._load(idle.model, up)
-        load_s = time.perf_counter() - t0
+            return idle
+
+    def _apply(self, up: Update, idle: Replica) -> None:
+        t0 = time.perf_counter()
+        if not up.filled:
+            self._load(idle.model, up)
+        load_s = time.perf_counter() - t0  # (filled in place: the copy is in fetch_s)
         with self._cond:
             idle.version = up.version
             self._live = idle

@@ -33,7 +33,10 @@ CRC holds.
    version. None free: the version is skipped (:attr:`SlotRing.skipped`), never waited for.
 2. Store ``seq + 1`` (odd): from now on readers see the slot as incomplete.
 3. Copy the bytes in (chunks of :data:`CHUNK` bytes; the CRC32 of each chunk is computed right
-   after its copy, while it is in cache, unless the caller gave the CRC).
+   after its copy, while it is in cache, unless the caller gave the CRC). With
+   :meth:`SlotRing.write_with` the caller's ``fill`` copies them straight from its source (the
+   torch live capture: the model's tensors) with the CRC in the same pass; a ``fill`` whose
+   source was torn during the copy stops here: the slot stays odd, as if its writer had died.
 4. Store generation, step, nbytes, crc and the record CRC, computed over the final even ``seq``
    (the stored ``seq`` is still odd: readers still see the slot incomplete). A reader whose copy
    of the record mixes two states sees a record CRC that does not hold and reads it again.
@@ -88,7 +91,7 @@ import stat
 import struct
 import sys
 import threading
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -223,6 +226,8 @@ class SlotRing:
         """Use :meth:`create` or :meth:`open`."""
         self.path, self.slots, self.capacity, self.meta = path, slots, capacity, meta
         self.skipped = 0
+        #: versions :meth:`write_with` did not publish because their source was torn during the copy
+        self.torn = 0
         self.writer = writer
         self._fd, self._mm = fd, mm
         self._records, self._locks, self._data, self._stride = records, locks, data, stride
@@ -560,6 +565,50 @@ class SlotRing:
             return ver, crc, dst
         raise StreamError(f"slot ring {self.path}: every copy of the newest version was torn ({_MAX_ATTEMPTS} tries)")
 
+    def read_into(self, version: Version | None, pieces: "list[tuple[int, np.ndarray]]", *,
+                  verify: bool = True) -> tuple[Version, int]:
+        """Copy the bytes of ``version`` (None: the newest complete one) straight into their
+        destinations while its slot is pinned: ``pieces`` are ``(offset in the slot, flat writable
+        uint8 array)`` in ascending offset order, not overlapping (a consumer's replica tensors:
+        no receive buffer between the slot and them). The CRC32 of the slot's bytes (the gaps
+        between pieces included) is computed in the same pass, each chunk right after its copy.
+        Returns ``(version, crc)``. Refusals as :meth:`read`; on a CRC mismatch the destinations
+        hold unchecked bytes: the caller must not use them (a consumer's idle replica, not served)."""
+        for _ in range(_MAX_ATTEMPTS):
+            slot, seq, ver, nbytes, crc = self._pin(version)
+            try:
+                src = self._slot_data(slot, nbytes)
+                c = pos = 0
+                for off, dst in pieces:
+                    n = dst.size
+                    if off < pos or off + n > nbytes:
+                        raise StreamError(f"slot ring {self.path}: version {ver} holds {nbytes} bytes; a piece of "
+                                          f"{n} bytes at {off} is outside it or overlaps the one before (a plan "
+                                          "that does not match the producer's)")
+                    if verify and off > pos:
+                        c = crc32(src[pos:off], c)
+                    for a in range(0, n, CHUNK):
+                        b = min(n, a + CHUNK)
+                        np.copyto(dst[a:b], src[off + a:off + b])
+                        if verify:
+                            c = crc32(src[off + a:off + b], c)
+                    pos = off + n
+                if verify and pos < nbytes:
+                    c = crc32(src[pos:nbytes], c)
+                torn = self._seq_now(slot) != seq
+            finally:
+                self._release(slot)
+            if torn:   # only if a pin was broken from outside (e.g. the file's locks were dropped)
+                if version is not None:
+                    raise VersionGoneError(f"slot ring {self.path}: version {ver} was overwritten during the copy")
+                continue
+            if verify and c != crc:
+                raise StreamError(f"slot ring {self.path}: version {ver} in slot {slot}: CRC32 of its {nbytes} bytes "
+                                  f"is {c:08x}, its record says {crc:08x}: the slot was changed by something other "
+                                  f"than its producer, refused")
+            return ver, crc
+        raise StreamError(f"slot ring {self.path}: every copy of the newest version was torn ({_MAX_ATTEMPTS} tries)")
+
     # ------------------------------------------------------------------------------------ writing
     def _take_slot(self) -> int | None:
         """A slot for the next version with its lock byte held exclusively, or None (all pinned)."""
@@ -583,14 +632,37 @@ class SlotRing:
 
         Only on the ring :meth:`create` made (else :class:`StreamError`). ``version`` not larger
         than the last one written, or ``data`` larger than ``capacity``: :class:`ValueError`."""
+        src = _byte_array(data, "SlotRing.write data", writable=False)
+
+        def fill(dst: np.ndarray, copied: Callable[[int], None]) -> int:
+            n, c = dst.size, 0
+            for a in range(0, n, CHUNK):
+                b = min(n, a + CHUNK)
+                np.copyto(dst[a:b], src[a:b])
+                if crc is None:
+                    c = crc32(dst[a:b], c)
+                copied(b)
+            return (crc if crc is not None else c) & 0xFFFFFFFF
+        return self.write_with(version, int(src.size), fill)
+
+    def write_with(self, version: Version, nbytes: int, fill: Callable[[np.ndarray, Callable[[int], None]],
+                                                                        "int | None"]) -> int | None:
+        """Publish ``nbytes`` bytes that ``fill`` puts straight into the slot (no buffer between the
+        source and the slot: the torch live capture's one copy). ``fill(dst, copied)`` gets the
+        slot's ``nbytes`` writable bytes, copies them in (calling ``copied(done)`` after each chunk:
+        the fault-injection point :meth:`_copied`) and returns the CRC32 of ``dst`` as it left it,
+        computed in the same pass as its copy, or None: the source was torn during the copy, the
+        slot is left odd (step 3 never ends: no reader ever sees it, as a writer that died there)
+        and nothing is published. What ``fill`` raises leaves the slot the same way, then goes on.
+        Returns the slot, or None (every candidate slot pinned: :attr:`skipped`, ``fill`` not
+        called; or torn: :attr:`torn`). Same refusals as :meth:`write`."""
         self._check_open()
         if not self.writer:
             raise StreamError(f"slot ring {self.path}: opened read-only; only its creator writes")
         if not isinstance(version, Version):
             raise TypeError(f"SlotRing.write version: a deepfreeze.lease.Version, got {type(version).__name__}")
-        src = _byte_array(data, "SlotRing.write data", writable=False)
-        n = int(src.size)
-        if n > self.capacity:
+        n = int(nbytes)
+        if not 0 <= n <= self.capacity:
             raise ValueError(f"slot ring {self.path}: {n} bytes to publish, the slots hold {self.capacity}: "
                              f"create the ring with a larger capacity")
         if not 0 <= version.generation < 1 << 62 or not -(1 << 63) <= version.step < 1 << 63:
@@ -610,15 +682,11 @@ class SlotRing:
             try:
                 self._seq[slot], self._held[slot] = odd, None
                 self._mm[rec_off:rec_off + 8] = _SEQ.pack(odd)                           # 2. being written
-                dst = self._slot_data(slot, n)
-                c = 0
-                for a in range(0, n, CHUNK):                                             # 3. the bytes
-                    b = min(n, a + CHUNK)
-                    np.copyto(dst[a:b], src[a:b])
-                    if crc is None:
-                        c = crc32(dst[a:b], c)
-                    self._copied(slot, b, n)
-                c = (crc if crc is not None else c) & 0xFFFFFFFF
+                c = fill(self._slot_data(slot, n), lambda done: self._copied(slot, done, n))  # 3. the bytes
+                if c is None:  # torn: the slot stays odd (invisible); the previous versions are untouched
+                    self.torn += 1
+                    return None
+                c = int(c) & 0xFFFFFFFF
                 body = _REC.pack(odd + 1, version.generation, version.step, n, c, 0)[:36]
                 self._mm[rec_off + 8:rec_off + 40] = body[8:] + _HCRC.pack(crc32(body))  # 4. fields
                 self._mm[rec_off:rec_off + 8] = _SEQ.pack(odd + 1)                       # 5. complete, LAST

@@ -514,10 +514,12 @@ class Live:
     part ``"b"`` at the next forward pre-hook, or both at the loop's boundary; at the latest
     before ``on_release``."""
 
-    __slots__ = ("step", "state", "at_boundary", "error", "_a", "_record", "_taken", "_lock")
+    __slots__ = ("step", "state", "at_boundary", "error", "needs_record", "_a", "_record", "_taken", "_lock")
 
-    def __init__(self, step: int, state: "_state.TrainState") -> None:
+    def __init__(self, step: int, state: "_state.TrainState", needs_record: bool = True) -> None:
         self.step, self.state = step, state
+        #: a holder wants the state record (:attr:`LiveSubscriber.wants_record`): else none is taken
+        self.needs_record = needs_record
         self.at_boundary = False
         self.error: "DeepFreezeError | None" = None
         self._a: "bytes | None" = None  # part "a", taken in the post-hook (None: at the loop's boundary)
@@ -578,7 +580,13 @@ class LiveSubscriber(Protocol):
         on_close()         # once, last (LiveCapture.unsubscribe or close)
 
     What they raise goes through ``optimizer.step()`` (there is no ``on_error`` policy here: a
-    subscriber keeps what it survives to itself)."""
+    subscriber keeps what it survives to itself).
+
+    A subscriber whose class sets ``wants_record = False`` (the stream :class:`~deepfreeze.torch.Publisher`:
+    weights only) needs no state record: when no holder of a step wants one, none is taken."""
+
+    #: whether it reads the rank's state record (:meth:`Live.record`); False: none is taken for it
+    wants_record: bool = True
 
     def wants_live(self, step: int) -> bool:
         """Does this subscriber want the live state after optimizer step ``step``?"""
@@ -647,7 +655,7 @@ class LiveCapture(Sink):
         """The loop's boundary: the lent state's record is taken here, whole. Not collective."""
         self.boundary = True
         live = self.live
-        if live is not None:
+        if live is not None and live.needs_record:
             live.take(self.records, whole=True)
 
     # ------------------------------------------------------------------ the step hook
@@ -658,8 +666,8 @@ class LiveCapture(Sink):
         if not wanted:
             return
         st = self._st = self.records.train_state(self._st)
-        live = Live(self.step, st)
-        if not self.boundary:
+        live = Live(self.step, st, any(getattr(s, "wants_record", True) for s in wanted))
+        if not self.boundary and live.needs_record:
             live.take_a(self.records)
         self.live, self._holders = live, wanted
         for s in wanted:
@@ -667,7 +675,7 @@ class LiveCapture(Sink):
 
     def before_forward(self, module: Any, args: Any) -> None:
         live = self.live
-        if live is not None and not self.boundary:
+        if live is not None and not self.boundary and live.needs_record:
             live.take(self.records, whole=False)  # after the loop's scheduler.step()/scaler.update()
 
     def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -680,7 +688,8 @@ class LiveCapture(Sink):
         live = self.live
         if live is None:
             return
-        live.take(self.records, whole=False)
+        if live.needs_record:
+            live.take(self.records, whole=False)
         for s in list(self._holders):
             s.on_release(live)
         if self.live is live:  # (another thread may have released it meanwhile)

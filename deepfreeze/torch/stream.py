@@ -29,7 +29,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
+import json
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -38,16 +41,19 @@ import torch
 
 from .. import format as fmt
 from ..config import Config, did_you_mean
-from ..errors import ConfigError, ModelMismatchError
+from ..errors import ConfigError, ModelMismatchError, StreamTimeoutError
+from ..fused import STAMP_BYTES, FusedLayout
 from ..lease import RunInfo, Version
+from ..shardplan import ShardPlan
 from ..stream.core import Publisher as _CorePublisher, StreamOptions, Subscriber as _CoreSubscriber, Update
 from ..stream.serve import ReplicaServer
+from ..stream.slots import CHUNK
 from . import _state
-from .capture import Captured
+from .capture import Captured, Capture, Live, LiveCapture
 from .checkpointer import Checkpointer
 from .hook import sinks_of
 
-__all__ = ["Publisher", "Subscriber", "ModelSubscriber", "Served", "SCHEDULES"]
+__all__ = ["Publisher", "Subscriber", "ModelSubscriber", "Served", "SlotCopy", "SCHEDULES"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -164,7 +170,23 @@ class Publisher:
         self.stream_options = base
         self._base = ck.step  # an int schedule counts its n steps from here
         self._warmup_end = ck.step + self.warmup_steps
-        ck.subscribe(self)  # this Publisher is a CaptureSubscriber of the Checkpointer's capture
+        self._step0 = ck.step  # the live capture counts steps from 0 at this step
+        #: per version published by this rank: {"version", "hook_s" (the post-hook's part), "wait_s" (the
+        #: next optimizer.step() waiting for the copy)}: the training thread's stall per publish
+        self.publish_timings: list[dict[str, Any]] = []
+        self._copy: "SlotCopy | None" = None  # the copy of the version lent now (or the last one)
+        self._plan: ShardPlan | None = None
+        self._key: bytes | None = None
+        self._specs_seen: Any = None
+        self._chunks: list = []
+        self._views: dict = {}
+        self._torn_before = 0
+        #: the live capture of the steps to publish (:class:`~deepfreeze.torch.capture.LiveCapture`, on the
+        #: model's step hook beside the Checkpointer's capture): the tensors lent from the post-hook to the
+        #: next optimizer.step(), no copy but the Publisher's own into its slot
+        self.capture = LiveCapture(ck.model, ck.optimizers, records=ck.records)
+        self.capture.subscribe(self)
+        ck.subscribe(self)  # its wait() and close() reach the Publisher (on_wait, on_close); it captures nothing for it
 
     def __getattr__(self, name: str) -> Any:
         ck = self.__dict__.get("checkpointer")
@@ -227,16 +249,15 @@ class Publisher:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ a subscriber of the capture
-    def wants_capture(self, step: int) -> bool:
-        """Does this Publisher want the state after optimizer step ``step`` (its schedule)?
-        (:class:`~deepfreeze.torch.capture.CaptureSubscriber`, as every ``on_*`` method below.)"""
+    # ------------------------------------------------------------------ the schedule
+    def _wants_publish(self, step: int) -> bool:
+        """Does the schedule publish the state after optimizer step ``step``?"""
         s = self.schedule
         if isinstance(s, int):
             return (step - self._base) % s == 0
         if self.publish_plan is None:  # warm-up: publish once, at its end
             if step > self._warmup_end + 1 and not self._report_missing:
-                self._report_missing = True  # raised once, under the Checkpointer's on_error
+                self._report_missing = True  # raised once, through optimizer.step()
                 raise ConfigError(
                     f"schedule={s!r} on channel {self.channel!r}: no plan after {self.warmup_steps} warm-up steps "
                     f"({len(self._losses)} losses reported): call publisher.report(loss) after every "
@@ -244,35 +265,139 @@ class Publisher:
             return step == self._warmup_end
         return step in self._plan_steps
 
+    # ------------------------------------------------------------------ a subscriber of the Checkpointer
+    def wants_capture(self, step: int) -> bool:
+        """Never: a version is copied from the live tensors straight into a slot (:meth:`on_live`),
+        not from the Checkpointer's capture, which serves its own checkpoints only. The Publisher
+        stays a :class:`~deepfreeze.torch.capture.CaptureSubscriber` of it for its ``wait`` and
+        ``close`` (:meth:`on_wait`, :meth:`on_close`)."""
+        return False
+
     def on_capture(self, captured: Captured, run: RunInfo) -> None:
-        """Publish this rank's share of a finished, checked capture."""
-        ck, info, step = self.checkpointer, run, captured.step
-        pub = self.publisher
-        if pub is None or pub.layout.plan != captured.plan or pub.run.id != info.id:
-            if pub is not None:
-                self.publisher = None
-                pub.close()
-            self.publisher = _CorePublisher(ck.name, ck.config.persistent, rank=ck.rank, world=ck.size,
-                                            run=info, plan=captured.plan, model_tensors=captured.model_tensors,
-                                            options=self.stream_options)
-            if ck.verbose and ck.rank == 0:
-                log.warning("DeepFreeze: publishing %r at %s (%.1f MB per version on rank 0)", ck.name,
-                            self.publisher.address, self.publisher.prefix / 1e6)
-        v = Version(info.generation, step)
-        self.publisher.publish(v, captured.shard)
-        self.published.append(v)
+        """Not called (:meth:`wants_capture` wants none)."""
 
     def on_wait(self, timeout: float | None) -> None:
-        """Wait for the publisher's copy (the Checkpointer's ``wait``)."""
+        """Wait for the copy of the version lent now and for the publisher's notification (the Checkpointer's ``wait``)."""
+        copy_ = self._copy
+        if copy_ is not None and not copy_.finished.wait(self.timeout if timeout is None else timeout):
+            raise StreamTimeoutError(f"channel {self.channel!r}: the copy of v{copy_.step} did not end within "
+                                     f"{timeout}s")
         if self.publisher is not None:
             self.publisher.wait(timeout)
 
     def on_close(self) -> None:
-        """Stop publishing (the Checkpointer closes, or this Publisher does)."""
+        """Stop publishing (the Checkpointer closes, or this Publisher does): the lent state is
+        released (its copy ends first), the live capture leaves the step hook, then the publisher."""
+        if self._closed:
+            return
         self._closed = True
-        pub, self.publisher = self.publisher, None
-        if pub is not None:
-            pub.close()
+        try:
+            self.capture.close()  # (calls on_close again: returns above)
+        finally:
+            pub, self.publisher = self.publisher, None
+            if pub is not None:
+                pub.close()
+
+    # ------------------------------------------------------------------ a live subscriber of the step
+    #: the Publisher needs no state record (weights only): the live capture takes none for it
+    wants_record = False
+    #: advanced: the :class:`SlotCopy` subclass that copies a version into its slot (tests inject faults)
+    copy_cls: "type[SlotCopy]"
+
+    def wants_live(self, step: int) -> bool:
+        """Does the schedule publish the state after this optimizer step (``step`` counted by the
+        live capture from the Publisher's start)? (:class:`~deepfreeze.torch.capture.LiveSubscriber`,
+        as :meth:`on_live` and :meth:`on_release`.)"""
+        return not self._closed and self._wants_publish(self._step0 + step)
+
+    def on_live(self, live: Live) -> None:
+        """The post-hook of a step to publish: this rank's 1/N of the weights goes from the live
+        tensors straight into a slot of its ring, on the publish thread, overlapping the next
+        forward and backward (the tensors do not change before :meth:`on_release`). Buffers (taken
+        whole by rank 0) change in the next forward: they are copied here. Collective only when the
+        model's tensor list changed (one all-gather: every rank publishes the same model). Runs
+        under the Checkpointer's ``on_error`` policy."""
+        self.checkpointer._guard(self._publish_live, live)
+
+    def _publish_live(self, live: Live) -> None:
+        t0 = time.perf_counter()
+        ck, st = self.checkpointer, live.state
+        self._plan_for(st)
+        info = ck._run.info
+        pub = self.publisher
+        if pub is None or pub.run.id != info.id:
+            if pub is not None:
+                self.publisher = None
+                pub.close()
+            self.publisher = _CorePublisher(ck.name, ck.config.persistent, rank=ck.rank, world=ck.size, run=info,
+                                            plan=self._plan, model_tensors=len(self._plan.tensors),
+                                            options=self.stream_options)
+            if ck.verbose and ck.rank == 0:
+                log.warning("DeepFreeze: publishing %r at %s (%.1f MB per version on rank 0)", ck.name,
+                            self.publisher.address, self.publisher.prefix / 1e6)
+        v = Version(info.generation, self._step0 + live.step)
+        copy_ = self._copy = self.copy_cls(v.step, self._chunks, st, self._views)
+        self.publisher.publish_with(v, copy_, copy_.done)
+        self.published.append(v)
+        self.publish_timings.append({"version": v.step, "hook_s": time.perf_counter() - t0, "wait_s": 0.0})
+
+    def on_release(self, live: Live) -> None:
+        """Before the tensors change (the next ``optimizer.step()``): wait for the copy (bounded by
+        the stream's ``io_timeout``: past it the step goes on, and a copy that then sees a tensor
+        change is torn, never published)."""
+        copy_ = self._copy
+        if copy_ is None or copy_.finished.is_set():
+            return
+        t0 = time.perf_counter()
+        if not copy_.finished.wait(self.timeout):
+            log.warning("DeepFreeze: channel %r: the copy of v%d did not end within %.0fs: training goes on (the "
+                        "version is torn, not published)", self.channel, copy_.step, self.timeout)
+        if self.publish_timings:
+            self.publish_timings[-1]["wait_s"] += time.perf_counter() - t0
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a step waits at most for a version's copy (the stream's ``io_timeout``)."""
+        return float(self.stream_options.io_timeout)
+
+    @property
+    def torn(self) -> int:
+        """Versions not published because a tensor changed during their copy (this rank)."""
+        return 0 if self.publisher is None else int(self.publisher.ring.torn) + self._torn_before
+
+    def _plan_for(self, st: "_state.TrainState") -> None:
+        """The shard plan of the model's tensors (weights and buffers; no optimizer state, no state
+        record) and this rank's copy of it into a slot, made when the tensor list changes. One
+        all-gather checks that every rank publishes the same model."""
+        if st.specs is self._specs_seen:
+            return
+        mt = st.model_tensors
+        pinned = sorted(p for p in st.pinned if p < mt)
+        given = {t: list(b) for t, b in st.bounds.items() if t < mt}
+        key = hashlib.sha256(json.dumps([[(sp.name, sp.dtype, list(sp.shape)) for sp in st.specs[:mt]], pinned,
+                                         sorted(given)]).encode()).digest()[:16]
+        self._specs_seen = st.specs
+        if key == self._key:
+            return
+        ck = self.checkpointer
+        if ck.size > 1:
+            keys = ck.comm.allgather(key)
+            if any(k != key for k in keys):
+                bad = next(r for r, k in enumerate(keys) if k != key)
+                raise ModelMismatchError(f"channel {self.channel!r}: rank {bad} publishes a different model than "
+                                         f"rank {ck.rank}: every rank must build the same model")
+        plan = ShardPlan.build(st.specs[:mt], ck.size, min_shard_bytes=ck.min_shard_bytes, pinned=pinned, given=given)
+        if self._plan is not None:
+            if self.publisher is not None:
+                self._torn_before += int(self.publisher.ring.torn)
+                pub, self.publisher = self.publisher, None
+                pub.close()  # a new ring, endpoint and plan for consumers
+            if ck.rank == 0:
+                log.warning("DeepFreeze: channel %r: the model's tensors changed: a new plan from step %d on",
+                            self.channel, ck.step)
+        self._plan, self._key = plan, key
+        self._chunks = _slot_chunks(FusedLayout.build(plan, ck.rank), st.bounds, ck.rank, set(pinned))
+        self._views = {}
 
     # ------------------------------------------------------------------ the plan
     def _make_plan(self) -> None:
@@ -286,7 +411,7 @@ class Publisher:
             raise ConfigError(f"channel {self.channel!r}: the ranks reported different numbers of losses: call "
                               "publisher.report(loss) once after every optimizer.step() on every rank")
         stats = np.mean([np.frombuffer(r, dtype=np.float64) for r in rows], axis=0)
-        t_p = max(max((t["post_hook_s"] + t["wait_s"] for t in ck.timings[-3:]), default=0.0), 1e-5)
+        t_p = max(max((t["hook_s"] + t["wait_s"] for t in self.publish_timings[-3:]), default=0.0), 1e-5)
         plan = producer_plan(
             self.schedule, self.channel, stats[:-1], rank=ck.rank,
             broadcast=(lambda b: ck.comm.allgather(b)[0]) if ck.size > 1 else (lambda b: b),
@@ -300,6 +425,117 @@ class Publisher:
             return
         self.publish_plan = plan
         self._plan_steps = {int(s) for s in plan.steps}
+
+
+class SlotCopy:
+    """One version's copy from the live tensors straight into this rank's slot: the ``fill`` of
+    :meth:`SlotRing.write_with <deepfreeze.stream.slots.SlotRing.write_with>`, run on the publish
+    thread between the step's post-hook and the next ``optimizer.step()``.
+
+    Call order: made in the post-hook (``on_live``: the buffers rank 0 publishes, which the next
+    forward changes, are copied aside here; every other tensor's ``_version`` is noted); called
+    once with the slot's bytes (``fill(dst, copied)``): each chunk (about
+    :data:`~deepfreeze.stream.slots.CHUNK` bytes: many small tensors in one ``torch._foreach_copy_``,
+    a large one in several) is copied, then its CRC32 computed while it is in cache, ``copied``
+    told; then the versions are compared: a tensor changed during the copy makes it torn (None is
+    returned: the slot is never completed); :attr:`finished` is set once nothing reads the tensors
+    any more (also by :meth:`done` when the fill never runs). :meth:`_copied_chunk` is the
+    fault-injection point (a subclass changes a tensor or dies there)."""
+
+    def __init__(self, step: int, chunks: list, st: "_state.TrainState", views: dict) -> None:
+        self.step = step
+        self.finished = threading.Event()
+        #: the name of the first tensor that changed during the copy (None: not torn)
+        self.changed: "str | None" = None
+        self._chunks = chunks
+        self._sources: dict[int, torch.Tensor] = {}
+        self.versions: list[tuple[torch.Tensor, int, str]] = []
+        for tid, piece, pinned in {(c[2], c[3], c[5]) for group in chunks for c in group[1]}:
+            t = st.tensors[tid]
+            hit = views.get(tid)
+            if hit is not None and hit[0] is t and hit[1] == t.data_ptr():
+                v = hit[2]
+            else:
+                v = Capture._source_view(t, piece) if t.device.type == "cpu" else _device_bytes(t, piece)
+                if t.is_contiguous():
+                    views[tid] = (t, t.data_ptr(), v)
+            if pinned:  # changed by the next forward: aside now
+                v = v.to("cpu", copy=True)
+            else:
+                name = st.specs[tid].name
+                self.versions.append((t, t._version, name))
+                if tid in st.dtensors:  # the optimizer's in-place updates count on the DTensor
+                    self.versions.append((st.dtensors[tid], st.dtensors[tid]._version, name))
+            self._sources[tid] = v
+
+    def __call__(self, dst: np.ndarray, copied: Callable[[int], None]) -> "int | None":
+        try:
+            d = torch.from_numpy(dst)
+            c, pos = 0, 0
+            for end, items in self._chunks:
+                dsts = [d[off:off + n] for off, n, _, _, a, _ in items]
+                srcs = [self._sources[tid][a:a + n] for _, n, tid, _, a, _ in items]
+                if any(x.device.type != "cpu" for x in srcs):
+                    for x, y in zip(dsts, srcs):
+                        x.copy_(y)  # device to host, straight into the slot
+                else:
+                    torch._foreach_copy_(dsts, srcs)
+                del dsts, srcs
+                c = fmt.crc32(dst[pos:end], c)  # the chunk (and its padding) while in cache
+                pos = end
+                self._copied_chunk(end)
+                copied(end)
+            del d
+            self.changed = next((name for t, v, name in self.versions if t._version != v), None)
+            return None if self.changed is not None else c
+        finally:
+            self.finished.set()
+
+    def done(self) -> None:
+        """Nothing reads the tensors any more (called once the fill returned or when it never runs)."""
+        self.finished.set()
+
+    def _copied_chunk(self, done: int) -> None:
+        """After each chunk (``done`` bytes of the slot written): does nothing; a fault-injection point."""
+
+
+Publisher.copy_cls = SlotCopy
+
+
+def _device_bytes(t: torch.Tensor, piece: Any) -> torch.Tensor:
+    """The bytes of ``piece`` of a device tensor as a flat uint8 tensor on its device (no host copy)."""
+    src = t.detach().reshape(-1)[piece.start:piece.stop].contiguous()
+    return src.view(torch.uint8) if src.dtype != torch.uint8 else src
+
+
+def _slot_chunks(layout: FusedLayout, bounds: dict, rank: int, pinned: set) -> list:
+    """This rank's copy into a slot, in chunks of about :data:`CHUNK` bytes in slot order: a list of
+    ``(end offset of the chunk in the slot, items)``, an item ``(slot offset, nbytes, tensor id,
+    piece, byte offset in the piece, pinned)``; a chunk's end covers the padding after it, the
+    last one the slot's end (so the CRC of the chunks in order is the slot's)."""
+    items = []
+    for seg in sorted(layout.segments, key=lambda g: g.offset):
+        if not seg.nbytes:
+            continue
+        piece = seg.piece
+        if piece.tensor_id in bounds:  # an FSDP2 shard: the local tensor starts at this rank's bound
+            base = bounds[piece.tensor_id][rank]
+            piece = dataclasses.replace(piece, start=piece.start - base, stop=piece.stop - base)
+        off = seg.offset - STAMP_BYTES
+        for a in range(0, seg.nbytes, CHUNK):
+            items.append((off + a, min(CHUNK, seg.nbytes - a), piece.tensor_id, piece, a, piece.tensor_id in pinned))
+    chunks: list = []
+    group: list = []
+    size = 0
+    for it in items:
+        if group and size + it[1] > CHUNK:
+            chunks.append([it[0], group])
+            group, size = [], 0
+        group.append(it)
+        size += it[1]
+    if group:
+        chunks.append([layout.data_bytes, group])
+    return [(end, g) for end, g in chunks]
 
 
 def _check_ride(ck: Any, model: torch.nn.Module, opts: list, channel: "str | None", config: Any,
@@ -399,8 +635,10 @@ class Subscriber(ReplicaServer):
         that nobody publishes the channel, naming where the subscriber looked.
       **overrides: INI keys (with ``config``).
 
-    Memory: two replicas, one staging copy of the weights and per producer rank a receive buffer
-    of its shard (about four times the weights). A version whose tensors do not match the module
+    Memory: two replicas; through shared memory into CPU replicas nothing else (each version is
+    copied from the producer's slots straight into the idle replica, its CRC checked in the same
+    pass); over TCP (or into CUDA replicas) also a staging copy of the weights and per producer
+    rank a receive buffer of its shard (about four times the weights). A version whose tensors do not match the module
     is a :class:`~deepfreeze.errors.ModelMismatchError` raised (once) by :meth:`wait`/:meth:`current`;
     the live version stays live.
     """
@@ -427,6 +665,7 @@ class Subscriber(ReplicaServer):
                               warn_after=warn_after)
         super().__init__(channel, sub, [module, other])
         self._targets: dict[int, dict[str, torch.Tensor]] = {}  # id(replica module) -> name -> tensor
+        self._views: dict[tuple, tuple] = {}  # (id(replica module), tensors) -> (targets, numpy views or None)
         self._start()
 
     @contextlib.contextmanager
@@ -449,10 +688,12 @@ class Subscriber(ReplicaServer):
             return {k: v.detach().to("cpu", copy=True) for k, v in m.module.state_dict().items()}, m.version
 
     # -- the framework's part
-    def _targets_of(self, module: torch.nn.Module, up: Update) -> dict[str, torch.Tensor]:
-        """The replica's tensors by published name (tied FQNs: the one published), checked once."""
+    def _targets_of(self, module: torch.nn.Module, published: "list[tuple[str, str, tuple]]") -> dict[str, torch.Tensor]:
+        """The replica's tensors by published name (tied FQNs: the one published), checked once
+        against ``published`` ((name, dtype, shape) of each published tensor)."""
+        names = [n for n, _, _ in published]
         got = self._targets.get(id(module))
-        if got is not None and list(got) == list(up.arrays):
+        if got is not None and list(got) == names:
             return got
         entries = _state.model_entries(module)
         first: dict[int, str] = {}
@@ -460,27 +701,52 @@ class Subscriber(ReplicaServer):
         for fqn, t, _ in entries:
             if first.setdefault(id(t), fqn) == fqn:
                 mine[fqn] = t
-        names = list(up.arrays)
         missing = [n for n in names if n not in mine]
-        extra = [n for n in mine if n not in up.arrays]
+        extra = [n for n in mine if n not in set(names)]
         if missing or extra:
             raise ModelMismatchError(
                 f"channel {self.channel!r} publishes {len(names)} model tensors, the module has {len(mine)}: not in "
                 f"the module: {missing[:5]}; not published: {extra[:5]}. Build the producer's architecture (the "
                 "names are its state-dict keys without DDP's 'module.' prefix)")
         out = {}
-        for n, a in up.arrays.items():
+        for n, dtype, shape in published:
             t = mine[n]
             mt = (_state.dtype_of(t, n), tuple(t.shape))
-            if mt != (fmt.dtype_name(a.dtype), a.shape):
-                raise ModelMismatchError(f"channel {self.channel!r}: tensor {n!r} is {fmt.dtype_name(a.dtype)}"
-                                         f"{list(a.shape)} published, {mt[0]}{list(mt[1])} in the module")
+            if mt != (dtype, tuple(shape)):
+                raise ModelMismatchError(f"channel {self.channel!r}: tensor {n!r} is {dtype}{list(shape)} published, "
+                                         f"{mt[0]}{list(mt[1])} in the module")
             out[n] = t
         self._targets[id(module)] = out
         return out
 
+    def _out_for(self, module: torch.nn.Module) -> "dict[str, np.ndarray] | None":
+        """The replica's CPU tensors as numpy arrays sharing their memory: the subscriber copies each
+        version straight from the producer's slot into them (one copy, its CRC in the same pass).
+        None (the staged path, :meth:`_load`) before the producer's tensors are known, for CUDA
+        replicas, and for tensors numpy cannot view (bfloat16, non-contiguous)."""
+        specs = self._sub.specs()
+        if not specs:
+            return None
+        targets = self._targets_of(module, [(sp.name, sp.dtype, tuple(sp.shape)) for sp in specs])
+        key = (id(module), len(specs))
+        hit = self._views.get(key)
+        if hit is not None and hit[0] is targets:
+            return hit[1]
+        views: "dict[str, np.ndarray] | None" = {}
+        for n, t in targets.items():
+            if t.device.type != "cpu" or not t.is_contiguous():
+                views = None
+                break
+            try:
+                views[n] = t.detach().numpy()
+            except (TypeError, RuntimeError):  # a dtype numpy has no view of
+                views = None
+                break
+        self._views[key] = (targets, views)
+        return views
+
     def _load(self, module: torch.nn.Module, up: Update) -> None:
-        targets = self._targets_of(module, up)
+        targets = self._targets_of(module, [(n, fmt.dtype_name(a.dtype), a.shape) for n, a in up.arrays.items()])
         cuda = [t for t in targets.values() if t.is_cuda]
         stream = None
         if cuda and torch.cuda.is_available():  # a side stream; its event is waited for before the swap

@@ -10,11 +10,10 @@ for the file OUT/gate<STEP> the test writes; the other rank in a barrier),
 kill_at=STEP (rank 1 SIGKILLs itself right after publishing STEP, once the consumer served it),
 die_mid=STEP (rank 1 dies by SIGKILL in the middle of copying STEP into its shared-memory slot:
 after the slot was marked as being written, before its record is complete; injected by
-subclassing the ring; and STEP's persistent copy is skipped on both ranks, as when a writer is
-busy, injected by subclassing the Checkpointer the Publisher rides on: only the stream could
-deliver STEP),
+subclassing the ring; a Checkpointer without a schedule runs beside the Publisher, so STEP is
+never written to persistent: only the stream could deliver it),
 shm_dir (the producer's rings), ck=N (a deepfreeze.torch.Checkpointer checkpointing every N steps
-runs, and the Publisher rides on its capture: Publisher(..., checkpointer=ck)), tcp=1 (listen on
+runs, and the Publisher rides on it: Publisher(..., checkpointer=ck)), tcp=1 (listen on
 loopback TCP as well: StreamOptions(port=0) is the default; kept for the consumers' tier=tcp),
 fsdp=1 (FSDP2 instead of DDP: ``fully_shard`` on each submodule, then the root, on a 1-D CPU mesh
 of every rank; each rank publishes its local rows of every parameter).
@@ -23,7 +22,8 @@ Per rank it writes (numpy .npz, no pickles), right after each published step's o
   OUT/r<rank>/v<step>.npz   the module's state dict (FQNs without DDP's prefix; under fsdp=1 the
                             full state gathered with get_model_state_dict(full_state_dict=True))
   OUT/r<rank>/o<step>.npz   the optimizer's state tensors as optim.state.<fqn>.<key> (with ck=N)
-  OUT/r<rank>/info.json     published versions, coalesced, step, captures (how many the Checkpointer took)
+  OUT/r<rank>/info.json     published versions, coalesced, step, captures (how many the Checkpointer took),
+                            torn (versions not published: a tensor changed during their copy)
 """
 import json
 import os
@@ -109,9 +109,9 @@ def dying_ring(step: int, out: str) -> type:
     from deepfreeze.stream import slots
 
     class DyingRing(slots.SlotRing):
-        def write(self, version, data, **kw):
+        def write_with(self, version, nbytes, fill):  # (write() goes through it too)
             self._dying = version.step == step
-            return super().write(version, data, **kw)
+            return super().write_with(version, nbytes, fill)
 
         def _copied(self, slot, done, total):
             if getattr(self, "_dying", False):
@@ -156,11 +156,8 @@ def main() -> None:
     stream = StreamOptions(shm_dir=kw["shm_dir"]) if kw.get("shm_dir") else None
     ck_every, die_mid = int(kw.get("ck", 0)), int(kw.get("die_mid", -1))
     ck = None
-    if ck_every or die_mid >= 0:  # a Checkpointer runs; the Publisher publishes its capture (one capture per step)
-        class SkipsDieMid(Checkpointer):
-            def _writer_busy(self) -> bool:  # collective: every rank answers True at die_mid without a vote
-                return self.step == die_mid or super()._writer_busy()
-        ck = SkipsDieMid(model, opt, name=CHANNEL, every_n_steps=ck_every or None, **dirs)
+    if ck_every or die_mid >= 0:  # a Checkpointer runs; the Publisher rides on it (its run, its fallback tier)
+        ck = Checkpointer(model, opt, name=CHANNEL, every_n_steps=ck_every or None, **dirs)
         pub = Publisher(model, opt, checkpointer=ck, schedule=every, stream=stream)
     else:
         pub = Publisher(model, opt, channel=CHANNEL, schedule=every, stream=stream, **dirs)
@@ -195,6 +192,7 @@ def main() -> None:
     pub.close()
     owner = pub.checkpointer
     info = {"published": [v.step for v in pub.published], "coalesced": pub.coalesced, "step": pub.step,
+            "torn": pub.torn, "stalls": pub.publish_timings,
             "prefix": prefix, "captures": len(owner.timings),
             "sinks": len(owner.hook.sinks), "owner_open_after_publisher": not owner._closed}
     if ck is not None:

@@ -13,8 +13,9 @@ StreamTimeoutError) and that it still serves ``until``. Writes OUT/serve.npz (st
 outputs) and OUT/serve.json.
 
 With ``stall=1`` (fault injection by subclassing the shared-memory ring it reads) the consumer's
-first read of a version from a producer's ring pins the slot, copies half of it, writes
-OUT/stalled and stops there, holding the pin, until the test SIGKILLs it mid-transfer.
+first read of a version from a producer's ring pins the slot, copies half of it (into the idle
+replica's tensors, or a receive buffer), writes OUT/stalled and stops there, holding the pin,
+until the test SIGKILLs it mid-transfer.
 """
 import json
 import logging
@@ -39,6 +40,17 @@ def stalling_ring(outdir: str) -> type:
         def read(self, version=None, out=None, *, verify=True):
             with self.pinned(version) as (ver, crc, view):  # the slot pinned, as a read holds it
                 half = np.frombuffer(view, dtype=np.uint8)[:len(view) // 2].copy()  # noqa: F841 (copying)
+                with open(os.path.join(outdir, f"stalled.{os.getpid()}.{ver.step}"), "w") as f:
+                    f.write(str(ver.step))
+                time.sleep(600)  # SIGKILLed here, the pin held
+            raise AssertionError("not reached")
+
+        def read_into(self, version, pieces, *, verify=True):
+            # the copy straight into the idle replica's tensors: half of them written, the pin held
+            with self.pinned(version) as (ver, crc, view):
+                src = np.frombuffer(view, dtype=np.uint8)
+                for off, dst in pieces[:len(pieces) // 2]:
+                    dst[:] = src[off:off + dst.size]
                 with open(os.path.join(outdir, f"stalled.{os.getpid()}.{ver.step}"), "w") as f:
                     f.write(str(ver.step))
                 time.sleep(600)  # SIGKILLed here, the pin held
