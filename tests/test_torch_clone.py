@@ -151,3 +151,76 @@ def test_clone_whose_source_dies_mid_transfer_ends_with_a_named_error(tmp_path):
     assert got.get("error_type") in ("CloneError", "CloneTimeoutError"), got
     assert "source rank" in got["error"], got
     assert got["seconds"] < 45, got  # the clone's own receive, bounded by its timeout=20
+
+
+def _torchrun_kept(n: int, *args: str) -> list[str]:
+    """torchrun whose agent does not stop the other ranks at once when one dies (its monitor looks
+    every 30 s): the survivors of a killed clone rank report their own error."""
+    cmd = _torchrun(n, *args)
+    i = cmd.index("--nproc-per-node")
+    return cmd[:i] + ["--monitor-interval", "30"] + cmd[i:]
+
+
+def _ended(p: subprocess.Popen) -> str:
+    """The job's output once it ended, whatever its exit status (120 s at most)."""
+    try:
+        text, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        text, _ = p.communicate()
+        pytest.fail(f"{' '.join(p.args)} did not end within 120 s\n{text[-6000:]}")
+    return text
+
+
+def test_clone_2_to_3_lands_in_the_tensors_each_byte_once_per_rank_bit_exact(tmp_path):
+    """Issue 44, item 2: 2 -> 3, the bytes land in the model's own tensors and in the optimizer's
+    new state tensors, each route forwarded to the other clone ranks as it lands. The sources send
+    every byte once in all (disjoint sends: their traffic does not grow with the clone ranks);
+    every clone rank receives each byte once, from a source or from the clone rank that received
+    it; the state equals the source's at K bit for bit on every rank."""
+    out = str(tmp_path)
+    src = _source(out, "clones=1")
+    try:
+        text = _wait(_start(_torchrun(3, DST, out, "three")))
+    finally:
+        _finish(src, out)
+    res = [_result(os.path.join(out, "src", f"result_r{r}.json")) for r in range(2)]
+    assert all(c["error"] is None for r in range(2) for c in res[r]["clones"]), res
+    got = [_result(os.path.join(out, "three", f"result_r{r}.json")) for r in range(3)]
+    k = got[0]["step"]
+    assert [g["step"] for g in got] == [k] * 3 and k in res[0]["taken"], (got, res)
+    total = got[0]["timings"]["state_bytes"]
+    assert total > 0 and sum(g["timings"]["bytes_received"] for g in got) == total, got
+    src_bytes = sum(c["bytes"] for r in range(2) for c in res[r]["clones"])
+    assert src_bytes == total, (src_bytes, total)
+    for r, g in enumerate(got):
+        t = g["timings"]
+        assert t["bytes_received"] + t["bytes_relayed"] == total, (r, t)
+        assert t["bytes_forwarded"] == 2 * t["bytes_received"], (r, t)
+        assert g["model_in_place"] is True, g
+        # at another world size rank 0's record (no RNG); the tensors are the source's at K
+        _same(_load(os.path.join(out, "three", f"got_r{r}.npz")), _load(os.path.join(out, "src", f"s{k}_r0.npz")),
+              f"2->3 received, rank {r}")
+    assert "the source had 2 ranks, this job has 3" in text, text[-3000:]
+
+
+def test_a_clone_rank_killed_while_forwarding_ends_with_a_named_error_and_the_source_trains_on(tmp_path):
+    """Issue 44's Done-when: clone rank 1 of 2 dies right after its first forward frame (fault
+    injected by subclassing the Forwarder). Clone rank 0's receive ends with a CloneError naming
+    clone rank 1, within its timeout; the source logs the failed clone and trains on."""
+    out = str(tmp_path)
+    src = _source(out, "clones=1")
+    try:
+        _ended(_start(_torchrun_kept(2, DST, out, "killed", "die_forwarding=1", "timeout=20")))
+    finally:
+        _finish(src, out)
+    assert not os.path.exists(os.path.join(out, "killed", "result_r1.json"))  # it died
+    got = _result(os.path.join(out, "killed", "result_r0.json"))
+    assert got.get("error_type") in ("CloneError", "CloneTimeoutError"), got
+    assert "clone rank 1" in got["error"], got
+    assert got["seconds"] < 45, got  # bounded by its timeout=20
+    res = [_result(os.path.join(out, "src", f"result_r{r}.json")) for r in range(2)]
+    for r in range(2):  # the source trained on past the clone step and names the failed clone
+        assert len(res[r]["taken"]) == 1 and res[r]["steps"] >= res[r]["taken"][0] + 4, res[r]
+        assert [c["error"] is not None for c in res[r]["clones"]] == [True], res[r]
+        assert res[r]["error"] and res[r]["error"].split(":")[0] in ("CloneError", "CloneTimeoutError"), res[r]

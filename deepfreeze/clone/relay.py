@@ -30,9 +30,10 @@ channels, token proven both ways, every frame sealed):
    ``j`` before; the payload must be exactly their bytes (:func:`check_forward`, before a byte
    of it is read). ``k`` receives each route straight into its buffer of that tensor.
 3. **End.** ``{"df": "clone-done"}`` once every route of ``j`` was forwarded; refused unless
-   every one arrived. A clone rank whose receive fails shuts its connections instead: the
-   others' receives fail at once, naming it (``{"df": "clone-abort", "reason": ...}`` is
-   understood too).
+   every one arrived. ``{"df": "clone-abort", "reason": ...}`` instead: ``j``'s receive failed
+   (the reason names the rank that did; ``k``'s receive fails with it, so the cause is named,
+   not ``j``); ``j`` then shuts its connections (within 1 s). A rank that dies is a closed
+   connection.
 
 Every wait is bounded by the receive's deadline: a clone rank that stops is a
 :class:`~deepfreeze.errors.CloneTimeoutError`, one that dies (its connection closes) a
@@ -41,6 +42,7 @@ Every wait is bounded by the receive's deadline: a clone rank that stops is a
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from typing import Any, Mapping
 
@@ -121,6 +123,9 @@ class Forwarder:
         self.forwarded = 0  #: routes sent so far
         self.bytes_sent = 0
         self.ended = False  #: every route forwarded and the end sent
+        self.running = False  #: :meth:`run` started
+        self.finished = threading.Event()  #: :meth:`run` returned or raised
+        self._reason = ""
         self._q: "queue.Queue[Route | None]" = queue.Queue()
         self._ch: net.Channel | None = None
 
@@ -128,8 +133,15 @@ class Forwarder:
         """``route`` (``dst == rank``) has landed in ``buffers``: forward it."""
         self._q.put(route)
 
-    def stop(self) -> None:
-        """Give up (the receive failed): :meth:`run` ends at once, the connection shut."""
+    def stop(self, reason: str) -> None:
+        """Give up (this rank's receive failed): :meth:`run` sends the peer ``{"df":
+        "clone-abort", "reason": reason}`` before its next frame and ends (the peer's receive
+        fails naming the cause, not this rank); :meth:`kill` ends it at once."""
+        self._reason = reason
+        self._q.put(_STOP)
+
+    def kill(self) -> None:
+        """End :meth:`run` at once: the connection shut."""
         self._q.put(_STOP)
         ch = self._ch
         if ch is not None:
@@ -148,6 +160,13 @@ class Forwarder:
         return self.buffers[r.tensor_id][r.start * item:r.stop * item]
 
     def run(self, deadline: float) -> int:
+        self.running = True
+        try:
+            return self._run(deadline)
+        finally:
+            self.finished.set()
+
+    def _run(self, deadline: float) -> int:
         what = f"clone rank {self.rank}: forwarding to clone rank {self.peer} ({self.address})"
         try:
             sock = net.connect(self.address, max(0.001, deadline - time.monotonic()))
@@ -172,6 +191,9 @@ class Forwarder:
                         break
                     size += 0 if batch[-1] is _STOP else self._view(batch[-1]).nbytes
                 if any(r is _STOP for r in batch):
+                    if self._reason:  # the peer learns why (bounded: 1 s)
+                        ch.send({"df": "clone-abort", "reason": self._reason[:2000]},
+                                deadline=min(deadline, time.monotonic() + 1.0))
                     raise CloneError(f"{what}: stopped (this clone rank's receive failed)")
                 routes = [r for r in batch if r is not None]
                 views = [self._view(r) for r in routes]

@@ -378,8 +378,8 @@ class CloneListener:
                 futures[pool.submit(self._serve, ch, n_src, accept, deadline)] = "source"
             if refused is not None:
                 raise refused
-        except BaseException:
-            self._abort()
+        except BaseException as e:
+            self._abort(f"{type(e).__name__}: {e}")
             raise
         finally:
             pool.shutdown(wait=False)
@@ -579,10 +579,23 @@ class CloneListener:
             raise CloneError(f"clone rank {self.rank}: the connection of clone rank {'?' if j is None else j} "
                              f"({ch.peer()}) failed while it forwarded its chunks (it died, or closed): {e}") from e
 
-    def _abort(self) -> None:
-        for fw in list(self._forwarders.values()):
-            fw.stop()
-        for ch in list(self._channels.values()) + list(self._peer_channels.values()):
+    def _abort(self, reason: str = "") -> None:
+        """Give up: the source connections shut at once; the other clone ranks are told why by
+        this rank's forwarders (within 1 s), then every connection is shut."""
+        for ch in list(self._channels.values()):
+            try:
+                ch.shutdown()
+            except OSError:
+                pass
+        fws = list(self._forwarders.values())
+        for fw in fws:
+            fw.stop(reason)
+        end = time.monotonic() + 1.0
+        for fw in fws:
+            if fw.running:
+                fw.finished.wait(max(0.0, end - time.monotonic()))
+            fw.kill()
+        for ch in list(self._peer_channels.values()):
             try:
                 ch.shutdown()
             except OSError:

@@ -505,6 +505,8 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
         except DeepFreezeError as e:
             error = e
         timings["received"] = time.time()
+        if listener.first_data_at is not None:
+            timings["first_data"] = listener.first_data_at
         # -- agreement: every rank learns every other's outcome before anything is loaded
         try:
             failed = _agree(group, error, rank, size, timeout)

@@ -1,13 +1,16 @@
 """Clone job of the torch clone tests: ``torchrun`` (gloo) of any size, or a plain process.
 
     torchrun --standalone --nproc-per-node M tests/workers/torch_clone_dst.py OUT TAG [continue=N] [hidden=H]
-        [fuse_bytes=B] [timeout=S]
+        [fuse_bytes=B] [timeout=S] [die_forwarding=R]
 
 Waits for OUT/address, takes a clone (deepfreeze.torch.clone.receive) into a model initialised
 differently, writes OUT/TAG/got_r<rank>.npz (the received state, :func:`flat_state`), then with
 ``continue=N`` trains N more steps on the source's batches from the clone's position, writing
-OUT/TAG/s<step>_r<rank>.npz after each. OUT/TAG/result_r<rank>.json: the CloneInfo, or the error
-(type, message, seconds) when the clone failed.
+OUT/TAG/s<step>_r<rank>.npz after each. OUT/TAG/result_r<rank>.json: the CloneInfo (with the
+byte counts of its timings and ``model_in_place``: whether every model tensor kept its memory),
+or the error (type, message, seconds) when the clone failed. ``die_forwarding=R``: clone rank R's
+forwards to the other clone ranks end the process after its first forward frame (a clone rank
+killed while forwarding chunks).
 """
 import json
 import os
@@ -21,7 +24,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_clone_src import batches, build, flat_state, train_step  # noqa: E402
 
+from deepfreeze.clone.relay import Forwarder  # noqa: E402
 from deepfreeze.torch import clone  # noqa: E402
+
+
+class DyingForwarder(Forwarder):
+    """A clone rank that dies right after its first forward frame (fault injected by subclassing)."""
+
+    def send_batch(self, ch, routes, views, deadline):
+        super().send_batch(ch, routes, views, deadline)
+        os._exit(3)
+
+
+def pointers(net) -> dict:
+    """Where every model tensor lives (data_ptr by name)."""
+    return {f"m/{k}": v.data_ptr() for k, v in net.state_dict(keep_vars=True).items()}
 
 
 def main() -> None:
@@ -42,9 +59,12 @@ def main() -> None:
     # another init: everything must come from the source (hidden=N: another architecture)
     net, model, opt, sched = build(12345, world, int(kv.get("hidden", 64)))
     t0 = time.monotonic()
+    before = pointers(net)
+    dying = kv.get("die_forwarding") == str(rank)
     try:
         info = clone.receive(model, opt, address, state={"sched": sched}, timeout=float(kv.get("timeout", 30)),
-                             fuse_bytes=int(kv.get("fuse_bytes", 64 << 10)))
+                             fuse_bytes=int(kv.get("fuse_bytes", 64 << 10)),
+                             **({"forwarder_cls": DyingForwarder} if dying else {}))
     except Exception as e:
         with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
             json.dump({"error_type": type(e).__name__, "error": str(e), "seconds": time.monotonic() - t0,
@@ -57,8 +77,12 @@ def main() -> None:
         train_step(model, opt, sched, x, y)
         np.savez(os.path.join(d, f"s{info.step + k + 1}_r{rank}.npz"), **flat_state(net, opt, sched))
     with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
+        after = pointers(net)
+        # the model's tensors kept their memory (the bytes landed there)
         json.dump({"step": info.step, "epoch": info.epoch, "epoch_step": info.epoch_step,
-                   "seconds": time.monotonic() - t0, "bytes": info.timings.get("bytes_received")}, f)
+                   "seconds": time.monotonic() - t0, "bytes": info.timings.get("bytes_received"),
+                   "timings": {k: v for k, v in info.timings.items() if k.startswith(("bytes_", "state_"))},
+                   "model_in_place": after == before}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
 
