@@ -1,28 +1,38 @@
-"""Clone a running torchrun job: time from the request to the new job's first step, against
-checkpoint-to-disk then a new job restoring it (issue 35, "Clone"). Both new jobs are pre-started.
+"""Clone a running torchrun job: time from the request to the state being ready on every rank of
+the new job (before its first step), against checkpoint-to-disk then a restore, warm and cold
+(issue 44, item 3). All new jobs are pre-started.
 
-    python -m experiments.torch_clone --quick                      # a small pass (~8 MB model)
-    python -m experiments.torch_clone --mb 40 --reps 5             # the lead's run (idle machine)
+    python -m experiments.torch_clone --quick                      # a small pass (~8 MB model, 3 reps)
+    python -m experiments.torch_clone --mb 40 --reps 8             # the lead's run (idle machine)
     python -m experiments.torch_clone --plot experiments/results/torch_clone.json
 
 One run, side by side: a source job (torchrun, 2 ranks, gloo, DDP, an MLP of ``--mb`` MB of
 float32 weights, Adam: the state moved is about 3x that) trains continuously with both a
 :class:`deepfreeze.torch.CloneServer` and a :class:`deepfreeze.torch.Checkpointer` (no
-schedule: it writes only when asked). Two more torchrun jobs of 2 ranks each are started
-before any measurement and build their model and optimizer, then wait:
+schedule: it writes only when asked), recording every step's start and end. Two more torchrun
+jobs of 2 ranks each are started before any measurement, build their model and optimizer, take
+one step (so every allocation is warm), then wait:
 
-* ``clone``: at the request (a file the driver writes, holding ``time.time()``), the job calls
-  ``deepfreeze.torch.clone.receive`` and takes one training step.
-* ``disk``: at the request, the new job's rank 0 asks the source for a checkpoint (a file; the
-  source ranks agree on it with one all-reduce per step, ``ckpt.checkpoint()`` then
-  ``ckpt.wait()``: committed on persistent, durable), polls every 5 ms for the source's "done"
-  file, then ``deepfreeze.torch.restore`` (from persistent: the new job's scratch is empty) and
-  one training step.
+* ``clone``: at the request (a file the driver writes, holding ``time.time()``), every rank
+  calls ``deepfreeze.torch.clone.receive``; ready when it returns (the state is in the model,
+  the optimizer, and the RNG).
+* ``warm`` and ``cold`` (one job, the mode in the request): rank 0 asks the source for a
+  checkpoint (a file; the source ranks agree on it with one broadcast per step,
+  ``ckpt.checkpoint()`` then ``ckpt.wait()``: committed on persistent, durable), polls every
+  5 ms for the source's "done" file; then (``cold`` only, not timed) every file of the
+  checkpoint (persistent and the source's scratch) is ``fsync``ed and dropped from the page
+  cache (``posix_fadvise(POSIX_FADV_DONTNEED)``), and both ranks meet at a barrier; then every
+  rank runs ``deepfreeze.torch.restore`` (from persistent: the new job's scratch is empty).
+  Ready = (done seen - request) + the restore's duration, per rank.
 
-Measured: request -> end of the new job's first step, on its rank 0. ``reps`` rounds after one
-warm-up round (not counted), the two approaches in an order rotated per round. Reported: mean,
-standard error, n per approach, and disk/clone (ratio of the means, its standard error by the
-delta method). The machine has 2 cores shared by 6 ranks: absolute times are pessimistic.
+Measured: request -> state ready on *every* rank (the largest of the ranks'). ``reps`` rounds
+after one warm-up round (not counted), the three approaches in an order rotated per round.
+Reported: mean, standard error, n per approach; warm/clone and cold/clone (ratio of the means,
+its standard error by the delta method); the source's step-time increase during each approach
+(the steps that overlap the window from the request to ready on every rank, against the median
+step outside every window: extra source seconds per clone, mean step time increase in %); the
+clone's phases (request -> all bytes on the rank, -> loaded); the load average at the start.
+The machine has 2 cores shared by 6 ranks: absolute times are pessimistic.
 """
 from __future__ import annotations
 
@@ -39,6 +49,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TOKEN = "3" * 64
+APPROACHES = ("clone", "warm", "cold")
 
 
 def _wait_file(path: str, timeout: float = 600.0, poll: float = 0.005) -> str:
@@ -73,6 +84,63 @@ def _step(model, opt) -> None:
     opt.step()
 
 
+def drop_cache(roots: list[str]) -> int:
+    """``fsync`` every file under ``roots``, then ``posix_fadvise(POSIX_FADV_DONTNEED)`` it: its
+    pages leave the page cache (a cold read follows). Returns the bytes dropped."""
+    total = 0
+    for root in roots:
+        for d, _, files in os.walk(root):
+            for name in files:
+                path = os.path.join(d, name)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError:
+                    continue  # (a temporary file renamed meanwhile)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    total += os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+    return total
+
+
+def _source(args: argparse.Namespace, model, opt, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import deepfreeze.torch as dft
+    work = args.work
+    server = dft.CloneServer(model, opt, "127.0.0.1:0", timeout=300.0)
+    ckpt = dft.Checkpointer(model, opt, name="tc", mode="async", scratch=os.path.join(work, f"scratch{rank}"),
+                            persistent=os.path.join(work, "persistent"))
+    if rank == 0:
+        _put(os.path.join(work, "address"), server.address)
+    asked, steps = 0, []
+    while True:
+        t0 = time.time()
+        _step(model, opt)
+        ckpt.end_iteration()
+        server.end_iteration()
+        flag = torch.tensor([0], dtype=torch.int64)
+        if rank == 0:
+            flag[0] = 2 if os.path.exists(os.path.join(work, "stop")) else \
+                int(os.path.exists(os.path.join(work, f"ckreq_{asked}")))
+        dist.broadcast(flag, 0)
+        if flag.item() == 2:
+            break
+        if flag.item() == 1:
+            ckpt.checkpoint()
+            ckpt.wait()
+            if rank == 0:
+                _put(os.path.join(work, f"ckdone_{asked}"), str(ckpt.step))
+            asked += 1
+        steps.append((t0, time.time()))
+    if rank == 0:
+        _put(os.path.join(work, "steps.json"), json.dumps({"steps": steps, "clones": server.clones}))
+    server.close()
+    ckpt.close()
+
+
 def _role(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -85,52 +153,42 @@ def _role(args: argparse.Namespace) -> None:
     model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     if args.role == "src":
-        server = dft.CloneServer(model, opt, "127.0.0.1:0", timeout=300.0)
-        ckpt = dft.Checkpointer(model, opt, name="tc", mode="async", scratch=os.path.join(work, f"scratch{rank}"),
-                                persistent=os.path.join(work, "persistent"))
-        if rank == 0:
-            _put(os.path.join(work, "address"), server.address)
-        asked = 0
-        while True:
-            _step(model, opt)
-            ckpt.end_iteration()
-            server.end_iteration()
-            flag = torch.tensor([0], dtype=torch.int64)
-            if rank == 0:
-                flag[0] = 2 if os.path.exists(os.path.join(work, "stop")) else \
-                    int(os.path.exists(os.path.join(work, f"ckreq_{asked}")))
-            dist.broadcast(flag, 0)
-            if flag.item() == 2:
-                break
-            if flag.item() == 1:
-                ckpt.checkpoint()
-                ckpt.wait()
-                if rank == 0:
-                    _put(os.path.join(work, f"ckdone_{asked}"), str(ckpt.step))
-                asked += 1
-        server.close()
-        ckpt.close()
-    else:
-        _step(model, opt)  # warm: the first step's allocations, not the approach's
-        _put(os.path.join(work, f"ready_{args.role}_r{rank}"), "1")
-        for i in range(args.rounds):
-            phases: dict = {}
-            t_req = float(_wait_file(os.path.join(work, f"go_{args.role}_{i}")))
+        _source(args, model, opt, rank)
+        dist.destroy_process_group()
+        return
+    _step(model, opt)  # warm: the first step's allocations, not the approach's
+    _put(os.path.join(work, f"ready_{args.role}_r{rank}"), "1")
+    n_ck = 0
+    for i in range(args.rounds):
+        for _ in range(1 if args.role == "clone" else 2):
+            go = json.loads(_wait_file(os.path.join(work, f"go_{args.role}_{i}_{_}")))
+            t_req, mode = go["t"], go["mode"]
+            res: dict = {"mode": mode}
             if args.role == "clone":
                 addr = _wait_file(os.path.join(work, "address"))
                 info = dft.clone.receive(model, opt, addr, timeout=300.0)
-                step = info.step
-                phases = {k: round(v - t_req, 4) for k, v in info.timings.items() if k != "bytes_received"}
+                res["ready"] = time.time() - t_req
+                res["step"] = info.step
+                res["phases"] = {k: round(v - t_req, 4) for k, v in info.timings.items()
+                                 if k in ("first_data", "received", "loaded")}
+                res["bytes"] = {k: v for k, v in info.timings.items() if k.startswith(("bytes_", "state_"))}
             else:
                 if rank == 0:
-                    _put(os.path.join(work, f"ckreq_{i}"), "1")
-                step = int(_wait_file(os.path.join(work, f"ckdone_{i}")))
+                    _put(os.path.join(work, f"ckreq_{n_ck}"), "1")
+                res["step"] = int(_wait_file(os.path.join(work, f"ckdone_{n_ck}")))
+                n_ck += 1
+                ck = time.time() - t_req
+                if mode == "cold" and rank == 0:
+                    roots = [os.path.join(work, "persistent")] + [os.path.join(work, f"scratch{r}") for r in range(2)]
+                    res["dropped_bytes"] = drop_cache(roots)
+                dist.barrier()
+                t0 = time.time()
                 dft.restore(model, opt, name="tc", mode="async", scratch=os.path.join(work, f"new{rank}"),
                             persistent=os.path.join(work, "persistent"))
-            _step(model, opt)
-            t = time.time() - t_req
-            if rank == 0:
-                _put(os.path.join(work, f"res_{args.role}_{i}"), json.dumps({"seconds": t, "step": step, "phases": phases}))
+                res["restore"] = time.time() - t0
+                res["checkpoint"] = ck
+                res["ready"] = ck + res["restore"]
+            _put(os.path.join(work, f"res_{mode}_{i}_r{rank}"), json.dumps(res))
     dist.destroy_process_group()
 
 
@@ -142,18 +200,49 @@ def _torchrun(*args: str) -> list[str]:
 
 def _stats(xs: list[float]) -> dict:
     n = len(xs)
-    mean = sum(xs) / n
+    mean = sum(xs) / n if n else float("nan")
     sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
-    return {"mean": mean, "se": sd / math.sqrt(n) if n else 0.0, "n": n, "min": min(xs), "max": max(xs),
-            "values": xs}
+    return {"mean": mean, "se": sd / math.sqrt(n) if n else 0.0, "n": n, "min": min(xs, default=None),
+            "max": max(xs, default=None), "values": xs}
+
+
+def ratio(num: dict, den: dict) -> tuple[float, float]:
+    """``num.mean / den.mean`` and its standard error by the delta method (independent means)."""
+    r = num["mean"] / den["mean"]
+    return r, r * math.sqrt((num["se"] / num["mean"]) ** 2 + (den["se"] / den["mean"]) ** 2)
+
+
+def step_cost(steps: list[list[float]], windows: dict[str, list[tuple[float, float]]]) -> dict:
+    """The source's step-time increase per approach: for each window (request -> ready on every
+    rank), the steps that overlap it, their time above the median step outside every window
+    (extra seconds) and their mean duration against that median (%)."""
+    def overlaps(s: list[float], w: tuple[float, float]) -> bool:
+        return s[0] < w[1] and s[1] > w[0]
+    every = [w for ws in windows.values() for w in ws]
+    quiet = sorted(s[1] - s[0] for s in steps if not any(overlaps(s, (a, b + 0.5)) for a, b in every))
+    base = quiet[len(quiet) // 2] if quiet else float("nan")
+    out: dict = {"baseline_step_s": base, "quiet_steps": len(quiet)}
+    for name, ws in windows.items():
+        extra, pct = [], []
+        for w in ws:
+            during = [s[1] - s[0] for s in steps if overlaps(s, w)]
+            if during:
+                extra.append(sum(during) - len(during) * base)
+                pct.append(100.0 * (sum(during) / len(during) / base - 1.0))
+        out[name] = {"extra_s": _stats(extra), "step_increase_pct": _stats(pct)}
+    return out
 
 
 def drive(args: argparse.Namespace) -> dict:
-    work = tempfile.mkdtemp(prefix="df-torch-clone-")
+    work = tempfile.mkdtemp(prefix="df-torch-clone-", dir=args.tmp)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DEEPFREEZE_TOKEN=TOKEN, PYTHONWARNINGS="ignore")
     rounds = args.reps + 1
     common = ["--work", work, "--mb", str(args.mb), "--rounds", str(rounds)]
+    load = os.getloadavg()
     procs = []
+    got: dict[str, list[float]] = {a: [] for a in APPROACHES}
+    windows: dict[str, list[tuple[float, float]]] = {a: [] for a in APPROACHES}
+    detail: list[dict] = []
     try:
         for role in ("src", "clone", "disk"):
             log = open(os.path.join(work, f"{role}.log"), "w")
@@ -163,31 +252,48 @@ def drive(args: argparse.Namespace) -> dict:
         for role in ("clone", "disk"):
             for r in range(2):
                 _wait_file(os.path.join(work, f"ready_{role}_r{r}"))
-        got: dict[str, list[float]] = {"clone": [], "disk": []}
         for i in range(rounds):
-            for role in (["clone", "disk"] if i % 2 == 0 else ["disk", "clone"]):
-                _put(os.path.join(work, f"go_{role}_{i}"), repr(time.time()))
-                res = json.loads(_wait_file(os.path.join(work, f"res_{role}_{i}")))
+            order = APPROACHES[i % 3:] + APPROACHES[:i % 3]
+            n_disk = 0
+            for mode in order:
+                role = "clone" if mode == "clone" else "disk"
+                idx = 0 if role == "clone" else n_disk
+                n_disk += role == "disk"
+                t_req = time.time()
+                _put(os.path.join(work, f"go_{role}_{i}_{idx}"), json.dumps({"t": t_req, "mode": mode}))
+                res = [json.loads(_wait_file(os.path.join(work, f"res_{mode}_{i}_r{r}"))) for r in range(2)]
+                ready = max(x["ready"] for x in res)
                 if i:  # round 0: warm-up
-                    got[role].append(res["seconds"])
-                print(f"round {i} {role}: {res['seconds']:.3f} s (step {res['step']}) {res.get('phases') or ''}",
-                      flush=True)
+                    got[mode].append(ready)
+                    windows[mode].append((t_req, t_req + ready))
+                    detail.append({"round": i, "approach": mode, "ready": ready, "ranks": res})
+                extra = {k: res[0][k] for k in ("phases", "checkpoint", "restore", "dropped_bytes") if k in res[0]}
+                print(f"round {i} {mode}: ready on every rank {ready:.3f} s (step {res[0]['step']}) {extra}", flush=True)
+                time.sleep(args.gap)
         _put(os.path.join(work, "stop"), "1")
         for p in procs:
             p.wait(300)
+        steps = json.loads(_wait_file(os.path.join(work, "steps.json"), timeout=60))["steps"]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        shutil.rmtree(work, ignore_errors=True)
-    c, d = _stats(got["clone"]), _stats(got["disk"])
-    r = d["mean"] / c["mean"]
-    r_se = r * math.sqrt((d["se"] / d["mean"]) ** 2 + (c["se"] / c["mean"]) ** 2)
-    return {"experiment": "torch_clone", "model_mb": args.mb, "state_mb": 3 * args.mb, "ranks": "2 -> 2",
-            "reps": args.reps, "clone": c, "disk": d, "ratio_disk_over_clone": r, "ratio_se": r_se,
-            "target": 3.0, "machine": f"{os.cpu_count()} cores, shared", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                              time.gmtime())}
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    stats = {a: _stats(got[a]) for a in APPROACHES}
+    rw, rw_se = ratio(stats["warm"], stats["clone"])
+    rc, rc_se = ratio(stats["cold"], stats["clone"])
+    return {"experiment": "torch_clone", "measure": "request -> state ready on every rank of the new job",
+            "model_mb": args.mb, "state_mb": 3 * args.mb, "ranks": "2 -> 2", "reps": args.reps,
+            "approaches": stats, "ratio_warm_over_clone": rw, "ratio_warm_se": rw_se,
+            "ratio_cold_over_clone": rc, "ratio_cold_se": rc_se,
+            "targets": {"warm_over_clone": ">= 1.0", "cold_over_clone": ">= 1.5"},
+            "source_steps": step_cost(steps, windows), "rounds": detail,
+            "loadavg_at_start": list(load), "machine": f"{os.cpu_count()} cores",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def plot(path: str) -> str:
@@ -196,13 +302,17 @@ def plot(path: str) -> str:
     import matplotlib.pyplot as plt
     with open(path) as f:
         doc = json.load(f)
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    names = ["clone (TCP)", "checkpoint + restore"]
-    vals = [doc["clone"], doc["disk"]]
-    ax.bar(names, [v["mean"] for v in vals], yerr=[v["se"] for v in vals], capsize=4, color=["#3a7", "#999"])
-    ax.set_ylabel("request -> first step (s)")
-    ax.set_title(f"torch clone, {doc['model_mb']} MB model, 2 -> 2: {doc['ratio_disk_over_clone']:.1f}x "
-                 f"± {doc['ratio_se']:.1f}", fontsize=9)
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    names = ["clone (TCP)", "checkpoint + restore\n(warm cache)", "checkpoint + restore\n(cold)"]
+    vals = [doc["approaches"][a] for a in APPROACHES]
+    ax.bar(names, [v["mean"] for v in vals], yerr=[v["se"] for v in vals], capsize=4,
+           color=["#3a7", "#999", "#777"])
+    ax.set_ylabel("request -> state ready on every rank (s)")
+    src = doc["source_steps"]
+    ax.set_title(f"torch clone, {doc['model_mb']:g} MB model ({doc['state_mb']:g} MB state), 2 -> 2\n"
+                 f"warm/clone {doc['ratio_warm_over_clone']:.2f} ± {doc['ratio_warm_se']:.2f}, "
+                 f"cold/clone {doc['ratio_cold_over_clone']:.2f} ± {doc['ratio_cold_se']:.2f}; source step "
+                 f"+{src['clone']['step_increase_pct']['mean']:.0f} % during a clone", fontsize=8)
     fig.tight_layout()
     out = os.path.splitext(path)[0] + ".png"
     fig.savefig(out, dpi=90)
@@ -215,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--mb", type=float, default=40.0)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--gap", type=float, default=1.0, help="seconds between two measurements (quiet source steps)")
+    ap.add_argument("--tmp", default=None, help="where the work directory goes (default: the system's temp)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     ap.add_argument("--quick", action="store_true", help="an 8 MB model, 3 reps")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "torch_clone.json"))
     ap.add_argument("--plot")
@@ -231,8 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     doc = drive(args)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
-    print(json.dumps({k: doc[k] for k in ("ratio_disk_over_clone", "ratio_se")}), doc["clone"]["mean"],
-          doc["disk"]["mean"])
+    a = doc["approaches"]
+    print(f"clone {a['clone']['mean']:.3f} ± {a['clone']['se']:.3f} s, warm {a['warm']['mean']:.3f} ± "
+          f"{a['warm']['se']:.3f}, cold {a['cold']['mean']:.3f} ± {a['cold']['se']:.3f}; warm/clone "
+          f"{doc['ratio_warm_over_clone']:.2f} ± {doc['ratio_warm_se']:.2f}, cold/clone "
+          f"{doc['ratio_cold_over_clone']:.2f} ± {doc['ratio_cold_se']:.2f}; load at start {doc['loadavg_at_start']}")
+    print(json.dumps({k: v for k, v in doc["source_steps"].items()}, default=str)[:2000])
     print(plot(args.out))
     return 0
 
