@@ -188,6 +188,57 @@ def test_create_validates_and_write_order(shm_path, tmp_path):
     assert not os.path.exists(shm_path)
 
 
+def test_write_with_fills_a_slot_in_place_and_read_into_checks_it(shm_path):
+    """write_with: the caller's fill copies straight into the slot and returns the CRC of what it
+    wrote; a torn fill (None) or one that raises publishes nothing (the slot stays odd, the
+    previous version is served, torn counted); read_into copies a slot straight into pieces of
+    destination arrays (gaps left out), its CRC computed over every byte of the slot, so a slot
+    whose bytes differ from its record's CRC is refused, and pieces outside the slot or
+    overlapping are refused before they are written."""
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, 3 * slots_mod.CHUNK + 12345, dtype=np.uint8)
+    calls = []
+
+    def fill_with(payload, crc=None, torn=False):
+        def fill(dst, copied):
+            calls.append(dst.size)
+            dst[:] = payload
+            copied(dst.size)
+            return None if torn else (crc32(dst) if crc is None else crc)
+        return fill
+
+    with SlotRing.create(shm_path, data.size, 3) as ring:
+        assert ring.write_with(Version(0, 1), data.size, fill_with(data)) is not None
+        assert ring.latest() == (Version(0, 1), data.size, crc32(data))
+        assert ring.write_with(Version(0, 2), data.size, fill_with(data[::-1].copy(), torn=True)) is None
+        assert ring.torn == 1 and ring.latest()[0] == Version(0, 1) and len(ring.versions()) == 1
+
+        def boom(dst, copied):
+            dst[:100] = 1
+            raise RuntimeError("the source went away")
+        with pytest.raises(RuntimeError, match="went away"):
+            ring.write_with(Version(0, 3), data.size, boom)
+        assert [v for v, _, _ in ring.versions()] == [Version(0, 1)]
+        with pytest.raises(ValueError, match="larger capacity"):
+            ring.write_with(Version(0, 4), data.size + 1, fill_with(data))
+        # pieces of two destination arrays with gaps between them (and after the last one)
+        a, b = np.zeros(2 * slots_mod.CHUNK + 7, np.uint8), np.zeros(5000, np.uint8)
+        pieces = [(3, a), (3 + a.size + 100, b)]
+        ver, crc = ring.read_into(None, pieces)
+        assert ver == Version(0, 1) and crc == crc32(data)
+        assert a.tobytes() == data[3:3 + a.size].tobytes() and b.tobytes() == data[a.size + 103:a.size + 5103].tobytes()
+        for bad in ([(0, a), (10, b)], [(data.size - 10, b)]):
+            with pytest.raises(StreamError, match="outside it or overlaps"):
+                ring.read_into(None, bad)
+        # a record whose CRC is not its bytes' (what a slot changed by someone else looks like)
+        assert ring.write_with(Version(0, 5), data.size, fill_with(data, crc=crc32(data) ^ 1)) is not None
+        with pytest.raises(StreamError, match="CRC32"):
+            ring.read_into(None, [(0, np.zeros(16, np.uint8))])
+        got = np.zeros(16, np.uint8)
+        assert ring.read_into(None, [(0, got)], verify=False)[0] == Version(0, 5) and got.tobytes() == data[:16].tobytes()
+    assert calls == [data.size] * 3  # v1, v2 (torn), v5: the refused size never reached a fill
+
+
 def test_bandwidth_100mb_slot_info(shm_path):
     """Write and read throughput of one 100 MB slot (printed for the docs; never asserted)."""
     n = 100 * 10**6

@@ -402,6 +402,58 @@ def test_single_process_pinned_replica_is_never_reloaded(tmp_path, monkeypatch):
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def test_torn_copy_into_a_slot_is_never_served(tmp_path, monkeypatch):
+    """A tensor changed in place while the Publisher copies v3 straight into its slot (injected by
+    subclassing SlotCopy: after the first chunk, a parameter grows by one): v3 is torn (the slot is
+    never completed, nothing announced: pub.torn == 1), the consumer never serves it, and the
+    versions before and after it are served bit-exact against the weights recorded in the run."""
+    from deepfreeze.lease import Version
+    from deepfreeze.stream import StreamOptions
+    from deepfreeze.torch import Publisher, Subscriber
+    from deepfreeze.torch.stream import SlotCopy
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
+    shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm)
+    dirs = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"), mode="async")
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+    class Tearing(SlotCopy):  # fault injected by subclassing: a write outside the optimizer mid-copy
+        def _copied_chunk(self, done: int) -> None:
+            if self.step == 3:
+                with torch.no_grad():
+                    net.fc1.weight.add_(1.0)
+
+    class TearingPublisher(Publisher):
+        copy_cls = Tearing
+
+    pub = TearingPublisher(net, opt, channel="torn", schedule=1, overwrite=True, stream=StreamOptions(shm_dir=shm),
+                           **dirs)
+    sub = Subscriber(Net(), channel="torn", persistent=dirs["persistent"], tier="shm")
+    served: list = []
+    sub.on_update(lambda v: served.append(v.step))
+    try:
+        g = torch.Generator().manual_seed(3)
+        states: dict = {}
+        for step in range(1, 6):
+            _train(pub, net, opt, g, 1, states)
+            pub.wait(60)  # the copy and its notification are done
+            if step == 3:
+                assert pub.torn == 1
+                continue
+            v = sub.wait(Version(pub.publisher.run.generation, step), timeout=60)
+            with sub.current() as m:
+                assert v.step == m.step == step and _same(m.module, states[step]), step
+        assert [v.step for v in pub.published] == [1, 2, 3, 4, 5]  # handed to the publisher; 3 torn there
+        assert 3 not in served and {1, 2, 4, 5} <= set(served), served
+        assert pub.publisher.ring.torn == 1
+    finally:
+        sub.close()
+        pub.close()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_single_process_plan_schedule_and_checkpoint_versions_only(tmp_path, monkeypatch):
     """schedule='fixed': one version at the end of the warm-up, then the plan's steps; without
     report(loss) a ConfigError names the call. A Publisher riding on a Checkpointer (every 3
