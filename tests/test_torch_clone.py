@@ -177,21 +177,28 @@ def test_clone_2_to_3_lands_in_the_tensors_each_byte_once_per_rank_bit_exact(tmp
     new state tensors, each route forwarded to the other clone ranks as it lands. The sources send
     every byte once in all (disjoint sends: their traffic does not grow with the clone ranks);
     every clone rank receives each byte once, from a source or from the clone rank that received
-    it; the state equals the source's at K bit for bit on every rank."""
+    it; the state equals the source's at K bit for bit on every rank. Before that, a job with
+    another optimizer is refused at the hello (ModelMismatchError naming it): since the bytes
+    land in the model itself, that check comes before any of them, and nothing is changed."""
     out = str(tmp_path)
-    src = _source(out, "clones=1")
+    src = _source(out, "clones=2")
     try:
+        _wait(_start([sys.executable, DST, out, "sgd", "optim=sgd"]))
         text = _wait(_start(_torchrun(3, DST, out, "three")))
     finally:
         _finish(src, out)
+    sgd = _result(os.path.join(out, "sgd", "result_r0.json"))
+    assert sgd["error_type"] == "ModelMismatchError" and "SGD" in sgd["error"], sgd
+    assert sgd["unchanged"] is True, sgd
     res = [_result(os.path.join(out, "src", f"result_r{r}.json")) for r in range(2)]
-    assert all(c["error"] is None for r in range(2) for c in res[r]["clones"]), res
+    assert [c["error"] is None for c in res[0]["clones"]] == [False, True], res
+    assert all(c["error"] is None for r in range(2) for c in res[r]["clones"][1:]), res
     got = [_result(os.path.join(out, "three", f"result_r{r}.json")) for r in range(3)]
     k = got[0]["step"]
     assert [g["step"] for g in got] == [k] * 3 and k in res[0]["taken"], (got, res)
     total = got[0]["timings"]["state_bytes"]
     assert total > 0 and sum(g["timings"]["bytes_received"] for g in got) == total, got
-    src_bytes = sum(c["bytes"] for r in range(2) for c in res[r]["clones"])
+    src_bytes = sum(c["bytes"] for r in range(2) for c in res[r]["clones"][1:])
     assert src_bytes == total, (src_bytes, total)
     for r, g in enumerate(got):
         t = g["timings"]

@@ -1,7 +1,7 @@
 """Clone job of the torch clone tests: ``torchrun`` (gloo) of any size, or a plain process.
 
     torchrun --standalone --nproc-per-node M tests/workers/torch_clone_dst.py OUT TAG [continue=N] [hidden=H]
-        [fuse_bytes=B] [timeout=S] [die_forwarding=R]
+        [fuse_bytes=B] [timeout=S] [die_forwarding=R] [optim=sgd]
 
 Waits for OUT/address, takes a clone (deepfreeze.torch.clone.receive) into a model initialised
 differently, writes OUT/TAG/got_r<rank>.npz (the received state, :func:`flat_state`), then with
@@ -10,7 +10,8 @@ OUT/TAG/s<step>_r<rank>.npz after each. OUT/TAG/result_r<rank>.json: the CloneIn
 byte counts of its timings and ``model_in_place``: whether every model tensor kept its memory),
 or the error (type, message, seconds) when the clone failed. ``die_forwarding=R``: clone rank R's
 forwards to the other clone ranks end the process after its first forward frame (a clone rank
-killed while forwarding chunks).
+killed while forwarding chunks). ``optim=sgd``: another optimizer than the source's (the error
+result says whether the model, optimizer and scheduler are ``unchanged``).
 """
 import json
 import os
@@ -18,6 +19,7 @@ import sys
 import time
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -58,8 +60,12 @@ def main() -> None:
         address = f.read().strip()
     # another init: everything must come from the source (hidden=N: another architecture)
     net, model, opt, sched = build(12345, world, int(kv.get("hidden", 64)))
+    if kv.get("optim") == "sgd":  # another optimizer: refused at the hello, before a byte lands
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
     t0 = time.monotonic()
     before = pointers(net)
+    initial = flat_state(net, opt, sched)
     dying = kv.get("die_forwarding") == str(rank)
     try:
         info = clone.receive(model, opt, address, state={"sched": sched}, timeout=float(kv.get("timeout", 30)),
@@ -67,8 +73,11 @@ def main() -> None:
                              **({"forwarder_cls": DyingForwarder} if dying else {}))
     except Exception as e:
         with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
+            now = flat_state(net, opt, sched)
             json.dump({"error_type": type(e).__name__, "error": str(e), "seconds": time.monotonic() - t0,
-                       "chain": [type(c).__name__ for c in (e.__cause__,) if c is not None]}, f)
+                       "chain": [type(c).__name__ for c in (e.__cause__,) if c is not None],
+                       "unchanged": sorted(now) == sorted(initial) and all(
+                           now[k].tobytes() == initial[k].tobytes() for k in now)}, f)
         return
     np.savez(os.path.join(d, f"got_r{rank}.npz"), **flat_state(net, opt, sched))
     data = batches(rank, info.epoch_step + steps) if steps else []
