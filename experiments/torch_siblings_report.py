@@ -51,45 +51,51 @@ def stream_table(doc: dict) -> str:
              f"version every {min(doc['every'])}-{max(doc['every'])} steps (producer step "
              f"{min(doc['step_s']) * 1e3:.0f}-{max(doc['step_s']) * 1e3:.0f} ms); statistic: per repetition the mean latency of its updates, "
              "then mean ± SE over the repetitions.", "",
-             f"| approach | latency (ms) | median of all updates (ms) | updates | {ref} faster by | target |",
-             "|---|---|---|---|---|---|"]
+             f"| approach | latency (ms) | median of all updates (ms) | updates | {ref} faster by | target | "
+             "producer's stall per publish (ms) |",
+             "|---|---|---|---|---|---|---|"]
     for a, r in lat.items():
         sp = doc["ratios"].get(a)
         cell = "–" if a == ref or sp is None else _x(sp)
         tgt = "–" if sp is None or sp["target"] is None else f">= {sp['target']:g}x: **{sp['verdict']}**"
         allv = sorted(x for rep in r["samples_s"] for x in rep)
         med = allv[len(allv) // 2] * 1e3 if allv else None
-        lines.append(f"| {a} | {fmt(r['mean_s'], 1e3, 1)} | {fmt(med, 1, 1)} | {len(allv)} | {cell} | {tgt} |")
+        stall = fmt(r.get("stall_s"), 1e3, 1) if r.get("stall_s") else "–"
+        lines.append(f"| {a} | {fmt(r['mean_s'], 1e3, 1)} | {fmt(med, 1, 1)} | {len(allv)} | {cell} | {tgt} | {stall} |")
     parts = {a: r for a, r in lat.items() if r.get("parts_mean_s")}
     if parts:
         lines += ["", "Where DeepFreeze's latency goes (ms; mean over every measured version; producer: from t0 "
-                      "until the last rank's notification was sent, the capture in the step, the hand-off and the "
-                      "ring write; then the notification, the consumer's fetch into its receive buffer, its copy "
-                      "into the idle replica, and the swap until `current()` gave it):", "",
+                      "until the last rank's notification was sent: the copy from the live tensors into the slot "
+                      "with its CRC; then the notification, the consumer's fetch (through shared memory: straight "
+                      "into the idle replica, CRC checked in the same pass; over TCP: into its receive buffer), its "
+                      "copy into the idle replica (TCP only), and the swap until `current()` gave it; the "
+                      "training thread's part: the post-hook and the next step's wait for the copy):", "",
                   "| approach | producer | notify | fetch | copy into replica | to served | producer's post-hook "
-                  "(capture) | hand-off |", "|---|---|---|---|---|---|---|---|"]
+                  "| next step's wait |", "|---|---|---|---|---|---|---|---|"]
         for a, r in parts.items():
             m, t = r["parts_mean_s"], r.get("producer_timings_mean_s", {})
             lines.append(f"| {a} | " + " | ".join(fmt(m.get(k), 1e3, 1) for k in ("to_notified_s", "notify_s", "fetch_s",
                                                                                   "load_s", "to_served_s"))
-                         + f" | {fmt(t.get('post_hook_s'), 1e3, 1)} | {fmt(t.get('handoff_s'), 1e3, 1)} |")
+                         + f" | {fmt(t.get('hook_s'), 1e3, 1)} | {fmt(t.get('wait_s'), 1e3, 1)} |")
     if doc.get("copy_s"):
         lines += ["", f"One `Tensor.copy_` of the model's bytes on this machine (one thread): "
                       f"{doc['copy_s'] * 1e3:.1f} ms."]
-    slows = [s for s in (doc.get("slowdown"), doc.get("slowdown_one_core")) if s]
+    slows = [s for s in (doc.get("slowdown"), doc.get("slowdown_every10"), doc.get("slowdown_one_core")) if s]
     if slows:
         s0 = slows[0]
-        lines += ["", f"Training slowdown at one publish per step ({s0['reps']} interleaved pairs of blocks of "
-                      f"{s0['steps']} steps, plain and publishing, order alternating; per publish: the post-hook "
-                      "(capture), the wait for a buffer, the hand-off + ring write, means over the timed steps):", "",
-                  "| pinning | plain steps/s | publishing steps/s | slowdown | target | post-hook (ms) | wait (ms) "
-                  "| hand-off (ms) |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"Training slowdown ({s0['reps']} interleaved pairs of blocks of {s0['steps']} steps, plain "
+                      "and publishing, order alternating; slowdown = plain steps/s / publishing steps/s - 1, mean ± "
+                      "SE over the pairs; per publish: the post-hook and the next step's wait for the copy, means "
+                      "over the publishes):", "",
+                  "| pinning | publish every | plain steps/s | publishing steps/s | slowdown | target | post-hook (ms) "
+                  "| next step's wait (ms) |", "|---|---|---|---|---|---|---|---|"]
         for s in slows:
             t = s.get("timings_mean_s") or {}
-            lines.append(f"| {s.get('pinning', 'free')} | {fmt(stat(s['plain_steps_per_s']), 1, 2)} | "
-                         f"{fmt(stat(s['pub_steps_per_s']), 1, 2)} | {fmt(s['slowdown'], 100, 1)} % | "
-                         f"< {s['target'] * 100:g} %: **{s['verdict']}** | {fmt(t.get('post_hook_s'), 1e3, 1)} | "
-                         f"{fmt(t.get('wait_s'), 1e3, 1)} | {fmt(t.get('handoff_s'), 1e3, 1)} |")
+            tgt = "–" if s.get("target") is None else f"<= {s['target'] * 100:g} %: **{s['verdict']}**"
+            lines.append(f"| {s.get('pinning', 'free')} | {s.get('every', 1)} step(s) | "
+                         f"{fmt(stat(s['plain_steps_per_s']), 1, 2)} | {fmt(stat(s['pub_steps_per_s']), 1, 2)} | "
+                         f"{fmt(s['slowdown'], 100, 1)} % | {tgt} | {fmt(t.get('hook_s'), 1e3, 1)} | "
+                         f"{fmt(t.get('wait_s'), 1e3, 1)} |")
     return "\n".join(lines)
 
 
