@@ -62,8 +62,8 @@ TCP into a receive buffer then copied into the replica) and the producer's ``pub
 model's bytes on one thread on this machine (the unit the copies on the path cost).
 
 **Slowdown.** One process alternates blocks of ``--slow-steps`` steps without and with a
-``Publisher(schedule=n)`` (a new one per block, built and given one untimed step before the timed
-ones, closed after; no consumer), ``--slow-reps`` pairs (default 10), the order alternating (plain
+``Publisher(schedule=n)`` (a new one per block, built and given n untimed steps before the timed
+ones, up to its first publish, closed after; no consumer), ``--slow-reps`` pairs (default 10), the order alternating (plain
 first in even pairs). Per pair: slowdown = plain steps/s / publishing steps/s - 1; mean ± SE over
 pairs. Run three times (:data:`SLOW_MODES`): ``slowdown`` (every step, target <= 15 %) and
 ``slowdown_every10`` (every 10 steps, target <= 5 %), the process not pinned (training on one
@@ -408,12 +408,12 @@ def slowdown(a: argparse.Namespace) -> None:
             pub = Publisher(model, opt, channel=CHANNEL, schedule=every, overwrite=True,
                             stream=StreamOptions(shm_dir=a.shm_dir), **df_dirs(a.work))
             try:
-                steps(1, pub)  # untimed: the first capture and publish (buffers, ring, backend)
+                steps(every, pub)  # untimed: up to the first publish (its ring, endpoint and backend)
                 pubd.append(a.slow_steps / steps(a.slow_steps, pub))
                 published.append(len(pub.published))
             finally:
                 pub.close()
-            timings += pub.publish_timings
+            timings += pub.publish_timings[1:]
     with open(os.path.join(a.work, "slowdown.json"), "w") as f:
         json.dump({"plain_steps_per_s": plain, "pub_steps_per_s": pubd, "published": published,
                    "timings": timings}, f)
