@@ -164,6 +164,7 @@ def _role(args: argparse.Namespace) -> None:
             go = json.loads(_wait_file(os.path.join(work, f"go_{args.role}_{i}_{_}")))
             t_req, mode = go["t"], go["mode"]
             res: dict = {"mode": mode}
+            cpu0 = time.process_time()
             if args.role == "clone":
                 addr = _wait_file(os.path.join(work, "address"))
                 info = dft.clone.receive(model, opt, addr, timeout=300.0)
@@ -188,6 +189,7 @@ def _role(args: argparse.Namespace) -> None:
                 res["restore"] = time.time() - t0
                 res["checkpoint"] = ck
                 res["ready"] = ck + res["restore"]
+            res["cpu_s"] = time.process_time() - cpu0  # this rank's CPU (every thread) for the approach
             _put(os.path.join(work, f"res_{mode}_{i}_r{rank}"), json.dumps(res))
     dist.destroy_process_group()
 
@@ -267,7 +269,7 @@ def drive(args: argparse.Namespace) -> dict:
                     got[mode].append(ready)
                     windows[mode].append((t_req, t_req + ready))
                     detail.append({"round": i, "approach": mode, "ready": ready, "ranks": res})
-                extra = {k: res[0][k] for k in ("phases", "checkpoint", "restore", "dropped_bytes") if k in res[0]}
+                extra = {k: res[0][k] for k in ("phases", "checkpoint", "restore", "cpu_s") if k in res[0]}
                 print(f"round {i} {mode}: ready on every rank {ready:.3f} s (step {res[0]['step']}) {extra}", flush=True)
                 time.sleep(args.gap)
         _put(os.path.join(work, "stop"), "1")

@@ -173,8 +173,8 @@ def _ended(p: subprocess.Popen) -> str:
 
 
 def test_clone_2_to_3_lands_in_the_tensors_each_byte_once_per_rank_bit_exact(tmp_path):
-    """Issue 44, item 2: 2 -> 3, the bytes land in the model's own tensors and in the optimizer's
-    new state tensors, each route forwarded to the other clone ranks as it lands. The sources send
+    """Issue 44, item 2: 2 -> 3 into a job that trained a step, the bytes land in the model's own
+    tensors and in the optimizer's state tensors, each route forwarded to the other clone ranks as it lands. The sources send
     every byte once in all (disjoint sends: their traffic does not grow with the clone ranks);
     every clone rank receives each byte once, from a source or from the clone rank that received
     it; the state equals the source's at K bit for bit on every rank. Before that, a job with
@@ -184,7 +184,7 @@ def test_clone_2_to_3_lands_in_the_tensors_each_byte_once_per_rank_bit_exact(tmp
     src = _source(out, "clones=2")
     try:
         _wait(_start([sys.executable, DST, out, "sgd", "optim=sgd"]))
-        text = _wait(_start(_torchrun(3, DST, out, "three")))
+        text = _wait(_start(_torchrun(3, DST, out, "three", "warm=1")))
     finally:
         _finish(src, out)
     sgd = _result(os.path.join(out, "sgd", "result_r0.json"))
@@ -205,6 +205,8 @@ def test_clone_2_to_3_lands_in_the_tensors_each_byte_once_per_rank_bit_exact(tmp
         assert t["bytes_received"] + t["bytes_relayed"] == total, (r, t)
         assert t["bytes_forwarded"] == 2 * t["bytes_received"], (r, t)
         assert g["model_in_place"] is True, g
+        # it trained a step first: the clone's bytes landed in the optimizer's state tensors too
+        assert g["optim_before"] and g["optim_in_place"] == g["optim_before"], g
         # at another world size rank 0's record (no RNG); the tensors are the source's at K
         _same(_load(os.path.join(out, "three", f"got_r{r}.npz")), _load(os.path.join(out, "src", f"s{k}_r0.npz")),
               f"2->3 received, rank {r}")

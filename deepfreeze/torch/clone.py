@@ -119,6 +119,7 @@ class _Clone:
         self.sender: Sender | None = None
         self.thread: threading.Thread | None = None
         self.t0 = time.perf_counter()
+        self.at = time.time()  # when the clone step's sends began (wall clock)
         self.seconds = 0.0
 
 
@@ -170,7 +171,7 @@ class CloneServer:
         self.rank, self.size = rank_and_size("deepfreeze.torch.CloneServer")
         #: seconds spent in the per-step agreement (all_reduce) and how many ran
         self.agree_s, self.agreements = 0.0, 0
-        #: every clone served: {"step", "n_clone", "seconds", "bytes", "error"}
+        #: every clone served: {"step", "n_clone", "at" (``time.time()`` its sends began), "seconds", "bytes", "error"}
         self.clones: list[dict[str, Any]] = []
         #: the errors of clones that failed (also logged)
         self.failures: list[BaseException] = []
@@ -281,7 +282,7 @@ class CloneServer:
             finally:
                 sender.close()
                 c.seconds = time.perf_counter() - c.t0
-                self.clones.append({"step": c.step, "n_clone": c.n_clone, "seconds": c.seconds,
+                self.clones.append({"step": c.step, "n_clone": c.n_clone, "at": c.at, "seconds": c.seconds,
                                     "bytes": sender.bytes_sent, "error": None if c.error is None else
                                     f"{type(c.error).__name__}: {c.error}"})
                 if c.error is not None:
@@ -419,21 +420,42 @@ def _check_header_optimizers(model: torch.nn.Module, opts: Sequence[torch.optim.
 
 
 class _Landing:
-    """Where the clone's bytes land on this rank, made at the first hello (before any data):
-    each model tensor's own memory (CPU, contiguous), a fresh tensor per optimizer state tensor
-    (the optimizer's state once the restore path loads it: not copied again), and a host buffer
-    for the rest (another device: copied there by the restore path, the one copy a socket needs)."""
+    """Where the clone's bytes land on this rank, decided at the first hello once the checks
+    passed (before any data): each model tensor's own memory (CPU, contiguous), each optimizer
+    state tensor the optimizer already holds with that dtype and shape (a job that trained a
+    step), else a new tensor (it becomes the optimizer's state, not copied again), and a host
+    buffer for the rest (another device: copied there by the restore path, the one copy a
+    socket needs)."""
 
     def __init__(self, model: torch.nn.Module, opts: Sequence[torch.optim.Optimizer],
                  state: "dict[str, Any] | None", strict: bool) -> None:
         self.model, self.opts, self.state, self.strict = model, opts, state, strict
         self.in_place: set[str] = set()
-        self.fresh: dict[int, torch.Tensor] = {}  # tensor id -> the new optimizer state tensor
+        self.fresh: dict[int, torch.Tensor] = {}  # tensor id -> a new optimizer state tensor
+
+    def _optimizer_tensors(self, entries: list) -> dict[str, torch.Tensor]:
+        """``optim.state.<fqn>.<key>`` -> the tensor the optimizers hold now (only under
+        ``strict``: then every optimizer's state is replaced by the clone's)."""
+        if not self.strict:
+            return {}
+        fqn_of: dict[int, str] = {}
+        for fqn, t, _ in entries:
+            fqn_of.setdefault(id(t), fqn)
+        out = {}
+        for opt in self.opts:
+            for p, st in opt.state.items():
+                fqn = fqn_of.get(id(p))
+                for key, v in st.items() if fqn is not None else ():
+                    if isinstance(v, torch.Tensor):
+                        out[f"optim.state.{fqn}.{key}"] = v
+        return out
 
     def __call__(self, plan: ClonePlan, header: dict) -> dict[int, np.ndarray]:
         _check_plan(self.model, plan, header)
         _check_header_optimizers(self.model, self.opts, self.state, header, self.strict)
-        live = {fqn: t for fqn, t, _ in _state.model_entries(self.model)}
+        entries = _state.model_entries(self.model)
+        live = {fqn: t for fqn, t, _ in entries}
+        held = self._optimizer_tensors(entries)
         n_model = header["model_tensors"]
         out: dict[int, np.ndarray] = {}
         for t in plan.tensors:
@@ -442,10 +464,17 @@ class _Landing:
                 if flat is not None:
                     out[t.id] = flat
                     self.in_place.add(t.name)
-            elif t.size:
+                continue
+            if not t.size:
+                continue
+            have = held.get(t.name)
+            flat = None if have is None or have.dtype != _state.torch_dtype(t.dtype) or tuple(have.shape) != t.shape \
+                else _flat_target(have)
+            if flat is None:
                 fresh = torch.empty(t.shape, dtype=_state.torch_dtype(t.dtype))
                 self.fresh[t.id] = fresh
-                out[t.id] = fresh.reshape(-1).view(torch.uint8).numpy()
+                flat = fresh.reshape(-1).view(torch.uint8).numpy()
+            out[t.id] = flat
         return out
 
 

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node M tests/workers/torch_clone_dst.py OUT TAG [continue=N] [hidden=H]
         [fuse_bytes=B] [timeout=S] [die_forwarding=R] [optim=sgd]
+        [warm=1]
 
 Waits for OUT/address, takes a clone (deepfreeze.torch.clone.receive) into a model initialised
 differently, writes OUT/TAG/got_r<rank>.npz (the received state, :func:`flat_state`), then with
@@ -11,7 +12,9 @@ byte counts of its timings and ``model_in_place``: whether every model tensor ke
 or the error (type, message, seconds) when the clone failed. ``die_forwarding=R``: clone rank R's
 forwards to the other clone ranks end the process after its first forward frame (a clone rank
 killed while forwarding chunks). ``optim=sgd``: another optimizer than the source's (the error
-result says whether the model, optimizer and scheduler are ``unchanged``).
+result says whether the model, optimizer and scheduler are ``unchanged``). ``warm=1``: one
+training step before the clone (the optimizer holds state: ``optim_in_place`` lists the state
+tensors that kept their memory, ``optim_before`` those there were).
 """
 import json
 import os
@@ -38,9 +41,12 @@ class DyingForwarder(Forwarder):
         os._exit(3)
 
 
-def pointers(net) -> dict:
-    """Where every model tensor lives (data_ptr by name)."""
-    return {f"m/{k}": v.data_ptr() for k, v in net.state_dict(keep_vars=True).items()}
+def pointers(net, opt) -> dict:
+    """Where every model tensor and optimizer state tensor lives (data_ptr by name)."""
+    out = {f"m/{k}": v.data_ptr() for k, v in net.state_dict(keep_vars=True).items()}
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        out.update({f"o/{i}/{k}": v.data_ptr() for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v)})
+    return out
 
 
 def main() -> None:
@@ -63,8 +69,10 @@ def main() -> None:
     if kv.get("optim") == "sgd":  # another optimizer: refused at the hello, before a byte lands
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)
+    if kv.get("warm") == "1":  # a job that trained a step: the optimizer holds state the clone lands in
+        train_step(model, opt, sched, *batches(100 + rank, 1)[0])
     t0 = time.monotonic()
-    before = pointers(net)
+    before = pointers(net, opt)
     initial = flat_state(net, opt, sched)
     dying = kv.get("die_forwarding") == str(rank)
     try:
@@ -86,12 +94,15 @@ def main() -> None:
         train_step(model, opt, sched, x, y)
         np.savez(os.path.join(d, f"s{info.step + k + 1}_r{rank}.npz"), **flat_state(net, opt, sched))
     with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
-        after = pointers(net)
-        # the model's tensors kept their memory (the bytes landed there)
+        after = pointers(net, opt)
+        # the model's tensors kept their memory (the bytes landed there), and so did the optimizer's
+        # state tensors that were there before (warm=1)
         json.dump({"step": info.step, "epoch": info.epoch, "epoch_step": info.epoch_step,
                    "seconds": time.monotonic() - t0, "bytes": info.timings.get("bytes_received"),
                    "timings": {k: v for k, v in info.timings.items() if k.startswith(("bytes_", "state_"))},
-                   "model_in_place": after == before}, f)
+                   "model_in_place": all(after[k] == v for k, v in before.items() if k.startswith("m/")),
+                   "optim_in_place": sorted(k for k, v in before.items() if k.startswith("o/") and after.get(k) == v),
+                   "optim_before": sorted(k for k in before if k.startswith("o/"))}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
 
