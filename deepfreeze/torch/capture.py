@@ -30,8 +30,8 @@ Call order (every rank, the same calls; ``take`` and ``finish`` are collective o
 Each capture costs two small all-gathers (``take``, ``finish``) and one copy of the rank's
 pieces into a pooled buffer; the :class:`Captured` shard *is* that buffer (no further copy).
 
-**Subscribers.** Who else receives the finished shards (a :class:`~deepfreeze.torch.Publisher`)
-implements :class:`CaptureSubscriber` and is subscribed to the capture's owner
+**Subscribers.** Who else receives the finished shards implements :class:`CaptureSubscriber`
+and is subscribed to the capture's owner
 (:meth:`Checkpointer.subscribe <deepfreeze.torch.Checkpointer.subscribe>`). For each step the
 owner asks every subscriber :meth:`~CaptureSubscriber.wants_capture` in the post-hook (a step
 anyone wants is captured once); a finished capture goes to the engine first (the owner's policy)
@@ -43,8 +43,9 @@ closes. The owner calls each of them under its ``on_error`` policy: a
 (``on_error="raise"``) or logged and counted (``"warn"``).
 
 **Live subscribers.** What reads the live tensors of a step instead of a shard (the
-:class:`~deepfreeze.torch.CloneServer`, which sends each rank's share of them straight to a clone:
-no copy into a buffer, none of the capture's all-gathers) implements :class:`LiveSubscriber` and
+:class:`~deepfreeze.torch.CloneServer`, which sends each rank's share of them straight to a clone,
+and the stream :class:`~deepfreeze.torch.Publisher`, which copies its share straight into a
+shared-memory slot: no copy into a buffer, none of the capture's all-gathers) implements :class:`LiveSubscriber` and
 subscribes to a :class:`LiveCapture`, a sink of the model's step hook beside the Checkpointer's.
 It counts the steps, asks ``wants_live(step)`` in each post-hook (collective calls are the
 subscriber's: the clone server's agreement), lends a wanted step's tensor list (:class:`Live`)
@@ -109,7 +110,7 @@ class Captured:
 
 
 class CaptureSubscriber(Protocol):
-    """What receives a capture besides its owner's engine (the stream :class:`~deepfreeze.torch.Publisher`).
+    """What receives a capture besides its owner's engine, and the owner's ``wait`` and ``close``.
 
     Call order, on every rank (module docstring): ``wants_capture`` in each step's post-hook;
     ``on_capture`` for each finished capture it wanted (after the owner's hand-off to the

@@ -39,11 +39,13 @@ The capture itself (the buffers, the copy, CUDA, the ``_version`` guard, the pla
 records) is :class:`deepfreeze.torch.capture.Capture`'s; the Checkpointer is its policy: which
 steps, the engine, ``on_error``, the loop's boundaries, ``wait``/``close``.
 
-**Subscribers** (:class:`~deepfreeze.torch.capture.CaptureSubscriber`, :meth:`Checkpointer.subscribe`:
-a :class:`deepfreeze.torch.Publisher`): the steps a subscriber wants are captured too (one capture
-per step, whoever wants it); each finished, checked capture is handed to the engine (a step only
-subscribers wanted: when every rank's writer has room, else coalesced, :attr:`coalesced`) and then
-to the subscribers that wanted it.
+**Subscribers** (:class:`~deepfreeze.torch.capture.CaptureSubscriber`, :meth:`Checkpointer.subscribe`):
+the steps a subscriber wants are captured too (one capture per step, whoever wants it); each
+finished, checked capture is handed to the engine (a step only subscribers wanted: when every
+rank's writer has room, else coalesced, :attr:`coalesced`) and then to the subscribers that
+wanted it. The stream :class:`deepfreeze.torch.Publisher` subscribes for :meth:`wait` and
+:meth:`close` only: it wants no capture (it copies the live tensors, a
+:class:`~deepfreeze.torch.capture.LiveSubscriber`).
 
 Every checkpoint step costs two small all-gathers over the checkpointer's own gloo group
 (plan check in the post-hook, write decision in the next pre-hook), so every rank writes a
@@ -184,7 +186,7 @@ class Checkpointer(RunView, Sink):
         #: the capture points on the model and optimizers, shared with other sinks (deepfreeze.torch.hook)
         self.hook = hook_for(model, opts)
         self._closed = False
-        #: the subscribers of this capture (:meth:`subscribe`: a :class:`deepfreeze.torch.Publisher`)
+        #: the subscribers of this capture (:meth:`subscribe`; a :class:`deepfreeze.torch.Publisher`, for wait/close)
         self._subscribers: list[CaptureSubscriber] = []
         self._roles: dict[int, tuple[bool, list]] = {}  # captured step -> (checkpoint wanted, riders wanting it)
         self._explicit = False  # inside checkpoint(): the capture is a checkpoint whoever else wants it

@@ -1,28 +1,34 @@
 """PyTorch side of the stream: ``Publisher`` (producer) and ``Subscriber`` / ``ModelSubscriber`` (consumer).
 
-The producer rides on a :class:`~deepfreeze.torch.Checkpointer`'s capture and publishes it
-(:class:`deepfreeze.stream.Publisher`, one per rank): a channel *is* a checkpoint name, so its
-persistent copy is a regular DeepFreeze checkpoint (``deepfreeze ls``, ``deepfreeze.torch.load``,
-``resume=True`` all work) and the consumers' fallback tier. It captures in the optimizer step
-through the model's :class:`~deepfreeze.torch.hook.StepHook` (each DDP rank its 1/N of the
-weights, FSDP2 ranks their local shards; nothing goes through rank 0). One run, one lease, one
-engine and one capture serve both roles: beside a running Checkpointer (``checkpointer=ckpt``:
-the channel is its name, the fallback tier reads its versions) or, without one, its own
-Checkpointer on the channel's name (``every_n_steps=`` gives it the checkpoints a Checkpointer
-would take). The Checkpointer's own versions are always written; a version only the publish
-schedule wanted is handed to the engine when every rank's writer has room, else its persistent
-copy coalesces to a newer one (:attr:`Checkpointer.coalesced`; the newest is written at
-``wait``/``close``), so dense publishing never stalls training.
+The producer publishes each rank's share of the weights (:class:`deepfreeze.stream.Publisher`,
+one per rank; each DDP rank its 1/N, FSDP2 ranks their local shards; nothing goes through rank 0)
+beside a :class:`~deepfreeze.torch.Checkpointer`: a channel *is* a checkpoint name, one run and
+one lease serve both, and the Checkpointer's checkpoints are the consumers' fallback tier (a
+regular DeepFreeze checkpoint: ``deepfreeze ls``, ``deepfreeze.torch.load``, ``resume=True``):
+a running one (``checkpointer=ckpt``: the channel is its name) or, without one, its own on the
+channel's name (``every_n_steps=`` gives it the checkpoints a Checkpointer would take). The
+fallback tier serves checkpoint versions only: a publish-only version is never a checkpoint.
 
-A version is published once its capture is complete and checked (the ``_version`` guard: never a
-torn version), at the end of its iteration when the loop calls ``end_iteration()`` (or iterates
-``publisher.iterate(loader)``), else at the next ``optimizer.step()``'s pre-hook (the copy then
-overlaps the next forward and backward), or at ``wait``/``close``.
+**One copy from the step to the slot.** The Publisher is a
+:class:`~deepfreeze.torch.capture.LiveSubscriber` of its own
+:class:`~deepfreeze.torch.capture.LiveCapture` (a sink of the model's step hook beside the
+Checkpointer's capture, which captures nothing for it). Call order, on every rank: the post-hook
+of a step its schedule wants (``wants_live``) lends it the live tensors (``on_live``: the plan of
+the model's tensors checked, made with one all-gather when the tensor list changed; the buffers
+rank 0 publishes copied aside, the next forward changes them; a :class:`SlotCopy` handed to the
+publish thread); the publish thread copies the rank's pieces straight into a free slot of its
+ring (:meth:`SlotRing.write_with <deepfreeze.stream.slots.SlotRing.write_with>`: chunk by chunk,
+each chunk's CRC32 right after its copy) while the next forward and backward run, then compares
+the tensors' ``_version`` counters (a tensor written during the copy: *torn*, the slot is never
+completed and nothing announced) and announces the version; the next ``optimizer.step()``
+(``on_release``) waits for the copy, at most the stream's ``io_timeout``.
 
 The consumer (:class:`Subscriber`, any process, no ``torch.distributed``) holds two replicas of the
 module: each new version is copied in place into the idle one (a replica is reloaded only when no
-request runs on it) and swapped in (:class:`deepfreeze.stream.serve.ReplicaServer`), so a request
-run under ``with sub.current() as m:`` sees one whole version, never a mix.
+request runs on it; from shared memory into CPU tensors straight from the producers' pinned
+slots, the CRC checked in the same pass: :meth:`Subscriber._out_for`) and swapped in
+(:class:`deepfreeze.stream.serve.ReplicaServer`), so a request run under ``with sub.current() as
+m:`` sees one whole version, never a mix.
 """
 from __future__ import annotations
 
@@ -64,10 +70,12 @@ SCHEDULES = ("adaptive", "fixed")
 class Publisher:
     """Publish a DDP/FSDP2 (or plain) model's weights to serving processes as it trains.
 
-    The Publisher rides on a :class:`~deepfreeze.torch.Checkpointer`'s capture: its own (made from
-    ``config``, ``every_n_steps`` and ``**kwargs`` on the channel's name) or the one given as
-    ``checkpointer=`` (the channel is then that Checkpointer's name, and its run, lease, engine and
-    capture serve both: one capture per step, its versions the consumers' fallback tier).
+    Beside a :class:`~deepfreeze.torch.Checkpointer`: its own (made from ``config``,
+    ``every_n_steps`` and ``**kwargs`` on the channel's name) or the one given as
+    ``checkpointer=`` (the channel is then that Checkpointer's name; its run and lease serve both,
+    its checkpoints are the consumers' fallback tier). Each version's weights are copied from the
+    live tensors straight into this rank's shared-memory slot (module docstring); the
+    Checkpointer captures and writes its own steps only.
 
     Args:
       model, optimizer: as :class:`~deepfreeze.torch.Checkpointer` (with ``checkpointer=``: the
@@ -75,11 +83,10 @@ class Publisher:
       config: as :class:`~deepfreeze.torch.Checkpointer` (not with ``checkpointer=``).
       channel: the channel (= checkpoint) name; consumers subscribe to it. Default ``"model"``, or
         the name of ``checkpointer``.
-      checkpointer: a running Checkpointer of this model and optimizers whose capture the
-        Publisher shares (its name is the channel). Its own checkpoints are always written; a
-        version only the publish schedule wanted is written when every rank's writer has room
-        (else coalesced: :attr:`Checkpointer.coalesced`). Closing the Publisher stops publishing
-        and leaves the Checkpointer running; closing the Checkpointer closes the Publisher.
+      checkpointer: a running Checkpointer of this model and optimizers whose run the Publisher
+        shares (its name is the channel, its checkpoints the fallback tier; a version only the
+        publish schedule wanted is never written). Closing the Publisher stops publishing and
+        leaves the Checkpointer running; closing the Checkpointer closes the Publisher.
       schedule: an int n (every n optimizer steps), ``"fixed"`` (the interval minimising the
         predicted cumulative inference loss) or ``"adaptive"`` (greedy irregular steps from the
         predicted learning curve). The last two need :meth:`report` after every optimizer step:
@@ -99,8 +106,10 @@ class Publisher:
         ``state``, ``overlap``, ``on_error`` ...) and INI keys (``scratch=``, ``persistent=`` ...);
         not with ``checkpointer=``.
 
-    Other public attributes (``step``, ``start_step``, ``rank``, ``size``, ``config``, ``plan``,
-    ``timings``, ``coalesced`` ...) are the Checkpointer's (:attr:`checkpointer`).
+    Its own: :attr:`published`, :attr:`publish_timings`, :attr:`torn`, :attr:`capture`,
+    :attr:`publisher`, :attr:`publish_plan`. Other public attributes (``step``, ``start_step``,
+    ``rank``, ``size``, ``config``, ``plan``, ``timings`` ...) are the Checkpointer's
+    (:attr:`checkpointer`).
 
     Build it on every rank after ``dist.init_process_group`` and the DDP wrapper (collective).
     """
@@ -144,7 +153,7 @@ class Publisher:
                                       "another channel")
             ck = Checkpointer(model, opts, config, channel, every_n_steps=every_n_steps, **kwargs)
             self._owns = True
-        #: the Checkpointer whose capture this Publisher rides on (its own, or ``checkpointer=``)
+        #: the Checkpointer beside which this Publisher runs (its own, or ``checkpointer=``)
         self.checkpointer: Checkpointer = ck
         self.schedule = schedule
         self.warmup_steps = int(warmup_steps)
@@ -222,16 +231,16 @@ class Publisher:
         return self.checkpointer.iterate(iterable)
 
     def checkpoint(self) -> None:
-        """Checkpoint the state after the current step now (never coalesced; collective)."""
+        """Checkpoint the state after the current step now (:meth:`Checkpointer.checkpoint`; collective)."""
         self.checkpointer.checkpoint()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Publish a pending version, write the newest coalesced one, wait for the publisher's
-        copy and for every checkpoint to be committed on persistent (:meth:`Checkpointer.wait`)."""
+        """Wait for the copy of the version in flight and its notification, and for every
+        checkpoint to be committed on persistent (:meth:`Checkpointer.wait`)."""
         self.checkpointer.wait(timeout)
 
     def close(self) -> None:
-        """Publish and write what is pending, stop publishing (consumers keep their live version,
+        """Finish the copy in flight, stop publishing (consumers keep their live version,
         then fall back to the persistent copy). A Publisher that made its own Checkpointer closes
         it (the hooks, the run and the lease are released); one given ``checkpointer=`` leaves it
         running."""
