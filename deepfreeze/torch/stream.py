@@ -190,6 +190,7 @@ class Publisher:
         self._chunks: list = []
         self._views: dict = {}
         self._torn_before = 0
+        self._t_hook = 0.0
         #: the live capture of the steps to publish (:class:`~deepfreeze.torch.capture.LiveCapture`, on the
         #: model's step hook beside the Checkpointer's capture): the tensors lent from the post-hook to the
         #: next optimizer.step(), no copy but the Publisher's own into its slot
@@ -317,6 +318,7 @@ class Publisher:
         """Does the schedule publish the state after this optimizer step (``step`` counted by the
         live capture from the Publisher's start)? (:class:`~deepfreeze.torch.capture.LiveSubscriber`,
         as :meth:`on_live` and :meth:`on_release`.)"""
+        self._t_hook = time.perf_counter()  # the post-hook's part from here (the tensor list, the hand-off)
         return not self._closed and self._wants_publish(self._step0 + step)
 
     def on_live(self, live: Live) -> None:
@@ -329,7 +331,7 @@ class Publisher:
         self.checkpointer._guard(self._publish_live, live)
 
     def _publish_live(self, live: Live) -> None:
-        t0 = time.perf_counter()
+        t0 = self._t_hook
         ck, st = self.checkpointer, live.state
         self._plan_for(st)
         info = ck._run.info
