@@ -171,7 +171,7 @@ def _role(args: argparse.Namespace) -> None:
                 res["ready"] = time.time() - t_req
                 res["step"] = info.step
                 res["phases"] = {k: round(v - t_req, 4) for k, v in info.timings.items()
-                                 if k in ("first_data", "received", "loaded")}
+                                 if k in ("requested", "first_data", "received", "loaded")}
                 res["bytes"] = {k: v for k, v in info.timings.items() if k.startswith(("bytes_", "state_"))}
             else:
                 if rank == 0:
@@ -245,6 +245,7 @@ def drive(args: argparse.Namespace) -> dict:
     got: dict[str, list[float]] = {a: [] for a in APPROACHES}
     windows: dict[str, list[tuple[float, float]]] = {a: [] for a in APPROACHES}
     detail: list[dict] = []
+    clone_reqs: list[tuple[float, "dict | None"]] = []  # every clone's request (warm-up too), its detail
     try:
         for role in ("src", "clone", "disk"):
             log = open(os.path.join(work, f"{role}.log"), "w")
@@ -265,17 +266,25 @@ def drive(args: argparse.Namespace) -> dict:
                 _put(os.path.join(work, f"go_{role}_{i}_{idx}"), json.dumps({"t": t_req, "mode": mode}))
                 res = [json.loads(_wait_file(os.path.join(work, f"res_{mode}_{i}_r{r}"))) for r in range(2)]
                 ready = max(x["ready"] for x in res)
+                row = {"round": i, "approach": mode, "ready": ready, "ranks": res}
                 if i:  # round 0: warm-up
                     got[mode].append(ready)
                     windows[mode].append((t_req, t_req + ready))
-                    detail.append({"round": i, "approach": mode, "ready": ready, "ranks": res})
+                    detail.append(row)
+                if mode == "clone":
+                    clone_reqs.append((t_req, row if i else None))
                 extra = {k: res[0][k] for k in ("phases", "checkpoint", "restore", "cpu_s") if k in res[0]}
                 print(f"round {i} {mode}: ready on every rank {ready:.3f} s (step {res[0]['step']}) {extra}", flush=True)
                 time.sleep(args.gap)
         _put(os.path.join(work, "stop"), "1")
         for p in procs:
             p.wait(300)
-        steps = json.loads(_wait_file(os.path.join(work, "steps.json"), timeout=60))["steps"]
+        src = json.loads(_wait_file(os.path.join(work, "steps.json"), timeout=60))
+        steps = src["steps"]
+        for (t_req, row), c in zip(clone_reqs, src["clones"]):  # the source's sends began (its step K)
+            if row is not None:
+                if "at" in c:
+                    row["source_sends_began"] = c["at"] - t_req
     finally:
         for p in procs:
             if p.poll() is None:
@@ -294,6 +303,10 @@ def drive(args: argparse.Namespace) -> dict:
             "ratio_cold_over_clone": rc, "ratio_cold_se": rc_se,
             "targets": {"warm_over_clone": ">= 1.0", "cold_over_clone": ">= 1.5"},
             "source_steps": step_cost(steps, windows), "rounds": detail,
+            "clone_phases": {k: _stats([r["ranks"][0]["phases"][k] for r in detail
+                                        if r["approach"] == "clone" and k in r["ranks"][0]["phases"]])
+                             for k in ("requested", "first_data", "received", "loaded")}
+            | {"source_sends_began": _stats([r["source_sends_began"] for r in detail if "source_sends_began" in r])},
             "loadavg_at_start": list(load), "machine": f"{os.cpu_count()} cores",
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

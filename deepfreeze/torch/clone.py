@@ -524,6 +524,7 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
                 _bcast_json(group, answer, rank)
                 raise
         answer = _bcast_json(group, answer, rank)
+        timings["requested"] = time.time()
         if "n_src" not in answer:
             cls = error_class(answer.get("type")) or CloneError
             raise cls(f"clone rank 0's request failed: {answer.get('error')}")
