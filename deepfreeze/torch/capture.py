@@ -583,11 +583,15 @@ class LiveSubscriber(Protocol):
     What they raise goes through ``optimizer.step()`` (there is no ``on_error`` policy here: a
     subscriber keeps what it survives to itself).
 
-    A subscriber whose class sets ``wants_record = False`` (the stream :class:`~deepfreeze.torch.Publisher`:
-    weights only) needs no state record: when no holder of a step wants one, none is taken."""
+    A subscriber whose class sets ``wants_record = False`` and ``wants_optimizer_state = False``
+    (the stream :class:`~deepfreeze.torch.Publisher`: weights only) needs no state record and no
+    optimizer state: when no holder of a step wants them, none is taken and ``live.state`` lists
+    the model's tensors only (no walk of the optimizers' state)."""
 
     #: whether it reads the rank's state record (:meth:`Live.record`); False: none is taken for it
     wants_record: bool = True
+    #: whether it reads the optimizers' state tensors in ``live.state`` (False: the model's only)
+    wants_optimizer_state: bool = True
 
     def wants_live(self, step: int) -> bool:
         """Does this subscriber want the live state after optimizer step ``step``?"""
@@ -628,6 +632,7 @@ class LiveCapture(Sink):
         self.subscribers: list[LiveSubscriber] = []
         self._holders: list[LiveSubscriber] = []  # the subscribers the lent state went to
         self._st: "_state.TrainState | None" = None  # the last tensor list (reused while unchanged)
+        self._st_model: "_state.TrainState | None" = None  # the last one of the model's tensors only
         self.hook = hook_for(model, optimizers)
         self.hook.subscribe(self)
 
@@ -666,8 +671,12 @@ class LiveCapture(Sink):
         wanted = [s for s in list(self.subscribers) if s.wants_live(self.step)]
         if not wanted:
             return
-        st = self._st = self.records.train_state(self._st)
-        live = Live(self.step, st, any(getattr(s, "wants_record", True) for s in wanted))
+        record = any(getattr(s, "wants_record", True) for s in wanted)
+        if record or any(getattr(s, "wants_optimizer_state", True) for s in wanted):
+            st = self._st = self.records.train_state(self._st)
+        else:  # the model's tensors only: no optimizer given, none walked
+            st = self._st_model = _state.train_state(self.records.model, (), self._st_model)
+        live = Live(self.step, st, record)
         if not self.boundary and live.needs_record:
             live.take_a(self.records)
         self.live, self._holders = live, wanted

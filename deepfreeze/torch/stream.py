@@ -188,6 +188,7 @@ class Publisher:
         self._key: bytes | None = None
         self._specs_seen: Any = None
         self._chunks: list = []
+        self._pieces: list = []  # (tensor id, piece, pinned) of this rank's copy, once each
         self._views: dict = {}
         self._torn_before = 0
         self._t_hook = 0.0
@@ -309,8 +310,10 @@ class Publisher:
                 pub.close()
 
     # ------------------------------------------------------------------ a live subscriber of the step
-    #: the Publisher needs no state record (weights only): the live capture takes none for it
+    #: the Publisher needs no state record and no optimizer state (weights only): the live capture
+    #: takes no record and walks no optimizer for it
     wants_record = False
+    wants_optimizer_state = False
     #: advanced: the :class:`SlotCopy` subclass that copies a version into its slot (tests inject faults)
     copy_cls: "type[SlotCopy]"
 
@@ -347,7 +350,7 @@ class Publisher:
                 log.warning("DeepFreeze: publishing %r at %s (%.1f MB per version on rank 0)", ck.name,
                             self.publisher.address, self.publisher.prefix / 1e6)
         v = Version(info.generation, self._step0 + live.step)
-        copy_ = self._copy = self.copy_cls(v.step, self._chunks, st, self._views)
+        copy_ = self._copy = self.copy_cls(v.step, self._chunks, self._pieces, st, self._views)
         self.publisher.publish_with(v, copy_, copy_.done)
         self.published.append(v)
         self.publish_timings.append({"version": v.step, "hook_s": time.perf_counter() - t0, "wait_s": 0.0})
@@ -408,6 +411,7 @@ class Publisher:
                             self.channel, ck.step)
         self._plan, self._key = plan, key
         self._chunks = _slot_chunks(FusedLayout.build(plan, ck.rank), st.bounds, ck.rank, set(pinned))
+        self._pieces = sorted({(c[2], c[3], c[5]) for _, group in self._chunks for c in group}, key=lambda x: x[0])
         self._views = {}
 
     # ------------------------------------------------------------------ the plan
@@ -453,7 +457,7 @@ class SlotCopy:
     any more (also by :meth:`done` when the fill never runs). :meth:`_copied_chunk` is the
     fault-injection point (a subclass changes a tensor or dies there)."""
 
-    def __init__(self, step: int, chunks: list, st: "_state.TrainState", views: dict) -> None:
+    def __init__(self, step: int, chunks: list, pieces: list, st: "_state.TrainState", views: dict) -> None:
         self.step = step
         self.finished = threading.Event()
         #: the name of the first tensor that changed during the copy (None: not torn)
@@ -461,7 +465,7 @@ class SlotCopy:
         self._chunks = chunks
         self._sources: dict[int, torch.Tensor] = {}
         self.versions: list[tuple[torch.Tensor, int, str]] = []
-        for tid, piece, pinned in {(c[2], c[3], c[5]) for group in chunks for c in group[1]}:
+        for tid, piece, pinned in pieces:
             t = st.tensors[tid]
             hit = views.get(tid)
             if hit is not None and hit[0] is t and hit[1] == t.data_ptr():
