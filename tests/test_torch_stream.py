@@ -410,7 +410,7 @@ def test_torn_copy_into_a_slot_is_never_served(tmp_path, monkeypatch):
     from deepfreeze.lease import Version
     from deepfreeze.stream import StreamOptions
     from deepfreeze.torch import Publisher, Subscriber
-    from deepfreeze.torch.stream import SlotCopy
+    from deepfreeze.torch.slot_copy import SlotCopy
     monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
     shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
     os.makedirs(shm)

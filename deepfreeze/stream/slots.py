@@ -427,6 +427,12 @@ class SlotRing:
             _lock(self._fd, fcntl.F_UNLCK, _WRITER_LOCK)
             return False
 
+    def data_region(self) -> tuple[int, int]:
+        """``(address, nbytes)`` of the slots' data in this process's mapping (valid until
+        :meth:`close`): what a producer registers for device-to-host copies into its slots."""
+        self._check_open()
+        return int(self._buf.ctypes.data) + self._data, self.slots * self._stride
+
     def _seq_now(self, slot: int) -> int:
         off = self._records + slot * _REC_SIZE
         return _SEQ.unpack(self._mm[off:off + 8])[0]

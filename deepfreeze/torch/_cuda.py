@@ -205,6 +205,21 @@ class PinnedBufferPool(BufferPool):
             linger[:] = keep
 
 
+def pin_host(address: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` of host memory at ``address`` (``cudaHostRegister``, portable flag), so
+    device-to-host copies land in it at full speed (the stream's shared-memory slots): True when
+    registered (undo with :func:`unpin_host` before the memory is unmapped), False without CUDA or
+    when the driver refuses (``ulimit -l``): the copies then go through the driver's staging."""
+    if not torch.cuda.is_available():
+        return False
+    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)) == 0
+
+
+def unpin_host(address: int) -> None:
+    """Undo :func:`pin_host` of the memory at ``address``."""
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
 def release_pool(pool: Any) -> None:
     """Release ``pool`` if it is pinned (a plain pool needs nothing)."""
     if isinstance(pool, PinnedBufferPool):

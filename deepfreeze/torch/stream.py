@@ -38,7 +38,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -48,18 +47,18 @@ import torch
 from .. import format as fmt
 from ..config import Config, did_you_mean
 from ..errors import ConfigError, ModelMismatchError, StreamTimeoutError
-from ..fused import STAMP_BYTES, FusedLayout
+from ..fused import FusedLayout
 from ..lease import RunInfo, Version
 from ..shardplan import ShardPlan
 from ..stream.core import Publisher as _CorePublisher, StreamOptions, Subscriber as _CoreSubscriber, Update
 from ..stream.serve import ReplicaServer
-from ..stream.slots import CHUNK
-from . import _state
-from .capture import Captured, Capture, Live, LiveCapture
+from . import _cuda, _state
+from .capture import Captured, Live, LiveCapture
 from .checkpointer import Checkpointer
+from .slot_copy import SlotCopy, slot_chunks
 from .hook import sinks_of
 
-__all__ = ["Publisher", "Subscriber", "ModelSubscriber", "Served", "SlotCopy", "SCHEDULES"]
+__all__ = ["Publisher", "Subscriber", "ModelSubscriber", "Served", "SCHEDULES"]
 
 log = logging.getLogger("deepfreeze")
 
@@ -192,6 +191,7 @@ class Publisher:
         self._views: dict = {}
         self._torn_before = 0
         self._t_hook = 0.0
+        self._pinned_at: "int | None" = None  # the slots' address while registered with CUDA (_cuda.pin_host)
         #: the live capture of the steps to publish (:class:`~deepfreeze.torch.capture.LiveCapture`, on the
         #: model's step hook beside the Checkpointer's capture): the tensors lent from the post-hook to the
         #: next optimizer.step(), no copy but the Publisher's own into its slot
@@ -305,9 +305,20 @@ class Publisher:
         try:
             self.capture.close()  # (calls on_close again: returns above)
         finally:
-            pub, self.publisher = self.publisher, None
-            if pub is not None:
-                pub.close()
+            self._drop_publisher()
+
+    def _drop_publisher(self) -> None:
+        """Close this rank's core publisher (its ring, server and endpoint), its slots unpinned first."""
+        pub, self.publisher = self.publisher, None
+        if pub is None:
+            return
+        self._torn_before += int(pub.ring.torn)
+        if self._pinned_at is not None:  # unregistered while mapped, once no copy runs into the slots
+            copy_ = self._copy
+            if copy_ is None or copy_.finished.wait(self.timeout):
+                _cuda.unpin_host(self._pinned_at)
+            self._pinned_at = None
+        pub.close()
 
     # ------------------------------------------------------------------ a live subscriber of the step
     #: the Publisher needs no state record and no optimizer state (weights only): the live capture
@@ -340,12 +351,13 @@ class Publisher:
         info = ck._run.info
         pub = self.publisher
         if pub is None or pub.run.id != info.id:
-            if pub is not None:
-                self.publisher = None
-                pub.close()
+            self._drop_publisher()
             self.publisher = _CorePublisher(ck.name, ck.config.persistent, rank=ck.rank, world=ck.size, run=info,
                                             plan=self._plan, model_tensors=len(self._plan.tensors),
                                             options=self.stream_options)
+            if any(t.is_cuda for t in st.tensors[:st.model_tensors]):  # device-to-host copies land in the slots
+                addr, n = self.publisher.ring.data_region()
+                self._pinned_at = addr if _cuda.pin_host(addr, n) else None
             if ck.verbose and ck.rank == 0:
                 log.warning("DeepFreeze: publishing %r at %s (%.1f MB per version on rank 0)", ck.name,
                             self.publisher.address, self.publisher.prefix / 1e6)
@@ -402,15 +414,12 @@ class Publisher:
                                          f"rank {ck.rank}: every rank must build the same model")
         plan = ShardPlan.build(st.specs[:mt], ck.size, min_shard_bytes=ck.min_shard_bytes, pinned=pinned, given=given)
         if self._plan is not None:
-            if self.publisher is not None:
-                self._torn_before += int(self.publisher.ring.torn)
-                pub, self.publisher = self.publisher, None
-                pub.close()  # a new ring, endpoint and plan for consumers
+            self._drop_publisher()  # a new ring, endpoint and plan for consumers
             if ck.rank == 0:
                 log.warning("DeepFreeze: channel %r: the model's tensors changed: a new plan from step %d on",
                             self.channel, ck.step)
         self._plan, self._key = plan, key
-        self._chunks = _slot_chunks(FusedLayout.build(plan, ck.rank), st.bounds, ck.rank, set(pinned))
+        self._chunks = slot_chunks(FusedLayout.build(plan, ck.rank), st.bounds, ck.rank, set(pinned))
         self._pieces = sorted({(c[2], c[3], c[5]) for _, group in self._chunks for c in group}, key=lambda x: x[0])
         self._views = {}
 
@@ -442,115 +451,7 @@ class Publisher:
         self._plan_steps = {int(s) for s in plan.steps}
 
 
-class SlotCopy:
-    """One version's copy from the live tensors straight into this rank's slot: the ``fill`` of
-    :meth:`SlotRing.write_with <deepfreeze.stream.slots.SlotRing.write_with>`, run on the publish
-    thread between the step's post-hook and the next ``optimizer.step()``.
-
-    Call order: made in the post-hook (``on_live``: the buffers rank 0 publishes, which the next
-    forward changes, are copied aside here; every other tensor's ``_version`` is noted); called
-    once with the slot's bytes (``fill(dst, copied)``): each chunk (about
-    :data:`~deepfreeze.stream.slots.CHUNK` bytes: many small tensors in one ``torch._foreach_copy_``,
-    a large one in several) is copied, then its CRC32 computed while it is in cache, ``copied``
-    told; then the versions are compared: a tensor changed during the copy makes it torn (None is
-    returned: the slot is never completed); :attr:`finished` is set once nothing reads the tensors
-    any more (also by :meth:`done` when the fill never runs). :meth:`_copied_chunk` is the
-    fault-injection point (a subclass changes a tensor or dies there)."""
-
-    def __init__(self, step: int, chunks: list, pieces: list, st: "_state.TrainState", views: dict) -> None:
-        self.step = step
-        self.finished = threading.Event()
-        #: the name of the first tensor that changed during the copy (None: not torn)
-        self.changed: "str | None" = None
-        self._chunks = chunks
-        self._sources: dict[int, torch.Tensor] = {}
-        self.versions: list[tuple[torch.Tensor, int, str]] = []
-        for tid, piece, pinned in pieces:
-            t = st.tensors[tid]
-            hit = views.get(tid)
-            if hit is not None and hit[0] is t and hit[1] == t.data_ptr():
-                v = hit[2]
-            else:
-                v = Capture._source_view(t, piece) if t.device.type == "cpu" else _device_bytes(t, piece)
-                if t.is_contiguous():
-                    views[tid] = (t, t.data_ptr(), v)
-            if pinned:  # changed by the next forward: aside now
-                v = v.to("cpu", copy=True)
-            else:
-                name = st.specs[tid].name
-                self.versions.append((t, t._version, name))
-                if tid in st.dtensors:  # the optimizer's in-place updates count on the DTensor
-                    self.versions.append((st.dtensors[tid], st.dtensors[tid]._version, name))
-            self._sources[tid] = v
-
-    def __call__(self, dst: np.ndarray, copied: Callable[[int], None]) -> "int | None":
-        try:
-            d = torch.from_numpy(dst)
-            c, pos = 0, 0
-            for end, items in self._chunks:
-                dsts = [d[off:off + n] for off, n, _, _, a, _ in items]
-                srcs = [self._sources[tid][a:a + n] for _, n, tid, _, a, _ in items]
-                if any(x.device.type != "cpu" for x in srcs):
-                    for x, y in zip(dsts, srcs):
-                        x.copy_(y)  # device to host, straight into the slot
-                else:
-                    torch._foreach_copy_(dsts, srcs)
-                del dsts, srcs
-                c = fmt.crc32(dst[pos:end], c)  # the chunk (and its padding) while in cache
-                pos = end
-                self._copied_chunk(end)
-                copied(end)
-            del d
-            self.changed = next((name for t, v, name in self.versions if t._version != v), None)
-            return None if self.changed is not None else c
-        finally:
-            self.finished.set()
-
-    def done(self) -> None:
-        """Nothing reads the tensors any more (called once the fill returned or when it never runs)."""
-        self.finished.set()
-
-    def _copied_chunk(self, done: int) -> None:
-        """After each chunk (``done`` bytes of the slot written): does nothing; a fault-injection point."""
-
-
 Publisher.copy_cls = SlotCopy
-
-
-def _device_bytes(t: torch.Tensor, piece: Any) -> torch.Tensor:
-    """The bytes of ``piece`` of a device tensor as a flat uint8 tensor on its device (no host copy)."""
-    src = t.detach().reshape(-1)[piece.start:piece.stop].contiguous()
-    return src.view(torch.uint8) if src.dtype != torch.uint8 else src
-
-
-def _slot_chunks(layout: FusedLayout, bounds: dict, rank: int, pinned: set) -> list:
-    """This rank's copy into a slot, in chunks of about :data:`CHUNK` bytes in slot order: a list of
-    ``(end offset of the chunk in the slot, items)``, an item ``(slot offset, nbytes, tensor id,
-    piece, byte offset in the piece, pinned)``; a chunk's end covers the padding after it, the
-    last one the slot's end (so the CRC of the chunks in order is the slot's)."""
-    items = []
-    for seg in sorted(layout.segments, key=lambda g: g.offset):
-        if not seg.nbytes:
-            continue
-        piece = seg.piece
-        if piece.tensor_id in bounds:  # an FSDP2 shard: the local tensor starts at this rank's bound
-            base = bounds[piece.tensor_id][rank]
-            piece = dataclasses.replace(piece, start=piece.start - base, stop=piece.stop - base)
-        off = seg.offset - STAMP_BYTES
-        for a in range(0, seg.nbytes, CHUNK):
-            items.append((off + a, min(CHUNK, seg.nbytes - a), piece.tensor_id, piece, a, piece.tensor_id in pinned))
-    chunks: list = []
-    group: list = []
-    size = 0
-    for it in items:
-        if group and size + it[1] > CHUNK:
-            chunks.append([it[0], group])
-            group, size = [], 0
-        group.append(it)
-        size += it[1]
-    if group:
-        chunks.append([layout.data_bytes, group])
-    return [(end, g) for end, g in chunks]
 
 
 def _check_ride(ck: Any, model: torch.nn.Module, opts: list, channel: "str | None", config: Any,
