@@ -38,8 +38,10 @@ Approaches:
   on inotify ``IN_MOVED_TO`` (libc through ctypes), ``torch.load(weights_only=True, mmap=True)``
   (mapped from the page cache: no read into fresh tensors) + ``load_state_dict`` into its idle
   replica (one copy), then swaps replicas.
-* ``dcp``: ``dcp.save(state_dict, checkpoint_id=v<step>)`` (no process group) then a marker file
-  replaced atomically; the consumer waits on inotify for the marker, ``dcp.load`` into its idle
+* ``dcp``: ``dcp.async_save(state_dict, checkpoint_id=v<step>, no_dist=True)`` with DCP's own
+  ``DefaultStager`` (``StagingOptions``: async staging; pinned memory and non-blocking copies
+  only with CUDA), one save in flight, the staged copy complete before the next optimizer step;
+  once its upload is done a marker file is replaced atomically; the consumer waits on inotify for the marker, ``dcp.load`` into its idle
   replica's state dict (in place), swaps. The producer keeps the last 3 version directories.
 * ``gloo``: a 2-process gloo group (producer rank 0, consumer rank 1, TCP on 127.0.0.1): the
   producer flattens the state dict into one buffer and ``dist.broadcast``s a step header and the
@@ -197,7 +199,17 @@ def producer(a: argparse.Namespace) -> None:
     os.makedirs(out, exist_ok=True)
     t0: dict[int, float] = {}
     stalls: list[float] = []  # the training thread's seconds per publish (df: post-hook + the next step's wait)
+    dcp_state: dict = {"stager": None, "staging": None, "upload": None}
+    if a.approach == "dcp":  # at its best here: async_save with DCP's own stager (cached buffers, staged in a
+        # thread; on the CPU no pinned memory or non-blocking copy exists), the marker once the upload is done
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        dcp_state["stager"] = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                           use_shared_memory=False, use_async_staging=True,
+                                                           use_non_blocking_copy=torch.cuda.is_available()))
     for j in range(1, steps + 1):
+        if dcp_state["staging"] is not None:  # the staged copy is complete before the weights change
+            dcp_state["staging"].result()
+            dcp_state["staging"] = None
         step(j)
         s = pub.step if pub is not None else j
         t0[s] = mark["t"]
@@ -210,13 +222,20 @@ def producer(a: argparse.Namespace) -> None:
                 os.replace(tmp, os.path.join(out, "latest.pt"))
             elif a.approach == "dcp":
                 import torch.distributed.checkpoint as dcp
-                dcp.save(sd, checkpoint_id=os.path.join(out, f"v{j}"))
-                with open(os.path.join(out, ".marker.tmp"), "w") as f:
-                    f.write(str(j))
-                os.replace(os.path.join(out, ".marker.tmp"), os.path.join(out, "marker"))
-                old = os.path.join(out, f"v{j - 3 * k}")
-                if os.path.isdir(old):
-                    shutil.rmtree(old, ignore_errors=True)
+                if dcp_state["upload"] is not None:
+                    dcp_state["upload"].result()  # DCP allows one save in flight
+                r = dcp.async_save(sd, checkpoint_id=os.path.join(out, f"v{j}"), async_stager=dcp_state["stager"],
+                                   no_dist=True)
+                dcp_state["staging"], dcp_state["upload"] = r.staging_completion, r.upload_completion
+
+                def on_written(_f, j=j) -> None:  # on DCP's upload thread, once v<j> is written
+                    with open(os.path.join(out, ".marker.tmp"), "w") as f:
+                        f.write(str(j))
+                    os.replace(os.path.join(out, ".marker.tmp"), os.path.join(out, "marker"))
+                    old = os.path.join(out, f"v{j - 3 * k}")
+                    if os.path.isdir(old):
+                        shutil.rmtree(old, ignore_errors=True)
+                dcp_state["upload"].add_done_callback(on_written)
             elif a.approach == "gloo":
                 tb = time.perf_counter()
                 o = 0
@@ -243,6 +262,9 @@ def producer(a: argparse.Namespace) -> None:
         except (FileNotFoundError, ValueError):
             pass
         time.sleep(0.01)
+    if dcp_state["upload"] is not None:
+        dcp_state["upload"].result()
+        dcp_state["stager"].close()
     timings = []
     if pub is not None:
         pub.close()
