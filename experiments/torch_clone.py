@@ -317,7 +317,7 @@ def plot(path: str) -> str:
     import matplotlib.pyplot as plt
     with open(path) as f:
         doc = json.load(f)
-    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
     names = ["clone (TCP)", "checkpoint + restore\n(warm cache)", "checkpoint + restore\n(cold)"]
     vals = [doc["approaches"][a] for a in APPROACHES]
     ax.bar(names, [v["mean"] for v in vals], yerr=[v["se"] for v in vals], capsize=4,

@@ -534,11 +534,24 @@ def _clone_plan():
 
 def _clone_wire(bounded, data):
     """The clone wire's decoders: a request, a hello and its plan, a data frame checked against
-    the plan, and a whole connection of frames into a CloneListener's receiving loop."""
+    the plan, the relay's peer hello and forward frame, and a whole connection of frames into a
+    CloneListener's receiving loop."""
     from deepfreeze.clone import wire
     plan = _clone_plan()
-    which = data.draw(st.sampled_from(["request", "hello", "data", "stream"]), label="decoder")
-    if which == "request":
+    which = data.draw(st.sampled_from(["request", "hello", "data", "stream", "peer", "forward"]), label="decoder")
+    if which == "peer":  # the relay between clone ranks (issue 44)
+        from deepfreeze.clone import relay
+        obj = mutate_json(data, {"df": "clone-peer", "rank": 1, "digest": plan.digest()})
+        bounded(lambda: relay.check_peer_hello(obj, 2), len(dumps(obj)))
+    elif which == "forward":
+        from deepfreeze.clone import relay
+        expected = {(r.tensor_id, r.start, r.stop): r for r in plan.routes if r.dst == 1}
+        routes = [[r.tensor_id, r.start, r.stop] for r in expected.values()]
+        obj = mutate_json(data, {"df": "clone-fwd", "routes": routes})
+        total = sum((r.stop - r.start) * 4 for r in expected.values())
+        payload = data.draw(st.sampled_from([total, 0, total - 4, 1 << 40]), label="payload")
+        bounded(lambda: relay.check_forward(obj, plan, expected, payload), len(dumps(obj)))
+    elif which == "request":
         obj = mutate_json(data, {"df": "clone-request", "n_clone": 2, "endpoints": ["127.0.0.1:1", "[::1]:2"]})
         bounded(lambda: wire.check_request(obj), len(dumps(obj)))
     elif which == "hello":
