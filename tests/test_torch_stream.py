@@ -314,6 +314,18 @@ def test_consumer_killed_mid_transfer_publisher_goes_on(out):
 
 
 # ---------------------------------------------------------------- one process, no torch.distributed
+def _solo(tmp_path, monkeypatch) -> tuple:
+    """One process's producer setting: the token, a private shm directory for the rings, scratch and
+    persistent under ``tmp_path``, a seeded Net and its SGD (momentum) optimizer."""
+    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
+    shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm)
+    dirs = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"), mode="async")
+    torch.manual_seed(0)
+    net = Net()
+    return shm, dirs, net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+
 def _train(pub, net, opt, g, n: int, states: dict) -> None:
     for _ in range(n):
         loss = torch.nn.functional.mse_loss(net(torch.randn(4, 8, generator=g)), torch.randn(4, 3, generator=g))
@@ -350,13 +362,7 @@ def test_single_process_pinned_replica_is_never_reloaded(tmp_path, monkeypatch):
     from deepfreeze.errors import ConfigError, ModelMismatchError, StreamError, StreamTimeoutError
     from deepfreeze.stream import StreamOptions
     from deepfreeze.torch import Publisher, Subscriber
-    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
-    shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
-    os.makedirs(shm)
-    dirs = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"), mode="async")
-    torch.manual_seed(0)
-    net = Net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    shm, dirs, net, opt = _solo(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match="schedule"):
         Publisher(net, opt, channel="solo", schedule="sometimes", **dirs)
     with pytest.raises(ConfigError, match="horizon_s"):
@@ -411,13 +417,7 @@ def test_torn_copy_into_a_slot_is_never_served(tmp_path, monkeypatch):
     from deepfreeze.stream import StreamOptions
     from deepfreeze.torch import Publisher, Subscriber
     from deepfreeze.torch.slot_copy import SlotCopy
-    monkeypatch.setenv("DEEPFREEZE_TOKEN", TOKEN)
-    shm = f"/dev/shm/dftorch-{uuid.uuid4().hex[:8]}"
-    os.makedirs(shm)
-    dirs = dict(scratch=str(tmp_path / "s"), persistent=str(tmp_path / "p"), mode="async")
-    torch.manual_seed(0)
-    net = Net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    shm, dirs, net, opt = _solo(tmp_path, monkeypatch)
 
     class Tearing(SlotCopy):  # fault injected by subclassing: a write outside the optimizer mid-copy
         def _copied_chunk(self, done: int) -> None:

@@ -335,18 +335,7 @@ class Publisher:
         if arr.dtype != np.uint8 or arr.ndim != 1 or arr.size < self.prefix:
             raise StreamError(f"rank {self.rank} publishes {self.prefix} bytes per version, got an array of "
                               f"{arr.size} {arr.dtype} (ndim {arr.ndim})")
-        with self._cond:
-            if self._closing:
-                raise StreamError("this Publisher is closed")
-            if self.published and version <= self.published[-1] or \
-                    self._pending is not None and version <= self._pending[0]:
-                raise ConfigError(f"channel {self.channel!r}: version {version} published after a newer or equal one")
-            dropped, self._pending = self._pending, (version, arr[:self.prefix], time.perf_counter())
-            if dropped is not None:
-                self.coalesced += 1
-            self._cond.notify_all()
-        if dropped is not None and isinstance(dropped[1], tuple):
-            dropped[1][1]()  # a fill that will never run: its source is free
+        self._hand_over(version, arr[:self.prefix])
 
     def publish_with(self, version: Version, fill: Any, done: "Callable[[], None]") -> None:
         """Hand over a version that ``fill`` copies straight into a slot on the publish thread
@@ -357,18 +346,23 @@ class Publisher:
         pinned, the publisher closing): then nothing reads ``fill``'s source any more. Returns at
         once; raises a background error of an earlier publish, once."""
         self._raise_pending()
+        self._hand_over(version, (fill, done))
+
+    def _hand_over(self, version: Version, item: Any) -> None:
+        """Make ``item`` (an array, or a ``(fill, done)`` pair) the pending version; an older
+        pending one is dropped (``coalesced``; a dropped fill's ``done()`` is called)."""
         with self._cond:
             if self._closing:
                 raise StreamError("this Publisher is closed")
             if self.published and version <= self.published[-1] or \
                     self._pending is not None and version <= self._pending[0]:
                 raise ConfigError(f"channel {self.channel!r}: version {version} published after a newer or equal one")
-            dropped, self._pending = self._pending, (version, (fill, done), time.perf_counter())
+            dropped, self._pending = self._pending, (version, item, time.perf_counter())
             if dropped is not None:
                 self.coalesced += 1
             self._cond.notify_all()
         if dropped is not None and isinstance(dropped[1], tuple):
-            dropped[1][1]()
+            dropped[1][1]()  # a fill that will never run: its source is free
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every version handed over is published (or dropped for a newer one)."""

@@ -538,38 +538,29 @@ class SlotRing:
         The version is not (or no longer) held: :class:`VersionGoneError`. ``out`` too small for
         it, its bytes changed during the copy, or (``verify``) their CRC32 differs from the
         record's: :class:`StreamError`."""
-        for _ in range(_MAX_ATTEMPTS):
-            slot, seq, ver, nbytes, crc = self._pin(version)
-            try:
-                if out is None:
-                    dst = np.empty(nbytes, dtype=np.uint8)
-                else:
-                    dst = _byte_array(out, "SlotRing.read out", writable=True)
-                    if dst.size < nbytes:
-                        raise StreamError(f"slot ring {self.path}: version {ver} has {nbytes} bytes, the buffer given "
-                                          f"holds {dst.size}: pass a buffer of at least the ring's capacity "
-                                          f"({self.capacity})")
-                    dst = dst[:nbytes]
-                src = self._slot_data(slot, nbytes)
-                c = 0
-                for a in range(0, nbytes, CHUNK):
-                    b = min(nbytes, a + CHUNK)
-                    np.copyto(dst[a:b], src[a:b])
-                    if verify:
-                        c = crc32(dst[a:b], c)
-                torn = self._seq_now(slot) != seq
-            finally:
-                self._release(slot)
-            if torn:   # only if a pin was broken from outside (e.g. the file's locks were dropped)
-                if version is not None:
-                    raise VersionGoneError(f"slot ring {self.path}: version {ver} was overwritten during the copy")
-                continue
-            if verify and c != crc:
-                raise StreamError(f"slot ring {self.path}: version {ver} in slot {slot}: CRC32 of its {nbytes} bytes "
-                                  f"is {c:08x}, its record says {crc:08x}: the slot was changed by something other "
-                                  f"than its producer, refused")
-            return ver, crc, dst
-        raise StreamError(f"slot ring {self.path}: every copy of the newest version was torn ({_MAX_ATTEMPTS} tries)")
+        got: list[np.ndarray] = []
+
+        def copy(src: np.ndarray, ver: Version) -> int:
+            nbytes = src.size
+            if out is None:
+                dst = np.empty(nbytes, dtype=np.uint8)
+            else:
+                dst = _byte_array(out, "SlotRing.read out", writable=True)
+                if dst.size < nbytes:
+                    raise StreamError(f"slot ring {self.path}: version {ver} has {nbytes} bytes, the buffer given "
+                                      f"holds {dst.size}: pass a buffer of at least the ring's capacity "
+                                      f"({self.capacity})")
+                dst = dst[:nbytes]
+            got[:] = [dst]
+            c = 0
+            for a in range(0, nbytes, CHUNK):
+                b = min(nbytes, a + CHUNK)
+                np.copyto(dst[a:b], src[a:b])
+                if verify:
+                    c = crc32(dst[a:b], c)
+            return c
+        ver, crc = self._copy_out(version, copy, verify)
+        return ver, crc, got[0]
 
     def read_into(self, version: Version | None, pieces: "list[tuple[int, np.ndarray]]", *,
                   verify: bool = True) -> tuple[Version, int]:
@@ -580,27 +571,35 @@ class SlotRing:
         between pieces included) is computed in the same pass, each chunk right after its copy.
         Returns ``(version, crc)``. Refusals as :meth:`read`; on a CRC mismatch the destinations
         hold unchecked bytes: the caller must not use them (a consumer's idle replica, not served)."""
+        def copy(src: np.ndarray, ver: Version) -> int:
+            nbytes = src.size
+            c = pos = 0
+            for off, dst in pieces:
+                n = dst.size
+                if off < pos or off + n > nbytes:
+                    raise StreamError(f"slot ring {self.path}: version {ver} holds {nbytes} bytes; a piece of "
+                                      f"{n} bytes at {off} is outside it or overlaps the one before (a plan "
+                                      "that does not match the producer's)")
+                if verify and off > pos:
+                    c = crc32(src[pos:off], c)
+                for a in range(0, n, CHUNK):
+                    b = min(n, a + CHUNK)
+                    np.copyto(dst[a:b], src[off + a:off + b])
+                    if verify:
+                        c = crc32(src[off + a:off + b], c)
+                pos = off + n
+            return crc32(src[pos:nbytes], c) if verify and pos < nbytes else c
+        return self._copy_out(version, copy, verify)
+
+    def _copy_out(self, version: Version | None, copy: Callable[[np.ndarray, Version], int],
+                  verify: bool) -> tuple[Version, int]:
+        """Pin the slot of ``version``, ``copy(slot bytes, version)`` out of it (returns the CRC32 of
+        what it copied; anything when not ``verify``), unpin; then the seqlock and CRC checks of
+        :meth:`read`. Returns ``(version, record's crc)``."""
         for _ in range(_MAX_ATTEMPTS):
             slot, seq, ver, nbytes, crc = self._pin(version)
             try:
-                src = self._slot_data(slot, nbytes)
-                c = pos = 0
-                for off, dst in pieces:
-                    n = dst.size
-                    if off < pos or off + n > nbytes:
-                        raise StreamError(f"slot ring {self.path}: version {ver} holds {nbytes} bytes; a piece of "
-                                          f"{n} bytes at {off} is outside it or overlaps the one before (a plan "
-                                          "that does not match the producer's)")
-                    if verify and off > pos:
-                        c = crc32(src[pos:off], c)
-                    for a in range(0, n, CHUNK):
-                        b = min(n, a + CHUNK)
-                        np.copyto(dst[a:b], src[off + a:off + b])
-                        if verify:
-                            c = crc32(src[off + a:off + b], c)
-                    pos = off + n
-                if verify and pos < nbytes:
-                    c = crc32(src[pos:nbytes], c)
+                c = copy(self._slot_data(slot, nbytes), ver)
                 torn = self._seq_now(slot) != seq
             finally:
                 self._release(slot)
