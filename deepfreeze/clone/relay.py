@@ -75,7 +75,7 @@ def check_peer_hello(h: Mapping[str, Any], n_clone: int) -> tuple[int, str]:
         raise CloneError("not a clone peer hello (expected {'df': 'clone-peer', ...})")
     j, digest = h.get("rank"), h.get("digest")
     if not _int(j, 0, n_clone - 1) or not isinstance(digest, str) or len(digest) != 64:
-        raise CloneError(f"malformed clone peer hello: rank {str(j)[:20]!r} of {n_clone} clone ranks, and a digest "
+        raise CloneError(f"malformed clone peer hello: rank {j if type(j) is int else type(j).__name__} of {n_clone} clone ranks, and a digest "
                          "of 64 hex")
     return j, digest
 

@@ -80,6 +80,14 @@ def _int(v: Any, lo: int, hi: int) -> bool:
     return type(v) is int and lo <= v <= hi
 
 
+def _show(v: Any, n: int = 20) -> str:
+    """A value read from the wire, for an error message: a scalar's repr cut to ``n`` characters,
+    else only its type (never the repr of an arbitrarily nested object)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return repr(v if not isinstance(v, str) else v[:n])[:n + 2]
+    return type(v).__name__
+
+
 # ----------------------------------------------------------------------------- decoders (fuzzed)
 
 def check_request(h: Mapping[str, Any]) -> tuple[int, list[str]]:
@@ -88,7 +96,7 @@ def check_request(h: Mapping[str, Any]) -> tuple[int, list[str]]:
         raise CloneError("not a clone request (expected {'df': 'clone-request', ...})")
     n, eps = h.get("n_clone"), h.get("endpoints")
     if not _int(n, 1, MAX_RANKS) or not isinstance(eps, list) or len(eps) != n:
-        raise CloneError(f"malformed clone request: n_clone {str(n)[:20]!r} and {type(eps).__name__} endpoints "
+        raise CloneError(f"malformed clone request: n_clone {_show(n)} and {type(eps).__name__} endpoints "
                          "(expected n_clone in 1..65536 and one 'host:port' per clone rank)")
     for e in eps:
         if not isinstance(e, str) or len(e) > 300:
@@ -117,7 +125,7 @@ def plan_from(d: Mapping[str, Any]) -> ClonePlan:
     if not isinstance(d, Mapping):
         raise CloneError("malformed clone plan: not an object")
     if d.get("version") != PLAN_VERSION:
-        raise ModelMismatchError(f"the source's clone plan is version {str(d.get('version'))[:20]!r}, this side's "
+        raise ModelMismatchError(f"the source's clone plan is version {_show(d.get('version'))}, this side's "
                                  f"{PLAN_VERSION}: run the same DeepFreeze on both jobs")
     n_src, n_clone, thr, ts = d.get("n_src"), d.get("n_clone"), d.get("threshold"), d.get("tensors")
     if not (_int(n_src, 1, MAX_RANKS) and _int(n_clone, 1, MAX_RANKS) and _int(thr, 0, 1 << 62)
@@ -159,7 +167,7 @@ def check_data(h: Mapping[str, Any], plan: ClonePlan, expected: dict, payload: i
                          "still awaited from this source rank (a duplicate, or another plan)")
     spec = plan.tensors[t]
     if d != spec.dtype:
-        raise CloneError(f"a clone data frame for {spec.name!r} says dtype {str(d)[:20]!r}, the plan {spec.dtype}")
+        raise CloneError(f"a clone data frame for {spec.name!r} says dtype {_show(d)}, the plan {spec.dtype}")
     if payload != (b - a) * dtype_itemsize(spec.dtype):
         raise CloneError(f"a clone data frame for {spec.name!r} [{a}, {b}) carries {payload} bytes, the plan "
                          f"{(b - a) * dtype_itemsize(spec.dtype)}")
@@ -511,7 +519,7 @@ class CloneListener:
                 elif kind == "clone-abort":
                     raise CloneError(f"source rank {r} gave up the clone: {str(h.get('reason'))[:2000]}")
                 else:
-                    raise CloneError(f"source rank {r} sent an unknown clone frame {str(kind)[:40]!r}")
+                    raise CloneError(f"source rank {r} sent an unknown clone frame {_show(kind, 40)}")
         except ProviderTimeoutError as e:
             raise CloneTimeoutError(f"clone rank {self.rank}: source rank {'?' if r is None else r} ({ch.peer()}) "
                                     f"did not finish sending within timeout={self.timeout:g} s: {e}") from e
@@ -569,7 +577,7 @@ class CloneListener:
                 elif kind == "clone-abort":
                     raise CloneError(f"clone rank {j} gave up the clone: {str(msg.header.get('reason'))[:2000]}")
                 else:
-                    raise CloneError(f"clone rank {j} sent an unknown clone frame {str(kind)[:40]!r}")
+                    raise CloneError(f"clone rank {j} sent an unknown clone frame {_show(kind, 40)}")
         except ProviderTimeoutError as e:
             raise CloneTimeoutError(f"clone rank {self.rank}: clone rank {'?' if j is None else j} ({ch.peer()}) did "
                                     f"not finish forwarding its chunks within timeout={self.timeout:g} s: {e}") from e
