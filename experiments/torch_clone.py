@@ -5,6 +5,8 @@ the new job (before its first step), against checkpoint-to-disk then a restore, 
     python -m experiments.torch_clone --quick                      # a small pass (~8 MB model, 3 reps)
     python -m experiments.torch_clone --mb 40 --reps 8             # the lead's run (idle machine)
     python -m experiments.torch_clone --plot experiments/results/torch_clone.json
+    # before/after in the same run: a fourth job importing another tree's deepfreeze
+    git archive <commit> | tar -x -C /tmp/df-before && python -m experiments.torch_clone --before /tmp/df-before
 
 One run, side by side: a source job (torchrun, 2 ranks, gloo, DDP, an MLP of ``--mb`` MB of
 float32 weights, Adam: the state moved is about 3x that) trains continuously with both a
@@ -16,6 +18,8 @@ one step (so every allocation is warm), then wait:
 * ``clone``: at the request (a file the driver writes, holding ``time.time()``), every rank
   calls ``deepfreeze.torch.clone.receive``; ready when it returns (the state is in the model,
   the optimizer, and the RNG).
+* ``clone_before`` (with ``--before TREE``): the same as ``clone`` in a job that imports TREE's
+  DeepFreeze (the source is this tree's: the wire is the same), for a before/after pass.
 * ``warm`` and ``cold`` (one job, the mode in the request): rank 0 asks the source for a
   checkpoint (a file; the source ranks agree on it with one broadcast per step,
   ``ckpt.checkpoint()`` then ``ckpt.wait()``: committed on persistent, durable), polls every
@@ -26,7 +30,7 @@ one step (so every allocation is warm), then wait:
   Ready = (done seen - request) + the restore's duration, per rank.
 
 Measured: request -> state ready on *every* rank (the largest of the ranks'). ``reps`` rounds
-after one warm-up round (not counted), the three approaches in an order rotated per round.
+after one warm-up round (not counted), the approaches in an order rotated per round.
 Reported: mean, standard error, n per approach; warm/clone and cold/clone (ratio of the means,
 its standard error by the delta method); the source's step-time increase during each approach
 (the steps that overlap the window from the request to ready on every rank, against the median
@@ -144,7 +148,7 @@ def _source(args: argparse.Namespace, model, opt, rank: int) -> None:
 def _role(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, args.lib or ROOT)
     import deepfreeze.torch as dft
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -157,11 +161,12 @@ def _role(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
         return
     _step(model, opt)  # warm: the first step's allocations, not the approach's
-    _put(os.path.join(work, f"ready_{args.role}_r{rank}"), "1")
+    tag = args.tag or args.role
+    _put(os.path.join(work, f"ready_{tag}_r{rank}"), "1")
     n_ck = 0
     for i in range(args.rounds):
         for _ in range(1 if args.role == "clone" else 2):
-            go = json.loads(_wait_file(os.path.join(work, f"go_{args.role}_{i}_{_}")))
+            go = json.loads(_wait_file(os.path.join(work, f"go_{tag}_{i}_{_}")))
             t_req, mode = go["t"], go["mode"]
             res: dict = {"mode": mode}
             cpu0 = time.process_time()
@@ -242,25 +247,31 @@ def drive(args: argparse.Namespace) -> dict:
     common = ["--work", work, "--mb", str(args.mb), "--rounds", str(rounds)]
     load = os.getloadavg()
     procs = []
-    got: dict[str, list[float]] = {a: [] for a in APPROACHES}
-    windows: dict[str, list[tuple[float, float]]] = {a: [] for a in APPROACHES}
+    approaches = APPROACHES + (("clone_before",) if args.before else ())
+    got: dict[str, list[float]] = {a: [] for a in approaches}
+    windows: dict[str, list[tuple[float, float]]] = {a: [] for a in approaches}
     detail: list[dict] = []
     clone_reqs: list[tuple[float, "dict | None"]] = []  # every clone's request (warm-up too), its detail
     try:
-        for role in ("src", "clone", "disk"):
-            log = open(os.path.join(work, f"{role}.log"), "w")
-            procs.append(subprocess.Popen(_torchrun("--role", role, *common), env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+        jobs = [("src", "src", ROOT), ("clone", "clone", ROOT), ("disk", "disk", ROOT)]
+        if args.before:  # the same clone job on another tree's DeepFreeze (the source is this tree's)
+            jobs.append(("clone", "clone_before", os.path.abspath(args.before)))
+        for role, tag, lib in jobs:
+            log = open(os.path.join(work, f"{tag}.log"), "w")
+            procs.append(subprocess.Popen(_torchrun("--role", role, "--tag", tag, "--lib", lib, *common),
+                                          env={**env, "PYTHONPATH": lib}, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
         _wait_file(os.path.join(work, "address"))
-        for role in ("clone", "disk"):
+        for _r, tag, _l in jobs[1:]:
             for r in range(2):
-                _wait_file(os.path.join(work, f"ready_{role}_r{r}"))
+                _wait_file(os.path.join(work, f"ready_{tag}_r{r}"))
+        k = len(approaches)
         for i in range(rounds):
-            order = APPROACHES[i % 3:] + APPROACHES[:i % 3]
+            order = approaches[i % k:] + approaches[:i % k]
             n_disk = 0
             for mode in order:
-                role = "clone" if mode == "clone" else "disk"
-                idx = 0 if role == "clone" else n_disk
+                role = mode if mode in ("clone", "clone_before") else "disk"
+                idx = 0 if role != "disk" else n_disk
                 n_disk += role == "disk"
                 t_req = time.time()
                 _put(os.path.join(work, f"go_{role}_{i}_{idx}"), json.dumps({"t": t_req, "mode": mode}))
@@ -271,7 +282,7 @@ def drive(args: argparse.Namespace) -> dict:
                     got[mode].append(ready)
                     windows[mode].append((t_req, t_req + ready))
                     detail.append(row)
-                if mode == "clone":
+                if role != "disk":
                     clone_reqs.append((t_req, row if i else None))
                 extra = {k: res[0][k] for k in ("phases", "checkpoint", "restore", "cpu_s") if k in res[0]}
                 print(f"round {i} {mode}: ready on every rank {ready:.3f} s (step {res[0]['step']}) {extra}", flush=True)
@@ -294,19 +305,27 @@ def drive(args: argparse.Namespace) -> dict:
             print(f"kept {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    stats = {a: _stats(got[a]) for a in APPROACHES}
+    stats = {a: _stats(got[a]) for a in approaches}
     rw, rw_se = ratio(stats["warm"], stats["clone"])
     rc, rc_se = ratio(stats["cold"], stats["clone"])
+    before = {}
+    if args.before:
+        rb, rb_se = ratio(stats["clone_before"], stats["clone"])
+        before = {"before_tree": os.path.abspath(args.before), "ratio_before_over_clone": rb, "ratio_before_se": rb_se,
+                  "ratio_warm_over_before": ratio(stats["warm"], stats["clone_before"]),
+                  "ratio_cold_over_before": ratio(stats["cold"], stats["clone_before"])}
     return {"experiment": "torch_clone", "measure": "request -> state ready on every rank of the new job",
             "model_mb": args.mb, "state_mb": 3 * args.mb, "ranks": "2 -> 2", "reps": args.reps,
             "approaches": stats, "ratio_warm_over_clone": rw, "ratio_warm_se": rw_se,
             "ratio_cold_over_clone": rc, "ratio_cold_se": rc_se,
             "targets": {"warm_over_clone": ">= 1.0", "cold_over_clone": ">= 1.5"},
             "source_steps": step_cost(steps, windows), "rounds": detail,
+            **before,
             "clone_phases": {k: _stats([r["ranks"][0]["phases"][k] for r in detail
                                         if r["approach"] == "clone" and k in r["ranks"][0]["phases"]])
                              for k in ("requested", "first_data", "received", "loaded")}
-            | {"source_sends_began": _stats([r["source_sends_began"] for r in detail if "source_sends_began" in r])},
+            | {"source_sends_began": _stats([r["source_sends_began"] for r in detail
+                                            if r["approach"] == "clone" and "source_sends_began" in r])},
             "loadavg_at_start": list(load), "machine": f"{os.cpu_count()} cores",
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -319,9 +338,13 @@ def plot(path: str) -> str:
         doc = json.load(f)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     names = ["clone (TCP)", "checkpoint + restore\n(warm cache)", "checkpoint + restore\n(cold)"]
-    vals = [doc["approaches"][a] for a in APPROACHES]
+    keys = list(APPROACHES)
+    if "clone_before" in doc["approaches"]:
+        names.append("clone, before\n(flat buffers + rebuild)")
+        keys.append("clone_before")
+    vals = [doc["approaches"][a] for a in keys]
     ax.bar(names, [v["mean"] for v in vals], yerr=[v["se"] for v in vals], capsize=4,
-           color=["#3a7", "#999", "#777"])
+           color=["#3a7", "#999", "#777", "#9cb"][:len(keys)])
     ax.set_ylabel("request -> state ready on every rank (s)")
     src = doc["source_steps"]
     ax.set_title(f"torch clone, {doc['model_mb']:g} MB model ({doc['state_mb']:g} MB state), 2 -> 2\n"
@@ -337,6 +360,10 @@ def plot(path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", choices=["src", "clone", "disk"])
+    ap.add_argument("--tag", help="(a job's name in the work directory; default: its role)")
+    ap.add_argument("--lib", help="(the tree whose deepfreeze a job imports)")
+    ap.add_argument("--before", metavar="TREE", help="also a clone job importing TREE's deepfreeze (e.g. "
+                    "`git archive <commit> | tar -x -C TREE`), served by the same source, interleaved: before/after")
     ap.add_argument("--work")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--mb", type=float, default=40.0)
@@ -364,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{a['warm']['se']:.3f}, cold {a['cold']['mean']:.3f} ± {a['cold']['se']:.3f}; warm/clone "
           f"{doc['ratio_warm_over_clone']:.2f} ± {doc['ratio_warm_se']:.2f}, cold/clone "
           f"{doc['ratio_cold_over_clone']:.2f} ± {doc['ratio_cold_se']:.2f}; load at start {doc['loadavg_at_start']}")
+    if "clone_before" in a:
+        print(f"clone before {a['clone_before']['mean']:.3f} ± {a['clone_before']['se']:.3f} s; before/after "
+              f"{doc['ratio_before_over_clone']:.2f} ± {doc['ratio_before_se']:.2f}")
     print(json.dumps({k: v for k, v in doc["source_steps"].items()}, default=str)[:2000])
     print(plot(args.out))
     return 0
