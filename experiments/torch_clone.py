@@ -285,7 +285,8 @@ def drive(args: argparse.Namespace) -> dict:
                 if role != "disk":
                     clone_reqs.append((t_req, row if i else None))
                 extra = {k: res[0][k] for k in ("phases", "checkpoint", "restore", "cpu_s") if k in res[0]}
-                print(f"round {i} {mode}: ready on every rank {ready:.3f} s (step {res[0]['step']}) {extra}", flush=True)
+                print(f"round {i} {mode}: ready on every rank {ready:.3f} s (step {res[0]['step']}) {extra}",
+                      flush=True)
                 time.sleep(args.gap)
         _put(os.path.join(work, "stop"), "1")
         for p in procs:

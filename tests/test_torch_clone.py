@@ -174,10 +174,10 @@ def _ended(p: subprocess.Popen) -> str:
 
 def test_clone_2_to_3_lands_in_the_tensors_each_byte_once_per_rank_bit_exact(tmp_path):
     """Issue 44, item 2: 2 -> 3 into a job that trained a step, the bytes land in the model's own
-    tensors and in the optimizer's state tensors, each route forwarded to the other clone ranks as it lands. The sources send
-    every byte once in all (disjoint sends: their traffic does not grow with the clone ranks);
-    every clone rank receives each byte once, from a source or from the clone rank that received
-    it; the state equals the source's at K bit for bit on every rank. Before that, a job with
+    tensors and in the optimizer's state tensors, each route forwarded to the other clone ranks as
+    it lands. The sources send every byte once in all (disjoint sends: their traffic does not grow
+    with the clone ranks); every clone rank receives each byte once, from a source or from the
+    clone rank that received it; the state equals the source's at K bit for bit on every rank. Before that, a job with
     another optimizer is refused at the hello (ModelMismatchError naming it): since the bytes
     land in the model itself, that check comes before any of them, and nothing is changed."""
     out = str(tmp_path)

@@ -75,8 +75,8 @@ def check_peer_hello(h: Mapping[str, Any], n_clone: int) -> tuple[int, str]:
         raise CloneError("not a clone peer hello (expected {'df': 'clone-peer', ...})")
     j, digest = h.get("rank"), h.get("digest")
     if not _int(j, 0, n_clone - 1) or not isinstance(digest, str) or len(digest) != 64:
-        raise CloneError(f"malformed clone peer hello: rank {j if type(j) is int else type(j).__name__} of {n_clone} clone ranks, and a digest "
-                         "of 64 hex")
+        shown = j if type(j) is int else type(j).__name__
+        raise CloneError(f"malformed clone peer hello: rank {shown} of {n_clone} clone ranks, and a digest of 64 hex")
     return j, digest
 
 
@@ -115,8 +115,8 @@ class Forwarder:
     it returns ``peer`` or raises a :class:`CloneError`/:class:`CloneTimeoutError` naming it.
     Subclass and override :meth:`send_batch` to inject faults (tests)."""
 
-    def __init__(self, rank: int, peer: int, address: str, token: str, plan: ClonePlan, buffers: Mapping[int, np.ndarray],
-                 *, timeout: float) -> None:
+    def __init__(self, rank: int, peer: int, address: str, token: str, plan: ClonePlan,
+                 buffers: Mapping[int, np.ndarray], *, timeout: float) -> None:
         self.rank, self.peer, self.address, self.token = rank, peer, address, token
         self.plan, self.buffers, self.timeout = plan, buffers, float(timeout)
         self.total = sum(1 for r in plan.routes if r.dst == rank)  # the routes this rank forwards
@@ -209,8 +209,10 @@ class Forwarder:
         except (CloneError, CloneTimeoutError, ModelMismatchError, AuthenticationError):
             raise
         except DeepFreezeError as e:
-            raise CloneError(f"{what} failed after {self.forwarded} of {self.total} route(s) (clone rank {self.peer} "
-                             f"died, or refused): {e}") from e
+            err = CloneError(f"{what} failed after {self.forwarded} of {self.total} route(s) (clone rank {self.peer} "
+                             f"died, or refused): {e}")
+            err.peer_lost = True  # (the receive prefers a peer's own reason when one comes: CloneListener)
+            raise err from e
 
     def close(self) -> None:
         ch, self._ch = self._ch, None

@@ -362,6 +362,10 @@ class CloneListener:
                         continue
                     except CloneTimeoutError as e:  # a connection's wait ended at the deadline: say it for all
                         raise (self._timeout_error(n_src) or e) from e
+                    except CloneError as e:
+                        if getattr(e, "peer_lost", False):  # a lost clone rank: maybe it gave up, saying why
+                            raise self._cause(e, futures)
+                        raise
                     if isinstance(got, tuple):
                         peers_done.add(got[0] * 2 + (got[1] == "fwd"))
                     else:
@@ -395,6 +399,23 @@ class CloneListener:
     @staticmethod
     def _forward(fw: Forwarder, deadline: float) -> tuple[int, str]:
         return fw.run(deadline), "fwd"
+
+    @staticmethod
+    def _cause(first: CloneError, futures: dict) -> BaseException:
+        """After a connection to or from another clone rank was lost (``first``): the error of a
+        connection that ends within 0.5 s with a reason of its own (a clone rank that gave up
+        says why, naming the rank that failed first), else ``first``. A rank that gives up shuts
+        its connections after telling the others, so both arrive together."""
+        end = time.monotonic() + 0.5
+        while True:
+            for f in [f for f in futures if f.done()]:
+                futures.pop(f)
+                e = f.exception()
+                if e is not None and not getattr(e, "peer_lost", False):
+                    return e
+            if time.monotonic() >= end:
+                return first
+            time.sleep(0.01)
 
     def _timeout_error(self, n_src: int) -> "CloneTimeoutError | None":
         """The timeout, naming only the source ranks whose sends did not complete (no end
@@ -584,12 +605,16 @@ class CloneListener:
         except CloneError:
             raise
         except DeepFreezeError as e:
-            raise CloneError(f"clone rank {self.rank}: the connection of clone rank {'?' if j is None else j} "
-                             f"({ch.peer()}) failed while it forwarded its chunks (it died, or closed): {e}") from e
+            err = CloneError(f"clone rank {self.rank}: the connection of clone rank {'?' if j is None else j} "
+                             f"({ch.peer()}) failed while it forwarded its chunks (it died, or closed): {e}")
+            err.peer_lost = True
+            raise err from e
 
     def _abort(self, reason: str = "") -> None:
         """Give up: the source connections shut at once; the other clone ranks are told why by
         this rank's forwarders (within 1 s), then every connection is shut."""
+        if self._planned is not None:  # a peer's connection waiting for this rank's plan ends now
+            self._planned.set()
         for ch in list(self._channels.values()):
             try:
                 ch.shutdown()
