@@ -155,10 +155,10 @@ def test_clone_whose_source_dies_mid_transfer_ends_with_a_named_error(tmp_path):
 
 def _torchrun_kept(n: int, *args: str) -> list[str]:
     """torchrun whose agent does not stop the other ranks at once when one dies (its monitor looks
-    every 30 s): the survivors of a killed clone rank report their own error."""
+    every 10 s): the survivors of a killed clone rank report their own error first."""
     cmd = _torchrun(n, *args)
     i = cmd.index("--nproc-per-node")
-    return cmd[:i] + ["--monitor-interval", "30"] + cmd[i:]
+    return cmd[:i] + ["--monitor-interval", "10"] + cmd[i:]
 
 
 def _ended(p: subprocess.Popen) -> str:
