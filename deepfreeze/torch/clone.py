@@ -42,9 +42,10 @@ when it has one): every rank listens (:class:`deepfreeze.clone.wire.CloneListene
 requests the clone with every rank's endpoint. At the first source hello each rank checks the
 plan against its model and the source's optimizers and ``state=`` keys (a
 ``ModelMismatchError`` before any byte lands), then says where the bytes land (:class:`_Landing`):
-each model tensor's own memory (CPU, contiguous: the parameters and buffers themselves), a new
-tensor per optimizer state tensor (it becomes the optimizer's state, not copied again), a host
-buffer only for a tensor the wire cannot reach (another device). Each frame is received straight
+each model tensor's own memory (CPU, contiguous: the parameters and buffers themselves), each
+optimizer state tensor the optimizer holds with the clone's dtype and shape, else a new tensor
+(it becomes the optimizer's state, not copied again), a host buffer only for a tensor the wire
+cannot reach (another device). Each frame is received straight
 there, and each route, once landed and its MAC checked, is forwarded to every other clone rank
 (:mod:`deepfreeze.clone.relay`, over the same authenticated listeners), which receives it
 straight into *its* tensors: the forwarding overlaps the receive, every byte lands once per
