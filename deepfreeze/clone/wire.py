@@ -294,7 +294,6 @@ class CloneListener:
     _peers: "Sequence[str]" = ()
     _planned: "threading.Event | None" = None
     _forwarders: "dict[int, Forwarder]" = {}
-    targets_given = False
 
     def __init__(self, rank: int, token: str, *, host: str = "127.0.0.1", allow_remote: bool = False,
                  timeout: float = 60.0, forwarder_cls: type = Forwarder) -> None:
@@ -452,8 +451,7 @@ class CloneListener:
             parts.append(f"this rank's forwards to clone rank(s) {stuck} did not complete")
         return CloneTimeoutError(f"clone rank {self.rank}: within timeout={self.timeout:g} s, " + "; ".join(parts)
                                  + "; nothing was loaded (the source never reached its clone step, or a rank stalled "
-                                   "or died)" + ("; the buffers received into may hold part of it"
-                                                 if self.targets_given else ""))
+                                   "or died)")
 
     def _serve(self, ch: net.Channel, n_src: int, accept: "Callable[[ClonePlan, dict], Any]",
                deadline: float) -> "int | tuple[int, str]":
@@ -480,7 +478,6 @@ class CloneListener:
                                                      f"job has {len(self._peers)}")
                         targets = accept(plan, header)
                         self.buffers = _buffers_for(plan, targets)
-                        self.targets_given = targets is not None
                         self.plan, self.digest, self.describe, self.header = plan, plan.digest(), describe, header
                         self._forwarders = {k: self.forwarder_cls(self.rank, k, addr, self._token, plan, self.buffers,
                                                                   timeout=self.timeout)

@@ -42,19 +42,20 @@ when it has one): every rank listens (:class:`deepfreeze.clone.wire.CloneListene
 requests the clone with every rank's endpoint. At the first source hello each rank checks the
 plan against its model and the source's optimizers and ``state=`` keys (a
 ``ModelMismatchError`` before any byte lands), then says where the bytes land (:class:`_Landing`):
-each model tensor's own memory (CPU, contiguous: the parameters and buffers themselves), each
-optimizer state tensor the optimizer holds with the clone's dtype and shape, else a new tensor
-(it becomes the optimizer's state, not copied again), a host buffer only for a tensor the wire
-cannot reach (another device). Each frame is received straight
-there, and each route, once landed and its MAC checked, is forwarded to every other clone rank
+a new tensor per tensor of the plan, which becomes the model's parameter or buffer (``t.data =``,
+no copy) or the optimizer's state (``load_state_dict`` keeps it) once every check passed; a
+host buffer only for a model tensor the socket cannot reach (another device: one copy there).
+Each frame is received straight there, and each route, once landed and its MAC checked, is
+forwarded to every other clone rank
 (:mod:`deepfreeze.clone.relay`, over the same authenticated listeners), which receives it
 straight into *its* tensors: the forwarding overlaps the receive, every byte lands once per
 clone rank, and the sources' traffic does not grow with the clone ranks. The ranks then agree
 (an all-reduce of outcomes on a dedicated gloo group) and the records go in through the restore
-path (:func:`deepfreeze.torch.state_loader.apply`: the same checks, the model tensors already in
-place not copied, any world size; each rank's own record, RNG included, at the source's world
-size, rank 0's otherwise). A clone rank that dies while forwarding is a ``CloneError`` naming it
-on the others (their connection from it closes), the source training on.
+path (:func:`deepfreeze.torch.state_loader.apply`: the same checks, then the received tensors
+become the model's, any world size; each rank's own record, RNG included, at the source's world
+size, rank 0's otherwise). Until then nothing of the job's model or optimizers is touched: a
+failure leaves them as they were. A clone rank that dies while forwarding is a ``CloneError``
+naming it on the others (their connection from it closes), the source training on.
 """
 from __future__ import annotations
 
@@ -257,7 +258,7 @@ class CloneServer:
             return
         header = {"step": live.step, "epoch": 0, "epoch_step": 0, "epoch_complete": False, "source_run": "",
                   "model_tensors": st.model_tensors, "aliases": st.aliases,
-                  # what the clone checks before a byte lands in its model (the record comes last)
+                  # what the clone checks before any byte moves (the record comes last)
                   "optimizers": [{"class": _state.class_name(o), "groups": [
                       {"params": list(g["params"]), "keys": sorted(str(k) for k in g if k != "params")} for g in gs]}
                       for o, gs in zip(self.optimizers, st.groups)],
@@ -386,18 +387,10 @@ def _check_plan(model: torch.nn.Module, plan: ClonePlan, header: dict) -> None:
                                      f"{list(t.shape)}, which is no optimizer state of a parameter of this model")
 
 
-def _flat_target(t: torch.Tensor) -> "np.ndarray | None":
-    """The bytes of ``t`` itself as a writable flat uint8 array (a view: what lands there is the
-    tensor's value), or None where the wire cannot land (another device, not contiguous, a DTensor)."""
-    if t.device.type != "cpu" or not t.is_contiguous() or _state.is_dtensor(t) or t.numel() == 0:
-        return None
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
-
-
 def _check_header_optimizers(model: torch.nn.Module, opts: Sequence[torch.optim.Optimizer],
                              state: "dict[str, Any] | None", header: dict, strict: bool) -> None:
     """The optimizers and ``state=`` keys the source's hello names (``optimizers``, ``state_keys``)
-    against this side's, before any byte lands in the model (:func:`state_loader._check_optimizers`,
+    against this side's, before any byte moves (:func:`state_loader._check_optimizers`,
     the restore's own check; a difference: :class:`ModelMismatchError`). A header without them
     (none sent) is checked after the transfer, by the restore path."""
     from .state_loader import _check_optimizers
@@ -422,60 +415,31 @@ def _check_header_optimizers(model: torch.nn.Module, opts: Sequence[torch.optim.
 
 class _Landing:
     """Where the clone's bytes land on this rank, decided at the first hello once the checks
-    passed (before any data): each model tensor's own memory (CPU, contiguous), each optimizer
-    state tensor the optimizer already holds with that dtype and shape (a job that trained a
-    step), else a new tensor (it becomes the optimizer's state, not copied again), and a host
-    buffer for the rest (another device: copied there by the restore path, the one copy a
-    socket needs)."""
+    passed (before any data): a new tensor per tensor of the plan, which becomes the model's
+    tensor (``t.data = it``, :func:`state_loader.apply`'s ``received``) or the optimizer's state
+    (``load_state_dict`` keeps it) once every check passed, with no copy; a failure before
+    that leaves the model and the optimizers as they were. A model tensor the socket cannot
+    reach (another device, not contiguous) lands in a host buffer the restore path copies from."""
 
-    def __init__(self, model: torch.nn.Module, opts: Sequence[torch.optim.Optimizer],
-                 state: "dict[str, Any] | None", strict: bool) -> None:
-        self.model, self.opts, self.state, self.strict = model, opts, state, strict
-        self.in_place: set[str] = set()
-        self.fresh: dict[int, torch.Tensor] = {}  # tensor id -> a new optimizer state tensor
-
-    def _optimizer_tensors(self, entries: list) -> dict[str, torch.Tensor]:
-        """``optim.state.<fqn>.<key>`` -> the tensor the optimizers hold now (only under
-        ``strict``: then every optimizer's state is replaced by the clone's)."""
-        if not self.strict:
-            return {}
-        fqn_of: dict[int, str] = {}
-        for fqn, t, _ in entries:
-            fqn_of.setdefault(id(t), fqn)
-        out = {}
-        for opt in self.opts:
-            for p, st in opt.state.items():
-                fqn = fqn_of.get(id(p))
-                for key, v in st.items() if fqn is not None else ():
-                    if isinstance(v, torch.Tensor):
-                        out[f"optim.state.{fqn}.{key}"] = v
-        return out
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.received: dict[str, torch.Tensor] = {}  # model FQN -> the tensor its bytes landed in
 
     def __call__(self, plan: ClonePlan, header: dict) -> dict[int, np.ndarray]:
-        _check_plan(self.model, plan, header)
-        _check_header_optimizers(self.model, self.opts, self.state, header, self.strict)
-        entries = _state.model_entries(self.model)
-        live = {fqn: t for fqn, t, _ in entries}
-        held = self._optimizer_tensors(entries)
+        live = {fqn: t for fqn, t, _ in _state.model_entries(self.model)}
         n_model = header["model_tensors"]
         out: dict[int, np.ndarray] = {}
         for t in plan.tensors:
-            if t.id < n_model:
-                flat = _flat_target(live[t.name])
-                if flat is not None:
-                    out[t.id] = flat
-                    self.in_place.add(t.name)
-                continue
             if not t.size:
                 continue
-            have = held.get(t.name)
-            flat = None if have is None or have.dtype != _state.torch_dtype(t.dtype) or tuple(have.shape) != t.shape \
-                else _flat_target(have)
-            if flat is None:
-                fresh = torch.empty(t.shape, dtype=_state.torch_dtype(t.dtype))
-                self.fresh[t.id] = fresh
-                flat = fresh.reshape(-1).view(torch.uint8).numpy()
-            out[t.id] = flat
+            if t.id < n_model:
+                have = live[t.name]
+                if have.device.type != "cpu" or not have.is_contiguous() or _state.is_dtensor(have):
+                    continue  # (a host buffer: the wire's default)
+            fresh = torch.empty(t.shape, dtype=_state.torch_dtype(t.dtype))
+            if t.id < n_model:
+                self.received[t.name] = fresh
+            out[t.id] = fresh.reshape(-1).view(torch.uint8).numpy()
         return out
 
 
@@ -492,16 +456,16 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
     each rank listens on ``host`` (loopback unless ``allow_remote``) for the source ranks and
     the other clone ranks. ``token``: the token file (default ``$DEEPFREEZE_TOKEN``, the token
     text itself, else the file ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``).
-    Every wait is bounded by ``timeout``. The bytes land in the model's own tensors (CPU,
-    contiguous) and in new optimizer state tensors, each forwarded to the other clone ranks as
-    it lands (:mod:`deepfreeze.clone.relay`). ``fuse_bytes``: ignored (the rebuild it tuned is
+    Every wait is bounded by ``timeout``. The bytes land in new tensors that become the model's
+    and the optimizer's once every check passed (no copy), each forwarded to the other clone
+    ranks as it lands (:mod:`deepfreeze.clone.relay`). ``fuse_bytes``: ignored (the rebuild it tuned is
     gone). ``forwarder_cls``: advanced, a :class:`deepfreeze.clone.relay.Forwarder` subclass
     (tests inject faults). Raises :class:`~deepfreeze.errors.AuthenticationError` (the source
     does not know this token), :class:`~deepfreeze.errors.ModelMismatchError` (another
     architecture, optimizers or ``state=`` keys: found before any byte lands, nothing is
     changed), :class:`~deepfreeze.errors.CloneTimeoutError` / :class:`~deepfreeze.errors.CloneError`
-    naming the rank of either job that died or stopped (then the optimizers, ``state=`` objects
-    and RNG are unchanged, the model's tensors may hold part of the source's)."""
+    naming the rank of either job that died or stopped; after any error the model, the
+    optimizers, the ``state=`` objects and the RNG are as they were."""
     import torch.distributed as dist
     opts = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     rank, size = rank_and_size("deepfreeze.torch.clone.receive")
@@ -530,9 +494,14 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
             cls = error_class(answer.get("type")) or CloneError
             raise cls(f"clone rank 0's request failed: {answer.get('error')}")
         error: BaseException | None = None
-        landing = _Landing(model, opts, state, strict)
+        landing = _Landing(model)
+
+        def accept(plan: ClonePlan, header: dict) -> dict[int, np.ndarray]:
+            _check_plan(model, plan, header)
+            _check_header_optimizers(model, opts, state, header, strict)
+            return landing(plan, header)
         try:
-            listener.receive(int(answer["n_src"]), landing, peers=endpoints if size > 1 else None)
+            listener.receive(int(answer["n_src"]), accept, peers=endpoints if size > 1 else None)
         except DeepFreezeError as e:
             error = e
         timings["received"] = time.time()
@@ -568,7 +537,7 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
         from .state_loader import apply
         try:
             applied = apply(ck, model, opts, state=state, rank=rank, world_size=size, rng=True, strict=strict,
-                            in_place=frozenset(landing.in_place))
+                            received=landing.received)
         except DeepFreezeError as e:
             listener.finish(e)
             raise

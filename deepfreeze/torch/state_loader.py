@@ -238,7 +238,7 @@ class Applied(NamedTuple):
 
 def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], *,
           state: "dict[str, Any] | None", rank: int, world_size: int, rng: bool, strict: bool = True,
-          in_place: "frozenset[str]" = frozenset()) -> "Applied":
+          received: "dict[str, torch.Tensor] | None" = None) -> "Applied":
     """Put ``ck`` into the model, optimizers, ``state`` objects and (``rng``) RNG states of this
     process (rank ``rank`` of ``world_size``: its own state record at the checkpoint's world
     size, else rank 0's). Every check comes first (module docstring): a mismatch raises
@@ -246,8 +246,9 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
     value of the wrong kind raises :class:`~deepfreeze.errors.CorruptCheckpointError`, nothing
     written; returns what was left out (logged once) and this rank's own state record (None at
     another world size). ``state``: None checks and restores no ``state=`` object; a dict
-    (``{}`` too) must have the checkpoint's keys. ``in_place``: model FQNs whose tensors already
-    hold the checkpoint's bytes (a clone received them there): checked, not copied again."""
+    (``{}`` too) must have the checkpoint's keys. ``received``: model FQN -> a CPU tensor holding
+    that tensor's bytes (a clone received them there; of the model tensor's dtype and shape): after
+    every check it becomes the model tensor's storage (``t.data = it``), not copied."""
     st = _split(ck)
     where = f"checkpoint {ck.name!r} v{ck.version}"
     same = world_size == st.world_size and rank < len(st.records)
@@ -289,7 +290,8 @@ def apply(ck: Checkpoint, model: torch.nn.Module, optimizers: Sequence[torch.opt
             if fqn in skip_model or id(t) in done:  # (tied weights: one tensor, copied once)
                 continue
             done.add(id(t))
-            if fqn in in_place:
+            if received and fqn in received:
+                t.data = received[fqn]
                 continue
             if fqn in sharded:  # an FSDP2 parameter: this rank's rows into its local shard
                 t.to_local().copy_(_local(st.model[fqn], *sharded[fqn]))

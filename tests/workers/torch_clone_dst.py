@@ -8,13 +8,13 @@ Waits for OUT/address, takes a clone (deepfreeze.torch.clone.receive) into a mod
 differently, writes OUT/TAG/got_r<rank>.npz (the received state, :func:`flat_state`), then with
 ``continue=N`` trains N more steps on the source's batches from the clone's position, writing
 OUT/TAG/s<step>_r<rank>.npz after each. OUT/TAG/result_r<rank>.json: the CloneInfo (with the
-byte counts of its timings and ``model_in_place``: whether every model tensor kept its memory),
+byte counts of its timings and ``model_moved``: whether every model tensor now lives elsewhere:
+in the tensor the clone received it into),
 or the error (type, message, seconds) when the clone failed. ``die_forwarding=R``: clone rank R's
 forwards to the other clone ranks end the process after its first forward frame (a clone rank
 killed while forwarding chunks). ``optim=sgd``: another optimizer than the source's (the error
 result says whether the model, optimizer and scheduler are ``unchanged``). ``warm=1``: one
-training step before the clone (the optimizer holds state: ``optim_in_place`` lists the state
-tensors that kept their memory, ``optim_before`` those there were).
+training step before the clone (the optimizer holds state: ``optim_before`` lists it).
 """
 import json
 import os
@@ -95,13 +95,11 @@ def main() -> None:
         np.savez(os.path.join(d, f"s{info.step + k + 1}_r{rank}.npz"), **flat_state(net, opt, sched))
     with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
         after = pointers(net, opt)
-        # the model's tensors kept their memory (the bytes landed there), and so did the optimizer's
-        # state tensors that were there before (warm=1)
+        # the model's tensors are those the bytes landed in (not copied into the old memory)
         json.dump({"step": info.step, "epoch": info.epoch, "epoch_step": info.epoch_step,
                    "seconds": time.monotonic() - t0, "bytes": info.timings.get("bytes_received"),
                    "timings": {k: v for k, v in info.timings.items() if k.startswith(("bytes_", "state_"))},
-                   "model_in_place": all(after[k] == v for k, v in before.items() if k.startswith("m/")),
-                   "optim_in_place": sorted(k for k, v in before.items() if k.startswith("o/") and after.get(k) == v),
+                   "model_moved": all(after[k] != v for k, v in before.items() if k.startswith("m/")),
                    "optim_before": sorted(k for k in before if k.startswith("o/"))}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
