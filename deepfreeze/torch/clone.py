@@ -419,27 +419,65 @@ class _Landing:
     tensor (``t.data = it``, :func:`state_loader.apply`'s ``received``) or the optimizer's state
     (``load_state_dict`` keeps it) once every check passed, with no copy; a failure before
     that leaves the model and the optimizers as they were. A model tensor the socket cannot
-    reach (another device, not contiguous) lands in a host buffer the restore path copies from."""
+    reach (another device, not contiguous) lands in a host buffer the restore path copies from.
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    :meth:`prepare` (a thread, started before the request) makes and faults in the new tensors
+    this side can foresee, of its own model's tensors and its optimizers' state, while the
+    source has yet to reach its clone step: the page faults of new memory (about 25 ms of CPU per
+    63 MB here) are then not paid while the bytes arrive."""
+
+    def __init__(self, model: torch.nn.Module, opts: Sequence[torch.optim.Optimizer]) -> None:
+        self.model, self.opts = model, opts
         self.received: dict[str, torch.Tensor] = {}  # model FQN -> the tensor its bytes landed in
+        self._ready: dict[str, torch.Tensor] = {}  # name -> a new tensor made by prepare()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _reachable(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.is_contiguous() and not _state.is_dtensor(t) and t.numel() > 0
+
+    def prepare(self) -> None:
+        """Start making the foreseeable tensors (a daemon thread; :meth:`__call__` waits for it)."""
+        entries = _state.model_entries(self.model)
+        fqn_of: dict[int, str] = {}
+        want: dict[str, torch.Tensor] = {}
+        for fqn, t, _ in entries:
+            if id(t) not in fqn_of and self._reachable(t):
+                want[fqn] = t
+            fqn_of.setdefault(id(t), fqn)
+        for opt in self.opts:
+            for p, st in opt.state.items():
+                fqn = fqn_of.get(id(p))
+                for key, v in st.items() if fqn is not None else ():
+                    if isinstance(v, torch.Tensor) and self._reachable(v):
+                        want[f"optim.state.{fqn}.{key}"] = v
+        specs = {name: (tuple(t.shape), t.dtype) for name, t in want.items()}
+
+        def run() -> None:
+            for name, (shape, dtype) in specs.items():
+                fresh = torch.empty(shape, dtype=dtype)
+                fresh.reshape(-1).view(torch.uint8).numpy()[::4096] = 0  # fault each page in now
+                self._ready[name] = fresh
+        self._thread = threading.Thread(target=run, name="deepfreeze-clone-prepare", daemon=True)
+        self._thread.start()
 
     def __call__(self, plan: ClonePlan, header: dict) -> dict[int, np.ndarray]:
+        if self._thread is not None:
+            self._thread.join()
         live = {fqn: t for fqn, t, _ in _state.model_entries(self.model)}
         n_model = header["model_tensors"]
         out: dict[int, np.ndarray] = {}
         for t in plan.tensors:
-            if not t.size:
-                continue
-            if t.id < n_model:
-                have = live[t.name]
-                if have.device.type != "cpu" or not have.is_contiguous() or _state.is_dtensor(have):
-                    continue  # (a host buffer: the wire's default)
-            fresh = torch.empty(t.shape, dtype=_state.torch_dtype(t.dtype))
+            if not t.size or (t.id < n_model and not self._reachable(live[t.name])):
+                continue  # (nothing, or a host buffer: the wire's default)
+            dtype = _state.torch_dtype(t.dtype)
+            fresh = self._ready.pop(t.name, None)
+            if fresh is None or fresh.dtype != dtype or tuple(fresh.shape) != t.shape:
+                fresh = torch.empty(t.shape, dtype=dtype)
             if t.id < n_model:
                 self.received[t.name] = fresh
             out[t.id] = fresh.reshape(-1).view(torch.uint8).numpy()
+        self._ready.clear()
         return out
 
 
@@ -474,6 +512,8 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
     group = _group(timeout)
     listener = CloneListener(rank, tok, host=host, allow_remote=allow_remote, timeout=timeout,
                              forwarder_cls=forwarder_cls)
+    landing = _Landing(model, opts)
+    landing.prepare()  # the new tensors' page faults while the source reaches its clone step
     try:
         endpoints = [listener.address]
         if group is not None:
@@ -494,7 +534,6 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
             cls = error_class(answer.get("type")) or CloneError
             raise cls(f"clone rank 0's request failed: {answer.get('error')}")
         error: BaseException | None = None
-        landing = _Landing(model)
 
         def accept(plan: ClonePlan, header: dict) -> dict[int, np.ndarray]:
             _check_plan(model, plan, header)
