@@ -65,13 +65,13 @@ def test_stream_bench_quick(tmp_path):
     # every measured version was served after its step ended and is one the producer took
     assert all(s > 0 for rep in lat["df-shm"]["served_steps"] for s in rep)
     assert lat["df-shm"]["parts"] and set(lat["df-shm"]["parts_mean_s"]) >= {"fetch_s", "load_s", "notify_s"}
-    _check_ratio(doc["ratios"]["save-inotify"], lat["save-inotify"]["mean_s"], lat["df-shm"]["mean_s"], 5.0)
+    _check_ratio(doc["ratios"]["save-inotify"], lat["save-inotify"]["mean_s"], lat["df-shm"]["mean_s"], 3.0)  # issue 44
     s = doc["slowdown"]
     assert len(s["plain_steps_per_s"]) == len(s["pub_steps_per_s"]) == 2 and all(n == 5 for n in s["published"])  # the untimed step + 4
     per = [p / q - 1 for p, q in zip(s["plain_steps_per_s"], s["pub_steps_per_s"])]
     m, se = _mean_se(per)
     assert s["slowdown"]["mean"] == pytest.approx(m) and s["slowdown"]["se"] == pytest.approx(se)
-    assert s["verdict"] in ("met", "missed", "not resolvable")
+    assert s["verdict"] in ("met", "missed", "not resolvable") and s["every"] == 1 and s["target"] == 0.15
     assert "| df-shm |" in stream_table(doc)
 
 
