@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -448,6 +449,54 @@ def test_torn_copy_into_a_slot_is_never_served(tmp_path, monkeypatch):
         assert [v.step for v in pub.published] == [1, 2, 3, 4, 5]  # handed to the publisher; 3 torn there
         assert 3 not in served and {1, 2, 4, 5} <= set(served), served
         assert pub.publisher.ring.torn == 1
+    finally:
+        sub.close()
+        pub.close()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_process_on_one_cpu_copies_in_the_post_hook(tmp_path, monkeypatch):
+    """Confined to one CPU (the training thread's affinity), the Publisher copies each version in
+    the post-hook itself, on the training thread (a publish thread could only take turns with it),
+    announced when optimizer.step() returns; on two CPUs, on its publish thread. Both bit-exact."""
+    from deepfreeze.lease import Version
+    from deepfreeze.stream import StreamOptions
+    from deepfreeze.torch import Publisher, Subscriber
+    from deepfreeze.torch.slot_copy import SlotCopy
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs to compare the two ways")
+    shm, dirs, net, opt = _solo(tmp_path, monkeypatch)
+    threads: list = []
+
+    class Noting(SlotCopy):  # records which thread copies
+        def _copied_chunk(self, done: int) -> None:
+            threads.append(threading.current_thread() is threading.main_thread())
+
+    class NotingPublisher(Publisher):
+        copy_cls = Noting
+
+    pub = NotingPublisher(net, opt, channel="onecpu", schedule=1, overwrite=True, stream=StreamOptions(shm_dir=shm),
+                          **dirs)
+    sub = Subscriber(Net(), channel="onecpu", persistent=dirs["persistent"], tier="shm")
+    cpus = os.sched_getaffinity(0)
+    try:
+        g = torch.Generator().manual_seed(3)
+        states: dict = {}
+        _train(pub, net, opt, g, 1, states)  # two CPUs: the publish thread
+        pub.wait(60)
+        os.sched_setaffinity(0, {min(cpus)})  # this (the training) thread only
+        try:
+            _train(pub, net, opt, g, 2, states)
+            assert pub.publisher.published[-1].step == 3  # announced before optimizer.step() returned
+        finally:
+            os.sched_setaffinity(0, cpus)
+        assert threads == [False, True, True], threads
+        for step in (1, 3):
+            v = sub.wait(Version(pub.publisher.run.generation, step), timeout=60)
+            if v.step == step:
+                with sub.current() as m:
+                    assert m.step == step and _same(m.module, states[step])
+        assert sub.version.step == 3
     finally:
         sub.close()
         pub.close()

@@ -337,16 +337,27 @@ class Publisher:
                               f"{arr.size} {arr.dtype} (ndim {arr.ndim})")
         self._hand_over(version, arr[:self.prefix])
 
-    def publish_with(self, version: Version, fill: Any, done: "Callable[[], None]") -> None:
+    def publish_with(self, version: Version, fill: Any, done: "Callable[[], None]", *, inline: bool = False) -> None:
         """Hand over a version that ``fill`` copies straight into a slot on the publish thread
         (:meth:`SlotRing.write_with <deepfreeze.stream.slots.SlotRing.write_with>`: ``fill(dst,
         copied)`` returns the CRC of its :attr:`prefix` bytes computed in the same pass, or None when
         its source was torn: nothing is published). ``done()`` is called once, on the publish
         thread, when ``fill`` returned or will never run (dropped for a newer version, every slot
         pinned, the publisher closing): then nothing reads ``fill``'s source any more. Returns at
-        once; raises a background error of an earlier publish, once."""
+        once; raises a background error of an earlier publish, once. ``inline``: copy and notify
+        in the caller's thread instead (returns once the version is announced; its error is raised
+        here): for a process confined to one CPU, where a thread would only take turns with the
+        caller."""
         self._raise_pending()
-        self._hand_over(version, (fill, done))
+        if not inline:
+            self._hand_over(version, (fill, done))
+            return
+        with self._cond:
+            if self._closing:
+                raise StreamError("this Publisher is closed")
+            if self.published and version <= self.published[-1]:
+                raise ConfigError(f"channel {self.channel!r}: version {version} published after a newer or equal one")
+        self._publish_now(version, (fill, done), time.perf_counter())
 
     def _hand_over(self, version: Version, item: Any) -> None:
         """Make ``item`` (an array, or a ``(fill, done)`` pair) the pending version; an older

@@ -64,6 +64,7 @@ import json
 import logging
 import threading
 import time
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -496,8 +497,8 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
     text itself, else the file ``$DEEPFREEZE_TOKEN_FILE`` names, else ``~/.deepfreeze/token``).
     Every wait is bounded by ``timeout``. The bytes land in new tensors that become the model's
     and the optimizer's once every check passed (no copy), each forwarded to the other clone
-    ranks as it lands (:mod:`deepfreeze.clone.relay`). ``fuse_bytes``: ignored (the rebuild it tuned is
-    gone). ``forwarder_cls``: advanced, a :class:`deepfreeze.clone.relay.Forwarder` subclass
+    ranks as it lands (:mod:`deepfreeze.clone.relay`). ``fuse_bytes``: ignored, with a ``DeprecationWarning`` (the rebuild it
+    tuned is gone). ``forwarder_cls``: advanced, a :class:`deepfreeze.clone.relay.Forwarder` subclass
     (tests inject faults). Raises :class:`~deepfreeze.errors.AuthenticationError` (the source
     does not know this token), :class:`~deepfreeze.errors.ModelMismatchError` (another
     architecture, optimizers or ``state=`` keys: found before any byte lands, nothing is
@@ -505,6 +506,9 @@ def receive(model: torch.nn.Module, optimizer: "torch.optim.Optimizer | Sequence
     naming the rank of either job that died or stopped; after any error the model, the
     optimizers, the ``state=`` objects and the RNG are as they were."""
     import torch.distributed as dist
+    if fuse_bytes is not None:
+        warnings.warn("deepfreeze.torch.clone.receive: fuse_bytes= is ignored since the bytes land in their tensors "
+                      "(the rebuild it tuned is gone); leave it out", DeprecationWarning, stacklevel=2)
     opts = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     rank, size = rank_and_size("deepfreeze.torch.clone.receive")
     timings = {"request": time.time()}

@@ -21,7 +21,9 @@ ring (:meth:`SlotRing.write_with <deepfreeze.stream.slots.SlotRing.write_with>`:
 each chunk's CRC32 right after its copy) while the next forward and backward run, then compares
 the tensors' ``_version`` counters (a tensor written during the copy: *torn*, the slot is never
 completed and nothing announced) and announces the version; the next ``optimizer.step()``
-(``on_release``) waits for the copy, at most the stream's ``io_timeout``.
+(``on_release``) waits for the copy, at most the stream's ``io_timeout``. A process confined to
+one CPU (``os.sched_getaffinity``) copies in the post-hook instead: a thread could only take
+turns with training there (the same CPU, twice the latency).
 
 The consumer (:class:`Subscriber`, any process, no ``torch.distributed``) holds two replicas of the
 module: each new version is copied in place into the idle one (a replica is reloaded only when no
@@ -38,6 +40,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -338,7 +341,8 @@ class Publisher:
     def on_live(self, live: Live) -> None:
         """The post-hook of a step to publish: this rank's 1/N of the weights goes from the live
         tensors straight into a slot of its ring, on the publish thread, overlapping the next
-        forward and backward (the tensors do not change before :meth:`on_release`). Buffers (taken
+        forward and backward (the tensors do not change before :meth:`on_release`); in a process
+        confined to one CPU (its affinity) here, in the post-hook (a thread could not overlap). Buffers (taken
         whole by rank 0) change in the next forward: they are copied here. Collective only when the
         model's tensor list changed (one all-gather: every rank publishes the same model). Runs
         under the Checkpointer's ``on_error`` policy."""
@@ -363,7 +367,9 @@ class Publisher:
                             self.publisher.address, self.publisher.prefix / 1e6)
         v = Version(info.generation, self._step0 + live.step)
         copy_ = self._copy = self.copy_cls(v.step, self._chunks, self._pieces, st, self._views)
-        self.publisher.publish_with(v, copy_, copy_.done)
+        # confined to one CPU, a publish thread would only take turns with this one (the same CPU,
+        # twice the latency): the copy runs here, in the post-hook
+        self.publisher.publish_with(v, copy_, copy_.done, inline=len(os.sched_getaffinity(0)) < 2)
         self.published.append(v)
         self.publish_timings.append({"version": v.step, "hook_s": time.perf_counter() - t0, "wait_s": 0.0})
 

@@ -77,7 +77,7 @@ def main() -> None:
     dying = kv.get("die_forwarding") == str(rank)
     try:
         info = clone.receive(model, opt, address, state={"sched": sched}, timeout=float(kv.get("timeout", 30)),
-                             fuse_bytes=int(kv.get("fuse_bytes", 64 << 10)),
+                             **({"fuse_bytes": int(kv["fuse_bytes"])} if "fuse_bytes" in kv else {}),  # (deprecated)
                              **({"forwarder_cls": DyingForwarder} if dying else {}))
     except Exception as e:
         with open(os.path.join(d, f"result_r{rank}.json"), "w") as f:
