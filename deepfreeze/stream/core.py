@@ -1102,11 +1102,6 @@ def _pieces(layout: FusedLayout, model_tensors: int, flats: list[np.ndarray],
 def _scatter(layout: FusedLayout, model_tensors: int, data: np.ndarray, flats: list[np.ndarray],
              specs: Sequence[TensorSpec]) -> None:
     """Copy a rank's published bytes (its data region's model prefix) into the whole tensors."""
-    for s in layout.segments:
-        tid = s.piece.tensor_id
-        if tid >= model_tensors:
-            continue
-        item = fmt.dtype_itemsize(specs[tid].dtype)
-        off = s.offset - STAMP_BYTES
-        flats[tid][s.piece.start * item:s.piece.stop * item] = data[off:off + s.nbytes]
+    for off, dst in _pieces(layout, model_tensors, flats, specs):
+        dst[:] = data[off:off + dst.size]
 
