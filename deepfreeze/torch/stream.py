@@ -334,7 +334,14 @@ class Publisher:
         live capture from the Publisher's start)? (:class:`~deepfreeze.torch.capture.LiveSubscriber`,
         as :meth:`on_live` and :meth:`on_release`.)"""
         self._t_hook = time.perf_counter()  # the post-hook's part from here (the tensor list, the hand-off)
-        return not self._closed and self._wants_publish(self._step0 + step)
+        if self._closed:
+            return False
+        wanted = [False]
+
+        def ask() -> None:  # (a schedule error, e.g. no report(loss), under the Checkpointer's on_error)
+            wanted[0] = self._wants_publish(self._step0 + step)
+        self.checkpointer._guard(ask)
+        return wanted[0]
 
     def on_live(self, live: Live) -> None:
         """The post-hook of a step to publish: this rank's 1/N of the weights goes from the live
