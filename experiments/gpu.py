@@ -637,8 +637,9 @@ def stream_phase(spec: tuple, device: str, work: str, versions_n: int, timeout: 
     are built on ``device``, no torch.distributed). One warm-up version, then ``versions_n``
     measured ones, one at a time (the next step starts once the consumer served the last): the
     latency of each is the consumer's swap time (``Subscriber.updates[*].swapped_at``) minus the
-    end of ``optimizer.step()`` (after a sync of the device), both ``time.time()`` on this
-    machine; the served weights' digests (BLAKE2b of every state-dict tensor, hashed in the
+    end of the update inside ``optimizer.step()`` (an optimizer post-hook registered before the
+    Publisher's, whose copy into its slot starts there; on CUDA the update's kernels may still
+    run then: the copy waits for them), both ``time.time()`` on this machine; the served weights' digests (BLAKE2b of every state-dict tensor, hashed in the
     consumer from its replica) must equal those recorded here right after the step."""
     import torch
     import torch.nn.functional as F
@@ -660,6 +661,10 @@ def stream_phase(spec: tuple, device: str, work: str, versions_n: int, timeout: 
     sync = torch.cuda.current_stream().synchronize if device == "cuda" else (lambda: None)
     sbytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + AdamW's moments
     scratch = os.path.join(SHM, "stream") if free_bytes("/dev/shm") > 4 * sbytes else os.path.join(work, "scratch")
+    # the end of a step's update: an optimizer post-hook registered before the Publisher's (whose
+    # copy into its slot starts in its own post-hook, so a version can be served before step() returns)
+    mark = {"t": 0.0}
+    opt.register_step_post_hook(lambda *_: mark.__setitem__("t", time.time()))
     pub = Publisher(model, opt, channel="gpustream", schedule=1, stream=StreamOptions(token=token), scratch=scratch, persistent=os.path.join(work, "persistent"),
                     mode="async", overwrite=True)
     log = open(os.path.join(cdir, "consumer.log"), "w")
@@ -673,10 +678,10 @@ def stream_phase(spec: tuple, device: str, work: str, versions_n: int, timeout: 
             out = model(x)
             F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
             opt.step()
+            t_end = mark["t"]
             opt.zero_grad(set_to_none=True)
             sync()
-            t_end = time.time()
-            pub.end_iteration()  # publishes this step's version now
+            pub.end_iteration()
             # hashed after publishing (not in the latency): the weights do not change before the next step
             recorded[pub.step] = {"t_end": t_end, "digests": module_digests(model)}
             while _seen(cdir) < pub.step:  # bounded: the consumer serves it, or it died
