@@ -79,7 +79,8 @@ from ..shardplan import Piece, ShardPlan, TensorSpec, check_tensor_names
 from . import _cuda, _loop, _state
 from .hook import Sink, hook_for
 
-__all__ = ["Capture", "Captured", "CaptureSubscriber", "Live", "LiveCapture", "LiveSubscriber", "Pending", "StateRecords"]
+__all__ = ["Capture", "Captured", "CaptureSubscriber", "Live", "LiveCapture", "LiveSubscriber", "Pending", "StateRecords",
+           "local_piece"]
 
 log = logging.getLogger("deepfreeze")
 _PAGE = 4096
@@ -483,10 +484,8 @@ class Capture:
             tid = seg.piece.tensor_id
             if tid >= len(st.tensors) or seg.nbytes == 0:
                 continue  # a state record (filled when the capture finishes), or nothing to copy
-            if tid in st.bounds:  # an FSDP2 shard: the plan's offsets are global, the local tensor starts at ours
-                base = st.bounds[tid][self.rank]
-                seg = dataclasses.replace(seg, piece=dataclasses.replace(seg.piece, start=seg.piece.start - base,
-                                                                         stop=seg.piece.stop - base))
+            if tid in st.bounds:
+                seg = dataclasses.replace(seg, piece=local_piece(seg.piece, st.bounds, self.rank))
             self._segments.append((tid, seg, tid in self._pinned or not self.overlap, plan.tensors[tid].name))
         self.cuda = _cuda.capture_for(st.tensors, self.cuda)
         _cuda.release_pool(self.pool)
@@ -714,6 +713,16 @@ class LiveCapture(Sink):
             subscribers, self.subscribers = self.subscribers, []
             for s in subscribers:
                 s.on_close()
+
+
+def local_piece(piece: Piece, bounds: dict, rank: int) -> Piece:
+    """``piece`` in the elements of this rank's local tensor: an FSDP2 shard's plan offsets are
+    global (``bounds``: tensor id -> every rank's flat element bounds), its local tensor starts at
+    ``rank``'s bound; any other piece as it is."""
+    if piece.tensor_id not in bounds:
+        return piece
+    base = bounds[piece.tensor_id][rank]
+    return dataclasses.replace(piece, start=piece.start - base, stop=piece.stop - base)
 
 
 def _raise(e: BaseException) -> None:

@@ -7,7 +7,6 @@ slot once per plan.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Any, Callable
 
@@ -18,7 +17,7 @@ from .. import format as fmt
 from ..fused import STAMP_BYTES, FusedLayout
 from ..stream.slots import CHUNK
 from . import _state
-from .capture import Capture
+from .capture import Capture, local_piece
 
 __all__ = ["SlotCopy", "slot_chunks"]
 
@@ -111,10 +110,7 @@ def slot_chunks(layout: FusedLayout, bounds: dict, rank: int, pinned: set) -> li
     for seg in sorted(layout.segments, key=lambda g: g.offset):
         if not seg.nbytes:
             continue
-        piece = seg.piece
-        if piece.tensor_id in bounds:  # an FSDP2 shard: the local tensor starts at this rank's bound
-            base = bounds[piece.tensor_id][rank]
-            piece = dataclasses.replace(piece, start=piece.start - base, stop=piece.stop - base)
+        piece = local_piece(seg.piece, bounds, rank)  # (an FSDP2 shard: its local tensor's elements)
         off = seg.offset - STAMP_BYTES
         for a in range(0, seg.nbytes, CHUNK):
             items.append((off + a, min(CHUNK, seg.nbytes - a), piece.tensor_id, piece, a, piece.tensor_id in pinned))
