@@ -9,8 +9,10 @@ import glob
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -33,10 +35,54 @@ def torchrun(n: int, script: str, *args: str, check: bool = True, timeout: float
     exe = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     cmd = [exe or sys.executable, *([] if exe else ["-m", "torch.distributed.run"]), "--standalone",
            "--nproc-per-node", str(n), script, *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    p = run_or_dump(cmd, timeout, _env(), script)
     if check and p.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-6000:]}")
     return p
+
+
+def run_or_dump(cmd: list[str], timeout: float, env: dict, script: str) -> subprocess.CompletedProcess:
+    """``cmd`` in a session of its own, its output captured. Past ``timeout`` the test fails with
+    where each process running ``script`` was: they are sent SIGUSR1 (the workers' ``begin()``
+    registers :mod:`faulthandler` on it: every thread's Python stack to stderr), then the whole
+    session is killed (no worker left behind) and the end of stderr goes into the failure."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in set(_session(proc.pid)) - {proc.pid}:  # the ranks (and their loaders' workers), not torchrun
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if script.encode() in f.read():
+                        os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(3)  # the stacks written
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout:g}s: killed; where its ranks were (SIGUSR1, faulthandler):\n"
+                    f"stderr:\n{err[-20000:]}\nstdout:\n{out[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid`` (from /proc)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # (state ppid pgrp session ...)
+            pids.append(int(name))
+    return pids
 
 
 def plain(script: str, *args: str) -> None:

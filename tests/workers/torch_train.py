@@ -23,6 +23,7 @@ CPU. Per rank it writes (numpy .npz, no pickles):
   OUT/r<rank>/final.npz        the state at the end
   OUT/r<rank>/info.json        start_step, resumed_from, torn versions, failures, plans
 """
+import faulthandler
 import json
 import os
 import random
@@ -158,6 +159,7 @@ def begin() -> tuple[str, dict, bool, int, int]:
     """The common start of the torch test workers: ``(OUT, {key: value}, distributed, rank,
     size)``; torch.distributed (gloo) under torchrun, deterministic CPU algorithms on one
     thread, numpy's and Python's RNGs seeded per rank."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks where each rank is
     out = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
     distributed = "WORLD_SIZE" in os.environ
