@@ -42,6 +42,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler  # 
 
 from deepfreeze.torch.lightning import DeepFreezeCallback  # noqa: E402
 import jobargs  # noqa: E402
+from torch_train import quiet_gloo  # noqa: E402
 
 IN, HID, OUT_F, N, BATCH = 16, 64, 4, 48, 4  # 2 ranks: 24 samples, 6 batches per rank and epoch
 
@@ -153,6 +154,7 @@ def record(trainer: "pl.Trainer", module: Module, cb, mydir: str) -> None:
 
 
 def main() -> None:
+    os.register_at_fork(before=quiet_gloo)  # the loaders' workers are forked (torch_train.quiet_gloo)
     for args in jobargs.split(sys.argv[1:], "--"):  # OUT [key=value ...] [-- OUT2 [key=value ...] ...]: one fit each
         fit(args[0], dict(a.split("=", 1) for a in args[1:]))
 

@@ -30,6 +30,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -155,11 +156,40 @@ def restore_setup():
     return out, src, kw, distributed, rank, size, net, opts
 
 
+def quiet_gloo(limit: float = 5.0) -> None:
+    """Before a fork (a DataLoader starting its workers): wait until no gloo work thread of this
+    process is running (at most ``limit`` seconds, the GIL released meanwhile).
+
+    A gloo work thread destroys each finished collective's work and with it Python objects
+    (``PyGILState_Ensure`` makes it a thread state, under the interpreter's thread-list lock and
+    without the GIL); a child forked while it holds that lock hangs for ever inside ``os.fork()`` on
+    CPython 3.11.7, this machine's Python (CPython gh-112275; seen in a plain DDP loop without
+    DeepFreeze too: docs/torch.md). Such a thread is running while it holds the lock; once every one
+    sleeps (new work comes only from this thread, which is forking), none takes it before the fork."""
+    me, deadline = threading.get_native_id(), time.monotonic() + limit
+    while time.monotonic() < deadline:
+        busy = False
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # (exited meanwhile)
+            name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+            if int(tid) != me and name.startswith("pt_gloo") and state in "RD":
+                busy = True
+                break
+        if not busy:
+            return
+        time.sleep(0.001)
+
+
 def begin() -> tuple[str, dict, bool, int, int]:
     """The common start of the torch test workers: ``(OUT, {key: value}, distributed, rank,
     size)``; torch.distributed (gloo) under torchrun, deterministic CPU algorithms on one
     thread, numpy's and Python's RNGs seeded per rank."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that times out asks where each rank is
+    os.register_at_fork(before=quiet_gloo)  # the loaders' workers are forked (see quiet_gloo)
     out = sys.argv[1]
     kw = dict(a.split("=", 1) for a in sys.argv[2:])
     distributed = "WORLD_SIZE" in os.environ
