@@ -165,7 +165,8 @@ def quiet_gloo(limit: float = 5.0) -> None:
     without the GIL); a child forked while it holds that lock hangs for ever inside ``os.fork()`` on
     CPython 3.11.7, this machine's Python (CPython gh-112275; seen in a plain DDP loop without
     DeepFreeze too: docs/torch.md). Such a thread is running while it holds the lock; once every one
-    sleeps (new work comes only from this thread, which is forking), none takes it before the fork."""
+    sleeps, one takes it again only for new work, which comes from the thread that is forking (or
+    from a Checkpointer's writer thread where its group is in use: a window of microseconds left)."""
     me, deadline = threading.get_native_id(), time.monotonic() + limit
     while time.monotonic() < deadline:
         busy = False
