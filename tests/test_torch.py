@@ -71,16 +71,11 @@ def run_or_dump(cmd: list[str], timeout: float, env: dict, script: str) -> subpr
 
 def _session(sid: int) -> list[int]:
     """The processes of session ``sid`` (from /proc)."""
+    from deepfreeze.node import _stat_fields
     pids = []
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # (state ppid pgrp session ...)
+        fields = _stat_fields(name) if name.isdigit() else None
+        if fields is not None and int(fields[3]) == sid:  # (state ppid pgrp session ...)
             pids.append(int(name))
     return pids
 

@@ -353,21 +353,23 @@ class Publisher:
             self._hand_over(version, (fill, done))
             return
         with self._cond:
-            if self._closing:
-                raise StreamError("this Publisher is closed")
-            if self.published and version <= self.published[-1]:
-                raise ConfigError(f"channel {self.channel!r}: version {version} published after a newer or equal one")
+            self._check_next(version)
         self._publish_now(version, (fill, done), time.perf_counter())
+
+    def _check_next(self, version: Version) -> None:
+        """Refuse ``version`` unless it may be published next: the publisher is open and it is newer
+        than every version published or pending. Called under ``_cond``."""
+        if self._closing:
+            raise StreamError("this Publisher is closed")
+        if self.published and version <= self.published[-1] or \
+                self._pending is not None and version <= self._pending[0]:
+            raise ConfigError(f"channel {self.channel!r}: version {version} published after a newer or equal one")
 
     def _hand_over(self, version: Version, item: Any) -> None:
         """Make ``item`` (an array, or a ``(fill, done)`` pair) the pending version; an older
         pending one is dropped (``coalesced``; a dropped fill's ``done()`` is called)."""
         with self._cond:
-            if self._closing:
-                raise StreamError("this Publisher is closed")
-            if self.published and version <= self.published[-1] or \
-                    self._pending is not None and version <= self._pending[0]:
-                raise ConfigError(f"channel {self.channel!r}: version {version} published after a newer or equal one")
+            self._check_next(version)
             dropped, self._pending = self._pending, (version, item, time.perf_counter())
             if dropped is not None:
                 self.coalesced += 1

@@ -510,12 +510,17 @@ class Checkpointer(RunView, Sink):
 
     def _wanted_by(self, rider: CaptureSubscriber, step: int) -> bool:
         """``rider.wants_capture(step)`` under ``on_error`` (an error: not wanted)."""
-        wanted = [False]
+        return self._ask(rider.wants_capture, step)
+
+    def _ask(self, question: Any, *args: Any) -> bool:
+        """``bool(question(*args))`` under the run's ``on_error`` policy; False when it raised (and
+        the policy did not re-raise)."""
+        answer = [False]
 
         def ask() -> None:
-            wanted[0] = bool(rider.wants_capture(step))
+            answer[0] = bool(question(*args))
         self._guard(ask)
-        return wanted[0]
+        return answer[0]
 
     def _finish(self) -> None:
         """Finish the pending capture (:meth:`Capture.finish`: collective, every rank has it or

@@ -335,13 +335,8 @@ class Publisher:
         as :meth:`on_live` and :meth:`on_release`.)"""
         self._t_hook = time.perf_counter()  # the post-hook's part from here (the tensor list, the hand-off)
         if self._closed:
-            return False
-        wanted = [False]
-
-        def ask() -> None:  # (a schedule error, e.g. no report(loss), under the Checkpointer's on_error)
-            wanted[0] = self._wants_publish(self._step0 + step)
-        self.checkpointer._guard(ask)
-        return wanted[0]
+            return False  # (a schedule error, e.g. no report(loss), goes through the Checkpointer's on_error)
+        return self.checkpointer._ask(self._wants_publish, self._step0 + step)
 
     def on_live(self, live: Live) -> None:
         """The post-hook of a step to publish: this rank's 1/N of the weights goes from the live
